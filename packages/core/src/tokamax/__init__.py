@@ -1,0 +1,62 @@
+"""tokamax: custom accelerator kernels for JAX, one function per operation.
+
+Example:
+  >>> import jax, jax.numpy as jnp, tokamax
+  >>> q = jax.random.normal(jax.random.key(0), (2, 256, 8, 64), jnp.bfloat16)
+  >>> k = v = jax.random.normal(jax.random.key(1), (2, 256, 2, 64), jnp.bfloat16)
+  >>> out = tokamax.dot_product_attention(q, k, v, is_causal=True)
+"""
+
+from tokamax._src import plugin
+from tokamax._src.config import interpret
+from tokamax._src.config import interpret_mode
+from tokamax._src.dispatch import DispatchRecord
+from tokamax._src.dispatch import record_dispatch
+from tokamax._src.introspection import implementations
+from tokamax._src.op import DeviceInfo
+from tokamax._src.op import Op
+from tokamax._src.op import VjpOp
+from tokamax._src.ops.attention import AttentionArgs
+from tokamax._src.ops.attention import dot_product_attention
+from tokamax._src.ops.gated_linear_unit import GatedLinearUnitArgs
+from tokamax._src.ops.gated_linear_unit import gated_linear_unit
+from tokamax._src.ops.layer_norm import LayerNormArgs
+from tokamax._src.ops.layer_norm import layer_norm
+from tokamax._src.ops.layer_norm import rms_norm
+from tokamax._src.ops.ragged_dot import RaggedDotArgs
+from tokamax._src.ops.ragged_dot import ragged_dot
+from tokamax._src.registry import BackendError
+from tokamax._src.registry import BackendInfo
+from tokamax._src.registry import ImplementationNotInstalledError
+from tokamax._src.registry import PluginWarning
+from tokamax._src.registry import backend_errors
+from tokamax._src.registry import backends
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionArgs",
+    "BackendError",
+    "BackendInfo",
+    "DeviceInfo",
+    "DispatchRecord",
+    "GatedLinearUnitArgs",
+    "ImplementationNotInstalledError",
+    "LayerNormArgs",
+    "Op",
+    "PluginWarning",
+    "RaggedDotArgs",
+    "VjpOp",
+    "backend_errors",
+    "backends",
+    "dot_product_attention",
+    "gated_linear_unit",
+    "implementations",
+    "interpret",
+    "interpret_mode",
+    "layer_norm",
+    "plugin",
+    "ragged_dot",
+    "record_dispatch",
+    "rms_norm",
+]

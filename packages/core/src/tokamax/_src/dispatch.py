@@ -1,0 +1,279 @@
+"""Dispatch: choose an implementation per call, forward and backward separately.
+
+This is the one place that turns ``implementation=`` into a running kernel; the op
+functions in `tokamax._src.ops` only validate and canonicalize their arguments,
+then call :func:`call`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tokamax._src import config
+from tokamax._src import registry
+from tokamax._src.op import DeviceInfo, Op, VjpOp
+
+Implementation = None | str | Op | Sequence[str | Op]
+
+# "mosaic" names the Mosaic backend of the platform at hand.
+_ALIASES = {
+    "mosaic": {"gpu": ("mosaic_gpu",), "tpu": ("mosaic_tpu",),
+               "cpu": ("mosaic_gpu", "mosaic_tpu")},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchRecord:
+  """Which implementation ran one direction of one op call (at trace time)."""
+
+  op: str
+  direction: str  # "forward" or "backward"
+  implementation: str
+  config: Any
+  rejected: tuple[tuple[str, str], ...] = ()  # (implementation, reason) skipped
+
+
+_records: contextvars.ContextVar[list[DispatchRecord] | None] = contextvars.ContextVar(
+    "tokamax_dispatch_records", default=None)
+
+
+@contextlib.contextmanager
+def record_dispatch():
+  """Collects a `DispatchRecord` for every dispatch decision made inside.
+
+  Decisions are made when a function is traced: under `jax.jit`, a cached
+  function records nothing on later calls.
+
+  Example:
+    >>> with tokamax.record_dispatch() as records:
+    ...   jax.grad(loss)(params)
+    >>> [(r.op, r.direction, r.implementation) for r in records]
+  """
+  records: list[DispatchRecord] = []
+  token = _records.set(records)
+  try:
+    yield records
+  finally:
+    _records.reset(token)
+
+
+def _record(record: DispatchRecord) -> None:
+  records = _records.get()
+  if records is not None:
+    records.append(record)
+
+
+def current_device(arrays: Sequence[Any]) -> DeviceInfo:
+  """The device a call on `arrays` runs on (their device if concrete, else default)."""
+  device = None
+  for x in arrays:
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+      try:
+        device = next(iter(x.devices()))
+        break
+      except Exception:  # pylint: disable=broad-except
+        pass
+  if device is None:
+    device = jax.devices()[0]
+  capability = getattr(device, "compute_capability", None)
+  return DeviceInfo(
+      platform=device.platform,
+      device_kind=device.device_kind,
+      interpret=config.interpret_mode(),
+      compute_capability=str(capability) if capability is not None else None)
+
+
+def _platform_matches(entry: registry.Entry, device: DeviceInfo) -> bool:
+  if device.interpret:
+    return True  # Pallas interpret mode runs anywhere; check_supported decides.
+  platforms = {"gpu" if p in ("cuda", "rocm") else p for p in entry.spec.platforms}
+  return device.platform in platforms
+
+
+@dataclasses.dataclass(frozen=True)
+class _Candidate:
+  label: str
+  make_forward: Any  # () -> Op
+  backward: Any  # () -> VjpOp | None ; None: choose automatically
+  explicit: bool
+
+
+def _entry_candidate(entry: registry.Entry, explicit: bool) -> _Candidate:
+  def make_backward():
+    cls = registry.backward_class(entry)
+    return None if cls is None else cls()
+  return _Candidate(entry.name, lambda: registry.forward_class(entry)(),
+                    make_backward, explicit)
+
+
+def _op_candidate(op: Op, op_name: str) -> _Candidate:
+  if not isinstance(op, Op) or isinstance(op, VjpOp):
+    raise TypeError(f"implementation must be None, a name, a sequence of names or a "
+                    f"tokamax.Op instance; got {op!r}")
+  if op.op_name != op_name:
+    raise ValueError(f"implementation {type(op).__name__} implements "
+                     f"{op.op_name!r}, not {op_name!r}")
+  vjp_cls = type(op).vjp
+  return _Candidate(op.implementation_name, lambda: op,
+                    lambda: None if vjp_cls is None else vjp_cls(), explicit=True)
+
+
+def _expand(op_name: str, implementation: Implementation,
+            device: DeviceInfo) -> list[_Candidate]:
+  if implementation is None:
+    return [_entry_candidate(e, explicit=False) for e in registry.entries(op_name)
+            if _platform_matches(e, device)]
+  if isinstance(implementation, (str, Op)):
+    implementation = (implementation,)
+  if not isinstance(implementation, Sequence) or not implementation:
+    raise TypeError(f"implementation must be None, a name, a non-empty sequence of "
+                    f"names or a tokamax.Op instance; got {implementation!r}")
+  candidates = []
+  for item in implementation:
+    if isinstance(item, str):
+      names = _ALIASES.get(item, {}).get(device.platform, (item,))
+      for name in names:
+        try:
+          candidates.append(_entry_candidate(registry.find(op_name, name), True))
+        except registry.ImplementationNotInstalledError:
+          if len(names) == 1:
+            raise
+      if not candidates and item in _ALIASES:
+        raise registry.ImplementationNotInstalledError(
+            f"implementation={item!r} means {' or '.join(names)} here, and none "
+            f"is installed: pip install tokamax-core[gpu] or tokamax-core[tpu]")
+    else:
+      candidates.append(_op_candidate(item, op_name))
+  return candidates
+
+
+def _describe(e: BaseException) -> str:
+  return str(e) or type(e).__name__
+
+
+def _choose_forward(op_name: str, args: Any, device: DeviceInfo,
+                    candidates: list[_Candidate]) -> tuple[_Candidate, Op, list]:
+  rejected = []
+  for cand in candidates:
+    try:
+      op = cand.make_forward()
+      op.check_supported(args, device)
+    except NotImplementedError as e:
+      rejected.append((cand.label, _describe(e)))
+      continue
+    except ImportError as e:
+      if cand.explicit:
+        raise
+      rejected.append((cand.label, f"failed to import: {_describe(e)}"))
+      continue
+    return cand, op, rejected
+  raise NotImplementedError(_no_implementation_message(op_name, "forward", rejected))
+
+
+def _no_implementation_message(op_name: str, direction: str, rejected: list) -> str:
+  if len(rejected) == 1:
+    label, reason = rejected[0]
+    return f"{op_name} {direction}: implementation {label!r} cannot run this call: {reason}"
+  lines = "; ".join(f"{label!r}: {reason}" for label, reason in rejected)
+  return f"{op_name} {direction}: no implementation can run this call ({lines})"
+
+
+def _choose_backward(op_name: str, args: Any, residuals: Any, device: DeviceInfo,
+                     forward: _Candidate, implementation: Implementation) -> VjpOp:
+  rejected = []
+  own = forward.backward()
+  if own is not None:
+    options = [(forward.label, lambda: own, forward.explicit)]
+  else:
+    # No backward of its own (or automatic choice): best usable backward.
+    options = []
+    for e in registry.entries(op_name):
+      if e.spec.backward is not None and _platform_matches(e, device):
+        options.append((e.name, lambda e=e: registry.backward_class(e)(), False))
+  for label, make, explicit in options:
+    try:
+      op = make()
+      op.check_supported(args, device, residuals)
+    except NotImplementedError as e:
+      if explicit and implementation is not None:
+        raise NotImplementedError(
+            f"{op_name} backward: implementation {label!r} cannot run this call: "
+            f"{_describe(e)}") from e
+      rejected.append((label, _describe(e)))
+      continue
+    except ImportError as e:
+      if explicit:
+        raise
+      rejected.append((label, f"failed to import: {_describe(e)}"))
+      continue
+    return op
+  raise NotImplementedError(_no_implementation_message(op_name, "backward", rejected))
+
+
+def _cotangents(args: Any, grads: dict, diff_fields: tuple[str, ...]) -> Any:
+  """Turns a backward's ``{field: cotangent}`` into a cotangent pytree for args."""
+  unknown = set(grads) - set(diff_fields)
+  if unknown:
+    raise ValueError(f"backward returned cotangents for non-differentiable "
+                     f"fields {sorted(unknown)}")
+  updates = {}
+  for field in dataclasses.fields(args):
+    primal = getattr(args, field.name)
+    if not isinstance(primal, jax.Array | jax.core.Tracer | jnp.ndarray):
+      continue
+    g = grads.get(field.name) if field.name in diff_fields else None
+    if g is None:
+      updates[field.name] = None
+      continue
+    if g.shape != primal.shape:
+      raise ValueError(f"backward returned a cotangent of shape {g.shape} for "
+                       f"{field.name} of shape {primal.shape}")
+    updates[field.name] = g.astype(primal.dtype)
+  return dataclasses.replace(args, **updates)
+
+
+def call(op_name: str, args: Any, implementation: Implementation,
+         diff_fields: tuple[str, ...]) -> jax.Array:
+  """Runs `op_name` on canonical `args` with the chosen implementations.
+
+  Args:
+    op_name: one of `tokamax.plugin.OP_NAMES`.
+    args: the op's canonical argument dataclass (a registered pytree).
+    implementation: as the public op functions take it.
+    diff_fields: names of the args fields that receive gradients.
+
+  Returns:
+    The op's output.
+  """
+  device = current_device(jax.tree_util.tree_leaves(args))
+  candidates = _expand(op_name, implementation, device)
+  forward, fwd_op, rejected = _choose_forward(op_name, args, device, candidates)
+  fwd_config = fwd_op.resolve_config(args)
+  _record(DispatchRecord(op_name, "forward", forward.label, fwd_config, tuple(rejected)))
+
+  @jax.custom_vjp
+  def run(args):
+    out, _ = fwd_op.forward(args, fwd_config)
+    return out
+
+  def run_fwd(args):
+    out, residuals = fwd_op.forward(args, fwd_config)
+    return out, (args, dict(residuals), out)
+
+  def run_bwd(saved, dout):
+    args, residuals, out = saved
+    bwd_op = _choose_backward(op_name, args, residuals, device, forward, implementation)
+    bwd_config = bwd_op.resolve_config(args)
+    _record(DispatchRecord(op_name, "backward", bwd_op.implementation_name, bwd_config))
+    grads = bwd_op.backward(args, residuals, out, dout, bwd_config)
+    return (_cotangents(args, dict(grads), diff_fields),)
+
+  run.defvjp(run_fwd, run_bwd)
+  return run(args)

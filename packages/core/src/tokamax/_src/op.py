@@ -1,0 +1,144 @@
+"""The `Op` abstraction: one implementation of one operation.
+
+Every implementation, built in or from a plugin or written by a user, subclasses
+:class:`Op` (forward) and optionally :class:`VjpOp` (backward). Core does the rest:
+validation, dispatch, `jax.custom_vjp` wiring, config resolution.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+  """What an implementation may ask about the device a call will run on.
+
+  Attributes:
+    platform: "cpu", "gpu" or "tpu" (JAX's platform name).
+    device_kind: e.g. "NVIDIA H200" or "cpu".
+    interpret: True when Pallas kernels run in interpret mode (see
+      ``tokamax.interpret``); kernels then run on any platform.
+    compute_capability: "9.0" on an H100/H200, None where not a CUDA GPU.
+  """
+
+  platform: str
+  device_kind: str
+  interpret: bool = False
+  compute_capability: str | None = None
+
+  @property
+  def is_nvidia_gpu(self) -> bool:
+    return self.platform == "gpu" and self.compute_capability is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Op(abc.ABC):
+  """Base class of a forward implementation of an op.
+
+  Subclasses are frozen dataclasses; the only field here is ``config``: None means
+  "resolve a config for me" (autotuning context, then shipped tuned data, then
+  :meth:`heuristic_config`).
+
+  A subclass sets the class attributes ``op_name`` (one of
+  ``tokamax.plugin.OP_NAMES``) and ``name`` (the implementation name), and
+  implements :meth:`forward`. It overrides :meth:`check_supported` to refuse calls
+  it cannot handle, :meth:`heuristic_config` and :meth:`search_space` when it has a
+  config.
+
+  Example:
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class MyRmsNorm(tokamax.Op):
+    ...   op_name = "layer_norm"
+    ...   name = "my_rms_norm"
+    ...   def check_supported(self, args, device):
+    ...     if args.subtract_mean:
+    ...       raise NotImplementedError("only RMS normalization")
+    ...   def forward(self, args, config):
+    ...     ...
+    ...     return y, {"mean": mean, "rstd": rstd}
+    >>> tokamax.layer_norm(x, scale, None, subtract_mean=False,
+    ...                    implementation=MyRmsNorm())
+  """
+
+  config: Any = None
+
+  op_name: ClassVar[str] = ""
+  name: ClassVar[str] = ""
+  # The config dataclass type (frozen, JSON-serializable fields), if any.
+  config_cls: ClassVar[type | None] = None
+  # The backward to use with this forward when the user passes an instance of
+  # this class; None lets dispatch choose the backward.
+  vjp: ClassVar[type[VjpOp] | None] = None
+
+  @property
+  def implementation_name(self) -> str:
+    return self.name or type(self).__name__
+
+  def check_supported(self, args: Any, device: DeviceInfo) -> None:
+    """Raises `NotImplementedError` with the reason if this call can't run here."""
+    del args, device
+
+  def heuristic_config(self, args: Any) -> Any:
+    """A good config for `args` without measuring anything."""
+    del args
+    return None
+
+  def search_space(self, args: Any) -> Sequence[Any]:
+    """Configs worth measuring for `args` (autotuning)."""
+    config = self.heuristic_config(args)
+    return () if config is None else (config,)
+
+  @abc.abstractmethod
+  def forward(self, args: Any, config: Any) -> tuple[jax.Array, Mapping[str, jax.Array]]:
+    """Computes the op.
+
+    Returns:
+      ``(output, residuals)``: residuals are the op's documented residual arrays
+      (e.g. the attention log-sum-exp) for a backward implementation, or ``{}``.
+    """
+
+  def resolve_config(self, args: Any) -> Any:
+    """The config to run `args` with: explicit, else tuned, else heuristic."""
+    if self.config is not None:
+      return self.config
+    from tokamax._src import config_sources  # pylint: disable=g-import-not-at-top
+    tuned = config_sources.lookup(self, args)
+    if tuned is not None:
+      return tuned
+    return self.heuristic_config(args)
+
+  def __call__(self, args: Any):
+    return self.forward(args, self.resolve_config(args))
+
+
+@dataclasses.dataclass(frozen=True)
+class VjpOp(Op):
+  """Base class of a backward implementation of an op.
+
+  It receives the forward's arguments, the forward's residuals (which may come
+  from another implementation: only the op's documented residuals are passed),
+  the forward output and its cotangent, and returns the cotangents of the
+  differentiable arguments as a dict keyed by argument field name (missing or None
+  entries mean zero).
+  """
+
+  def check_supported(self, args: Any, device: DeviceInfo,
+                      residuals: Mapping[str, jax.Array] | None = None) -> None:
+    del args, device, residuals
+
+  def forward(self, args, config):
+    raise TypeError(f"{type(self).__name__} is a backward implementation")
+
+  @abc.abstractmethod
+  def backward(self, args: Any, residuals: Mapping[str, jax.Array], out: jax.Array,
+               dout: jax.Array, config: Any) -> Mapping[str, jax.Array | None]:
+    """Returns ``{field_name: cotangent}`` for the differentiable fields of args."""
+
+  def __call__(self, args, residuals, out, dout):
+    return self.backward(args, residuals, out, dout, self.resolve_config(args))

@@ -1,0 +1,284 @@
+"""`tokamax.dot_product_attention`: signature, validation and canonical arguments."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tokamax._src import dispatch
+from tokamax._src.ops import _checks
+
+OP_NAME = "dot_product_attention"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionArgs:
+  """Canonical arguments every attention implementation receives.
+
+  Shapes (B batch, T queries, S keys, N query heads, K key/value heads, N % K == 0,
+  H and Hv head dims):
+
+  - query ``[B, T, N, H]``, key ``[B, S, K, H]``, value ``[B, S, K, Hv]``, one
+    float dtype.
+  - bias: None or ``[B|1, N|1, T|1, S|1]`` (size-1 dims broadcast), any float dtype;
+    added to the scaled logits.
+  - mask: None or bool ``[B|1, N|1, T|1, S|1]``; True means "may attend".
+  - query_seq_lengths, key_value_seq_lengths: None or int32 ``[B]``; queries at or
+    past the length produce 0, keys at or past it are not attended.
+  - q_segment_ids ``[B, T]`` / kv_segment_ids ``[B, S]``: None or int32; a query
+    attends only keys of its own segment (both given, or neither).
+
+  Static fields:
+
+  - scale: multiplies ``q . k``.
+  - is_causal: query t attends key s only if ``s <= t`` (top-left aligned, as
+    `jax.nn.dot_product_attention`).
+  - local_window: None or ``(left, right)``: query t attends keys
+    ``t - left <= s <= t + right``; None on a side means unbounded.
+  - logits_soft_cap: None or c: logits become ``c * tanh(logits / c)`` after scale
+    and bias, before masking.
+  - precision: for the two matmuls, as `jax.lax.dot_general` takes it.
+
+  Logits are ``soft_cap(scale * q.k + bias)``; masked entries are excluded from the
+  softmax; a query row with no visible key outputs 0.
+
+  Residuals (forward to backward): ``{"lse": float32 [B, N, T]}``, the natural
+  log-sum-exp of each query row's visible logits, +inf for rows with no visible
+  key (so that ``exp(logit - lse)`` is 0), or ``{}`` if the forward has none.
+  """
+
+  query: jax.Array
+  key: jax.Array
+  value: jax.Array
+  bias: jax.Array | None = None
+  mask: jax.Array | None = None
+  query_seq_lengths: jax.Array | None = None
+  key_value_seq_lengths: jax.Array | None = None
+  q_segment_ids: jax.Array | None = None
+  kv_segment_ids: jax.Array | None = None
+  scale: float = dataclasses.field(default=1.0, metadata=dict(static=True))
+  is_causal: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  local_window: tuple[int | None, int | None] | None = dataclasses.field(
+      default=None, metadata=dict(static=True))
+  logits_soft_cap: float | None = dataclasses.field(
+      default=None, metadata=dict(static=True))
+  precision: Any = dataclasses.field(default=None, metadata=dict(static=True))
+
+  @property
+  def batch(self) -> int:
+    return self.query.shape[0]
+
+  @property
+  def num_heads(self) -> int:
+    return self.query.shape[2]
+
+  @property
+  def num_kv_heads(self) -> int:
+    return self.key.shape[2]
+
+  @property
+  def has_segments(self) -> bool:
+    return self.q_segment_ids is not None
+
+
+DIFF_FIELDS = ("query", "key", "value", "bias")
+
+
+def _canonical_window(local_window_size: Any) -> tuple[int | None, int | None] | None:
+  if local_window_size is None:
+    return None
+  if isinstance(local_window_size, int) and not isinstance(local_window_size, bool):
+    pair = (local_window_size, local_window_size)
+  elif isinstance(local_window_size, Sequence) and len(local_window_size) == 2:
+    pair = tuple(local_window_size)
+  else:
+    raise ValueError(f"local_window_size must be an int or a (left, right) pair; got "
+                     f"{local_window_size!r}")
+  for side in pair:
+    if side is not None and (not isinstance(side, int) or side < 0):
+      raise ValueError(f"local_window_size must hold non-negative ints (or None for "
+                       f"unbounded); got {local_window_size!r}")
+  return pair
+
+
+def _canonical_pairwise(name: str, x: Any, batch_shape: tuple[int, ...], n: int,
+                        t: int, s: int) -> jax.Array:
+  """Bias/mask: broadcastable to ``[*batch, N, T, S]`` -> ``[B|1, N|1, T|1, S|1]``."""
+  full = (*batch_shape, n, t, s)
+  if x.ndim > len(full):
+    raise ValueError(f"{name} must broadcast to {full} ([*batch, N, T, S]); got "
+                     f"{_checks.describe(x)}")
+  shape = (1,) * (len(full) - x.ndim) + tuple(x.shape)
+  for have, want in zip(shape, full):
+    if have not in (1, want):
+      raise ValueError(f"{name} must broadcast to {full} ([*batch, N, T, S]); got "
+                       f"{_checks.describe(x)}")
+  x = x.reshape(shape)
+  lead = shape[:len(batch_shape)]
+  if len(batch_shape) != 1:
+    if all(d == 1 for d in lead):
+      x = x.reshape((1, *shape[len(batch_shape):]))
+    else:
+      x = jnp.broadcast_to(x, (*batch_shape, *shape[len(batch_shape):]))
+      x = x.reshape((-1, *shape[len(batch_shape):]))
+  return x
+
+
+def _lengths(name: str, x: Any, batch_shape: tuple[int, ...], limit: int) -> jax.Array:
+  x = _checks.as_array(name, x)
+  _checks.check_int(name, x)
+  if tuple(x.shape) != batch_shape:
+    raise ValueError(f"{name} must have shape {batch_shape} (the batch dims); got "
+                     f"{_checks.describe(x)}")
+  if _checks.is_concrete(x) and x.size:
+    values = np.asarray(x)
+    if values.min() < 0 or values.max() > limit:
+      raise ValueError(f"{name} must lie in [0, {limit}]; got values from "
+                       f"{values.min()} to {values.max()}")
+  return x.reshape(-1).astype(jnp.int32)
+
+
+def _segments(name: str, x: Any, batch_shape: tuple[int, ...], length: int,
+              length_name: str) -> jax.Array:
+  x = _checks.as_array(name, x)
+  _checks.check_int(name, x)
+  if tuple(x.shape) != (*batch_shape, length):
+    raise ValueError(f"{name} must have shape {(*batch_shape, length)} ([*batch, "
+                     f"{length_name}]); got {_checks.describe(x)}")
+  return x.reshape(-1, length).astype(jnp.int32)
+
+
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window_size: int | tuple[int | None, int | None] | None = None,
+    logits_soft_cap: float | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    precision: Any = None,
+    implementation: dispatch.Implementation = None,
+) -> jax.Array:
+  """Scaled dot-product attention, ``softmax(q k^T * scale + bias) v``.
+
+  Layouts follow `jax.nn.dot_product_attention`. MHA, GQA and MQA are all
+  ``N % K == 0`` (query head n uses key/value head ``n // (N // K)``).
+
+  Args:
+    query: ``[*batch, T, N, H]``.
+    key: ``[*batch, S, K, H]``.
+    value: ``[*batch, S, K, Hv]``.
+    bias: optional, broadcastable to ``[*batch, N, T, S]``; gets a gradient.
+    mask: optional bool, broadcastable to ``[*batch, N, T, S]``; True attends.
+    scale: logit scale; default ``1 / sqrt(H)``.
+    is_causal: query t attends only keys ``s <= t``.
+    query_seq_lengths: optional int ``[*batch]``; queries past it output 0.
+    key_value_seq_lengths: optional int ``[*batch]``; keys past it are ignored.
+    local_window_size: optional int w (meaning ``(w, w)``) or ``(left, right)``:
+      query t attends keys ``t - left <= s <= t + right``.
+    logits_soft_cap: optional c > 0: logits become ``c * tanh(logits / c)``.
+    q_segment_ids: optional int ``[*batch, T]`` (packed sequences).
+    kv_segment_ids: optional int ``[*batch, S]``; required with q_segment_ids.
+    precision: matmul precision, as `jax.lax.dot_general` takes it.
+    implementation: None (choose), a name (``"xla"``, ``"xla_chunked"``,
+      ``"cudnn"``, ``"triton"``, ``"mosaic"``, ...), a sequence of names tried in
+      order, or a `tokamax.Op` instance.
+
+  Returns:
+    ``[*batch, T, N, Hv]`` in the query dtype. Rows with no visible key are 0.
+
+  Example:
+    >>> q = jax.random.normal(jax.random.key(0), (2, 128, 8, 64), jnp.bfloat16)
+    >>> k = v = jax.random.normal(jax.random.key(1), (2, 128, 2, 64), jnp.bfloat16)
+    >>> out = tokamax.dot_product_attention(q, k, v, is_causal=True)
+  """
+  query = _checks.as_array("query", query)
+  key = _checks.as_array("key", key)
+  value = _checks.as_array("value", value)
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    _checks.check_float(name, x)
+    if x.ndim < 4:
+      raise ValueError(f"{name} must have rank >= 4 ([*batch, seq, heads, head_dim]); "
+                       f"got {_checks.describe(x)}")
+  _checks.check_same_dtype(("query", "key", "value"), (query, key, value))
+  if not (query.ndim == key.ndim == value.ndim):
+    raise ValueError(f"query, key and value must have the same rank; got "
+                     f"{query.ndim}, {key.ndim} and {value.ndim}")
+  batch_shape = tuple(query.shape[:-3])
+  t, n, h = query.shape[-3:]
+  s, k, hk = key.shape[-3:]
+  if tuple(key.shape[:-3]) != batch_shape or tuple(value.shape[:-3]) != batch_shape:
+    raise ValueError(f"query, key and value must share batch dims; got "
+                     f"{query.shape[:-3]}, {key.shape[:-3]} and {value.shape[:-3]}")
+  if hk != h:
+    raise ValueError(f"key head dim must equal query head dim {h}; got key "
+                     f"{_checks.describe(key)}")
+  if tuple(value.shape[-3:-1]) != (s, k):
+    raise ValueError(f"value must have shape [*batch, {s}, {k}, Hv] to match key; got "
+                     f"{_checks.describe(value)}")
+  if k == 0 or n % k:
+    raise ValueError(f"query heads N={n} must be a multiple of key/value heads K={k}")
+  if scale is None:
+    scale = 1.0 / math.sqrt(h)
+  elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
+    raise TypeError(f"scale must be a Python float, got {scale!r}")
+  if logits_soft_cap is not None:
+    if not isinstance(logits_soft_cap, (int, float)) or logits_soft_cap <= 0:
+      raise ValueError(f"logits_soft_cap must be a positive float; got "
+                       f"{logits_soft_cap!r}")
+    logits_soft_cap = float(logits_soft_cap)
+  if not isinstance(is_causal, bool):
+    raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+
+  if bias is not None:
+    bias = _checks.as_array("bias", bias)
+    _checks.check_float("bias", bias)
+    bias = _canonical_pairwise("bias", bias, batch_shape, n, t, s)
+  if mask is not None:
+    mask = _checks.as_array("mask", mask)
+    if mask.dtype != jnp.bool_:
+      raise TypeError(f"mask must be a bool array; got {_checks.describe(mask)}")
+    mask = _canonical_pairwise("mask", mask, batch_shape, n, t, s)
+  if query_seq_lengths is not None:
+    query_seq_lengths = _lengths("query_seq_lengths", query_seq_lengths, batch_shape, t)
+  if key_value_seq_lengths is not None:
+    key_value_seq_lengths = _lengths("key_value_seq_lengths", key_value_seq_lengths,
+                                     batch_shape, s)
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+  if q_segment_ids is not None:
+    q_segment_ids = _segments("q_segment_ids", q_segment_ids, batch_shape, t, "T")
+    kv_segment_ids = _segments("kv_segment_ids", kv_segment_ids, batch_shape, s, "S")
+
+  args = AttentionArgs(
+      query=query.reshape(-1, t, n, h),
+      key=key.reshape(-1, s, k, h),
+      value=value.reshape(-1, s, k, value.shape[-1]),
+      bias=bias,
+      mask=mask,
+      query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths,
+      q_segment_ids=q_segment_ids,
+      kv_segment_ids=kv_segment_ids,
+      scale=float(scale),
+      is_causal=is_causal,
+      local_window=_canonical_window(local_window_size),
+      logits_soft_cap=logits_soft_cap,
+      precision=_checks.canonical_precision(precision),
+  )
+  out = dispatch.call(OP_NAME, args, implementation, DIFF_FIELDS)
+  return out.reshape(*batch_shape, t, n, value.shape[-1])

@@ -1,0 +1,107 @@
+"""`tokamax.gated_linear_unit`: signature, validation and canonical arguments."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tokamax._src import dispatch
+from tokamax._src.ops import _checks
+
+OP_NAME = "gated_linear_unit"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GatedLinearUnitArgs:
+  """Canonical arguments every gated_linear_unit implementation receives.
+
+  - x: ``[M, K]`` (leading dims flattened).
+  - weights: ``[K, 2, N]``; ``weights[:, 0]`` is the gate projection,
+    ``weights[:, 1]`` the up projection. Same dtype as x.
+  - activation: None (identity, bilinear GLU) or a JAX callable applied
+    elementwise to the gate projection, in float32.
+  - precision: for the matmuls.
+
+  ``out = activation(x @ w_gate) * (x @ w_up)``, accumulated in float32, in x's
+  dtype. Residuals: ``{}`` (backward implementations recompute the projections).
+  """
+
+  x: jax.Array
+  weights: jax.Array
+  activation: Callable[[jax.Array], jax.Array] | None = dataclasses.field(
+      default=None, metadata=dict(static=True))
+  precision: Any = dataclasses.field(default=None, metadata=dict(static=True))
+
+
+DIFF_FIELDS = ("x", "weights")
+
+
+def gated_linear_unit(
+    x: jax.Array,
+    weights: jax.Array | Sequence[jax.Array],
+    *,
+    activation: Callable[[jax.Array], jax.Array] | None = None,
+    precision: Any = None,
+    implementation: dispatch.Implementation = None,
+) -> jax.Array:
+  """Gated linear unit: ``activation(x @ w_gate) * (x @ w_up)``.
+
+  SwiGLU is ``activation=jax.nn.silu``, GeGLU ``jax.nn.gelu``, bilinear ``None``.
+
+  Args:
+    x: ``[..., K]``.
+    weights: ``[K, 2, N]`` (gate, up stacked on axis 1) or a pair
+      ``(w_gate [K, N], w_up [K, N])``.
+    activation: any elementwise JAX callable, or None.
+    precision: matmul precision, as `jax.lax.dot_general` takes it.
+    implementation: None, a name, a sequence of names or a `tokamax.Op`.
+
+  Returns:
+    ``[..., N]`` in x's dtype.
+
+  Example:
+    >>> y = tokamax.gated_linear_unit(x, w, activation=jax.nn.silu)  # SwiGLU
+  """
+  x = _checks.as_array("x", x)
+  _checks.check_float("x", x)
+  if x.ndim < 1:
+    raise ValueError(f"x must have rank >= 1 ([..., K]); got {_checks.describe(x)}")
+  if isinstance(weights, (tuple, list)):
+    if len(weights) != 2:
+      raise ValueError(f"weights as a sequence must be a pair (w_gate, w_up); got "
+                       f"{len(weights)} arrays")
+    w_gate = _checks.as_array("weights[0]", weights[0])
+    w_up = _checks.as_array("weights[1]", weights[1])
+    for name, w in (("weights[0]", w_gate), ("weights[1]", w_up)):
+      _checks.check_float(name, w)
+      _checks.check_rank(name, w, 2, "[K, N]")
+    if w_gate.shape != w_up.shape:
+      raise ValueError(f"weights[0] and weights[1] must have the same shape; got "
+                       f"{tuple(w_gate.shape)} and {tuple(w_up.shape)}")
+    _checks.check_same_dtype(("weights[0]", "weights[1]"), (w_gate, w_up))
+    weights = jnp.stack([w_gate, w_up], axis=1)
+  else:
+    weights = _checks.as_array("weights", weights)
+    _checks.check_float("weights", weights)
+    _checks.check_rank("weights", weights, 3, "[K, 2, N]")
+    if weights.shape[1] != 2:
+      raise ValueError(f"weights must have shape [K, 2, N]; got "
+                       f"{_checks.describe(weights)}")
+  k = x.shape[-1]
+  if weights.shape[0] != k:
+    raise ValueError(f"weights must have K={k} rows to match x's last dim; got "
+                     f"{_checks.describe(weights)} for x of {_checks.describe(x)}")
+  _checks.check_same_dtype(("x", "weights"), (x, weights))
+  if activation is not None and not callable(activation):
+    raise TypeError(f"activation must be a callable or None; got {activation!r}")
+
+  args = GatedLinearUnitArgs(
+      x=x.reshape(-1, k), weights=weights, activation=activation,
+      precision=_checks.canonical_precision(precision))
+  out = dispatch.call(OP_NAME, args, implementation, DIFF_FIELDS)
+  return out.reshape(*x.shape[:-1], weights.shape[-1])

@@ -1,0 +1,110 @@
+"""`tokamax.layer_norm` / `tokamax.rms_norm`: signature, validation, canonical args."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from tokamax._src import dispatch
+from tokamax._src.ops import _checks
+
+OP_NAME = "layer_norm"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerNormArgs:
+  """Canonical arguments every layer_norm implementation receives.
+
+  - x: ``[R, D]``, rows to normalize independently (core moves the normalized axis
+    last and flattens the others).
+  - scale, offset: None or ``[D]``, float.
+  - epsilon: added to the variance (or mean square) before the square root.
+  - subtract_mean: True for LayerNorm, False for RMSNorm.
+
+  ``y = (x - mean) * rsqrt(var + eps) * scale + offset`` with statistics in
+  float32 (mean is 0 for RMSNorm and var is then the mean square); y has x's dtype.
+
+  Residuals: ``{"mean": float32 [R], "rstd": float32 [R]}`` or ``{}``.
+  """
+
+  x: jax.Array
+  scale: jax.Array | None = None
+  offset: jax.Array | None = None
+  epsilon: float = dataclasses.field(default=1e-6, metadata=dict(static=True))
+  subtract_mean: bool = dataclasses.field(default=True, metadata=dict(static=True))
+
+
+DIFF_FIELDS = ("x", "scale", "offset")
+
+
+def layer_norm(
+    x: jax.Array,
+    scale: jax.Array | None,
+    offset: jax.Array | None,
+    *,
+    axis: int = -1,
+    epsilon: float = 1e-6,
+    subtract_mean: bool = True,
+    implementation: dispatch.Implementation = None,
+) -> jax.Array:
+  """Layer normalization (or RMS normalization with ``subtract_mean=False``).
+
+  Args:
+    x: input of any rank >= 1, float.
+    scale: None or ``[x.shape[axis]]``, multiplies the normalized x.
+    offset: None or ``[x.shape[axis]]``, added after scaling.
+    axis: the axis to normalize over.
+    epsilon: added to the variance before the reciprocal square root.
+    subtract_mean: False gives RMSNorm (no centering).
+    implementation: None, a name, a sequence of names or a `tokamax.Op`.
+
+  Returns:
+    The normalized x, same shape and dtype. Statistics are computed in float32.
+
+  Example:
+    >>> y = tokamax.layer_norm(x, scale, offset)            # LayerNorm
+    >>> y = tokamax.layer_norm(x, scale, None, subtract_mean=False)  # RMSNorm
+  """
+  x = _checks.as_array("x", x)
+  _checks.check_float("x", x)
+  if x.ndim < 1:
+    raise ValueError(f"x must have rank >= 1; got {_checks.describe(x)}")
+  if not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
+    raise ValueError(f"axis must be an int in [{-x.ndim}, {x.ndim}) for x of "
+                     f"{_checks.describe(x)}; got {axis!r}")
+  axis = axis % x.ndim
+  d = x.shape[axis]
+  params = {}
+  for name, p in (("scale", scale), ("offset", offset)):
+    if p is not None:
+      p = _checks.as_array(name, p)
+      _checks.check_float(name, p)
+      if tuple(p.shape) != (d,):
+        raise ValueError(f"{name} must have shape ({d},) (x.shape[axis]); got "
+                         f"{_checks.describe(p)}")
+    params[name] = p
+  if not isinstance(epsilon, (int, float)) or epsilon < 0:
+    raise ValueError(f"epsilon must be a non-negative float; got {epsilon!r}")
+
+  moved = jnp.moveaxis(x, axis, -1)
+  args = LayerNormArgs(
+      x=moved.reshape(-1, d), scale=params["scale"], offset=params["offset"],
+      epsilon=float(epsilon), subtract_mean=bool(subtract_mean))
+  y = dispatch.call(OP_NAME, args, implementation, DIFF_FIELDS)
+  return jnp.moveaxis(y.reshape(moved.shape), -1, axis)
+
+
+def rms_norm(
+    x: jax.Array,
+    scale: jax.Array | None,
+    *,
+    axis: int = -1,
+    epsilon: float = 1e-6,
+    implementation: dispatch.Implementation = None,
+) -> jax.Array:
+  """RMS normalization: `layer_norm` with ``subtract_mean=False`` and no offset."""
+  return layer_norm(x, scale, None, axis=axis, epsilon=epsilon, subtract_mean=False,
+                    implementation=implementation)

@@ -1,0 +1,127 @@
+"""`tokamax.ragged_dot`: signature, validation and canonical arguments."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tokamax._src import dispatch
+from tokamax._src.ops import _checks
+
+OP_NAME = "ragged_dot"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RaggedDotArgs:
+  """Canonical arguments every ragged_dot implementation receives.
+
+  - lhs: ``[M, K]``; rows are grouped consecutively: group g owns rows
+    ``[sum(group_sizes[:g]), sum(group_sizes[:g+1]))``.
+  - rhs: ``[G_rhs, K, N]``, same dtype as lhs.
+  - group_sizes: int32 ``[G]``, non-negative, summing to at most M.
+  - group_offset: None (then ``G == G_rhs``) or an int32 scalar: rhs holds groups
+    ``[group_offset, group_offset + G_rhs)`` of the G groups (expert parallelism).
+  - preferred_element_type: the output dtype.
+  - precision: for the matmuls.
+
+  ``out[i] = lhs[i] @ rhs[g(i) - group_offset]`` for rows of groups held by rhs,
+  0 for every other row (other groups' rows, and rows past ``sum(group_sizes)``).
+  Residuals: ``{}``.
+  """
+
+  lhs: jax.Array
+  rhs: jax.Array
+  group_sizes: jax.Array
+  group_offset: jax.Array | None = None
+  preferred_element_type: Any = dataclasses.field(
+      default=None, metadata=dict(static=True))
+  precision: Any = dataclasses.field(default=None, metadata=dict(static=True))
+
+  @property
+  def num_groups(self) -> int:
+    return self.group_sizes.shape[0]
+
+
+DIFF_FIELDS = ("lhs", "rhs")
+
+
+def ragged_dot(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    group_offset: jax.Array | int | None = None,
+    implementation: dispatch.Implementation = None,
+) -> jax.Array:
+  """Grouped matmul with the semantics of `jax.lax.ragged_dot` (the MoE matmul).
+
+  Args:
+    lhs: ``[M, K]``, rows sorted by group.
+    rhs: ``[G_rhs, K, N]``, one weight matrix per group.
+    group_sizes: int ``[G]``, rows per group, summing to at most M.
+    precision: matmul precision, as `jax.lax.dot_general` takes it.
+    preferred_element_type: output dtype (default: lhs dtype).
+    group_offset: optional int scalar: rhs holds groups ``[group_offset,
+      group_offset + G_rhs)`` of the G in group_sizes; rows of other groups give 0.
+    implementation: None, a name, a sequence of names or a `tokamax.Op`.
+
+  Returns:
+    ``[M, N]``; rows past ``sum(group_sizes)`` (and of groups rhs does not hold)
+    are 0.
+
+  Example:
+    >>> out = tokamax.ragged_dot(tokens, expert_weights, tokens_per_expert)
+  """
+  lhs = _checks.as_array("lhs", lhs)
+  rhs = _checks.as_array("rhs", rhs)
+  group_sizes = _checks.as_array("group_sizes", group_sizes)
+  _checks.check_float("lhs", lhs)
+  _checks.check_float("rhs", rhs)
+  _checks.check_rank("lhs", lhs, 2, "[M, K]")
+  _checks.check_rank("rhs", rhs, 3, "[G, K, N]")
+  _checks.check_rank("group_sizes", group_sizes, 1, "[G]")
+  _checks.check_int("group_sizes", group_sizes)
+  _checks.check_same_dtype(("lhs", "rhs"), (lhs, rhs))
+  m, k = lhs.shape
+  if rhs.shape[1] != k:
+    raise ValueError(f"rhs must have K={k} (lhs.shape[1]) on axis 1; got "
+                     f"{_checks.describe(rhs)}")
+  g = group_sizes.shape[0]
+  if group_offset is None:
+    if g != rhs.shape[0]:
+      raise ValueError(f"group_sizes must have {rhs.shape[0]} entries (rhs.shape[0]) "
+                       f"when group_offset is None; got {_checks.describe(group_sizes)}")
+  else:
+    group_offset = _checks.as_array("group_offset", jnp.asarray(group_offset))
+    _checks.check_int("group_offset", group_offset)
+    if group_offset.ndim != 0:
+      raise ValueError(f"group_offset must be a scalar; got "
+                       f"{_checks.describe(group_offset)}")
+    if rhs.shape[0] > g:
+      raise ValueError(f"rhs holds {rhs.shape[0]} groups, more than the {g} in "
+                       "group_sizes")
+    if _checks.is_concrete(group_offset) and not 0 <= int(group_offset) <= g - rhs.shape[0]:
+      raise ValueError(f"group_offset must lie in [0, {g - rhs.shape[0]}] (G - "
+                       f"rhs.shape[0]); got {int(group_offset)}")
+    group_offset = group_offset.astype(jnp.int32)
+  if _checks.is_concrete(group_sizes) and g:
+    sizes = np.asarray(group_sizes)
+    if sizes.min() < 0:
+      raise ValueError(f"group_sizes must be non-negative; got {sizes.tolist()}")
+    if sizes.sum() > m:
+      raise ValueError(f"group_sizes must sum to at most M={m} (lhs rows); they sum "
+                       f"to {int(sizes.sum())}")
+  if preferred_element_type is not None:
+    preferred_element_type = jnp.dtype(preferred_element_type)
+  args = RaggedDotArgs(
+      lhs=lhs, rhs=rhs, group_sizes=group_sizes.astype(jnp.int32),
+      group_offset=group_offset, preferred_element_type=preferred_element_type,
+      precision=_checks.canonical_precision(precision))
+  return dispatch.call(OP_NAME, args, implementation, DIFF_FIELDS)

@@ -1,0 +1,289 @@
+"""Discovers backend plugins and resolves implementation names to `Op` classes.
+
+Discovery runs once per process (thread-safe), at the first dispatch or
+introspection call. Backends register through the entry-point group
+``tokamax.backends``; the XLA reference backend is built into core and registered
+the same way, first. Kernel modules are imported only when an implementation is
+first used.
+
+Name clashes: the first registration of an ``(op, name)`` pair keeps the plain
+name. Order: the built-in XLA reference, then our own ``tokamax-*`` distributions,
+then other distributions, each group sorted by entry-point name then distribution
+name. A later registration of the same pair is not dropped: it stays reachable by
+its qualified name ``"<backend>:<name>"`` and a warning says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import threading
+import warnings
+from typing import Any
+
+from tokamax._src import config
+from tokamax._src import plugin
+from tokamax._src.op import Op, VjpOp
+
+ENTRY_POINT_GROUP = "tokamax.backends"
+
+# Implementation names of our own backends, so that asking for one that is not
+# installed says what to install.
+FIRST_PARTY_DISTRIBUTIONS = {
+    "triton": "tokamax-gpu-triton",
+    "mosaic_gpu": "tokamax-gpu-mosaic",
+    "mosaic_tpu": "tokamax-tpu-mosaic",
+}
+EXTRA_FOR_DISTRIBUTION = {
+    "tokamax-gpu-triton": "gpu",
+    "tokamax-gpu-mosaic": "gpu",
+    "tokamax-tpu-mosaic": "tpu",
+}
+
+
+class PluginWarning(UserWarning):
+  """A backend plugin could not be used (broken, incompatible or shadowed)."""
+
+
+class ImplementationNotInstalledError(ValueError):
+  """The named implementation belongs to a distribution that is not installed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendInfo:
+  """An installed backend, as ``tokamax.backends()`` lists it."""
+
+  name: str
+  distribution: str | None
+  version: str | None
+  status: str  # "ok", "disabled" or "error"
+  implementations: tuple[str, ...] = ()  # "op/name" of what it registered
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendError:
+  """A plugin that failed to load or register, kept for ``tokamax.backend_errors()``."""
+
+  backend: str
+  distribution: str | None
+  message: str
+  exception: BaseException | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """One registered implementation."""
+
+  spec: plugin.Implementation
+  backend: str
+  distribution: str | None
+  version: str | None
+  builtin: bool
+
+  @property
+  def op(self) -> str:
+    return self.spec.op
+
+  @property
+  def name(self) -> str:
+    return self.spec.name
+
+  @property
+  def qualified_name(self) -> str:
+    return f"{self.backend}:{self.spec.name}"
+
+
+class _Registry:
+
+  def __init__(self):
+    self.entries: dict[str, list[Entry]] = {op: [] for op in plugin.OP_NAMES}
+    self.by_name: dict[tuple[str, str], Entry] = {}
+    self.backends: list[BackendInfo] = []
+    self.errors: list[BackendError] = []
+    self.failed_entry_points: dict[str, BaseException] = {}
+
+  def add_backend(self, backend: Any, distribution: str | None, version: str | None,
+                  builtin: bool) -> None:
+    names = []
+    for spec in backend.implementations:
+      entry = Entry(spec, backend.name, distribution, version, builtin)
+      self.entries[spec.op].append(entry)
+      key = (spec.op, spec.name)
+      if key in self.by_name:
+        winner = self.by_name[key]
+        warnings.warn(
+            f"tokamax: backend {backend.name!r} ({distribution}) registers "
+            f"{spec.op} implementation {spec.name!r}, already registered by "
+            f"{winner.backend!r} ({winner.distribution}); the name "
+            f"{spec.name!r} keeps meaning {winner.qualified_name!r}, and this one "
+            f"is reachable as {entry.qualified_name!r}.",
+            PluginWarning, stacklevel=2)
+      else:
+        self.by_name[key] = entry
+      self.by_name[(spec.op, entry.qualified_name)] = entry
+      names.append(f"{spec.op}/{spec.name}")
+    self.backends.append(
+        BackendInfo(backend.name, distribution, version, "ok", tuple(names)))
+
+
+_lock = threading.Lock()
+_registry: _Registry | None = None
+
+
+def _builtin_backend() -> plugin.Backend:
+  from tokamax._src import xla_backend  # pylint: disable=g-import-not-at-top
+  return xla_backend.BACKEND
+
+
+def _entry_point_order(ep) -> tuple:
+  dist = ep.dist.name if ep.dist is not None else ""
+  first_party = dist.lower().replace("_", "-").startswith("tokamax-")
+  return (not first_party, ep.name, dist)
+
+
+def _check_backend(obj: Any, ep_name: str) -> plugin.Backend:
+  if callable(obj) and not isinstance(obj, plugin.Backend):
+    obj = obj()
+  for attr in ("name", "api_version", "implementations"):
+    if not hasattr(obj, attr):
+      raise TypeError(
+          f"entry point {ep_name!r} gave {type(obj).__name__}, which has no "
+          f"{attr!r}; expected a tokamax.plugin.Backend")
+  for spec in obj.implementations:
+    if not isinstance(spec, plugin.Implementation):
+      raise TypeError(
+          f"backend {obj.name!r} lists {type(spec).__name__}; expected "
+          "tokamax.plugin.Implementation")
+  return obj
+
+
+def _discover() -> _Registry:
+  reg = _Registry()
+  disabled = config.disabled_backends()
+  builtin = _builtin_backend()
+  try:
+    ref_version = importlib.metadata.version("tokamax-xla-reference")
+  except importlib.metadata.PackageNotFoundError:
+    ref_version = None
+  reg.add_backend(builtin, "tokamax-xla-reference", ref_version, builtin=True)
+
+  eps = sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP),
+               key=_entry_point_order)
+  for ep in eps:
+    dist = ep.dist.name if ep.dist is not None else None
+    version = ep.dist.version if ep.dist is not None else None
+    if ep.name in disabled:
+      reg.backends.append(BackendInfo(ep.name, dist, version, "disabled"))
+      continue
+    try:
+      backend = _check_backend(ep.load(), ep.name)
+      if backend.name in disabled:
+        reg.backends.append(BackendInfo(backend.name, dist, version, "disabled"))
+        continue
+      if backend.api_version != plugin.PLUGIN_API_VERSION:
+        raise RuntimeError(
+            f"backend {backend.name!r} ({dist} {version}) was written for tokamax "
+            f"plugin API version {backend.api_version}, but this tokamax-core "
+            f"speaks version {plugin.PLUGIN_API_VERSION}; upgrade the one that "
+            "is older")
+    except Exception as e:  # pylint: disable=broad-except
+      if config.strict_plugins():
+        raise
+      message = f"{type(e).__name__}: {e}"
+      reg.errors.append(BackendError(ep.name, dist, message, e))
+      reg.failed_entry_points[ep.name] = e
+      reg.backends.append(BackendInfo(ep.name, dist, version, "error"))
+      warnings.warn(
+          f"tokamax: backend plugin {ep.name!r} from {dist} was not loaded: "
+          f"{message} (tokamax.backend_errors() lists it; set "
+          "TOKAMAX_STRICT_PLUGINS=1 to raise)", PluginWarning, stacklevel=2)
+      continue
+    reg.add_backend(backend, dist, version, builtin=False)
+
+  for op, entries in reg.entries.items():
+    # Stable: equal priorities keep registration order (built-in first).
+    entries.sort(key=lambda e: -e.spec.priority)
+  return reg
+
+
+def get() -> _Registry:
+  global _registry
+  if _registry is None:
+    with _lock:
+      if _registry is None:
+        _registry = _discover()
+  return _registry
+
+
+def reset() -> None:
+  """Forgets discovery (tests, or after installing a plugin in-process)."""
+  global _registry
+  with _lock:
+    _registry = None
+    _loaded.clear()
+
+
+_loaded: dict[str, type] = {}
+
+
+def load_class(ref: str, expected: type) -> type:
+  """Imports ``"module:attr"`` and checks it is a subclass of `expected`."""
+  if ref in _loaded:
+    return _loaded[ref]
+  module_name, attr = ref.split(":")
+  module = importlib.import_module(module_name)
+  cls = getattr(module, attr)
+  if not (isinstance(cls, type) and issubclass(cls, expected)):
+    raise TypeError(f"{ref} is {cls!r}, not a subclass of tokamax.{expected.__name__}")
+  _loaded[ref] = cls
+  return cls
+
+
+def forward_class(entry: Entry) -> type[Op]:
+  return load_class(entry.spec.forward, Op)
+
+
+def backward_class(entry: Entry) -> type[VjpOp] | None:
+  if entry.spec.backward is None:
+    return None
+  return load_class(entry.spec.backward, VjpOp)
+
+
+def entries(op: str) -> list[Entry]:
+  return list(get().entries[op])
+
+
+def find(op: str, name: str) -> Entry:
+  """The entry for `name` (plain or qualified), or a clear error."""
+  reg = get()
+  entry = reg.by_name.get((op, name))
+  if entry is not None:
+    return entry
+  if name in reg.failed_entry_points:
+    raise ImportError(
+        f"implementation {name!r} comes from a backend plugin that failed to "
+        f"load: {reg.failed_entry_points[name]}") from reg.failed_entry_points[name]
+  dist = FIRST_PARTY_DISTRIBUTIONS.get(name)
+  if dist is not None and not any(e.name == name for ents in reg.entries.values()
+                                  for e in ents):
+    extra = EXTRA_FOR_DISTRIBUTION[dist]
+    raise ImplementationNotInstalledError(
+        f"implementation={name!r} is provided by the distribution {dist}, which is "
+        f"not installed (or is disabled): pip install {dist} (or "
+        f"tokamax-core[{extra}])")
+  available = sorted({e.name for e in reg.entries[op]})
+  message = (f"implementation={name!r} is not an implementation of {op}; "
+             f"available here: {available}")
+  broken = [err.backend for err in reg.errors]
+  if broken:
+    message += f" (backends that failed to load: {broken}; see tokamax.backend_errors())"
+  raise ValueError(message)
+
+
+def backends() -> list[BackendInfo]:
+  return list(get().backends)
+
+
+def backend_errors() -> list[BackendError]:
+  return list(get().errors)

@@ -1,0 +1,3 @@
+"""tokamax-gpu-triton: a tokamax backend package (registered through the `tokamax.backends` entry point)."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,26 @@
+"""Registration of this backend's implementations (imports no kernel module)."""
+
+from tokamax import plugin
+
+_PRIORITY = 100
+
+
+def _impl(op: str, module: str, fwd: str, bwd: str) -> plugin.Implementation:
+  return plugin.Implementation(
+      op=op, name="triton", forward=f"tokamax_gpu_triton.{module}:{fwd}",
+      backward=f"tokamax_gpu_triton.{module}:{bwd}", platforms=("gpu",),
+      priority=_PRIORITY)
+
+
+BACKEND = plugin.Backend(
+    name="gpu_triton",
+    api_version=plugin.PLUGIN_API_VERSION,
+    implementations=(
+        _impl("layer_norm", "layer_norm", "TritonLayerNorm", "TritonLayerNormVjp"),
+        _impl("gated_linear_unit", "gated_linear_unit", "TritonGatedLinearUnit",
+              "TritonGatedLinearUnitVjp"),
+        _impl("ragged_dot", "ragged_dot", "TritonRaggedDot", "TritonRaggedDotVjp"),
+        _impl("dot_product_attention", "attention", "TritonAttention",
+              "TritonAttentionVjp"),
+    ),
+)

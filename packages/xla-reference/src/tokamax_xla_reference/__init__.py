@@ -1,0 +1,31 @@
+"""XLA reference implementations of the tokamax ops.
+
+Plain `jax.numpy` / `jax.lax` code with float32 accumulation: the numerical
+oracle every kernel is checked against, and the fallback that always runs. This
+package has no dependency on tokamax-core; core loads it and registers these
+functions as the "xla", "xla_chunked" and "cudnn" implementations.
+"""
+
+from tokamax_xla_reference.attention import attention
+from tokamax_xla_reference.attention import attention_chunked
+from tokamax_xla_reference.attention import attention_chunked_backward
+from tokamax_xla_reference.attention import cudnn_attention
+from tokamax_xla_reference.attention import cudnn_unsupported_reason
+from tokamax_xla_reference.attention import visibility
+from tokamax_xla_reference.gated_linear_unit import gated_linear_unit
+from tokamax_xla_reference.layer_norm import layer_norm
+from tokamax_xla_reference.ragged_dot import ragged_dot
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "attention",
+    "attention_chunked",
+    "attention_chunked_backward",
+    "cudnn_attention",
+    "cudnn_unsupported_reason",
+    "gated_linear_unit",
+    "layer_norm",
+    "ragged_dot",
+    "visibility",
+]

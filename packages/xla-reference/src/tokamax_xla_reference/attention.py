@@ -1,0 +1,298 @@
+"""Dot-product attention: the dense oracle, a chunked variant, and cuDNN.
+
+Layouts: q ``[B, T, N, H]``, k ``[B, S, K, H]``, v ``[B, S, K, Hv]``, N % K == 0;
+bias / mask ``[B|1, N|1, T|1, S|1]``; lengths ``[B]``; segment ids ``[B, T]`` and
+``[B, S]``. Grouped heads are computed as ``[B, K, N // K, ...]`` so K/V are never
+repeated.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def visibility(q_pos, k_pos, *, is_causal=False, local_window=None, mask=None,
+               query_seq_lengths=None, key_value_seq_lengths=None, q_segment_ids=None,
+               kv_segment_ids=None):
+  """Which (query, key) pairs may attend: bool ``[B|1, N|1, T, S]``.
+
+  Args:
+    q_pos: int ``[T]`` query positions; k_pos: int ``[S]`` key positions.
+    is_causal, local_window: as in the attention functions.
+    mask: None or bool ``[B|1, N|1, T|1, S|1]`` already sliced to these positions.
+    query_seq_lengths, key_value_seq_lengths: None or ``[B]``.
+    q_segment_ids, kv_segment_ids: None or ``[B, T]`` / ``[B, S]`` for these positions.
+  """
+  t, s = q_pos[:, None], k_pos[None, :]
+  vis = jnp.ones((1, 1, q_pos.shape[0], k_pos.shape[0]), bool)
+  if is_causal:
+    vis &= s <= t
+  if local_window is not None:
+    left, right = local_window
+    if left is not None:
+      vis &= s >= t - left
+    if right is not None:
+      vis &= s <= t + right
+  if mask is not None:
+    vis = vis & mask
+  if query_seq_lengths is not None:
+    vis = vis & (t < query_seq_lengths[:, None, None, None])
+  if key_value_seq_lengths is not None:
+    vis = vis & (s < key_value_seq_lengths[:, None, None, None])
+  if q_segment_ids is not None:
+    vis = vis & (q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
+  return vis
+
+
+def _group_heads(x, num_kv_heads):
+  """``[B|1, N|1, ...] -> [B|1, K|1, N//K|1, ...]`` for broadcasting with grouped logits."""
+  if x.shape[1] == 1:
+    return x[:, :, None]
+  return x.reshape(x.shape[0], num_kv_heads, -1, *x.shape[2:])
+
+
+def _logits(q, k, bias, *, scale, logits_soft_cap, precision):
+  """Grouped float32 logits ``[B, K, G, T, S]``."""
+  b, t, n, h = q.shape
+  num_kv = k.shape[2]
+  qg = q.reshape(b, t, num_kv, n // num_kv, h)
+  logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, precision=precision,
+                      preferred_element_type=jnp.float32) * scale
+  if bias is not None:
+    logits = logits + _group_heads(bias.astype(jnp.float32), num_kv)
+  if logits_soft_cap is not None:
+    logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+  return logits
+
+
+def _softmax_stats(logits, vis):
+  """Row max (finite, no gradient), unnormalized probabilities and row sums."""
+  masked = jnp.where(vis, logits, -jnp.inf)
+  row_max = jnp.max(masked, axis=-1, keepdims=True)
+  row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+  p = jnp.exp(masked - row_max)
+  return row_max[..., 0], p, jnp.sum(p, axis=-1)
+
+
+def attention(q, k, v, bias=None, mask=None, *, scale, is_causal=False,
+              local_window=None, logits_soft_cap=None, query_seq_lengths=None,
+              key_value_seq_lengths=None, q_segment_ids=None, kv_segment_ids=None,
+              precision=None):
+  """Dense attention, materializing the ``[B, N, T, S]`` logits in float32.
+
+  Returns:
+    ``(out [B, T, N, Hv] in q's dtype, lse float32 [B, N, T])``; rows with no
+    visible key have out 0 and lse +inf.
+  """
+  b, t, n, _ = q.shape
+  s, num_kv = k.shape[1], k.shape[2]
+  logits = _logits(q, k, bias, scale=scale, logits_soft_cap=logits_soft_cap,
+                   precision=precision)
+  vis = visibility(jnp.arange(t), jnp.arange(s), is_causal=is_causal,
+                   local_window=local_window, mask=mask,
+                   query_seq_lengths=query_seq_lengths,
+                   key_value_seq_lengths=key_value_seq_lengths,
+                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+  row_max, p, row_sum = _softmax_stats(logits, _group_heads(vis, num_kv))
+  out = jnp.einsum("bkgts,bskh->btkgh", p, v.astype(jnp.float32), precision=precision,
+                   preferred_element_type=jnp.float32)
+  nonempty = row_sum > 0
+  denom = jnp.where(nonempty, row_sum, 1.0)
+  out = out / jnp.moveaxis(denom, -1, 1)[..., None]
+  lse = jnp.where(nonempty, row_max + jnp.log(denom), jnp.inf)
+  return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype), lse.reshape(b, n, t)
+
+
+def _chunk_inputs(s, chunk_size, k, v, bias, mask, kv_segment_ids):
+  """Pads the key axis to a chunk multiple and splits it into a leading chunk axis."""
+  num_chunks = -(-s // chunk_size)
+  pad = num_chunks * chunk_size - s
+
+  def split(x, axis):
+    if x is None:
+      return None
+    if x.shape[axis] == 1:  # broadcast along keys: same for every chunk
+      return jnp.broadcast_to(x[None], (num_chunks, *x.shape))
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    x = jnp.pad(x, widths)
+    x = x.reshape(*x.shape[:axis], num_chunks, chunk_size, *x.shape[axis + 1:])
+    return jnp.moveaxis(x, axis, 0)
+
+  return num_chunks, dict(k=split(k, 1), v=split(v, 1), bias=split(bias, 3),
+                          mask=split(mask, 3), kv_seg=split(kv_segment_ids, 1))
+
+
+def _chunk_visibility(chunk, q_pos, k_pos, s, kw):
+  vis = visibility(q_pos, k_pos, is_causal=kw["is_causal"],
+                   local_window=kw["local_window"], mask=chunk["mask"],
+                   query_seq_lengths=kw["query_seq_lengths"],
+                   key_value_seq_lengths=kw["key_value_seq_lengths"],
+                   q_segment_ids=kw["q_segment_ids"], kv_segment_ids=chunk["kv_seg"])
+  return vis & (k_pos < s)[None, None, None, :]
+
+
+def attention_chunked(q, k, v, bias=None, mask=None, *, scale, is_causal=False,
+                      local_window=None, logits_soft_cap=None, query_seq_lengths=None,
+                      key_value_seq_lengths=None, q_segment_ids=None,
+                      kv_segment_ids=None, precision=None, chunk_size=512):
+  """Attention over key chunks with an online softmax: memory O(T * chunk_size).
+
+  Same contract as :func:`attention`. Differentiate it with
+  :func:`attention_chunked_backward` (autodiff through the scan would store every
+  chunk's probabilities, O(T * S) again).
+  """
+  b, t, n, _ = q.shape
+  s, num_kv, hv = k.shape[1], k.shape[2], v.shape[-1]
+  num_chunks, chunks = _chunk_inputs(s, chunk_size, k, v, bias, mask, kv_segment_ids)
+  kw = dict(is_causal=is_causal, local_window=local_window,
+            query_seq_lengths=query_seq_lengths,
+            key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids)
+  q_pos = jnp.arange(t)
+  g = n // num_kv
+
+  def step(carry, xs):
+    acc, row_max, row_sum = carry
+    index, chunk = xs
+    k_pos = index * chunk_size + jnp.arange(chunk_size)
+    logits = _logits(q, chunk["k"], chunk["bias"], scale=scale,
+                     logits_soft_cap=logits_soft_cap, precision=precision)
+    vis = _group_heads(_chunk_visibility(chunk, q_pos, k_pos, s, kw), num_kv)
+    masked = jnp.where(vis, logits, -jnp.inf)
+    new_max = jnp.maximum(row_max, jnp.max(masked, axis=-1))
+    safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+    correction = jnp.exp(jnp.where(jnp.isfinite(row_max), row_max, safe_max) - safe_max)
+    p = jnp.exp(masked - safe_max[..., None])
+    row_sum = row_sum * correction + jnp.sum(p, axis=-1)
+    acc = acc * correction[..., None] + jnp.einsum(
+        "bkgts,bskh->bkgth", p, chunk["v"].astype(jnp.float32), precision=precision,
+        preferred_element_type=jnp.float32)
+    return (acc, new_max, row_sum), None
+
+  init = (jnp.zeros((b, num_kv, g, t, hv), jnp.float32),
+          jnp.full((b, num_kv, g, t), -jnp.inf, jnp.float32),
+          jnp.zeros((b, num_kv, g, t), jnp.float32))
+  (acc, row_max, row_sum), _ = jax.lax.scan(step, init, (jnp.arange(num_chunks), chunks))
+  nonempty = row_sum > 0
+  denom = jnp.where(nonempty, row_sum, 1.0)
+  out = acc / denom[..., None]
+  lse = jnp.where(nonempty, row_max + jnp.log(denom), jnp.inf)
+  out = jnp.moveaxis(out, 3, 1).reshape(b, t, n, hv)
+  return out.astype(q.dtype), lse.reshape(b, n, t)
+
+
+def attention_chunked_backward(q, k, v, bias, mask, out, lse, dout, *, scale,
+                               is_causal=False, local_window=None, logits_soft_cap=None,
+                               query_seq_lengths=None, key_value_seq_lengths=None,
+                               q_segment_ids=None, kv_segment_ids=None, precision=None,
+                               chunk_size=512):
+  """Gradients of attention from the saved log-sum-exp, one key chunk at a time.
+
+  Returns:
+    ``(dq, dk, dv, dbias)`` (dbias None without bias), float32, memory
+    O(T * chunk_size) beyond the inputs.
+  """
+  b, t, n, h = q.shape
+  s, num_kv, hv = k.shape[1], k.shape[2], v.shape[-1]
+  g = n // num_kv
+  num_chunks, chunks = _chunk_inputs(s, chunk_size, k, v, bias, mask, kv_segment_ids)
+  kw = dict(is_causal=is_causal, local_window=local_window,
+            query_seq_lengths=query_seq_lengths,
+            key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids)
+  q_pos = jnp.arange(t)
+  qg = q.reshape(b, t, num_kv, g, h)
+  do = dout.astype(jnp.float32).reshape(b, t, num_kv, g, hv)
+  lse_g = lse.reshape(b, num_kv, g, t)
+  # delta = rowsum(dout * out): the softmax Jacobian's correction term.
+  delta = jnp.einsum("btkgh,btkgh->bkgt", do,
+                     out.astype(jnp.float32).reshape(b, t, num_kv, g, hv))
+
+  def step(dq, xs):
+    index, chunk = xs
+    k_pos = index * chunk_size + jnp.arange(chunk_size)
+    raw = jnp.einsum("btkgh,bskh->bkgts", qg, chunk["k"], precision=precision,
+                     preferred_element_type=jnp.float32) * scale
+    if chunk["bias"] is not None:
+      raw = raw + _group_heads(chunk["bias"].astype(jnp.float32), num_kv)
+    logits = raw
+    if logits_soft_cap is not None:
+      logits = logits_soft_cap * jnp.tanh(raw / logits_soft_cap)
+    vis = _group_heads(_chunk_visibility(chunk, q_pos, k_pos, s, kw), num_kv)
+    p = jnp.where(vis, jnp.exp(logits - lse_g[..., None]), 0.0)
+    dv = jnp.einsum("bkgts,btkgh->bskh", p, do, precision=precision)
+    dp = jnp.einsum("btkgh,bskh->bkgts", do, chunk["v"].astype(jnp.float32),
+                    precision=precision)
+    ds = p * (dp - delta[..., None])
+    if logits_soft_cap is not None:
+      ds = ds * (1.0 - jnp.square(jnp.tanh(raw / logits_soft_cap)))
+    dbias = None
+    if chunk["bias"] is not None:
+      dbias = ds.reshape(b, n, t, chunk_size)
+    ds = ds * scale
+    dq = dq + jnp.einsum("bkgts,bskh->btkgh", ds, chunk["k"].astype(jnp.float32),
+                         precision=precision)
+    dk = jnp.einsum("bkgts,btkgh->bskh", ds, qg.astype(jnp.float32), precision=precision)
+    return dq, (dk, dv, dbias)
+
+  dq0 = jnp.zeros((b, t, num_kv, g, h), jnp.float32)
+  dq, (dk, dv, dbias) = jax.lax.scan(step, dq0, (jnp.arange(num_chunks), chunks))
+
+  def unsplit(x):  # [C, B, chunk, ...] -> [B, S, ...]
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :s]
+
+  dk, dv = unsplit(dk), unsplit(dv)
+  if bias is not None:
+    dbias = jnp.moveaxis(dbias, 0, 3).reshape(b, n, t, -1)[..., :s]
+    dbias = _reduce_to_shape(dbias, bias.shape)
+  return dq.reshape(b, t, n, h), dk, dv, dbias
+
+
+def _reduce_to_shape(x, shape):
+  """Sums the broadcast dims of x down to `shape` (bias gradients)."""
+  axes = tuple(i for i, (have, want) in enumerate(zip(x.shape, shape))
+               if want == 1 and have != 1)
+  return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+def cudnn_unsupported_reason(q, k, v, *, logits_soft_cap, q_segment_ids, platform,
+                             precision=None) -> str | None:
+  """Why `jax.nn.dot_product_attention(implementation="cudnn")` can't run, or None."""
+  if platform != "gpu":
+    return f"cuDNN attention needs an NVIDIA GPU; this device is {platform}"
+  if q.dtype not in (jnp.bfloat16, jnp.float16):
+    return f"cuDNN attention takes bfloat16 or float16, not {jnp.dtype(q.dtype).name}"
+  if logits_soft_cap is not None:
+    return "cuDNN attention through jax.nn has no logits soft cap"
+  if q_segment_ids is not None:
+    return "cuDNN attention through jax.nn has no segment ids"
+  if q.shape[-1] != v.shape[-1]:
+    return "cuDNN attention through jax.nn needs equal query and value head dims"
+  if q.shape[-1] > 128 or q.shape[-1] % 8:
+    return f"cuDNN attention needs a head dim <= 128 and a multiple of 8, got {q.shape[-1]}"
+  return None
+
+
+def cudnn_attention(q, k, v, bias=None, mask=None, *, scale, is_causal=False,
+                    local_window=None, query_seq_lengths=None, key_value_seq_lengths=None):
+  """Attention through cuDNN (`jax.nn.dot_product_attention`), rows with no
+  visible key set to 0 (our contract)."""
+  window = None
+  if local_window is not None:
+    left, right = local_window
+    window = (-1 if left is None else left, -1 if right is None else right)
+  out = jax.nn.dot_product_attention(
+      q, k, v, bias, mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=window, implementation="cudnn")
+  t, s = q.shape[1], k.shape[1]
+  # A row can be empty through the mask, the key lengths, the query lengths or the
+  # window; zero such rows explicitly.
+  vis = visibility(jnp.arange(t), jnp.arange(s), is_causal=is_causal,
+                   local_window=local_window, mask=mask,
+                   query_seq_lengths=query_seq_lengths,
+                   key_value_seq_lengths=key_value_seq_lengths)
+  row_ok = jnp.any(vis, axis=-1)  # [B|1, N|1, T]
+  row_ok = jnp.moveaxis(row_ok, 1, 2)[..., None]  # [B|1, T, N|1, 1]
+  return jnp.where(row_ok, out, 0).astype(q.dtype)

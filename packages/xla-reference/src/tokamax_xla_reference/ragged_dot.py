@@ -1,0 +1,44 @@
+"""Grouped (ragged) matmul, the MoE expert matmul."""
+
+import jax
+import jax.numpy as jnp
+
+
+def group_ids(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+  """The group of each row, int32 ``[M]``; rows past the total get ``len(group_sizes)``."""
+  ends = jnp.cumsum(group_sizes)
+  return jnp.searchsorted(ends, jnp.arange(num_rows), side="right").astype(jnp.int32)
+
+
+def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+               group_offset: jax.Array | None = None, preferred_element_type=None,
+               precision=None) -> jax.Array:
+  """``out[i] = lhs[i] @ rhs[group(i) - group_offset]``, 0 for rows rhs does not hold.
+
+  One masked matmul per group held by rhs: simple and exact, but G times the
+  FLOPs of the grouped product; kernels do the real work.
+
+  Args:
+    lhs: ``[M, K]``, rows sorted by group.
+    rhs: ``[G_rhs, K, N]``.
+    group_sizes: int32 ``[G]``.
+    group_offset: None (``G == G_rhs``) or an int32 scalar: the first group rhs holds.
+    preferred_element_type: output dtype (default lhs dtype).
+    precision: matmul precision.
+
+  Returns:
+    ``[M, N]``, accumulated in float32.
+  """
+  out_dtype = preferred_element_type or lhs.dtype
+  offset = 0 if group_offset is None else group_offset
+  row_group = group_ids(group_sizes, lhs.shape[0]) - offset
+
+  def add_group(out, g):
+    rows = (row_group == g)[:, None]
+    product = jnp.dot(lhs, rhs[g], precision=precision,
+                      preferred_element_type=jnp.float32)
+    return out + jnp.where(rows, product, 0.0), None
+
+  out = jnp.zeros((lhs.shape[0], rhs.shape[2]), jnp.float32)
+  out, _ = jax.lax.scan(add_group, out, jnp.arange(rhs.shape[0]))
+  return out.astype(out_dtype)
