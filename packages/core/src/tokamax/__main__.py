@@ -1,0 +1,56 @@
+"""Command line: ``python -m tokamax {info,demo}``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def info() -> None:
+  """JAX and devices, installed backends, and the op x implementation matrix."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  import tokamax  # pylint: disable=g-import-not-at-top
+  print(f"tokamax-core {tokamax.__version__}, JAX {jax.__version__}")
+  print(f"devices: {', '.join(f'{d.device_kind} ({d.platform})' for d in jax.devices())}")
+  print(f"interpret mode: {tokamax.interpret_mode()}")
+  print("\nbackends:")
+  for b in tokamax.backends():
+    count = len(b.implementations)
+    print(f"  {b.name:<16} {b.distribution or '?'} {b.version or ''}  [{b.status}] "
+          f"{count} implementation{'s' * (count != 1)}")
+  errors = tokamax.backend_errors()
+  if errors:
+    print("\nbackend errors:")
+    for e in errors:
+      print(f"  {e.backend} ({e.distribution}): {e.message}")
+  print("\nimplementations (best first; usable here for a typical bf16 call?):")
+  current = None
+  for s in tokamax.implementations():
+    if s.op != current:
+      current = s.op
+      print(f"  {s.op}")
+    mark = "yes" if s.usable else "no "
+    backward = "fwd+bwd" if s.has_backward else "fwd"
+    reason = f"  - {s.reason}" if s.reason else ""
+    print(f"    {s.name:<14} {mark} {backward:<8} priority {s.priority:<4} "
+          f"{s.distribution}{reason}")
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m tokamax",
+                                   description="tokamax: kernels for JAX")
+  sub = parser.add_subparsers(dest="command", required=True)
+  sub.add_parser("info", help="installed backends and what can run here")
+  sub.add_parser("demo", help="a transformer block + MoE through tokamax")
+  args = parser.parse_args(argv)
+  if args.command == "info":
+    info()
+  elif args.command == "demo":
+    from tokamax._src import demo  # pylint: disable=g-import-not-at-top
+    demo.run()
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
