@@ -3,7 +3,6 @@
 import dataclasses
 import sys
 import types
-import warnings
 
 import jax.numpy as jnp
 import numpy as np

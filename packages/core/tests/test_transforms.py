@@ -24,7 +24,7 @@ def _calls():
       "rms_norm": (lambda x, s: tokamax.rms_norm(x, s), (_rand(3, 16), _rand(16))),
       "glu": (lambda x, w: tokamax.gated_linear_unit(x, w, activation=jax.nn.silu),
               (_rand(5, 16), _rand(16, 2, 8))),
-      "ragged_dot": (lambda l, r: tokamax.ragged_dot(l, r, sizes),
+      "ragged_dot": (lambda lhs, rhs: tokamax.ragged_dot(lhs, rhs, sizes),
                      (_rand(9, 16), _rand(3, 16, 8))),
   }
 

@@ -6,7 +6,6 @@ bias / mask ``[B|1, N|1, T|1, S|1]``; lengths ``[B]``; segment ids ``[B, T]`` an
 repeated.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp

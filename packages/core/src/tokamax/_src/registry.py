@@ -201,7 +201,7 @@ def _discover() -> _Registry:
       continue
     reg.add_backend(backend, dist, version, builtin=False)
 
-  for op, entries in reg.entries.items():
+  for entries in reg.entries.values():
     # Stable: equal priorities keep registration order (built-in first).
     entries.sort(key=lambda e: -e.spec.priority)
   return reg

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
 from tokamax._src import plugin
 from tokamax._src.op import Op, VjpOp
