@@ -43,12 +43,23 @@ def main(argv: list[str] | None = None) -> int:
   sub = parser.add_subparsers(dest="command", required=True)
   sub.add_parser("info", help="installed backends and what can run here")
   sub.add_parser("demo", help="a transformer block + MoE through tokamax")
+  bench = sub.add_parser("bench", help="the reference benchmark suite (GPU: CUPTI time)")
+  bench.add_argument("--op", action="append", help="only this op (repeatable)")
+  bench.add_argument("--implementation", action="append",
+                     help="only this implementation (repeatable; 'auto' for None)")
+  bench.add_argument("--iterations", type=int, default=10)
+  bench.add_argument("--out", help="folder for bench.json and bench.md")
   args = parser.parse_args(argv)
   if args.command == "info":
     info()
   elif args.command == "demo":
     from tokamax._src import demo  # pylint: disable=g-import-not-at-top
     demo.run()
+  elif args.command == "bench":
+    from tokamax._src import bench  # pylint: disable=g-import-not-at-top
+    impls = None if not args.implementation else [
+        None if i == "auto" else i for i in args.implementation]
+    bench.main(args.op, args.out, args.iterations, impls)
   return 0
 
 
