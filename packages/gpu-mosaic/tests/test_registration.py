@@ -1,0 +1,18 @@
+"""The package installs, registers through its entry point and is discovered."""
+
+import importlib.metadata
+
+import tokamax
+from tokamax_gpu_mosaic import _plugin
+
+
+def test_entry_point_is_declared():
+  eps = importlib.metadata.entry_points(group="tokamax.backends")
+  assert any(ep.value == "tokamax_gpu_mosaic._plugin:BACKEND" for ep in eps)
+
+
+def test_backend_is_discovered():
+  backends = {b.name: b for b in tokamax.backends()}
+  assert backends["gpu_mosaic"].status == "ok"
+  assert backends["gpu_mosaic"].distribution == "tokamax-gpu-mosaic"
+  assert _plugin.BACKEND.api_version == tokamax.plugin.PLUGIN_API_VERSION

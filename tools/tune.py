@@ -1,0 +1,75 @@
+"""Times every config in an implementation's search space at the reference shapes.
+
+    python tools/tune.py --op layer_norm [--implementation triton] [--shape rms]
+
+Forward configs are timed on the forward; backward configs on forward+backward with
+the forward at its heuristic config. CUPTI kernel time on GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax
+
+from tokamax._src import bench
+from tokamax._src import config_sources
+from tokamax._src import registry
+
+
+class _Fixed:
+  """A config source: a fixed config for one Op class, and it records the args."""
+
+  def __init__(self, cls=None, config=None):
+    self.cls, self.config, self.args = cls, config, {}
+
+  def lookup(self, op, args):
+    self.args.setdefault(type(op), args)
+    return self.config if type(op) is self.cls else None
+
+
+def tune(problem: bench.Problem, implementation: str, iterations: int) -> None:
+  entry = registry.find(problem.op, implementation)
+  fwd_cls, bwd_cls = registry.forward_class(entry), registry.backward_class(entry)
+  inputs = problem.make_inputs()
+  capture = _Fixed()
+  grad, grad_args = bench._fwd_bwd(lambda a: problem.call(a, implementation), inputs)  # pylint: disable=protected-access
+  with config_sources.use(capture):
+    jax.block_until_ready(grad(*grad_args))
+  print(f"## {problem.op} {problem.name} ({implementation})", flush=True)
+  for cls, direction in ((fwd_cls, "forward"), (bwd_cls, "forward+backward")):
+    if cls is None or cls not in capture.args:
+      continue
+    args = capture.args[cls]
+    heuristic = cls().heuristic_config(args)
+    for config in cls().search_space(args):
+      source = _Fixed(cls, config)
+      try:
+        with config_sources.use(source):
+          if direction == "forward":
+            f, fargs = jax.jit(lambda a: problem.call(a, implementation)), (inputs,)
+          else:
+            f, fargs = bench._fwd_bwd(lambda a: problem.call(a, implementation), inputs)  # pylint: disable=protected-access
+          ms, _ = bench.kernel_time_ms(f, *fargs, iterations=iterations)
+        mark = " (heuristic)" if config == heuristic else ""
+        print(f"  {direction:<17} {ms:8.3f} ms  {dataclasses.asdict(config)}{mark}", flush=True)
+      except Exception as e:  # pylint: disable=broad-except
+        print(f"  {direction:<17} failed: {type(e).__name__}: {str(e)[:150]}  {config}",
+              flush=True)
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--op", action="append", required=True)
+  parser.add_argument("--implementation", default="triton")
+  parser.add_argument("--shape", help="substring of the problem name")
+  parser.add_argument("--iterations", type=int, default=5)
+  args = parser.parse_args()
+  for problem in bench.reference_suite():
+    if problem.op in args.op and (not args.shape or args.shape in problem.name):
+      tune(problem, args.implementation, args.iterations)
+
+
+if __name__ == "__main__":
+  main()
