@@ -59,6 +59,9 @@ def _inputs(m, k, n, num_held, dtype):
 
 def _assert_close(actual, expected, dtype, what):
   rel_tol, abs_tol = _TOL[dtype]
+  if dtype == jnp.float32 and jax.default_backend() == "gpu":
+    rel_tol, abs_tol = 5e-4, 2e-3  # float32 dots default to TF32 on the GPU
+
   actual = np.asarray(actual, np.float32)
   expected = np.asarray(expected, np.float32)
   assert actual.shape == expected.shape, what
@@ -101,7 +104,9 @@ def _check(lhs, rhs, group_sizes, *, group_offset=None, preferred_element_type=N
     out, vjp = jax.vjp(lambda a, b: fn(a, b, group_sizes, group_offset), lhs, rhs)
     return (out, *vjp(cot.astype(out.dtype)))
 
-  with tokamax.interpret(), tokamax.record_dispatch() as records:
+  # Natively on a GPU, in interpret mode on the CPU.
+  with tokamax.interpret(jax.default_backend() == "cpu"), \
+      tokamax.record_dispatch() as records:
     out, dlhs, drhs = forward_and_grads(ours, lhs, rhs, group_sizes, group_offset)
   ran = {(r.direction, r.implementation) for r in records}
   assert ran == {("forward", "triton"), ("backward", "triton")}, ran
@@ -234,6 +239,8 @@ def test_check_supported_refuses():
       op.check_supported(bad_args, device)
     with pytest.raises(NotImplementedError):
       vjp.check_supported(bad_args, device, {})
+  if jax.default_backend() == "gpu":
+    return
   with tokamax.interpret(False), pytest.raises(NotImplementedError,
                                                match="need an NVIDIA GPU"):
     tokamax.ragged_dot(lhs, rhs, jnp.asarray([3, 4], jnp.int32),

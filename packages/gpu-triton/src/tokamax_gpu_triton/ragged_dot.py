@@ -204,7 +204,8 @@ def _gmm_kernel(meta_ref, lhs_ref, rhs_ref, out_ref, *, num_visits: int,
   row_ok = rows < m if m % block_m else None
   col_ok = cols < n if n % block_n else None
   rhs_index = jnp.maximum(group, 0)
-  num_k_steps = jnp.where(group >= 0, pl.cdiv(k, block_k), 0)
+  # Arithmetic, not jnp.where: the Triton lowering turns that select into an i1.
+  num_k_steps = (group >= 0).astype(jnp.int32) * pl.cdiv(k, block_k)
 
   def step(i, acc):
     k0 = pl.multiple_of(i * block_k, block_k)
@@ -224,7 +225,9 @@ def _gmm_kernel(meta_ref, lhs_ref, rhs_ref, out_ref, *, num_visits: int,
     return acc + lax.dot_general(a, b, dims, precision=precision,
                                  preferred_element_type=jnp.float32)
 
-  acc = lax.fori_loop(0, num_k_steps, step,
+  # The lower bound is derived from the upper one so both lower to the same
+  # integer type (Triton's scf.for requires it; a literal 0 need not match).
+  acc = lax.fori_loop(num_k_steps - num_k_steps, num_k_steps, step,
                       jnp.zeros((block_m, block_n), jnp.float32))
   mine = (rows >= row_lo) & (rows < row_hi)
   zeros = (rows < zero_lo) | (rows >= zero_hi)
@@ -316,8 +319,9 @@ def _drhs_kernel(bounds_ref, lhs_ref, dout_ref, drhs_ref, *, num_k_tiles: int,
                                  precision=precision,
                                  preferred_element_type=jnp.float32)
 
-  num_steps = pl.cdiv(jnp.maximum(end - start, 0), block_k)
-  acc = lax.fori_loop(0, num_steps, step, jnp.zeros((block_m, block_n), jnp.float32))
+  num_steps = pl.cdiv(jnp.maximum(end - start, 0), block_k).astype(jnp.int32)
+  acc = lax.fori_loop(num_steps - num_steps, num_steps, step,
+                      jnp.zeros((block_m, block_n), jnp.float32))
   out = drhs_ref.at[group, pl.ds(k0, block_m), pl.ds(n0, block_n)]
   value = acc.astype(drhs_ref.dtype)
   if k_ok is None and n_ok is None:

@@ -1,0 +1,821 @@
+"""FlashAttention-2 forward and backward as Pallas Triton kernels.
+
+Forward (grid: query blocks x batch*heads). Each program holds one ``[block_q, H]``
+query tile and walks the key/value blocks that can be visible to it, keeping the
+online-softmax state (row max ``m``, row sum ``l``, unnormalized output ``acc``) in
+float32. Logits live in the base-2 domain (``log2(e)`` folded into the scale) so the
+exponentials are ``exp2``. The T x S score matrix never leaves registers. The
+residual is the natural log-sum-exp per row, +inf for rows that see no key.
+
+Backward, from the saved log-sum-exp (no forward recomputation of the softmax
+statistics): ``delta = rowsum(dout * out)`` in plain jnp, then
+
+- a dK/dV kernel (grid: key blocks x batch*kv_heads) that, for its key tile, loops
+  over the query heads sharing that kv head (GQA/MQA) and over query blocks, so each
+  dK/dV tile is owned by one program: no atomics, deterministic results. It also
+  writes the logit gradient ``ds`` when there is a bias (summed over the bias's
+  broadcast dims afterwards with jnp);
+- a dQ kernel (grid: query blocks x batch*heads) that loops over key blocks.
+
+Block skipping: causal masking is the local window ``(left, right=0)``; from the
+window and the key/query lengths each program computes the range of blocks that can
+hold a visible pair and, inside it, the sub-range of blocks where every pair is
+visible by position. Only the blocks at the edges of the range pay for positional
+(iota) masking; blocks outside it are never visited. The bool mask, the bias and the
+segment ids are elementwise and are applied on every visited block.
+
+Broadcast dims (size 1) of the bias and mask are handled by index maps and
+size-1 tiles, never materialized. The head dims are padded to powers of two inside
+the kernel with masked loads; the inputs are not copied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+import tokamax
+from tokamax_gpu_triton import _common
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+_MAX_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """Forward tiling: query rows and key rows per tile, Triton launch params."""
+
+  block_q: int = 128
+  block_k: int = 64
+  num_warps: int = 4
+  num_stages: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionVjpConfig:
+  """Backward tiling: the dK/dV kernel and the dQ kernel are tiled separately."""
+
+  block_q_dkv: int = 32
+  block_k_dkv: int = 128
+  block_q_dq: int = 128
+  block_k_dq: int = 32
+  num_warps_dkv: int = 4
+  num_warps_dq: int = 4
+  num_stages: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """Everything static the kernels need to know about one call."""
+
+  t: int
+  s: int
+  num_heads: int
+  num_kv_heads: int
+  h: int
+  hv: int
+  scale: float
+  left: int | None  # key s visible to query t needs s >= t - left
+  right: int | None  # ... and s <= t + right (causal: right = 0)
+  soft_cap: float | None
+  bias_shape: tuple[int, ...] | None
+  mask_shape: tuple[int, ...] | None
+  has_q_len: bool
+  has_kv_len: bool
+  has_segments: bool
+  precision: Any
+
+  @property
+  def group(self) -> int:
+    return self.num_heads // self.num_kv_heads
+
+  @property
+  def hp(self) -> int:
+    return max(16, _common.next_power_of_2(self.h))
+
+  @property
+  def hvp(self) -> int:
+    return max(16, _common.next_power_of_2(self.hv))
+
+  @property
+  def direct_scale(self) -> bool:
+    # Without bias or soft cap, logits are qk * c with c > 0: the row max can be
+    # taken on qk and the scaling fused into the exp2 argument (one FMA).
+    return self.bias_shape is None and self.soft_cap is None and self.scale > 0
+
+
+def _layout(args) -> _Layout:
+  left, right = args.local_window if args.local_window is not None else (None, None)
+  if args.is_causal:
+    right = 0 if right is None else min(right, 0)
+  precision = args.precision
+  if precision is None and args.query.dtype == jnp.float32:
+    # Triton's default for float32 dots is TF32; match XLA's float32 accuracy.
+    precision = lax.Precision.HIGHEST
+  return _Layout(
+      t=args.query.shape[1], s=args.key.shape[1], num_heads=args.query.shape[2],
+      num_kv_heads=args.key.shape[2], h=args.query.shape[3], hv=args.value.shape[3],
+      scale=args.scale, left=left, right=right, soft_cap=args.logits_soft_cap,
+      bias_shape=None if args.bias is None else tuple(args.bias.shape),
+      mask_shape=None if args.mask is None else tuple(args.mask.shape),
+      has_q_len=args.query_seq_lengths is not None,
+      has_kv_len=args.key_value_seq_lengths is not None,
+      has_segments=args.q_segment_ids is not None, precision=precision)
+
+
+# ----------------------------------------------------------------------------
+# In-kernel helpers.
+# ----------------------------------------------------------------------------
+
+
+def _and(*masks):
+  """Logical and of the non-None masks (None: nothing to mask)."""
+  out = None
+  for m in masks:
+    if m is not None:
+      out = m if out is None else out & m
+  return out
+
+
+def _tile_mask(rows_ok, cols_ok, shape):
+  """A full-shape load/store mask from optional row and column predicates."""
+  m = _and(None if rows_ok is None else rows_ok[:, None],
+           None if cols_ok is None else cols_ok[None, :])
+  return None if m is None else jnp.broadcast_to(m, shape)
+
+
+def _load(ref, mask, other):
+  if mask is None:
+    return plgpu.load(ref)
+  return plgpu.load(ref, mask=mask, other=other)
+
+
+def _load_rows(ref, head, start, size, rows_ok, width, true_width):
+  """Rows ``[start, start + size)`` of a ``[rows, width]`` or ``[rows, heads, width]``
+  ref (then of head `head`), zero-padded to `width` columns."""
+  cols_ok = jnp.arange(width) < true_width if width != true_width else None
+  rows = pl.ds(start, size)
+  idx = (rows, slice(None)) if head is None else (rows, head, slice(None))
+  return _load(ref.at[idx], _tile_mask(rows_ok, cols_ok, (size, width)), 0.0)
+
+
+def _load_vec(ref, lead, start, size, ok, other):
+  return _load(ref.at[(*lead, pl.ds(start, size))], ok, other)
+
+
+def _load_pair(ref, lead, q0, bq, k0, bk, rows_ok, cols_ok, other):
+  """A ``[bq|1, bk|1]`` tile of a bias/mask whose T or S dim may be broadcast."""
+  tb, sb = ref.shape[-2:]
+  rows = pl.ds(q0, bq) if tb > 1 else pl.ds(0, 1)
+  cols = pl.ds(k0, bk) if sb > 1 else pl.ds(0, 1)
+  shape = (bq if tb > 1 else 1, bk if sb > 1 else 1)
+  mask = _tile_mask(rows_ok if tb > 1 else None, cols_ok if sb > 1 else None, shape)
+  return _load(ref.at[(*lead, rows, cols)], mask, other)
+
+
+def _dot(a, b, precision, trans_b=False):
+  if trans_b:
+    b = b.T
+  return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _logits2(qk, bias, lay: _Layout):
+  """Base-2 logits ``log2(e) * soft_cap(scale * qk + bias)`` and the tanh (or None)."""
+  if lay.soft_cap is None:
+    z = qk * (lay.scale * _LOG2E)
+    if bias is not None:
+      z = z + bias.astype(jnp.float32) * _LOG2E
+    return z, None
+  x = qk * (lay.scale / lay.soft_cap)
+  if bias is not None:
+    x = x + bias.astype(jnp.float32) * (1.0 / lay.soft_cap)
+  th = jnp.tanh(x)
+  return th * (lay.soft_cap * _LOG2E), th
+
+
+def _positional(lay: _Layout, rows, cols, kv_limit, bk, rows_first=True):
+  """Visibility by position (window/causal, key length) as a ``[rows, cols]`` mask."""
+  r = rows[:, None] if rows_first else rows[None, :]
+  c = cols[None, :] if rows_first else cols[:, None]
+  vis = None
+  if lay.has_kv_len or lay.s % bk:  # else every visited key is < S
+    vis = c < kv_limit
+  if lay.left is not None:
+    vis = _and(vis, c >= r - lay.left)
+  if lay.right is not None:
+    vis = _and(vis, c <= r + lay.right)
+  return vis
+
+
+def _cdiv(x, d):
+  return lax.div(x + (d - 1), d)
+
+
+def _clamp(x, lo, hi):
+  return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
+def _key_range(lay: _Layout, q0, bq, bk, kv_limit, q_limit):
+  """Key blocks ``lo <= fl <= fh <= hi`` for the queries ``[q0, q0 + bq)``.
+
+  Blocks in ``[lo, hi)`` may hold visible pairs; blocks in ``[fl, fh)`` hold only
+  pairs visible by position (no iota masking needed).
+  """
+  q_last = jnp.minimum(q0 + bq, q_limit) - 1
+  lo = 0 if lay.left is None else jnp.maximum(q0 - lay.left, 0)
+  hi = kv_limit if lay.right is None else jnp.minimum(kv_limit, q_last + lay.right + 1)
+  lo_blk = lax.div(jnp.asarray(lo, jnp.int32), bk)
+  hi_blk = jnp.maximum(_cdiv(jnp.maximum(hi, 0), bk), lo_blk)
+  hi_blk = jnp.where(q_last < q0, lo_blk, hi_blk)  # no valid query row
+  if lay.left is None:
+    fl = lo_blk
+  else:
+    fl = _clamp(_cdiv(jnp.maximum(q_last - lay.left, 0), bk), lo_blk, hi_blk)
+  full_end = kv_limit if lay.right is None else jnp.minimum(q0 + lay.right + 1,
+                                                            kv_limit)
+  fh = _clamp(lax.div(full_end, bk), fl, hi_blk)
+  return lo_blk, fl, fh, hi_blk
+
+
+def _query_range(lay: _Layout, k0, bk, bq, kv_limit, q_limit):
+  """Query blocks ``lo <= fl <= fh <= hi`` for the keys ``[k0, k0 + bk)``."""
+  k_last = jnp.minimum(k0 + bk, kv_limit) - 1
+  lo = 0 if lay.right is None else jnp.maximum(k0 - lay.right, 0)
+  hi = q_limit if lay.left is None else jnp.minimum(q_limit, k_last + lay.left + 1)
+  lo_blk = lax.div(jnp.asarray(lo, jnp.int32), bq)
+  hi_blk = jnp.maximum(_cdiv(jnp.maximum(hi, 0), bq), lo_blk)
+  hi_blk = jnp.where(k_last < k0, lo_blk, hi_blk)  # no valid key
+  if lay.right is None:
+    fl = lo_blk
+  else:
+    fl = _clamp(_cdiv(jnp.maximum(k0 + bk - 1 - lay.right, 0), bq), lo_blk, hi_blk)
+  if lay.left is None:
+    fh = hi_blk
+  else:
+    fh = _clamp(lax.div(k0 + lay.left + 1, bq), fl, hi_blk)
+  # A key tile that runs past the keys needs masking on every query block.
+  partial = k0 + bk > kv_limit
+  fl = jnp.where(partial, lo_blk, fl)
+  fh = jnp.where(partial, lo_blk, fh)
+  return lo_blk, fl, fh, hi_blk
+
+
+def _run_loops(body, carry, lo, fl, fh, hi, mask_low: bool, mask_high: bool):
+  """Runs body over ``[lo, fl)`` and ``[fh, hi)`` masked and ``[fl, fh)`` unmasked."""
+  if mask_low:
+    carry = lax.fori_loop(lo, fl, functools.partial(body, masked=True), carry)
+  carry = lax.fori_loop(fl if mask_low else lo, fh if mask_high else hi,
+                        functools.partial(body, masked=False), carry)
+  if mask_high:
+    carry = lax.fori_loop(fh, hi, functools.partial(body, masked=True), carry)
+  return carry
+
+
+def _limits(lay: _Layout, refs):
+  kv_limit = jnp.int32(lay.s)
+  if lay.has_kv_len:
+    kv_limit = jnp.minimum(refs["kv_len"][()], lay.s)
+  q_limit = jnp.int32(lay.t)
+  if lay.has_q_len:
+    q_limit = jnp.minimum(refs["q_len"][()], lay.t)
+  return kv_limit, q_limit
+
+
+def _content(lay: _Layout, refs, lead_b, lead_m, q0, bq, k0, bk, rows_ok, cols_ok,
+             q_seg, kv_seg, transpose=False):
+  """Bias tile and content visibility (bool mask, segments) for one tile.
+
+  Returns ``(bias, vis)`` oriented ``[bq, bk]`` (or ``[bk, bq]`` if transpose).
+  """
+  bias = vis = None
+  if "bias" in refs:
+    bias = _load_pair(refs["bias"], lead_b, q0, bq, k0, bk, rows_ok, cols_ok, 0.0)
+    if transpose:
+      bias = bias.T
+  if "mask" in refs:
+    vis = _load_pair(refs["mask"], lead_m, q0, bq, k0, bk, rows_ok, cols_ok, 0) != 0
+    if transpose:
+      vis = vis.T
+  if q_seg is not None:
+    seg = (q_seg[None, :] == kv_seg[:, None]) if transpose else (
+        q_seg[:, None] == kv_seg[None, :])
+    vis = _and(vis, seg)
+  return bias, vis
+
+
+# ----------------------------------------------------------------------------
+# Forward kernel.
+# ----------------------------------------------------------------------------
+
+
+def _fwd_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: bool):
+  refs = dict(zip(names, refs))
+  qb = pl.program_id(0)
+  if reverse:  # heaviest (last) query blocks first: better tail under causal
+    qb = nq - 1 - qb
+  q0 = qb * bq
+  rows = q0 + jnp.arange(bq)
+  row_in = rows < lay.t if lay.t % bq else None
+  kv_limit, q_limit = _limits(lay, refs)
+  q = _load_rows(refs["q"], None, q0, bq, row_in, lay.hp, lay.h)
+  q_seg = None
+  if lay.has_segments:
+    q_seg = _load_vec(refs["q_seg"], (), q0, bq, row_in, -1)
+
+  def body(j, carry, masked):
+    acc, m, l = carry
+    k0 = j * bk
+    cols = k0 + jnp.arange(bk)
+    col_in = cols < lay.s if (masked and lay.s % bk) else None
+    k = _load_rows(refs["k"], None, k0, bk, col_in, lay.hp, lay.h)
+    v = _load_rows(refs["v"], None, k0, bk, col_in, lay.hvp, lay.hv)
+    kv_seg = None
+    if q_seg is not None:
+      kv_seg = _load_vec(refs["kv_seg"], (), k0, bk, col_in, -2)
+    bias, vis = _content(lay, refs, (), (), q0, bq, k0, bk, row_in, col_in, q_seg,
+                         kv_seg)
+    if masked:
+      vis = _and(vis, _positional(lay, rows, cols, kv_limit, bk))
+    qk = _dot(q, k, lay.precision, trans_b=True)
+    if lay.direct_scale:
+      z, c = qk, lay.scale * _LOG2E
+    else:
+      z, c = _logits2(qk, bias, lay)[0], None
+    if vis is not None:
+      z = jnp.where(vis, z, -jnp.inf)
+    row_max = jnp.max(z, axis=1)
+    if c is not None:
+      row_max = row_max * c
+    m_new = jnp.maximum(m, row_max)
+    # A row with nothing visible yet keeps max -inf; exponentiate against 0 then.
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m - m_safe)
+    p = jnp.exp2((z * c if c is not None else z) - m_safe[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, lay.precision)
+    return acc, m_new, l
+
+  carry = (jnp.zeros((bq, lay.hvp), jnp.float32),
+           jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32))
+  lo, fl, fh, hi = _key_range(lay, q0, bq, bk, kv_limit, q_limit)
+  mask_high = lay.right is not None or lay.has_kv_len or lay.s % bk != 0
+  acc, m, l = _run_loops(body, carry, lo, fl, fh, hi, lay.left is not None, mask_high)
+
+  valid = l > 0
+  if lay.has_q_len:
+    valid &= rows < q_limit
+  l_safe = jnp.where(valid, l, 1.0)
+  out = jnp.where(valid[:, None], acc * (1.0 / l_safe)[:, None], 0.0)
+  lse = jnp.where(valid, (m + jnp.log2(l_safe)) * _LN2, jnp.inf)
+  cols_ok = jnp.arange(lay.hvp) < lay.hv if lay.hvp != lay.hv else None
+  o_ref = refs["out"]
+  plgpu.store(o_ref.at[pl.ds(q0, bq), :], out.astype(o_ref.dtype),
+              mask=_tile_mask(row_in, cols_ok, (bq, lay.hvp)))
+  plgpu.store(refs["lse"].at[pl.ds(q0, bq)], lse, mask=row_in)
+
+
+# ----------------------------------------------------------------------------
+# Backward kernels.
+# ----------------------------------------------------------------------------
+
+
+def _dq_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: bool):
+  refs = dict(zip(names, refs))
+  qb = pl.program_id(0)
+  if reverse:
+    qb = nq - 1 - qb
+  q0 = qb * bq
+  rows = q0 + jnp.arange(bq)
+  row_in = rows < lay.t if lay.t % bq else None
+  kv_limit, q_limit = _limits(lay, refs)
+  q = _load_rows(refs["q"], None, q0, bq, row_in, lay.hp, lay.h)
+  do = _load_rows(refs["do"], None, q0, bq, row_in, lay.hvp, lay.hv)
+  # Rows past the query length (or past T) get lse = +inf: p = 0, no gradient.
+  lse_ok = rows < q_limit if (lay.has_q_len or lay.t % bq) else None
+  lse2 = _load_vec(refs["lse"], (), q0, bq, lse_ok, jnp.inf) * _LOG2E
+  delta = _load_vec(refs["delta"], (), q0, bq, row_in, 0.0)
+  q_seg = None
+  if lay.has_segments:
+    q_seg = _load_vec(refs["q_seg"], (), q0, bq, row_in, -1)
+
+  def body(j, dq, masked):
+    k0 = j * bk
+    cols = k0 + jnp.arange(bk)
+    col_in = cols < lay.s if (masked and lay.s % bk) else None
+    k = _load_rows(refs["k"], None, k0, bk, col_in, lay.hp, lay.h)
+    v = _load_rows(refs["v"], None, k0, bk, col_in, lay.hvp, lay.hv)
+    kv_seg = None
+    if q_seg is not None:
+      kv_seg = _load_vec(refs["kv_seg"], (), k0, bk, col_in, -2)
+    bias, vis = _content(lay, refs, (), (), q0, bq, k0, bk, row_in, col_in, q_seg,
+                         kv_seg)
+    if masked:
+      vis = _and(vis, _positional(lay, rows, cols, kv_limit, bk))
+    z, th = _logits2(_dot(q, k, lay.precision, trans_b=True), bias, lay)
+    p = jnp.exp2(z - lse2[:, None])
+    if vis is not None:
+      p = jnp.where(vis, p, 0.0)
+    dp = _dot(do, v, lay.precision, trans_b=True)
+    ds = p * (dp - delta[:, None])
+    if th is not None:
+      ds = ds * (1.0 - th * th)
+    return dq + _dot(ds.astype(k.dtype), k, lay.precision)
+
+  lo, fl, fh, hi = _key_range(lay, q0, bq, bk, kv_limit, q_limit)
+  mask_high = lay.right is not None or lay.has_kv_len or lay.s % bk != 0
+  dq = _run_loops(body, jnp.zeros((bq, lay.hp), jnp.float32), lo, fl, fh, hi,
+                  lay.left is not None, mask_high)
+  dq = dq * lay.scale
+  cols_ok = jnp.arange(lay.hp) < lay.h if lay.hp != lay.h else None
+  dq_ref = refs["dq"]
+  plgpu.store(dq_ref.at[pl.ds(q0, bq), :], dq.astype(dq_ref.dtype),
+              mask=_tile_mask(row_in, cols_ok, (bq, lay.hp)))
+
+
+def _dkdv_kernel(*refs, names, lay: _Layout, bq: int, bk: int):
+  refs = dict(zip(names, refs))
+  k0 = pl.program_id(0) * bk
+  cols = k0 + jnp.arange(bk)
+  col_in = cols < lay.s if lay.s % bk else None
+  kv_limit, q_limit = _limits(lay, refs)
+  k = _load_rows(refs["k"], None, k0, bk, col_in, lay.hp, lay.h)
+  v = _load_rows(refs["v"], None, k0, bk, col_in, lay.hvp, lay.hv)
+  kv_seg = None
+  if lay.has_segments:
+    kv_seg = _load_vec(refs["kv_seg"], (), k0, bk, col_in, -2)
+  lo, fl, fh, hi = _query_range(lay, k0, bk, bq, kv_limit, q_limit)
+  mask_high = lay.left is not None or lay.has_kv_len or lay.s % bk != 0
+  per_head_bias = lay.bias_shape is not None and lay.bias_shape[1] > 1
+  per_head_mask = lay.mask_shape is not None and lay.mask_shape[1] > 1
+
+  def head(g, carry):
+    def body(i, carry, masked):
+      dk, dv = carry
+      q0 = i * bq
+      rows = q0 + jnp.arange(bq)
+      row_in = rows < lay.t if lay.t % bq else None
+      q = _load_rows(refs["q"], g, q0, bq, row_in, lay.hp, lay.h)
+      do = _load_rows(refs["do"], g, q0, bq, row_in, lay.hvp, lay.hv)
+      lse_ok = rows < q_limit if (lay.has_q_len or lay.t % bq) else None
+      lse2 = _load_vec(refs["lse"], (g,), q0, bq, lse_ok, jnp.inf) * _LOG2E
+      delta = _load_vec(refs["delta"], (g,), q0, bq, row_in, 0.0)
+      q_seg = None
+      if kv_seg is not None:
+        q_seg = _load_vec(refs["q_seg"], (), q0, bq, row_in, -1)
+      bias, vis = _content(lay, refs, (g,) if per_head_bias else (),
+                           (g,) if per_head_mask else (), q0, bq, k0, bk, row_in,
+                           col_in, q_seg, kv_seg, transpose=True)
+      if masked:
+        vis = _and(vis, _positional(lay, rows, cols, kv_limit, bk,
+                                    rows_first=False))
+      # Transposed tiles [bk, bq]: dK and dV come out without transposing p or ds.
+      z, th = _logits2(_dot(k, q, lay.precision, trans_b=True), bias, lay)
+      p = jnp.exp2(z - lse2[None, :])
+      if vis is not None:
+        p = jnp.where(vis, p, 0.0)
+      dv = dv + _dot(p.astype(do.dtype), do, lay.precision)
+      dp = _dot(v, do, lay.precision, trans_b=True)
+      ds = p * (dp - delta[None, :])
+      if th is not None:
+        ds = ds * (1.0 - th * th)
+      if "dbias" in refs:
+        plgpu.store(refs["dbias"].at[g, pl.ds(q0, bq), pl.ds(k0, bk)], ds.T,
+                    mask=_tile_mask(row_in, col_in, (bq, bk)))
+      dk = dk + _dot(ds.astype(q.dtype), q, lay.precision)
+      return dk, dv
+
+    return _run_loops(body, carry, lo, fl, fh, hi, lay.right is not None, mask_high)
+
+  carry = (jnp.zeros((bk, lay.hp), jnp.float32), jnp.zeros((bk, lay.hvp), jnp.float32))
+  if lay.group == 1:
+    dk, dv = head(jnp.int32(0), carry)
+  else:
+    dk, dv = lax.fori_loop(0, lay.group, head, carry)
+  dk = dk * lay.scale
+  for name, x, width, true_width in (("dk", dk, lay.hp, lay.h),
+                                     ("dv", dv, lay.hvp, lay.hv)):
+    ref = refs[name]
+    cols_ok = jnp.arange(width) < true_width if width != true_width else None
+    plgpu.store(ref.at[pl.ds(k0, bk), :], x.astype(ref.dtype),
+                mask=_tile_mask(col_in, cols_ok, (bk, width)))
+
+
+# ----------------------------------------------------------------------------
+# pallas_call wiring.
+# ----------------------------------------------------------------------------
+
+
+def _fit(block: int, length: int) -> int:
+  """The block size actually used: a power of 2, >= 16 (Triton dots), <= needed."""
+  return max(16, min(block, _common.next_power_of_2(length)))
+
+
+def _bn_index(num_heads):
+  """Grid index -> (batch, head) for grids over batch * heads."""
+  return lambda bn: (lax.div(bn, num_heads), lax.rem(bn, num_heads))
+
+
+def _seq_spec(length, width, heads_block, num_heads):
+  """``[B, L, heads, W]`` arrays: the whole sequence of one head (or head group)."""
+  split = _bn_index(num_heads)
+
+  def index_map(_, bn):
+    b, n = split(bn)
+    return b, 0, n, 0
+
+  return pl.BlockSpec((None, length, heads_block, width), index_map)
+
+
+def _stat_spec(length, heads_block, num_heads):
+  """``[B, N, T]`` row statistics (lse, delta)."""
+  split = _bn_index(num_heads)
+
+  def index_map(_, bn):
+    b, n = split(bn)
+    return b, n, 0
+
+  return pl.BlockSpec((None, heads_block, length), index_map)
+
+
+def _pair_spec(shape, heads_block, num_heads):
+  """``[B|1, N|1, T|1, S|1]`` bias/mask; broadcast dims stay size 1."""
+  bb, nb, tb, sb = shape
+  split = _bn_index(num_heads)
+
+  def index_map(_, bn):
+    b, n = split(bn)
+    return (b if bb > 1 else 0), (n if nb > 1 else 0), 0, 0
+
+  return pl.BlockSpec((None, heads_block if nb > 1 else None, tb, sb), index_map)
+
+
+def _batch_spec(length, num_heads):
+  """``[B, L]`` segment ids, or ``[B]`` lengths when length is None (a scalar)."""
+  split = _bn_index(num_heads)
+  if length is None:
+    return pl.BlockSpec((None,), lambda _, bn: (split(bn)[0],))
+  return pl.BlockSpec((None, length), lambda _, bn: (split(bn)[0], 0))
+
+
+def _extras(args, lay: _Layout, heads_block, num_heads):
+  """Optional inputs shared by all kernels: (name, array, spec) triples."""
+  out = []
+  if args.bias is not None:
+    out.append(("bias", args.bias, _pair_spec(args.bias.shape, heads_block, num_heads)))
+  if args.mask is not None:
+    # Bool refs are not portable in Triton memory; int8 keeps one byte per entry.
+    out.append(("mask", args.mask.astype(jnp.int8),
+                _pair_spec(args.mask.shape, heads_block, num_heads)))
+  if lay.has_q_len:
+    out.append(("q_len", args.query_seq_lengths, _batch_spec(None, num_heads)))
+  if lay.has_kv_len:
+    out.append(("kv_len", args.key_value_seq_lengths, _batch_spec(None, num_heads)))
+  if lay.has_segments:
+    out.append(("q_seg", args.q_segment_ids, _batch_spec(lay.t, num_heads)))
+    out.append(("kv_seg", args.kv_segment_ids, _batch_spec(lay.s, num_heads)))
+  return out
+
+
+def _call(kernel, inputs, outputs, grid, num_warps, num_stages, name, aliases=None,
+          **kwargs):
+  names = tuple(n for n, _, _ in inputs) + tuple(n for n, _, _ in outputs)
+  return _common.pallas_call(
+      functools.partial(kernel, names=names, **kwargs),
+      out_shape=[shape for _, shape, _ in outputs], grid=grid,
+      in_specs=[spec for _, _, spec in inputs],
+      out_specs=[spec for _, _, spec in outputs], num_warps=num_warps,
+      num_stages=num_stages, interpret=tokamax.interpret_mode(), name=name,
+      input_output_aliases=aliases or {},
+  )(*[x for _, x, _ in inputs])
+
+
+def _forward(args, config: AttentionConfig):
+  lay = _layout(args)
+  q, k, v = args.query, args.key, args.value
+  b, n = q.shape[0], lay.num_heads
+  bq, bk = _fit(config.block_q, lay.t), _fit(config.block_k, lay.s)
+  nq = pl.cdiv(lay.t, bq)
+  g = lay.group
+  kv_map = _bn_index(n)
+
+  def kv_spec(width):
+    def index_map(_, bn):
+      bb, nn = kv_map(bn)
+      return bb, 0, lax.div(nn, g), 0
+    return pl.BlockSpec((None, lay.s, None, width), index_map)
+
+  inputs = [("q", q, _seq_spec(lay.t, lay.hp, None, n)), ("k", k, kv_spec(lay.hp)),
+            ("v", v, kv_spec(lay.hvp)), *_extras(args, lay, None, n)]
+  outputs = [
+      ("out", jax.ShapeDtypeStruct((b, lay.t, n, lay.hv), q.dtype),
+       _seq_spec(lay.t, lay.hvp, None, n)),
+      ("lse", jax.ShapeDtypeStruct((b, n, lay.t), jnp.float32),
+       _stat_spec(lay.t, None, n)),
+  ]
+  out, lse = _call(_fwd_kernel, inputs, outputs, (nq, b * n), config.num_warps,
+                   config.num_stages, "tokamax_attention_fwd", lay=lay, bq=bq, bk=bk,
+                   nq=nq, reverse=lay.right is not None)
+  return out, lse
+
+
+def _reduce_to_shape(x, shape):
+  axes = tuple(i for i, (have, want) in enumerate(zip(x.shape, shape))
+               if want == 1 and have != 1)
+  return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+def _backward(args, lse, out, dout, config: AttentionVjpConfig):
+  lay = _layout(args)
+  q, k, v = args.query, args.key, args.value
+  b, n, nk_heads, g = q.shape[0], lay.num_heads, lay.num_kv_heads, lay.group
+  dout = dout.astype(q.dtype)
+  delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32),
+                     out.astype(jnp.float32))
+  lse = lse.astype(jnp.float32)
+
+  # dK/dV: one program per (key block, batch, kv head); query heads of the group
+  # are visited in turn through a head-group block of size G.
+  bq, bk = _fit(config.block_q_dkv, lay.t), _fit(config.block_k_dkv, lay.s)
+  nkb = pl.cdiv(lay.s, bk)
+  kv_split = _bn_index(nk_heads)
+
+  def kv_spec(width):
+    def index_map(_, bn):
+      bb, kh = kv_split(bn)
+      return bb, 0, kh, 0
+    return pl.BlockSpec((None, lay.s, None, width), index_map)
+
+  inputs = [("q", q, _seq_spec(lay.t, lay.hp, g, nk_heads)), ("k", k, kv_spec(lay.hp)),
+            ("v", v, kv_spec(lay.hvp)), ("do", dout, _seq_spec(lay.t, lay.hvp, g,
+                                                               nk_heads)),
+            ("lse", lse, _stat_spec(lay.t, g, nk_heads)),
+            ("delta", delta, _stat_spec(lay.t, g, nk_heads)),
+            *_extras(args, lay, g, nk_heads)]
+  outputs = [("dk", jax.ShapeDtypeStruct(k.shape, k.dtype), kv_spec(lay.hp)),
+             ("dv", jax.ShapeDtypeStruct(v.shape, v.dtype), kv_spec(lay.hvp))]
+  aliases = {}
+  if args.bias is not None:
+    # Blocks the kernel skips must read as zero gradient: start from zeros.
+    dbias_init = jnp.zeros((b, n, lay.t, lay.s), jnp.float32)
+    dbias_spec = pl.BlockSpec((None, g, lay.t, lay.s),
+                              lambda _, bn: (*kv_split(bn), 0, 0))
+    aliases = {len(inputs): 2}
+    inputs.append(("dbias_init", dbias_init, dbias_spec))
+    outputs.append(("dbias", jax.ShapeDtypeStruct(dbias_init.shape, jnp.float32),
+                    dbias_spec))
+  res = _call(_dkdv_kernel, inputs, outputs, (nkb, b * nk_heads),
+              config.num_warps_dkv, config.num_stages, "tokamax_attention_dkdv",
+              aliases=aliases, lay=lay, bq=bq, bk=bk)
+  dk, dv = res[0], res[1]
+  dbias = None
+  if args.bias is not None:
+    dbias = _reduce_to_shape(res[2], args.bias.shape).astype(args.bias.dtype)
+
+  # dQ: one program per (query block, batch, head).
+  bq, bk = _fit(config.block_q_dq, lay.t), _fit(config.block_k_dq, lay.s)
+  nq = pl.cdiv(lay.t, bq)
+  q_split = _bn_index(n)
+
+  def kv_spec_q(width):
+    def index_map(_, bn):
+      bb, nn = q_split(bn)
+      return bb, 0, lax.div(nn, g), 0
+    return pl.BlockSpec((None, lay.s, None, width), index_map)
+
+  inputs = [("q", q, _seq_spec(lay.t, lay.hp, None, n)), ("k", k, kv_spec_q(lay.hp)),
+            ("v", v, kv_spec_q(lay.hvp)), ("do", dout, _seq_spec(lay.t, lay.hvp, None,
+                                                                 n)),
+            ("lse", lse, _stat_spec(lay.t, None, n)),
+            ("delta", delta, _stat_spec(lay.t, None, n)), *_extras(args, lay, None, n)]
+  outputs = [("dq", jax.ShapeDtypeStruct(q.shape, q.dtype),
+              _seq_spec(lay.t, lay.hp, None, n))]
+  (dq,) = _call(_dq_kernel, inputs, outputs, (nq, b * n), config.num_warps_dq,
+                config.num_stages, "tokamax_attention_dq", lay=lay, bq=bq, bk=bk,
+                nq=nq, reverse=lay.right is not None)
+  return {"query": dq, "key": dk, "value": dv, "bias": dbias}
+
+
+# ----------------------------------------------------------------------------
+# Ops.
+# ----------------------------------------------------------------------------
+
+
+def _check(args, device) -> None:
+  _common.check_triton_device(device)
+  dtype = args.query.dtype
+  if dtype not in _DTYPES:
+    raise NotImplementedError(f"dtype {jnp.dtype(dtype).name} is not supported "
+                              "(bfloat16, float16, float32)")
+  h, hv = args.query.shape[-1], args.value.shape[-1]
+  if max(h, hv) > _MAX_HEAD_DIM:
+    raise NotImplementedError(f"head dims up to {_MAX_HEAD_DIM} are supported; got "
+                              f"H={h}, Hv={hv}")
+  if min(args.query.shape[1], args.key.shape[1], h, hv, args.query.shape[0],
+         args.query.shape[2]) == 0:
+    raise NotImplementedError("empty (zero-size) inputs")
+  if args.bias is not None and args.bias.dtype not in _DTYPES:
+    raise NotImplementedError(f"bias dtype {jnp.dtype(args.bias.dtype).name}")
+
+
+def _head_dim(args) -> int:
+  return max(_common.next_power_of_2(args.query.shape[-1]),
+             _common.next_power_of_2(args.value.shape[-1]))
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonAttention(tokamax.Op):
+  """FlashAttention-2 forward in Pallas Triton (see the module docstring)."""
+
+  op_name = "dot_product_attention"
+  name = "triton"
+  config_cls = AttentionConfig
+
+  def check_supported(self, args, device):
+    _check(args, device)
+
+  def heuristic_config(self, args):
+    hd = _head_dim(args)
+    wide = args.query.dtype == jnp.float32
+    if hd <= 64:
+      return AttentionConfig(block_q=128, block_k=32 if wide else 64, num_warps=4,
+                             num_stages=3)
+    if hd <= 128:
+      return AttentionConfig(block_q=128, block_k=32 if wide else 64, num_warps=8,
+                             num_stages=2 if wide else 3)
+    return AttentionConfig(block_q=64, block_k=32, num_warps=8, num_stages=2)
+
+  def search_space(self, args):
+    hd = _head_dim(args)
+    configs = []
+    for bq in (64, 128):
+      for bk in (32, 64, 128):
+        if hd > 128 and bq * bk > 64 * 64:
+          continue
+        for warps in (4, 8):
+          for stages in (2, 3, 4):
+            if stages == 4 and (hd > 64 or bk > 64):
+              continue
+            configs.append(AttentionConfig(bq, bk, warps, stages))
+    return tuple(configs)
+
+  def forward(self, args, config):
+    out, lse = _forward(args, config or self.heuristic_config(args))
+    return out, {"lse": lse}
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonAttentionVjp(tokamax.VjpOp):
+  """FlashAttention-2 backward in Pallas Triton (dK/dV kernel + dQ kernel)."""
+
+  op_name = "dot_product_attention"
+  name = "triton"
+  config_cls = AttentionVjpConfig
+
+  def check_supported(self, args, device, residuals=None):
+    _check(args, device)
+    if residuals is not None and "lse" not in residuals:
+      raise NotImplementedError("needs the forward's log-sum-exp residual ('lse')")
+
+  def heuristic_config(self, args):
+    hd = _head_dim(args)
+    wide = args.query.dtype == jnp.float32
+    if hd <= 64 and not wide:
+      return AttentionVjpConfig(32, 128, 128, 32, num_warps_dkv=4, num_warps_dq=4,
+                                num_stages=3)
+    if hd <= 128:
+      return AttentionVjpConfig(32, 128 if not wide else 64, 128 if not wide else 64,
+                                32, num_warps_dkv=8, num_warps_dq=8 if not wide else 4,
+                                num_stages=2)
+    return AttentionVjpConfig(32, 64, 64, 32, num_warps_dkv=8, num_warps_dq=8,
+                              num_stages=2)
+
+  def search_space(self, args):
+    hd = _head_dim(args)
+    dkv_tiles = ((32, 64), (32, 128), (64, 64), (64, 128), (128, 64))
+    dq_tiles = ((64, 32), (128, 32), (64, 64), (128, 64))
+    configs = []
+    for (qa, ka), (qb, kb) in zip(dkv_tiles * 2, dq_tiles * 3):
+      for warps in (4, 8):
+        for stages in (2, 3):
+          if hd > 128 and (qa * ka > 32 * 128 or qb * kb > 64 * 64):
+            continue
+          configs.append(AttentionVjpConfig(qa, ka, qb, kb, warps, warps, stages))
+    return tuple(dict.fromkeys(configs))
+
+  def backward(self, args, residuals, out, dout, config):
+    return _backward(args, residuals["lse"], out, dout,
+                     config or self.heuristic_config(args))
+
+
+# An explicitly constructed forward op uses this backward.
+TritonAttention.vjp = TritonAttentionVjp

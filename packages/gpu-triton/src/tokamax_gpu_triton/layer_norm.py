@@ -1,0 +1,695 @@
+"""Layer / RMS normalization as Pallas Triton kernels.
+
+Forward (grid over blocks of ``block_rows`` rows): each program loads a
+``[block_rows, block_d]`` tile and computes float32 statistics per row.
+
+- ``block_d >= D`` (the usual case): the row lives in registers, so x is read from
+  HBM exactly once; mean and variance are exact two-pass sums over the registers.
+- ``block_d < D`` (very wide rows): a first loop over column blocks merges
+  per-block (mean, M2) pairs with Chan's parallel formula (stable, one read of x),
+  a second loop normalizes and stores. The first loop asks the cache to keep x
+  (``evict_last``) so the second loop mostly reads it from L2.
+
+Backward: with ``xhat = (x - mean) * rstd`` and ``g = dy * scale``,
+``dx = rstd * (g - xhat * mean(g * xhat) - mean(g))`` (no ``mean(g)`` term for
+RMSNorm). The kernel is persistent over rows: a grid of ``num_programs`` programs
+walks the row blocks (program ``p`` takes blocks ``p, p + G, p + 2G, ...``) and
+keeps its share of ``dscale = sum(dy * xhat)`` and ``doffset = sum(dy)`` in
+registers, writing one float32 row of a ``[num_programs, D]`` partial array at
+the end; jnp then sums the partials (a few MB, deterministic, no atomics).
+
+- Rows that fit one block (the usual case): mean / rstd are recomputed from the
+  x tile in registers instead of read from the residuals, so the kernel moves
+  exactly x, dy in and dx out, and XLA can drop the whole forward kernel when only
+  gradients are used. The loads of the next row block are issued before the
+  current block's reductions (``prefetch``), keeping HBM busy across them.
+- Wider rows: a small first kernel computes ``mean(g * xhat)`` and ``mean(g)``
+  per row from the saved mean / rstd, and the main kernel's grid gets a second axis over column blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+import tokamax
+from tokamax_gpu_triton import _common
+
+# Largest row tile kept in registers: the forward holds one f32 copy of the tile,
+# the backward several (x, dy, g, the prefetched next tiles and the dscale /
+# doffset accumulators), so its limit is lower to stay in registers at 16 warps.
+_MAX_BLOCK_D_FWD = 16384
+_MAX_BLOCK_D_BWD = 8192
+# Elements per program the heuristics aim for: enough bytes in flight per SM to
+# cover HBM latency, small enough for several programs per SM.
+_TARGET_TILE = 8192
+_NUM_SMS = 132  # H100 / H200.
+_SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerNormConfig:
+  """Forward tiling: ``block_rows`` x ``block_d`` elements per program (powers of 2)."""
+
+  block_rows: int = 1
+  block_d: int = 1024
+  num_warps: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerNormVjpConfig:
+  """Backward tiling.
+
+  ``num_programs`` is the target size of the persistent grid (row direction); the
+  grid is shrunk to the fewest programs with the same number of trips.
+  ``prefetch`` (rows that fit one block only): load the next row block while
+  reducing the current one.
+  """
+
+  block_rows: int = 1
+  block_d: int = 1024
+  num_warps: int = 4
+  num_programs: int = 264
+  num_stages: int = 1
+  prefetch: bool = True
+
+
+def _pow2_at_most(x: int) -> int:
+  return 1 << (max(x, 1).bit_length() - 1)
+
+
+def _warps_for(tile: int, elems_per_thread: int, most: int = 16) -> int:
+  return max(1, min(most, _pow2_at_most(tile // (32 * elems_per_thread))))
+
+
+def _row_block(r: int, block_d: int, tile: int = _TARGET_TILE) -> int:
+  return max(1, min(_common.next_power_of_2(r), tile // block_d))
+
+
+def _per_thread(tile: int, num_warps: int) -> int:
+  return tile // (32 * num_warps)
+
+
+def _block_d_choices(d: int, wide_choices) -> list[int]:
+  """The whole row in one block if it fits, else the given sizes below it."""
+  d_p2 = _common.next_power_of_2(d)
+  if d_p2 <= wide_choices[-1]:
+    return [d_p2]
+  return list(wide_choices)
+
+
+def _check_config(config) -> None:
+  for name in ("block_rows", "block_d", "num_warps"):
+    v = getattr(config, name)
+    if v < 1 or v & (v - 1):
+      raise ValueError(f"{type(config).__name__}.{name} must be a power of 2; got {v}")
+  for name in ("num_programs", "num_stages"):
+    if getattr(config, name, 1) < 1:
+      raise ValueError(f"{type(config).__name__}.{name} must be >= 1; got {config}")
+  if config.num_warps > 32:
+    raise ValueError(f"{type(config).__name__}.num_warps must be <= 32; got {config}")
+
+
+# ----------------------------------------------------------------------------
+# Masking. Masks are built only for dimensions that are not block multiples
+# (known statically), so aligned shapes run plain vectorized loads and stores.
+# ----------------------------------------------------------------------------
+
+
+def _range_mask(start, size: int, bound: int, ragged: bool):
+  return start + jnp.arange(size) < bound if ragged else None
+
+
+def _tile_mask(row_mask, col_mask):
+  if row_mask is None:
+    return None if col_mask is None else col_mask[None, :]
+  if col_mask is None:
+    return row_mask[:, None]
+  return row_mask[:, None] & col_mask[None, :]
+
+
+def _load(ref, mask, policy=None):
+  if mask is None:
+    return plgpu.load(ref, eviction_policy=policy).astype(jnp.float32)
+  return plgpu.load(ref, mask=mask, other=0.0,
+                    eviction_policy=policy).astype(jnp.float32)
+
+
+def _store(ref, value, mask):
+  value = value.astype(ref.dtype)
+  if mask is None:
+    plgpu.store(ref, value)
+  else:
+    plgpu.store(ref, value, mask=mask)
+
+
+def _load_param(ref, cols, col_mask):
+  return None if ref is None else _load(ref.at[cols], col_mask)
+
+
+def _affine(y, scale, offset):
+  if scale is not None:
+    y = y * scale[None, :]
+  if offset is not None:
+    y = y + offset[None, :]
+  return y
+
+
+# ----------------------------------------------------------------------------
+# Forward.
+# ----------------------------------------------------------------------------
+
+
+def _fwd_kernel(*refs, has_scale, has_offset, subtract_mean, eps, block_rows,
+                block_d):
+  refs = list(refs)
+  x_ref = refs.pop(0)
+  scale_ref = refs.pop(0) if has_scale else None
+  offset_ref = refs.pop(0) if has_offset else None
+  y_ref, mean_ref, rstd_ref = refs
+  r, d = x_ref.shape
+  r0 = pl.program_id(0) * block_rows
+  row_mask = _range_mask(r0, block_rows, r, r % block_rows != 0)
+  rows = pl.ds(r0, block_rows)
+  cols_ragged = d % block_d != 0
+
+  if block_d >= d:
+    cols = pl.ds(0, block_d)
+    col_mask = _range_mask(0, block_d, d, cols_ragged)
+    mask = _tile_mask(row_mask, col_mask)
+    x = _load(x_ref.at[rows, cols], mask)
+    if subtract_mean:
+      mean = jnp.sum(x, axis=1) / d
+      x = x - mean[:, None]
+      if col_mask is not None:
+        x = jnp.where(col_mask[None, :], x, 0.0)
+    else:
+      mean = jnp.zeros((block_rows,), jnp.float32)
+    rstd = jax.lax.rsqrt(jnp.sum(x * x, axis=1) / d + eps)
+    y = _affine(x * rstd[:, None], _load_param(scale_ref, cols, col_mask),
+                _load_param(offset_ref, cols, col_mask))
+    _store(y_ref.at[rows, cols], y, mask)
+  else:
+    num_col_blocks = pl.cdiv(d, block_d)
+
+    def stats_body(j, carry):
+      mean, m2 = carry
+      c0 = pl.multiple_of(j * block_d, block_d)
+      col_mask = _range_mask(c0, block_d, d, cols_ragged)
+      x = _load(x_ref.at[rows, pl.ds(c0, block_d)], _tile_mask(row_mask, col_mask),
+                "evict_last")
+      if not subtract_mean:
+        return mean, m2 + jnp.sum(x * x, axis=1)
+      # Chan et al.: merge this block's (count, mean, M2) into the running one.
+      n_a = (j * block_d).astype(jnp.float32)
+      n_b = jnp.minimum(block_d, d - j * block_d).astype(jnp.float32)
+      block_mean = jnp.sum(x, axis=1) / n_b
+      xc = x - block_mean[:, None]
+      if col_mask is not None:
+        xc = jnp.where(col_mask[None, :], xc, 0.0)
+      delta = block_mean - mean
+      n = n_a + n_b
+      mean = mean + delta * (n_b / n)
+      m2 = m2 + jnp.sum(xc * xc, axis=1) + delta * delta * (n_a * n_b / n)
+      return mean, m2
+
+    zeros = jnp.zeros((block_rows,), jnp.float32)
+    mean, m2 = jax.lax.fori_loop(0, num_col_blocks, stats_body, (zeros, zeros))
+    rstd = jax.lax.rsqrt(m2 / d + eps)
+
+    def norm_body(j, _):
+      c0 = pl.multiple_of(j * block_d, block_d)
+      cols = pl.ds(c0, block_d)
+      col_mask = _range_mask(c0, block_d, d, cols_ragged)
+      mask = _tile_mask(row_mask, col_mask)
+      x = _load(x_ref.at[rows, cols], mask, "evict_first")
+      y = _affine((x - mean[:, None]) * rstd[:, None],
+                  _load_param(scale_ref, cols, col_mask),
+                  _load_param(offset_ref, cols, col_mask))
+      _store(y_ref.at[rows, cols], y, mask)
+      return ()
+
+    jax.lax.fori_loop(0, num_col_blocks, norm_body, ())
+
+  _store(mean_ref.at[rows], mean, row_mask)
+  _store(rstd_ref.at[rows], rstd, row_mask)
+
+
+def _forward(args: tokamax.LayerNormArgs, config: LayerNormConfig):
+  x = args.x
+  r, d = x.shape
+  params = [p for p in (args.scale, args.offset) if p is not None]
+  kernel = functools.partial(
+      _fwd_kernel, has_scale=args.scale is not None,
+      has_offset=args.offset is not None, subtract_mean=args.subtract_mean,
+      eps=args.epsilon, block_rows=config.block_rows, block_d=config.block_d)
+  n_in = 1 + len(params)
+  y, mean, rstd = _common.pallas_call(
+      kernel,
+      out_shape=(jax.ShapeDtypeStruct((r, d), x.dtype),
+                 jax.ShapeDtypeStruct((r,), jnp.float32),
+                 jax.ShapeDtypeStruct((r,), jnp.float32)),
+      grid=(pl.cdiv(r, config.block_rows),),
+      in_specs=[pl.no_block_spec] * n_in,
+      out_specs=[pl.no_block_spec] * 3,
+      num_warps=config.num_warps, num_stages=1,
+      interpret=tokamax.interpret_mode(), name="tokamax_layer_norm_fwd",
+  )(x, *params)
+  return y, mean, rstd
+
+
+# ----------------------------------------------------------------------------
+# Backward.
+# ----------------------------------------------------------------------------
+
+
+def _xhat(x, mean, rstd):
+  # Padding rows load mean = rstd = 0, so xhat (and every sum below) is 0 there;
+  # padding columns load dy = 0, so they add nothing either.
+  if mean is not None:
+    x = x - mean[:, None]
+  return x * rstd[:, None]
+
+
+def _g(dy, scale):
+  return dy if scale is None else dy * scale[None, :]
+
+
+def _load_raw(ref, mask):
+  """A load in the array's own dtype (half the registers of f32 for bf16 / f16)."""
+  if mask is None:
+    return plgpu.load(ref)
+  return plgpu.load(ref, mask=mask, other=0)
+
+
+def _rows_grads(x, dy, scale, row_mask, col_mask, *, subtract_mean, eps, d):
+  """(dx, xhat) for a tile of whole rows, recomputing the statistics from x."""
+  if subtract_mean:
+    mean = jnp.sum(x, axis=1) / d
+    x = x - mean[:, None]
+    if col_mask is not None:
+      x = jnp.where(col_mask[None, :], x, 0.0)
+  g = _g(dy, scale)
+  # The four row sums of LayerNorm (two for RMSNorm) are independent of each
+  # other, so their cross-warp reductions overlap.
+  rstd = jax.lax.rsqrt(jnp.sum(x * x, axis=1) / d + eps)
+  if row_mask is not None:
+    # Padding rows are all zeros: rsqrt(eps) with eps = 0 would be inf, and
+    # 0 * inf would put NaNs into the dscale sums.
+    rstd = jnp.where(row_mask, rstd, 0.0)
+  c1 = jnp.sum(g * x, axis=1) * (rstd * rstd / d)
+  dx = g - x * c1[:, None]
+  if subtract_mean:
+    dx = dx - (jnp.sum(g, axis=1) / d)[:, None]
+  return dx * rstd[:, None], x * rstd[:, None]
+
+
+def _bwd_rows_kernel(*refs, has_scale, want_dscale, want_doffset, subtract_mean,
+                     eps, prefetch, rows_ragged, trips, block_rows, block_d):
+  """Backward for rows that fit one block: no residuals, one read of x and dy.
+
+  Program ``p`` walks row blocks ``p, p + G, ...`` (``trips`` of them, the last
+  ones padding when G does not divide the row blocks) and keeps its share of
+  dscale / doffset in registers. With ``prefetch`` the loads of the next row
+  block are issued before the current one is reduced and stored, so HBM stays
+  busy during the cross-warp reductions (Triton does not pipeline loads that feed
+  no dot); the loop carries the prefetched tiles in their own (16-bit) dtype.
+  """
+  refs = list(refs)
+  x_ref = refs.pop(0)
+  scale_ref = refs.pop(0) if has_scale else None
+  dy_ref, dx_ref = refs.pop(0), refs.pop(0)
+  dscale_ref = refs.pop(0) if want_dscale else None
+  doffset_ref = refs.pop(0) if want_doffset else None
+  r, d = x_ref.shape
+  num_programs = pl.num_programs(0)
+  pid = pl.program_id(0)
+  cols = pl.ds(0, block_d)
+  col_mask = _range_mask(0, block_d, d, d % block_d != 0)
+  scale = _load_param(scale_ref, cols, col_mask)
+
+  def block(it):
+    r0 = (pid + it * num_programs) * block_rows
+    row_mask = _range_mask(r0, block_rows, r, rows_ragged)
+    return pl.ds(r0, block_rows), row_mask, _tile_mask(row_mask, col_mask)
+
+  def load(it):
+    rows, _, mask = block(it)
+    return (_load_raw(x_ref.at[rows, cols], mask),
+            _load_raw(dy_ref.at[rows, cols], mask))
+
+  def body(it, carry):
+    accs, tiles = carry
+    if prefetch:
+      # The last trip re-loads its own block (cached) instead of masking.
+      next_tiles = load(jnp.minimum(it + 1, trips - 1))
+    else:
+      tiles = load(it)
+    rows, row_mask, mask = block(it)
+    x, dy = (t.astype(jnp.float32) for t in tiles)
+    dx, xhat = _rows_grads(x, dy, scale, row_mask, col_mask,
+                           subtract_mean=subtract_mean, eps=eps, d=d)
+    _store(dx_ref.at[rows, cols], dx, mask)
+    new_accs = []
+    if want_dscale:
+      new_accs.append(accs[len(new_accs)] + jnp.sum(dy * xhat, axis=0))
+    if want_doffset:
+      new_accs.append(accs[len(new_accs)] + jnp.sum(dy, axis=0))
+    return tuple(new_accs), (next_tiles if prefetch else tiles)
+
+  zeros = jnp.zeros((block_d,), jnp.float32)
+  accs = (zeros,) * (int(want_dscale) + int(want_doffset))
+  if prefetch:
+    tiles = load(0)
+  else:
+    tiles = (jnp.zeros((block_rows, block_d), x_ref.dtype),
+             jnp.zeros((block_rows, block_d), dy_ref.dtype))
+  accs, _ = jax.lax.fori_loop(0, trips, body, (accs, tiles))
+  for ref, acc in zip((r for r in (dscale_ref, doffset_ref) if r is not None), accs):
+    _store(ref.at[pid, cols], acc, col_mask)
+
+
+def _bwd_row_sums_kernel(*refs, has_scale, subtract_mean, block_rows, block_d):
+  """Per-row ``mean(g * xhat)`` and ``mean(g)`` for rows wider than one block."""
+  refs = list(refs)
+  x_ref = refs.pop(0)
+  scale_ref = refs.pop(0) if has_scale else None
+  dy_ref, mean_ref, rstd_ref, c1_ref, c2_ref = refs
+  r, d = x_ref.shape
+  r0 = pl.program_id(0) * block_rows
+  row_mask = _range_mask(r0, block_rows, r, r % block_rows != 0)
+  rows = pl.ds(r0, block_rows)
+  mean = _load(mean_ref.at[rows], row_mask) if subtract_mean else None
+  rstd = _load(rstd_ref.at[rows], row_mask)
+
+  def body(j, carry):
+    s1, s2 = carry
+    c0 = pl.multiple_of(j * block_d, block_d)
+    cols = pl.ds(c0, block_d)
+    col_mask = _range_mask(c0, block_d, d, d % block_d != 0)
+    mask = _tile_mask(row_mask, col_mask)
+    xhat = _xhat(_load(x_ref.at[rows, cols], mask, "evict_last"), mean, rstd)
+    g = _g(_load(dy_ref.at[rows, cols], mask, "evict_last"),
+           _load_param(scale_ref, cols, col_mask))
+    return s1 + jnp.sum(g * xhat, axis=1), s2 + jnp.sum(g, axis=1)
+
+  zeros = jnp.zeros((block_rows,), jnp.float32)
+  s1, s2 = jax.lax.fori_loop(0, pl.cdiv(d, block_d), body, (zeros, zeros))
+  _store(c1_ref.at[rows], s1 / d, row_mask)
+  _store(c2_ref.at[rows], s2 / d, row_mask)
+
+
+def _bwd_wide_kernel(*refs, has_scale, want_dscale, want_doffset, subtract_mean,
+                     rows_ragged, trips, block_rows, block_d):
+  """Backward for a column block of wide rows, with precomputed row sums."""
+  refs = list(refs)
+  x_ref = refs.pop(0)
+  scale_ref = refs.pop(0) if has_scale else None
+  dy_ref, mean_ref, rstd_ref, c1_ref, c2_ref, dx_ref = refs[:6]
+  refs = refs[6:]
+  dscale_ref = refs.pop(0) if want_dscale else None
+  doffset_ref = refs.pop(0) if want_doffset else None
+  r, d = x_ref.shape
+  num_programs = pl.num_programs(0)
+  pid = pl.program_id(0)
+  c0 = pl.multiple_of(pl.program_id(1) * block_d, block_d)
+  cols = pl.ds(c0, block_d)
+  col_mask = _range_mask(c0, block_d, d, d % block_d != 0)
+  scale = _load_param(scale_ref, cols, col_mask)
+
+  def body(it, carry):
+    acc_scale, acc_offset = carry
+    r0 = (pid + it * num_programs) * block_rows
+    row_mask = _range_mask(r0, block_rows, r, rows_ragged)
+    rows = pl.ds(r0, block_rows)
+    mask = _tile_mask(row_mask, col_mask)
+    mean = _load(mean_ref.at[rows], row_mask) if subtract_mean else None
+    rstd = _load(rstd_ref.at[rows], row_mask)
+    dy = _load(dy_ref.at[rows, cols], mask, "evict_first")
+    xhat = _xhat(_load(x_ref.at[rows, cols], mask, "evict_first"), mean, rstd)
+    g = _g(dy, scale)
+    c1 = _load(c1_ref.at[rows], row_mask)
+    dx = g - xhat * c1[:, None]
+    if subtract_mean:
+      dx = dx - _load(c2_ref.at[rows], row_mask)[:, None]
+    _store(dx_ref.at[rows, cols], dx * rstd[:, None], mask)
+    if want_dscale:
+      acc_scale = acc_scale + jnp.sum(dy * xhat, axis=0)
+    if want_doffset:
+      acc_offset = acc_offset + jnp.sum(dy, axis=0)
+    return acc_scale, acc_offset
+
+  zeros = jnp.zeros((block_d,), jnp.float32)
+  acc_scale, acc_offset = jax.lax.fori_loop(0, trips, body, (zeros, zeros))
+  for ref, acc in ((dscale_ref, acc_scale), (doffset_ref, acc_offset)):
+    if ref is not None:
+      _store(ref.at[pid, cols], acc, col_mask)
+
+
+def _grid_rows(num_row_blocks: int, target: int) -> tuple[int, int]:
+  """(programs, trips): the fewest programs that keep `target`'s trip count.
+
+  E.g. 32768 row blocks over a target of 132 programs: 249 trips each, and 132
+  programs (not 128 that divide evenly, which would leave 4 SMs idle).
+  """
+  target = max(1, min(target, num_row_blocks))
+  trips = pl.cdiv(num_row_blocks, target)
+  return pl.cdiv(num_row_blocks, trips), trips
+
+
+def _stats(args: tokamax.LayerNormArgs):
+  """mean / rstd as the forward would save them (when the forward saved none)."""
+  xf = args.x.astype(jnp.float32)
+  if args.subtract_mean:
+    mean = jnp.mean(xf, axis=-1)
+    xf = xf - mean[:, None]
+  else:
+    mean = jnp.zeros(xf.shape[:1], jnp.float32)
+  return mean, jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1) + args.epsilon)
+
+
+def _partials_to_grads(args, dx, partials):
+  grads = {"x": dx}
+  partials = list(partials)
+  if args.scale is not None:
+    grads["scale"] = jnp.sum(partials.pop(0), axis=0)
+  if args.offset is not None:
+    grads["offset"] = jnp.sum(partials.pop(0), axis=0)
+  return grads
+
+
+def _backward_rows(args: tokamax.LayerNormArgs, dy, config: LayerNormVjpConfig):
+  """Rows that fit one block: a single kernel, statistics recomputed in registers.
+
+  Not reading the forward's residuals also lets XLA drop the forward kernel when
+  only gradients are wanted (the forward's output is then dead).
+  """
+  x = args.x
+  r, d = x.shape
+  block_rows, block_d = config.block_rows, config.block_d
+  num_row_blocks = pl.cdiv(r, block_rows)
+  num_programs, trips = _grid_rows(num_row_blocks, config.num_programs)
+  rows_ragged = r % block_rows != 0 or num_row_blocks != num_programs * trips
+  has_scale = args.scale is not None
+  want_doffset = args.offset is not None
+  scale_in = [args.scale] if has_scale else []
+  partial = jax.ShapeDtypeStruct((num_programs, d), jnp.float32)
+  out_shape = [jax.ShapeDtypeStruct((r, d), x.dtype)]
+  out_shape += [partial] * (int(has_scale) + int(want_doffset))
+  outs = _common.pallas_call(
+      functools.partial(
+          _bwd_rows_kernel, has_scale=has_scale, want_dscale=has_scale,
+          want_doffset=want_doffset, subtract_mean=args.subtract_mean,
+          eps=args.epsilon, prefetch=config.prefetch and trips > 1,
+          rows_ragged=rows_ragged, trips=trips, block_rows=block_rows,
+          block_d=block_d),
+      out_shape=tuple(out_shape),
+      grid=(num_programs,),
+      in_specs=[pl.no_block_spec] * (2 + len(scale_in)),
+      out_specs=[pl.no_block_spec] * len(out_shape),
+      num_warps=config.num_warps, num_stages=config.num_stages,
+      interpret=tokamax.interpret_mode(), name="tokamax_layer_norm_bwd",
+  )(x, *scale_in, dy.astype(x.dtype))
+  return _partials_to_grads(args, outs[0], outs[1:])
+
+
+def _backward_wide(args: tokamax.LayerNormArgs, mean, rstd, dy,
+                   config: LayerNormVjpConfig):
+  """Rows wider than one block: a row-sums kernel, then a 2-D grid over columns."""
+  x = args.x
+  r, d = x.shape
+  block_rows, block_d = config.block_rows, config.block_d
+  num_row_blocks = pl.cdiv(r, block_rows)
+  num_programs, trips = _grid_rows(num_row_blocks, config.num_programs)
+  rows_ragged = r % block_rows != 0 or num_row_blocks != num_programs * trips
+  has_scale = args.scale is not None
+  want_doffset = args.offset is not None
+  interpret = tokamax.interpret_mode()
+  scale_in = [args.scale] if has_scale else []
+  dy = dy.astype(x.dtype)
+
+  row_sums = _common.pallas_call(
+      functools.partial(_bwd_row_sums_kernel, has_scale=has_scale,
+                        subtract_mean=args.subtract_mean, block_rows=block_rows,
+                        block_d=block_d),
+      out_shape=(jax.ShapeDtypeStruct((r,), jnp.float32),) * 2,
+      grid=(num_row_blocks,),
+      in_specs=[pl.no_block_spec] * (4 + len(scale_in)),
+      out_specs=[pl.no_block_spec] * 2,
+      num_warps=config.num_warps, num_stages=1, interpret=interpret,
+      name="tokamax_layer_norm_bwd_row_sums",
+  )(x, *scale_in, dy, mean, rstd)
+
+  partial = jax.ShapeDtypeStruct((num_programs, d), jnp.float32)
+  out_shape = [jax.ShapeDtypeStruct((r, d), x.dtype)]
+  out_shape += [partial] * (int(has_scale) + int(want_doffset))
+  outs = _common.pallas_call(
+      functools.partial(_bwd_wide_kernel, has_scale=has_scale,
+                        want_dscale=has_scale, want_doffset=want_doffset,
+                        subtract_mean=args.subtract_mean, rows_ragged=rows_ragged,
+                        trips=trips, block_rows=block_rows, block_d=block_d),
+      out_shape=tuple(out_shape),
+      grid=(num_programs, pl.cdiv(d, block_d)),
+      in_specs=[pl.no_block_spec] * (6 + len(scale_in)),
+      out_specs=[pl.no_block_spec] * len(out_shape),
+      num_warps=config.num_warps, num_stages=config.num_stages,
+      interpret=interpret, name="tokamax_layer_norm_bwd",
+  )(x, *scale_in, dy, mean, rstd, *row_sums)
+  return _partials_to_grads(args, outs[0], outs[1:])
+
+
+# ----------------------------------------------------------------------------
+# Ops.
+# ----------------------------------------------------------------------------
+
+
+def _check_args(args: tokamax.LayerNormArgs, device: tokamax.DeviceInfo) -> None:
+  _common.check_triton_device(device)
+  for name in ("x", "scale", "offset"):
+    a = getattr(args, name)
+    if a is not None and a.dtype not in _SUPPORTED_DTYPES:
+      raise NotImplementedError(f"{name} dtype {a.dtype} is not supported "
+                                "(float32, bfloat16, float16 are)")
+  if args.x.ndim != 2 or 0 in args.x.shape:
+    raise NotImplementedError(f"x must be a non-empty [R, D] array; got shape "
+                              f"{args.x.shape}")
+  if args.x.shape[0] >= 2**31 // max(args.x.shape[1], 1):
+    raise NotImplementedError("x has 2**31 elements or more (int32 offsets)")
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonLayerNorm(tokamax.Op):
+  """Layer / RMS normalization forward as a Pallas Triton kernel."""
+
+  op_name = "layer_norm"
+  name = "triton"
+  config_cls = LayerNormConfig
+
+  def check_supported(self, args, device):
+    _check_args(args, device)
+
+  def heuristic_config(self, args):
+    r, d = args.x.shape
+    block_d = min(_common.next_power_of_2(d), _MAX_BLOCK_D_FWD)
+    block_rows = _row_block(r, block_d)
+    # ~32 elements per thread: four 16-byte loads of bf16 in flight each.
+    return LayerNormConfig(block_rows=block_rows, block_d=block_d,
+                           num_warps=_warps_for(block_rows * block_d, 32))
+
+  def search_space(self, args):
+    r, d = args.x.shape
+    configs = [self.heuristic_config(args)]
+    for block_d in _block_d_choices(d, (4096, 8192, _MAX_BLOCK_D_FWD)):
+      for tile in (2048, 4096, 8192, 16384):
+        block_rows = _row_block(r, block_d, tile)
+        for num_warps in (2, 4, 8, 16):
+          if _per_thread(block_rows * block_d, num_warps) in range(4, 65):
+            configs.append(LayerNormConfig(block_rows, block_d, num_warps))
+    return list(dict.fromkeys(configs))
+
+  def forward(self, args, config):
+    _check_config(config)
+    y, mean, rstd = _forward(args, config)
+    return y, {"mean": mean, "rstd": rstd}
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonLayerNormVjp(tokamax.VjpOp):
+  """Layer / RMS normalization backward as Pallas Triton kernels."""
+
+  op_name = "layer_norm"
+  name = "triton"
+  config_cls = LayerNormVjpConfig
+
+  def check_supported(self, args, device, residuals=None):
+    _check_args(args, device)
+
+  def heuristic_config(self, args):
+    r, d = args.x.shape
+    block_d = min(_common.next_power_of_2(d), _MAX_BLOCK_D_BWD)
+    block_rows = _row_block(r, block_d)
+    # Half the forward's elements per thread: x, dy, the prefetched next tiles and
+    # the dscale / doffset accumulators all live in registers. At 16 warps that
+    # is about one program per SM; two per SM (when they fit) overlap each
+    # other's reductions, and when they do not, 2 * 132 programs run as two
+    # waves of equal length.
+    num_warps = _warps_for(block_rows * block_d, 16)
+    return LayerNormVjpConfig(block_rows=block_rows, block_d=block_d,
+                              num_warps=num_warps,
+                              num_programs=_bwd_programs(num_warps, 1),
+                              num_stages=1, prefetch=True)
+
+  def search_space(self, args):
+    r, d = args.x.shape
+    base = self.heuristic_config(args)
+    configs = [base]
+    if base.block_d >= d:
+      # (rows x, warps x, waves, prefetch, num_stages) around the heuristic.
+      # num_stages=2 tells whether Triton pipelines these dot-free loops itself.
+      for rows_x, warps_x, waves, prefetch, stages in (
+          (1, 1, 0.5, True, 1), (1, 1, 1, False, 1), (1, 1, 2, False, 1),
+          (1, 2, 1, True, 1), (1, 2, 2, False, 1), (1, 0.5, 1, True, 1),
+          (2, 1, 1, False, 1), (2, 2, 1, True, 1), (2, 2, 2, False, 1),
+          (1, 1, 1, True, 2), (1, 1, 1, False, 2)):
+        block_rows = min(base.block_rows * rows_x,
+                         max(base.block_rows, _common.next_power_of_2(r)))
+        num_warps = max(1, min(32, int(base.num_warps * warps_x)))
+        configs.append(LayerNormVjpConfig(
+            block_rows, base.block_d, num_warps, _bwd_programs(num_warps, waves),
+            stages, prefetch))
+    else:
+      for block_d in (2048, 4096, _MAX_BLOCK_D_BWD):
+        block_rows = _row_block(r, block_d)
+        for num_warps in (8, 16):
+          for waves in (1, 2):
+            configs.append(LayerNormVjpConfig(block_rows, block_d, num_warps,
+                                              _bwd_programs(num_warps, waves), 1,
+                                              False))
+    return list(dict.fromkeys(configs))[:12]
+
+  def backward(self, args, residuals, out, dout, config):
+    del out
+    _check_config(config)
+    if config.block_d >= args.x.shape[1]:
+      return _backward_rows(args, dout, config)
+    residuals = residuals or {}
+    if "mean" in residuals and "rstd" in residuals:
+      mean, rstd = residuals["mean"], residuals["rstd"]
+    else:
+      mean, rstd = _stats(args)
+    return _backward_wide(args, mean.astype(jnp.float32), rstd.astype(jnp.float32),
+                          dout, config)
+
+
+def _bwd_programs(num_warps: int, waves: float) -> int:
+  """`waves` times the programs resident at once, if registers allow two per SM.
+
+  The dscale accumulator alone is block_d floats per program, so registers, not
+  warps, bound residency: two 16-warp programs per SM at most, one at 32 warps.
+  """
+  return int(_NUM_SMS * waves * (1 if num_warps >= 32 else 2))

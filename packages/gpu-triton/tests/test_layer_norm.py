@@ -1,0 +1,264 @@
+"""Tests of the Pallas Triton layer / RMS norm.
+
+Native kernels when a GPU is present, Pallas interpret mode on the CPU.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tokamax
+import tokamax_xla_reference
+from tokamax_gpu_triton import layer_norm as ln
+
+# (relative L2, max-abs relative to the reference's largest magnitude) per dtype.
+_TOL = {jnp.float32: (2e-5, 1e-4), jnp.bfloat16: (2e-2, 5e-2),
+        jnp.float16: (2e-3, 1e-2)}
+_HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
+_INTERPRET = jax.default_backend() == "cpu"
+gpu_only = pytest.mark.skipif(not _HAS_GPU, reason="needs a GPU")
+_seed = iter(range(10_000))
+
+
+def _key():
+  return jax.random.key(next(_seed))
+
+
+def _assert_close(name, got, want, dtype):
+  rel_tol, abs_tol = _TOL[dtype]
+  got = np.asarray(got, np.float64)
+  want = np.asarray(want, np.float64)
+  assert got.shape == want.shape, (name, got.shape, want.shape)
+  assert np.all(np.isfinite(got)), f"{name}: non-finite values"
+  err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+  max_abs = np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30)
+  assert err <= rel_tol and max_abs <= abs_tol, (
+      f"{name}: relative L2 {err:.3g} (tol {rel_tol}), max-abs {max_abs:.3g} "
+      f"(tol {abs_tol})")
+
+
+def _inputs(r, d, dtype, with_scale, with_offset):
+  ks = jax.random.split(_key(), 4)
+  # An offset mean makes the LayerNorm centering matter.
+  x = (jax.random.normal(ks[0], (r, d)) * 1.5 + 0.7).astype(dtype)
+  scale = (1.0 + 0.5 * jax.random.normal(ks[1], (d,))).astype(dtype) if with_scale \
+      else None
+  offset = jax.random.normal(ks[2], (d,)).astype(dtype) if with_offset else None
+  dy = jax.random.normal(ks[3], (r, d)).astype(dtype)
+  return x, scale, offset, dy
+
+
+def _f32(a):
+  return None if a is None else a.astype(jnp.float32)
+
+
+def _reference(x, scale, offset, dy, subtract_mean, eps):
+  """Output and gradients on float32 upcasts."""
+  def f(x, scale, offset):
+    return tokamax_xla_reference.layer_norm(
+        x, scale, offset, epsilon=eps, subtract_mean=subtract_mean)[0]
+  y, vjp = jax.vjp(f, _f32(x), _f32(scale), _f32(offset))
+  return y, vjp(_f32(dy))
+
+
+def _check(x, scale, offset, dy, subtract_mean, eps=1e-6, implementation="triton",
+           interpret=_INTERPRET):
+  dtype = x.dtype.type
+
+  def f(x, scale, offset):
+    return tokamax.layer_norm(x, scale, offset, subtract_mean=subtract_mean,
+                              epsilon=eps, implementation=implementation)
+
+  with tokamax.interpret(interpret), tokamax.record_dispatch() as records:
+    y, vjp = jax.vjp(f, x, scale, offset)
+    grads = vjp(dy)
+  y_ref, grads_ref = _reference(x, scale, offset, dy, subtract_mean, eps)
+  assert y.dtype == x.dtype
+  _assert_close("y", y, y_ref, dtype)
+  for name, g, g_ref in zip(("dx", "dscale", "doffset"), grads, grads_ref):
+    if g_ref is None:
+      assert g is None
+    else:
+      _assert_close(name, g, g_ref, dtype)
+  return records
+
+
+@pytest.mark.parametrize("subtract_mean", [True, False])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_dtypes_and_modes(dtype, subtract_mean):
+  _check(*_inputs(13, 96, dtype, True, True), subtract_mean)
+
+
+@pytest.mark.parametrize("with_scale,with_offset", [(False, False), (True, False),
+                                                    (False, True)])
+@pytest.mark.parametrize("subtract_mean", [True, False])
+def test_optional_params(with_scale, with_offset, subtract_mean):
+  _check(*_inputs(6, 40, jnp.float32, with_scale, with_offset), subtract_mean)
+
+
+@pytest.mark.parametrize("r,d", [(1, 1), (1, 7), (2, 1), (17, 33), (3, 257),
+                                 (129, 8)])
+def test_awkward_shapes(r, d):
+  _check(*_inputs(r, d, jnp.float32, True, True), subtract_mean=True)
+
+
+def test_dispatch_runs_triton_both_directions():
+  records = _check(*_inputs(5, 24, jnp.bfloat16, True, True), subtract_mean=True)
+  got = {(r.op, r.direction, r.implementation) for r in records}
+  assert got == {("layer_norm", "forward", "triton"),
+                 ("layer_norm", "backward", "triton")}
+
+
+def test_rms_norm_nd_axis():
+  ks = jax.random.split(_key(), 3)
+  x = jax.random.normal(ks[0], (3, 10, 4))
+  scale = jax.random.normal(ks[1], (10,))
+  dy = jax.random.normal(ks[2], (3, 10, 4))
+
+  def f(impl):
+    return lambda x, s: tokamax.rms_norm(x, s, axis=1, implementation=impl)
+
+  with tokamax.interpret(_INTERPRET):
+    y, vjp = jax.vjp(f("triton"), x, scale)
+    grads = vjp(dy)
+  y_ref, vjp_ref = jax.vjp(f("xla"), x, scale)
+  _assert_close("y", y, y_ref, jnp.float32)
+  for name, g, g_ref in zip(("dx", "dscale"), grads, vjp_ref(dy)):
+    _assert_close(name, g, g_ref, jnp.float32)
+
+
+# Explicit configs reach the wide-row paths (block_d < D: Chan-merged forward
+# statistics, the row-sums kernel and a 2-D backward grid), several rows per
+# program, more programs than row blocks, persistent programs with padding rows
+# (7 row blocks over 4 programs) and fully aligned, unmasked tiles.
+_CONFIGS = [
+    (5, 100, ln.LayerNormConfig(2, 32, 1), ln.LayerNormVjpConfig(2, 32, 1, 2)),
+    (7, 70, ln.LayerNormConfig(4, 16, 1), ln.LayerNormVjpConfig(1, 64, 1, 4)),
+    (8, 64, ln.LayerNormConfig(4, 64, 2), ln.LayerNormVjpConfig(2, 32, 1, 2)),
+    (11, 20, ln.LayerNormConfig(8, 32, 2), ln.LayerNormVjpConfig(4, 32, 1, 100)),
+    # Whole-row backward over several trips: prefetching with padding programs
+    # (7 row blocks, 3 programs x 3 trips), without prefetch, and fully aligned.
+    (13, 40, ln.LayerNormConfig(2, 64, 1), ln.LayerNormVjpConfig(2, 64, 1, 3)),
+    (13, 40, ln.LayerNormConfig(2, 64, 1),
+     ln.LayerNormVjpConfig(2, 64, 1, 3, prefetch=False)),
+    (8, 64, ln.LayerNormConfig(2, 64, 2), ln.LayerNormVjpConfig(2, 64, 2, 2)),
+]
+
+
+@pytest.mark.parametrize("r,d,fwd_config,bwd_config", _CONFIGS)
+@pytest.mark.parametrize("subtract_mean", [True, False])
+def test_explicit_configs(r, d, fwd_config, bwd_config, subtract_mean):
+  x, scale, offset, dy = _inputs(r, d, jnp.float32, True, True)
+  args = tokamax.LayerNormArgs(x, scale, offset, 1e-5, subtract_mean)
+  with tokamax.interpret(_INTERPRET):
+    y, residuals = ln.TritonLayerNorm(config=fwd_config)(args)
+    grads = ln.TritonLayerNormVjp(config=bwd_config)(args, residuals, y, dy)
+  y_ref, mean_ref, rstd_ref = tokamax_xla_reference.layer_norm(
+      x, scale, offset, epsilon=1e-5, subtract_mean=subtract_mean)
+  _assert_close("y", y, y_ref, jnp.float32)
+  _assert_close("rstd", residuals["rstd"], rstd_ref, jnp.float32)
+  if subtract_mean:
+    _assert_close("mean", residuals["mean"], mean_ref, jnp.float32)
+  else:
+    np.testing.assert_array_equal(residuals["mean"], 0.0)
+  _, grads_ref = _reference(x, scale, offset, dy, subtract_mean, 1e-5)
+  for name, g_ref in zip(("x", "scale", "offset"), grads_ref):
+    _assert_close(name, grads[name], g_ref, jnp.float32)
+
+
+@pytest.mark.parametrize("subtract_mean", [True, False])
+def test_zero_epsilon_with_padding_rows(subtract_mean):
+  """Padding rows (rstd of an all-zero row is inf at eps = 0) must add no NaNs."""
+  x, scale, offset, dy = _inputs(5, 16, jnp.float32, True, True)
+  args = tokamax.LayerNormArgs(x, scale, offset, 0.0, subtract_mean)
+  with tokamax.interpret(_INTERPRET):
+    grads = ln.TritonLayerNormVjp(config=ln.LayerNormVjpConfig(2, 16, 1, 2))(
+        args, {}, None, dy)
+  _, grads_ref = _reference(x, scale, offset, dy, subtract_mean, 0.0)
+  for name, g_ref in zip(("x", "scale", "offset"), grads_ref):
+    _assert_close(name, grads[name], g_ref, jnp.float32)
+
+
+def test_backward_without_residuals():
+  """A backward after another implementation's forward recomputes the statistics."""
+  x, scale, offset, dy = _inputs(7, 50, jnp.float32, True, True)
+  args = tokamax.LayerNormArgs(x, scale, offset, 1e-6, True)
+  with tokamax.interpret(_INTERPRET):
+    grads = ln.TritonLayerNormVjp()(args, {}, None, dy)
+  _, grads_ref = _reference(x, scale, offset, dy, True, 1e-6)
+  for name, g_ref in zip(("x", "scale", "offset"), grads_ref):
+    _assert_close(name, grads[name], g_ref, jnp.float32)
+
+
+def test_check_supported_refuses():
+  x = jnp.ones((4, 8))
+  cpu = tokamax.DeviceInfo(platform="cpu", device_kind="cpu", interpret=False)
+  with pytest.raises(NotImplementedError, match="NVIDIA GPU"):
+    ln.TritonLayerNorm().check_supported(tokamax.LayerNormArgs(x), cpu)
+  interp = dataclasses.replace(cpu, interpret=True)
+  ln.TritonLayerNorm().check_supported(tokamax.LayerNormArgs(x), interp)
+  with pytest.raises(NotImplementedError, match="non-empty"):
+    ln.TritonLayerNorm().check_supported(
+        tokamax.LayerNormArgs(jnp.ones((0, 8))), interp)
+  with pytest.raises(NotImplementedError, match="non-empty"):
+    ln.TritonLayerNormVjp().check_supported(
+        tokamax.LayerNormArgs(jnp.ones((4, 0))), interp)
+
+
+def test_configs_are_sane():
+  for r, d in [(32768, 8192), (1, 100000), (4096, 128), (7, 3)]:
+    args = tokamax.LayerNormArgs(jax.ShapeDtypeStruct((r, d), jnp.bfloat16))
+    for op in (ln.TritonLayerNorm(), ln.TritonLayerNormVjp()):
+      configs = op.search_space(args)
+      assert op.heuristic_config(args) in configs
+      for c in configs:
+        for v in (c.block_rows, c.block_d, c.num_warps):
+          assert v >= 1 and v & (v - 1) == 0, c
+        assert c.block_rows <= max(1, 2 * r), c
+  big = tokamax.LayerNormArgs(jax.ShapeDtypeStruct((32768, 8192), jnp.bfloat16))
+  assert ln.TritonLayerNorm().heuristic_config(big).block_d == 8192
+
+
+@pytest.mark.parametrize("subtract_mean", [True, False])
+def test_lowers_to_triton(subtract_mean):
+  """The kernels lower through Pallas' Triton path (no GPU needed to lower)."""
+  for r, d in [(64, 8192), (4, 40000), (1000, 96)]:
+    x = jax.ShapeDtypeStruct((r, d), jnp.bfloat16)
+    s = jax.ShapeDtypeStruct((d,), jnp.float32)
+
+    def fwd_bwd(x, s, o, dy):
+      args = tokamax.LayerNormArgs(x, s, o, 1e-6, subtract_mean)
+      y, res = ln.TritonLayerNorm()(args)
+      return y, ln.TritonLayerNormVjp()(args, res, y, dy)
+
+    with tokamax.interpret(False):
+      text = jax.jit(fwd_bwd).trace(x, s, s, x).lower(
+          lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("subtract_mean", [True, False])
+def test_gpu_matches_reference(subtract_mean):
+  for r, d in [(4096, 8192), (300, 40000), (1000, 96)]:
+    x, scale, offset, dy = _inputs(r, d, jnp.bfloat16, True, True)
+    _check(x, scale, offset, dy, subtract_mean, interpret=False)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("subtract_mean", [True, False])
+def test_gpu_search_space_configs(subtract_mean):
+  """Every backward config the tuner may pick compiles and is right."""
+  x, scale, offset, dy = _inputs(1030, 8192, jnp.bfloat16, True, not subtract_mean)
+  args = tokamax.LayerNormArgs(x, scale, offset, 1e-6, subtract_mean)
+  _, grads_ref = _reference(x, scale, offset, dy, subtract_mean, 1e-6)
+  for config in ln.TritonLayerNormVjp().search_space(args):
+    grads = ln.TritonLayerNormVjp(config=config)(args, {}, None, dy)
+    for name, g_ref in zip(("x", "scale", "offset"), grads_ref):
+      if g_ref is not None:
+        _assert_close(f"{name} {config}", grads[name], g_ref, jnp.bfloat16)
