@@ -4,7 +4,6 @@ Small blocks (16) are forced through a config source so that every test walks
 several query and key blocks, partial edge blocks and the masked/unmasked split.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import functools
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
