@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 
-import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -32,13 +31,6 @@ def pallas_call(kernel, *, out_shape, grid, in_specs, out_specs, num_warps: int,
       kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
       compiler_params=None if interpret else compiler_params(num_warps, num_stages),
       interpret=interpret, name=name, **kwargs)
-
-
-def dot(a, b, *, trans_b: bool = False):
-  """A float32-accumulating matmul inside a kernel (``pl.dot`` is gone in JAX 0.11)."""
-  if trans_b:
-    b = b.T
-  return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
 def next_power_of_2(x: int) -> int:
