@@ -59,12 +59,13 @@ def _backend(name, impl_name="doubled", api_version=tokamax.plugin.PLUGIN_API_VE
 
 
 def _install(monkeypatch, *eps):
+  """Makes `eps` the only installed tokamax plugins (isolated from what is installed)."""
   real = registry.importlib.metadata.entry_points
 
   def entry_points(group=None, **kwargs):
     if group != registry.ENTRY_POINT_GROUP:
       return real(group=group, **kwargs)
-    return [*real(group=group), *eps]
+    return list(eps)
 
   monkeypatch.setattr(registry.importlib.metadata, "entry_points", entry_points)
   registry.reset()

@@ -256,7 +256,7 @@ def _reduce_to_shape(x, shape):
 
 
 def cudnn_unsupported_reason(q, k, v, *, logits_soft_cap, q_segment_ids, platform,
-                             precision=None) -> str | None:
+                             bias=None, mask=None) -> str | None:
   """Why `jax.nn.dot_product_attention(implementation="cudnn")` can't run, or None."""
   if platform != "gpu":
     return f"cuDNN attention needs an NVIDIA GPU; this device is {platform}"
@@ -268,6 +268,10 @@ def cudnn_unsupported_reason(q, k, v, *, logits_soft_cap, q_segment_ids, platfor
     return "cuDNN attention through jax.nn has no segment ids"
   if q.shape[-1] != v.shape[-1]:
     return "cuDNN attention through jax.nn needs equal query and value head dims"
+  for name, x in (("bias", bias), ("mask", mask)):
+    if x is not None and tuple(x.shape[-2:]) != (q.shape[1], k.shape[1]):
+      return (f"cuDNN attention needs the {name} to span [T, S] = "
+              f"{(q.shape[1], k.shape[1])} (no broadcasting there); got {tuple(x.shape)}")
   if q.shape[-1] > 128 or q.shape[-1] % 8:
     return f"cuDNN attention needs a head dim <= 128 and a multiple of 8, got {q.shape[-1]}"
   return None

@@ -141,11 +141,20 @@ class XlaChunkedAttentionVjp(VjpOp):
 def _cudnn_check(args, device):
   reason = _ref().cudnn_unsupported_reason(
       args.query, args.key, args.value, logits_soft_cap=args.logits_soft_cap,
-      q_segment_ids=args.q_segment_ids, platform=device.platform)
+      q_segment_ids=args.q_segment_ids, platform=device.platform, bias=args.bias,
+      mask=args.mask)
   if reason is None and not device.is_nvidia_gpu:
     reason = "cuDNN attention needs an NVIDIA GPU"
   if reason is not None:
     raise NotImplementedError(reason)
+  # jax.nn's cuDNN path has more shape rules (sequence lengths, windows...) than
+  # we mirror; trace it abstractly so that any it refuses is a refusal here, and
+  # dispatch can fall back instead of failing.
+  abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+  try:
+    jax.eval_shape(_cudnn_forward, abstract)
+  except (NotImplementedError, ValueError) as e:
+    raise NotImplementedError(f"cuDNN refuses this call: {e}") from e
 
 
 def _cudnn_forward(args):
