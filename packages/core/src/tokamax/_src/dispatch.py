@@ -189,11 +189,12 @@ def _choose_backward(op_name: str, args: Any, residuals: Any, device: DeviceInfo
                      forward: _Candidate, implementation: Implementation) -> VjpOp:
   rejected = []
   own = forward.backward()
+  options = []
   if own is not None:
-    options = [(forward.label, lambda: own, forward.explicit)]
-  else:
-    # No backward of its own (or automatic choice): best usable backward.
-    options = []
+    options.append((forward.label, lambda: own, forward.explicit))
+  if own is None or not forward.explicit:
+    # No backward of its own, or its own refuses under automatic choice: the best
+    # usable backward (the XLA reference accepts any residuals).
     for e in registry.entries(op_name):
       if e.spec.backward is not None and _platform_matches(e, device):
         options.append((e.name, lambda e=e: registry.backward_class(e)(), False))
