@@ -31,8 +31,11 @@ BACKEND = plugin.Backend(
         _impl("dot_product_attention", "xla", "XlaAttention", "XlaAttentionVjp", 0),
         _impl("dot_product_attention", "xla_chunked", "XlaChunkedAttention",
               "XlaChunkedAttentionVjp", -10),
+        # Only when named: jax.nn's cuDNN path still rejects some calls at trace time
+        # of its backward (e.g. sequence lengths it does not support), which automatic
+        # dispatch cannot yet fall back from.
         _impl("dot_product_attention", "cudnn", "CudnnAttention", "CudnnAttentionVjp",
-              150, platforms=("gpu",)),
+              -20, platforms=("gpu",)),
         _impl("layer_norm", "xla", "XlaLayerNorm", "XlaLayerNormVjp", 0),
         _impl("gated_linear_unit", "xla", "XlaGatedLinearUnit",
               "XlaGatedLinearUnitVjp", 0),
