@@ -12,18 +12,13 @@ import numpy as np
 import pytest
 
 import tokamax
+from tokamax import testing
 import tokamax_xla_reference
 from tokamax_gpu_triton import gated_linear_unit as glu
 
-# (relative L2, max-abs relative to the reference's largest magnitude) per dtype.
-_TOL = {jnp.float32: (2e-5, 1e-4), jnp.bfloat16: (2e-2, 5e-2),
-        jnp.float16: (2e-3, 1e-2)}
 _HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
 _INTERPRET = jax.default_backend() == "cpu"
 gpu_only = pytest.mark.skipif(not _HAS_GPU, reason="needs a GPU")
-if not _INTERPRET:
-  # Native f32 dots (in the kernels and XLA's backward matmuls) default to TF32.
-  _TOL[jnp.float32] = (2e-3, 1e-2)
 @jax.custom_vjp
 def _custom_vjp_silu(g):
   return g * jax.nn.sigmoid(g)
@@ -59,16 +54,7 @@ def _key():
 
 
 def _assert_close(name, got, want, dtype):
-  rel_tol, abs_tol = _TOL[dtype]
-  got = np.asarray(got, np.float64)
-  want = np.asarray(want, np.float64)
-  assert got.shape == want.shape, (name, got.shape, want.shape)
-  assert np.all(np.isfinite(got)), f"{name}: non-finite values"
-  err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
-  max_abs = np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30)
-  assert err <= rel_tol and max_abs <= abs_tol, (
-      f"{name}: relative L2 {err:.3g} (tol {rel_tol}), max-abs {max_abs:.3g} "
-      f"(tol {abs_tol})")
+  testing.assert_close(got, want, dtype, what=name, gpu=not _INTERPRET)
 
 
 def _inputs(m, k, n, dtype):

@@ -13,16 +13,11 @@ import numpy as np
 import pytest
 
 import tokamax
+from tokamax import testing
 import tokamax_xla_reference as xla_ref
 from tokamax_gpu_triton import ragged_dot as rd
 
 HIGHEST = jax.lax.Precision.HIGHEST
-# (relative L2 error, max-abs error relative to the largest expected value).
-_TOL = {
-    jnp.float32: (2e-5, 1e-4),
-    jnp.bfloat16: (2e-2, 4e-2),
-    jnp.float16: (2e-3, 4e-3),
-}
 _SMALL = rd.RaggedDotConfig(block_m=16, block_n=16, block_k=16, group_m=2,
                             num_warps=4, num_stages=2)
 # Unequal block sizes catch axis mix-ups (drhs tiles K x N and contracts rows).
@@ -58,19 +53,8 @@ def _inputs(m, k, n, num_held, dtype):
 
 
 def _assert_close(actual, expected, dtype, what):
-  rel_tol, abs_tol = _TOL[dtype]
-  if dtype == jnp.float32 and jax.default_backend() == "gpu":
-    rel_tol, abs_tol = 5e-4, 2e-3  # float32 dots default to TF32 on the GPU
-
-  actual = np.asarray(actual, np.float32)
-  expected = np.asarray(expected, np.float32)
-  assert actual.shape == expected.shape, what
-  assert np.all(np.isfinite(actual)), f"{what}: non-finite values (unwritten rows?)"
-  scale = max(float(np.abs(expected).max()), 1e-6)
-  err = np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-6)
-  max_err = float(np.abs(actual - expected).max()) / scale
-  assert err <= rel_tol, f"{what}: relative L2 error {err:.3g} > {rel_tol}"
-  assert max_err <= abs_tol, f"{what}: max abs error {max_err:.3g} (of max) > {abs_tol}"
+  testing.assert_close(actual, expected, dtype, what=what,
+                       gpu=jax.default_backend() == "gpu")
 
 
 def _check(lhs, rhs, group_sizes, *, group_offset=None, preferred_element_type=None,

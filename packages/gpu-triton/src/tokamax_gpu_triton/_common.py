@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -35,3 +36,28 @@ def pallas_call(kernel, *, out_shape, grid, in_specs, out_specs, num_warps: int,
 
 def next_power_of_2(x: int) -> int:
   return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def block_mask(rows_ok, cols_ok):
+  """A block's 2-D mask from optional row and column masks; None when all valid."""
+  if rows_ok is None:
+    return None if cols_ok is None else cols_ok[None, :]
+  if cols_ok is None:
+    return rows_ok[:, None]
+  return rows_ok[:, None] & cols_ok[None, :]
+
+
+def load(ref, mask=None, other=0, *, eviction_policy=None):
+  """`plgpu.load` that is unpredicated when `mask` is None (aligned blocks)."""
+  if mask is None:
+    return plgpu.load(ref, eviction_policy=eviction_policy)
+  return plgpu.load(ref, mask=jnp.broadcast_to(mask, ref.shape), other=other,
+                    eviction_policy=eviction_policy)
+
+
+def store(ref, value, mask=None):
+  """`plgpu.store` that is unpredicated when `mask` is None (aligned blocks)."""
+  if mask is None:
+    plgpu.store(ref, value)
+  else:
+    plgpu.store(ref, value, mask=jnp.broadcast_to(mask, ref.shape))

@@ -154,23 +154,17 @@ def _tile_mask(rows_ok, cols_ok, shape):
   return None if m is None else jnp.broadcast_to(m, shape)
 
 
-def _load(ref, mask, other):
-  if mask is None:
-    return plgpu.load(ref)
-  return plgpu.load(ref, mask=mask, other=other)
-
-
 def _load_rows(ref, head, start, size, rows_ok, width, true_width):
   """Rows ``[start, start + size)`` of a ``[rows, width]`` or ``[rows, heads, width]``
   ref (then of head `head`), zero-padded to `width` columns."""
   cols_ok = jnp.arange(width) < true_width if width != true_width else None
   rows = pl.ds(start, size)
   idx = (rows, slice(None)) if head is None else (rows, head, slice(None))
-  return _load(ref.at[idx], _tile_mask(rows_ok, cols_ok, (size, width)), 0.0)
+  return _common.load(ref.at[idx], _tile_mask(rows_ok, cols_ok, (size, width)), 0.0)
 
 
 def _load_vec(ref, lead, start, size, ok, other):
-  return _load(ref.at[(*lead, pl.ds(start, size))], ok, other)
+  return _common.load(ref.at[(*lead, pl.ds(start, size))], ok, other)
 
 
 def _load_pair(ref, lead, q0, bq, k0, bk, rows_ok, cols_ok, other):
@@ -180,7 +174,7 @@ def _load_pair(ref, lead, q0, bq, k0, bk, rows_ok, cols_ok, other):
   cols = pl.ds(k0, bk) if sb > 1 else pl.ds(0, 1)
   shape = (bq if tb > 1 else 1, bk if sb > 1 else 1)
   mask = _tile_mask(rows_ok if tb > 1 else None, cols_ok if sb > 1 else None, shape)
-  return _load(ref.at[(*lead, rows, cols)], mask, other)
+  return _common.load(ref.at[(*lead, rows, cols)], mask, other)
 
 
 def _dot(a, b, precision, trans_b=False):

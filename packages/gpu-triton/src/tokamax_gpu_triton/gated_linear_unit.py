@@ -33,7 +33,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 from jax.extend import core as jex_core
 
 import tokamax
@@ -211,20 +210,6 @@ def _tile_ids(num_m: int, num_n: int, group_m: int):
   return first_m + jax.lax.rem(in_group, size_m), jax.lax.div(in_group, size_m)
 
 
-def _mask(row_mask, col_mask):
-  if row_mask is None:
-    return None if col_mask is None else col_mask[None, :]
-  if col_mask is None:
-    return row_mask[:, None]
-  return row_mask[:, None] & col_mask[None, :]
-
-
-def _load(ref, mask):
-  if mask is None:
-    return plgpu.load(ref)
-  return plgpu.load(ref, mask=mask, other=0)
-
-
 def _projections(x_ref, w_ref, m0, n0, *, n, block_m, block_n, block_k,
                  precision, fuse_weights):
   """f32 ``(x @ w_gate, x @ w_up)`` for the ``[block_m, block_n]`` tile at (m0, n0).
@@ -248,10 +233,10 @@ def _projections(x_ref, w_ref, m0, n0, *, n, block_m, block_n, block_k,
     k0 = pl.multiple_of(i * block_k, block_k)
     k_mask = k0 + jnp.arange(block_k) < k if k_ragged else None
     ks = pl.ds(k0, block_k)
-    x = _load(x_ref.at[rows, ks], _mask(m_mask, k_mask))
-    w_mask = _mask(k_mask, n_mask)
-    w_gate = _load(w_ref.at[ks, pl.ds(n0, block_n)], w_mask)
-    w_up = _load(w_ref.at[ks, pl.ds(n + n0, block_n)], w_mask)
+    x = _common.load(x_ref.at[rows, ks], _common.block_mask(m_mask, k_mask))
+    w_mask = _common.block_mask(k_mask, n_mask)
+    w_gate = _common.load(w_ref.at[ks, pl.ds(n0, block_n)], w_mask)
+    w_up = _common.load(w_ref.at[ks, pl.ds(n + n0, block_n)], w_mask)
     acc_gate += jnp.dot(x, w_gate, precision=precision,
                         preferred_element_type=jnp.float32)
     acc_up += jnp.dot(x, w_up, precision=precision,
@@ -277,8 +262,8 @@ def _fused_projections(x_ref, w_ref, m0, n0, *, n, block_m, block_n, block_k,
     k0 = pl.multiple_of(i * block_k, block_k)
     k_mask = k0 + jnp.arange(block_k) < k if k_ragged else None
     ks = pl.ds(k0, block_k)
-    x = _load(x_ref.at[rows, ks], _mask(m_mask, k_mask))
-    w = _load(w_ref.at[ks, w_cols], _mask(k_mask, None))
+    x = _common.load(x_ref.at[rows, ks], _common.block_mask(m_mask, k_mask))
+    w = _common.load(w_ref.at[ks, w_cols], _common.block_mask(k_mask, None))
     return acc + jnp.dot(x, w, precision=precision,
                          preferred_element_type=jnp.float32)
 
@@ -302,11 +287,7 @@ def _fwd_kernel(x_ref, w_ref, o_ref, *, activation, block_m, block_n, block_k,
     (gate,) = _in_kernel(lambda g: (activation(g).astype(jnp.float32),), gate)
   out = (gate * up).astype(o_ref.dtype)
   o_view = o_ref.at[pl.ds(m0, block_m), pl.ds(n0, block_n)]
-  mask = _mask(m_mask, n_mask)
-  if mask is None:
-    plgpu.store(o_view, out)
-  else:
-    plgpu.store(o_view, out, mask=mask)
+  _common.store(o_view, out, _common.block_mask(m_mask, n_mask))
 
 
 def _bwd_kernel(x_ref, w_ref, dout_ref, dgu_ref, *, activation, block_m, block_n,
@@ -319,9 +300,9 @@ def _bwd_kernel(x_ref, w_ref, dout_ref, dgu_ref, *, activation, block_m, block_n
   (gate, up), m_mask, n_mask = _projections(
       x_ref, w_ref, m0, n0, n=n, block_m=block_m, block_n=block_n,
       block_k=block_k, precision=precision, fuse_weights=fuse_weights)
-  mask = _mask(m_mask, n_mask)
+  mask = _common.block_mask(m_mask, n_mask)
   rows = pl.ds(m0, block_m)
-  dout = _load(dout_ref.at[rows, pl.ds(n0, block_n)], mask).astype(jnp.float32)
+  dout = _common.load(dout_ref.at[rows, pl.ds(n0, block_n)], mask).astype(jnp.float32)
   if activation is None:
     act, d_act = gate, None
   else:
@@ -330,11 +311,7 @@ def _bwd_kernel(x_ref, w_ref, dout_ref, dgu_ref, *, activation, block_m, block_n
   d_up = dout * act
   for col0, val in ((n0, d_gate), (n + n0, d_up)):
     view = dgu_ref.at[rows, pl.ds(col0, block_n)]
-    val = val.astype(dgu_ref.dtype)
-    if mask is None:
-      plgpu.store(view, val)
-    else:
-      plgpu.store(view, val, mask=mask)
+    _common.store(view, val.astype(dgu_ref.dtype), mask)
 
 
 def _interleave_weights(weights, block_n: int):

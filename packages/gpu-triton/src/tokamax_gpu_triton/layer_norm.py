@@ -35,7 +35,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 import tokamax
 from tokamax_gpu_triton import _common
@@ -134,18 +133,11 @@ def _tile_mask(row_mask, col_mask):
 
 
 def _load(ref, mask, policy=None):
-  if mask is None:
-    return plgpu.load(ref, eviction_policy=policy).astype(jnp.float32)
-  return plgpu.load(ref, mask=mask, other=0.0,
-                    eviction_policy=policy).astype(jnp.float32)
+  return _common.load(ref, mask, 0.0, eviction_policy=policy).astype(jnp.float32)
 
 
 def _store(ref, value, mask):
-  value = value.astype(ref.dtype)
-  if mask is None:
-    plgpu.store(ref, value)
-  else:
-    plgpu.store(ref, value, mask=mask)
+  _common.store(ref, value.astype(ref.dtype), mask)
 
 
 def _load_param(ref, cols, col_mask):
@@ -280,13 +272,6 @@ def _g(dy, scale):
   return dy if scale is None else dy * scale[None, :]
 
 
-def _load_raw(ref, mask):
-  """A load in the array's own dtype (half the registers of f32 for bf16 / f16)."""
-  if mask is None:
-    return plgpu.load(ref)
-  return plgpu.load(ref, mask=mask, other=0)
-
-
 def _rows_grads(x, dy, scale, row_mask, col_mask, *, subtract_mean, eps, d):
   """(dx, xhat) for a tile of whole rows, recomputing the statistics from x."""
   if subtract_mean:
@@ -340,8 +325,8 @@ def _bwd_rows_kernel(*refs, has_scale, want_dscale, want_doffset, subtract_mean,
 
   def load(it):
     rows, _, mask = block(it)
-    return (_load_raw(x_ref.at[rows, cols], mask),
-            _load_raw(dy_ref.at[rows, cols], mask))
+    return (_common.load(x_ref.at[rows, cols], mask),
+            _common.load(dy_ref.at[rows, cols], mask))
 
   def body(it, carry):
     accs, tiles = carry

@@ -244,15 +244,7 @@ def _gmm_kernel(meta_ref, lhs_ref, rhs_ref, out_ref, *, num_visits: int,
 
 def _load(ref, rows_ok, cols_ok):
   """Loads a 2-D block, zero-filling where the (optional) row/col masks are False."""
-  if rows_ok is None and cols_ok is None:
-    return plgpu.load(ref)
-  shape = ref.shape
-  mask = jnp.ones(shape, jnp.bool_)
-  if rows_ok is not None:
-    mask &= rows_ok[:, None]
-  if cols_ok is not None:
-    mask &= cols_ok[None, :]
-  return plgpu.load(ref, mask=mask, other=0)
+  return _common.load(ref, _common.block_mask(rows_ok, cols_ok))
 
 
 def _grouped_matmul(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool,
@@ -324,15 +316,7 @@ def _drhs_kernel(bounds_ref, lhs_ref, dout_ref, drhs_ref, *, num_k_tiles: int,
                       jnp.zeros((block_m, block_n), jnp.float32))
   out = drhs_ref.at[group, pl.ds(k0, block_m), pl.ds(n0, block_n)]
   value = acc.astype(drhs_ref.dtype)
-  if k_ok is None and n_ok is None:
-    plgpu.store(out, value)
-  else:
-    mask = jnp.ones((block_m, block_n), jnp.bool_)
-    if k_ok is not None:
-      mask &= k_ok[:, None]
-    if n_ok is not None:
-      mask &= n_ok[None, :]
-    plgpu.store(out, value, mask=mask)
+  _common.store(out, value, _common.block_mask(k_ok, n_ok))
 
 
 def _grouped_matmul_drhs(lhs, dout, group_sizes, group_offset, *, num_held: int,

@@ -9,13 +9,11 @@ HIGHEST precision), and each usable implementation's time side by side.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import jax
 import jax.numpy as jnp
 
 import tokamax
+from tokamax._src import bench
 from tokamax._src import introspection
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -73,15 +71,6 @@ def block(params, x, cfg, implementation=None):
   moe = jnp.zeros_like(tokens).at[order].set(out)
   return x + moe.reshape(b, t, d)
 
-
-def _time_ms(f, *args, iterations: int = 5) -> float:
-  jax.block_until_ready(f(*args))
-  times = []
-  for _ in range(iterations):
-    start = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    times.append((time.perf_counter() - start) * 1e3)
-  return statistics.median(times)
 
 
 def _op_calls(cfg, key):
@@ -145,12 +134,13 @@ def run() -> None:
       if not status.usable:
         continue
       try:
-        ms = _time_ms(jax.jit(lambda a, i=status.name: fn(a, i, None)), args)
+        ms, _ = bench.kernel_time_ms(
+            jax.jit(lambda a, i=status.name: fn(a, i, None)), args, iterations=5)
         times.append(f"{status.name} {ms:.2f}")
       except NotImplementedError:
         times.append(f"{status.name} n/a")
     fwd = ",".join(sorted(chosen.get((op, "forward"), {"-"})))
     bwd = ",".join(sorted(chosen.get((op, "backward"), {"-"})))
     print(f"{op:<22} {fwd:<12} {bwd:<12} {err:>21.3g}   {' | '.join(times)}")
-  print("\n(times are wall clock around block_until_ready, median of 5; "
-        "use `python -m tokamax bench` on a GPU for kernel time)")
+  print(f"\n(times: median of 5, {'CUPTI kernel time' if platform == 'gpu' else 'wall clock'}"
+        "; `python -m tokamax bench` runs the reference shapes)")
