@@ -1,8 +1,10 @@
-"""Where an `Op` without an explicit config looks for one before its heuristics.
+"""Where dispatch looks for a tuned implementation and an `Op` for its config.
 
-Sources are objects with a ``lookup(op, args) -> config | None`` method (an
-autotuning result used as a context manager, shipped tuned data). The innermost
-active source that knows the call wins.
+Sources are objects with ``lookup(op, args) -> config | None`` and optionally
+``lookup_implementation(op_name, direction, args) -> name | None`` (an
+`AutotuningResult` used as a context manager, the tuned data shipped with the
+backend packages). The innermost active source that knows the call wins; the
+shipped tuned data is consulted last.
 """
 
 from __future__ import annotations
@@ -31,9 +33,25 @@ def use(source: ConfigSource):
     _active.reset(token)
 
 
+def _sources() -> list:
+  from tokamax._src import tuned_data  # pylint: disable=g-import-not-at-top
+  return [*reversed(_active.get()), tuned_data.shipped()]
+
+
 def lookup(op: Any, args: Any) -> Any:
-  for source in reversed(_active.get()):
+  """The config a source holds for `op` on `args`, or None."""
+  for source in _sources():
     config = source.lookup(op, args)
     if config is not None:
       return config
+  return None
+
+
+def lookup_implementation(op_name: str, direction: str, args: Any) -> str | None:
+  """The implementation a source measured fastest for this call, or None."""
+  for source in _sources():
+    find = getattr(source, "lookup_implementation", None)
+    name = find(op_name, direction, args) if find is not None else None
+    if name is not None:
+      return name
   return None

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from tokamax._src import config
+from tokamax._src import config_sources
 from tokamax._src import registry
 from tokamax._src.op import DeviceInfo, Op, VjpOp
 
@@ -62,6 +63,29 @@ def record_dispatch():
     yield records
   finally:
     _records.reset(token)
+
+
+_observers: contextvars.ContextVar[tuple] = contextvars.ContextVar(
+    "tokamax_dispatch_observers", default=())
+
+
+@contextlib.contextmanager
+def observe(observer):
+  """Calls ``observer(op_name, args, implementation)`` for each op call dispatched
+  inside (autotuning uses it to find the calls a function makes)."""
+  token = _observers.set(_observers.get() + (observer,))
+  try:
+    yield observer
+  finally:
+    _observers.reset(token)
+
+
+def _tuned_first(options: list, labels: list[str], preferred: str | None) -> list:
+  """Moves the option measured fastest (tuned data) to the front."""
+  if preferred is None or preferred not in labels:
+    return options
+  i = labels.index(preferred)
+  return [options[i], *options[:i], *options[i + 1:]]
 
 
 def _record(record: DispatchRecord) -> None:
@@ -194,10 +218,19 @@ def _choose_backward(op_name: str, args: Any, residuals: Any, device: DeviceInfo
     options.append((forward.label, lambda: own, forward.explicit))
   if own is None or not forward.explicit:
     # No backward of its own, or its own refuses under automatic choice: the best
-    # usable backward (the XLA reference accepts any residuals).
-    for e in registry.entries(op_name):
-      if e.spec.backward is not None and _platform_matches(e, device):
-        options.append((e.name, lambda e=e: registry.backward_class(e)(), False))
+    # usable backward (the XLA reference accepts any residuals), the one measured
+    # fastest first.
+    auto = [(e.name, lambda e=e: registry.backward_class(e)(), False)
+            for e in registry.entries(op_name)
+            if e.spec.backward is not None and _platform_matches(e, device)]
+    if implementation is None:
+      preferred = config_sources.lookup_implementation(op_name, "backward", args)
+      if own is not None and preferred is not None and preferred != forward.label:
+        options = []  # tuned data says another backward is faster than its own
+        auto = [a for a in auto if a[0] != forward.label] + [
+            (forward.label, lambda: own, False)]
+      auto = _tuned_first(auto, [a[0] for a in auto], preferred)
+    options += auto
   for label, make, explicit in options:
     try:
       op = make()
@@ -253,8 +286,14 @@ def call(op_name: str, args: Any, implementation: Implementation,
   Returns:
     The op's output.
   """
+  for observer in _observers.get():
+    observer(op_name, args, implementation)
   device = current_device(jax.tree_util.tree_leaves(args))
   candidates = _expand(op_name, implementation, device)
+  if implementation is None:
+    candidates = _tuned_first(
+        candidates, [c.label for c in candidates],
+        config_sources.lookup_implementation(op_name, "forward", args))
   forward, fwd_op, rejected = _choose_forward(op_name, args, device, candidates)
   fwd_config = fwd_op.resolve_config(args)
   _record(DispatchRecord(op_name, "forward", forward.label, fwd_config, tuple(rejected)))

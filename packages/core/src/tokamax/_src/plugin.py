@@ -98,8 +98,11 @@ class Backend:
       ``TOKAMAX_DISABLED_BACKENDS``.
     api_version: the ``PLUGIN_API_VERSION`` the package was written against.
     implementations: the implementations it provides.
+    tuned_data: a package holding tuned configs as
+      ``<device_kind_slug>/<op>.json`` (see ``python -m tokamax autotune``), or None.
   """
 
   name: str
   api_version: int
   implementations: tuple[Implementation, ...] = ()
+  tuned_data: str | None = None

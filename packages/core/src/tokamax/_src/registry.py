@@ -102,6 +102,7 @@ class _Registry:
     self.backends: list[BackendInfo] = []
     self.errors: list[BackendError] = []
     self.failed_entry_points: dict[str, BaseException] = {}
+    self.tuned_packages: list[str] = []
 
   def add_backend(self, backend: Any, distribution: str | None, version: str | None,
                   builtin: bool) -> None:
@@ -123,6 +124,9 @@ class _Registry:
         self.by_name[key] = entry
       self.by_name[(spec.op, entry.qualified_name)] = entry
       names.append(f"{spec.op}/{spec.name}")
+    tuned = getattr(backend, "tuned_data", None)
+    if tuned:
+      self.tuned_packages.append(tuned)
     self.backends.append(
         BackendInfo(backend.name, distribution, version, "ok", tuple(names)))
 
@@ -222,6 +226,8 @@ def reset() -> None:
   with _lock:
     _registry = None
     _loaded.clear()
+  from tokamax._src import tuned_data  # pylint: disable=g-import-not-at-top
+  tuned_data.shipped().reset()
 
 
 _loaded: dict[str, type] = {}

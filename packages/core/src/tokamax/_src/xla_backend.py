@@ -112,7 +112,8 @@ class XlaChunkedAttention(Op):
     return ChunkConfig(chunk_size=min(512, max(16, args.key.shape[1])))
 
   def search_space(self, args):
-    return tuple(ChunkConfig(c) for c in (128, 256, 512, 1024) if c <= args.key.shape[1])
+    fitting = tuple(ChunkConfig(c) for c in (128, 256, 512, 1024) if c <= args.key.shape[1])
+    return fitting or (self.heuristic_config(args),)
 
   def forward(self, args, config):
     out, lse = _ref().attention_chunked(

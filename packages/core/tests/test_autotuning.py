@@ -1,0 +1,255 @@
+"""Autotuning results: measuring, using, serializing, merging, shipped tuned data."""
+
+import json
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+import tokamax
+from tokamax._src import autotuning
+from tokamax._src import registry
+from tokamax._src import tuned_data
+from tokamax._src import xla_backend
+
+
+def _rand(*shape):
+  return jnp.asarray(np.random.default_rng().standard_normal(shape), jnp.float32)
+
+
+def _model(q, x):
+  attn = tokamax.dot_product_attention(q, q, q, is_causal=True)
+  return jnp.sum(attn * attn) + jnp.sum(tokamax.layer_norm(x, None, None) ** 2)
+
+
+@pytest.fixture(scope="module")
+def tuned():
+  q, x = _rand(1, 96, 2, 16), _rand(8, 32)
+  return q, x, tokamax.autotune(_model, q, x, iterations=2, progress=False)
+
+
+def test_autotune_measures_every_call_and_direction(tuned):
+  _, _, result = tuned
+  seen = {(m.op, m.direction, m.implementation) for m in result.measurements}
+  for direction in ("forward", "backward"):
+    assert ("dot_product_attention", direction, "xla") in seen
+    assert ("dot_product_attention", direction, "xla_chunked") in seen
+    assert ("layer_norm", direction, "xla") in seen
+  chunked = [m for m in result.measurements if m.implementation == "xla_chunked"]
+  assert all(m.config["chunk_size"] in (128, 256, 512, 1024) or m.config["chunk_size"] <= 96
+             for m in chunked)
+  assert all(m.time_ms > 0 for m in result.measurements)
+  assert result.device_kind == jax.devices()[0].device_kind
+  assert result.versions["jax"] == jax.__version__
+
+
+def test_result_as_context_manager_applies_winners(tuned):
+  q, x, result = tuned
+  with result, tokamax.record_dispatch() as records:
+    jax.grad(_model)(q, x)
+  for r in records:
+    key = [m for m in result.measurements if m.op == r.op and m.direction == r.direction]
+    fastest = min(key, key=lambda m: m.time_ms)
+    assert r.implementation == fastest.implementation, (r, fastest)
+    if fastest.config is not None:
+      assert r.config.__dict__ == fastest.config
+  # Outside the context, heuristics again.
+  with tokamax.record_dispatch() as records:
+    _model(q, x)
+  assert records[0].implementation == "xla"
+
+
+def test_dumps_loads_round_trip(tuned):
+  _, _, result = tuned
+  again = tokamax.AutotuningResult.loads(result.dumps())
+  assert again.measurements == result.measurements
+  assert again.device_kind == result.device_kind and again.versions == result.versions
+
+
+def test_merge_keeps_the_faster():
+  slow = autotuning.Measurement("layer_norm", "forward", "k", "xla", None, 2.0)
+  fast = autotuning.Measurement("layer_norm", "forward", "k", "xla", None, 1.0)
+  other = autotuning.Measurement("layer_norm", "forward", "k2", "xla", None, 3.0)
+  merged = (tokamax.AutotuningResult([slow]) | tokamax.AutotuningResult([fast, other]))
+  assert sorted(m.time_ms for m in merged.measurements) == [1.0, 3.0]
+  with pytest.raises(ValueError, match="cannot merge"):
+    tokamax.AutotuningResult(device_kind="a").merge(tokamax.AutotuningResult(device_kind="b"))
+
+
+@pytest.mark.parametrize("text,match", [
+    ("not json", "not an autotuning result"),
+    ('{"format": "something-else/9"}', "format"),
+    (json.dumps({"format": autotuning.FORMAT, "measurements": [{"op": "x"}]}), "malformed"),
+    (json.dumps({"format": autotuning.FORMAT, "measurements": [dict(
+        op="layer_norm", direction="forward", key="k", implementation="xla",
+        config={"f": {"nested": 1}}, time_ms=1.0)]}), "JSON scalars"),
+])
+def test_loads_rejects_malformed(text, match):
+  with pytest.raises(ValueError, match=match):
+    tokamax.AutotuningResult.loads(text)
+
+
+def test_crafted_result_imports_nothing_and_falls_back():
+  q = _rand(1, 40, 2, 8)
+  args_key = None
+
+  def grab(op_name, args, implementation):
+    nonlocal args_key
+    args_key = autotuning.args_key(args)
+
+  from tokamax._src import dispatch  # pylint: disable=g-import-not-at-top
+  with dispatch.observe(grab):
+    tokamax.dot_product_attention(q, q, q)
+  sys.modules.pop("antigravity", None)
+  crafted = json.dumps({"format": autotuning.FORMAT, "measurements": [
+      dict(op="dot_product_attention", direction="forward", key=args_key,
+           implementation="antigravity:fly", config={"module": "antigravity"},
+           time_ms=0.001),
+      dict(op="dot_product_attention", direction="forward", key=args_key,
+           implementation="xla_chunked", config={"chunk_size": 16, "exec": "import os"},
+           time_ms=0.002),
+  ]})
+  result = tokamax.AutotuningResult.loads(crafted)
+  with result, tokamax.record_dispatch() as records, warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    out = tokamax.dot_product_attention(q, q, q)
+  assert "antigravity" not in sys.modules
+  assert records[0].implementation == "xla"  # the unknown name is not a candidate
+  with result, warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    with tokamax.record_dispatch() as records:
+      tokamax.dot_product_attention(q, q, q, implementation="xla_chunked")
+  assert records[0].config == xla_backend.XlaChunkedAttention().heuristic_config(_args_of(q))
+  assert any("does not fit" in str(x.message) for x in w)
+  np.testing.assert_allclose(out, tokamax.dot_product_attention(q, q, q, implementation="xla"))
+
+
+def _args_of(q):
+  return tokamax.AttentionArgs(query=q, key=q, value=q, scale=1.0)
+
+
+def test_timeout_records_skipped_configs():
+  q = _rand(1, 64, 2, 8)
+  result = tokamax.autotune(lambda q: tokamax.dot_product_attention(q, q, q), q,
+                            timeout_s=0.0, progress=False)
+  assert len(result) == 0 or all(m.time_ms > 0 for m in result.measurements)
+
+
+def test_failing_config_is_recorded_not_raised():
+  import dataclasses  # pylint: disable=g-import-not-at-top
+
+  @dataclasses.dataclass(frozen=True)
+  class Flaky(tokamax.Op):
+    op_name = "layer_norm"
+    name = "flaky"
+    config_cls = xla_backend.ChunkConfig
+
+    def heuristic_config(self, args):
+      return xla_backend.ChunkConfig(2)
+
+    def search_space(self, args):
+      return (xla_backend.ChunkConfig(1), xla_backend.ChunkConfig(2))
+
+    def forward(self, args, config):
+      if config.chunk_size == 1:
+        raise RuntimeError("this config does not compile")
+      return xla_backend.XlaLayerNorm().forward(args, None)
+
+  x = _rand(4, 8)
+  result = tokamax.autotune(lambda x: tokamax.layer_norm(x, None, None, implementation=Flaky()),
+                            x, progress=False, backward=False)
+  assert [m.config for m in result.measurements] == [{"chunk_size": 2}]
+  assert "does not compile" in result.failures[0]["error"]
+
+
+# ------------------------------------------------------------------ shipped data
+
+
+def _write_package(tmp_path, name, files):
+  pkg = tmp_path / name
+  (pkg / "cpu").mkdir(parents=True)
+  (pkg / "__init__.py").write_text("")
+  for fname, text in files.items():
+    (pkg / "cpu" / fname).write_text(text)
+  return pkg
+
+
+def _shipped_setup(monkeypatch, tmp_path, files, pkg_name):
+  _write_package(tmp_path, pkg_name, files)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  backend = tokamax.plugin.Backend(name="tuned_test", api_version=1, tuned_data=pkg_name)
+
+  class EP:
+    name, dist = "tuned_test", None
+
+    def load(self):
+      return backend
+
+  real = registry.importlib.metadata.entry_points
+  monkeypatch.setattr(registry.importlib.metadata, "entry_points",
+                      lambda group=None, **kw: [EP()] if group == registry.ENTRY_POINT_GROUP
+                      else real(group=group, **kw))
+  registry.reset()
+
+
+def _result_text(q, chunk, device_kind="cpu", versions=None):
+  key = autotuning.args_key(_canonical_attention(q))
+  return json.dumps({"format": autotuning.FORMAT, "device_kind": device_kind,
+                     "versions": versions or {"jax": jax.__version__},
+                     "measurements": [dict(op="dot_product_attention", direction="forward",
+                                           key=key, implementation="xla_chunked",
+                                           config={"chunk_size": chunk}, time_ms=1.0),
+                                      dict(op="dot_product_attention", direction="forward",
+                                           key=key, implementation="xla", config=None,
+                                           time_ms=5.0)]})
+
+
+def _canonical_attention(q):
+  from tokamax._src import dispatch  # pylint: disable=g-import-not-at-top
+  seen = []
+  with dispatch.observe(lambda op, args, impl: seen.append(args)):
+    tokamax.dot_product_attention(q, q, q)
+  return seen[0]
+
+
+def test_shipped_tuned_data_drives_none(fresh_registry, tmp_path):
+  q = _rand(1, 48, 2, 8)
+  text = _result_text(q, 16)
+  _shipped_setup(fresh_registry, tmp_path, {"dot_product_attention.json": text}, "tuned_ok")
+  with tokamax.record_dispatch() as records:
+    tokamax.dot_product_attention(q, q, q)
+  assert records[0].implementation == "xla_chunked"
+  assert records[0].config == xla_backend.ChunkConfig(16)
+
+
+@pytest.mark.parametrize("problem,text_fn,match", [
+    ("corrupt", lambda q: "{ not json", "ignored"),
+    ("foreign_device", lambda q: _result_text(q, 16, device_kind="NVIDIA H200"), "measured on"),
+    ("old_version", lambda q: _result_text(q, 16, versions={"jax": "0.0.1"}), "measured with"),
+])
+def test_bad_shipped_data_warns_and_uses_heuristics(fresh_registry, tmp_path, problem, text_fn,
+                                                    match):
+  q = _rand(1, 48, 2, 8)
+  _shipped_setup(fresh_registry, tmp_path, {"dot_product_attention.json": text_fn(q)},
+                 f"tuned_{problem}")
+  with pytest.warns(UserWarning, match=match), tokamax.record_dispatch() as records:
+    tokamax.dot_product_attention(q, q, q)
+  assert records[0].implementation == "xla"
+
+
+def test_device_slug():
+  assert tuned_data.device_slug("NVIDIA H200") == "nvidia_h200"
+
+
+def test_export_with_disabled_checks_round_trips():
+  x, s = _rand(3, 16), _rand(16)
+  f = jax.jit(lambda x, s: (tokamax.rms_norm(x, s), jax.grad(
+      lambda x: jnp.sum(tokamax.rms_norm(x, s) ** 2))(x)))
+  exported = export.export(f, disabled_checks=tokamax.DISABLE_JAX_EXPORT_CHECKS)(x, s)
+  restored = export.deserialize(exported.serialize())
+  for a, b in zip(jax.tree.leaves(restored.call(x, s)), jax.tree.leaves(f(x, s))):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
