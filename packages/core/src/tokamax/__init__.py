@@ -8,10 +8,16 @@ Example:
 """
 
 from tokamax._src import plugin
+from tokamax._src.autotuning import AutotuningResult
+from tokamax._src.autotuning import autotune
+from tokamax._src.benchmarking import BenchmarkData
+from tokamax._src.benchmarking import benchmark
+from tokamax._src.benchmarking import standardize_function
 from tokamax._src.config import interpret
 from tokamax._src.config import interpret_mode
 from tokamax._src.dispatch import DispatchRecord
 from tokamax._src.dispatch import record_dispatch
+from tokamax._src.export_checks import DISABLE_JAX_EXPORT_CHECKS
 from tokamax._src.introspection import implementations
 from tokamax._src.op import DeviceInfo
 from tokamax._src.op import Op
@@ -36,8 +42,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionArgs",
+    "AutotuningResult",
+    "DISABLE_JAX_EXPORT_CHECKS",
     "BackendError",
     "BackendInfo",
+    "BenchmarkData",
     "DeviceInfo",
     "DispatchRecord",
     "GatedLinearUnitArgs",
@@ -47,8 +56,10 @@ __all__ = [
     "PluginWarning",
     "RaggedDotArgs",
     "VjpOp",
+    "autotune",
     "backend_errors",
     "backends",
+    "benchmark",
     "dot_product_attention",
     "gated_linear_unit",
     "implementations",
@@ -59,4 +70,5 @@ __all__ = [
     "ragged_dot",
     "record_dispatch",
     "rms_norm",
+    "standardize_function",
 ]

@@ -49,12 +49,23 @@ def main(argv: list[str] | None = None) -> int:
                      help="only this implementation (repeatable; 'auto' for None)")
   bench.add_argument("--iterations", type=int, default=10)
   bench.add_argument("--out", help="folder for bench.json and bench.md")
+  tune = sub.add_parser("autotune", help="autotune the reference shapes; write tuned data")
+  tune.add_argument("--op", action="append", help="only this op (repeatable)")
+  tune.add_argument("--shape", help="only problems whose name contains this")
+  tune.add_argument("--out", required=True,
+                    help="folder to write <device_kind_slug>/<op>.json into (e.g. a "
+                         "backend package's tuned-data folder)")
+  tune.add_argument("--iterations", type=int, default=5)
+  tune.add_argument("--timeout", type=float, default=None, help="seconds per problem")
   args = parser.parse_args(argv)
   if args.command == "info":
     info()
   elif args.command == "demo":
     from tokamax._src import demo  # pylint: disable=g-import-not-at-top
     demo.run()
+  elif args.command == "autotune":
+    from tokamax._src import bench  # pylint: disable=g-import-not-at-top
+    bench.autotune_suite(args.op, args.shape, args.out, args.iterations, args.timeout)
   elif args.command == "bench":
     from tokamax._src import bench  # pylint: disable=g-import-not-at-top
     impls = None if not args.implementation else [

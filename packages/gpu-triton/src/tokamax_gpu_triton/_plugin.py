@@ -23,4 +23,5 @@ BACKEND = plugin.Backend(
         _impl("dot_product_attention", "attention", "TritonAttention",
               "TritonAttentionVjp"),
     ),
+    tuned_data="tokamax_gpu_triton.tuned",
 )

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,25 +19,19 @@ import jax.numpy as jnp
 import numpy as np
 
 import tokamax
+from tokamax._src import benchmarking
 from tokamax._src import introspection
 
 BF16 = jnp.bfloat16
 
 
 def kernel_time_ms(f: Callable, *args, iterations: int = 10) -> tuple[float, str]:
-  """Median time of ``f(*args)``: CUPTI kernel time on GPUs, else wall clock."""
-  if jax.default_backend() == "gpu":
-    from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
-    jax.block_until_ready(f(*args))
-    _, times = profiler.measure(f, iterations=iterations)(*args)
-    return float(statistics.median(times)), "cupti"
-  jax.block_until_ready(f(*args))
-  times = []
-  for _ in range(iterations):
-    start = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    times.append((time.perf_counter() - start) * 1e3)
-  return statistics.median(times), "wallclock"
+  """Median time of ``f(*args)`` and the method: CUPTI kernel time on NVIDIA GPUs, else wall clock.
+
+  A thin wrapper of `tokamax.benchmark`, the one timing implementation.
+  """
+  data = benchmarking.benchmark(f, args, iterations=iterations)
+  return data.median_evaluation_time_ms, data.method
 
 
 @dataclasses.dataclass
@@ -228,3 +220,30 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
       json.dump(all_rows, f, indent=1)
     with open(os.path.join(out, "bench.md"), "w") as f:
       f.write(markdown_table(all_rows) + "\n")
+
+
+def autotune_suite(ops: list[str] | None, shape: str | None, out: str, iterations: int,
+                   timeout_s: float | None) -> None:
+  """Autotunes the reference problems and writes ``out/<device slug>/<op>.json``."""
+  import os  # pylint: disable=g-import-not-at-top
+
+  from tokamax._src import autotuning, tuned_data  # pylint: disable=g-import-not-at-top
+  result = autotuning.AutotuningResult()
+  for p in reference_suite():
+    if (ops and p.op not in ops) or (shape and shape not in p.name):
+      continue
+    inputs = p.make_inputs()
+    print(f"autotuning {p.op} {p.name}", flush=True)
+    result = result.merge(autotuning.autotune(
+        lambda *a, p=p: p.call(a, None), *inputs, iterations=iterations,
+        timeout_s=timeout_s, progress=False))
+  folder = os.path.join(out, tuned_data.device_slug(jax.devices()[0].device_kind))
+  os.makedirs(folder, exist_ok=True)
+  for op in sorted({m.op for m in result.measurements}):
+    part = autotuning.AutotuningResult(
+        [m for m in result.measurements if m.op == op], device_kind=result.device_kind,
+        versions=result.versions, failures=[f for f in result.failures if f["op"] == op])
+    with open(os.path.join(folder, f"{op}.json"), "w") as f:
+      f.write(part.dumps())
+    print(f"wrote {folder}/{op}.json: {len(part)} measurements, "
+          f"{len(part.failures)} failed configs", flush=True)

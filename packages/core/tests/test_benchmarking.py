@@ -1,0 +1,352 @@
+"""Tests of tokamax.benchmarking (CPU; the GPU-only methods are marked `gpu`)."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tokamax
+from tokamax import benchmarking
+from tokamax._src import benchmarking as impl
+
+_HAS_NVIDIA_GPU = any(impl._is_nvidia_gpu(d) for d in jax.devices())
+nvidia_gpu_only = pytest.mark.skipif(not _HAS_NVIDIA_GPU, reason="needs an NVIDIA GPU")
+cpu_only = pytest.mark.skipif(_HAS_NVIDIA_GPU, reason="checks the errors raised off NVIDIA GPUs")
+
+
+def _scaled_tanh(x, scale):
+  return jnp.tanh(x) * scale
+
+
+# ------------------------------------------------------------------ standardize
+
+
+def test_standardize_replaces_shape_dtype_structs_with_random_arrays():
+  specs = (jax.ShapeDtypeStruct((4, 8), jnp.bfloat16), jax.ShapeDtypeStruct((3,), jnp.int32),
+           jax.ShapeDtypeStruct((5,), jnp.bool_), jax.ShapeDtypeStruct((2, 2), jnp.float32))
+  f_std, args = benchmarking.standardize_function(lambda *xs: xs, *specs)
+  assert [(a.shape, a.dtype) for a in args] == [(s.shape, s.dtype) for s in specs]
+  assert all(isinstance(a, jax.Array) for a in args)
+  floats = np.asarray(args[3])
+  assert np.all(np.isfinite(floats)) and floats.std() > 0  # Random, not zeros.
+  ints = np.asarray(args[1])
+  assert np.all((ints >= 0) & (ints < 8))
+  out = f_std(*args)
+  for a, b in zip(out, args):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_standardize_is_deterministic_per_seed():
+  spec = jax.ShapeDtypeStruct((16,), jnp.float32)
+  _, a = benchmarking.standardize_function(jnp.sin, spec, seed=1)
+  _, b = benchmarking.standardize_function(jnp.sin, spec, seed=1)
+  _, c = benchmarking.standardize_function(jnp.sin, spec, seed=2)
+  np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
+  assert not np.array_equal(np.asarray(a[0]), np.asarray(c[0]))
+
+
+def test_standardize_keeps_static_kwargs_closed_over():
+  seen = {}
+
+  def f(x, *, scale, activation, axis, name):
+    seen.update(scale=scale, activation=activation, axis=axis, name=name)
+    return activation(x).sum(axis=axis) * scale
+
+  x = jnp.arange(12.0).reshape(3, 4)
+  f_std, args = benchmarking.standardize_function(
+      f, kwargs={"x": x, "scale": 3.0, "activation": jax.nn.relu, "axis": 1, "name": "n"})
+  assert len(args) == 1 and args[0] is x
+  out = jax.jit(f_std)(*args)  # Static values survive jit: they are not arguments.
+  np.testing.assert_allclose(np.asarray(out), np.asarray(x.sum(axis=1) * 3.0))
+  assert seen["scale"] == 3.0 and seen["axis"] == 1 and seen["name"] == "n"
+  assert seen["activation"] is jax.nn.relu
+
+
+def test_standardize_pytrees_of_mixed_leaves():
+  def f(pair, cfg, *, extra=None):
+    a, b = pair
+    return a @ b * cfg["alpha"] + (0 if extra is None else extra["bias"])
+
+  a = jnp.ones((2, 3))
+  b = jax.ShapeDtypeStruct((3, 4), jnp.float32)
+  bias = np.full((4,), 2.0, np.float32)
+  f_std, args = benchmarking.standardize_function(
+      f, (a, b), {"alpha": 0.5}, kwargs={"extra": {"bias": bias}})
+  assert [x.shape for x in args] == [(2, 3), (3, 4), (4,)]
+  expected = np.asarray(a) @ np.asarray(args[1]) * 0.5 + 2.0
+  np.testing.assert_allclose(np.asarray(f_std(*args)), expected, rtol=1e-5)
+
+
+def test_standardize_rejects_wrong_argument_count():
+  f_std, args = benchmarking.standardize_function(jnp.sin, jnp.ones(3))
+  with pytest.raises(TypeError, match="takes 1 arrays, got 2"):
+    f_std(*args, *args)
+
+
+# -------------------------------------------------------------------- running
+
+
+def test_documented_usage_wallclock():
+  x = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+  scale = 2.0
+  f = _scaled_tanh
+  f_std, args = benchmarking.standardize_function(f, kwargs={"x": x, "scale": scale})
+  run = benchmarking.compile_benchmark(f_std, args)
+  bench = run(args, method="wallclock")
+  assert isinstance(bench, benchmarking.BenchmarkData)
+  assert bench.method == "wallclock"
+  assert len(bench.evaluation_times_ms) == 10
+  assert all(t > 0 for t in bench.evaluation_times_ms)
+  assert bench.lowering_time_ms > 0 and bench.compile_time_ms > 0
+  assert min(bench.evaluation_times_ms) <= bench.median_evaluation_time_ms
+  assert bench.median_evaluation_time_ms <= max(bench.evaluation_times_ms)
+  assert bench.peak_memory_bytes is None or bench.peak_memory_bytes > 0
+  text = str(bench)
+  assert "wallclock" in text and "median" in text and "10 iterations" in text
+
+
+def test_benchmark_data_is_frozen_and_median_is_median():
+  data = benchmarking.BenchmarkData(method="wallclock", lowering_time_ms=1.0,
+                                    compile_time_ms=2.0, evaluation_times_ms=(3.0, 1.0, 2.0))
+  assert data.median_evaluation_time_ms == 2.0
+  assert data.peak_memory_bytes is None
+  with pytest.raises(AttributeError):
+    data.method = "cupti"  # type: ignore[misc]
+  assert "peak memory" not in str(data)
+  assert "peak memory 1.0 MiB" in str(
+      benchmarking.BenchmarkData("cupti", 1.0, 2.0, (1.0,), peak_memory_bytes=2**20))
+
+
+def test_iterations_and_warmup_counts():
+  calls = []
+
+  def f(x):
+    jax.debug.callback(lambda: calls.append(1))
+    return x + 1
+
+  f_std, args = benchmarking.standardize_function(f, jnp.ones(4))
+  run = benchmarking.compile_benchmark(f_std, args)
+  data = run(args, method="wallclock", iterations=3, warmup=2)
+  jax.effects_barrier()
+  assert len(data.evaluation_times_ms) == 3
+  assert len(calls) == 5
+  with pytest.raises(ValueError, match="iterations must be positive"):
+    run(args, method="wallclock", iterations=0)
+  with pytest.raises(ValueError, match="unknown benchmark method 'bogus'"):
+    run(args, method="bogus")
+
+
+@cpu_only
+def test_default_method_is_wallclock_off_nvidia_gpus():
+  assert benchmarking.default_method() == "wallclock"
+  assert tokamax.benchmark(jnp.sin, [jnp.ones(8)], iterations=2).method == "wallclock"
+
+
+@cpu_only
+@pytest.mark.parametrize("method", ["cupti", "cuda_events"])
+def test_gpu_methods_raise_with_a_reason_on_cpu(method):
+  f_std, args = benchmarking.standardize_function(
+      _scaled_tanh, kwargs={"x": jnp.ones((8, 8)), "scale": 2.0})
+  run = benchmarking.compile_benchmark(f_std, args)
+  with pytest.raises(RuntimeError, match=rf"method='{method}' needs an NVIDIA GPU.*cpu"):
+    run(args, method=method)
+
+
+def test_tokamax_layer_norm_benchmarked():
+  x = jax.ShapeDtypeStruct((128, 256), jnp.float32)
+  scale = jax.ShapeDtypeStruct((256,), jnp.float32)
+  offset = jax.ShapeDtypeStruct((256,), jnp.float32)
+  f_std, args = benchmarking.standardize_function(
+      tokamax.layer_norm, x, scale, offset, kwargs={"epsilon": 1e-5})
+  data = benchmarking.compile_benchmark(f_std, args)(args, method="wallclock", iterations=4)
+  assert data.method == "wallclock" and len(data.evaluation_times_ms) == 4
+  assert data.median_evaluation_time_ms > 0
+  # The convenience entry point, exported at top level, with concrete arrays.
+  arrays = [jnp.ones((64, 128)), jnp.ones((128,)), jnp.zeros((128,))]
+  data = tokamax.benchmark(tokamax.layer_norm, arrays, method="wallclock", iterations=3)
+  assert isinstance(data, tokamax.BenchmarkData) and len(data.evaluation_times_ms) == 3
+
+
+def test_public_exports():
+  assert tokamax.benchmark is benchmarking.benchmark
+  assert tokamax.standardize_function is benchmarking.standardize_function
+  for name in ("benchmark", "standardize_function", "BenchmarkData"):
+    assert name in tokamax.__all__
+
+
+def test_bench_suite_uses_the_one_timing_implementation():
+  from tokamax._src import bench  # pylint: disable=g-import-not-at-top
+  ms, method = bench.kernel_time_ms(jax.jit(lambda a: a[0] * a[1]),
+                                    (jnp.ones(16), jnp.ones(16)), iterations=3)
+  assert ms > 0 and method == benchmarking.default_method()
+
+
+# --------------------------------------------------------- cuda events plumbing
+
+
+def test_cuda_events_instrumentation_brackets_the_function():
+  token = jnp.zeros((1,), jnp.int32)
+  timed = impl._with_cuda_events(lambda x: jnp.tanh(x) * 2)
+  text = jax.jit(timed).lower(token, jnp.ones(8)).as_text()
+  calls = [line for line in text.splitlines() if "tokamax_record_cuda_event" in line]
+  assert len(calls) == 2
+  assert "kind = 0" in calls[0] and "kind = 1" in calls[1]
+  assert all("has_side_effect = true" in c and "output_operand_alias" in c for c in calls)
+  lines = text.splitlines()
+  start = lines.index(calls[0])
+  end = lines.index(calls[1])
+  body = "\n".join(lines[start:end])
+  assert body.count("optimization_barrier") == 2 and "tanh" in body
+
+
+class _FakeEventLog:
+  """Stands in for the ctypes library: (device, kind, time) per logged event."""
+
+  def __init__(self, events, last_error=0):
+    self.events = events
+    self.last_error = last_error
+
+  def tokamax_cuda_events_last_error(self):
+    return self.last_error
+
+  def tokamax_cuda_events_count(self):
+    return len(self.events)
+
+  def tokamax_cuda_events_info(self, i, device, kind):
+    device._obj.value, kind._obj.value = self.events[i][:2]
+    return 0
+
+  def tokamax_cuda_events_elapsed_ms(self, i, j, ms):
+    ms._obj.value = self.events[j][2] - self.events[i][2]
+    return 0
+
+  def tokamax_cuda_error_name(self, status):
+    return b"cudaErrorLaunchFailure"
+
+  def tokamax_cuda_error_string(self, status):
+    return b"unspecified launch failure"
+
+
+def test_cuda_event_log_pairs_per_iteration_and_max_over_devices():
+  log = _FakeEventLog([(0, 0, 0.0), (1, 0, 0.0), (0, 1, 2.0), (1, 1, 3.0),
+                       (0, 0, 10.0), (0, 1, 11.0), (1, 0, 10.0), (1, 1, 10.5)])
+  assert impl._read_event_times(log, 2) == pytest.approx([3.0, 1.0])
+
+
+def test_cuda_event_log_errors_are_precise():
+  with pytest.raises(RuntimeError, match="expected 2 \\(start, end\\) pairs"):
+    impl._read_event_times(_FakeEventLog([(0, 0, 0.0), (0, 1, 1.0)]), 2)
+  with pytest.raises(RuntimeError, match="no event was recorded"):
+    impl._read_event_times(_FakeEventLog([]), 1)
+  with pytest.raises(RuntimeError, match="recording an event failed: cudaErrorLaunchFailure"):
+    impl._read_event_times(_FakeEventLog([], last_error=719), 1)
+
+
+def test_cuda_events_build_reports_missing_runtime(monkeypatch, tmp_path):
+  monkeypatch.setattr(impl, "_cuda_runtime_distributions", lambda: [])
+  monkeypatch.setattr(impl, "_DEFAULT_CUDA_ROOT", str(tmp_path / "nowhere"))
+  monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+  monkeypatch.delenv("CUDA_PATH", raising=False)
+  with pytest.raises(RuntimeError) as e:
+    impl._find_cuda_runtime()
+  msg = str(e.value)
+  assert "needs the CUDA runtime library" in msg
+  assert "no nvidia-cuda-runtime pip package is installed" in msg
+  assert f"CUDA_HOME {tmp_path}: no lib64/ or lib/libcudart.so*" in msg
+  assert "CUDA_PATH is not set" in msg
+  assert "nowhere" in msg
+
+
+def test_cuda_events_build_reports_missing_compiler(monkeypatch):
+  monkeypatch.setenv("CXX", "/no/such/compiler")
+  with pytest.raises(RuntimeError, match="CXX='/no/such/compiler' is not an executable"):
+    impl._find_compiler()
+  monkeypatch.delenv("CXX")
+  monkeypatch.setattr(impl.shutil, "which", lambda name: None)
+  with pytest.raises(RuntimeError, match="no C\\+\\+ compiler was found"):
+    impl._find_compiler()
+
+
+def _cuda_runtime_or_none():
+  try:
+    return impl._find_cuda_runtime()
+  except RuntimeError:
+    return None
+
+
+@pytest.mark.skipif(shutil.which("c++") is None or _cuda_runtime_or_none() is None,
+                    reason="needs a C++ compiler and a CUDA runtime (headers optional)")
+@pytest.mark.parametrize("with_headers", [True, False])
+def test_cuda_events_library_builds_and_is_cached(monkeypatch, tmp_path, with_headers):
+  runtime = impl._find_cuda_runtime()
+  if with_headers and runtime.include_dir is None:
+    pytest.skip("no complete CUDA runtime headers here")
+  if not with_headers:
+    runtime = impl._CudaRuntime(None, runtime.library, runtime.origin)
+  monkeypatch.setattr(impl, "_find_cuda_runtime", lambda: runtime)
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  path = impl._build_cuda_events_library()
+  assert path.parent == tmp_path / "tokamax" and path.suffix == ".so"
+  mtime = path.stat().st_mtime_ns
+  assert impl._build_cuda_events_library() == path  # Cached: not rebuilt.
+  assert path.stat().st_mtime_ns == mtime
+  assert not list(path.parent.glob("*.tmp"))
+  symbols = path.read_bytes()
+  for name in (b"TokamaxRecordCudaEvent", b"tokamax_cuda_events_elapsed_ms", b"libcudart.so"):
+    assert name in symbols
+
+
+def test_cuda_events_build_failure_shows_command_and_output(monkeypatch, tmp_path):
+  bad = tmp_path / "cuda_events.cc"
+  bad.write_text("#error deliberately broken\n")
+  runtime = impl._CudaRuntime(None, tmp_path / "libcudart.so.12", "test")
+  monkeypatch.setattr(impl, "_CUDA_EVENTS_SOURCE", bad)
+  monkeypatch.setattr(impl, "_find_cuda_runtime", lambda: runtime)
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+  if shutil.which("c++") is None:
+    pytest.skip("needs a C++ compiler")
+  with pytest.raises(RuntimeError) as e:
+    impl._build_cuda_events_library()
+  msg = str(e.value)
+  assert "building cuda_events.cc failed (exit code" in msg
+  assert "command: " in msg and "-DTOKAMAX_DECLARE_CUDART" in msg
+  assert "deliberately broken" in msg
+  assert not list((tmp_path / "cache" / "tokamax").glob("*"))  # No partial .so left.
+
+
+# ------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@nvidia_gpu_only
+def test_gpu_default_method_is_cupti():
+  x = jax.random.normal(jax.random.key(0), (2048, 2048), jnp.float32)
+  data = tokamax.benchmark(lambda a: a @ a, [x], iterations=5)
+  assert data.method == "cupti" and len(data.evaluation_times_ms) == 5
+  assert all(t > 0 for t in data.evaluation_times_ms)
+  assert data.peak_memory_bytes is not None and data.peak_memory_bytes > 0
+
+
+@pytest.mark.gpu
+@nvidia_gpu_only
+def test_gpu_cuda_events_documented_usage_agrees_with_cupti():
+  x = jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16)
+  scale = 2.0
+
+  def f(x, scale):
+    return (x @ x) * scale
+
+  f_std, args = benchmarking.standardize_function(f, kwargs={"x": x, "scale": scale})
+  run = benchmarking.compile_benchmark(f_std, args)
+  bench = run(args, method="cuda_events")
+  assert bench.method == "cuda_events" and len(bench.evaluation_times_ms) == 10
+  assert all(t > 0 for t in bench.evaluation_times_ms)
+  cupti = run(args, method="cupti")
+  # A ~1 TFLOP matmul: both see the same kernel; events add only launch gaps.
+  ratio = bench.median_evaluation_time_ms / cupti.median_evaluation_time_ms
+  assert 0.8 < ratio < 1.5, (str(bench), str(cupti))
+  # Repeated runs reuse the pooled events and the compiled instrumentation.
+  again = run(args, method="cuda_events", iterations=3, warmup=0)
+  assert len(again.evaluation_times_ms) == 3
