@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
   bench.add_argument("--implementation", action="append",
                      help="only this implementation (repeatable; 'auto' for None)")
   bench.add_argument("--iterations", type=int, default=10)
-  bench.add_argument("--out", help="folder for bench.json and bench.md")
+  bench.add_argument("--out", help="folder for bench.json, bench.md and PNG plots")
+  bench.add_argument("--sweep", action="store_true",
+                     help="attention throughput against sequence length instead")
   tune = sub.add_parser("autotune", help="autotune the reference shapes; write tuned data")
   tune.add_argument("--op", action="append", help="only this op (repeatable)")
   tune.add_argument("--shape", help="only problems whose name contains this")
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     from tokamax._src import bench  # pylint: disable=g-import-not-at-top
     impls = None if not args.implementation else [
         None if i == "auto" else i for i in args.implementation]
-    bench.main(args.op, args.out, args.iterations, impls)
+    bench.main(args.op, args.out, args.iterations, impls, args.sweep)
   return 0
 
 

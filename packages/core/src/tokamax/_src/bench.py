@@ -202,24 +202,87 @@ def markdown_table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def sequence_sweep(lengths=(1024, 2048, 4096, 8192, 16384), tokens=32768) -> list[Problem]:
+  """Attention at a fixed token count (B * T) across sequence lengths (causal, H128)."""
+  return [_attention(max(1, tokens // t), t, 16, 16, 128, True) for t in lengths]
+
+
+def plot(rows: list[dict], out: str) -> list[str]:
+  """PNG plots of `rows`: throughput per implementation for each problem, and
+  attention throughput against sequence length. Needs matplotlib."""
+  import os  # pylint: disable=g-import-not-at-top
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    print("matplotlib is not installed: no plots written")
+    return []
+  os.makedirs(out, exist_ok=True)
+  ok = [r for r in rows if "rate" in r]
+  written = []
+  problems = sorted({(r["op"], r["shape"]) for r in ok})
+  fig, axes = plt.subplots(len(problems), 2, figsize=(12, 2.2 * len(problems)), squeeze=False)
+  for i, (op, shape) in enumerate(problems):
+    for j, direction in enumerate(("forward", "forward+backward")):
+      sel = [r for r in ok if (r["op"], r["shape"], r["direction"]) == (op, shape, direction)]
+      ax = axes[i][j]
+      ax.barh([r["implementation"] for r in sel], [r["rate"] for r in sel])
+      ax.set_title(f"{shape} {direction}", fontsize=8)
+      ax.tick_params(labelsize=7)
+      if sel:
+        ax.set_xlabel(sel[0]["unit"], fontsize=7)
+  fig.tight_layout()
+  path = os.path.join(out, "throughput.png")
+  fig.savefig(path, dpi=110)
+  written.append(path)
+  sweep = [r for r in ok if r.get("sweep")]
+  if sweep:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), squeeze=False)
+    for j, direction in enumerate(("forward", "forward+backward")):
+      ax = axes[0][j]
+      for impl in sorted({r["implementation"] for r in sweep}):
+        pts = sorted((r["seq"], r["rate"]) for r in sweep
+                     if r["implementation"] == impl and r["direction"] == direction)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+      ax.set_xscale("log", base=2)
+      ax.set_xlabel("sequence length (B * T = 32768, N16 H128, causal)")
+      ax.set_ylabel("TFLOP/s")
+      ax.set_title(f"attention {direction}")
+      ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out, "attention_vs_seq.png")
+    fig.savefig(path, dpi=110)
+    written.append(path)
+  return written
+
+
 def main(ops: list[str] | None, out: str | None, iterations: int,
-         implementations: list[str] | None) -> None:
+         implementations: list[str] | None, sweep: bool = False) -> None:
   problems = [p for p in reference_suite() if not ops or p.op in ops]
+  if sweep:
+    problems = sequence_sweep()
   print(f"tokamax bench on {jax.devices()[0].device_kind}, JAX {jax.__version__}")
   all_rows = []
   for p in problems:
     usable = [s.name for s in introspection.implementations(p.op) if s.usable]
-    impls = implementations or [None] + [n for n in usable if n not in ("cudnn", "xla_chunked")]
+    impls = implementations or [None] + [n for n in usable if n != "xla_chunked"]
     rows = run_problem(p, impls, iterations=iterations)
+    if sweep:
+      for r in rows:
+        r.update(sweep=True, seq=int(p.name.split(" T")[1].split()[0]))
     print(markdown_table(rows), flush=True)
     all_rows += rows
   if out:
     import os  # pylint: disable=g-import-not-at-top
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "bench.json"), "w") as f:
+    name = "bench_sweep" if sweep else "bench"
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
       json.dump(all_rows, f, indent=1)
-    with open(os.path.join(out, "bench.md"), "w") as f:
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
       f.write(markdown_table(all_rows) + "\n")
+    for path in plot(all_rows, out):
+      print(f"wrote {path}")
 
 
 def autotune_suite(ops: list[str] | None, shape: str | None, out: str, iterations: int,
