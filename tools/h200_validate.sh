@@ -18,7 +18,7 @@ TUNED=$(python3 -c "import tokamax_gpu_triton.tuned as t; print(t.__path__[0])")
 if [ "${SKIP_TUNE:-0}" != 1 ]; then
   timeout "${TUNE_TIMEOUT:-300}" python3 -m tokamax autotune --out "$TUNED" --iterations 5 \
     --timeout "${TUNE_PER_PROBLEM:-30}" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/autotune.txt" | tail -12
-  mkdir -p "$OUT/tuned" && cp "$TUNED"/*/*.json "$OUT/tuned/" 2>/dev/null
+  tar -C "$TUNED" -czf "$OUT/tuned.tgz" . 2>/dev/null
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   timeout "${BENCH_TIMEOUT:-240}" python3 -m tokamax bench --iterations 5 ${BENCH_ARGS:-} \

@@ -20,6 +20,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import jax_triton as jt
+import numpy as np
 import triton
 import triton.language as tl
 
@@ -71,7 +72,7 @@ class JaxTritonRmsNorm(tokamax.Op):
   def forward(self, args, config):
     rows, cols = args.x.shape
     y, rstd = jt.triton_call(
-        args.x, args.scale, jnp.float32(args.epsilon),
+        args.x, args.scale, np.float32(args.epsilon),  # a scalar, not a pointer
         kernel=_rms_norm_kernel,
         out_shape=(jax.ShapeDtypeStruct(args.x.shape, args.x.dtype),
                    jax.ShapeDtypeStruct((rows,), jnp.float32)),

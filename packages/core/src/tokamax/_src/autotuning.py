@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import json
 import os
 import time
@@ -305,9 +306,12 @@ class _Trial:
   error: str | None = None
 
 
-def _compile_all(trials: list[_Trial], workers: int) -> None:
+def _compile_all(trials: list[_Trial], workers: int, deadline: float | None) -> None:
   """Compiles the trials' functions, several at once (XLA compiles off the GIL)."""
   def compile_one(trial):
+    if deadline is not None and time.monotonic() > deadline:
+      trial.error = "skipped: autotuning timeout"
+      return
     try:
       # Compiling through the jitted function fills its cache: timing it later
       # reuses this executable.
@@ -351,10 +355,14 @@ def _candidate_ops(call: _Call, direction: str, device, residuals) -> list[tuple
 
 
 def _trials_for(call: _Call, direction: str, device, concrete, fwd_state) -> list[_Trial]:
-  trials = []
+  per_op = []
   residuals = fwd_state[1] if fwd_state else None
   for label, op in _candidate_ops(call, direction, device, residuals):
-    configs = list(op.search_space(call.args)) or [op.heuristic_config(call.args)]
+    # The heuristic config first, so a timeout still leaves every implementation
+    # measured at least once.
+    heuristic = op.heuristic_config(call.args)
+    configs = [heuristic] + [c for c in op.search_space(call.args) if c != heuristic]
+    trials = []
     for config in configs:
       if direction == "forward":
         fn = lambda a, op=op, config=config: op.forward(a, config)[0]
@@ -365,7 +373,9 @@ def _trials_for(call: _Call, direction: str, device, concrete, fwd_state) -> lis
               op.backward(a, r, o, d, config))
         inputs = (concrete, res, out, dout)
       trials.append(_Trial(label, op, config, fn, inputs))
-  return trials
+    per_op.append(trials)
+  # Round robin over implementations: each one's best guesses come early.
+  return [t for group in itertools.zip_longest(*per_op) for t in group if t is not None]
 
 
 def autotune(f: Callable, *args, iterations: int = 5, timeout_s: float | None = None,
@@ -414,7 +424,7 @@ def autotune(f: Callable, *args, iterations: int = 5, timeout_s: float | None = 
       trials = _trials_for(call, direction, device, concrete, fwd_state)
       bar.total = (bar.total or 0) + len(trials)
       bar.refresh()
-      _compile_all(trials, workers)
+      _compile_all(trials, workers, deadline)
       best: dict[str, tuple[float, _Trial]] = {}
       for trial in trials:
         bar.update(1)

@@ -13,9 +13,10 @@ same kind of device.
 from jax import export
 
 CUSTOM_CALL_TARGETS = (
-    # Pallas Triton kernels (gpu-triton), in the two names JAX has used.
+    # Pallas Triton kernels (gpu-triton): the names JAX 0.10 and 0.11 lower them to.
     "triton_kernel_call",
     "triton_kernel_call_ffi",
+    "__gpu$xla.gpu.triton",
     # Pallas Mosaic GPU kernels (gpu-mosaic).
     "mosaic_gpu",
     "mosaic_gpu_v2",
