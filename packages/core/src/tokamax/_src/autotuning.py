@@ -455,8 +455,13 @@ def autotune(f: Callable, *args, iterations: int = 5, timeout_s: float | None = 
                           versions=_versions(), failures=failures)
 
 
+def _core_version() -> str:
+  from tokamax import __version__  # pylint: disable=g-import-not-at-top
+  return __version__
+
+
 def _versions() -> dict:
-  versions = {"jax": jax.__version__}
+  versions = {"jax": jax.__version__, "tokamax-core": _core_version()}
   for b in registry.backends():
     if b.distribution and b.version:
       versions[b.distribution] = b.version

@@ -285,6 +285,22 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
       print(f"wrote {path}")
 
 
+def _first_party_only(result):
+  """Keeps measurements of our own implementations (built in or tokamax-* packages),
+  and the versions of just those packages, so shipped data depends on nothing else."""
+  from tokamax._src import autotuning, registry  # pylint: disable=g-import-not-at-top
+  dists = {}
+  for op_entries in registry.get().entries.values():
+    for e in op_entries:
+      if e.builtin or (e.distribution or "").startswith("tokamax-"):
+        dists[(e.op, e.name)] = e.distribution
+  kept = [m for m in result.measurements if (m.op, m.implementation) in dists]
+  used = {dists[(m.op, m.implementation)] for m in kept} | {"tokamax-core"}
+  versions = {k: v for k, v in result.versions.items() if k == "jax" or k in used}
+  return autotuning.AutotuningResult(kept, device_kind=result.device_kind,
+                                     versions=versions, failures=result.failures)
+
+
 def autotune_suite(ops: list[str] | None, shape: str | None, out: str, iterations: int,
                    timeout_s: float | None) -> None:
   """Autotunes the reference problems and writes ``out/<device slug>/<op>.json``."""
@@ -300,6 +316,7 @@ def autotune_suite(ops: list[str] | None, shape: str | None, out: str, iteration
     result = result.merge(autotuning.autotune(
         lambda *a, p=p: p.call(a, None), *inputs, iterations=iterations,
         timeout_s=timeout_s, progress=False))
+  result = _first_party_only(result)
   folder = os.path.join(out, tuned_data.device_slug(jax.devices()[0].device_kind))
   os.makedirs(folder, exist_ok=True)
   for op in sorted({m.op for m in result.measurements}):
