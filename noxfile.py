@@ -37,7 +37,12 @@ def tests(session):
   workers = os.environ.get("TOKAMAX_TEST_WORKERS", "auto")
   session.run("python", "-m", "pytest", "-n", workers, "-m", "not slow and not gpu",
               *[f"packages/{p}/tests" for p in PACKAGES], "integration_tests",
-              *session.posargs)
+              "--ignore=packages/core/tests/multidevice", *session.posargs)
+  # 8 virtual CPU devices: XLA_FLAGS must be set before JAX starts, hence a
+  # pytest process of its own.
+  session.run("python", "-m", "pytest", "-m", "not slow and not gpu",
+              "packages/core/tests/multidevice", *session.posargs,
+              env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
 
 
 @nox.session

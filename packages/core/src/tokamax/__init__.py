@@ -37,6 +37,9 @@ from tokamax._src.registry import ImplementationNotInstalledError
 from tokamax._src.registry import PluginWarning
 from tokamax._src.registry import backend_errors
 from tokamax._src.registry import backends
+from tokamax._src.ring_attention import ring_attention
+from tokamax._src.ring_attention import zigzag_permutation
+from tokamax._src.sharding import spmd_partitioning
 
 __version__ = "0.1.0"
 
@@ -69,6 +72,9 @@ __all__ = [
     "plugin",
     "ragged_dot",
     "record_dispatch",
+    "ring_attention",
     "rms_norm",
+    "spmd_partitioning",
     "standardize_function",
+    "zigzag_permutation",
 ]

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 def visibility(q_pos, k_pos, *, is_causal=False, local_window=None, mask=None,
                query_seq_lengths=None, key_value_seq_lengths=None, q_segment_ids=None,
-               kv_segment_ids=None):
+               kv_segment_ids=None, q_offset=None):
   """Which (query, key) pairs may attend: bool ``[B|1, N|1, T, S]``.
 
   Args:
@@ -22,17 +22,21 @@ def visibility(q_pos, k_pos, *, is_causal=False, local_window=None, mask=None,
     mask: None or bool ``[B|1, N|1, T|1, S|1]`` already sliced to these positions.
     query_seq_lengths, key_value_seq_lengths: None or ``[B]``.
     q_segment_ids, kv_segment_ids: None or ``[B, T]`` / ``[B, S]`` for these positions.
+    q_offset: None or an int scalar added to the query positions for
+      ``is_causal`` and ``local_window`` only (a query block that starts
+      ``q_offset`` positions after the key block).
   """
   t, s = q_pos[:, None], k_pos[None, :]
+  tc = t if q_offset is None else t + q_offset
   vis = jnp.ones((1, 1, q_pos.shape[0], k_pos.shape[0]), bool)
   if is_causal:
-    vis &= s <= t
+    vis &= s <= tc
   if local_window is not None:
     left, right = local_window
     if left is not None:
-      vis &= s >= t - left
+      vis &= s >= tc - left
     if right is not None:
-      vis &= s <= t + right
+      vis &= s <= tc + right
   if mask is not None:
     vis = vis & mask
   if query_seq_lengths is not None:
@@ -77,7 +81,7 @@ def _softmax_stats(logits, vis):
 def attention(q, k, v, bias=None, mask=None, *, scale, is_causal=False,
               local_window=None, logits_soft_cap=None, query_seq_lengths=None,
               key_value_seq_lengths=None, q_segment_ids=None, kv_segment_ids=None,
-              precision=None):
+              precision=None, q_offset=None):
   """Dense attention, materializing the ``[B, N, T, S]`` logits in float32.
 
   Returns:
@@ -92,7 +96,8 @@ def attention(q, k, v, bias=None, mask=None, *, scale, is_causal=False,
                    local_window=local_window, mask=mask,
                    query_seq_lengths=query_seq_lengths,
                    key_value_seq_lengths=key_value_seq_lengths,
-                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                   q_offset=q_offset)
   row_max, p, row_sum = _softmax_stats(logits, _group_heads(vis, num_kv))
   out = jnp.einsum("bkgts,bskh->btkgh", p, v.astype(jnp.float32), precision=precision,
                    preferred_element_type=jnp.float32)
@@ -101,6 +106,16 @@ def attention(q, k, v, bias=None, mask=None, *, scale, is_causal=False,
   out = out / jnp.moveaxis(denom, -1, 1)[..., None]
   lse = jnp.where(nonempty, row_max + jnp.log(denom), jnp.inf)
   return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype), lse.reshape(b, n, t)
+
+
+def _zero_from(*arrays):
+  """A float32 0 that depends on every array given: inside `shard_map` the scan
+  carries then vary over the same mesh axes as the inputs (its vma check)."""
+  zero = jnp.float32(0)
+  for x in arrays:
+    if x is not None:
+      zero = zero + jnp.sum(jnp.ravel(x)[:0].astype(jnp.float32))
+  return zero
 
 
 def _chunk_inputs(s, chunk_size, k, v, bias, mask, kv_segment_ids):
@@ -128,14 +143,16 @@ def _chunk_visibility(chunk, q_pos, k_pos, s, kw):
                    local_window=kw["local_window"], mask=chunk["mask"],
                    query_seq_lengths=kw["query_seq_lengths"],
                    key_value_seq_lengths=kw["key_value_seq_lengths"],
-                   q_segment_ids=kw["q_segment_ids"], kv_segment_ids=chunk["kv_seg"])
+                   q_segment_ids=kw["q_segment_ids"], kv_segment_ids=chunk["kv_seg"],
+                   q_offset=kw.get("q_offset"))
   return vis & (k_pos < s)[None, None, None, :]
 
 
 def attention_chunked(q, k, v, bias=None, mask=None, *, scale, is_causal=False,
                       local_window=None, logits_soft_cap=None, query_seq_lengths=None,
                       key_value_seq_lengths=None, q_segment_ids=None,
-                      kv_segment_ids=None, precision=None, chunk_size=512):
+                      kv_segment_ids=None, precision=None, chunk_size=512,
+                      q_offset=None):
   """Attention over key chunks with an online softmax: memory O(T * chunk_size).
 
   Same contract as :func:`attention`. Differentiate it with
@@ -147,7 +164,8 @@ def attention_chunked(q, k, v, bias=None, mask=None, *, scale, is_causal=False,
   num_chunks, chunks = _chunk_inputs(s, chunk_size, k, v, bias, mask, kv_segment_ids)
   kw = dict(is_causal=is_causal, local_window=local_window,
             query_seq_lengths=query_seq_lengths,
-            key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids)
+            key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
+            q_offset=q_offset)
   q_pos = jnp.arange(t)
   g = n // num_kv
 
@@ -169,9 +187,11 @@ def attention_chunked(q, k, v, bias=None, mask=None, *, scale, is_causal=False,
         preferred_element_type=jnp.float32)
     return (acc, new_max, row_sum), None
 
-  init = (jnp.zeros((b, num_kv, g, t, hv), jnp.float32),
-          jnp.full((b, num_kv, g, t), -jnp.inf, jnp.float32),
-          jnp.zeros((b, num_kv, g, t), jnp.float32))
+  zero = _zero_from(q, k, v, bias, mask, query_seq_lengths, key_value_seq_lengths,
+                    q_segment_ids, kv_segment_ids, q_offset)
+  init = (jnp.zeros((b, num_kv, g, t, hv), jnp.float32) + zero,
+          jnp.full((b, num_kv, g, t), -jnp.inf, jnp.float32) + zero,
+          jnp.zeros((b, num_kv, g, t), jnp.float32) + zero)
   (acc, row_max, row_sum), _ = jax.lax.scan(step, init, (jnp.arange(num_chunks), chunks))
   nonempty = row_sum > 0
   denom = jnp.where(nonempty, row_sum, 1.0)
@@ -185,7 +205,7 @@ def attention_chunked_backward(q, k, v, bias, mask, out, lse, dout, *, scale,
                                is_causal=False, local_window=None, logits_soft_cap=None,
                                query_seq_lengths=None, key_value_seq_lengths=None,
                                q_segment_ids=None, kv_segment_ids=None, precision=None,
-                               chunk_size=512):
+                               chunk_size=512, q_offset=None):
   """Gradients of attention from the saved log-sum-exp, one key chunk at a time.
 
   Returns:
@@ -198,7 +218,8 @@ def attention_chunked_backward(q, k, v, bias, mask, out, lse, dout, *, scale,
   num_chunks, chunks = _chunk_inputs(s, chunk_size, k, v, bias, mask, kv_segment_ids)
   kw = dict(is_causal=is_causal, local_window=local_window,
             query_seq_lengths=query_seq_lengths,
-            key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids)
+            key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
+            q_offset=q_offset)
   q_pos = jnp.arange(t)
   qg = q.reshape(b, t, num_kv, g, h)
   do = dout.astype(jnp.float32).reshape(b, t, num_kv, g, hv)
@@ -234,7 +255,9 @@ def attention_chunked_backward(q, k, v, bias, mask, out, lse, dout, *, scale,
     dk = jnp.einsum("bkgts,btkgh->bskh", ds, qg.astype(jnp.float32), precision=precision)
     return dq, (dk, dv, dbias)
 
-  dq0 = jnp.zeros((b, t, num_kv, g, h), jnp.float32)
+  dq0 = jnp.zeros((b, t, num_kv, g, h), jnp.float32) + _zero_from(
+      q, k, v, bias, mask, out, lse, dout, query_seq_lengths, key_value_seq_lengths,
+      q_segment_ids, kv_segment_ids, q_offset)
   dq, (dk, dv, dbias) = jax.lax.scan(step, dq0, (jnp.arange(num_chunks), chunks))
 
   def unsplit(x):  # [C, B, chunk, ...] -> [B, S, ...]
@@ -290,6 +313,11 @@ def cudnn_attention(q, k, v, bias=None, mask=None, *, scale, is_causal=False,
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=window, implementation="cudnn")
   t, s = q.shape[1], k.shape[1]
+  if mask is None and local_window is None and query_seq_lengths is None and (
+      key_value_seq_lengths is None):
+    # Every row sees key 0 (causal is top-left aligned): nothing to zero, and no
+    # extra pass over the output.
+    return out.astype(q.dtype)
   # A row can be empty through the mask, the key lengths, the query lengths or the
   # window; zero such rows explicitly.
   vis = visibility(jnp.arange(t), jnp.arange(s), is_causal=is_causal,

@@ -39,6 +39,10 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                       preferred_element_type=jnp.float32)
     return out + jnp.where(rows, product, 0.0), None
 
-  out = jnp.zeros((lhs.shape[0], rhs.shape[2]), jnp.float32)
+  # The carry depends on the inputs so that inside shard_map it varies over the
+  # same mesh axes they do (scan's vma check).
+  zero = sum(jnp.sum(jnp.ravel(x)[:0].astype(jnp.float32))
+             for x in (lhs, rhs, group_sizes, group_offset) if x is not None)
+  out = jnp.zeros((lhs.shape[0], rhs.shape[2]), jnp.float32) + zero
   out, _ = jax.lax.scan(add_group, out, jnp.arange(rhs.shape[0]))
   return out.astype(out_dtype)

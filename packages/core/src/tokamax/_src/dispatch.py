@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from tokamax._src import config
 from tokamax._src import config_sources
 from tokamax._src import registry
+from tokamax._src import sharding
 from tokamax._src.op import DeviceInfo, Op, VjpOp
 
 Implementation = None | str | Op | Sequence[str | Op]
@@ -182,12 +183,28 @@ def _describe(e: BaseException) -> str:
   return str(e) or type(e).__name__
 
 
+def _opt_in_features(args: Any) -> frozenset[str]:
+  features = getattr(args, "opt_in_features", None)
+  return frozenset(features()) if callable(features) else frozenset()
+
+
+def check_opt_in(op: Op, args: Any) -> None:
+  """Refuses an implementation that does not declare every opt-in feature the
+  args use (e.g. attention's ``q_offset``): such a field would be ignored."""
+  missing = _opt_in_features(args) - frozenset(getattr(op, "supported_features", ()))
+  if missing:
+    raise NotImplementedError(
+        f"does not support {', '.join(sorted(missing))} (add it to the Op's "
+        f"supported_features once handled)")
+
+
 def _choose_forward(op_name: str, args: Any, device: DeviceInfo,
                     candidates: list[_Candidate]) -> tuple[_Candidate, Op, list]:
   rejected = []
   for cand in candidates:
     try:
       op = cand.make_forward()
+      check_opt_in(op, args)
       op.check_supported(args, device)
     except NotImplementedError as e:
       rejected.append((cand.label, _describe(e)))
@@ -234,6 +251,7 @@ def _choose_backward(op_name: str, args: Any, residuals: Any, device: DeviceInfo
   for label, make, explicit in options:
     try:
       op = make()
+      check_opt_in(op, args)
       op.check_supported(args, device, residuals)
     except NotImplementedError as e:
       if explicit and implementation is not None:
@@ -273,6 +291,11 @@ def _cotangents(args: Any, grads: dict, diff_fields: tuple[str, ...]) -> Any:
   return dataclasses.replace(args, **updates)
 
 
+def _shapes(args: Any) -> tuple:
+  return tuple((tuple(x.shape), jnp.dtype(x.dtype))
+               for x in jax.tree_util.tree_leaves(args))
+
+
 def call(op_name: str, args: Any, implementation: Implementation,
          diff_fields: tuple[str, ...]) -> jax.Array:
   """Runs `op_name` on canonical `args` with the chosen implementations.
@@ -298,13 +321,32 @@ def call(op_name: str, args: Any, implementation: Implementation,
   fwd_config = fwd_op.resolve_config(args)
   _record(DispatchRecord(op_name, "forward", forward.label, fwd_config, tuple(rejected)))
 
+  def supports(feature: str) -> bool:
+    # Layouts that need an opt-in field (a split query sequence needs q_offset)
+    # are used only when the chosen forward takes it.
+    return feature in frozenset(getattr(fwd_op, "supported_features", ()))
+
+  global_shapes = _shapes(args)
+
+  def forward_local(args):
+    config_ = fwd_config
+    if _shapes(args) != global_shapes:
+      # A shard (or a shard's adjusted args): check it again on its own shapes.
+      check_opt_in(fwd_op, args)
+      fwd_op.check_supported(args, device)
+      config_ = fwd_op.resolve_config(args)
+    out, residuals = fwd_op.forward(args, config_)
+    return out, dict(residuals)
+
+  def partitioned_forward(args):
+    return sharding.forward(op_name, args, forward_local, supports)
+
   @jax.custom_vjp
   def run(args):
-    out, _ = fwd_op.forward(args, fwd_config)
-    return out
+    return partitioned_forward(args)[0]
 
   def run_fwd(args):
-    out, residuals = fwd_op.forward(args, fwd_config)
+    out, residuals = partitioned_forward(args)
     return out, (args, dict(residuals), out)
 
   def run_bwd(saved, dout):
@@ -312,8 +354,48 @@ def call(op_name: str, args: Any, implementation: Implementation,
     bwd_op = _choose_backward(op_name, args, residuals, device, forward, implementation)
     bwd_config = bwd_op.resolve_config(args)
     _record(DispatchRecord(op_name, "backward", bwd_op.implementation_name, bwd_config))
-    grads = bwd_op.backward(args, residuals, out, dout, bwd_config)
+
+    def backward_local(a, r, o, do):
+      config_ = bwd_config
+      if _shapes(a) != global_shapes:
+        check_opt_in(bwd_op, a)
+        bwd_op.check_supported(a, device, r)
+        config_ = bwd_op.resolve_config(a)
+      return dict(bwd_op.backward(a, r, o, do, config_))
+
+    grads = sharding.backward(op_name, args, residuals, out, dout, backward_local,
+                              supports)
     return (_cotangents(args, dict(grads), diff_fields),)
 
   run.defvjp(run_fwd, run_bwd)
   return run(args)
+
+
+def forward_with_residuals(op_name: str, args: Any, implementation: Implementation,
+                           needed: tuple[str, ...] = ()) -> tuple[jax.Array, dict]:
+  """Runs only the forward of `op_name` and returns ``(out, residuals)``.
+
+  For building blocks that combine op calls themselves (ring attention merges
+  per-block outputs by their log-sum-exp): the first usable implementation whose
+  residuals include every name in `needed`. Not differentiable.
+  """
+  device = current_device(jax.tree_util.tree_leaves(args))
+  candidates = _expand(op_name, implementation, device)
+  rejected = []
+  for cand in candidates:
+    try:
+      _, op, _ = _choose_forward(op_name, args, device, [cand])
+    except NotImplementedError as e:
+      rejected.append((cand.label, _describe(e)))
+      continue
+    config_ = op.resolve_config(args)
+    residual_names = jax.eval_shape(lambda a: dict(op.forward(a, config_)[1]), args)
+    if not set(needed) <= set(residual_names):
+      rejected.append((cand.label, f"returns no {', '.join(needed)} residual"))
+      continue
+    _record(DispatchRecord(op_name, "forward", cand.label, config_, tuple(rejected)))
+    out, residuals = op.forward(args, config_)
+    return out, dict(residuals)
+  if implementation is None:
+    return forward_with_residuals(op_name, args, "xla_chunked", needed)
+  raise NotImplementedError(_no_implementation_message(op_name, "forward", rejected))

@@ -75,6 +75,9 @@ class Op(abc.ABC):
   # The backward to use with this forward when the user passes an instance of
   # this class; None lets dispatch choose the backward.
   vjp: ClassVar[type[VjpOp] | None] = None
+  # Opt-in argument fields this implementation handles (e.g. attention's
+  # "q_offset"); dispatch refuses it for calls that set any other one.
+  supported_features: ClassVar[tuple[str, ...]] = ()
 
   @property
   def implementation_name(self) -> str:

@@ -55,7 +55,7 @@ def _attention_kwargs(args):
               query_seq_lengths=args.query_seq_lengths,
               key_value_seq_lengths=args.key_value_seq_lengths,
               q_segment_ids=args.q_segment_ids, kv_segment_ids=args.kv_segment_ids,
-              precision=args.precision)
+              precision=args.precision, q_offset=args.q_offset)
 
 
 def _autodiff_backward(fn, args, diff_fields, dout):
@@ -76,6 +76,7 @@ class XlaAttention(Op):
 
   op_name = "dot_product_attention"
   name = "xla"
+  supported_features = ("q_offset",)
 
   def forward(self, args, config):
     out, lse = _ref().attention(args.query, args.key, args.value, args.bias, args.mask,
@@ -87,6 +88,7 @@ class XlaAttention(Op):
 class XlaAttentionVjp(VjpOp):
   op_name = "dot_product_attention"
   name = "xla"
+  supported_features = ("q_offset",)
 
   def backward(self, args, residuals, out, dout, config):
     def fn(a):
@@ -106,6 +108,7 @@ class XlaChunkedAttention(Op):
 
   op_name = "dot_product_attention"
   name = "xla_chunked"
+  supported_features = ("q_offset",)
   config_cls = ChunkConfig
 
   def heuristic_config(self, args):
@@ -126,6 +129,7 @@ class XlaChunkedAttention(Op):
 class XlaChunkedAttentionVjp(VjpOp):
   op_name = "dot_product_attention"
   name = "xla_chunked"
+  supported_features = ("q_offset",)
   config_cls = ChunkConfig
 
   def heuristic_config(self, args):

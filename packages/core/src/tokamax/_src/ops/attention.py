@@ -49,6 +49,15 @@ class AttentionArgs:
   Logits are ``soft_cap(scale * q.k + bias)``; masked entries are excluded from the
   softmax; a query row with no visible key outputs 0.
 
+  Opt-in field (an implementation that handles it lists ``"q_offset"`` in its
+  ``supported_features``; dispatch refuses the others when it is set):
+
+  - q_offset: None or an int32 scalar: query row t sits at position
+    ``t + q_offset`` relative to key 0 for ``is_causal`` and ``local_window``
+    (it may be negative). Nothing else moves: lengths, segment ids, bias and
+    mask index rows as before. Set by the SPMD rules for a query shard and by
+    `tokamax.ring_attention` for a (query block, key block) pair.
+
   Residuals (forward to backward): ``{"lse": float32 [B, N, T]}``, the natural
   log-sum-exp of each query row's visible logits, +inf for rows with no visible
   key (so that ``exp(logit - lse)`` is 0), or ``{}`` if the forward has none.
@@ -70,6 +79,10 @@ class AttentionArgs:
   logits_soft_cap: float | None = dataclasses.field(
       default=None, metadata=dict(static=True))
   precision: Any = dataclasses.field(default=None, metadata=dict(static=True))
+  q_offset: jax.Array | None = None
+
+  def opt_in_features(self) -> tuple[str, ...]:
+    return ("q_offset",) if self.q_offset is not None else ()
 
   @property
   def batch(self) -> int:

@@ -1,0 +1,339 @@
+"""Every op on 8 virtual CPU devices: GSPMD layouts (no all-gather of the large
+operands in the compiled HLO), shard_map, ring attention, and results (gradients
+included) equal to the single-device ones."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import tokamax
+
+MESHES = [(1, 8), (2, 4), (4, 2)]
+
+
+def _mesh(shape, explicit=False):
+  kind = AxisType.Explicit if explicit else AxisType.Auto
+  return jax.make_mesh(shape, ("a", "b"), axis_types=(kind, kind))
+
+
+def _rand(*shape, dtype=jnp.float32):
+  return jnp.asarray(np.random.default_rng().standard_normal(shape), dtype)
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _strip(spec, mesh):
+  def keep(e):  # size-1 mesh axes split nothing: XLA drops them
+    axes = tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if mesh.shape[a] > 1)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+  spec = [keep(e) for e in spec]
+  while spec and spec[-1] is None:
+    spec.pop()
+  return tuple(spec)
+
+
+def _check(mesh, fn, args, specs, *, out_spec=None, tol=1e-5, no_gather=True):
+  """fn on sharded args under jit == fn on one device, forward and gradients;
+  no all-gather in the compiled forward or backward."""
+  sharded = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+  argnums = tuple(i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating))
+
+  def loss(*a):
+    return jnp.sum(jnp.sin(fn(*a).astype(jnp.float32)))
+
+  f = jax.jit(fn)
+  g = jax.jit(jax.grad(loss, argnums=argnums))
+  out = f(*sharded)
+  assert _rel(out, fn(*args)) < tol
+  if out_spec is not None:
+    assert _strip(out.sharding.spec, mesh) == _strip(out_spec, mesh), out.sharding.spec
+  grads = g(*sharded)
+  want = jax.grad(loss, argnums=argnums)(*args)
+  for got, w in zip(grads, want):
+    assert _rel(got, w) < tol * 10
+  if no_gather:
+    for compiled in (f.lower(*sharded).compile(), g.lower(*sharded).compile()):
+      assert "all-gather" not in compiled.as_text()
+  return out
+
+
+# ------------------------------------------------------------------ attention
+
+ATTENTION_LAYOUTS = {
+    # name: (q spec, k/v spec, out spec); q [4, 16, 8, 8], k/v [4, 16, 2, 8] (GQA)
+    "batch": (P("a"), P("a"), P("a")),
+    "heads": (P(None, None, "b"), P(None, None, "b"), P(None, None, "b")),
+    "batch_and_heads": (P("a", None, "b"), P("a", None, "b"), P("a", None, "b")),
+    "sequence": (P(None, ("a", "b")), P(), P(None, ("a", "b"))),
+}
+
+
+@pytest.mark.parametrize("layout", ATTENTION_LAYOUTS)
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_attention_layouts(shape, layout):
+  mesh = _mesh(shape)
+  q_spec, kv_spec, out_spec = ATTENTION_LAYOUTS[layout]
+  if layout != "sequence" and shape[1] > 2:
+    kv_spec = P(kv_spec[0])  # 2 kv heads over 4 or 8 shards: kv stay whole
+  fn = lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=True)
+  args = (_rand(4, 16, 8, 8), _rand(4, 16, 2, 8), _rand(4, 16, 2, 8))
+  _check(mesh, fn, args, (q_spec, kv_spec, kv_spec),
+         out_spec=P(*out_spec, *(None,) * (4 - len(out_spec))))
+
+
+def test_attention_sequence_sharded_with_every_feature():
+  """Query shards get their offset (causal, window) and local query lengths;
+  bias, segments and kv lengths follow."""
+  mesh = _mesh((2, 4))
+  b, t, s = 2, 16, 12
+  qlen = jnp.asarray([11, 16], jnp.int32)
+  kvlen = jnp.asarray([12, 7], jnp.int32)
+  qseg = jnp.asarray(np.repeat([[0, 1]], b, 0).repeat(8, 1), jnp.int32)
+  kvseg = jnp.asarray(np.repeat([[0, 1]], b, 0).repeat(6, 1), jnp.int32)
+
+  def fn(q, k, v, bias):
+    return tokamax.dot_product_attention(
+        q, k, v, bias, is_causal=True, local_window_size=(5, None),
+        query_seq_lengths=qlen, key_value_seq_lengths=kvlen, q_segment_ids=qseg,
+        kv_segment_ids=kvseg, logits_soft_cap=5.0)
+
+  args = (_rand(b, t, 4, 8), _rand(b, s, 2, 8), _rand(b, s, 2, 8), _rand(1, 4, t, s))
+  _check(mesh, fn, args, (P("a", "b"), P("a"), P("a"), P(None, None, "b")),
+         out_spec=P("a", "b", None, None))
+
+
+def test_attention_bfloat16():
+  mesh = _mesh((2, 4))
+  fn = lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=True)
+  args = tuple(_rand(*s, dtype=jnp.bfloat16)
+               for s in ((4, 16, 8, 8), (4, 16, 4, 8), (4, 16, 4, 8)))
+  _check(mesh, fn, args, (P("a", None, "b"),) * 3, tol=2e-2)
+
+
+def test_sequence_split_needs_q_offset_support():
+  """An implementation without q_offset keeps the query sequence whole."""
+
+  @dataclasses.dataclass(frozen=True)
+  class NoOffset(tokamax.Op):
+    op_name = "dot_product_attention"
+    name = "no_offset"
+
+    def forward(self, args, config):
+      from tokamax._src import xla_backend  # pylint: disable=import-outside-toplevel
+      return xla_backend.XlaAttention().forward(args, config)
+
+  mesh = _mesh((1, 8))
+  fn = lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=True,
+                                                     implementation=NoOffset())
+  args = (_rand(2, 16, 2, 8), _rand(2, 16, 2, 8), _rand(2, 16, 2, 8))
+  _check(mesh, fn, args, (P(None, "b"), P(), P()), no_gather=False)
+  with pytest.raises(NotImplementedError, match="q_offset"):
+    from tokamax._src import dispatch  # pylint: disable=import-outside-toplevel
+    dispatch.check_opt_in(NoOffset(), tokamax.AttentionArgs(
+        *args, q_offset=jnp.int32(0)))
+
+
+# ----------------------------------------------------------------- layer_norm
+
+NORM_LAYOUTS = {
+    "rows": P(("a", "b"), None),
+    "rows_and_features": P("a", "b"),
+    "features": P(None, ("a", "b")),
+}
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("layout", NORM_LAYOUTS)
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_norm_layouts(shape, layout, rms):
+  mesh = _mesh(shape)
+  spec = NORM_LAYOUTS[layout]
+  if rms:
+    fn = lambda x, s: tokamax.rms_norm(x, s)
+    args, specs = (_rand(16, 32), _rand(32)), (spec, P(spec[1]))
+  else:
+    fn = lambda x, s, o: tokamax.layer_norm(x, s, o)
+    args, specs = (_rand(16, 32), _rand(32), _rand(32)), (spec, P(spec[1]), P(spec[1]))
+  _check(mesh, fn, args, specs, out_spec=spec, tol=1e-5)
+
+
+# ---------------------------------------------------------- gated_linear_unit
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_gated_linear_unit_rows_and_tensor_parallel(shape):
+  mesh = _mesh(shape)
+  fn = lambda x, w: tokamax.gated_linear_unit(x, w, activation=jax.nn.silu)
+  _check(mesh, fn, (_rand(16, 32), _rand(32, 2, 16)), (P("a"), P(None, None, "b")),
+         out_spec=P("a", "b"))
+
+
+# ----------------------------------------------------------------- ragged_dot
+
+SIZES = jnp.asarray([3, 0, 5, 4, 6, 2, 7, 3], jnp.int32)  # 30 of 32 rows, one empty
+
+
+@pytest.mark.parametrize("layout", ["rows", "experts", "experts_and_n"])
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_ragged_dot_layouts(shape, layout):
+  mesh = _mesh(shape)
+  specs = {"rows": (P(("a", "b")), P()),
+           "experts": (P("a"), P("b")),            # tokens on a, experts on b
+           "experts_and_n": (P(), P("b", None, "a"))}[layout]
+  out = {"rows": P(("a", "b"), None), "experts": P("a", None),
+         "experts_and_n": P(None, "a")}[layout]
+  fn = lambda lhs, rhs: tokamax.ragged_dot(lhs, rhs, SIZES)
+  _check(mesh, fn, (_rand(32, 16), _rand(8, 16, 8)), specs, out_spec=out)
+
+
+def test_ragged_dot_expert_parallel_with_group_offset():
+  """rhs holding a slice of the groups (group_offset), itself split further."""
+  mesh = _mesh((2, 4))
+  fn = lambda lhs, rhs: tokamax.ragged_dot(lhs, rhs, SIZES, group_offset=2)
+  _check(mesh, fn, (_rand(32, 16), _rand(4, 16, 8)), (P("a"), P("b")),
+         out_spec=P("a", None))
+
+
+# ------------------------------------------------------- explicit, vmap, etc.
+
+
+def test_explicit_axes_mesh():
+  mesh = _mesh((2, 4), explicit=True)
+  fn = lambda x, w: tokamax.gated_linear_unit(x, w, activation=jax.nn.gelu)
+  with jax.set_mesh(mesh):
+    _check(mesh, fn, (_rand(16, 32), _rand(32, 2, 16)), (P("a"), P(None, None, "b")),
+           out_spec=P("a", "b"), no_gather=False)
+
+
+def test_vmap_on_many_devices_is_not_partitioned():
+  x = _rand(3, 16, 32)
+  fn = jax.jit(jax.vmap(lambda x: tokamax.rms_norm(x, None)))
+  np.testing.assert_allclose(fn(x), tokamax.rms_norm(x, None), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ shard_map
+
+
+def test_every_op_inside_shard_map_runs_on_local_shards():
+  mesh = _mesh((2, 4))
+  q, k, v = _rand(4, 8, 4, 8), _rand(4, 8, 4, 8), _rand(4, 8, 4, 8)
+  x, w = _rand(16, 32), _rand(32, 2, 8)
+  lhs, rhs = _rand(16, 16), _rand(8, 16, 8)
+  sizes = jnp.asarray([1, 2, 0, 1, 3, 0, 1, 0], jnp.int32)  # per shard of 8 rows
+
+  def local(q, k, v, x, w, lhs):
+    return (tokamax.dot_product_attention(q, k, v, is_causal=True,
+                                          implementation="xla_chunked"),
+            tokamax.layer_norm(x, None, None), tokamax.gated_linear_unit(x, w),
+            tokamax.ragged_dot(lhs, rhs, sizes))
+
+  specs = (P("a", None, "b"),) * 3 + (P("a"), P(), P("a"))
+  f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs,
+                            out_specs=(P("a", None, "b"), P("a"), P("a"), P("a"))))
+  got = f(q, k, v, x, w, lhs)
+  blocks = [local(q[i * 2:(i + 1) * 2, :, j:j + 1], k[i * 2:(i + 1) * 2, :, j:j + 1],
+                  v[i * 2:(i + 1) * 2, :, j:j + 1], x[i * 8:(i + 1) * 8], w,
+                  lhs[i * 8:(i + 1) * 8]) for i in range(2) for j in range(4)]
+  np.testing.assert_allclose(got[0][2:4, :, 1:2], blocks[5][0], rtol=1e-5, atol=1e-5)
+  for n in (1, 2, 3):
+    np.testing.assert_allclose(got[n][8:], blocks[4][n], rtol=1e-5, atol=1e-5)
+  # Gradients inside shard_map too.
+  g = jax.jit(jax.grad(lambda *a: sum(jnp.sum(o) for o in jax.shard_map(
+      local, mesh=mesh, in_specs=specs,
+      out_specs=(P("a", None, "b"), P("a"), P("a"), P("a")))(*a)), argnums=(0, 3, 4)))
+  assert all(jnp.all(jnp.isfinite(a)) for a in g(q, k, v, x, w, lhs))
+
+
+def moe_all_to_all(x, expert_ids, w_local, *, axis_name, num_shards):
+  """The worked example of docs/sharding.md: expert parallelism by all-to-all.
+
+  Inside shard_map over `axis_name`: x ``[M, K]`` this device's tokens,
+  expert_ids ``[M]`` their (top-1) experts in ``[0, E)``, w_local
+  ``[E / num_shards, K, N]`` this device's experts (device d holds experts
+  ``[d * E_local, (d + 1) * E_local)``). Returns ``x[i] @ W[expert_ids[i]]``.
+  """
+  m, k_dim = x.shape
+  e_local = w_local.shape[0]
+  # 1. Group the local tokens by expert, hence by destination device.
+  order = jnp.argsort(expert_ids)
+  xs, ids = x[order], expert_ids[order]
+  dest = ids // e_local
+  per_dest = jnp.sum(dest[:, None] == jnp.arange(num_shards), axis=0)
+  slot = jnp.arange(m) - (jnp.cumsum(per_dest) - per_dest)[dest]
+  # 2. One buffer per destination (capacity m: nothing is dropped), all-to-all.
+  send = jnp.zeros((num_shards, m, k_dim), x.dtype).at[dest, slot].set(xs)
+  send_ids = jnp.full((num_shards, m), e_local, jnp.int32).at[dest, slot].set(
+      ids % e_local)
+  recv = jax.lax.all_to_all(send, axis_name, 0, 0)
+  recv_ids = jax.lax.all_to_all(send_ids, axis_name, 0, 0).reshape(-1)
+  # 3. Group what arrived by local expert; padding (id e_local) sorts last and
+  #    lies past sum(group_sizes), so ragged_dot leaves it 0.
+  order2 = jnp.argsort(recv_ids)
+  group_sizes = jnp.sum(recv_ids[:, None] == jnp.arange(e_local), axis=0)
+  y = tokamax.ragged_dot(recv.reshape(-1, k_dim)[order2], w_local,
+                         group_sizes.astype(jnp.int32))
+  y = y[jnp.argsort(order2)].reshape(num_shards, m, -1)
+  # 4. Back to the tokens' devices and their original order.
+  back = jax.lax.all_to_all(y, axis_name, 0, 0)
+  return back[dest, slot][jnp.argsort(order)]
+
+
+def test_moe_all_to_all_worked_example():
+  mesh = _mesh((1, 8))
+  x, w = _rand(64, 16), _rand(16, 16, 8)  # 64 tokens, 16 experts
+  ids = jnp.asarray(np.random.default_rng().integers(0, 16, 64), jnp.int32)
+  f = jax.jit(jax.shard_map(
+      functools.partial(moe_all_to_all, axis_name="b", num_shards=8), mesh=mesh,
+      in_specs=(P("b"), P("b"), P("b")), out_specs=P("b")))
+  want = jnp.einsum("mk,mkn->mn", x, w[ids])
+  np.testing.assert_allclose(f(x, ids, w), want, rtol=1e-5, atol=1e-5)
+  gx, gw = jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, ids, w))), argnums=(0, 1))(x, w)
+  wx, ww = jax.grad(lambda x, w: jnp.sum(jnp.sin(jnp.einsum("mk,mkn->mn", x, w[ids]))),
+                    argnums=(0, 1))(x, w)
+  assert _rel(gx, wx) < 1e-5 and _rel(gw, ww) < 1e-5
+
+
+# ------------------------------------------------------------- ring attention
+
+
+@pytest.mark.parametrize("causal,balanced", [(False, False), (True, False),
+                                             (True, True)])
+@pytest.mark.parametrize("shape", [(1, 8), (2, 4)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_ring_attention(shape, causal, balanced):
+  mesh = _mesh(shape)
+  n = shape[1]
+  q, k, v = _rand(2, 32, 4, 8), _rand(2, 32, 2, 8), _rand(2, 32, 2, 8)
+  ring = jax.shard_map(
+      lambda q, k, v: tokamax.ring_attention(q, k, v, axis_name="b", is_causal=causal,
+                                             load_balanced=balanced),
+      mesh=mesh, in_specs=P("a", "b"), out_specs=P("a", "b"))
+  if balanced:
+    perm = tokamax.zigzag_permutation(32, n)
+    inv = np.argsort(perm)
+    fn = lambda q, k, v: ring(q[:, perm], k[:, perm], v[:, perm])[:, inv]
+  else:
+    fn = ring
+  ref = lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal)
+  loss = lambda f: (lambda *a: jnp.sum(jnp.sin(f(*a))))
+  assert _rel(jax.jit(fn)(q, k, v), ref(q, k, v)) < 1e-5
+  grad = jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2)))
+  for got, want in zip(grad(q, k, v), jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)):
+    assert _rel(got, want) < 1e-5
+  text = jax.jit(ring).lower(q, k, v).compile().as_text()
+  assert "collective-permute" in text and "all-gather" not in text
+
+
+def test_zigzag_balances_causal_work():
+  perm = tokamax.zigzag_permutation(16, 4)
+  chunks = perm.reshape(4, 2, 2)[:, :, 0] // 2  # chunk ids per shard
+  np.testing.assert_array_equal(chunks, [[0, 7], [1, 6], [2, 5], [3, 4]])
+  assert sorted(perm.tolist()) == list(range(16))
