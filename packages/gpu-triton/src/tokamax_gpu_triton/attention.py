@@ -115,9 +115,7 @@ class _Layout:
 
 
 def _layout(args) -> _Layout:
-  left, right = args.local_window if args.local_window is not None else (None, None)
-  if args.is_causal:
-    right = 0 if right is None else min(right, 0)
+  left, right = args.visible_window
   precision = args.precision
   if precision is None and args.query.dtype == jnp.float32:
     # Triton's default for float32 dots is TF32; match XLA's float32 accuracy.

@@ -148,9 +148,7 @@ class _Layout:
 
 
 def _layout(args) -> _Layout:
-  left, right = args.local_window if args.local_window is not None else (None, None)
-  if args.is_causal:
-    right = 0 if right is None else min(right, 0)
+  left, right = args.visible_window
   precision = _common.dot_precision(args.precision)
   if precision is None and args.query.dtype == jnp.float32:
     # Match XLA's float32 accuracy (the MXU's default for f32 is bf16 passes).

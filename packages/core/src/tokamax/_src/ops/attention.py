@@ -100,6 +100,15 @@ class AttentionArgs:
   def has_segments(self) -> bool:
     return self.q_segment_ids is not None
 
+  @property
+  def visible_window(self) -> tuple[int | None, int | None]:
+    """``(left, right)``: query t sees keys ``t - left <= s <= t + right`` by position
+    (None: unbounded), with ``is_causal`` folded in (right at most 0)."""
+    left, right = self.local_window if self.local_window is not None else (None, None)
+    if self.is_causal:
+      right = 0 if right is None else min(right, 0)
+    return left, right
+
 
 DIFF_FIELDS = ("query", "key", "value", "bias")
 
