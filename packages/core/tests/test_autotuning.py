@@ -253,3 +253,26 @@ def test_export_with_disabled_checks_round_trips():
   restored = export.deserialize(exported.serialize())
   for a, b in zip(jax.tree.leaves(restored.call(x, s)), jax.tree.leaves(f(x, s))):
     np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_autotune_on_miss_switch(monkeypatch):
+  monkeypatch.setenv("TOKAMAX_AUTOTUNE_ON_MISS", "1")
+  monkeypatch.setattr(autotuning, "_ON_MISS", None)
+  q = _rand(1, 300, 2, 8)
+  timed = []
+  real_time = autotuning._time
+  monkeypatch.setattr(autotuning, "_time",
+                      lambda *a, **k: timed.append(1) or real_time(*a, **k))
+  with tokamax.record_dispatch() as records:
+    tokamax.dot_product_attention(q, q, q, implementation="xla_chunked")
+  op = xla_backend.XlaChunkedAttention()
+  space = {*op.search_space(_args_of(q)), op.heuristic_config(_args_of(q))}
+  assert records[0].config in space and len(timed) == len(space)
+  with tokamax.record_dispatch() as again:
+    tokamax.dot_product_attention(q, q, q, implementation="xla_chunked")
+  assert again[0].config == records[0].config and len(timed) == len(space)  # cached
+  monkeypatch.delenv("TOKAMAX_AUTOTUNE_ON_MISS")
+  with tokamax.record_dispatch() as off:
+    tokamax.dot_product_attention(_rand(1, 200, 2, 8), _rand(1, 200, 2, 8),
+                                  _rand(1, 200, 2, 8), implementation="xla_chunked")
+  assert off[0].config == xla_backend.ChunkConfig(200)  # heuristics: min(512, S)

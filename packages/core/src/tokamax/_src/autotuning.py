@@ -460,6 +460,43 @@ def _core_version() -> str:
   return __version__
 
 
+_ON_MISS = None  # AutotuningResult of the configs tuned on a miss, this process
+
+
+def tune_on_miss(op: Op, args: Any) -> Any:
+  """Measures `op`'s config space on `args` (random inputs of its shapes) and
+  returns the fastest config; remembered for later calls. None if nothing ran."""
+  global _ON_MISS
+  if _ON_MISS is None:
+    _ON_MISS = AutotuningResult(device_kind=jax.devices()[0].device_kind)
+  cached = _ON_MISS.lookup(op, args)
+  if cached is not None:
+    return cached
+  device = dispatch.current_device([])
+  call = _Call(op.op_name, _abstract(args), op)
+  concrete = _concrete(call.args, np.random.default_rng(0))
+  trials = [t for t in _trials_for(call, "forward", device, concrete, None)]
+  _compile_all(trials, os.cpu_count() or 1, None)
+  best = None
+  for trial in trials:
+    if trial.error is not None:
+      continue
+    try:
+      ms = _time(trial.compiled, trial.inputs, 3)
+    except Exception:  # pylint: disable=broad-except
+      continue
+    if best is None or ms < best[0]:
+      best = (ms, trial)
+  if best is None:
+    return None
+  ms, trial = best
+  _ON_MISS = _ON_MISS.merge(AutotuningResult(
+      [Measurement(op.op_name, "forward", args_key(args), op.implementation_name,
+                   _config_to_json(trial.config), ms)],
+      device_kind=_ON_MISS.device_kind))
+  return trial.config
+
+
 def _versions() -> dict:
   versions = {"jax": jax.__version__, "tokamax-core": _core_version()}
   for b in registry.backends():

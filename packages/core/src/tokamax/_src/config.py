@@ -42,6 +42,13 @@ def interpret(enabled: bool = True):
     _interpret_override.reset(token)
 
 
+def autotune_on_miss() -> bool:
+  """``TOKAMAX_AUTOTUNE_ON_MISS=1``: a forward call with no tuned config is
+  autotuned on the spot (its config space, this implementation) instead of using
+  heuristics; the result is kept for the rest of the process."""
+  return _env_flag("TOKAMAX_AUTOTUNE_ON_MISS")
+
+
 def strict_plugins() -> bool:
   """``TOKAMAX_STRICT_PLUGINS=1``: a broken plugin raises instead of warning."""
   return _env_flag("TOKAMAX_STRICT_PLUGINS")

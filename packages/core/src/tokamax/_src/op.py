@@ -114,6 +114,12 @@ class Op(abc.ABC):
     tuned = config_sources.lookup(self, args)
     if tuned is not None:
       return tuned
+    from tokamax._src import config  # pylint: disable=g-import-not-at-top
+    if config.autotune_on_miss() and not isinstance(self, VjpOp):
+      from tokamax._src import autotuning  # pylint: disable=g-import-not-at-top
+      tuned = autotuning.tune_on_miss(self, args)
+      if tuned is not None:
+        return tuned
     return self.heuristic_config(args)
 
   def __call__(self, args: Any):
