@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from tokamax._src import plugin
 from tokamax._src.op import Op, VjpOp
@@ -31,11 +32,10 @@ BACKEND = plugin.Backend(
         _impl("dot_product_attention", "xla", "XlaAttention", "XlaAttentionVjp", 0),
         _impl("dot_product_attention", "xla_chunked", "XlaChunkedAttention",
               "XlaChunkedAttentionVjp", -10),
-        # Only when named: jax.nn's cuDNN path still rejects some calls at trace time
-        # of its backward (e.g. sequence lengths it does not support), which automatic
-        # dispatch cannot yet fall back from.
+        # Above our kernels where it applies: the forward and backward checks trace
+        # jax.nn's cuDNN path abstractly, so calls it rejects fall back.
         _impl("dot_product_attention", "cudnn", "CudnnAttention", "CudnnAttentionVjp",
-              -20, platforms=("gpu",)),
+              150, platforms=("gpu",)),
         _impl("layer_norm", "xla", "XlaLayerNorm", "XlaLayerNormVjp", 0),
         _impl("gated_linear_unit", "xla", "XlaGatedLinearUnit",
               "XlaGatedLinearUnitVjp", 0),
@@ -146,7 +146,10 @@ class XlaChunkedAttentionVjp(VjpOp):
     return {"query": dq, "key": dk, "value": dv, "bias": dbias}
 
 
-def _cudnn_check(args, device):
+_ATTENTION_GRAD_FIELDS = ("query", "key", "value", "bias")
+
+
+def _cudnn_check(args, device, backward: bool = False):
   reason = _ref().cudnn_unsupported_reason(
       args.query, args.key, args.value, logits_soft_cap=args.logits_soft_cap,
       q_segment_ids=args.q_segment_ids, platform=device.platform, bias=args.bias,
@@ -159,8 +162,13 @@ def _cudnn_check(args, device):
   # we mirror; trace it abstractly so that any it refuses is a refusal here, and
   # dispatch can fall back instead of failing.
   abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+  def probe(a):
+    if not backward:
+      return _cudnn_forward(a)
+    dout = jnp.zeros(a.query.shape[:-1] + a.value.shape[-1:], a.query.dtype)
+    return _autodiff_backward(_cudnn_forward, a, _ATTENTION_GRAD_FIELDS, dout)
   try:
-    jax.eval_shape(_cudnn_forward, abstract)
+    jax.eval_shape(probe, abstract)
   except (NotImplementedError, ValueError) as e:
     raise NotImplementedError(f"cuDNN refuses this call: {e}") from e
 
@@ -195,11 +203,10 @@ class CudnnAttentionVjp(VjpOp):
   name = "cudnn"
 
   def check_supported(self, args, device, residuals=None):
-    _cudnn_check(args, device)
+    _cudnn_check(args, device, backward=True)
 
   def backward(self, args, residuals, out, dout, config):
-    return _autodiff_backward(_cudnn_forward, args, ("query", "key", "value", "bias"),
-                              dout)
+    return _autodiff_backward(_cudnn_forward, args, _ATTENTION_GRAD_FIELDS, dout)
 
 
 def _layer_norm(args):
