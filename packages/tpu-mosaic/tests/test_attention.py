@@ -227,11 +227,12 @@ def test_heuristic_configs_fit_vmem():
     q, k, v = (jax.ShapeDtypeStruct(s, dtype)
                for s in ((1, 8192, 2, h), (1, 8192, 1, h), (1, 8192, 1, h)))
     args = tokamax.AttentionArgs(q, k, v)
-    hp = max(128, h)
-    item = jnp.dtype(dtype).itemsize
     c = att.MosaicTpuAttention().heuristic_config(args)
     assert c.block_q % 128 == 0 and c.block_k % 128 == 0
-    assert att._vmem_bytes(c.block_q, c.block_k, hp, hp, item, "fwd") <= 12 * 2**20
+    plan, _ = att.kernel_plan(args, "fwd", c.block_q, c.block_k, with_prefetch=False)
+    assert plan.vmem_bytes() <= 12 * 2**20
     c = att.MosaicTpuAttentionVjp().heuristic_config(args)
-    assert att._vmem_bytes(c.block_q_dkv, c.block_k_dkv, hp, hp, item, "dkdv") <= 12 * 2**20
-    assert att._vmem_bytes(c.block_q_dq, c.block_k_dq, hp, hp, item, "dq") <= 12 * 2**20
+    for kind, bq, bk in (("dkdv", c.block_q_dkv, c.block_k_dkv),
+                         ("dq", c.block_q_dq, c.block_k_dq)):
+      plan, _ = att.kernel_plan(args, kind, bq, bk, with_prefetch=False)
+      assert plan.vmem_bytes() <= 12 * 2**20

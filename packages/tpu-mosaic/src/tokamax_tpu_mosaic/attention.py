@@ -39,18 +39,20 @@ Backward from the saved lse (``delta = rowsum(dout * out)`` in jnp first):
   turned into ``(bq, 1)`` columns once per query block.
 
 Block sizes (multiples of 128, so both the 8x128 f32 and the 16x128 bf16 tiling
-rules hold): 512 x 512 for the forward, the dK/dV and the dQ kernels, shrunk to the
-padded sequence for short ones and halved until the VMEM estimate (`_vmem_bytes`:
-double-buffered tiles + f32 scratch + f32 ``[bq, bk]`` temporaries) is under
-`_common.VMEM_BUDGET_BYTES` (12 MiB). Per generation:
+rules hold) come from a per-generation table (`_GENERATION_BLOCKS`; the
+generation is the default device's `device_kind`, v5e when unknown), shrunk to
+the padded sequence for short ones and halved until the kernel plan's VMEM
+estimate (`_common.vmem_bytes`: double-buffered blocks + f32 scratch + f32
+``[bq, bk]`` temporaries) is under 3/4 of the generation's scoped VMEM:
 
-- v5e (16 MiB default scoped VMEM, 128x128 MXUs): 512 x 512 for
-  H <= 256 in bf16 and f32 (estimate 4.8 MiB forward, 7 MiB dK/dV at H=128 bf16;
-  about 12 MiB for dK/dV at H=256 f32, the largest case).
-- v5p (16 MiB scoped default, 95 GiB HBM) and v6e (32 MiB scoped default, 256x256
-  MXUs): the same defaults, which stay inside v5e's budget; larger query tiles
-  (``block_q = 1024`` halves the K/V re-reads, see docs/tpu_roofline.md) are in
-  the autotuning search space, to be confirmed by measurement on hardware.
+- v5e and v5p (16 MiB scoped default): 512 x 512 for every kernel (4.8 MiB
+  forward, 7.1 MiB dK/dV at H=128 bf16).
+- v6e (32 MiB scoped default, 256x256 MXUs): ``block_q = 1024`` in the forward
+  (9.1 MiB), which halves the K/V re-reads that bound it there; 512 x 512 for
+  the backward kernels.
+
+docs/tpu_roofline.md (written by tools/tpu_roofline.py from these plans) has
+the table and the roofline; tests/test_plans.py checks layout and VMEM.
 
 Bias and a dense bool mask are refused (`NotImplementedError`): they are dense
 ``[T, S]`` inputs that defeat block skipping and (for the bias gradient) need a
@@ -63,12 +65,10 @@ import dataclasses
 import functools
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 import tokamax
 from tokamax_tpu_mosaic import _common
@@ -76,9 +76,10 @@ from tokamax_tpu_mosaic import _common
 _LANES = _common.LANES
 _NEG = -0.7 * float(np.finfo(np.float32).max)  # finite "minus infinity" for m
 _MAX_HEAD_DIM = 256
-_VMEM_BUDGET = _common.VMEM_BUDGET_BYTES  # v5e's 16 MiB scoped default, with headroom
 
 _SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary")
+_FWD_TEMPS = 3  # f32 [bq, bk] temporaries of the forward body (s, p, mask)
+_BWD_TEMPS = 5  # ... of the backward bodies (s, p, dp, ds, mask)
 
 
 _round_up = _common.round_up
@@ -491,6 +492,9 @@ def _dq_kernel(qlen_ref, kvlen_ref, idx_ref, kind_ref, cnt_ref, *refs, lay, bq, 
     dq_ref[...] = (dq_scr[...] * lay.scale).astype(dq_ref.dtype)
 
 
+_KERNELS = {"fwd": _fwd_kernel, "dkdv": _dkdv_kernel, "dq": _dq_kernel}
+
+
 # ----------------------------------------------------------------------------
 # pallas_call wiring.
 # ----------------------------------------------------------------------------
@@ -507,74 +511,57 @@ def _sparse_kv_map(lay, nrows, extent, head):
   return index_map
 
 
-def _seg_inputs(args, tp, sp, bq, bk, q_block, k_block):
-  """Segment ids as lane-dense ``[B, 1, L]`` rows."""
-  q_seg = _pad_seq(args.q_segment_ids, tp)[:, None, :]
-  kv_seg = _pad_seq(args.kv_segment_ids, sp)[:, None, :]
-  return [(q_seg, pl.BlockSpec((None, 1, bq), q_block)),
-          (kv_seg, pl.BlockSpec((None, 1, bk), k_block))]
+def _seg_operands(lay, b, tp, sp, bq, bk, q_block, k_block):
+  """Segment ids as lane-dense ``[B, 1, L]`` rows (int32 after `_seg_rows`)."""
+  if not lay.has_segments:
+    return ()
+  return (_common.Operand((b, 1, tp), jnp.int32, pl.BlockSpec((None, 1, bq), q_block)),
+          _common.Operand((b, 1, sp), jnp.int32, pl.BlockSpec((None, 1, bk), k_block)))
 
 
-def _forward(args, config: AttentionConfig):
-  lay = _layout(args)
-  b, n, g = args.query.shape[0], lay.num_heads, lay.group
-  bq, bk = _fit(config.block_q, lay.t), _fit(config.block_k, lay.s)
+def _seg_rows(args, tp, sp):
+  if args.q_segment_ids is None:
+    return []
+  return [_pad_seq(args.q_segment_ids, tp)[:, None, :].astype(jnp.int32),
+          _pad_seq(args.kv_segment_ids, sp)[:, None, :].astype(jnp.int32)]
+
+
+def _row_map(b_, n_, qi, j, *_):
+  return b_, qi, n_
+
+
+def _stat_row_map(b_, n_, qi, j, *_):
+  return b_, n_, 0, qi
+
+
+def _fwd_plan(lay, b, dtype, bq, bk, extent) -> _common.KernelPlan:
+  """Grid (B, N, q blocks, visible kv blocks); ``extent`` is the sparse axis' size."""
+  n, g = lay.num_heads, lay.group
   tp, sp = _round_up(lay.t, bq), _round_up(lay.s, bk)
-  nq = tp // bq
-  prefetch, extent = _block_lists(args, lay, bq, bk, tp, sp, transpose=False)
-
-  q = _pad_heads(args.query, tp, lay.hp)
-  k = _pad_heads(args.key, sp, lay.hp)
-  v = _pad_heads(args.value, sp, lay.hvp)
-  kv_map = _sparse_kv_map(lay, nq, extent, lambda n_: lax.div(n_, g))
-  q_map = lambda b_, n_, qi, j, *_: (b_, qi, n_)
-  inputs = [(q, pl.BlockSpec((None, bq, lay.hp), q_map)),
-            (k, pl.BlockSpec((None, bk, lay.hp), kv_map)),
-            (v, pl.BlockSpec((None, bk, lay.hvp), kv_map))]
-  if lay.has_segments:
-    kb = lambda *a: (a[0], 0, kv_map(*a)[1])
-    inputs += _seg_inputs(args, tp, sp, bq, bk, lambda b_, n_, qi, j, *_: (b_, 0, qi),
-                          kb)
-  out_shape = [jax.ShapeDtypeStruct((b, tp, n * lay.hvp), args.query.dtype),
-               jax.ShapeDtypeStruct((b, n, 1, tp), jnp.float32)]
-  out_specs = [pl.BlockSpec((None, bq, lay.hvp), q_map),
-               pl.BlockSpec((None, None, 1, bq), lambda b_, n_, qi, j, *_: (b_, n_, 0, qi))]
-  scratch = [pltpu.VMEM((bq, _LANES), jnp.float32), pltpu.VMEM((bq, _LANES), jnp.float32),
-             pltpu.VMEM((bq, lay.hvp), jnp.float32)]
-  kernel = functools.partial(_fwd_kernel, lay=lay, bq=bq, bk=bk, extent=extent,
-                             nrows=nq)
-  out, lse = pl.pallas_call(
-      kernel, out_shape=out_shape,
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=len(prefetch), grid=(b, n, nq, extent),
-          in_specs=[s for _, s in inputs], out_specs=out_specs,
-          scratch_shapes=scratch),
-      compiler_params=_common.compiler_params(_SEMANTICS),
-      interpret=_common.interpret_params(),
-      name="tokamax_tpu_attention_fwd",
-  )(*prefetch, *[x for x, _ in inputs])
-  out = _unpad_heads(out, tp, n, lay.hvp, lay.t, lay.hv)
-  return out, lse[:, :, 0, :lay.t]
+  kh = lay.num_kv_heads
+  kv_map = _sparse_kv_map(lay, tp // bq, extent, lambda n_: lax.div(n_, g))
+  op = _common.Operand
+  inputs = (op((b, tp, n * lay.hp), dtype, pl.BlockSpec((None, bq, lay.hp), _row_map)),
+            op((b, sp, kh * lay.hp), dtype, pl.BlockSpec((None, bk, lay.hp), kv_map)),
+            op((b, sp, kh * lay.hvp), dtype, pl.BlockSpec((None, bk, lay.hvp), kv_map)))
+  inputs += _seg_operands(lay, b, tp, sp, bq, bk, lambda b_, n_, qi, j, *_: (b_, 0, qi),
+                          lambda *a: (a[0], 0, kv_map(*a)[1]))
+  outputs = (op((b, tp, n * lay.hvp), dtype, pl.BlockSpec((None, bq, lay.hvp), _row_map)),
+             op((b, n, 1, tp), jnp.float32,
+                pl.BlockSpec((None, None, 1, bq), _stat_row_map)))
+  return _common.KernelPlan(
+      name="tokamax_tpu_attention_fwd", grid=(b, n, tp // bq, extent), inputs=inputs,
+      outputs=outputs, semantics=_SEMANTICS,
+      scratch=(((bq, _LANES), jnp.float32), ((bq, _LANES), jnp.float32),
+               ((bq, lay.hvp), jnp.float32)),
+      temp_bytes=_FWD_TEMPS * 4 * bq * bk)
 
 
-def _backward(args, lse, out, dout, config: AttentionVjpConfig):
-  lay = _layout(args)
-  b, n, kh, g = args.query.shape[0], lay.num_heads, lay.num_kv_heads, lay.group
-  dout = dout.astype(args.query.dtype)
-  delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32),
-                     out.astype(jnp.float32))
-
-  # dK/dV: grid (B, K, kv blocks, G * visible q blocks).
-  bq, bk = _fit(config.block_q_dkv, lay.t), _fit(config.block_k_dkv, lay.s)
+def _dkdv_plan(lay, b, dtype, bq, bk, extent) -> _common.KernelPlan:
+  """Grid (B, K, kv blocks, G * visible q blocks): each program owns a dK, dV tile."""
+  kh, g = lay.num_kv_heads, lay.group
   tp, sp = _round_up(lay.t, bq), _round_up(lay.s, bk)
   nk = sp // bk
-  prefetch, extent = _block_lists(args, lay, bq, bk, tp, sp, transpose=True)
-  q = _pad_heads(args.query, tp, lay.hp)
-  do = _pad_heads(dout, tp, lay.hvp)
-  k = _pad_heads(args.key, sp, lay.hp)
-  v = _pad_heads(args.value, sp, lay.hvp)
-  lse_p = _pad_stat(lse, tp, jnp.inf)
-  delta_p = _pad_stat(delta, tp, 0.0)
 
   def q_walk(b_, h_, kj, i, qlen, kvlen, idx, kind, cnt):
     del qlen, kvlen, kind
@@ -586,74 +573,114 @@ def _backward(args, lse, out, dout, config: AttentionVjpConfig):
     return b_, idx[row * extent + jq], head
 
   kv_own = lambda b_, h_, kj, i, *_: (b_, kj, h_)
-  inputs = [(q, pl.BlockSpec((None, bq, lay.hp), q_walk)),
-            (k, pl.BlockSpec((None, bk, lay.hp), kv_own)),
-            (v, pl.BlockSpec((None, bk, lay.hvp), kv_own)),
-            (do, pl.BlockSpec((None, bq, lay.hvp), q_walk))]
   stat_map = lambda *a: (a[0], q_walk(*a)[2], 0, q_walk(*a)[1])
-  inputs += [(lse_p, pl.BlockSpec((None, None, 1, bq), stat_map)),
-             (delta_p, pl.BlockSpec((None, None, 1, bq), stat_map))]
-  if lay.has_segments:
-    inputs += _seg_inputs(args, tp, sp, bq, bk, lambda *a: (a[0], 0, q_walk(*a)[1]),
+  op = _common.Operand
+  n = lay.num_heads
+  inputs = (op((b, tp, n * lay.hp), dtype, pl.BlockSpec((None, bq, lay.hp), q_walk)),
+            op((b, sp, kh * lay.hp), dtype, pl.BlockSpec((None, bk, lay.hp), kv_own)),
+            op((b, sp, kh * lay.hvp), dtype, pl.BlockSpec((None, bk, lay.hvp), kv_own)),
+            op((b, tp, n * lay.hvp), dtype, pl.BlockSpec((None, bq, lay.hvp), q_walk)),
+            op((b, n, 1, tp), jnp.float32, pl.BlockSpec((None, None, 1, bq), stat_map)),
+            op((b, n, 1, tp), jnp.float32, pl.BlockSpec((None, None, 1, bq), stat_map)))
+  inputs += _seg_operands(lay, b, tp, sp, bq, bk, lambda *a: (a[0], 0, q_walk(*a)[1]),
                           lambda b_, h_, kj, i, *_: (b_, 0, kj))
-  out_shape = [jax.ShapeDtypeStruct((b, sp, kh * lay.hp), args.key.dtype),
-               jax.ShapeDtypeStruct((b, sp, kh * lay.hvp), args.value.dtype)]
-  out_specs = [pl.BlockSpec((None, bk, lay.hp), kv_own),
-               pl.BlockSpec((None, bk, lay.hvp), kv_own)]
-  scratch = [pltpu.VMEM((bk, lay.hp), jnp.float32), pltpu.VMEM((bk, lay.hvp), jnp.float32)]
-  kernel = functools.partial(_dkdv_kernel, lay=lay, bq=bq, bk=bk, extent=extent,
-                             nrows=nk)
-  dk, dv = pl.pallas_call(
-      kernel, out_shape=out_shape,
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=len(prefetch), grid=(b, kh, nk, g * extent),
-          in_specs=[s for _, s in inputs], out_specs=out_specs,
-          scratch_shapes=scratch),
-      compiler_params=_common.compiler_params(_SEMANTICS),
-      interpret=_common.interpret_params(),
-      name="tokamax_tpu_attention_dkdv",
-  )(*prefetch, *[x for x, _ in inputs])
+  outputs = (op((b, sp, kh * lay.hp), dtype, pl.BlockSpec((None, bk, lay.hp), kv_own)),
+             op((b, sp, kh * lay.hvp), dtype, pl.BlockSpec((None, bk, lay.hvp), kv_own)))
+  return _common.KernelPlan(
+      name="tokamax_tpu_attention_dkdv", grid=(b, kh, nk, g * extent), inputs=inputs,
+      outputs=outputs, semantics=_SEMANTICS,
+      scratch=(((bk, lay.hp), jnp.float32), ((bk, lay.hvp), jnp.float32)),
+      temp_bytes=_BWD_TEMPS * 4 * bq * bk)
+
+
+def _dq_plan(lay, b, dtype, bq, bk, extent) -> _common.KernelPlan:
+  """Grid (B, N, q blocks, visible kv blocks)."""
+  n, kh, g = lay.num_heads, lay.num_kv_heads, lay.group
+  tp, sp = _round_up(lay.t, bq), _round_up(lay.s, bk)
+  kv_map = _sparse_kv_map(lay, tp // bq, extent, lambda n_: lax.div(n_, g))
+  op = _common.Operand
+  inputs = (op((b, tp, n * lay.hp), dtype, pl.BlockSpec((None, bq, lay.hp), _row_map)),
+            op((b, sp, kh * lay.hp), dtype, pl.BlockSpec((None, bk, lay.hp), kv_map)),
+            op((b, sp, kh * lay.hvp), dtype, pl.BlockSpec((None, bk, lay.hvp), kv_map)),
+            op((b, tp, n * lay.hvp), dtype, pl.BlockSpec((None, bq, lay.hvp), _row_map)),
+            op((b, n, 1, tp), jnp.float32,
+               pl.BlockSpec((None, None, 1, bq), _stat_row_map)),
+            op((b, n, 1, tp), jnp.float32,
+               pl.BlockSpec((None, None, 1, bq), _stat_row_map)))
+  inputs += _seg_operands(lay, b, tp, sp, bq, bk, lambda b_, n_, qi, j, *_: (b_, 0, qi),
+                          lambda *a: (a[0], 0, kv_map(*a)[1]))
+  outputs = (op((b, tp, n * lay.hp), dtype, pl.BlockSpec((None, bq, lay.hp), _row_map)),)
+  return _common.KernelPlan(
+      name="tokamax_tpu_attention_dq", grid=(b, n, tp // bq, extent), inputs=inputs,
+      outputs=outputs, semantics=_SEMANTICS, scratch=(((bq, lay.hp), jnp.float32),),
+      temp_bytes=_BWD_TEMPS * 4 * bq * bk)
+
+
+_PLANS = {"fwd": (_fwd_plan, False), "dkdv": (_dkdv_plan, True), "dq": (_dq_plan, False)}
+
+
+def kernel_plan(args, kind: str, bq: int, bk: int, with_prefetch: bool = True):
+  """(plan, prefetch) of kernel ``kind`` ("fwd", "dkdv" or "dq") at blocks bq x bk.
+
+  ``bq``/``bk`` are fitted to the sequences first. Without ``with_prefetch`` the
+  block lists are not built (prefetch is None) and the sparse axis has extent 1:
+  enough for VMEM and layout questions, which do not depend on it.
+  """
+  lay = _layout(args)
+  make, transpose = _PLANS[kind]
+  bq, bk = _fit(bq, lay.t), _fit(bk, lay.s)
+  prefetch, extent = None, 1
+  if with_prefetch:
+    tp, sp = _round_up(lay.t, bq), _round_up(lay.s, bk)
+    prefetch, extent = _block_lists(args, lay, bq, bk, tp, sp, transpose=transpose)
+  return make(lay, args.query.shape[0], args.query.dtype, bq, bk, extent), prefetch
+
+
+def _call(args, kind, bq, bk, arrays):
+  plan, prefetch = kernel_plan(args, kind, bq, bk)
+  lay = _layout(args)
+  # The sparse axis walks `extent` blocks (dK/dV: for each of the G query heads).
+  extent = plan.grid[3] // (lay.group if kind == "dkdv" else 1)
+  kernel = functools.partial(_KERNELS[kind], lay=lay, bq=plan.inputs[0].spec.block_shape[1],
+                             bk=plan.inputs[1].spec.block_shape[1], extent=extent,
+                             nrows=plan.grid[2])
+  tp = plan.inputs[0].shape[1]
+  sp = plan.inputs[1].shape[1]
+  return plan.call(kernel, *arrays(tp, sp), *_seg_rows(args, tp, sp), prefetch=prefetch)
+
+
+def _forward(args, config: AttentionConfig):
+  lay = _layout(args)
+  n = lay.num_heads
+
+  def arrays(tp, sp):
+    return (_pad_heads(args.query, tp, lay.hp), _pad_heads(args.key, sp, lay.hp),
+            _pad_heads(args.value, sp, lay.hvp))
+
+  out, lse = _call(args, "fwd", config.block_q, config.block_k, arrays)
+  tp = out.shape[1]
+  out = _unpad_heads(out, tp, n, lay.hvp, lay.t, lay.hv)
+  return out, lse[:, :, 0, :lay.t]
+
+
+def _backward(args, lse, out, dout, config: AttentionVjpConfig):
+  lay = _layout(args)
+  n, kh = lay.num_heads, lay.num_kv_heads
+  dout = dout.astype(args.query.dtype)
+  delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32),
+                     out.astype(jnp.float32))
+
+  def arrays(tp, sp):
+    return (_pad_heads(args.query, tp, lay.hp), _pad_heads(args.key, sp, lay.hp),
+            _pad_heads(args.value, sp, lay.hvp), _pad_heads(dout, tp, lay.hvp),
+            _pad_stat(lse, tp, jnp.inf), _pad_stat(delta, tp, 0.0))
+
+  dk, dv = _call(args, "dkdv", config.block_q_dkv, config.block_k_dkv, arrays)
+  sp = dk.shape[1]
   dk = _unpad_heads(dk, sp, kh, lay.hp, lay.s, lay.h)
   dv = _unpad_heads(dv, sp, kh, lay.hvp, lay.s, lay.hv)
-
-  # dQ: grid (B, N, q blocks, visible kv blocks).
-  bq, bk = _fit(config.block_q_dq, lay.t), _fit(config.block_k_dq, lay.s)
-  tp, sp = _round_up(lay.t, bq), _round_up(lay.s, bk)
-  nq = tp // bq
-  prefetch, extent = _block_lists(args, lay, bq, bk, tp, sp, transpose=False)
-  q = _pad_heads(args.query, tp, lay.hp)
-  do = _pad_heads(dout, tp, lay.hvp)
-  k = _pad_heads(args.key, sp, lay.hp)
-  v = _pad_heads(args.value, sp, lay.hvp)
-  lse_p = _pad_stat(lse, tp, jnp.inf)
-  delta_p = _pad_stat(delta, tp, 0.0)
-  kv_map = _sparse_kv_map(lay, nq, extent, lambda n_: lax.div(n_, g))
-  q_map = lambda b_, n_, qi, j, *_: (b_, qi, n_)
-  stat_map = lambda b_, n_, qi, j, *_: (b_, n_, 0, qi)
-  inputs = [(q, pl.BlockSpec((None, bq, lay.hp), q_map)),
-            (k, pl.BlockSpec((None, bk, lay.hp), kv_map)),
-            (v, pl.BlockSpec((None, bk, lay.hvp), kv_map)),
-            (do, pl.BlockSpec((None, bq, lay.hvp), q_map)),
-            (lse_p, pl.BlockSpec((None, None, 1, bq), stat_map)),
-            (delta_p, pl.BlockSpec((None, None, 1, bq), stat_map))]
-  if lay.has_segments:
-    kb = lambda *a: (a[0], 0, kv_map(*a)[1])
-    inputs += _seg_inputs(args, tp, sp, bq, bk, lambda b_, n_, qi, j, *_: (b_, 0, qi),
-                          kb)
-  kernel = functools.partial(_dq_kernel, lay=lay, bq=bq, bk=bk, extent=extent,
-                             nrows=nq)
-  (dq,) = pl.pallas_call(
-      kernel, out_shape=[jax.ShapeDtypeStruct((b, tp, n * lay.hp), args.query.dtype)],
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=len(prefetch), grid=(b, n, nq, extent),
-          in_specs=[s for _, s in inputs],
-          out_specs=[pl.BlockSpec((None, bq, lay.hp), q_map)],
-          scratch_shapes=[pltpu.VMEM((bq, lay.hp), jnp.float32)]),
-      compiler_params=_common.compiler_params(_SEMANTICS),
-      interpret=_common.interpret_params(),
-      name="tokamax_tpu_attention_dq",
-  )(*prefetch, *[x for x, _ in inputs])
-  dq = _unpad_heads(dq, tp, n, lay.hp, lay.t, lay.h)
+  (dq,) = _call(args, "dq", config.block_q_dq, config.block_k_dq, arrays)
+  dq = _unpad_heads(dq, dq.shape[1], n, lay.hp, lay.t, lay.h)
   return {"query": dq, "key": dk, "value": dv, "bias": None}
 
 
@@ -662,21 +689,29 @@ def _backward(args, lse, out, dout, config: AttentionVjpConfig):
 # ----------------------------------------------------------------------------
 
 
-def _vmem_bytes(bq, bk, hp, hvp, itemsize, kind):
-  """VMEM estimate: double-buffered tiles, f32 scratch, f32 [bq, bk] temporaries."""
-  if kind == "fwd":
-    tiles = bq * hp + bk * hp + bk * hvp + bq * hvp
-    scratch = 2 * bq * _LANES + bq * hvp
-    temps = 3
-  else:  # dkdv and dq read the same operands; scratch is dk+dv or dq
-    tiles = bq * hp + bk * hp + bk * hvp + bq * hvp + bk * (hp + hvp)
-    scratch = bk * (hp + hvp) if kind == "dkdv" else bq * hp
-    temps = 5
-  return 2 * tiles * itemsize + 4 * scratch + 4 * temps * bq * bk
+# Starting blocks (bq, bk) per generation and kernel, before shrinking to the
+# generation's VMEM budget. v6e: 2x the MXU throughput of v5p on 0.58x the HBM
+# bandwidth makes the forward K/V re-reads the bound; a 1024-row query block
+# halves them and fits its 32 MiB scoped VMEM (docs/tpu_roofline.md).
+_GENERATION_BLOCKS = {
+    "v5e": {"fwd": (512, 512), "dkdv": (512, 512), "dq": (512, 512)},
+    "v5p": {"fwd": (512, 512), "dkdv": (512, 512), "dq": (512, 512)},
+    "v6e": {"fwd": (1024, 512), "dkdv": (512, 512), "dq": (512, 512)},
+}
 
 
-def _shrink(bq, bk, hp, hvp, itemsize, kind):
-  while _vmem_bytes(bq, bk, hp, hvp, itemsize, kind) > _VMEM_BUDGET and max(bq, bk) > 128:
+def _vmem(args, kind, bq, bk) -> int:
+  return kernel_plan(args, kind, bq, bk, with_prefetch=False)[0].vmem_bytes()
+
+
+def _blocks_for(args, kind: str, generation: str | None) -> tuple[int, int]:
+  """The generation's blocks for ``kind``, fitted, halved until the plan fits VMEM."""
+  table = _GENERATION_BLOCKS.get(generation,
+                                 _GENERATION_BLOCKS[_common.DEFAULT_GENERATION])
+  bq, bk = table[kind]
+  bq, bk = _fit(bq, args.query.shape[1]), _fit(bk, args.key.shape[1])
+  budget = _common.vmem_budget(generation)
+  while _vmem(args, kind, bq, bk) > budget and max(bq, bk) > _LANES:
     if bq >= bk:
       bq //= 2
     else:
@@ -684,9 +719,16 @@ def _shrink(bq, bk, hp, hvp, itemsize, kind):
   return bq, bk
 
 
-def _dims(args):
-  return (_round_up(args.query.shape[-1], _LANES), _round_up(args.value.shape[-1], _LANES),
-          jnp.dtype(args.query.dtype).itemsize)
+def heuristic_configs(args, generation: str | None = None):
+  """(forward, backward) configs for ``generation`` (default: the default device's).
+
+  Unknown devices and interpret mode get the v5e-safe table.
+  """
+  generation = generation or _common.device_generation()
+  fwd = AttentionConfig(*_blocks_for(args, "fwd", generation))
+  bwd = AttentionVjpConfig(*_blocks_for(args, "dkdv", generation),
+                           *_blocks_for(args, "dq", generation))
+  return fwd, bwd
 
 
 # ----------------------------------------------------------------------------
@@ -727,18 +769,15 @@ class MosaicTpuAttention(tokamax.Op):
     _check(args, device)
 
   def heuristic_config(self, args):
-    hp, hvp, itemsize = _dims(args)
-    bq = _fit(512, args.query.shape[1])
-    bk = _fit(512, args.key.shape[1])
-    return AttentionConfig(*_shrink(bq, bk, hp, hvp, itemsize, "fwd"))
+    return heuristic_configs(args)[0]
 
   def search_space(self, args):
-    hp, hvp, itemsize = _dims(args)
-    configs = []
+    limit = 2 * _common.VMEM_BUDGET_BYTES  # autotuning may try past the heuristic
+    configs = [self.heuristic_config(args)]
     for bq in (128, 256, 512, 1024):
       for bk in (128, 256, 512, 1024, 2048):
         c = AttentionConfig(_fit(bq, args.query.shape[1]), _fit(bk, args.key.shape[1]))
-        if _vmem_bytes(c.block_q, c.block_k, hp, hvp, itemsize, "fwd") <= 2 * _VMEM_BUDGET:
+        if _vmem(args, "fwd", c.block_q, c.block_k) <= limit:
           configs.append(c)
     return tuple(dict.fromkeys(configs))
 
@@ -761,20 +800,16 @@ class MosaicTpuAttentionVjp(tokamax.VjpOp):
       raise NotImplementedError("needs the forward's log-sum-exp residual ('lse')")
 
   def heuristic_config(self, args):
-    hp, hvp, itemsize = _dims(args)
-    t, s = args.query.shape[1], args.key.shape[1]
-    a = _shrink(_fit(512, t), _fit(512, s), hp, hvp, itemsize, "dkdv")
-    c = _shrink(_fit(512, t), _fit(512, s), hp, hvp, itemsize, "dq")
-    return AttentionVjpConfig(*a, *c)
+    return heuristic_configs(args)[1]
 
   def search_space(self, args):
-    hp, hvp, itemsize = _dims(args)
+    limit = 2 * _common.VMEM_BUDGET_BYTES  # autotuning may try past the heuristic
     t, s = args.query.shape[1], args.key.shape[1]
     configs = []
     for bq in (128, 256, 512, 1024):
       for bk in (128, 256, 512, 1024):
         a = (_fit(bq, t), _fit(bk, s))
-        if _vmem_bytes(*a, hp, hvp, itemsize, "dkdv") <= 2 * _VMEM_BUDGET:
+        if max(_vmem(args, kind, *a) for kind in ("dkdv", "dq")) <= limit:
           configs.append(AttentionVjpConfig(*a, *a))
     configs.append(self.heuristic_config(args))
     return tuple(dict.fromkeys(configs))
@@ -786,3 +821,11 @@ class MosaicTpuAttentionVjp(tokamax.VjpOp):
 
 # An explicitly constructed forward op uses this backward.
 MosaicTpuAttention.vjp = MosaicTpuAttentionVjp
+
+
+def heuristic_plans(args, generation: str | None = None, with_prefetch: bool = False):
+  """[(plan, prefetch)] of the forward, dK/dV and dQ kernels at the heuristic configs."""
+  fwd, bwd = heuristic_configs(args, generation)
+  return [kernel_plan(args, "fwd", fwd.block_q, fwd.block_k, with_prefetch),
+          kernel_plan(args, "dkdv", bwd.block_q_dkv, bwd.block_k_dkv, with_prefetch),
+          kernel_plan(args, "dq", bwd.block_q_dq, bwd.block_k_dq, with_prefetch)]

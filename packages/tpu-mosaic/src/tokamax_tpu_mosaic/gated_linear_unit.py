@@ -19,12 +19,15 @@ activation, in-kernel); then ``dx = d_gate @ w_gate^T + d_up @ w_up^T`` and
 ``dw = x^T @ [d_gate, d_up]`` are dense matmuls left to XLA, which runs them
 near the MXU peak on TPU.
 
-Block sizes per generation (bf16; f32 halves block_k): v5e / v5p
-``block_m=512, block_n=512, block_k=512`` (about 6 MiB of VMEM, under v5e's
-16 MiB scoped default; ``2*bm*bn/(bm+2*bn)`` = 341 FLOP/byte, above the v5e
-(240) and v5p (166) ridge points); v6e ``block_m=1024, block_n=1024,
-block_k=512`` (about 18 MiB, under v6e's 32 MiB default; 683 FLOP/byte against
-a 574 ridge).
+Block sizes per generation (bf16; f32 halves block_k), from
+`_GENERATION_CONFIGS` (generation of the default device's `device_kind`, v5e
+when unknown), ``block_n`` halved until the kernel's plan fits 3/4 of the
+scoped VMEM (`_common.vmem_bytes`): v5e / v5p ``block_m=block_n=block_k=512``
+(7 MiB forward, 9 MiB backward; ``2*bm*bn/(bm+2*bn)`` = 341 FLOP/byte, above the
+v5e (240) and v5p (166) ridge points); v6e forward ``1024/1024/512`` (22 MiB of
+its 32 MiB; 683 FLOP/byte against a 574 ridge), backward ``1024/512/512``
+(its extra dout / d_gate / d_up blocks do not fit at 1024). See
+docs/tpu_roofline.md (tools/tpu_roofline.py).
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 import tokamax
 from tokamax_tpu_mosaic import _common
@@ -66,15 +68,26 @@ _GENERATION_CONFIGS = {
 }
 
 
-def _heuristic(args) -> GatedLinearUnitConfig:
-  base = _GENERATION_CONFIGS.get(_common.device_generation(), _GENERATION_CONFIGS["v5e"])
+def _heuristic(args, backward: bool, generation: str | None = None
+               ) -> GatedLinearUnitConfig:
+  """The generation's table entry (f32: half the K block), N halved to fit VMEM.
+
+  `generation` defaults to the default device's (`_common.device_generation`);
+  unknown devices and interpret mode get the v5e-safe entry.
+  """
+  generation = generation or _common.device_generation()
+  config = _GENERATION_CONFIGS.get(generation,
+                                   _GENERATION_CONFIGS[_common.DEFAULT_GENERATION])
   if jnp.dtype(args.x.dtype).itemsize == 4:
-    base = dataclasses.replace(base, block_k=max(128, base.block_k // 2))
-  return base
+    config = dataclasses.replace(config, block_k=max(128, config.block_k // 2))
+  budget = _common.vmem_budget(generation)
+  while _plan(args, config, backward).vmem_bytes() > budget and config.block_n > 128:
+    config = dataclasses.replace(config, block_n=config.block_n // 2)
+  return config
 
 
-def _search_space(args):
-  configs = [_heuristic(args)]
+def _search_space(args, backward: bool):
+  configs = [_heuristic(args, backward)]
   for bm in (256, 512, 1024):
     for bn in (256, 512, 1024):
       for bk in (256, 512):
@@ -173,16 +186,12 @@ def _bwd_kernel(x_ref, wg_ref, wu_ref, dout_ref, dg_ref, du_ref, accg_ref, accu_
 # ----------------------------------------------------------------------------
 
 
-def _layout(args, config):
-  """Blocks, padded x [M, K_p] and weights viewed as [K_p, 2 * N_p]."""
-  x, w = args.x, args.weights
-  m, k = x.shape
-  n = w.shape[-1]
+def _blocks(args, config):
+  """(bm, bn, bk, N_p, K_p): blocks clamped / fitted to the shapes, padded dims."""
+  m, k = args.x.shape
+  n = args.weights.shape[-1]
   bm = m if m <= config.block_m else config.block_m
-  if n % _common.LANES == 0:
-    n_pad = n
-  else:
-    n_pad = _common.round_up(n, _common.LANES)
+  n_pad = _common.round_up(n, _common.LANES)
   bn = min(config.block_n, n_pad)
   while n_pad % bn:
     bn -= _common.LANES
@@ -193,61 +202,65 @@ def _layout(args, config):
     bk = config.block_k
     while k_pad % bk:
       bk -= _common.LANES
-  x = _common.pad_axis(x, 1, k_pad)
-  w = _common.pad_axis(_common.pad_axis(w, 0, k_pad), 2, n_pad)
-  return x, w.reshape(k_pad, 2 * n_pad), bm, bn, bk, n_pad
+  return bm, bn, bk, n_pad, k_pad
 
 
-def _specs(bm, bn, bk, n_pad):
+def _padded(args, k_pad, n_pad):
+  """x [M, K_p] and the weights viewed as [K_p, 2 * N_p] (copies only if padded)."""
+  x = _common.pad_axis(args.x, 1, k_pad)
+  w = _common.pad_axis(_common.pad_axis(args.weights, 0, k_pad), 2, n_pad)
+  return x, w.reshape(k_pad, 2 * n_pad)
+
+
+def _plan(args, config, backward: bool) -> _common.KernelPlan:
+  """Grid (M tiles, N tiles, K tiles); x, gate and up tiles in, out tile(s) out."""
+  m = args.x.shape[0]
+  n = args.weights.shape[-1]
+  bm, bn, bk, n_pad, k_pad = _blocks(args, config)
   up = n_pad // bn
-  return [
-      pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
-      pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j)),
-      pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j + up)),
-  ]
-
-
-def _scratch(bm, bn):
-  return [pltpu.VMEM((bm, bn), jnp.float32), pltpu.VMEM((bm, bn), jnp.float32)]
+  x_dt, w_dt = args.x.dtype, args.weights.dtype
+  inputs = (
+      _common.Operand((m, k_pad), x_dt, pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk))),
+      _common.Operand((k_pad, 2 * n_pad), w_dt,
+                      pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j))),
+      _common.Operand((k_pad, 2 * n_pad), w_dt,
+                      pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j + up))),
+  )
+  out_spec = pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j))
+  if backward:
+    half = _common.Operand((m, n_pad), x_dt, out_spec)
+    inputs, outputs = inputs + (half,), (half, half)
+  else:
+    outputs = (_common.Operand((m, n), x_dt, out_spec),)
+  return _common.KernelPlan(
+      name=f"tokamax_tpu_glu_{'bwd' if backward else 'fwd'}",
+      grid=(_common.cdiv(m, bm), up, k_pad // bk), inputs=inputs, outputs=outputs,
+      semantics=("parallel", "parallel", "arbitrary"),
+      scratch=(((bm, bn), jnp.float32),) * 2,
+      # A step's f32 dot result before it is added to its accumulator.
+      temp_bytes=_common.tile_bytes((bm, bn), jnp.float32))
 
 
 def _forward(args, config):
-  m = args.x.shape[0]
-  n = args.weights.shape[-1]
-  x, w, bm, bn, bk, n_pad = _layout(args, config)
-  grid = (_common.cdiv(m, bm), n_pad // bn, x.shape[1] // bk)
+  plan = _plan(args, config, backward=False)
+  _, _, _, n_pad, k_pad = _blocks(args, config)
+  x, w = _padded(args, k_pad, n_pad)
   kernel = functools.partial(_fwd_kernel, activation=args.activation,
                              precision=_common.dot_precision(args.precision))
-  return pl.pallas_call(
-      kernel, grid=grid, in_specs=_specs(bm, bn, bk, n_pad),
-      out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
-      out_shape=jax.ShapeDtypeStruct((m, n), args.x.dtype),
-      scratch_shapes=_scratch(bm, bn),
-      compiler_params=_common.compiler_params(("parallel", "parallel", "arbitrary")),
-      interpret=_common.interpret_params(), name="tokamax_tpu_glu_fwd",
-  )(x, w, w)
+  (out,) = plan.call(kernel, x, w, w)
+  return out
 
 
 def _backward(args, dout, config):
-  m, k = args.x.shape
+  k = args.x.shape[1]
   n = args.weights.shape[-1]
-  x, w, bm, bn, bk, n_pad = _layout(args, config)
-  up = n_pad // bn
-  grid = (_common.cdiv(m, bm), up, x.shape[1] // bk)
+  plan = _plan(args, config, backward=True)
+  _, _, _, n_pad, k_pad = _blocks(args, config)
+  x, w = _padded(args, k_pad, n_pad)
   kernel = functools.partial(
       _bwd_kernel, activation=args.activation,
       precision=_common.dot_precision(args.precision), n=n, ragged_n=n_pad != n)
-  half = jax.ShapeDtypeStruct((m, n_pad), args.x.dtype)
-  out_spec = pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j))
-  dg, du = pl.pallas_call(
-      kernel, grid=grid,
-      in_specs=_specs(bm, bn, bk, n_pad) + [out_spec],
-      out_specs=[out_spec, out_spec],
-      out_shape=[half, half],
-      scratch_shapes=_scratch(bm, bn),
-      compiler_params=_common.compiler_params(("parallel", "parallel", "arbitrary")),
-      interpret=_common.interpret_params(), name="tokamax_tpu_glu_bwd",
-  )(x, w, w, dout.astype(args.x.dtype))
+  dg, du = plan.call(kernel, x, w, w, dout.astype(args.x.dtype))
   w = w[:k].reshape(k, 2, n_pad)
   dims_nt = (((1,), (1,)), ((), ()))  # [M, N] x [K, N] -> [M, K]
   dims_tn = (((0,), (0,)), ((), ()))  # [M, K] x [M, N] -> [K, N]
@@ -282,10 +295,10 @@ class MosaicTpuGatedLinearUnit(tokamax.Op):
     _check_args(args, device)
 
   def heuristic_config(self, args):
-    return _heuristic(args)
+    return _heuristic(args, backward=False)
 
   def search_space(self, args):
-    return _search_space(args)
+    return _search_space(args, backward=False)
 
   def forward(self, args, config):
     return _forward(args, config), {}
@@ -303,10 +316,10 @@ class MosaicTpuGatedLinearUnitVjp(tokamax.VjpOp):
     _check_args(args, device)
 
   def heuristic_config(self, args):
-    return _heuristic(args)
+    return _heuristic(args, backward=True)
 
   def search_space(self, args):
-    return _search_space(args)
+    return _search_space(args, backward=True)
 
   def backward(self, args, residuals, out, dout, config):
     del residuals, out
@@ -314,3 +327,9 @@ class MosaicTpuGatedLinearUnitVjp(tokamax.VjpOp):
 
 
 MosaicTpuGatedLinearUnit.vjp = MosaicTpuGatedLinearUnitVjp
+
+
+def heuristic_plans(args, generation: str | None = None, with_prefetch: bool = False):
+  """[(plan, ())] of the forward and backward kernels at the heuristic configs."""
+  del with_prefetch  # no scalar prefetch
+  return [(_plan(args, _heuristic(args, b, generation), b), ()) for b in (False, True)]

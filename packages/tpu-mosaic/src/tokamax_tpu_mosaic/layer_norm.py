@@ -7,13 +7,14 @@ count a multiple of 8 (f32) / 16 (bf16) or all of R. The last row block may run
 past R: Pallas pads the read and clips the write; the backward masks those rows
 out of the dscale / doffset sums.
 
-Block sizes: ``block_rows`` is chosen so that one float32 copy of a block is at
-most 2 MiB in the forward (x, y double-buffered + ~3 float32 temporaries, about
-10 MiB at bf16) and 1 MiB in the backward (x, dy, dx double-buffered + ~5
-float32 temporaries, about 8 MiB): inside v5e's 16 MiB scoped-VMEM default, and the
-same blocks run on v5p / v6e (normalization is HBM-bound everywhere; larger
-blocks only shorten the pipeline prologue). Rows wider than the budget allows
-at the minimum block height (D > 32768) are refused.
+Block sizes: ``block_rows`` is the largest power of two (<= 1024) whose kernel
+plan fits 3/4 of v5e's 16 MiB scoped VMEM by `_common.vmem_bytes` (blocks
+double-buffered + ~3 forward / ~5 backward float32 block temporaries): 64 rows
+forward and 32 backward at D=8192 bf16. The same blocks run on v5p / v6e
+(normalization is HBM-bound everywhere; larger blocks only shorten the pipeline
+prologue). Rows too wide for 16 MiB at 16 rows per block are refused (with scale
+and offset: D > 23808 in bf16, D > 18688 in f32; the estimate counts the f32
+temporaries, which earlier versions of this check ignored).
 
 Backward: statistics are recomputed from x in the kernel (no residual reads; the
 forward's residuals are not needed, so a backward after any forward works).
@@ -34,9 +35,10 @@ from jax.experimental import pallas as pl
 import tokamax
 from tokamax_tpu_mosaic import _common
 
-_F32_TILE_BYTES = 1 << 20  # backward: x, dy, dx in flight + ~5 f32 temporaries
-_F32_TILE_BYTES_FWD = 2 << 20  # forward: x, y in flight + ~3 f32 temporaries
 _MAX_BLOCK_ROWS = 1024
+_MIN_BLOCK_ROWS = 16  # the bf16 sublane tile; also fine for f32
+_FWD_TEMPS = 3  # float32 block-sized temporaries the forward body holds (x, xc, y)
+_BWD_TEMPS = 5  # ... and the backward (x, dy, xhat, g, dxhat)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,18 +52,30 @@ class LayerNormConfig:
       raise ValueError(f"block_rows must be >= 1; got {self.block_rows}")
 
 
-def _heuristic(args, tile_bytes: int = _F32_TILE_BYTES) -> LayerNormConfig:
-  r, d = args.x.shape
-  rows = tile_bytes // (4 * _common.round_up(d, _common.LANES))
-  rows = max(16, min(_MAX_BLOCK_ROWS, rows // 16 * 16))
+def _plan_for(args, block_rows: int, backward: bool):
+  """The kernel plan of `args` at `block_rows` (shapes only; nothing runs)."""
+  make = _bwd_plan if backward else _fwd_plan
+  return make(args, LayerNormConfig(block_rows))
+
+
+def _heuristic(args, backward: bool) -> LayerNormConfig:
+  """The largest power-of-two row block whose plan fits the v5e VMEM budget.
+
+  Normalization is HBM-bound on every generation, so one table serves v5e, v5p
+  and v6e: larger blocks would only shorten the pipeline's prologue.
+  """
+  rows = _MAX_BLOCK_ROWS
+  budget = _common.vmem_budget(None)
+  while rows > _MIN_BLOCK_ROWS and _plan_for(args, rows, backward).vmem_bytes() > budget:
+    rows //= 2
   return LayerNormConfig(block_rows=rows)
 
 
-def _search_space(args):
-  r, d = args.x.shape
-  base = _heuristic(args)
-  configs = [base] + [LayerNormConfig(b) for b in (64, 128, 256, 512)
-                      if b * d * 4 <= 2 * _F32_TILE_BYTES]
+def _search_space(args, backward: bool):
+  limit = _common.SCOPED_VMEM_BYTES[_common.DEFAULT_GENERATION]
+  configs = [_heuristic(args, backward)] + [
+      LayerNormConfig(b) for b in (64, 128, 256, 512)
+      if _plan_for(args, b, backward).vmem_bytes() <= limit]
   return list(dict.fromkeys(configs))
 
 
@@ -138,60 +152,68 @@ def _param_spec(d):
   return pl.BlockSpec((1, d), lambda i: (0, 0))
 
 
-def _forward(args, config):
+def _params(args, names):
+  """(array, Operand) of the present scale / offset, as [1, D] rows."""
+  d = args.x.shape[1]
+  out = []
+  for name in names:
+    p = getattr(args, name)
+    if p is not None:
+      out.append((p, _common.Operand((1, d), p.dtype, _param_spec(d))))
+  return out
+
+
+def _fwd_plan(args, config) -> _common.KernelPlan:
   r, d = args.x.shape
   br = _block_rows(r, config)
-  grid = (_common.cdiv(r, br),)
-  row_spec = pl.BlockSpec((br, d), lambda i: (i, 0))
-  stat_spec = pl.BlockSpec((br, 1), lambda i: (i, 0))
-  inputs, specs = [args.x], [row_spec]
-  for p in (args.scale, args.offset):
-    if p is not None:
-      inputs.append(p.reshape(1, d))
-      specs.append(_param_spec(d))
+  row = _common.Operand((r, d), args.x.dtype, pl.BlockSpec((br, d), lambda i: (i, 0)))
+  stat = _common.Operand((r, 1), jnp.float32, pl.BlockSpec((br, 1), lambda i: (i, 0)))
+  params = tuple(o for _, o in _params(args, ("scale", "offset")))
+  return _common.KernelPlan(
+      name="tokamax_tpu_layer_norm_fwd", grid=(_common.cdiv(r, br),),
+      inputs=(row,) + params, outputs=(row, stat, stat), semantics=("parallel",),
+      temp_bytes=_FWD_TEMPS * _common.tile_bytes((br, d), jnp.float32))
+
+
+def _bwd_plan(args, config) -> _common.KernelPlan:
+  r, d = args.x.shape
+  br = _block_rows(r, config)
+  nb = _common.cdiv(r, br)
+  row = _common.Operand((r, d), args.x.dtype, pl.BlockSpec((br, d), lambda i: (i, 0)))
+  part = _common.Operand((nb, 1, d), jnp.float32,
+                         pl.BlockSpec((1, 1, d), lambda i: (i, 0, 0)))
+  params = tuple(o for _, o in _params(args, ("scale",)))
+  want = (args.scale is not None) + (args.offset is not None)
+  return _common.KernelPlan(
+      name="tokamax_tpu_layer_norm_bwd", grid=(nb,), inputs=(row, row) + params,
+      outputs=(row,) + (part,) * want, semantics=("parallel",),
+      temp_bytes=_BWD_TEMPS * _common.tile_bytes((br, d), jnp.float32))
+
+
+def _forward(args, config):
+  plan = _fwd_plan(args, config)
+  inputs = [args.x] + [p.reshape(1, -1) for p, _ in _params(args, ("scale", "offset"))]
   kernel = functools.partial(
       _fwd_kernel, has_scale=args.scale is not None,
       has_offset=args.offset is not None, subtract_mean=args.subtract_mean,
       eps=args.epsilon)
-  y, mean, rstd = pl.pallas_call(
-      kernel, grid=grid, in_specs=specs,
-      out_specs=[row_spec, stat_spec, stat_spec],
-      out_shape=[jax.ShapeDtypeStruct((r, d), args.x.dtype),
-                 jax.ShapeDtypeStruct((r, 1), jnp.float32),
-                 jax.ShapeDtypeStruct((r, 1), jnp.float32)],
-      compiler_params=_common.compiler_params(("parallel",)),
-      interpret=_common.interpret_params(), name="tokamax_tpu_layer_norm_fwd",
-  )(*inputs)
+  y, mean, rstd = plan.call(kernel, *inputs)
   return y, mean[:, 0], rstd[:, 0]
 
 
 def _backward(args, dy, config):
-  r, d = args.x.shape
-  br = _block_rows(r, config)
-  nb = _common.cdiv(r, br)
-  row_spec = pl.BlockSpec((br, d), lambda i: (i, 0))
-  part_spec = pl.BlockSpec((1, 1, d), lambda i: (i, 0, 0))
+  r, _ = args.x.shape
+  plan = _bwd_plan(args, config)
+  br = plan.inputs[0].spec.block_shape[0]
   has_scale = args.scale is not None
-  inputs, specs = [args.x, dy.astype(args.x.dtype)], [row_spec, row_spec]
-  if has_scale:
-    inputs.append(args.scale.reshape(1, d))
-    specs.append(_param_spec(d))
-  out_shape = [jax.ShapeDtypeStruct((r, d), args.x.dtype)]
-  out_specs = [row_spec]
   want = [has_scale, args.offset is not None]
-  for w in want:
-    if w:
-      out_shape.append(jax.ShapeDtypeStruct((nb, 1, d), jnp.float32))
-      out_specs.append(part_spec)
+  inputs = [args.x, dy.astype(args.x.dtype)]
+  inputs += [p.reshape(1, -1) for p, _ in _params(args, ("scale",))]
   kernel = functools.partial(
       _bwd_kernel, has_scale=has_scale, want_dscale=want[0], want_doffset=want[1],
       subtract_mean=args.subtract_mean, eps=args.epsilon, rows=r, block_rows=br,
       ragged=r % br != 0)
-  dx, *partials = pl.pallas_call(
-      kernel, grid=(nb,), in_specs=specs, out_specs=out_specs, out_shape=out_shape,
-      compiler_params=_common.compiler_params(("parallel",)),
-      interpret=_common.interpret_params(), name="tokamax_tpu_layer_norm_bwd",
-  )(*inputs)
+  dx, *partials = plan.call(kernel, *inputs)
   grads = {"x": dx}
   if want[0]:
     grads["scale"] = jnp.sum(partials.pop(0)[:, 0], axis=0).astype(args.scale.dtype)
@@ -208,10 +230,12 @@ def _check_args(args, device) -> None:
     raise NotImplementedError(f"x must be a non-empty [R, D] array; got shape "
                               f"{args.x.shape}")
   d = args.x.shape[1]
-  if 16 * _common.round_up(d, _common.LANES) * 4 > 2 * _F32_TILE_BYTES:
+  limit = _common.SCOPED_VMEM_BYTES[_common.DEFAULT_GENERATION]
+  need = _plan_for(args, _MIN_BLOCK_ROWS, backward=True).vmem_bytes()
+  if need > limit:
     raise NotImplementedError(
-        f"rows of D={d} do not fit the VMEM budget at 16 rows per block (D <= "
-        f"{2 * _F32_TILE_BYTES // 64} is supported)")
+        f"rows of D={d} do not fit the VMEM budget at {_MIN_BLOCK_ROWS} rows per block "
+        f"({need / 2**20:.1f} MiB > {limit / 2**20:.0f} MiB scoped VMEM on v5e)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,10 +250,10 @@ class MosaicTpuLayerNorm(tokamax.Op):
     _check_args(args, device)
 
   def heuristic_config(self, args):
-    return _heuristic(args, _F32_TILE_BYTES_FWD)
+    return _heuristic(args, backward=False)
 
   def search_space(self, args):
-    return list(dict.fromkeys([self.heuristic_config(args), *_search_space(args)]))
+    return _search_space(args, backward=False)
 
   def forward(self, args, config):
     y, mean, rstd = _forward(args, config)
@@ -248,10 +272,10 @@ class MosaicTpuLayerNormVjp(tokamax.VjpOp):
     _check_args(args, device)
 
   def heuristic_config(self, args):
-    return _heuristic(args)
+    return _heuristic(args, backward=True)
 
   def search_space(self, args):
-    return _search_space(args)
+    return _search_space(args, backward=True)
 
   def backward(self, args, residuals, out, dout, config):
     del residuals, out  # statistics are recomputed in the kernel
@@ -259,3 +283,9 @@ class MosaicTpuLayerNormVjp(tokamax.VjpOp):
 
 
 MosaicTpuLayerNorm.vjp = MosaicTpuLayerNormVjp
+
+
+def heuristic_plans(args, generation: str | None = None, with_prefetch: bool = False):
+  """[(plan, ())] of the forward and backward kernels (one table for all generations)."""
+  del generation, with_prefetch
+  return [(_plan_for(args, _heuristic(args, b).block_rows, b), ()) for b in (False, True)]

@@ -28,14 +28,17 @@ the full dimension. A contraction dim (K in gmm, N in dlhs) larger than its
 block and not a multiple of 128 is zero-padded in the wrapper (a copy);
 non-contracted dims use partial edge blocks (no copy).
 
-Block sizes per TPU generation (bf16; f32 halves the contraction block): v5e /
-v5p ``block_m=512, block_k=512, block_n=1024`` (about 7 MiB of VMEM
-double-buffered, under v5e's 16 MiB scoped default; arithmetic intensity
-``bm*bn/(bm+bn)`` = 341 FLOP/byte, above both ridge points); v6e
-``block_m=1024, block_k=512, block_n=2048`` (about 22 MiB, under v6e's 32 MiB
-default; 683 FLOP/byte against a 574 ridge). ``block_m`` is capped near the
-mean group size (``M / G``, at least 128), because each visit computes a whole
-row tile whatever its group's share of it.
+Block sizes per TPU generation (bf16; f32 halves the contraction block), from
+`_GENERATION_CONFIGS` (generation of the default device's `device_kind`, v5e
+when unknown): v5e / v5p ``block_m=512, block_k=512, block_n=1024`` (9-10.5
+MiB by `_common.vmem_bytes`, under 3/4 of v5e's 16 MiB scoped default;
+arithmetic intensity ``bm*bn/(bm+bn)`` = 341 FLOP/byte, above both ridge
+points); v6e starts from ``block_m=1024, block_n=2048``, and ``block_n`` is
+halved until all three kernels fit 3/4 of its 32 MiB (1024 at the G=16
+benchmark shape, 2048 at G=256 where ``block_m`` is 256). ``block_m`` is capped
+near the mean group size (``M / G``, at least 128), because each visit
+computes a whole row tile whatever its group's share of it. See
+docs/tpu_roofline.md (tools/tpu_roofline.py).
 """
 
 from __future__ import annotations
@@ -46,7 +49,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 import tokamax
 from tokamax_tpu_mosaic import _common
@@ -83,15 +85,31 @@ def _pow2_floor(x: int) -> int:
   return 1 << (max(1, x).bit_length() - 1)
 
 
-def _heuristic(args) -> RaggedDotConfig:
-  base = _GENERATION_CONFIGS.get(_common.device_generation(), _GENERATION_CONFIGS["v5e"])
+def _heuristic(args, generation: str | None = None) -> RaggedDotConfig:
+  """The generation's table entry, block_m capped near M / G, shrunk to fit VMEM.
+
+  `generation` defaults to the default device's; unknown devices and interpret
+  mode get the v5e-safe entry. f32 halves the contraction block. The config is
+  shared by gmm, dlhs and tgmm, so all three plans must fit.
+  """
+  generation = generation or _common.device_generation()
+  base = _GENERATION_CONFIGS.get(generation,
+                                 _GENERATION_CONFIGS[_common.DEFAULT_GENERATION])
   m = args.lhs.shape[0]
   g = max(1, args.group_sizes.shape[0])
   block_m = min(base.block_m, max(128, _pow2_floor(m // g)))
   block_k = base.block_k
   if jnp.dtype(args.lhs.dtype).itemsize == 4:
     block_k = max(128, block_k // 2)
-  return RaggedDotConfig(block_m, block_k, base.block_n)
+  config = RaggedDotConfig(block_m, block_k, base.block_n)
+  budget = _common.vmem_budget(generation)
+  while _max_vmem(args, config) > budget and config.block_n > 128:
+    config = dataclasses.replace(config, block_n=config.block_n // 2)
+  return config
+
+
+def _max_vmem(args, config) -> int:
+  return max(p.vmem_bytes() for p in kernel_plans(args, config))
 
 
 def _search_space(args):
@@ -255,21 +273,17 @@ def _gmm_kernel(tile_ref, group_ref, lo_ref, hi_ref, first_ref, lhs_ref, rhs_ref
     out_ref[...] = jnp.where(mask, acc_ref[...].astype(out_ref.dtype), prev)
 
 
-def gmm(lhs, rhs, group_sizes, group_offset, *, out_dtype, precision,
-        config: RaggedDotConfig, transpose_rhs: bool = False):
-  """``out[r] = lhs[r] @ rhs[g(r) - offset]`` (``rhs[g].T`` if transpose_rhs)."""
-  m, k = lhs.shape
-  num_held = rhs.shape[0]
-  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+def gmm_plan(lhs_shape, rhs_shape, dtype, out_dtype, config: RaggedDotConfig,
+             transpose_rhs: bool = False) -> _common.KernelPlan:
+  """Grid (N tiles, visits, K tiles) of gmm; shapes are before K padding."""
+  m, k = lhs_shape
+  num_held = rhs_shape[0]
+  n = rhs_shape[1] if transpose_rhs else rhs_shape[2]
   bm = _row_block(m, config.block_m)
   bk, k_pad = _contract_block(k, config.block_k)
   bn = _out_block(n, config.block_n)
-  if k_pad != k:
-    lhs = _common.pad_axis(lhs, 1, k_pad)
-    rhs = _common.pad_axis(rhs, 2 if transpose_rhs else 1, k_pad)
   tiles_k, tiles_n = k_pad // bk, _common.cdiv(n, bn)
-  schedule = gmm_schedule(group_sizes, group_offset, num_held, m, bm)
-  num_visits = schedule[0].shape[0]
+  num_visits = _common.cdiv(m, bm) + num_held - 1
 
   def k_block(i, kk, lo, hi):
     # A visit without rows computes nothing: keep its K block at the last one so
@@ -281,28 +295,38 @@ def gmm(lhs, rhs, group_sizes, group_offset, *, out_dtype, precision,
     return tiles[i], k_block(i, kk, lo, hi)
 
   if transpose_rhs:
-    rhs_spec = pl.BlockSpec(
+    rhs = _common.Operand((num_held, n, k_pad), dtype, pl.BlockSpec(
         (None, bn, bk), lambda j, i, kk, tiles, groups, lo, hi, first: (
-            groups[i], j, k_block(i, kk, lo, hi)))
+            groups[i], j, k_block(i, kk, lo, hi))))
   else:
-    rhs_spec = pl.BlockSpec(
+    rhs = _common.Operand((num_held, k_pad, n), dtype, pl.BlockSpec(
         (None, bk, bn), lambda j, i, kk, tiles, groups, lo, hi, first: (
-            groups[i], k_block(i, kk, lo, hi), j))
-  grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=len(schedule),
-      grid=(tiles_n, num_visits, tiles_k),
-      in_specs=[pl.BlockSpec((bm, bk), lhs_map), rhs_spec],
-      out_specs=pl.BlockSpec((bm, bn), lambda j, i, kk, tiles, *_: (tiles[i], j)),
-      scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
-  )
-  kernel = functools.partial(_gmm_kernel, num_k=tiles_k, transpose_rhs=transpose_rhs,
+            groups[i], k_block(i, kk, lo, hi), j)))
+  return _common.KernelPlan(
+      name="tokamax_tpu_gmm", grid=(tiles_n, num_visits, tiles_k),
+      inputs=(_common.Operand((m, k_pad), dtype, pl.BlockSpec((bm, bk), lhs_map)), rhs),
+      outputs=(_common.Operand((m, n), out_dtype, pl.BlockSpec(
+          (bm, bn), lambda j, i, kk, tiles, *_: (tiles[i], j))),),
+      semantics=("parallel", "arbitrary", "arbitrary"),
+      scratch=(((bm, bn), jnp.float32),),
+      temp_bytes=_common.tile_bytes((bm, bn), jnp.float32))  # the dot's f32 result
+
+
+def gmm(lhs, rhs, group_sizes, group_offset, *, out_dtype, precision,
+        config: RaggedDotConfig, transpose_rhs: bool = False):
+  """``out[r] = lhs[r] @ rhs[g(r) - offset]`` (``rhs[g].T`` if transpose_rhs)."""
+  plan = gmm_plan(lhs.shape, rhs.shape, lhs.dtype, out_dtype, config, transpose_rhs)
+  m, k = lhs.shape
+  k_pad = plan.inputs[0].shape[1]
+  if k_pad != k:
+    lhs = _common.pad_axis(lhs, 1, k_pad)
+    rhs = _common.pad_axis(rhs, 2 if transpose_rhs else 1, k_pad)
+  bm = plan.inputs[0].spec.block_shape[0]
+  schedule = gmm_schedule(group_sizes, group_offset, rhs.shape[0], m, bm)
+  kernel = functools.partial(_gmm_kernel, num_k=plan.grid[2], transpose_rhs=transpose_rhs,
                              precision=_common.dot_precision(precision))
-  return pl.pallas_call(
-      kernel, grid_spec=grid_spec,
-      out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-      compiler_params=_common.compiler_params(("parallel", "arbitrary", "arbitrary")),
-      interpret=_common.interpret_params(), name="tokamax_tpu_gmm",
-  )(*schedule, lhs, rhs)
+  (out,) = plan.call(kernel, lhs, rhs, prefetch=schedule)
+  return out
 
 
 def _tgmm_kernel(tile_ref, group_ref, lo_ref, hi_ref, first_ref, last_ref, lhs_ref,
@@ -329,34 +353,53 @@ def _tgmm_kernel(tile_ref, group_ref, lo_ref, hi_ref, first_ref, last_ref, lhs_r
     out_ref[...] = acc_ref[...].astype(out_ref.dtype)
 
 
-def tgmm(lhs, dout, group_sizes, group_offset, num_held: int, *, out_dtype, precision,
-         config: RaggedDotConfig):
-  """``out[g] = lhs[rows of g].T @ dout[rows of g]`` for the held groups."""
-  m, k = lhs.shape
-  n = dout.shape[1]
+def tgmm_plan(lhs_shape, dout_shape, num_held: int, dtype, out_dtype,
+              config: RaggedDotConfig) -> _common.KernelPlan:
+  """Grid (K tiles, N tiles, visits) of tgmm, the visits innermost (the reduction)."""
+  m, k = lhs_shape
+  n = dout_shape[1]
   bm = _row_block(m, config.block_m)
   bk = _out_block(k, config.block_k)
   bn = _out_block(n, config.block_n)
-  schedule = tgmm_schedule(group_sizes, group_offset, num_held, m, bm)
-  num_visits = schedule[0].shape[0]
-  grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=len(schedule),
+  num_visits = _common.cdiv(m, bm) + num_held - 1
+  return _common.KernelPlan(
+      name="tokamax_tpu_tgmm",
       grid=(_common.cdiv(k, bk), _common.cdiv(n, bn), num_visits),
-      in_specs=[
-          pl.BlockSpec((bm, bk), lambda kk, j, i, tiles, *_: (tiles[i], kk)),
-          pl.BlockSpec((bm, bn), lambda kk, j, i, tiles, *_: (tiles[i], j)),
-      ],
-      out_specs=pl.BlockSpec((None, bk, bn),
-                             lambda kk, j, i, tiles, groups, *_: (groups[i], kk, j)),
-      scratch_shapes=[pltpu.VMEM((bk, bn), jnp.float32)],
-  )
+      inputs=(
+          _common.Operand((m, k), dtype, pl.BlockSpec(
+              (bm, bk), lambda kk, j, i, tiles, *_: (tiles[i], kk))),
+          _common.Operand((m, n), dtype, pl.BlockSpec(
+              (bm, bn), lambda kk, j, i, tiles, *_: (tiles[i], j))),
+      ),
+      outputs=(_common.Operand((num_held, k, n), out_dtype, pl.BlockSpec(
+          (None, bk, bn), lambda kk, j, i, tiles, groups, *_: (groups[i], kk, j))),),
+      semantics=("parallel", "parallel", "arbitrary"),
+      scratch=(((bk, bn), jnp.float32),),
+      # The masked operand copies and the dot's f32 result.
+      temp_bytes=(_common.tile_bytes((bm, bk), dtype) + _common.tile_bytes((bm, bn), dtype)
+                  + _common.tile_bytes((bk, bn), jnp.float32)))
+
+
+def tgmm(lhs, dout, group_sizes, group_offset, num_held: int, *, out_dtype, precision,
+         config: RaggedDotConfig):
+  """``out[g] = lhs[rows of g].T @ dout[rows of g]`` for the held groups."""
+  plan = tgmm_plan(lhs.shape, dout.shape, num_held, lhs.dtype, out_dtype, config)
+  bm = plan.inputs[0].spec.block_shape[0]
+  schedule = tgmm_schedule(group_sizes, group_offset, num_held, lhs.shape[0], bm)
   kernel = functools.partial(_tgmm_kernel, precision=_common.dot_precision(precision))
-  return pl.pallas_call(
-      kernel, grid_spec=grid_spec,
-      out_shape=jax.ShapeDtypeStruct((num_held, k, n), out_dtype),
-      compiler_params=_common.compiler_params(("parallel", "parallel", "arbitrary")),
-      interpret=_common.interpret_params(), name="tokamax_tpu_tgmm",
-  )(*schedule, lhs, dout)
+  (out,) = plan.call(kernel, lhs, dout, prefetch=schedule)
+  return out
+
+
+def kernel_plans(args, config: RaggedDotConfig) -> list[_common.KernelPlan]:
+  """The plans of gmm (forward), gmm with rhs^T (dlhs) and tgmm (drhs) for `args`."""
+  lhs, rhs = args.lhs, args.rhs
+  m, n = lhs.shape[0], rhs.shape[2]
+  return [
+      gmm_plan(lhs.shape, rhs.shape, lhs.dtype, _out_dtype(args), config),
+      gmm_plan((m, n), rhs.shape, lhs.dtype, lhs.dtype, config, transpose_rhs=True),
+      tgmm_plan(lhs.shape, (m, n), rhs.shape[0], lhs.dtype, rhs.dtype, config),
+  ]
 
 
 # ----------------------------------------------------------------------------
@@ -438,3 +481,20 @@ class MosaicTpuRaggedDotVjp(tokamax.VjpOp):
 
 
 MosaicTpuRaggedDot.vjp = MosaicTpuRaggedDotVjp
+
+
+def heuristic_plans(args, generation: str | None = None, with_prefetch: bool = False):
+  """[(plan, schedule)] of gmm, dlhs and tgmm at the heuristic config.
+
+  The schedules (scalar prefetch) need concrete ``group_sizes``; without
+  ``with_prefetch`` they are None (enough for VMEM and layout questions).
+  """
+  config = _heuristic(args, generation)
+  plans = kernel_plans(args, config)
+  if not with_prefetch:
+    return [(p, None) for p in plans]
+  m, num_held = args.lhs.shape[0], args.rhs.shape[0]
+  bm = plans[0].inputs[0].spec.block_shape[0]
+  gmm_s = gmm_schedule(args.group_sizes, args.group_offset, num_held, m, bm)
+  tgmm_s = tgmm_schedule(args.group_sizes, args.group_offset, num_held, m, bm)
+  return [(plans[0], gmm_s), (plans[1], gmm_s), (plans[2], tgmm_s)]
