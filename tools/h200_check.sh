@@ -4,14 +4,9 @@
 # Logs go to $OUT (or ./h200_out).
 set -uo pipefail
 OUT=${OUT:-h200_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
 # Several pytest workers share one GPU: no worker may take 75% of its memory.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-index --no-deps --no-build-isolation \
-  ./packages/xla-reference ./packages/core ./packages/gpu-triton ./packages/gpu-mosaic \
-  ./packages/tpu-mosaic ./integration_tests/plugins/example 2>&1 | tail -3
+source tools/h200_install.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 python3 -m tokamax info 2>&1 | tee "$OUT/info.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then

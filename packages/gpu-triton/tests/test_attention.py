@@ -201,3 +201,12 @@ def test_check_supported_refuses():
   f64 = tokamax.AttentionArgs(*(x.astype(jnp.int32) for x in (q, k, v)))
   with pytest.raises(NotImplementedError, match="dtype"):
     tri.TritonAttention().check_supported(f64, interp)
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in testing.all_cases("dot_product_attention")
+             if c.name.startswith("q_offset")], ids=str)
+def test_q_offset_small_blocks(case):
+  """Shifted query positions move the block ranges: check them over many blocks."""
+  with tokamax.interpret(_ON_CPU), config_sources.use(_SmallBlocks()):
+    testing.check_case(case, "triton", "float32")

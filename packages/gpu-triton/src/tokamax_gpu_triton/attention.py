@@ -93,6 +93,7 @@ class _Layout:
   has_q_len: bool
   has_kv_len: bool
   has_segments: bool
+  has_q_offset: bool  # query row t sits at position t + q_offset (window/causal)
   precision: Any
 
   @property
@@ -128,7 +129,10 @@ def _layout(args) -> _Layout:
       mask_shape=None if args.mask is None else tuple(args.mask.shape),
       has_q_len=args.query_seq_lengths is not None,
       has_kv_len=args.key_value_seq_lengths is not None,
-      has_segments=args.q_segment_ids is not None, precision=precision)
+      has_segments=args.q_segment_ids is not None,
+      # The offset moves only the window; without one it changes nothing.
+      has_q_offset=args.q_offset is not None and (left, right) != (None, None),
+      precision=precision)
 
 
 # ----------------------------------------------------------------------------
@@ -217,44 +221,52 @@ def _clamp(x, lo, hi):
   return jnp.minimum(jnp.maximum(x, lo), hi)
 
 
-def _key_range(lay: _Layout, q0, bq, bk, kv_limit, q_limit):
+def _key_range(lay: _Layout, q0, bq, bk, kv_limit, q_limit, off):
   """Key blocks ``lo <= fl <= fh <= hi`` for the queries ``[q0, q0 + bq)``.
 
   Blocks in ``[lo, hi)`` may hold visible pairs; blocks in ``[fl, fh)`` hold only
-  pairs visible by position (no iota masking needed).
+  pairs visible by position (no iota masking needed). ``off`` is the query
+  position offset (0 without ``q_offset``).
   """
   q_last = jnp.minimum(q0 + bq, q_limit) - 1
-  lo = 0 if lay.left is None else jnp.maximum(q0 - lay.left, 0)
-  hi = kv_limit if lay.right is None else jnp.minimum(kv_limit, q_last + lay.right + 1)
+  p0, p_last = q0 + off, q_last + off  # positions of the first/last valid row
+  lo = 0 if lay.left is None else jnp.maximum(p0 - lay.left, 0)
+  hi = kv_limit if lay.right is None else jnp.minimum(kv_limit, p_last + lay.right + 1)
   lo_blk = lax.div(jnp.asarray(lo, jnp.int32), bk)
   hi_blk = jnp.maximum(_cdiv(jnp.maximum(hi, 0), bk), lo_blk)
   hi_blk = jnp.where(q_last < q0, lo_blk, hi_blk)  # no valid query row
   if lay.left is None:
     fl = lo_blk
   else:
-    fl = _clamp(_cdiv(jnp.maximum(q_last - lay.left, 0), bk), lo_blk, hi_blk)
-  full_end = kv_limit if lay.right is None else jnp.minimum(q0 + lay.right + 1,
+    fl = _clamp(_cdiv(jnp.maximum(p_last - lay.left, 0), bk), lo_blk, hi_blk)
+  full_end = kv_limit if lay.right is None else jnp.minimum(p0 + lay.right + 1,
                                                             kv_limit)
-  fh = _clamp(lax.div(full_end, bk), fl, hi_blk)
+  fh = _clamp(lax.div(jnp.maximum(full_end, 0), bk), fl, hi_blk)
   return lo_blk, fl, fh, hi_blk
 
 
-def _query_range(lay: _Layout, k0, bk, bq, kv_limit, q_limit):
-  """Query blocks ``lo <= fl <= fh <= hi`` for the keys ``[k0, k0 + bk)``."""
+def _query_range(lay: _Layout, k0, bk, bq, kv_limit, q_limit, off):
+  """Query blocks ``lo <= fl <= fh <= hi`` for the keys ``[k0, k0 + bk)``.
+
+  Query row t sits at position ``t + off``, so the window's bounds on rows are its
+  bounds on positions moved by ``-off``.
+  """
   k_last = jnp.minimum(k0 + bk, kv_limit) - 1
-  lo = 0 if lay.right is None else jnp.maximum(k0 - lay.right, 0)
-  hi = q_limit if lay.left is None else jnp.minimum(q_limit, k_last + lay.left + 1)
+  lo = 0 if lay.right is None else jnp.maximum(k0 - lay.right - off, 0)
+  hi = q_limit if lay.left is None else jnp.minimum(q_limit,
+                                                    k_last + lay.left + 1 - off)
   lo_blk = lax.div(jnp.asarray(lo, jnp.int32), bq)
   hi_blk = jnp.maximum(_cdiv(jnp.maximum(hi, 0), bq), lo_blk)
   hi_blk = jnp.where(k_last < k0, lo_blk, hi_blk)  # no valid key
   if lay.right is None:
     fl = lo_blk
   else:
-    fl = _clamp(_cdiv(jnp.maximum(k0 + bk - 1 - lay.right, 0), bq), lo_blk, hi_blk)
+    fl = _clamp(_cdiv(jnp.maximum(k0 + bk - 1 - lay.right - off, 0), bq), lo_blk,
+                hi_blk)
   if lay.left is None:
     fh = hi_blk
   else:
-    fh = _clamp(lax.div(k0 + lay.left + 1, bq), fl, hi_blk)
+    fh = _clamp(lax.div(jnp.maximum(k0 + lay.left + 1 - off, 0), bq), fl, hi_blk)
   # A key tile that runs past the keys needs masking on every query block.
   partial = k0 + bk > kv_limit
   fl = jnp.where(partial, lo_blk, fl)
@@ -274,13 +286,15 @@ def _run_loops(body, carry, lo, fl, fh, hi, mask_low: bool, mask_high: bool):
 
 
 def _limits(lay: _Layout, refs):
+  """Valid keys, valid queries, and the query position offset of this program."""
   kv_limit = jnp.int32(lay.s)
   if lay.has_kv_len:
     kv_limit = jnp.minimum(refs["kv_len"][()], lay.s)
   q_limit = jnp.int32(lay.t)
   if lay.has_q_len:
     q_limit = jnp.minimum(refs["q_len"][()], lay.t)
-  return kv_limit, q_limit
+  off = refs["q_offset"][()] if lay.has_q_offset else 0
+  return kv_limit, q_limit, off
 
 
 def _content(lay: _Layout, refs, lead_b, lead_m, q0, bq, k0, bk, rows_ok, cols_ok,
@@ -318,7 +332,7 @@ def _fwd_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: 
   q0 = qb * bq
   rows = q0 + jnp.arange(bq)
   row_in = rows < lay.t if lay.t % bq else None
-  kv_limit, q_limit = _limits(lay, refs)
+  kv_limit, q_limit, off = _limits(lay, refs)
   q = _load_rows(refs["q"], None, q0, bq, row_in, lay.hp, lay.h)
   q_seg = None
   if lay.has_segments:
@@ -337,7 +351,7 @@ def _fwd_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: 
     bias, vis = _content(lay, refs, (), (), q0, bq, k0, bk, row_in, col_in, q_seg,
                          kv_seg)
     if masked:
-      vis = _and(vis, _positional(lay, rows, cols, kv_limit, bk))
+      vis = _and(vis, _positional(lay, rows + off, cols, kv_limit, bk))
     qk = _dot(q, k, lay.precision, trans_b=True)
     if lay.direct_scale:
       z, c = qk, lay.scale * _LOG2E
@@ -363,7 +377,7 @@ def _fwd_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: 
 
   carry = (jnp.zeros((bq, lay.hvp), jnp.float32),
            jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32))
-  lo, fl, fh, hi = _key_range(lay, q0, bq, bk, kv_limit, q_limit)
+  lo, fl, fh, hi = _key_range(lay, q0, bq, bk, kv_limit, q_limit, off)
   mask_high = lay.right is not None or lay.has_kv_len or lay.s % bk != 0
   acc, m, l = _run_loops(body, carry, lo, fl, fh, hi, lay.left is not None, mask_high)
 
@@ -393,7 +407,7 @@ def _dq_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: b
   q0 = qb * bq
   rows = q0 + jnp.arange(bq)
   row_in = rows < lay.t if lay.t % bq else None
-  kv_limit, q_limit = _limits(lay, refs)
+  kv_limit, q_limit, off = _limits(lay, refs)
   q = _load_rows(refs["q"], None, q0, bq, row_in, lay.hp, lay.h)
   do = _load_rows(refs["do"], None, q0, bq, row_in, lay.hvp, lay.hv)
   # Rows past the query length (or past T) get lse = +inf: p = 0, no gradient.
@@ -416,7 +430,7 @@ def _dq_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: b
     bias, vis = _content(lay, refs, (), (), q0, bq, k0, bk, row_in, col_in, q_seg,
                          kv_seg)
     if masked:
-      vis = _and(vis, _positional(lay, rows, cols, kv_limit, bk))
+      vis = _and(vis, _positional(lay, rows + off, cols, kv_limit, bk))
     z, th = _logits2(_dot(q, k, lay.precision, trans_b=True), bias, lay)
     p = jnp.exp2(z - lse2[:, None])
     if vis is not None:
@@ -427,7 +441,7 @@ def _dq_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: b
       ds = ds * (1.0 - th * th)
     return dq + _dot(ds.astype(k.dtype), k, lay.precision)
 
-  lo, fl, fh, hi = _key_range(lay, q0, bq, bk, kv_limit, q_limit)
+  lo, fl, fh, hi = _key_range(lay, q0, bq, bk, kv_limit, q_limit, off)
   mask_high = lay.right is not None or lay.has_kv_len or lay.s % bk != 0
   dq = _run_loops(body, jnp.zeros((bq, lay.hp), jnp.float32), lo, fl, fh, hi,
                   lay.left is not None, mask_high)
@@ -443,13 +457,13 @@ def _dkdv_kernel(*refs, names, lay: _Layout, bq: int, bk: int):
   k0 = pl.program_id(0) * bk
   cols = k0 + jnp.arange(bk)
   col_in = cols < lay.s if lay.s % bk else None
-  kv_limit, q_limit = _limits(lay, refs)
+  kv_limit, q_limit, off = _limits(lay, refs)
   k = _load_rows(refs["k"], None, k0, bk, col_in, lay.hp, lay.h)
   v = _load_rows(refs["v"], None, k0, bk, col_in, lay.hvp, lay.hv)
   kv_seg = None
   if lay.has_segments:
     kv_seg = _load_vec(refs["kv_seg"], (), k0, bk, col_in, -2)
-  lo, fl, fh, hi = _query_range(lay, k0, bk, bq, kv_limit, q_limit)
+  lo, fl, fh, hi = _query_range(lay, k0, bk, bq, kv_limit, q_limit, off)
   mask_high = lay.left is not None or lay.has_kv_len or lay.s % bk != 0
   per_head_bias = lay.bias_shape is not None and lay.bias_shape[1] > 1
   per_head_mask = lay.mask_shape is not None and lay.mask_shape[1] > 1
@@ -472,7 +486,7 @@ def _dkdv_kernel(*refs, names, lay: _Layout, bq: int, bk: int):
                            (g,) if per_head_mask else (), q0, bq, k0, bk, row_in,
                            col_in, q_seg, kv_seg, transpose=True)
       if masked:
-        vis = _and(vis, _positional(lay, rows, cols, kv_limit, bk,
+        vis = _and(vis, _positional(lay, rows + off, cols, kv_limit, bk,
                                     rows_first=False))
       # Transposed tiles [bk, bq]: dK and dV come out without transposing p or ds.
       z, th = _logits2(_dot(k, q, lay.precision, trans_b=True), bias, lay)
@@ -579,6 +593,9 @@ def _extras(args, lay: _Layout, heads_block, num_heads):
   if lay.has_segments:
     out.append(("q_seg", args.q_segment_ids, _batch_spec(lay.t, num_heads)))
     out.append(("kv_seg", args.kv_segment_ids, _batch_spec(lay.s, num_heads)))
+  if lay.has_q_offset:
+    offset = jnp.reshape(args.q_offset, (1,)).astype(jnp.int32)
+    out.append(("q_offset", offset, pl.BlockSpec((None,), lambda *_: (0,))))
   return out
 
 
@@ -735,6 +752,7 @@ class TritonAttention(tokamax.Op):
   op_name = "dot_product_attention"
   name = "triton"
   config_cls = AttentionConfig
+  supported_features = ("q_offset",)
 
   def check_supported(self, args, device):
     _check(args, device)
@@ -779,6 +797,7 @@ class TritonAttentionVjp(tokamax.VjpOp):
   op_name = "dot_product_attention"
   name = "triton"
   config_cls = AttentionVjpConfig
+  supported_features = ("q_offset",)
 
   def check_supported(self, args, device, residuals=None):
     _check(args, device)

@@ -31,6 +31,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -170,6 +171,12 @@ def attention_plan(mesh, shapes, specs, supports) -> Plan:
   tx = _fit(mesh, qs[1], t, (*bx, *nx))
   needs_offset = shapes.is_causal or shapes.local_window is not None
   if tx and needs_offset and not supports("q_offset"):
+    warnings.warn(
+        f"dot_product_attention: the query sequence (T={t}) is sharded over mesh "
+        f"axes {tx}, but the chosen implementation does not take q_offset (needed "
+        "for causal/local_window on a query shard), so the queries are gathered. "
+        "Pass an implementation that takes it (e.g. implementation='triton' on a "
+        "GPU) to keep the split.", stacklevel=2)
     tx = ()
   # Key/value heads follow the query heads when they split as evenly; when each
   # shard's query heads all share one kv head (MQA, or more shards than kv

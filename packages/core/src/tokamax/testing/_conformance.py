@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import tokamax
+from tokamax._src import dispatch
+from tokamax._src.ops import attention as attention_op
 
 HIGHEST = jax.lax.Precision.HIGHEST
 DTYPES = ("float32", "bfloat16", "float16")
@@ -90,6 +92,17 @@ def _attention_cases() -> list[Case]:
       c("single_key", t=5, s=1),
       c("prime_lengths", t=131, s=67, n=2, k=1, b=1, is_causal=True),
       c("extra_batch_dims", b=(2, 3), t=9, s=11, n=2, k=1),
+      # q_offset (set by the SPMD rules and ring attention, not public): the
+      # queries are a slice of a longer sequence; only implementations that list
+      # "q_offset" in supported_features run these (others: skipped).
+      c("q_offset_causal", t=20, s=53, is_causal=True, q_offset=29, quick=True),
+      c("q_offset_causal_negative", t=37, s=21, is_causal=True, q_offset=-9),
+      c("q_offset_window", t=19, s=61, local_window_size=(7, 4), q_offset=24,
+        quick=True),
+      c("q_offset_window_gqa_segments_lengths", n=4, k=2, t=26, s=50,
+        local_window_size=(12, 0), q_offset=17, q_segment_ids=True,
+        key_value_seq_lengths=(44, 30), query_seq_lengths=(21, 26)),
+      c("q_offset_no_window", t=16, s=16, q_offset=100),
   ]
 
 
@@ -190,10 +203,20 @@ def _attention_inputs(case: Case, rng, dtype):
     if key in options:
       options[key] = jnp.asarray(options[key], jnp.int32)
 
+  q_offset = options.pop("q_offset", None)
+
   def fn(f, implementation, precision):
-    return tokamax.dot_product_attention(
+    if q_offset is None:
+      return tokamax.dot_product_attention(
+          f["query"], f["key"], f["value"], f.get("bias"), mask, precision=precision,
+          implementation=implementation, **options)
+    args, batch_shape = attention_op.canonical_args(
         f["query"], f["key"], f["value"], f.get("bias"), mask, precision=precision,
-        implementation=implementation, **options)
+        **options)
+    args = dataclasses.replace(args, q_offset=jnp.int32(q_offset))
+    out = dispatch.call(attention_op.OP_NAME, args, implementation,
+                        attention_op.DIFF_FIELDS)
+    return out.reshape(*batch_shape, *out.shape[1:])
   return fn, floats
 
 

@@ -228,6 +228,25 @@ def dot_product_attention(
     >>> k = v = jax.random.normal(jax.random.key(1), (2, 128, 2, 64), jnp.bfloat16)
     >>> out = tokamax.dot_product_attention(q, k, v, is_causal=True)
   """
+  args, batch_shape = canonical_args(
+      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, precision=precision)
+  out = dispatch.call(OP_NAME, args, implementation, DIFF_FIELDS)
+  return out.reshape(*batch_shape, *out.shape[1:])
+
+
+def canonical_args(query, key, value, bias=None, mask=None, *, scale=None,
+                   is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
+                   local_window_size=None, logits_soft_cap=None, q_segment_ids=None,
+                   kv_segment_ids=None, precision=None,
+                   ) -> tuple[AttentionArgs, tuple[int, ...]]:
+  """Validates `dot_product_attention`'s arguments (same names and meaning).
+
+  Returns:
+    The canonical `AttentionArgs` (one flat batch dim) and the original batch dims.
+  """
   query = _checks.as_array("query", query)
   key = _checks.as_array("key", key)
   value = _checks.as_array("value", value)
@@ -302,5 +321,4 @@ def dot_product_attention(
       logits_soft_cap=logits_soft_cap,
       precision=_checks.canonical_precision(precision),
   )
-  out = dispatch.call(OP_NAME, args, implementation, DIFF_FIELDS)
-  return out.reshape(*batch_shape, t, n, value.shape[-1])
+  return args, batch_shape
