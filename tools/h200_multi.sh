@@ -10,13 +10,13 @@ source tools/h200_install.sh
 nvidia-smi -L | tee "$OUT/gpus.txt"
 n=$(nvidia-smi -L | wc -l)
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:randomly \
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:randomly -n 4 \
     packages/core/tests/multidevice 2>&1 | tee "$OUT/tests_all.txt" | tail -8
   if [ "$n" -gt 2 ]; then
-    CUDA_VISIBLE_DEVICES=0,1 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q \
+    CUDA_VISIBLE_DEVICES=0,1 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -n 4 \
       -p no:randomly packages/core/tests/multidevice 2>&1 | tee "$OUT/tests_2.txt" | tail -4
   fi
-  CUDA_VISIBLE_DEVICES=0 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q \
+  CUDA_VISIBLE_DEVICES=0 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -n 4 \
     -p no:randomly packages/gpu-triton/tests/test_attention.py \
     integration_tests/test_conformance_installed.py -k q_offset 2>&1 \
     | tee "$OUT/tests_q_offset.txt" | tail -4
