@@ -16,11 +16,11 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     CUDA_VISIBLE_DEVICES=0,1 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -n 4 \
       -p no:randomly packages/core/tests/multidevice 2>&1 | tee "$OUT/tests_2.txt" | tail -4
   fi
-  CUDA_VISIBLE_DEVICES=0 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -n 4 \
+  [ "${SKIP_KERNEL_TESTS:-0}" = 1 ] || CUDA_VISIBLE_DEVICES=0 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -n 4 \
     -p no:randomly packages/gpu-triton/tests/test_attention.py \
     integration_tests/test_conformance_installed.py -k q_offset 2>&1 \
     | tee "$OUT/tests_q_offset.txt" | tail -4
 fi
 gpus="1 2"; [ "$n" -ge 4 ] && gpus="1 2 4"
 timeout "${BENCH_TIMEOUT:-360}" python3 tools/multi_gpu_scaling.py --gpus $gpus \
-  --out "$OUT/scaling.json" 2>&1 | tee "$OUT/scaling.txt" | tail -30
+  --out "$OUT/scaling.json" ${SCALING_ARGS:-} 2>&1 | tee "$OUT/scaling.txt" | tail -30

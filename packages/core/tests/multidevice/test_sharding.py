@@ -364,3 +364,23 @@ def test_zigzag_balances_causal_work():
   chunks = perm.reshape(4, 2, 2)[:, :, 0] // 2  # chunk ids per shard
   np.testing.assert_array_equal(chunks, [[0, 7], [1, 6], [2, 5], [3, 4]])
   assert sorted(perm.tolist()) == list(range(16))
+
+
+def test_kernel_out_shapes_vary_like_their_inputs():
+  """Inside shard_map, `pl.pallas_call` needs its outputs' varying axes (the GPU
+  kernels run in the ring attention and MoE tests above; here the helper itself)."""
+  mesh = _mesh((1, NUM_DEVICES))
+  seen = {}
+
+  def local(x, y):
+    sds = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    seen["x"] = tokamax.plugin.varying_out_shape(sds, (x,)).manual_axis_type.varying
+    seen["y"] = tokamax.plugin.varying_out_shape([sds], {"y": y})[0].manual_axis_type
+    return x
+
+  jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(None, "b"), P()),
+                        out_specs=P(None, "b")))(_rand(2, 2 * NUM_DEVICES), _rand(3))
+  assert seen["x"] == {"b"}
+  assert seen["y"].varying == frozenset()  # typed, and invariant like its input
+  sds = jax.ShapeDtypeStruct((2,), jnp.float32)
+  assert tokamax.plugin.varying_out_shape(sds, (jnp.ones(2),)) is sds  # outside

@@ -8,6 +8,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from tokamax import DeviceInfo
+from tokamax import plugin
 
 
 def check_triton_device(device: DeviceInfo) -> None:
@@ -27,11 +28,15 @@ def compiler_params(num_warps: int, num_stages: int):
 
 def pallas_call(kernel, *, out_shape, grid, in_specs, out_specs, num_warps: int,
                 num_stages: int, interpret: bool, name: str, **kwargs):
-  """`pl.pallas_call` with this package's conventions (Triton params, interpret)."""
-  return pl.pallas_call(
-      kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
-      compiler_params=None if interpret else compiler_params(num_warps, num_stages),
-      interpret=interpret, name=name, **kwargs)
+  """`pl.pallas_call` with this package's conventions (Triton params, interpret,
+  outputs typed for `shard_map`)."""
+  def call(*args):
+    return pl.pallas_call(
+        kernel, out_shape=plugin.varying_out_shape(out_shape, args), grid=grid,
+        in_specs=in_specs, out_specs=out_specs,
+        compiler_params=None if interpret else compiler_params(num_warps, num_stages),
+        interpret=interpret, name=name, **kwargs)(*args)
+  return call
 
 
 def next_power_of_2(x: int) -> int:

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from tokamax._src.vma import varying_out_shape  # noqa: F401  (for backends)
+
 # Bumped when the contract below changes incompatibly. Core refuses plugins that
 # declare another major version, with a warning naming both versions.
 PLUGIN_API_VERSION = 1

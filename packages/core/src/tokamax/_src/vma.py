@@ -1,0 +1,50 @@
+"""Kernel outputs inside `jax.shard_map`: which mesh axes they vary over.
+
+With ``check_vma=True`` (shard_map's default) JAX types every value by the manual
+mesh axes it varies over, and `pl.pallas_call` cannot infer that for its outputs:
+its ``out_shape`` must say it. A kernel's outputs vary wherever its inputs do, so
+backends mark them with the union of their inputs' axes (`varying_out_shape`).
+Outside shard_map (or with ``check_vma=False``) the out shapes are left as given.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+
+def _check_vma_active() -> bool:
+  from jax._src import config  # pylint: disable=g-import-not-at-top
+  flag = getattr(config, "_check_vma", None)
+  return bool(flag is not None and flag.value)
+
+
+def _varying_axes(x) -> frozenset:
+  mat = getattr(jax.typeof(x), "manual_axis_type", None)
+  return frozenset() if mat is None else frozenset(mat.varying)
+
+
+def varying_out_shape(out_shape: Any, inputs: Any) -> Any:
+  """`out_shape` (a `jax.ShapeDtypeStruct` or a pytree of them) for a kernel call
+  on `inputs` (a pytree of arrays): inside `shard_map`, varying over every manual
+  mesh axis that some input varies over; elsewhere unchanged.
+
+  Example, in a backend's wrapper around `pl.pallas_call`::
+
+      out_shape = tokamax.plugin.varying_out_shape(out_shape, args)
+      return pl.pallas_call(kernel, out_shape=out_shape, ...)(*args)
+  """
+  if not _check_vma_active():
+    return out_shape
+  from jax._src import core  # pylint: disable=g-import-not-at-top
+  varying = frozenset().union(*(_varying_axes(x) for x in jax.tree.leaves(inputs)))
+  mat = core.ManualAxisType(varying=varying)
+
+  def mark(s):
+    if not isinstance(s, jax.ShapeDtypeStruct) or s.manual_axis_type is not None:
+      return s
+    return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=s.sharding,
+                                manual_axis_type=mat)
+  return jax.tree.map(mark, out_shape,
+                      is_leaf=lambda s: isinstance(s, jax.ShapeDtypeStruct))
