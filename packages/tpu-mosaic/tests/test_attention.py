@@ -5,6 +5,8 @@ query and key blocks: skipped, fully visible and partially masked ones. Shapes a
 kept tiny: TPU interpret mode simulates every DMA on the CPU.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -180,6 +182,104 @@ def test_block_lists_skip_masked_blocks():
   np.testing.assert_array_equal(np.asarray(idx).reshape(4, 4)[:, :2],
                                 [[0, 1], [0, 1], [2, 3], [2, 3]])
   np.testing.assert_array_equal(np.asarray(kind).reshape(4, 4)[:, :2], 0)
+
+
+_WINDOWS = [  # (is_causal, local_window)
+    (True, None), (False, (100, 30)), (True, (150, None)), (False, (60, None)),
+    (False, (None, 40)), (False, (0, 0)),
+]
+
+
+@pytest.mark.parametrize("causal,window", _WINDOWS)
+def test_block_lists_with_q_offset_match_positions(causal, window):
+  """With a traced q_offset, the lists hold exactly the blocks with a visible pair.
+
+  Checked against the XLA reference's elementwise visibility for many offsets
+  (negative, unaligned, past either end), both orientations, bq != bk, with
+  sequence lengths; ``kind`` 0 exactly for the fully visible blocks.
+  """
+  t, s, bq, bk = 300, 420, 128, 256
+  tp, sp = 384, 512
+  q, k, v = (jnp.zeros((2, length, 1, 128), jnp.float32) for length in (t, s, s))
+  qlen, kvlen = jnp.array([300, 170], jnp.int32), jnp.array([420, 300], jnp.int32)
+  args = tokamax.AttentionArgs(q, k, v, is_causal=causal, local_window=window,
+                               query_seq_lengths=qlen, key_value_seq_lengths=kvlen,
+                               q_offset=jnp.int32(0))
+  lay = att._layout(args)
+  assert lay.has_q_offset
+
+  @jax.jit
+  def lists(off):
+    a = dataclasses.replace(args, q_offset=off)
+    return [att._block_lists(a, lay, bq, bk, tp, sp, transpose=tr)[0][2:5]
+            for tr in (False, True)]
+
+  extents = [att._block_lists(args, lay, bq, bk, tp, sp, transpose=tr)[1]
+             for tr in (False, True)]
+  for off in (-500, -333, -128, -37, 0, 1, 77, 128, 200, 255, 390, 1000):
+    vis = ref_attention.visibility(
+        jnp.arange(tp), jnp.arange(sp), is_causal=causal, local_window=window,
+        query_seq_lengths=qlen, key_value_seq_lengths=kvlen, q_offset=off)
+    vis = np.asarray(vis)[:, 0].reshape(2, tp // bq, bq, sp // bk, bk)
+    any_, full = vis.any(axis=(2, 4)), vis.all(axis=(2, 4))
+    for (idx, kind, count), extent, tr in zip(lists(jnp.int32(off)), extents,
+                                               (False, True)):
+      want_any, want_full = ((any_, full) if not tr
+                             else (any_.transpose(0, 2, 1), full.transpose(0, 2, 1)))
+      rows, cols = want_any.shape[1:]
+      idx, kind = np.asarray(idx).reshape(2, rows, extent), np.asarray(kind).reshape(
+          2, rows, extent)
+      count = np.asarray(count).reshape(2, rows)
+      np.testing.assert_array_equal(count, want_any.sum(-1), err_msg=f"{off} {tr}")
+      for b in range(2):
+        for r in range(rows):
+          c = count[b, r]
+          np.testing.assert_array_equal(idx[b, r, :c], np.flatnonzero(want_any[b, r]))
+          np.testing.assert_array_equal(kind[b, r, :c] == 0,
+                                        want_full[b, r, idx[b, r, :c]])
+          assert np.all(idx[b, r, c:] == (idx[b, r, c - 1] if c else idx[b, r, 0]))
+
+
+def _scaled(case, f):
+  """``case`` with every position (lengths, window, offset) times ``f``."""
+  sh = dict(case.shapes, t=case.shapes["t"] * f, s=case.shapes["s"] * f)
+  opts = dict(case.options)
+  for key in ("q_offset", "query_seq_lengths", "key_value_seq_lengths",
+              "local_window_size"):
+    if opts.get(key) is not None:
+      value = opts[key]
+      opts[key] = (tuple(None if x is None else x * f for x in value)
+                   if isinstance(value, tuple) else value * f)
+  return dataclasses.replace(case, shapes=sh, options=opts)
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in testing.all_cases("dot_product_attention")
+             if c.name.startswith("q_offset") and c.name != "q_offset_no_window"],
+    ids=str)
+def test_q_offset_small_blocks(case):
+  """The q_offset conformance cases, positions scaled x8 so that the 128-row tiles
+  make several query and key blocks (skipped, full and partially masked ones,
+  offsets not block-aligned), forward and gradients, through dispatch."""
+  with tokamax.interpret(not _ON_TPU), config_sources.use(_SmallBlocks()):
+    testing.check_case(_scaled(case, 8), "mosaic_tpu", "float32")
+
+
+def test_q_offset_without_window_changes_nothing():
+  """(The conformance case q_offset_no_window, without its kernel runs.) No window:
+  the offset is dropped, the kernels get exactly the no-offset inputs."""
+  q, k, v = _qkv(1, 256, 384, 1, 1, 128, 128, jnp.float32)
+  lens = dict(key_value_seq_lengths=jnp.array([300], jnp.int32))
+  plain = tokamax.AttentionArgs(q, k, v, **lens)
+  shifted = dataclasses.replace(plain, q_offset=jnp.int32(100))
+  assert not att._layout(shifted).has_q_offset
+  for kind in ("fwd", "dkdv", "dq"):
+    (plan, pre), (want_plan, want_pre) = (att.kernel_plan(a, kind, 128, 128)
+                                          for a in (shifted, plain))
+    assert plan.grid == want_plan.grid and len(pre) == len(want_pre) == 5
+    for got, want in zip(pre, want_pre):
+      np.testing.assert_array_equal(got, want)
+  assert att._layout(dataclasses.replace(shifted, is_causal=True)).has_q_offset
 
 
 def test_dispatch_records_mosaic_tpu_both_directions():

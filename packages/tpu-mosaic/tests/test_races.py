@@ -15,6 +15,7 @@ dim declared "arbitrary" is not.
 Shapes are tiny: the detector makes the interpreter several times slower.
 """
 
+import dataclasses
 import os
 
 import jax
@@ -26,6 +27,8 @@ from jax.experimental import pallas as pl
 import tokamax
 from tokamax import testing
 from tokamax._src import config_sources
+from tokamax._src import dispatch
+from tokamax._src.ops import attention as attention_op
 import tokamax_xla_reference as xla_ref
 from tokamax_tpu_mosaic import _common
 from tokamax_tpu_mosaic import attention as att
@@ -139,13 +142,19 @@ class _SmallBlocks:
     return self.CONFIGS.get(type(op))
 
 
-def _check_attention(b, t, s, n, kh, h, dtype, **kw):
+def _check_attention(b, t, s, n, kh, h, dtype, q_offset=None, **kw):
   kq, kk, kv = _keys(3)
   q, k, v = (_normal(kq, (b, t, n, h), dtype), _normal(kk, (b, s, kh, h), dtype),
              _normal(kv, (b, s, kh, h), dtype))
 
   def ours(q, k, v):
-    return tokamax.dot_product_attention(q, k, v, implementation="mosaic_tpu", **kw)
+    if q_offset is None:
+      return tokamax.dot_product_attention(q, k, v, implementation="mosaic_tpu", **kw)
+    # q_offset is not a public argument: canonical args + dispatch, as the SPMD rules.
+    args, _ = attention_op.canonical_args(q, k, v, **kw)
+    args = dataclasses.replace(args, q_offset=jnp.int32(q_offset))
+    return dispatch.call(attention_op.OP_NAME, args, "mosaic_tpu",
+                         attention_op.DIFF_FIELDS)
 
   window = kw.get("local_window_size")
 
@@ -153,7 +162,8 @@ def _check_attention(b, t, s, n, kh, h, dtype, **kw):
     return xla_ref.attention(
         q, k, v, None, None, scale=1.0 / np.sqrt(h), is_causal=kw.get("is_causal", False),
         local_window=window, q_segment_ids=kw.get("q_segment_ids"),
-        kv_segment_ids=kw.get("kv_segment_ids"), precision=HIGHEST)[0]
+        kv_segment_ids=kw.get("kv_segment_ids"), precision=HIGHEST,
+        q_offset=q_offset)[0]
 
   out, ct, grads = _vjp_under_detector(ours, (q, k, v), num_kernels=3)
   want, want_grads = _reference_vjp(ref, (q, k, v), ct)
@@ -167,6 +177,12 @@ def test_attention_causal_gqa():
 
 def test_attention_window_unaligned():
   _check_attention(1, 200, 136, 1, 1, 64, jnp.float32, local_window_size=(60, 20))
+
+
+def test_attention_q_offset():
+  # Shifted causal window: block lists from the run-time offset, shifted masks.
+  _check_attention(1, 200, 384, 2, 1, 64, jnp.float32, is_causal=True,
+                   local_window_size=(150, None), q_offset=100)
 
 
 def test_attention_segments_batch():

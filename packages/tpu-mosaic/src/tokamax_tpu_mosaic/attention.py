@@ -22,6 +22,16 @@ positional masks alone (e.g. causal: all blocks for the last query block), so a
 short row costs idle grid steps (~0.35 us each), never DMA or MXU work. The batch
 dim of the lists is 1 when nothing is per-batch (no lengths, no segments).
 
+Query offset (``AttentionArgs.q_offset``, e.g. a sequence shard of the queries
+under SPMD): a traced int32 scalar that moves query row t to position
+``t + q_offset`` for the causal/local window only. The lists are then built from
+its run-time value (the same jnp computation, before the kernel), the offset is
+scalar-prefetched as a sixth ``(1,)`` array for the in-kernel masks, and the
+static extent is the bound over every offset: the blocks a window of
+``block + left + right`` positions can touch, or all blocks when a side of the
+window is unbounded (causal without a left bound). Without a window it changes
+nothing and is dropped.
+
 Forward (grid B, N, q blocks, visible kv blocks; the last axis "arbitrary"): the
 online softmax keeps ``m``, ``l`` as lane-broadcast ``(bq, 128)`` f32 VMEM scratch
 and ``acc`` as ``(bq, Hv)`` f32. The residual is the natural log-sum-exp, +inf for
@@ -65,6 +75,7 @@ import dataclasses
 import functools
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -128,6 +139,7 @@ class _Layout:
   has_q_len: bool
   has_kv_len: bool
   has_segments: bool
+  has_q_offset: bool  # query row t sits at position t + q_offset (window/causal)
   precision: Any
 
   @property
@@ -160,7 +172,10 @@ def _layout(args) -> _Layout:
       scale=args.scale, left=left, right=right, soft_cap=args.logits_soft_cap,
       has_q_len=args.query_seq_lengths is not None,
       has_kv_len=args.key_value_seq_lengths is not None,
-      has_segments=args.q_segment_ids is not None, precision=precision)
+      has_segments=args.q_segment_ids is not None,
+      # The offset moves only the window; without one it changes nothing.
+      has_q_offset=args.q_offset is not None and (left, right) != (None, None),
+      precision=precision)
 
 
 def _fit(block: int, length: int) -> int:
@@ -174,10 +189,12 @@ def _fit(block: int, length: int) -> int:
 # ----------------------------------------------------------------------------
 
 
-def _positional(xp, lay, bq, bk, nq, nk, qlen, kvlen):
+def _positional(xp, lay, bq, bk, nq, nk, qlen, kvlen, off=0):
   """(any, full) visibility of block pairs from windows and lengths.
 
   ``qlen``/``kvlen`` broadcast against ``[Bm, 1, 1]``; results ``[Bm, nq, nk]``.
+  ``off`` (a scalar, possibly traced) is the query position offset: the window
+  compares key indices with row ``t + off``; the lengths with row ``t``.
   """
   q0 = (xp.arange(nq) * bq)[None, :, None]
   k0 = (xp.arange(nk) * bk)[None, None, :]
@@ -185,17 +202,35 @@ def _positional(xp, lay, bq, bk, nq, nk, qlen, kvlen):
   sh = xp.minimum(k0 + bk, kvlen) - 1  # last live key of the block
   any_ = (th >= q0) & (sh >= k0)
   full = (q0 + bq <= qlen) & (k0 + bk <= kvlen)
+  p0, p_last = q0 + off, q0 + bq - 1 + off  # positions of the block's first/last row
   if lay.left is not None:
-    any_ = any_ & (sh >= q0 - lay.left)
-    full = full & (k0 >= q0 + bq - 1 - lay.left)
+    any_ = any_ & (sh >= p0 - lay.left)
+    full = full & (k0 >= p_last - lay.left)
   if lay.right is not None:
-    any_ = any_ & (k0 <= th + lay.right)
-    full = full & (k0 + bk - 1 <= q0 + lay.right)
+    any_ = any_ & (k0 <= th + off + lay.right)
+    full = full & (k0 + bk - 1 <= p0 + lay.right)
   return any_, full
 
 
+def _span_blocks(width, block, n):
+  """Most blocks of size ``block`` (of ``n``) that ``width`` consecutive indices touch."""
+  return min(n, (width + block - 2) // block + 1)
+
+
 def _static_extent(lay, bq, bk, nq, nk, transpose):
-  """Static grid extent of the sparse axis: max visible count, positions only."""
+  """Static grid extent of the sparse axis: the most blocks any row can visit.
+
+  Without an offset: the exact maximum from the positions alone. With one (a
+  traced value), the bound over every offset: a row block's visible span is
+  ``bq + left + right`` keys (``bk + left + right`` rows transposed) placed
+  anywhere, or everything when a side is unbounded.
+  """
+  if lay.has_q_offset:
+    n = nq if transpose else nk
+    if lay.left is None or lay.right is None:
+      return n
+    width = (bk if transpose else bq) + lay.left + lay.right
+    return max(1, _span_blocks(width, bq if transpose else bk, n))
   any_, _ = _positional(np, lay, bq, bk, nq, nk, lay.t, lay.s)
   counts = any_.sum(axis=1 if transpose else 2)
   return max(1, int(counts.max()))
@@ -207,24 +242,45 @@ def _seg_ranges(seg, block):
   return seg.min(-1), seg.max(-1)
 
 
+def _q_offset(args, lay):
+  """The query position offset as an int32 scalar, or None when it changes nothing."""
+  if not lay.has_q_offset:
+    return None
+  return jnp.asarray(args.q_offset, jnp.int32).reshape(())
+
+
 def _block_lists(args, lay, bq, bk, tp, sp, transpose):
-  """Scalar-prefetch arrays ``(q_len, kv_len, idx, kind, count)`` and the extent.
+  """Scalar-prefetch arrays ``(q_len, kv_len, idx, kind, count[, q_offset])``, extent.
 
   Not transposed: per (batch, q block) the visible kv blocks; transposed: per
   (batch, kv block) the visible q blocks. ``kind`` is 1 for blocks that need
   elementwise masking. Flattened to 1D (SMEM pads the minor dims of 2D arrays).
+  With ``q_offset`` (`_Layout.has_q_offset`) the lists are computed from its
+  run-time value and it is appended as a ``(1,)`` array for the in-kernel masks.
   """
+  extent = _static_extent(lay, bq, bk, tp // bq, sp // bk, transpose)
+  segs = (args.q_segment_ids, args.kv_segment_ids) if lay.has_segments else None
+  prefetch = _lists(
+      args.query_seq_lengths if lay.has_q_len else None,
+      args.key_value_seq_lengths if lay.has_kv_len else None, segs,
+      _q_offset(args, lay), lay=lay, b=args.query.shape[0] if lay.per_batch else 1,
+      bq=bq, bk=bk, tp=tp, sp=sp, transpose=transpose, extent=extent)
+  return prefetch, extent
+
+
+# One small XLA computation (not a few dozen eager ops when called outside jit).
+@functools.partial(jax.jit, static_argnames=("lay", "b", "bq", "bk", "tp", "sp",
+                                             "transpose", "extent"))
+def _lists(qlen, kvlen, segs, off, *, lay, b, bq, bk, tp, sp, transpose, extent):
   nq, nk = tp // bq, sp // bk
-  b = args.query.shape[0] if lay.per_batch else 1
-  qlen = (args.query_seq_lengths if lay.has_q_len
-          else jnp.full((b,), lay.t, jnp.int32)).astype(jnp.int32)
-  kvlen = (args.key_value_seq_lengths if lay.has_kv_len
-           else jnp.full((b,), lay.s, jnp.int32)).astype(jnp.int32)
+  qlen = (jnp.full((b,), lay.t, jnp.int32) if qlen is None else qlen).astype(jnp.int32)
+  kvlen = (jnp.full((b,), lay.s, jnp.int32) if kvlen is None
+           else kvlen).astype(jnp.int32)
   any_, full = _positional(jnp, lay, bq, bk, nq, nk, qlen[:, None, None],
-                           kvlen[:, None, None])
-  if lay.has_segments:
-    qmin, qmax = _seg_ranges(_pad_seq(args.q_segment_ids, tp), bq)
-    kmin, kmax = _seg_ranges(_pad_seq(args.kv_segment_ids, sp), bk)
+                           kvlen[:, None, None], 0 if off is None else off)
+  if segs is not None:
+    qmin, qmax = _seg_ranges(_pad_seq(segs[0], tp), bq)
+    kmin, kmax = _seg_ranges(_pad_seq(segs[1], sp), bk)
     qmin, qmax = qmin[:, :, None], qmax[:, :, None]
     kmin, kmax = kmin[:, None, :], kmax[:, None, :]
     any_ = any_ & (jnp.maximum(qmin, kmin) <= jnp.minimum(qmax, kmax))
@@ -233,14 +289,16 @@ def _block_lists(args, lay, bq, bk, tp, sp, transpose):
   full = jnp.broadcast_to(full, (b, nq, nk))
   if transpose:
     any_, full = any_.transpose(0, 2, 1), full.transpose(0, 2, 1)
-  extent = _static_extent(lay, bq, bk, nq, nk, transpose)
   count = any_.sum(-1).astype(jnp.int32)
   order = jnp.argsort(jnp.logical_not(any_).astype(jnp.int32), axis=-1,
                       stable=True)[..., :extent].astype(jnp.int32)
   last = jnp.take_along_axis(order, jnp.maximum(count - 1, 0)[..., None], axis=-1)
   idx = jnp.where(jnp.arange(extent)[None, None, :] < count[..., None], order, last)
   kind = jnp.logical_not(jnp.take_along_axis(full, idx, axis=-1)).astype(jnp.int32)
-  return (qlen, kvlen, idx.reshape(-1), kind.reshape(-1), count.reshape(-1)), extent
+  prefetch = (qlen, kvlen, idx.reshape(-1), kind.reshape(-1), count.reshape(-1))
+  if off is not None:
+    prefetch += (off.reshape(1),)
+  return prefetch
 
 
 # ----------------------------------------------------------------------------
@@ -291,21 +349,23 @@ def _dot(a, b, dims, precision):
                          preferred_element_type=jnp.float32)
 
 
-def _visible(lay, q0, k0, bq, bk, qlen, kvlen, q_seg, kv_seg, transposed):
+def _visible(lay, q0, k0, bq, bk, qlen, kvlen, q_seg, kv_seg, off, transposed):
   """Elementwise visibility of a ``[bq, bk]`` tile (``[bk, bq]`` if transposed).
 
   ``q_seg``/``kv_seg`` already have the orientation of their axis (a column for
-  the rows, a row for the columns).
+  the rows, a row for the columns). ``off``: the query position offset (window
+  only; 0 without one).
   """
   shape = (bk, bq) if transposed else (bq, bk)
   q_axis, k_axis = (1, 0) if transposed else (0, 1)
   rows = q0 + lax.broadcasted_iota(jnp.int32, shape, q_axis)
   cols = k0 + lax.broadcasted_iota(jnp.int32, shape, k_axis)
   ok = (rows < qlen) & (cols < kvlen)
+  pos = rows + off  # positions for the window; rows stay rows for the lengths
   if lay.left is not None:
-    ok = ok & (cols >= rows - lay.left)
+    ok = ok & (cols >= pos - lay.left)
   if lay.right is not None:
-    ok = ok & (cols <= rows + lay.right)
+    ok = ok & (cols <= pos + lay.right)
   if q_seg is not None:
     ok = ok & (q_seg == kv_seg)
   return ok
@@ -323,6 +383,13 @@ def _logits(lay, s):
 def _column(row_ref):
   """A ``(1, n)`` row ref -> an ``(n, 1)`` column value."""
   return row_ref[0][:, None]
+
+
+def _split_offset(lay, refs):
+  """``(q_offset value or 0, remaining refs)``: the optional 6th prefetch ref."""
+  if not lay.has_q_offset:
+    return 0, refs
+  return refs[0][0], refs[1:]
 
 
 def _sparse_step(cnt, kind, j, body):
@@ -344,6 +411,7 @@ def _sparse_step(cnt, kind, j, body):
 
 def _fwd_kernel(qlen_ref, kvlen_ref, idx_ref, kind_ref, cnt_ref, *refs, lay, bq, bk,
                 extent, nrows):
+  off, refs = _split_offset(lay, refs)
   if lay.has_segments:
     q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr = refs
   else:
@@ -371,7 +439,7 @@ def _fwd_kernel(qlen_ref, kvlen_ref, idx_ref, kind_ref, cnt_ref, *refs, lay, bq,
       if qseg_ref is not None:
         q_seg, kv_seg = _column(qseg_ref), kseg_ref[...]
       vis = _visible(lay, qi * bq, kj * bk, bq, bk, qlen_ref[bm], kvlen_ref[bm],
-                     q_seg, kv_seg, transposed=False)
+                     q_seg, kv_seg, off, transposed=False)
       s = jnp.where(vis, s, -jnp.inf)
     m_prev = m_scr[...]
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # (bq, 128)
@@ -397,6 +465,7 @@ def _fwd_kernel(qlen_ref, kvlen_ref, idx_ref, kind_ref, cnt_ref, *refs, lay, bq,
 
 def _dkdv_kernel(qlen_ref, kvlen_ref, idx_ref, kind_ref, cnt_ref, *refs, lay, bq, bk,
                  extent, nrows):
+  off, refs = _split_offset(lay, refs)
   if lay.has_segments:
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dk_ref,
      dv_ref, dk_scr, dv_scr) = refs
@@ -429,7 +498,7 @@ def _dkdv_kernel(qlen_ref, kvlen_ref, idx_ref, kind_ref, cnt_ref, *refs, lay, bq
       if qseg_ref is not None:
         q_seg, kv_seg = qseg_ref[...], _column(kseg_ref)
       vis = _visible(lay, qi * bq, kj * bk, bq, bk, qlen_ref[bm], kvlen_ref[bm],
-                     q_seg, kv_seg, transposed=True)
+                     q_seg, kv_seg, off, transposed=True)
       p = jnp.where(vis, p, 0.0)
     dv_scr[...] += _dot(p.astype(do.dtype), do, _NN, lay.precision)
     dp = _dot(v, do, _NT, lay.precision)
@@ -448,6 +517,7 @@ def _dkdv_kernel(qlen_ref, kvlen_ref, idx_ref, kind_ref, cnt_ref, *refs, lay, bq
 
 def _dq_kernel(qlen_ref, kvlen_ref, idx_ref, kind_ref, cnt_ref, *refs, lay, bq, bk,
                extent, nrows):
+  off, refs = _split_offset(lay, refs)
   if lay.has_segments:
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dq_ref,
      dq_scr) = refs
@@ -477,7 +547,7 @@ def _dq_kernel(qlen_ref, kvlen_ref, idx_ref, kind_ref, cnt_ref, *refs, lay, bq, 
       if qseg_ref is not None:
         q_seg, kv_seg = _column(qseg_ref), kseg_ref[...]
       vis = _visible(lay, qi * bq, kj * bk, bq, bk, qlen_ref[bm], kvlen_ref[bm],
-                     q_seg, kv_seg, transposed=False)
+                     q_seg, kv_seg, off, transposed=False)
       p = jnp.where(vis, p, 0.0)
     dp = _dot(do, v, _NT, lay.precision)
     ds = p * (dp - _column(delta_ref))
@@ -503,7 +573,7 @@ _KERNELS = {"fwd": _fwd_kernel, "dkdv": _dkdv_kernel, "dq": _dq_kernel}
 def _sparse_kv_map(lay, nrows, extent, head):
   """Index map of a ``[B, S, heads*W]`` kv operand walked by the sparse axis."""
 
-  def index_map(b, n, qi, j, qlen, kvlen, idx, kind, cnt):
+  def index_map(b, n, qi, j, qlen, kvlen, idx, kind, cnt, *_):
     del qlen, kvlen, kind, cnt
     bm = b if lay.per_batch else 0
     return b, idx[(bm * nrows + qi) * extent + j], head(n)
@@ -563,7 +633,7 @@ def _dkdv_plan(lay, b, dtype, bq, bk, extent) -> _common.KernelPlan:
   tp, sp = _round_up(lay.t, bq), _round_up(lay.s, bk)
   nk = sp // bk
 
-  def q_walk(b_, h_, kj, i, qlen, kvlen, idx, kind, cnt):
+  def q_walk(b_, h_, kj, i, qlen, kvlen, idx, kind, cnt, *_):
     del qlen, kvlen, kind
     bm = b_ if lay.per_batch else 0
     row = bm * nk + kj
@@ -764,6 +834,7 @@ class MosaicTpuAttention(tokamax.Op):
   op_name = "dot_product_attention"
   name = "mosaic_tpu"
   config_cls = AttentionConfig
+  supported_features = ("q_offset",)
 
   def check_supported(self, args, device):
     _check(args, device)
@@ -793,6 +864,7 @@ class MosaicTpuAttentionVjp(tokamax.VjpOp):
   op_name = "dot_product_attention"
   name = "mosaic_tpu"
   config_cls = AttentionVjpConfig
+  supported_features = ("q_offset",)
 
   def check_supported(self, args, device, residuals=None):
     _check(args, device)
