@@ -2,8 +2,25 @@
 
 from tokamax import plugin
 
+# Above gpu-triton (100): where both run, the Mosaic GPU kernels are the Hopper
+# ones. Each op's check_supported refuses everything but Hopper GPUs.
+_PRIORITY = 110
+
+
+def _impl(op: str, module: str, fwd: str, bwd: str) -> plugin.Implementation:
+  return plugin.Implementation(
+      op=op, name="mosaic_gpu", forward=f"tokamax_gpu_mosaic.{module}:{fwd}",
+      backward=f"tokamax_gpu_mosaic.{module}:{bwd}", platforms=("gpu",),
+      priority=_PRIORITY)
+
+
 BACKEND = plugin.Backend(
     name="gpu_mosaic",
     api_version=plugin.PLUGIN_API_VERSION,
-    implementations=(),
+    implementations=(
+        _impl("ragged_dot", "ragged_dot", "MosaicGpuRaggedDot",
+              "MosaicGpuRaggedDotVjp"),
+        _impl("gated_linear_unit", "gated_linear_unit", "MosaicGpuGatedLinearUnit",
+              "MosaicGpuGatedLinearUnitVjp"),
+    ),
 )

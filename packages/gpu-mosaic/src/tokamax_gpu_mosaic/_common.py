@@ -1,0 +1,204 @@
+"""Helpers shared by this package's Mosaic GPU kernels, and the JAX-version shim.
+
+JAX 0.10.2 (the CPU machines) and 0.11.2 (the H200) differ in the Mosaic GPU API:
+`plgpu.kernel` takes ``out_type``/``scratch_types`` in 0.11 while 0.10 also took
+the older ``out_shape``/``scratch_shapes``. Everything version-dependent is here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from tokamax import DeviceInfo
+
+# Bytes of shared memory one block may use on sm_90 (opt-in maximum, 227 KiB),
+# less a little for the pipeline's barriers.
+SMEM_LIMIT = 227 * 1024 - 1024
+H100_SMS = 132  # H100/H200 SXM; used only when the device can't be asked.
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def check_hopper_device(device: DeviceInfo) -> None:
+  """Raises NotImplementedError unless these kernels can run natively on `device`.
+
+  Interpret mode does not count: JAX's Mosaic GPU interpreter does not run the
+  warp-specialized pipelines these kernels are built on (see notes/MOSAIC_GPU.md),
+  so claiming support there would only turn into a failure later.
+  """
+  cc = device.compute_capability
+  if device.platform != "gpu" or cc is None or not cc.startswith("9."):
+    where = (f"compute capability {cc}" if cc is not None
+             else f"platform {device.platform}")
+    raise NotImplementedError(
+        f"this mosaic_gpu kernel needs an NVIDIA Hopper GPU (sm_90); this device is "
+        f"{device.device_kind} ({where}); Mosaic GPU interpret mode does not run "
+        "these warp-specialized kernels")
+
+
+def check_dtype(name: str, dtype) -> None:
+  dtype = jnp.dtype(dtype)
+  if dtype not in SUPPORTED_DTYPES:
+    raise NotImplementedError(
+        f"{name} dtype {dtype}: wgmma kernels here take bfloat16 or float16")
+
+
+def check_tma_dim(name: str, size: int, dtype) -> None:
+  """TMA needs every row stride to be a multiple of 16 bytes."""
+  itemsize = jnp.dtype(dtype).itemsize
+  if (size * itemsize) % 16:
+    raise NotImplementedError(
+        f"{name}={size}: TMA needs rows of a multiple of 16 bytes ({16 // itemsize} "
+        f"elements of {jnp.dtype(dtype)})")
+
+
+@functools.cache
+def _kernel_params() -> frozenset[str]:
+  return frozenset(inspect.signature(plgpu.kernel).parameters)
+
+
+def kernel(body, *, out_type, scratch_types=None, **kwargs):
+  """`plgpu.kernel` with the output/scratch arguments named as this JAX wants."""
+  params = _kernel_params()
+  if scratch_types is not None:
+    key = "scratch_types" if "scratch_types" in params else "scratch_shapes"
+    kwargs[key] = scratch_types
+  if "out_type" in params:
+    return plgpu.kernel(body, out_type=out_type, **kwargs)
+  return plgpu.kernel(body, out_shape=out_type, **kwargs)
+
+
+def num_sms() -> int:
+  try:
+    count = jax.devices()[0].core_count
+  except Exception:  # pylint: disable=broad-except
+    return H100_SMS
+  return int(count) if count else H100_SMS
+
+
+def swizzled(dtype, minor: int):
+  """SMEM transforms (tiling + the widest swizzle) for `minor`-element rows.
+
+  The two operands of one wgmma must use the same swizzle: pass both the smaller
+  of their minor dimensions.
+  """
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(minor * itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)),
+          plgpu.SwizzleTransform(swizzle))
+
+
+def compiler_params():
+  return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
+@functools.cache
+def lowerable_primitives() -> frozenset | None:
+  """Primitives the Lane lowering handles on warpgroup arrays, None if unknown."""
+  try:
+    from jax._src.pallas.mosaic_gpu import lowering  # pylint: disable=g-import-not-at-top
+    rules = lowering.mosaic_lowering_rules
+  except Exception:  # pylint: disable=broad-except
+    return None
+  for key, table in rules.items():
+    parts = key if isinstance(key, tuple) else (key,)
+    names = [getattr(p, "name", str(p)) for p in parts]
+    if names[0] == "Lane" and (len(names) == 1 or names[1] == "Warpgroup"):
+      return frozenset(table)
+  return None
+
+
+_CALLS = ("pjit", "jit", "closed_call", "custom_jvp_call", "custom_vjp_call")
+
+
+def _inner_jaxprs(eqn):
+  for value in eqn.params.values():
+    for v in value if isinstance(value, (tuple, list)) else (value,):
+      inner = getattr(v, "jaxpr", v)
+      if hasattr(inner, "eqns"):
+        yield inner
+
+
+def inline_elementwise(fn):
+  """`fn` re-evaluated from its jaxpr with custom-derivative wrappers removed.
+
+  Inside a kernel only the primal computation matters, and Mosaic GPU does not
+  lower ``custom_jvp_call`` (e.g. `jax.nn.relu`): evaluate the wrapped jaxpr.
+  """
+  if fn is None:
+    return lambda v: v
+
+  def run(jaxpr, consts, *args):
+    env = {}
+    for var, val in zip(jaxpr.constvars, consts):
+      env[var] = val
+    for var, val in zip(jaxpr.invars, args):
+      env[var] = val
+    def read(v):
+      return v.val if type(v).__name__ == "Literal" else env[v]
+    for eqn in jaxpr.eqns:
+      invals = [read(v) for v in eqn.invars]
+      if eqn.primitive.name in _CALLS:
+        inner = next(_inner_closed(eqn))
+        outs = run(inner.jaxpr, inner.consts, *invals)
+      else:
+        outs = eqn.primitive.bind(*invals, **eqn.params)
+        if not eqn.primitive.multiple_results:
+          outs = [outs]
+      for var, val in zip(eqn.outvars, outs):
+        env[var] = val
+    return [read(v) for v in jaxpr.outvars]
+
+  def apply(v):
+    closed = jax.make_jaxpr(fn)(v)
+    return run(closed.jaxpr, closed.consts, v)[0]
+  return apply
+
+
+@dataclasses.dataclass(frozen=True)
+class _Closed:
+  jaxpr: object
+  consts: tuple
+
+
+def _inner_closed(eqn):
+  for value in eqn.params.values():
+    for v in value if isinstance(value, (tuple, list)) else (value,):
+      if hasattr(v, "jaxpr") and hasattr(v, "consts"):
+        yield v
+      elif hasattr(v, "eqns"):
+        yield _Closed(v, ())
+
+
+def check_elementwise_fn(name: str, fn) -> None:
+  """Refuses an activation the kernel epilogue could not lower."""
+  if fn is None:
+    return
+  shape = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+  try:
+    closed = jax.make_jaxpr(fn)(shape)
+  except Exception as e:  # pylint: disable=broad-except
+    raise NotImplementedError(f"{name} could not be traced: {e}") from e
+  if [(a.shape, a.dtype) for a in closed.out_avals] != [(shape.shape, shape.dtype)]:
+    raise NotImplementedError(f"{name} must map a float32 array to one of its shape")
+  known = lowerable_primitives()
+  if known is None:
+    return
+  missing = set()
+
+  def visit(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name in _CALLS:
+        for inner in _inner_jaxprs(eqn):
+          visit(inner)
+      elif eqn.primitive not in known:
+        missing.add(eqn.primitive.name)
+  visit(closed.jaxpr)
+  if missing:
+    raise NotImplementedError(
+        f"{name} uses primitives the Mosaic GPU kernel cannot lower: {sorted(missing)}")

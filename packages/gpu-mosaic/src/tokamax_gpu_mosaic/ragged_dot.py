@@ -1,0 +1,758 @@
+"""Grouped matmul (`tokamax.ragged_dot`, the MoE expert matmul) in Pallas Mosaic GPU.
+
+Forward: ``out[i] = lhs[i] @ rhs[g(i) - group_offset]`` on Hopper (sm_90).
+
+Kernel shape: a persistent grid (one block per SM) whose blocks walk work items
+(a row tile x ``2 * block_n`` columns) in a planar-snake order. Each block has
+three warpgroups: a memory warpgroup that streams the lhs tile and the rhs tile
+through a ``num_stages``-deep ring of swizzled shared-memory buffers with TMA,
+and two compute warpgroups that issue wgmma with float32 accumulators in
+registers (`plgpu.emit_pipeline_warp_specialized`).
+
+Groups (``row_tiling="group"``, the default): row tiles follow the groups. A
+table computed with jnp outside the kernel (`_work_items`) cuts each held group's
+rows into tiles of ``block_m = 128`` rows starting at the group's first row
+rounded down to 8 (swizzled TMA reads rows in 8-row units), so every tile
+multiplies by one group's weights and a group wastes less than a tile. The two
+compute warpgroups own 64 rows each; one whose rows all lie outside the group
+skips its wgmma. Each warpgroup writes only the rows it owns: a whole aligned
+64-row tile with one TMA store from swizzled shared memory, a partial one from
+unswizzled shared memory in power-of-two row chunks. Rows no held group owns
+(past ``sum(group_sizes)``, or of groups rhs does not hold) get zero-only items,
+so every output row is written exactly once, and no atomics are needed.
+``row_tiling="fixed"`` keeps fixed 128-row tiles and runs one K pipeline per
+group meeting the tile, merging rows in shared memory (1.5x the work at 256
+random groups; kept for comparison).
+
+Reads past the array edges are zero-filled by TMA; the arrays are zero-padded
+only where shapes are not multiples of the swizzle (8 rows, 64 columns).
+
+Backward: ``dlhs = ragged_dot(dout, rhs^T)`` is the same kernel reading rhs
+tiles as ``[n, k]`` (wgmma takes the transposed shared-memory operand).
+``drhs[g] = lhs[rows_g]^T @ dout[rows_g]`` is `grouped_transposed_matmul`: a
+per-group contraction over the group's rows with a hand-rolled TMA ring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from tokamax import Op, VjpOp
+from tokamax_gpu_mosaic import _common
+
+_WGMMA_M = 64  # wgmma's row granularity per warpgroup.
+_COLS = 64  # Minor dimensions are padded to this (the 128-byte swizzle's width).
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedDotConfig:
+  """Tiling of the grouped matmul.
+
+  A block computes ``block_m x (2 * block_n)`` of the output (two compute
+  warpgroups, ``block_n`` columns each), ``block_k`` of the contraction per
+  pipeline step, with ``num_stages`` steps in flight. ``grid_tile_width``: how
+  many column tiles a band of the snake order spans (L2 reuse of lhs rows).
+  """
+
+  block_m: int = 128
+  block_n: int = 128
+  block_k: int = 64
+  num_stages: int = 3
+  grid_tile_width: int = 8
+  row_tiling: str = "group"
+
+  def __post_init__(self):
+    if self.block_m % _WGMMA_M or self.block_m > 256:
+      raise ValueError(f"block_m must be 64, 128, 192 or 256; got {self.block_m}")
+    if self.block_n % 64 or self.block_n > 256:
+      raise ValueError(f"block_n must be a multiple of 64 up to 256; got {self.block_n}")
+    if self.block_k not in (32, 64, 128):
+      raise ValueError(f"block_k must be 32, 64 or 128; got {self.block_k}")
+    if self.num_stages < 2 or self.grid_tile_width < 1:
+      raise ValueError(f"num_stages >= 2 and grid_tile_width >= 1: {self}")
+    if self.row_tiling not in ("group", "fixed"):
+      raise ValueError(f"row_tiling must be 'group' or 'fixed'; got {self.row_tiling}")
+    if self.row_tiling == "group" and self.block_m != 2 * _WGMMA_M:
+      raise ValueError("row_tiling='group' takes block_m=128 (64 rows per "
+                       f"compute warpgroup); got {self.block_m}")
+
+
+def smem_bytes(config: RaggedDotConfig, itemsize: int, out_itemsize: int) -> int:
+  stage = (config.block_m * config.block_k
+           + config.block_k * 2 * config.block_n) * itemsize
+  out = 2 * config.block_m * config.block_n * out_itemsize
+  return config.num_stages * stage + out + 1024  # + barriers, alignment
+
+
+# ----------------------------------------------------------------------------
+# Group tables (plain jnp, outside the kernel).
+
+
+def _row_bounds(group_sizes, group_offset, num_held: int, m: int):
+  """Rows ``[start, end)`` of each held group, clipped to ``[0, m]``, ``[G_rhs, 2]``.
+
+  Clipping keeps every address in bounds even for traced group sizes that were not
+  validated (negative sizes, or a sum above m).
+  """
+  sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+  ends = jnp.minimum(jnp.cumsum(sizes), m).astype(jnp.int32)
+  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+  offset = 0 if group_offset is None else group_offset
+  starts = lax.dynamic_slice_in_dim(starts, offset, num_held)
+  ends = lax.dynamic_slice_in_dim(ends, offset, num_held)
+  return starts, ends
+
+
+def _tile_groups(starts, ends, m: int, block_m: int):
+  """Per m-tile, the first and last held group meeting it, int32 ``[tiles, 2]``.
+
+  ``first > last`` when none does. The first group is never empty (an empty group
+  before any row of the tile would have its end at or below the tile start); the
+  kernel skips empty groups inside the range.
+  """
+  num_tiles = pl.cdiv(m, block_m)
+  lo = jnp.arange(num_tiles, dtype=jnp.int32) * block_m
+  hi = lo + block_m
+  first = jnp.searchsorted(ends, lo, side="right").astype(jnp.int32)
+  last = (jnp.searchsorted(starts, hi, side="left") - 1).astype(jnp.int32)
+  none = (first > last) | (first >= starts.shape[0])
+  first = jnp.where(none, 1, first)
+  last = jnp.where(none, 0, last)
+  return jnp.stack([first, last], axis=1)
+
+
+_ROW0, _GROUP, _LO, _HI = range(4)  # Columns of the work-item table.
+
+
+def _work_items(starts, ends, m: int, block_m: int):
+  """Row tiles that follow the groups, int32 ``[cdiv(m, block_m) + G + 2, 4]``.
+
+  Each held group's rows ``[s, e)`` are cut into tiles of `block_m` rows starting
+  at ``s`` rounded down to 8 (TMA reads swizzled tiles at 8-row granularity), so a
+  group wastes less than one tile of work, not one tile per boundary it shares.
+  Rows no held group owns (before the first, after the last held group) get
+  zero-only items. Per item: the first row, the rhs group (-1: zeros), and the
+  rows ``[lo, hi)`` of the tile it owns; items past the end own nothing.
+  """
+  num_held = starts.shape[0]
+  num = pl.cdiv(m, block_m) + num_held + 2
+  first = starts - starts % 8
+  tiles = jnp.where(ends > starts, (ends - first + block_m - 1) // block_m, 0)
+  cum = jnp.cumsum(tiles)
+  num_group_items = cum[-1]
+  i = jnp.arange(num, dtype=jnp.int32)
+  g = jnp.minimum(jnp.searchsorted(cum, i, side="right"), num_held - 1)
+  g = g.astype(jnp.int32)
+  row_g = first[g] + (i - (cum[g] - tiles[g])) * block_m
+  lo_g = jnp.maximum(starts[g] - row_g, 0)
+  hi_g = jnp.minimum(ends[g] - row_g, block_m)
+  # Zero items: [0, held_lo) then [held_hi, m) in tiles of block_m rows.
+  held_lo, held_hi = starts[0], ends[-1]
+  held_hi = jnp.maximum(held_hi, held_lo)
+  below = (held_lo + block_m - 1) // block_m
+  above = (m - held_hi + block_m - 1) // block_m
+  z = i - num_group_items
+  row_z = jnp.where(z < below, z * block_m, held_hi + (z - below) * block_m)
+  end_z = jnp.where(z < below, held_lo, m)
+  is_z = (z >= 0) & (z < below + above)
+  is_g = i < num_group_items
+  row = jnp.where(is_g, row_g, jnp.where(is_z, row_z, 0))
+  group = jnp.where(is_g, g, -1)
+  lo = jnp.where(is_g, lo_g, 0)
+  hi = jnp.where(is_g, hi_g, jnp.where(is_z, jnp.minimum(end_z - row_z, block_m), 0))
+  return jnp.stack([row, group, lo, hi], axis=1).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------
+# Kernel.
+
+
+def grouped_matmul(lhs, rhs, starts, ends, *, transpose_rhs: bool, out_dtype,
+                   config: RaggedDotConfig) -> jax.Array:
+  """``out[i] = lhs[i] @ op(rhs[g])`` for rows ``[starts[g], ends[g])``, else 0.
+
+  ``op`` is the transpose when `transpose_rhs` (rhs is then ``[G, N, K]``).
+  """
+  if config.row_tiling == "fixed":
+    return _grouped_matmul_fixed_tiles(lhs, rhs, starts, ends,
+                                       transpose_rhs=transpose_rhs,
+                                       out_dtype=out_dtype, config=config)
+  return _grouped_matmul_group_tiles(lhs, rhs, starts, ends,
+                                     transpose_rhs=transpose_rhs,
+                                     out_dtype=out_dtype, config=config)
+
+
+def _store_rows(y, lo, hi, dst_row, swizzled_smem, linear_smem, out_ref, cols):
+  """Writes rows ``[lo, hi)`` of a warpgroup's ``[64, n]`` tile to ``out_ref``.
+
+  A whole 8-row-aligned tile goes out in one TMA store from swizzled shared
+  memory; a partial one through unswizzled shared memory in power-of-two row
+  chunks (TMA boxes have static shapes; unswizzled, any row offset works), so
+  rows other items own are never touched.
+  """
+  rows = y.shape[0]
+  full = (lo == 0) & (hi == rows) & (dst_row % 8 == 0)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  @pl.when(full)
+  def _full():
+    swizzled_smem[...] = y
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(swizzled_smem,
+                            out_ref.at[pl.ds(dst_row, rows), cols])
+
+  @pl.when(~full & (hi > lo))
+  def _partial():
+    linear_smem[...] = y
+    plgpu.commit_smem()
+    count = hi - lo
+    size = rows  # A whole tile at an unaligned row also goes this way.
+    while size >= 1:
+      offset = lo + (count & ~(2 * size - 1))
+
+      @pl.when((count & size) != 0)
+      def _chunk():
+        plgpu.copy_smem_to_gmem(
+            linear_smem.at[pl.ds(offset, size)],
+            out_ref.at[pl.ds(dst_row + offset, size), cols])
+      size //= 2
+
+
+def _grouped_matmul_group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool,
+                                out_dtype, config: RaggedDotConfig) -> jax.Array:
+  """`grouped_matmul` on row tiles that follow the groups (`_work_items`).
+
+  The two compute warpgroups split the tile's rows (64 each) and share the rhs
+  tile; a warpgroup whose rows all lie outside the item's group skips its wgmma.
+  """
+  m_orig = lhs.shape[0]
+  n_orig = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  bm, bk = config.block_m, config.block_k
+  half = bm // 2
+  cta_n = 2 * config.block_n
+  lhs, rhs = _pad_operands(lhs, rhs, transpose_rhs, config)
+  m, k = lhs.shape
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  items = _work_items(starts, ends, m, bm)
+  num_items = items.shape[0]
+  n_tiles, k_steps = pl.cdiv(n, cta_n), pl.cdiv(k, bk)
+  dtype = lhs.dtype
+
+  lhs_spec = plgpu.BlockSpec((bm, bk), lambda ki: (0, ki),
+                             transforms=_common.swizzled(dtype, bk),
+                             delay_release=1)
+  if transpose_rhs:
+    rhs_spec = plgpu.BlockSpec((cta_n, bk), lambda ki: (0, ki),
+                               transforms=_common.swizzled(dtype, bk),
+                               delay_release=1)
+  else:
+    rhs_spec = plgpu.BlockSpec((bk, cta_n), lambda ki: (ki, 0),
+                               transforms=_common.swizzled(dtype, bk),
+                               delay_release=1)
+
+  def make_pipeline(body, context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(k_steps,), memory_registers=40, in_specs=[lhs_spec, rhs_spec],
+        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.num_stages,
+        compute_context=context)
+
+  # Per compute warpgroup, its output tile as swizzled (whole tiles) or plain
+  # (partial tiles) shared memory over the same bytes. One union per warpgroup:
+  # with one union of [2, ...] views, one warpgroup's plain writes corrupted the
+  # other's swizzled tile on the H200 (notes/MOSAIC_GPU.md).
+  out_smem_types = [
+      plgpu.RefUnion(
+          plgpu.SMEM((half, cta_n), out_dtype,
+                     transforms=_common.swizzled(out_dtype, cta_n)),
+          plgpu.SMEM((half, cta_n), out_dtype))
+      for _ in range(2)]
+
+  def kernel(items_ref, lhs_ref, rhs_ref, out_ref):
+    ignore = lambda *_, **__: None
+    allocs = make_pipeline(ignore, ignore).get_allocations(lhs_ref, rhs_ref)
+
+    @functools.partial(pl.run_scoped, allocs=allocs, out_smem=out_smem_types,
+                       collective_axes="wg")
+    def _scope(allocs, out_smem):
+      wg = lax.axis_index("wg")
+      cwg = jnp.minimum(wg, 1)
+
+      def store_rows(y, lo, hi, dst_row, cols):
+        for w, (swizzled_smem, linear_smem) in enumerate(out_smem):
+          @pl.when(wg == w)
+          def _store():
+            _store_rows(y, lo, hi, dst_row, swizzled_smem, linear_smem, out_ref,
+                        cols)
+
+      @plgpu.nd_loop((num_items * n_tiles,), collective_axes="sm")
+      def _item_loop(info):
+        ii, ni = plgpu.planar_snake(info.index[0], (num_items, n_tiles), 1,
+                                    config.grid_tile_width)
+        row0 = items_ref[ii, _ROW0]
+        group = items_ref[ii, _GROUP]
+        lo = items_ref[ii, _LO]
+        hi = items_ref[ii, _HI]
+        n0 = ni * cta_n
+        cols = pl.ds(n0, cta_n)
+        # This warpgroup's rows of the tile: [wlo, whi) of its 64.
+        wlo = jnp.clip(lo - cwg * half, 0, half)
+        whi = jnp.clip(hi - cwg * half, 0, half)
+        dst_row = row0 + cwg * half
+
+        def mma(_, a_smem, b_smem, acc_ref):
+          if transpose_rhs:
+            b = plgpu.transpose_ref(b_smem, (1, 0))
+          else:
+            b = b_smem
+
+          @pl.when(whi > wlo)
+          def _issue():
+            plgpu.wgmma(acc_ref, a_smem.at[pl.ds(cwg * half, half)], b)
+          plgpu.wgmma_wait(1)
+          return acc_ref
+
+        def context(eval_pipeline):
+          @functools.partial(pl.run_scoped,
+                             acc_ref=plgpu.ACC((half, cta_n), jnp.float32))
+          def _acc_scope(acc_ref):
+            eval_pipeline(acc_ref)
+            y = acc_ref[...].astype(out_dtype)
+            store_rows(y, wlo, whi, dst_row, cols)
+
+        @pl.when((group >= 0) & (hi > lo))
+        def _matmul():
+          if transpose_rhs:
+            b_ref = rhs_ref.at[group, cols, :]
+          else:
+            b_ref = rhs_ref.at[group, :, cols]
+          make_pipeline(mma, context)(lhs_ref.at[pl.ds(row0, bm), :], b_ref,
+                                      allocations=allocs)
+
+        @pl.when((group < 0) & (hi > lo) & (wg < 2))
+        def _zeros():
+          zeros = plgpu.broadcasted_iota(jnp.int32, (half, cta_n), 0,
+                                         layout=plgpu.Layout.WGMMA)
+          store_rows((zeros * 0).astype(out_dtype), wlo, whi, dst_row, cols)
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  # The output gets whole column tiles: a TMA store from plain (unswizzled)
+  # shared memory whose box crossed the last column did not clip there on the
+  # H200 but wrapped into the next row's first columns (notes/MOSAIC_GPU.md).
+  n_out = n_tiles * cta_n
+  call = _common.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((m, n_out), out_dtype),
+      grid=(_common.num_sms(),), grid_names=("sm",), num_threads=3,
+      thread_name="wg", compiler_params=_common.compiler_params())
+  out = call(items, lhs, rhs)
+  if (m, n_out) != (m_orig, n_orig):
+    out = out[:m_orig, :n_orig]
+  return out
+
+
+def _pad_axis(x, axis: int, multiple: int, minimum: int):
+  """Zero-pads `x` along `axis` to a multiple of `multiple`, at least `minimum`.
+
+  Swizzled TMA needs the array's tiled dimensions to be multiples of the SMEM
+  tiling (8 rows, 64 columns of 16-bit elements); aligned shapes (the usual MoE
+  case) are not copied.
+  """
+  size = max(-(-x.shape[axis] // multiple) * multiple, minimum)
+  if x.shape[axis] == size:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, pad)
+
+
+def _pad_operands(lhs, rhs, transpose_rhs: bool, config: RaggedDotConfig):
+  """Pads M to 8 rows, K and N to 64 columns (and tiny ones to a block).
+
+  K gets at least two pipeline steps: a one-step warp-specialized pipeline
+  crashed on the H200 (CUDA_ERROR_LAUNCH_FAILED at K=64, notes/MOSAIC_GPU.md).
+  """
+  bm, bk, cta_n = config.block_m, config.block_k, 2 * config.block_n
+  lhs = _pad_axis(_pad_axis(lhs, 0, 8, bm), 1, _COLS, 2 * bk)
+  k = lhs.shape[1]
+  k_axis, n_axis = (2, 1) if transpose_rhs else (1, 2)
+  rhs = _pad_axis(_pad_axis(rhs, k_axis, k, k), n_axis, _COLS, cta_n)
+  return lhs, rhs
+
+
+def _grouped_matmul_fixed_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool,
+                                out_dtype, config: RaggedDotConfig) -> jax.Array:
+  """`grouped_matmul` on fixed m-tiles, one K pipeline per group meeting a tile."""
+  m_orig = lhs.shape[0]
+  n_orig = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  bm, bn, bk = config.block_m, config.block_n, config.block_k
+  cta_n = 2 * bn
+  lhs, rhs = _pad_operands(lhs, rhs, transpose_rhs, config)
+  m, k = lhs.shape
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  tiles = _tile_groups(starts, ends, m, bm)
+  bounds = jnp.stack([starts, ends], axis=1)
+  m_tiles, n_tiles, k_steps = pl.cdiv(m, bm), pl.cdiv(n, cta_n), pl.cdiv(k, bk)
+  dtype = lhs.dtype
+
+  lhs_spec = plgpu.BlockSpec((bm, bk), lambda ki: (0, ki),
+                             transforms=_common.swizzled(dtype, bk),
+                             delay_release=1)
+  if transpose_rhs:
+    rhs_spec = plgpu.BlockSpec((cta_n, bk), lambda ki: (0, ki),
+                               transforms=_common.swizzled(dtype, bk),
+                               delay_release=1)
+  else:
+    rhs_spec = plgpu.BlockSpec((bk, cta_n), lambda ki: (ki, 0),
+                               transforms=_common.swizzled(dtype, bk),
+                               delay_release=1)
+
+  def make_pipeline(body, context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(k_steps,), memory_registers=40, in_specs=[lhs_spec, rhs_spec],
+        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.num_stages,
+        compute_context=context)
+
+  def kernel(tiles_ref, bounds_ref, lhs_ref, rhs_ref, out_ref):
+    ignore = lambda *_, **__: None
+    allocs = make_pipeline(ignore, ignore).get_allocations(lhs_ref, rhs_ref)
+
+    @functools.partial(
+        pl.run_scoped, allocs=allocs,
+        out_smem=plgpu.SMEM((2, bm, bn), out_dtype,
+                            transforms=_common.swizzled(out_dtype, bn)),
+        collective_axes="wg")
+    def _scope(allocs, out_smem):
+      wg = lax.axis_index("wg")
+      o_smem = out_smem.at[jnp.minimum(wg, 1)]
+
+      @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
+      def _tile_loop(info):
+        mi, ni = plgpu.planar_snake(info.index[0], (m_tiles, n_tiles), 1,
+                                    config.grid_tile_width)
+        m0 = mi * bm
+        n0 = ni * cta_n
+        first = tiles_ref[mi, 0]
+        last = tiles_ref[mi, 1]
+
+        def visit(g, carry):
+          start = bounds_ref[g, 0]
+          end = bounds_ref[g, 1]
+
+          def mma(_, a_smem, b_smem, acc_ref):
+            cols = pl.ds(wg * bn, bn)
+            if transpose_rhs:
+              b = plgpu.transpose_ref(b_smem.at[cols], (1, 0))
+            else:
+              b = b_smem.at[:, cols]
+            plgpu.wgmma(acc_ref, a_smem, b)
+            plgpu.wgmma_wait(1)
+            return acc_ref
+
+          def context(eval_pipeline):
+            @functools.partial(pl.run_scoped,
+                               acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+            def _acc_scope(acc_ref):
+              eval_pipeline(acc_ref)
+              acc = acc_ref[...]
+              rows = m0 + plgpu.broadcasted_iota(jnp.int32, (bm, bn), 0,
+                                                 layout=plgpu.Layout.WGMMA)
+              mine = (rows >= start) & (rows < end)
+              # The previous tile's TMA store must have read the buffer.
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+              @pl.when(g == first)
+              def _first():
+                o_smem[...] = jnp.where(mine, acc, 0.0).astype(out_dtype)
+
+              @pl.when(g != first)
+              def _later():
+                prev = o_smem[...].astype(jnp.float32)
+                o_smem[...] = jnp.where(mine, acc, prev).astype(out_dtype)
+
+          @pl.when(end > start)
+          def _run():
+            if transpose_rhs:
+              b_ref = rhs_ref.at[g, pl.ds(n0, cta_n), :]
+            else:
+              b_ref = rhs_ref.at[g, :, pl.ds(n0, cta_n)]
+            make_pipeline(mma, context)(lhs_ref.at[pl.ds(m0, bm), :], b_ref,
+                                        allocations=allocs)
+          return carry
+
+        lax.fori_loop(first, last + 1, visit, None)
+
+        @pl.when(wg < 2)
+        def _store():
+          @pl.when(first > last)
+          def _zeros():
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            zeros = plgpu.broadcasted_iota(jnp.int32, (bm, bn), 0,
+                                           layout=plgpu.Layout.WGMMA)
+            o_smem[...] = (zeros * 0).astype(out_dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(
+              o_smem, out_ref.at[pl.ds(m0, bm), pl.ds(n0 + wg * bn, bn)])
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  call = _common.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+      grid=(_common.num_sms(),), grid_names=("sm",), num_threads=3,
+      thread_name="wg", compiler_params=_common.compiler_params())
+  out = call(tiles, bounds, lhs, rhs)
+  if (m, n) != (m_orig, n_orig):
+    out = out[:m_orig, :n_orig]
+  return out
+
+
+# ----------------------------------------------------------------------------
+# drhs: the ragged contraction.
+
+_TG_K = 64  # drhs tile rows (of K): one wgmma M.
+
+
+def grouped_transposed_matmul(lhs, dout, starts, ends, *, out_dtype,
+                              config: RaggedDotConfig) -> jax.Array:
+  """``drhs[g] = lhs[rows_g]^T @ dout[rows_g]``, ``[G_rhs, K, N]``.
+
+  One warpgroup per block, persistent over (group, K-tile, N-tile) items, with a
+  hand-rolled `num_stages`-deep TMA ring (the contraction length differs per
+  group, which the fixed-grid pipeline helpers cannot express). A group's rows
+  are read in chunks of `block_k` from its start rounded down to 8 rows; chunks
+  that reach outside the group get those lhs rows zeroed in shared memory before
+  the wgmma. Empty groups give zeros. Every output tile is written once, by one
+  block: no atomics, deterministic.
+  """
+  num_held = starts.shape[0]
+  m_orig, k_orig = lhs.shape
+  n_orig = dout.shape[1]
+  bk, stages = config.block_k, config.num_stages
+  tn = 2 * config.block_n
+  m = max(-(-m_orig // 8) * 8, bk)
+  k = max(-(-k_orig // _TG_K) * _TG_K, _TG_K)
+  n = max(-(-n_orig // tn) * tn, tn)
+  lhs = jnp.pad(lhs, ((0, m - m_orig), (0, k - k_orig)))
+  dout = jnp.pad(dout, ((0, m - m_orig), (0, n - n_orig)))
+  k_tiles, n_tiles = k // _TG_K, n // tn
+  bounds = jnp.stack([starts, ends], axis=1)
+  dtype = lhs.dtype
+  lhs_t = _common.swizzled(dtype, _TG_K)
+  dout_t = _common.swizzled(dtype, tn)
+
+  def kernel(bounds_ref, lhs_ref, dout_ref, out_ref, lhs_smem, dout_smem,
+             out_smem, barriers):
+    @plgpu.nd_loop((num_held * k_tiles * n_tiles,), collective_axes="sm")
+    def _item_loop(info):
+      idx = info.index[0]
+      g = idx // (k_tiles * n_tiles)
+      ki = (idx // n_tiles) % k_tiles
+      ni = idx % n_tiles
+      start = bounds_ref[g, 0]
+      end = bounds_ref[g, 1]
+      first = start - start % 8
+      chunks = jnp.where(end > start, (end - first + bk - 1) // bk, 0)
+      k_cols = pl.ds(ki * _TG_K, _TG_K)
+      n_cols = pl.ds(ni * tn, tn)
+
+      def issue(c):
+        slot = c % stages
+        rows = pl.ds(first + c * bk, bk)
+        plgpu.copy_gmem_to_smem(lhs_ref.at[rows, k_cols], lhs_smem.at[slot],
+                                barriers.at[slot])
+        plgpu.copy_gmem_to_smem(dout_ref.at[rows, n_cols], dout_smem.at[slot],
+                                barriers.at[slot])
+
+      for c in range(stages - 1):
+        @pl.when(c < chunks)
+        def _prologue():
+          issue(c)
+
+      def step(c, acc_ref):
+        slot = c % stages
+        plgpu.barrier_wait(barriers.at[slot])
+        row0 = first + c * bk
+
+        @pl.when((row0 < start) | (row0 + bk > end))
+        def _mask():
+          a = lhs_smem.at[slot]
+          rows = row0 + plgpu.broadcasted_iota(jnp.int32, (bk, _TG_K), 0,
+                                               layout=plgpu.Layout.WGMMA)
+          keep = (rows >= start) & (rows < end)
+          a[...] = jnp.where(keep, a[...], 0).astype(dtype)
+          plgpu.commit_smem()
+
+        plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem.at[slot], (1, 0)),
+                    dout_smem.at[slot])
+        plgpu.wgmma_wait(1)  # Chunk c-1 is done: its slot may be refilled.
+
+        @pl.when(c + stages - 1 < chunks)
+        def _refill():
+          issue(c + stages - 1)
+        return acc_ref
+
+      def acc_scope(acc_ref):
+        lax.fori_loop(0, chunks, step, acc_ref)
+        plgpu.wgmma_wait(0)
+        return acc_ref[...]
+      acc = pl.run_scoped(acc_scope, plgpu.ACC((_TG_K, tn), jnp.float32))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      out_smem[...] = acc.astype(out_dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_smem, out_ref.at[g, k_cols, n_cols])
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  call = _common.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((num_held, k, n), out_dtype),
+      scratch_types=[
+          plgpu.SMEM((stages, bk, _TG_K), dtype, transforms=lhs_t),
+          plgpu.SMEM((stages, bk, tn), dtype, transforms=dout_t),
+          plgpu.SMEM((_TG_K, tn), out_dtype,
+                     transforms=_common.swizzled(out_dtype, tn)),
+          # Two copies (lhs, dout) arrive on each stage's barrier.
+          plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      ],
+      grid=(_common.num_sms(),), grid_names=("sm",),
+      compiler_params=_common.compiler_params())
+  out = call(bounds, lhs, dout)
+  return out[:, :k_orig, :n_orig]
+
+
+# ----------------------------------------------------------------------------
+# Configs and checks.
+
+
+def _heuristic(m: int, k: int, n: int, num_groups: int, itemsize: int,
+               out_itemsize: int) -> RaggedDotConfig:
+  del m, k, n, num_groups
+  # Row tiles follow the groups (row_tiling="group"), so small groups waste
+  # little and 128-row tiles (64 per warpgroup) suit every group size.
+  for block_n, stages in ((128, 4), (128, 3), (64, 4), (64, 3)):
+    config = RaggedDotConfig(block_m=128, block_n=block_n, block_k=64,
+                             num_stages=stages)
+    if smem_bytes(config, itemsize, out_itemsize) <= _common.SMEM_LIMIT:
+      return config
+  return RaggedDotConfig(block_m=128, block_n=64, block_k=32, num_stages=2)
+
+
+def _search_space(m, k, n, num_groups, itemsize, out_itemsize):
+  del m, k, n, num_groups
+  configs = []
+  for tiling, bm in (("group", 128), ("fixed", 64), ("fixed", 128)):
+    for bn in (64, 128):
+      for bk in (32, 64):
+        for stages in (2, 3, 4, 5, 6):
+          for width in (4, 8, 16):
+            c = RaggedDotConfig(block_m=bm, block_n=bn, block_k=bk,
+                                num_stages=stages, grid_tile_width=width,
+                                row_tiling=tiling)
+            if smem_bytes(c, itemsize, out_itemsize) <= _common.SMEM_LIMIT:
+              configs.append(c)
+  return tuple(configs)
+
+
+def _check_args(args) -> None:
+  _common.check_dtype("lhs/rhs", args.lhs.dtype)
+  out_dtype = jnp.dtype(args.preferred_element_type or args.lhs.dtype)
+  if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
+                       jnp.dtype(jnp.float32)):
+    raise NotImplementedError(f"preferred_element_type {out_dtype} (supported: "
+                              "bfloat16, float16, float32)")
+  if (isinstance(args.precision, lax.DotAlgorithmPreset)
+      and args.precision != lax.DotAlgorithmPreset.DEFAULT):
+    raise NotImplementedError(f"dot algorithm {args.precision}")
+  if args.precision not in (None, lax.Precision.DEFAULT) and not isinstance(
+      args.precision, lax.DotAlgorithmPreset):
+    # bf16/f16 operands multiply exactly on the tensor cores whatever the
+    # requested precision, and accumulate in float32: HIGH/HIGHEST are honoured.
+    pass
+  if 0 in args.lhs.shape or 0 in args.rhs.shape:
+    raise NotImplementedError(
+        f"empty operands (lhs {args.lhs.shape}, rhs {args.rhs.shape})")
+  if args.group_sizes.shape[0] == 0:
+    raise NotImplementedError("no groups")
+
+
+def _problem(args):
+  m, k = args.lhs.shape
+  n = args.rhs.shape[2]
+  itemsize = jnp.dtype(args.lhs.dtype).itemsize
+  out_itemsize = jnp.dtype(args.preferred_element_type or args.lhs.dtype).itemsize
+  return m, k, n, args.num_groups, itemsize, out_itemsize
+
+
+# ----------------------------------------------------------------------------
+# Ops.
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGpuRaggedDot(Op):
+  """Grouped matmul forward: warp-specialized TMA + wgmma, persistent grid."""
+
+  op_name = "ragged_dot"
+  name = "mosaic_gpu"
+  config_cls = RaggedDotConfig
+
+  def check_supported(self, args, device):
+    _common.check_hopper_device(device)
+    _check_args(args)
+
+  def heuristic_config(self, args):
+    return _heuristic(*_problem(args))
+
+  def search_space(self, args):
+    return _search_space(*_problem(args))
+
+  def forward(self, args, config):
+    out_dtype = jnp.dtype(args.preferred_element_type or args.lhs.dtype)
+    starts, ends = _row_bounds(args.group_sizes, args.group_offset,
+                               args.rhs.shape[0], args.lhs.shape[0])
+    out = grouped_matmul(args.lhs, args.rhs, starts, ends, transpose_rhs=False,
+                         out_dtype=out_dtype, config=config)
+    return out, {}
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGpuRaggedDotVjp(VjpOp):
+  """Backward: dlhs by the forward kernel on rhs^T, drhs by the ragged contraction.
+
+  The config tiles both: dlhs as the forward (``block_m x 2 block_n`` over K
+  columns), drhs as ``64 x 2 block_n`` tiles of each group's ``[K, N]`` with
+  `block_k` rows per step and `num_stages` steps in flight.
+  """
+
+  op_name = "ragged_dot"
+  name = "mosaic_gpu"
+  config_cls = RaggedDotConfig
+
+  def check_supported(self, args, device, residuals=None):
+    del residuals  # The backward needs none.
+    _common.check_hopper_device(device)
+    _check_args(args)
+
+  def heuristic_config(self, args):
+    m, k, n, g, itemsize, _ = _problem(args)
+    return _heuristic(m, n, k, g, itemsize, itemsize)
+
+  def search_space(self, args):
+    m, k, n, g, itemsize, _ = _problem(args)
+    return _search_space(m, n, k, g, itemsize, itemsize)
+
+  def backward(self, args, residuals, out, dout, config):
+    del residuals, out
+    dout = dout.astype(args.lhs.dtype)  # f32 when preferred_element_type was
+    starts, ends = _row_bounds(args.group_sizes, args.group_offset,
+                               args.rhs.shape[0], args.lhs.shape[0])
+    dlhs = grouped_matmul(dout, args.rhs, starts, ends, transpose_rhs=True,
+                          out_dtype=args.lhs.dtype, config=config)
+    drhs_config = dataclasses.replace(config, block_k=64, num_stages=4)
+    drhs = grouped_transposed_matmul(args.lhs, dout, starts, ends,
+                                     out_dtype=args.rhs.dtype, config=drhs_config)
+    return {"lhs": dlhs, "rhs": drhs}

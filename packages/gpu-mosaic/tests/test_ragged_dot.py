@@ -1,0 +1,282 @@
+"""Tests of the Mosaic GPU ragged_dot kernel.
+
+The kernel runs only natively on a Hopper GPU (JAX's Mosaic GPU interpreter does not
+run warp-specialized pipelines), so the numerical tests are skipped elsewhere; on
+the CPU the registration, the refusals and the lowering to Mosaic GPU IR (a full
+trace of the kernel for the "cuda" platform, which needs no GPU) are checked.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tokamax
+from tokamax import testing
+from tokamax_gpu_mosaic import ragged_dot as rd
+
+HIGHEST = jax.lax.Precision.HIGHEST
+_ON_HOPPER = (jax.default_backend() == "gpu"
+              and getattr(jax.devices()[0], "compute_capability", "").startswith("9."))
+gpu = pytest.mark.skipif(not _ON_HOPPER, reason="needs an NVIDIA Hopper GPU")
+
+_seed = iter(range(1_000_000))
+
+
+def _rng():
+  return np.random.default_rng(next(_seed))
+
+
+def _inputs(m, k, n, num_held, dtype):
+  rng = _rng()
+  lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
+  rhs = jnp.asarray(rng.standard_normal((num_held, k, n)) / np.sqrt(k), dtype)
+  return lhs, rhs
+
+
+def _reference(lhs, rhs, group_sizes, group_offset, preferred_element_type=None):
+  return tokamax.ragged_dot(
+      lhs.astype(jnp.float32), rhs.astype(jnp.float32), group_sizes,
+      group_offset=group_offset, precision=HIGHEST, implementation="xla",
+      preferred_element_type=preferred_element_type and jnp.float32)
+
+
+def _check(m, k, n, sizes, *, num_held=None, group_offset=None, dtype=jnp.bfloat16,
+           preferred_element_type=None, config=None, grads=True):
+  num_held = num_held or len(sizes)
+  lhs, rhs = _inputs(m, k, n, num_held, dtype)
+  group_sizes = jnp.asarray(sizes, jnp.int32)
+  impl = rd.MosaicGpuRaggedDot(config) if config else "mosaic_gpu"
+  with tokamax.record_dispatch() as records:
+    out = jax.jit(lambda l, r, g: tokamax.ragged_dot(
+        l, r, g, group_offset=group_offset, implementation=impl,
+        preferred_element_type=preferred_element_type))(lhs, rhs, group_sizes)
+  assert any(r.implementation == "mosaic_gpu" and r.direction == "forward"
+             for r in records)
+  ref = _reference(lhs, rhs, group_sizes, group_offset, preferred_element_type)
+  assert out.dtype == jnp.dtype(preferred_element_type or dtype)
+  tol_dtype = dtype if preferred_element_type is None else jnp.dtype(
+      preferred_element_type)
+  if tol_dtype == jnp.float32:
+    tol_dtype = dtype  # bf16/f16 operands: the products are exact, sums f32
+  testing.assert_close(out, ref, tol_dtype, what="forward", gpu=True)
+  # Rows outside the held groups must be exactly zero (never left unwritten).
+  ends = np.cumsum(sizes)
+  starts = ends - np.asarray(sizes)
+  lo = 0 if group_offset is None else group_offset
+  held = np.zeros(m, bool)
+  for s, e in zip(starts[lo:lo + num_held], ends[lo:lo + num_held]):
+    held[s:e] = True
+  assert not np.any(np.asarray(out, np.float32)[~held]), "rows outside held groups"
+  if grads:
+    cot = jnp.asarray(_rng().standard_normal(out.shape), jnp.float32)
+
+    def loss(l, r, impl):
+      o = tokamax.ragged_dot(l, r, group_sizes, group_offset=group_offset,
+                             implementation=impl)
+      return jnp.sum(o.astype(jnp.float32) * cot)
+    with tokamax.record_dispatch() as records:
+      dl, dr = jax.grad(loss, argnums=(0, 1))(lhs, rhs, impl)
+    assert any(r.implementation == "mosaic_gpu" and r.direction == "backward"
+               for r in records), records
+    rl, rr = jax.grad(loss, argnums=(0, 1))(lhs.astype(jnp.float32),
+                                            rhs.astype(jnp.float32), "xla")
+    testing.assert_close(dl, rl, dtype, what="dlhs", scale=2, gpu=True)
+    testing.assert_close(dr, rr, dtype, what="drhs", scale=2, gpu=True)
+
+
+# ---------------------------------------------------------------- GPU (native)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_awkward_groups(dtype):
+  # Empty groups, boundaries off the tile grid, M not a tile multiple.
+  _check(1000, 512, 392, [100, 0, 333, 1, 0, 466, 100], dtype=dtype)
+
+
+@gpu
+def test_rows_past_total_and_tiny_m():
+  _check(300, 256, 256, [17, 0, 150], grads=False)
+  _check(37, 64, 24, [5, 9, 0], grads=False)
+
+
+@gpu
+def test_group_offset():
+  _check(777, 384, 520, [100, 200, 0, 150, 300], num_held=2, group_offset=2)
+  _check(777, 384, 520, [100, 200, 0, 150, 300], num_held=1, group_offset=4,
+         grads=False)
+
+
+@gpu
+def test_preferred_float32():
+  _check(500, 256, 264, [123, 250, 127], preferred_element_type=jnp.float32,
+         grads=False)
+
+
+@gpu
+@pytest.mark.parametrize("config", [
+    rd.RaggedDotConfig(block_m=64, block_n=64, block_k=32, num_stages=2,
+                       grid_tile_width=3, row_tiling="fixed"),
+    rd.RaggedDotConfig(block_m=128, block_n=128, block_k=64, num_stages=3,
+                       row_tiling="fixed"),
+    rd.RaggedDotConfig(block_m=128, block_n=64, block_k=32, num_stages=4,
+                       grid_tile_width=3),
+    rd.RaggedDotConfig(block_m=128, block_n=128, block_k=64, num_stages=3,
+                       grid_tile_width=16),
+])
+def test_configs(config):
+  _check(1500, 640, 704, [400, 3, 0, 600, 497], config=config, grads=False)
+
+
+@gpu
+def test_many_groups_random_sizes():
+  rng = _rng()
+  cuts = np.sort(rng.integers(0, 4000, 63))
+  sizes = np.diff(np.concatenate([[0], cuts, [4000]]))
+  _check(4096, 512, 512, sizes.tolist(), grads=False)
+
+
+@gpu
+def test_dlhs_kernel():
+  """The transposed-rhs kernel (the dlhs product) against the reference."""
+  m, k, n, sizes = 900, 256, 384, [300, 0, 201, 399]
+  dout, rhs = _inputs(m, n, k, len(sizes), jnp.bfloat16)  # rhs [G, N?]: see below
+  rhs_t = jnp.swapaxes(rhs, 1, 2)  # [G, K, N] with K=256 rows... as forward rhs
+  starts, ends = rd._row_bounds(jnp.asarray(sizes, jnp.int32), None, len(sizes), m)
+  out = jax.jit(lambda d, r: rd.grouped_matmul(
+      d, r, starts, ends, transpose_rhs=True, out_dtype=jnp.bfloat16,
+      config=rd.RaggedDotConfig()))(dout, rhs_t)
+  ref = jax.lax.ragged_dot(dout.astype(jnp.float32), rhs.astype(jnp.float32),
+                           jnp.asarray(sizes, jnp.int32), precision=HIGHEST)
+  testing.assert_close(out, ref, jnp.bfloat16, what="dlhs kernel", gpu=True)
+
+
+@gpu
+@pytest.mark.parametrize("sizes,m", [([300, 0, 201, 399], 900), ([5, 9, 0, 3], 40),
+                                     ([0, 0], 30), ([130, 1, 64, 700], 1000)])
+def test_drhs_kernel(sizes, m):
+  """The ragged contraction alone, with groups off the 8-row grid."""
+  k, n = 200, 392
+  rng = _rng()
+  lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  dout = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  starts, ends = rd._row_bounds(gs, None, len(sizes), m)
+  out = jax.jit(lambda a, d: rd.grouped_transposed_matmul(
+      a, d, starts, ends, out_dtype=jnp.float32,
+      config=rd.RaggedDotConfig(num_stages=4)))(lhs, dout)
+  ends_np = np.cumsum(sizes)
+  starts_np = ends_np - np.asarray(sizes)
+  lf, df = np.asarray(lhs, np.float64), np.asarray(dout, np.float64)
+  ref = np.stack([lf[s:e].T @ df[s:e] for s, e in zip(starts_np, ends_np)])
+  testing.assert_close(out, ref, jnp.bfloat16, what="drhs kernel", gpu=True)
+
+
+# ---------------------------------------------------------------- anywhere
+
+
+def test_registered():
+  names = {(s.op, s.name) for s in tokamax.implementations()}
+  assert ("ragged_dot", "mosaic_gpu") in names
+
+
+def test_refuses_non_hopper():
+  lhs, rhs = _inputs(16, 16, 16, 2, jnp.bfloat16)
+  from tokamax._src.ops.ragged_dot import RaggedDotArgs  # pylint: disable=g-import-not-at-top
+  args = RaggedDotArgs(lhs=lhs, rhs=rhs, group_sizes=jnp.asarray([8, 8], jnp.int32))
+  for device in (tokamax.DeviceInfo("cpu", "cpu"),
+                 tokamax.DeviceInfo("cpu", "cpu", interpret=True),
+                 tokamax.DeviceInfo("gpu", "NVIDIA A100", compute_capability="8.0")):
+    with pytest.raises(NotImplementedError, match="needs an NVIDIA Hopper GPU"):
+      rd.MosaicGpuRaggedDot().check_supported(args, device)
+  with pytest.raises(NotImplementedError, match="needs an NVIDIA Hopper GPU"):
+    rd.MosaicGpuRaggedDotVjp().check_supported(
+        args, tokamax.DeviceInfo("cpu", "cpu"))
+
+
+def test_refuses_unsupported_args():
+  from tokamax._src.ops.ragged_dot import RaggedDotArgs  # pylint: disable=g-import-not-at-top
+  h200 = tokamax.DeviceInfo("gpu", "NVIDIA H200", compute_capability="9.0")
+  sizes = jnp.asarray([8, 8], jnp.int32)
+  lhs, rhs = _inputs(16, 16, 16, 2, jnp.float32)
+  with pytest.raises(NotImplementedError, match="bfloat16 or float16"):
+    rd.MosaicGpuRaggedDot().check_supported(
+        RaggedDotArgs(lhs=lhs, rhs=rhs, group_sizes=sizes), h200)
+  lhs, rhs = _inputs(16, 16, 16, 2, jnp.bfloat16)
+  rd.MosaicGpuRaggedDot().check_supported(
+      RaggedDotArgs(lhs=lhs, rhs=rhs, group_sizes=sizes), h200)
+  rd.MosaicGpuRaggedDotVjp().check_supported(
+      RaggedDotArgs(lhs=lhs, rhs=rhs, group_sizes=sizes), h200)
+
+
+@pytest.mark.skipif(_ON_HOPPER, reason="checks the refusal off Hopper")
+def test_dispatch_on_cpu_falls_back():
+  lhs, rhs = _inputs(16, 16, 16, 2, jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="Hopper"):
+    tokamax.ragged_dot(lhs, rhs, jnp.asarray([8, 8], jnp.int32),
+                       implementation="mosaic_gpu")
+  with tokamax.interpret():
+    with pytest.raises(NotImplementedError, match="Hopper"):
+      tokamax.ragged_dot(lhs, rhs, jnp.asarray([8, 8], jnp.int32),
+                         implementation="mosaic_gpu")
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("tiling", ["group", "fixed"])
+def test_lowers_for_cuda(transpose_rhs, tiling):
+  """The whole kernel traces and lowers to Mosaic GPU for "cuda" without a GPU."""
+  pytest.importorskip("absl")
+  m, k, n, g = 300, 128, 200, 3
+  config = rd.RaggedDotConfig(block_m=128 if tiling == "group" else 64,
+                              block_n=64, block_k=64, num_stages=2,
+                              row_tiling=tiling)
+
+  def f(lhs, rhs, sizes):
+    starts, ends = rd._row_bounds(sizes, None, g, m)
+    return rd.grouped_matmul(lhs, rhs, starts, ends, transpose_rhs=transpose_rhs,
+                             out_dtype=jnp.bfloat16, config=config)
+  rhs_shape = (g, n, k) if transpose_rhs else (g, k, n)
+  exported = jax.export.export(jax.jit(f), platforms=["cuda"])(
+      jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+      jax.ShapeDtypeStruct(rhs_shape, jnp.bfloat16),
+      jax.ShapeDtypeStruct((g,), jnp.int32))
+  assert "mosaic_gpu" in exported.mlir_module()
+
+
+def test_tile_groups_table():
+  sizes = jnp.asarray([100, 0, 333, 1, 0, 466, 100], jnp.int32)
+  starts, ends = rd._row_bounds(sizes, None, 7, 1100)
+  table = np.asarray(rd._tile_groups(starts, ends, 1100, 128))
+  s, e = np.asarray(starts), np.asarray(ends)
+  for t, (first, last) in enumerate(table):
+    lo, hi = t * 128, t * 128 + 128
+    meets = [g for g in range(7) if e[g] > s[g] and s[g] < hi and e[g] > lo]
+    if not meets:
+      assert first > last
+    else:
+      assert first == meets[0] and last >= meets[-1]
+      assert all(e[g] <= s[g] for g in range(first, last + 1) if g not in meets)
+
+
+@pytest.mark.parametrize("sizes,m,held,offset", [
+    ([100, 0, 333, 1, 0, 466, 100], 1100, 7, 0),
+    ([5, 9, 0], 64, 3, 0),
+    ([0, 0], 16, 2, 0),
+    ([100, 200, 0, 150, 300], 800, 2, 2),
+    ([100, 200, 0, 150, 300], 800, 1, 4),
+    ([300, 200], 500, 2, 0),
+])
+def test_work_items_cover_every_row_once(sizes, m, held, offset):
+  starts, ends = rd._row_bounds(jnp.asarray(sizes, jnp.int32), offset, held, m)
+  items = np.asarray(rd._work_items(starts, ends, m, 128))
+  owner = np.full(m, -2)
+  s, e = np.asarray(starts), np.asarray(ends)
+  for row0, group, lo, hi in items:
+    assert row0 % 8 == 0 or group < 0
+    for r in range(row0 + lo, row0 + hi):
+      assert owner[r] == -2, f"row {r} owned twice"
+      owner[r] = group
+  for r in range(m):
+    expected = next((g for g in range(held) if s[g] <= r < e[g]), -1)
+    assert owner[r] == expected, (r, owner[r], expected)
