@@ -274,7 +274,12 @@ def test_every_op_inside_shard_map_runs_on_local_shards():
   g = jax.jit(jax.grad(lambda *a: sum(jnp.sum(o) for o in jax.shard_map(
       local, mesh=mesh, in_specs=specs,
       out_specs=(P("a", None, "b"), P("a"), P("a"), P("a")))(*a)), argnums=(0, 3, 4)))
-  assert all(jnp.all(jnp.isfinite(a)) for a in g(q, k, v, x, w, lhs))
+  dq, dx, dw = g(q, k, v, x, w, lhs)
+  assert all(jnp.all(jnp.isfinite(a)) for a in (dq, dx))
+  # w is replicated (invariant): its cotangent sums every shard's part, as the
+  # unsharded gradient does (a kernel's per-shard part must be psum'd).
+  want_dw = jax.grad(lambda w: jnp.sum(tokamax.gated_linear_unit(x, w)))(w)
+  assert _rel(dw, want_dw) < 1e-5 * TOL_SCALE
 
 
 def moe_all_to_all(x, expert_ids, w_local, *, axis_name, num_shards):

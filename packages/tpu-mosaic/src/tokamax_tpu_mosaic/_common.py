@@ -343,6 +343,8 @@ class KernelPlan:
   def call(self, kernel, *operands, prefetch=(), **kwargs):
     """`pl.pallas_call` of `kernel` with this plan; outputs as a list."""
     outs = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in self.outputs]
+    # Inside shard_map the outputs must say which mesh axes they vary over.
+    outs = tokamax.plugin.varying_out_shape(outs, (prefetch, operands))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(prefetch), grid=self.grid,
         in_specs=[o.spec for o in self.inputs],

@@ -20,6 +20,7 @@ from tokamax._src import config
 from tokamax._src import config_sources
 from tokamax._src import registry
 from tokamax._src import sharding
+from tokamax._src import vma
 from tokamax._src.op import DeviceInfo, Op, VjpOp
 
 Implementation = None | str | Op | Sequence[str | Op]
@@ -287,7 +288,9 @@ def _cotangents(args: Any, grads: dict, diff_fields: tuple[str, ...]) -> Any:
     if g.shape != primal.shape:
       raise ValueError(f"backward returned a cotangent of shape {g.shape} for "
                        f"{field.name} of shape {primal.shape}")
-    updates[field.name] = g.astype(primal.dtype)
+    # Inside shard_map a cotangent must vary over the mesh axes its primal does.
+    updates[field.name] = vma.match_varying(g.astype(primal.dtype),
+                                            vma.varying_axes(primal))
   return dataclasses.replace(args, **updates)
 
 
@@ -339,7 +342,8 @@ def call(op_name: str, args: Any, implementation: Implementation,
     return out, dict(residuals)
 
   def partitioned_forward(args):
-    return sharding.forward(op_name, args, forward_local, supports)
+    out, residuals = sharding.forward(op_name, args, forward_local, supports)
+    return vma.outputs_like_inputs(out, args), residuals
 
   @jax.custom_vjp
   def run(args):

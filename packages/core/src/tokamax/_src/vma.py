@@ -48,3 +48,45 @@ def varying_out_shape(out_shape: Any, inputs: Any) -> Any:
                                 manual_axis_type=mat)
   return jax.tree.map(mark, out_shape,
                       is_leaf=lambda s: isinstance(s, jax.ShapeDtypeStruct))
+
+
+def _cast_varying(x, axes: frozenset):
+  """x typed as varying over `axes` (values unchanged: each device keeps its own)."""
+  names = tuple(sorted(axes))
+  pcast = getattr(jax.lax, "pcast", None)
+  if pcast is not None:
+    return pcast(x, names, to="varying")
+  return jax.lax.pvary(x, names)  # older JAX
+
+
+def match_varying(x, axes: frozenset):
+  """`x` typed as varying over exactly `axes` (inside shard_map).
+
+  Axes x varies over beyond `axes` are summed: that is the transpose of the
+  implicit broadcast of an invariant primal, so a cotangent computed per device
+  becomes the cotangent of the replicated value. Missing axes are only typed.
+  """
+  have = _varying_axes(x)
+  extra, missing = have - axes, axes - have
+  if extra:
+    x = jax.lax.psum(x, tuple(sorted(extra)))
+  if missing:
+    x = _cast_varying(x, missing)
+  return x
+
+
+def varying_axes(tree) -> frozenset:
+  """The manual mesh axes any array of `tree` varies over (empty outside shard_map)."""
+  if not _check_vma_active():
+    return frozenset()
+  return frozenset().union(*(_varying_axes(x) for x in jax.tree.leaves(tree)))
+
+
+def outputs_like_inputs(out, inputs):
+  """Op outputs typed as varying over every axis an input varies over: what JAX
+  would infer for the same computation in jnp (a kernel may not say it)."""
+  if not _check_vma_active():
+    return out
+  axes = varying_axes(inputs)
+  return jax.tree.map(lambda o: match_varying(o, axes | _varying_axes(o)), out)
+
