@@ -340,9 +340,10 @@ def test_moe_all_to_all_worked_example():
   assert 0 < dropped.sum() < len(dropped)
   assert _rel(tight[~dropped], want[~dropped]) < 2e-5 * TOL_SCALE
   gx, gw = jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, ids, w))), argnums=(0, 1))(x, w)
-  wx, ww = jax.grad(lambda x, w: jnp.sum(jnp.sin(jnp.einsum("mk,mkn->mn", x, w[ids]))),
+  wx, ww = jax.grad(lambda x, w: jnp.sum(jnp.sin(jnp.einsum(
+      "mk,mkn->mn", x, w[ids], precision=jax.lax.Precision.HIGHEST))),
                     argnums=(0, 1))(x, w)
-  assert _rel(gx, wx) < 1e-5 * TOL_SCALE and _rel(gw, ww) < 1e-5 * TOL_SCALE
+  assert _rel(gx, wx) < 3e-5 * TOL_SCALE and _rel(gw, ww) < 3e-5 * TOL_SCALE
 
 
 # ------------------------------------------------------------- ring attention
