@@ -402,3 +402,35 @@ def test_kernel_out_shapes_vary_like_their_inputs():
   assert seen["y"].varying == frozenset()  # typed, and invariant like its input
   sds = jax.ShapeDtypeStruct((2,), jnp.float32)
   assert tokamax.plugin.varying_out_shape(sds, (jnp.ones(2),)) is sds  # outside
+
+
+@pytest.mark.parametrize("implementation", [None, "triton"])
+def test_ring_attention_block_backward_uses_the_global_lse(implementation):
+  """Each block pair's backward must compute from the global log-sum-exp: the
+  chosen implementation's own when it does (Triton), never a backward that
+  recomputes the block's softmax (XLA autodiff, cuDNN)."""
+  on_cpu = jax.default_backend() == "cpu"
+  if implementation == "triton":
+    pytest.importorskip("tokamax_gpu_triton")
+  mesh = _mesh((1, NUM_DEVICES))
+  q, k, v = (_rand(1, 2 * NUM_DEVICES * 4, 2, 16) for _ in range(3))
+  perm = tokamax.zigzag_permutation(q.shape[1], NUM_DEVICES)
+  inv = np.argsort(perm)
+  # TPU/Triton interpret mode on the CPU mis-types shard_map's varying axes.
+  ring = jax.shard_map(
+      lambda q, k, v: tokamax.ring_attention(q, k, v, axis_name="b", is_causal=True,
+                                             load_balanced=True,
+                                             implementation=implementation),
+      mesh=mesh, in_specs=P(None, "b"), out_specs=P(None, "b"),
+      check_vma=not (on_cpu and implementation is not None))
+  fn = lambda q, k, v: ring(q[:, perm], k[:, perm], v[:, perm])[:, inv]
+  ref = lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=True,
+                                                      implementation="xla")
+  loss = lambda f: (lambda *a: jnp.sum(jnp.sin(f(*a))))
+  with tokamax.interpret(on_cpu and implementation is not None), \
+      tokamax.record_dispatch() as records:
+    grads = jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2)))(q, k, v)
+  for got, want in zip(grads, jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)):
+    assert _rel(got, want) < 1e-5 * TOL_SCALE
+  backward = {r.implementation for r in records if r.direction == "backward"}
+  assert backward == {implementation or ("xla_chunked" if on_cpu else "triton")}

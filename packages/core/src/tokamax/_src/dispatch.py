@@ -403,3 +403,51 @@ def forward_with_residuals(op_name: str, args: Any, implementation: Implementati
   if implementation is None:
     return forward_with_residuals(op_name, args, "xla_chunked", needed)
   raise NotImplementedError(_no_implementation_message(op_name, "forward", rejected))
+
+
+def _consumes(op: VjpOp, args: Any, device: DeviceInfo, residuals: dict,
+              names: tuple[str, ...]) -> bool:
+  """Whether backward `op` needs the residuals `names` (refuses a call without
+  them): then it uses the values given rather than recomputing its own."""
+  rest = {k: v for k, v in residuals.items() if k not in names}
+  try:
+    op.check_supported(args, device, rest)
+  except NotImplementedError:
+    return True
+  return False
+
+
+def backward_with_residuals(op_name: str, args: Any, residuals: dict, out: jax.Array,
+                            dout: jax.Array, implementation: Implementation,
+                            consumes: tuple[str, ...]) -> dict:
+  """Runs only a backward of `op_name` that computes from the given residuals.
+
+  For building blocks that combine op calls themselves (ring attention: each
+  block pair's gradients come from the global log-sum-exp and output, not from
+  the block's own softmax). The first usable backward among the implementations'
+  own that needs every residual in `consumes` (a backward that would recompute
+  them, like autodiff through a forward, gives a different result and is
+  skipped); with `implementation=None`, the XLA chunked one when none does.
+  """
+  device = current_device(jax.tree_util.tree_leaves(args))
+  rejected = []
+  for cand in _expand(op_name, implementation, device):
+    try:
+      op = cand.backward()
+      if op is None:
+        raise NotImplementedError("has no backward of its own")
+      check_opt_in(op, args)
+      op.check_supported(args, device, residuals)
+      if not _consumes(op, args, device, residuals, consumes):
+        raise NotImplementedError(f"does not compute from the given "
+                                  f"{', '.join(consumes)}")
+    except (NotImplementedError, ImportError) as e:
+      rejected.append((cand.label, _describe(e)))
+      continue
+    config_ = op.resolve_config(args)
+    _record(DispatchRecord(op_name, "backward", cand.label, config_, tuple(rejected)))
+    return dict(op.backward(args, residuals, out, dout, config_))
+  if implementation is None:
+    return backward_with_residuals(op_name, args, residuals, out, dout, "xla_chunked",
+                                   consumes)
+  raise NotImplementedError(_no_implementation_message(op_name, "backward", rejected))

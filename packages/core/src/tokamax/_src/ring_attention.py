@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from tokamax._src import dispatch
-from tokamax._src import registry
 from tokamax._src.ops import attention as attention_op
 
 
@@ -95,11 +94,13 @@ def _block_forward(q, k, v, causal, s: _Static):
 
 
 def _block_backward(q, k, v, causal, lse, out, dout, s: _Static):
-  """(dq, dk, dv) float32 of one block pair, from the global lse and output."""
-  args = _args(q, k, v, causal, s)
-  bwd = registry.backward_class(registry.find(attention_op.OP_NAME, "xla_chunked"))()
-  grads = bwd.backward(args, {"lse": jnp.where(lse == -jnp.inf, jnp.inf, lse)},
-                       out, dout, bwd.resolve_config(args))
+  """(dq, dk, dv) float32 of one block pair, from the global lse and output: a
+  backward that computes from the given log-sum-exp (the forward's implementation
+  when it has one, else the XLA chunked one)."""
+  grads = dispatch.backward_with_residuals(
+      attention_op.OP_NAME, _args(q, k, v, causal, s),
+      {"lse": jnp.where(lse == -jnp.inf, jnp.inf, lse)}, out, dout, s.implementation,
+      consumes=("lse",))
   return tuple(grads[f].astype(jnp.float32) for f in ("query", "key", "value"))
 
 
@@ -293,9 +294,9 @@ def ring_attention(
     load_balanced: the sequence is in the zig-zag layout of
       `zigzag_permutation` (causal only): equal work on every device.
     precision: matmul precision.
-    implementation: the per-block forward implementation(s); it must return the
-      log-sum-exp residual (else "xla_chunked" is used). The backward runs the
-      XLA chunked backward from the log-sum-exp.
+    implementation: the per-block implementation(s). The forward must return
+      the log-sum-exp residual and the backward must compute from it (with None:
+      the first that does, e.g. the Triton kernels on a GPU, else "xla_chunked").
 
   Returns:
     The local ``[B, T/n, N, Hv]`` output block.
