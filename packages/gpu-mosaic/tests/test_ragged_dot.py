@@ -244,14 +244,20 @@ def test_lowers_for_cuda(transpose_rhs, tiling):
   assert "mosaic_gpu" in exported.mlir_module()
 
 
-def test_tile_groups_table():
-  sizes = jnp.asarray([100, 0, 333, 1, 0, 466, 100], jnp.int32)
-  starts, ends = rd._row_bounds(sizes, None, 7, 1100)
-  table = np.asarray(rd._tile_groups(starts, ends, 1100, 128))
+@pytest.mark.parametrize("sizes,m,held,offset", [
+    ([100, 0, 333, 1, 0, 466, 100], 1100, 7, 0),
+    # Held groups from the third: the first held group is empty and starts
+    # mid-tile (row 300 of tile [256, 384)).
+    ([100, 200, 0, 150, 300], 777, 2, 2),
+    ([100, 0, 0, 150, 300, 0], 640, 4, 1),
+])
+def test_tile_groups_table(sizes, m, held, offset):
+  starts, ends = rd._row_bounds(jnp.asarray(sizes, jnp.int32), offset, held, m)
+  table = np.asarray(rd._tile_groups(starts, ends, m, 128))
   s, e = np.asarray(starts), np.asarray(ends)
   for t, (first, last) in enumerate(table):
     lo, hi = t * 128, t * 128 + 128
-    meets = [g for g in range(7) if e[g] > s[g] and s[g] < hi and e[g] > lo]
+    meets = [g for g in range(held) if e[g] > s[g] and s[g] < hi and e[g] > lo]
     if not meets:
       assert first > last
     else:

@@ -210,3 +210,21 @@ def test_lowers_to_mosaic_tpu(dtype):
           s((m, k), dtype), s((g, k, n), dtype), s((g,), jnp.int32),
           s((m, n), dtype)).lower(lowering_platforms=("tpu",)).as_text()
     assert text.count("tpu_custom_call") >= 3
+
+
+@pytest.mark.parametrize("shape", [(0, 128, 128), (64, 0, 128), (64, 128, 0)],
+                         ids=["m0", "k0", "n0"])
+def test_empty_operands_give_zeros(shape):
+  """An expert-parallel shard can hold no tokens: zeros, gradients included."""
+  m, k, n = shape
+  lhs = jnp.ones((m, k), jnp.bfloat16)
+  rhs = jnp.ones((2, k, n), jnp.bfloat16)
+  sizes = jnp.asarray([m // 2, m - m // 2], jnp.int32)
+  f = lambda lhs, rhs: tokamax.ragged_dot(lhs, rhs, sizes, implementation="mosaic_tpu")
+  with tokamax.interpret():
+    out = f(lhs, rhs)
+    grads = jax.grad(lambda a, b: jnp.sum(f(a, b).astype(jnp.float32)),
+                     argnums=(0, 1))(lhs, rhs)
+  assert out.shape == (m, n) and not np.any(np.asarray(out, np.float32))
+  assert grads[0].shape == lhs.shape and grads[1].shape == rhs.shape
+  assert not np.any(np.asarray(grads[1], np.float32))

@@ -113,14 +113,22 @@ def _row_bounds(group_sizes, group_offset, num_held: int, m: int):
 def _tile_groups(starts, ends, m: int, block_m: int):
   """Per m-tile, the first and last held group meeting it, int32 ``[tiles, 2]``.
 
-  ``first > last`` when none does. The first group is never empty (an empty group
-  before any row of the tile would have its end at or below the tile start); the
-  kernel skips empty groups inside the range.
+  ``first > last`` when none does. The first group is never empty: the kernel's
+  first visit of a tile is the one that zeroes the rows no group owns, so an empty
+  group (which it skips) must not take that role. Empty groups can sit at a
+  tile's start when the held groups begin mid-sequence (``group_offset``).
   """
   num_tiles = pl.cdiv(m, block_m)
+  num_held = starts.shape[0]
   lo = jnp.arange(num_tiles, dtype=jnp.int32) * block_m
   hi = lo + block_m
   first = jnp.searchsorted(ends, lo, side="right").astype(jnp.int32)
+  # Move past empty groups: the next non-empty group at or after `first`.
+  index = jnp.arange(num_held, dtype=jnp.int32)
+  nonempty_at = jnp.where(ends > starts, index, num_held)
+  next_nonempty = lax.cummin(nonempty_at, reverse=True)
+  first = jnp.where(first < num_held,
+                    next_nonempty[jnp.minimum(first, num_held - 1)], num_held)
   last = (jnp.searchsorted(starts, hi, side="left") - 1).astype(jnp.int32)
   none = (first > last) | (first >= starts.shape[0])
   first = jnp.where(none, 1, first)

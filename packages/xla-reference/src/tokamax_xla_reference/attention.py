@@ -72,7 +72,7 @@ def _logits(q, k, bias, *, scale, logits_soft_cap, precision):
 def _softmax_stats(logits, vis):
   """Row max (finite, no gradient), unnormalized probabilities and row sums."""
   masked = jnp.where(vis, logits, -jnp.inf)
-  row_max = jnp.max(masked, axis=-1, keepdims=True)
+  row_max = jnp.max(masked, axis=-1, keepdims=True, initial=-jnp.inf)  # S may be 0
   row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
   p = jnp.exp(masked - row_max)
   return row_max[..., 0], p, jnp.sum(p, axis=-1)

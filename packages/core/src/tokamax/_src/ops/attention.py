@@ -174,7 +174,7 @@ def _segments(name: str, x: Any, batch_shape: tuple[int, ...], length: int,
   if tuple(x.shape) != (*batch_shape, length):
     raise ValueError(f"{name} must have shape {(*batch_shape, length)} ([*batch, "
                      f"{length_name}]); got {_checks.describe(x)}")
-  return x.reshape(-1, length).astype(jnp.int32)
+  return x.reshape(math.prod(batch_shape), length).astype(jnp.int32)
 
 
 def dot_product_attention(
@@ -305,10 +305,13 @@ def canonical_args(query, key, value, bias=None, mask=None, *, scale=None,
     q_segment_ids = _segments("q_segment_ids", q_segment_ids, batch_shape, t, "T")
     kv_segment_ids = _segments("kv_segment_ids", kv_segment_ids, batch_shape, s, "S")
 
+  # One flat batch dim; sized explicitly, since -1 cannot be inferred when
+  # another dim is 0 (an empty sequence).
+  flat = math.prod(batch_shape)
   args = AttentionArgs(
-      query=query.reshape(-1, t, n, h),
-      key=key.reshape(-1, s, k, h),
-      value=value.reshape(-1, s, k, value.shape[-1]),
+      query=query.reshape(flat, t, n, h),
+      key=key.reshape(flat, s, k, h),
+      value=value.reshape(flat, s, k, value.shape[-1]),
       bias=bias,
       mask=mask,
       query_seq_lengths=query_seq_lengths,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -101,7 +102,7 @@ def gated_linear_unit(
     raise TypeError(f"activation must be a callable or None; got {activation!r}")
 
   args = GatedLinearUnitArgs(
-      x=x.reshape(-1, k), weights=weights, activation=activation,
+      x=x.reshape(math.prod(x.shape[:-1]), k), weights=weights, activation=activation,
       precision=_checks.canonical_precision(precision))
   out = dispatch.call(OP_NAME, args, implementation, DIFF_FIELDS)
   return out.reshape(*x.shape[:-1], weights.shape[-1])

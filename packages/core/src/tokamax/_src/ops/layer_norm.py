@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -91,7 +92,8 @@ def layer_norm(
 
   moved = jnp.moveaxis(x, axis, -1)
   args = LayerNormArgs(
-      x=moved.reshape(-1, d), scale=params["scale"], offset=params["offset"],
+      x=moved.reshape(math.prod(moved.shape[:-1]), d), scale=params["scale"],
+      offset=params["offset"],
       epsilon=float(epsilon), subtract_mean=bool(subtract_mean))
   y = dispatch.call(OP_NAME, args, implementation, DIFF_FIELDS)
   return jnp.moveaxis(y.reshape(moved.shape), -1, axis)
