@@ -84,7 +84,9 @@ def fused_glu(x, weights, activation, config: GatedLinearUnitConfig) -> jax.Arra
   bm, bn, bk = config.block_m, config.block_n, config.block_k
   half = bm // 2
   m = _round_up(m_orig, 8, bm)
-  k = _round_up(k_orig, _COLS, bk)
+  # At least two K steps, as ragged_dot does: a one-step warp-specialized
+  # pipeline crashed on the H200 (notes/MOSAIC_GPU.md); zero columns add nothing.
+  k = _round_up(k_orig, _COLS, 2 * bk)
   n = _round_up(n_orig, _COLS, bn)
   x = _pad_to(_pad_to(x, 0, m), 1, k)
   weights = _pad_to(_pad_to(weights, 0, k), 2, n)
