@@ -99,9 +99,12 @@ def test_refusals():
   with pytest.raises(NotImplementedError, match="bfloat16 or float16"):
     glu.MosaicGpuGatedLinearUnit().check_supported(
         GatedLinearUnitArgs(x=x32, weights=w32), h200)
-  with pytest.raises(NotImplementedError, match="cannot lower"):
+  with pytest.raises(NotImplementedError, match="not elementwise"):
     glu.MosaicGpuGatedLinearUnit().check_supported(
         GatedLinearUnitArgs(x=x, weights=w, activation=jnp.sort), h200)
+  with pytest.raises(NotImplementedError, match="cannot lower"):  # elementwise
+    glu.MosaicGpuGatedLinearUnit().check_supported(
+        GatedLinearUnitArgs(x=x, weights=w, activation=jax.lax.lgamma), h200)
   with pytest.raises(NotImplementedError, match="backward is not written"):
     glu.MosaicGpuGatedLinearUnitVjp().check_supported(args, h200)
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+import tokamax
 from tokamax import DeviceInfo
 
 # Bytes of shared memory one block may use on sm_90 (opt-in maximum, 227 KiB),
@@ -176,9 +177,11 @@ def _inner_closed(eqn):
 
 
 def check_elementwise_fn(name: str, fn) -> None:
-  """Refuses an activation the kernel epilogue could not lower."""
+  """Refuses an activation that is not elementwise (the epilogue applies it to
+  tiles) or that the kernel epilogue could not lower."""
   if fn is None:
     return
+  tokamax.plugin.check_elementwise_activation(fn)
   shape = jax.ShapeDtypeStruct((64, 128), jnp.float32)
   try:
     closed = jax.make_jaxpr(fn)(shape)

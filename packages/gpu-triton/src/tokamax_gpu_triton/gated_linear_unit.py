@@ -167,6 +167,8 @@ def _walk(jaxpr):
 def _check_activation(activation: Callable | None) -> None:
   if activation is None:
     return
+  tokamax.plugin.check_elementwise_activation(activation)
+  # And what the kernel itself needs: a traceable derivative, no captured arrays.
   shape = (3, 5)
   try:
     closed = jax.make_jaxpr(_value_and_derivative(activation))(

@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from tokamax._src.vma import varying_out_shape  # noqa: F401  (for backends)
+# Helpers for backends' kernels, re-exported here as tokamax.plugin.*.
+from tokamax._src.activation import check_elementwise_activation  # noqa: F401
+from tokamax._src.vma import varying_out_shape  # noqa: F401
 
 # Bumped when the contract below changes incompatibly. Core refuses plugins that
 # declare another major version, with a warning naming both versions.

@@ -143,6 +143,10 @@ def _glu_cases() -> list[Case]:
       c("odd_shapes", m=1, k=7, n=3, activation=jax.nn.silu),
       c("leading_dims", m=(2, 3, 5), activation=jax.nn.silu),
       c("larger", m=67, k=130, n=72, activation=jax.nn.silu),
+      # Not elementwise: a kernel applying it per output tile would be wrong, so
+      # kernels must refuse it (skipped) or handle it (checked).
+      c("activation_centering_not_elementwise", n=40,
+        activation=lambda x: x - jnp.mean(x, axis=-1, keepdims=True), quick=True),
   ]
 
 

@@ -106,3 +106,4 @@ def gated_linear_unit(
       precision=_checks.canonical_precision(precision))
   out = dispatch.call(OP_NAME, args, implementation, DIFF_FIELDS)
   return out.reshape(*x.shape[:-1], weights.shape[-1])
+

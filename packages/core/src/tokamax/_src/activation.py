@@ -1,0 +1,45 @@
+"""What a kernel may assume about a gated linear unit's activation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def check_elementwise_activation(activation: Callable[[jax.Array], jax.Array] | None
+                                 ) -> None:
+  """Raises NotImplementedError unless `activation` is an elementwise float32 map.
+
+  Kernels apply the activation to output tiles, which is right only when each
+  output element depends on its own input element alone. Checked numerically at
+  trace time: on a random array the activation must equal itself applied to each
+  element alone (`jax.vmap` over the elements), with the same shape. How a
+  kernel differentiates it is the kernel's own check. A kernel's ``check_supported`` calls this so that
+  dispatch falls back (the XLA reference applies any callable to the whole gate).
+  """
+  if activation is None:
+    return
+  shape = (4, 8)
+  try:
+    with jax.ensure_compile_time_eval():
+      x = jnp.asarray(np.random.default_rng(0).normal(size=shape), jnp.float32)
+      whole = activation(x)
+      # Each element alone, as a [1, 1] array (so that functions of an axis
+      # trace, and show what they depend on).
+      each = jax.vmap(lambda e: activation(e.reshape(1, 1)).reshape(()))(x.reshape(-1))
+  except Exception as e:  # pylint: disable=broad-except
+    raise NotImplementedError(
+        f"activation {activation!r} cannot be traced elementwise on float32: "
+        f"{type(e).__name__}: {e}") from e
+  if getattr(whole, "shape", None) != shape or getattr(each, "size", None) != x.size:
+    raise NotImplementedError(f"activation {activation!r} is not elementwise (shape "
+                              f"{shape} -> {getattr(whole, 'shape', None)})")
+  whole = np.asarray(whole, np.float32)
+  each = np.asarray(each, np.float32).reshape(shape)
+  if not np.allclose(whole, each, rtol=1e-5, atol=1e-6, equal_nan=True):
+    raise NotImplementedError(f"activation {activation!r} is not elementwise: its "
+                              "value at an element depends on other elements")
+
