@@ -167,6 +167,13 @@ def _visit_rows(h_starts, h_ends, group, tile, bm):
   return lo, hi
 
 
+def _num_visits(m: int, bm: int, num_held: int) -> int:
+  """Grid steps over (row tile, group) visits: a tile meets at most one more group
+  than it starts in, so the visits are bounded by tiles + groups - 1. The
+  schedules (prefetched) and the plans (the grid) must agree on this length."""
+  return _common.cdiv(m, bm) + num_held - 1
+
+
 def gmm_schedule(group_sizes, group_offset, num_held: int, m: int, bm: int):
   """Per-visit (tile, group, row_lo, row_hi, first_visit_of_tile), int32 [V] each.
 
@@ -174,7 +181,7 @@ def gmm_schedule(group_sizes, group_offset, num_held: int, m: int, bm: int):
   range writes nothing, except that the first visit of a tile zeroes the tile.
   """
   tiles_m = _common.cdiv(m, bm)
-  num_visits = tiles_m + num_held - 1
+  num_visits = _num_visits(m, bm, num_held)
   h_starts, h_ends = _held_ranges(group_sizes, group_offset, num_held, m)
   nonempty = h_ends > h_starts
   first_tile = h_starts // bm
@@ -213,7 +220,7 @@ def gmm_schedule(group_sizes, group_offset, num_held: int, m: int, bm: int):
 def tgmm_schedule(group_sizes, group_offset, num_held: int, m: int, bm: int):
   """Per-visit (tile, group, row_lo, row_hi, first_of_group, last_of_group)."""
   tiles_m = _common.cdiv(m, bm)
-  num_visits = tiles_m + num_held - 1
+  num_visits = _num_visits(m, bm, num_held)
   h_starts, h_ends = _held_ranges(group_sizes, group_offset, num_held, m)
   nonempty = h_ends > h_starts
   first_tile = h_starts // bm
@@ -285,7 +292,7 @@ def gmm_plan(lhs_shape, rhs_shape, dtype, out_dtype, config: RaggedDotConfig,
   bk, k_pad = _contract_block(k, config.block_k)
   bn = _out_block(n, config.block_n)
   tiles_k, tiles_n = k_pad // bk, _common.cdiv(n, bn)
-  num_visits = _common.cdiv(m, bm) + num_held - 1
+  num_visits = _num_visits(m, bm, num_held)
 
   def k_block(i, kk, lo, hi):
     # A visit without rows computes nothing: keep its K block at the last one so
@@ -363,7 +370,7 @@ def tgmm_plan(lhs_shape, dout_shape, num_held: int, dtype, out_dtype,
   bm = _row_block(m, config.block_m)
   bk = _out_block(k, config.block_k)
   bn = _out_block(n, config.block_n)
-  num_visits = _common.cdiv(m, bm) + num_held - 1
+  num_visits = _num_visits(m, bm, num_held)
   return _common.KernelPlan(
       name="tokamax_tpu_tgmm",
       grid=(_common.cdiv(k, bk), _common.cdiv(n, bn), num_visits),
