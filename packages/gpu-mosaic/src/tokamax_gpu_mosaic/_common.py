@@ -49,15 +49,6 @@ def check_dtype(name: str, dtype) -> None:
         f"{name} dtype {dtype}: wgmma kernels here take bfloat16 or float16")
 
 
-def check_tma_dim(name: str, size: int, dtype) -> None:
-  """TMA needs every row stride to be a multiple of 16 bytes."""
-  itemsize = jnp.dtype(dtype).itemsize
-  if (size * itemsize) % 16:
-    raise NotImplementedError(
-        f"{name}={size}: TMA needs rows of a multiple of 16 bytes ({16 // itemsize} "
-        f"elements of {jnp.dtype(dtype)})")
-
-
 @functools.cache
 def _kernel_params() -> frozenset[str]:
   return frozenset(inspect.signature(plgpu.kernel).parameters)

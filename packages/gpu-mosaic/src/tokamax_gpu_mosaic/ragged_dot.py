@@ -676,11 +676,8 @@ def _check_args(args) -> None:
   if (isinstance(args.precision, lax.DotAlgorithmPreset)
       and args.precision != lax.DotAlgorithmPreset.DEFAULT):
     raise NotImplementedError(f"dot algorithm {args.precision}")
-  if args.precision not in (None, lax.Precision.DEFAULT) and not isinstance(
-      args.precision, lax.DotAlgorithmPreset):
-    # bf16/f16 operands multiply exactly on the tensor cores whatever the
-    # requested precision, and accumulate in float32: HIGH/HIGHEST are honoured.
-    pass
+  # Precision HIGH / HIGHEST need no refusal: bf16/f16 operands multiply exactly
+  # on the tensor cores and accumulate in float32.
   if 0 in args.lhs.shape or 0 in args.rhs.shape:
     raise NotImplementedError(
         f"empty operands (lhs {args.lhs.shape}, rhs {args.rhs.shape})")
@@ -755,7 +752,9 @@ class MosaicGpuRaggedDotVjp(VjpOp):
 
   def backward(self, args, residuals, out, dout, config):
     del residuals, out
-    dout = dout.astype(args.lhs.dtype)  # f32 when preferred_element_type was
+    # dout is float32 when preferred_element_type was: the backward matmuls
+    # take it rounded to the operands' dtype, as their wgmma inputs must be.
+    dout = dout.astype(args.lhs.dtype)
     starts, ends = _row_bounds(args.group_sizes, args.group_offset,
                                args.rhs.shape[0], args.lhs.shape[0])
     dlhs = grouped_matmul(dout, args.rhs, starts, ends, transpose_rhs=True,
