@@ -143,7 +143,7 @@ def test_dlhs_kernel():
   m, k, n, sizes = 900, 256, 384, [300, 0, 201, 399]
   dout, rhs = _inputs(m, n, k, len(sizes), jnp.bfloat16)  # rhs [G, N?]: see below
   rhs_t = jnp.swapaxes(rhs, 1, 2)  # [G, K, N] with K=256 rows... as forward rhs
-  starts, ends = rd._row_bounds(jnp.asarray(sizes, jnp.int32), None, len(sizes), m)
+  starts, ends = tokamax.plugin.held_row_ranges(jnp.asarray(sizes, jnp.int32), None, len(sizes), m)
   out = jax.jit(lambda d, r: rd.grouped_matmul(
       d, r, starts, ends, transpose_rhs=True, out_dtype=jnp.bfloat16,
       config=rd.RaggedDotConfig()))(dout, rhs_t)
@@ -162,7 +162,7 @@ def test_drhs_kernel(sizes, m):
   lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
   dout = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
   gs = jnp.asarray(sizes, jnp.int32)
-  starts, ends = rd._row_bounds(gs, None, len(sizes), m)
+  starts, ends = tokamax.plugin.held_row_ranges(gs, None, len(sizes), m)
   out = jax.jit(lambda a, d: rd.grouped_transposed_matmul(
       a, d, starts, ends, out_dtype=jnp.float32,
       config=rd.RaggedDotConfig(num_stages=4)))(lhs, dout)
@@ -233,7 +233,7 @@ def test_lowers_for_cuda(transpose_rhs, tiling):
                               row_tiling=tiling)
 
   def f(lhs, rhs, sizes):
-    starts, ends = rd._row_bounds(sizes, None, g, m)
+    starts, ends = tokamax.plugin.held_row_ranges(sizes, None, g, m)
     return rd.grouped_matmul(lhs, rhs, starts, ends, transpose_rhs=transpose_rhs,
                              out_dtype=jnp.bfloat16, config=config)
   rhs_shape = (g, n, k) if transpose_rhs else (g, k, n)
@@ -252,7 +252,7 @@ def test_lowers_for_cuda(transpose_rhs, tiling):
     ([100, 0, 0, 150, 300, 0], 640, 4, 1),
 ])
 def test_tile_groups_table(sizes, m, held, offset):
-  starts, ends = rd._row_bounds(jnp.asarray(sizes, jnp.int32), offset, held, m)
+  starts, ends = tokamax.plugin.held_row_ranges(jnp.asarray(sizes, jnp.int32), offset, held, m)
   table = np.asarray(rd._tile_groups(starts, ends, m, 128))
   s, e = np.asarray(starts), np.asarray(ends)
   for t, (first, last) in enumerate(table):
@@ -274,7 +274,7 @@ def test_tile_groups_table(sizes, m, held, offset):
     ([300, 200], 500, 2, 0),
 ])
 def test_work_items_cover_every_row_once(sizes, m, held, offset):
-  starts, ends = rd._row_bounds(jnp.asarray(sizes, jnp.int32), offset, held, m)
+  starts, ends = tokamax.plugin.held_row_ranges(jnp.asarray(sizes, jnp.int32), offset, held, m)
   items = np.asarray(rd._work_items(starts, ends, m, 128))
   owner = np.full(m, -2)
   s, e = np.asarray(starts), np.asarray(ends)

@@ -44,6 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+import tokamax
 from tokamax import Op, VjpOp
 from tokamax_gpu_mosaic import _common
 
@@ -93,21 +94,6 @@ def smem_bytes(config: RaggedDotConfig, itemsize: int, out_itemsize: int) -> int
 
 # ----------------------------------------------------------------------------
 # Group tables (plain jnp, outside the kernel).
-
-
-def _row_bounds(group_sizes, group_offset, num_held: int, m: int):
-  """Rows ``[start, end)`` of each held group, clipped to ``[0, m]``, ``[G_rhs, 2]``.
-
-  Clipping keeps every address in bounds even for traced group sizes that were not
-  validated (negative sizes, or a sum above m).
-  """
-  sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-  ends = jnp.minimum(jnp.cumsum(sizes), m).astype(jnp.int32)
-  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-  offset = 0 if group_offset is None else group_offset
-  starts = lax.dynamic_slice_in_dim(starts, offset, num_held)
-  ends = lax.dynamic_slice_in_dim(ends, offset, num_held)
-  return starts, ends
 
 
 def _tile_groups(starts, ends, m: int, block_m: int):
@@ -717,7 +703,7 @@ class MosaicGpuRaggedDot(Op):
 
   def forward(self, args, config):
     out_dtype = jnp.dtype(args.preferred_element_type or args.lhs.dtype)
-    starts, ends = _row_bounds(args.group_sizes, args.group_offset,
+    starts, ends = tokamax.plugin.held_row_ranges(args.group_sizes, args.group_offset,
                                args.rhs.shape[0], args.lhs.shape[0])
     out = grouped_matmul(args.lhs, args.rhs, starts, ends, transpose_rhs=False,
                          out_dtype=out_dtype, config=config)
@@ -755,7 +741,7 @@ class MosaicGpuRaggedDotVjp(VjpOp):
     # dout is float32 when preferred_element_type was: the backward matmuls
     # take it rounded to the operands' dtype, as their wgmma inputs must be.
     dout = dout.astype(args.lhs.dtype)
-    starts, ends = _row_bounds(args.group_sizes, args.group_offset,
+    starts, ends = tokamax.plugin.held_row_ranges(args.group_sizes, args.group_offset,
                                args.rhs.shape[0], args.lhs.shape[0])
     dlhs = grouped_matmul(dout, args.rhs, starts, ends, transpose_rhs=True,
                           out_dtype=args.lhs.dtype, config=config)

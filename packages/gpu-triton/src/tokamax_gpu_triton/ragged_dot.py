@@ -109,21 +109,6 @@ def _swizzle(pid, num_rows: int, num_cols: int, group: int):
   return first + within % size, within // size
 
 
-def _row_bounds(group_sizes, group_offset, num_held: int, m: int):
-  """Row ranges ``[start, end)`` of the held groups, clipped to ``[0, m]``.
-
-  Clipping keeps every address in bounds even for traced group sizes that were not
-  validated (negative sizes, or a sum above m).
-  """
-  sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-  ends = jnp.minimum(jnp.cumsum(sizes), m).astype(jnp.int32)
-  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-  offset = 0 if group_offset is None else group_offset
-  starts = lax.dynamic_slice_in_dim(starts, offset, num_held)
-  ends = lax.dynamic_slice_in_dim(ends, offset, num_held)
-  return starts, ends
-
-
 def _visit_schedule(group_sizes, group_offset, num_held: int, m: int,
                     block_m: int) -> jax.Array:
   """The forward's visit list, int32 ``[num_m_tiles + num_held - 1, 8]``.
@@ -137,7 +122,7 @@ def _visit_schedule(group_sizes, group_offset, num_held: int, m: int,
   """
   num_tiles = pl.cdiv(m, block_m)
   num_visits = num_tiles + num_held - 1
-  starts, ends = _row_bounds(group_sizes, group_offset, num_held, m)
+  starts, ends = tokamax.plugin.held_row_ranges(group_sizes, group_offset, num_held, m)
   # Held rows are contiguous: [lo, hi), empty when no held group has rows.
   held_any = ends[-1] > starts[0]
   lo = jnp.where(held_any, starts[0], 0)
@@ -329,7 +314,7 @@ def _grouped_matmul_drhs(lhs, dout, group_sizes, group_offset, *, num_held: int,
   block_m = _fit(config.block_m, k)
   block_n = _fit(config.block_n, n)
   block_k = _fit(config.block_k, m)
-  starts, ends = _row_bounds(group_sizes, group_offset, num_held, m)
+  starts, ends = tokamax.plugin.held_row_ranges(group_sizes, group_offset, num_held, m)
   bounds = jnp.stack([starts, ends], axis=1)
   num_k_tiles = pl.cdiv(k, block_m)
   num_n_tiles = pl.cdiv(n, block_n)

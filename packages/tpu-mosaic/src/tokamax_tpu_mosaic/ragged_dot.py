@@ -152,15 +152,6 @@ def _contract_block(dim: int, block: int) -> tuple[int, int]:
 # ----------------------------------------------------------------------------
 
 
-def _held_ranges(group_sizes, group_offset, num_held: int, m: int):
-  ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
-  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-  off = jnp.int32(0) if group_offset is None else group_offset.astype(jnp.int32)
-  h_starts = jax.lax.dynamic_slice(starts, (off,), (num_held,))
-  h_ends = jax.lax.dynamic_slice(ends, (off,), (num_held,))
-  return h_starts, h_ends
-
-
 def _visit_rows(h_starts, h_ends, group, tile, bm):
   lo = jnp.maximum(h_starts[group], tile * bm)
   hi = jnp.minimum(h_ends[group], (tile + 1) * bm)
@@ -182,7 +173,7 @@ def gmm_schedule(group_sizes, group_offset, num_held: int, m: int, bm: int):
   """
   tiles_m = _common.cdiv(m, bm)
   num_visits = _num_visits(m, bm, num_held)
-  h_starts, h_ends = _held_ranges(group_sizes, group_offset, num_held, m)
+  h_starts, h_ends = tokamax.plugin.held_row_ranges(group_sizes, group_offset, num_held, m)
   nonempty = h_ends > h_starts
   first_tile = h_starts // bm
   counts = jnp.where(nonempty, (h_ends - 1) // bm - first_tile + 1, 0)
@@ -221,7 +212,7 @@ def tgmm_schedule(group_sizes, group_offset, num_held: int, m: int, bm: int):
   """Per-visit (tile, group, row_lo, row_hi, first_of_group, last_of_group)."""
   tiles_m = _common.cdiv(m, bm)
   num_visits = _num_visits(m, bm, num_held)
-  h_starts, h_ends = _held_ranges(group_sizes, group_offset, num_held, m)
+  h_starts, h_ends = tokamax.plugin.held_row_ranges(group_sizes, group_offset, num_held, m)
   nonempty = h_ends > h_starts
   first_tile = h_starts // bm
   counts = jnp.where(nonempty, (h_ends - 1) // bm - first_tile + 1, 1)

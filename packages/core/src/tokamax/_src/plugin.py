@@ -37,6 +37,7 @@ import dataclasses
 
 # Helpers for backends' kernels, re-exported here as tokamax.plugin.*.
 from tokamax._src.activation import check_elementwise_activation  # noqa: F401
+from tokamax._src.groups import held_row_ranges  # noqa: F401
 from tokamax._src.vma import varying_out_shape  # noqa: F401
 
 # Bumped when the contract below changes incompatibly. Core refuses plugins that
