@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -199,21 +199,37 @@ def check_opt_in(op: Op, args: Any) -> None:
         f"supported_features once handled)")
 
 
+def _build_checked(make: Callable[[], Any], explicit: bool, args: Any,
+                   device: DeviceInfo, *residuals) -> Any:
+  """The op `make()` builds, checked for this call (opt-in fields, then its own
+  check_supported, given `residuals` for a backward).
+
+  Raises:
+    NotImplementedError: the op refuses the call (or there is none); its reason.
+    ImportError: only for an `explicit` implementation that fails to import (an
+      automatic one is a refusal).
+  """
+  try:
+    op = make()
+    if op is None:
+      raise NotImplementedError("has no backward of its own")
+    check_opt_in(op, args)
+    op.check_supported(args, device, *residuals)
+  except ImportError as e:
+    if explicit:
+      raise
+    raise NotImplementedError(f"failed to import: {_describe(e)}") from e
+  return op
+
+
 def _choose_forward(op_name: str, args: Any, device: DeviceInfo,
                     candidates: list[_Candidate]) -> tuple[_Candidate, Op, list]:
   rejected = []
   for cand in candidates:
     try:
-      op = cand.make_forward()
-      check_opt_in(op, args)
-      op.check_supported(args, device)
+      op = _build_checked(cand.make_forward, cand.explicit, args, device)
     except NotImplementedError as e:
       rejected.append((cand.label, _describe(e)))
-      continue
-    except ImportError as e:
-      if cand.explicit:
-        raise
-      rejected.append((cand.label, f"failed to import: {_describe(e)}"))
       continue
     return cand, op, rejected
   raise NotImplementedError(_no_implementation_message(op_name, "forward", rejected))
@@ -251,20 +267,13 @@ def _choose_backward(op_name: str, args: Any, residuals: Any, device: DeviceInfo
     options += auto
   for label, make, explicit in options:
     try:
-      op = make()
-      check_opt_in(op, args)
-      op.check_supported(args, device, residuals)
+      op = _build_checked(make, explicit, args, device, residuals)
     except NotImplementedError as e:
       if explicit and implementation is not None:
         raise NotImplementedError(
             f"{op_name} backward: implementation {label!r} cannot run this call: "
             f"{_describe(e)}") from e
       rejected.append((label, _describe(e)))
-      continue
-    except ImportError as e:
-      if explicit:
-        raise
-      rejected.append((label, f"failed to import: {_describe(e)}"))
       continue
     return op
   raise NotImplementedError(_no_implementation_message(op_name, "backward", rejected))
@@ -433,15 +442,11 @@ def backward_with_residuals(op_name: str, args: Any, residuals: dict, out: jax.A
   rejected = []
   for cand in _expand(op_name, implementation, device):
     try:
-      op = cand.backward()
-      if op is None:
-        raise NotImplementedError("has no backward of its own")
-      check_opt_in(op, args)
-      op.check_supported(args, device, residuals)
+      op = _build_checked(cand.backward, cand.explicit, args, device, residuals)
       if not _consumes(op, args, device, residuals, consumes):
         raise NotImplementedError(f"does not compute from the given "
                                   f"{', '.join(consumes)}")
-    except (NotImplementedError, ImportError) as e:
+    except NotImplementedError as e:
       rejected.append((cand.label, _describe(e)))
       continue
     config_ = op.resolve_config(args)
