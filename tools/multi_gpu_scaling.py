@@ -6,9 +6,10 @@ time on 1 GPU / time on n GPUs, 100% is perfect):
 - attention, data parallel: the batch is sharded (GSPMD under `jax.jit`);
 - ragged_dot, token parallel: the rows are sharded, the expert weights replicated
   (the weight gradient is then all-reduced);
-- ragged_dot, expert parallel: the MoE all-to-all layout of docs/sharding.md
-  (each GPU holds its experts; tokens travel to them and back; capacity factor
-  1.25).
+- ragged_dot, expert parallel: `tokamax.moe_all_to_all` (each GPU holds its
+  experts; tokens travel to them and back; capacity factor 1.25), with one
+  ragged_dot as the experts, and with an FFN of two (an MoE layer); `chunks`
+  pieces overlap the all-to-alls with the experts' compute.
 
 Strong scaling (the whole problem stays the same; efficiency = t1 / (n * tn)):
 
@@ -28,7 +29,6 @@ import argparse
 import functools
 import json
 import os
-import sys
 import time
 
 import jax
@@ -47,8 +47,16 @@ def _d(x: int) -> int:
   return max(x // _SHRINK, 16)
 
 
+_HLO = {"dir": None, "tag": ""}  # --hlo: where compiled programs are written
+
+
 def per_call_ms(f, *args, calls: int = 20, repeats: int = 3) -> float:
   """Best of `repeats` averages over `calls` back-to-back calls (ms)."""
+  if _HLO["dir"]:
+    _HLO["count"] = _HLO.get("count", 0) + 1
+    path = os.path.join(_HLO["dir"], f"{_HLO['tag']}_{_HLO['count']}.txt")
+    with open(path, "w") as out:
+      out.write(f.lower(*args).compile().as_text())
   jax.block_until_ready(f(*args))  # compile
   jax.block_until_ready(f(*args))
   times = []
@@ -104,36 +112,65 @@ def ragged_dot_token_parallel(mesh, n):
           "fwd+bwd": per_call_ms(loss, (lhs, rhs), dy)}
 
 
-def _moe_all_to_all():
-  """The worked example of docs/sharding.md, tested in the multidevice tests."""
-  tests = os.path.join(os.path.dirname(__file__), "..", "packages", "core", "tests",
-                       "multidevice")
-  sys.path.insert(0, os.path.abspath(tests))
-  from test_sharding import moe_all_to_all  # pylint: disable=import-outside-toplevel
-  return moe_all_to_all
+def _expert_parallel(mesh, n, layer, floats, ids, dy):
+  """Times `layer(x, ids, *weights)` (inside shard_map over "d") and its gradient."""
+  sharded = jax.shard_map(layer, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+  fn = lambda x, *rest: sharded(x, ids, *rest)
+  fwd = jax.jit(fn)
+  loss = _fwd_bwd(fn, floats)
+  return {"fwd": per_call_ms(fwd, *floats),
+          "fwd+bwd": per_call_ms(loss, floats, dy)}
 
 
-def ragged_dot_expert_parallel(mesh, n):
+def _capacity(assignments_per_gpu, n):
+  """Slots per (source, destination) pair: a capacity factor of 1.25 (random
+  experts: none overflows at these sizes), so each GPU's traffic and work stay
+  constant."""
+  return -(-5 * assignments_per_gpu // (4 * n))
+
+
+def ragged_dot_expert_parallel(mesh, n, chunks):
   """Per GPU: 16384 tokens, 16 experts of K2048 x N4096 (top-1, random experts),
-  capacity factor 1.25."""
+  capacity factor 1.25; one ragged_dot per device (`tokamax.moe_all_to_all` with
+  the weights). The N-wide results travel back: communication is about 1.6x the
+  matmul's time at NVLink speed, more than overlap can hide."""
   keys = jax.random.split(jax.random.key(2), 4)
   m, k, nn, e_local = _d(16384) * n, _d(2048), _d(4096), 16
   x = _put(mesh, P("d"), _rand(keys[0], (m, k)))
   ids = _put(mesh, P("d"), jax.random.randint(keys[1], (m,), 0, e_local * n))
   w = _put(mesh, P("d"), _rand(keys[2], (e_local * n, k, nn)))
   dy = _put(mesh, P("d"), _rand(keys[3], (m, nn), jnp.float32))
-  # Buffers of a capacity factor 1.25 per destination (random experts: none
-  # overflows at these sizes), so each GPU's traffic and work stay constant.
-  capacity = -(-5 * (m // n) // (4 * n))
-  layer = jax.shard_map(
-      functools.partial(_moe_all_to_all(), axis_name="d", num_shards=n,
-                        capacity=capacity),
-      mesh=mesh, in_specs=(P("d"), P("d"), P("d")), out_specs=P("d"))
-  fn = lambda x, w, ids: layer(x, ids, w)
-  fwd = jax.jit(fn)
-  loss = _fwd_bwd(fn, (x, w), (ids,))
-  return {"fwd": per_call_ms(fwd, x, w, ids),
-          "fwd+bwd": per_call_ms(loss, (x, w), dy)}
+  layer = functools.partial(tokamax.moe_all_to_all, axis_name="d", chunks=chunks,
+                            capacity=_capacity(m // n, n))
+  return _expert_parallel(mesh, n, layer, (x, w), ids, dy)
+
+
+def moe_ffn_expert_parallel(mesh, n, chunks):
+  """Per GPU: 8192 tokens of width 2048, top-2 of 16 experts per GPU, each a
+  2048 -> 4096 -> 2048 FFN (two ragged_dots, gelu between), capacity factor
+  1.25: an MoE layer as models run it (tokens of model width both ways)."""
+  keys = jax.random.split(jax.random.key(4), 5)
+  m, d, f, e_local, top_k = _d(8192) * n, _d(2048), _d(4096), 16, 2
+  x = _put(mesh, P("d"), _rand(keys[0], (m, d)))
+  ids = _put(mesh, P("d"), _distinct_experts(keys[1], m, e_local * n, top_k))
+  w_up = _put(mesh, P("d"), _rand(keys[2], (e_local * n, d, f)) * d ** -0.5)
+  w_down = _put(mesh, P("d"), _rand(keys[3], (e_local * n, f, d)) * f ** -0.5)
+  dy = _put(mesh, P("d"), _rand(keys[4], (m, top_k, d), jnp.float32))
+
+  def layer(x, ids, w_up, w_down):
+    def ffn(rows, sizes):
+      return tokamax.ragged_dot(jax.nn.gelu(tokamax.ragged_dot(rows, w_up, sizes)),
+                                w_down, sizes)
+    return tokamax.moe_all_to_all(x, ids, ffn, axis_name="d", chunks=chunks,
+                                  num_local_experts=e_local,
+                                  capacity=_capacity(m // n * top_k, n))
+  return _expert_parallel(mesh, n, layer, (x, w_up, w_down), ids, dy)
+
+
+def _distinct_experts(key, m, e, top_k):
+  """[m, top_k] random experts, distinct within a token."""
+  return jnp.argsort(jax.random.uniform(key, (m, e)), axis=1)[:, :top_k].astype(
+      jnp.int32)
 
 
 def ring_attention_strong(mesh, n):
@@ -147,7 +184,10 @@ def ring_attention_strong(mesh, n):
       lambda q, k, v: tokamax.ring_attention(q, k, v, axis_name="d", is_causal=True,
                                              load_balanced=True),
       mesh=mesh, in_specs=P(None, "d"), out_specs=P(None, "d")))
-  return {"fwd": per_call_ms(ring, q, k, v)}
+  dy = _put(mesh, P(None, "d"), _rand(keys[2], (1, t, 16, _d(128)), jnp.float32))
+  loss = _fwd_bwd(ring, (q, k, v))
+  return {"fwd": per_call_ms(ring, q, k, v),
+          "fwd+bwd": per_call_ms(loss, (q, k, v), dy)}
 
 
 PROBLEMS = {
@@ -156,7 +196,12 @@ PROBLEMS = {
     "attention_data_parallel[triton]": (
         "weak", lambda mesh, n: attention_data_parallel(mesh, n, "triton")),
     "ragged_dot_token_parallel": ("weak", ragged_dot_token_parallel),
-    "ragged_dot_expert_parallel": ("weak", ragged_dot_expert_parallel),
+    **{f"ragged_dot_expert_parallel[chunks={c}]": (
+        "weak", functools.partial(ragged_dot_expert_parallel, chunks=c))
+       for c in (1, 2)},
+    **{f"moe_ffn_expert_parallel[chunks={c}]": (
+        "weak", functools.partial(moe_ffn_expert_parallel, chunks=c))
+       for c in (1, 2, 4)},
     "ring_attention": ("strong", ring_attention_strong),
 }
 
@@ -166,17 +211,23 @@ def main():
   parser.add_argument("--gpus", type=int, nargs="+", default=[1, jax.device_count()])
   parser.add_argument("--problem", action="append", choices=sorted(PROBLEMS))
   parser.add_argument("--out", default=None, help="write the rows as JSON here")
+  parser.add_argument("--hlo", default=None,
+                      help="write each compiled program's HLO into this folder")
   parser.add_argument("--smoke", type=int, default=1,
                       help="divide the big dims by this (a quick check on CPUs)")
   opts = parser.parse_args()
   global _SHRINK
   _SHRINK = opts.smoke
+  if opts.hlo:
+    os.makedirs(opts.hlo, exist_ok=True)
+    _HLO["dir"] = opts.hlo
   rows = []
   for name in opts.problem or PROBLEMS:
     kind, run = PROBLEMS[name]
     times = {}
     for n in opts.gpus:
       mesh = jax.make_mesh((n,), ("d",), devices=jax.devices()[:n])
+      _HLO.update(tag=f"{name}_{n}gpus".replace("[", "_").replace("]", ""), count=0)
       try:
         times[n] = run(mesh, n)
       except Exception as e:  # pylint: disable=broad-except

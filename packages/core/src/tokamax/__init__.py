@@ -19,6 +19,7 @@ from tokamax._src.dispatch import DispatchRecord
 from tokamax._src.dispatch import record_dispatch
 from tokamax._src.export_checks import DISABLE_JAX_EXPORT_CHECKS
 from tokamax._src.introspection import implementations
+from tokamax._src.moe import moe_all_to_all
 from tokamax._src.op import DeviceInfo
 from tokamax._src.op import Op
 from tokamax._src.op import VjpOp
@@ -69,6 +70,7 @@ __all__ = [
     "interpret",
     "interpret_mode",
     "layer_norm",
+    "moe_all_to_all",
     "plugin",
     "ragged_dot",
     "record_dispatch",

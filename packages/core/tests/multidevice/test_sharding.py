@@ -7,7 +7,6 @@ the device count, and GPU float32 kernels may use TF32, hence a wider tolerance)
 """
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -280,70 +279,6 @@ def test_every_op_inside_shard_map_runs_on_local_shards():
   # unsharded gradient does (a kernel's per-shard part must be psum'd).
   want_dw = jax.grad(lambda w: jnp.sum(tokamax.gated_linear_unit(x, w)))(w)
   assert _rel(dw, want_dw) < 1e-5 * TOL_SCALE
-
-
-def moe_all_to_all(x, expert_ids, w_local, *, axis_name, num_shards, capacity=None):
-  """The worked example of docs/sharding.md: expert parallelism by all-to-all.
-
-  Inside shard_map over `axis_name`: x ``[M, K]`` this device's tokens,
-  expert_ids ``[M]`` their (top-1) experts in ``[0, E)``, w_local
-  ``[E / num_shards, K, N]`` this device's experts (device d holds experts
-  ``[d * E_local, (d + 1) * E_local)``), capacity the slots per destination
-  device (None: m, nothing dropped). Returns ``x[i] @ W[expert_ids[i]]``, 0 for
-  tokens dropped because their destination's buffer was full.
-  """
-  m, k_dim = x.shape
-  e_local = w_local.shape[0]
-  # 1. Group the local tokens by expert, hence by destination device.
-  order = jnp.argsort(expert_ids)
-  xs, ids = x[order], expert_ids[order]
-  dest = ids // e_local
-  per_dest = jnp.sum(dest[:, None] == jnp.arange(num_shards), axis=0)
-  slot = jnp.arange(m) - (jnp.cumsum(per_dest) - per_dest)[dest]
-  # 2. One buffer per destination (capacity m: nothing is dropped), all-to-all.
-  cap = m if capacity is None else capacity  # slots per destination
-  send = jnp.zeros((num_shards, cap, k_dim), x.dtype).at[dest, slot].set(xs, mode="drop")
-  send_ids = jnp.full((num_shards, cap), e_local, jnp.int32).at[dest, slot].set(
-      ids % e_local, mode="drop")
-  recv = jax.lax.all_to_all(send, axis_name, 0, 0)
-  recv_ids = jax.lax.all_to_all(send_ids, axis_name, 0, 0).reshape(-1)
-  # 3. Group what arrived by local expert; padding (id e_local) sorts last and
-  #    lies past sum(group_sizes), so ragged_dot leaves it 0.
-  order2 = jnp.argsort(recv_ids)
-  group_sizes = jnp.sum(recv_ids[:, None] == jnp.arange(e_local), axis=0)
-  y = tokamax.ragged_dot(recv.reshape(-1, k_dim)[order2], w_local,
-                         group_sizes.astype(jnp.int32))
-  y = y[jnp.argsort(order2)].reshape(num_shards, cap, -1)
-  # 4. Back to the tokens' devices and their original order.
-  back = jax.lax.all_to_all(y, axis_name, 0, 0)
-  kept = (slot < cap)[:, None]  # tokens past a full buffer are dropped: 0
-  return jnp.where(kept, back[dest, jnp.minimum(slot, cap - 1)], 0)[jnp.argsort(order)]
-
-
-def test_moe_all_to_all_worked_example():
-  mesh = _mesh((1, NUM_DEVICES))
-  x, w = _rand(64, 16), _rand(16, 16, 8)  # 64 tokens, 16 experts
-  ids = jnp.asarray(np.random.default_rng().integers(0, 16, 64), jnp.int32)
-  f = jax.jit(jax.shard_map(
-      functools.partial(moe_all_to_all, axis_name="b", num_shards=NUM_DEVICES),
-      mesh=mesh,
-      in_specs=(P("b"), P("b"), P("b")), out_specs=P("b")))
-  want = jnp.einsum("mk,mkn->mn", x, w[ids], precision=jax.lax.Precision.HIGHEST)
-  assert _rel(f(x, ids, w), want) < 2e-5 * TOL_SCALE
-  # A capacity below the busiest destination's load drops tokens (their rows 0);
-  # every other row is unchanged.
-  tight = jax.jit(jax.shard_map(
-      functools.partial(moe_all_to_all, axis_name="b", num_shards=NUM_DEVICES,
-                        capacity=1),
-      mesh=mesh, in_specs=(P("b"), P("b"), P("b")), out_specs=P("b")))(x, ids, w)
-  dropped = np.all(np.asarray(tight) == 0, axis=1)
-  assert 0 < dropped.sum() < len(dropped)
-  assert _rel(tight[~dropped], want[~dropped]) < 2e-5 * TOL_SCALE
-  gx, gw = jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, ids, w))), argnums=(0, 1))(x, w)
-  wx, ww = jax.grad(lambda x, w: jnp.sum(jnp.sin(jnp.einsum(
-      "mk,mkn->mn", x, w[ids], precision=jax.lax.Precision.HIGHEST))),
-                    argnums=(0, 1))(x, w)
-  assert _rel(gx, wx) < 3e-5 * TOL_SCALE and _rel(gw, ww) < 3e-5 * TOL_SCALE
 
 
 # ------------------------------------------------------------- ring attention
