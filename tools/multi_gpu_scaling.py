@@ -55,8 +55,10 @@ def per_call_ms(f, *args, calls: int = 20, repeats: int = 3) -> float:
   if _HLO["dir"]:
     _HLO["count"] = _HLO.get("count", 0) + 1
     path = os.path.join(_HLO["dir"], f"{_HLO['tag']}_{_HLO['count']}.txt")
+    text = f.lower(*args).compile().as_text()
     with open(path, "w") as out:
-      out.write(f.lower(*args).compile().as_text())
+      out.write(text)
+    print(f"{os.path.basename(path)}: {schedule_summary(text)}", flush=True)
   jax.block_until_ready(f(*args))  # compile
   jax.block_until_ready(f(*args))
   times = []
@@ -67,6 +69,29 @@ def per_call_ms(f, *args, calls: int = 20, repeats: int = 3) -> float:
     jax.block_until_ready(out)
     times.append((time.perf_counter() - start) / calls * 1e3)
   return min(times)
+
+
+def schedule_summary(hlo_text: str) -> str:
+  """The entry computation's order of collectives and kernels, in one line:
+  ``<`` / ``>`` an all-to-all's start / done, ``A`` a synchronous all-to-all,
+  ``K`` a kernel custom call, ``.N``
+  N other instructions. Kernels between a start and its done overlap it."""
+  entry = hlo_text[hlo_text.index("\nENTRY"):]
+  entry = entry[:entry.index("\n}")]
+  marks, others = [], 0
+  for line in entry.splitlines()[1:]:
+    mark = ("<" if "all-to-all-start" in line else ">" if "all-to-all-done" in line
+            else "A" if " all-to-all(" in line
+            else "K" if "custom-call(" in line and ("triton" in line or "mosaic" in line)
+            else None)
+    if mark is None:
+      others += 1
+      continue
+    if others:
+      marks.append(f".{others}")
+      others = 0
+    marks.append(mark)
+  return " ".join(marks + ([f".{others}"] if others else []))
 
 
 def _rand(key, shape, dtype=BF16):
@@ -227,7 +252,8 @@ def main():
     times = {}
     for n in opts.gpus:
       mesh = jax.make_mesh((n,), ("d",), devices=jax.devices()[:n])
-      _HLO.update(tag=f"{name}_{n}gpus".replace("[", "_").replace("]", ""), count=0)
+      tag = "".join(c if c.isalnum() else "_" for c in f"{name}_{n}gpus")
+      _HLO.update(tag=tag, count=0)
       try:
         times[n] = run(mesh, n)
       except Exception as e:  # pylint: disable=broad-except

@@ -233,6 +233,26 @@ def test_explicit_axes_mesh():
            out_spec=P("a", "b"), no_gather=False)
 
 
+def test_activation_check_works_inside_shard_map_under_an_explicit_mesh():
+  # Kernels check the GLU activation on concrete arrays (check_supported, run
+  # inside the per-shard body); under jax.set_mesh that evaluation failed, so the
+  # GPU kernels refused gelu there after dispatch had chosen them.
+  mesh = _mesh((2, HALF), explicit=True)
+  seen = []
+
+  def body(x):
+    tokamax.plugin.check_elementwise_activation(jax.nn.gelu)
+    with pytest.raises(NotImplementedError, match="not elementwise"):
+      tokamax.plugin.check_elementwise_activation(lambda z: jax.nn.softmax(z, axis=-1))
+    seen.append(True)
+    return x
+
+  with jax.set_mesh(mesh):
+    x = jax.device_put(_rand(8, 8), NamedSharding(mesh, P("a", "b")))
+    jax.jit(jax.shard_map(body, in_specs=P("a", "b"), out_specs=P("a", "b")))(x)
+  assert seen
+
+
 def test_vmap_on_many_devices_is_not_partitioned():
   x = _rand(3, 16, 32)
   fn = jax.jit(jax.vmap(lambda x: tokamax.rms_norm(x, None)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Callable
 
 import jax
@@ -17,11 +18,21 @@ def check_elementwise_activation(activation: Callable[[jax.Array], jax.Array] | 
   output element depends on its own input element alone. Checked numerically at
   trace time: on a random array the activation must equal itself applied to each
   element alone (`jax.vmap` over the elements), with the same shape. How a
-  kernel differentiates it is the kernel's own check. A kernel's ``check_supported`` calls this so that
-  dispatch falls back (the XLA reference applies any callable to the whole gate).
+  kernel differentiates it is the kernel's own check. A kernel's
+  ``check_supported`` calls this so that dispatch falls back (the XLA reference
+  applies any callable to the whole gate).
+
+  The check runs on concrete arrays in a thread of its own: the caller may be
+  inside a trace, a `shard_map` body or a mesh context (`jax.set_mesh`), none of
+  which a concrete evaluation may see (JAX's contexts are per thread).
   """
   if activation is None:
     return
+  with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+    pool.submit(_check_concretely, activation).result()
+
+
+def _check_concretely(activation) -> None:
   shape = (4, 8)
   try:
     with jax.ensure_compile_time_eval():
