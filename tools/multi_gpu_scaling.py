@@ -192,6 +192,16 @@ def moe_ffn_expert_parallel(mesh, n, chunks):
   return _expert_parallel(mesh, n, layer, (x, w_up, w_down), ids, dy)
 
 
+def all_to_all_probe(mesh, n):
+  """The FFN layer's dispatch buffer alone: [n, 1.25 * 16384 / n, 2048] bf16 per
+  GPU through one all-to-all (80 MiB per GPU, (n - 1) / n of it remote)."""
+  cap = _capacity(_d(16384), n)
+  x = _put(mesh, P("d"), _rand(jax.random.key(5), (n * n, cap, _d(2048))))
+  a2a = jax.jit(jax.shard_map(lambda b: jax.lax.all_to_all(b, "d", 0, 0, tiled=True),
+                              mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+  return {"fwd": per_call_ms(a2a, x)}
+
+
 def _distinct_experts(key, m, e, top_k):
   """[m, top_k] random experts, distinct within a token."""
   return jnp.argsort(jax.random.uniform(key, (m, e)), axis=1)[:, :top_k].astype(
@@ -228,6 +238,7 @@ PROBLEMS = {
         "weak", functools.partial(moe_ffn_expert_parallel, chunks=c))
        for c in (1, 2, 4)},
     "ring_attention": ("strong", ring_attention_strong),
+    "all_to_all_probe": ("weak", all_to_all_probe),
 }
 
 

@@ -81,12 +81,17 @@ def moe_all_to_all(x: jax.Array, expert_ids: jax.Array,
   send = send.reshape(n, cap, x.shape[1])
   recv_counts = jax.lax.all_to_all(route.sent_counts, axis_name, 0, 0, tiled=True)
   width = cap // chunks
-  back = []
-  for c in range(chunks):
-    piece = jax.lax.all_to_all(send[:, c * width:(c + 1) * width], axis_name, 0, 0,
-                               tiled=True)
-    out = _compute_piece(piece, recv_counts, c * width, expert_fn)
-    back.append(jax.lax.all_to_all(out, axis_name, 0, 0, tiled=True))
+  pieces = [jax.lax.all_to_all(send[:, c * width:(c + 1) * width], axis_name, 0, 0,
+                               tiled=True) for c in range(chunks)]
+  outs = []
+  for c, piece in enumerate(pieces):
+    if outs:
+      # Piece c is used only once piece c-1's experts have run. Without this
+      # XLA fuses the pieces' row gathers into one kernel, so that every piece
+      # waits for all the transfers and nothing overlaps.
+      outs[-1], piece = jax.lax.optimization_barrier((outs[-1], piece))
+    outs.append(_compute_piece(piece, recv_counts, c * width, expert_fn))
+  back = [jax.lax.all_to_all(out, axis_name, 0, 0, tiled=True) for out in outs]
   back = jnp.concatenate(back, axis=1) if chunks > 1 else back[0]
   out = _take_rows(back.reshape(n * cap, -1), route.slot_of_assignment,
                    route.assignment_of_slot, 1)
