@@ -129,11 +129,28 @@ def test_an_expert_function_runs_a_whole_ffn():
   assert _rel(layer(*args), want) < TOL
 
 
+def test_expert_ids_out_of_range_are_dropped():
+  rng = np.random.default_rng()
+  mesh = _mesh()
+  e, m = 2 * NUM_DEVICES, 6 * NUM_DEVICES
+  x, w = _rand(rng, m, 16), _rand(rng, e, 16, 8)
+  ids = rng.integers(0, e, m)
+  bad = rng.random(m) < 0.3
+  ids[bad] = rng.choice([-1, e, e + 5], bad.sum())
+  ids = jnp.asarray(ids, jnp.int32)
+  got = np.asarray(_layer(mesh)(*[jax.device_put(a, NamedSharding(mesh, P("ep")))
+                                  for a in (x, ids, w)]))
+  np.testing.assert_array_equal(got[bad], 0)
+  want = np.asarray(_dense(x, jnp.clip(ids, 0, e - 1), w))
+  assert _rel(got[~bad], want[~bad]) < TOL
+
+
 def test_bad_arguments_name_themselves():
   mesh = _mesh()
   x, w = jnp.ones((NUM_DEVICES * 2, 4)), jnp.ones((NUM_DEVICES, 4, 4))
   bad = [(dict(), jnp.ones((NUM_DEVICES * 2,)), "expert_ids must be integers"),
          (dict(chunks=0), jnp.zeros((NUM_DEVICES * 2,), jnp.int32), "chunks"),
+         (dict(capacity=0), jnp.zeros((NUM_DEVICES * 2,), jnp.int32), "capacity"),
          (dict(), jnp.zeros((NUM_DEVICES * 3,), jnp.int32), "expert_ids must be")]
   for kw, ids, message in bad:
     with pytest.raises(ValueError, match=message):

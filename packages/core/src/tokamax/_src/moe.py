@@ -16,9 +16,10 @@ ids).
 
 Overlap (``chunks > 1``): the send buffers are cut into ``chunks`` pieces along
 their slots. Each piece crosses the devices, is computed on and comes back
-independently of the others, so XLA's scheduler runs the all-to-alls of one
-piece while the experts compute another. Every piece re-reads the local expert
-weights: keep the rows per expert and piece in the hundreds or more.
+independently of the others, so that XLA's scheduler may run the all-to-alls of
+one piece while the experts compute another. Every piece re-reads the local
+expert weights and runs smaller matmuls; on 4 H200s this cost more than the
+overlap gained (docs/sharding.md), hence the default of 1.
 
 Capacity: ``capacity`` slots per destination device and source device; tokens
 past a full buffer are dropped (their output rows are 0). With ``capacity=None``
@@ -28,7 +29,7 @@ nothing is dropped (the buffers hold every token of the device).
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +50,8 @@ def moe_all_to_all(x: jax.Array, expert_ids: jax.Array,
   Args:
     x: ``[m, K]`` this device's tokens.
     expert_ids: ``[m]`` (top-1) or ``[m, top_k]`` integer experts in ``[0, E)``,
-      ``E = n * num_local_experts``.
+      ``E = n * num_local_experts``; an id outside that range is dropped
+      (output 0), like an assignment past the capacity.
     experts: this device's experts. Either their weights ``[E_local, K, N]``
       (each token is multiplied by its expert's matrix with `tokamax.ragged_dot`)
       or a function ``(tokens [R, K], group_sizes [E_local] int32) -> [R, N]``
@@ -75,7 +77,7 @@ def moe_all_to_all(x: jax.Array, expert_ids: jax.Array,
   top_k = 1 if expert_ids.ndim == 1 else expert_ids.shape[1]
   assignments = x.shape[0] * top_k
   cap = assignments if capacity is None else capacity
-  cap = -(-max(cap, 1) // chunks) * chunks
+  cap = -(-cap // chunks) * chunks
   route = _route(expert_ids.reshape(-1).astype(jnp.int32), n, e_local, cap, top_k)
   send = _take_rows(x, route.token_of_slot, route.slot_of_assignment, top_k)
   send = send.reshape(n, cap, x.shape[1])
@@ -123,19 +125,16 @@ def _check(x, expert_ids, chunks, capacity):
     raise ValueError(f"expert_ids must be integers; got {expert_ids.dtype}")
   if chunks < 1:
     raise ValueError(f"chunks must be >= 1; got {chunks}")
-  if capacity is not None and capacity < 0:
-    raise ValueError(f"capacity must be >= 0 or None; got {capacity}")
+  if capacity is not None and capacity < 1:
+    raise ValueError(f"capacity must be >= 1 or None; got {capacity}")
 
 
-class _Route:
+class _Route(NamedTuple):
   """Index maps of the sending side. Invalid entries are out of range (dropped)."""
-
-  def __init__(self, token_of_slot, slot_of_assignment, assignment_of_slot,
-               sent_counts):
-    self.token_of_slot = token_of_slot            # [n * cap] -> token of x
-    self.slot_of_assignment = slot_of_assignment  # [m * top_k] -> send slot
-    self.assignment_of_slot = assignment_of_slot  # [n * cap] -> assignment
-    self.sent_counts = sent_counts                # [n, E_local] rows per expert
+  token_of_slot: jax.Array       # [n * cap] -> token of x
+  slot_of_assignment: jax.Array  # [m * top_k] -> send slot
+  assignment_of_slot: jax.Array  # [n * cap] -> assignment
+  sent_counts: jax.Array         # [n, E_local] rows sent per local expert
 
 
 def _route(ids, n, e_local, cap, top_k) -> _Route:
@@ -144,6 +143,8 @@ def _route(ids, n, e_local, cap, top_k) -> _Route:
   `ids` lists the assignments token-major: assignment a is token ``a // top_k``.
   """
   num = ids.shape[0]
+  # An id outside [0, E) becomes E: it sorts last, is counted nowhere and dropped.
+  ids = jnp.where((ids >= 0) & (ids < n * e_local), ids, n * e_local)
   order = jnp.argsort(ids, stable=True)
   count_e = jnp.zeros((n * e_local,), jnp.int32).at[ids].add(1, mode="drop")
   start_e = jnp.cumsum(count_e) - count_e
@@ -152,7 +153,7 @@ def _route(ids, n, e_local, cap, top_k) -> _Route:
   # Sorted position p: destination and rank there; a rank past cap is dropped.
   dest = ids[order] // e_local
   rank = jnp.arange(num) - start_d[dest]
-  slot_sorted = jnp.where(rank < cap, dest * cap + rank, n * cap)
+  slot_sorted = jnp.where((rank < cap) & (dest < n), dest * cap + rank, n * cap)
   slot_of_assignment = jnp.zeros((num,), jnp.int32).at[order].set(slot_sorted)
   # Slot (d, r) holds the sorted position start_d[d] + r, if d got that many.
   d_s, r_s = jnp.divmod(jnp.arange(n * cap), cap)
