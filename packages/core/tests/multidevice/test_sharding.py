@@ -7,6 +7,7 @@ the device count, and GPU float32 kernels may use TF32, hence a wider tolerance)
 """
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -159,6 +160,42 @@ def test_sequence_split_needs_q_offset_support():
     from tokamax._src import dispatch  # pylint: disable=import-outside-toplevel
     dispatch.check_opt_in(NoOffset(), tokamax.AttentionArgs(
         *args, q_offset=jnp.int32(0)))
+
+
+def test_explicit_sequence_split_prefers_an_implementation_with_q_offset():
+  """Under an explicit-axes mesh the sharding is known when dispatch chooses: of
+  several implementations it takes one that keeps the query split (q_offset)
+  over an earlier one that would gather the queries."""
+
+  @dataclasses.dataclass(frozen=True)
+  class NoOffset(tokamax.Op):
+    op_name = "dot_product_attention"
+    name = "no_offset"
+
+    def forward(self, args, config):
+      from tokamax._src import xla_backend  # pylint: disable=import-outside-toplevel
+      return xla_backend.XlaAttention().forward(args, config)
+
+  mesh = _mesh((1, NUM_DEVICES), explicit=True)
+  args = (_rand(2, 16, 2, 8), _rand(2, 16, 2, 8), _rand(2, 16, 2, 8))
+
+  def fn(implementation):
+    return lambda q, k, v: tokamax.dot_product_attention(
+        q, k, v, is_causal=True, implementation=implementation)
+
+  specs = (P(None, "b"), P(), P())
+  sharded = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+  with jax.set_mesh(mesh), warnings.catch_warnings():
+    warnings.simplefilter("error")  # no "queries are gathered" warning
+    _check(mesh, fn([NoOffset(), "xla"]), args, specs, out_spec=P(None, "b"))
+    with tokamax.record_dispatch() as records:
+      jax.jit(fn([NoOffset(), "xla"]))(*sharded)
+  assert [r.implementation for r in records] == ["xla"]
+  # A single named implementation is used as named (and gathers, with a warning).
+  with jax.set_mesh(mesh), pytest.warns(UserWarning, match="queries are gathered"):
+    with tokamax.record_dispatch() as records:
+      jax.jit(fn(NoOffset()))(*sharded)
+  assert [r.implementation for r in records] == ["no_offset"]
 
 
 # ----------------------------------------------------------------- layer_norm

@@ -223,7 +223,10 @@ def _build_checked(make: Callable[[], Any], explicit: bool, args: Any,
 
 
 def _choose_forward(op_name: str, args: Any, device: DeviceInfo,
-                    candidates: list[_Candidate]) -> tuple[_Candidate, Op, list]:
+                    candidates: list[_Candidate], prefer: frozenset[str] = frozenset()
+                    ) -> tuple[_Candidate, Op, list]:
+  """The first candidate that runs the call; with `prefer`, first the first one
+  that also declares those opt-in features (which the call's sharding would use)."""
   rejected = []
   for cand in candidates:
     try:
@@ -231,7 +234,15 @@ def _choose_forward(op_name: str, args: Any, device: DeviceInfo,
     except NotImplementedError as e:
       rejected.append((cand.label, _describe(e)))
       continue
+    missing = prefer - frozenset(getattr(op, "supported_features", ()))
+    if missing:
+      rejected.append((cand.label, f"does not take {', '.join(sorted(missing))}, "
+                                   "which the operands' sharding uses"))
+      continue
     return cand, op, rejected
+  if prefer:
+    # None takes them: the first that runs the call (its layout then gathers).
+    return _choose_forward(op_name, args, device, candidates)
   raise NotImplementedError(_no_implementation_message(op_name, "forward", rejected))
 
 
@@ -329,7 +340,14 @@ def call(op_name: str, args: Any, implementation: Implementation,
     candidates = _tuned_first(
         candidates, [c.label for c in candidates],
         config_sources.lookup_implementation(op_name, "forward", args))
-  forward, fwd_op, rejected = _choose_forward(op_name, args, device, candidates)
+  # A choice among several (None, or a sequence of names) prefers one that keeps
+  # the operands' explicit sharding (e.g. attention queries split along the
+  # sequence need q_offset); a single named implementation is used as it is.
+  choosing = implementation is None or (
+      isinstance(implementation, (list, tuple)) and len(implementation) > 1)
+  prefer = sharding.wanted_features(op_name, args) if choosing else frozenset()
+  forward, fwd_op, rejected = _choose_forward(op_name, args, device, candidates,
+                                              prefer)
   fwd_config = fwd_op.resolve_config(args)
   _record(DispatchRecord(op_name, "forward", forward.label, fwd_config, tuple(rejected)))
 

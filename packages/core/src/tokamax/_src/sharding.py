@@ -176,7 +176,8 @@ def attention_plan(mesh, shapes, specs, supports) -> Plan:
         f"axes {tx}, but the chosen implementation does not take q_offset (needed "
         "for causal/local_window on a query shard), so the queries are gathered. "
         "Pass an implementation that takes it (e.g. implementation='triton' on a "
-        "GPU) to keep the split.", stacklevel=2)
+        "GPU), or use a mesh with explicit axes (then dispatch prefers one), to "
+        "keep the split.", stacklevel=2)
     tx = ()
   # Key/value heads follow the query heads when they split as evenly; when each
   # shard's query heads all share one kv head (MQA, or more shards than kv
@@ -560,6 +561,34 @@ def _shard_mapped(call: _Call, mesh, operands):
                           operands, in_specs)
   return jax.shard_map(call.local(plan, mesh), mesh=mesh, in_specs=in_specs,
                        out_specs=out_specs, check_vma=False)(*operands)
+
+
+def wanted_features(op_name: str, args: Any) -> frozenset[str]:
+  """Opt-in features the layout of this call would use, where that is known now.
+
+  Only under a mesh with explicit axes are the operands' shardings part of their
+  types at trace time; the op's plan is asked which features it would use (e.g.
+  ``q_offset`` for attention queries split along the sequence) so that dispatch
+  can prefer an implementation that takes them. Under GSPMD (auto axes) the
+  shardings are decided later, when the implementation is already chosen.
+  """
+  leaves = jax.tree.leaves(args)
+  if op_name not in RULES or not active(leaves):
+    return frozenset()
+  mesh = _explicit_mesh(leaves)
+  if mesh is None:
+    return frozenset()
+  sds = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=jax.typeof(x).sharding), args)
+  specs = jax.tree.map(lambda s: _spec(s, len(s.shape)), sds)
+  asked = set()
+
+  def supports(feature: str) -> bool:
+    asked.add(feature)
+    return True
+
+  RULES[op_name](mesh, sds, specs, supports)
+  return frozenset(asked)
 
 
 def forward(op_name: str, args: Any, run: Callable, supports: Callable[[str], bool]):
