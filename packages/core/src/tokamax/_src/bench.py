@@ -52,12 +52,14 @@ def _rand(key, shape, dtype=BF16, scale=1.0):
   return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
 
 
-def _attention(b, t, n, k, h, causal) -> Problem:
+def _attention(b, t, n, k, h, causal, dtype=BF16) -> Problem:
   def make():
     ks = jax.random.split(jax.random.key(0), 3)
-    return (_rand(ks[0], (b, t, n, h)), _rand(ks[1], (b, t, k, h)), _rand(ks[2], (b, t, k, h)))
+    return (_rand(ks[0], (b, t, n, h), dtype), _rand(ks[1], (b, t, k, h), dtype),
+            _rand(ks[2], (b, t, k, h), dtype))
   flops = 4 * b * n * t * t * h / (2 if causal else 1)
-  name = f"B{b} T{t} N{n}" + (f" K{k}" if k != n else "") + f" H{h}" + (" causal" if causal else "")
+  name = (f"B{b} T{t} N{n}" + (f" K{k}" if k != n else "") + f" H{h}"
+          + (" causal" if causal else "") + ("" if dtype == BF16 else " f16"))
   return Problem(
       "dot_product_attention", name, make,
       lambda a, i: tokamax.dot_product_attention(*a, is_causal=causal, implementation=i),
@@ -133,6 +135,8 @@ def reference_suite() -> list[Problem]:
       _attention(4, 4096, 16, 16, 128, False), _attention(4, 4096, 16, 16, 128, True),
       _attention(2, 8192, 16, 16, 64, False), _attention(2, 8192, 16, 16, 64, True),
       _attention(2, 8192, 32, 8, 128, True),
+      _attention(4, 4096, 16, 16, 128, False, jnp.float16),
+      _attention(4, 4096, 16, 16, 128, True, jnp.float16),
       _ragged(16384, 2048, 16384, 16, False), _ragged(65536, 7168, 2048, 256, True),
       _norm(32768, 8192, False), _norm(32768, 8192, True),
       _glu(16384, 4096, 14336),
