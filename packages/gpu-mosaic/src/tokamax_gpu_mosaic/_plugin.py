@@ -22,6 +22,10 @@ BACKEND = plugin.Backend(
               "MosaicGpuRaggedDotVjp"),
         _impl("gated_linear_unit", "gated_linear_unit", "MosaicGpuGatedLinearUnit",
               "MosaicGpuGatedLinearUnitVjp"),
+        # Below cuDNN's attention (150): implementation=None prefers cuDNN where
+        # it applies unless tuned data says otherwise.
+        _impl("dot_product_attention", "attention", "MosaicGpuAttention",
+              "MosaicGpuAttentionVjp"),
     ),
     # Measured with every GPU backend installed (tools/h200_retune.sh), so that
     # implementation=None picks between these kernels and the others by time.
