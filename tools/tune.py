@@ -36,7 +36,10 @@ def tune(problem: bench.Problem, implementation: str, iterations: int) -> None:
   capture = _Fixed()
   grad, grad_args = bench._fwd_bwd(lambda a: problem.call(a, implementation), inputs)  # pylint: disable=protected-access
   with config_sources.use(capture):
-    jax.block_until_ready(grad(*grad_args))
+    try:
+      jax.block_until_ready(grad(*grad_args))
+    except NotImplementedError:  # a forward-only implementation: tune the forward
+      jax.block_until_ready(jax.jit(lambda a: problem.call(a, implementation))(inputs))
   print(f"## {problem.op} {problem.name} ({implementation})", flush=True)
   for cls, direction in ((fwd_cls, "forward"), (bwd_cls, "forward+backward")):
     if cls is None or cls not in capture.args:
