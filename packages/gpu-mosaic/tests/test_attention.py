@@ -164,6 +164,83 @@ def test_configs(h, config, causal):
   _check(1, 640, 448, 4, 2, h, causal, config=config, grads=False)
 
 
+# `overlap_qk`: intra-warpgroup pipelining (Q K^T of tile i+1 issued with P_i V_i).
+_OVERLAP = mat.AttentionConfig(block_kv=128, num_stages=2, overlap_qk=True)
+_OVERLAP_64 = mat.AttentionConfig(block_kv=64, num_stages=2, overlap_qk=True)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("h", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_overlap_forward(dtype, h, causal):
+  _check(2, 512, 512, 4, 4, h, causal, dtype, config=_OVERLAP,
+         grads=dtype == jnp.bfloat16)
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n,k", [(8, 2), (4, 1)])
+@pytest.mark.parametrize("config", [_OVERLAP, _OVERLAP_64])
+def test_overlap_gqa_mqa(causal, n, k, config):
+  _check(1, 384, 384, n, k, 128, causal, config=config, grads=False)
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("t,s", [(256, 640), (640, 256), (200, 330), (1, 77),
+                                 (130, 1000)])
+@pytest.mark.parametrize("h,config", [(64, _OVERLAP), (128, _OVERLAP_64)])
+def test_overlap_padding(causal, t, s, h, config):
+  _check(1, t, s, 2, 1, h, causal, config=config, grads=False)
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("s,config", [
+    (128, _OVERLAP),  # one key tile: only the first turn and the last P V
+    (128, _OVERLAP_64),  # causal: warpgroup 0 one tile, then one released
+    (64, _OVERLAP_64),
+    (100, _OVERLAP),  # one padded key tile
+])
+def test_overlap_single_key_step(causal, s, config):
+  _check(1, 128, s, 2, 2, 128, causal, config=config, grads=False)
+
+
+@gpu
+@pytest.mark.parametrize("h,config", [
+    (64, mat.AttentionConfig(block_kv=64, num_stages=3, overlap_qk=True)),
+    (64, mat.AttentionConfig(block_kv=64, num_stages=4, overlap_qk=True,
+                             fence_softmax=False)),
+    (64, mat.AttentionConfig(block_kv=128, num_stages=3, overlap_qk=True)),
+    (64, mat.AttentionConfig(block_kv=128, num_stages=4, overlap_qk=True)),
+    (64, mat.AttentionConfig(block_kv=192, num_stages=2, overlap_qk=True)),
+    (64, mat.AttentionConfig(block_kv=192, num_stages=4, overlap_qk=True)),
+    (128, mat.AttentionConfig(block_kv=64, num_stages=4, overlap_qk=True)),
+    (128, mat.AttentionConfig(block_kv=128, num_stages=2, overlap_qk=True,
+                              fence_softmax=False)),
+    (256, mat.AttentionConfig(block_kv=64, num_stages=2, overlap_qk=True)),
+])
+@pytest.mark.parametrize("causal", [False, True])
+def test_overlap_configs(h, config, causal):
+  # S = 7 * 64: partial last key tiles for the wider tiles; several ring laps.
+  _check(1, 640, 448, 4, 2, h, causal, config=config, grads=False)
+
+
+@gpu
+@pytest.mark.parametrize("config", [_OVERLAP, _OVERLAP_64])
+def test_overlap_long_causal(config):
+  # Many ring laps; with 64-key tiles warpgroup 0 releases one tile per block.
+  _check(1, 2048, 2048, 2, 2, 128, True, config=config, grads=False)
+  _check(1, 1024, 1024, 2, 2, 64, True, config=config, grads=False, scale=0.3)
+
+
+@gpu
+def test_overlap_scale():
+  _check(1, 256, 256, 2, 2, 64, True, scale=0.37, config=_OVERLAP, grads=False)
+  _check(1, 256, 256, 2, 2, 64, False, scale=-0.2, config=_OVERLAP, grads=False)
+
+
 @gpu
 def test_named_implementation_dispatch():
   q, key, v = _qkv(1, 256, 256, 2, 2, 128, jnp.bfloat16)
@@ -254,6 +331,11 @@ def test_configs_fit():
     assert space and op.heuristic_config(args) in space
     for config in space:
       assert mat.smem_bytes(config, h, 2) <= 227 * 1024 - 1024
+    overlapped = {(c.block_kv, c.num_stages) for c in space if c.overlap_qk}
+    assert overlapped and {c.overlap_qk for c in space} == {False, True}
+    assert max(b for b, _ in overlapped) == {64: 192, 128: 128, 256: 64}[h]
+  assert mat.MosaicGpuAttention().heuristic_config(_args(h=64)) == (
+      mat.AttentionConfig(block_kv=128, num_stages=2))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -264,6 +346,18 @@ def test_configs_fit():
     (64, 4, 1, 200, 333, mat.AttentionConfig(block_kv=192, num_stages=3,
                                              fence_softmax=False)),  # MQA, padded
     (256, 2, 2, 256, 256, None),
+    (128, 4, 4, 512, 512, mat.AttentionConfig(overlap_qk=True)),
+    (128, 8, 2, 384, 640, mat.AttentionConfig(block_kv=64, num_stages=3,
+                                              overlap_qk=True)),  # GQA
+    (64, 4, 1, 200, 333, mat.AttentionConfig(block_kv=64, num_stages=2,
+                                             overlap_qk=True,
+                                             fence_softmax=False)),  # padded
+    (64, 2, 2, 128, 128, mat.AttentionConfig(overlap_qk=True)),  # one key step
+    (64, 2, 2, 512, 512, mat.AttentionConfig(block_kv=128, num_stages=4,
+                                             overlap_qk=True)),
+    (64, 2, 1, 640, 448, mat.AttentionConfig(block_kv=192, num_stages=3,
+                                             overlap_qk=True)),
+    (256, 2, 2, 256, 256, mat.AttentionConfig(block_kv=64, overlap_qk=True)),
 ])
 def test_lowers_for_cuda(causal, h, n, k, t, s, config):
   pytest.importorskip("absl")

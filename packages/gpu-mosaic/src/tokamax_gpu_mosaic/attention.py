@@ -17,6 +17,21 @@ phase later, so that one warpgroup's softmax runs while the other's two matmuls
 occupy the tensor cores (the FA3 schedule). Each warpgroup passes the barrier twice
 per key tile (after issuing ``Q K^T``; before issuing ``P V``).
 
+``overlap_qk`` (FA3's intra-warpgroup pipelining) adds overlap inside a
+warpgroup: the softmax of tile i runs while that warpgroup's own ``P_{i-1} V_{i-1}``
+is in flight. Per key tile i >= 1 a consumer: waits for K_i; takes its turn; issues
+``S_i = Q K_i^T``; waits for V_{i-1}; issues ``O += P_{i-1} V_{i-1}``; passes the
+turn; waits for S_i only (matmul groups complete in order), frees K_i; does the
+softmax of S_i into P_i (float32); waits for O, frees V_{i-1}, rescales O by the
+new max and converts P_i to 16 bits (only now: P_{i-1}'s registers are read by the
+in-flight matmul until then). Tile 0's ``Q K^T`` is a turn of its own and the last
+``P V`` follows the loop.
+Here the turn is a token (a one-arrival barrier per warpgroup: wait on one's own,
+arrive on the partner's; warpgroup 1 hands the first token over), so a warpgroup
+is never held back after issuing. K slots are now freed before the older V slots:
+every release follows this warpgroup's wait on the slot's "full" barrier, so no
+warpgroup can arrive twice on one phase of a "free" barrier.
+
 Causal (top-left aligned, key s visible to query t iff s <= t): each warpgroup
 visits only the key tiles that can hold a visible key; the tiles entirely below
 the diagonal run unmasked, only those crossing it build an iota mask. A warpgroup
@@ -69,8 +84,14 @@ class AttentionConfig:
   num_stages: int = 2
   # Materialize the softmax results before the ping-pong barrier (an
   # optimization barrier), so that the compiler cannot sink the rescaling of O
-  # and the row-sum update past it into the partner's turn.
+  # and the row-sum update past it into the partner's turn. With `overlap_qk`:
+  # before waiting for ``P V``, so that the softmax really overlaps it.
   fence_softmax: bool = True
+  # Intra-warpgroup pipelining (FA3): each turn on the tensor cores issues
+  # ``Q K_{j+1}^T`` and ``P_j V_j`` together, and the softmax of tile j+1 runs
+  # while ``P_j V_j`` is in flight (same register budget: _fits_registers).
+  # False: the plain ping-pong schedule.
+  overlap_qk: bool = False
 
   def __post_init__(self):
     if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -88,8 +109,14 @@ def smem_bytes(config: AttentionConfig, head_dim: int, itemsize: int) -> int:
 
 
 def _fits_registers(config: AttentionConfig, head_dim: int) -> bool:
-  # Per consumer thread: S and P tiles (bkv/2 + bkv/4 words) and the O tile
-  # (head_dim/2); keep well clear of the 232 limit to avoid spills.
+  """Whether a consumer's live tiles stay well clear of the 232-register limit.
+
+  Per consumer thread (128 threads hold a 64-row tile): an f32 tile of 64 x n
+  takes n/2 registers, a 16-bit one n/4. Plain schedule, during the softmax: S
+  (bkv/2), P (bkv/4) and O (H/2). `overlap_qk` keeps P in f32 until its P V is
+  waited for (see the kernel), so during the softmax S/P (bkv/2) sits next to O
+  and the previous P (bkv/4), both read by the in-flight P V: the same count.
+  """
   return config.block_kv * 3 // 4 + head_dim // 2 <= 200
 
 
@@ -119,10 +146,11 @@ def _bcast_rows(x, shape):
   return lax.broadcast_in_dim(x, shape, [0])
 
 
-def _softmax_update(s, m, l, acc, c: float, visible):
-  """One online-softmax step on raw scores ``s``; returns (p, m, l, acc).
+def _online_softmax(s, m, l, c: float, visible):
+  """One online-softmax step on raw scores ``s``; returns (p, m, l, alpha).
 
-  ``m`` is the running row max of the base-2 logits ``s * c``. Without a mask
+  ``m`` is the running row max of the base-2 logits ``s * c``; ``alpha`` is the
+  factor that moves what was accumulated so far onto the new max. Without a mask
   and with ``c > 0`` the max is taken on ``s`` and the scale is applied in the
   exp2 argument (one FMA per element).
   """
@@ -139,8 +167,13 @@ def _softmax_update(s, m, l, acc, c: float, visible):
   # is finite and alpha is exp2(-inf) = 0 only on the first tile.
   alpha = jnp.exp2(m - m_new)
   l = l * alpha + p.sum(axis=1)
-  acc = acc * _bcast_rows(alpha, acc.shape)
-  return p, m_new, l, acc
+  return p, m_new, l, alpha
+
+
+def _softmax_update(s, m, l, acc, c: float, visible):
+  """`_online_softmax` and the rescaling of ``acc``; returns (p, m, l, acc)."""
+  p, m, l, alpha = _online_softmax(s, m, l, c, visible)
+  return p, m, l, acc * _bcast_rows(alpha, acc.shape)
 
 
 def _flash_forward(q, k, v, *, scale: float, causal: bool, s_true: int,
@@ -196,73 +229,184 @@ def _flash_forward(q, k, v, *, scale: float, causal: bool, s_true: int,
       else:
         n_clear = s_true // bkv
 
-      def step(i, carry, masked: bool):
-        acc, m, l = carry
-        slot = lax.rem(i, stages)
-
-        def scores(s_acc):
-          plgpu.wgmma(s_acc, q_tile, k_smem.at[slot].T)
-          pass_turn()  # partner's softmax done: the tensor cores are ours next
-          return s_acc[...]
-        s = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32))
-        plgpu.barrier_arrive(k_free.at[slot])
-
+      def visibility(i):
+        """Which scores of key tile `i` are kept (causal and/or padded keys)."""
+        shape = (bq, bkv)
+        rows = plgpu.broadcasted_iota(jnp.int32, shape, 0,
+                                      layout=plgpu.Layout.WGMMA) + r0
+        cols = plgpu.broadcasted_iota(jnp.int32, shape, 1,
+                                      layout=plgpu.Layout.WGMMA) + i * bkv
         visible = None
-        if masked:
-          shape = (bq, bkv)
-          rows = plgpu.broadcasted_iota(jnp.int32, shape, 0,
-                                        layout=plgpu.Layout.WGMMA) + r0
-          cols = plgpu.broadcasted_iota(jnp.int32, shape, 1,
-                                        layout=plgpu.Layout.WGMMA) + i * bkv
-          if causal:
-            visible = cols <= rows
-          if pad_keys:
-            in_range = cols < s_true
-            visible = in_range if visible is None else visible & in_range
-        p, m, l, acc = _softmax_update(s, m, l, acc, c, visible)
+        if causal:
+          visible = cols <= rows
+        if pad_keys:
+          in_range = cols < s_true
+          visible = in_range if visible is None else visible & in_range
+        return visible
+
+      def pingpong(carry):
+        """The plain schedule: S, softmax, then O += P V, two turns per tile."""
+
+        def step(i, carry, masked: bool):
+          acc, m, l = carry
+          slot = lax.rem(i, stages)
+
+          def scores(s_acc):
+            plgpu.wgmma(s_acc, q_tile, k_smem.at[slot].T)
+            pass_turn()  # partner's softmax done: the tensor cores are ours next
+            return s_acc[...]
+          s = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32))
+          plgpu.barrier_arrive(k_free.at[slot])
+
+          visible = visibility(i) if masked else None
+          p, m, l, acc = _softmax_update(s, m, l, acc, c, visible)
+          p = p.astype(dtype)
+          if config.fence_softmax:
+            p, m, l, acc = lax.optimization_barrier((p, m, l, acc))
+
+          plgpu.barrier_arrive(turn)
+          plgpu.barrier_wait(v_full.at[slot])
+          plgpu.barrier_wait(turn)
+
+          def update(o_acc):
+            plgpu.wgmma(o_acc, p, v_smem.at[slot])
+            nxt = i + 1
+
+            @pl.when(nxt < n_own)
+            def _():  # overlaps the wait for the next K with this matmul
+              plgpu.barrier_wait(k_full.at[lax.rem(nxt, stages)])
+          acc = pl.run_state(update)(plgpu.ACC.init(acc))
+          plgpu.barrier_arrive(v_free.at[slot])
+          return acc, m, l
+
+        def release(i, _):
+          # A tile this warpgroup does not need (causal): free the slot for the
+          # producer and keep the ping-pong barrier's count in step with the
+          # partner.
+          slot = lax.rem(i, stages)
+          plgpu.barrier_arrive(k_free.at[slot])
+          plgpu.barrier_arrive(v_free.at[slot])
+          pass_turn()
+          pass_turn()
+
+        plgpu.barrier_wait(k_full.at[0])  # n_own >= 1 always
+        pl.when(wg == 1)(pass_turn)  # warpgroup 1 runs one phase behind
+        if needs_mask:
+          carry = lax.fori_loop(0, n_clear, functools.partial(step, masked=False),
+                                carry)
+          carry = lax.fori_loop(n_clear, n_own,
+                                functools.partial(step, masked=True), carry)
+        else:
+          carry = lax.fori_loop(0, n_kv, functools.partial(step, masked=False),
+                                carry)
+        if causal:
+          lax.fori_loop(n_own, n_block, release, None)
+        pl.when(wg == 0)(pass_turn)
+        return carry
+
+      def overlapped(carry):
+        """`overlap_qk`: a turn issues Q K_i^T and P_{i-1} V_{i-1} together; the
+        softmax of tile i runs while P_{i-1} V_{i-1} is in flight.
+
+        The turn is a token: `turn` holds one single-arrival barrier per
+        warpgroup; a warpgroup waits on its own before issuing and arrives on
+        its partner's right after, and warpgroup 1 hands warpgroup 0 the first
+        token. Unlike the plain schedule's two-party barrier, this never holds
+        a warpgroup back once its matmuls are issued.
+        """
+        acc, m, l = carry
+        mine, theirs = turn.at[wg], turn.at[1 - wg]
+
+        def softmax(s, m, l, i, masked: bool):
+          p, m, l, alpha = _online_softmax(s, m, l, c,
+                                           visibility(i) if masked else None)
+          if config.fence_softmax:  # computed before waiting for P V
+            p, m, l, alpha = lax.optimization_barrier((p, m, l, alpha))
+          return p, m, l, alpha
+
+        # Tile 0: its Q K^T is this warpgroup's whole first turn. The mask is
+        # built whenever any tile may need one (cheaper than a dynamic branch).
+        pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))
+        plgpu.barrier_wait(k_full.at[0])  # n_own >= 1 always
+        plgpu.barrier_wait(mine)
+
+        def first_scores(s_acc):
+          plgpu.wgmma(s_acc, q_tile, k_smem.at[0].T)
+          plgpu.barrier_arrive(theirs)
+          return s_acc[...]
+        s = pl.run_scoped(first_scores, plgpu.ACC((bq, bkv), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[0])
+        p, m, l, _ = softmax(s, m, l, 0, needs_mask)  # alpha = 0 and O = 0
         p = p.astype(dtype)
-        if config.fence_softmax:
-          p, m, l, acc = lax.optimization_barrier((p, m, l, acc))
 
-        plgpu.barrier_arrive(turn)
-        plgpu.barrier_wait(v_full.at[slot])
-        plgpu.barrier_wait(turn)
+        def step(i, carry, masked: bool):
+          acc, m, l, p = carry  # acc is already on the running max m
+          slot, prev = lax.rem(i, stages), lax.rem(i - 1, stages)
+          plgpu.barrier_wait(k_full.at[slot])
+          plgpu.barrier_wait(mine)
 
-        def update(o_acc):
-          plgpu.wgmma(o_acc, p, v_smem.at[slot])
-          nxt = i + 1
+          def turn_then_softmax(s_acc, o_acc):
+            o_acc[...] = acc
+            plgpu.wgmma(s_acc, q_tile, k_smem.at[slot].T)
+            plgpu.barrier_wait(v_full.at[prev])
+            plgpu.wgmma(o_acc, p, v_smem.at[prev])
+            plgpu.barrier_arrive(theirs)
+            # Matmul groups complete in order: this waits for Q K^T only.
+            s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
+            plgpu.barrier_arrive(k_free.at[slot])
+            p_new, m_new, l_new, alpha = softmax(s, m, l, i, masked)
+            o = plgpu.wgmma_accumulator_load(o_acc, wait_n=0)
+            # Only now (as FA3): O is rescaled and P_i takes the 16-bit form it
+            # is carried in. Converted earlier, P_i could be given the registers
+            # of the loop-carried P_{i-1} that the in-flight P V still reads.
+            return (o * _bcast_rows(alpha, o.shape), m_new, l_new,
+                    p_new.astype(dtype))
+          carry = pl.run_scoped(turn_then_softmax,
+                                plgpu.ACC((bq, bkv), jnp.float32),
+                                plgpu.ACC((bq, h), jnp.float32))
+          plgpu.barrier_arrive(v_free.at[prev])
+          return carry
 
-          @pl.when(nxt < n_own)
-          def _():  # overlaps the wait for the next K with this matmul
-            plgpu.barrier_wait(k_full.at[lax.rem(nxt, stages)])
-        acc = pl.run_state(update)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_free.at[slot])
+        carry = (acc, m, l, p)
+        if needs_mask:
+          split = jnp.maximum(n_clear, 1)
+          carry = lax.fori_loop(1, split, functools.partial(step, masked=False),
+                                carry)
+          carry = lax.fori_loop(split, n_own, functools.partial(step, masked=True),
+                                carry)
+        else:
+          carry = lax.fori_loop(1, n_kv, functools.partial(step, masked=False),
+                                carry)
+        acc, m, l, p = carry
+
+        # The last P V, outside the turns (as in FA3).
+        last = lax.rem(n_own - 1, stages)
+        plgpu.barrier_wait(v_full.at[last])
+        acc = pl.run_state(lambda o_acc: plgpu.wgmma(o_acc, p, v_smem.at[last]))(
+            plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_free.at[last])
+
+        def release(i, _):
+          # A tile this warpgroup does not need (causal): pass the partner's
+          # turn on, and free the slot only once it is full. Being ahead, this
+          # warpgroup could otherwise arrive on a slot's "free" barrier twice
+          # before the partner's arrival for the older tile (2 stages), which
+          # would release that slot early.
+          slot = lax.rem(i, stages)
+          plgpu.barrier_wait(mine)
+          plgpu.barrier_arrive(theirs)
+          plgpu.barrier_wait(k_full.at[slot])
+          plgpu.barrier_arrive(k_free.at[slot])
+          plgpu.barrier_wait(v_full.at[slot])
+          plgpu.barrier_arrive(v_free.at[slot])
+        if causal:
+          lax.fori_loop(n_own, n_block, release, None)
         return acc, m, l
-
-      def release(i, _):
-        # A tile this warpgroup does not need (causal): free the slot for the
-        # producer and keep the ping-pong barrier's count in step with the partner.
-        slot = lax.rem(i, stages)
-        plgpu.barrier_arrive(k_free.at[slot])
-        plgpu.barrier_arrive(v_free.at[slot])
-        pass_turn()
-        pass_turn()
 
       carry = (plgpu.layout_cast(jnp.zeros((bq, h), jnp.float32), plgpu.Layout.WGMMA),
                _row_vector(-jnp.inf), _row_vector(0.0))
       plgpu.barrier_wait(q_full.at[wg])
-      plgpu.barrier_wait(k_full.at[0])  # n_own >= 1 always
-      pl.when(wg == 1)(pass_turn)  # warpgroup 1 runs one phase behind
-      if needs_mask:
-        carry = lax.fori_loop(0, n_clear, functools.partial(step, masked=False),
-                              carry)
-        carry = lax.fori_loop(n_clear, n_own, functools.partial(step, masked=True),
-                              carry)
-      else:
-        carry = lax.fori_loop(0, n_kv, functools.partial(step, masked=False), carry)
-      if causal:
-        lax.fori_loop(n_own, n_block, release, None)
-      pl.when(wg == 0)(pass_turn)
+      carry = (overlapped if config.overlap_qk else pingpong)(carry)
 
       acc, m, l = carry
       out = acc * _bcast_rows(1.0 / l, acc.shape)
@@ -305,7 +449,9 @@ def _flash_forward(q, k, v, *, scale: float, causal: bool, s_true: int,
       plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=2),
+      # The turn: one two-party barrier (plain) or a token per warpgroup.
+      (plgpu.Barrier(num_barriers=2) if config.overlap_qk
+       else plgpu.Barrier(num_arrivals=2)),
   )
   call = _common.kernel(
       body,
@@ -344,8 +490,9 @@ def mosaic_attention(q, k, v, *, scale: float, causal: bool,
 def _heuristic(args) -> AttentionConfig:
   h = args.query.shape[-1]
   itemsize = jnp.dtype(args.query.dtype).itemsize
-  preferred = {64: ((128, 3), (128, 2)), 128: ((128, 2), (64, 3)),
-               256: ((64, 2),)}[h]
+  # Measured on the H200 (plain schedule): block_kv 128 beats 64 by 10-15%; at
+  # H64 two stages beat three (1.185-1.215 vs 1.209 ms; causal 0.607 vs 0.619).
+  preferred = {64: ((128, 2),), 128: ((128, 2), (64, 3)), 256: ((64, 2),)}[h]
   for block_kv, stages in preferred:
     config = AttentionConfig(block_kv=block_kv, num_stages=stages)
     if _fits(config, h, itemsize):
@@ -357,13 +504,14 @@ def _search_space(args):
   h = args.query.shape[-1]
   itemsize = jnp.dtype(args.query.dtype).itemsize
   out = []
-  for block_kv in (64, 128, 192, 256):
-    for stages in (2, 3, 4):
-      for fence in (True, False):
-        config = AttentionConfig(block_kv=block_kv, num_stages=stages,
-                                 fence_softmax=fence)
-        if _fits(config, h, itemsize):
-          out.append(config)
+  for overlap in (False, True):
+    for block_kv in (64, 128, 192, 256):
+      for stages in (2, 3, 4):
+        for fence in (True, False):
+          config = AttentionConfig(block_kv=block_kv, num_stages=stages,
+                                   fence_softmax=fence, overlap_qk=overlap)
+          if _fits(config, h, itemsize):
+            out.append(config)
   return tuple(out)
 
 
