@@ -127,3 +127,46 @@ def test_implementations_introspection():
     assert "gpu" in statuses[("dot_product_attention", "cudnn")].reason
   with pytest.raises(ValueError, match="op must be one of"):
     tokamax.implementations("softmax")
+
+
+def test_an_unpartitioned_forward_may_leave_opaque_residuals_for_its_backward():
+  # The cuDNN forward keeps jax.vjp's residuals this way, so that its backward
+  # does not run the forward a second time (not testable without a GPU).
+  from tokamax._src import op as op_lib  # pylint: disable=import-outside-toplevel
+  seen = {}
+
+  @dataclasses.dataclass(frozen=True)
+  class KeepsVjpBackward(tokamax.VjpOp):
+    op_name = "layer_norm"
+    name = "keeps_vjp"
+
+    def backward(self, args, residuals, out, dout, config):
+      seen["residuals"] = sorted(residuals)
+      (grads,) = residuals["own_vjp"](dout)
+      return grads
+
+  @dataclasses.dataclass(frozen=True)
+  class KeepsVjp(tokamax.Op):
+    op_name = "layer_norm"
+    name = "keeps_vjp"
+    vjp = KeepsVjpBackward
+
+    def forward(self, args, config):
+      seen["allowed"] = op_lib.opaque_residuals_allowed()
+      fn = lambda p: tokamax.layer_norm(p["x"], p["scale"], None, implementation="xla")
+      out, vjp = jax.vjp(fn, {"x": args.x, "scale": args.scale})
+      return out, {"own_vjp": vjp}
+
+  x = jax.random.normal(jax.random.key(0), (6, 16))
+  scale = jax.random.normal(jax.random.key(1), (16,))
+  loss = lambda f: lambda x, s: jnp.sum(jnp.sin(f(x, s)))
+  got = jax.grad(loss(lambda x, s: tokamax.layer_norm(x, s, None,
+                                                       implementation=KeepsVjp())),
+                 argnums=(0, 1))(x, scale)
+  want = jax.grad(loss(lambda x, s: tokamax.layer_norm(x, s, None,
+                                                        implementation="xla")),
+                  argnums=(0, 1))(x, scale)
+  assert seen == {"allowed": True, "residuals": ["own_vjp"]}
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+  assert not op_lib.opaque_residuals_allowed()  # only while dispatch runs a forward

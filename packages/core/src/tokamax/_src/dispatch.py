@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from tokamax._src import config
 from tokamax._src import config_sources
+from tokamax._src import op as op_lib
 from tokamax._src import registry
 from tokamax._src import sharding
 from tokamax._src import vma
@@ -369,7 +370,11 @@ def call(op_name: str, args: Any, implementation: Implementation,
     return out, dict(residuals)
 
   def partitioned_forward(args):
-    out, residuals = sharding.forward(op_name, args, forward_local, supports)
+    if sharding.active(jax.tree_util.tree_leaves(args)):
+      out, residuals = sharding.forward(op_name, args, forward_local, supports)
+    else:
+      with op_lib.allow_opaque_residuals():
+        out, residuals = forward_local(args)
     return vma.outputs_like_inputs(out, args), residuals
 
   @jax.custom_vjp

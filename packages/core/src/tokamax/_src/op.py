@@ -8,11 +8,34 @@ validation, dispatch, `jax.custom_vjp` wiring, config resolution.
 from __future__ import annotations
 
 import abc
+import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import jax
+
+# Whether the forward being traced may return residuals outside its op's
+# documented set, read only by its own backward (e.g. the cuDNN forward keeps
+# jax.vjp's residuals so that its backward does not rerun it). Dispatch allows
+# them only for calls it does not partition: partitioning lays out each residual
+# by its documented name.
+_OPAQUE_RESIDUALS = contextvars.ContextVar("tokamax_opaque_residuals", default=False)
+
+
+def opaque_residuals_allowed() -> bool:
+  """True while dispatch runs a forward whose residuals no one else lays out."""
+  return _OPAQUE_RESIDUALS.get()
+
+
+@contextlib.contextmanager
+def allow_opaque_residuals():
+  token = _OPAQUE_RESIDUALS.set(True)
+  try:
+    yield
+  finally:
+    _OPAQUE_RESIDUALS.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from tokamax._src import op as op_lib
 from tokamax._src import plugin
 from tokamax._src.op import Op, VjpOp
 
@@ -58,16 +59,22 @@ def _attention_kwargs(args):
               precision=args.precision, q_offset=args.q_offset)
 
 
+def _vjp(fn, args, diff_fields):
+  """``(fn(args), vjp)`` with `vjp` mapping a cotangent to ``{field: grad}``."""
+  primals = {f: getattr(args, f) for f in diff_fields if getattr(args, f) is not None}
+  out, vjp = jax.vjp(lambda p: fn(dataclasses.replace(args, **p)), primals)
+  return out, vjp
+
+
+def _apply_vjp(vjp, out_dtype, dout):
+  (grads,) = vjp(dout.astype(out_dtype))
+  return grads
+
+
 def _autodiff_backward(fn, args, diff_fields, dout):
   """Cotangents of `fn(args)` for `diff_fields` by JAX autodiff (recomputes fn)."""
-  primals = {f: getattr(args, f) for f in diff_fields if getattr(args, f) is not None}
-
-  def f(p):
-    return fn(dataclasses.replace(args, **p))
-
-  _, vjp = jax.vjp(f, primals)
-  (grads,) = vjp(dout.astype(jax.eval_shape(f, primals).dtype))
-  return grads
+  out, vjp = _vjp(fn, args, diff_fields)
+  return _apply_vjp(vjp, out.dtype, dout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +154,7 @@ class XlaChunkedAttentionVjp(VjpOp):
 
 
 _ATTENTION_GRAD_FIELDS = ("query", "key", "value", "bias")
+_CUDNN_VJP = "cudnn_vjp"  # residual of the cuDNN forward: its jax.vjp function
 
 
 def _cudnn_check(args, device, backward: bool = False):
@@ -192,12 +200,18 @@ class CudnnAttention(Op):
     _cudnn_check(args, device)
 
   def forward(self, args, config):
-    return _cudnn_forward(args), {}
+    if not op_lib.opaque_residuals_allowed():
+      return _cudnn_forward(args), {}
+    # jax.vjp's residuals (cuDNN's softmax statistics among them) let the
+    # backward skip a second cuDNN forward.
+    out, vjp = _vjp(_cudnn_forward, args, _ATTENTION_GRAD_FIELDS)
+    return out, {_CUDNN_VJP: vjp}
 
 
 @dataclasses.dataclass(frozen=True)
 class CudnnAttentionVjp(VjpOp):
-  """cuDNN's own backward (through `jax.vjp`, which reruns the cuDNN forward)."""
+  """cuDNN's own backward: jax.vjp's, from the forward's residuals where it left
+  them (else it reruns the cuDNN forward: a partitioned call)."""
 
   op_name = "dot_product_attention"
   name = "cudnn"
@@ -206,6 +220,9 @@ class CudnnAttentionVjp(VjpOp):
     _cudnn_check(args, device, backward=True)
 
   def backward(self, args, residuals, out, dout, config):
+    vjp = (residuals or {}).get(_CUDNN_VJP)
+    if vjp is not None:
+      return _apply_vjp(vjp, out.dtype, dout)
     return _autodiff_backward(_cudnn_forward, args, _ATTENTION_GRAD_FIELDS, dout)
 
 
