@@ -369,20 +369,22 @@ def call(op_name: str, args: Any, implementation: Implementation,
     out, residuals = fwd_op.forward(args, config_)
     return out, dict(residuals)
 
-  def partitioned_forward(args):
+  def partitioned_forward(args, for_backward: bool):
     if sharding.active(jax.tree_util.tree_leaves(args)):
       out, residuals = sharding.forward(op_name, args, forward_local, supports)
-    else:
+    elif for_backward:
       with op_lib.allow_opaque_residuals():
         out, residuals = forward_local(args)
+    else:
+      out, residuals = forward_local(args)
     return vma.outputs_like_inputs(out, args), residuals
 
   @jax.custom_vjp
   def run(args):
-    return partitioned_forward(args)[0]
+    return partitioned_forward(args, for_backward=False)[0]
 
   def run_fwd(args):
-    out, residuals = partitioned_forward(args)
+    out, residuals = partitioned_forward(args, for_backward=True)
     return out, (args, dict(residuals), out)
 
   def run_bwd(saved, dout):

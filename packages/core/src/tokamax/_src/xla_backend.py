@@ -204,7 +204,12 @@ class CudnnAttention(Op):
       return _cudnn_forward(args), {}
     # jax.vjp's residuals (cuDNN's softmax statistics among them) let the
     # backward skip a second cuDNN forward.
-    out, vjp = _vjp(_cudnn_forward, args, _ATTENTION_GRAD_FIELDS)
+    try:
+      out, vjp = _vjp(_cudnn_forward, args, _ATTENTION_GRAD_FIELDS)
+    except (NotImplementedError, ValueError):
+      # cuDNN's training path refuses calls its inference path takes (e.g. some
+      # sequence lengths): another implementation's backward will run.
+      return _cudnn_forward(args), {}
     return out, {_CUDNN_VJP: vjp}
 
 
