@@ -170,3 +170,30 @@ def test_an_unpartitioned_forward_may_leave_opaque_residuals_for_its_backward():
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
   assert not op_lib.opaque_residuals_allowed()  # only while dispatch runs a forward
+
+
+def test_cudnn_forward_keeps_its_vjp_only_where_the_training_path_traces(monkeypatch):
+  # cuDNN's training path (jax.vjp) refuses some calls its inference path takes;
+  # the forward must then run without the residual (another backward runs).
+  from tokamax._src import op as op_lib  # pylint: disable=import-outside-toplevel
+
+  @jax.custom_jvp
+  def inference_only(q):
+    return q * 2.0
+
+  @inference_only.defjvp
+  def _(primals, tangents):
+    raise NotImplementedError("Unsupported sequence length (training path)")
+
+  q = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+  args = tokamax.AttentionArgs(q, q, q)
+  op = xla_backend.CudnnAttention()
+  for fn, kept in ((lambda a: a.query * 2.0, True), (lambda a: inference_only(a.query),
+                                                     False)):
+    monkeypatch.setattr(xla_backend, "_cudnn_forward", fn)
+    with op_lib.allow_opaque_residuals():
+      out, residuals = op.forward(args, None)
+    np.testing.assert_allclose(out, q * 2.0)
+    assert (xla_backend._CUDNN_VJP in residuals) == kept  # pylint: disable=protected-access
+    _, residuals = op.forward(args, None)  # not allowed: never kept
+    assert not residuals
