@@ -198,6 +198,38 @@ def test_explicit_sequence_split_prefers_an_implementation_with_q_offset():
   assert [r.implementation for r in records] == ["no_offset"]
 
 
+def test_a_partitioned_forward_may_not_leave_opaque_residuals():
+  """Partitioning lays out residuals by their documented names, so dispatch lets
+  a forward keep opaque ones (the cuDNN forward's jax.vjp) only where it does not
+  partition: one device, or inside shard_map."""
+  from tokamax._src import op as op_lib  # pylint: disable=import-outside-toplevel
+  allowed = []
+
+  @dataclasses.dataclass(frozen=True)
+  class Probe(tokamax.Op):
+    op_name = "layer_norm"
+    name = "probe"
+
+    def forward(self, args, config):
+      allowed.append(op_lib.opaque_residuals_allowed())
+      from tokamax._src import xla_backend  # pylint: disable=import-outside-toplevel
+      return xla_backend.XlaLayerNorm().forward(args, config)
+
+  mesh = _mesh((2, HALF))
+  x = jax.device_put(_rand(16, 32), NamedSharding(mesh, P("a")))
+  grad = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(
+      tokamax.layer_norm(x, None, None, implementation=Probe())))))
+  grad(x)
+  assert allowed and not any(allowed)
+  # Inside shard_map nothing is partitioned: the per-shard call may keep them.
+  allowed.clear()
+  local = jax.shard_map(lambda x: tokamax.layer_norm(x, None, None,
+                                                     implementation=Probe()),
+                        mesh=mesh, in_specs=P("a"), out_specs=P("a"))
+  jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(local(x)))))(x)
+  assert allowed == [True]
+
+
 # ----------------------------------------------------------------- layer_norm
 
 NORM_LAYOUTS = {
