@@ -315,7 +315,7 @@ def test_refuses_q_offset():
 
 
 def test_backward_refuses():
-  with pytest.raises(NotImplementedError, match="backward not written"):
+  with pytest.raises(NotImplementedError, match="backward is not written"):
     mat.MosaicGpuAttentionVjp().check_supported(_args(), _H200)
 
 

@@ -17,6 +17,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tokamax
+from tokamax._src import xla_backend
 
 NUM_DEVICES = jax.device_count()
 HALF = max(NUM_DEVICES // 2, 1)
@@ -138,17 +139,19 @@ def test_attention_bfloat16():
   _check(mesh, fn, args, (P("a", None, "b"),) * 3, tol=2e-2)
 
 
+@dataclasses.dataclass(frozen=True)
+class NoOffset(tokamax.Op):
+  """XLA attention that does not declare q_offset (as cuDNN does not)."""
+
+  op_name = "dot_product_attention"
+  name = "no_offset"
+
+  def forward(self, args, config):
+    return xla_backend.XlaAttention().forward(args, config)
+
+
 def test_sequence_split_needs_q_offset_support():
   """An implementation without q_offset keeps the query sequence whole."""
-
-  @dataclasses.dataclass(frozen=True)
-  class NoOffset(tokamax.Op):
-    op_name = "dot_product_attention"
-    name = "no_offset"
-
-    def forward(self, args, config):
-      from tokamax._src import xla_backend  # pylint: disable=import-outside-toplevel
-      return xla_backend.XlaAttention().forward(args, config)
 
   mesh = _mesh((1, NUM_DEVICES))
   fn = lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=True,
@@ -166,15 +169,6 @@ def test_explicit_sequence_split_prefers_an_implementation_with_q_offset():
   """Under an explicit-axes mesh the sharding is known when dispatch chooses: of
   several implementations it takes one that keeps the query split (q_offset)
   over an earlier one that would gather the queries."""
-
-  @dataclasses.dataclass(frozen=True)
-  class NoOffset(tokamax.Op):
-    op_name = "dot_product_attention"
-    name = "no_offset"
-
-    def forward(self, args, config):
-      from tokamax._src import xla_backend  # pylint: disable=import-outside-toplevel
-      return xla_backend.XlaAttention().forward(args, config)
 
   mesh = _mesh((1, NUM_DEVICES), explicit=True)
   args = (_rand(2, 16, 2, 8), _rand(2, 16, 2, 8), _rand(2, 16, 2, 8))

@@ -62,7 +62,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from tokamax import Op, VjpOp
+from tokamax import Op
 from tokamax_gpu_mosaic import _common
 
 _LOG2E = math.log2(math.e)
@@ -574,19 +574,8 @@ class MosaicGpuAttention(Op):
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicGpuAttentionVjp(VjpOp):
+class MosaicGpuAttentionVjp(_common.UnwrittenBackward):
   """Backward: not written in Mosaic GPU; refuses so dispatch takes another."""
 
   op_name = "dot_product_attention"
-  name = "mosaic_gpu"
   config_cls = AttentionConfig
-
-  def check_supported(self, args, device, residuals=None):
-    del args, residuals
-    _common.check_hopper_device(device)
-    raise NotImplementedError(
-        "the mosaic_gpu attention backward not written; dispatch takes another "
-        "implementation's backward from this forward's lse")
-
-  def backward(self, args, residuals, out, dout, config):
-    raise NotImplementedError("mosaic_gpu attention backward")

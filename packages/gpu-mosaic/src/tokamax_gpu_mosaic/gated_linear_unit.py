@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from tokamax import Op, VjpOp
+from tokamax import Op
 from tokamax_gpu_mosaic import _common
 
 _COLS = 64  # Minor dimensions are padded to this (the 128-byte swizzle's width).
@@ -225,19 +225,8 @@ class MosaicGpuGatedLinearUnit(Op):
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicGpuGatedLinearUnitVjp(VjpOp):
+class MosaicGpuGatedLinearUnitVjp(_common.UnwrittenBackward):
   """Backward: not yet in Mosaic GPU; refuses so dispatch takes another."""
 
   op_name = "gated_linear_unit"
-  name = "mosaic_gpu"
   config_cls = GatedLinearUnitConfig
-
-  def check_supported(self, args, device, residuals=None):
-    del args, residuals
-    _common.check_hopper_device(device)
-    raise NotImplementedError(
-        "the mosaic_gpu gated_linear_unit backward is not written yet; dispatch "
-        "uses another backward")
-
-  def backward(self, args, residuals, out, dout, config):
-    raise NotImplementedError("mosaic_gpu gated_linear_unit backward")
