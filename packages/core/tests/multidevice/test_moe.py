@@ -157,6 +157,9 @@ def test_bad_arguments_name_themselves():
       jax.shard_map(functools.partial(tokamax.moe_all_to_all, axis_name="ep", **kw),
                     mesh=mesh, in_specs=(P("ep"), P("ep"), P("ep")),
                     out_specs=P("ep"))(x, ids, w)
+  with pytest.raises(ValueError, match="inside jax.shard_map over that axis"):
+    tokamax.moe_all_to_all(x, jnp.zeros((NUM_DEVICES * 2,), jnp.int32), w,
+                           axis_name="ep")
   with pytest.raises(ValueError, match="num_local_experts is required"):
     jax.shard_map(lambda x, i: tokamax.moe_all_to_all(x, i, lambda r, s: r,
                                                       axis_name="ep"),

@@ -73,7 +73,12 @@ def moe_all_to_all(x: jax.Array, expert_ids: jax.Array,
   """
   expert_fn, e_local = _expert_fn(experts, num_local_experts)
   _check(x, expert_ids, chunks, capacity)
-  n = jax.lax.axis_size(axis_name)
+  try:
+    n = jax.lax.axis_size(axis_name)
+  except NameError as e:
+    raise ValueError(f"moe_all_to_all moves tokens between the devices of mesh axis "
+                     f"{axis_name!r}: call it inside jax.shard_map over that axis "
+                     f"({e})") from e
   top_k = 1 if expert_ids.ndim == 1 else expert_ids.shape[1]
   assignments = x.shape[0] * top_k
   cap = assignments if capacity is None else capacity
