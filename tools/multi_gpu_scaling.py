@@ -74,8 +74,8 @@ def per_call_ms(f, *args, calls: int = 20, repeats: int = 3) -> float:
 def schedule_summary(hlo_text: str) -> str:
   """The entry computation's order of collectives and kernels, in one line:
   ``<`` / ``>`` an all-to-all's start / done, ``A`` a synchronous all-to-all,
-  ``K`` a kernel custom call, ``.N``
-  N other instructions. Kernels between a start and its done overlap it."""
+  ``K`` a kernel custom call, ``.N`` N other instructions. Kernels between a
+  start and its done overlap it."""
   entry = hlo_text[hlo_text.index("\nENTRY"):]
   entry = entry[:entry.index("\n}")]
   marks, others = [], 0
@@ -157,8 +157,8 @@ def _capacity(assignments_per_gpu, n):
 def ragged_dot_expert_parallel(mesh, n, chunks):
   """Per GPU: 16384 tokens, 16 experts of K2048 x N4096 (top-1, random experts),
   capacity factor 1.25; one ragged_dot per device (`tokamax.moe_all_to_all` with
-  the weights). The N-wide results travel back: communication is about 1.6x the
-  matmul's time at NVLink speed, more than overlap can hide."""
+  the weights). The results travel back N-wide, twice the tokens' width: on 4
+  H200s the transfers added 0.94 ms to a 0.66 ms forward (docs/sharding.md)."""
   keys = jax.random.split(jax.random.key(2), 4)
   m, k, nn, e_local = _d(16384) * n, _d(2048), _d(4096), 16
   x = _put(mesh, P("d"), _rand(keys[0], (m, k)))
