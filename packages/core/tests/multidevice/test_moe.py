@@ -129,6 +129,27 @@ def test_an_expert_function_runs_a_whole_ffn():
   assert _rel(layer(*args), want) < TOL
 
 
+def test_combine_weights_sum_each_tokens_expert_outputs():
+  rng = np.random.default_rng()
+  mesh = _mesh()
+  e, m = 2 * NUM_DEVICES, 5 * NUM_DEVICES
+  x, w = _rand(rng, m, 16), _rand(rng, e, 16, 8)
+  ids = jnp.asarray(rng.integers(0, e, (m, 2)), jnp.int32)
+  gates = jax.nn.softmax(_rand(rng, m, 2), axis=-1)
+  layer = jax.jit(jax.shard_map(
+      lambda x, i, w, g: tokamax.moe_all_to_all(x, i, w, axis_name="ep",
+                                                combine_weights=g),
+      mesh=mesh, in_specs=(P("ep"),) * 4, out_specs=P("ep")))
+  want = lambda x, w, g: jnp.einsum("mk,mkn->mn", g, _dense(x, ids, w))
+  put = lambda a: jax.device_put(a, NamedSharding(mesh, P("ep")))
+  assert _rel(layer(put(x), put(ids), put(w), put(gates)), want(x, w, gates)) < TOL
+  loss = lambda f: lambda x, w, g: jnp.sum(jnp.sin(f(x, w, g)))
+  got = jax.grad(loss(lambda x, w, g: layer(x, put(ids), w, g)), argnums=(0, 1, 2))(
+      put(x), put(w), put(gates))
+  for g, wnt in zip(got, jax.grad(loss(want), argnums=(0, 1, 2))(x, w, gates)):
+    assert _rel(g, wnt) < 3 * TOL
+
+
 def test_expert_ids_out_of_range_are_dropped():
   rng = np.random.default_rng()
   mesh = _mesh()
@@ -160,6 +181,11 @@ def test_bad_arguments_name_themselves():
   with pytest.raises(ValueError, match="inside jax.shard_map over that axis"):
     tokamax.moe_all_to_all(x, jnp.zeros((NUM_DEVICES * 2,), jnp.int32), w,
                            axis_name="ep")
+  with pytest.raises(ValueError, match="combine_weights must be shaped like"):
+    jax.shard_map(functools.partial(tokamax.moe_all_to_all, axis_name="ep",
+                                    combine_weights=jnp.ones((2, 2))),
+                  mesh=mesh, in_specs=(P("ep"), P("ep"), P("ep")), out_specs=P("ep"))(
+                      x, jnp.zeros((NUM_DEVICES * 2,), jnp.int32), w)
   with pytest.raises(ValueError, match="num_local_experts is required"):
     jax.shard_map(lambda x, i: tokamax.moe_all_to_all(x, i, lambda r, s: r,
                                                       axis_name="ep"),

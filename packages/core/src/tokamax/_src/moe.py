@@ -42,7 +42,8 @@ ExpertFn = Callable[[jax.Array, jax.Array], jax.Array]
 def moe_all_to_all(x: jax.Array, expert_ids: jax.Array,
                    experts: jax.Array | ExpertFn, *, axis_name: str,
                    num_local_experts: int | None = None,
-                   capacity: int | None = None, chunks: int = 1) -> jax.Array:
+                   capacity: int | None = None, chunks: int = 1,
+                   combine_weights: jax.Array | None = None) -> jax.Array:
   """Routes tokens to the devices of their experts and their outputs back.
 
   Call inside `jax.shard_map` over `axis_name` (n devices).
@@ -66,13 +67,18 @@ def moe_all_to_all(x: jax.Array, expert_ids: jax.Array,
       Rounded up to a multiple of `chunks`.
     chunks: pieces the buffers are cut into so that communication overlaps
       compute (1: no overlap).
+    combine_weights: optional, shaped like `expert_ids` (the router's gates):
+      each token's outputs are summed with these weights (in float32).
 
   Returns:
     ``[m, N]`` for 1-D `expert_ids`, ``[m, top_k, N]`` for 2-D: each token's
-    output from each of its experts.
+    output from each of its experts; ``[m, N]`` with `combine_weights`.
   """
   expert_fn, e_local = _expert_fn(experts, num_local_experts)
   _check(x, expert_ids, chunks, capacity)
+  if combine_weights is not None and combine_weights.shape != expert_ids.shape:
+    raise ValueError(f"combine_weights must be shaped like expert_ids "
+                     f"{expert_ids.shape}; got {combine_weights.shape}")
   try:
     n = jax.lax.axis_size(axis_name)
   except NameError as e:
@@ -102,7 +108,11 @@ def moe_all_to_all(x: jax.Array, expert_ids: jax.Array,
   back = jnp.concatenate(back, axis=1) if chunks > 1 else back[0]
   out = _take_rows(back.reshape(n * cap, -1), route.slot_of_assignment,
                    route.assignment_of_slot, 1)
-  return out.reshape(*expert_ids.shape, -1)
+  out = out.reshape(*expert_ids.shape, -1)
+  if combine_weights is None:
+    return out
+  weighted = out.astype(jnp.float32) * combine_weights.astype(jnp.float32)[..., None]
+  return (weighted.sum(axis=1) if expert_ids.ndim == 2 else weighted).astype(out.dtype)
 
 
 def _expert_fn(experts, num_local_experts) -> tuple[ExpertFn, int]:
