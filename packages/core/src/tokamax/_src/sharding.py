@@ -454,8 +454,7 @@ class _Call:
     return dict(self.run(*operands)) if self.backward else self.run(*operands)
 
   def plan(self, mesh, args_sds) -> Plan:
-    specs = jax.tree.map(lambda s: _spec(s, len(s.shape)), args_sds)
-    return RULES[self.op_name](mesh, args_sds, specs, self.supports)
+    return _plan(self.op_name, mesh, args_sds, self.supports)
 
   def specs(self, plan: Plan, out_shape):
     """(operand specs, result specs), pytrees like the operands and the result."""
@@ -493,6 +492,18 @@ class _Call:
         reduced[name] = g
       return reduced
     return backward_local
+
+
+def _plan(op_name: str, mesh, args_sds, supports: Callable[[str], bool]) -> Plan:
+  """The op's rule applied to its arguments' shapes and shardings."""
+  specs = jax.tree.map(lambda s: _spec(s, len(s.shape)), args_sds)
+  return RULES[op_name](mesh, args_sds, specs, supports)
+
+
+def _typed(tree):
+  """Shapes with the shardings their types carry (an explicit-axes mesh)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=jax.typeof(x).sharding), tree)
 
 
 def _partitioned(call: _Call, operands):
@@ -552,9 +563,7 @@ def _partitioned(call: _Call, operands):
 
 def _shard_mapped(call: _Call, mesh, operands):
   """Explicit-axes mesh: the plan from the typed shardings, then shard_map."""
-  ops_sds = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=jax.typeof(x).sharding), operands)
-  plan = call.plan(mesh, ops_sds[0])
+  plan = call.plan(mesh, _typed(operands)[0])
   out_shape = jax.eval_shape(call.fn, *_plain(operands))
   in_specs, out_specs = call.specs(plan, out_shape)
   operands = jax.tree.map(lambda x, s: jax.sharding.reshard(x, NamedSharding(mesh, s)),
@@ -578,16 +587,13 @@ def wanted_features(op_name: str, args: Any) -> frozenset[str]:
   mesh = _explicit_mesh(leaves)
   if mesh is None:
     return frozenset()
-  sds = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=jax.typeof(x).sharding), args)
-  specs = jax.tree.map(lambda s: _spec(s, len(s.shape)), sds)
   asked = set()
 
   def supports(feature: str) -> bool:
     asked.add(feature)
     return True
 
-  RULES[op_name](mesh, sds, specs, supports)
+  _plan(op_name, mesh, _typed(args), supports)
   return frozenset(asked)
 
 
