@@ -9,7 +9,10 @@ time on 1 GPU / time on n GPUs, 100% is perfect):
 - ragged_dot, expert parallel: `tokamax.moe_all_to_all` (each GPU holds its
   experts; tokens travel to them and back; capacity factor 1.25), with one
   ragged_dot as the experts, and with an FFN of two (an MoE layer); `chunks`
-  pieces overlap the all-to-alls with the experts' compute.
+  pieces overlap the all-to-alls with the experts' compute, `exchange=ring`
+  replaces each all-to-all by one collective permute per other GPU;
+- MoE layers with GLU experts at two published models' dimensions (per GPU a
+  fixed number of experts and tokens).
 
 Strong scaling (the whole problem stays the same; efficiency = t1 / (n * tn)):
 
@@ -74,14 +77,16 @@ def per_call_ms(f, *args, calls: int = 20, repeats: int = 3) -> float:
 def schedule_summary(hlo_text: str) -> str:
   """The entry computation's order of collectives and kernels, in one line:
   ``<`` / ``>`` an all-to-all's start / done, ``A`` a synchronous all-to-all,
-  ``K`` a kernel custom call, ``.N`` N other instructions. Kernels between a
-  start and its done overlap it."""
+  ``[`` / ``]`` a collective permute's start / done, ``K`` a kernel custom call,
+  ``.N`` N other instructions. Kernels between a start and its done overlap it."""
   entry = hlo_text[hlo_text.index("\nENTRY"):]
   entry = entry[:entry.index("\n}")]
   marks, others = [], 0
   for line in entry.splitlines()[1:]:
     mark = ("<" if "all-to-all-start" in line else ">" if "all-to-all-done" in line
             else "A" if " all-to-all(" in line
+            else "[" if "collective-permute-start" in line
+            else "]" if "collective-permute-done" in line
             else "K" if "custom-call(" in line and ("triton" in line or "mosaic" in line)
             else None)
     if mark is None:
@@ -170,7 +175,7 @@ def ragged_dot_expert_parallel(mesh, n, chunks):
   return _expert_parallel(mesh, n, layer, (x, w), ids, dy)
 
 
-def moe_ffn_expert_parallel(mesh, n, chunks):
+def moe_ffn_expert_parallel(mesh, n, chunks, exchange="all_to_all"):
   """Per GPU: 8192 tokens of width 2048, top-2 of 16 experts per GPU, each a
   2048 -> 4096 -> 2048 FFN (two ragged_dots, gelu between), capacity factor
   1.25: an MoE layer as models run it (tokens of model width both ways)."""
@@ -187,9 +192,50 @@ def moe_ffn_expert_parallel(mesh, n, chunks):
       return tokamax.ragged_dot(jax.nn.gelu(tokamax.ragged_dot(rows, w_up, sizes)),
                                 w_down, sizes)
     return tokamax.moe_all_to_all(x, ids, ffn, axis_name="d", chunks=chunks,
-                                  num_local_experts=e_local,
+                                  num_local_experts=e_local, exchange=exchange,
                                   capacity=_capacity(m // n * top_k, n))
   return _expert_parallel(mesh, n, layer, (x, w_up, w_down), ids, dy)
+
+
+# Per-GPU MoE layers with GLU (silu) experts at published models' dimensions:
+# (tokens per GPU, model width, expert width, experts per GPU, top_k).
+MODEL_LAYERS = {
+    # Mixtral-8x7B's expert dimensions; 4 experts per GPU (8 in the model).
+    "mixtral": (8192, 4096, 14336, 4, 2),
+    # DeepSeek-V3's routed experts (256 in the model, top-8); 16 per GPU.
+    "deepseek": (4096, 7168, 2048, 16, 8),
+}
+
+
+def glu_moe_layer(mesh, n, model, exchange):
+  """One MoE layer: gate and up projections in one ragged_dot, silu(gate) * up,
+  the down projection in another; combined with the router's gates; capacity
+  factor 1.25."""
+  tokens, d, f, e_local, top_k = MODEL_LAYERS[model]
+  keys = jax.random.split(jax.random.key(6), 6)
+  m, d, f = _d(tokens) * n, _d(d), _d(f)
+  x = _put(mesh, P("d"), _rand(keys[0], (m, d)))
+  ids = _put(mesh, P("d"), _distinct_experts(keys[1], m, e_local * n, top_k))
+  gates = _put(mesh, P("d"), jax.nn.softmax(
+      jax.random.normal(keys[2], (m, top_k)), axis=-1).astype(BF16))
+  w_in = _put(mesh, P("d"), _rand(keys[3], (e_local * n, d, 2 * f)) * d ** -0.5)
+  w_out = _put(mesh, P("d"), _rand(keys[4], (e_local * n, f, d)) * f ** -0.5)
+  dy = _put(mesh, P("d"), _rand(keys[5], (m, d), jnp.float32))
+
+  def layer(x, ids, gates, w_in, w_out):
+    def experts(rows, sizes):
+      gate, up = jnp.split(tokamax.ragged_dot(rows, w_in, sizes), 2, axis=-1)
+      return tokamax.ragged_dot(jax.nn.silu(gate) * up, w_out, sizes)
+    return tokamax.moe_all_to_all(x, ids, experts, axis_name="d",
+                                  num_local_experts=e_local, exchange=exchange,
+                                  combine_weights=gates,
+                                  capacity=_capacity(m // n * top_k, n))
+
+  sharded = jax.shard_map(layer, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+  fn = lambda x, w_in, w_out: sharded(x, ids, gates, w_in, w_out)
+  loss = _fwd_bwd(fn, (x, w_in, w_out))
+  return {"fwd": per_call_ms(jax.jit(fn), x, w_in, w_out, calls=10),
+          "fwd+bwd": per_call_ms(loss, (x, w_in, w_out), dy, calls=10)}
 
 
 def all_to_all_probe(mesh, n):
@@ -237,6 +283,12 @@ PROBLEMS = {
     **{f"moe_ffn_expert_parallel[chunks={c}]": (
         "weak", functools.partial(moe_ffn_expert_parallel, chunks=c))
        for c in (1, 2, 4)},
+    "moe_ffn_expert_parallel[ring]": (
+        "weak", functools.partial(moe_ffn_expert_parallel, chunks=1,
+                                  exchange="ring")),
+    **{f"glu_moe_layer[{model},{exchange}]": (
+        "weak", functools.partial(glu_moe_layer, model=model, exchange=exchange))
+       for model in MODEL_LAYERS for exchange in ("all_to_all", "ring")},
     "ring_attention": ("strong", ring_attention_strong),
     "all_to_all_probe": ("weak", all_to_all_probe),
 }

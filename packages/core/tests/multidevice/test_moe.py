@@ -2,7 +2,7 @@
 
 Checked against a dense per-token reference (every token times its expert's
 matrix) on random routings, with and without dropped tokens, top-1 and top-k,
-overlapped in pieces or not; gradients too.
+overlapped in pieces or not, by all-to-all or by the ring exchange; gradients too.
 """
 
 import functools
@@ -62,8 +62,9 @@ def _kept(ids, num_devices, e_local, capacity):
 
 
 @pytest.mark.parametrize("top_k", [None, 2])
-@pytest.mark.parametrize("chunks", [1, 3])
-def test_matches_dense_reference(top_k, chunks):
+@pytest.mark.parametrize("chunks,exchange", [(1, "all_to_all"), (3, "all_to_all"),
+                                             (1, "ring")])
+def test_matches_dense_reference(top_k, chunks, exchange):
   rng = np.random.default_rng()
   mesh = _mesh()
   e = 2 * NUM_DEVICES
@@ -71,7 +72,7 @@ def test_matches_dense_reference(top_k, chunks):
   x, w = _rand(rng, m, 16), _rand(rng, e, 16, 8)
   ids = jnp.asarray(rng.integers(0, e, (m,) if top_k is None else (m, top_k)),
                     jnp.int32)
-  f = _layer(mesh, chunks=chunks)
+  f = _layer(mesh, chunks=chunks, exchange=exchange)
   args = [jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in (x, ids, w)]
   assert _rel(f(*args), _dense(x, ids, w)) < TOL
   loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, ids, w)))
@@ -81,9 +82,11 @@ def test_matches_dense_reference(top_k, chunks):
     assert _rel(g, wnt) < 3 * TOL
 
 
-@pytest.mark.parametrize("top_k,capacity,chunks", [(None, 1, 1), (None, 3, 2),
-                                                   (2, 4, 1), (2, 5, 3)])
-def test_capacity_drops_the_overflow_and_nothing_else(top_k, capacity, chunks):
+@pytest.mark.parametrize("top_k,capacity,chunks,exchange", [
+    (None, 1, 1, "all_to_all"), (None, 3, 2, "all_to_all"), (2, 4, 1, "all_to_all"),
+    (2, 5, 3, "all_to_all"), (None, 3, 1, "ring"), (2, 4, 1, "ring")])
+def test_capacity_drops_the_overflow_and_nothing_else(top_k, capacity, chunks,
+                                                      exchange):
   rng = np.random.default_rng()
   mesh = _mesh()
   e = 2 * NUM_DEVICES
@@ -95,7 +98,7 @@ def test_capacity_drops_the_overflow_and_nothing_else(top_k, capacity, chunks):
   if top_k:
     ids[:, 1] = (ids[:, 0] + 1 + rng.integers(0, e - 1, m)) % e  # distinct experts
   ids = jnp.asarray(ids, jnp.int32)
-  f = _layer(mesh, capacity=capacity, chunks=chunks)
+  f = _layer(mesh, capacity=capacity, chunks=chunks, exchange=exchange)
   got = np.asarray(f(*[jax.device_put(a, NamedSharding(mesh, P("ep")))
                        for a in (x, ids, w)]))
   rounded = -(-capacity // chunks) * chunks  # capacity is rounded up to the pieces
@@ -106,7 +109,8 @@ def test_capacity_drops_the_overflow_and_nothing_else(top_k, capacity, chunks):
   assert _rel(got[kept], want[kept]) < TOL
 
 
-def test_an_expert_function_runs_a_whole_ffn():
+@pytest.mark.parametrize("chunks,exchange", [(2, "all_to_all"), (1, "ring")])
+def test_an_expert_function_runs_a_whole_ffn(chunks, exchange):
   rng = np.random.default_rng()
   mesh = _mesh()
   e, m, d, f_dim = NUM_DEVICES, 6 * NUM_DEVICES, 16, 24
@@ -118,7 +122,8 @@ def test_an_expert_function_runs_a_whole_ffn():
       h = jax.nn.gelu(tokamax.ragged_dot(rows, w_up, sizes))
       return tokamax.ragged_dot(h, w_down, sizes)
     return tokamax.moe_all_to_all(x, ids, ffn, axis_name="ep",
-                                  num_local_experts=w_up.shape[0], chunks=2)
+                                  num_local_experts=w_up.shape[0], chunks=chunks,
+                                  exchange=exchange)
 
   layer = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("ep"),) * 4,
                                 out_specs=P("ep")))
@@ -150,7 +155,8 @@ def test_combine_weights_sum_each_tokens_expert_outputs():
     assert _rel(g, wnt) < 3 * TOL
 
 
-def test_expert_ids_out_of_range_are_dropped():
+@pytest.mark.parametrize("exchange", ["all_to_all", "ring"])
+def test_expert_ids_out_of_range_are_dropped(exchange):
   rng = np.random.default_rng()
   mesh = _mesh()
   e, m = 2 * NUM_DEVICES, 6 * NUM_DEVICES
@@ -159,8 +165,8 @@ def test_expert_ids_out_of_range_are_dropped():
   bad = rng.random(m) < 0.3
   ids[bad] = rng.choice([-1, e, e + 5], bad.sum())
   ids = jnp.asarray(ids, jnp.int32)
-  got = np.asarray(_layer(mesh)(*[jax.device_put(a, NamedSharding(mesh, P("ep")))
-                                  for a in (x, ids, w)]))
+  got = np.asarray(_layer(mesh, exchange=exchange)(
+      *[jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in (x, ids, w)]))
   np.testing.assert_array_equal(got[bad], 0)
   want = np.asarray(_dense(x, jnp.clip(ids, 0, e - 1), w))
   assert _rel(got[~bad], want[~bad]) < TOL
@@ -172,6 +178,10 @@ def test_bad_arguments_name_themselves():
   bad = [(dict(), jnp.ones((NUM_DEVICES * 2,)), "expert_ids must be integers"),
          (dict(chunks=0), jnp.zeros((NUM_DEVICES * 2,), jnp.int32), "chunks"),
          (dict(capacity=0), jnp.zeros((NUM_DEVICES * 2,), jnp.int32), "capacity"),
+         (dict(exchange="tree"), jnp.zeros((NUM_DEVICES * 2,), jnp.int32),
+          "exchange must be 'all_to_all' or 'ring'; got 'tree'"),
+         (dict(exchange="ring", chunks=2), jnp.zeros((NUM_DEVICES * 2,), jnp.int32),
+          "chunks must be 1"),
          (dict(), jnp.zeros((NUM_DEVICES * 3,), jnp.int32), "expert_ids must be")]
   for kw, ids, message in bad:
     with pytest.raises(ValueError, match=message):

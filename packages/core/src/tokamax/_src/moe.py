@@ -21,6 +21,16 @@ one piece while the experts compute another. Every piece re-reads the local
 expert weights and runs smaller matmuls; on 4 H200s this cost more than the
 overlap gained (docs/sharding.md), hence the default of 1.
 
+Ring exchange (``exchange="ring"``): instead of one all-to-all each way, the
+buffer for the device ``r`` steps ahead travels by one collective permute per
+step ``r = 1 .. n-1``, and its results come back by the inverse permute. The
+experts run on this device's own tokens first (nothing to wait for) and then on
+each arrival, once per source (no regrouping across sources: a source's slots
+for one destination are already sorted by expert), so the transfers of later
+steps can run under the compute of earlier ones. Routing is rotated by this
+device's index (destination ``r`` means "``r`` devices ahead") so that every
+step's buffer is a static slice.
+
 Capacity: ``capacity`` slots per destination device and source device; tokens
 past a full buffer are dropped (their output rows are 0). With ``capacity=None``
 nothing is dropped (the buffers hold every token of the device).
@@ -43,7 +53,8 @@ def moe_all_to_all(x: jax.Array, expert_ids: jax.Array,
                    experts: jax.Array | ExpertFn, *, axis_name: str,
                    num_local_experts: int | None = None,
                    capacity: int | None = None, chunks: int = 1,
-                   combine_weights: jax.Array | None = None) -> jax.Array:
+                   combine_weights: jax.Array | None = None,
+                   exchange: str = "all_to_all") -> jax.Array:
   """Routes tokens to the devices of their experts and their outputs back.
 
   Call inside `jax.shard_map` over `axis_name` (n devices).
@@ -69,13 +80,16 @@ def moe_all_to_all(x: jax.Array, expert_ids: jax.Array,
       compute (1: no overlap).
     combine_weights: optional, shaped like `expert_ids` (the router's gates):
       each token's outputs are summed with these weights (in float32).
+    exchange: ``"all_to_all"`` (one all-to-all each way, optionally in `chunks`)
+      or ``"ring"`` (one collective permute per other device, each source's
+      tokens computed as they arrive; `chunks` must then be 1).
 
   Returns:
     ``[m, N]`` for 1-D `expert_ids`, ``[m, top_k, N]`` for 2-D: each token's
     output from each of its experts; ``[m, N]`` with `combine_weights`.
   """
   expert_fn, e_local = _expert_fn(experts, num_local_experts)
-  _check(x, expert_ids, chunks, capacity)
+  _check(x, expert_ids, chunks, capacity, exchange)
   if combine_weights is not None and combine_weights.shape != expert_ids.shape:
     raise ValueError(f"combine_weights must be shaped like expert_ids "
                      f"{expert_ids.shape}; got {combine_weights.shape}")
@@ -89,10 +103,61 @@ def moe_all_to_all(x: jax.Array, expert_ids: jax.Array,
   assignments = x.shape[0] * top_k
   cap = assignments if capacity is None else capacity
   cap = -(-cap // chunks) * chunks
-  route = _route(expert_ids.reshape(-1).astype(jnp.int32), n, e_local, cap, top_k)
+  ids = expert_ids.reshape(-1).astype(jnp.int32)
+  if exchange == "ring":
+    ids = _rotate(ids, jax.lax.axis_index(axis_name) * e_local, n * e_local)
+  route = _route(ids, n, e_local, cap, top_k)
   send = _take_rows(x, route.token_of_slot, route.slot_of_assignment, top_k)
   send = send.reshape(n, cap, x.shape[1])
-  recv_counts = jax.lax.all_to_all(route.sent_counts, axis_name, 0, 0, tiled=True)
+  if exchange == "ring":
+    back = _ring_exchange(send, route.sent_counts, expert_fn, axis_name)
+  else:
+    back = _all_to_all_exchange(send, route.sent_counts, expert_fn, axis_name,
+                                chunks)
+  out = _take_rows(back.reshape(n * cap, -1), route.slot_of_assignment,
+                   route.assignment_of_slot, 1)
+  out = out.reshape(*expert_ids.shape, -1)
+  if combine_weights is None:
+    return out
+  weighted = out.astype(jnp.float32) * combine_weights.astype(jnp.float32)[..., None]
+  return (weighted.sum(axis=1) if expert_ids.ndim == 2 else weighted).astype(out.dtype)
+
+
+def _rotate(ids, first_local, num_experts):
+  """Expert ids counted from this device's first expert (valid ids only), so that
+  destination r of the routing is the device r steps ahead on the ring."""
+  valid = (ids >= 0) & (ids < num_experts)
+  return jnp.where(valid, (ids - first_local) % num_experts, ids)
+
+
+def _ring_exchange(send, sent_counts, expert_fn, axis_name):
+  """Step r sends ``send[r]`` r devices ahead, computes what came from r devices
+  behind and sends the results back; returns them in ``send``'s layout."""
+  n = send.shape[0]
+  me = jax.lax.axis_index(axis_name)
+  # counts[s, r]: rows source s sent (per local expert) r devices ahead of it.
+  counts = jax.lax.all_gather(sent_counts, axis_name)
+  pieces = [send[0]] + [
+      jax.lax.ppermute(send[r], axis_name, [(j, (j + r) % n) for j in range(n)])
+      for r in range(1, n)]
+  outs = []
+  for r, piece in enumerate(pieces):
+    if outs:
+      # As in the all-to-all path: keeps XLA from fusing the steps' elementwise
+      # work into one kernel that would wait for every transfer.
+      outs[-1], piece = jax.lax.optimization_barrier((outs[-1], piece))
+    outs.append(_run_experts(expert_fn, piece, counts[(me - r) % n, r]))
+  back = [out if r == 0 else
+          jax.lax.ppermute(out, axis_name, [(j, (j - r) % n) for j in range(n)])
+          for r, out in enumerate(outs)]
+  return jnp.stack(back)
+
+
+def _all_to_all_exchange(send, sent_counts, expert_fn, axis_name, chunks):
+  """One all-to-all each way (per piece of ``chunks``); results in ``send``'s
+  layout."""
+  cap = send.shape[1]
+  recv_counts = jax.lax.all_to_all(sent_counts, axis_name, 0, 0, tiled=True)
   width = cap // chunks
   pieces = [jax.lax.all_to_all(send[:, c * width:(c + 1) * width], axis_name, 0, 0,
                                tiled=True) for c in range(chunks)]
@@ -105,14 +170,7 @@ def moe_all_to_all(x: jax.Array, expert_ids: jax.Array,
       outs[-1], piece = jax.lax.optimization_barrier((outs[-1], piece))
     outs.append(_compute_piece(piece, recv_counts, c * width, expert_fn))
   back = [jax.lax.all_to_all(out, axis_name, 0, 0, tiled=True) for out in outs]
-  back = jnp.concatenate(back, axis=1) if chunks > 1 else back[0]
-  out = _take_rows(back.reshape(n * cap, -1), route.slot_of_assignment,
-                   route.assignment_of_slot, 1)
-  out = out.reshape(*expert_ids.shape, -1)
-  if combine_weights is None:
-    return out
-  weighted = out.astype(jnp.float32) * combine_weights.astype(jnp.float32)[..., None]
-  return (weighted.sum(axis=1) if expert_ids.ndim == 2 else weighted).astype(out.dtype)
+  return jnp.concatenate(back, axis=1) if chunks > 1 else back[0]
 
 
 def _expert_fn(experts, num_local_experts) -> tuple[ExpertFn, int]:
@@ -130,7 +188,12 @@ def _expert_fn(experts, num_local_experts) -> tuple[ExpertFn, int]:
   return (lambda rows, sizes: ragged_dot_op.ragged_dot(rows, w, sizes)), w.shape[0]
 
 
-def _check(x, expert_ids, chunks, capacity):
+def _check(x, expert_ids, chunks, capacity, exchange):
+  if exchange not in ("all_to_all", "ring"):
+    raise ValueError(f"exchange must be 'all_to_all' or 'ring'; got {exchange!r}")
+  if exchange == "ring" and chunks != 1:
+    raise ValueError(f"exchange='ring' already overlaps per source device; chunks "
+                     f"must be 1, got {chunks}")
   if x.ndim != 2:
     raise ValueError(f"x must be [tokens, features]; got shape {x.shape}")
   if expert_ids.ndim not in (1, 2) or expert_ids.shape[0] != x.shape[0]:
@@ -189,11 +252,16 @@ def _compute_piece(piece, recv_counts, first_slot, expert_fn):
   slot_to_row, row_to_slot, group_sizes = _piece_layout(recv_counts, first_slot,
                                                         width)
   rows = _take_rows(piece.reshape(n * width, -1), row_to_slot, slot_to_row, 1)
-  out = expert_fn(rows, group_sizes)
+  out = _run_experts(expert_fn, rows, group_sizes)
+  return _take_rows(out, slot_to_row, row_to_slot, 1).reshape(n, width, -1)
+
+
+def _run_experts(expert_fn, rows, group_sizes):
+  out = expert_fn(rows, group_sizes.astype(jnp.int32))
   if out.ndim != 2 or out.shape[0] != rows.shape[0]:
     raise ValueError(f"the experts function must map [R, K] rows to [R, N]; it "
                      f"returned shape {out.shape} for {rows.shape}")
-  return _take_rows(out, slot_to_row, row_to_slot, 1).reshape(n, width, -1)
+  return out
 
 
 def _piece_layout(recv_counts, first_slot, width):
