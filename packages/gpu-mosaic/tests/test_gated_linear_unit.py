@@ -1,4 +1,4 @@
-"""Tests of the Mosaic GPU gated_linear_unit forward.
+"""Tests of the Mosaic GPU gated_linear_unit forward and backward.
 
 Numerical tests run natively on a Hopper GPU only (JAX's Mosaic GPU interpreter does
 not run warp-specialized pipelines); on the CPU the registration, the refusals and
@@ -29,8 +29,10 @@ def _inputs(m, k, n, dtype):
   return x, w
 
 
-def _check(m, k, n, activation, dtype=jnp.bfloat16, config=None, grads=True):
+def _check(m, k, n, activation, dtype=jnp.bfloat16, config=None, grads=True,
+           lead=(), bwd_impl="mosaic_gpu"):
   x, w = _inputs(m, k, n, dtype)
+  x = x.reshape(*lead, m // max(1, int(np.prod(lead))), k) if lead else x
   impl = glu.MosaicGpuGatedLinearUnit(config) if config else "mosaic_gpu"
   with tokamax.record_dispatch() as records:
     out = jax.jit(lambda x, w: tokamax.gated_linear_unit(
@@ -42,20 +44,30 @@ def _check(m, k, n, activation, dtype=jnp.bfloat16, config=None, grads=True):
   assert out.dtype == dtype
   testing.assert_close(out, ref, dtype, what="forward", gpu=True)
   if grads:
-    cot = jnp.asarray(np.random.default_rng(next(_seed)).standard_normal(out.shape),
-                      jnp.float32)
+    _check_grads(x, w, activation, dtype, bwd_impl=bwd_impl)
 
-    def loss(x, w, impl):
-      y = tokamax.gated_linear_unit(x, w, activation=activation, implementation=impl)
-      return jnp.sum(y.astype(jnp.float32) * cot)
-    with tokamax.record_dispatch() as records:
-      dx, dw = jax.grad(loss, argnums=(0, 1))(x, w, None)
-    assert any(r.implementation == "mosaic_gpu" and r.direction == "forward"
+
+def _check_grads(x, w, activation, dtype, impl=None, bwd_impl="mosaic_gpu"):
+  """dx, dw against XLA on float32 upcasts at HIGHEST, with a random cotangent;
+  `bwd_impl`: the backward that must have run (None: any)."""
+  out_shape = (*x.shape[:-1], w.shape[-1])
+  cot = jnp.asarray(np.random.default_rng(next(_seed)).standard_normal(out_shape),
+                    jnp.float32)
+
+  def loss(x, w, impl, precision=None):
+    y = tokamax.gated_linear_unit(x, w, activation=activation, precision=precision,
+                                  implementation=impl)
+    return jnp.sum(y.astype(jnp.float32) * cot)
+  with tokamax.record_dispatch() as records:
+    dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(x, w, impl)
+  if bwd_impl is not None:
+    assert any(r.implementation == bwd_impl and r.direction == "backward"
                for r in records), records
-    rx, rw = jax.grad(loss, argnums=(0, 1))(x.astype(jnp.float32),
-                                            w.astype(jnp.float32), "xla")
-    testing.assert_close(dx, rx, dtype, what="dx", scale=2, gpu=True)
-    testing.assert_close(dw, rw, dtype, what="dw", scale=2, gpu=True)
+  rx, rw = jax.grad(loss, argnums=(0, 1))(x.astype(jnp.float32),
+                                          w.astype(jnp.float32), "xla", HIGHEST)
+  assert dx.dtype == dtype and dw.dtype == dtype
+  testing.assert_close(dx, rx, dtype, what="dx", scale=2, gpu=True)
+  testing.assert_close(dw, rw, dtype, what="dw", scale=2, gpu=True)
 
 
 @gpu
@@ -105,8 +117,49 @@ def test_refusals():
   with pytest.raises(NotImplementedError, match="cannot lower"):  # elementwise
     glu.MosaicGpuGatedLinearUnit().check_supported(
         GatedLinearUnitArgs(x=x, weights=w, activation=jax.lax.lgamma), h200)
-  with pytest.raises(NotImplementedError, match="backward is not written"):
-    glu.MosaicGpuGatedLinearUnitVjp().check_supported(args, h200)
+  vjp = glu.MosaicGpuGatedLinearUnitVjp()
+  vjp.check_supported(args, h200)
+  for device in (tokamax.DeviceInfo("cpu", "cpu"),
+                 tokamax.DeviceInfo("cpu", "cpu", interpret=True),
+                 tokamax.DeviceInfo("gpu", "NVIDIA A100", compute_capability="8.0")):
+    with pytest.raises(NotImplementedError, match="needs an NVIDIA Hopper GPU"):
+      vjp.check_supported(args, device)
+  with pytest.raises(NotImplementedError, match="bfloat16 or float16"):
+    vjp.check_supported(GatedLinearUnitArgs(x=x32, weights=w32), h200)
+  with pytest.raises(NotImplementedError, match="not elementwise"):
+    vjp.check_supported(GatedLinearUnitArgs(x=x, weights=w, activation=jnp.sort), h200)
+  with pytest.raises(NotImplementedError, match="empty"):
+    vjp.check_supported(GatedLinearUnitArgs(x=x[:0], weights=w), h200)
+  with pytest.raises(NotImplementedError, match="dot algorithm"):
+    vjp.check_supported(GatedLinearUnitArgs(
+        x=x, weights=w, precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3), h200)
+  # What the epilogue cannot lower is differentiated in XLA: accepted.
+  for activation in (jax.lax.lgamma, lambda v: jax.nn.gelu(v, approximate=False)):
+    vjp.check_supported(GatedLinearUnitArgs(x=x, weights=w, activation=activation),
+                        h200)
+
+
+def test_epilogue_fusion_choice():
+  assert glu._epilogue_can_fuse(None)
+  assert glu._epilogue_can_fuse(jax.nn.silu)
+  assert glu._epilogue_can_fuse(jax.nn.relu)  # custom_jvp: inlined
+  assert glu._epilogue_can_fuse(jax.nn.gelu)
+  assert not glu._epilogue_can_fuse(lambda v: jax.nn.gelu(v, approximate=False))
+  assert not glu._epilogue_can_fuse(jax.lax.lgamma)
+
+
+def test_vjp_configs_fit():
+  x, w = _inputs(16, 16, 16, jnp.bfloat16)
+  args = GatedLinearUnitArgs(x=x, weights=w, activation=jax.nn.silu)
+  vjp = glu.MosaicGpuGatedLinearUnitVjp()
+  configs = vjp.search_space(args)
+  assert vjp.heuristic_config(args) in configs
+  for c in configs:
+    assert glu.dh_smem_bytes(c.dh_config(), 2) <= glu._common.SMEM_LIMIT
+  with pytest.raises(ValueError):
+    glu.GatedLinearUnitVjpConfig(block_n=96)
+  with pytest.raises(ValueError):
+    glu.GatedLinearUnitVjpConfig(matmul_block_n=96)
 
 
 @pytest.mark.parametrize("activation", [jax.nn.silu, jax.nn.relu])
@@ -118,3 +171,177 @@ def test_lowers_for_cuda(activation):
       platforms=["cuda"])(jax.ShapeDtypeStruct((300, 200), jnp.bfloat16),
                           jax.ShapeDtypeStruct((200, 2, 136), jnp.bfloat16))
   assert "mosaic_gpu" in exported.mlir_module()
+
+
+def _custom(v):
+  return jnp.tanh(v) * v + 0.5 * v
+
+
+@pytest.mark.parametrize("activation,fuse,shape", [
+    (jax.nn.silu, True, (300, 200, 136)),
+    (None, True, (37, 40, 24)),
+    (jax.nn.relu, True, (1000, 384, 520)),
+    (jax.nn.gelu, True, (128, 128, 128)),
+    (_custom, True, (300, 200, 136)),
+    (lambda v: jax.nn.gelu(v, approximate=False), True, (300, 200, 136)),  # XLA VJP
+    (jax.nn.silu, False, (300, 200, 136)),
+])
+def test_backward_lowers_for_cuda(activation, fuse, shape):
+  pytest.importorskip("absl")
+  m, k, n = shape
+  config = glu.GatedLinearUnitVjpConfig(fuse_activation=fuse)
+  exported = jax.export.export(
+      jax.jit(lambda x, w, dy: glu.glu_backward(x, w, dy, activation, config)),
+      platforms=["cuda"])(jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+                          jax.ShapeDtypeStruct((k, 2, n), jnp.bfloat16),
+                          jax.ShapeDtypeStruct((m, n), jnp.bfloat16))
+  assert "mosaic_gpu" in exported.mlir_module()
+  assert [a.shape for a in exported.out_avals] == [(m, k), (k, 2, n)]
+
+
+@pytest.mark.parametrize("config", [
+    glu.GatedLinearUnitVjpConfig(block_m=256, block_n=64, num_stages=3),
+    glu.GatedLinearUnitVjpConfig(block_n=64, block_k=32, num_stages=4,
+                                 matmul_block_n=64, matmul_num_stages=4),
+])
+def test_backward_configs_lower_for_cuda(config):
+  pytest.importorskip("absl")
+  exported = jax.export.export(
+      jax.jit(lambda x, w, dy: glu.glu_backward(x, w, dy, jax.nn.silu, config)),
+      platforms=["cuda"])(jax.ShapeDtypeStruct((520, 136), jnp.float16),
+                          jax.ShapeDtypeStruct((136, 2, 200), jnp.float16),
+                          jax.ShapeDtypeStruct((520, 200), jnp.float16))
+  assert "mosaic_gpu" in exported.mlir_module()
+
+
+def test_backward_has_no_copies_when_aligned():
+  # At tile-aligned shapes the only extra pass is x's transpose (for dw).
+  config = glu.GatedLinearUnitVjpConfig()
+  jaxpr = jax.make_jaxpr(
+      lambda x, w, dy: glu.glu_backward(x, w, dy, jax.nn.silu, config))(
+          jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16),
+          jax.ShapeDtypeStruct((512, 2, 768), jnp.bfloat16),
+          jax.ShapeDtypeStruct((1024, 768), jnp.bfloat16))
+  names = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+  assert "pad" not in names and "concatenate" not in names, names
+  assert names.count("transpose") == 1, names
+
+
+# ---------------------------------------------------------------- backward (GPU)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("activation", [jax.nn.silu, jax.nn.gelu, None, _custom])
+def test_backward(dtype, activation):
+  x, w = _inputs(1000, 384, 520, dtype)
+  _check_grads(x, w, activation, dtype)
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(37, 40, 24), (300, 200, 136), (129, 72, 65),
+                                   (64, 64, 64), (1, 130, 300)])
+def test_backward_awkward_shapes(shape):
+  x, w = _inputs(*shape, jnp.bfloat16)
+  _check_grads(x, w, jax.nn.silu, jnp.bfloat16)
+
+
+@gpu
+def test_backward_leading_batch_dims():
+  _check(2 * 3 * 50, 192, 136, jax.nn.silu, lead=(2, 3))
+
+
+@gpu
+def test_backward_activation_only_xla_can_differentiate():
+  # erf has no Lane lowering: the backward differentiates it in XLA. (Through
+  # dispatch the forward would be triton's, whose own backward comes first.)
+  exact_gelu = lambda v: jax.nn.gelu(v, approximate=False)
+  dtype = jnp.bfloat16
+  x, w = _inputs(300, 200, 136, dtype)
+  dy = jnp.asarray(np.random.default_rng(next(_seed)).standard_normal((300, 136)),
+                   dtype)
+  dx, dw = jax.jit(lambda x, w, dy: glu.glu_backward(
+      x, w, dy, exact_gelu, glu.GatedLinearUnitVjpConfig()))(x, w, dy)
+  rx, rw = _reference_grads(x, w, dy, exact_gelu)
+  testing.assert_close(dx, rx, dtype, what="dx", scale=2, gpu=True)
+  testing.assert_close(dw, rw, dtype, what="dw", scale=2, gpu=True)
+
+
+def _reference_grads(x, w, dy, activation):
+  def f(x, w):
+    return tokamax.gated_linear_unit(x, w, activation=activation, precision=HIGHEST,
+                                     implementation="xla")
+  _, pullback = jax.vjp(f, x.astype(jnp.float32), w.astype(jnp.float32))
+  return pullback(dy.astype(jnp.float32))
+
+
+@gpu
+@pytest.mark.parametrize("config", [
+    glu.GatedLinearUnitVjpConfig(fuse_activation=False),
+    glu.GatedLinearUnitVjpConfig(block_m=256, block_n=64, num_stages=3),
+    glu.GatedLinearUnitVjpConfig(block_n=64, block_k=32, num_stages=4,
+                                 grid_tile_width=3, matmul_block_n=64,
+                                 matmul_num_stages=4, matmul_grid_tile_width=4),
+])
+@pytest.mark.parametrize("activation", [jax.nn.silu, jax.nn.relu])
+def test_backward_configs(config, activation):
+  dtype = jnp.bfloat16
+  x, w = _inputs(1100, 512, 640, dtype)
+  dy = jnp.asarray(np.random.default_rng(next(_seed)).standard_normal((1100, 640)),
+                   dtype)
+  dx, dw = jax.jit(lambda x, w, dy: glu.glu_backward(x, w, dy, activation, config))(
+      x, w, dy)
+  rx, rw = _reference_grads(x, w, dy, activation)
+  testing.assert_close(dx, rx, dtype, what="dx", scale=2, gpu=True)
+  testing.assert_close(dw, rw, dtype, what="dw", scale=2, gpu=True)
+
+
+@gpu
+def test_backward_dispatch_records_mosaic():
+  x, w = _inputs(256, 256, 256, jnp.bfloat16)
+  with tokamax.record_dispatch() as records:
+    jax.grad(lambda x, w: jnp.sum(tokamax.gated_linear_unit(
+        x, w, activation=jax.nn.silu).astype(jnp.float32)), argnums=(0, 1))(x, w)
+  directions = {(r.direction, r.implementation) for r in records}
+  assert ("forward", "mosaic_gpu") in directions, records
+  assert ("backward", "mosaic_gpu") in directions, records
+
+
+def _dense_grouped_matmul(lhs, rhs, starts, ends, *, transpose_rhs, out_dtype,
+                          config):
+  del config
+  rows = jnp.arange(lhs.shape[0])
+  mine = (rows >= starts[0]) & (rows < ends[0])
+  b = jnp.swapaxes(rhs[0], 0, 1) if transpose_rhs else rhs[0]
+  out = jnp.dot(lhs.astype(jnp.float32), b.astype(jnp.float32), precision=HIGHEST)
+  return jnp.where(mine[:, None], out, 0).astype(out_dtype)
+
+
+def _dense_dh(x, w2, dout, activation, config):
+  del config
+  n = dout.shape[1]
+  h = jnp.dot(x.astype(jnp.float32), w2.astype(jnp.float32), precision=HIGHEST)
+  # The epilogue's own evaluation of the VJP jaxpr (custom rules inlined).
+  d_gate, d_up = glu._common.inline(glu._vjp_fn(activation))(
+      h[:, :n], h[:, n:], dout.astype(jnp.float32))
+  return jnp.concatenate([d_gate, d_up], axis=1).astype(x.dtype)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("activation", [jax.nn.silu, None, jax.nn.relu, _custom])
+@pytest.mark.parametrize("shape", [(37, 40, 24), (300, 200, 136)])
+def test_backward_wrapper_math(monkeypatch, fuse, activation, shape):
+  """Padding, layout and the VJP math of `glu_backward` on the CPU, with the
+  kernels replaced by dense jnp equivalents of what they compute."""
+  monkeypatch.setattr(glu.ragged_dot, "grouped_matmul", _dense_grouped_matmul)
+  monkeypatch.setattr(glu, "_glu_dh", _dense_dh)
+  m, k, n = shape
+  dtype = jnp.float16
+  x, w = _inputs(m, k, n, dtype)
+  dy = jnp.asarray(np.random.default_rng(next(_seed)).standard_normal((m, n)), dtype)
+  config = glu.GatedLinearUnitVjpConfig(fuse_activation=fuse)
+  dx, dw = glu.glu_backward(x, w, dy, activation, config)
+  rx, rw = _reference_grads(x, w, dy, activation)
+  assert dx.dtype == dtype and dw.dtype == dtype
+  testing.assert_close(dx, rx, dtype, what="dx", scale=2)
+  testing.assert_close(dw, rw, dtype, what="dw", scale=2)

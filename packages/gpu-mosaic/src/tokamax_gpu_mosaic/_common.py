@@ -125,6 +125,10 @@ def lowerable_primitives() -> frozenset | None:
 
 
 _CALLS = ("pjit", "jit", "closed_call", "custom_jvp_call", "custom_vjp_call")
+# Primitives a derivative's jaxpr holds (from `jax.vjp`) that the Lane lowering
+# has no rule for, replaced by what they compute on arrays.
+_SUBSTITUTES = {"add_any": lambda a, b: a + b, "copy": lambda a: a,
+                "copy_p": lambda a: a}
 
 
 def _inner_jaxprs(eqn):
@@ -143,6 +147,13 @@ def inline_elementwise(fn):
   """
   if fn is None:
     return lambda v: v
+  apply = inline(fn)
+  return lambda v: apply(v)[0]
+
+
+def inline(fn):
+  """`inline_elementwise` for a function of several arrays with several results:
+  ``apply(*arrays)`` returns the flat list of `fn`'s outputs."""
 
   def run(jaxpr, consts, *args):
     env = {}
@@ -157,6 +168,8 @@ def inline_elementwise(fn):
       if eqn.primitive.name in _CALLS:
         inner = next(_inner_closed(eqn))
         outs = run(inner.jaxpr, inner.consts, *invals)
+      elif eqn.primitive.name in _SUBSTITUTES:
+        outs = [_SUBSTITUTES[eqn.primitive.name](*invals)]
       else:
         outs = eqn.primitive.bind(*invals, **eqn.params)
         if not eqn.primitive.multiple_results:
@@ -165,9 +178,9 @@ def inline_elementwise(fn):
         env[var] = val
     return [read(v) for v in jaxpr.outvars]
 
-  def apply(v):
-    closed = jax.make_jaxpr(fn)(v)
-    return run(closed.jaxpr, closed.consts, v)[0]
+  def apply(*args):
+    closed = jax.make_jaxpr(fn)(*args)
+    return run(closed.jaxpr, closed.consts, *args)
   return apply
 
 
@@ -199,9 +212,18 @@ def check_elementwise_fn(name: str, fn) -> None:
     raise NotImplementedError(f"{name} could not be traced: {e}") from e
   if [(a.shape, a.dtype) for a in closed.out_avals] != [(shape.shape, shape.dtype)]:
     raise NotImplementedError(f"{name} must map a float32 array to one of its shape")
+  missing = missing_primitives(closed.jaxpr)
+  if missing:
+    raise NotImplementedError(
+        f"{name} uses primitives the Mosaic GPU kernel cannot lower: {sorted(missing)}")
+
+
+def missing_primitives(jaxpr) -> list[str]:
+  """Names of the primitives in `jaxpr` (calls followed) the Lane lowering lacks;
+  empty also when the lowering's table cannot be read (the kernel then decides)."""
   known = lowerable_primitives()
   if known is None:
-    return
+    return []
   missing = set()
 
   def visit(jaxpr):
@@ -209,9 +231,7 @@ def check_elementwise_fn(name: str, fn) -> None:
       if eqn.primitive.name in _CALLS:
         for inner in _inner_jaxprs(eqn):
           visit(inner)
-      elif eqn.primitive not in known:
+      elif eqn.primitive not in known and eqn.primitive.name not in _SUBSTITUTES:
         missing.add(eqn.primitive.name)
-  visit(closed.jaxpr)
-  if missing:
-    raise NotImplementedError(
-        f"{name} uses primitives the Mosaic GPU kernel cannot lower: {sorted(missing)}")
+  visit(jaxpr)
+  return sorted(missing)

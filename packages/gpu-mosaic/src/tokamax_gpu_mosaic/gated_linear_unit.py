@@ -17,7 +17,21 @@ The weights ``[K, 2, N]`` are read as ``[K, 2N]`` (a free reshape): gate columns
 at ``[0, N)``, up columns at ``[N, 2N)``. Shapes that are not multiples of the
 128-byte swizzle (64 elements) are zero-padded first (a copy, only then).
 
-Backward: not written yet; the backward refuses and dispatch takes another.
+Backward (`glu_backward`), with ``h = x @ w`` the ``[M, 2N]`` pre-activations
+(gate, up) and ``dh = [dy * up * act'(gate), dy * act(gate)]``:
+
+1. ``dh`` comes from one kernel, `_glu_dh`: the forward's kernel whose epilogue
+   loads the ``dy`` tile (TMA, issued before the K loop so it lands meanwhile)
+   and applies the activation's VJP (``jax.vjp`` of the user's callable, traced
+   into the epilogue) to the float32 accumulators; it writes the gate and up
+   halves of ``dh`` straight into an ``[M, 2N]`` array laid out like the
+   weights. ``h`` itself never goes through device memory. Activations whose
+   VJP the epilogue cannot lower (or ``fuse_activation=False``) take two steps
+   instead: ``h`` in float32 from ragged_dot's dense kernel, then XLA.
+2. ``dx = dh @ w^T`` and ``dw = x^T @ dh`` are ragged_dot's grouped-matmul kernel
+   with one group (a dense matmul): dx reads w tiles transposed in shared memory
+   (as ragged_dot's dlhs), dw multiplies an XLA transpose of x (a pass over x,
+   a seventh of dh's bytes at the reference shape) by dh.
 """
 
 from __future__ import annotations
@@ -31,8 +45,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from tokamax import Op
+from tokamax import Op, VjpOp
+import tokamax
 from tokamax_gpu_mosaic import _common
+from tokamax_gpu_mosaic import ragged_dot
 
 _COLS = 64  # Minor dimensions are padded to this (the 128-byte swizzle's width).
 
@@ -224,9 +240,314 @@ class MosaicGpuGatedLinearUnit(Op):
     return fused_glu(args.x, args.weights, args.activation, config), {}
 
 
+# ----------------------------------------------------------------------------
+# Backward.
+
+
 @dataclasses.dataclass(frozen=True)
-class MosaicGpuGatedLinearUnitVjp(_common.UnwrittenBackward):
-  """Backward: not yet in Mosaic GPU; refuses so dispatch takes another."""
+class GatedLinearUnitVjpConfig:
+  """Tiling of the backward.
+
+  ``block_m``, ``block_n``, ``block_k``, ``num_stages``, ``grid_tile_width``: the
+  dh kernel, as `GatedLinearUnitConfig` tiles the forward. ``matmul_*``: the dx
+  and dw matmuls (ragged_dot's kernel: ``128 x 2 matmul_block_n`` tiles, 64 deep).
+  ``fuse_activation=False`` recomputes h in float32 and differentiates the
+  activation in XLA (what activations the epilogue cannot lower always get).
+  """
+
+  block_m: int = 128
+  block_n: int = 128
+  block_k: int = 64
+  num_stages: int = 3
+  grid_tile_width: int = 8
+  matmul_block_n: int = 128
+  matmul_num_stages: int = 3
+  matmul_grid_tile_width: int = 8
+  fuse_activation: bool = True
+
+  def __post_init__(self):
+    GatedLinearUnitConfig(self.block_m, self.block_n, self.block_k,
+                          self.num_stages, self.grid_tile_width)
+    self.matmul_config()  # Validates the matmul fields.
+
+  def dh_config(self) -> GatedLinearUnitConfig:
+    return GatedLinearUnitConfig(self.block_m, self.block_n, self.block_k,
+                                 self.num_stages, self.grid_tile_width)
+
+  def matmul_config(self) -> ragged_dot.RaggedDotConfig:
+    return ragged_dot.RaggedDotConfig(
+        block_m=128, block_n=self.matmul_block_n, block_k=64,
+        num_stages=self.matmul_num_stages,
+        grid_tile_width=self.matmul_grid_tile_width)
+
+
+def dh_smem_bytes(config: GatedLinearUnitConfig, itemsize: int) -> int:
+  # Per compute warpgroup two [block_m / 2, block_n] tiles: dy in, then d_gate
+  # out (the same buffer), and d_up out.
+  stage = (config.block_m + 2 * config.block_n) * config.block_k * itemsize
+  return config.num_stages * stage + 2 * config.block_m * config.block_n * itemsize
+
+
+def _vjp_fn(activation):
+  """``(gate, up, dy) -> (d_gate, d_up)`` in float32, from ``jax.vjp`` of the
+  activation (so `jax.custom_vjp` / `custom_jvp` rules are honoured)."""
+
+  # Ordered so that values die early (in the kernel these are register tiles):
+  # up right away, act as soon as d_up is made.
+  def fn(gate, up, dy):
+    dy_up = dy * up
+    if activation is None:
+      return dy_up, dy * gate
+    act, pullback = jax.vjp(activation, gate)
+    d_up = (dy * act).astype(jnp.float32)
+    (d_gate,) = pullback(dy_up.astype(act.dtype))
+    return d_gate.astype(jnp.float32), d_up
+  return fn
+
+
+def _vjp_jaxpr(activation, shape=(64, 128)):
+  tile = jax.ShapeDtypeStruct(shape, jnp.float32)
+  return jax.make_jaxpr(_vjp_fn(activation))(tile, tile, tile)
+
+
+def _epilogue_can_fuse(activation) -> bool:
+  """Whether the dh kernel's epilogue can lower the activation's VJP: only
+  primitives the Lane lowering has, and no array constants (a kernel cannot
+  capture them)."""
+  try:
+    closed = _vjp_jaxpr(activation)
+  except Exception:  # pylint: disable=broad-except
+    return False
+  if any(getattr(c, "ndim", 0) for c in closed.consts):
+    return False
+  return not _common.missing_primitives(closed.jaxpr)
+
+
+def _glu_dh(x, w2, dout, activation, config: GatedLinearUnitConfig) -> jax.Array:
+  """``[d_gate, d_up]`` as ``[m, 2n]`` from padded ``x [m, k]``, ``w2 [k, 2n]``
+  and ``dout [m, n]``, where `n` is a multiple of ``block_n`` (a gate tile must
+  not reach into the up columns, which another tile writes).
+
+  The forward's pipeline with a different epilogue: each compute warpgroup
+  fetches its ``[block_m / 2, block_n]`` dy tile by TMA before its K loop and
+  after the loop turns the float32 gate and up accumulators and dy into d_gate
+  (written over dy in shared memory) and d_up, stored with two TMA stores.
+  """
+  m, k = x.shape
+  n = dout.shape[1]
+  bm, bn, bk = config.block_m, config.block_n, config.block_k
+  half = bm // 2
+  dtype = x.dtype
+  m_tiles, n_tiles, k_steps = pl.cdiv(m, bm), n // bn, pl.cdiv(k, bk)
+  grads = _common.inline(_vjp_fn(activation))
+
+  transforms = _common.swizzled(dtype, bk)
+  x_spec = plgpu.BlockSpec((bm, bk), lambda ki: (0, ki), transforms=transforms,
+                           delay_release=1)
+  w_spec = plgpu.BlockSpec((bk, bn), lambda ki: (ki, 0), transforms=transforms,
+                           delay_release=1)
+
+  def make_pipeline(body, context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(k_steps,), memory_registers=40,
+        in_specs=[x_spec, w_spec, w_spec], wg_axis="wg", num_compute_wgs=2,
+        max_concurrent_steps=config.num_stages, compute_context=context)
+
+  tile_smem = plgpu.SMEM((2, half, bn), dtype, transforms=_common.swizzled(dtype, bn))
+
+  def kernel(x_ref, w_ref, dout_ref, dh_ref, dout_barriers):
+    ignore = lambda *_, **__: None
+    allocs = make_pipeline(ignore, ignore).get_allocations(
+        x_ref, w_ref.at[:, pl.ds(0, n)], w_ref.at[:, pl.ds(n, n)])
+
+    @functools.partial(pl.run_scoped, allocs=allocs, gate_smem=tile_smem,
+                       up_smem=tile_smem, collective_axes="wg")
+    def _scope(allocs, gate_smem, up_smem):
+      wg = lax.axis_index("wg")
+      cwg = jnp.minimum(wg, 1)  # Only compute warpgroups use these.
+      g_smem = gate_smem.at[cwg]
+      u_smem = up_smem.at[cwg]
+      barrier = dout_barriers.at[cwg]
+
+      @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
+      def _tile_loop(info):
+        mi, ni = plgpu.planar_snake(info.index[0], (m_tiles, n_tiles), 1,
+                                    config.grid_tile_width)
+        m0 = mi * bm
+        n0 = ni * bn
+        rows = pl.ds(m0 + cwg * half, half)
+
+        def mma(_, x_smem, g_w_smem, u_w_smem, carry):
+          acc_g, acc_u = carry
+          own = x_smem.at[pl.ds(wg * half, half)]
+          plgpu.wgmma(acc_g, own, g_w_smem)
+          plgpu.wgmma(acc_u, own, u_w_smem)
+          plgpu.wgmma_wait(2)  # The previous step's pair is done: release it.
+          return carry
+
+        def context(eval_pipeline):
+          # The previous tile's stores read g_smem: done before dy overwrites it.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          plgpu.copy_gmem_to_smem(dout_ref.at[rows, pl.ds(n0, bn)], g_smem, barrier)
+
+          @functools.partial(pl.run_scoped,
+                             acc_g=plgpu.ACC((half, bn), jnp.float32),
+                             acc_u=plgpu.ACC((half, bn), jnp.float32))
+          def _acc_scope(acc_g, acc_u):
+            eval_pipeline((acc_g, acc_u))
+            plgpu.barrier_wait(barrier)
+            dy = g_smem[...].astype(jnp.float32)
+            d_gate, d_up = grads(acc_g[...], acc_u[...], dy)
+            # Each thread overwrites exactly the dy elements it loaded (one
+            # register layout for both), so no barrier between load and store.
+            g_smem[...] = d_gate.astype(dtype)
+            u_smem[...] = d_up.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(g_smem, dh_ref.at[rows, pl.ds(n0, bn)])
+            plgpu.copy_smem_to_gmem(u_smem, dh_ref.at[rows, pl.ds(n + n0, bn)])
+
+        make_pipeline(mma, context)(
+            x_ref.at[pl.ds(m0, bm), :], w_ref.at[:, pl.ds(n0, bn)],
+            w_ref.at[:, pl.ds(n + n0, bn)], allocations=allocs)
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  call = _common.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((m, 2 * n), dtype),
+      scratch_types=[plgpu.Barrier(num_arrivals=1, num_barriers=2)],
+      grid=(_common.num_sms(),), grid_names=("sm",), num_threads=3,
+      thread_name="wg", compiler_params=_common.compiler_params())
+  return call(x, w2, dout)
+
+
+def _dh_unfused(x, w2, dout, activation, matmul_itemsize_config) -> jax.Array:
+  """`_glu_dh` in two steps: h in float32 by the dense kernel, the VJP in XLA."""
+  m = x.shape[0]
+  n = dout.shape[1]
+  h = ragged_dot.grouped_matmul(
+      x, w2[None], jnp.zeros((1,), jnp.int32), jnp.full((1,), m, jnp.int32),
+      transpose_rhs=False, out_dtype=jnp.float32, config=matmul_itemsize_config)
+  d_gate, d_up = _vjp_fn(activation)(h[:, :n], h[:, n:], dout.astype(jnp.float32))
+  return jnp.concatenate([d_gate, d_up], axis=1).astype(x.dtype)
+
+
+def glu_backward(x, weights, dout, activation, config: GatedLinearUnitVjpConfig):
+  """``(dx [M, K], dw [K, 2, N])`` of ``activation(x @ w_gate) * (x @ w_up)``.
+
+  x ``[M, K]``, weights ``[K, 2, N]`` (bf16/f16), dout ``[M, N]``. Float32
+  accumulation; dh (``[M, 2N]``) is rounded to x's dtype before the two matmuls,
+  as Triton's backward does.
+
+  Example:
+    >>> dx, dw = glu_backward(x, w, dy, jax.nn.silu, GatedLinearUnitVjpConfig())
+  """
+  m_orig, k_orig = x.shape
+  n_orig = weights.shape[2]
+  dh_config = config.dh_config()
+  mm_config = config.matmul_config()
+  bm, bn = dh_config.block_m, dh_config.block_n
+  dtype = x.dtype
+  # M: whole dh-kernel row tiles, so no dy tile load lies wholly past the array
+  # (and rows come in 64s, as dh's rows are dw's swizzled contraction).
+  # K: at least two steps of every kernel's 64-deep pipeline (a one-step
+  # warp-specialized pipeline crashed on the H200, notes/MOSAIC_GPU.md).
+  # N: whole dh-kernel tiles (see `_glu_dh`). Aligned shapes are not copied.
+  m = _round_up(m_orig, bm, bm)
+  k = _round_up(k_orig, _COLS, 128)
+  n = _round_up(n_orig, bn, bn)
+  x = _pad_to(_pad_to(x, 0, m), 1, k)
+  weights = _pad_to(_pad_to(weights, 0, k), 2, n)
+  dout = _pad_to(_pad_to(dout.astype(dtype), 0, m), 1, n)
+  w2 = weights.reshape(k, 2 * n)
+  if config.fuse_activation and _epilogue_can_fuse(activation):
+    dh = _glu_dh(x, w2, dout, activation, dh_config)
+  else:
+    itemsize = jnp.dtype(dtype).itemsize
+    f32_config = ragged_dot._heuristic(m, k, 2 * n, 1, itemsize, 4)  # pylint: disable=protected-access
+    dh = _dh_unfused(x, w2, dout, activation, f32_config)
+  zero = jnp.zeros((1,), jnp.int32)
+  dx = ragged_dot.grouped_matmul(dh, w2[None], zero, jnp.full((1,), m, jnp.int32),
+                                 transpose_rhs=True, out_dtype=dtype,
+                                 config=mm_config)
+  dw = ragged_dot.grouped_matmul(x.T, dh[None], zero, jnp.full((1,), k, jnp.int32),
+                                 transpose_rhs=False, out_dtype=dtype,
+                                 config=mm_config)
+  dx = dx[:m_orig, :k_orig]
+  dw = dw.reshape(k, 2, n)[:k_orig, :, :n_orig]
+  return dx, dw
+
+
+def _vjp_heuristic(args) -> GatedLinearUnitVjpConfig:
+  itemsize = jnp.dtype(args.x.dtype).itemsize
+  mm = ragged_dot._heuristic(0, 0, 0, 1, itemsize, itemsize)  # pylint: disable=protected-access
+  base = dict(matmul_block_n=mm.block_n, matmul_num_stages=mm.num_stages)
+  for block_n, stages in ((128, 3), (64, 4)):
+    config = GatedLinearUnitVjpConfig(block_n=block_n, num_stages=stages, **base)
+    if dh_smem_bytes(config.dh_config(), itemsize) <= _common.SMEM_LIMIT:
+      return config
+  return GatedLinearUnitVjpConfig(block_n=64, block_k=32, num_stages=3, **base)
+
+
+def _vjp_search_space(args):
+  itemsize = jnp.dtype(args.x.dtype).itemsize
+  base = _vjp_heuristic(args)
+  out = []
+  for c in _search_space(args):
+    if dh_smem_bytes(c, itemsize) <= _common.SMEM_LIMIT:
+      out.append(dataclasses.replace(
+          base, block_m=c.block_m, block_n=c.block_n, block_k=c.block_k,
+          num_stages=c.num_stages, grid_tile_width=c.grid_tile_width))
+  for bn, stages in ((128, 2), (128, 3), (64, 4), (64, 5)):
+    for width in (4, 8, 16):
+      mm = ragged_dot.RaggedDotConfig(block_n=bn, num_stages=stages)
+      if ragged_dot.smem_bytes(mm, itemsize, itemsize) <= _common.SMEM_LIMIT:
+        out.append(dataclasses.replace(base, matmul_block_n=bn,
+                                       matmul_num_stages=stages,
+                                       matmul_grid_tile_width=width))
+  out.append(dataclasses.replace(base, fuse_activation=False))
+  return tuple(dict.fromkeys(out))
+
+
+def _check_vjp_args(args) -> None:
+  _common.check_dtype("x/weights", args.x.dtype)
+  if (isinstance(args.precision, lax.DotAlgorithmPreset)
+      and args.precision != lax.DotAlgorithmPreset.DEFAULT):
+    raise NotImplementedError(f"dot algorithm {args.precision}")
+  if 0 in args.x.shape or 0 in args.weights.shape:
+    raise NotImplementedError(
+        f"empty operands (x {args.x.shape}, weights {args.weights.shape})")
+  # Any elementwise activation: one the epilogue cannot lower is differentiated
+  # in XLA instead (`glu_backward`).
+  tokamax.plugin.check_elementwise_activation(args.activation)
+  try:
+    _vjp_jaxpr(args.activation)
+  except Exception as e:  # pylint: disable=broad-except
+    raise NotImplementedError(
+        f"activation {args.activation!r} has no VJP on float32: "
+        f"{type(e).__name__}: {e}") from e
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGpuGatedLinearUnitVjp(VjpOp):
+  """Backward: dh from the forward's kernel with a VJP epilogue, then dx and dw
+  by ragged_dot's dense-capable kernel (see the module docstring)."""
 
   op_name = "gated_linear_unit"
-  config_cls = GatedLinearUnitConfig
+  name = "mosaic_gpu"
+  config_cls = GatedLinearUnitVjpConfig
+
+  def check_supported(self, args, device, residuals=None):
+    del residuals  # Recomputes the projections; needs none.
+    _common.check_hopper_device(device)
+    _check_vjp_args(args)
+
+  def heuristic_config(self, args):
+    return _vjp_heuristic(args)
+
+  def search_space(self, args):
+    return _vjp_search_space(args)
+
+  def backward(self, args, residuals, out, dout, config):
+    del residuals, out
+    dx, dw = glu_backward(args.x, args.weights, dout, args.activation, config)
+    return {"x": dx, "weights": dw}
