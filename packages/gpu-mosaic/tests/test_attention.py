@@ -7,6 +7,7 @@ checked.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -92,9 +93,9 @@ def _check(b, t, s, n, k, h, causal, dtype=jnp.bfloat16, config=None, grads=True
     got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(q, key, v, op)
   assert any(r.implementation == "mosaic_gpu" and r.direction == "forward"
              for r in records), records
-  # Our backward refuses: another one ran on this forward's residuals.
-  assert any(r.direction == "backward" and r.implementation != "mosaic_gpu"
-             for r in records), records
+  # An Op instance without a `vjp` of its own: dispatch chooses the backward (ours
+  # or another one, fed this forward's residuals).
+  assert any(r.direction == "backward" for r in records), records
   up = lambda x: x.astype(jnp.float32)
   want = jax.grad(loss, argnums=(0, 1, 2))(up(q), up(key), up(v), "xla")
   for name, g, w in zip(("dq", "dk", "dv"), got, want):
@@ -241,6 +242,231 @@ def test_overlap_scale():
   _check(1, 256, 256, 2, 2, 64, False, scale=-0.2, config=_OVERLAP, grads=False)
 
 
+# ----------------------------------------------------------------------------
+# Forward features: lengths, window, soft cap, segments, q_offset.
+# ----------------------------------------------------------------------------
+
+
+def _feature_args(b, t, s, n, k, h, dtype, *, causal=False, window=None,
+                  soft_cap=None, q_len=None, kv_len=None, segments=None,
+                  q_offset=None, scale=None):
+  q, key, v = _qkv(b, t, s, n, k, h, dtype)
+  kw = {}
+  if segments is not None:
+    kw = dict(q_segment_ids=segments[0], kv_segment_ids=segments[1])
+  args, _ = attention_op.canonical_args(
+      q, key, v, is_causal=causal, local_window_size=window, logits_soft_cap=soft_cap,
+      query_seq_lengths=None if q_len is None else np.asarray(q_len, np.int32),
+      key_value_seq_lengths=None if kv_len is None else np.asarray(kv_len, np.int32),
+      scale=scale, **kw)
+  if q_offset is not None:
+    args = dataclasses.replace(args, q_offset=jnp.int32(q_offset))
+  return args
+
+
+def _dense_reference(args):
+  """Output and lse of the contract, densely in float32 (the test oracle)."""
+  up = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+  q, key, v = up(args.query), up(args.key), up(args.value)
+  b, t, n, _ = q.shape
+  s, kh = key.shape[1], key.shape[2]
+  key = np.repeat(key, n // kh, axis=2)
+  v = np.repeat(v, n // kh, axis=2)
+  logits = np.einsum("btnh,bsnh->bnts", q, key) * args.scale
+  if args.logits_soft_cap is not None:
+    cap = args.logits_soft_cap
+    logits = cap * np.tanh(logits / cap)
+  rows = np.arange(t)[:, None] + (0 if args.q_offset is None
+                                  else int(args.q_offset))
+  cols = np.arange(s)[None, :]
+  vis = np.ones((b, 1, t, s), bool)
+  left, right = args.visible_window
+  if left is not None:
+    vis &= (cols >= rows - left)[None, None]
+  if right is not None:
+    vis &= (cols <= rows + right)[None, None]
+  if args.key_value_seq_lengths is not None:
+    vis &= (cols < np.asarray(args.key_value_seq_lengths)[:, None, None])[:, None]
+  if args.q_segment_ids is not None:
+    qs, ks = np.asarray(args.q_segment_ids), np.asarray(args.kv_segment_ids)
+    vis &= (qs[:, :, None] == ks[:, None, :])[:, None]
+  if args.query_seq_lengths is not None:
+    vis &= (np.arange(t)[None, :] < np.asarray(args.query_seq_lengths)[:, None]
+            )[:, None, :, None]
+  logits = np.where(vis, logits, -np.inf)
+  m = logits.max(axis=-1, keepdims=True)
+  seen = np.isfinite(m)
+  p = np.where(vis, np.exp(logits - np.where(seen, m, 0.0)), 0.0)
+  l = p.sum(axis=-1, keepdims=True)
+  out = np.einsum("bnts,bsnh->btnh", p / np.where(seen, l, 1.0), v)
+  lse = np.where(seen, m + np.log(np.where(seen, l, 1.0)), np.inf)[..., 0]
+  return out.astype(np.float32), lse.astype(np.float32)
+
+
+def _check_features(b, t, s, n, k, h, dtype=jnp.bfloat16, config=None, **features):
+  args = _feature_args(b, t, s, n, k, h, dtype, **features)
+  op = mat.MosaicGpuAttention(config)
+  op.check_supported(args, _H200)
+  out, res = jax.jit(lambda a: op.forward(a, config))(args)
+  want, want_lse = _dense_reference(args)
+  assert out.dtype == dtype and out.shape == want.shape
+  testing.assert_close(out, want, dtype, what="forward", gpu=True)
+  lse = np.asarray(res["lse"])
+  assert lse.shape == want_lse.shape and lse.dtype == np.float32
+  # Rows that see no key: lse +inf, output exactly 0 (never NaN).
+  empty = np.isinf(want_lse)
+  np.testing.assert_array_equal(np.isposinf(lse), empty)
+  out_rows = np.asarray(jnp.asarray(out, jnp.float32)).transpose(0, 2, 1, 3)
+  assert not np.isnan(out_rows).any()
+  assert (out_rows[empty] == 0).all()
+  tol = 2e-2 if dtype == jnp.bfloat16 else 2e-3
+  np.testing.assert_allclose(lse[~empty], want_lse[~empty], rtol=tol, atol=tol)
+
+
+def test_feature_oracle_matches_xla():
+  # The dense oracle above agrees with the XLA reference (CPU, float32).
+  for kw in (dict(causal=True, window=(7, None), kv_len=[50, 0]),
+             dict(window=(3, 5), soft_cap=2.0, q_len=[40, 9]),
+             dict(segments=(np.repeat(np.arange(4), 16)[None].repeat(2, 0),
+                            np.repeat(np.arange(4), 20)[None].repeat(2, 0)[:, :70]),
+                  causal=True)):
+    args = _feature_args(2, 64, 70, 2, 1, 16, jnp.float32, **kw)
+    out, lse = _dense_reference(args)
+    want = tokamax.dot_product_attention(
+        args.query, args.key, args.value, is_causal=args.is_causal,
+        local_window_size=args.local_window, logits_soft_cap=args.logits_soft_cap,
+        query_seq_lengths=args.query_seq_lengths,
+        key_value_seq_lengths=args.key_value_seq_lengths,
+        q_segment_ids=args.q_segment_ids, kv_segment_ids=args.kv_segment_ids,
+        scale=args.scale, precision=HIGHEST, implementation="xla")
+    np.testing.assert_allclose(out, np.asarray(want), rtol=1e-4, atol=1e-4)
+    if "q_len" in kw:  # rows past the query length: lse +inf
+      assert np.isposinf(lse[1, :, 9:]).all() and np.isfinite(lse[1, :, :9]).all()
+
+
+def _packed(b, length, sizes):
+  """Segment ids of packed sequences with these sizes (the rest: id -1)."""
+  ids = np.full((b, length), -1, np.int32)
+  for bb in range(b):
+    pos = 0
+    for i, size in enumerate(sizes[bb % len(sizes)]):
+      ids[bb, pos:pos + size] = i
+      pos += size
+  return ids
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("h", [64, 128])
+def test_lengths(dtype, h):
+  _check_features(3, 384, 512, 4, 2, h, dtype, q_len=[384, 100, 0],
+                  kv_len=[512, 77, 300])
+  _check_features(2, 300, 333, 2, 1, h, dtype, causal=True, q_len=[257, 1],
+                  kv_len=[0, 333])
+
+
+@gpu
+@pytest.mark.parametrize("window", [(64, 0), (100, 30), (0, 0), (None, 17),
+                                    (300, None), (5, 5)])
+@pytest.mark.parametrize("block_kv", [64, 128])
+def test_local_window(window, block_kv):
+  config = mat.AttentionConfig(block_kv=block_kv, num_stages=2)
+  _check_features(2, 640, 704, 8, 2, 128, config=config, window=window)  # GQA
+  _check_features(1, 200, 330, 2, 2, 64, config=config, window=window,
+                  causal=True)
+
+
+@gpu
+@pytest.mark.parametrize("h,config", [
+    (64, mat.AttentionConfig(block_kv=192, num_stages=3)),
+    (128, mat.AttentionConfig(block_kv=64, num_stages=4)),
+    (256, mat.AttentionConfig(block_kv=64, num_stages=2)),
+])
+def test_window_lengths_configs(h, config):
+  # Several ring laps with the ring counted from the union's first tile.
+  _check_features(2, 1024, 1024, 2, 1, h, config=config, window=(200, 0),
+                  kv_len=[1000, 513], q_len=[1024, 700])
+
+
+@gpu
+@pytest.mark.parametrize("cap", [1.0, 10.0])
+@pytest.mark.parametrize("config", [None, _OVERLAP, mat.AttentionConfig(block_kv=64)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_soft_cap(cap, config, causal):
+  _check_features(2, 384, 384, 4, 2, 128, config=config, soft_cap=cap,
+                  causal=causal)
+  _check_features(1, 256, 256, 2, 2, 64, config=config, soft_cap=cap,
+                  causal=causal, scale=-0.3)
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("block_kv", [64, 128])
+def test_segments(causal, block_kv):
+  # Three 128-row K/V stages and the key-id ring overflow shared memory at H128.
+  config = mat.AttentionConfig(block_kv=block_kv, num_stages=3 if block_kv == 64
+                               else 2)
+  t = 512
+  ids = _packed(2, t, [[100, 28, 300, 84], [7, 500]])
+  _check_features(2, t, t, 4, 2, 128, config=config, segments=(ids, ids),
+                  causal=causal)
+  # Unsorted ids, T != S, some keys in no query's segment, lengths too.
+  rng = np.random.default_rng(next(_seed))
+  qs = rng.integers(0, 3, (1, 200)).astype(np.int32)
+  ks = rng.integers(1, 5, (1, 333)).astype(np.int32)
+  _check_features(1, 200, 333, 2, 1, 64, config=config, segments=(qs, ks),
+                  causal=causal, kv_len=[250], window=(None, 40))
+
+
+@gpu
+@pytest.mark.parametrize("offset", [-300, -64, 0, 37, 128, 1000])
+@pytest.mark.parametrize("window", [None, (100, 0), (50, 50)])
+def test_q_offset(offset, window):
+  # As a query shard / ring-attention block: rows at t + offset.
+  _check_features(2, 256, 512, 4, 2, 128, causal=window is None, window=window,
+                  q_offset=offset)
+  _check_features(1, 200, 333, 2, 1, 64, causal=True, window=window, q_offset=offset,
+                  kv_len=[300], soft_cap=5.0)
+
+
+@gpu
+def test_rows_that_see_nothing():
+  # Whole blocks, single warpgroups and single rows with no visible key.
+  _check_features(2, 384, 256, 2, 2, 128, q_offset=-200, causal=True)
+  _check_features(2, 256, 256, 2, 2, 128, kv_len=[0, 0])
+  _check_features(1, 256, 256, 2, 2, 64, window=(0, 0), kv_len=[100])
+  qs = np.zeros((1, 256), np.int32)
+  ks = np.ones((1, 256), np.int32)
+  _check_features(1, 256, 256, 2, 2, 64, segments=(qs, ks))
+  qs[:, 64:128] = 1
+  _check_features(1, 256, 256, 2, 2, 64, segments=(qs, ks), causal=True)
+
+
+@gpu
+def test_features_through_dispatch_with_grads():
+  # Forward here, backward from whichever implementation dispatch takes.
+  q, key, v = _qkv(2, 256, 320, 4, 2, 128, jnp.bfloat16)
+  kw = dict(is_causal=True, local_window_size=(96, None), logits_soft_cap=20.0,
+            key_value_seq_lengths=jnp.array([320, 150], jnp.int32),
+            query_seq_lengths=jnp.array([256, 200], jnp.int32))
+  cot = jnp.asarray(np.random.default_rng(next(_seed)).standard_normal(q.shape),
+                    jnp.bfloat16)
+
+  def loss(q, key, v, impl):
+    y = tokamax.dot_product_attention(q, key, v, precision=HIGHEST if impl == "xla"
+                                      else None, implementation=impl, **kw)
+    return jnp.sum(y.astype(jnp.float32) * cot.astype(jnp.float32))
+  op = mat.MosaicGpuAttention()
+  with tokamax.record_dispatch() as records:
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(q, key, v, op)
+  assert any(r.implementation == "mosaic_gpu" and r.direction == "forward"
+             for r in records), records
+  up = lambda x: x.astype(jnp.float32)
+  want = jax.grad(loss, argnums=(0, 1, 2))(up(q), up(key), up(v), "xla")
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    testing.assert_close(g, w, jnp.bfloat16, what=name, scale=2, gpu=True)
+
+
 @gpu
 def test_named_implementation_dispatch():
   q, key, v = _qkv(1, 256, 256, 2, 2, 128, jnp.bfloat16)
@@ -288,13 +514,6 @@ def test_refuses_non_hopper_devices():
 @pytest.mark.parametrize("kw,reason", [
     (dict(bias=np.ones((1, 2, 256, 256), np.float32) * 0.5), "bias"),
     (dict(mask=np.tril(np.ones((256, 256), bool))), "bool mask"),
-    (dict(q_segment_ids=np.zeros((1, 256), np.int32),
-          kv_segment_ids=np.zeros((1, 256), np.int32)), "segment ids"),
-    (dict(local_window_size=(16, 0)), "local window"),
-    (dict(logits_soft_cap=30.0), "soft cap"),
-    (dict(query_seq_lengths=np.array([100], np.int32)), "query sequence lengths"),
-    (dict(key_value_seq_lengths=np.array([100], np.int32)),
-     "key/value sequence lengths"),
     (dict(dtype=jnp.float32), "bfloat16 or float16"),
     (dict(h=80), "head dims"),
     (dict(h=32), "head dims"),
@@ -308,15 +527,207 @@ def test_refusals(kw, reason):
     mat.MosaicGpuAttention().check_supported(_args(**kw), _H200)
 
 
-def test_refuses_q_offset():
+def test_accepts_features_on_hopper():
+  op = mat.MosaicGpuAttention()
+  assert "q_offset" in op.supported_features
+  for kw in (dict(q_segment_ids=np.zeros((1, 256), np.int32),
+                  kv_segment_ids=np.zeros((1, 256), np.int32)),
+             dict(local_window_size=(16, 0)), dict(logits_soft_cap=30.0),
+             dict(query_seq_lengths=np.array([100], np.int32)),
+             dict(key_value_seq_lengths=np.array([100], np.int32))):
+    op.check_supported(_args(**kw), _H200)
+  op.check_supported(
+      dataclasses.replace(_args(is_causal=True), q_offset=jnp.int32(64)), _H200)
+
+
+def test_dynamic_features_take_the_plain_schedule():
+  # overlap_qk's first turn needs a key tile per warpgroup: never chosen with
+  # the dynamic features, and refused when asked for.
+  op = mat.MosaicGpuAttention()
+  for kw in (dict(local_window_size=(16, 0)),
+             dict(key_value_seq_lengths=np.array([100], np.int32)),
+             dict(q_segment_ids=np.zeros((1, 256), np.int32),
+                  kv_segment_ids=np.zeros((1, 256), np.int32))):
+    args = _args(h=128, **kw)
+    assert not op.heuristic_config(args).overlap_qk
+    space = op.search_space(args)
+    assert space and not any(c.overlap_qk for c in space)
+    with pytest.raises(NotImplementedError, match="overlap_qk"):
+      jax.eval_shape(lambda a: op.forward(a, mat.AttentionConfig(overlap_qk=True)),
+                     args)
+  # Soft cap and causal alone keep it (static switches).
+  assert op.heuristic_config(_args(h=128, logits_soft_cap=5.0,
+                                   is_causal=True)).overlap_qk
+
+
+def _brute_visible(rows, cols, q_limit, kv_limit, off, left, right):
+  r = rows[:, None] + off
+  c = cols[None, :]
+  vis = (rows[:, None] < q_limit) & (c < kv_limit)
+  if left is not None:
+    vis &= c >= r - left
+  if right is not None:
+    vis &= c <= r + right
+  return vis
+
+
+def test_key_range_matches_brute_force():
+  rng = np.random.default_rng(0)
+  windows = [(None, None), (None, 0), (0, 0), (5, 0), (100, 3), (None, 17),
+             (300, None), (1, 1), (64, 64)]
+  key_range = jax.jit(mat._key_range, static_argnums=(1, 5, 6, 7))
+  for trial in range(300):
+    bkv = int(rng.choice([64, 128, 192, 256]))
+    t = int(rng.integers(1, 700))
+    s = int(rng.integers(1, 700))
+    left, right = windows[trial % len(windows)]
+    q_limit = int(rng.integers(0, t + 1))
+    kv_limit = int(rng.integers(0, s + 1))
+    off = int(rng.integers(-300, 300)) if trial % 3 else 0
+    r0 = 64 * int(rng.integers(0, -(-t // 64)))
+    lo, fl, fh, hi = (int(x) for x in key_range(
+        jnp.int32(r0), 64, jnp.int32(q_limit), jnp.int32(kv_limit), jnp.int32(off),
+        left, right, bkv))
+    n_kv = -(-s // bkv)
+    vis = _brute_visible(np.arange(r0, r0 + 64), np.arange(n_kv * bkv), q_limit,
+                         kv_limit, off, left, right)
+    valid_rows = np.arange(r0, r0 + 64) < q_limit
+    case = (bkv, t, s, left, right, q_limit, kv_limit, off, r0, lo, fl, fh, hi)
+    assert 0 <= lo <= fl <= fh <= hi, case
+    for j in range(max(n_kv, hi)):
+      tile = vis[:, j * bkv:(j + 1) * bkv]
+      if tile.any():
+        assert lo <= j < hi <= n_kv, (case, j)
+      if fl <= j < fh:
+        assert tile[valid_rows].all(), (case, j)
+
+
+def test_union_and_segment_ranges():
+  i32 = jnp.int32
+  assert [int(x) for x in mat._union((i32(3), i32(3)), (i32(1), i32(4)))] == [1, 4]
+  assert [int(x) for x in mat._union((i32(2), i32(5)), (i32(0), i32(0)))] == [2, 5]
+  lo, hi = mat._union((i32(7), i32(7)), (i32(0), i32(0)))
+  assert int(hi) <= int(lo)
+  rng = np.random.default_rng(1)
+  for trial in range(40):
+    t, s = int(rng.integers(1, 400)), int(rng.integers(1, 400))
+    bkv = int(rng.choice([64, 128]))
+    if trial % 2:  # packed: sorted ids
+      qs = np.sort(rng.integers(0, 5, (2, t))).astype(np.int32)
+      ks = np.sort(rng.integers(0, 5, (2, s))).astype(np.int32)
+    else:
+      qs = rng.integers(0, 4, (2, t)).astype(np.int32)
+      ks = rng.integers(0, 4, (2, s)).astype(np.int32)
+    tp, sp = -(-t // 128) * 128, -(-s // bkv) * bkv
+    table = np.asarray(mat._segment_tile_range(jnp.asarray(qs), jnp.asarray(ks), t,
+                                               s, tp, sp, bkv))
+    assert table.shape == (2, tp // 64, 2)
+    for bb in range(2):
+      for g in range(tp // 64):
+        lo, hi = table[bb, g]
+        q_ids = qs[bb, g * 64:(g + 1) * 64]
+        for j in range(sp // bkv):
+          if np.isin(ks[bb, j * bkv:(j + 1) * bkv], q_ids).any():
+            assert lo <= j < hi, (trial, bb, g, j, lo, hi)
+        if trial % 2 and q_ids.size:  # packed: exactly the meeting tiles
+          meets = [np.isin(ks[bb, j * bkv:(j + 1) * bkv], q_ids).any()
+                   for j in range(sp // bkv)]
+          if any(meets):
+            assert meets[lo] and meets[hi - 1]
+
+
+def test_backward_accepts_plain_call_on_hopper():
+  for kw in ({}, {"is_causal": True}, {"n": 8, "k": 2}, {"n": 4, "k": 1},
+             {"t": 100, "s": 333}, {"h": 128}, {"h": 128, "dtype": jnp.float16}):
+    mat.MosaicGpuAttentionVjp().check_supported(_args(**kw), _H200,
+                                                {"lse": jnp.zeros((1, 2, 256))})
+
+
+def test_backward_refuses_non_hopper_devices():
+  for device in (tokamax.DeviceInfo("cpu", "cpu"),
+                 tokamax.DeviceInfo("cpu", "cpu", interpret=True),
+                 tokamax.DeviceInfo("gpu", "NVIDIA A100", compute_capability="8.0")):
+    with pytest.raises(NotImplementedError, match="needs an NVIDIA Hopper GPU"):
+      mat.MosaicGpuAttentionVjp().check_supported(_args(), device)
+
+
+@pytest.mark.parametrize("kw,reason", [
+    (dict(bias=np.ones((1, 2, 256, 256), np.float32) * 0.5), "bias"),
+    (dict(mask=np.tril(np.ones((256, 256), bool))), "bool mask"),
+    (dict(q_segment_ids=np.zeros((1, 256), np.int32),
+          kv_segment_ids=np.zeros((1, 256), np.int32)), "segment ids"),
+    (dict(local_window_size=(16, 0)), "local window"),
+    (dict(logits_soft_cap=30.0), "soft cap"),
+    (dict(query_seq_lengths=np.array([100], np.int32)), "query sequence lengths"),
+    (dict(key_value_seq_lengths=np.array([100], np.int32)),
+     "key/value sequence lengths"),
+    (dict(dtype=jnp.float32), "bfloat16 or float16"),
+    (dict(h=256), "232-register limit"),
+    (dict(h=80), "head dims"),
+    (dict(h=128, hv=64), "head dims"),
+    (dict(t=0), "empty"),
+    (dict(precision=jax.lax.DotAlgorithmPreset.F16_F16_F32), "dot algorithm"),
+])
+def test_backward_refusals(kw, reason):
+  # Checked on the arguments themselves, not through the forward's check: the
+  # forward may learn features this backward does not handle.
+  with pytest.raises(NotImplementedError, match=reason):
+    mat.MosaicGpuAttentionVjp().check_supported(_args(**kw), _H200)
+
+
+def test_backward_refuses_q_offset_and_missing_lse():
   args = dataclasses.replace(_args(is_causal=True), q_offset=jnp.int32(64))
   with pytest.raises(NotImplementedError, match="q_offset"):
-    mat.MosaicGpuAttention().check_supported(args, _H200)
+    mat.MosaicGpuAttentionVjp().check_supported(args, _H200)
+  with pytest.raises(NotImplementedError, match="lse"):
+    mat.MosaicGpuAttentionVjp().check_supported(_args(), _H200, {})
 
 
-def test_backward_refuses():
-  with pytest.raises(NotImplementedError, match="backward is not written"):
-    mat.MosaicGpuAttentionVjp().check_supported(_args(), _H200)
+def test_backward_configs_fit():
+  for bad in (dict(block_q=96), dict(block_kv=256), dict(num_stages=1)):
+    with pytest.raises(ValueError):
+      mat.AttentionVjpConfig(**bad)
+  for h in (64, 128):
+    for dtype in (jnp.bfloat16, jnp.float16):
+      args = _args(h=h, dtype=dtype)
+      op = mat.MosaicGpuAttentionVjp()
+      space = op.search_space(args)
+      assert space and op.heuristic_config(args) in space
+      for config in space:
+        assert max(mat.bwd_smem_bytes(config, h, 2)) <= 227 * 1024 - 1024
+        assert h + config.block_q <= 192  # dK, dV, S^T, dP^T registers
+  # H128: dK and dV leave room for 64 query rows per dK/dV step only.
+  assert {c.block_q for c in mat.MosaicGpuAttentionVjp().search_space(
+      _args(h=128))} == {64}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("h,n,k,t,s,config", [
+    (64, 4, 4, 512, 512, None),
+    (128, 4, 4, 512, 512, None),
+    (128, 8, 2, 384, 640, None),  # GQA, T != S
+    (64, 4, 1, 200, 333, mat.AttentionVjpConfig(128, 64, 3)),  # MQA, padded
+    (128, 2, 2, 128, 128, mat.AttentionVjpConfig(64, 64, 2)),  # one step of each
+    (64, 2, 1, 640, 256, mat.AttentionVjpConfig(128, 128, 4)),  # T > S
+    (128, 2, 2, 1, 77, mat.AttentionVjpConfig(64, 64, 4)),  # f16 below
+])
+def test_backward_lowers_for_cuda(causal, h, n, k, t, s, config):
+  pytest.importorskip("absl")
+  dtype = jnp.float16 if t == 1 else jnp.bfloat16
+  args = _args(t=t, s=s, n=n, k=k, h=h, is_causal=causal, dtype=dtype)
+  config = config or mat.MosaicGpuAttentionVjp().heuristic_config(args)
+  assert config in mat.MosaicGpuAttentionVjp().search_space(args)
+  q, key = args.query, args.key
+  sds = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt)
+  exported = jax.export.export(
+      jax.jit(lambda q, key, v, o, do, lse: mat.mosaic_attention_bwd(
+          q, key, v, o, do, lse, scale=0.125, causal=causal, config=config)),
+      platforms=["cuda"])(sds(q.shape), sds(key.shape), sds(key.shape), sds(q.shape),
+                          sds(q.shape), sds((1, n, t), jnp.float32))
+  text = exported.mlir_module()
+  assert text.count("mosaic_gpu") >= 2  # the dK/dV and the dQ kernels
+  assert [(a.shape, a.dtype) for a in exported.out_avals] == [
+      (q.shape, dtype), (key.shape, dtype), (key.shape, dtype)]
 
 
 def test_configs_fit():
@@ -336,6 +747,13 @@ def test_configs_fit():
     assert max(b for b, _ in overlapped) == {64: 192, 128: 128, 256: 64}[h]
   assert mat.MosaicGpuAttention().heuristic_config(_args(h=64)) == (
       mat.AttentionConfig(block_kv=128, num_stages=2))
+
+
+def test_an_explicit_config_that_does_not_fit_is_named():
+  # Three 128-row K/V stages at H128 need more than the 227 KiB of shared memory.
+  too_big = mat.AttentionConfig(block_kv=128, num_stages=3)
+  with pytest.raises(ValueError, match=r"does not fit at head dim 128.*fewer"):
+    mat.MosaicGpuAttention().forward(_args(h=128), too_big)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -373,3 +791,180 @@ def test_lowers_for_cuda(causal, h, n, k, t, s, config):
   assert "mosaic_gpu" in text
   out, lse = exported.out_avals
   assert out.shape == (1, t, n, h) and lse.shape == (1, n, t)
+
+
+# ----------------------------------------------------------------------------
+# Backward (GPU numerics; the CPU checks are above).
+# ----------------------------------------------------------------------------
+
+
+def _grad_loss(causal, scale, cot, impl):
+  def loss(q, key, v):
+    y = tokamax.dot_product_attention(q, key, v, is_causal=causal, scale=scale,
+                                      precision=HIGHEST if impl == "xla" else None,
+                                      implementation=impl)
+    return jnp.sum(y.astype(jnp.float32) * cot.astype(jnp.float32))
+  return loss
+
+
+def _cotangent(shape, dtype):
+  return jnp.asarray(np.random.default_rng(next(_seed)).standard_normal(shape), dtype)
+
+
+def _check_backward(b, t, s, n, k, h, causal, dtype=jnp.bfloat16, scale=None):
+  """Gradients through `implementation="mosaic_gpu"` (its own backward) against
+  the XLA reference at HIGHEST precision on float32 upcasts."""
+  q, key, v = _qkv(b, t, s, n, k, h, dtype)
+  cot = _cotangent((b, t, n, h), dtype)
+  with tokamax.record_dispatch() as records:
+    got = jax.jit(jax.grad(_grad_loss(causal, scale, cot, "mosaic_gpu"),
+                           argnums=(0, 1, 2)))(q, key, v)
+  assert any(r.direction == "forward" and r.implementation == "mosaic_gpu"
+             for r in records), records
+  # The mosaic_gpu backward ran, and no other one.
+  assert {r.implementation for r in records if r.direction == "backward"} == {
+      "mosaic_gpu"}, records
+  up = lambda x: x.astype(jnp.float32)
+  want = jax.grad(_grad_loss(causal, scale, cot, "xla"), argnums=(0, 1, 2))(
+      up(q), up(key), up(v))
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    assert g.dtype == dtype and g.shape == w.shape
+    testing.assert_close(g, w, dtype, what=name, scale=2, gpu=True)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("h", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward(dtype, h, causal):
+  _check_backward(2, 512, 512, 4, 4, h, causal, dtype)
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n,k,h", [(8, 2, 128), (4, 1, 128), (8, 1, 64)])
+def test_backward_gqa_mqa(causal, n, k, h):
+  _check_backward(1, 384, 384, n, k, h, causal)
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("t,s", [(200, 330), (1, 77), (640, 256), (256, 640),
+                                 (130, 1000)])
+@pytest.mark.parametrize("h", [64, 128])
+def test_backward_lengths(causal, t, s, h):
+  _check_backward(1, t, s, 4, 2, h, causal)
+
+
+@gpu
+def test_backward_scale():
+  _check_backward(1, 256, 256, 2, 2, 64, True, scale=0.37)
+  _check_backward(1, 256, 384, 2, 1, 128, False, scale=-0.2)
+
+
+@gpu
+@pytest.mark.parametrize("h,config", [
+    (64, mat.AttentionVjpConfig(64, 64, 2)),
+    (64, mat.AttentionVjpConfig(128, 128, 3)),
+    (64, mat.AttentionVjpConfig(128, 64, 4)),
+    (128, mat.AttentionVjpConfig(64, 64, 3)),
+    (128, mat.AttentionVjpConfig(64, 128, 2)),
+    (128, mat.AttentionVjpConfig(64, 64, 4)),
+])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_configs(h, config, causal):
+  # The backward alone, fed the XLA reference's output and log-sum-exp (as
+  # dispatch feeds it another forward's residuals); several ring laps, GQA,
+  # padded T and S.
+  b, t, s, n, k = 1, 700, 450, 4, 2
+  q, key, v = _qkv(b, t, s, n, k, h, jnp.bfloat16)
+  dout = _cotangent((b, t, n, h), jnp.bfloat16)
+  up = lambda x: x.astype(jnp.float32)
+  scale = 1 / np.sqrt(h)
+  out = _reference(q, key, v, causal).astype(jnp.bfloat16)
+  lse = _reference_lse(q, key, causal, scale)
+  got = jax.jit(functools.partial(mat.mosaic_attention_bwd, scale=scale, causal=causal,
+                                  config=config))(q, key, v, out, dout, lse)
+  _, vjp = jax.vjp(lambda q, key, v: _reference(q, key, v, causal), up(q), up(key),
+                   up(v))
+  for name, g, w in zip(("dq", "dk", "dv"), got, vjp(up(dout))):
+    testing.assert_close(g, w, jnp.bfloat16, what=name, scale=2, gpu=True)
+
+
+@gpu
+def test_backward_long_causal():
+  # Many query tiles per key tile and ring laps in both kernels.
+  _check_backward(1, 2048, 2048, 2, 2, 128, True)
+  _check_backward(1, 1024, 1024, 4, 1, 64, True, scale=0.3)
+
+
+@gpu
+def test_backward_automatic_dispatch_takes_a_backward():
+  # implementation=None: whichever forward and backward dispatch prefers; the
+  # gradients stay right when ours runs from another forward's lse.
+  q, key, v = _qkv(1, 256, 256, 2, 2, 128, jnp.bfloat16)
+  cot = _cotangent(q.shape, jnp.bfloat16)
+  with tokamax.record_dispatch() as records:
+    got = jax.jit(jax.grad(_grad_loss(True, None, cot, None), argnums=(0, 1, 2)))(
+        q, key, v)
+  assert any(r.direction == "backward" for r in records), records
+  up = lambda x: x.astype(jnp.float32)
+  want = jax.grad(_grad_loss(True, None, cot, "xla"), argnums=(0, 1, 2))(
+      up(q), up(key), up(v))
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    testing.assert_close(g, w, jnp.bfloat16, what=name, scale=2, gpu=True)
+
+
+@pytest.mark.parametrize("features", [
+    dict(logits_soft_cap=5.0),
+    dict(local_window=(64, 16)),
+    dict(local_window=(None, 0), query_seq_lengths=True),
+    dict(key_value_seq_lengths=True, query_seq_lengths=True),
+    dict(segments=True),
+    dict(segments=True, local_window=(100, 0), key_value_seq_lengths=True),
+    dict(q_offset=True, local_window=(32, 0), logits_soft_cap=30.0),
+    dict(q_offset=True),  # with causal below; without: the offset is moot
+])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("h,n,k,t,s,config", [
+    (128, 8, 2, 384, 640, mat.AttentionConfig(block_kv=128, num_stages=2)),
+    (64, 4, 1, 200, 333, mat.AttentionConfig(block_kv=192, num_stages=3)),
+    (256, 2, 2, 256, 256, mat.AttentionConfig(block_kv=64, num_stages=2)),
+])
+def test_lowers_for_cuda_with_features(features, causal, h, n, k, t, s, config):
+  pytest.importorskip("absl")
+  b = 2
+  features = dict(features)
+  shapes = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+            for shape in ((b, t, n, h), (b, s, k, h), (b, s, k, h))]
+  names = []
+  for name in ("query_seq_lengths", "key_value_seq_lengths"):
+    if features.pop(name, False):
+      names.append(name)
+      shapes.append(jax.ShapeDtypeStruct((b,), jnp.int32))
+  if features.pop("segments", False):
+    names += ["q_segment_ids", "kv_segment_ids"]
+    shapes += [jax.ShapeDtypeStruct((b, t), jnp.int32),
+               jax.ShapeDtypeStruct((b, s), jnp.int32)]
+  if features.pop("q_offset", False):
+    names.append("q_offset")
+    shapes.append(jax.ShapeDtypeStruct((), jnp.int32))
+
+  def run(q, key, v, *rest):
+    return mat.mosaic_attention(q, key, v, scale=0.125, causal=causal,
+                                config=config, **features, **dict(zip(names, rest)))
+  exported = jax.export.export(jax.jit(run), platforms=["cuda"])(*shapes)
+  assert "mosaic_gpu" in exported.mlir_module()
+  out, lse = exported.out_avals
+  assert out.shape == (b, t, n, h) and lse.shape == (b, n, t)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_soft_cap_lowers_with_overlap(causal):
+  pytest.importorskip("absl")
+  shapes = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+            for shape in ((1, 256, 4, 128), (1, 320, 2, 128), (1, 320, 2, 128))]
+  exported = jax.export.export(jax.jit(lambda q, key, v: mat.mosaic_attention(
+      q, key, v, scale=0.125, causal=causal, config=mat.AttentionConfig(
+          overlap_qk=True), logits_soft_cap=10.0)), platforms=["cuda"])(*shapes)
+  assert "mosaic_gpu" in exported.mlir_module()

@@ -42,12 +42,41 @@ reverse order so the longest ones start first.
 Sequence lengths: the kernel needs T a multiple of 128 and S a multiple of
 ``block_kv``; other lengths are zero-padded in the wrapper (a copy, only then),
 the padded keys are masked in the last key tile and the padded query rows are
-sliced off. Residual: the natural log-sum-exp per query row (every row sees at
-least key 0 in the supported cases, so it is finite).
+sliced off. Residual: the natural log-sum-exp per query row.
+
+Features (static switches: off, the kernels above compile unchanged):
+
+- soft cap: base-2 logits ``cap * log2(e) * tanh(scale * s / cap)`` (tanh.approx
+  under ``approx_math``), in both schedules;
+- per-batch query/key lengths, a local window, q_offset and segment ids (the
+  "dynamic" features, plain schedule only: overlap_qk's first turn needs a key
+  tile per warpgroup). The wrapper passes ``[B, 3]`` int32 scalars (valid
+  queries, valid keys, offset), read from GMEM by all three warpgroups; each
+  computes both consumers' key tile ranges ``[lo, fl, fh, hi)`` (as the Triton
+  forward's `_key_range`: tiles outside are skipped, ``[fl, fh)`` unmasked, the
+  rest masked) and the producer streams their union, the ring slot counted from
+  the union's first tile. A consumer releases the union's tiles outside its own
+  range (before it: waiting on their "full" barriers, since phases are tracked
+  per warpgroup by counting waits), two ping-pong passes per tile as for causal.
+  Segment ids: XLA first computes, per 64-row group, the key tiles whose id
+  interval meets the group's (exact for packed sequences); query ids are loaded
+  by TMA once, key ids stream through a small ring next to V (they are read in
+  the softmax, after K's slot is freed); every visited tile is masked. Rows
+  that see no key (or lie past the query length): output 0, lse +inf; the
+  softmax exponentiates against 0 while a row's max is still -inf.
+
+Bias and a bool mask are refused ([T, S] tile streams: not cheap here).
 
 GQA/MQA: query head n reads key/value head ``n // (N // K)`` through the TMA
-slices; nothing is copied. The backward is not written: dispatch takes another
-implementation's backward and feeds it this forward's ``lse``.
+slices; nothing is copied.
+
+Backward (`MosaicGpuAttentionVjp`, section "Backward" below): delta = rowsum(dO O)
+in jnp, then two deterministic kernels (no atomics) with the same warpgroup
+layout: a dK/dV kernel (blocks own 128 key rows, stream the query tiles of every
+head of the GQA group) and a dQ kernel (blocks own 128 query rows, stream key
+tiles). It takes any forward's ``lse``; it handles bf16/f16, H = Hv in {64, 128},
+causal, GQA/MQA and padded lengths, and refuses everything else on the arguments
+themselves (H 256: registers), so that dispatch takes another backward.
 """
 
 from __future__ import annotations
@@ -62,7 +91,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from tokamax import Op
+from tokamax import Op, VjpOp
 from tokamax_gpu_mosaic import _common
 
 _LOG2E = math.log2(math.e)
@@ -100,12 +129,15 @@ class AttentionConfig:
       raise ValueError(f"num_stages must be >= 2; got {self.num_stages}")
 
 
-def smem_bytes(config: AttentionConfig, head_dim: int, itemsize: int) -> int:
+def smem_bytes(config: AttentionConfig, head_dim: int, itemsize: int,
+               segments: bool = False) -> int:
   q = _CTA_ROWS * head_dim * itemsize  # also stages the output
   kv = config.num_stages * 2 * config.block_kv * head_dim * itemsize
+  # Segment ids: the block's query ids and a ring of key ids (int32).
+  seg = (_CTA_ROWS + config.num_stages * config.block_kv) * 4 if segments else 0
   # + Pallas' cross-warp reduction scratch (2 KiB by default) and alignment:
   # H128 with 128-row key tiles at 3 stages measured 232568 bytes at lowering.
-  return q + kv + _CTA_ROWS * 4 + 3 * 1024
+  return q + kv + seg + _CTA_ROWS * 4 + 3 * 1024
 
 
 def _fits_registers(config: AttentionConfig, head_dim: int) -> bool:
@@ -120,8 +152,9 @@ def _fits_registers(config: AttentionConfig, head_dim: int) -> bool:
   return config.block_kv * 3 // 4 + head_dim // 2 <= 200
 
 
-def _fits(config: AttentionConfig, head_dim: int, itemsize: int) -> bool:
-  return (smem_bytes(config, head_dim, itemsize) <= _common.SMEM_LIMIT
+def _fits(config: AttentionConfig, head_dim: int, itemsize: int,
+          segments: bool = False) -> bool:
+  return (smem_bytes(config, head_dim, itemsize, segments) <= _common.SMEM_LIMIT
           and _fits_registers(config, head_dim))
 
 
@@ -146,15 +179,27 @@ def _bcast_rows(x, shape):
   return lax.broadcast_in_dim(x, shape, [0])
 
 
-def _online_softmax(s, m, l, c: float, visible):
+def _online_softmax(s, m, l, c: float, visible, soft_cap: float | None = None,
+                    guard: bool = False):
   """One online-softmax step on raw scores ``s``; returns (p, m, l, alpha).
 
   ``m`` is the running row max of the base-2 logits ``s * c``; ``alpha`` is the
   factor that moves what was accumulated so far onto the new max. Without a mask
   and with ``c > 0`` the max is taken on ``s`` and the scale is applied in the
-  exp2 argument (one FMA per element).
+  exp2 argument (one FMA per element). With ``soft_cap`` the base-2 logits are
+  ``cap * log2(e) * tanh(scale * s / cap)`` (the contract's ``cap * tanh(x / cap)``
+  of ``x = scale * q.k``, then moved to base 2).
+
+  ``guard``: a row may have seen no visible key yet (window, segments, lengths,
+  q_offset), so its max may still be -inf; exponentiate against 0 then, which
+  keeps p = 0 and alpha finite instead of exp2(-inf + inf) = NaN.
   """
-  if visible is None and c > 0:
+  if soft_cap is not None:
+    z = jnp.tanh(s * (c / (_LOG2E * soft_cap))) * (soft_cap * _LOG2E)
+    if visible is not None:
+      z = jnp.where(visible, z, -jnp.inf)
+    m_new = jnp.maximum(m, z.max(axis=1))
+  elif visible is None and c > 0 and not guard:
     m_new = jnp.maximum(m, s.max(axis=1) * c)
     p = jnp.exp2(s * c - _bcast_rows(m_new, s.shape))
   else:
@@ -162,24 +207,129 @@ def _online_softmax(s, m, l, c: float, visible):
     if visible is not None:
       z = jnp.where(visible, z, -jnp.inf)
     m_new = jnp.maximum(m, z.max(axis=1))
-    p = jnp.exp2(z - _bcast_rows(m_new, s.shape))
-  # Every visited tile has a visible key in every row (see _kv_steps), so m_new
-  # is finite and alpha is exp2(-inf) = 0 only on the first tile.
-  alpha = jnp.exp2(m - m_new)
+  if guard:
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  else:
+    # Without the dynamic features every visited tile has a visible key in every
+    # row, or the row saw key 0 already (causal), so m_new is finite and alpha is
+    # exp2(-inf) = 0 only on the first tile.
+    m_safe = m_new
+  if soft_cap is not None or visible is not None or c <= 0 or guard:
+    p = jnp.exp2(z - _bcast_rows(m_safe, s.shape))
+  alpha = jnp.exp2(m - m_safe)
   l = l * alpha + p.sum(axis=1)
   return p, m_new, l, alpha
 
 
-def _softmax_update(s, m, l, acc, c: float, visible):
+def _softmax_update(s, m, l, acc, c: float, visible, soft_cap=None, guard=False):
   """`_online_softmax` and the rescaling of ``acc``; returns (p, m, l, acc)."""
-  p, m, l, alpha = _online_softmax(s, m, l, c, visible)
+  p, m, l, alpha = _online_softmax(s, m, l, c, visible, soft_cap, guard)
   return p, m, l, acc * _bcast_rows(alpha, acc.shape)
 
 
-def _flash_forward(q, k, v, *, scale: float, causal: bool, s_true: int,
-                   config: AttentionConfig):
+@dataclasses.dataclass(frozen=True)
+class _Features:
+  """Static switches for the optional features (all off: the plain kernel).
+
+  ``left``/``right``: the visible window by position with causal folded in
+  (`AttentionArgs.visible_window`), None on a side for unbounded.
+  """
+
+  window: bool = False  # a local window was given (else only causal, if any)
+  left: int | None = None
+  right: int | None = None
+  soft_cap: float | None = None
+  q_len: bool = False
+  kv_len: bool = False
+  offset: bool = False  # q_offset moves the window (ignored without one)
+  segments: bool = False
+
+  @property
+  def dynamic(self) -> bool:
+    """Whether each warpgroup's key tile range is computed in the kernel from
+    per-batch scalars (else: all tiles, or the static causal range)."""
+    return (self.window or self.q_len or self.kv_len or self.offset
+            or self.segments)
+
+
+_PLAIN = _Features()
+
+
+def _key_range(r0, rows: int, q_limit, kv_limit, off, left, right, bkv: int):
+  """Key tiles ``lo <= fl <= fh <= hi`` for the query rows ``[r0, r0 + rows)``.
+
+  Tiles in ``[lo, hi)`` may hold a visible key for a row below ``q_limit``;
+  those in ``[fl, fh)`` are visible for every such row by position (no mask).
+  Query row t sits at position ``t + off``. Plain int32 scalar arithmetic: it
+  runs in the kernel, and in the CPU tests against a brute-force count.
+  """
+  cdiv = lambda x, d: lax.div(x + (d - 1), d)
+  clamp = lambda x, a, b: jnp.minimum(jnp.maximum(x, a), b)
+  q_last = jnp.minimum(r0 + rows, q_limit) - 1
+  p0, p_last = r0 + off, q_last + off
+  lo = jnp.int32(0) if left is None else jnp.maximum(p0 - left, 0)
+  hi = kv_limit if right is None else jnp.minimum(kv_limit, p_last + right + 1)
+  lo_t = lax.div(lo, bkv)
+  hi_t = jnp.maximum(cdiv(jnp.maximum(hi, 0), bkv), lo_t)
+  hi_t = jnp.where(q_last < r0, lo_t, hi_t)  # no valid query row
+  if left is None:
+    fl_t = lo_t
+  else:
+    fl_t = clamp(cdiv(jnp.maximum(p_last - left, 0), bkv), lo_t, hi_t)
+  full_end = kv_limit if right is None else jnp.minimum(p0 + right + 1, kv_limit)
+  fh_t = clamp(lax.div(jnp.maximum(full_end, 0), bkv), fl_t, hi_t)
+  return lo_t, fl_t, fh_t, hi_t
+
+
+def _union(range0, range1):
+  """``[lo, hi)`` covering two warpgroups' non-empty tile ranges (both empty:
+  an empty range)."""
+  (lo0, hi0), (lo1, hi1) = range0, range1
+  ne0, ne1 = hi0 > lo0, hi1 > lo1
+  lo = jnp.where(ne0, jnp.where(ne1, jnp.minimum(lo0, lo1), lo0),
+                 jnp.where(ne1, lo1, 0))
+  hi = jnp.where(ne0, jnp.where(ne1, jnp.maximum(hi0, hi1), hi0),
+                 jnp.where(ne1, hi1, 0))
+  return lo, hi
+
+
+def _segment_tile_range(q_seg, kv_seg, t: int, s: int, tp: int, sp: int, bkv: int):
+  """Per (batch, 64-row query group): ``[lo, hi)`` key tiles whose segment ids
+  can meet the group's, int32 ``[B, Tp // 64, 2]`` (XLA, before the kernel).
+
+  A tile can hold a match only if the ``[min, max]`` id intervals of the group
+  and of the tile overlap: exact for packed (sorted) segments, conservative
+  otherwise; tiles between the first and the last candidate are visited too.
+  """
+  big = jnp.iinfo(jnp.int32).max
+
+  def bounds(ids, true_len, padded, block):
+    valid = jnp.arange(padded) < true_len
+    ids = _pad_axis(ids, 1, padded)
+    lo = jnp.where(valid, ids, big).reshape(ids.shape[0], -1, block).min(axis=2)
+    hi = jnp.where(valid, ids, -big).reshape(ids.shape[0], -1, block).max(axis=2)
+    return lo, hi
+
+  qlo, qhi = bounds(q_seg, t, tp, _WG_ROWS)
+  klo, khi = bounds(kv_seg, s, sp, bkv)
+  meet = ((qlo[:, :, None] <= khi[:, None, :])
+          & (klo[:, None, :] <= qhi[:, :, None]))  # [B, G, n_kv]
+  n_kv = sp // bkv
+  first = jnp.argmax(meet, axis=2).astype(jnp.int32)
+  last = n_kv - jnp.argmax(meet[:, :, ::-1], axis=2).astype(jnp.int32)
+  some = meet.any(axis=2)
+  return jnp.stack([jnp.where(some, first, 0), jnp.where(some, last, 0)], axis=-1)
+
+
+def _flash_forward(q, k, v, *extras, scale: float, causal: bool, s_true: int,
+                   config: AttentionConfig, feat: _Features = _PLAIN):
   """The kernel on padded inputs: q [B, Tp, N, H] (Tp % 128 == 0), k/v
   [B, Sp, K, H] (Sp % block_kv == 0); keys at or past `s_true` are masked.
+
+  `extras` (int32): with `feat.dynamic`, ``lims [B, 3]`` = (valid queries,
+  valid keys, q_offset) per batch element; with `feat.segments` also the
+  segment tile ranges ``[B, Tp // 64, 2]``, q ids ``[B, Tp]`` and kv ids
+  ``[B, Sp]``.
 
   Returns (out [B, Tp, N, H] in q's dtype, lse [B, N, Tp] float32, natural log).
   """
@@ -201,16 +351,59 @@ def _flash_forward(q, k, v, *, scale: float, causal: bool, s_true: int,
       return n_kv
     return jnp.minimum(lax.div(row_end + bkv - 1, bkv), n_kv)
 
-  def body(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
-           q_full, k_full, v_full, k_free, v_free, turn):
+  dynamic = feat.dynamic
+  if dynamic and config.overlap_qk:
+    raise NotImplementedError(
+        "overlap_qk with a local window, sequence lengths, segment ids or "
+        "q_offset: its first turn needs at least one key tile per warpgroup; "
+        "use the plain schedule (overlap_qk=False)")
+  # Keys past the valid ones can sit in a visited tile: mask them there.
+  mask_keys = pad_keys or feat.kv_len
+  # Ring slots count from the first streamed tile (dynamic: the union's first).
+  n_in = 3 + len(extras)
+
+  def body(*refs):
+    q_ref, k_ref, v_ref = refs[:3]
+    o_ref, lse_ref = refs[n_in:n_in + 2]
+    (q_smem, k_smem, v_smem, lse_smem, q_full, k_full, v_full, k_free, v_free,
+     turn) = refs[n_in + 2:n_in + 12]
+    if feat.segments:
+      seg_range_ref, q_seg_ref, kv_seg_ref = refs[4:7]
+      qseg_smem, kvseg_smem, qseg_full, seg_full = refs[n_in + 12:]
     wg = lax.axis_index("wg")
     qi = lax.axis_index("q")
-    if causal:
+    if causal or feat.right is not None:
       qi = nq - 1 - qi  # the longest tiles first
     bi = lax.axis_index("batch")
     hi = lax.axis_index("heads")
     tile0 = qi * _CTA_ROWS
-    n_block = kv_end(tile0 + _CTA_ROWS)  # steps the producer streams
+    if dynamic:
+      # Every warpgroup (both consumers and the producer) computes both
+      # consumers' key tile ranges from the same scalars: the producer streams
+      # their union [base, n_block) and each consumer releases the union's
+      # tiles outside its own range, so all three agree on the sequence.
+      lims_ref = refs[3]
+      q_limit, kv_limit, off = (lims_ref[bi, 0], lims_ref[bi, 1],
+                                lims_ref[bi, 2])
+
+      def wg_range(w: int):
+        r = tile0 + w * bq
+        lo, fl, fh, top = _key_range(r, bq, q_limit, kv_limit, off, feat.left,
+                                     feat.right, bkv)
+        if feat.segments:
+          g = qi * 2 + w
+          lo = jnp.maximum(lo, seg_range_ref[bi, g, 0])
+          top = jnp.maximum(jnp.minimum(top, seg_range_ref[bi, g, 1]), lo)
+          fl = fh = lo  # any tile may cross a segment boundary: all masked
+        return lo, fl, fh, top
+      ranges = (wg_range(0), wg_range(1))
+      base, n_block = _union(*((r[0], r[3]) for r in ranges))
+    else:
+      base = None
+      n_block = kv_end(tile0 + _CTA_ROWS)  # steps the producer streams
+
+    def slot_of(i):
+      return lax.rem(i if base is None else i - base, stages)
 
     def pass_turn():
       plgpu.barrier_arrive(turn)
@@ -222,8 +415,21 @@ def _flash_forward(q, k, v, *, scale: float, causal: bool, s_true: int,
       r0 = tile0 + wg * bq
       q_tile = q_smem.at[wg]
       plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(r0, bq), hi], q_tile, q_full.at[wg])
-      n_own = kv_end(r0 + bq)
-      if causal:
+      if feat.segments:
+        plgpu.copy_gmem_to_smem(q_seg_ref.at[bi, pl.ds(r0, bq)], qseg_smem.at[wg],
+                                qseg_full.at[wg])
+      if dynamic:
+        # This warpgroup's range; an empty one becomes [base, base) so that
+        # every streamed tile is released after the (empty) loops.
+        own = [jnp.where(wg == 0, x0, x1) for x0, x1 in zip(*ranges)]
+        empty = own[3] <= own[0]
+        lo_k, fl_k, fh_k, n_own = [jnp.where(empty, base, x) for x in own]
+        n_clear = None
+      else:
+        n_own = kv_end(r0 + bq)
+      if dynamic:
+        pass  # ranges above
+      elif causal:
         # Tiles whose every key is <= the first row (and < S) need no mask.
         n_clear = jnp.minimum(lax.div(r0 + 1, bkv), s_true // bkv)
       else:
@@ -236,6 +442,8 @@ def _flash_forward(q, k, v, *, scale: float, causal: bool, s_true: int,
                                       layout=plgpu.Layout.WGMMA) + r0
         cols = plgpu.broadcasted_iota(jnp.int32, shape, 1,
                                       layout=plgpu.Layout.WGMMA) + i * bkv
+        if dynamic:
+          return dynamic_visibility(i, rows, cols)
         visible = None
         if causal:
           visible = cols <= rows
@@ -244,12 +452,37 @@ def _flash_forward(q, k, v, *, scale: float, causal: bool, s_true: int,
           visible = in_range if visible is None else visible & in_range
         return visible
 
+      def dynamic_visibility(i, rows, cols):
+        """Window (by position: row + q_offset), valid keys and segments."""
+        visible = []
+        pos = rows + off if feat.offset else rows
+        if mask_keys:
+          visible.append(cols < kv_limit)
+        if feat.left is not None:
+          visible.append(cols >= pos - feat.left)
+        if feat.right is not None:
+          visible.append(cols <= pos + feat.right)
+        if feat.segments:
+          slot = slot_of(i)
+          plgpu.barrier_wait(seg_full.at[slot])
+          kv_ids = plgpu.load(kvseg_smem.at[slot], (),
+                              layout=plgpu.Layout.WGMMA.reduce(0))
+          visible.append(_bcast_rows(q_ids, (bq, bkv))
+                         == lax.broadcast_in_dim(kv_ids, (bq, bkv), [1]))
+        if not visible:
+          return None
+        return functools.reduce(lambda a, b_: a & b_, visible)
+
+      if feat.segments:
+        plgpu.barrier_wait(qseg_full.at[wg])
+        q_ids = plgpu.load(qseg_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
+
       def pingpong(carry):
         """The plain schedule: S, softmax, then O += P V, two turns per tile."""
 
         def step(i, carry, masked: bool):
           acc, m, l = carry
-          slot = lax.rem(i, stages)
+          slot = slot_of(i)
 
           def scores(s_acc):
             plgpu.wgmma(s_acc, q_tile, k_smem.at[slot].T)
@@ -259,7 +492,8 @@ def _flash_forward(q, k, v, *, scale: float, causal: bool, s_true: int,
           plgpu.barrier_arrive(k_free.at[slot])
 
           visible = visibility(i) if masked else None
-          p, m, l, acc = _softmax_update(s, m, l, acc, c, visible)
+          p, m, l, acc = _softmax_update(s, m, l, acc, c, visible, feat.soft_cap,
+                                         guard=dynamic and masked)
           p = p.astype(dtype)
           if config.fence_softmax:
             p, m, l, acc = lax.optimization_barrier((p, m, l, acc))
@@ -274,7 +508,7 @@ def _flash_forward(q, k, v, *, scale: float, causal: bool, s_true: int,
 
             @pl.when(nxt < n_own)
             def _():  # overlaps the wait for the next K with this matmul
-              plgpu.barrier_wait(k_full.at[lax.rem(nxt, stages)])
+              plgpu.barrier_wait(k_full.at[slot_of(nxt)])
           acc = pl.run_state(update)(plgpu.ACC.init(acc))
           plgpu.barrier_arrive(v_free.at[slot])
           return acc, m, l
@@ -283,11 +517,46 @@ def _flash_forward(q, k, v, *, scale: float, causal: bool, s_true: int,
           # A tile this warpgroup does not need (causal): free the slot for the
           # producer and keep the ping-pong barrier's count in step with the
           # partner.
-          slot = lax.rem(i, stages)
+          slot = slot_of(i)
           plgpu.barrier_arrive(k_free.at[slot])
           plgpu.barrier_arrive(v_free.at[slot])
           pass_turn()
           pass_turn()
+
+        def release_first(i, _):
+          # A tile before this warpgroup's range (left window, segments). Its
+          # "full" barriers are waited on although unused: barrier phases are
+          # tracked per warpgroup by counting waits, and this warpgroup waits
+          # on the same slots again for its own tiles.
+          slot = slot_of(i)
+          plgpu.barrier_wait(k_full.at[slot])
+          plgpu.barrier_arrive(k_free.at[slot])
+          if feat.segments:
+            plgpu.barrier_wait(seg_full.at[slot])
+          plgpu.barrier_wait(v_full.at[slot])
+          plgpu.barrier_arrive(v_free.at[slot])
+          pass_turn()
+          pass_turn()
+
+        if dynamic:
+          # [base, lo) released, [lo, fl) masked, [fl, fh) unmasked, [fh, hi)
+          # masked, [hi, n_block) released; the ping-pong count stays two
+          # passes per streamed tile for each warpgroup.
+          pl.when(wg == 1)(pass_turn)
+          if feat.left is not None or feat.segments:
+            lax.fori_loop(base, lo_k, release_first, None)
+
+          @pl.when(lo_k < n_own)
+          def _():
+            plgpu.barrier_wait(k_full.at[slot_of(lo_k)])
+          masked = functools.partial(step, masked=True)
+          carry = lax.fori_loop(lo_k, fl_k, masked, carry)
+          carry = lax.fori_loop(fl_k, fh_k, functools.partial(step, masked=False),
+                                carry)
+          carry = lax.fori_loop(fh_k, n_own, masked, carry)
+          lax.fori_loop(n_own, n_block, release, None)
+          pl.when(wg == 0)(pass_turn)
+          return carry
 
         plgpu.barrier_wait(k_full.at[0])  # n_own >= 1 always
         pl.when(wg == 1)(pass_turn)  # warpgroup 1 runs one phase behind
@@ -319,7 +588,8 @@ def _flash_forward(q, k, v, *, scale: float, causal: bool, s_true: int,
 
         def softmax(s, m, l, i, masked: bool):
           p, m, l, alpha = _online_softmax(s, m, l, c,
-                                           visibility(i) if masked else None)
+                                           visibility(i) if masked else None,
+                                           feat.soft_cap)
           if config.fence_softmax:  # computed before waiting for P V
             p, m, l, alpha = lax.optimization_barrier((p, m, l, alpha))
           return p, m, l, alpha
@@ -409,10 +679,25 @@ def _flash_forward(q, k, v, *, scale: float, causal: bool, s_true: int,
       carry = (overlapped if config.overlap_qk else pingpong)(carry)
 
       acc, m, l = carry
-      out = acc * _bcast_rows(1.0 / l, acc.shape)
-      q_tile[...] = out.astype(dtype)  # Q is no longer read: stage O there
       lse_tile = lse_smem.at[wg]
-      lse_tile[...] = m * _LN2 + jnp.log(l)
+      if dynamic:
+        # Rows that saw no key (l = 0) or lie past the valid queries: output
+        # 0 and lse +inf (the contract), never NaN (the guarded softmax kept
+        # every value finite).
+        valid = l > 0
+        if feat.q_len:
+          rows = plgpu.broadcasted_iota(jnp.int32, (bq,), 0,
+                                        layout=plgpu.Layout.WGMMA.reduce(1)) + r0
+          valid = valid & (rows < q_limit)
+        l_safe = jnp.where(valid, l, 1.0)
+        inv = jnp.where(valid, 1.0 / l_safe, 0.0)
+        out = acc * _bcast_rows(inv, acc.shape)
+        q_tile[...] = out.astype(dtype)  # Q is no longer read: stage O there
+        lse_tile[...] = jnp.where(valid, m * _LN2 + jnp.log(l_safe), jnp.inf)
+      else:
+        out = acc * _bcast_rows(1.0 / l, acc.shape)
+        q_tile[...] = out.astype(dtype)  # Q is no longer read: stage O there
+        lse_tile[...] = m * _LN2 + jnp.log(l)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(q_tile, o_ref.at[bi, pl.ds(r0, bq), hi])
       plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[bi, hi, pl.ds(r0, bq)])
@@ -424,9 +709,9 @@ def _flash_forward(q, k, v, *, scale: float, causal: bool, s_true: int,
       kv_head = lax.div(hi, group)
 
       def issue(i, _):
-        slot = lax.rem(i, stages)
+        slot = slot_of(i)
         rows = (bi, pl.ds(i * bkv, bkv), kv_head)
-        reuse = i >= stages
+        reuse = i >= stages if base is None else i - base >= stages
 
         @pl.when(reuse)
         def _():
@@ -437,7 +722,12 @@ def _flash_forward(q, k, v, *, scale: float, causal: bool, s_true: int,
         def _():
           plgpu.barrier_wait(v_free.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_full.at[slot])
-      lax.fori_loop(0, n_block, issue, None)
+        if feat.segments:
+          # The key ids are read in the softmax, after K's slot is freed: they
+          # share V's slot lifetime.
+          plgpu.copy_gmem_to_smem(kv_seg_ref.at[bi, pl.ds(i * bkv, bkv)],
+                                  kvseg_smem.at[slot], seg_full.at[slot])
+      lax.fori_loop(0 if base is None else base, n_block, issue, None)
 
   scratch = (
       plgpu.SMEM((2, bq, h), dtype, transforms=transforms),
@@ -453,6 +743,13 @@ def _flash_forward(q, k, v, *, scale: float, causal: bool, s_true: int,
       (plgpu.Barrier(num_barriers=2) if config.overlap_qk
        else plgpu.Barrier(num_arrivals=2)),
   )
+  if feat.segments:
+    scratch += (
+        plgpu.SMEM((2, bq), jnp.int32),  # this block's query ids
+        plgpu.SMEM((stages, bkv), jnp.int32),  # key ids, a ring next to K/V
+        plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_barriers=stages),
+    )
   call = _common.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((b, tp, n, h), dtype),
@@ -462,21 +759,58 @@ def _flash_forward(q, k, v, *, scale: float, causal: bool, s_true: int,
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane))
-  return call(q, k, v)
+  return call(q, k, v, *extras)
 
 
 def mosaic_attention(q, k, v, *, scale: float, causal: bool,
-                     config: AttentionConfig):
+                     config: AttentionConfig, local_window=None,
+                     logits_soft_cap: float | None = None,
+                     query_seq_lengths=None, key_value_seq_lengths=None,
+                     q_segment_ids=None, kv_segment_ids=None, q_offset=None):
   """Attention forward on [B, T, N, H] / [B, S, K, H] inputs (pads odd lengths).
+
+  The optional arguments mean what `AttentionArgs`' fields of the same names
+  mean (lengths int32 [B], segment ids int32 [B, T] / [B, S], q_offset an int32
+  scalar); each one off costs nothing (static switches).
 
   Returns (out [B, T, N, H], lse [B, N, T] float32).
   """
-  t, s = q.shape[1], k.shape[1]
+  b, t, s = q.shape[0], q.shape[1], k.shape[1]
   tp = _cdiv(t, _CTA_ROWS) * _CTA_ROWS
   sp = _cdiv(s, config.block_kv) * config.block_kv
+  left, right = local_window if local_window is not None else (None, None)
+  if causal:
+    right = 0 if right is None else min(right, 0)
+  segments = q_segment_ids is not None
+  feat = _Features(
+      window=local_window is not None and tuple(local_window) != (None, None),
+      left=left, right=right, soft_cap=logits_soft_cap,
+      q_len=query_seq_lengths is not None, kv_len=key_value_seq_lengths is not None,
+      # The offset moves only the window (causal included); else it is moot.
+      offset=q_offset is not None and (left, right) != (None, None),
+      segments=segments)
+  if not feat.window and not feat.dynamic:
+    # A window of (None, None) is no window; causal alone is the static path.
+    feat = dataclasses.replace(feat, left=None, right=None)
+  extras = ()
+  if feat.dynamic:
+    def lengths(x, full):
+      if x is None:
+        return jnp.full((b,), full, jnp.int32)
+      return jnp.minimum(x.astype(jnp.int32), full)
+    offset = (jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32).reshape(()), (b,))
+              if feat.offset else jnp.zeros((b,), jnp.int32))
+    lims = jnp.stack([lengths(query_seq_lengths, t),
+                      lengths(key_value_seq_lengths, s), offset], axis=1)
+    extras = (lims,)
+    if segments:
+      q_ids = q_segment_ids.astype(jnp.int32)
+      kv_ids = kv_segment_ids.astype(jnp.int32)
+      extras += (_segment_tile_range(q_ids, kv_ids, t, s, tp, sp, config.block_kv),
+                 _pad_axis(q_ids, 1, tp), _pad_axis(kv_ids, 1, sp))
   out, lse = _flash_forward(_pad_axis(q, 1, tp), _pad_axis(k, 1, sp),
-                            _pad_axis(v, 1, sp), scale=scale, causal=causal,
-                            s_true=s, config=config)
+                            _pad_axis(v, 1, sp), *extras, scale=scale,
+                            causal=causal, s_true=s, config=config, feat=feat)
   if tp != t:
     out, lse = out[:, :t], lse[:, :, :t]
   return out, lse
@@ -498,24 +832,40 @@ def _heuristic(args) -> AttentionConfig:
   preferred = {64: ((128, 2, False),),
                128: ((128, 2, True), (128, 2, False), (64, 3, False)),
                256: ((64, 2, False),)}[h]
+  dynamic = _needs_dynamic(args)
   for block_kv, stages, overlap in preferred:
+    if overlap and dynamic:
+      continue  # see _flash_forward: overlap_qk takes the static features only
     config = AttentionConfig(block_kv=block_kv, num_stages=stages, overlap_qk=overlap)
-    if _fits(config, h, itemsize):
+    if _fits(config, h, itemsize, args.q_segment_ids is not None):
       return config
   return AttentionConfig(block_kv=64, num_stages=2)
+
+
+def _needs_dynamic(args) -> bool:
+  """Whether these arguments take the kernel's dynamic key ranges (window,
+  lengths, segments, a q_offset that moves a window or causal)."""
+  left, right = args.visible_window
+  return ((args.local_window is not None
+           and tuple(args.local_window) != (None, None))
+          or args.query_seq_lengths is not None
+          or args.key_value_seq_lengths is not None
+          or args.q_segment_ids is not None
+          or (args.q_offset is not None and (left, right) != (None, None)))
 
 
 def _search_space(args):
   h = args.query.shape[-1]
   itemsize = jnp.dtype(args.query.dtype).itemsize
   out = []
-  for overlap in (False, True):
+  segments = args.q_segment_ids is not None
+  for overlap in (False, True) if not _needs_dynamic(args) else (False,):
     for block_kv in (64, 128, 192, 256):
       for stages in (2, 3, 4):
         for fence in (True, False):
           config = AttentionConfig(block_kv=block_kv, num_stages=stages,
                                    fence_softmax=fence, overlap_qk=overlap)
-          if _fits(config, h, itemsize):
+          if _fits(config, h, itemsize, segments):
             out.append(config)
   return tuple(out)
 
@@ -523,20 +873,18 @@ def _search_space(args):
 def _check_args(args) -> None:
   q, k, v = args.query, args.key, args.value
   _common.check_dtype("query/key/value", q.dtype)
+  # Bias and a bool mask would be a [T, S]-shaped tile stream per key tile
+  # next to K and V (TMA, more shared memory, a load on every softmax): not
+  # trivially cheap; the other implementations take them.
   refusals = (
-      (args.bias is not None, "bias"),
-      (args.mask is not None, "a bool mask"),
-      (args.q_segment_ids is not None, "segment ids"),
-      (args.local_window is not None, "a local window"),
-      (args.logits_soft_cap is not None, "logits soft cap"),
-      (args.query_seq_lengths is not None, "query sequence lengths"),
-      (args.key_value_seq_lengths is not None, "key/value sequence lengths"),
-      (args.q_offset is not None, "q_offset"),
+      (args.bias is not None, "bias (a [T, S] tile stream per key tile)"),
+      (args.mask is not None, "a bool mask (a [T, S] tile stream per key tile; "
+       "express it as lengths, a window or segment ids where possible)"),
   )
   for refused, what in refusals:
     if refused:
       raise NotImplementedError(f"the mosaic_gpu attention forward does not handle "
-                                f"{what} yet")
+                                f"{what}")
   if (isinstance(args.precision, lax.DotAlgorithmPreset)
       and args.precision != lax.DotAlgorithmPreset.DEFAULT):
     raise NotImplementedError(f"dot algorithm {args.precision}")
@@ -555,6 +903,7 @@ class MosaicGpuAttention(Op):
   op_name = "dot_product_attention"
   name = "mosaic_gpu"
   config_cls = AttentionConfig
+  supported_features = ("q_offset",)
 
   def check_supported(self, args, device):
     _common.check_hopper_device(device)
@@ -568,14 +917,522 @@ class MosaicGpuAttention(Op):
 
   def forward(self, args, config):
     config = config or self.heuristic_config(args)
-    out, lse = mosaic_attention(args.query, args.key, args.value, scale=args.scale,
-                                causal=args.is_causal, config=config)
+    h, itemsize = args.query.shape[-1], jnp.dtype(args.query.dtype).itemsize
+    segments = args.q_segment_ids is not None
+    if not _fits(config, h, itemsize, segments):
+      raise ValueError(
+          f"config {config} does not fit at head dim {h}: it needs about "
+          f"{smem_bytes(config, h, itemsize, segments)} bytes of shared memory "
+          f"(limit {_common.SMEM_LIMIT}) or too many registers; use fewer "
+          "num_stages or a smaller block_kv")
+    out, lse = mosaic_attention(
+        args.query, args.key, args.value, scale=args.scale, causal=args.is_causal,
+        config=config, local_window=args.local_window,
+        logits_soft_cap=args.logits_soft_cap,
+        query_seq_lengths=args.query_seq_lengths,
+        key_value_seq_lengths=args.key_value_seq_lengths,
+        q_segment_ids=args.q_segment_ids, kv_segment_ids=args.kv_segment_ids,
+        q_offset=args.q_offset)
     return out, {"lse": lse}
 
 
+# ----------------------------------------------------------------------------
+# ---- Backward ----
+# ----------------------------------------------------------------------------
+#
+# Two kernels, no atomics (deterministic):
+#
+# - dK/dV: grid (key tiles of 128 rows, kv heads, batch). A producer warpgroup
+#   streams, per step, one query tile of every query head of the kv head's group
+#   (Q, dO, the base-2 lse and delta) into a ring; two consumer warpgroups own 64
+#   key rows each (their K and V stay in shared memory) and keep dK and dV in
+#   float32 registers. Per step, working transposed (keys are the rows, so the
+#   accumulators are wgmma outputs): S^T = K Q^T and dP^T = V dO^T (issued
+#   together), P^T = exp2(S^T c - lse2), dS^T = P^T (dP^T - delta), then
+#   dV += P^T dO and dK += dS^T Q (issued together).
+# - dQ: grid (query tiles of 128 rows, heads, batch), the forward's layout: the
+#   producer streams K and V tiles, two consumers own 64 query rows (Q and dO in
+#   shared memory, lse2 and delta in registers); per key tile S = Q K^T and
+#   dP = dO V^T together, P, dS, then dQ += dS K.
+#
+# Registers per consumer thread (64-row tiles: an f32 64 x n tile takes n/2):
+# dK/dV holds dK and dV (H) plus S^T and dP^T (block_q), so H + block_q <= 192;
+# H = 256 would need 256 for dK and dV alone (over the 232-register limit): refused.
+# dQ holds dQ (H/2) plus S and dP (block_kv).
+#
+# Padding: T and S are padded to multiples of 128 (copies, only when needed).
+# Padded query rows get lse = +inf and dO = 0, so P = 0 and dS = 0 there: no mask.
+# Padded key rows only produce dK/dV rows that are sliced off (rows of dK/dV do
+# not mix); in dQ they are masked (K = 0 would make them vanish, but exp2 of a
+# padded key's score can overflow when lse is very negative: inf * 0 = NaN).
+#
+# Causal (top-left, key s visible to query t iff s <= t): dK/dV visits only the
+# query tiles at or after the key tile (per head), masks those crossing the
+# diagonal, and writes zeros for key tiles no query sees (T < S); dQ visits the
+# key tiles up to the diagonal like the forward. Both consumers of a block take
+# the same steps (a tile one of them cannot see is masked to zero), so every
+# "free" barrier gets exactly its two arrivals per phase.
+
+_BWD_KEY_ROWS = 2 * _WG_ROWS  # key rows per dK/dV block (2 consumers x 64)
+_BWD_HEAD_DIMS = (64, 128)
+_BWD_REG_BUDGET = 192  # f32 tile registers per consumer thread (see above)
+
+
 @dataclasses.dataclass(frozen=True)
-class MosaicGpuAttentionVjp(_common.UnwrittenBackward):
-  """Backward: not written in Mosaic GPU; refuses so dispatch takes another."""
+class AttentionVjpConfig:
+  """Tiles of the two backward kernels.
+
+  ``block_q``: query rows per step of the dK/dV kernel (its blocks own 128 key
+  rows); ``block_kv``: key rows per step of the dQ kernel (its blocks own 128
+  query rows); ``num_stages``: ring depth of both.
+  """
+
+  block_q: int = 64
+  block_kv: int = 128
+  num_stages: int = 2
+
+  def __post_init__(self):
+    # 64 or 128: a multiple of 64 for the P^T dO / dS K contractions over a
+    # 128-byte-swizzled tile, and a divisor of the 128-row padding.
+    for name in ("block_q", "block_kv"):
+      if getattr(self, name) not in (64, 128):
+        raise ValueError(f"{name} must be 64 or 128; got {getattr(self, name)}")
+    if self.num_stages < 2:
+      raise ValueError(f"num_stages must be >= 2; got {self.num_stages}")
+
+
+def bwd_smem_bytes(config: AttentionVjpConfig, head_dim: int,
+                   itemsize: int) -> tuple[int, int]:
+  """Shared memory of the (dK/dV, dQ) kernels, with the forward's slack."""
+  resident = 2 * _BWD_KEY_ROWS * head_dim * itemsize  # K, V (dkv) / Q, dO (dq)
+  dkv = (resident + config.num_stages * 2 * config.block_q * (head_dim * itemsize + 4)
+         + 3 * 1024)
+  dq = (resident + config.num_stages * 2 * config.block_kv * head_dim * itemsize
+        + 2 * 2 * _WG_ROWS * 4 + 3 * 1024)
+  return dkv, dq
+
+
+def _bwd_fits(config: AttentionVjpConfig, head_dim: int, itemsize: int) -> bool:
+  return (max(bwd_smem_bytes(config, head_dim, itemsize)) <= _common.SMEM_LIMIT
+          and head_dim + config.block_q <= _BWD_REG_BUDGET
+          and head_dim // 2 + config.block_kv <= _BWD_REG_BUDGET)
+
+
+def _bcast_cols(x, shape):
+  return lax.broadcast_in_dim(x, shape, [1])
+
+
+def _bwd_compiler_params():
+  return plgpu.CompilerParams(approx_math=True,
+                              lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
+def _flash_dkv(q, k, v, do, lse2, delta, *, scale: float, causal: bool,
+               config: AttentionVjpConfig):
+  """dK, dV on padded inputs: q/do [B, Tp, N, H], k/v [B, Sp, K, H] (Tp and Sp
+  multiples of 128); lse2 (base-2 lse, +inf on padded rows), delta [B, N, Tp]."""
+  b, tp, n, h = q.shape
+  sp, nk = k.shape[1], k.shape[2]
+  group = n // nk
+  bq, stages = config.block_q, config.num_stages
+  rows = _WG_ROWS
+  nq = tp // bq
+  c = float(scale) * _LOG2E
+  dtype = q.dtype
+  transforms = _common.swizzled(dtype, h)
+
+  def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
+           k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+           kv_full, q_full, do_full, free):
+    wg = lax.axis_index("wg")
+    ki = lax.axis_index("kv")
+    kh = lax.axis_index("heads")
+    bi = lax.axis_index("batch")
+    k0 = ki * _BWD_KEY_ROWS
+    # Causal: query tiles before j_lo see none of this block's keys (k0 is a
+    # multiple of bq). Steps run head-major: (head g, query tile j).
+    j_lo = lax.div(k0, bq) if causal else 0
+    n_j = jnp.maximum(nq - j_lo, 0) if causal else nq
+    n_steps = group * n_j
+
+    @pl.when(wg < 2)
+    def _consumer():
+      plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+      r0 = k0 + wg * rows
+      k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+      mine = (bi, pl.ds(r0, rows), kh)
+      plgpu.copy_gmem_to_smem(k_ref.at[mine], k_tile, kv_full.at[wg])
+      plgpu.copy_gmem_to_smem(v_ref.at[mine], v_tile, kv_full.at[wg])
+      if causal:
+        # From this query tile on, every query is at or past this warpgroup's
+        # last key (r0 + 63): no mask.
+        j_clear = jnp.minimum(lax.div(r0 + rows - 1 + bq - 1, bq), nq)
+
+      def step(j, carry, base, masked: bool):
+        dk, dv = carry
+        slot = lax.rem(base + j, stages)
+        plgpu.barrier_wait(q_full.at[slot])
+
+        def transposed_scores(s_acc, dp_acc):
+          plgpu.wgmma(s_acc, k_tile, q_smem.at[slot].T)
+          plgpu.barrier_wait(do_full.at[slot])
+          plgpu.wgmma(dp_acc, v_tile, do_smem.at[slot].T)
+          return s_acc[...], dp_acc[...]
+        s, dp = pl.run_scoped(transposed_scores,
+                              plgpu.ACC((rows, bq), jnp.float32),
+                              plgpu.ACC((rows, bq), jnp.float32))
+        lse_col = plgpu.load(lse_smem.at[slot], (),
+                             layout=plgpu.Layout.WGMMA.reduce(0))
+        z = s * c - _bcast_cols(lse_col, s.shape)
+        if masked:
+          key = plgpu.broadcasted_iota(jnp.int32, s.shape, 0,
+                                       layout=plgpu.Layout.WGMMA) + r0
+          query = plgpu.broadcasted_iota(jnp.int32, s.shape, 1,
+                                         layout=plgpu.Layout.WGMMA) + j * bq
+          z = jnp.where(key <= query, z, -jnp.inf)
+        p = jnp.exp2(z)
+        delta_col = plgpu.load(delta_smem.at[slot], (),
+                               layout=plgpu.Layout.WGMMA.reduce(0))
+        ds = p * (dp - _bcast_cols(delta_col, dp.shape))
+
+        def update(refs):
+          dv_acc, dk_acc = refs
+          plgpu.wgmma(dv_acc, p.astype(dtype), do_smem.at[slot])
+          plgpu.wgmma(dk_acc, ds.astype(dtype), q_smem.at[slot])
+        dv, dk = pl.run_state(update)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+        plgpu.barrier_arrive(free.at[slot])
+        return dk, dv
+
+      def head(g, carry):
+        base = g * n_j - j_lo  # step index of (g, j) is base + j
+        if causal:
+          carry = lax.fori_loop(j_lo, j_clear,
+                                functools.partial(step, base=base, masked=True),
+                                carry)
+          return lax.fori_loop(j_clear, nq,
+                               functools.partial(step, base=base, masked=False),
+                               carry)
+        return lax.fori_loop(0, nq, functools.partial(step, base=base, masked=False),
+                             carry)
+
+      zeros = plgpu.layout_cast(jnp.zeros((rows, h), jnp.float32),
+                                plgpu.Layout.WGMMA)
+      plgpu.barrier_wait(kv_full.at[wg])
+      dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+      # K and V are no longer read (every wgmma was waited for): stage the
+      # results there. dS was taken unscaled: scale dK once here.
+      k_tile[...] = (dk * scale).astype(dtype)
+      v_tile[...] = dv.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[mine], commit_group=False)
+      plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[mine], commit_group=False)
+      plgpu.commit_smem_to_gmem_group()
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
+
+      def issue(i, _):
+        slot = lax.rem(i, stages)
+        g = lax.div(i, n_j)
+        t0 = (j_lo + lax.rem(i, n_j)) * bq
+        head = kh * group + g
+
+        @pl.when(i >= stages)
+        def _():
+          plgpu.barrier_wait(free.at[slot])
+        tile = (bi, pl.ds(t0, bq), head)
+        stat = (bi, head, pl.ds(t0, bq))
+        plgpu.copy_gmem_to_smem(q_ref.at[tile], q_smem.at[slot], q_full.at[slot])
+        plgpu.copy_gmem_to_smem(lse_ref.at[stat], lse_smem.at[slot], q_full.at[slot])
+        plgpu.copy_gmem_to_smem(do_ref.at[tile], do_smem.at[slot], do_full.at[slot])
+        plgpu.copy_gmem_to_smem(delta_ref.at[stat], delta_smem.at[slot],
+                                do_full.at[slot])
+      lax.fori_loop(0, n_steps, issue, None)
+
+  scratch = (
+      plgpu.SMEM((2, rows, h), dtype, transforms=transforms),  # K
+      plgpu.SMEM((2, rows, h), dtype, transforms=transforms),  # V
+      plgpu.SMEM((stages, bq, h), dtype, transforms=transforms),  # Q
+      plgpu.SMEM((stages, bq, h), dtype, transforms=transforms),  # dO
+      plgpu.SMEM((stages, bq), jnp.float32),  # lse2
+      plgpu.SMEM((stages, bq), jnp.float32),  # delta
+      # Arrivals: one per TMA copy landing on the barrier (K + V; Q + lse;
+      # dO + delta), one per consumer on "free".
+      plgpu.Barrier(num_arrivals=2, num_barriers=2),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+  )
+  call = _common.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct(k.shape, dtype),
+                jax.ShapeDtypeStruct(v.shape, dtype)),
+      scratch_types=scratch,
+      grid=(sp // _BWD_KEY_ROWS, nk, b), grid_names=("kv", "heads", "batch"),
+      num_threads=3, thread_name="wg",
+      compiler_params=_bwd_compiler_params())
+  return call(q, k, v, do, lse2, delta)
+
+
+def _flash_dq(q, k, v, do, lse2, delta, *, scale: float, causal: bool, s_true: int,
+              config: AttentionVjpConfig):
+  """dQ on padded inputs (as `_flash_dkv`); keys at or past `s_true` are masked."""
+  b, tp, n, h = q.shape
+  sp, nk = k.shape[1], k.shape[2]
+  group = n // nk
+  bkv, stages = config.block_kv, config.num_stages
+  rows = _WG_ROWS
+  nq = tp // _CTA_ROWS
+  n_kv = sp // bkv
+  c = float(scale) * _LOG2E
+  dtype = q.dtype
+  pad_keys = s_true % bkv != 0
+  transforms = _common.swizzled(dtype, h)
+
+  def kv_end(row_end):
+    if not causal:
+      return n_kv
+    return jnp.minimum(lax.div(row_end + bkv - 1, bkv), n_kv)
+
+  def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+           q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
+           q_full, k_full, v_full, k_free, v_free):
+    wg = lax.axis_index("wg")
+    qi = lax.axis_index("q")
+    if causal:
+      qi = nq - 1 - qi  # the longest tiles first
+    hi = lax.axis_index("heads")
+    bi = lax.axis_index("batch")
+    tile0 = qi * _CTA_ROWS
+    n_block = kv_end(tile0 + _CTA_ROWS)
+
+    @pl.when(wg < 2)
+    def _consumer():
+      plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+      r0 = tile0 + wg * rows
+      q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
+      mine = (bi, pl.ds(r0, rows), hi)
+      stat = (bi, hi, pl.ds(r0, rows))
+      plgpu.copy_gmem_to_smem(q_ref.at[mine], q_tile, q_full.at[wg])
+      plgpu.copy_gmem_to_smem(do_ref.at[mine], do_tile, q_full.at[wg])
+      plgpu.copy_gmem_to_smem(lse_ref.at[stat], lse_smem.at[wg], q_full.at[wg])
+      plgpu.copy_gmem_to_smem(delta_ref.at[stat], delta_smem.at[wg], q_full.at[wg])
+      if causal:
+        n_clear = jnp.minimum(lax.div(r0 + 1, bkv), s_true // bkv)
+      else:
+        n_clear = s_true // bkv
+
+      def step(i, dq, masked: bool):
+        slot = lax.rem(i, stages)
+        plgpu.barrier_wait(k_full.at[slot])
+
+        def scores(s_acc, dp_acc):
+          plgpu.wgmma(s_acc, q_tile, k_smem.at[slot].T)
+          plgpu.barrier_wait(v_full.at[slot])
+          plgpu.wgmma(dp_acc, do_tile, v_smem.at[slot].T)
+          return s_acc[...], dp_acc[...]
+        s, dp = pl.run_scoped(scores, plgpu.ACC((rows, bkv), jnp.float32),
+                              plgpu.ACC((rows, bkv), jnp.float32))
+        plgpu.barrier_arrive(v_free.at[slot])
+        z = s * c - _bcast_rows(lse_row, s.shape)
+        if masked:
+          query = plgpu.broadcasted_iota(jnp.int32, s.shape, 0,
+                                         layout=plgpu.Layout.WGMMA) + r0
+          key = plgpu.broadcasted_iota(jnp.int32, s.shape, 1,
+                                       layout=plgpu.Layout.WGMMA) + i * bkv
+          visible = None
+          if causal:
+            visible = key <= query
+          if pad_keys:
+            in_range = key < s_true
+            visible = in_range if visible is None else visible & in_range
+          z = jnp.where(visible, z, -jnp.inf)
+        p = jnp.exp2(z)
+        ds = p * (dp - _bcast_rows(delta_row, dp.shape))
+        dq = pl.run_state(
+            lambda acc: plgpu.wgmma(acc, ds.astype(dtype), k_smem.at[slot]))(
+                plgpu.ACC.init(dq))
+        plgpu.barrier_arrive(k_free.at[slot])
+        return dq
+
+      plgpu.barrier_wait(q_full.at[wg])
+      lse_row = plgpu.load(lse_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
+      delta_row = plgpu.load(delta_smem.at[wg], (),
+                             layout=plgpu.Layout.WGMMA.reduce(1))
+      dq = plgpu.layout_cast(jnp.zeros((rows, h), jnp.float32), plgpu.Layout.WGMMA)
+      if causal or pad_keys:
+        dq = lax.fori_loop(0, n_clear, functools.partial(step, masked=False), dq)
+        dq = lax.fori_loop(n_clear, n_block, functools.partial(step, masked=True), dq)
+      else:
+        dq = lax.fori_loop(0, n_kv, functools.partial(step, masked=False), dq)
+      q_tile[...] = (dq * scale).astype(dtype)  # Q is no longer read
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[mine])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
+      kv_head = lax.div(hi, group)
+
+      def issue(i, _):
+        slot = lax.rem(i, stages)
+        tile = (bi, pl.ds(i * bkv, bkv), kv_head)
+        reuse = i >= stages
+
+        @pl.when(reuse)
+        def _():
+          plgpu.barrier_wait(k_free.at[slot])
+        plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot], k_full.at[slot])
+
+        @pl.when(reuse)
+        def _():
+          plgpu.barrier_wait(v_free.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot], v_full.at[slot])
+      lax.fori_loop(0, n_block, issue, None)
+
+  scratch = (
+      plgpu.SMEM((2, rows, h), dtype, transforms=transforms),  # Q
+      plgpu.SMEM((2, rows, h), dtype, transforms=transforms),  # dO
+      plgpu.SMEM((2, rows), jnp.float32),  # lse2
+      plgpu.SMEM((2, rows), jnp.float32),  # delta
+      plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),  # K
+      plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),  # V
+      plgpu.Barrier(num_arrivals=4, num_barriers=2),  # Q, dO, lse2, delta
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both consumers
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+  )
+  call = _common.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+      scratch_types=scratch,
+      grid=(nq, n, b), grid_names=("q", "heads", "batch"),
+      num_threads=3, thread_name="wg",
+      compiler_params=_bwd_compiler_params())
+  return call(q, k, v, do, lse2, delta)
+
+
+def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
+                         config: AttentionVjpConfig):
+  """Attention backward on [B, T, N, H] / [B, S, K, H] inputs (pads odd lengths).
+
+  `lse`: the forward's natural log-sum-exp [B, N, T] (any implementation's).
+  Returns (dq, dk, dv) in the inputs' dtype.
+  """
+  t, s = q.shape[1], k.shape[1]
+  tp = _cdiv(t, _CTA_ROWS) * _CTA_ROWS
+  sp = _cdiv(s, _BWD_KEY_ROWS) * _BWD_KEY_ROWS
+  dtype = q.dtype
+  dout = dout.astype(dtype)
+  delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32),
+                     out.astype(jnp.float32))
+  lse2 = lse.astype(jnp.float32) * _LOG2E
+  if tp != t:
+    # Padded rows: lse = +inf and dO = 0 make P and dS exactly zero there.
+    lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, tp - t)), constant_values=jnp.inf)
+    delta = _pad_axis(delta, 2, tp)
+  qp, dop = _pad_axis(q, 1, tp), _pad_axis(dout, 1, tp)
+  kp, vp = _pad_axis(k, 1, sp), _pad_axis(v, 1, sp)
+  dk, dv = _flash_dkv(qp, kp, vp, dop, lse2, delta, scale=scale, causal=causal,
+                      config=config)
+  dq = _flash_dq(qp, kp, vp, dop, lse2, delta, scale=scale, causal=causal,
+                 s_true=s, config=config)
+  if tp != t:
+    dq = dq[:, :t]
+  if sp != s:
+    dk, dv = dk[:, :s], dv[:, :s]
+  return dq, dk, dv
+
+
+def _bwd_heuristic(args) -> AttentionVjpConfig:
+  h = args.query.shape[-1]
+  itemsize = jnp.dtype(args.query.dtype).itemsize
+  # Not measured yet: the widest tiles the register budget allows (dK/dV at H128
+  # can only take 64 query rows per step).
+  preferred = {64: (128, 128, 2), 128: (64, 128, 2)}.get(h, (64, 64, 2))
+  config = AttentionVjpConfig(*preferred)
+  if _bwd_fits(config, h, itemsize):
+    return config
+  return AttentionVjpConfig(block_q=64, block_kv=64, num_stages=2)
+
+
+def _bwd_search_space(args):
+  h = args.query.shape[-1]
+  itemsize = jnp.dtype(args.query.dtype).itemsize
+  out = []
+  for block_q in (64, 128):
+    for block_kv in (64, 128):
+      for stages in (2, 3, 4):
+        config = AttentionVjpConfig(block_q, block_kv, stages)
+        if _bwd_fits(config, h, itemsize):
+          out.append(config)
+  return tuple(out)
+
+
+def _check_backward_args(args) -> None:
+  """The backward's own refusals (not the forward's: the forward may take features
+  this backward does not, and dispatch then takes another backward)."""
+  q, k, v = args.query, args.key, args.value
+  for name, x in (("query", q), ("key", k), ("value", v)):
+    _common.check_dtype(f"{name}", x.dtype)
+  refusals = (
+      (args.bias is not None, "bias"),
+      (args.mask is not None, "a bool mask"),
+      (args.q_segment_ids is not None or args.kv_segment_ids is not None,
+       "segment ids"),
+      (args.local_window is not None, "a local window"),
+      (args.logits_soft_cap is not None, "logits soft cap"),
+      (args.query_seq_lengths is not None, "query sequence lengths"),
+      (args.key_value_seq_lengths is not None, "key/value sequence lengths"),
+      (args.q_offset is not None, "q_offset"),
+  )
+  for refused, what in refusals:
+    if refused:
+      raise NotImplementedError(f"the mosaic_gpu attention backward does not handle "
+                                f"{what} yet")
+  if (isinstance(args.precision, lax.DotAlgorithmPreset)
+      and args.precision != lax.DotAlgorithmPreset.DEFAULT):
+    raise NotImplementedError(f"dot algorithm {args.precision}")
+  h, hv = q.shape[-1], v.shape[-1]
+  if h == 256 and hv == h:
+    raise NotImplementedError(
+        "backward head dim 256: the dK and dV float32 accumulators of a 64-row key "
+        "tile take 256 registers per thread, over the 232-register limit")
+  if h not in _BWD_HEAD_DIMS or hv != h:
+    raise NotImplementedError(
+        f"backward head dims H=Hv in {_BWD_HEAD_DIMS} only; got H={h}, Hv={hv}")
+  if min(q.shape[0], q.shape[1], q.shape[2], k.shape[1]) == 0:
+    raise NotImplementedError("empty (zero-size) inputs")
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGpuAttentionVjp(VjpOp):
+  """FA3-style attention backward (see the "Backward" section): a dK/dV kernel
+  and a dQ kernel, from the forward's ``lse`` (any implementation's)."""
 
   op_name = "dot_product_attention"
-  config_cls = AttentionConfig
+  name = "mosaic_gpu"
+  config_cls = AttentionVjpConfig
+
+  def check_supported(self, args, device, residuals=None):
+    _common.check_hopper_device(device)
+    _check_backward_args(args)
+    if residuals is not None and "lse" not in residuals:
+      raise NotImplementedError("needs the forward's log-sum-exp residual ('lse')")
+
+  def heuristic_config(self, args):
+    return _bwd_heuristic(args)
+
+  def search_space(self, args):
+    return _bwd_search_space(args)
+
+  def backward(self, args, residuals, out, dout, config):
+    config = config or self.heuristic_config(args)
+    dq, dk, dv = mosaic_attention_bwd(args.query, args.key, args.value, out, dout,
+                                      residuals["lse"], scale=args.scale,
+                                      causal=args.is_causal, config=config)
+    return {"query": dq, "key": dk, "value": dv}
