@@ -29,7 +29,8 @@ class _Fixed:
     return self.config if type(op) is self.cls else None
 
 
-def tune(problem: bench.Problem, implementation: str, iterations: int) -> None:
+def tune(problem: bench.Problem, implementation: str, iterations: int,
+         directions=("forward", "forward+backward")) -> None:
   entry = registry.find(problem.op, implementation)
   fwd_cls, bwd_cls = registry.forward_class(entry), registry.backward_class(entry)
   inputs = problem.make_inputs()
@@ -42,7 +43,7 @@ def tune(problem: bench.Problem, implementation: str, iterations: int) -> None:
       jax.block_until_ready(jax.jit(lambda a: problem.call(a, implementation))(inputs))
   print(f"## {problem.op} {problem.name} ({implementation})", flush=True)
   for cls, direction in ((fwd_cls, "forward"), (bwd_cls, "forward+backward")):
-    if cls is None or cls not in capture.args:
+    if cls is None or cls not in capture.args or direction not in directions:
       continue
     args = capture.args[cls]
     heuristic = cls().heuristic_config(args)
@@ -68,10 +69,13 @@ def main():
   parser.add_argument("--implementation", default="triton")
   parser.add_argument("--shape", help="substring of the problem name")
   parser.add_argument("--iterations", type=int, default=5)
+  parser.add_argument("--direction", choices=("forward", "forward+backward"),
+                      help="tune only the forward or only the backward configs")
   args = parser.parse_args()
+  directions = (args.direction,) if args.direction else ("forward", "forward+backward")
   for problem in bench.reference_suite():
     if problem.op in args.op and (not args.shape or args.shape in problem.name):
-      tune(problem, args.implementation, args.iterations)
+      tune(problem, args.implementation, args.iterations, directions)
 
 
 if __name__ == "__main__":

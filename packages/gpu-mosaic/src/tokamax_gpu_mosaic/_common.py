@@ -42,25 +42,6 @@ def check_hopper_device(device: DeviceInfo) -> None:
         "these warp-specialized kernels")
 
 
-@dataclasses.dataclass(frozen=True)
-class UnwrittenBackward(tokamax.VjpOp):
-  """The backward of a forward-only kernel here: it refuses every call, so that
-  dispatch (with ``implementation=None``) takes another implementation's backward,
-  fed this forward's residuals. Subclasses set ``op_name`` and ``config_cls``."""
-
-  name = "mosaic_gpu"
-
-  def check_supported(self, args, device, residuals=None):
-    del args, residuals
-    check_hopper_device(device)
-    raise NotImplementedError(
-        f"the mosaic_gpu {self.op_name} backward is not written yet; dispatch "
-        "takes another implementation's backward from this forward's residuals")
-
-  def backward(self, args, residuals, out, dout, config):
-    raise NotImplementedError(f"mosaic_gpu {self.op_name} backward")
-
-
 def check_dtype(name: str, dtype) -> None:
   dtype = jnp.dtype(dtype)
   if dtype not in SUPPORTED_DTYPES:
