@@ -345,3 +345,31 @@ def test_backward_wrapper_math(monkeypatch, fuse, activation, shape):
   assert dx.dtype == dtype and dw.dtype == dtype
   testing.assert_close(dx, rx, dtype, what="dx", scale=2)
   testing.assert_close(dw, rw, dtype, what="dw", scale=2)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_backward_padding_with_an_infinite_derivative_at_zero(monkeypatch, fuse):
+  """Padded rows and columns have gate 0; log|g|'s derivative there is infinite,
+  and 0 * inf must not leak NaN into dx and dw through the matmuls."""
+  monkeypatch.setattr(glu.ragged_dot, "grouped_matmul", _dense_grouped_matmul)
+  monkeypatch.setattr(glu, "_glu_dh", _dense_dh)
+  activation = lambda g: jnp.log(jnp.abs(g))
+  m, k, n = 37, 40, 24  # pads M, K and N
+  x, w = _inputs(m, k, n, jnp.float16)
+  dy = jnp.asarray(np.random.default_rng(next(_seed)).standard_normal((m, n)),
+                   jnp.float16)
+  dx, dw = glu.glu_backward(x, w, dy, activation,
+                            glu.GatedLinearUnitVjpConfig(fuse_activation=fuse))
+  assert np.isfinite(np.asarray(dx, np.float32)).all()
+  assert np.isfinite(np.asarray(dw, np.float32)).all()
+  rx, rw = _reference_grads(x, w, dy, activation)
+  testing.assert_close(dx, rx, jnp.float16, what="dx", scale=2)
+  testing.assert_close(dw, rw, jnp.float16, what="dw", scale=2)
+
+
+def test_an_explicit_backward_config_that_does_not_fit_is_named():
+  x, w = _inputs(256, 256, 256, jnp.bfloat16)
+  args = GatedLinearUnitArgs(x=x, weights=w, activation=jax.nn.silu)
+  too_big = glu.GatedLinearUnitVjpConfig(block_n=128, block_k=64, num_stages=4)
+  with pytest.raises(ValueError, match=r"does not fit: its dh kernel needs \d+ bytes"):
+    glu.MosaicGpuGatedLinearUnitVjp().backward(args, {}, None, x[:, :256], too_big)

@@ -108,8 +108,7 @@ def lowerable_primitives() -> frozenset | None:
 _CALLS = ("pjit", "jit", "closed_call", "custom_jvp_call", "custom_vjp_call")
 # Primitives a derivative's jaxpr holds (from `jax.vjp`) that the Lane lowering
 # has no rule for, replaced by what they compute on arrays.
-_SUBSTITUTES = {"add_any": lambda a, b: a + b, "copy": lambda a: a,
-                "copy_p": lambda a: a}
+_SUBSTITUTES = {"add_any": lambda a, b: a + b, "copy": lambda a: a}
 
 
 def _inner_jaxprs(eqn):

@@ -1,4 +1,4 @@
-"""Attention forward in Pallas Mosaic GPU (Hopper, sm_90), FlashAttention-3 style.
+"""Attention forward and backward in Pallas Mosaic GPU (Hopper, sm_90), FA3 style.
 
 Grid: (query tiles of 128 rows, query heads, batch). Each block runs three
 warpgroups:
@@ -76,7 +76,9 @@ layout: a dK/dV kernel (blocks own 128 key rows, stream the query tiles of every
 head of the GQA group) and a dQ kernel (blocks own 128 query rows, stream key
 tiles). It takes any forward's ``lse``; it handles bf16/f16, H = Hv in {64, 128},
 causal, GQA/MQA and padded lengths, and refuses everything else on the arguments
-themselves (H 256: registers), so that dispatch takes another backward.
+themselves (H 256: registers), so that dispatch takes another backward with
+``implementation=None`` or an Op instance; a gradient with ``implementation=
+"mosaic_gpu"`` named does not fall back and raises for those calls.
 """
 
 from __future__ import annotations
@@ -424,15 +426,13 @@ def _flash_forward(q, k, v, *extras, scale: float, causal: bool, s_true: int,
         own = [jnp.where(wg == 0, x0, x1) for x0, x1 in zip(*ranges)]
         empty = own[3] <= own[0]
         lo_k, fl_k, fh_k, n_own = [jnp.where(empty, base, x) for x in own]
-        n_clear = None
-      else:
-        n_own = kv_end(r0 + bq)
-      if dynamic:
-        pass  # ranges above
+        n_clear = None  # the ranges above say which tiles need a mask
       elif causal:
+        n_own = kv_end(r0 + bq)
         # Tiles whose every key is <= the first row (and < S) need no mask.
         n_clear = jnp.minimum(lax.div(r0 + 1, bkv), s_true // bkv)
       else:
+        n_own = kv_end(r0 + bq)
         n_clear = s_true // bkv
 
       def visibility(i):
@@ -887,13 +887,15 @@ def _check_args(args) -> None:
                                 f"{what}")
   if (isinstance(args.precision, lax.DotAlgorithmPreset)
       and args.precision != lax.DotAlgorithmPreset.DEFAULT):
-    raise NotImplementedError(f"dot algorithm {args.precision}")
+    raise NotImplementedError(f"precision: dot algorithm {args.precision}; these "
+                              "wgmma kernels take only DotAlgorithmPreset.DEFAULT")
   h, hv = q.shape[-1], v.shape[-1]
   if h not in _HEAD_DIMS or hv != h:
     raise NotImplementedError(
         f"head dims H=Hv in {_HEAD_DIMS} only; got H={h}, Hv={hv}")
   if min(q.shape[0], q.shape[1], q.shape[2], k.shape[1]) == 0:
-    raise NotImplementedError("empty (zero-size) inputs")
+    raise NotImplementedError(f"empty (zero-size) inputs: query {q.shape}, key "
+                              f"{k.shape}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -923,8 +925,8 @@ class MosaicGpuAttention(Op):
       raise ValueError(
           f"config {config} does not fit at head dim {h}: it needs about "
           f"{smem_bytes(config, h, itemsize, segments)} bytes of shared memory "
-          f"(limit {_common.SMEM_LIMIT}) or too many registers; use fewer "
-          "num_stages or a smaller block_kv")
+          f"(limit {_common.SMEM_LIMIT}) and 3/4 block_kv + H/2 <= 200 registers "
+          "per consumer thread; use fewer num_stages or a smaller block_kv")
     out, lse = mosaic_attention(
         args.query, args.key, args.value, scale=args.scale, causal=args.is_causal,
         config=config, local_window=args.local_window,
@@ -972,6 +974,17 @@ class MosaicGpuAttention(Op):
 # key tiles up to the diagonal like the forward. Both consumers of a block take
 # the same steps (a tile one of them cannot see is masked to zero), so every
 # "free" barrier gets exactly its two arrivals per phase.
+#
+# Ping-pong (config ``ping_pong`` for dK/dV, ``ping_pong_dq`` for dQ; off: both
+# consumers issue at the same moments): the forward's plain FA3 schedule. One
+# two-arrival "turn" barrier, passed (arrive, then wait) twice per step by each
+# consumer: after issuing the scores matmuls (S^T, dP^T / S, dP) and before
+# issuing the accumulating ones (dV, dK / dQ); warpgroup 1 passes once before its
+# loop and warpgroup 0 once after, so warpgroup 1 runs one phase behind and
+# each takes 2 * steps + 1 passes. One warpgroup's exp2 and dS then run while
+# the other's matmuls occupy the tensor cores. P and dS are converted and fenced
+# (optimization barrier) before the turn. Needs both consumers to take the same
+# number of steps, which both kernels guarantee (above).
 
 _BWD_KEY_ROWS = 2 * _WG_ROWS  # key rows per dK/dV block (2 consumers x 64)
 _BWD_HEAD_DIMS = (64, 128)
@@ -990,6 +1003,14 @@ class AttentionVjpConfig:
   block_q: int = 64
   block_kv: int = 128
   num_stages: int = 2
+  # Ping-pong between the two consumer warpgroups (the forward's plain FA3
+  # schedule): one two-arrival turn barrier, passed after issuing the scores
+  # matmuls and before issuing the accumulating ones, with warpgroup 1 one phase
+  # behind, so that one warpgroup's exponentials and dS run while the other's
+  # matmuls occupy the tensor cores. ``ping_pong``: the dK/dV kernel;
+  # ``ping_pong_dq``: the dQ kernel. False: both consumers issue together.
+  ping_pong: bool = False
+  ping_pong_dq: bool = False
 
   def __post_init__(self):
     # 64 or 128: a multiple of 64 for the P^T dO / dS K contractions over a
@@ -1040,11 +1061,17 @@ def _flash_dkv(q, k, v, do, lse2, delta, *, scale: float, causal: bool,
   c = float(scale) * _LOG2E
   dtype = q.dtype
   transforms = _common.swizzled(dtype, h)
+  ping_pong = config.ping_pong
 
   def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
            k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-           kv_full, q_full, do_full, free):
+           kv_full, q_full, do_full, free, *maybe_turn):
     wg = lax.axis_index("wg")
+
+    def pass_turn():
+      # Ping-pong: both consumers arrive, then wait (a two-arrival barrier).
+      plgpu.barrier_arrive(maybe_turn[0])
+      plgpu.barrier_wait(maybe_turn[0])
     ki = lax.axis_index("kv")
     kh = lax.axis_index("heads")
     bi = lax.axis_index("batch")
@@ -1077,6 +1104,8 @@ def _flash_dkv(q, k, v, do, lse2, delta, *, scale: float, causal: bool,
           plgpu.wgmma(s_acc, k_tile, q_smem.at[slot].T)
           plgpu.barrier_wait(do_full.at[slot])
           plgpu.wgmma(dp_acc, v_tile, do_smem.at[slot].T)
+          if ping_pong:
+            pass_turn()  # partner's dS done: the tensor cores are ours next
           return s_acc[...], dp_acc[...]
         s, dp = pl.run_scoped(transposed_scores,
                               plgpu.ACC((rows, bq), jnp.float32),
@@ -1094,6 +1123,11 @@ def _flash_dkv(q, k, v, do, lse2, delta, *, scale: float, causal: bool,
         delta_col = plgpu.load(delta_smem.at[slot], (),
                                layout=plgpu.Layout.WGMMA.reduce(0))
         ds = p * (dp - _bcast_cols(delta_col, dp.shape))
+        if ping_pong:
+          # Materialized before the turn, so that none of it sinks into the
+          # partner's turn; then wait for the partner's scores matmuls.
+          p, ds = lax.optimization_barrier((p.astype(dtype), ds.astype(dtype)))
+          pass_turn()
 
         def update(refs):
           dv_acc, dk_acc = refs
@@ -1118,7 +1152,13 @@ def _flash_dkv(q, k, v, do, lse2, delta, *, scale: float, causal: bool,
       zeros = plgpu.layout_cast(jnp.zeros((rows, h), jnp.float32),
                                 plgpu.Layout.WGMMA)
       plgpu.barrier_wait(kv_full.at[wg])
+      if ping_pong:
+        # Both consumers take the same steps (two passes each per step);
+        # warpgroup 1 runs one phase behind, warpgroup 0 makes up at the end.
+        pl.when(wg == 1)(pass_turn)
       dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+      if ping_pong:
+        pl.when(wg == 0)(pass_turn)
       # K and V are no longer read (every wgmma was waited for): stage the
       # results there. dS was taken unscaled: scale dK once here.
       k_tile[...] = (dk * scale).astype(dtype)
@@ -1165,6 +1205,8 @@ def _flash_dkv(q, k, v, do, lse2, delta, *, scale: float, causal: bool,
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
   )
+  if ping_pong:
+    scratch += (plgpu.Barrier(num_arrivals=2),)  # the turn: both consumers
   call = _common.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct(k.shape, dtype),
@@ -1190,6 +1232,7 @@ def _flash_dq(q, k, v, do, lse2, delta, *, scale: float, causal: bool, s_true: i
   dtype = q.dtype
   pad_keys = s_true % bkv != 0
   transforms = _common.swizzled(dtype, h)
+  ping_pong = config.ping_pong_dq
 
   def kv_end(row_end):
     if not causal:
@@ -1198,8 +1241,13 @@ def _flash_dq(q, k, v, do, lse2, delta, *, scale: float, causal: bool, s_true: i
 
   def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
            q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
-           q_full, k_full, v_full, k_free, v_free):
+           q_full, k_full, v_full, k_free, v_free, *maybe_turn):
     wg = lax.axis_index("wg")
+
+    def pass_turn():
+      # Ping-pong: both consumers arrive, then wait (a two-arrival barrier).
+      plgpu.barrier_arrive(maybe_turn[0])
+      plgpu.barrier_wait(maybe_turn[0])
     qi = lax.axis_index("q")
     if causal:
       qi = nq - 1 - qi  # the longest tiles first
@@ -1232,6 +1280,8 @@ def _flash_dq(q, k, v, do, lse2, delta, *, scale: float, causal: bool, s_true: i
           plgpu.wgmma(s_acc, q_tile, k_smem.at[slot].T)
           plgpu.barrier_wait(v_full.at[slot])
           plgpu.wgmma(dp_acc, do_tile, v_smem.at[slot].T)
+          if ping_pong:
+            pass_turn()  # partner's dS done: the tensor cores are ours next
           return s_acc[...], dp_acc[...]
         s, dp = pl.run_scoped(scores, plgpu.ACC((rows, bkv), jnp.float32),
                               plgpu.ACC((rows, bkv), jnp.float32))
@@ -1251,6 +1301,10 @@ def _flash_dq(q, k, v, do, lse2, delta, *, scale: float, causal: bool, s_true: i
           z = jnp.where(visible, z, -jnp.inf)
         p = jnp.exp2(z)
         ds = p * (dp - _bcast_rows(delta_row, dp.shape))
+        if ping_pong:
+          # Materialized before the turn (see _flash_dkv).
+          ds = lax.optimization_barrier(ds.astype(dtype))
+          pass_turn()
         dq = pl.run_state(
             lambda acc: plgpu.wgmma(acc, ds.astype(dtype), k_smem.at[slot]))(
                 plgpu.ACC.init(dq))
@@ -1262,11 +1316,17 @@ def _flash_dq(q, k, v, do, lse2, delta, *, scale: float, causal: bool, s_true: i
       delta_row = plgpu.load(delta_smem.at[wg], (),
                              layout=plgpu.Layout.WGMMA.reduce(1))
       dq = plgpu.layout_cast(jnp.zeros((rows, h), jnp.float32), plgpu.Layout.WGMMA)
+      if ping_pong:
+        # Both consumers visit the same key tiles [0, n_block) (two passes
+        # each per tile); warpgroup 1 runs one phase behind.
+        pl.when(wg == 1)(pass_turn)
       if causal or pad_keys:
         dq = lax.fori_loop(0, n_clear, functools.partial(step, masked=False), dq)
         dq = lax.fori_loop(n_clear, n_block, functools.partial(step, masked=True), dq)
       else:
         dq = lax.fori_loop(0, n_kv, functools.partial(step, masked=False), dq)
+      if ping_pong:
+        pl.when(wg == 0)(pass_turn)
       q_tile[...] = (dq * scale).astype(dtype)  # Q is no longer read
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[mine])
@@ -1306,6 +1366,8 @@ def _flash_dq(q, k, v, do, lse2, delta, *, scale: float, causal: bool, s_true: i
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both consumers
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
   )
+  if ping_pong:
+    scratch += (plgpu.Barrier(num_arrivals=2),)  # the turn: both consumers
   call = _common.kernel(
       body,
       out_type=jax.ShapeDtypeStruct(q.shape, dtype),
@@ -1351,8 +1413,11 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
 def _bwd_heuristic(args) -> AttentionVjpConfig:
   h = args.query.shape[-1]
   itemsize = jnp.dtype(args.query.dtype).itemsize
-  # Not measured yet: the widest tiles the register budget allows (dK/dV at H128
-  # can only take 64 query rows per step).
+  # The widest tiles the register budget allows (dK/dV at H128 can only take 64
+  # query rows per step). H200, tools/tune.py, forward+backward at B4 T4096 N16
+  # H128 (plain, causal, f16, causal f16): fastest of the search space, within
+  # 0.1-1.3% of the other plain configs; the ping-pong flags moved it by -1.4% to
+  # +2.2% (notes/MOSAIC_GPU.md), so they stay off here.
   preferred = {64: (128, 128, 2), 128: (64, 128, 2)}.get(h, (64, 64, 2))
   config = AttentionVjpConfig(*preferred)
   if _bwd_fits(config, h, itemsize):
@@ -1370,6 +1435,11 @@ def _bwd_search_space(args):
         config = AttentionVjpConfig(block_q, block_kv, stages)
         if _bwd_fits(config, h, itemsize):
           out.append(config)
+  # The ping-pong schedules (same tiles, registers and shared memory), not yet
+  # measured: dK/dV only, dQ only, both.
+  out += [dataclasses.replace(config, ping_pong=dkv, ping_pong_dq=dq)
+          for dkv, dq in ((True, False), (False, True), (True, True))
+          for config in tuple(out)]
   return tuple(out)
 
 
@@ -1378,13 +1448,13 @@ def _check_backward_args(args) -> None:
   this backward does not, and dispatch then takes another backward)."""
   q, k, v = args.query, args.key, args.value
   for name, x in (("query", q), ("key", k), ("value", v)):
-    _common.check_dtype(f"{name}", x.dtype)
+    _common.check_dtype(name, x.dtype)
   refusals = (
       (args.bias is not None, "bias"),
       (args.mask is not None, "a bool mask"),
       (args.q_segment_ids is not None or args.kv_segment_ids is not None,
        "segment ids"),
-      (args.local_window is not None, "a local window"),
+      (args.local_window not in (None, (None, None)), "a local window"),
       (args.logits_soft_cap is not None, "logits soft cap"),
       (args.query_seq_lengths is not None, "query sequence lengths"),
       (args.key_value_seq_lengths is not None, "key/value sequence lengths"),
@@ -1396,7 +1466,8 @@ def _check_backward_args(args) -> None:
                                 f"{what} yet")
   if (isinstance(args.precision, lax.DotAlgorithmPreset)
       and args.precision != lax.DotAlgorithmPreset.DEFAULT):
-    raise NotImplementedError(f"dot algorithm {args.precision}")
+    raise NotImplementedError(f"precision: dot algorithm {args.precision}; these "
+                              "wgmma kernels take only DotAlgorithmPreset.DEFAULT")
   h, hv = q.shape[-1], v.shape[-1]
   if h == 256 and hv == h:
     raise NotImplementedError(
@@ -1406,7 +1477,8 @@ def _check_backward_args(args) -> None:
     raise NotImplementedError(
         f"backward head dims H=Hv in {_BWD_HEAD_DIMS} only; got H={h}, Hv={hv}")
   if min(q.shape[0], q.shape[1], q.shape[2], k.shape[1]) == 0:
-    raise NotImplementedError("empty (zero-size) inputs")
+    raise NotImplementedError(f"empty (zero-size) inputs: query {q.shape}, key "
+                              f"{k.shape}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1432,6 +1504,14 @@ class MosaicGpuAttentionVjp(VjpOp):
 
   def backward(self, args, residuals, out, dout, config):
     config = config or self.heuristic_config(args)
+    h, itemsize = args.query.shape[-1], jnp.dtype(args.query.dtype).itemsize
+    if not _bwd_fits(config, h, itemsize):
+      raise ValueError(
+          f"config {config} does not fit at head dim {h}: it needs "
+          f"{max(bwd_smem_bytes(config, h, itemsize))} bytes of shared memory "
+          f"(limit {_common.SMEM_LIMIT}) and block_q + H <= {_BWD_REG_BUDGET}, "
+          f"H / 2 + block_kv <= {_BWD_REG_BUDGET} (registers); use a smaller "
+          "block_q, block_kv or num_stages")
     dq, dk, dv = mosaic_attention_bwd(args.query, args.key, args.value, out, dout,
                                       residuals["lse"], scale=args.scale,
                                       causal=args.is_causal, config=config)

@@ -1,4 +1,4 @@
-"""Gated linear unit forward in Pallas Mosaic GPU (Hopper, sm_90).
+"""Gated linear unit forward and backward in Pallas Mosaic GPU (Hopper, sm_90).
 
 ``out = activation(x @ w_gate) * (x @ w_up)``: one fused kernel, so the two
 projections never go through device memory and each x tile is loaded once for
@@ -211,7 +211,8 @@ def _check_args(args) -> None:
   _common.check_dtype("x/weights", args.x.dtype)
   if (isinstance(args.precision, lax.DotAlgorithmPreset)
       and args.precision != lax.DotAlgorithmPreset.DEFAULT):
-    raise NotImplementedError(f"dot algorithm {args.precision}")
+    raise NotImplementedError(f"precision: dot algorithm {args.precision}; these "
+                              "wgmma kernels take only DotAlgorithmPreset.DEFAULT")
   if 0 in args.x.shape or 0 in args.weights.shape:
     raise NotImplementedError(
         f"empty operands (x {args.x.shape}, weights {args.weights.shape})")
@@ -465,6 +466,13 @@ def glu_backward(x, weights, dout, activation, config: GatedLinearUnitVjpConfig)
     itemsize = jnp.dtype(dtype).itemsize
     f32_config = ragged_dot._heuristic(m, k, 2 * n, 1, itemsize, 4)  # pylint: disable=protected-access
     dh = _dh_unfused(x, w2, dout, activation, f32_config)
+  if (m, n) != (m_orig, n_orig):
+    # Padded rows and columns have gate 0 and dy 0, but an activation whose
+    # derivative at 0 is infinite (log|g|, cbrt) gives 0 * inf = NaN there, which
+    # the matmuls below would spread over all of dx and dw.
+    rows = jnp.arange(m)[:, None] < m_orig
+    cols = (jnp.arange(2 * n) % n)[None, :] < n_orig
+    dh = jnp.where(rows & cols, dh, jnp.zeros((), dh.dtype))
   zero = jnp.zeros((1,), jnp.int32)
   dx = ragged_dot.grouped_matmul(dh, w2[None], zero, jnp.full((1,), m, jnp.int32),
                                  transpose_rhs=True, out_dtype=dtype,
@@ -512,7 +520,8 @@ def _check_vjp_args(args) -> None:
   _common.check_dtype("x/weights", args.x.dtype)
   if (isinstance(args.precision, lax.DotAlgorithmPreset)
       and args.precision != lax.DotAlgorithmPreset.DEFAULT):
-    raise NotImplementedError(f"dot algorithm {args.precision}")
+    raise NotImplementedError(f"precision: dot algorithm {args.precision}; these "
+                              "wgmma kernels take only DotAlgorithmPreset.DEFAULT")
   if 0 in args.x.shape or 0 in args.weights.shape:
     raise NotImplementedError(
         f"empty operands (x {args.x.shape}, weights {args.weights.shape})")
@@ -549,5 +558,12 @@ class MosaicGpuGatedLinearUnitVjp(VjpOp):
 
   def backward(self, args, residuals, out, dout, config):
     del residuals, out
+    config = config or self.heuristic_config(args)
+    needed = dh_smem_bytes(config.dh_config(), jnp.dtype(args.x.dtype).itemsize)
+    if needed > _common.SMEM_LIMIT:
+      raise ValueError(
+          f"config {config} does not fit: its dh kernel needs {needed} bytes of "
+          f"shared memory (limit {_common.SMEM_LIMIT}); use fewer num_stages or a "
+          "smaller block_n or block_k")
     dx, dw = glu_backward(args.x, args.weights, dout, args.activation, config)
     return {"x": dx, "weights": dw}

@@ -146,7 +146,9 @@ def _ring_exchange(send, sent_counts, expert_fn, axis_name):
       # As in the all-to-all path: keeps XLA from fusing the steps' elementwise
       # work into one kernel that would wait for every transfer.
       outs[-1], piece = jax.lax.optimization_barrier((outs[-1], piece))
-    outs.append(_run_experts(expert_fn, piece, counts[(me - r) % n, r]))
+    # This device's own tokens (r = 0) need no collective for their sizes either.
+    sizes = sent_counts[0] if r == 0 else counts[(me - r) % n, r]
+    outs.append(_run_experts(expert_fn, piece, sizes))
   back = [out if r == 0 else
           jax.lax.ppermute(out, axis_name, [(j, (j - r) % n) for j in range(n)])
           for r, out in enumerate(outs)]
