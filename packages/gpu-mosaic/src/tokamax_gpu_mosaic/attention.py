@@ -257,6 +257,24 @@ class _Features:
 _PLAIN = _Features()
 
 
+def _features(causal: bool, local_window, soft_cap, q_len: bool, kv_len: bool,
+              segments: bool, q_offset: bool) -> _Features:
+  """The static switches of one call; the kernel wrapper and the config choice
+  (which schedules can take the call) both read them from here."""
+  left, right = local_window if local_window is not None else (None, None)
+  if causal:
+    right = 0 if right is None else min(right, 0)
+  feat = _Features(
+      window=local_window is not None and tuple(local_window) != (None, None),
+      left=left, right=right, soft_cap=soft_cap, q_len=q_len, kv_len=kv_len,
+      # The offset moves only the window (causal included); else it is moot.
+      offset=q_offset and (left, right) != (None, None), segments=segments)
+  if not feat.window and not feat.dynamic:
+    # A window of (None, None) is no window; causal alone is the static path.
+    feat = dataclasses.replace(feat, left=None, right=None)
+  return feat
+
+
 def _key_range(r0, rows: int, q_limit, kv_limit, off, left, right, bkv: int):
   """Key tiles ``lo <= fl <= fh <= hi`` for the query rows ``[r0, r0 + rows)``.
 
@@ -778,20 +796,11 @@ def mosaic_attention(q, k, v, *, scale: float, causal: bool,
   b, t, s = q.shape[0], q.shape[1], k.shape[1]
   tp = _cdiv(t, _CTA_ROWS) * _CTA_ROWS
   sp = _cdiv(s, config.block_kv) * config.block_kv
-  left, right = local_window if local_window is not None else (None, None)
-  if causal:
-    right = 0 if right is None else min(right, 0)
   segments = q_segment_ids is not None
-  feat = _Features(
-      window=local_window is not None and tuple(local_window) != (None, None),
-      left=left, right=right, soft_cap=logits_soft_cap,
-      q_len=query_seq_lengths is not None, kv_len=key_value_seq_lengths is not None,
-      # The offset moves only the window (causal included); else it is moot.
-      offset=q_offset is not None and (left, right) != (None, None),
-      segments=segments)
-  if not feat.window and not feat.dynamic:
-    # A window of (None, None) is no window; causal alone is the static path.
-    feat = dataclasses.replace(feat, left=None, right=None)
+  feat = _features(causal, local_window, logits_soft_cap,
+                   query_seq_lengths is not None,
+                   key_value_seq_lengths is not None, segments,
+                   q_offset is not None)
   extras = ()
   if feat.dynamic:
     def lengths(x, full):
@@ -845,13 +854,10 @@ def _heuristic(args) -> AttentionConfig:
 def _needs_dynamic(args) -> bool:
   """Whether these arguments take the kernel's dynamic key ranges (window,
   lengths, segments, a q_offset that moves a window or causal)."""
-  left, right = args.visible_window
-  return ((args.local_window is not None
-           and tuple(args.local_window) != (None, None))
-          or args.query_seq_lengths is not None
-          or args.key_value_seq_lengths is not None
-          or args.q_segment_ids is not None
-          or (args.q_offset is not None and (left, right) != (None, None)))
+  return _features(args.is_causal, args.local_window, args.logits_soft_cap,
+                   args.query_seq_lengths is not None,
+                   args.key_value_seq_lengths is not None,
+                   args.q_segment_ids is not None, args.q_offset is not None).dynamic
 
 
 def _search_space(args):
