@@ -93,6 +93,25 @@ def _round_up(x: int, multiple: int, minimum: int) -> int:
   return max(-(-x // multiple) * multiple, minimum)
 
 
+def _gate_up_pipeline(dtype, config: GatedLinearUnitConfig, k_steps: int):
+  """The K loop shared by the forward and the backward's dh kernel: a memory
+  warpgroup streams the x tile and the gate and up weight tiles by TMA, two
+  compute warpgroups run `body` on them; ``make_pipeline(body, context)``."""
+  bm, bn, bk = config.block_m, config.block_n, config.block_k
+  transforms = _common.swizzled(dtype, bk)
+  x_spec = plgpu.BlockSpec((bm, bk), lambda ki: (0, ki), transforms=transforms,
+                           delay_release=1)
+  w_spec = plgpu.BlockSpec((bk, bn), lambda ki: (ki, 0), transforms=transforms,
+                           delay_release=1)
+
+  def make_pipeline(body, context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(k_steps,), memory_registers=40,
+        in_specs=[x_spec, w_spec, w_spec], wg_axis="wg", num_compute_wgs=2,
+        max_concurrent_steps=config.num_stages, compute_context=context)
+  return make_pipeline
+
+
 def fused_glu(x, weights, activation, config: GatedLinearUnitConfig) -> jax.Array:
   """``activation(x @ weights[:, 0]) * (x @ weights[:, 1])`` in x's dtype."""
   m_orig, k_orig = x.shape
@@ -111,17 +130,7 @@ def fused_glu(x, weights, activation, config: GatedLinearUnitConfig) -> jax.Arra
   m_tiles, n_tiles, k_steps = pl.cdiv(m, bm), pl.cdiv(n, bn), pl.cdiv(k, bk)
   act = _common.inline_elementwise(activation)
 
-  transforms = _common.swizzled(dtype, bk)
-  x_spec = plgpu.BlockSpec((bm, bk), lambda ki: (0, ki), transforms=transforms,
-                           delay_release=1)
-  w_spec = plgpu.BlockSpec((bk, bn), lambda ki: (ki, 0), transforms=transforms,
-                           delay_release=1)
-
-  def make_pipeline(body, context):
-    return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(k_steps,), memory_registers=40,
-        in_specs=[x_spec, w_spec, w_spec], wg_axis="wg", num_compute_wgs=2,
-        max_concurrent_steps=config.num_stages, compute_context=context)
+  make_pipeline = _gate_up_pipeline(dtype, config, k_steps)
 
   def kernel(x_ref, w_ref, out_ref):
     ignore = lambda *_, **__: None
@@ -207,7 +216,8 @@ def _search_space(args):
   return tuple(out)
 
 
-def _check_args(args) -> None:
+def _check_operands(args) -> None:
+  """What the forward and the backward kernels both refuse."""
   _common.check_dtype("x/weights", args.x.dtype)
   if (isinstance(args.precision, lax.DotAlgorithmPreset)
       and args.precision != lax.DotAlgorithmPreset.DEFAULT):
@@ -216,6 +226,10 @@ def _check_args(args) -> None:
   if 0 in args.x.shape or 0 in args.weights.shape:
     raise NotImplementedError(
         f"empty operands (x {args.x.shape}, weights {args.weights.shape})")
+
+
+def _check_args(args) -> None:
+  _check_operands(args)
   _common.check_elementwise_fn("activation", args.activation)
 
 
@@ -267,9 +281,8 @@ class GatedLinearUnitVjpConfig:
   fuse_activation: bool = True
 
   def __post_init__(self):
-    GatedLinearUnitConfig(self.block_m, self.block_n, self.block_k,
-                          self.num_stages, self.grid_tile_width)
-    self.matmul_config()  # Validates the matmul fields.
+    self.dh_config()  # Validates the dh kernel's fields,
+    self.matmul_config()  # and the matmuls'.
 
   def dh_config(self) -> GatedLinearUnitConfig:
     return GatedLinearUnitConfig(self.block_m, self.block_n, self.block_k,
@@ -342,17 +355,7 @@ def _glu_dh(x, w2, dout, activation, config: GatedLinearUnitConfig) -> jax.Array
   m_tiles, n_tiles, k_steps = pl.cdiv(m, bm), n // bn, pl.cdiv(k, bk)
   grads = _common.inline(_vjp_fn(activation))
 
-  transforms = _common.swizzled(dtype, bk)
-  x_spec = plgpu.BlockSpec((bm, bk), lambda ki: (0, ki), transforms=transforms,
-                           delay_release=1)
-  w_spec = plgpu.BlockSpec((bk, bn), lambda ki: (ki, 0), transforms=transforms,
-                           delay_release=1)
-
-  def make_pipeline(body, context):
-    return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(k_steps,), memory_registers=40,
-        in_specs=[x_spec, w_spec, w_spec], wg_axis="wg", num_compute_wgs=2,
-        max_concurrent_steps=config.num_stages, compute_context=context)
+  make_pipeline = _gate_up_pipeline(dtype, config, k_steps)
 
   tile_smem = plgpu.SMEM((2, half, bn), dtype, transforms=_common.swizzled(dtype, bn))
 
@@ -421,13 +424,13 @@ def _glu_dh(x, w2, dout, activation, config: GatedLinearUnitConfig) -> jax.Array
   return call(x, w2, dout)
 
 
-def _dh_unfused(x, w2, dout, activation, matmul_itemsize_config) -> jax.Array:
+def _dh_unfused(x, w2, dout, activation, f32_out_config) -> jax.Array:
   """`_glu_dh` in two steps: h in float32 by the dense kernel, the VJP in XLA."""
   m = x.shape[0]
   n = dout.shape[1]
   h = ragged_dot.grouped_matmul(
       x, w2[None], jnp.zeros((1,), jnp.int32), jnp.full((1,), m, jnp.int32),
-      transpose_rhs=False, out_dtype=jnp.float32, config=matmul_itemsize_config)
+      transpose_rhs=False, out_dtype=jnp.float32, config=f32_out_config)
   d_gate, d_up = _vjp_fn(activation)(h[:, :n], h[:, n:], dout.astype(jnp.float32))
   return jnp.concatenate([d_gate, d_up], axis=1).astype(x.dtype)
 
@@ -517,14 +520,7 @@ def _vjp_search_space(args):
 
 
 def _check_vjp_args(args) -> None:
-  _common.check_dtype("x/weights", args.x.dtype)
-  if (isinstance(args.precision, lax.DotAlgorithmPreset)
-      and args.precision != lax.DotAlgorithmPreset.DEFAULT):
-    raise NotImplementedError(f"precision: dot algorithm {args.precision}; these "
-                              "wgmma kernels take only DotAlgorithmPreset.DEFAULT")
-  if 0 in args.x.shape or 0 in args.weights.shape:
-    raise NotImplementedError(
-        f"empty operands (x {args.x.shape}, weights {args.weights.shape})")
+  _check_operands(args)
   # Any elementwise activation: one the epilogue cannot lower is differentiated
   # in XLA instead (`glu_backward`).
   tokamax.plugin.check_elementwise_activation(args.activation)
