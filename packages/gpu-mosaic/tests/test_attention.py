@@ -324,22 +324,31 @@ def _check_features(b, t, s, n, k, h, dtype=jnp.bfloat16, config=None, **feature
 
 
 def test_feature_oracle_matches_xla():
-  # The dense oracle above agrees with the XLA reference (CPU, float32).
+  # The dense oracle above (output and lse) agrees with the XLA reference (CPU,
+  # float32), q_offset included: the GPU feature tests trust it.
+  import tokamax_xla_reference  # pylint: disable=import-outside-toplevel
   for kw in (dict(causal=True, window=(7, None), kv_len=[50, 0]),
              dict(window=(3, 5), soft_cap=2.0, q_len=[40, 9]),
              dict(segments=(np.repeat(np.arange(4), 16)[None].repeat(2, 0),
                             np.repeat(np.arange(4), 20)[None].repeat(2, 0)[:, :70]),
-                  causal=True)):
+                  causal=True),
+             dict(causal=True, q_offset=-20),
+             dict(window=(10, 3), q_offset=37, kv_len=[70, 30])):
     args = _feature_args(2, 64, 70, 2, 1, 16, jnp.float32, **kw)
     out, lse = _dense_reference(args)
-    want = tokamax.dot_product_attention(
-        args.query, args.key, args.value, is_causal=args.is_causal,
-        local_window_size=args.local_window, logits_soft_cap=args.logits_soft_cap,
+    want_out, want_lse = tokamax_xla_reference.attention(
+        args.query, args.key, args.value, scale=args.scale, is_causal=args.is_causal,
+        local_window=args.local_window, logits_soft_cap=args.logits_soft_cap,
         query_seq_lengths=args.query_seq_lengths,
         key_value_seq_lengths=args.key_value_seq_lengths,
         q_segment_ids=args.q_segment_ids, kv_segment_ids=args.kv_segment_ids,
-        scale=args.scale, precision=HIGHEST, implementation="xla")
-    np.testing.assert_allclose(out, np.asarray(want), rtol=1e-4, atol=1e-4)
+        precision=HIGHEST, q_offset=args.q_offset)
+    np.testing.assert_allclose(out, np.asarray(want_out), rtol=1e-4, atol=1e-4)
+    want_lse = np.asarray(want_lse)
+    np.testing.assert_array_equal(np.isposinf(lse), np.isposinf(want_lse))
+    finite = np.isfinite(want_lse)
+    assert finite.any()
+    np.testing.assert_allclose(lse[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
     if "q_len" in kw:  # rows past the query length: lse +inf
       assert np.isposinf(lse[1, :, 9:]).all() and np.isfinite(lse[1, :, :9]).all()
 
