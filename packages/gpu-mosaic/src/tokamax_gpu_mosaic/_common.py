@@ -13,6 +13,7 @@ import inspect
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import tokamax
@@ -40,6 +41,15 @@ def check_hopper_device(device: DeviceInfo) -> None:
         f"this mosaic_gpu kernel needs an NVIDIA Hopper GPU (sm_90); this device is "
         f"{device.device_kind} ({where}); Mosaic GPU interpret mode does not run "
         "these warp-specialized kernels")
+
+
+def check_default_dot_algorithm(precision) -> None:
+  """Refuses dot algorithms other than DEFAULT (Precision values need no refusal:
+  bf16/f16 operands multiply exactly on the tensor cores, accumulating in f32)."""
+  if (isinstance(precision, lax.DotAlgorithmPreset)
+      and precision != lax.DotAlgorithmPreset.DEFAULT):
+    raise NotImplementedError(f"precision: dot algorithm {precision}; these wgmma "
+                              "kernels take only DotAlgorithmPreset.DEFAULT")
 
 
 def check_dtype(name: str, dtype) -> None:

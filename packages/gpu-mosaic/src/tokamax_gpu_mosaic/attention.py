@@ -877,7 +877,7 @@ def _search_space(args):
 
 
 def _check_args(args) -> None:
-  q, k, v = args.query, args.key, args.value
+  q, v = args.query, args.value
   _common.check_dtype("query/key/value", q.dtype)
   # Bias and a bool mask would be a [T, S]-shaped tile stream per key tile
   # next to K and V (TMA, more shared memory, a load on every softmax): not
@@ -891,14 +891,17 @@ def _check_args(args) -> None:
     if refused:
       raise NotImplementedError(f"the mosaic_gpu attention forward does not handle "
                                 f"{what}")
-  if (isinstance(args.precision, lax.DotAlgorithmPreset)
-      and args.precision != lax.DotAlgorithmPreset.DEFAULT):
-    raise NotImplementedError(f"precision: dot algorithm {args.precision}; these "
-                              "wgmma kernels take only DotAlgorithmPreset.DEFAULT")
   h, hv = q.shape[-1], v.shape[-1]
   if h not in _HEAD_DIMS or hv != h:
     raise NotImplementedError(
         f"head dims H=Hv in {_HEAD_DIMS} only; got H={h}, Hv={hv}")
+  _check_operands(args)
+
+
+def _check_operands(args) -> None:
+  """What the forward and the backward kernels both refuse."""
+  _common.check_default_dot_algorithm(args.precision)
+  q, k = args.query, args.key
   if min(q.shape[0], q.shape[1], q.shape[2], k.shape[1]) == 0:
     raise NotImplementedError(f"empty (zero-size) inputs: query {q.shape}, key "
                               f"{k.shape}")
@@ -1470,10 +1473,6 @@ def _check_backward_args(args) -> None:
     if refused:
       raise NotImplementedError(f"the mosaic_gpu attention backward does not handle "
                                 f"{what} yet")
-  if (isinstance(args.precision, lax.DotAlgorithmPreset)
-      and args.precision != lax.DotAlgorithmPreset.DEFAULT):
-    raise NotImplementedError(f"precision: dot algorithm {args.precision}; these "
-                              "wgmma kernels take only DotAlgorithmPreset.DEFAULT")
   h, hv = q.shape[-1], v.shape[-1]
   if h == 256 and hv == h:
     raise NotImplementedError(
@@ -1482,9 +1481,7 @@ def _check_backward_args(args) -> None:
   if h not in _BWD_HEAD_DIMS or hv != h:
     raise NotImplementedError(
         f"backward head dims H=Hv in {_BWD_HEAD_DIMS} only; got H={h}, Hv={hv}")
-  if min(q.shape[0], q.shape[1], q.shape[2], k.shape[1]) == 0:
-    raise NotImplementedError(f"empty (zero-size) inputs: query {q.shape}, key "
-                              f"{k.shape}")
+  _check_operands(args)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -112,6 +112,20 @@ def _gate_up_pipeline(dtype, config: GatedLinearUnitConfig, k_steps: int):
   return make_pipeline
 
 
+def _gate_up_mma(wg, half: int):
+  """The pipeline body: this compute warpgroup's rows of the x tile times the gate
+  and the up weight tiles, into the (gate, up) accumulator pair."""
+
+  def mma(_, x_smem, g_w_smem, u_w_smem, carry):
+    acc_g, acc_u = carry
+    own = x_smem.at[pl.ds(wg * half, half)]
+    plgpu.wgmma(acc_g, own, g_w_smem)
+    plgpu.wgmma(acc_u, own, u_w_smem)
+    plgpu.wgmma_wait(2)  # The previous step's pair is done: release it.
+    return carry
+  return mma
+
+
 def fused_glu(x, weights, activation, config: GatedLinearUnitConfig) -> jax.Array:
   """``activation(x @ weights[:, 0]) * (x @ weights[:, 1])`` in x's dtype."""
   m_orig, k_orig = x.shape
@@ -153,14 +167,6 @@ def fused_glu(x, weights, activation, config: GatedLinearUnitConfig) -> jax.Arra
         m0 = mi * bm
         n0 = ni * bn
 
-        def mma(_, x_smem, g_smem, u_smem, carry):
-          acc_g, acc_u = carry
-          rows = x_smem.at[pl.ds(wg * half, half)]
-          plgpu.wgmma(acc_g, rows, g_smem)
-          plgpu.wgmma(acc_u, rows, u_smem)
-          plgpu.wgmma_wait(2)  # The previous step's pair is done: release it.
-          return carry
-
         def context(eval_pipeline):
           @functools.partial(pl.run_scoped,
                              acc_g=plgpu.ACC((half, bn), jnp.float32),
@@ -174,7 +180,7 @@ def fused_glu(x, weights, activation, config: GatedLinearUnitConfig) -> jax.Arra
             plgpu.copy_smem_to_gmem(
                 o_smem, out_ref.at[pl.ds(m0 + wg * half, half), pl.ds(n0, bn)])
 
-        make_pipeline(mma, context)(
+        make_pipeline(_gate_up_mma(wg, half), context)(
             x_ref.at[pl.ds(m0, bm), :], w_ref.at[:, pl.ds(n0, bn)],
             w_ref.at[:, pl.ds(n + n0, bn)], allocations=allocs)
 
@@ -219,10 +225,7 @@ def _search_space(args):
 def _check_operands(args) -> None:
   """What the forward and the backward kernels both refuse."""
   _common.check_dtype("x/weights", args.x.dtype)
-  if (isinstance(args.precision, lax.DotAlgorithmPreset)
-      and args.precision != lax.DotAlgorithmPreset.DEFAULT):
-    raise NotImplementedError(f"precision: dot algorithm {args.precision}; these "
-                              "wgmma kernels take only DotAlgorithmPreset.DEFAULT")
+  _common.check_default_dot_algorithm(args.precision)
   if 0 in args.x.shape or 0 in args.weights.shape:
     raise NotImplementedError(
         f"empty operands (x {args.x.shape}, weights {args.weights.shape})")
@@ -381,14 +384,6 @@ def _glu_dh(x, w2, dout, activation, config: GatedLinearUnitConfig) -> jax.Array
         n0 = ni * bn
         rows = pl.ds(m0 + cwg * half, half)
 
-        def mma(_, x_smem, g_w_smem, u_w_smem, carry):
-          acc_g, acc_u = carry
-          own = x_smem.at[pl.ds(wg * half, half)]
-          plgpu.wgmma(acc_g, own, g_w_smem)
-          plgpu.wgmma(acc_u, own, u_w_smem)
-          plgpu.wgmma_wait(2)  # The previous step's pair is done: release it.
-          return carry
-
         def context(eval_pipeline):
           # The previous tile's stores read g_smem: done before dy overwrites it.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -410,7 +405,7 @@ def _glu_dh(x, w2, dout, activation, config: GatedLinearUnitConfig) -> jax.Array
             plgpu.copy_smem_to_gmem(g_smem, dh_ref.at[rows, pl.ds(n0, bn)])
             plgpu.copy_smem_to_gmem(u_smem, dh_ref.at[rows, pl.ds(n + n0, bn)])
 
-        make_pipeline(mma, context)(
+        make_pipeline(_gate_up_mma(wg, half), context)(
             x_ref.at[pl.ds(m0, bm), :], w_ref.at[:, pl.ds(n0, bn)],
             w_ref.at[:, pl.ds(n + n0, bn)], allocations=allocs)
 

@@ -659,11 +659,7 @@ def _check_args(args) -> None:
                        jnp.dtype(jnp.float32)):
     raise NotImplementedError(f"preferred_element_type {out_dtype} (supported: "
                               "bfloat16, float16, float32)")
-  if (isinstance(args.precision, lax.DotAlgorithmPreset)
-      and args.precision != lax.DotAlgorithmPreset.DEFAULT):
-    raise NotImplementedError(f"dot algorithm {args.precision}")
-  # Precision HIGH / HIGHEST need no refusal: bf16/f16 operands multiply exactly
-  # on the tensor cores and accumulate in float32.
+  _common.check_default_dot_algorithm(args.precision)
   if 0 in args.lhs.shape or 0 in args.rhs.shape:
     raise NotImplementedError(
         f"empty operands (lhs {args.lhs.shape}, rhs {args.rhs.shape})")
