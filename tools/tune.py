@@ -1,6 +1,10 @@
 """Times every config in an implementation's search space at the reference shapes.
 
     python tools/tune.py --op layer_norm [--implementation triton] [--shape rms]
+        [--match num_warps=8 --match prefetch_qk=True]
+
+``--match FIELD=VALUE`` keeps only configs whose field prints as VALUE (repeatable;
+the heuristic config is always timed, for reference).
 
 Forward configs are timed on the forward; backward configs on forward+backward with
 the forward at its heuristic config. CUPTI kernel time on GPUs.
@@ -29,8 +33,13 @@ class _Fixed:
     return self.config if type(op) is self.cls else None
 
 
+def _matches(config, match: dict[str, str]) -> bool:
+  fields = dataclasses.asdict(config)
+  return all(key in fields and str(fields[key]) == value for key, value in match.items())
+
+
 def tune(problem: bench.Problem, implementation: str, iterations: int,
-         directions=("forward", "forward+backward")) -> None:
+         directions=("forward", "forward+backward"), match=None) -> None:
   entry = registry.find(problem.op, implementation)
   fwd_cls, bwd_cls = registry.forward_class(entry), registry.backward_class(entry)
   inputs = problem.make_inputs()
@@ -47,7 +56,8 @@ def tune(problem: bench.Problem, implementation: str, iterations: int,
       continue
     args = capture.args[cls]
     heuristic = cls().heuristic_config(args)
-    for config in cls().search_space(args):
+    configs = [c for c in cls().search_space(args) if _matches(c, match or {})]
+    for config in dict.fromkeys([heuristic, *configs]):
       source = _Fixed(cls, config)
       try:
         with config_sources.use(source):
@@ -71,11 +81,14 @@ def main():
   parser.add_argument("--iterations", type=int, default=5)
   parser.add_argument("--direction", choices=("forward", "forward+backward"),
                       help="tune only the forward or only the backward configs")
+  parser.add_argument("--match", action="append", default=[], metavar="FIELD=VALUE",
+                      help="only configs whose FIELD prints as VALUE (repeatable)")
   args = parser.parse_args()
+  match = dict(m.split("=", 1) for m in args.match)
   directions = (args.direction,) if args.direction else ("forward", "forward+backward")
   for problem in bench.reference_suite():
     if problem.op in args.op and (not args.shape or args.shape in problem.name):
-      tune(problem, args.implementation, args.iterations, directions)
+      tune(problem, args.implementation, args.iterations, directions, match)
 
 
 if __name__ == "__main__":

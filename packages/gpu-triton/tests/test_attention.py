@@ -22,12 +22,15 @@ _ON_CPU = jax.default_backend() == "cpu"
 class _SmallBlocks:
   """A config source giving 16-row tiles to both kernels' ops."""
 
+  def __init__(self, prefetch_qk=False):
+    self.prefetch_qk = prefetch_qk
+
   def lookup(self, op, args):
     del args
     if isinstance(op, tri.TritonAttentionVjp):
       return tri.AttentionVjpConfig(16, 16, 16, 16, 4, 4, 2)
     if isinstance(op, tri.TritonAttention):
-      return tri.AttentionConfig(16, 16, 4, 2)
+      return tri.AttentionConfig(16, 16, 4, 2, prefetch_qk=self.prefetch_qk)
     return None
 
 
@@ -63,7 +66,7 @@ def _ref_kwargs(kw, h):
       precision=jax.lax.Precision.HIGHEST)
 
 
-def _compare(q, k, v, bias=None, mask=None, *, grads=True, **kw):
+def _compare(q, k, v, bias=None, mask=None, *, grads=True, prefetch_qk=False, **kw):
   """Forward and gradients (random cotangent) of triton vs the float32 oracle."""
   dtype = q.dtype
   diff = (q, k, v) if bias is None else (q, k, v, bias)
@@ -83,7 +86,8 @@ def _compare(q, k, v, bias=None, mask=None, *, grads=True, **kw):
       b = xs[3].reshape((1,) * (4 - xs[3].ndim) + xs[3].shape)
     return ref_attention.attention(*xs[:3], b, mask4, **rkw)[0]
 
-  with tokamax.interpret(_ON_CPU), config_sources.use(_SmallBlocks()):
+  with (tokamax.interpret(_ON_CPU),
+        config_sources.use(_SmallBlocks(prefetch_qk))):
     out, vjp = jax.vjp(tri_fn, *diff)
     want, ref_vjp = jax.vjp(ref_fn, *map(up, diff))
     _check("out", out, want, dtype)
@@ -210,3 +214,14 @@ def test_q_offset_small_blocks(case):
   """Shifted query positions move the block ranges: check them over many blocks."""
   with tokamax.interpret(_ON_CPU), config_sources.use(_SmallBlocks()):
     testing.check_case(case, "triton", "float32")
+
+
+@pytest.mark.parametrize("kw", [
+    dict(), dict(is_causal=True), dict(local_window_size=(20, 9)),
+    dict(key_value_seq_lengths=jnp.array([37, 5]), is_causal=True),
+], ids=["plain", "causal", "window", "kv_len_causal"])
+def test_prefetch_qk(kw):
+  """Scores computed one key block ahead: same results, over ranges that start,
+  end and are empty at block edges (T != S, partial last block)."""
+  q, k, v = _qkv(2, 45, 61, 2, 1, 32, 32, jnp.float32)
+  _compare(q, k, v, grads=False, prefetch_qk=True, **kw)

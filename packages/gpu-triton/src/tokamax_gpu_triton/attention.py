@@ -59,6 +59,12 @@ class AttentionConfig:
   block_k: int = 64
   num_warps: int = 4
   num_stages: int = 3
+  # Issue the next key block's QK^T before this block's softmax, so the tensor
+  # cores may work while the softmax runs (FA3's intra-warpgroup overlap written
+  # at the source level; whether it overlaps is up to Triton's scheduling). Only
+  # in the loop over blocks that need no masking, and only without bias, bool mask
+  # or segments (their loads would be prefetched too).
+  prefetch_qk: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,15 +280,41 @@ def _query_range(lay: _Layout, k0, bk, bq, kv_limit, q_limit, off):
   return lo_blk, fl, fh, hi_blk
 
 
-def _run_loops(body, carry, lo, fl, fh, hi, mask_low: bool, mask_high: bool):
-  """Runs body over ``[lo, fl)`` and ``[fh, hi)`` masked and ``[fl, fh)`` unmasked."""
+def _run_loops(body, carry, lo, fl, fh, hi, mask_low: bool, mask_high: bool,
+               unmasked=None):
+  """Runs body over ``[lo, fl)`` and ``[fh, hi)`` masked and ``[fl, fh)`` unmasked.
+
+  ``unmasked(start, stop, carry)``, if given, runs the unmasked blocks instead of a
+  plain loop of ``body``.
+  """
   if mask_low:
     carry = lax.fori_loop(lo, fl, functools.partial(body, masked=True), carry)
-  carry = lax.fori_loop(fl if mask_low else lo, fh if mask_high else hi,
-                        functools.partial(body, masked=False), carry)
+  start, stop = fl if mask_low else lo, fh if mask_high else hi
+  if unmasked is None:
+    carry = lax.fori_loop(start, stop, functools.partial(body, masked=False), carry)
+  else:
+    carry = unmasked(start, stop, carry)
   if mask_high:
     carry = lax.fori_loop(fh, hi, functools.partial(body, masked=True), carry)
   return carry
+
+
+def _prefetching_loop(body, scores, num_blocks: int):
+  """A loop over unmasked blocks ``[start, stop)`` that computes block j + 1's
+  scores before block j's softmax (the last step recomputes block stop - 1's,
+  unused: one extra QK^T per program instead of a peeled step)."""
+  def run(start, stop, carry):
+    last = jnp.maximum(stop - 1, start)
+
+    def step(j, c):
+      *state, qk = c
+      qk_next = scores(jnp.minimum(jnp.minimum(j + 1, last), num_blocks - 1))
+      return (*body(j, tuple(state), masked=False, qk=qk), qk_next)
+
+    qk0 = scores(jnp.minimum(start, num_blocks - 1))
+    *state, _ = lax.fori_loop(start, stop, step, (*carry, qk0))
+    return tuple(state)
+  return run
 
 
 def _limits(lay: _Layout, refs):
@@ -324,7 +356,8 @@ def _content(lay: _Layout, refs, lead_b, lead_m, q0, bq, k0, bk, rows_ok, cols_o
 # ----------------------------------------------------------------------------
 
 
-def _fwd_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: bool):
+def _fwd_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: bool,
+                prefetch_qk: bool):
   refs = dict(zip(names, refs))
   qb = pl.program_id(0)
   if reverse:  # heaviest (last) query blocks first: better tail under causal
@@ -338,12 +371,18 @@ def _fwd_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: 
   if lay.has_segments:
     q_seg = _load_vec(refs["q_seg"], (), q0, bq, row_in, -1)
 
-  def body(j, carry, masked):
+  def scores(j):
+    """QK^T of an unmasked key block."""
+    k = _load_rows(refs["k"], None, j * bk, bk, None, lay.hp, lay.h)
+    return _dot(q, k, lay.precision, trans_b=True)
+
+  def body(j, carry, masked, qk=None):
     acc, m, l = carry
     k0 = j * bk
     cols = k0 + jnp.arange(bk)
     col_in = cols < lay.s if (masked and lay.s % bk) else None
-    k = _load_rows(refs["k"], None, k0, bk, col_in, lay.hp, lay.h)
+    if qk is None:
+      k = _load_rows(refs["k"], None, k0, bk, col_in, lay.hp, lay.h)
     v = _load_rows(refs["v"], None, k0, bk, col_in, lay.hvp, lay.hv)
     kv_seg = None
     if q_seg is not None:
@@ -352,7 +391,8 @@ def _fwd_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: 
                          kv_seg)
     if masked:
       vis = _and(vis, _positional(lay, rows + off, cols, kv_limit, bk))
-    qk = _dot(q, k, lay.precision, trans_b=True)
+    if qk is None:
+      qk = _dot(q, k, lay.precision, trans_b=True)
     if lay.direct_scale:
       z, c = qk, lay.scale * _LOG2E
     else:
@@ -379,7 +419,9 @@ def _fwd_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: 
            jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32))
   lo, fl, fh, hi = _key_range(lay, q0, bq, bk, kv_limit, q_limit, off)
   mask_high = lay.right is not None or lay.has_kv_len or lay.s % bk != 0
-  acc, m, l = _run_loops(body, carry, lo, fl, fh, hi, lay.left is not None, mask_high)
+  unmasked = _prefetching_loop(body, scores, pl.cdiv(lay.s, bk)) if prefetch_qk else None
+  acc, m, l = _run_loops(body, carry, lo, fl, fh, hi, lay.left is not None, mask_high,
+                         unmasked=unmasked)
 
   valid = l > 0
   if lay.has_q_len:
@@ -635,9 +677,11 @@ def _forward(args, config: AttentionConfig):
       ("lse", jax.ShapeDtypeStruct((b, n, lay.t), jnp.float32),
        _stat_spec(lay.t, None, n)),
   ]
+  prefetch = (config.prefetch_qk and lay.bias_shape is None
+              and lay.mask_shape is None and not lay.has_segments)
   out, lse = _call(_fwd_kernel, inputs, outputs, (nq, b * n), config.num_warps,
                    config.num_stages, "tokamax_attention_fwd", lay=lay, bq=bq, bk=bk,
-                   nq=nq, reverse=lay.right is not None)
+                   nq=nq, reverse=lay.right is not None, prefetch_qk=prefetch)
   return out, lse
 
 
@@ -783,6 +827,8 @@ class TritonAttention(tokamax.Op):
             if stages == 4 and (hd > 64 or bk > 64):
               continue
             configs.append(AttentionConfig(bq, bk, warps, stages))
+            if bq == 128 and bk >= 64 and warps == 8 and stages < 4:
+              configs.append(AttentionConfig(bq, bk, warps, stages, prefetch_qk=True))
     return tuple(configs)
 
   def forward(self, args, config):

@@ -1,0 +1,79 @@
+"""Per-kernel CUPTI times of one implementation at the reference shapes.
+
+    python tools/kernel_breakdown.py --op dot_product_attention \\
+        --implementation mosaic_gpu --shape "B4 T4096 N16 H128" [--direction forward]
+
+Prints, for each matching problem, every GPU kernel the forward (or forward+backward)
+launches with its median time over the iterations, so that a slow step can be pinned
+on one kernel (e.g. the attention backward's dK/dV kernel against its dQ kernel).
+The peers of the problem (cuDNN, XLA) are broken down too with ``--peers``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+
+import jax
+from jax.experimental.mosaic.gpu import profiler
+
+from tokamax._src import bench
+
+
+def breakdown(f, args, iterations: int) -> list[tuple[str, float]]:
+  """(kernel name, median ms) per launch position, in launch order."""
+  compiled = jax.jit(f).lower(*args).compile()
+  jax.block_until_ready(compiled(*args))  # warm up
+  runs = []
+  for _ in range(iterations):
+    _, kernels = profiler.measure(compiled, aggregate=False)(*args)
+    runs.append(kernels)
+  times = collections.defaultdict(list)
+  for kernels in runs:
+    for i, (name, ms) in enumerate(kernels):
+      times[(i, name)].append(ms)
+  return [(name, statistics.median(ms)) for (_, name), ms in sorted(times.items())]
+
+
+def report(label: str, f, args, iterations: int) -> None:
+  kernels = breakdown(f, args, iterations)
+  total = sum(ms for _, ms in kernels)
+  print(f"  {label}: {total:.3f} ms in {len(kernels)} kernels", flush=True)
+  for name, ms in kernels:
+    print(f"    {ms:8.3f} ms  {100 * ms / total:5.1f}%  {name[:110]}", flush=True)
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--op", action="append", required=True)
+  parser.add_argument("--implementation", action="append", default=[])
+  parser.add_argument("--shape", help="substring of the problem name")
+  parser.add_argument("--direction", choices=("forward", "forward+backward"),
+                      default="forward+backward")
+  parser.add_argument("--peers", action="store_true")
+  parser.add_argument("--iterations", type=int, default=5)
+  args = parser.parse_args()
+  for problem in bench.reference_suite():
+    if problem.op not in args.op or (args.shape and args.shape not in problem.name):
+      continue
+    print(f"## {problem.op} {problem.name} ({args.direction})", flush=True)
+    inputs = problem.make_inputs()
+    calls = {f"tokamax {impl}": (lambda i: lambda a: problem.call(a, i))(
+                 None if impl == "auto" else impl)
+             for impl in args.implementation or ["auto"]}
+    if args.peers:
+      calls.update(problem.peers)
+    for label, call in calls.items():
+      try:
+        if args.direction == "forward":
+          report(label, call, (inputs,), args.iterations)
+        else:
+          f, fargs = bench._fwd_bwd(call, inputs)  # pylint: disable=protected-access
+          report(label, f, fargs, args.iterations)
+      except Exception as e:  # pylint: disable=broad-except
+        print(f"  {label}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
