@@ -42,6 +42,11 @@ from jax.sharding import PartitionSpec as P
 
 import tokamax
 
+try:
+  from trace_summary import traced_summary  # run as a script: tools/ on the path
+except ImportError:  # imported as tools.multi_gpu_scaling
+  from tools.trace_summary import traced_summary
+
 BF16 = jnp.bfloat16
 _SHRINK = 1  # --smoke divides the big dims, to check the script on CPU devices
 
@@ -51,6 +56,7 @@ def _d(x: int) -> int:
 
 
 _HLO = {"dir": None, "tag": ""}  # --hlo: where compiled programs are written
+_TRACE = {"on": False}  # --trace: print a per-GPU kernel-time summary per timing
 
 
 def per_call_ms(f, *args, calls: int = 20, repeats: int = 3) -> float:
@@ -71,6 +77,8 @@ def per_call_ms(f, *args, calls: int = 20, repeats: int = 3) -> float:
       out = f(*args)
     jax.block_until_ready(out)
     times.append((time.perf_counter() - start) / calls * 1e3)
+  if _TRACE["on"]:
+    print(f"{_HLO.get('tag', '')} trace:\n{traced_summary(f, *args)}", flush=True)
   return min(times)
 
 
@@ -207,7 +215,7 @@ MODEL_LAYERS = {
 }
 
 
-def glu_moe_layer(mesh, n, model, exchange):
+def glu_moe_layer(mesh, n, model, exchange, chunks=1):
   """One MoE layer: gate and up projections in one ragged_dot, silu(gate) * up,
   the down projection in another; combined with the router's gates; capacity
   factor 1.25."""
@@ -228,7 +236,7 @@ def glu_moe_layer(mesh, n, model, exchange):
       return tokamax.ragged_dot(jax.nn.silu(gate) * up, w_out, sizes)
     return tokamax.moe_all_to_all(x, ids, experts, axis_name="d",
                                   num_local_experts=e_local, exchange=exchange,
-                                  combine_weights=gates,
+                                  combine_weights=gates, chunks=chunks,
                                   capacity=_capacity(m // n * top_k, n))
 
   sharded = jax.shard_map(layer, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
@@ -289,6 +297,10 @@ PROBLEMS = {
     **{f"glu_moe_layer[{model},{exchange}]": (
         "weak", functools.partial(glu_moe_layer, model=model, exchange=exchange))
        for model in MODEL_LAYERS for exchange in ("all_to_all", "ring")},
+    **{f"glu_moe_layer[{model},chunks=2]": (
+        "weak", functools.partial(glu_moe_layer, model=model, exchange="all_to_all",
+                                  chunks=2))
+       for model in MODEL_LAYERS},
     "ring_attention": ("strong", ring_attention_strong),
     "all_to_all_probe": ("weak", all_to_all_probe),
 }
@@ -301,11 +313,15 @@ def main():
   parser.add_argument("--out", default=None, help="write the rows as JSON here")
   parser.add_argument("--hlo", default=None,
                       help="write each compiled program's HLO into this folder")
+  parser.add_argument("--trace", action="store_true",
+                      help="after timing, trace 3 calls and print where each GPU's "
+                           "kernel time goes (communication, matmuls, other)")
   parser.add_argument("--smoke", type=int, default=1,
                       help="divide the big dims by this (a quick check on CPUs)")
   opts = parser.parse_args()
   global _SHRINK
   _SHRINK = opts.smoke
+  _TRACE["on"] = opts.trace
   if opts.hlo:
     os.makedirs(opts.hlo, exist_ok=True)
     _HLO["dir"] = opts.hlo
