@@ -6,6 +6,8 @@ the CPU the registration, the refusals and the lowering to Mosaic GPU IR (a full
 trace of the kernel for the "cuda" platform, which needs no GPU) are checked.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,11 +44,13 @@ def _reference(lhs, rhs, group_sizes, group_offset, preferred_element_type=None)
 
 
 def _check(m, k, n, sizes, *, num_held=None, group_offset=None, dtype=jnp.bfloat16,
-           preferred_element_type=None, config=None, grads=True):
+           preferred_element_type=None, config=None, grads=True, bwd_config=None):
   num_held = num_held or len(sizes)
   lhs, rhs = _inputs(m, k, n, num_held, dtype)
   group_sizes = jnp.asarray(sizes, jnp.int32)
   impl = rd.MosaicGpuRaggedDot(config) if config else "mosaic_gpu"
+  if bwd_config is not None:
+    impl = (rd.MosaicGpuRaggedDot(config), rd.MosaicGpuRaggedDotVjp(bwd_config))
   with tokamax.record_dispatch() as records:
     out = jax.jit(lambda l, r, g: tokamax.ragged_dot(
         l, r, g, group_offset=group_offset, implementation=impl,
@@ -173,6 +177,118 @@ def test_drhs_kernel(sizes, m):
   testing.assert_close(out, ref, jnp.bfloat16, what="drhs kernel", gpu=True)
 
 
+# Session 5 variants: select with -k "pieces or drhs".
+
+
+def _cid(c):
+  return f"n{c.block_n}k{c.block_k}s{c.num_stages}p{c.out_pieces}w{c.grid_tile_width}"
+
+_PIECES = [rd.RaggedDotConfig(num_stages=4, out_pieces=2),
+           rd.RaggedDotConfig(num_stages=3, out_pieces=2, grid_tile_width=4),
+           rd.RaggedDotConfig(block_n=64, block_k=32, num_stages=2, out_pieces=2)]
+
+
+@gpu
+@pytest.mark.parametrize("config", _PIECES, ids=_cid)
+def test_pieces_forward(config):
+  # Partial row tiles (unaligned boundaries, 1-row groups), empty groups, N not
+  # a multiple of the CTA width: every piece takes the partial-tile path too.
+  _check(1500, 640, 704, [400, 3, 0, 600, 1, 496], config=config, grads=False)
+  _check(300, 256, 392, [17, 0, 150], config=config, grads=False)
+
+
+@gpu
+def test_pieces_group_offset_and_f32_out():
+  config = rd.RaggedDotConfig(num_stages=4, out_pieces=2)
+  _check(777, 384, 520, [100, 200, 0, 150, 300], num_held=2, group_offset=2,
+         config=config, grads=False)
+  _check(500, 256, 264, [123, 250, 127], preferred_element_type=jnp.float32,
+         config=rd.RaggedDotConfig(num_stages=3, out_pieces=2), grads=False)
+
+
+@gpu
+@pytest.mark.parametrize("config", _PIECES[:2], ids=_cid)
+def test_pieces_dlhs_kernel(config):
+  m, k, n, sizes = 900, 256, 392, [300, 0, 201, 5, 394]
+  dout, rhs = _inputs(m, n, k, len(sizes), jnp.bfloat16)  # rhs [G, N, K]
+  gs = jnp.asarray(sizes, jnp.int32)
+  starts, ends = tokamax.plugin.held_row_ranges(gs, None, len(sizes), m)
+  out = jax.jit(lambda d, r: rd.grouped_matmul(
+      d, r, starts, ends, transpose_rhs=True, out_dtype=jnp.bfloat16,
+      config=config))(dout, jnp.swapaxes(rhs, 1, 2))
+  ref = jax.lax.ragged_dot(dout.astype(jnp.float32), rhs.astype(jnp.float32),
+                           gs, precision=HIGHEST)
+  testing.assert_close(out, ref, jnp.bfloat16, what="dlhs (pieces)", gpu=True)
+
+
+_WS = [rd.RaggedDotConfig(num_stages=4, out_pieces=2, drhs_kernel="ws"),
+       rd.RaggedDotConfig(num_stages=3, drhs_kernel="ws"),
+       rd.RaggedDotConfig(block_n=64, num_stages=2, drhs_kernel="ws")]
+
+
+def _drhs_reference(lhs, dout, sizes, offset, held):
+  ends = np.cumsum(sizes)
+  starts = ends - np.asarray(sizes)
+  lf, df = np.asarray(lhs, np.float64), np.asarray(dout, np.float64)
+  return np.stack([lf[s:e].T @ df[s:e] for s, e in
+                   zip(starts[offset:offset + held], ends[offset:offset + held])])
+
+
+@gpu
+@pytest.mark.parametrize("config", _WS, ids=_cid)
+@pytest.mark.parametrize("sizes,m,offset,held", [
+    ([300, 0, 201, 399], 900, 0, 4),  # an empty group, unaligned starts
+    ([5, 9, 0, 3, 1, 7, 2], 40, 0, 7),  # 1-7 rows: one chunk, padded to two
+    ([0, 0], 30, 0, 2),  # no rows at all
+    ([130, 1, 64, 700], 1000, 0, 4),  # rows past sum(sizes)
+    ([100, 200, 0, 150, 300], 777, 2, 2),  # group_offset; first held empty
+    ([64, 128, 63, 65, 192], 512, 1, 3),  # chunk-aligned and off-by-one ends
+])
+def test_drhs_ws_kernel(config, sizes, m, offset, held):
+  k, n = 200, 392  # Neither a tile multiple: reads past K/N, sliced output.
+  rng = _rng()
+  lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  dout = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  starts, ends = tokamax.plugin.held_row_ranges(gs, offset, held, m)
+  ws = rd.drhs_ws_config(config, 2, 4)
+  out = jax.jit(lambda a, d: rd.grouped_transposed_matmul(
+      a, d, starts, ends, out_dtype=jnp.float32, config=ws))(lhs, dout)
+  ref = _drhs_reference(lhs, dout, sizes, offset, held)
+  assert out.shape == ref.shape
+  testing.assert_close(out, ref, jnp.bfloat16, what="drhs ws kernel", gpu=True)
+  empty = [g for g in range(held) if sizes[offset + g] == 0]
+  assert not np.any(np.asarray(out)[empty]), "empty groups must give zeros"
+
+
+@gpu
+def test_drhs_ws_aligned_bf16_out():
+  # The reference shapes' case: K, N tile multiples, bf16 output, many groups.
+  rng = _rng()
+  m, k, n = 4096, 512, 512
+  cuts = np.sort(rng.integers(0, m, 31))
+  sizes = np.diff(np.concatenate([[0], cuts, [m]])).tolist()
+  lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  dout = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  starts, ends = tokamax.plugin.held_row_ranges(gs, None, len(sizes), m)
+  for config in _WS[:2]:
+    out = jax.jit(lambda a, d, c=config: rd.grouped_transposed_matmul(
+        a, d, starts, ends, out_dtype=jnp.bfloat16, config=c))(lhs, dout)
+    ref = _drhs_reference(lhs, dout, sizes, 0, len(sizes))
+    testing.assert_close(out, ref, jnp.bfloat16, what=f"drhs ws {config}",
+                         gpu=True)
+
+
+@gpu
+@pytest.mark.parametrize("config", _WS[:2], ids=_cid)
+def test_drhs_ws_through_vjp(config):
+  """The whole backward with the "ws" drhs (and pieces in dlhs), via dispatch."""
+  _check(1000, 512, 392, [100, 0, 333, 1, 0, 466, 100], bwd_config=config)
+  _check(777, 384, 520, [100, 200, 0, 150, 300], num_held=2, group_offset=2,
+         bwd_config=config)
+
+
 # ---------------------------------------------------------------- anywhere
 
 
@@ -222,15 +338,22 @@ def test_dispatch_on_cpu_falls_back():
                          implementation="mosaic_gpu")
 
 
+def _lowers(f, *shapes):
+  exported = jax.export.export(jax.jit(f), platforms=["cuda"])(
+      *(jax.ShapeDtypeStruct(s, d) for s, d in shapes))
+  assert "mosaic_gpu" in exported.mlir_module()
+
+
 @pytest.mark.parametrize("transpose_rhs", [False, True])
-@pytest.mark.parametrize("tiling", ["group", "fixed"])
-def test_lowers_for_cuda(transpose_rhs, tiling):
+@pytest.mark.parametrize("tiling,pieces", [("group", 1), ("fixed", 1),
+                                           ("group", 2)])
+def test_lowers_for_cuda(transpose_rhs, tiling, pieces):
   """The whole kernel traces and lowers to Mosaic GPU for "cuda" without a GPU."""
   pytest.importorskip("absl")
   m, k, n, g = 300, 128, 200, 3
   config = rd.RaggedDotConfig(block_m=128 if tiling == "group" else 64,
                               block_n=64, block_k=64, num_stages=2,
-                              row_tiling=tiling)
+                              row_tiling=tiling, out_pieces=pieces)
 
   def f(lhs, rhs, sizes):
     starts, ends = tokamax.plugin.held_row_ranges(sizes, None, g, m)
@@ -286,3 +409,85 @@ def test_work_items_cover_every_row_once(sizes, m, held, offset):
   for r in range(m):
     expected = next((g for g in range(held) if s[g] <= r < e[g]), -1)
     assert owner[r] == expected, (r, owner[r], expected)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_pieces_heuristic_lowers_for_cuda(transpose_rhs, out_dtype):
+  """The heuristic's 4-stage, two-piece config (3 stages for f32 outputs)."""
+  pytest.importorskip("absl")
+  m, k, n, g = 1000, 256, 512, 4
+  config = rd._heuristic(m, k, n, g, 2, jnp.dtype(out_dtype).itemsize,
+                         pieces=True)
+  assert config.out_pieces == 2
+  assert config.num_stages == (4 if out_dtype == jnp.bfloat16 else 3)
+
+  def f(lhs, rhs, sizes):
+    starts, ends = tokamax.plugin.held_row_ranges(sizes, None, g, m)
+    return rd.grouped_matmul(lhs, rhs, starts, ends, transpose_rhs=transpose_rhs,
+                             out_dtype=out_dtype, config=config)
+  rhs_shape = (g, n, k) if transpose_rhs else (g, k, n)
+  _lowers(f, ((m, k), jnp.bfloat16), (rhs_shape, jnp.bfloat16), ((g,), jnp.int32))
+
+
+@pytest.mark.parametrize("block_n,stages,pieces,out_dtype", [
+    (128, 4, 2, jnp.bfloat16), (128, 3, 1, jnp.bfloat16), (64, 2, 1, jnp.float32),
+    (128, 3, 2, jnp.float32)])
+def test_drhs_ws_lowers_for_cuda(block_n, stages, pieces, out_dtype):
+  pytest.importorskip("absl")
+  m, k, n, g = 300, 200, 392, 3
+  config = rd.RaggedDotConfig(block_n=block_n, num_stages=stages,
+                              out_pieces=pieces, drhs_kernel="ws")
+
+  def f(lhs, dout, sizes):
+    starts, ends = tokamax.plugin.held_row_ranges(sizes, None, g, m)
+    return rd.grouped_transposed_matmul(lhs, dout, starts, ends,
+                                        out_dtype=out_dtype, config=config)
+  _lowers(f, ((m, k), jnp.bfloat16), ((m, n), jnp.bfloat16), ((g,), jnp.int32))
+
+
+def test_config_validation():
+  with pytest.raises(ValueError, match="out_pieces"):
+    rd.RaggedDotConfig(out_pieces=3)
+  with pytest.raises(ValueError, match="out_pieces=2 needs"):
+    rd.RaggedDotConfig(block_m=64, row_tiling="fixed", out_pieces=2)
+  with pytest.raises(ValueError, match="drhs_kernel"):
+    rd.RaggedDotConfig(drhs_kernel="tma")
+  # 4 stages next to a whole staged 64 x 256 tile per warpgroup: 257 KiB.
+  big = rd.RaggedDotConfig(num_stages=4, out_pieces=1)
+  lhs, rhs = _inputs(256, 128, 256, 2, jnp.bfloat16)
+  starts = jnp.asarray([0, 128], jnp.int32)
+  ends = jnp.asarray([128, 256], jnp.int32)
+  with pytest.raises(ValueError, match=r"num_stages=4.*needs 263168 bytes"):
+    rd.grouped_matmul(lhs, rhs, starts, ends, transpose_rhs=False,
+                      out_dtype=jnp.bfloat16, config=big)
+  with pytest.raises(ValueError, match="drhs"):
+    rd.grouped_transposed_matmul(lhs, lhs, starts, ends, out_dtype=jnp.bfloat16,
+                                 config=dataclasses.replace(big, drhs_kernel="ws"))
+  fitted = rd.drhs_ws_config(dataclasses.replace(big, block_k=32, num_stages=6),
+                             2, 2)
+  assert (fitted.block_k, fitted.num_stages, fitted.out_pieces) == (64, 3, 1)
+
+
+def test_heuristics_pick_pieces_only_for_this_module():
+  from tokamax._src.ops.ragged_dot import RaggedDotArgs  # pylint: disable=g-import-not-at-top
+  lhs, rhs = _inputs(256, 128, 256, 2, jnp.bfloat16)
+  args = RaggedDotArgs(lhs=lhs, rhs=rhs, group_sizes=jnp.asarray([100, 156], jnp.int32))
+  for op in (rd.MosaicGpuRaggedDot(), rd.MosaicGpuRaggedDotVjp()):
+    config = op.heuristic_config(args)
+    assert (config.num_stages, config.out_pieces) == (4, 2), config
+    assert rd.smem_bytes(config, 2, 2) <= rd._common.SMEM_LIMIT
+  assert rd.MosaicGpuRaggedDotVjp().heuristic_config(args).drhs_kernel == "ring"
+  # gated_linear_unit rebuilds configs from block_n/num_stages alone: the plain
+  # heuristic must stay a whole-tile config that fits.
+  plain = rd._heuristic(0, 0, 0, 1, 2, 2)
+  assert (plain.block_n, plain.num_stages, plain.out_pieces) == (128, 3, 1)
+  assert rd.smem_bytes(plain, 2, 2) <= rd._common.SMEM_LIMIT
+
+
+def test_search_space_has_piece_variants():
+  space = rd._search_space(16384, 2048, 16384, 16, 2, 2)
+  assert all(rd.smem_bytes(c, 2, 2) <= rd._common.SMEM_LIMIT for c in space)
+  assert rd.RaggedDotConfig(num_stages=4, out_pieces=2) in space
+  assert rd.RaggedDotConfig(num_stages=3, out_pieces=2) in space
+  assert rd.RaggedDotConfig(num_stages=3) in space

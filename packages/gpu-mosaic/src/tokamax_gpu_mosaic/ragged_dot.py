@@ -24,13 +24,21 @@ so every output row is written exactly once, and no atomics are needed.
 group meeting the tile, merging rows in shared memory (1.5x the work at 256
 random groups; kept for comparison).
 
+Output staging (``out_pieces``): each compute warpgroup stages its ``[64,
+2 * block_n]`` tile in shared memory for the TMA store, whole (1) or in two
+column pieces (2) that reuse one half-size buffer, the second written once the
+first's store has read it. Two pieces free 32 KiB at ``block_n=128``: room for
+a 4th pipeline stage (4 x 48 + 2 x 16 KiB + barriers = 225 KiB of 227).
+
 Reads past the array edges are zero-filled by TMA; the arrays are zero-padded
 only where shapes are not multiples of the swizzle (8 rows, 64 columns).
 
 Backward: ``dlhs = ragged_dot(dout, rhs^T)`` is the same kernel reading rhs
 tiles as ``[n, k]`` (wgmma takes the transposed shared-memory operand).
 ``drhs[g] = lhs[rows_g]^T @ dout[rows_g]`` is `grouped_transposed_matmul`: a
-per-group contraction over the group's rows with a hand-rolled TMA ring.
+per-group contraction over the group's rows, either a hand-rolled TMA ring in
+one warpgroup (``drhs_kernel="ring"``) or the forward's warp-specialized shape
+with a per-item dynamic pipeline length (``"ws"``, `_drhs_warp_specialized`).
 """
 
 from __future__ import annotations
@@ -60,6 +68,11 @@ class RaggedDotConfig:
   warpgroups, ``block_n`` columns each), ``block_k`` of the contraction per
   pipeline step, with ``num_stages`` steps in flight. ``grid_tile_width``: how
   many column tiles a band of the snake order spans (L2 reuse of lhs rows).
+  ``out_pieces``: the output tile is staged in shared memory whole (1) or in
+  two column pieces (2, half the staging memory; ``row_tiling="group"``).
+  ``drhs_kernel`` (backward only): "ring" or "ws", see
+  `grouped_transposed_matmul`; "ws" runs ``block_k=64`` and the stages that fit
+  (`drhs_ws_config`).
   """
 
   block_m: int = 128
@@ -68,6 +81,8 @@ class RaggedDotConfig:
   num_stages: int = 3
   grid_tile_width: int = 8
   row_tiling: str = "group"
+  out_pieces: int = 1
+  drhs_kernel: str = "ring"
 
   def __post_init__(self):
     if self.block_m % _WGMMA_M or self.block_m > 256:
@@ -83,13 +98,33 @@ class RaggedDotConfig:
     if self.row_tiling == "group" and self.block_m != 2 * _WGMMA_M:
       raise ValueError("row_tiling='group' takes block_m=128 (64 rows per "
                        f"compute warpgroup); got {self.block_m}")
+    if self.out_pieces not in (1, 2):
+      raise ValueError(f"out_pieces must be 1 or 2; got {self.out_pieces}")
+    if self.out_pieces == 2 and self.row_tiling != "group":
+      raise ValueError("out_pieces=2 needs row_tiling='group'")
+    if self.drhs_kernel not in ("ring", "ws"):
+      raise ValueError(f"drhs_kernel must be 'ring' or 'ws'; got {self.drhs_kernel}")
 
 
 def smem_bytes(config: RaggedDotConfig, itemsize: int, out_itemsize: int) -> int:
+  """Shared memory of the warp-specialized kernels (the forward/dlhs kernel, and
+  the ``drhs_kernel="ws"`` contraction, whose stage holds 128 lhs columns where
+  the forward holds 128 lhs rows: the same bytes)."""
   stage = (config.block_m * config.block_k
            + config.block_k * 2 * config.block_n) * itemsize
-  out = 2 * config.block_m * config.block_n * out_itemsize
+  out = 2 * config.block_m * config.block_n * out_itemsize // config.out_pieces
   return config.num_stages * stage + out + 1024  # + barriers, alignment
+
+
+def _check_fits(config: RaggedDotConfig, itemsize: int, out_itemsize: int,
+                what: str) -> None:
+  need = smem_bytes(config, itemsize, out_itemsize)
+  if need > _common.SMEM_LIMIT:
+    raise ValueError(
+        f"{what}: {config} needs {need} bytes of shared memory with "
+        f"{itemsize}-byte operands and {out_itemsize}-byte outputs; the limit is "
+        f"{_common.SMEM_LIMIT} (fewer num_stages, out_pieces=2, or a smaller "
+        "block_n)")
 
 
 # ----------------------------------------------------------------------------
@@ -228,9 +263,13 @@ def _grouped_matmul_group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool,
   """
   m_orig = lhs.shape[0]
   n_orig = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  _check_fits(config, lhs.dtype.itemsize, jnp.dtype(out_dtype).itemsize,
+              "ragged_dot grouped_matmul")
   bm, bk = config.block_m, config.block_k
   half = bm // 2
   cta_n = 2 * config.block_n
+  pieces = config.out_pieces
+  piece_n = cta_n // pieces
   lhs, rhs = _pad_operands(lhs, rhs, transpose_rhs, config)
   m, k = lhs.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -257,15 +296,16 @@ def _grouped_matmul_group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool,
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.num_stages,
         compute_context=context)
 
-  # Per compute warpgroup, its output tile as swizzled (whole tiles) or plain
-  # (partial tiles) shared memory over the same bytes. One union per warpgroup:
-  # with one union of [2, ...] views, one warpgroup's plain writes corrupted the
-  # other's swizzled tile on the H200 (notes/MOSAIC_GPU.md).
+  # Per compute warpgroup, its output tile (or one column piece of it, see
+  # `store_tile`) as swizzled (whole tiles) or plain (partial tiles) shared
+  # memory over the same bytes. One union per warpgroup: with one union of
+  # [2, ...] views, one warpgroup's plain writes corrupted the other's swizzled
+  # tile on the H200 (notes/MOSAIC_GPU.md).
   out_smem_types = [
       plgpu.RefUnion(
-          plgpu.SMEM((half, cta_n), out_dtype,
-                     transforms=_common.swizzled(out_dtype, cta_n)),
-          plgpu.SMEM((half, cta_n), out_dtype))
+          plgpu.SMEM((half, piece_n), out_dtype,
+                     transforms=_common.swizzled(out_dtype, piece_n)),
+          plgpu.SMEM((half, piece_n), out_dtype))
       for _ in range(2)]
 
   def kernel(items_ref, lhs_ref, rhs_ref, out_ref):
@@ -284,6 +324,15 @@ def _grouped_matmul_group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool,
           def _store():
             _store_rows(y, lo, hi, dst_row, swizzled_smem, linear_smem, out_ref,
                         cols)
+
+      def store_tile(piece_of, lo, hi, dst_row, n0):
+        """Stores the warpgroup's ``[64, cta_n]`` tile, `pieces` column pieces
+        one after the other through the same shared memory: `_store_rows` first
+        waits until the previous piece's TMA store has read it. Two pieces
+        halve the staging memory (room for one more pipeline stage)."""
+        for p in range(pieces):
+          store_rows(piece_of(p), lo, hi, dst_row,
+                     pl.ds(n0 + p * piece_n, piece_n))
 
       @plgpu.nd_loop((num_items * n_tiles,), collective_axes="sm")
       def _item_loop(info):
@@ -317,8 +366,17 @@ def _grouped_matmul_group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool,
                              acc_ref=plgpu.ACC((half, cta_n), jnp.float32))
           def _acc_scope(acc_ref):
             eval_pipeline(acc_ref)
-            y = acc_ref[...].astype(out_dtype)
-            store_rows(y, wlo, whi, dst_row, cols)
+            if pieces == 1:
+              store_rows(acc_ref[...].astype(out_dtype), wlo, whi, dst_row, cols)
+            else:
+              # Converted piece by piece: only one piece's outputs live in
+              # registers next to the accumulator. (Static column slices: the
+              # load is the whole accumulator, sliced as a value; a pl.ds
+              # slice becomes a dynamic_slice, which does not lower.)
+              acc = acc_ref[...]
+              store_tile(
+                  lambda p: acc[:, p * piece_n:(p + 1) * piece_n].astype(
+                      out_dtype), wlo, whi, dst_row, n0)
 
         @pl.when((group >= 0) & (hi > lo))
         def _matmul():
@@ -331,9 +389,10 @@ def _grouped_matmul_group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool,
 
         @pl.when((group < 0) & (hi > lo) & (wg < 2))
         def _zeros():
-          zeros = plgpu.broadcasted_iota(jnp.int32, (half, cta_n), 0,
+          zeros = plgpu.broadcasted_iota(jnp.int32, (half, piece_n), 0,
                                          layout=plgpu.Layout.WGMMA)
-          store_rows((zeros * 0).astype(out_dtype), wlo, whi, dst_row, cols)
+          zeros = (zeros * 0).astype(out_dtype)
+          store_tile(lambda p: zeros, wlo, whi, dst_row, n0)
 
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -516,6 +575,19 @@ def grouped_transposed_matmul(lhs, dout, starts, ends, *, out_dtype,
                               config: RaggedDotConfig) -> jax.Array:
   """``drhs[g] = lhs[rows_g]^T @ dout[rows_g]``, ``[G_rhs, K, N]``.
 
+  ``config.drhs_kernel`` picks the kernel: "ring" (`_drhs_ring`, one warpgroup)
+  or "ws" (`_drhs_warp_specialized`).
+  """
+  if config.drhs_kernel == "ws":
+    return _drhs_warp_specialized(lhs, dout, starts, ends, out_dtype=out_dtype,
+                                  config=config)
+  return _drhs_ring(lhs, dout, starts, ends, out_dtype=out_dtype, config=config)
+
+
+def _drhs_ring(lhs, dout, starts, ends, *, out_dtype,
+               config: RaggedDotConfig) -> jax.Array:
+  """``drhs[g] = lhs[rows_g]^T @ dout[rows_g]``, ``[G_rhs, K, N]``.
+
   One warpgroup per block, persistent over (group, K-tile, N-tile) items, with a
   hand-rolled `num_stages`-deep TMA ring (the contraction length differs per
   group, which the fixed-grid pipeline helpers cannot express). A group's rows
@@ -619,21 +691,207 @@ def grouped_transposed_matmul(lhs, dout, starts, ends, *, out_dtype,
   return out[:, :k_orig, :n_orig]
 
 
+_WS_K = 2 * _WGMMA_M  # K rows of a "ws" drhs tile (one wgmma M of 128).
+
+
+def drhs_ws_config(config: RaggedDotConfig, itemsize: int,
+                   out_itemsize: int) -> RaggedDotConfig:
+  """The config `_drhs_warp_specialized` runs for a backward `config`.
+
+  Row chunks are 64 deep (the boundary mask loads a chunk in the wgmma
+  register layout: 64-row units); stages are dropped until the ring fits.
+  """
+  c = dataclasses.replace(config, block_m=_WS_K, block_k=64, row_tiling="group")
+  while c.num_stages > 2 and not _fits(c, itemsize, out_itemsize):
+    c = dataclasses.replace(c, num_stages=c.num_stages - 1)
+  return c
+
+
+def _drhs_warp_specialized(lhs, dout, starts, ends, *, out_dtype,
+                           config: RaggedDotConfig) -> jax.Array:
+  """``drhs[g] = lhs[rows_g]^T @ dout[rows_g]`` as the forward's kernel shape.
+
+  A persistent grid walks items (held group, 128-row K tile, ``2 * block_n``
+  N tile), consecutive items sharing the group and K tile (L2 reuse of the
+  group's lhs columns). Per item, `plgpu.emit_pipeline_warp_specialized` with a
+  dynamic grid of ``chunks`` steps: a memory warpgroup streams the group's lhs
+  rows ``[bk, 128]`` and dout rows ``[bk, 2 * block_n]`` through a
+  `num_stages`-deep TMA ring, and two compute warpgroups each accumulate a
+  ``[128, block_n]`` float32 tile ``lhs_chunk^T @ dout_chunk[:, own columns]``.
+
+  Rows are read from the group's start rounded down to 8 (swizzled TMA takes
+  row starts in 8-row units); in a chunk that reaches outside the group each
+  compute warpgroup zeroes those rows of its own dout columns in shared memory
+  before its wgmma (disjoint columns: no barrier between the two). A group with
+  rows runs at least two steps (a one-step warp-specialized pipeline crashed
+  the H200; the extra chunk is all masked). An empty group's tiles are stored
+  as zeros without a pipeline. Every output tile is written once by one block:
+  no atomics, deterministic. The output is staged in `out_pieces` column pieces
+  per warpgroup, each stored after the previous piece's TMA store has read
+  shared memory.
+  """
+  itemsize = jnp.dtype(lhs.dtype).itemsize
+  out_itemsize = jnp.dtype(out_dtype).itemsize
+  if config.block_k != 64:
+    raise ValueError(f"the 'ws' drhs kernel takes block_k=64; got {config}")
+  _check_fits(dataclasses.replace(config, block_m=_WS_K), itemsize, out_itemsize,
+              "ragged_dot drhs (ws)")
+  num_held = starts.shape[0]
+  m_orig, k_orig = lhs.shape
+  n_orig = dout.shape[1]
+  bk, bn, stages = config.block_k, config.block_n, config.num_stages
+  cta_n = 2 * bn
+  piece_n = bn // config.out_pieces
+  # Whole swizzle widths and at least one tile per operand; reads past the
+  # edges within that are zero-filled by TMA, so aligned shapes are not copied.
+  lhs = _pad_axis(_pad_axis(lhs, 0, 8, bk), 1, _COLS, _WS_K)
+  dout = _pad_axis(_pad_axis(dout, 0, 8, bk), 1, _COLS, cta_n)
+  m, k = lhs.shape
+  n = dout.shape[1]
+  k_tiles, n_tiles = pl.cdiv(k, _WS_K), pl.cdiv(n, cta_n)
+  bounds = jnp.stack([starts, ends], axis=1)
+  dtype = lhs.dtype
+
+  lhs_spec = plgpu.BlockSpec((bk, _WS_K), lambda c: (c, 0),
+                             transforms=_common.swizzled(dtype, _WS_K),
+                             delay_release=1)
+  dout_spec = plgpu.BlockSpec((bk, cta_n), lambda c: (c, 0),
+                              transforms=_common.swizzled(dtype, _WS_K),
+                              delay_release=1)
+
+  def make_pipeline(body, context, steps):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(steps,), memory_registers=40,
+        in_specs=[lhs_spec, dout_spec], wg_axis="wg", num_compute_wgs=2,
+        max_concurrent_steps=stages, compute_context=context)
+
+  out_smem_type = plgpu.SMEM((2, _WS_K, piece_n), out_dtype,
+                             transforms=_common.swizzled(out_dtype, piece_n))
+
+  def kernel(bounds_ref, lhs_ref, dout_ref, out_ref):
+    ignore = lambda *_, **__: None
+    # The allocations depend on the specs and the stage count, not the grid.
+    allocs = make_pipeline(ignore, ignore, stages).get_allocations(
+        lhs_ref.at[:, pl.ds(0, _WS_K)], dout_ref.at[:, pl.ds(0, cta_n)])
+
+    @functools.partial(pl.run_scoped, allocs=allocs, out_smem=out_smem_type,
+                       collective_axes="wg")
+    def _scope(allocs, out_smem):
+      wg = lax.axis_index("wg")
+      cwg = jnp.minimum(wg, 1)
+      o_smem = out_smem.at[cwg]
+
+      @plgpu.nd_loop((num_held * k_tiles * n_tiles,), collective_axes="sm")
+      def _item_loop(info):
+        idx = info.index[0]
+        g = idx // (k_tiles * n_tiles)
+        ki = (idx // n_tiles) % k_tiles
+        ni = idx % n_tiles
+        start = bounds_ref[g, 0]
+        end = bounds_ref[g, 1]
+        first = start - start % 8
+        chunks = jnp.where(end > start,
+                           jnp.maximum((end - first + bk - 1) // bk, 2), 0)
+        k0, n0 = ki * _WS_K, ni * cta_n
+
+        def store(piece_of):
+          for p in range(config.out_pieces):
+            # The previous piece's (or tile's) store must have read o_smem.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            o_smem[...] = piece_of(p)
+            plgpu.commit_smem()
+            cols = pl.ds(n0 + cwg * bn + p * piece_n, piece_n)
+            plgpu.copy_smem_to_gmem(o_smem,
+                                    out_ref.at[g, pl.ds(k0, _WS_K), cols])
+
+        def mma(indices, a_smem, b_smem, acc_ref):
+          row0 = first + indices[0] * bk
+
+          # Rows outside the group: zero them in this warpgroup's columns.
+          for w in range(2):
+            @pl.when((wg == w) & ((row0 < start) | (row0 + bk > end)))
+            def _mask():
+              own = b_smem.at[:, w * bn:(w + 1) * bn]
+              rows = row0 + plgpu.broadcasted_iota(
+                  jnp.int32, (bk, bn), 0, layout=plgpu.Layout.WGMMA)
+              keep = (rows >= start) & (rows < end)
+              own[...] = jnp.where(keep, own[...], 0).astype(dtype)
+              plgpu.commit_smem()
+
+          plgpu.wgmma(acc_ref, plgpu.transpose_ref(a_smem, (1, 0)),
+                      b_smem.at[:, pl.ds(cwg * bn, bn)])
+          plgpu.wgmma_wait(1)
+          return acc_ref
+
+        def context(eval_pipeline):
+          @functools.partial(pl.run_scoped,
+                             acc_ref=plgpu.ACC((_WS_K, bn), jnp.float32))
+          def _acc_scope(acc_ref):
+            eval_pipeline(acc_ref)
+            acc = acc_ref[...]  # Waits for the last wgmma.
+            store(lambda p: acc[:, p * piece_n:(p + 1) * piece_n].astype(
+                out_dtype))
+
+        @pl.when(chunks > 0)
+        def _contract():
+          # A window from the group's first row; its steps past the array end
+          # read zeros (TMA), and rows past `end` are masked anyway.
+          rows = pl.ds(first, m)
+          make_pipeline(mma, context, chunks)(
+              lhs_ref.at[rows, pl.ds(k0, _WS_K)],
+              dout_ref.at[rows, pl.ds(n0, cta_n)], allocations=allocs)
+
+        @pl.when((chunks == 0) & (wg < 2))
+        def _empty_group():
+          zeros = plgpu.broadcasted_iota(jnp.int32, (_WS_K, piece_n), 0,
+                                         layout=plgpu.Layout.WGMMA)
+          zeros = (zeros * 0).astype(out_dtype)
+          store(lambda p: zeros)
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  # Whole tiles in the output (sliced after only where K or N is not a tile
+  # multiple): every TMA store is a whole swizzled box inside the array.
+  k_out, n_out = k_tiles * _WS_K, n_tiles * cta_n
+  call = _common.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((num_held, k_out, n_out), out_dtype),
+      grid=(_common.num_sms(),), grid_names=("sm",), num_threads=3,
+      thread_name="wg", compiler_params=_common.compiler_params())
+  out = call(bounds, lhs, dout)
+  if (k_out, n_out) != (k_orig, n_orig):
+    out = out[:, :k_orig, :n_orig]
+  return out
+
+
 # ----------------------------------------------------------------------------
 # Configs and checks.
 
 
 def _heuristic(m: int, k: int, n: int, num_groups: int, itemsize: int,
-               out_itemsize: int) -> RaggedDotConfig:
+               out_itemsize: int, *, pieces: bool = False) -> RaggedDotConfig:
+  """The default tiling. ``pieces=False`` keeps the whole-tile output staging
+  (the configs gated_linear_unit builds from ``block_n``/``num_stages`` alone
+  rely on it); this module's ops pass True."""
   del m, k, n, num_groups
   # Row tiles follow the groups (row_tiling="group"), so small groups waste
-  # little and 128-row tiles (64 per warpgroup) suit every group size.
-  for block_n, stages in ((128, 4), (128, 3), (64, 4), (64, 3)):
+  # little and 128-row tiles (64 per warpgroup) suit every group size. With
+  # delay_release=1 one stage is held by the wgmma in flight, so 4 stages give
+  # 3 of prefetch; 16-bit outputs need the output staged in two column pieces
+  # for the 4th stage to fit (225 KiB).
+  candidates = ((128, 4, 1), (128, 4, 2), (128, 3, 1), (128, 3, 2), (64, 4, 1),
+                (64, 3, 1))
+  for block_n, stages, out_pieces in candidates:
+    if out_pieces == 2 and not pieces:
+      continue
     config = RaggedDotConfig(block_m=128, block_n=block_n, block_k=64,
-                             num_stages=stages)
+                             num_stages=stages, out_pieces=out_pieces)
     if smem_bytes(config, itemsize, out_itemsize) <= _common.SMEM_LIMIT:
       return config
   return RaggedDotConfig(block_m=128, block_n=64, block_k=32, num_stages=2)
+
+
+def _fits(config, itemsize, out_itemsize) -> bool:
+  return smem_bytes(config, itemsize, out_itemsize) <= _common.SMEM_LIMIT
 
 
 def _search_space(m, k, n, num_groups, itemsize, out_itemsize):
@@ -647,8 +905,40 @@ def _search_space(m, k, n, num_groups, itemsize, out_itemsize):
             c = RaggedDotConfig(block_m=bm, block_n=bn, block_k=bk,
                                 num_stages=stages, grid_tile_width=width,
                                 row_tiling=tiling)
-            if smem_bytes(c, itemsize, out_itemsize) <= _common.SMEM_LIMIT:
+            if _fits(c, itemsize, out_itemsize):
               configs.append(c)
+            elif tiling == "group":
+              # Output staged in two column pieces: the stage count that
+              # does not fit next to a whole staged tile.
+              c = dataclasses.replace(c, out_pieces=2)
+              if _fits(c, itemsize, out_itemsize):
+                configs.append(c)
+  # The cost of the second piece's wait where one piece fits as well.
+  for width in (4, 8):
+    c = RaggedDotConfig(num_stages=3, grid_tile_width=width, out_pieces=2)
+    if _fits(c, itemsize, out_itemsize):
+      configs.append(c)
+  return tuple(configs)
+
+
+# The drhs kernel the backward's heuristic picks. "ws" (the warp-specialized
+# contraction) is in the search space; make it the default once the H200 has
+# passed `-k drhs` and measured it faster (notes/MOSAIC_GPU.md, session 5).
+_HEURISTIC_DRHS_KERNEL = "ring"
+
+
+def _vjp_search_space(m, k, n, num_groups, itemsize, out_itemsize):
+  """The forward's space (it tiles dlhs) with the ring drhs, then the "ws" drhs
+  at the dlhs heuristic's tiling with its own stage/piece/width variants (the
+  config tiles both kernels; `drhs_ws_config` fits the stages)."""
+  configs = list(_search_space(m, k, n, num_groups, itemsize, out_itemsize))
+  base = _heuristic(m, k, n, num_groups, itemsize, out_itemsize, pieces=True)
+  for block_n, stages, pieces in ((128, 4, 2), (128, 3, 1), (128, 3, 2),
+                                  (64, 4, 1), (64, 6, 1)):
+    c = dataclasses.replace(base, block_n=block_n, num_stages=stages,
+                            out_pieces=pieces, drhs_kernel="ws")
+    if _fits(c, itemsize, out_itemsize) and c not in configs:
+      configs.append(c)
   return tuple(configs)
 
 
@@ -692,7 +982,7 @@ class MosaicGpuRaggedDot(Op):
     _check_args(args)
 
   def heuristic_config(self, args):
-    return _heuristic(*_problem(args))
+    return _heuristic(*_problem(args), pieces=True)
 
   def search_space(self, args):
     return _search_space(*_problem(args))
@@ -726,11 +1016,12 @@ class MosaicGpuRaggedDotVjp(VjpOp):
 
   def heuristic_config(self, args):
     m, k, n, g, itemsize, _ = _problem(args)
-    return _heuristic(m, n, k, g, itemsize, itemsize)
+    config = _heuristic(m, n, k, g, itemsize, itemsize, pieces=True)
+    return dataclasses.replace(config, drhs_kernel=_HEURISTIC_DRHS_KERNEL)
 
   def search_space(self, args):
     m, k, n, g, itemsize, _ = _problem(args)
-    return _search_space(m, n, k, g, itemsize, itemsize)
+    return _vjp_search_space(m, n, k, g, itemsize, itemsize)
 
   def backward(self, args, residuals, out, dout, config):
     del residuals, out
@@ -741,7 +1032,12 @@ class MosaicGpuRaggedDotVjp(VjpOp):
                                args.rhs.shape[0], args.lhs.shape[0])
     dlhs = grouped_matmul(dout, args.rhs, starts, ends, transpose_rhs=True,
                           out_dtype=args.lhs.dtype, config=config)
-    drhs_config = dataclasses.replace(config, block_k=64, num_stages=4)
+    if config.drhs_kernel == "ws":
+      itemsize = jnp.dtype(args.lhs.dtype).itemsize
+      drhs_config = drhs_ws_config(config, itemsize,
+                                   jnp.dtype(args.rhs.dtype).itemsize)
+    else:
+      drhs_config = dataclasses.replace(config, block_k=64, num_stages=4)
     drhs = grouped_transposed_matmul(args.lhs, dout, starts, ends,
                                      out_dtype=args.rhs.dtype, config=drhs_config)
     return {"lhs": dlhs, "rhs": drhs}

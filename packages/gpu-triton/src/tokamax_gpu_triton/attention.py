@@ -824,11 +824,14 @@ class TritonAttention(tokamax.Op):
           continue
         for warps in (4, 8):
           for stages in (2, 3, 4):
+            # Prefetching holds one more key block: at 128-row key blocks 3
+            # stages overflow shared memory (H200, H128), at 64 rows 4 fit.
+            if bq == 128 and warps == 8 and (bk, stages) in ((64, 3), (64, 4),
+                                                             (128, 2)):
+              configs.append(AttentionConfig(bq, bk, warps, stages, prefetch_qk=True))
             if stages == 4 and (hd > 64 or bk > 64):
               continue
             configs.append(AttentionConfig(bq, bk, warps, stages))
-            if bq == 128 and bk >= 64 and warps == 8 and stages < 4:
-              configs.append(AttentionConfig(bq, bk, warps, stages, prefetch_qk=True))
     return tuple(configs)
 
   def forward(self, args, config):
