@@ -663,13 +663,6 @@ def test_backward_refuses_non_hopper_devices():
 @pytest.mark.parametrize("kw,reason", [
     (dict(bias=np.ones((1, 2, 256, 256), np.float32) * 0.5), "bias"),
     (dict(mask=np.tril(np.ones((256, 256), bool))), "bool mask"),
-    (dict(q_segment_ids=np.zeros((1, 256), np.int32),
-          kv_segment_ids=np.zeros((1, 256), np.int32)), "segment ids"),
-    (dict(local_window_size=(16, 0)), "local window"),
-    (dict(logits_soft_cap=30.0), "soft cap"),
-    (dict(query_seq_lengths=np.array([100], np.int32)), "query sequence lengths"),
-    (dict(key_value_seq_lengths=np.array([100], np.int32)),
-     "key/value sequence lengths"),
     (dict(dtype=jnp.float32), "bfloat16 or float16"),
     (dict(h=256), "232-register limit"),
     (dict(h=80), "head dims"),
@@ -684,12 +677,25 @@ def test_backward_refusals(kw, reason):
     mat.MosaicGpuAttentionVjp().check_supported(_args(**kw), _H200)
 
 
-def test_backward_refuses_q_offset_and_missing_lse():
-  args = dataclasses.replace(_args(is_causal=True), q_offset=jnp.int32(64))
-  with pytest.raises(NotImplementedError, match="q_offset"):
-    mat.MosaicGpuAttentionVjp().check_supported(args, _H200)
+def test_backward_refuses_missing_lse():
   with pytest.raises(NotImplementedError, match="lse"):
     mat.MosaicGpuAttentionVjp().check_supported(_args(), _H200, {})
+
+
+def test_bwd_features_accepted_on_hopper():
+  op = mat.MosaicGpuAttentionVjp()
+  assert "q_offset" in op.supported_features
+  lse = {"lse": jnp.zeros((1, 2, 256))}
+  for kw in (dict(q_segment_ids=np.zeros((1, 256), np.int32),
+                  kv_segment_ids=np.zeros((1, 256), np.int32)),
+             dict(local_window_size=(16, 0)), dict(logits_soft_cap=30.0),
+             dict(query_seq_lengths=np.array([100], np.int32)),
+             dict(key_value_seq_lengths=np.array([100], np.int32)),
+             dict(local_window_size=(16, 0), is_causal=True, h=128,
+                  logits_soft_cap=5.0)):
+    op.check_supported(_args(**kw), _H200, lse)
+  op.check_supported(
+      dataclasses.replace(_args(is_causal=True), q_offset=jnp.int32(64)), _H200, lse)
 
 
 def test_backward_configs_fit():
@@ -1067,3 +1073,509 @@ def test_soft_cap_lowers_with_overlap(causal):
       q, key, v, scale=0.125, causal=causal, config=mat.AttentionConfig(
           overlap_qk=True), logits_soft_cap=10.0)), platforms=["cuda"])(*shapes)
   assert "mosaic_gpu" in exported.mlir_module()
+
+
+# ----------------------------------------------------------------------------
+# Backward features: lengths, window, q_offset, soft cap, segments.
+# ----------------------------------------------------------------------------
+
+
+def test_bwd_features_query_range_matches_brute_force():
+  # The dK/dV kernel's query tiles for 64 key rows: every tile holding a
+  # visible (query, key) pair is in [lo, hi); in [fl, fh) every valid query
+  # sees every valid key of the block.
+  rng = np.random.default_rng(2)
+  windows = [(None, None), (None, 0), (0, 0), (5, 0), (100, 3), (None, 17),
+             (300, None), (1, 1), (64, 64)]
+  query_range = jax.jit(mat._query_range, static_argnums=(1, 5, 6, 7))
+  for trial in range(300):
+    bq = int(rng.choice([64, 128]))
+    t = int(rng.integers(1, 700))
+    s = int(rng.integers(1, 700))
+    left, right = windows[trial % len(windows)]
+    q_limit = int(rng.integers(0, t + 1))
+    kv_limit = int(rng.integers(0, s + 1))
+    off = int(rng.integers(-300, 300)) if trial % 3 else 0
+    k0 = 64 * int(rng.integers(0, -(-s // 64)))
+    lo, fl, fh, hi = (int(x) for x in query_range(
+        jnp.int32(k0), 64, jnp.int32(q_limit), jnp.int32(kv_limit), jnp.int32(off),
+        left, right, bq))
+    n_q = -(-t // bq)
+    # Rows: queries; columns: this block's keys.
+    vis = _brute_visible(np.arange(n_q * bq), np.arange(k0, k0 + 64), q_limit,
+                         kv_limit, off, left, right)
+    valid_keys = np.arange(k0, k0 + 64) < kv_limit
+    case = (bq, t, s, left, right, q_limit, kv_limit, off, k0, lo, fl, fh, hi)
+    assert 0 <= lo <= fl <= fh <= hi, case
+    for j in range(max(n_q, hi)):
+      tile = vis[j * bq:(j + 1) * bq]
+      if tile.any():
+        assert lo <= j < hi <= n_q, (case, j)
+      if fl <= j < fh:
+        rows = np.arange(j * bq, (j + 1) * bq) < q_limit
+        assert tile[rows][:, valid_keys].all(), (case, j)
+
+
+def _np(x):
+  return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def _ints(*xs):
+  return [int(x) for x in xs]
+
+
+def _segment_narrowed(rng_, table, bi, g, segments):
+  lo, fl, fh, hi = rng_
+  if segments:
+    lo = max(lo, int(table[bi, g, 0]))
+    hi = max(min(hi, int(table[bi, g, 1])), lo)
+    fl = fh = lo
+  return lo, fl, fh, hi
+
+
+def _model_scores(s, dp, lse_b, delta_b, c, cap, visible):
+  """One step's P and dS in float64, as the kernels compute them (unscaled dS;
+  `lse_b`/`delta_b` already broadcast against `s`)."""
+  with np.errstate(all="ignore"):
+    if cap is None:
+      z = s * c - lse_b
+    else:
+      th = np.tanh(s * (c / (mat._LOG2E * cap)))
+      z = th * (cap * mat._LOG2E) - lse_b
+    if visible is not None:
+      z = np.where(visible, z, -np.inf)
+    p = np.exp2(z)
+    ds = p * (dp - delta_b)
+    if cap is not None:
+      ds = ds * (1.0 - th * th)
+  return p, ds
+
+
+def _model_dkv(q, k, v, do, lse2, delta, *extras, scale, causal, config, feat):
+  """The dK/dV kernel's loops (ranges, masks, steps) in NumPy."""
+  q, k, v, do, lse2, delta = (_np(x) for x in (q, k, v, do, lse2, delta))
+  b, tp, n, h = q.shape
+  sp, nk = k.shape[1], k.shape[2]
+  group, bq, rows = n // nk, config.block_q, 64
+  nq, c = tp // bq, scale * mat._LOG2E
+  lims = np.asarray(extras[0]) if feat.dynamic else None
+  if feat.segments:
+    table, q_ids, kv_ids = (np.asarray(x) for x in extras[1:4])
+  query_range = jax.jit(mat._query_range, static_argnums=(1, 5, 6, 7))
+  dk, dv = np.zeros(k.shape), np.zeros(v.shape)
+  for bi in range(b):
+    for kh in range(nk):
+      for ki in range(sp // 128):
+        k0 = ki * 128
+        if feat.dynamic:
+          q_limit, kv_limit, off = (int(x) for x in lims[bi])
+          ranges = [_segment_narrowed(_ints(*query_range(
+              jnp.int32(k0 + w * rows), rows, jnp.int32(q_limit),
+              jnp.int32(kv_limit), jnp.int32(off), feat.left, feat.right, bq)),
+              table if feat.segments else None, bi, ki * 2 + w, feat.segments)
+                    for w in (0, 1)]
+          lo, fl, fh, hi = _ints(*mat._shared_steps(*(
+              tuple(jnp.int32(x) for x in r) for r in ranges)))
+          assert lo <= fl <= fh <= hi
+        for w in (0, 1):
+          r0 = k0 + w * rows
+          if feat.dynamic:
+            steps = [(j, not fl <= j < fh) for j in range(lo, hi)]
+          elif causal:
+            j_clear = min((r0 + rows - 1 + bq - 1) // bq, nq)
+            steps = [(j, j < j_clear) for j in range(k0 // bq, nq)]
+          else:
+            steps = [(j, False) for j in range(nq)]
+          kt, vt = k[bi, r0:r0 + rows, kh], v[bi, r0:r0 + rows, kh]
+          for g in range(group):
+            head = kh * group + g
+            for j, masked in steps:
+              tq = slice(j * bq, (j + 1) * bq)
+              qt, dot = q[bi, tq, head], do[bi, tq, head]
+              key = np.arange(r0, r0 + rows)[:, None]
+              query = np.arange(j * bq, (j + 1) * bq)[None, :]
+              visible = None
+              if masked and not feat.dynamic:
+                visible = key <= query
+              elif masked:
+                pos = query + off
+                visible = np.ones((rows, bq), bool)
+                if feat.left is not None:
+                  visible &= key >= pos - feat.left
+                if feat.right is not None:
+                  visible &= key <= pos + feat.right
+                if feat.segments:
+                  visible &= (kv_ids[bi, r0:r0 + rows, None]
+                              == q_ids[bi, None, j * bq:(j + 1) * bq])
+              p, ds = _model_scores(kt @ qt.T, vt @ dot.T, lse2[bi, head, tq][None],
+                                    delta[bi, head, tq][None], c, feat.soft_cap,
+                                    visible)
+              dv[bi, r0:r0 + rows, kh] += p @ dot
+              dk[bi, r0:r0 + rows, kh] += ds @ qt
+          if feat.kv_len:
+            keep = (np.arange(r0, r0 + rows) < kv_limit)[:, None]
+            dk[bi, r0:r0 + rows, kh] = np.where(keep, dk[bi, r0:r0 + rows, kh], 0)
+            dv[bi, r0:r0 + rows, kh] = np.where(keep, dv[bi, r0:r0 + rows, kh], 0)
+  return jnp.asarray(dk * scale, jnp.float32), jnp.asarray(dv, jnp.float32)
+
+
+def _model_dq(q, k, v, do, lse2, delta, *extras, scale, causal, s_true, config,
+              feat):
+  """The dQ kernel's loops in NumPy."""
+  q, k, v, do, lse2, delta = (_np(x) for x in (q, k, v, do, lse2, delta))
+  b, tp, n, h = q.shape
+  sp, nk = k.shape[1], k.shape[2]
+  group, bkv, rows = n // nk, config.block_kv, 64
+  n_kv, c = sp // bkv, scale * mat._LOG2E
+  lims = np.asarray(extras[0]) if feat.dynamic else None
+  if feat.segments:
+    table, q_ids, kv_ids = (np.asarray(x) for x in extras[1:4])
+  key_range = jax.jit(mat._key_range, static_argnums=(1, 5, 6, 7))
+  dq = np.zeros(q.shape)
+  for bi in range(b):
+    for head in range(n):
+      kvh = head // group
+      for qi in range(tp // 128):
+        tile0 = qi * 128
+        if feat.dynamic:
+          q_limit, kv_limit, off = (int(x) for x in lims[bi])
+          ranges = [_segment_narrowed(_ints(*key_range(
+              jnp.int32(tile0 + w * rows), rows, jnp.int32(q_limit),
+              jnp.int32(kv_limit), jnp.int32(off), feat.left, feat.right, bkv)),
+              table if feat.segments else None, bi, qi * 2 + w, feat.segments)
+                    for w in (0, 1)]
+          lo, fl, fh, hi = _ints(*mat._shared_steps(*(
+              tuple(jnp.int32(x) for x in r) for r in ranges)))
+          assert lo <= fl <= fh <= hi
+        for w in (0, 1):
+          r0 = tile0 + w * rows
+          if feat.dynamic:
+            steps = [(i, not fl <= i < fh) for i in range(lo, hi)]
+          else:
+            n_block = (min(-(-(tile0 + 128) // bkv), n_kv) if causal else n_kv)
+            n_clear = (min((r0 + 1) // bkv, s_true // bkv) if causal
+                       else s_true // bkv)
+            steps = [(i, i >= n_clear) for i in range(n_block)]
+          tq = slice(r0, r0 + rows)
+          qt, dot = q[bi, tq, head], do[bi, tq, head]
+          for i, masked in steps:
+            tk = slice(i * bkv, (i + 1) * bkv)
+            kt, vt = k[bi, tk, kvh], v[bi, tk, kvh]
+            query = np.arange(r0, r0 + rows)[:, None]
+            key = np.arange(i * bkv, (i + 1) * bkv)[None, :]
+            visible = None
+            if masked:
+              visible = np.ones((rows, bkv), bool)
+              if not feat.dynamic:
+                if causal:
+                  visible &= key <= query
+                visible &= key < s_true
+              else:
+                pos = query + off
+                visible &= key < kv_limit
+                if feat.left is not None:
+                  visible &= key >= pos - feat.left
+                if feat.right is not None:
+                  visible &= key <= pos + feat.right
+                if feat.segments:
+                  visible &= (q_ids[bi, tq, None]
+                              == kv_ids[bi, None, i * bkv:(i + 1) * bkv])
+            _, ds = _model_scores(qt @ kt.T, dot @ vt.T, lse2[bi, head, tq][:, None],
+                                  delta[bi, head, tq][:, None], c, feat.soft_cap,
+                                  visible)
+            dq[bi, tq, head] += ds @ kt
+  return jnp.asarray(dq * scale, jnp.float32)
+
+
+_BWD_MODEL_CASES = [
+    # (t, s, n, k, config (block_q, block_kv), features)
+    (200, 330, 4, 2, (64, 128), dict(q_len=[200, 77], kv_len=[300, 1])),
+    (200, 330, 4, 2, (128, 64), dict(causal=True, q_len=[150, 3],
+                                     kv_len=[0, 260])),
+    (256, 384, 2, 1, (64, 64), dict(window=(64, 16))),
+    (300, 200, 2, 2, (128, 128), dict(window=(None, 17), kv_len=[150, 200])),
+    (192, 320, 2, 1, (64, 128), dict(window=(50, 0), q_offset=37)),
+    (256, 256, 2, 2, (64, 64), dict(causal=True, q_offset=-200)),
+    (256, 512, 4, 2, (128, 64), dict(causal=True, window=(100, None),
+                                     q_offset=130, q_len=[256, 100])),
+    (200, 330, 2, 1, (64, 128), dict(soft_cap=2.0)),
+    (200, 330, 2, 1, (64, 128), dict(soft_cap=3.0, causal=True)),
+    (256, 320, 2, 2, (64, 64), dict(soft_cap=2.0, window=(40, 40),
+                                    kv_len=[300, 100])),
+    (256, 256, 4, 2, (64, 128), dict(causal=True, segments="packed")),
+    (200, 333, 2, 1, (128, 64), dict(segments="random", kv_len=[250, 333],
+                                     window=(None, 40))),
+    (256, 256, 2, 2, (64, 64), dict(segments="disjoint")),
+    # The static paths, to trust the model itself.
+    (200, 330, 4, 2, (64, 128), dict()),
+    (330, 200, 4, 2, (128, 64), dict(causal=True)),
+]
+
+
+def _model_segments(kind, t, s):
+  rng = np.random.default_rng(next(_seed))
+  if kind == "packed":
+    ids = _packed(2, max(t, s), [[100, 28, 60, 68], [7, 249]])
+    return ids[:, :t], ids[:, :s]
+  if kind == "random":
+    return (rng.integers(0, 3, (2, t)).astype(np.int32),
+            rng.integers(1, 5, (2, s)).astype(np.int32))
+  return np.zeros((2, t), np.int32), np.ones((2, s), np.int32)
+
+
+@pytest.mark.parametrize("case", range(len(_BWD_MODEL_CASES)))
+def test_bwd_features_tile_model_matches_autodiff(case, monkeypatch):
+  # `mosaic_attention_bwd` (wrapper: lse sanitizing, padding, limits, segment
+  # tables) with both kernels replaced by NumPy models of their loops (tile
+  # ranges, shared steps, masks, soft-cap derivative, zeroed rows), against
+  # autodiff of the XLA reference: checks the index logic the GPU runs.
+  import tokamax_xla_reference  # pylint: disable=import-outside-toplevel
+  t, s, n, k, (block_q, block_kv), feats = _BWD_MODEL_CASES[case]
+  feats = dict(feats)
+  if "segments" in feats:
+    feats["segments"] = _model_segments(feats["segments"], t, s)
+  args = _feature_args(2, t, s, n, k, 16, jnp.float32, **feats)
+  monkeypatch.setattr(mat, "_flash_dkv", _model_dkv)
+  monkeypatch.setattr(mat, "_flash_dq", _model_dq)
+  kw = dict(is_causal=args.is_causal, local_window=args.local_window,
+            logits_soft_cap=args.logits_soft_cap,
+            query_seq_lengths=args.query_seq_lengths,
+            key_value_seq_lengths=args.key_value_seq_lengths,
+            q_segment_ids=args.q_segment_ids, kv_segment_ids=args.kv_segment_ids,
+            q_offset=args.q_offset)
+
+  def ref(q, key, v):
+    return tokamax_xla_reference.attention(q, key, v, scale=args.scale,
+                                           precision=HIGHEST, **kw)
+  (out, lse), vjp = jax.vjp(ref, args.query, args.key, args.value)
+  dout = _cotangent(out.shape, jnp.float32)
+  want = vjp((dout, jnp.zeros_like(lse)))
+  kw["causal"] = kw.pop("is_causal")
+  got = mat.mosaic_attention_bwd(
+      args.query, args.key, args.value, out, dout, lse, scale=args.scale,
+      config=mat.AttentionVjpConfig(block_q, block_kv, 2), **kw)
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    g, w = np.asarray(g), np.asarray(w)
+    assert g.shape == w.shape and np.isfinite(g).all(), name
+    np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-4 * np.abs(w).max() + 1e-6,
+                               err_msg=name)
+  # Rows past the lengths: zero gradients.
+  if args.query_seq_lengths is not None:
+    for bi, limit in enumerate(np.asarray(args.query_seq_lengths)):
+      assert (np.asarray(got[0])[bi, limit:] == 0).all()
+  if args.key_value_seq_lengths is not None:
+    for bi, limit in enumerate(np.asarray(args.key_value_seq_lengths)):
+      assert (np.asarray(got[1])[bi, limit:] == 0).all()
+      assert (np.asarray(got[2])[bi, limit:] == 0).all()
+
+
+def test_bwd_features_configs_fit_with_segments():
+  seg = dict(q_segment_ids=np.zeros((1, 256), np.int32),
+             kv_segment_ids=np.zeros((1, 256), np.int32))
+  op = mat.MosaicGpuAttentionVjp()
+  for h in (64, 128):
+    args = _args(h=h, **seg)
+    config = op.heuristic_config(args)
+    assert config == op.heuristic_config(_args(h=h))  # the default still fits
+    space = op.search_space(args)
+    assert config in space
+    for c in space:
+      assert max(mat.bwd_smem_bytes(c, h, 2, segments=True)) <= 227 * 1024 - 1024
+  assert all(a > b for a, b in zip(
+      mat.bwd_smem_bytes(mat.AttentionVjpConfig(), 128, 2, segments=True),
+      mat.bwd_smem_bytes(mat.AttentionVjpConfig(), 128, 2)))
+
+
+@pytest.mark.parametrize("features", [
+    dict(query_seq_lengths=True, key_value_seq_lengths=True),
+    dict(local_window=(64, 16)),
+    dict(local_window=(None, 0), query_seq_lengths=True),
+    dict(logits_soft_cap=5.0),
+    dict(segments=True),
+    dict(segments=True, local_window=(100, 0), key_value_seq_lengths=True,
+         logits_soft_cap=30.0),
+    dict(q_offset=True, local_window=(32, 0)),
+    dict(q_offset=True),  # with causal below; without: the offset is moot
+])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("h,n,k,t,s,config", [
+    (128, 8, 2, 384, 640, mat.AttentionVjpConfig(64, 128, 2)),
+    (64, 4, 1, 200, 333, mat.AttentionVjpConfig(128, 64, 3, ping_pong=True,
+                                                ping_pong_dq=True)),
+])
+def test_bwd_features_lower_for_cuda(features, causal, h, n, k, t, s, config):
+  pytest.importorskip("absl")
+  b = 2
+  features = dict(features)
+  sds = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
+  shapes = [sds((b, t, n, h)), sds((b, s, k, h)), sds((b, s, k, h)),
+            sds((b, t, n, h)), sds((b, t, n, h)), sds((b, n, t), jnp.float32)]
+  names = []
+  for name in ("query_seq_lengths", "key_value_seq_lengths"):
+    if features.pop(name, False):
+      names.append(name)
+      shapes.append(sds((b,), jnp.int32))
+  if features.pop("segments", False):
+    names += ["q_segment_ids", "kv_segment_ids"]
+    shapes += [sds((b, t), jnp.int32), sds((b, s), jnp.int32)]
+  if features.pop("q_offset", False):
+    names.append("q_offset")
+    shapes.append(sds((), jnp.int32))
+
+  def run(q, key, v, o, do, lse, *rest):
+    return mat.mosaic_attention_bwd(q, key, v, o, do, lse, scale=0.125,
+                                    causal=causal, config=config, **features,
+                                    **dict(zip(names, rest)))
+  exported = jax.export.export(jax.jit(run), platforms=["cuda"])(*shapes)
+  assert exported.mlir_module().count("mosaic_gpu") >= 2
+  assert [(a.shape, a.dtype) for a in exported.out_avals] == [
+      ((b, t, n, h), jnp.bfloat16), ((b, s, k, h), jnp.bfloat16),
+      ((b, s, k, h), jnp.bfloat16)]
+
+
+# GPU: gradients through implementation="mosaic_gpu" (its forward and backward)
+# against the XLA reference on float32 upcasts. Select with `-k bwd_features`.
+
+
+def _check_bwd_features(b, t, s, n, k, h, dtype=jnp.bfloat16, **features):
+  """jax.grad with a random cotangent, ours (named) against XLA's in float32."""
+  args = _feature_args(b, t, s, n, k, h, dtype, **features)
+  kw = dict(is_causal=args.is_causal, local_window_size=args.local_window,
+            logits_soft_cap=args.logits_soft_cap,
+            query_seq_lengths=args.query_seq_lengths,
+            key_value_seq_lengths=args.key_value_seq_lengths,
+            q_segment_ids=args.q_segment_ids, kv_segment_ids=args.kv_segment_ids,
+            scale=args.scale)
+  cot = _cotangent(args.query.shape, dtype)
+
+  def loss(q, key, v, impl):
+    y = tokamax.dot_product_attention(
+        q, key, v, precision=HIGHEST if impl == "xla" else None,
+        implementation=impl, **kw)
+    return jnp.sum(y.astype(jnp.float32) * cot.astype(jnp.float32))
+  with tokamax.record_dispatch() as records:
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(
+        args.query, args.key, args.value, "mosaic_gpu")
+  assert {r.implementation for r in records if r.direction == "backward"} == {
+      "mosaic_gpu"}, records
+  up = lambda x: x.astype(jnp.float32)
+  want = jax.grad(loss, argnums=(0, 1, 2))(up(args.query), up(args.key),
+                                           up(args.value), "xla")
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    assert g.dtype == dtype and g.shape == w.shape
+    assert not np.isnan(np.asarray(g, np.float32)).any(), name
+    testing.assert_close(g, w, dtype, what=name, scale=2, gpu=True)
+  if args.query_seq_lengths is not None:
+    for bi, limit in enumerate(np.asarray(args.query_seq_lengths)):
+      assert (np.asarray(got[0], np.float32)[bi, limit:] == 0).all()
+  if args.key_value_seq_lengths is not None:
+    for bi, limit in enumerate(np.asarray(args.key_value_seq_lengths)):
+      assert (np.asarray(got[1], np.float32)[bi, limit:] == 0).all()
+      assert (np.asarray(got[2], np.float32)[bi, limit:] == 0).all()
+
+
+def _check_bwd_features_direct(b, t, s, n, k, h, config=None, **features):
+  """The backward alone (q_offset is not in the public API; an explicit
+  config), fed the XLA reference's output and lse, against its VJP."""
+  import tokamax_xla_reference  # pylint: disable=import-outside-toplevel
+  args = _feature_args(b, t, s, n, k, h, jnp.bfloat16, **features)
+  config = config or mat.MosaicGpuAttentionVjp().heuristic_config(args)
+  kw = dict(is_causal=args.is_causal, local_window=args.local_window,
+            logits_soft_cap=args.logits_soft_cap,
+            query_seq_lengths=args.query_seq_lengths,
+            key_value_seq_lengths=args.key_value_seq_lengths,
+            q_segment_ids=args.q_segment_ids, kv_segment_ids=args.kv_segment_ids,
+            q_offset=args.q_offset)
+  up = lambda x: x.astype(jnp.float32)
+
+  def ref(q, key, v):
+    return tokamax_xla_reference.attention(q, key, v, scale=args.scale,
+                                           precision=HIGHEST, **kw)
+  (out, lse), vjp = jax.vjp(ref, up(args.query), up(args.key), up(args.value))
+  dout = _cotangent(out.shape, jnp.bfloat16)
+  want = vjp((up(dout), jnp.zeros_like(lse)))
+  kw["causal"] = kw.pop("is_causal")
+  got = jax.jit(lambda *a: mat.mosaic_attention_bwd(
+      *a, scale=args.scale, config=config, **kw))(
+          args.query, args.key, args.value, out.astype(jnp.bfloat16), dout, lse)
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    testing.assert_close(g, w, jnp.bfloat16, what=name, scale=2, gpu=True)
+
+
+@gpu
+@pytest.mark.parametrize("h", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_bwd_features_lengths(h, causal):
+  # Awkward T != S, lengths not multiples of 128, an empty batch element.
+  _check_bwd_features(3, 300, 333, 4, 2, h, causal=causal, q_len=[300, 100, 0],
+                      kv_len=[333, 77, 200])
+
+
+@gpu
+@pytest.mark.parametrize("window,causal", [((64, 0), False), ((100, 30), False),
+                                           ((300, None), True)])
+def test_bwd_features_window(window, causal):
+  _check_bwd_features(2, 640, 704, 8, 2, 128, window=window, causal=causal)  # GQA
+  _check_bwd_features(1, 200, 330, 2, 2, 64, window=window, causal=causal,
+                      kv_len=[250])
+
+
+@gpu
+@pytest.mark.parametrize("offset,window", [(37, (50, 50)), (-300, None)])
+def test_bwd_features_q_offset(offset, window):
+  _check_bwd_features_direct(2, 256, 512, 4, 2, 128, causal=window is None,
+                             window=window, q_offset=offset)
+  _check_bwd_features_direct(1, 200, 333, 2, 1, 64, causal=True, window=window,
+                             q_offset=offset, kv_len=[300])
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_bwd_features_soft_cap(dtype, causal):
+  if causal:  # GQA
+    _check_bwd_features(2, 384, 384, 4, 2, 128, dtype, soft_cap=10.0, causal=True)
+  else:  # a tight cap, a negative scale, a query length
+    _check_bwd_features(1, 200, 256, 2, 2, 64, dtype, soft_cap=1.0, scale=-0.3,
+                        q_len=[150])
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_bwd_features_segments(causal):
+  t = 512
+  ids = _packed(2, t, [[100, 28, 300, 84], [7, 500]])
+  _check_bwd_features(2, t, t, 8, 2, 128, segments=(ids, ids), causal=causal)  # GQA
+  rng = np.random.default_rng(next(_seed))
+  qs = rng.integers(0, 3, (1, 200)).astype(np.int32)
+  ks = rng.integers(1, 5, (1, 333)).astype(np.int32)
+  _check_bwd_features(1, 200, 333, 4, 1, 64, segments=(qs, ks), causal=causal,
+                      kv_len=[250], window=(None, 40))  # MQA
+
+
+@gpu
+@pytest.mark.parametrize("config", [
+    mat.AttentionVjpConfig(64, 64, 3),
+    mat.AttentionVjpConfig(64, 128, 2, ping_pong=True, ping_pong_dq=True),
+    mat.AttentionVjpConfig(128, 64, 4, ping_pong=True, ping_pong_dq=True),
+])
+def test_bwd_features_configs(config):
+  # Ring laps counted from the union's first tile, ping-pong with shared steps.
+  h = 64 if config.block_q == 128 else 128
+  _check_bwd_features_direct(2, 1024, 1024, 2, 1, h, config=config,
+                             window=(200, 0), kv_len=[1000, 513],
+                             q_len=[1024, 700], soft_cap=20.0)
+  ids = _packed(1, 700, [[300, 150, 250]])
+  _check_bwd_features_direct(1, 700, 700, 2, 2, h, config=config,
+                             segments=(ids, ids), causal=True, q_offset=64)
+
+
+@gpu
+def test_bwd_features_rows_that_see_nothing():
+  _check_bwd_features(2, 256, 256, 2, 2, 128, kv_len=[0, 0])
+  _check_bwd_features(1, 256, 256, 2, 2, 64, window=(0, 0), kv_len=[100])
+  qs = np.zeros((1, 256), np.int32)
+  ks = np.ones((1, 256), np.int32)
+  qs[:, 64:128] = 1
+  _check_bwd_features(1, 256, 256, 2, 2, 64, segments=(qs, ks), causal=True)
+  _check_bwd_features_direct(2, 384, 256, 2, 2, 128, q_offset=-200, causal=True)

@@ -15,6 +15,7 @@ import pytest
 
 import tokamax
 from tokamax import testing
+from tokamax._src import config_sources
 from tokamax_gpu_mosaic import ragged_dot as rd
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -43,14 +44,23 @@ def _reference(lhs, rhs, group_sizes, group_offset, preferred_element_type=None)
       preferred_element_type=preferred_element_type and jnp.float32)
 
 
+class _BackwardConfig:
+  """A config source giving the Mosaic GPU backward `config` (None: heuristic)."""
+
+  def __init__(self, config):
+    self.config = config
+
+  def lookup(self, op, args):
+    del args
+    return self.config if isinstance(op, rd.MosaicGpuRaggedDotVjp) else None
+
+
 def _check(m, k, n, sizes, *, num_held=None, group_offset=None, dtype=jnp.bfloat16,
            preferred_element_type=None, config=None, grads=True, bwd_config=None):
   num_held = num_held or len(sizes)
   lhs, rhs = _inputs(m, k, n, num_held, dtype)
   group_sizes = jnp.asarray(sizes, jnp.int32)
   impl = rd.MosaicGpuRaggedDot(config) if config else "mosaic_gpu"
-  if bwd_config is not None:
-    impl = (rd.MosaicGpuRaggedDot(config), rd.MosaicGpuRaggedDotVjp(bwd_config))
   with tokamax.record_dispatch() as records:
     out = jax.jit(lambda l, r, g: tokamax.ragged_dot(
         l, r, g, group_offset=group_offset, implementation=impl,
@@ -79,7 +89,8 @@ def _check(m, k, n, sizes, *, num_held=None, group_offset=None, dtype=jnp.bfloat
       o = tokamax.ragged_dot(l, r, group_sizes, group_offset=group_offset,
                              implementation=impl)
       return jnp.sum(o.astype(jnp.float32) * cot)
-    with tokamax.record_dispatch() as records:
+    with (tokamax.record_dispatch() as records,
+          config_sources.use(_BackwardConfig(bwd_config))):
       dl, dr = jax.grad(loss, argnums=(0, 1))(lhs, rhs, impl)
     assert any(r.implementation == "mosaic_gpu" and r.direction == "backward"
                for r in records), records
@@ -414,13 +425,16 @@ def test_work_items_cover_every_row_once(sizes, m, held, offset):
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 def test_pieces_heuristic_lowers_for_cuda(transpose_rhs, out_dtype):
-  """The heuristic's 4-stage, two-piece config (3 stages for f32 outputs)."""
+  """The heuristic's 4-stage, two-piece config for groups of many row tiles (3
+  stages for f32 outputs); smaller groups keep 3 stages and one piece."""
   pytest.importorskip("absl")
-  m, k, n, g = 1000, 256, 512, 4
-  config = rd._heuristic(m, k, n, g, 2, jnp.dtype(out_dtype).itemsize,
-                         pieces=True)
+  m, k, n, g = 4096, 256, 512, 4
+  itemsize = jnp.dtype(out_dtype).itemsize
+  config = rd._heuristic(m, k, n, g, 2, itemsize, pieces=True)
   assert config.out_pieces == 2
   assert config.num_stages == (4 if out_dtype == jnp.bfloat16 else 3)
+  small = rd._heuristic(m, k, n, 64, 2, itemsize, pieces=True)
+  assert small.num_stages == 3
 
   def f(lhs, rhs, sizes):
     starts, ends = tokamax.plugin.held_row_ranges(sizes, None, g, m)
@@ -471,13 +485,14 @@ def test_config_validation():
 
 def test_heuristics_pick_pieces_only_for_this_module():
   from tokamax._src.ops.ragged_dot import RaggedDotArgs  # pylint: disable=g-import-not-at-top
-  lhs, rhs = _inputs(256, 128, 256, 2, jnp.bfloat16)
-  args = RaggedDotArgs(lhs=lhs, rhs=rhs, group_sizes=jnp.asarray([100, 156], jnp.int32))
+  lhs, rhs = _inputs(2048, 128, 256, 2, jnp.bfloat16)  # groups of 1024 rows
+  args = RaggedDotArgs(lhs=lhs, rhs=rhs,
+                       group_sizes=jnp.asarray([1000, 1048], jnp.int32))
   for op in (rd.MosaicGpuRaggedDot(), rd.MosaicGpuRaggedDotVjp()):
     config = op.heuristic_config(args)
     assert (config.num_stages, config.out_pieces) == (4, 2), config
     assert rd.smem_bytes(config, 2, 2) <= rd._common.SMEM_LIMIT
-  assert rd.MosaicGpuRaggedDotVjp().heuristic_config(args).drhs_kernel == "ring"
+  assert rd.MosaicGpuRaggedDotVjp().heuristic_config(args).drhs_kernel == "ws"
   # gated_linear_unit rebuilds configs from block_n/num_stages alone: the plain
   # heuristic must stay a whole-tile config that fits.
   plain = rd._heuristic(0, 0, 0, 1, 2, 2)

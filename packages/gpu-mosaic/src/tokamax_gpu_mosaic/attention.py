@@ -75,10 +75,11 @@ in jnp, then two deterministic kernels (no atomics) with the same warpgroup
 layout: a dK/dV kernel (blocks own 128 key rows, stream the query tiles of every
 head of the GQA group) and a dQ kernel (blocks own 128 query rows, stream key
 tiles). It takes any forward's ``lse``; it handles bf16/f16, H = Hv in {64, 128},
-causal, GQA/MQA and padded lengths, and refuses everything else on the arguments
-themselves (H 256: registers), so that dispatch takes another backward with
-``implementation=None`` or an Op instance; a gradient with ``implementation=
-"mosaic_gpu"`` named does not fall back and raises for those calls.
+causal, GQA/MQA, padded lengths and the forward's features (lengths, window,
+q_offset, soft cap, segment ids; same static switches), and refuses bias, a bool
+mask and H 256 (registers) on the arguments themselves, so that dispatch takes
+another backward with ``implementation=None`` or an Op instance; a gradient with
+``implementation="mosaic_gpu"`` named does not fall back and raises for those.
 """
 
 from __future__ import annotations
@@ -780,6 +781,20 @@ def _flash_forward(q, k, v, *extras, scale: float, causal: bool, s_true: int,
   return call(q, k, v, *extras)
 
 
+def _limits(b: int, t: int, s: int, feat: _Features, query_seq_lengths,
+            key_value_seq_lengths, q_offset):
+  """The dynamic features' per-batch int32 scalars ``[B, 3]``: (valid queries,
+  valid keys, q_offset), read by the forward and backward kernels."""
+  def lengths(x, full):
+    if x is None:
+      return jnp.full((b,), full, jnp.int32)
+    return jnp.minimum(x.astype(jnp.int32), full)
+  offset = (jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32).reshape(()), (b,))
+            if feat.offset else jnp.zeros((b,), jnp.int32))
+  return jnp.stack([lengths(query_seq_lengths, t),
+                    lengths(key_value_seq_lengths, s), offset], axis=1)
+
+
 def mosaic_attention(q, k, v, *, scale: float, causal: bool,
                      config: AttentionConfig, local_window=None,
                      logits_soft_cap: float | None = None,
@@ -803,15 +818,8 @@ def mosaic_attention(q, k, v, *, scale: float, causal: bool,
                    q_offset is not None)
   extras = ()
   if feat.dynamic:
-    def lengths(x, full):
-      if x is None:
-        return jnp.full((b,), full, jnp.int32)
-      return jnp.minimum(x.astype(jnp.int32), full)
-    offset = (jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32).reshape(()), (b,))
-              if feat.offset else jnp.zeros((b,), jnp.int32))
-    lims = jnp.stack([lengths(query_seq_lengths, t),
-                      lengths(key_value_seq_lengths, s), offset], axis=1)
-    extras = (lims,)
+    extras = (_limits(b, t, s, feat, query_seq_lengths, key_value_seq_lengths,
+                      q_offset),)
     if segments:
       q_ids = q_segment_ids.astype(jnp.int32)
       kv_ids = kv_segment_ids.astype(jnp.int32)
@@ -994,6 +1002,22 @@ class MosaicGpuAttention(Op):
 # the other's matmuls occupy the tensor cores. P and dS are converted and fenced
 # (optimization barrier) before the turn. Needs both consumers to take the same
 # number of steps, which both kernels guarantee (above).
+#
+# Features (the forward's static switches; off, the kernels above compile
+# unchanged). Soft cap: P from the forward's base-2 capped logits (same tanh
+# expression, so P matches the forward's lse) and dS *= 1 - tanh^2. Dynamic
+# features (lengths, window, q_offset, segments): the forward's [B, 3] scalars;
+# every warpgroup computes both consumers' ranges (dQ: `_key_range` per 64 query
+# rows; dK/dV: `_query_range` per 64 keys, the transposed range), narrowed by
+# a segment tile table as in the forward, and BOTH consumers take the union's
+# steps (`_shared_steps`), unmasked only where both ranges are unmasked: no
+# release loops, so every "free" phase still gets its two arrivals and
+# ping-pong is unchanged. Rows past the query length get lse2 = +inf in the
+# wrapper (P = dS = 0 without a mask); dK/dV rows past the key length are
+# zeroed before the store (unmasked steps may leave anything there). Segment
+# ids: dK/dV loads its 64 key ids with K/V (3 arrivals) and streams query ids
+# with Q (3 arrivals); dQ loads its query ids with Q (5 arrivals) and streams
+# key ids in a ring next to K (own barrier, read before K is freed).
 
 _BWD_KEY_ROWS = 2 * _WG_ROWS  # key rows per dK/dV block (2 consumers x 64)
 _BWD_HEAD_DIMS = (64, 128)
@@ -1031,19 +1055,27 @@ class AttentionVjpConfig:
       raise ValueError(f"num_stages must be >= 2; got {self.num_stages}")
 
 
-def bwd_smem_bytes(config: AttentionVjpConfig, head_dim: int,
-                   itemsize: int) -> tuple[int, int]:
-  """Shared memory of the (dK/dV, dQ) kernels, with the forward's slack."""
+def bwd_smem_bytes(config: AttentionVjpConfig, head_dim: int, itemsize: int,
+                   segments: bool = False) -> tuple[int, int]:
+  """Shared memory of the (dK/dV, dQ) kernels, with the forward's slack.
+
+  Segment ids add int32 rings: the block's own ids (128) and a ring of the
+  streamed tiles' ids (query ids in dK/dV, key ids in dQ)."""
   resident = 2 * _BWD_KEY_ROWS * head_dim * itemsize  # K, V (dkv) / Q, dO (dq)
   dkv = (resident + config.num_stages * 2 * config.block_q * (head_dim * itemsize + 4)
          + 3 * 1024)
   dq = (resident + config.num_stages * 2 * config.block_kv * head_dim * itemsize
         + 2 * 2 * _WG_ROWS * 4 + 3 * 1024)
+  if segments:
+    dkv += (_BWD_KEY_ROWS + config.num_stages * config.block_q) * 4
+    dq += (_CTA_ROWS + config.num_stages * config.block_kv) * 4
   return dkv, dq
 
 
-def _bwd_fits(config: AttentionVjpConfig, head_dim: int, itemsize: int) -> bool:
-  return (max(bwd_smem_bytes(config, head_dim, itemsize)) <= _common.SMEM_LIMIT
+def _bwd_fits(config: AttentionVjpConfig, head_dim: int, itemsize: int,
+              segments: bool = False) -> bool:
+  return (max(bwd_smem_bytes(config, head_dim, itemsize, segments))
+          <= _common.SMEM_LIMIT
           and head_dim + config.block_q <= _BWD_REG_BUDGET
           and head_dim // 2 + config.block_kv <= _BWD_REG_BUDGET)
 
@@ -1057,10 +1089,61 @@ def _bwd_compiler_params():
                               lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
-def _flash_dkv(q, k, v, do, lse2, delta, *, scale: float, causal: bool,
-               config: AttentionVjpConfig):
+def _query_range(k0, rows: int, q_limit, kv_limit, off, left, right, bq: int):
+  """Query tiles ``lo <= fl <= fh <= hi`` (of ``bq`` rows) for the key rows
+  ``[k0, k0 + rows)``: `_key_range` transposed, for the dK/dV kernel's steps.
+
+  Tiles in ``[lo, hi)`` may hold a query row below ``q_limit`` that sees one of
+  these keys below ``kv_limit``; in ``[fl, fh)`` every such query sees every
+  such key by position (no mask). Query row t sits at position ``t + off`` and
+  sees key c iff ``t + off - left <= c <= t + off + right``.
+  """
+  cdiv = lambda x, d: lax.div(x + (d - 1), d)
+  clamp = lambda x, a, b: jnp.minimum(jnp.maximum(x, a), b)
+  k_last = jnp.minimum(k0 + rows, kv_limit) - 1
+  lo = jnp.int32(0) if right is None else jnp.maximum(k0 - off - right, 0)
+  hi = q_limit if left is None else jnp.minimum(q_limit, k_last - off + left + 1)
+  lo_t = lax.div(lo, bq)
+  hi_t = jnp.maximum(cdiv(jnp.maximum(hi, 0), bq), lo_t)
+  hi_t = jnp.where(k_last < k0, lo_t, hi_t)  # no valid key
+  if right is None:
+    fl_t = lo_t
+  else:
+    fl_t = clamp(cdiv(jnp.maximum(k_last - off - right, 0), bq), lo_t, hi_t)
+  full_end = q_limit if left is None else jnp.minimum(k0 - off + left + 1, q_limit)
+  fh_t = clamp(lax.div(jnp.maximum(full_end, 0), bq), fl_t, hi_t)
+  return lo_t, fl_t, fh_t, hi_t
+
+
+def _shared_steps(range0, range1):
+  """Both consumers of a backward block take the same steps (so that every
+  "free" barrier phase gets its two arrivals and the ping-pong count matches):
+  the union ``[lo, hi)`` of their ranges ``(lo, fl, fh, hi)``, unmasked only on
+  ``[fl, fh)``, where both are unmasked (an empty range's ``fl = fh`` makes
+  this empty). Returns (lo, fl, fh, hi)."""
+  lo, hi = _union((range0[0], range0[3]), (range1[0], range1[3]))
+  clamp = lambda x, a, b: jnp.minimum(jnp.maximum(x, a), b)
+  fl = clamp(jnp.maximum(range0[1], range1[1]), lo, hi)
+  fh = clamp(jnp.minimum(range0[2], range1[2]), fl, hi)
+  return lo, fl, fh, hi
+
+
+def _soft_capped(s, c: float, soft_cap: float):
+  """(base-2 logits, tanh) of raw scores ``s``, as the forward computes them
+  (same expression: the recomputed P must match the forward's lse)."""
+  th = jnp.tanh(s * (c / (_LOG2E * soft_cap)))
+  return th * (soft_cap * _LOG2E), th
+
+
+def _flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
+               config: AttentionVjpConfig, feat: _Features = _PLAIN):
   """dK, dV on padded inputs: q/do [B, Tp, N, H], k/v [B, Sp, K, H] (Tp and Sp
-  multiples of 128); lse2 (base-2 lse, +inf on padded rows), delta [B, N, Tp]."""
+  multiples of 128); lse2 (base-2 lse, +inf on padded rows), delta [B, N, Tp].
+
+  `extras` (int32): with `feat.dynamic`, ``lims [B, 3]`` (valid queries, valid
+  keys, q_offset); with `feat.segments` also the query tile ranges per 64 keys
+  ``[B, Sp // 64, 2]``, q ids ``[B, Tp]`` and kv ids ``[B, Sp]``. Key rows at or
+  past the valid keys get zero dK/dV."""
   b, tp, n, h = q.shape
   sp, nk = k.shape[1], k.shape[2]
   group = n // nk
@@ -1071,10 +1154,18 @@ def _flash_dkv(q, k, v, do, lse2, delta, *, scale: float, causal: bool,
   dtype = q.dtype
   transforms = _common.swizzled(dtype, h)
   ping_pong = config.ping_pong
+  dynamic, soft_cap = feat.dynamic, feat.soft_cap
+  n_in = 6 + len(extras)
 
-  def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-           k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-           kv_full, q_full, do_full, free, *maybe_turn):
+  def body(*refs):
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
+    dk_ref, dv_ref = refs[n_in:n_in + 2]
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+     kv_full, q_full, do_full, free) = refs[n_in + 2:n_in + 12]
+    maybe_turn = refs[n_in + 12:n_in + 13] if ping_pong else ()
+    if feat.segments:
+      seg_range_ref, q_seg_ref, kv_seg_ref = refs[7:10]
+      kvseg_smem, qseg_smem = refs[n_in + 12 + len(maybe_turn):]
     wg = lax.axis_index("wg")
 
     def pass_turn():
@@ -1085,10 +1176,29 @@ def _flash_dkv(q, k, v, do, lse2, delta, *, scale: float, causal: bool,
     kh = lax.axis_index("heads")
     bi = lax.axis_index("batch")
     k0 = ki * _BWD_KEY_ROWS
-    # Causal: query tiles before j_lo see none of this block's keys (k0 is a
-    # multiple of bq). Steps run head-major: (head g, query tile j).
-    j_lo = lax.div(k0, bq) if causal else 0
-    n_j = jnp.maximum(nq - j_lo, 0) if causal else nq
+    if dynamic:
+      # All three warpgroups compute both consumers' query tile ranges from the
+      # same scalars; steps run over their union (head-major, as below).
+      lims_ref = refs[6]
+      q_limit, kv_limit, off = (lims_ref[bi, 0], lims_ref[bi, 1],
+                                lims_ref[bi, 2])
+
+      def wg_range(w: int):
+        lo, fl, fh, top = _query_range(k0 + w * rows, rows, q_limit, kv_limit,
+                                       off, feat.left, feat.right, bq)
+        if feat.segments:
+          g = ki * 2 + w
+          lo = jnp.maximum(lo, seg_range_ref[bi, g, 0])
+          top = jnp.maximum(jnp.minimum(top, seg_range_ref[bi, g, 1]), lo)
+          fl = fh = lo  # any tile may cross a segment boundary: all masked
+        return lo, fl, fh, top
+      j_lo, j_fl, j_fh, j_hi = _shared_steps(wg_range(0), wg_range(1))
+      n_j = j_hi - j_lo
+    else:
+      # Causal: query tiles before j_lo see none of this block's keys (k0 is a
+      # multiple of bq). Steps run head-major: (head g, query tile j).
+      j_lo = lax.div(k0, bq) if causal else 0
+      n_j = jnp.maximum(nq - j_lo, 0) if causal else nq
     n_steps = group * n_j
 
     @pl.when(wg < 2)
@@ -1099,10 +1209,37 @@ def _flash_dkv(q, k, v, do, lse2, delta, *, scale: float, causal: bool,
       mine = (bi, pl.ds(r0, rows), kh)
       plgpu.copy_gmem_to_smem(k_ref.at[mine], k_tile, kv_full.at[wg])
       plgpu.copy_gmem_to_smem(v_ref.at[mine], v_tile, kv_full.at[wg])
-      if causal:
+      if feat.segments:
+        plgpu.copy_gmem_to_smem(kv_seg_ref.at[bi, pl.ds(r0, rows)],
+                                kvseg_smem.at[wg], kv_full.at[wg])
+      if causal and not dynamic:
         # From this query tile on, every query is at or past this warpgroup's
         # last key (r0 + 63): no mask.
         j_clear = jnp.minimum(lax.div(r0 + rows - 1 + bq - 1, bq), nq)
+
+      def visibility(j, slot, shape):
+        """Which entries of S^T (keys x queries) are kept; None: all."""
+        key = plgpu.broadcasted_iota(jnp.int32, shape, 0,
+                                     layout=plgpu.Layout.WGMMA) + r0
+        query = plgpu.broadcasted_iota(jnp.int32, shape, 1,
+                                       layout=plgpu.Layout.WGMMA) + j * bq
+        if not dynamic:
+          return key <= query
+        # Keys past the valid ones are not masked here: their dK/dV rows are
+        # zeroed at the end. Queries past the valid ones have lse2 = +inf.
+        visible = []
+        pos = query + off if feat.offset else query
+        if feat.left is not None:
+          visible.append(key >= pos - feat.left)
+        if feat.right is not None:
+          visible.append(key <= pos + feat.right)
+        if feat.segments:
+          q_ids = plgpu.load(qseg_smem.at[slot], (),
+                             layout=plgpu.Layout.WGMMA.reduce(0))
+          visible.append(_bcast_rows(kv_ids, shape) == _bcast_cols(q_ids, shape))
+        if not visible:
+          return None
+        return functools.reduce(lambda a, b_: a & b_, visible)
 
       def step(j, carry, base, masked: bool):
         dk, dv = carry
@@ -1121,17 +1258,21 @@ def _flash_dkv(q, k, v, do, lse2, delta, *, scale: float, causal: bool,
                               plgpu.ACC((rows, bq), jnp.float32))
         lse_col = plgpu.load(lse_smem.at[slot], (),
                              layout=plgpu.Layout.WGMMA.reduce(0))
-        z = s * c - _bcast_cols(lse_col, s.shape)
+        if soft_cap is None:
+          z = s * c - _bcast_cols(lse_col, s.shape)
+        else:
+          z, th = _soft_capped(s, c, soft_cap)
+          z = z - _bcast_cols(lse_col, s.shape)
         if masked:
-          key = plgpu.broadcasted_iota(jnp.int32, s.shape, 0,
-                                       layout=plgpu.Layout.WGMMA) + r0
-          query = plgpu.broadcasted_iota(jnp.int32, s.shape, 1,
-                                         layout=plgpu.Layout.WGMMA) + j * bq
-          z = jnp.where(key <= query, z, -jnp.inf)
+          visible = visibility(j, slot, s.shape)
+          if visible is not None:
+            z = jnp.where(visible, z, -jnp.inf)
         p = jnp.exp2(z)
         delta_col = plgpu.load(delta_smem.at[slot], (),
                                layout=plgpu.Layout.WGMMA.reduce(0))
         ds = p * (dp - _bcast_cols(delta_col, dp.shape))
+        if soft_cap is not None:
+          ds = ds * (1.0 - th * th)  # d(cap tanh(x / cap)) / dx
         if ping_pong:
           # Materialized before the turn, so that none of it sinks into the
           # partner's turn; then wait for the partner's scores matmuls.
@@ -1148,6 +1289,13 @@ def _flash_dkv(q, k, v, do, lse2, delta, *, scale: float, causal: bool,
 
       def head(g, carry):
         base = g * n_j - j_lo  # step index of (g, j) is base + j
+        if dynamic:
+          masked = functools.partial(step, base=base, masked=True)
+          carry = lax.fori_loop(j_lo, j_fl, masked, carry)
+          carry = lax.fori_loop(j_fl, j_fh,
+                                functools.partial(step, base=base, masked=False),
+                                carry)
+          return lax.fori_loop(j_fh, j_hi, masked, carry)
         if causal:
           carry = lax.fori_loop(j_lo, j_clear,
                                 functools.partial(step, base=base, masked=True),
@@ -1161,6 +1309,9 @@ def _flash_dkv(q, k, v, do, lse2, delta, *, scale: float, causal: bool,
       zeros = plgpu.layout_cast(jnp.zeros((rows, h), jnp.float32),
                                 plgpu.Layout.WGMMA)
       plgpu.barrier_wait(kv_full.at[wg])
+      if feat.segments:
+        kv_ids = plgpu.load(kvseg_smem.at[wg], (),
+                            layout=plgpu.Layout.WGMMA.reduce(1))
       if ping_pong:
         # Both consumers take the same steps (two passes each per step);
         # warpgroup 1 runs one phase behind, warpgroup 0 makes up at the end.
@@ -1168,6 +1319,13 @@ def _flash_dkv(q, k, v, do, lse2, delta, *, scale: float, causal: bool,
       dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
       if ping_pong:
         pl.when(wg == 0)(pass_turn)
+      if feat.kv_len:
+        # Keys past the valid ones may have taken unmasked (even non-finite)
+        # values in unmasked steps; their rows are zero by the contract.
+        key = plgpu.broadcasted_iota(jnp.int32, (rows, h), 0,
+                                     layout=plgpu.Layout.WGMMA) + r0
+        dk = jnp.where(key < kv_limit, dk, 0.0)
+        dv = jnp.where(key < kv_limit, dv, 0.0)
       # K and V are no longer read (every wgmma was waited for): stage the
       # results there. dS was taken unscaled: scale dK once here.
       k_tile[...] = (dk * scale).astype(dtype)
@@ -1195,11 +1353,17 @@ def _flash_dkv(q, k, v, do, lse2, delta, *, scale: float, causal: bool,
         stat = (bi, head, pl.ds(t0, bq))
         plgpu.copy_gmem_to_smem(q_ref.at[tile], q_smem.at[slot], q_full.at[slot])
         plgpu.copy_gmem_to_smem(lse_ref.at[stat], lse_smem.at[slot], q_full.at[slot])
+        if feat.segments:
+          plgpu.copy_gmem_to_smem(q_seg_ref.at[bi, pl.ds(t0, bq)],
+                                  qseg_smem.at[slot], q_full.at[slot])
         plgpu.copy_gmem_to_smem(do_ref.at[tile], do_smem.at[slot], do_full.at[slot])
         plgpu.copy_gmem_to_smem(delta_ref.at[stat], delta_smem.at[slot],
                                 do_full.at[slot])
       lax.fori_loop(0, n_steps, issue, None)
 
+  # Arrivals: one per TMA copy landing on the barrier (K + V [+ kv ids];
+  # Q + lse [+ q ids]; dO + delta), one per consumer on "free".
+  with_ids = 3 if feat.segments else 2
   scratch = (
       plgpu.SMEM((2, rows, h), dtype, transforms=transforms),  # K
       plgpu.SMEM((2, rows, h), dtype, transforms=transforms),  # V
@@ -1207,15 +1371,16 @@ def _flash_dkv(q, k, v, do, lse2, delta, *, scale: float, causal: bool,
       plgpu.SMEM((stages, bq, h), dtype, transforms=transforms),  # dO
       plgpu.SMEM((stages, bq), jnp.float32),  # lse2
       plgpu.SMEM((stages, bq), jnp.float32),  # delta
-      # Arrivals: one per TMA copy landing on the barrier (K + V; Q + lse;
-      # dO + delta), one per consumer on "free".
-      plgpu.Barrier(num_arrivals=2, num_barriers=2),
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=with_ids, num_barriers=2),
+      plgpu.Barrier(num_arrivals=with_ids, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
   )
   if ping_pong:
     scratch += (plgpu.Barrier(num_arrivals=2),)  # the turn: both consumers
+  if feat.segments:
+    scratch += (plgpu.SMEM((2, rows), jnp.int32),  # each consumer's key ids
+                plgpu.SMEM((stages, bq), jnp.int32))  # query ids, next to Q
   call = _common.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct(k.shape, dtype),
@@ -1224,12 +1389,16 @@ def _flash_dkv(q, k, v, do, lse2, delta, *, scale: float, causal: bool,
       grid=(sp // _BWD_KEY_ROWS, nk, b), grid_names=("kv", "heads", "batch"),
       num_threads=3, thread_name="wg",
       compiler_params=_bwd_compiler_params())
-  return call(q, k, v, do, lse2, delta)
+  return call(q, k, v, do, lse2, delta, *extras)
 
 
-def _flash_dq(q, k, v, do, lse2, delta, *, scale: float, causal: bool, s_true: int,
-              config: AttentionVjpConfig):
-  """dQ on padded inputs (as `_flash_dkv`); keys at or past `s_true` are masked."""
+def _flash_dq(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
+              s_true: int, config: AttentionVjpConfig, feat: _Features = _PLAIN):
+  """dQ on padded inputs (as `_flash_dkv`); keys at or past `s_true` are masked.
+
+  `extras` (int32): with `feat.dynamic`, ``lims [B, 3]``; with `feat.segments`
+  also the key tile ranges per 64 query rows ``[B, Tp // 64, 2]`` (the
+  forward's table for ``block_kv``), q ids ``[B, Tp]`` and kv ids ``[B, Sp]``."""
   b, tp, n, h = q.shape
   sp, nk = k.shape[1], k.shape[2]
   group = n // nk
@@ -1242,15 +1411,24 @@ def _flash_dq(q, k, v, do, lse2, delta, *, scale: float, causal: bool, s_true: i
   pad_keys = s_true % bkv != 0
   transforms = _common.swizzled(dtype, h)
   ping_pong = config.ping_pong_dq
+  dynamic, soft_cap = feat.dynamic, feat.soft_cap
+  mask_keys = pad_keys or feat.kv_len
+  n_in = 6 + len(extras)
 
   def kv_end(row_end):
     if not causal:
       return n_kv
     return jnp.minimum(lax.div(row_end + bkv - 1, bkv), n_kv)
 
-  def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
-           q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
-           q_full, k_full, v_full, k_free, v_free, *maybe_turn):
+  def body(*refs):
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
+    dq_ref = refs[n_in]
+    (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
+     q_full, k_full, v_full, k_free, v_free) = refs[n_in + 1:n_in + 12]
+    maybe_turn = refs[n_in + 12:n_in + 13] if ping_pong else ()
+    if feat.segments:
+      seg_range_ref, q_seg_ref, kv_seg_ref = refs[7:10]
+      qseg_smem, kvseg_smem, seg_full = refs[n_in + 12 + len(maybe_turn):]
     wg = lax.axis_index("wg")
 
     def pass_turn():
@@ -1258,12 +1436,34 @@ def _flash_dq(q, k, v, do, lse2, delta, *, scale: float, causal: bool, s_true: i
       plgpu.barrier_arrive(maybe_turn[0])
       plgpu.barrier_wait(maybe_turn[0])
     qi = lax.axis_index("q")
-    if causal:
+    if causal or feat.right is not None:
       qi = nq - 1 - qi  # the longest tiles first
     hi = lax.axis_index("heads")
     bi = lax.axis_index("batch")
     tile0 = qi * _CTA_ROWS
-    n_block = kv_end(tile0 + _CTA_ROWS)
+    if dynamic:
+      # As the forward: all three warpgroups compute both consumers' key tile
+      # ranges; both consumers then take the union's steps (see _shared_steps).
+      lims_ref = refs[6]
+      q_limit, kv_limit, off = (lims_ref[bi, 0], lims_ref[bi, 1],
+                                lims_ref[bi, 2])
+
+      def wg_range(w: int):
+        lo, fl, fh, top = _key_range(tile0 + w * rows, rows, q_limit, kv_limit,
+                                     off, feat.left, feat.right, bkv)
+        if feat.segments:
+          g = qi * 2 + w
+          lo = jnp.maximum(lo, seg_range_ref[bi, g, 0])
+          top = jnp.maximum(jnp.minimum(top, seg_range_ref[bi, g, 1]), lo)
+          fl = fh = lo  # any tile may cross a segment boundary: all masked
+        return lo, fl, fh, top
+      base, i_fl, i_fh, n_block = _shared_steps(wg_range(0), wg_range(1))
+    else:
+      base = None
+      n_block = kv_end(tile0 + _CTA_ROWS)
+
+    def slot_of(i):
+      return lax.rem(i if base is None else i - base, stages)
 
     @pl.when(wg < 2)
     def _consumer():
@@ -1276,13 +1476,49 @@ def _flash_dq(q, k, v, do, lse2, delta, *, scale: float, causal: bool, s_true: i
       plgpu.copy_gmem_to_smem(do_ref.at[mine], do_tile, q_full.at[wg])
       plgpu.copy_gmem_to_smem(lse_ref.at[stat], lse_smem.at[wg], q_full.at[wg])
       plgpu.copy_gmem_to_smem(delta_ref.at[stat], delta_smem.at[wg], q_full.at[wg])
-      if causal:
+      if feat.segments:
+        plgpu.copy_gmem_to_smem(q_seg_ref.at[bi, pl.ds(r0, rows)], qseg_smem.at[wg],
+                                q_full.at[wg])
+      if dynamic:
+        n_clear = None  # the shared ranges say which tiles need a mask
+      elif causal:
         n_clear = jnp.minimum(lax.div(r0 + 1, bkv), s_true // bkv)
       else:
         n_clear = s_true // bkv
 
+      def visibility(i, shape):
+        """Which entries of S (queries x keys) are kept."""
+        query = plgpu.broadcasted_iota(jnp.int32, shape, 0,
+                                       layout=plgpu.Layout.WGMMA) + r0
+        key = plgpu.broadcasted_iota(jnp.int32, shape, 1,
+                                     layout=plgpu.Layout.WGMMA) + i * bkv
+        visible = []
+        if not dynamic:
+          if causal:
+            visible.append(key <= query)
+          if pad_keys:
+            visible.append(key < s_true)
+        else:
+          # Queries past the valid ones have lse2 = +inf (P = 0): no mask.
+          pos = query + off if feat.offset else query
+          if mask_keys:
+            visible.append(key < kv_limit)
+          if feat.left is not None:
+            visible.append(key >= pos - feat.left)
+          if feat.right is not None:
+            visible.append(key <= pos + feat.right)
+          if feat.segments:
+            slot = slot_of(i)
+            plgpu.barrier_wait(seg_full.at[slot])
+            kv_ids = plgpu.load(kvseg_smem.at[slot], (),
+                                layout=plgpu.Layout.WGMMA.reduce(0))
+            visible.append(_bcast_rows(q_ids, shape) == _bcast_cols(kv_ids, shape))
+        if not visible:
+          return None
+        return functools.reduce(lambda a, b_: a & b_, visible)
+
       def step(i, dq, masked: bool):
-        slot = lax.rem(i, stages)
+        slot = slot_of(i)
         plgpu.barrier_wait(k_full.at[slot])
 
         def scores(s_acc, dp_acc):
@@ -1295,21 +1531,19 @@ def _flash_dq(q, k, v, do, lse2, delta, *, scale: float, causal: bool, s_true: i
         s, dp = pl.run_scoped(scores, plgpu.ACC((rows, bkv), jnp.float32),
                               plgpu.ACC((rows, bkv), jnp.float32))
         plgpu.barrier_arrive(v_free.at[slot])
-        z = s * c - _bcast_rows(lse_row, s.shape)
+        if soft_cap is None:
+          z = s * c - _bcast_rows(lse_row, s.shape)
+        else:
+          z, th = _soft_capped(s, c, soft_cap)
+          z = z - _bcast_rows(lse_row, s.shape)
         if masked:
-          query = plgpu.broadcasted_iota(jnp.int32, s.shape, 0,
-                                         layout=plgpu.Layout.WGMMA) + r0
-          key = plgpu.broadcasted_iota(jnp.int32, s.shape, 1,
-                                       layout=plgpu.Layout.WGMMA) + i * bkv
-          visible = None
-          if causal:
-            visible = key <= query
-          if pad_keys:
-            in_range = key < s_true
-            visible = in_range if visible is None else visible & in_range
-          z = jnp.where(visible, z, -jnp.inf)
+          visible = visibility(i, s.shape)
+          if visible is not None:
+            z = jnp.where(visible, z, -jnp.inf)
         p = jnp.exp2(z)
         ds = p * (dp - _bcast_rows(delta_row, dp.shape))
+        if soft_cap is not None:
+          ds = ds * (1.0 - th * th)  # d(cap tanh(x / cap)) / dx
         if ping_pong:
           # Materialized before the turn (see _flash_dkv).
           ds = lax.optimization_barrier(ds.astype(dtype))
@@ -1324,12 +1558,19 @@ def _flash_dq(q, k, v, do, lse2, delta, *, scale: float, causal: bool, s_true: i
       lse_row = plgpu.load(lse_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
       delta_row = plgpu.load(delta_smem.at[wg], (),
                              layout=plgpu.Layout.WGMMA.reduce(1))
+      if feat.segments:
+        q_ids = plgpu.load(qseg_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
       dq = plgpu.layout_cast(jnp.zeros((rows, h), jnp.float32), plgpu.Layout.WGMMA)
       if ping_pong:
         # Both consumers visit the same key tiles [0, n_block) (two passes
         # each per tile); warpgroup 1 runs one phase behind.
         pl.when(wg == 1)(pass_turn)
-      if causal or pad_keys:
+      if dynamic:
+        masked = functools.partial(step, masked=True)
+        dq = lax.fori_loop(base, i_fl, masked, dq)
+        dq = lax.fori_loop(i_fl, i_fh, functools.partial(step, masked=False), dq)
+        dq = lax.fori_loop(i_fh, n_block, masked, dq)
+      elif causal or pad_keys:
         dq = lax.fori_loop(0, n_clear, functools.partial(step, masked=False), dq)
         dq = lax.fori_loop(n_clear, n_block, functools.partial(step, masked=True), dq)
       else:
@@ -1347,20 +1588,24 @@ def _flash_dq(q, k, v, do, lse2, delta, *, scale: float, causal: bool, s_true: i
       kv_head = lax.div(hi, group)
 
       def issue(i, _):
-        slot = lax.rem(i, stages)
+        slot = slot_of(i)
         tile = (bi, pl.ds(i * bkv, bkv), kv_head)
-        reuse = i >= stages
+        reuse = i >= stages if base is None else i - base >= stages
 
         @pl.when(reuse)
         def _():
           plgpu.barrier_wait(k_free.at[slot])
         plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot], k_full.at[slot])
+        if feat.segments:
+          # Key ids are read in the mask, before K's slot is freed.
+          plgpu.copy_gmem_to_smem(kv_seg_ref.at[bi, pl.ds(i * bkv, bkv)],
+                                  kvseg_smem.at[slot], seg_full.at[slot])
 
         @pl.when(reuse)
         def _():
           plgpu.barrier_wait(v_free.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot], v_full.at[slot])
-      lax.fori_loop(0, n_block, issue, None)
+      lax.fori_loop(0 if base is None else base, n_block, issue, None)
 
   scratch = (
       plgpu.SMEM((2, rows, h), dtype, transforms=transforms),  # Q
@@ -1369,7 +1614,8 @@ def _flash_dq(q, k, v, do, lse2, delta, *, scale: float, causal: bool, s_true: i
       plgpu.SMEM((2, rows), jnp.float32),  # delta
       plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),  # K
       plgpu.SMEM((stages, bkv, h), dtype, transforms=transforms),  # V
-      plgpu.Barrier(num_arrivals=4, num_barriers=2),  # Q, dO, lse2, delta
+      # Q, dO, lse2, delta [, q ids]
+      plgpu.Barrier(num_arrivals=5 if feat.segments else 4, num_barriers=2),
       plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both consumers
@@ -1377,6 +1623,10 @@ def _flash_dq(q, k, v, do, lse2, delta, *, scale: float, causal: bool, s_true: i
   )
   if ping_pong:
     scratch += (plgpu.Barrier(num_arrivals=2),)  # the turn: both consumers
+  if feat.segments:
+    scratch += (plgpu.SMEM((2, rows), jnp.int32),  # each consumer's query ids
+                plgpu.SMEM((stages, bkv), jnp.int32),  # key ids, next to K
+                plgpu.Barrier(num_barriers=stages))
   call = _common.kernel(
       body,
       out_type=jax.ShapeDtypeStruct(q.shape, dtype),
@@ -1384,19 +1634,29 @@ def _flash_dq(q, k, v, do, lse2, delta, *, scale: float, causal: bool, s_true: i
       grid=(nq, n, b), grid_names=("q", "heads", "batch"),
       num_threads=3, thread_name="wg",
       compiler_params=_bwd_compiler_params())
-  return call(q, k, v, do, lse2, delta)
+  return call(q, k, v, do, lse2, delta, *extras)
 
 
 def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
-                         config: AttentionVjpConfig):
+                         config: AttentionVjpConfig, local_window=None,
+                         logits_soft_cap: float | None = None,
+                         query_seq_lengths=None, key_value_seq_lengths=None,
+                         q_segment_ids=None, kv_segment_ids=None, q_offset=None):
   """Attention backward on [B, T, N, H] / [B, S, K, H] inputs (pads odd lengths).
 
-  `lse`: the forward's natural log-sum-exp [B, N, T] (any implementation's).
-  Returns (dq, dk, dv) in the inputs' dtype.
+  `lse`: the forward's natural log-sum-exp [B, N, T] (any implementation's;
+  +inf on rows that see no key). The optional arguments are `mosaic_attention`'s.
+  Returns (dq, dk, dv) in the inputs' dtype; rows past the sequence lengths and
+  rows that see no key get zero gradients.
   """
-  t, s = q.shape[1], k.shape[1]
+  b, t, s = q.shape[0], q.shape[1], k.shape[1]
   tp = _cdiv(t, _CTA_ROWS) * _CTA_ROWS
   sp = _cdiv(s, _BWD_KEY_ROWS) * _BWD_KEY_ROWS
+  segments = q_segment_ids is not None
+  feat = _features(causal, local_window, logits_soft_cap,
+                   query_seq_lengths is not None,
+                   key_value_seq_lengths is not None, segments,
+                   q_offset is not None)
   dtype = q.dtype
   dout = dout.astype(dtype)
   delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32),
@@ -1406,12 +1666,31 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
     # Padded rows: lse = +inf and dO = 0 make P and dS exactly zero there.
     lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, tp - t)), constant_values=jnp.inf)
     delta = _pad_axis(delta, 2, tp)
+  extras_dkv = extras_dq = ()
+  if feat.dynamic:
+    lims = _limits(b, t, s, feat, query_seq_lengths, key_value_seq_lengths,
+                   q_offset)
+    if feat.q_len:
+      # Rows past the valid queries: lse2 = +inf makes P and dS zero there
+      # without a mask (whatever lse another forward left on them).
+      valid = jnp.arange(tp)[None, None, :] < lims[:, 0, None, None]
+      lse2 = jnp.where(valid, lse2, jnp.inf)
+    extras_dkv = extras_dq = (lims,)
+    if segments:
+      q_ids = q_segment_ids.astype(jnp.int32)
+      kv_ids = kv_segment_ids.astype(jnp.int32)
+      ids = (_pad_axis(q_ids, 1, tp), _pad_axis(kv_ids, 1, sp))
+      # dK/dV: query tiles per 64 keys; dQ: key tiles per 64 query rows.
+      extras_dkv += (_segment_tile_range(kv_ids, q_ids, s, t, sp, tp,
+                                         config.block_q),) + ids
+      extras_dq += (_segment_tile_range(q_ids, kv_ids, t, s, tp, sp,
+                                        config.block_kv),) + ids
   qp, dop = _pad_axis(q, 1, tp), _pad_axis(dout, 1, tp)
   kp, vp = _pad_axis(k, 1, sp), _pad_axis(v, 1, sp)
-  dk, dv = _flash_dkv(qp, kp, vp, dop, lse2, delta, scale=scale, causal=causal,
-                      config=config)
-  dq = _flash_dq(qp, kp, vp, dop, lse2, delta, scale=scale, causal=causal,
-                 s_true=s, config=config)
+  dk, dv = _flash_dkv(qp, kp, vp, dop, lse2, delta, *extras_dkv, scale=scale,
+                      causal=causal, config=config, feat=feat)
+  dq = _flash_dq(qp, kp, vp, dop, lse2, delta, *extras_dq, scale=scale,
+                 causal=causal, s_true=s, config=config, feat=feat)
   if tp != t:
     dq = dq[:, :t]
   if sp != s:
@@ -1429,7 +1708,7 @@ def _bwd_heuristic(args) -> AttentionVjpConfig:
   # +2.2% (notes/MOSAIC_GPU.md), so they stay off here.
   preferred = {64: (128, 128, 2), 128: (64, 128, 2)}.get(h, (64, 64, 2))
   config = AttentionVjpConfig(*preferred)
-  if _bwd_fits(config, h, itemsize):
+  if _bwd_fits(config, h, itemsize, args.q_segment_ids is not None):
     return config
   return AttentionVjpConfig(block_q=64, block_kv=64, num_stages=2)
 
@@ -1437,12 +1716,13 @@ def _bwd_heuristic(args) -> AttentionVjpConfig:
 def _bwd_search_space(args):
   h = args.query.shape[-1]
   itemsize = jnp.dtype(args.query.dtype).itemsize
+  segments = args.q_segment_ids is not None
   out = []
   for block_q in (64, 128):
     for block_kv in (64, 128):
       for stages in (2, 3, 4):
         config = AttentionVjpConfig(block_q, block_kv, stages)
-        if _bwd_fits(config, h, itemsize):
+        if _bwd_fits(config, h, itemsize, segments):
           out.append(config)
   # The ping-pong schedules (same tiles, registers and shared memory), not yet
   # measured: dK/dV only, dQ only, both.
@@ -1458,21 +1738,16 @@ def _check_backward_args(args) -> None:
   q, k, v = args.query, args.key, args.value
   for name, x in (("query", q), ("key", k), ("value", v)):
     _common.check_dtype(name, x.dtype)
+  # As in the forward: a [T, S] tile stream per step would be needed.
   refusals = (
-      (args.bias is not None, "bias"),
-      (args.mask is not None, "a bool mask"),
-      (args.q_segment_ids is not None or args.kv_segment_ids is not None,
-       "segment ids"),
-      (args.local_window not in (None, (None, None)), "a local window"),
-      (args.logits_soft_cap is not None, "logits soft cap"),
-      (args.query_seq_lengths is not None, "query sequence lengths"),
-      (args.key_value_seq_lengths is not None, "key/value sequence lengths"),
-      (args.q_offset is not None, "q_offset"),
+      (args.bias is not None, "bias (a [T, S] tile stream per step)"),
+      (args.mask is not None, "a bool mask (a [T, S] tile stream per step; "
+       "express it as lengths, a window or segment ids where possible)"),
   )
   for refused, what in refusals:
     if refused:
       raise NotImplementedError(f"the mosaic_gpu attention backward does not handle "
-                                f"{what} yet")
+                                f"{what}")
   h, hv = q.shape[-1], v.shape[-1]
   if h == 256 and hv == h:
     raise NotImplementedError(
@@ -1492,6 +1767,7 @@ class MosaicGpuAttentionVjp(VjpOp):
   op_name = "dot_product_attention"
   name = "mosaic_gpu"
   config_cls = AttentionVjpConfig
+  supported_features = ("q_offset",)
 
   def check_supported(self, args, device, residuals=None):
     _common.check_hopper_device(device)
@@ -1508,14 +1784,21 @@ class MosaicGpuAttentionVjp(VjpOp):
   def backward(self, args, residuals, out, dout, config):
     config = config or self.heuristic_config(args)
     h, itemsize = args.query.shape[-1], jnp.dtype(args.query.dtype).itemsize
-    if not _bwd_fits(config, h, itemsize):
+    segments = args.q_segment_ids is not None
+    if not _bwd_fits(config, h, itemsize, segments):
       raise ValueError(
           f"config {config} does not fit at head dim {h}: it needs "
-          f"{max(bwd_smem_bytes(config, h, itemsize))} bytes of shared memory "
+          f"{max(bwd_smem_bytes(config, h, itemsize, segments))} bytes of shared "
+          "memory "
           f"(limit {_common.SMEM_LIMIT}) and block_q + H <= {_BWD_REG_BUDGET}, "
           f"H / 2 + block_kv <= {_BWD_REG_BUDGET} (registers); use a smaller "
           "block_q, block_kv or num_stages")
-    dq, dk, dv = mosaic_attention_bwd(args.query, args.key, args.value, out, dout,
-                                      residuals["lse"], scale=args.scale,
-                                      causal=args.is_causal, config=config)
+    dq, dk, dv = mosaic_attention_bwd(
+        args.query, args.key, args.value, out, dout, residuals["lse"],
+        scale=args.scale, causal=args.is_causal, config=config,
+        local_window=args.local_window, logits_soft_cap=args.logits_soft_cap,
+        query_seq_lengths=args.query_seq_lengths,
+        key_value_seq_lengths=args.key_value_seq_lengths,
+        q_segment_ids=args.q_segment_ids, kv_segment_ids=args.kv_segment_ids,
+        q_offset=args.q_offset)
     return {"query": dq, "key": dk, "value": dv}

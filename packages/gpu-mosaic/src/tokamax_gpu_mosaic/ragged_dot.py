@@ -872,16 +872,20 @@ def _heuristic(m: int, k: int, n: int, num_groups: int, itemsize: int,
   """The default tiling. ``pieces=False`` keeps the whole-tile output staging
   (the configs gated_linear_unit builds from ``block_n``/``num_stages`` alone
   rely on it); this module's ops pass True."""
-  del m, k, n, num_groups
+  del k, n
   # Row tiles follow the groups (row_tiling="group"), so small groups waste
   # little and 128-row tiles (64 per warpgroup) suit every group size. With
   # delay_release=1 one stage is held by the wgmma in flight, so 4 stages give
   # 3 of prefetch; 16-bit outputs need the output staged in two column pieces
-  # for the 4th stage to fit (225 KiB).
+  # for the 4th stage to fit (225 KiB). H200 bf16 forward (tools/tune.py,
+  # CUPTI): M16384 K2048 N16384 G16 1.558 ms at 3 stages -> 1.544 at 4 + pieces,
+  # but M65536 K7168 N2048 G256 random 3.573 -> 4.369: 4 stages only for groups
+  # of many row tiles (only where this module's ops ask, `pieces`).
+  few_stages = pieces and m < 512 * max(num_groups, 1)
   candidates = ((128, 4, 1), (128, 4, 2), (128, 3, 1), (128, 3, 2), (64, 4, 1),
                 (64, 3, 1))
   for block_n, stages, out_pieces in candidates:
-    if out_pieces == 2 and not pieces:
+    if (out_pieces == 2 and not pieces) or (stages == 4 and few_stages):
       continue
     config = RaggedDotConfig(block_m=128, block_n=block_n, block_k=64,
                              num_stages=stages, out_pieces=out_pieces)
@@ -921,10 +925,10 @@ def _search_space(m, k, n, num_groups, itemsize, out_itemsize):
   return tuple(configs)
 
 
-# The drhs kernel the backward's heuristic picks. "ws" (the warp-specialized
-# contraction) is in the search space; make it the default once the H200 has
-# passed `-k drhs` and measured it faster (notes/MOSAIC_GPU.md, session 5).
-_HEURISTIC_DRHS_KERNEL = "ring"
+# The drhs kernel the backward's heuristic picks: the warp-specialized
+# contraction. H200 bf16 forward+backward (tools/tune.py, CUPTI) with the ring
+# kernel -> "ws": G16 4.996 -> 4.611 ms, G256 random 15.401 -> 13.432.
+_HEURISTIC_DRHS_KERNEL = "ws"
 
 
 def _vjp_search_space(m, k, n, num_groups, itemsize, out_itemsize):
