@@ -139,6 +139,25 @@ def test_timeout_records_skipped_configs():
   assert len(result) == 0 or all(m.time_ms > 0 for m in result.measurements)
 
 
+def test_timeout_leaves_the_backward_its_share(monkeypatch):
+  """A forward whose configs alone outlast the budget must not starve the backward:
+  each direction gets its share, heuristics (measured first) included."""
+  import time  # pylint: disable=g-import-not-at-top
+  real_time = autotuning._time  # pylint: disable=protected-access
+
+  def slow_time(*args):
+    time.sleep(1.5)
+    return real_time(*args)
+
+  monkeypatch.setattr(autotuning, "_time", slow_time)
+  q = _rand(1, 1024, 2, 8)  # xla plus 4 chunk sizes: 7.5 s of forward trials
+  loss = lambda q: jnp.sum(tokamax.dot_product_attention(q, q, q) ** 2)
+  result = tokamax.autotune(jax.grad(loss), q, timeout_s=6.0, progress=False)
+  directions = {m.direction for m in result.measurements}
+  assert directions == {"forward", "backward"}, result.measurements
+  assert any(f["error"] == "skipped: autotuning timeout" for f in result.failures)
+
+
 def test_failing_config_is_recorded_not_raised():
   import dataclasses  # pylint: disable=g-import-not-at-top
 

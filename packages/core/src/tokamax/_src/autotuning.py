@@ -388,6 +388,9 @@ def autotune(f: Callable, *args, iterations: int = 5, timeout_s: float | None = 
     *args: its positional arguments (arrays or `jax.ShapeDtypeStruct`s).
     iterations: timed runs per config (median kept).
     timeout_s: stop measuring after this many seconds (what was measured is kept).
+      Each call's forward and backward get an equal share of the time left (a
+      share not used passes on), and every implementation's heuristic config
+      is measured first within a share.
     backward: also tune the backward of every forward call found.
     progress: show a tqdm progress bar over the configs.
     compile_workers: threads compiling configs in parallel (default: CPU count).
@@ -412,23 +415,33 @@ def autotune(f: Callable, *args, iterations: int = 5, timeout_s: float | None = 
   workers = compile_workers or os.cpu_count() or 1
   bar = _progress_bar(progress)
 
+  directions = ("forward", "backward") if backward else ("forward",)
+  slots_left = len(collector.calls) * len(directions)
   for call in collector.calls.values():
     key = args_key(call.args)
     concrete = _concrete(call.args, rng)
     fwd_state = None
-    for direction in ("forward", "backward") if backward else ("forward",):
+    for direction in directions:
+      slots_left -= 1
       if deadline is not None and time.monotonic() > deadline:
         break
       if direction == "backward" and fwd_state is None:
         break  # no forward ran, so there are no residuals to measure a backward on
+      # Each (call, direction) gets an equal share of the time left (time one
+      # leaves unused goes to the next), so a forward's large config space
+      # cannot leave its backward unmeasured.
+      stop = None
+      if deadline is not None:
+        now = time.monotonic()
+        stop = now + (deadline - now) / (slots_left + 1)
       trials = _trials_for(call, direction, device, concrete, fwd_state)
       bar.total = (bar.total or 0) + len(trials)
       bar.refresh()
-      _compile_all(trials, workers, deadline)
+      _compile_all(trials, workers, stop)
       best: dict[str, tuple[float, _Trial]] = {}
       for trial in trials:
         bar.update(1)
-        if trial.error is None and deadline is not None and time.monotonic() > deadline:
+        if trial.error is None and stop is not None and time.monotonic() > stop:
           trial.error = "skipped: autotuning timeout"
         if trial.error is None:
           try:
