@@ -155,6 +155,9 @@ def test_timeout_leaves_the_backward_its_share(monkeypatch):
   result = tokamax.autotune(jax.grad(loss), q, timeout_s=6.0, progress=False)
   directions = {m.direction for m in result.measurements}
   assert directions == {"forward", "backward"}, result.measurements
+  for direction in directions:  # every implementation's heuristic at least
+    assert {m.implementation for m in result.measurements
+            if m.direction == direction} == {"xla", "xla_chunked"}
   assert any(f["error"] == "skipped: autotuning timeout" for f in result.failures)
 
 
