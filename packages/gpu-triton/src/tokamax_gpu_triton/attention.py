@@ -78,9 +78,6 @@ class AttentionVjpConfig:
   num_warps_dkv: int = 4
   num_warps_dq: int = 4
   num_stages: int = 3
-  # The dQ kernel's QK^T and dO V^T of the next key block issued before this
-  # block's dS (as the forward's `prefetch_qk`; same restrictions).
-  prefetch_dq: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,27 +301,20 @@ def _run_loops(body, carry, lo, fl, fh, hi, mask_low: bool, mask_high: bool,
 
 def _prefetching_loop(body, scores, num_blocks: int):
   """A loop over unmasked blocks ``[start, stop)`` that computes block j + 1's
-  scores (``scores(j + 1)``, passed to ``body`` as ``qk``) before block j's
-  softmax. The last step recomputes block stop - 1's, unused: one extra block of
-  scores per program instead of a peeled step."""
+  scores before block j's softmax (the last step recomputes block stop - 1's,
+  unused: one extra QK^T per program instead of a peeled step)."""
   def run(start, stop, carry):
     last = jnp.maximum(stop - 1, start)
 
     def step(j, c):
-      state, qk = c
+      *state, qk = c
       qk_next = scores(jnp.minimum(jnp.minimum(j + 1, last), num_blocks - 1))
-      return body(j, state, masked=False, qk=qk), qk_next
+      return (*body(j, tuple(state), masked=False, qk=qk), qk_next)
 
     qk0 = scores(jnp.minimum(start, num_blocks - 1))
-    state, _ = lax.fori_loop(start, stop, step, (carry, qk0))
-    return state
+    *state, _ = lax.fori_loop(start, stop, step, (*carry, qk0))
+    return tuple(state)
   return run
-
-
-def _content_free(lay: _Layout) -> bool:
-  """No bias, bool mask or segments: the loads a prefetched block needs are K/V
-  alone."""
-  return lay.bias_shape is None and lay.mask_shape is None and not lay.has_segments
 
 
 def _limits(lay: _Layout, refs):
@@ -451,8 +441,7 @@ def _fwd_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: 
 # ----------------------------------------------------------------------------
 
 
-def _dq_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: bool,
-               prefetch: bool):
+def _dq_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: bool):
   refs = dict(zip(names, refs))
   qb = pl.program_id(0)
   if reverse:
@@ -471,22 +460,12 @@ def _dq_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: b
   if lay.has_segments:
     q_seg = _load_vec(refs["q_seg"], (), q0, bq, row_in, -1)
 
-  def scores(j):
-    """QK^T and dO V^T of an unmasked key block."""
-    k = _load_rows(refs["k"], None, j * bk, bk, None, lay.hp, lay.h)
-    v = _load_rows(refs["v"], None, j * bk, bk, None, lay.hvp, lay.hv)
-    return (_dot(q, k, lay.precision, trans_b=True),
-            _dot(do, v, lay.precision, trans_b=True))
-
-  def body(j, dq, masked, qk=None):
+  def body(j, dq, masked):
     k0 = j * bk
     cols = k0 + jnp.arange(bk)
     col_in = cols < lay.s if (masked and lay.s % bk) else None
     k = _load_rows(refs["k"], None, k0, bk, col_in, lay.hp, lay.h)
-    if qk is None:
-      v = _load_rows(refs["v"], None, k0, bk, col_in, lay.hvp, lay.hv)
-      qk = (_dot(q, k, lay.precision, trans_b=True),
-            _dot(do, v, lay.precision, trans_b=True))
+    v = _load_rows(refs["v"], None, k0, bk, col_in, lay.hvp, lay.hv)
     kv_seg = None
     if q_seg is not None:
       kv_seg = _load_vec(refs["kv_seg"], (), k0, bk, col_in, -2)
@@ -494,20 +473,20 @@ def _dq_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: b
                          kv_seg)
     if masked:
       vis = _and(vis, _positional(lay, rows + off, cols, kv_limit, bk))
-    z, th = _logits2(qk[0], bias, lay)
+    z, th = _logits2(_dot(q, k, lay.precision, trans_b=True), bias, lay)
     p = jnp.exp2(z - lse2[:, None])
     if vis is not None:
       p = jnp.where(vis, p, 0.0)
-    ds = p * (qk[1] - delta[:, None])
+    dp = _dot(do, v, lay.precision, trans_b=True)
+    ds = p * (dp - delta[:, None])
     if th is not None:
       ds = ds * (1.0 - th * th)
     return dq + _dot(ds.astype(k.dtype), k, lay.precision)
 
   lo, fl, fh, hi = _key_range(lay, q0, bq, bk, kv_limit, q_limit, off)
   mask_high = lay.right is not None or lay.has_kv_len or lay.s % bk != 0
-  unmasked = _prefetching_loop(body, scores, pl.cdiv(lay.s, bk)) if prefetch else None
   dq = _run_loops(body, jnp.zeros((bq, lay.hp), jnp.float32), lo, fl, fh, hi,
-                  lay.left is not None, mask_high, unmasked=unmasked)
+                  lay.left is not None, mask_high)
   dq = dq * lay.scale
   cols_ok = jnp.arange(lay.hp) < lay.h if lay.hp != lay.h else None
   dq_ref = refs["dq"]
@@ -698,7 +677,8 @@ def _forward(args, config: AttentionConfig):
       ("lse", jax.ShapeDtypeStruct((b, n, lay.t), jnp.float32),
        _stat_spec(lay.t, None, n)),
   ]
-  prefetch = config.prefetch_qk and _content_free(lay)
+  prefetch = (config.prefetch_qk and lay.bias_shape is None
+              and lay.mask_shape is None and not lay.has_segments)
   out, lse = _call(_fwd_kernel, inputs, outputs, (nq, b * n), config.num_warps,
                    config.num_stages, "tokamax_attention_fwd", lay=lay, bq=bq, bk=bk,
                    nq=nq, reverse=lay.right is not None, prefetch_qk=prefetch)
@@ -778,8 +758,7 @@ def _backward(args, lse, out, dout, config: AttentionVjpConfig):
               _seq_spec(lay.t, lay.hp, None, n))]
   (dq,) = _call(_dq_kernel, inputs, outputs, (nq, b * n), config.num_warps_dq,
                 config.num_stages, "tokamax_attention_dq", lay=lay, bq=bq, bk=bk,
-                nq=nq, reverse=lay.right is not None,
-                prefetch=config.prefetch_dq and _content_free(lay))
+                nq=nq, reverse=lay.right is not None)
   return {"query": dq, "key": dk, "value": dv, "bias": dbias}
 
 
@@ -905,10 +884,6 @@ class TritonAttentionVjp(tokamax.VjpOp):
             continue
           configs.append(AttentionVjpConfig(qa, ka, qb, kb, warps, warps, stages))
     configs.append(self.heuristic_config(args))  # the H200 sweep's winners
-    if hd <= 128:
-      for stages in (2, 3):
-        configs.append(dataclasses.replace(self.heuristic_config(args),
-                                           num_stages=stages, prefetch_dq=True))
     return tuple(dict.fromkeys(configs))
 
   def backward(self, args, residuals, out, dout, config):
