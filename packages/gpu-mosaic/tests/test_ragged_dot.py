@@ -300,6 +300,96 @@ def test_drhs_ws_through_vjp(config):
          bwd_config=config)
 
 
+# Weight-reuse variants (session 5): select with -k "order or tall".
+
+
+def _wid(c):
+  return (f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.num_stages}p{c.out_pieces}"
+          f"w{c.grid_tile_width}{c.item_order}")
+
+
+_REUSE = [
+    rd.RaggedDotConfig(block_m=256, num_stages=3),
+    rd.RaggedDotConfig(block_m=256, num_stages=4, out_pieces=2, item_order="group"),
+    rd.RaggedDotConfig(block_m=256, block_n=64, block_k=32, num_stages=2,
+                       out_pieces=2, grid_tile_width=3),
+    rd.RaggedDotConfig(num_stages=3, item_order="group", grid_tile_width=2),
+    rd.RaggedDotConfig(num_stages=4, out_pieces=2, item_order="group"),
+]
+
+
+def _lax_reference(lhs, rhs, sizes):
+  return jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32),
+                            jnp.asarray(sizes, jnp.int32), precision=HIGHEST)
+
+
+@gpu
+@pytest.mark.parametrize("config", _REUSE, ids=_wid)
+def test_reuse_order_tall_forward(config):
+  # Empty groups, 1- and 3-row groups, starts off the 8-row grid, a group
+  # whose rows fill one 64-row half of a tall item and spill into the next,
+  # rows past sum(sizes), N and K not tile multiples.
+  _check(1500, 640, 704, [400, 3, 0, 600, 1, 130, 200], config=config,
+         grads=False)
+  _check(300, 256, 392, [17, 0, 150], config=config, grads=False)
+  _check(37, 64, 24, [5, 9, 0], config=config, grads=False)
+  # Directly against jax.lax.ragged_dot (no group_offset there).
+  sizes = [70, 0, 1, 255, 257, 0, 129, 300]
+  lhs, rhs = _inputs(1012, 384, 512, len(sizes), jnp.bfloat16)
+  out = jax.jit(lambda l, r, g: tokamax.ragged_dot(
+      l, r, g, implementation=rd.MosaicGpuRaggedDot(config)))(
+          lhs, rhs, jnp.asarray(sizes, jnp.int32))
+  testing.assert_close(out, _lax_reference(lhs, rhs, sizes), jnp.bfloat16,
+                       what=f"forward {config}", gpu=True)
+
+
+@gpu
+@pytest.mark.parametrize("config", _REUSE[:2] + _REUSE[3:4], ids=_wid)
+def test_reuse_order_tall_group_offset_and_f32_out(config):
+  _check(777, 384, 520, [100, 200, 0, 150, 300], num_held=2, group_offset=2,
+         config=config, grads=False)
+  _check(777, 384, 520, [100, 200, 0, 150, 300], num_held=1, group_offset=4,
+         config=config, grads=False)
+  f32 = config  # f32 outputs: 3 stages + 2 pieces where the config does not fit.
+  if rd.smem_bytes(f32, 2, 4) > rd._common.SMEM_LIMIT:
+    f32 = dataclasses.replace(config, num_stages=3, out_pieces=2)
+  _check(500, 256, 264, [123, 250, 127], preferred_element_type=jnp.float32,
+         config=f32, grads=False)
+
+
+@gpu
+@pytest.mark.parametrize("config", _REUSE, ids=_wid)
+def test_reuse_order_tall_many_random_groups(config):
+  rng = _rng()
+  cuts = np.sort(rng.integers(0, 4000, 63))
+  sizes = np.diff(np.concatenate([[0], cuts, [4000]])).tolist()
+  lhs, rhs = _inputs(4096, 512, 512, len(sizes), jnp.bfloat16)
+  out = jax.jit(lambda l, r, g: tokamax.ragged_dot(
+      l, r, g, implementation=rd.MosaicGpuRaggedDot(config)))(
+          lhs, rhs, jnp.asarray(sizes, jnp.int32))
+  ref = _lax_reference(lhs, rhs, sizes)
+  testing.assert_close(out, ref, jnp.bfloat16, what=f"forward {config}", gpu=True)
+  assert not np.any(np.asarray(out, np.float32)[sum(sizes):])
+
+
+@gpu
+@pytest.mark.parametrize("config", _REUSE[:2] + _REUSE[3:4], ids=_wid)
+def test_reuse_order_tall_dlhs_and_vjp(config):
+  """The transposed-rhs kernel (dlhs) with the variant, and the whole backward
+  through dispatch with the variant as the backward config."""
+  m, k, n, sizes = 900, 256, 392, [300, 0, 201, 5, 394]
+  dout, rhs = _inputs(m, n, k, len(sizes), jnp.bfloat16)  # rhs [G, N, K]
+  gs = jnp.asarray(sizes, jnp.int32)
+  starts, ends = tokamax.plugin.held_row_ranges(gs, None, len(sizes), m)
+  out = jax.jit(lambda d, r: rd.grouped_matmul(
+      d, r, starts, ends, transpose_rhs=True, out_dtype=jnp.bfloat16,
+      config=config))(dout, jnp.swapaxes(rhs, 1, 2))
+  testing.assert_close(out, _lax_reference(dout, rhs, sizes), jnp.bfloat16,
+                       what=f"dlhs {config}", gpu=True)
+  _check(1000, 512, 392, [100, 0, 333, 1, 0, 466, 100],
+         bwd_config=dataclasses.replace(config, drhs_kernel="ws"))
+
+
 # ---------------------------------------------------------------- anywhere
 
 
@@ -506,3 +596,162 @@ def test_search_space_has_piece_variants():
   assert rd.RaggedDotConfig(num_stages=4, out_pieces=2) in space
   assert rd.RaggedDotConfig(num_stages=3, out_pieces=2) in space
   assert rd.RaggedDotConfig(num_stages=3) in space
+
+
+# ---------------------------------------------------------------- weight reuse
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("config", [
+    rd.RaggedDotConfig(block_m=256, block_n=64, num_stages=2),
+    rd.RaggedDotConfig(block_m=256, num_stages=3, out_pieces=2),
+    rd.RaggedDotConfig(block_m=256, block_k=32, num_stages=2, item_order="group"),
+    rd.RaggedDotConfig(block_n=64, num_stages=2, item_order="group"),
+], ids=lambda c: f"m{c.block_m}n{c.block_n}k{c.block_k}p{c.out_pieces}{c.item_order}")
+def test_weight_reuse_lowers_for_cuda(transpose_rhs, config):
+  pytest.importorskip("absl")
+  m, k, n, g = 700, 128, 200, 3
+
+  def f(lhs, rhs, sizes):
+    starts, ends = tokamax.plugin.held_row_ranges(sizes, None, g, m)
+    return rd.grouped_matmul(lhs, rhs, starts, ends, transpose_rhs=transpose_rhs,
+                             out_dtype=jnp.bfloat16, config=config)
+  rhs_shape = (g, n, k) if transpose_rhs else (g, k, n)
+  _lowers(f, ((m, k), jnp.bfloat16), (rhs_shape, jnp.bfloat16), ((g,), jnp.int32))
+
+
+def test_weight_reuse_f32_out_lowers_for_cuda():
+  pytest.importorskip("absl")
+  m, k, n, g = 300, 128, 136, 2
+  config = rd.RaggedDotConfig(block_m=256, num_stages=3, out_pieces=2,
+                              item_order="group")
+
+  def f(lhs, rhs, sizes):
+    starts, ends = tokamax.plugin.held_row_ranges(sizes, None, g, m)
+    return rd.grouped_matmul(lhs, rhs, starts, ends, transpose_rhs=False,
+                             out_dtype=jnp.float32, config=config)
+  _lowers(f, ((m, k), jnp.bfloat16), ((g, k, n), jnp.bfloat16), ((g,), jnp.int32))
+
+
+@pytest.mark.parametrize("sizes,m,held,offset", [
+    ([100, 0, 333, 1, 0, 466, 100], 1100, 7, 0),
+    ([100, 200, 0, 150, 300], 800, 2, 2),
+    ([1000, 24], 1100, 2, 0),
+    ([0, 0], 16, 2, 0),
+])
+@pytest.mark.parametrize("bm,n_tiles,width", [(128, 5, 2), (256, 3, 4), (128, 1, 8)])
+def test_ordered_items_table(sizes, m, held, offset, bm, n_tiles, width):
+  starts, ends = tokamax.plugin.held_row_ranges(jnp.asarray(sizes, jnp.int32), offset, held, m)
+  items = np.asarray(rd._work_items(starts, ends, m, bm))
+  table = np.asarray(rd._ordered_items(jnp.asarray(items), n_tiles, width))
+  assert table.shape == (items.shape[0] * n_tiles, 5)
+  # Every (item, column tile) exactly once.
+  pairs = {(tuple(r[:4]), r[4]) for r in table}
+  expected = {(tuple(it), ni) for it in items for ni in range(n_tiles)}
+  assert len(pairs) == len(expected) == len({tuple(r) for r in table})
+  assert pairs == expected
+  # A group's entries are contiguous; within them, runs of one column tile
+  # hold consecutive row tiles: whole bands of `width` tiles (the last band
+  # of a group shorter), each band visiting every column tile.
+  for g in range(held):
+    mine = [L for L, r in enumerate(table) if r[1] == g]
+    if not mine:
+      continue
+    assert mine == list(range(mine[0], mine[0] + len(mine)))
+    tiles = len(mine) // n_tiles
+    bands = [min(width, tiles - b) for b in range(0, tiles, width)]
+    runs, L = [], mine[0]
+    for size in (b for b in bands for _ in range(n_tiles)):
+      run = table[L:L + size]
+      assert np.all(run[:, 4] == run[0, 4])
+      assert np.all(np.diff(run[:, 0]) == bm)
+      runs.append(run)
+      L += size
+    for b in range(len(bands)):
+      cols = [r[0, 4] for r in runs[b * n_tiles:(b + 1) * n_tiles]]
+      assert sorted(cols) == list(range(n_tiles))
+      assert cols == sorted(cols, reverse=b % 2 == 1)  # snaking between bands
+
+
+def _snake_or_table(config, items, n_tiles):
+  if config.item_order == "group":
+    table = np.asarray(rd._ordered_items(jnp.asarray(items), n_tiles,
+                                         config.grid_tile_width))
+    return [(L, int(table[L, 4])) for L in range(table.shape[0])], table
+  order = []
+  for L in range(items.shape[0] * n_tiles):
+    ii, ni = rd.plgpu.planar_snake(jnp.int32(L), (items.shape[0], n_tiles), 1,
+                                   config.grid_tile_width)
+    order.append((int(ii), int(ni)))
+  return order, items
+
+
+@pytest.mark.parametrize("config", [
+    rd.RaggedDotConfig(block_m=256, block_n=64, item_order="group", grid_tile_width=2),
+    rd.RaggedDotConfig(block_m=256, block_n=64, grid_tile_width=3),
+    rd.RaggedDotConfig(block_n=32 * 2, item_order="group", grid_tile_width=3),
+], ids=lambda c: f"m{c.block_m}{c.item_order}")
+@pytest.mark.parametrize("sizes,m,held,offset", [
+    ([70, 0, 1, 255, 257, 0, 129, 300], 1100, 8, 0),
+    ([100, 200, 0, 150, 300], 800, 2, 2),
+    ([5, 9, 0], 37, 3, 0),
+])
+def test_tall_and_order_tile_model(config, sizes, m, held, offset):
+  """A NumPy model of the kernel's item loop (tables, order, 64-row halves a
+  warpgroup issues, rows it stores) against the reference: every output row is
+  stored exactly once, from halves that were computed."""
+  rng = np.random.default_rng(0)
+  k, n = 48, 200
+  starts, ends = tokamax.plugin.held_row_ranges(jnp.asarray(sizes, jnp.int32), offset, held, m)
+  bm, half, cta_n = config.block_m, config.block_m // 2, rd._cta_n(config)
+  m_pad, n_tiles = max(-(-m // 8) * 8, bm), -(-n // cta_n)
+  lhs = np.zeros((m_pad + bm, k))
+  lhs[:m] = rng.standard_normal((m, k))
+  rhs = np.zeros((held, k, n_tiles * cta_n))
+  rhs[:, :, :n] = rng.standard_normal((held, k, n))
+  items = np.asarray(rd._work_items(starts, ends, m_pad, bm))
+  order, table = _snake_or_table(config, items, n_tiles)
+  out = np.full((m_pad, n_tiles * cta_n), np.nan)
+  for ii, ni in order:
+    row0, group, lo, hi = table[ii][:4]
+    n0 = ni * cta_n
+    for w in range(2):
+      wlo, whi = np.clip(lo - w * half, 0, half), np.clip(hi - w * half, 0, half)
+      acc = np.full((half, cta_n), np.nan)  # halves never issued stay NaN
+      for h in range(half // 64):
+        if group >= 0 and min(whi, 64 * (h + 1)) > max(wlo, 64 * h):
+          r = row0 + w * half + 64 * h
+          acc[64 * h:64 * h + 64] = lhs[r:r + 64] @ rhs[group][:, n0:n0 + cta_n]
+      if group < 0:
+        acc[:] = 0
+      dst = row0 + w * half
+      assert np.all(np.isnan(out[dst + wlo:dst + whi, n0:n0 + cta_n])), "twice"
+      out[dst + wlo:dst + whi, n0:n0 + cta_n] = acc[wlo:whi]
+  ref = np.asarray(_reference(jnp.asarray(lhs[:m], jnp.float32),
+                              jnp.asarray(rhs[:, :, :n], jnp.float32),
+                              jnp.asarray(sizes, jnp.int32), offset), np.float64)
+  assert not np.any(np.isnan(out[:m, :n])), "rows never written or from skipped halves"
+  np.testing.assert_allclose(out[:m, :n], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_weight_reuse_config_validation_and_space():
+  with pytest.raises(ValueError, match="block_n <= 128"):
+    rd.RaggedDotConfig(block_m=256, block_n=256)
+  with pytest.raises(ValueError, match="item_order must"):
+    rd.RaggedDotConfig(item_order="zigzag")
+  with pytest.raises(ValueError, match="item_order='group' needs"):
+    rd.RaggedDotConfig(block_m=128, row_tiling="fixed", item_order="group")
+  tall = rd.RaggedDotConfig(block_m=256, block_n=128, num_stages=4, out_pieces=2)
+  assert rd._cta_n(tall) == 128
+  # Stage (256 x 64 + 64 x 128) x 2 B, staging 256 x 128 x 2 B / 2 pieces.
+  assert rd.smem_bytes(tall, 2, 2) == 4 * 49152 + 32768 + 1024
+  assert rd.smem_bytes(rd.RaggedDotConfig(), 2, 2) == 3 * 49152 + 65536 + 1024
+  for g in (16, 256):
+    space = rd._search_space(65536, 7168, 2048, g, 2, 2)
+    assert all(rd.smem_bytes(c, 2, 2) <= rd._common.SMEM_LIMIT for c in space)
+    assert tall in space
+    assert rd.RaggedDotConfig(num_stages=4, out_pieces=2, item_order="group") in space
+    assert dataclasses.replace(tall, item_order="group") in space
+  # The defaults did not move.
+  assert rd.RaggedDotConfig().item_order == "snake"
+  assert rd._heuristic(0, 0, 0, 1, 2, 2) == rd.RaggedDotConfig()

@@ -30,6 +30,13 @@ column pieces (2) that reuse one half-size buffer, the second written once the
 first's store has read it. Two pieces free 32 KiB at ``block_n=128``: room for
 a 4th pipeline stage (4 x 48 + 2 x 16 KiB + barriers = 225 KiB of 227).
 
+Weight reuse (variants, not in the heuristic): ``block_m=256`` items are 256
+rows x ``block_n`` columns, each compute warpgroup 128 rows in two 64-row wgmma
+halves (one accumulator), so a group of up to ~256 rows streams each weight tile
+once; ``item_order="group"`` writes the (row tile, column tile) order into the
+work-item table (`_ordered_items`) so a group's row tiles of one column tile run
+at neighbouring linear indices, i.e. together on neighbouring SMs (L2 sharing).
+
 Reads past the array edges are zero-filled by TMA; the arrays are zero-padded
 only where shapes are not multiples of the swizzle (8 rows, 64 columns).
 
@@ -73,6 +80,18 @@ class RaggedDotConfig:
   ``drhs_kernel`` (backward only): "ring" or "ws", see
   `grouped_transposed_matmul`; "ws" runs ``block_k=64`` and the stages that fit
   (`drhs_ws_config`).
+
+  ``row_tiling="group"`` with ``block_m=256`` ("tall" items): a block computes
+  ``256 x block_n`` (not ``128 x 2 block_n``), each compute warpgroup 128 rows
+  in two 64-row wgmma halves into one ``[128, block_n]`` accumulator, a half
+  skipped when its rows lie outside the group; a group of up to ~256 rows then
+  streams each weight tile once instead of 2-3 times.
+  ``item_order``: "snake" walks (row tile, column tile) with `plgpu.planar_snake`;
+  "group" writes the order into the work-item table: per group, bands of
+  ``grid_tile_width`` row tiles, and within a band the row tiles of one column
+  tile are consecutive linear indices (neighbouring SMs run them together and
+  share the weight tile's k-slices through L2), column tiles snaking between
+  bands.
   """
 
   block_m: int = 128
@@ -83,6 +102,7 @@ class RaggedDotConfig:
   row_tiling: str = "group"
   out_pieces: int = 1
   drhs_kernel: str = "ring"
+  item_order: str = "snake"
 
   def __post_init__(self):
     if self.block_m % _WGMMA_M or self.block_m > 256:
@@ -95,9 +115,18 @@ class RaggedDotConfig:
       raise ValueError(f"num_stages >= 2 and grid_tile_width >= 1: {self}")
     if self.row_tiling not in ("group", "fixed"):
       raise ValueError(f"row_tiling must be 'group' or 'fixed'; got {self.row_tiling}")
-    if self.row_tiling == "group" and self.block_m != 2 * _WGMMA_M:
+    if self.row_tiling == "group" and self.block_m not in (128, 256):
       raise ValueError("row_tiling='group' takes block_m=128 (64 rows per "
-                       f"compute warpgroup); got {self.block_m}")
+                       "compute warpgroup) or 256 (128 rows per warpgroup); "
+                       f"got {self.block_m}")
+    if self.row_tiling == "group" and self.block_m == 256 and self.block_n > 128:
+      # Each warpgroup's [128, block_n] f32 accumulator: block_n registers per
+      # thread (of 232 for the compute warpgroups).
+      raise ValueError(f"block_m=256 takes block_n <= 128; got {self.block_n}")
+    if self.item_order not in ("snake", "group"):
+      raise ValueError(f"item_order must be 'snake' or 'group'; got {self.item_order}")
+    if self.item_order == "group" and self.row_tiling != "group":
+      raise ValueError("item_order='group' needs row_tiling='group'")
     if self.out_pieces not in (1, 2):
       raise ValueError(f"out_pieces must be 1 or 2; got {self.out_pieces}")
     if self.out_pieces == 2 and self.row_tiling != "group":
@@ -110,10 +139,18 @@ def smem_bytes(config: RaggedDotConfig, itemsize: int, out_itemsize: int) -> int
   """Shared memory of the warp-specialized kernels (the forward/dlhs kernel, and
   the ``drhs_kernel="ws"`` contraction, whose stage holds 128 lhs columns where
   the forward holds 128 lhs rows: the same bytes)."""
-  stage = (config.block_m * config.block_k
-           + config.block_k * 2 * config.block_n) * itemsize
-  out = 2 * config.block_m * config.block_n * out_itemsize // config.out_pieces
+  cta_n = _cta_n(config)
+  stage = (config.block_m * config.block_k + config.block_k * cta_n) * itemsize
+  out = config.block_m * cta_n * out_itemsize // config.out_pieces
   return config.num_stages * stage + out + 1024  # + barriers, alignment
+
+
+def _cta_n(config: RaggedDotConfig) -> int:
+  """Output columns of one block: ``2 * block_n``, or ``block_n`` for tall
+  (``block_m=256``) group items, whose warpgroups split rows, not columns."""
+  if config.row_tiling == "group" and config.block_m == 256:
+    return config.block_n
+  return 2 * config.block_n
 
 
 def _check_fits(config: RaggedDotConfig, itemsize: int, out_itemsize: int,
@@ -199,6 +236,47 @@ def _work_items(starts, ends, m: int, block_m: int):
   return jnp.stack([row, group, lo, hi], axis=1).astype(jnp.int32)
 
 
+_NI = 4  # Column of `_ordered_items`: the item's column tile.
+
+
+def _ordered_items(items, n_tiles: int, width: int):
+  """`_work_items` x column tiles in "group" order, int32 ``[items * n_tiles, 5]``.
+
+  Row ``L`` of the result is the work item the kernel's linear index ``L`` runs
+  (the `_work_items` columns, then the column tile). A run is the row tiles of
+  one group (a zero or past-the-end item is a run of its own); each run is cut
+  into bands of at most `width` row tiles; a band of ``b`` row tiles takes the
+  ``b * n_tiles`` consecutive indices from ``band_start * n_tiles``, column
+  tile by column tile with the band's row tiles fastest. Neighbouring indices
+  run at the same time on neighbouring SMs (the persistent grid deals them out
+  round robin), so a column tile's weights are read by the group's row tiles
+  together (L2 hits) and the group's lhs rows stay hot across column tiles.
+  Odd bands walk the column tiles backwards (their first column tile is the one
+  the previous band ended on).
+  """
+  num = items.shape[0]
+  i = jnp.arange(num, dtype=jnp.int32)
+  group = items[:, _GROUP]
+  prev = jnp.concatenate([jnp.full((1,), -2, jnp.int32), group[:-1]])
+  new_run = (group != prev) | (group < 0)
+  run_start = lax.cummax(jnp.where(new_run, i, 0))
+  next_start = lax.cummin(jnp.where(new_run, i, num), reverse=True)
+  run_end = jnp.concatenate([next_start[1:], jnp.full((1,), num, jnp.int32)])
+  band = (i - run_start) // width
+  band_start = run_start + band * width
+  band_len = jnp.minimum(width, run_end - band_start)
+  j = jnp.arange(n_tiles, dtype=jnp.int32)[None, :]  # position in the band
+  linear = (band_start[:, None] * n_tiles + j * band_len[:, None]
+            + (i - band_start)[:, None])
+  ni = jnp.where(band[:, None] % 2 == 1, n_tiles - 1 - j, j)
+  rows = jnp.concatenate(
+      [jnp.broadcast_to(items[:, None, :], (num, n_tiles, 4)), ni[..., None]],
+      axis=2)
+  table = jnp.zeros((num * n_tiles, 5), jnp.int32)
+  return table.at[linear.reshape(-1)].set(rows.reshape(-1, 5),
+                                          unique_indices=True)
+
+
 # ----------------------------------------------------------------------------
 # Kernel.
 
@@ -219,7 +297,7 @@ def grouped_matmul(lhs, rhs, starts, ends, *, transpose_rhs: bool, out_dtype,
 
 
 def _store_rows(y, lo, hi, dst_row, swizzled_smem, linear_smem, out_ref, cols):
-  """Writes rows ``[lo, hi)`` of a warpgroup's ``[64, n]`` tile to ``out_ref``.
+  """Writes rows ``[lo, hi)`` of a warpgroup's ``[64 or 128, n]`` tile to ``out_ref``.
 
   A whole 8-row-aligned tile goes out in one TMA store from swizzled shared
   memory; a partial one through unswizzled shared memory in power-of-two row
@@ -258,16 +336,18 @@ def _grouped_matmul_group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool,
                                 out_dtype, config: RaggedDotConfig) -> jax.Array:
   """`grouped_matmul` on row tiles that follow the groups (`_work_items`).
 
-  The two compute warpgroups split the tile's rows (64 each) and share the rhs
-  tile; a warpgroup whose rows all lie outside the item's group skips its wgmma.
+  The two compute warpgroups split the tile's rows (64 each, or 128 for
+  ``block_m=256``) and share the rhs tile; a warpgroup skips the wgmma of each
+  64-row half whose rows all lie outside the item's group.
   """
   m_orig = lhs.shape[0]
   n_orig = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   _check_fits(config, lhs.dtype.itemsize, jnp.dtype(out_dtype).itemsize,
               "ragged_dot grouped_matmul")
   bm, bk = config.block_m, config.block_k
-  half = bm // 2
-  cta_n = 2 * config.block_n
+  half = bm // 2  # A compute warpgroup's rows: 64, or 128 in two wgmma halves.
+  subs = half // _WGMMA_M
+  cta_n = _cta_n(config)
   pieces = config.out_pieces
   piece_n = cta_n // pieces
   lhs, rhs = _pad_operands(lhs, rhs, transpose_rhs, config)
@@ -277,6 +357,9 @@ def _grouped_matmul_group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool,
   num_items = items.shape[0]
   n_tiles, k_steps = pl.cdiv(n, cta_n), pl.cdiv(k, bk)
   dtype = lhs.dtype
+  ordered = config.item_order == "group"
+  if ordered:
+    items = _ordered_items(items, n_tiles, config.grid_tile_width)
 
   lhs_spec = plgpu.BlockSpec((bm, bk), lambda ki: (0, ki),
                              transforms=_common.swizzled(dtype, bk),
@@ -326,7 +409,7 @@ def _grouped_matmul_group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool,
                         cols)
 
       def store_tile(piece_of, lo, hi, dst_row, n0):
-        """Stores the warpgroup's ``[64, cta_n]`` tile, `pieces` column pieces
+        """Stores the warpgroup's ``[half, cta_n]`` tile, `pieces` column pieces
         one after the other through the same shared memory: `_store_rows` first
         waits until the previous piece's TMA store has read it. Two pieces
         halve the staging memory (room for one more pipeline stage)."""
@@ -336,15 +419,19 @@ def _grouped_matmul_group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool,
 
       @plgpu.nd_loop((num_items * n_tiles,), collective_axes="sm")
       def _item_loop(info):
-        ii, ni = plgpu.planar_snake(info.index[0], (num_items, n_tiles), 1,
-                                    config.grid_tile_width)
+        if ordered:
+          ii = info.index[0]
+          ni = items_ref[ii, _NI]
+        else:
+          ii, ni = plgpu.planar_snake(info.index[0], (num_items, n_tiles), 1,
+                                      config.grid_tile_width)
         row0 = items_ref[ii, _ROW0]
         group = items_ref[ii, _GROUP]
         lo = items_ref[ii, _LO]
         hi = items_ref[ii, _HI]
         n0 = ni * cta_n
         cols = pl.ds(n0, cta_n)
-        # This warpgroup's rows of the tile: [wlo, whi) of its 64.
+        # This warpgroup's rows of the tile: [wlo, whi) of its `half`.
         wlo = jnp.clip(lo - cwg * half, 0, half)
         whi = jnp.clip(hi - cwg * half, 0, half)
         dst_row = row0 + cwg * half
@@ -355,11 +442,39 @@ def _grouped_matmul_group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool,
           else:
             b = b_smem
 
-          @pl.when(whi > wlo)
-          def _issue():
-            plgpu.wgmma(acc_ref, a_smem.at[pl.ds(cwg * half, half)], b)
-          plgpu.wgmma_wait(1)
+          if subs == 1:
+            @pl.when(whi > wlo)
+            def _issue():
+              plgpu.wgmma(acc_ref, a_smem.at[pl.ds(cwg * half, half)], b)
+            plgpu.wgmma_wait(1)
+            return acc_ref
+          issue_halves(a_smem, b, acc_ref)
           return acc_ref
+
+        def issue_halves(a_smem, b, acc_ref):
+          """Tall items: the wgmma of each 64-row half of this warpgroup's
+          128 rows that holds rows of the group."""
+          active = [(jnp.minimum(whi, (h + 1) * _WGMMA_M)
+                     > jnp.maximum(wlo, h * _WGMMA_M)) for h in range(subs)]
+          for h in range(subs):
+            @pl.when(active[h])
+            def _issue():
+              rows = pl.ds(h * _WGMMA_M, _WGMMA_M)
+              plgpu.wgmma(acc_ref.at[rows],
+                          a_smem.at[pl.ds(cwg * half + h * _WGMMA_M, _WGMMA_M)],
+                          b)
+          # Each wgmma call is one commit group. At the end of step s the
+          # pipeline frees step s-1's buffers (delay_release=1), so all of
+          # s-1's groups must be done: leave pending only this step's.
+          both = active[0] & active[1]
+
+          @pl.when(both)
+          def _wait_two():
+            plgpu.wgmma_wait(2)
+
+          @pl.when(~both)
+          def _wait_one():
+            plgpu.wgmma_wait(1)
 
         def context(eval_pipeline):
           @functools.partial(pl.run_scoped,
@@ -431,7 +546,7 @@ def _pad_operands(lhs, rhs, transpose_rhs: bool, config: RaggedDotConfig):
   K gets at least two pipeline steps: a one-step warp-specialized pipeline
   crashed on the H200 (CUDA_ERROR_LAUNCH_FAILED at K=64, notes/MOSAIC_GPU.md).
   """
-  bm, bk, cta_n = config.block_m, config.block_k, 2 * config.block_n
+  bm, bk, cta_n = config.block_m, config.block_k, _cta_n(config)
   lhs = _pad_axis(_pad_axis(lhs, 0, 8, bm), 1, _COLS, 2 * bk)
   k = lhs.shape[1]
   k_axis, n_axis = (2, 1) if transpose_rhs else (1, 2)
@@ -922,7 +1037,31 @@ def _search_space(m, k, n, num_groups, itemsize, out_itemsize):
     c = RaggedDotConfig(num_stages=3, grid_tile_width=width, out_pieces=2)
     if _fits(c, itemsize, out_itemsize):
       configs.append(c)
+  configs.extend(_weight_reuse_configs(itemsize, out_itemsize))
   return tuple(configs)
+
+
+def _weight_reuse_configs(itemsize, out_itemsize):
+  """The weight-reuse variants (session 5): "group" item order for the wide
+  (128 x 256) items, and tall (256 x 128) items in both orders. Select with
+  ``--match item_order=group`` / ``--match block_m=256``."""
+  configs = []
+  for bk, stages, pieces in ((64, 3, 1), (64, 4, 2), (64, 3, 2)):
+    for width in (4, 8, 16):
+      configs.append(RaggedDotConfig(block_k=bk, num_stages=stages,
+                                     out_pieces=pieces, grid_tile_width=width,
+                                     item_order="group"))
+  for bk, stages, pieces in ((64, 3, 1), (64, 4, 2), (64, 3, 2), (32, 6, 1),
+                             (32, 8, 2)):
+    for order in ("snake", "group"):
+      # Snake: 16 bands all 16 column tiles at N=2048, so a row tile's lhs
+      # is read by its column tiles together (tall items read lhs twice as
+      # often as wide ones).
+      for width in (4, 8, 16):
+        configs.append(RaggedDotConfig(block_m=256, block_n=128, block_k=bk,
+                                       num_stages=stages, out_pieces=pieces,
+                                       grid_tile_width=width, item_order=order))
+  return [c for c in configs if _fits(c, itemsize, out_itemsize)]
 
 
 # The drhs kernel the backward's heuristic picks: the warp-specialized
