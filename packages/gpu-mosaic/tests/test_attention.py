@@ -16,7 +16,6 @@ import pytest
 
 import tokamax
 from tokamax import testing
-from tokamax._src import config_sources
 from tokamax._src.ops import attention as attention_op
 from tokamax_gpu_mosaic import attention as mat
 
@@ -722,11 +721,10 @@ def test_backward_configs_fit():
     assert len(set(space)) == len(space)
     assert {(c.ping_pong, c.ping_pong_dq) for c in space} == {
         (False, False), (True, False), (False, True), (True, True)}
-    fused = {c for c in space if c.fused_dq}
-    plain = {c for c in space if not (c.ping_pong or c.ping_pong_dq)} - fused
-    assert len(space) == 4 * len(plain) + len(fused)
+    plain = {c for c in space if not (c.ping_pong or c.ping_pong_dq)}
+    assert len(space) == 4 * len(plain)
     config = op.heuristic_config(_args(h=h))
-    assert not (config.ping_pong or config.ping_pong_dq or config.fused_dq)
+    assert not (config.ping_pong or config.ping_pong_dq)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -1153,13 +1151,8 @@ def _model_scores(s, dp, lse_b, delta_b, c, cap, visible):
   return p, ds
 
 
-def _model_dkv(q, k, v, do, lse2, delta, *extras, scale, causal, config, feat,
-               s_true=None):
-  """The dK/dV kernel's loops (ranges, masks, steps) in NumPy; with
-  `config.fused_dq` also its dQ (unscaled float32 sum of dS K, with the keys
-  past the valid ones masked as the fused kernel masks them)."""
-  fused = config.fused_dq
-  mask_keys = fused and (feat.kv_len or s_true % 128 != 0)
+def _model_dkv(q, k, v, do, lse2, delta, *extras, scale, causal, config, feat):
+  """The dK/dV kernel's loops (ranges, masks, steps) in NumPy."""
   q, k, v, do, lse2, delta = (_np(x) for x in (q, k, v, do, lse2, delta))
   b, tp, n, h = q.shape
   sp, nk = k.shape[1], k.shape[2]
@@ -1169,7 +1162,7 @@ def _model_dkv(q, k, v, do, lse2, delta, *extras, scale, causal, config, feat,
   if feat.segments:
     table, q_ids, kv_ids = (np.asarray(x) for x in extras[1:4])
   query_range = jax.jit(mat._query_range, static_argnums=(1, 5, 6, 7))
-  dk, dv, dq = np.zeros(k.shape), np.zeros(v.shape), np.zeros(q.shape)
+  dk, dv = np.zeros(k.shape), np.zeros(v.shape)
   for bi in range(b):
     for kh in range(nk):
       for ki in range(sp // 128):
@@ -1181,10 +1174,6 @@ def _model_dkv(q, k, v, do, lse2, delta, *extras, scale, causal, config, feat,
               jnp.int32(kv_limit), jnp.int32(off), feat.left, feat.right, bq)),
               table if feat.segments else None, bi, ki * 2 + w, feat.segments)
                     for w in (0, 1)]
-          if mask_keys:
-            ranges = [_ints(*mat._all_masked_past(
-                *(jnp.int32(x) for x in r), jnp.int32(k0 + (w + 1) * rows),
-                jnp.int32(kv_limit))) for w, r in enumerate(ranges)]
           lo, fl, fh, hi = _ints(*mat._shared_steps(*(
               tuple(jnp.int32(x) for x in r) for r in ranges)))
           assert lo <= fl <= fh <= hi
@@ -1194,12 +1183,9 @@ def _model_dkv(q, k, v, do, lse2, delta, *extras, scale, causal, config, feat,
             steps = [(j, not fl <= j < fh) for j in range(lo, hi)]
           elif causal:
             j_clear = min((r0 + rows - 1 + bq - 1) // bq, nq)
-            if mask_keys and r0 + rows > s_true:
-              j_clear = nq
             steps = [(j, j < j_clear) for j in range(k0 // bq, nq)]
           else:
-            padded = mask_keys and r0 + rows > s_true
-            steps = [(j, padded) for j in range(nq)]
+            steps = [(j, False) for j in range(nq)]
           kt, vt = k[bi, r0:r0 + rows, kh], v[bi, r0:r0 + rows, kh]
           for g in range(group):
             head = kh * group + g
@@ -1210,14 +1196,10 @@ def _model_dkv(q, k, v, do, lse2, delta, *extras, scale, causal, config, feat,
               query = np.arange(j * bq, (j + 1) * bq)[None, :]
               visible = None
               if masked and not feat.dynamic:
-                visible = (key <= query) if causal else np.ones((rows, bq), bool)
-                if mask_keys:
-                  visible &= key < s_true
+                visible = key <= query
               elif masked:
                 pos = query + off
                 visible = np.ones((rows, bq), bool)
-                if mask_keys:
-                  visible &= key < kv_limit
                 if feat.left is not None:
                   visible &= key >= pos - feat.left
                 if feat.right is not None:
@@ -1230,14 +1212,11 @@ def _model_dkv(q, k, v, do, lse2, delta, *extras, scale, causal, config, feat,
                                     visible)
               dv[bi, r0:r0 + rows, kh] += p @ dot
               dk[bi, r0:r0 + rows, kh] += ds @ qt
-              if fused:  # the two consumers' dS^T rows, summed over keys
-                dq[bi, tq, head] += ds.T @ kt
           if feat.kv_len:
             keep = (np.arange(r0, r0 + rows) < kv_limit)[:, None]
             dk[bi, r0:r0 + rows, kh] = np.where(keep, dk[bi, r0:r0 + rows, kh], 0)
             dv[bi, r0:r0 + rows, kh] = np.where(keep, dv[bi, r0:r0 + rows, kh], 0)
-  out = jnp.asarray(dk * scale, jnp.float32), jnp.asarray(dv, jnp.float32)
-  return out + (jnp.asarray(dq, jnp.float32),) if fused else out
+  return jnp.asarray(dk * scale, jnp.float32), jnp.asarray(dv, jnp.float32)
 
 
 def _model_dq(q, k, v, do, lse2, delta, *extras, scale, causal, s_true, config,
@@ -1388,166 +1367,6 @@ def test_bwd_features_tile_model_matches_autodiff(case, monkeypatch):
     for bi, limit in enumerate(np.asarray(args.key_value_seq_lengths)):
       assert (np.asarray(got[1])[bi, limit:] == 0).all()
       assert (np.asarray(got[2])[bi, limit:] == 0).all()
-
-
-_FUSED_MODEL_CASES = [
-    # (t, s, n, k, block_q, features): padded keys (static: the last block's
-    # steps all masked), causal, GQA, lengths, window, segments, soft cap.
-    (200, 330, 4, 2, 64, dict()),
-    (330, 200, 4, 2, 128, dict(causal=True)),
-    (256, 256, 2, 1, 64, dict(causal=True)),  # no padding: no key mask
-    (200, 330, 4, 2, 128, dict(q_len=[200, 77], kv_len=[300, 1])),
-    (256, 384, 2, 1, 64, dict(window=(64, 16), kv_len=[200, 384])),
-    (192, 320, 2, 1, 128, dict(window=(50, 0), q_offset=37)),
-    (200, 330, 2, 1, 64, dict(soft_cap=3.0, causal=True)),
-    (256, 256, 4, 2, 64, dict(causal=True, segments="packed")),
-    (200, 333, 2, 1, 128, dict(segments="random", kv_len=[250, 333],
-                               window=(None, 40))),
-    (200, 330, 4, 2, 128, dict(kv_len=[100, 230])),  # both consumers valid keys
-]
-
-
-@pytest.mark.parametrize("case", range(len(_FUSED_MODEL_CASES)))
-def test_fused_dq_tile_model_matches_autodiff(case, monkeypatch):
-  # As test_bwd_features_tile_model_matches_autodiff, for fused_dq: the
-  # wrapper's fused path (accumulator slicing and scaling) with the kernel
-  # replaced by the NumPy model of its loops, including the key masking that
-  # only the fused kernel needs (padded keys / keys past kv_len reach dQ).
-  import tokamax_xla_reference  # pylint: disable=import-outside-toplevel
-  t, s, n, k, block_q, feats = _FUSED_MODEL_CASES[case]
-  feats = dict(feats)
-  if "segments" in feats:
-    feats["segments"] = _model_segments(feats["segments"], t, s)
-  args = _feature_args(2, t, s, n, k, 16, jnp.float32, **feats)
-
-  def no_dq_kernel(*a, **kw):
-    raise AssertionError("fused_dq ran the dQ kernel")
-  monkeypatch.setattr(mat, "_flash_dkv", _model_dkv)
-  monkeypatch.setattr(mat, "_flash_dq", no_dq_kernel)
-  kw = dict(is_causal=args.is_causal, local_window=args.local_window,
-            logits_soft_cap=args.logits_soft_cap,
-            query_seq_lengths=args.query_seq_lengths,
-            key_value_seq_lengths=args.key_value_seq_lengths,
-            q_segment_ids=args.q_segment_ids, kv_segment_ids=args.kv_segment_ids,
-            q_offset=args.q_offset)
-
-  def ref(q, key, v):
-    return tokamax_xla_reference.attention(q, key, v, scale=args.scale,
-                                           precision=HIGHEST, **kw)
-  (out, lse), vjp = jax.vjp(ref, args.query, args.key, args.value)
-  dout = _cotangent(out.shape, jnp.float32)
-  want = vjp((dout, jnp.zeros_like(lse)))
-  kw["causal"] = kw.pop("is_causal")
-  got = mat.mosaic_attention_bwd(
-      args.query, args.key, args.value, out, dout, lse, scale=args.scale,
-      config=mat.AttentionVjpConfig(block_q, 128, 2, fused_dq=True), **kw)
-  for name, g, w in zip(("dq", "dk", "dv"), got, want):
-    g, w = np.asarray(g), np.asarray(w)
-    assert g.shape == w.shape and np.isfinite(g).all(), name
-    np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-4 * np.abs(w).max() + 1e-6,
-                               err_msg=name)
-
-
-def test_fused_dq_key_mask_is_needed():
-  # Without the fused kernel's key mask, a padded key's dS^T (exp2 of a zero
-  # score against a very negative lse, times -delta) would reach dQ: a mutated
-  # `_all_masked_past` that keeps unmasked steps makes the model wrong.
-  # Key lengths whose last block has valid keys in both consumers' rows (a
-  # consumer with none makes every step masked anyway).
-  args = _feature_args(2, 200, 330, 4, 2, 16, jnp.float32, kv_len=[100, 230])
-  block_q = 128
-  import tokamax_xla_reference  # pylint: disable=import-outside-toplevel
-  kw = dict(query_seq_lengths=args.query_seq_lengths,
-            key_value_seq_lengths=args.key_value_seq_lengths)
-  (out, lse), vjp = jax.vjp(lambda q, key, v: tokamax_xla_reference.attention(
-      q, key, v, scale=args.scale, precision=HIGHEST, **kw),
-                            args.query, args.key, args.value)
-  dout = _cotangent(out.shape, jnp.float32)
-  want = vjp((dout, jnp.zeros_like(lse)))[0]
-  config = mat.AttentionVjpConfig(block_q, 128, 2, fused_dq=True)
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(mat, "_flash_dkv", _model_dkv)
-    mp.setattr(mat, "_all_masked_past", lambda lo, fl, fh, hi, *_: (lo, fl, fh, hi))
-    got = mat.mosaic_attention_bwd(args.query, args.key, args.value, out, dout, lse,
-                                   scale=args.scale, causal=False, config=config,
-                                   **kw)[0]
-  assert not np.allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4)
-
-
-_FUSED = {64: mat.AttentionVjpConfig(128, 128, 2, fused_dq=True),
-          128: mat.AttentionVjpConfig(64, 128, 2, fused_dq=True)}
-
-
-def test_fused_dq_configs():
-  op = mat.MosaicGpuAttentionVjp()
-  for h in (64, 128):
-    space = op.search_space(_args(h=h))
-    fused = {(c.block_q, c.num_stages) for c in space if c.fused_dq}
-    assert fused == {(128 if h == 64 else 64, 2), (128 if h == 64 else 64, 3)}
-    assert _FUSED[h] in space
-    assert not op.heuristic_config(_args(h=h)).fused_dq  # not measured yet
-    for c in space:
-      if c.fused_dq:
-        assert not (c.ping_pong or c.ping_pong_dq)
-        dkv, dq = mat.bwd_smem_bytes(c, h, 2)
-        assert dkv <= 227 * 1024 - 1024 and dq == 0  # no dQ kernel
-  with pytest.raises(ValueError, match="fused_dq does not combine"):
-    mat.AttentionVjpConfig(64, 128, 2, ping_pong=True, fused_dq=True)
-  with pytest.raises(ValueError, match="fused_dq does not combine"):
-    mat.AttentionVjpConfig(64, 128, 2, ping_pong_dq=True, fused_dq=True)
-  # Refused by name: no two 64 x 64 dQ quarters (H64 with 64 query rows), too
-  # many registers (H128 with 128), too much shared memory (4 stages).
-  for h, config in ((64, mat.AttentionVjpConfig(64, 128, 2, fused_dq=True)),
-                    (128, mat.AttentionVjpConfig(128, 128, 2, fused_dq=True)),
-                    (128, mat.AttentionVjpConfig(64, 128, 4, fused_dq=True)),
-                    (64, mat.AttentionVjpConfig(128, 128, 4, fused_dq=True))):
-    with pytest.raises(ValueError, match=r"AttentionVjpConfig.*fused_dq=True.*"
-                       r"does not fit at head dim .*fused_dq needs"):
-      op.backward(_args(h=h), {"lse": None}, None, None, config)
-
-
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("h,n,k,t,s,stages,dtype,features", [
-    (64, 4, 4, 512, 512, 2, jnp.bfloat16, {}),
-    (128, 4, 4, 512, 512, 2, jnp.bfloat16, {}),
-    (128, 8, 2, 384, 640, 3, jnp.bfloat16, {}),  # GQA, T != S
-    (64, 4, 1, 200, 333, 3, jnp.float16, {}),  # MQA, padded (key mask)
-    (128, 2, 2, 1, 77, 2, jnp.bfloat16, {}),
-    (128, 8, 2, 384, 640, 2, jnp.bfloat16,
-     dict(local_window=(100, 0), logits_soft_cap=30.0, lengths=True,
-          segments=True)),
-    (64, 4, 1, 200, 333, 3, jnp.bfloat16, dict(key_value_seq_lengths=True)),
-])
-def test_fused_dq_lowers_for_cuda(causal, h, n, k, t, s, stages, dtype, features):
-  pytest.importorskip("absl")
-  b = 2
-  config = dataclasses.replace(_FUSED[h], num_stages=stages)
-  features = dict(features)
-  sds = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt)
-  shapes = [sds((b, t, n, h)), sds((b, s, k, h)), sds((b, s, k, h)),
-            sds((b, t, n, h)), sds((b, t, n, h)), sds((b, n, t), jnp.float32)]
-  names = []
-  if features.pop("lengths", False):
-    features.update(query_seq_lengths=True, key_value_seq_lengths=True)
-  for name in ("query_seq_lengths", "key_value_seq_lengths"):
-    if features.pop(name, False):
-      names.append(name)
-      shapes.append(sds((b,), jnp.int32))
-  if features.pop("segments", False):
-    names += ["q_segment_ids", "kv_segment_ids"]
-    shapes += [sds((b, t), jnp.int32), sds((b, s), jnp.int32)]
-
-  def run(q, key, v, o, do, lse, *rest):
-    return mat.mosaic_attention_bwd(q, key, v, o, do, lse, scale=0.125,
-                                    causal=causal, config=config, **features,
-                                    **dict(zip(names, rest)))
-  exported = jax.export.export(jax.jit(run), platforms=["cuda"])(*shapes)
-  text = exported.mlir_module()
-  # One kernel, its float32 dQ accumulator aliased in and out.
-  assert text.count("custom_call @mosaic_gpu") == 1
-  assert "output_operand_alias" in text
-  assert [(a.shape, a.dtype) for a in exported.out_avals] == [
-      ((b, t, n, h), dtype), ((b, s, k, h), dtype), ((b, s, k, h), dtype)]
 
 
 def test_bwd_features_configs_fit_with_segments():
@@ -1760,77 +1579,3 @@ def test_bwd_features_rows_that_see_nothing():
   qs[:, 64:128] = 1
   _check_bwd_features(1, 256, 256, 2, 2, 64, segments=(qs, ks), causal=True)
   _check_bwd_features_direct(2, 384, 256, 2, 2, 128, q_offset=-200, causal=True)
-
-
-# ----------------------------------------------------------------------------
-# fused_dq (dQ in the dK/dV kernel, TMA reductions): GPU tests, `-k fused_dq`.
-# ----------------------------------------------------------------------------
-
-
-class _VjpConfig:
-  """A config source giving the Mosaic GPU attention backward `config`."""
-
-  def __init__(self, config):
-    self.config = config
-
-  def lookup(self, op, args):
-    del args
-    return self.config if isinstance(op, mat.MosaicGpuAttentionVjp) else None
-
-
-def _check_fused_dq(b, t, s, n, k, h, dtype=jnp.bfloat16, stages=2, **features):
-  """jax.grad through implementation="mosaic_gpu" with the fused backward
-  against XLA's in float32 (`_check_bwd_features`)."""
-  config = dataclasses.replace(_FUSED[h], num_stages=stages)
-  with config_sources.use(_VjpConfig(config)):
-    _check_bwd_features(b, t, s, n, k, h, dtype, **features)
-
-
-@gpu
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("h", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
-def test_fused_dq_grads(dtype, h, causal):
-  # GQA, T != S, both padded (the last key block's padded keys masked).
-  _check_fused_dq(2, 300, 333, 4, 2, h, dtype, causal=causal)
-
-
-@gpu
-@pytest.mark.parametrize("h", [64, 128])
-def test_fused_dq_features(h):
-  # Many steps and ring laps (3 stages), MQA, long causal.
-  _check_fused_dq(1, 1024, 1024, 4, 1, h, stages=3, causal=True)
-  # Window + lengths (keys past kv_len masked out of dQ) + soft cap.
-  _check_fused_dq(2, 640, 704, 8, 2, h, window=(100, 30), q_len=[640, 300],
-                  kv_len=[500, 704], soft_cap=20.0)
-  # Packed segments, causal.
-  ids = _packed(2, 512, [[100, 28, 300, 84], [7, 505]])
-  _check_fused_dq(2, 512, 512, 4, 2, h, segments=(ids, ids), causal=True)
-
-
-@gpu
-@pytest.mark.parametrize("h", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
-def test_fused_dq_matches_unfused(h, causal):
-  # The same dK/dV arithmetic; dQ summed in another order (float32 TMA
-  # reductions across key tiles instead of one register accumulator), then
-  # rounded to bf16: equal to about one bf16 ulp. Run twice: the reduction
-  # order may differ between runs.
-  b, t, s, n, k = 2, 700, 450, 4, 2
-  q, key, v = _qkv(b, t, s, n, k, h, jnp.bfloat16)
-  dout = _cotangent((b, t, n, h), jnp.bfloat16)
-  scale = 1 / np.sqrt(h)
-  out = _reference(q, key, v, causal).astype(jnp.bfloat16)
-  lse = _reference_lse(q, key, causal, scale)
-  unfused = dataclasses.replace(_FUSED[h], fused_dq=False)
-  unfused_fn, fused_fn = (jax.jit(functools.partial(
-      mat.mosaic_attention_bwd, scale=scale, causal=causal, config=config))
-                          for config in (unfused, _FUSED[h]))
-  want = unfused_fn(q, key, v, out, dout, lse)
-  for _ in range(2):
-    got = fused_fn(q, key, v, out, dout, lse)
-    for name, g, w in zip(("dq", "dk", "dv"), got, want):
-      g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-      np.testing.assert_allclose(g, w, rtol=2 ** -7,
-                                 atol=2 ** -7 * np.abs(w).max() * 1e-2,
-                                 err_msg=name)

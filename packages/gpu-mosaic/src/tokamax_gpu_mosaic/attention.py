@@ -80,11 +80,6 @@ q_offset, soft cap, segment ids; same static switches), and refuses bias, a bool
 mask and H 256 (registers) on the arguments themselves, so that dispatch takes
 another backward with ``implementation=None`` or an Op instance; a gradient with
 ``implementation="mosaic_gpu"`` named does not fall back and raises for those.
-``AttentionVjpConfig.fused_dq`` (off by default) computes dQ inside the dK/dV
-kernel instead, adding float32 partial sums into a global accumulator with TMA
-reductions: fewer matmuls, but NOT bitwise deterministic (the order in which key
-tiles add into a dQ element varies from run to run); the two-kernel backward is
-the deterministic mode.
 """
 
 from __future__ import annotations
@@ -1023,28 +1018,6 @@ class MosaicGpuAttention(Op):
 # ids: dK/dV loads its 64 key ids with K/V (3 arrivals) and streams query ids
 # with Q (3 arrivals); dQ loads its query ids with Q (5 arrivals) and streams
 # key ids in a ring next to K (own barrier, read before K is freed).
-#
-# Fused dQ (config ``fused_dq``; off, the kernels above compile unchanged): no
-# dQ kernel. In the dK/dV kernel, per step, each consumer writes its 16-bit
-# dS^T (64 keys x block_q) into one shared tile, arrives on a two-arrival
-# "ds_full" barrier, issues dV and dK, waits for "ds_full", then issues its
-# quarter of dQ = dS K: one 64 x 64 block of the [block_q, H] tile (query rows
-# by warpgroup at block_q 128 / H64, head columns at block_q 64 / H128), A =
-# the dS^T tile read transposed, B = the block's K rows, contracted over the
-# block's 128 keys in two 64-key wgmmas. The quarter goes through a float32
-# staging tile into a zero-initialized [B, Tp, N, H] float32 accumulator by a
-# TMA reduction (add): each dQ element takes one addition per key block. A
-# two-arrival "ds_free" barrier (both dQ matmuls done) guards the single dS^T
-# tile: waited before writing it from the second step on, and once after the
-# loop before dK/dV are staged in the K tile (the partner's last dQ matmul
-# reads it). The staging tile is single-buffered: before rewriting it only
-# the previous reduction's shared-memory read (issued a step earlier) is
-# waited for. Keys past the valid ones (padding, kv lengths) are masked in
-# dS^T here (unfused they only produce dK/dV rows that are dropped): their
-# warpgroup's steps all take the mask. The accumulator is a jax Ref, aliased
-# in and out of the kernel (`_kernel_with_refs`); the wrapper scales it and
-# converts it to the query dtype. Not combinable with ping-pong (the dS^T
-# exchange synchronizes the consumers every step).
 
 _BWD_KEY_ROWS = 2 * _WG_ROWS  # key rows per dK/dV block (2 consumers x 64)
 _BWD_HEAD_DIMS = (64, 128)
@@ -1071,15 +1044,6 @@ class AttentionVjpConfig:
   # ``ping_pong_dq``: the dQ kernel. False: both consumers issue together.
   ping_pong: bool = False
   ping_pong_dq: bool = False
-  # dQ computed inside the dK/dV kernel (one kernel, 5 matmuls per step instead
-  # of 7 over two kernels): per step the two consumers exchange dS^T through
-  # shared memory, each computes one 64 x 64 quarter of the step's dQ tile and
-  # adds it into a float32 accumulator in global memory with a TMA reduction
-  # (`block_kv` and `ping_pong_dq` are then unused). NOT bitwise deterministic:
-  # the order in which key tiles add into a dQ element varies from run to run
-  # (float32 sums, so results differ in the last bits). False: the two-kernel
-  # backward, deterministic.
-  fused_dq: bool = False
 
   def __post_init__(self):
     # 64 or 128: a multiple of 64 for the P^T dO / dS K contractions over a
@@ -1089,11 +1053,6 @@ class AttentionVjpConfig:
         raise ValueError(f"{name} must be 64 or 128; got {getattr(self, name)}")
     if self.num_stages < 2:
       raise ValueError(f"num_stages must be >= 2; got {self.num_stages}")
-    if self.fused_dq and (self.ping_pong or self.ping_pong_dq):
-      # The fused step synchronizes both consumers (dS^T exchange); ping-pong
-      # keeps them half a step apart.
-      raise ValueError(f"fused_dq does not combine with ping_pong/ping_pong_dq: "
-                       f"{self}")
 
 
 def bwd_smem_bytes(config: AttentionVjpConfig, head_dim: int, itemsize: int,
@@ -1110,35 +1069,11 @@ def bwd_smem_bytes(config: AttentionVjpConfig, head_dim: int, itemsize: int,
   if segments:
     dkv += (_BWD_KEY_ROWS + config.num_stages * config.block_q) * 4
     dq += (_CTA_ROWS + config.num_stages * config.block_kv) * 4
-  if config.fused_dq:
-    # dS^T of both consumers (one buffer) and each consumer's float32 dQ
-    # quarter staged for the TMA reduction (one buffer each); no dQ kernel.
-    dkv += _BWD_KEY_ROWS * config.block_q * itemsize + config.block_q * head_dim * 4
-    dq = 0
   return dkv, dq
-
-
-def _fused_dq_fits_registers(config: AttentionVjpConfig, head_dim: int) -> bool:
-  """The fused dK/dV/dQ step (f32 64 x n tile: n/2 registers per thread).
-
-  Each consumer computes one 64 x 64 quarter of the step's [block_q, H] dQ
-  tile, so block_q * H must be two quarters (H128 with 64 query rows, H64 with
-  128). Live while its matmul runs: dK, dV (H), the 16-bit P^T and dS^T that
-  the dV/dK matmuls of the same group still read (block_q / 2) and the quarter
-  (32); S^T and dP^T (block_q, counted by `_bwd_fits`) are dead by then.
-  H128: 128 + 32 + 32 = 192; H64: 64 + 64 + 32 = 160.
-  """
-  return (config.block_q * head_dim == 2 * _WG_ROWS * _WG_ROWS
-          and head_dim + config.block_q // 2 + _WG_ROWS // 2 <= _BWD_REG_BUDGET)
 
 
 def _bwd_fits(config: AttentionVjpConfig, head_dim: int, itemsize: int,
               segments: bool = False) -> bool:
-  if config.fused_dq:
-    return (bwd_smem_bytes(config, head_dim, itemsize, segments)[0]
-            <= _common.SMEM_LIMIT
-            and head_dim + config.block_q <= _BWD_REG_BUDGET
-            and _fused_dq_fits_registers(config, head_dim))
   return (max(bwd_smem_bytes(config, head_dim, itemsize, segments))
           <= _common.SMEM_LIMIT
           and head_dim + config.block_q <= _BWD_REG_BUDGET
@@ -1180,14 +1115,6 @@ def _query_range(k0, rows: int, q_limit, kv_limit, off, left, right, bq: int):
   return lo_t, fl_t, fh_t, hi_t
 
 
-def _all_masked_past(lo, fl, fh, hi, key_end, kv_limit):
-  """Fused dQ: a warpgroup whose keys ``[.., key_end)`` run past the valid ones
-  gets no unmasked steps (nor, through `_shared_steps`, its partner), so that
-  the mask zeroes those keys' dS^T rows before they reach dQ."""
-  partial = key_end > kv_limit
-  return lo, jnp.where(partial, lo, fl), jnp.where(partial, lo, fh), hi
-
-
 def _shared_steps(range0, range1):
   """Both consumers of a backward block take the same steps (so that every
   "free" barrier phase gets its two arrivals and the ping-pong count matches):
@@ -1209,19 +1136,14 @@ def _soft_capped(s, c: float, soft_cap: float):
 
 
 def _flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
-               config: AttentionVjpConfig, feat: _Features = _PLAIN,
-               s_true: int | None = None):
+               config: AttentionVjpConfig, feat: _Features = _PLAIN):
   """dK, dV on padded inputs: q/do [B, Tp, N, H], k/v [B, Sp, K, H] (Tp and Sp
   multiples of 128); lse2 (base-2 lse, +inf on padded rows), delta [B, N, Tp].
 
   `extras` (int32): with `feat.dynamic`, ``lims [B, 3]`` (valid queries, valid
   keys, q_offset); with `feat.segments` also the query tile ranges per 64 keys
   ``[B, Sp // 64, 2]``, q ids ``[B, Tp]`` and kv ids ``[B, Sp]``. Key rows at or
-  past the valid keys get zero dK/dV.
-
-  ``config.fused_dq``: returns (dK, dV, dQ) with dQ the unscaled float32 sum
-  ``dS K`` [B, Tp, N, H]; `s_true` (the unpadded key count) is then required:
-  keys at or past it (or past the valid keys) are masked out of dS."""
+  past the valid keys get zero dK/dV."""
   b, tp, n, h = q.shape
   sp, nk = k.shape[1], k.shape[2]
   group = n // nk
@@ -1233,11 +1155,7 @@ def _flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
   transforms = _common.swizzled(dtype, h)
   ping_pong = config.ping_pong
   dynamic, soft_cap = feat.dynamic, feat.soft_cap
-  fused = config.fused_dq
-  # Fused: the dS^T rows of keys past the valid ones would reach dQ (unfused,
-  # their dK/dV rows are only sliced off or zeroed), so they are masked.
-  mask_keys = fused and (feat.kv_len or s_true % _BWD_KEY_ROWS != 0)
-  n_in = 6 + len(extras) + int(fused)  # fused: + the dQ accumulator (a Ref)
+  n_in = 6 + len(extras)
 
   def body(*refs):
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
@@ -1247,11 +1165,7 @@ def _flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
     maybe_turn = refs[n_in + 12:n_in + 13] if ping_pong else ()
     if feat.segments:
       seg_range_ref, q_seg_ref, kv_seg_ref = refs[7:10]
-      kvseg_smem, qseg_smem = refs[n_in + 12 + len(maybe_turn):
-                                   n_in + 14 + len(maybe_turn)]
-    if fused:
-      dq_acc_ref = refs[n_in - 1]
-      ds_smem, dq_stage, ds_full, ds_free = refs[-4:]
+      kvseg_smem, qseg_smem = refs[n_in + 12 + len(maybe_turn):]
     wg = lax.axis_index("wg")
 
     def pass_turn():
@@ -1277,8 +1191,6 @@ def _flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
           lo = jnp.maximum(lo, seg_range_ref[bi, g, 0])
           top = jnp.maximum(jnp.minimum(top, seg_range_ref[bi, g, 1]), lo)
           fl = fh = lo  # any tile may cross a segment boundary: all masked
-        if mask_keys:
-          return _all_masked_past(lo, fl, fh, top, k0 + (w + 1) * rows, kv_limit)
         return lo, fl, fh, top
       j_lo, j_fl, j_fh, j_hi = _shared_steps(wg_range(0), wg_range(1))
       n_j = j_hi - j_lo
@@ -1304,13 +1216,6 @@ def _flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
         # From this query tile on, every query is at or past this warpgroup's
         # last key (r0 + 63): no mask.
         j_clear = jnp.minimum(lax.div(r0 + rows - 1 + bq - 1, bq), nq)
-      if mask_keys and not dynamic:
-        # Padded keys in these rows (fused): every step masked.
-        padded_rows = r0 + rows > s_true
-        if causal:
-          j_clear = jnp.where(padded_rows, nq, j_clear)
-        else:
-          j_clear = jnp.where(padded_rows, nq, 0)
 
       def visibility(j, slot, shape):
         """Which entries of S^T (keys x queries) are kept; None: all."""
@@ -1318,19 +1223,11 @@ def _flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
                                      layout=plgpu.Layout.WGMMA) + r0
         query = plgpu.broadcasted_iota(jnp.int32, shape, 1,
                                        layout=plgpu.Layout.WGMMA) + j * bq
-        if not dynamic and not mask_keys:
+        if not dynamic:
           return key <= query
-        if not dynamic:  # fused, padded keys
-          visible = [key < s_true]
-          if causal:
-            visible.append(key <= query)
-          return functools.reduce(lambda a, b_: a & b_, visible)
-        # Keys past the valid ones are not masked here (unless fused): their
-        # dK/dV rows are zeroed at the end. Queries past the valid ones have
-        # lse2 = +inf.
+        # Keys past the valid ones are not masked here: their dK/dV rows are
+        # zeroed at the end. Queries past the valid ones have lse2 = +inf.
         visible = []
-        if mask_keys:
-          visible.append(key < kv_limit)
         pos = query + off if feat.offset else query
         if feat.left is not None:
           visible.append(key >= pos - feat.left)
@@ -1344,7 +1241,7 @@ def _flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
           return None
         return functools.reduce(lambda a, b_: a & b_, visible)
 
-      def step(j, carry, base, masked: bool, g=None):
+      def step(j, carry, base, masked: bool):
         dk, dv = carry
         slot = lax.rem(base + j, stages)
         plgpu.barrier_wait(q_full.at[slot])
@@ -1381,8 +1278,6 @@ def _flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
           # partner's turn; then wait for the partner's scores matmuls.
           p, ds = lax.optimization_barrier((p.astype(dtype), ds.astype(dtype)))
           pass_turn()
-        if fused:
-          return fused_update(j, slot, base, g, p, ds, dk, dv)
 
         def update(refs):
           dv_acc, dk_acc = refs
@@ -1392,72 +1287,23 @@ def _flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
         plgpu.barrier_arrive(free.at[slot])
         return dk, dv
 
-      def fused_update(j, slot, base, g, p, ds, dk, dv):
-        """dV, dK as unfused, plus this consumer's quarter of dQ = dS K."""
-        p, ds = p.astype(dtype), ds.astype(dtype)
-
-        @pl.when(base + j > 0)
-        def _():
-          # The partner's dQ matmul of the previous step has read dS^T.
-          plgpu.barrier_wait(ds_free)
-        ds_smem.at[wg][...] = ds
-        plgpu.commit_smem()  # before the wgmma (async proxy) of either consumer
-        plgpu.barrier_arrive(ds_full)
-
-        def update(refs):
-          dv_acc, dk_acc, dq_acc = refs
-          plgpu.wgmma(dv_acc, p, do_smem.at[slot])
-          plgpu.wgmma(dk_acc, ds, q_smem.at[slot])
-          plgpu.barrier_wait(ds_full)  # the partner's dS^T rows are in
-          for w in range(2):  # over the block's 128 keys, 64 per consumer
-            plgpu.wgmma(dq_acc, ds_smem.at[w, :, q_part].T, k_smem.at[w, :, h_part])
-        zeros_q = plgpu.layout_cast(jnp.zeros((rows, rows), jnp.float32),
-                                    plgpu.Layout.WGMMA)
-        dv, dk, dq = pl.run_state(update)(
-            (plgpu.ACC.init(dv), plgpu.ACC.init(dk), plgpu.ACC.init(zeros_q)))
-        plgpu.barrier_arrive(ds_free)
-        plgpu.barrier_arrive(free.at[slot])
-        # One staging buffer: the previous quarter's TMA has long been issued
-        # (a whole step ago); only its shared-memory read must be done.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        stage = dq_stage.at[wg]
-        stage[...] = dq
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(
-            stage, dq_acc_ref.at[bi, pl.ds(j * bq + q_off, rows), kh * group + g,
-                                 pl.ds(h_off, rows)],
-            reduction_op="add")
-        return dk, dv
-
-      if fused:
-        # This consumer's 64 x 64 quarter of the [bq, H] dQ tile: query rows
-        # (bq 128, H64) or head columns (bq 64, H128) by warpgroup.
-        q_off, h_off = (wg * rows, 0) if bq == 2 * rows else (0, wg * rows)
-        q_part = pl.ds(q_off, rows) if bq == 2 * rows else slice(None)
-        h_part = pl.ds(h_off, rows) if h == 2 * rows else slice(None)
-
       def head(g, carry):
         base = g * n_j - j_lo  # step index of (g, j) is base + j
-        kw = dict(g=g) if fused else {}
         if dynamic:
-          masked = functools.partial(step, base=base, masked=True, **kw)
+          masked = functools.partial(step, base=base, masked=True)
           carry = lax.fori_loop(j_lo, j_fl, masked, carry)
           carry = lax.fori_loop(j_fl, j_fh,
-                                functools.partial(step, base=base, masked=False,
-                                                  **kw),
+                                functools.partial(step, base=base, masked=False),
                                 carry)
           return lax.fori_loop(j_fh, j_hi, masked, carry)
-        if causal or mask_keys:
+        if causal:
           carry = lax.fori_loop(j_lo, j_clear,
-                                functools.partial(step, base=base, masked=True,
-                                                  **kw),
+                                functools.partial(step, base=base, masked=True),
                                 carry)
           return lax.fori_loop(j_clear, nq,
-                               functools.partial(step, base=base, masked=False,
-                                                 **kw),
+                               functools.partial(step, base=base, masked=False),
                                carry)
-        return lax.fori_loop(0, nq, functools.partial(step, base=base, masked=False,
-                                                      **kw),
+        return lax.fori_loop(0, nq, functools.partial(step, base=base, masked=False),
                              carry)
 
       zeros = plgpu.layout_cast(jnp.zeros((rows, h), jnp.float32),
@@ -1480,11 +1326,6 @@ def _flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
                                      layout=plgpu.Layout.WGMMA) + r0
         dk = jnp.where(key < kv_limit, dk, 0.0)
         dv = jnp.where(key < kv_limit, dv, 0.0)
-      if fused:
-        @pl.when(n_steps > 0)
-        def _():
-          # The partner's last dQ matmul read this K tile (and arrived after).
-          plgpu.barrier_wait(ds_free)
       # K and V are no longer read (every wgmma was waited for): stage the
       # results there. dS was taken unscaled: scale dK once here.
       k_tile[...] = (dk * scale).astype(dtype)
@@ -1540,50 +1381,15 @@ def _flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
   if feat.segments:
     scratch += (plgpu.SMEM((2, rows), jnp.int32),  # each consumer's key ids
                 plgpu.SMEM((stages, bq), jnp.int32))  # query ids, next to Q
-  out_type = (jax.ShapeDtypeStruct(k.shape, dtype),
-              jax.ShapeDtypeStruct(v.shape, dtype))
-  grid = dict(grid=(sp // _BWD_KEY_ROWS, nk, b), grid_names=("kv", "heads", "batch"))
-  if fused:
-    scratch += (
-        # Both consumers' dS^T (64 keys x bq each): the A operand of dQ = dS K.
-        plgpu.SMEM((2, rows, bq), dtype, transforms=_common.swizzled(dtype, bq)),
-        # Each consumer's float32 dQ quarter, the source of its TMA reduction.
-        plgpu.SMEM((2, rows, rows), jnp.float32,
-                   transforms=_common.swizzled(jnp.float32, rows)),
-        plgpu.Barrier(num_arrivals=2),  # ds_full: both halves of dS^T written
-        plgpu.Barrier(num_arrivals=2),  # ds_free: both dQ matmuls done
-    )
-    # Zeros, then only added into (TMA reductions): passed as a Ref, which the
-    # kernel aliases in and out; query tiles a block skips contribute nothing.
-    acc = jax.new_ref(jnp.zeros((b, tp, n, h), jnp.float32))
-    call = _kernel_with_refs(body, out_type=out_type, scratch_types=scratch,
-                             compiler_params=_bwd_compiler_params(), **grid)
-    dk, dv = call(q, k, v, do, lse2, delta, *extras, acc)
-    return dk, dv, acc[...]
   call = _common.kernel(
       body,
-      out_type=out_type,
+      out_type=(jax.ShapeDtypeStruct(k.shape, dtype),
+                jax.ShapeDtypeStruct(v.shape, dtype)),
       scratch_types=scratch,
-      **grid,
+      grid=(sp // _BWD_KEY_ROWS, nk, b), grid_names=("kv", "heads", "batch"),
       num_threads=3, thread_name="wg",
       compiler_params=_bwd_compiler_params())
   return call(q, k, v, do, lse2, delta, *extras)
-
-
-def _kernel_with_refs(body, *, out_type, scratch_types, grid, grid_names,
-                      compiler_params):
-  """`plgpu.kernel` (3 warpgroups) for a call that passes a `jax.Ref` (aliased
-  in and out of the kernel): `plgpu.kernel` wraps its kernel in a custom_vmap,
-  which does not take Refs under jit (JAX 0.10.2), so this builds the same
-  kernel from `pl.kernel` and a `plgpu.Mesh` directly (no vmap rule)."""
-  mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=3,
-                    thread_name="wg")
-
-  def entry(*refs):
-    pl.run_scoped(lambda *scratch: body(*refs, *scratch), *scratch_types,
-                  collective_axes="wg")
-  return pl.kernel(entry, out_type=out_type, mesh=mesh,
-                   compiler_params=compiler_params, name=body.__name__)
 
 
 def _flash_dq(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
@@ -1881,19 +1687,12 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
                                         config.block_kv),) + ids
   qp, dop = _pad_axis(q, 1, tp), _pad_axis(dout, 1, tp)
   kp, vp = _pad_axis(k, 1, sp), _pad_axis(v, 1, sp)
-  if config.fused_dq:
-    # One kernel; dQ comes back as the unscaled float32 sum of dS K.
-    dk, dv, dq = _flash_dkv(qp, kp, vp, dop, lse2, delta, *extras_dkv,
-                            scale=scale, causal=causal, config=config, feat=feat,
-                            s_true=s)
-    dq = (dq[:, :t] * scale).astype(dtype)
-  else:
-    dk, dv = _flash_dkv(qp, kp, vp, dop, lse2, delta, *extras_dkv, scale=scale,
-                        causal=causal, config=config, feat=feat)
-    dq = _flash_dq(qp, kp, vp, dop, lse2, delta, *extras_dq, scale=scale,
-                   causal=causal, s_true=s, config=config, feat=feat)
-    if tp != t:
-      dq = dq[:, :t]
+  dk, dv = _flash_dkv(qp, kp, vp, dop, lse2, delta, *extras_dkv, scale=scale,
+                      causal=causal, config=config, feat=feat)
+  dq = _flash_dq(qp, kp, vp, dop, lse2, delta, *extras_dq, scale=scale,
+                 causal=causal, s_true=s, config=config, feat=feat)
+  if tp != t:
+    dq = dq[:, :t]
   if sp != s:
     dk, dv = dk[:, :s], dv[:, :s]
   return dq, dk, dv
@@ -1930,14 +1729,6 @@ def _bwd_search_space(args):
   out += [dataclasses.replace(config, ping_pong=dkv, ping_pong_dq=dq)
           for dkv, dq in ((True, False), (False, True), (True, True))
           for config in tuple(out)]
-  # dQ fused into the dK/dV kernel (not yet measured; not deterministic):
-  # every dK/dV tiling it fits (block_kv is unused then: one config per
-  # (block_q, num_stages)).
-  for block_q in (64, 128):
-    for stages in (2, 3, 4):
-      config = AttentionVjpConfig(block_q, 128, stages, fused_dq=True)
-      if _bwd_fits(config, h, itemsize, segments):
-        out.append(config)
   return tuple(out)
 
 
@@ -1994,14 +1785,6 @@ class MosaicGpuAttentionVjp(VjpOp):
     config = config or self.heuristic_config(args)
     h, itemsize = args.query.shape[-1], jnp.dtype(args.query.dtype).itemsize
     segments = args.q_segment_ids is not None
-    if config.fused_dq and not _bwd_fits(config, h, itemsize, segments):
-      raise ValueError(
-          f"config {config} does not fit at head dim {h}: fused_dq needs "
-          f"block_q * H = {2 * _WG_ROWS * _WG_ROWS} (one 64 x 64 dQ quarter per "
-          "consumer: block_q 64 at H128, 128 at H64), "
-          f"{bwd_smem_bytes(config, h, itemsize, segments)[0]} bytes of shared "
-          f"memory (limit {_common.SMEM_LIMIT}) and block_q + H <= "
-          f"{_BWD_REG_BUDGET} (registers); use num_stages 2 or 3, or fused_dq=False")
     if not _bwd_fits(config, h, itemsize, segments):
       raise ValueError(
           f"config {config} does not fit at head dim {h}: it needs "
