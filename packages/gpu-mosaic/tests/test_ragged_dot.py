@@ -311,8 +311,6 @@ def _wid(c):
 _REUSE = [
     rd.RaggedDotConfig(block_m=256, num_stages=3),
     rd.RaggedDotConfig(block_m=256, num_stages=4, out_pieces=2, item_order="group"),
-    rd.RaggedDotConfig(block_m=256, block_n=64, block_k=32, num_stages=2,
-                       out_pieces=2, grid_tile_width=3),
     rd.RaggedDotConfig(num_stages=3, item_order="group", grid_tile_width=2),
     rd.RaggedDotConfig(num_stages=4, out_pieces=2, item_order="group"),
 ]
@@ -344,7 +342,7 @@ def test_reuse_order_tall_forward(config):
 
 
 @gpu
-@pytest.mark.parametrize("config", _REUSE[:2] + _REUSE[3:4], ids=_wid)
+@pytest.mark.parametrize("config", _REUSE[:3], ids=_wid)
 def test_reuse_order_tall_group_offset_and_f32_out(config):
   _check(777, 384, 520, [100, 200, 0, 150, 300], num_held=2, group_offset=2,
          config=config, grads=False)
@@ -373,7 +371,7 @@ def test_reuse_order_tall_many_random_groups(config):
 
 
 @gpu
-@pytest.mark.parametrize("config", _REUSE[:2] + _REUSE[3:4], ids=_wid)
+@pytest.mark.parametrize("config", _REUSE[:3], ids=_wid)
 def test_reuse_order_tall_dlhs_and_vjp(config):
   """The transposed-rhs kernel (dlhs) with the variant, and the whole backward
   through dispatch with the variant as the backward config."""
@@ -755,3 +753,12 @@ def test_weight_reuse_config_validation_and_space():
   # The defaults did not move.
   assert rd.RaggedDotConfig().item_order == "snake"
   assert rd._heuristic(0, 0, 0, 1, 2, 2) == rd.RaggedDotConfig()
+
+
+def test_output_pieces_narrower_than_the_swizzle_are_refused():
+  # 256 x 64 items staged in two 32-column pieces failed on the H200 with a
+  # misaligned address.
+  with pytest.raises(ValueError, match="pieces of >= 64 columns"):
+    rd.RaggedDotConfig(block_m=256, block_n=64, block_k=32, num_stages=2,
+                       out_pieces=2)
+  rd.RaggedDotConfig(block_n=64, block_k=32, num_stages=2, out_pieces=2)  # 128 wide
