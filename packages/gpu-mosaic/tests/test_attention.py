@@ -1579,3 +1579,31 @@ def test_bwd_features_rows_that_see_nothing():
   qs[:, 64:128] = 1
   _check_bwd_features(1, 256, 256, 2, 2, 64, segments=(qs, ks), causal=True)
   _check_bwd_features_direct(2, 384, 256, 2, 2, 128, q_offset=-200, causal=True)
+
+
+@gpu
+def test_backward_skips_key_tiles_of_padding_only():
+  """S = 192 with 64-row key tiles: S is padded to 256, so the last key tile holds
+  padding only. Logits near -128 put lse below -88, where exp2 of a padded key's
+  score (0) overflows; visiting that tile made dQ inf * 0 = NaN."""
+  import tokamax_xla_reference  # pylint: disable=import-outside-toplevel
+  b, t, s, n, h = 1, 128, 192, 2, 64
+  rng = np.random.default_rng(next(_seed))
+  q = jnp.asarray(4.0 + np.abs(rng.standard_normal((b, t, n, h))), jnp.bfloat16)
+  key = jnp.asarray(-4.0 - np.abs(rng.standard_normal((b, s, n, h))), jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal((b, s, n, h)), jnp.bfloat16)
+  scale = h ** -0.5
+  up = lambda x: x.astype(jnp.float32)
+
+  def ref(q, key, v):
+    return tokamax_xla_reference.attention(q, key, v, scale=scale, precision=HIGHEST)
+  (out, lse), vjp = jax.vjp(ref, up(q), up(key), up(v))
+  assert float(jnp.max(lse)) < -89.0  # the regime where the padded tile overflowed
+  dout = _cotangent(out.shape, jnp.bfloat16)
+  want = vjp((up(dout), jnp.zeros_like(lse)))
+  got = jax.jit(lambda *a: mat.mosaic_attention_bwd(
+      *a, scale=scale, causal=False, config=mat.AttentionVjpConfig(64, 64, 2)))(
+          q, key, v, out.astype(jnp.bfloat16), dout, lse)
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))), name
+    testing.assert_close(g, w, jnp.bfloat16, what=name, scale=2, gpu=True)

@@ -762,3 +762,13 @@ def test_output_pieces_narrower_than_the_swizzle_are_refused():
     rd.RaggedDotConfig(block_m=256, block_n=64, block_k=32, num_stages=2,
                        out_pieces=2)
   rd.RaggedDotConfig(block_n=64, block_k=32, num_stages=2, out_pieces=2)  # 128 wide
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(block_n=256, out_pieces=2), "block_n <= 128"),
+    (dict(block_n=64, out_pieces=2), "block_n >= 128"),
+])
+def test_ws_drhs_refuses_tiles_it_cannot_hold(fields, match):
+  with pytest.raises(ValueError, match=match):
+    rd.RaggedDotConfig(drhs_kernel="ws", num_stages=2, **fields)
+  rd.RaggedDotConfig(drhs_kernel="ring", num_stages=2, **fields)  # the forward's fine

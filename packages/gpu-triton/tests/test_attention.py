@@ -225,3 +225,14 @@ def test_prefetch_qk(kw):
   end and are empty at block edges (T != S, partial last block)."""
   q, k, v = _qkv(2, 45, 61, 2, 1, 32, 32, jnp.float32)
   _compare(q, k, v, grads=False, prefetch_qk=True, **kw)
+
+
+def test_prefetch_configs_only_where_prefetch_applies():
+  q, k, v = _qkv(1, 64, 64, 2, 2, 128, 128, jnp.bfloat16)
+  space = tri.TritonAttention().search_space(tokamax.AttentionArgs(q, k, v))
+  assert any(c.prefetch_qk for c in space)
+  bias = jnp.zeros((1, 2, 64, 64), jnp.float32)
+  with_bias = tokamax.AttentionArgs(q, k, v, bias=bias)
+  assert not any(c.prefetch_qk for c in tri.TritonAttention().search_space(with_bias))
+  f32 = tokamax.AttentionArgs(*(x.astype(jnp.float32) for x in (q, k, v)))
+  assert not any(c.prefetch_qk for c in tri.TritonAttention().search_space(f32))

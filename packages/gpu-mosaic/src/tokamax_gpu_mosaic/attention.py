@@ -1405,7 +1405,10 @@ def _flash_dq(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
   bkv, stages = config.block_kv, config.num_stages
   rows = _WG_ROWS
   nq = tp // _CTA_ROWS
-  n_kv = sp // bkv
+  # Key tiles holding padding only (S is padded to 128, tiles may be 64 rows)
+  # are never visited: unmasked, exp2 of their scores could overflow (inf *
+  # 0 = NaN), and they are wasted work.
+  n_kv = _cdiv(s_true, bkv)
   c = float(scale) * _LOG2E
   dtype = q.dtype
   pad_keys = s_true % bkv != 0

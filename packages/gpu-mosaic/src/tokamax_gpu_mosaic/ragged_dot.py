@@ -131,7 +131,7 @@ class RaggedDotConfig:
       raise ValueError(f"out_pieces must be 1 or 2; got {self.out_pieces}")
     if self.out_pieces == 2 and self.row_tiling != "group":
       raise ValueError("out_pieces=2 needs row_tiling='group'")
-    cta_n = self.block_n if self.block_m == 256 else 2 * self.block_n
+    cta_n = _cta_n(self)
     if self.out_pieces == 2 and cta_n // 2 < 64:
       # A piece narrower than the 128-byte swizzle: the H200 run of such a
       # config (256 x 64 items) failed with a misaligned address.
@@ -139,6 +139,16 @@ class RaggedDotConfig:
                        f"items of {cta_n} columns make {cta_n // 2}")
     if self.drhs_kernel not in ("ring", "ws"):
       raise ValueError(f"drhs_kernel must be 'ring' or 'ws'; got {self.drhs_kernel}")
+    if self.drhs_kernel == "ws":
+      # Each compute warpgroup of the "ws" drhs kernel holds a [128, block_n]
+      # float32 tile (block_n registers per thread) and stages it in
+      # `out_pieces` column pieces of block_n / out_pieces.
+      if self.block_n > 128:
+        raise ValueError(f"drhs_kernel='ws' takes block_n <= 128 (its float32 tile "
+                         f"needs block_n registers per thread); got {self.block_n}")
+      if self.block_n // self.out_pieces < 64:
+        raise ValueError(f"drhs_kernel='ws' with out_pieces={self.out_pieces} needs "
+                         f"block_n >= {64 * self.out_pieces}; got {self.block_n}")
 
 
 def smem_bytes(config: RaggedDotConfig, itemsize: int, out_itemsize: int) -> int:

@@ -306,10 +306,20 @@ class _Trial:
   error: str | None = None
 
 
-def _compile_all(trials: list[_Trial], workers: int, deadline: float | None) -> None:
-  """Compiles the trials' functions, several at once (XLA compiles off the GIL)."""
+def _clock() -> float:
+  """Seconds for the autotuning budget (a function, so tests can drive it)."""
+  return time.monotonic()
+
+
+def _compile_all(trials: list[_Trial], workers: int, deadline: float | None,
+                 exempt: frozenset[int] = frozenset()) -> None:
+  """Compiles the trials' functions, several at once (XLA compiles off the GIL).
+
+  Past `deadline` trials are skipped, except those whose ``id`` is in `exempt`.
+  """
   def compile_one(trial):
-    if deadline is not None and time.monotonic() > deadline:
+    if (deadline is not None and _clock() > deadline
+        and id(trial) not in exempt):
       trial.error = "skipped: autotuning timeout"
       return
     try:
@@ -389,8 +399,10 @@ def autotune(f: Callable, *args, iterations: int = 5, timeout_s: float | None = 
     iterations: timed runs per config (median kept).
     timeout_s: stop measuring after this many seconds (what was measured is kept).
       Each call's forward and backward get an equal share of the time left (a
-      share not used passes on), and every implementation's heuristic config
-      is measured first within a share.
+      share not used passes on); within a share every implementation's
+      heuristic config is compiled and measured first, and even past the share,
+      so each usable implementation gets a time. Once `timeout_s` has passed,
+      the calls and directions not started yet are skipped.
     backward: also tune the backward of every forward call found.
     progress: show a tqdm progress bar over the configs.
     compile_workers: threads compiling configs in parallel (default: CPU count).
@@ -409,7 +421,7 @@ def autotune(f: Callable, *args, iterations: int = 5, timeout_s: float | None = 
   with dispatch.observe(collector):
     jax.eval_shape(lambda *a, **k: f(*a, **k), *args, **kwargs)
   device = dispatch.current_device([])
-  deadline = None if timeout_s is None else time.monotonic() + timeout_s
+  deadline = None if timeout_s is None else _clock() + timeout_s
   rng = np.random.default_rng(0)
   measurements, failures = [], []
   workers = compile_workers or os.cpu_count() or 1
@@ -423,7 +435,7 @@ def autotune(f: Callable, *args, iterations: int = 5, timeout_s: float | None = 
     fwd_state = None
     for direction in directions:
       slots_left -= 1
-      if deadline is not None and time.monotonic() > deadline:
+      if deadline is not None and _clock() > deadline:
         break
       if direction == "backward" and fwd_state is None:
         break  # no forward ran, so there are no residuals to measure a backward on
@@ -432,20 +444,21 @@ def autotune(f: Callable, *args, iterations: int = 5, timeout_s: float | None = 
       # cannot leave its backward unmeasured.
       stop = None
       if deadline is not None:
-        now = time.monotonic()
+        now = _clock()
         stop = now + (deadline - now) / (slots_left + 1)
       trials = _trials_for(call, direction, device, concrete, fwd_state)
       bar.total = (bar.total or 0) + len(trials)
       bar.refresh()
-      _compile_all(trials, workers, stop)
+      # Each implementation's first trial is its heuristic config.
+      heuristics = frozenset(id(next(t for t in trials if t.label == label))
+                             for label in {t.label for t in trials})
+      _compile_all(trials, workers, stop, heuristics)
       best: dict[str, tuple[float, _Trial]] = {}
-      heuristics = {id(next(t for t in trials if t.label == label))
-                    for label in {t.label for t in trials}}
       for trial in trials:
         bar.update(1)
         # Past the share, only each implementation's heuristic config (compiled
         # first) is still measured: every usable implementation gets a time.
-        if (trial.error is None and stop is not None and time.monotonic() > stop
+        if (trial.error is None and stop is not None and _clock() > stop
             and id(trial) not in heuristics):
           trial.error = "skipped: autotuning timeout"
         if trial.error is None:
