@@ -1400,7 +1400,7 @@ def _flash_dq(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
   also the key tile ranges per 64 query rows ``[B, Tp // 64, 2]`` (the
   forward's table for ``block_kv``), q ids ``[B, Tp]`` and kv ids ``[B, Sp]``."""
   b, tp, n, h = q.shape
-  sp, nk = k.shape[1], k.shape[2]
+  nk = k.shape[2]
   group = n // nk
   bkv, stages = config.block_kv, config.num_stages
   rows = _WG_ROWS
