@@ -35,7 +35,24 @@ class _Fixed:
 
 def _matches(config, match: dict[str, str]) -> bool:
   fields = dataclasses.asdict(config)
-  return all(key in fields and str(fields[key]) == value for key, value in match.items())
+  return all(str(fields[key]) == value for key, value in match.items())
+
+
+def _unknown_field(cls, match: dict[str, str]) -> str | None:
+  """Why `match` cannot select configs of `cls` (a field it lacks), or None."""
+  fields = [f.name for f in dataclasses.fields(cls)]
+  unknown = sorted(set(match) - set(fields))
+  if not unknown:
+    return None
+  return (f"{cls.__name__} has no field {unknown[0]!r} (--match); its fields: "
+          f"{', '.join(fields)}")
+
+
+def _field_value(text: str) -> tuple[str, str]:
+  if "=" not in text:
+    raise argparse.ArgumentTypeError(f"expected FIELD=VALUE, got {text!r}")
+  key, value = text.split("=", 1)
+  return key, value
 
 
 def tune(problem: bench.Problem, implementation: str, iterations: int,
@@ -53,6 +70,10 @@ def tune(problem: bench.Problem, implementation: str, iterations: int,
   print(f"## {problem.op} {problem.name} ({implementation})", flush=True)
   for cls, direction in ((fwd_cls, "forward"), (bwd_cls, "forward+backward")):
     if cls is None or cls not in capture.args or direction not in directions:
+      continue
+    why = _unknown_field(cls.config_cls, match or {})
+    if why:
+      print(f"  {direction:<17} skipped: {why}", flush=True)
       continue
     args = capture.args[cls]
     heuristic = cls().heuristic_config(args)
@@ -82,9 +103,10 @@ def main():
   parser.add_argument("--direction", choices=("forward", "forward+backward"),
                       help="tune only the forward or only the backward configs")
   parser.add_argument("--match", action="append", default=[], metavar="FIELD=VALUE",
+                      type=_field_value,
                       help="only configs whose FIELD prints as VALUE (repeatable)")
   args = parser.parse_args()
-  match = dict(m.split("=", 1) for m in args.match)
+  match = dict(args.match)
   directions = (args.direction,) if args.direction else ("forward", "forward+backward")
   for problem in bench.reference_suite():
     if problem.op in args.op and (not args.shape or args.shape in problem.name):
