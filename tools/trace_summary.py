@@ -5,10 +5,11 @@
 
 Runs `f` under `jax.profiler.trace` (with a Perfetto trace), then reads the GPU
 kernel events back: per device, the time per call spent in communication kernels
-(NCCL), in matmul-class kernels (our Pallas kernels, cuBLAS/cuDNN), in everything
-else, the span from the first to the last kernel, and how much of the
-communication ran while a compute kernel was running (overlap). A weak-scaling
-loss can then be pinned on exposed transfers or on extra work.
+("comm": NCCL), in custom kernels ("custom": Pallas kernels, cuBLAS, cuDNN; in
+the MoE problems of tools/multi_gpu_scaling.py these are the experts' matmuls),
+in XLA's own fusions ("xla"), the span from the first to the last kernel, and how
+much of the communication ran while another kernel was running (overlap). A
+weak-scaling loss can then be pinned on exposed transfers or on extra work.
 """
 
 from __future__ import annotations
@@ -21,17 +22,20 @@ import tempfile
 
 import jax
 
-_MATMUL_WORDS = ("mosaic", "tokamax", "ragged", "triton", "gemm", "cutlass", "sm90",
-                 "xmma", "cublas", "cudnn", "wgmma")
+# Kernel names of Pallas calls (Mosaic GPU: "..._mosaic_gpu_kernel"; Triton: the
+# pallas_call's name, ours start with "tokamax_" or the op's name) and of GEMM /
+# attention libraries.
+_CUSTOM_WORDS = ("mosaic_gpu", "tokamax", "ragged_dot", "gemm", "cutlass", "sm90",
+                 "xmma", "cublas", "cudnn")
 
 
 def _category(name: str) -> str:
   low = name.lower()
   if "nccl" in low:
     return "comm"
-  if any(w in low for w in _MATMUL_WORDS):
-    return "matmul"
-  return "other"
+  if any(w in low for w in _CUSTOM_WORDS):
+    return "custom"
+  return "xla"
 
 
 def _union(intervals):
@@ -80,7 +84,7 @@ def summarize(trace: dict, calls: int) -> str:
     span = max(e for _, _, e, _ in events) - min(s for _, s, _, _ in events)
     busy = {c: sum(e - s for s, e in iv) / calls / 1e3 for c, iv in by_cat.items()}
     comm = _union(by_cat.get("comm", []))
-    compute = _union(by_cat.get("matmul", []) + by_cat.get("other", []))
+    compute = _union(by_cat.get("custom", []) + by_cat.get("xla", []))
     hidden = _intersection_length(comm, compute) / calls / 1e3
     comm_ms = sum(e - s for s, e in comm) / calls / 1e3
     top = {}

@@ -772,3 +772,19 @@ def test_ws_drhs_refuses_tiles_it_cannot_hold(fields, match):
   with pytest.raises(ValueError, match=match):
     rd.RaggedDotConfig(drhs_kernel="ws", num_stages=2, **fields)
   rd.RaggedDotConfig(drhs_kernel="ring", num_stages=2, **fields)  # the forward's fine
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_forward_heuristic_lowers_for_cuda(transpose_rhs):
+  """The forward's default for large groups: 256-row items in the group order."""
+  pytest.importorskip("absl")
+  m, k, n, g = 4096, 256, 512, 4
+  config = rd._forward_heuristic(m, k, n, g, 2, 2)
+  assert (config.block_m, config.item_order) == (256, "group")
+
+  def f(lhs, rhs, sizes):
+    starts, ends = tokamax.plugin.held_row_ranges(sizes, None, g, m)
+    return rd.grouped_matmul(lhs, rhs, starts, ends, transpose_rhs=transpose_rhs,
+                             out_dtype=jnp.bfloat16, config=config)
+  rhs_shape = (g, n, k) if transpose_rhs else (g, k, n)
+  _lowers(f, ((m, k), jnp.bfloat16), (rhs_shape, jnp.bfloat16), ((g,), jnp.int32))

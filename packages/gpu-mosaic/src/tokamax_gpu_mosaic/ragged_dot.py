@@ -30,7 +30,8 @@ column pieces (2) that reuse one half-size buffer, the second written once the
 first's store has read it. Two pieces free 32 KiB at ``block_n=128``: room for
 a 4th pipeline stage (4 x 48 + 2 x 16 KiB + barriers = 225 KiB of 227).
 
-Weight reuse (variants, not in the heuristic): ``block_m=256`` items are 256
+Weight reuse (the forward's default for groups of >= 512 rows on average; in the
+search space otherwise): ``block_m=256`` items are 256
 rows x ``block_n`` columns, each compute warpgroup 128 rows in two 64-row wgmma
 halves (one accumulator), so a group of up to ~256 rows streams each weight tile
 once; ``item_order="group"`` writes the (row tile, column tile) order into the
@@ -43,9 +44,10 @@ only where shapes are not multiples of the swizzle (8 rows, 64 columns).
 Backward: ``dlhs = ragged_dot(dout, rhs^T)`` is the same kernel reading rhs
 tiles as ``[n, k]`` (wgmma takes the transposed shared-memory operand).
 ``drhs[g] = lhs[rows_g]^T @ dout[rows_g]`` is `grouped_transposed_matmul`: a
-per-group contraction over the group's rows, either a hand-rolled TMA ring in
-one warpgroup (``drhs_kernel="ring"``) or the forward's warp-specialized shape
-with a per-item dynamic pipeline length (``"ws"``, `_drhs_warp_specialized`).
+per-group contraction over the group's rows, either the forward's
+warp-specialized shape with a per-item dynamic pipeline length (``"ws"``, the
+default, `_drhs_warp_specialized`) or a hand-rolled TMA ring in one warpgroup
+(``drhs_kernel="ring"``).
 """
 
 from __future__ import annotations
@@ -1175,8 +1177,10 @@ class MosaicGpuRaggedDotVjp(VjpOp):
   """Backward: dlhs by the forward kernel on rhs^T, drhs by the ragged contraction.
 
   The config tiles both: dlhs as the forward (``block_m x 2 block_n`` over K
-  columns), drhs as ``64 x 2 block_n`` tiles of each group's ``[K, N]`` with
-  `block_k` rows per step and `num_stages` steps in flight.
+  columns); drhs with ``drhs_kernel="ws"`` (the default) as ``128 x 2 block_n``
+  tiles of each group's ``[K, N]`` over 64-row chunks of the group's rows, with
+  `num_stages` lowered until the ring fits (`drhs_ws_config`), or with "ring" as
+  ``64 x 2 block_n`` tiles over 64-row steps, 4 in flight.
   """
 
   op_name = "ragged_dot"

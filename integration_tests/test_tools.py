@@ -1,0 +1,36 @@
+"""The repository's measuring tools that need no GPU: their pure parts."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+
+import trace_summary  # noqa: E402  pylint: disable=wrong-import-position
+
+
+def _event(pid, name, ts, dur):
+  return {"ph": "X", "pid": pid, "tid": 1, "name": name, "ts": ts, "dur": dur}
+
+
+def test_trace_summary_splits_kernel_time_and_overlap():
+  # One GPU, two calls (times in microseconds): per call a 1000 us Mosaic kernel,
+  # a 300 us NCCL kernel of which 100 us run under it, and a 50 us XLA fusion.
+  trace = {"traceEvents": [
+      {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+      {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+      _event(1, "PjitFunction", 0, 5000),  # host events are ignored
+  ]}
+  for start in (0, 2000):
+    trace["traceEvents"] += [
+        _event(7, "kernel_mosaic_gpu_kernel", start, 1000),
+        _event(7, "ncclDevKernel_SendRecv", start + 900, 300),
+        _event(7, "loop_multiply_fusion", start + 1300, 50)]
+  text = trace_summary.summarize(trace, calls=2)
+  assert "/device:GPU:0" in text and "CPU" not in text
+  assert "comm 0.300" in text and "custom 1.000" in text and "xla 0.050" in text
+  assert "comm 0.300 of which 0.100 under compute" in text
+  assert "span/call 1.675 ms" in text  # (0 .. 3350 us) / 2 calls
+
+
+def test_trace_summary_without_gpu_events():
+  assert "no GPU kernel events" in trace_summary.summarize({"traceEvents": []}, 1)
