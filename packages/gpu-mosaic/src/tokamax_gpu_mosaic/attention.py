@@ -1565,7 +1565,8 @@ def _flash_dq(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
         q_ids = plgpu.load(qseg_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
       dq = plgpu.layout_cast(jnp.zeros((rows, h), jnp.float32), plgpu.Layout.WGMMA)
       if ping_pong:
-        # Both consumers visit the same key tiles [0, n_block) (two passes
+        # Both consumers visit the same key tiles (the static path [0, n_block),
+        # the dynamic one [base, n_block): _shared_steps) (two passes
         # each per tile); warpgroup 1 runs one phase behind.
         pl.when(wg == 1)(pass_turn)
       if dynamic:
