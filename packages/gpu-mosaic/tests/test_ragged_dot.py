@@ -155,16 +155,20 @@ def test_many_groups_random_sizes():
 @gpu
 def test_dlhs_kernel():
   """The transposed-rhs kernel (the dlhs product) against the reference."""
-  m, k, n, sizes = 900, 256, 384, [300, 0, 201, 399]
-  dout, rhs = _inputs(m, n, k, len(sizes), jnp.bfloat16)  # rhs [G, N?]: see below
-  rhs_t = jnp.swapaxes(rhs, 1, 2)  # [G, K, N] with K=256 rows... as forward rhs
-  starts, ends = tokamax.plugin.held_row_ranges(jnp.asarray(sizes, jnp.int32), None, len(sizes), m)
+  _check_dlhs(900, 256, 384, [300, 0, 201, 399], rd.RaggedDotConfig(), "dlhs kernel")
+
+
+def _check_dlhs(m, k, n, sizes, config, what):
+  """The transposed-rhs kernel (dlhs: dout [M, N] times rhs [G, N, K] read as
+  ``[K, N]`` tiles) against `jax.lax.ragged_dot` in float32."""
+  dout, rhs = _inputs(m, n, k, len(sizes), jnp.bfloat16)  # rhs [G, N, K]
+  gs = jnp.asarray(sizes, jnp.int32)
+  starts, ends = tokamax.plugin.held_row_ranges(gs, None, len(sizes), m)
   out = jax.jit(lambda d, r: rd.grouped_matmul(
       d, r, starts, ends, transpose_rhs=True, out_dtype=jnp.bfloat16,
-      config=rd.RaggedDotConfig()))(dout, rhs_t)
-  ref = jax.lax.ragged_dot(dout.astype(jnp.float32), rhs.astype(jnp.float32),
-                           jnp.asarray(sizes, jnp.int32), precision=HIGHEST)
-  testing.assert_close(out, ref, jnp.bfloat16, what="dlhs kernel", gpu=True)
+      config=config))(dout, jnp.swapaxes(rhs, 1, 2))
+  testing.assert_close(out, _lax_reference(dout, rhs, sizes), jnp.bfloat16,
+                       what=what, gpu=True)
 
 
 @gpu
@@ -220,16 +224,7 @@ def test_pieces_group_offset_and_f32_out():
 @gpu
 @pytest.mark.parametrize("config", _PIECES[:2], ids=_cid)
 def test_pieces_dlhs_kernel(config):
-  m, k, n, sizes = 900, 256, 392, [300, 0, 201, 5, 394]
-  dout, rhs = _inputs(m, n, k, len(sizes), jnp.bfloat16)  # rhs [G, N, K]
-  gs = jnp.asarray(sizes, jnp.int32)
-  starts, ends = tokamax.plugin.held_row_ranges(gs, None, len(sizes), m)
-  out = jax.jit(lambda d, r: rd.grouped_matmul(
-      d, r, starts, ends, transpose_rhs=True, out_dtype=jnp.bfloat16,
-      config=config))(dout, jnp.swapaxes(rhs, 1, 2))
-  ref = jax.lax.ragged_dot(dout.astype(jnp.float32), rhs.astype(jnp.float32),
-                           gs, precision=HIGHEST)
-  testing.assert_close(out, ref, jnp.bfloat16, what="dlhs (pieces)", gpu=True)
+  _check_dlhs(900, 256, 392, [300, 0, 201, 5, 394], config, "dlhs (pieces)")
 
 
 _WS = [rd.RaggedDotConfig(num_stages=4, out_pieces=2, drhs_kernel="ws"),
@@ -375,15 +370,7 @@ def test_reuse_order_tall_many_random_groups(config):
 def test_reuse_order_tall_dlhs_and_vjp(config):
   """The transposed-rhs kernel (dlhs) with the variant, and the whole backward
   through dispatch with the variant as the backward config."""
-  m, k, n, sizes = 900, 256, 392, [300, 0, 201, 5, 394]
-  dout, rhs = _inputs(m, n, k, len(sizes), jnp.bfloat16)  # rhs [G, N, K]
-  gs = jnp.asarray(sizes, jnp.int32)
-  starts, ends = tokamax.plugin.held_row_ranges(gs, None, len(sizes), m)
-  out = jax.jit(lambda d, r: rd.grouped_matmul(
-      d, r, starts, ends, transpose_rhs=True, out_dtype=jnp.bfloat16,
-      config=config))(dout, jnp.swapaxes(rhs, 1, 2))
-  testing.assert_close(out, _lax_reference(dout, rhs, sizes), jnp.bfloat16,
-                       what=f"dlhs {config}", gpu=True)
+  _check_dlhs(900, 256, 392, [300, 0, 201, 5, 394], config, f"dlhs {config}")
   _check(1000, 512, 392, [100, 0, 333, 1, 0, 466, 100],
          bwd_config=dataclasses.replace(config, drhs_kernel="ws"))
 
@@ -443,6 +430,17 @@ def _lowers(f, *shapes):
   assert "mosaic_gpu" in exported.mlir_module()
 
 
+def _grouped_matmul_lowers(m, k, n, g, config, transpose_rhs,
+                           out_dtype=jnp.bfloat16):
+  """`grouped_matmul` (forward, or dlhs with `transpose_rhs`) lowers for CUDA."""
+  def f(lhs, rhs, sizes):
+    starts, ends = tokamax.plugin.held_row_ranges(sizes, None, g, m)
+    return rd.grouped_matmul(lhs, rhs, starts, ends, transpose_rhs=transpose_rhs,
+                             out_dtype=out_dtype, config=config)
+  rhs_shape = (g, n, k) if transpose_rhs else (g, k, n)
+  _lowers(f, ((m, k), jnp.bfloat16), (rhs_shape, jnp.bfloat16), ((g,), jnp.int32))
+
+
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 @pytest.mark.parametrize("tiling,pieces", [("group", 1), ("fixed", 1),
                                            ("group", 2)])
@@ -453,17 +451,7 @@ def test_lowers_for_cuda(transpose_rhs, tiling, pieces):
   config = rd.RaggedDotConfig(block_m=128 if tiling == "group" else 64,
                               block_n=64, block_k=64, num_stages=2,
                               row_tiling=tiling, out_pieces=pieces)
-
-  def f(lhs, rhs, sizes):
-    starts, ends = tokamax.plugin.held_row_ranges(sizes, None, g, m)
-    return rd.grouped_matmul(lhs, rhs, starts, ends, transpose_rhs=transpose_rhs,
-                             out_dtype=jnp.bfloat16, config=config)
-  rhs_shape = (g, n, k) if transpose_rhs else (g, k, n)
-  exported = jax.export.export(jax.jit(f), platforms=["cuda"])(
-      jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
-      jax.ShapeDtypeStruct(rhs_shape, jnp.bfloat16),
-      jax.ShapeDtypeStruct((g,), jnp.int32))
-  assert "mosaic_gpu" in exported.mlir_module()
+  _grouped_matmul_lowers(m, k, n, g, config, transpose_rhs)
 
 
 @pytest.mark.parametrize("sizes,m,held,offset", [
@@ -523,13 +511,7 @@ def test_pieces_heuristic_lowers_for_cuda(transpose_rhs, out_dtype):
   assert config.num_stages == (4 if out_dtype == jnp.bfloat16 else 3)
   small = rd._heuristic(m, k, n, 64, 2, itemsize, pieces=True)
   assert small.num_stages == 3
-
-  def f(lhs, rhs, sizes):
-    starts, ends = tokamax.plugin.held_row_ranges(sizes, None, g, m)
-    return rd.grouped_matmul(lhs, rhs, starts, ends, transpose_rhs=transpose_rhs,
-                             out_dtype=out_dtype, config=config)
-  rhs_shape = (g, n, k) if transpose_rhs else (g, k, n)
-  _lowers(f, ((m, k), jnp.bfloat16), (rhs_shape, jnp.bfloat16), ((g,), jnp.int32))
+  _grouped_matmul_lowers(m, k, n, g, config, transpose_rhs, out_dtype=out_dtype)
 
 
 @pytest.mark.parametrize("block_n,stages,pieces,out_dtype", [
@@ -609,13 +591,7 @@ def test_search_space_has_piece_variants():
 def test_weight_reuse_lowers_for_cuda(transpose_rhs, config):
   pytest.importorskip("absl")
   m, k, n, g = 700, 128, 200, 3
-
-  def f(lhs, rhs, sizes):
-    starts, ends = tokamax.plugin.held_row_ranges(sizes, None, g, m)
-    return rd.grouped_matmul(lhs, rhs, starts, ends, transpose_rhs=transpose_rhs,
-                             out_dtype=jnp.bfloat16, config=config)
-  rhs_shape = (g, n, k) if transpose_rhs else (g, k, n)
-  _lowers(f, ((m, k), jnp.bfloat16), (rhs_shape, jnp.bfloat16), ((g,), jnp.int32))
+  _grouped_matmul_lowers(m, k, n, g, config, transpose_rhs)
 
 
 def test_weight_reuse_f32_out_lowers_for_cuda():
@@ -623,12 +599,7 @@ def test_weight_reuse_f32_out_lowers_for_cuda():
   m, k, n, g = 300, 128, 136, 2
   config = rd.RaggedDotConfig(block_m=256, num_stages=3, out_pieces=2,
                               item_order="group")
-
-  def f(lhs, rhs, sizes):
-    starts, ends = tokamax.plugin.held_row_ranges(sizes, None, g, m)
-    return rd.grouped_matmul(lhs, rhs, starts, ends, transpose_rhs=False,
-                             out_dtype=jnp.float32, config=config)
-  _lowers(f, ((m, k), jnp.bfloat16), ((g, k, n), jnp.bfloat16), ((g,), jnp.int32))
+  _grouped_matmul_lowers(m, k, n, g, config, False, out_dtype=jnp.float32)
 
 
 @pytest.mark.parametrize("sizes,m,held,offset", [
@@ -781,10 +752,4 @@ def test_forward_heuristic_lowers_for_cuda(transpose_rhs):
   m, k, n, g = 4096, 256, 512, 4
   config = rd._forward_heuristic(m, k, n, g, 2, 2)
   assert (config.block_m, config.item_order) == (256, "group")
-
-  def f(lhs, rhs, sizes):
-    starts, ends = tokamax.plugin.held_row_ranges(sizes, None, g, m)
-    return rd.grouped_matmul(lhs, rhs, starts, ends, transpose_rhs=transpose_rhs,
-                             out_dtype=jnp.bfloat16, config=config)
-  rhs_shape = (g, n, k) if transpose_rhs else (g, k, n)
-  _lowers(f, ((m, k), jnp.bfloat16), (rhs_shape, jnp.bfloat16), ((g,), jnp.int32))
+  _grouped_matmul_lowers(m, k, n, g, config, transpose_rhs)

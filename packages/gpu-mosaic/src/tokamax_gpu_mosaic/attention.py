@@ -342,6 +342,28 @@ def _segment_tile_range(q_seg, kv_seg, t: int, s: int, tp: int, sp: int, bkv: in
   return jnp.stack([jnp.where(some, first, 0), jnp.where(some, last, 0)], axis=-1)
 
 
+def _batch_limits(lims_ref, bi):
+  """(q_limit, kv_limit, q_offset) of batch element `bi` from the ``[B, 3]``
+  int32 table `_limits` builds."""
+  return lims_ref[bi, 0], lims_ref[bi, 1], lims_ref[bi, 2]
+
+
+def _within_segments(tile_range, seg_range_ref, bi, g):
+  """`tile_range` ``(lo, fl, fh, top)`` narrowed to the tiles row group `g` of
+  batch element `bi` can see by segment (`_segment_tile_range`'s table). Every
+  tile is then masked: any may cross a segment boundary."""
+  lo, _, _, top = tile_range
+  lo = jnp.maximum(lo, seg_range_ref[bi, g, 0])
+  top = jnp.maximum(jnp.minimum(top, seg_range_ref[bi, g, 1]), lo)
+  return lo, lo, lo, top
+
+
+def _pass_turn(barrier):
+  """Ping-pong: both consumers arrive, then wait (a two-arrival barrier)."""
+  plgpu.barrier_arrive(barrier)
+  plgpu.barrier_wait(barrier)
+
+
 def _flash_forward(q, k, v, *extras, scale: float, causal: bool, s_true: int,
                    config: AttentionConfig, feat: _Features = _PLAIN):
   """The kernel on padded inputs: q [B, Tp, N, H] (Tp % 128 == 0), k/v
@@ -404,19 +426,15 @@ def _flash_forward(q, k, v, *extras, scale: float, causal: bool, s_true: int,
       # their union [base, n_block) and each consumer releases the union's
       # tiles outside its own range, so all three agree on the sequence.
       lims_ref = refs[3]
-      q_limit, kv_limit, off = (lims_ref[bi, 0], lims_ref[bi, 1],
-                                lims_ref[bi, 2])
+      q_limit, kv_limit, off = _batch_limits(lims_ref, bi)
 
       def wg_range(w: int):
         r = tile0 + w * bq
-        lo, fl, fh, top = _key_range(r, bq, q_limit, kv_limit, off, feat.left,
-                                     feat.right, bkv)
+        tiles = _key_range(r, bq, q_limit, kv_limit, off, feat.left, feat.right,
+                           bkv)
         if feat.segments:
-          g = qi * 2 + w
-          lo = jnp.maximum(lo, seg_range_ref[bi, g, 0])
-          top = jnp.maximum(jnp.minimum(top, seg_range_ref[bi, g, 1]), lo)
-          fl = fh = lo  # any tile may cross a segment boundary: all masked
-        return lo, fl, fh, top
+          tiles = _within_segments(tiles, seg_range_ref, bi, qi * 2 + w)
+        return tiles
       ranges = (wg_range(0), wg_range(1))
       base, n_block = _union(*((r[0], r[3]) for r in ranges))
     else:
@@ -426,9 +444,7 @@ def _flash_forward(q, k, v, *extras, scale: float, causal: bool, s_true: int,
     def slot_of(i):
       return lax.rem(i if base is None else i - base, stages)
 
-    def pass_turn():
-      plgpu.barrier_arrive(turn)
-      plgpu.barrier_wait(turn)
+    pass_turn = functools.partial(_pass_turn, turn)
 
     @pl.when(wg < 2)
     def _consumer():
@@ -1098,21 +1114,9 @@ def _query_range(k0, rows: int, q_limit, kv_limit, off, left, right, bq: int):
   such key by position (no mask). Query row t sits at position ``t + off`` and
   sees key c iff ``t + off - left <= c <= t + off + right``.
   """
-  cdiv = lambda x, d: lax.div(x + (d - 1), d)
-  clamp = lambda x, a, b: jnp.minimum(jnp.maximum(x, a), b)
-  k_last = jnp.minimum(k0 + rows, kv_limit) - 1
-  lo = jnp.int32(0) if right is None else jnp.maximum(k0 - off - right, 0)
-  hi = q_limit if left is None else jnp.minimum(q_limit, k_last - off + left + 1)
-  lo_t = lax.div(lo, bq)
-  hi_t = jnp.maximum(cdiv(jnp.maximum(hi, 0), bq), lo_t)
-  hi_t = jnp.where(k_last < k0, lo_t, hi_t)  # no valid key
-  if right is None:
-    fl_t = lo_t
-  else:
-    fl_t = clamp(cdiv(jnp.maximum(k_last - off - right, 0), bq), lo_t, hi_t)
-  full_end = q_limit if left is None else jnp.minimum(k0 - off + left + 1, q_limit)
-  fh_t = clamp(lax.div(jnp.maximum(full_end, 0), bq), fl_t, hi_t)
-  return lo_t, fl_t, fh_t, hi_t
+  # Key c "sits" at position c - off and sees query rows within (right, left)
+  # of it: `_key_range` with the roles of queries and keys exchanged.
+  return _key_range(k0, rows, kv_limit, q_limit, -off, right, left, bq)
 
 
 def _shared_steps(range0, range1):
@@ -1168,10 +1172,7 @@ def _flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
       kvseg_smem, qseg_smem = refs[n_in + 12 + len(maybe_turn):]
     wg = lax.axis_index("wg")
 
-    def pass_turn():
-      # Ping-pong: both consumers arrive, then wait (a two-arrival barrier).
-      plgpu.barrier_arrive(maybe_turn[0])
-      plgpu.barrier_wait(maybe_turn[0])
+    pass_turn = functools.partial(_pass_turn, *maybe_turn)
     ki = lax.axis_index("kv")
     kh = lax.axis_index("heads")
     bi = lax.axis_index("batch")
@@ -1180,18 +1181,14 @@ def _flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
       # All three warpgroups compute both consumers' query tile ranges from the
       # same scalars; steps run over their union (head-major, as below).
       lims_ref = refs[6]
-      q_limit, kv_limit, off = (lims_ref[bi, 0], lims_ref[bi, 1],
-                                lims_ref[bi, 2])
+      q_limit, kv_limit, off = _batch_limits(lims_ref, bi)
 
       def wg_range(w: int):
-        lo, fl, fh, top = _query_range(k0 + w * rows, rows, q_limit, kv_limit,
-                                       off, feat.left, feat.right, bq)
+        tiles = _query_range(k0 + w * rows, rows, q_limit, kv_limit, off,
+                             feat.left, feat.right, bq)
         if feat.segments:
-          g = ki * 2 + w
-          lo = jnp.maximum(lo, seg_range_ref[bi, g, 0])
-          top = jnp.maximum(jnp.minimum(top, seg_range_ref[bi, g, 1]), lo)
-          fl = fh = lo  # any tile may cross a segment boundary: all masked
-        return lo, fl, fh, top
+          tiles = _within_segments(tiles, seg_range_ref, bi, ki * 2 + w)
+        return tiles
       j_lo, j_fl, j_fh, j_hi = _shared_steps(wg_range(0), wg_range(1))
       n_j = j_hi - j_lo
     else:
@@ -1434,10 +1431,7 @@ def _flash_dq(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
       qseg_smem, kvseg_smem, seg_full = refs[n_in + 12 + len(maybe_turn):]
     wg = lax.axis_index("wg")
 
-    def pass_turn():
-      # Ping-pong: both consumers arrive, then wait (a two-arrival barrier).
-      plgpu.barrier_arrive(maybe_turn[0])
-      plgpu.barrier_wait(maybe_turn[0])
+    pass_turn = functools.partial(_pass_turn, *maybe_turn)
     qi = lax.axis_index("q")
     if causal or feat.right is not None:
       qi = nq - 1 - qi  # the longest tiles first
@@ -1448,18 +1442,14 @@ def _flash_dq(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
       # As the forward: all three warpgroups compute both consumers' key tile
       # ranges; both consumers then take the union's steps (see _shared_steps).
       lims_ref = refs[6]
-      q_limit, kv_limit, off = (lims_ref[bi, 0], lims_ref[bi, 1],
-                                lims_ref[bi, 2])
+      q_limit, kv_limit, off = _batch_limits(lims_ref, bi)
 
       def wg_range(w: int):
-        lo, fl, fh, top = _key_range(tile0 + w * rows, rows, q_limit, kv_limit,
-                                     off, feat.left, feat.right, bkv)
+        tiles = _key_range(tile0 + w * rows, rows, q_limit, kv_limit, off,
+                           feat.left, feat.right, bkv)
         if feat.segments:
-          g = qi * 2 + w
-          lo = jnp.maximum(lo, seg_range_ref[bi, g, 0])
-          top = jnp.maximum(jnp.minimum(top, seg_range_ref[bi, g, 1]), lo)
-          fl = fh = lo  # any tile may cross a segment boundary: all masked
-        return lo, fl, fh, top
+          tiles = _within_segments(tiles, seg_range_ref, bi, qi * 2 + w)
+        return tiles
       base, i_fl, i_fh, n_block = _shared_steps(wg_range(0), wg_range(1))
     else:
       base = None

@@ -704,6 +704,18 @@ def _grouped_matmul_fixed_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool,
 _TG_K = 64  # drhs tile rows (of K): one wgmma M.
 
 
+def _drhs_item(idx, bounds_ref, k_tiles: int, n_tiles: int):
+  """A drhs work item: (held group, K tile, N tile) for linear index `idx`, N
+  fastest, and the group's rows ``[start, end)`` read from ``first`` (the start
+  rounded down to 8: swizzled TMA reads rows in 8-row units)."""
+  g = idx // (k_tiles * n_tiles)
+  ki = (idx // n_tiles) % k_tiles
+  ni = idx % n_tiles
+  start = bounds_ref[g, 0]
+  end = bounds_ref[g, 1]
+  return g, ki, ni, start, end, start - start % 8
+
+
 def grouped_transposed_matmul(lhs, dout, starts, ends, *, out_dtype,
                               config: RaggedDotConfig) -> jax.Array:
   """``drhs[g] = lhs[rows_g]^T @ dout[rows_g]``, ``[G_rhs, K, N]``.
@@ -749,13 +761,8 @@ def _drhs_ring(lhs, dout, starts, ends, *, out_dtype,
              out_smem, barriers):
     @plgpu.nd_loop((num_held * k_tiles * n_tiles,), collective_axes="sm")
     def _item_loop(info):
-      idx = info.index[0]
-      g = idx // (k_tiles * n_tiles)
-      ki = (idx // n_tiles) % k_tiles
-      ni = idx % n_tiles
-      start = bounds_ref[g, 0]
-      end = bounds_ref[g, 1]
-      first = start - start % 8
+      g, ki, ni, start, end, first = _drhs_item(info.index[0], bounds_ref,
+                                                k_tiles, n_tiles)
       chunks = jnp.where(end > start, (end - first + bk - 1) // bk, 0)
       k_cols = pl.ds(ki * _TG_K, _TG_K)
       n_cols = pl.ds(ni * tn, tn)
@@ -916,13 +923,8 @@ def _drhs_warp_specialized(lhs, dout, starts, ends, *, out_dtype,
 
       @plgpu.nd_loop((num_held * k_tiles * n_tiles,), collective_axes="sm")
       def _item_loop(info):
-        idx = info.index[0]
-        g = idx // (k_tiles * n_tiles)
-        ki = (idx // n_tiles) % k_tiles
-        ni = idx % n_tiles
-        start = bounds_ref[g, 0]
-        end = bounds_ref[g, 1]
-        first = start - start % 8
+        g, ki, ni, start, end, first = _drhs_item(info.index[0], bounds_ref,
+                                                  k_tiles, n_tiles)
         chunks = jnp.where(end > start,
                            jnp.maximum((end - first + bk - 1) // bk, 2), 0)
         k0, n0 = ki * _WS_K, ni * cta_n
