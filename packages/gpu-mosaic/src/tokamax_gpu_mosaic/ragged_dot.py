@@ -1002,6 +1002,12 @@ def _drhs_warp_specialized(lhs, dout, starts, ends, *, out_dtype,
 # Configs and checks.
 
 
+def _few_rows_per_group(m: int, num_groups: int) -> bool:
+  """Groups of fewer than 512 rows on average (4 row tiles): the heuristics keep
+  3 stages and 128-row items there (G256 random measured slower with more)."""
+  return m < 512 * max(num_groups, 1)
+
+
 def _heuristic(m: int, k: int, n: int, num_groups: int, itemsize: int,
                out_itemsize: int, *, pieces: bool = False) -> RaggedDotConfig:
   """The default tiling. ``pieces=False`` keeps the whole-tile output staging
@@ -1016,7 +1022,7 @@ def _heuristic(m: int, k: int, n: int, num_groups: int, itemsize: int,
   # CUPTI): M16384 K2048 N16384 G16 1.558 ms at 3 stages -> 1.544 at 4 + pieces,
   # but M65536 K7168 N2048 G256 random 3.573 -> 4.369: 4 stages only for groups
   # of many row tiles (only where this module's ops ask, `pieces`).
-  few_stages = pieces and m < 512 * max(num_groups, 1)
+  few_stages = pieces and _few_rows_per_group(m, num_groups)
   candidates = ((128, 4, 1), (128, 4, 2), (128, 3, 1), (128, 3, 2), (64, 4, 1),
                 (64, 3, 1))
   for block_n, stages, out_pieces in candidates:
@@ -1031,13 +1037,14 @@ def _heuristic(m: int, k: int, n: int, num_groups: int, itemsize: int,
 
 def _forward_heuristic(m, k, n, num_groups, itemsize, out_itemsize):
   """The forward's default: `_heuristic`, with 256-row items in the group order
-  where groups span many row tiles. H200 bf16 (tools/tune.py, CUPTI) at M16384
-  K2048 N16384 G16: 1.549 ms -> 1.472 (the 128-row heuristic in the group order
-  is no faster; 256-row items with 3 stages take 1.85); at M65536 K7168 N2048
-  G256 random 256-row items are slower (4.0-5.9 ms against 3.73), so smaller
-  groups keep 128-row items."""
+  where groups span many row tiles (its 4-stage, two-piece choice). H200 bf16
+  (tools/tune.py, CUPTI) at M16384 K2048 N16384 G16: 1.549 ms -> 1.472 (256-row
+  items in the snake order 1.572, with 3 stages 1.85; 128-row items in the group
+  order were not measured); at M65536 K7168 N2048 G256 random 256-row items are
+  slower (4.0-5.9 ms against 3.73), so smaller groups keep 128-row items."""
   config = _heuristic(m, k, n, num_groups, itemsize, out_itemsize, pieces=True)
-  if (config.num_stages, config.out_pieces, config.block_n) == (4, 2, 128):
+  if not _few_rows_per_group(m, num_groups) and (
+      config.num_stages, config.out_pieces, config.block_n) == (4, 2, 128):
     config = dataclasses.replace(config, block_m=256, item_order="group")
   return config
 
