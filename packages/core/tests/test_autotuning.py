@@ -17,8 +17,11 @@ from tokamax._src import tuned_data
 from tokamax._src import xla_backend
 
 
+# Fixed seed: a failure reproduces (and CI does not flake on a rare input).
+_RNG = np.random.default_rng(0)
+
 def _rand(*shape):
-  return jnp.asarray(np.random.default_rng().standard_normal(shape), jnp.float32)
+  return jnp.asarray(_RNG.standard_normal(shape), jnp.float32)
 
 
 def _model(q, x):

@@ -49,6 +49,9 @@ _module.DoubledNorm = DoubledNorm
 sys.modules["fake_tokamax_plugin"] = _module
 
 
+# Fixed seed: a failure reproduces (and CI does not flake on a rare input).
+_RNG = np.random.default_rng(0)
+
 def _backend(name, impl_name="doubled", api_version=tokamax.plugin.PLUGIN_API_VERSION,
              priority=500):
   return tokamax.plugin.Backend(
@@ -72,7 +75,7 @@ def _install(monkeypatch, *eps):
 
 
 def _x():
-  return jnp.asarray(np.random.default_rng().standard_normal((3, 8)), jnp.float32)
+  return jnp.asarray(_RNG.standard_normal((3, 8)), jnp.float32)
 
 
 def test_plugin_is_discovered_and_dispatched_to(fresh_registry):

@@ -205,6 +205,11 @@ def test_check_supported_refuses():
   f64 = tokamax.AttentionArgs(*(x.astype(jnp.int32) for x in (q, k, v)))
   with pytest.raises(NotImplementedError, match="dtype"):
     tri.TritonAttention().check_supported(f64, interp)
+  # The refusal of empty inputs names the shapes (which input is empty).
+  empty = tokamax.AttentionArgs(q, k[:, :0], v[:, :0])
+  with pytest.raises(NotImplementedError,
+                     match=r"empty.*key \(1, 0, 1, 32\), value \(1, 0, 1, 32\)"):
+    tri.TritonAttention().check_supported(empty, interp)
 
 
 @pytest.mark.parametrize(

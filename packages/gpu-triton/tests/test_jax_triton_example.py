@@ -34,7 +34,7 @@ def test_refuses_without_a_gpu_or_for_layer_norm():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shape", [(7, 100), (129, 4096)])
 def test_matches_reference_forward_and_gradients(shape, dtype):
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(37)
   x = jnp.asarray(rng.standard_normal(shape), dtype)
   scale = jnp.asarray(rng.standard_normal(shape[-1]), dtype)
   dy = jnp.asarray(rng.standard_normal(shape), jnp.float32)
@@ -58,7 +58,7 @@ def test_matches_reference_forward_and_gradients(shape, dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
 def test_autotunes_like_any_op():
-  x = jnp.asarray(np.random.default_rng().standard_normal((256, 2048)), jnp.bfloat16)
+  x = jnp.asarray(np.random.default_rng(61).standard_normal((256, 2048)), jnp.bfloat16)
   scale = jnp.ones(2048, jnp.bfloat16)
   result = tokamax.autotune(
       lambda x: tokamax.rms_norm(x, scale, implementation=example.JaxTritonRmsNorm()), x,

@@ -788,7 +788,9 @@ def _check(args, device) -> None:
                               f"H={h}, Hv={hv}")
   if min(args.query.shape[1], args.key.shape[1], h, hv, args.query.shape[0],
          args.query.shape[2]) == 0:
-    raise NotImplementedError("empty (zero-size) inputs")
+    raise NotImplementedError(
+        f"empty (zero-size) inputs: query {tuple(args.query.shape)}, key "
+        f"{tuple(args.key.shape)}, value {tuple(args.value.shape)}")
   if args.bias is not None and args.bias.dtype not in _DTYPES:
     raise NotImplementedError(f"bias dtype {jnp.dtype(args.bias.dtype).name}")
 

@@ -52,7 +52,8 @@ def _group_heads(x, num_kv_heads):
   """``[B|1, N|1, ...] -> [B|1, K|1, N//K|1, ...]`` for broadcasting with grouped logits."""
   if x.shape[1] == 1:
     return x[:, :, None]
-  return x.reshape(x.shape[0], num_kv_heads, -1, *x.shape[2:])
+  # Sizes spelled out: -1 cannot be inferred when another dim is 0 (an empty input).
+  return x.reshape(x.shape[0], num_kv_heads, x.shape[1] // num_kv_heads, *x.shape[2:])
 
 
 def _logits(q, k, bias, *, scale, logits_soft_cap, precision):
@@ -262,11 +263,11 @@ def attention_chunked_backward(q, k, v, bias, mask, out, lse, dout, *, scale,
 
   def unsplit(x):  # [C, B, chunk, ...] -> [B, S, ...]
     x = jnp.moveaxis(x, 0, 1)
-    return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :s]
+    return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])[:, :s]
 
   dk, dv = unsplit(dk), unsplit(dv)
   if bias is not None:
-    dbias = jnp.moveaxis(dbias, 0, 3).reshape(b, n, t, -1)[..., :s]
+    dbias = jnp.moveaxis(dbias, 0, 3).reshape(b, n, t, num_chunks * chunk_size)[..., :s]
     dbias = _reduce_to_shape(dbias, bias.shape)
   return dq.reshape(b, t, n, h), dk, dv, dbias
 

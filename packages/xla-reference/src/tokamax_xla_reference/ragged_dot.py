@@ -44,5 +44,6 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   zero = sum(jnp.sum(jnp.ravel(x)[:0].astype(jnp.float32))
              for x in (lhs, rhs, group_sizes, group_offset) if x is not None)
   out = jnp.zeros((lhs.shape[0], rhs.shape[2]), jnp.float32) + zero
-  out, _ = jax.lax.scan(add_group, out, jnp.arange(rhs.shape[0]))
+  if rhs.shape[0]:  # (scan traces its body even for no groups: rhs[g] would fail)
+    out, _ = jax.lax.scan(add_group, out, jnp.arange(rhs.shape[0]))
   return out.astype(out_dtype)

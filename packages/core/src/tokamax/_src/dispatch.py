@@ -321,35 +321,51 @@ def _shapes(args: Any) -> tuple:
 
 
 def call(op_name: str, args: Any, implementation: Implementation,
-         diff_fields: tuple[str, ...]) -> jax.Array:
+         diff_fields: tuple[str, ...], lead_dims: int = 1) -> jax.Array:
   """Runs `op_name` on canonical `args` with the chosen implementations.
 
   Args:
     op_name: one of `tokamax.plugin.OP_NAMES`.
-    args: the op's canonical argument dataclass (a registered pytree).
+    args: the op's canonical argument dataclass (a registered pytree), except
+      that its batched fields may have `lead_dims` leading dims in place of one.
     implementation: as the public op functions take it.
     diff_fields: names of the args fields that receive gradients.
+    lead_dims: the number of leading (row / batch) dims of the batched fields
+      (`sharding.merge_leading`). Implementations, tuned data and observers
+      always see them merged into one.
 
   Returns:
-    The op's output.
+    The op's output, with the leading dims of `args`.
   """
+  # Merging dims keeps a sharding only when it is on the major one, so a
+  # partitioned call keeps the leading dims apart up to the local computation;
+  # otherwise they are merged here, before anything else sees the args.
+  keep = lead_dims != 1 and sharding.active(jax.tree_util.tree_leaves(args))
+  if lead_dims != 1 and not keep:
+    lead = sharding.leading_shape(op_name, args, lead_dims)
+    out = call(op_name, sharding.merge_leading(op_name, args, lead_dims),
+               implementation, diff_fields)
+    return out.reshape(*lead, *out.shape[1:])
+  lead_dims = lead_dims if keep else 1
+  # What the implementations are chosen and configured for: the merged shapes.
+  merged = sharding.merge_leading(op_name, args, lead_dims, abstract=True)
   for observer in _observers.get():
-    observer(op_name, args, implementation)
+    observer(op_name, merged, implementation)
   device = current_device(jax.tree_util.tree_leaves(args))
   candidates = _expand(op_name, implementation, device)
   if implementation is None:
     candidates = _tuned_first(
         candidates, [c.label for c in candidates],
-        config_sources.lookup_implementation(op_name, "forward", args))
+        config_sources.lookup_implementation(op_name, "forward", merged))
   # A choice among several (None, or a sequence of names) prefers one that keeps
   # the operands' explicit sharding (e.g. attention queries split along the
   # sequence need q_offset); a single named implementation is used as it is.
   choosing = implementation is None or (
       isinstance(implementation, (list, tuple)) and len(implementation) > 1)
   prefer = sharding.wanted_features(op_name, args) if choosing else frozenset()
-  forward, fwd_op, rejected = _choose_forward(op_name, args, device, candidates,
+  forward, fwd_op, rejected = _choose_forward(op_name, merged, device, candidates,
                                               prefer)
-  fwd_config = fwd_op.resolve_config(args)
+  fwd_config = fwd_op.resolve_config(merged)
   _record(DispatchRecord(op_name, "forward", forward.label, fwd_config, tuple(rejected)))
 
   def supports(feature: str) -> bool:
@@ -357,7 +373,7 @@ def call(op_name: str, args: Any, implementation: Implementation,
     # are used only when the chosen forward takes it.
     return feature in frozenset(getattr(fwd_op, "supported_features", ()))
 
-  global_shapes = _shapes(args)
+  global_shapes = _shapes(merged)
 
   def forward_local(args):
     config_ = fwd_config
@@ -371,7 +387,8 @@ def call(op_name: str, args: Any, implementation: Implementation,
 
   def partitioned_forward(args, for_backward: bool):
     if sharding.active(jax.tree_util.tree_leaves(args)):
-      out, residuals = sharding.forward(op_name, args, forward_local, supports)
+      out, residuals = sharding.forward(op_name, args, forward_local, supports,
+                                        lead_dims)
     elif for_backward:
       with op_lib.allow_opaque_residuals():
         out, residuals = forward_local(args)
@@ -389,8 +406,12 @@ def call(op_name: str, args: Any, implementation: Implementation,
 
   def run_bwd(saved, dout):
     args, residuals, out = saved
-    bwd_op = _choose_backward(op_name, args, residuals, device, forward, implementation)
-    bwd_config = bwd_op.resolve_config(args)
+    merged_args = sharding.merge_leading(op_name, args, lead_dims, abstract=True)
+    merged_residuals = sharding.merge_residuals(op_name, residuals, lead_dims,
+                                                abstract=True)
+    bwd_op = _choose_backward(op_name, merged_args, merged_residuals, device, forward,
+                              implementation)
+    bwd_config = bwd_op.resolve_config(merged_args)
     _record(DispatchRecord(op_name, "backward", bwd_op.implementation_name, bwd_config))
 
     def backward_local(a, r, o, do):
@@ -402,7 +423,7 @@ def call(op_name: str, args: Any, implementation: Implementation,
       return dict(bwd_op.backward(a, r, o, do, config_))
 
     grads = sharding.backward(op_name, args, residuals, out, dout, backward_local,
-                              supports)
+                              supports, lead_dims)
     return (_cotangents(args, dict(grads), diff_fields),)
 
   run.defvjp(run_fwd, run_bwd)

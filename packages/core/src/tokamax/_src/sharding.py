@@ -13,6 +13,13 @@ the shardings of the arguments:
   computed at trace time and the computation runs under `jax.shard_map`;
 - inside `shard_map` (all axes manual) nothing is wrapped: ops see local shards.
 
+Leading dims (the rows of layer_norm and gated_linear_unit, the batch of
+attention) reach the partitioned call unflattened (``x [*rows, D]``): a merge of
+dims keeps a sharding only when it is on the major one, so a flattened
+``[B, T(sharded), D]`` would be gathered. The plans split each leading dim on its
+own, and inside the partitioned region the local shards are flattened to the one
+leading dim every implementation takes (and the results split back).
+
 A `Plan` says which layout each operand is brought to (dims the op cannot split
 are replicated, dims it can split keep their sharding), the layout of the output
 and of the residuals, and the local computation, which may use collectives over
@@ -111,6 +118,21 @@ def _spec(sds, ndim: int) -> tuple:
   return spec + (None,) * (ndim - len(spec))
 
 
+def _fit_each(mesh, entries, dims, taken=()) -> tuple[tuple[str, ...], ...]:
+  """Independent dims (rows, batch) each split on their own: per dim, the axes of
+  its entry that fit it, not already used by an earlier one."""
+  fitted = []
+  for entry, dim in zip(entries, dims):
+    axes = _fit(mesh, entry, dim, taken)
+    taken = (*taken, *axes)
+    fitted.append(axes)
+  return tuple(fitted)
+
+
+def _joined(axes_per_dim) -> tuple[str, ...]:
+  return tuple(a for axes in axes_per_dim for a in axes)
+
+
 def _psum(x, axes):
   axes = _axes(axes)
   return jax.lax.psum(x, axes) if axes and x is not None else x
@@ -163,12 +185,13 @@ def attention_plan(mesh, shapes, specs, supports) -> Plan:
   (sequence-sharded keys: `tokamax.ring_attention`). A split query sequence
   gives each shard its ``q_offset`` (needs an implementation that takes it)."""
   q = shapes.query
-  b, t, n, _ = q.shape
-  kh = shapes.key.shape[2]
+  nb = q.ndim - 3  # leading batch dims
+  *batch, t, n, _ = q.shape
+  kh = shapes.key.shape[-2]
   qs = specs.query
-  bx = _fit(mesh, qs[0], b)
-  nx = _fit(mesh, qs[2], n, bx)
-  tx = _fit(mesh, qs[1], t, (*bx, *nx))
+  bx = _fit_each(mesh, qs[:nb], batch)
+  nx = _fit(mesh, qs[nb + 1], n, _joined(bx))
+  tx = _fit(mesh, qs[nb], t, (*_joined(bx), *nx))
   needs_offset = shapes.is_causal or shapes.local_window is not None
   if tx and needs_offset and not supports("q_offset"):
     warnings.warn(
@@ -181,32 +204,47 @@ def attention_plan(mesh, shapes, specs, supports) -> Plan:
     tx = ()
   # Key/value heads follow the query heads when they split as evenly; when each
   # shard's query heads all share one kv head (MQA, or more shards than kv
-  # heads) the kv stay whole and each shard slices its head.
+  # heads) the kv are split over the longest prefix of the head axes that divides
+  # K (none: whole) and each shard slices its head from its local kv heads.
   while nx and kh % _size(mesh, nx) and _size(mesh, nx) % kh:
     nx = nx[:-1]
   slice_kv = bool(nx) and kh % _size(mesh, nx) != 0
-  kx = () if slice_kv else nx
-  B, N, T = _entry(bx), _entry(nx), _entry(tx)
+  kx = nx
+  if slice_kv:
+    kx = ()
+    for a in nx:
+      if kh % _size(mesh, (*kx, a)):
+        break
+      kx = (*kx, a)
+  rest = nx[len(kx):]  # the head axes each shard slices its kv head along
+  B = tuple(_entry(axes) for axes in bx)
+  N, T = _entry(nx), _entry(tx)
 
   def pairwise(x):
     if x is None:
       return None
-    return P(*(e if d != 1 else None for e, d in zip((B, N, T, None), x.shape)))
+    return P(*(e if d != 1 else None for e, d in zip((*B, N, T, None), x.shape)))
+
+  def per_batch(x, *rest_spec):
+    return None if x is None else P(*B, *rest_spec)
 
   arg_specs = dataclasses.replace(
-      shapes, query=P(B, T, N, None), key=P(B, None, _entry(kx), None),
-      value=P(B, None, _entry(kx), None), bias=pairwise(shapes.bias),
+      shapes, query=P(*B, T, N, None), key=P(*B, None, _entry(kx), None),
+      value=P(*B, None, _entry(kx), None), bias=pairwise(shapes.bias),
       mask=pairwise(shapes.mask),
-      query_seq_lengths=None if shapes.query_seq_lengths is None else P(B),
-      key_value_seq_lengths=None if shapes.key_value_seq_lengths is None else P(B),
-      q_segment_ids=None if shapes.q_segment_ids is None else P(B, T),
-      kv_segment_ids=None if shapes.kv_segment_ids is None else P(B, None),
+      query_seq_lengths=per_batch(shapes.query_seq_lengths),
+      key_value_seq_lengths=per_batch(shapes.key_value_seq_lengths),
+      q_segment_ids=per_batch(shapes.q_segment_ids, T),
+      kv_segment_ids=per_batch(shapes.kv_segment_ids, None),
       q_offset=None if shapes.q_offset is None else P())
 
+  # localize and backward see the local shards flattened to one batch dim.
   def localize(mesh, a):
     updates = {}
     if slice_kv:
-      head = shard_index(mesh, nx) // (_size(mesh, nx) // kh)
+      # Global kv head shard_index(nx) // (size(nx) / K); the local kv hold
+      # K / size(kx) of them, from shard_index(kx) * K / size(kx) on.
+      head = shard_index(mesh, rest) // (_size(mesh, nx) // kh)
       updates["key"] = jax.lax.dynamic_slice_in_dim(a.key, head, 1, axis=2)
       updates["value"] = jax.lax.dynamic_slice_in_dim(a.value, head, 1, axis=2)
     if not tx:
@@ -222,30 +260,34 @@ def attention_plan(mesh, shapes, specs, supports) -> Plan:
 
   def backward(mesh, a, residuals, out, dout, run):
     grads = dict(run(a, residuals, out, dout))
-    head = shard_index(mesh, nx) // (_size(mesh, nx) // kh)
-    for name in ("key", "value"):  # back to every kv head (psum'd over nx next)
+    head = shard_index(mesh, rest) // (_size(mesh, nx) // kh)
+    local_kh = kh // _size(mesh, kx)
+    for name in ("key", "value"):  # back to the local kv heads (psum'd over rest)
       g = grads.get(name)
       if g is not None:
-        full = jnp.zeros((*g.shape[:2], kh, g.shape[3]), g.dtype)
+        full = jnp.zeros((*g.shape[:2], local_kh, g.shape[3]), g.dtype)
         grads[name] = jax.lax.dynamic_update_slice_in_dim(full, g, head, axis=2)
     return grads
 
-  return Plan(args=arg_specs, out=P(B, T, N, None), residuals={"lse": P(B, N, T)},
+  return Plan(args=arg_specs, out=P(*B, T, N, None), residuals={"lse": P(*B, N, T)},
               localize=localize, backward=backward if slice_kv else None)
 
 
 def layer_norm_plan(mesh, shapes, specs, supports) -> Plan:
-  """Layer/RMS norm: rows split freely; a split feature axis runs a jnp path
-  whose statistics (sum and sum of squares) are psum'd across feature shards."""
+  """Layer/RMS norm: each row dim split freely; a split feature axis runs a jnp
+  path whose statistics (sum and sum of squares) are psum'd across feature
+  shards (it sees the local rows flattened, ``[R, D]``)."""
   del supports
-  r, d = shapes.x.shape
-  rx = _fit(mesh, specs.x[0], r)
-  fx = _fit(mesh, specs.x[1], d, rx)
-  R, F = _entry(rx), _entry(fx)
+  *rows, d = shapes.x.shape
+  rx = _fit_each(mesh, specs.x[:-1], rows)
+  fx = _fit(mesh, specs.x[-1], d, _joined(rx))
+  R = tuple(_entry(axes) for axes in rx)
+  F = _entry(fx)
   arg_specs = dataclasses.replace(
-      shapes, x=P(R, F), scale=None if shapes.scale is None else P(F),
+      shapes, x=P(*R, F), scale=None if shapes.scale is None else P(F),
       offset=None if shapes.offset is None else P(F))
-  plan = Plan(args=arg_specs, out=P(R, F), residuals={"mean": P(R), "rstd": P(R)})
+  plan = Plan(args=arg_specs, out=P(*R, F),
+              residuals={"mean": P(*R), "rstd": P(*R)})
   if fx:
     plan.forward = lambda mesh, a, run: _feature_sharded_layer_norm(a, fx, d)
     plan.backward = (lambda mesh, a, res, out, dout, run:
@@ -292,16 +334,17 @@ def _feature_sharded_layer_norm_grad(a, dout, fx, d):
 
 
 def gated_linear_unit_plan(mesh, shapes, specs, supports) -> Plan:
-  """GLU: rows of x split; weights split on N (tensor parallel: the output is
-  split on N). The contraction dim K is never split (replicated)."""
+  """GLU: each row dim of x split; weights split on N (tensor parallel: the
+  output is split on N). The contraction dim K is never split (replicated)."""
   del supports
-  m, _ = shapes.x.shape
+  *rows, _ = shapes.x.shape
   n = shapes.weights.shape[2]
-  mx = _fit(mesh, specs.x[0], m)
-  nx = _fit(mesh, specs.weights[2], n, mx)
-  M, N = _entry(mx), _entry(nx)
-  arg_specs = dataclasses.replace(shapes, x=P(M, None), weights=P(None, None, N))
-  return Plan(args=arg_specs, out=P(M, N), residuals={})
+  mx = _fit_each(mesh, specs.x[:-1], rows)
+  nx = _fit(mesh, specs.weights[2], n, _joined(mx))
+  M = tuple(_entry(axes) for axes in mx)
+  N = _entry(nx)
+  arg_specs = dataclasses.replace(shapes, x=P(*M, None), weights=P(None, None, N))
+  return Plan(args=arg_specs, out=P(*M, N), residuals={})
 
 
 def ragged_dot_plan(mesh, shapes, specs, supports) -> Plan:
@@ -367,6 +410,87 @@ _LABELS = {
 }
 
 
+# The label of the leading (row / batch) dim of the ops whose leading dims may
+# be several (`dispatch.call`'s ``lead_dims``): each operand and result whose
+# label starts with it carries all of them.
+_LEADING = {"dot_product_attention": "b", "layer_norm": "r", "gated_linear_unit": "m"}
+
+
+def _leads(op_name: str, label: str | None) -> bool:
+  lead = _LEADING.get(op_name)
+  return lead is not None and bool(label) and label[0] == lead
+
+
+def _batched_fields(op_name: str, args):
+  """(name, array) of the args fields that carry the leading dims."""
+  table = _LABELS[op_name][0]
+  for f in dataclasses.fields(args):
+    x = getattr(args, f.name)
+    if (x is not None and not f.metadata.get("static")
+        and _leads(op_name, table.get(f.name))):
+      yield f.name, x
+
+
+def _merge(x, n: int):
+  """``[*lead (n dims), *rest] -> [prod(lead), *rest]`` (n = 0 adds a dim of 1)."""
+  shape = (math.prod(x.shape[:n]), *x.shape[n:])
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(shape, x.dtype)
+  return x.reshape(shape)
+
+
+def _split(x, lead: tuple[int, ...]):
+  return x.reshape(*lead, *x.shape[1:])
+
+
+def _shape_of(x):
+  return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def merge_leading(op_name: str, args, n: int, abstract: bool = False):
+  """`args` with the `n` leading dims of its batched fields merged into one: the
+  canonical args every implementation takes (and autotuning keys are made of).
+  `abstract`: those fields as shapes only (no reshape is traced)."""
+  if n == 1:
+    return args
+  return dataclasses.replace(args, **{
+      name: _merge(_shape_of(x) if abstract else x, n)
+      for name, x in _batched_fields(op_name, args)})
+
+
+def leading_shape(op_name: str, args, n: int) -> tuple[int, ...]:
+  """The `n` leading dims of `args` (those of its first batched field)."""
+  _, x = next(_batched_fields(op_name, args))
+  return tuple(x.shape[:n])
+
+
+def split_results(op_name: str, out, residuals: dict, lead: tuple[int, ...]):
+  """A forward's results on merged args, split back to the leading dims `lead`;
+  residuals only where documented as per row (opaque ones stay as they are)."""
+  table = _LABELS[op_name][1]
+  residuals = {k: _split(v, lead) if _leads(op_name, table.get(k)) else v
+               for k, v in residuals.items()}
+  return _split(out, lead), residuals
+
+
+def merge_residuals(op_name: str, residuals: dict, n: int,
+                    abstract: bool = False) -> dict:
+  """Documented per-row residuals with their `n` leading dims merged into one."""
+  if n == 1:
+    return residuals
+  table = _LABELS[op_name][1]
+  return {k: _merge(_shape_of(v) if abstract else v, n)
+          if _leads(op_name, table.get(k)) else v for k, v in residuals.items()}
+
+
+def _expanded(op_name: str, label: str | None, n: int):
+  """A label with its leading-dim letter expanded to one factor per leading dim
+  (each is split on its own)."""
+  if label is None or n == 1 or not _leads(op_name, label):
+    return label
+  return (*(f"{label[0]}{i}" for i in range(n)), *label[1:])
+
+
 class _Labeller:
   """Per-dim factor names; size-1 dims (broadcast) and unknown arrays get fresh ones."""
 
@@ -383,13 +507,18 @@ class _Labeller:
     return tuple(nm if d != 1 else self.fresh() for nm, d in zip(names, x.shape))
 
 
-def _sharding_rule(op_name, operands, out_shape, backward_direction):
+def _sharding_rule(op_name, operands, out_shape, backward_direction, lead=1):
   args_table, out_table = _LABELS[op_name]
+  args_table = {k: _expanded(op_name, v, lead) for k, v in args_table.items()}
+  out_table = {k: _expanded(op_name, v, lead) for k, v in out_table.items()}
   lab = _Labeller()
   args = operands[0]
+  # The array fields, as the args flatten: static fields are not operands even
+  # when their value has a `shape` (a numpy dtype as preferred_element_type).
   operand_labels = [lab(getattr(args, f.name), args_table.get(f.name))
                     for f in dataclasses.fields(args)
-                    if hasattr(getattr(args, f.name), "shape")]
+                    if not f.metadata.get("static")
+                    and getattr(args, f.name) is not None]
   if backward_direction:
     _, residuals, out, dout = operands
     operand_labels += [lab(residuals[k], out_table.get(k)) for k in sorted(residuals)]
@@ -448,10 +577,35 @@ class _Call:
   backward: bool
   run: Callable  # forward: run(args) -> (out, residuals); backward: run(a, r, o, do)
   supports: Callable[[str], bool]
+  lead: int = 1  # leading dims of the operands (merged into one for `run`)
   _operands_shape: Any = None
 
   def fn(self, *operands):
+    return self._merged(self._direct)(*operands)
+
+  def _direct(self, *operands):
     return dict(self.run(*operands)) if self.backward else self.run(*operands)
+
+  def _merged(self, body: Callable) -> Callable:
+    """`body` on the operands with their leading dims merged into one (the shapes
+    implementations take), its results split back to the operands' leading dims.
+    Inside the partitioned region the operands are the local shards."""
+    n, op = self.lead, self.op_name
+    if n == 1:
+      return body
+
+    def merged(*operands):
+      args = operands[0]
+      flat = merge_leading(op, args, n)
+      if not self.backward:
+        out, residuals = body(flat)
+        return split_results(op, out, dict(residuals), leading_shape(op, args, n))
+      _, residuals, out, dout = operands
+      grads = body(flat, merge_residuals(op, residuals, n), _merge(out, n),
+                   _merge(dout, n))
+      return {k: None if g is None else g.reshape(getattr(args, k).shape)
+              for k, g in grads.items()}
+    return merged
 
   def plan(self, mesh, args_sds) -> Plan:
     return _plan(self.op_name, mesh, args_sds, self.supports)
@@ -467,6 +621,9 @@ class _Call:
     return (plan.args,), (plan.out, _residual_specs(plan, residuals))
 
   def local(self, plan: Plan, mesh):
+    return self._merged(self._local(plan, mesh))
+
+  def _local(self, plan: Plan, mesh):
     if not self.backward:
       def forward_local(args):
         args = plan.localize(mesh, args) if plan.localize else args
@@ -543,7 +700,7 @@ def _partitioned(call: _Call, operands):
     del result_shape
     return decide(mesh, arg_shapes)[2]
 
-  rule = _sharding_rule(call.op_name, operands, out_shape, call.backward)
+  rule = _sharding_rule(call.op_name, operands, out_shape, call.backward, call.lead)
   cp = custom_partitioning(flat_fn)
   cp.def_partition(partition, infer_sharding_from_operands=infer,
                    sharding_rule=lambda *_: rule)
@@ -597,17 +754,25 @@ def wanted_features(op_name: str, args: Any) -> frozenset[str]:
   return frozenset(asked)
 
 
-def forward(op_name: str, args: Any, run: Callable, supports: Callable[[str], bool]):
-  """``run(args) -> (out, residuals)``, partitioned over the devices if useful."""
+def forward(op_name: str, args: Any, run: Callable, supports: Callable[[str], bool],
+            lead: int = 1):
+  """``run(args) -> (out, residuals)``, partitioned over the devices if useful.
+
+  `args` may carry `lead` leading dims (see `merge_leading`); `run` always gets
+  them merged into one, and its results are split back.
+  """
+  call = _Call(op_name, False, run, supports, lead)
   if not active(jax.tree.leaves(args)):
-    return run(args)
-  return _partitioned(_Call(op_name, False, run, supports), (args,))
+    return call.fn(args)
+  return _partitioned(call, (args,))
 
 
 def backward(op_name: str, args: Any, residuals: dict, out, dout, run: Callable,
-             supports: Callable[[str], bool]):
-  """``run(args, residuals, out, dout) -> {field: grad}``, partitioned if useful."""
+             supports: Callable[[str], bool], lead: int = 1):
+  """``run(args, residuals, out, dout) -> {field: grad}``, partitioned if useful
+  (leading dims as in `forward`)."""
   operands = (args, dict(residuals), out, dout)
+  call = _Call(op_name, True, run, supports, lead)
   if not active(jax.tree.leaves(operands)):
-    return run(*operands)
-  return _partitioned(_Call(op_name, True, run, supports), operands)
+    return call.fn(*operands)
+  return _partitioned(call, operands)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -315,6 +315,16 @@ def assert_close(actual, expected, dtype, *, what: str = "output", scale: float 
       f"({name}, max |reference| {peak:.3g})")
 
 
+def default_seed(test_id: str) -> int:
+  """A seed fixed per test, so that a failure reproduces and CI does not flake.
+
+  ``TOKAMAX_TEST_SEED=<int>`` shifts every test to other inputs (to look for
+  input-dependent failures); the failing seed is part of each assertion message.
+  """
+  shift = int(os.environ.get("TOKAMAX_TEST_SEED", "0"))
+  return (zlib.crc32(test_id.encode()) + shift) % 2**31
+
+
 def _upcast(tree):
   return jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), tree)
 
@@ -327,7 +337,8 @@ def check_case(case: Case, implementation: Any, dtype: str = "float32", *,
     NotImplementedError: the implementation does not support the case.
     AssertionError: the results differ from the reference beyond tolerance.
   """
-  seed = random.randrange(2**31) if seed is None else seed
+  if seed is None:
+    seed = default_seed(f"{case} {dtype}")
   rng = np.random.default_rng(seed)
   fn, floats = _INPUTS[case.op](case, rng, jnp.dtype(dtype))
   gpu = jax.default_backend() == "gpu"
@@ -340,7 +351,12 @@ def check_case(case: Case, implementation: Any, dtype: str = "float32", *,
                gpu=gpu)
   if not gradients:
     return
-  cotangent = jnp.asarray(rng.standard_normal(out.shape), jnp.float32)
+  # The cotangent is made exact in `dtype`: the implementation receives it rounded
+  # to its output dtype while the float32 reference does not, and a gradient that is
+  # a sum over few rows (doffset of a 7-row layer norm) can cancel down to the size
+  # of that rounding.
+  cotangent = jnp.asarray(
+      jnp.asarray(rng.standard_normal(out.shape), dtype), jnp.float32)
 
   def loss(f, implementation, precision):
     return jnp.sum(fn(f, implementation, precision).astype(jnp.float32) * cotangent)

@@ -3,6 +3,8 @@ what it got and what is allowed."""
 
 from __future__ import annotations
 
+import math
+import operator
 from typing import Any
 
 import jax
@@ -45,6 +47,34 @@ def check_same_dtype(names: tuple[str, ...], arrays: tuple[Any, ...]) -> None:
   if len(set(dtypes)) > 1:
     got = ", ".join(f"{n}: {d.name}" for n, d in zip(names, dtypes))
     raise TypeError(f"{', '.join(names)} must have the same dtype; got {got}")
+
+
+def static_int(name: str, x: Any, allowed: str = "an int") -> int:
+  """A Python or NumPy integer (not a bool) as an int; else a TypeError."""
+  if isinstance(x, (bool, np.bool_)) or isinstance(x, (jax.Array, np.ndarray)):
+    raise TypeError(f"{name} must be {allowed}; got {x!r}")
+  try:
+    return operator.index(x)
+  except TypeError:
+    raise TypeError(f"{name} must be {allowed}; got {x!r}") from None
+
+
+def static_float(name: str, x: Any, allowed: str = "a finite float") -> float:
+  """A finite Python or NumPy real number (not a bool, not an array) as a float."""
+  if (isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer,
+                                                              np.floating))):
+    raise TypeError(f"{name} must be {allowed} (a Python number, not an array); got "
+                    f"{x!r}")
+  if not math.isfinite(float(x)):
+    raise ValueError(f"{name} must be {allowed}; got {x!r}")
+  return float(x)
+
+
+def static_bool(name: str, x: Any) -> bool:
+  """A Python or NumPy bool as a bool; anything else (even 0 or 1) a TypeError."""
+  if not isinstance(x, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a bool (True or False); got {x!r}")
+  return bool(x)
 
 
 def is_concrete(x: Any) -> bool:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tokamax._src import dispatch
+from tokamax._src import sharding
 from tokamax._src.ops import _checks
 
 OP_NAME = "dot_product_attention"
@@ -116,23 +117,35 @@ DIFF_FIELDS = ("query", "key", "value", "bias")
 def _canonical_window(local_window_size: Any) -> tuple[int | None, int | None] | None:
   if local_window_size is None:
     return None
-  if isinstance(local_window_size, int) and not isinstance(local_window_size, bool):
-    pair = (local_window_size, local_window_size)
-  elif isinstance(local_window_size, Sequence) and len(local_window_size) == 2:
-    pair = tuple(local_window_size)
+  allowed = ("an int w >= 0 or a (left, right) pair of ints >= 0 or None (None: "
+             "unbounded on that side)")
+  if isinstance(local_window_size, Sequence) and not isinstance(local_window_size, str):
+    if len(local_window_size) != 2:
+      raise ValueError(f"local_window_size must be {allowed}; got {local_window_size!r}")
+    sides = tuple(local_window_size)
   else:
-    raise ValueError(f"local_window_size must be an int or a (left, right) pair; got "
-                     f"{local_window_size!r}")
-  for side in pair:
-    if side is not None and (not isinstance(side, int) or side < 0):
-      raise ValueError(f"local_window_size must hold non-negative ints (or None for "
-                       f"unbounded); got {local_window_size!r}")
-  return pair
+    sides = (local_window_size,)
+  pair = []
+  for side in sides:
+    if side is not None:
+      try:
+        side = _checks.static_int("local_window_size", side, allowed)
+      except TypeError:
+        raise ValueError(f"local_window_size must be {allowed}; got "
+                         f"{local_window_size!r}") from None
+      if side < 0:
+        raise ValueError(f"local_window_size must be {allowed}; got "
+                         f"{local_window_size!r}")
+    elif len(sides) == 1:
+      raise ValueError(f"local_window_size must be {allowed}; got {local_window_size!r}")
+    pair.append(side)
+  return (pair[0], pair[0]) if len(pair) == 1 else (pair[0], pair[1])
 
 
 def _canonical_pairwise(name: str, x: Any, batch_shape: tuple[int, ...], n: int,
                         t: int, s: int) -> jax.Array:
-  """Bias/mask: broadcastable to ``[*batch, N, T, S]`` -> ``[B|1, N|1, T|1, S|1]``."""
+  """Bias/mask: broadcastable to ``[*batch, N, T, S]`` -> ``[*batch|1, N|1, T|1, S|1]``
+  (batch dims all given or all 1; `canonical_args` merges them)."""
   full = (*batch_shape, n, t, s)
   if x.ndim > len(full):
     raise ValueError(f"{name} must broadcast to {full} ([*batch, N, T, S]); got "
@@ -144,12 +157,8 @@ def _canonical_pairwise(name: str, x: Any, batch_shape: tuple[int, ...], n: int,
                        f"{_checks.describe(x)}")
   x = x.reshape(shape)
   lead = shape[:len(batch_shape)]
-  if len(batch_shape) != 1:
-    if all(d == 1 for d in lead):
-      x = x.reshape((1, *shape[len(batch_shape):]))
-    else:
-      x = jnp.broadcast_to(x, (*batch_shape, *shape[len(batch_shape):]))
-      x = x.reshape((-1, *shape[len(batch_shape):]))
+  if len(batch_shape) != 1 and not all(d == 1 for d in lead):
+    x = jnp.broadcast_to(x, (*batch_shape, *shape[len(batch_shape):]))
   return x
 
 
@@ -164,7 +173,7 @@ def _lengths(name: str, x: Any, batch_shape: tuple[int, ...], limit: int) -> jax
     if values.min() < 0 or values.max() > limit:
       raise ValueError(f"{name} must lie in [0, {limit}]; got values from "
                        f"{values.min()} to {values.max()}")
-  return x.reshape(-1).astype(jnp.int32)
+  return x.astype(jnp.int32)
 
 
 def _segments(name: str, x: Any, batch_shape: tuple[int, ...], length: int,
@@ -174,7 +183,7 @@ def _segments(name: str, x: Any, batch_shape: tuple[int, ...], length: int,
   if tuple(x.shape) != (*batch_shape, length):
     raise ValueError(f"{name} must have shape {(*batch_shape, length)} ([*batch, "
                      f"{length_name}]); got {_checks.describe(x)}")
-  return x.reshape(math.prod(batch_shape), length).astype(jnp.int32)
+  return x.astype(jnp.int32)
 
 
 def dot_product_attention(
@@ -232,17 +241,21 @@ def dot_product_attention(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
-      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, precision=precision)
-  out = dispatch.call(OP_NAME, args, implementation, DIFF_FIELDS)
-  return out.reshape(*batch_shape, *out.shape[1:])
+      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, precision=precision,
+      merge_batch=False)
+  return dispatch.call(OP_NAME, args, implementation, DIFF_FIELDS,
+                       lead_dims=len(batch_shape))
 
 
 def canonical_args(query, key, value, bias=None, mask=None, *, scale=None,
                    is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
                    local_window_size=None, logits_soft_cap=None, q_segment_ids=None,
-                   kv_segment_ids=None, precision=None,
+                   kv_segment_ids=None, precision=None, merge_batch=True,
                    ) -> tuple[AttentionArgs, tuple[int, ...]]:
   """Validates `dot_product_attention`'s arguments (same names and meaning).
+
+  `merge_batch=False` keeps the batch dims apart (dispatch merges them, after
+  partitioning: a sharded non-leading batch dim then stays split).
 
   Returns:
     The canonical `AttentionArgs` (one flat batch dim) and the original batch dims.
@@ -257,8 +270,9 @@ def canonical_args(query, key, value, bias=None, mask=None, *, scale=None,
                        f"got {_checks.describe(x)}")
   _checks.check_same_dtype(("query", "key", "value"), (query, key, value))
   if not (query.ndim == key.ndim == value.ndim):
-    raise ValueError(f"query, key and value must have the same rank; got "
-                     f"{query.ndim}, {key.ndim} and {value.ndim}")
+    raise ValueError(f"query, key and value must have the same rank; got query "
+                     f"{_checks.describe(query)}; key {_checks.describe(key)}; "
+                     f"value {_checks.describe(value)}")
   batch_shape = tuple(query.shape[:-3])
   t, n, h = query.shape[-3:]
   s, k, hk = key.shape[-3:]
@@ -272,18 +286,21 @@ def canonical_args(query, key, value, bias=None, mask=None, *, scale=None,
     raise ValueError(f"value must have shape [*batch, {s}, {k}, Hv] to match key; got "
                      f"{_checks.describe(value)}")
   if k == 0 or n % k:
-    raise ValueError(f"query heads N={n} must be a multiple of key/value heads K={k}")
+    raise ValueError(f"query heads N={n} must be a multiple of key/value heads K={k} "
+                     f"(and K > 0); got query {_checks.describe(query)}; key "
+                     f"{_checks.describe(key)}")
   if scale is None:
-    scale = 1.0 / math.sqrt(h)
-  elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
-    raise TypeError(f"scale must be a Python float, got {scale!r}")
+    scale = 1.0 / math.sqrt(h) if h else 1.0
+  else:
+    scale = _checks.static_float("scale", scale)
   if logits_soft_cap is not None:
-    if not isinstance(logits_soft_cap, (int, float)) or logits_soft_cap <= 0:
-      raise ValueError(f"logits_soft_cap must be a positive float; got "
+    if isinstance(logits_soft_cap, (bool, np.bool_)) or not isinstance(
+        logits_soft_cap, (int, float, np.integer, np.floating)) or not (
+            math.isfinite(logits_soft_cap) and logits_soft_cap > 0):
+      raise ValueError(f"logits_soft_cap must be None or a finite float > 0; got "
                        f"{logits_soft_cap!r}")
     logits_soft_cap = float(logits_soft_cap)
-  if not isinstance(is_causal, bool):
-    raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+  is_causal = _checks.static_bool("is_causal", is_causal)
 
   if bias is not None:
     bias = _checks.as_array("bias", bias)
@@ -305,13 +322,10 @@ def canonical_args(query, key, value, bias=None, mask=None, *, scale=None,
     q_segment_ids = _segments("q_segment_ids", q_segment_ids, batch_shape, t, "T")
     kv_segment_ids = _segments("kv_segment_ids", kv_segment_ids, batch_shape, s, "S")
 
-  # One flat batch dim; sized explicitly, since -1 cannot be inferred when
-  # another dim is 0 (an empty sequence).
-  flat = math.prod(batch_shape)
   args = AttentionArgs(
-      query=query.reshape(flat, t, n, h),
-      key=key.reshape(flat, s, k, h),
-      value=value.reshape(flat, s, k, value.shape[-1]),
+      query=query,
+      key=key,
+      value=value,
       bias=bias,
       mask=mask,
       query_seq_lengths=query_seq_lengths,
@@ -324,4 +338,8 @@ def canonical_args(query, key, value, bias=None, mask=None, *, scale=None,
       logits_soft_cap=logits_soft_cap,
       precision=_checks.canonical_precision(precision),
   )
+  if merge_batch:
+    # One flat batch dim (sized explicitly: -1 cannot be inferred when another
+    # dim is 0, an empty sequence).
+    args = sharding.merge_leading(OP_NAME, args, len(batch_shape))
   return args, batch_shape

@@ -42,6 +42,30 @@ class GatedLinearUnitArgs:
 DIFF_FIELDS = ("x", "weights")
 
 
+def _check_activation(activation: Any, gate_shape: tuple[int, ...]) -> None:
+  """The activation must map the float32 gate ``[M, N]`` to an array of that shape
+  (it is applied to the gate projection; anything else would broadcast silently)."""
+  if not callable(activation):
+    raise TypeError(f"activation must be a callable or None; got {activation!r}")
+  gate = jax.ShapeDtypeStruct(gate_shape, jnp.float32)
+  try:
+    out = jax.eval_shape(activation, gate)
+  except Exception as e:  # pylint: disable=broad-except
+    raise TypeError(f"activation {activation!r} must take one float32 array (the gate "
+                    f"projection, shape {gate_shape}); calling it failed: "
+                    f"{type(e).__name__}: {e}") from e
+  shape = getattr(out, "shape", None)
+  dtype = getattr(out, "dtype", None)
+  if (not isinstance(out, jax.ShapeDtypeStruct) or tuple(shape) != gate_shape
+      or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+              or dtype == jnp.bool_)):
+    got = (f"shape {tuple(shape)} and dtype {jnp.dtype(dtype).name}"
+           if isinstance(out, jax.ShapeDtypeStruct) else f"{type(out).__name__}")
+    raise ValueError(f"activation {activation!r} must be elementwise: it must map the "
+                     f"float32 gate projection of shape {gate_shape} to a real array of "
+                     f"the same shape; got {got}")
+
+
 def gated_linear_unit(
     x: jax.Array,
     weights: jax.Array | Sequence[jax.Array],
@@ -98,12 +122,14 @@ def gated_linear_unit(
     raise ValueError(f"weights must have K={k} rows to match x's last dim; got "
                      f"{_checks.describe(weights)} for x of {_checks.describe(x)}")
   _checks.check_same_dtype(("x", "weights"), (x, weights))
-  if activation is not None and not callable(activation):
-    raise TypeError(f"activation must be a callable or None; got {activation!r}")
+  if activation is not None:
+    _check_activation(activation, (math.prod(x.shape[:-1]), weights.shape[-1]))
 
+  # The row dims stay separate here: dispatch merges them into M (after
+  # partitioning, so that a sharded non-leading row dim stays split).
   args = GatedLinearUnitArgs(
-      x=x.reshape(math.prod(x.shape[:-1]), k), weights=weights, activation=activation,
+      x=x, weights=weights, activation=activation,
       precision=_checks.canonical_precision(precision))
-  out = dispatch.call(OP_NAME, args, implementation, DIFF_FIELDS)
-  return out.reshape(*x.shape[:-1], weights.shape[-1])
+  return dispatch.call(OP_NAME, args, implementation, DIFF_FIELDS,
+                       lead_dims=x.ndim - 1)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -73,9 +72,10 @@ def layer_norm(
   _checks.check_float("x", x)
   if x.ndim < 1:
     raise ValueError(f"x must have rank >= 1; got {_checks.describe(x)}")
-  if not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
-    raise ValueError(f"axis must be an int in [{-x.ndim}, {x.ndim}) for x of "
-                     f"{_checks.describe(x)}; got {axis!r}")
+  allowed = f"an int in [{-x.ndim}, {x.ndim}) for x of {_checks.describe(x)}"
+  axis = _checks.static_int("axis", axis, allowed)
+  if not -x.ndim <= axis < x.ndim:
+    raise ValueError(f"axis must be {allowed}; got {axis!r}")
   axis = axis % x.ndim
   d = x.shape[axis]
   params = {}
@@ -87,16 +87,20 @@ def layer_norm(
         raise ValueError(f"{name} must have shape ({d},) (x.shape[axis]); got "
                          f"{_checks.describe(p)}")
     params[name] = p
-  if not isinstance(epsilon, (int, float)) or epsilon < 0:
-    raise ValueError(f"epsilon must be a non-negative float; got {epsilon!r}")
+  epsilon = _checks.static_float("epsilon", epsilon, "a finite float >= 0")
+  if epsilon < 0:
+    raise ValueError(f"epsilon must be a finite float >= 0; got {epsilon!r}")
+  subtract_mean = _checks.static_bool("subtract_mean", subtract_mean)
 
   moved = jnp.moveaxis(x, axis, -1)
+  # The row dims stay separate here: dispatch merges them into R (after
+  # partitioning, so that a sharded non-leading row dim stays split).
   args = LayerNormArgs(
-      x=moved.reshape(math.prod(moved.shape[:-1]), d), scale=params["scale"],
-      offset=params["offset"],
+      x=moved, scale=params["scale"], offset=params["offset"],
       epsilon=float(epsilon), subtract_mean=bool(subtract_mean))
-  y = dispatch.call(OP_NAME, args, implementation, DIFF_FIELDS)
-  return jnp.moveaxis(y.reshape(moved.shape), -1, axis)
+  y = dispatch.call(OP_NAME, args, implementation, DIFF_FIELDS,
+                    lead_dims=moved.ndim - 1)
+  return jnp.moveaxis(y, -1, axis)
 
 
 def rms_norm(

@@ -115,11 +115,19 @@ def ragged_dot(
     sizes = np.asarray(group_sizes)
     if sizes.min() < 0:
       raise ValueError(f"group_sizes must be non-negative; got {sizes.tolist()}")
-    if sizes.sum() > m:
+    if isinstance(m, int) and sizes.sum() > m:  # (M may be symbolic: jax.export)
       raise ValueError(f"group_sizes must sum to at most M={m} (lhs rows); they sum "
                        f"to {int(sizes.sum())}")
   if preferred_element_type is not None:
-    preferred_element_type = jnp.dtype(preferred_element_type)
+    allowed = "None or a float dtype: float32, bfloat16 or float16"
+    try:
+      preferred_element_type = jnp.dtype(preferred_element_type)
+    except TypeError:
+      raise TypeError(f"preferred_element_type must be {allowed}; got "
+                      f"{preferred_element_type!r}") from None
+    if preferred_element_type not in [jnp.dtype(d) for d in _checks.FLOAT_DTYPES]:
+      raise TypeError(f"preferred_element_type must be {allowed}; got "
+                      f"{preferred_element_type.name}")
   args = RaggedDotArgs(
       lhs=lhs, rhs=rhs, group_sizes=group_sizes.astype(jnp.int32),
       group_offset=group_offset, preferred_element_type=preferred_element_type,

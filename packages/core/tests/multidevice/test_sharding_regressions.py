@@ -1,0 +1,77 @@
+"""Regressions found by an outside check of the SPMD rules (8 virtual CPU devices)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import tokamax
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+
+
+def _rand(rng, *shape, dtype=jnp.float32):
+  return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def _value_and_grads(f, args, argnums, ct):
+  def loss(*a):
+    return jnp.sum(f(*a).astype(jnp.float32) * ct)
+  return jax.jit(f)(*args), jax.jit(jax.grad(loss, argnums=argnums))(*args)
+
+
+def _compare(f, args, specs, mesh, argnums, tol):
+  rng = np.random.default_rng(5)
+  local = [jax.device_put(a, jax.devices()[0]) for a in args]
+  with tokamax.spmd_partitioning(False):
+    out_ref = jax.jit(f)(*local)
+    ct = jnp.asarray(rng.standard_normal(out_ref.shape), jnp.float32)
+    ref, gref = _value_and_grads(f, local, argnums, ct)
+  sharded = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+  hlo = jax.jit(f).lower(*sharded).compile().as_text()
+  out, grads = _value_and_grads(f, sharded, argnums, ct)
+  assert _rel(out, ref) < tol
+  for g, gr in zip(grads, gref):
+    assert _rel(g, gr) < tol
+  return hlo
+
+
+def test_ragged_dot_with_preferred_element_type_partitions():
+  # A numpy dtype has a `shape`: the Shardy rule counted preferred_element_type
+  # as an operand ("Sharding rule has 4 operands, but the operation has 3").
+  rng = np.random.default_rng(11)
+  mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+  lhs = _rand(rng, 64, 16, dtype=jnp.bfloat16)
+  rhs = _rand(rng, 8, 16, 32, dtype=jnp.bfloat16)
+  sizes = jnp.asarray([5, 0, 13, 7, 9, 0, 11, 15], jnp.int32)
+
+  def f(lhs, rhs, sizes):
+    return tokamax.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
+
+  hlo = _compare(f, [lhs, rhs, sizes], [P("data"), P("expert"), P()], mesh, (0, 1),
+                 tol=2e-2)
+  assert "all-gather" not in hlo
+
+
+def test_gqa_kv_heads_stay_split_over_a_prefix_of_the_head_axes():
+  # 8 query heads over ("y", "z") (4 shards), 2 kv heads: each shard's query heads
+  # share one kv head. The kv heads split over "y" are kept split (each shard
+  # slices its head from its local one) instead of being gathered.
+  rng = np.random.default_rng(12)
+  mesh = jax.make_mesh((2, 2, 2), ("x", "y", "z"), axis_types=(AxisType.Auto,) * 3)
+  q = _rand(rng, 4, 16, 8, 8)
+  k, v = _rand(rng, 4, 16, 2, 8), _rand(rng, 4, 16, 2, 8)
+
+  def f(q, k, v):
+    return tokamax.dot_product_attention(q, k, v, is_causal=True)
+
+  hlo = _compare(f, [q, k, v], [P("x", None, ("y", "z")), P("x", None, "y"),
+                                P("x", None, "y")], mesh, (0, 1, 2), tol=1e-5)
+  assert "all-gather" not in hlo
