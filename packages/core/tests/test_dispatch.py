@@ -264,6 +264,11 @@ def test_numpy_scalars_are_accepted_as_static_arguments():
                  local_window_size=(1, None)))
   np.testing.assert_array_equal(_attention(local_window_size=np.int64(2)),
                                 _attention(local_window_size=2))
+  # A concrete 0-d array is taken by value; a traced one is refused (static).
+  np.testing.assert_array_equal(_attention(scale=1 / jnp.sqrt(4.0)),
+                                _attention(scale=0.5))
+  with pytest.raises(TypeError, match="scale must be a finite float.*traced"):
+    jax.jit(lambda s: _attention(scale=s))(0.5)
   np.testing.assert_array_equal(
       tokamax.layer_norm(_Q, None, None, axis=np.int64(1), epsilon=np.float32(0.5),
                          subtract_mean=np.bool_(False)),

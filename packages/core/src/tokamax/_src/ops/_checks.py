@@ -60,11 +60,16 @@ def static_int(name: str, x: Any, allowed: str = "an int") -> int:
 
 
 def static_float(name: str, x: Any, allowed: str = "a finite float") -> float:
-  """A finite Python or NumPy real number (not a bool, not an array) as a float."""
+  """A finite Python or NumPy real number (not a bool) as a float; a concrete 0-d
+  real array (``1 / jnp.sqrt(128.0)``) is taken by value. It is a static argument
+  (kernels are compiled for it), so a traced value is refused."""
+  if (isinstance(x, (jax.Array, np.ndarray)) and x.ndim == 0 and is_concrete(x)
+      and (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer))):
+    x = x.item()
   if (isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer,
                                                               np.floating))):
-    raise TypeError(f"{name} must be {allowed} (a Python number, not an array); got "
-                    f"{x!r}")
+    raise TypeError(f"{name} must be {allowed} (a Python number or a concrete scalar, "
+                    f"not a traced or non-scalar array); got {x!r}")
   if not math.isfinite(float(x)):
     raise ValueError(f"{name} must be {allowed}; got {x!r}")
   return float(x)
