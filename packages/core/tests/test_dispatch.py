@@ -238,7 +238,8 @@ def _glu(activation):
     (lambda: tokamax.layer_norm(_X, None, None, axis=True), TypeError,
      r"axis must be an int in \[-2, 2\)"),
     (lambda: _glu(jnp.sum), ValueError,
-     r"must be elementwise.*shape \(3, 5\).*got shape \(\) and dtype float32"),
+     r"must map .* shape \(3, 5\) to a real array of the same shape; got shape "
+     r"\(\) and dtype float32"),
     (lambda: _glu(lambda a, b: a), TypeError, r"activation .* must take one float32"),
     (lambda: _ragged(preferred_element_type=jnp.int32), TypeError,
      "preferred_element_type must be None or a float dtype.*got int32"),

@@ -549,3 +549,49 @@ def test_ring_attention_block_backward_uses_the_global_lse(implementation):
     assert _rel(got, want) < 1e-5 * TOL_SCALE
   backward = {r.implementation for r in records if r.direction == "backward"}
   assert backward == {implementation or ("xla_chunked" if on_cpu else "triton")}
+
+
+def test_vmap_of_grad_and_of_jit_with_several_leading_dims():
+  # Under vmap the call is not partitioned although several devices exist: the
+  # leading dims must still be merged before an implementation sees them, and the
+  # batching rule must return the outputs' structure.
+  x, scale = _rand(3, 4, 8, 16), _rand(16)
+  w, xg = _rand(16, 2, 8), _rand(3, 2, 4, 16)
+  q = _rand(3, 2, 2, 8, 2, 16)
+  cases = [
+      (lambda x: jnp.sum(tokamax.layer_norm(x, scale, None) ** 2), x),
+      (lambda x: jnp.sum(tokamax.gated_linear_unit(x, w) ** 2), xg),
+      (lambda q: jnp.sum(tokamax.dot_product_attention(q, q, q, is_causal=True) ** 2), q),
+  ]
+  for loss, operand in cases:
+    got = jax.vmap(jax.grad(loss))(operand)
+    with tokamax.spmd_partitioning(False):
+      want = jax.vmap(jax.grad(loss))(operand)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  norm = jax.vmap(jax.jit(lambda x: tokamax.layer_norm(x, scale, None)))
+  got = norm(x[0])
+  with tokamax.spmd_partitioning(False):
+    want = norm(x[0])
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_glu_with_a_row_wise_activation_keeps_rows_whole_across_n_shards():
+  # Centering over N mixes a row's columns: splitting the weights on N (tensor
+  # parallel) would center each shard's columns alone (a silently wrong result).
+  mesh = _mesh((2, 4))
+  centering = lambda g: g - jnp.mean(g, axis=-1, keepdims=True)
+  x, w = _rand(8, 16), _rand(16, 2, 32)
+
+  def f(x, w):
+    return tokamax.gated_linear_unit(x, w, activation=centering)
+
+  loss = lambda x, w: jnp.sum(jnp.sin(f(x, w)))
+  with tokamax.spmd_partitioning(False):
+    want, want_grads = f(x, w), jax.grad(loss, argnums=(0, 1))(x, w)
+  xs = jax.device_put(x, NamedSharding(mesh, P("a")))
+  ws = jax.device_put(w, NamedSharding(mesh, P(None, None, "b")))
+  got = jax.jit(f)(xs, ws)
+  got_grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(xs, ws)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  for g, gw in zip(got_grads, want_grads):
+    np.testing.assert_allclose(g, gw, rtol=1e-5, atol=1e-5)

@@ -340,13 +340,11 @@ def call(op_name: str, args: Any, implementation: Implementation,
   # Merging dims keeps a sharding only when it is on the major one, so a
   # partitioned call keeps the leading dims apart up to the local computation;
   # otherwise they are merged here, before anything else sees the args.
-  keep = lead_dims != 1 and sharding.active(jax.tree_util.tree_leaves(args))
-  if lead_dims != 1 and not keep:
+  if lead_dims != 1 and not sharding.active(jax.tree_util.tree_leaves(args)):
     lead = sharding.leading_shape(op_name, args, lead_dims)
     out = call(op_name, sharding.merge_leading(op_name, args, lead_dims),
                implementation, diff_fields)
     return out.reshape(*lead, *out.shape[1:])
-  lead_dims = lead_dims if keep else 1
   # What the implementations are chosen and configured for: the merged shapes.
   merged = sharding.merge_leading(op_name, args, lead_dims, abstract=True)
   for observer in _observers.get():
@@ -386,14 +384,15 @@ def call(op_name: str, args: Any, implementation: Implementation,
     return out, dict(residuals)
 
   def partitioned_forward(args, for_backward: bool):
-    if sharding.active(jax.tree_util.tree_leaves(args)):
+    # `sharding.forward` also runs the unpartitioned call (under vmap the answer
+    # can differ from the one above, given JVP tracers): it merges the leading dims.
+    if for_backward and not sharding.active(jax.tree_util.tree_leaves(args)):
+      with op_lib.allow_opaque_residuals():
+        out, residuals = sharding.forward(op_name, args, forward_local, supports,
+                                          lead_dims)
+    else:
       out, residuals = sharding.forward(op_name, args, forward_local, supports,
                                         lead_dims)
-    elif for_backward:
-      with op_lib.allow_opaque_residuals():
-        out, residuals = forward_local(args)
-    else:
-      out, residuals = forward_local(args)
     return vma.outputs_like_inputs(out, args), residuals
 
   @jax.custom_vjp

@@ -49,6 +49,8 @@ from jax.experimental.custom_partitioning import (ArrayMapping, SdyShardingRule,
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tokamax._src import activation as activation_lib
+
 _enabled: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "tokamax_spmd_partitioning", default=True)
 
@@ -262,7 +264,9 @@ def attention_plan(mesh, shapes, specs, supports) -> Plan:
     grads = dict(run(a, residuals, out, dout))
     head = shard_index(mesh, rest) // (_size(mesh, nx) // kh)
     local_kh = kh // _size(mesh, kx)
-    for name in ("key", "value"):  # back to the local kv heads (psum'd over rest)
+    # Back to the local kv heads; then psum'd over every plan axis the kv are not
+    # split on (`rest` and the query-sequence axes).
+    for name in ("key", "value"):
       g = grads.get(name)
       if g is not None:
         full = jnp.zeros((*g.shape[:2], local_kh, g.shape[3]), g.dtype)
@@ -341,10 +345,20 @@ def gated_linear_unit_plan(mesh, shapes, specs, supports) -> Plan:
   n = shapes.weights.shape[2]
   mx = _fit_each(mesh, specs.x[:-1], rows)
   nx = _fit(mesh, specs.weights[2], n, _joined(mx))
+  if nx and not _elementwise(shapes.activation):
+    nx = ()  # an activation that mixes a row's N columns needs whole rows
   M = tuple(_entry(axes) for axes in mx)
   N = _entry(nx)
   arg_specs = dataclasses.replace(shapes, x=P(*M, None), weights=P(None, None, N))
   return Plan(args=arg_specs, out=P(*M, N), residuals={})
+
+
+def _elementwise(activation) -> bool:
+  try:
+    activation_lib.check_elementwise_activation(activation)
+  except NotImplementedError:
+    return False
+  return True
 
 
 def ragged_dot_plan(mesh, shapes, specs, supports) -> Plan:
@@ -713,7 +727,7 @@ def _partitioned(call: _Call, operands):
   def _(axis_size, in_batched, *ls):  # under vmap: unpartitioned
     del axis_size
     out = jax.vmap(flat_fn, in_axes=[0 if b else None for b in in_batched])(*ls)
-    return out, [True] * len(out)
+    return out, (True,) * len(out)  # the same structure as `out` (a tuple)
 
   return jax.tree.unflatten(out_treedef, list(run(*leaves)))
 

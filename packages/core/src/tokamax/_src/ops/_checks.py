@@ -76,7 +76,11 @@ def static_float(name: str, x: Any, allowed: str = "a finite float") -> float:
 
 
 def static_bool(name: str, x: Any) -> bool:
-  """A Python or NumPy bool as a bool; anything else (even 0 or 1) a TypeError."""
+  """A Python or NumPy bool, or a concrete 0-d bool array, as a bool; anything
+  else (even 0 or 1) a TypeError."""
+  if (isinstance(x, (jax.Array, np.ndarray)) and x.ndim == 0 and is_concrete(x)
+      and x.dtype == np.bool_):
+    x = bool(x.item())
   if not isinstance(x, (bool, np.bool_)):
     raise TypeError(f"{name} must be a bool (True or False); got {x!r}")
   return bool(x)

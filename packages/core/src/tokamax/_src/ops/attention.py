@@ -294,12 +294,12 @@ def canonical_args(query, key, value, bias=None, mask=None, *, scale=None,
   else:
     scale = _checks.static_float("scale", scale)
   if logits_soft_cap is not None:
-    if isinstance(logits_soft_cap, (bool, np.bool_)) or not isinstance(
-        logits_soft_cap, (int, float, np.integer, np.floating)) or not (
-            math.isfinite(logits_soft_cap) and logits_soft_cap > 0):
-      raise ValueError(f"logits_soft_cap must be None or a finite float > 0; got "
-                       f"{logits_soft_cap!r}")
-    logits_soft_cap = float(logits_soft_cap)
+    allowed = "None or a finite float > 0"
+    if isinstance(logits_soft_cap, (bool, np.bool_)):
+      raise ValueError(f"logits_soft_cap must be {allowed}; got {logits_soft_cap!r}")
+    logits_soft_cap = _checks.static_float("logits_soft_cap", logits_soft_cap, allowed)
+    if logits_soft_cap <= 0:
+      raise ValueError(f"logits_soft_cap must be {allowed}; got {logits_soft_cap!r}")
   is_causal = _checks.static_bool("is_causal", is_causal)
 
   if bias is not None:

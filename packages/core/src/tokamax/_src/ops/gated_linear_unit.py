@@ -61,9 +61,8 @@ def _check_activation(activation: Any, gate_shape: tuple[int, ...]) -> None:
               or dtype == jnp.bool_)):
     got = (f"shape {tuple(shape)} and dtype {jnp.dtype(dtype).name}"
            if isinstance(out, jax.ShapeDtypeStruct) else f"{type(out).__name__}")
-    raise ValueError(f"activation {activation!r} must be elementwise: it must map the "
-                     f"float32 gate projection of shape {gate_shape} to a real array of "
-                     f"the same shape; got {got}")
+    raise ValueError(f"activation {activation!r} must map the float32 gate projection "
+                     f"of shape {gate_shape} to a real array of the same shape; got {got}")
 
 
 def gated_linear_unit(
