@@ -75,7 +75,9 @@ _observers: contextvars.ContextVar[tuple] = contextvars.ContextVar(
 @contextlib.contextmanager
 def observe(observer):
   """Calls ``observer(op_name, args, implementation)`` for each op call dispatched
-  inside (autotuning uses it to find the calls a function makes)."""
+  inside (autotuning uses it to find the calls a function makes). `args` has the
+  shapes implementations see; its arrays may be tracers or, for a partitioned call
+  with several leading dims, `jax.ShapeDtypeStruct`s: observers use shapes only."""
   token = _observers.set(_observers.get() + (observer,))
   try:
     yield observer
