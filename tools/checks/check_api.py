@@ -762,8 +762,12 @@ BAD = {
         Q, K, V, logits_soft_cap=float("nan")), VE, "logits_soft_cap"),
     "attn soft cap bool": (lambda: tokamax.dot_product_attention(
         Q, K, V, logits_soft_cap=True), VTE, "logits_soft_cap"),
+    # A concrete 0-d array is taken by value (types () = must be accepted); a
+    # non-scalar one is refused.
+    "attn scale 0-d array": (lambda: tokamax.dot_product_attention(
+        Q, K, V, scale=jnp.asarray(0.5)), ()),
     "attn scale array": (lambda: tokamax.dot_product_attention(
-        Q, K, V, scale=jnp.asarray(0.5)), TE, "scale"),
+        Q, K, V, scale=jnp.asarray([0.5])), TE, "scale"),
     "attn scale nan": (lambda: tokamax.dot_product_attention(
         Q, K, V, scale=float("nan")), VE, "scale"),
     "attn is_causal int": (lambda: tokamax.dot_product_attention(
@@ -824,8 +828,10 @@ BAD = {
         jnp.ones((3, 4)), None, None, epsilon=-1.0), VE, "epsilon"),
     "ln eps nan": (lambda: tokamax.layer_norm(
         jnp.ones((3, 4)), None, None, epsilon=float("nan")), VE, "epsilon"),
+    "ln eps 0-d array": (lambda: tokamax.layer_norm(
+        jnp.ones((3, 4)), None, None, epsilon=jnp.asarray(1e-6)), ()),
     "ln eps array": (lambda: tokamax.layer_norm(
-        jnp.ones((3, 4)), None, None, epsilon=jnp.asarray(1e-6)), VTE, "epsilon"),
+        jnp.ones((3, 4)), None, None, epsilon=jnp.asarray([1e-6])), VTE, "epsilon"),
     "ln subtract_mean str": (lambda: tokamax.layer_norm(
         jnp.ones((3, 4)), None, None, subtract_mean="no"), TE, "subtract_mean"),
     "ln unknown impl": (lambda: tokamax.layer_norm(
