@@ -9,7 +9,6 @@ the gradient of every float input with the XLA reference on float32 upcasts
 """
 import argparse
 import contextlib
-import dataclasses
 import sys
 import time
 import traceback
@@ -21,19 +20,15 @@ import numpy as np
 import tokamax
 from tokamax import testing
 from tokamax._src import config_sources
-from tokamax._src import dispatch
+from tokamax.testing import _conformance as conformance
 from tokamax_gpu_triton import attention as tri_att
 from tokamax_gpu_triton import gated_linear_unit as tri_glu
 from tokamax_gpu_triton import layer_norm as tri_ln
 from tokamax_gpu_triton import ragged_dot as tri_rd
-from tokamax._src.ops import attention as attention_op
 
-HIGHEST = jax.lax.Precision.HIGHEST
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _upcast(tree):
-  return jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), tree)
+HIGHEST = conformance.HIGHEST
+DTYPES = conformance.DTYPES
+_upcast = conformance._upcast  # pylint: disable=protected-access
 
 
 def normal(rng, shape, dtype, s=1.0, mu=0.0):
@@ -100,17 +95,8 @@ def gen_attention(rng, dtype):
       opts[kk] = jnp.asarray(opts[kk], jnp.int32)
 
   def fn(f, implementation, precision):
-    if q_offset is None:
-      return tokamax.dot_product_attention(
-          f["query"], f["key"], f["value"], f.get("bias"), mask, precision=precision,
-          implementation=implementation, **opts)
-    args, batch_shape = attention_op.canonical_args(
-        f["query"], f["key"], f["value"], f.get("bias"), mask, precision=precision,
-        **opts)
-    args = dataclasses.replace(args, q_offset=jnp.int32(q_offset))
-    out = dispatch.call(attention_op.OP_NAME, args, implementation,
-                        attention_op.DIFF_FIELDS)
-    return out.reshape(*batch_shape, *out.shape[1:])
+    return conformance.call_attention(f, mask, opts, q_offset, implementation,
+                                      precision)
   return desc, fn, floats
 
 

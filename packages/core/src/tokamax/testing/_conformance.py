@@ -210,18 +210,26 @@ def _attention_inputs(case: Case, rng, dtype):
   q_offset = options.pop("q_offset", None)
 
   def fn(f, implementation, precision):
-    if q_offset is None:
-      return tokamax.dot_product_attention(
-          f["query"], f["key"], f["value"], f.get("bias"), mask, precision=precision,
-          implementation=implementation, **options)
-    args, batch_shape = attention_op.canonical_args(
-        f["query"], f["key"], f["value"], f.get("bias"), mask, precision=precision,
-        **options)
-    args = dataclasses.replace(args, q_offset=jnp.int32(q_offset))
-    out = dispatch.call(attention_op.OP_NAME, args, implementation,
-                        attention_op.DIFF_FIELDS)
-    return out.reshape(*batch_shape, *out.shape[1:])
+    return call_attention(f, mask, options, q_offset, implementation, precision)
   return fn, floats
+
+
+def call_attention(floats: dict, mask, options: dict, q_offset: int | None,
+                   implementation: Any, precision):
+  """`tokamax.dot_product_attention` on ``floats`` (query, key, value, bias?);
+  with a `q_offset` (not a public argument) through the canonical args."""
+  f = floats
+  if q_offset is None:
+    return tokamax.dot_product_attention(
+        f["query"], f["key"], f["value"], f.get("bias"), mask, precision=precision,
+        implementation=implementation, **options)
+  args, batch_shape = attention_op.canonical_args(
+      f["query"], f["key"], f["value"], f.get("bias"), mask, precision=precision,
+      **options)
+  args = dataclasses.replace(args, q_offset=jnp.int32(q_offset))
+  out = dispatch.call(attention_op.OP_NAME, args, implementation,
+                      attention_op.DIFF_FIELDS)
+  return out.reshape(*batch_shape, *out.shape[1:])
 
 
 def _layer_norm_inputs(case: Case, rng, dtype):
