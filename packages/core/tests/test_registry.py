@@ -4,6 +4,7 @@ import dataclasses
 import sys
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -163,13 +164,181 @@ def test_disabled_backends(fresh_registry):
 
 
 def test_missing_first_party_backend_names_the_distribution(fresh_registry):
-  fresh_registry.setenv("TOKAMAX_DISABLED_BACKENDS", "gpu_triton,gpu_mosaic,tpu_mosaic")
-  registry.reset()
+  _install(fresh_registry)  # tokamax-core and its XLA reference only
   with pytest.raises(tokamax.ImplementationNotInstalledError,
                      match="pip install tokamax-gpu-triton"):
     tokamax.layer_norm(_x(), None, None, implementation="triton")
-  with pytest.raises(tokamax.ImplementationNotInstalledError, match="mosaic"):
+  with pytest.raises(tokamax.ImplementationNotInstalledError,
+                     match="pip install tokamax-gpu-triton"):
+    tokamax.layer_norm(_x(), None, None, implementation=["triton"])  # one name
+  # The alias is named as typed, with why each of its members cannot run.
+  with pytest.raises(tokamax.ImplementationNotInstalledError) as e:
     tokamax.layer_norm(_x(), None, None, implementation="mosaic")
+  message = str(e.value)
+  assert message.startswith("implementation='mosaic' ")
+  assert "mosaic_gpu: not installed: pip install tokamax-gpu-mosaic" in message
+  assert "mosaic_tpu: not installed: pip install tokamax-tpu-mosaic" in message
+
+
+def test_sequence_skips_entries_that_are_not_installed(fresh_registry):
+  _install(fresh_registry)  # tokamax-core and its XLA reference only
+  q = jnp.asarray(_RNG.standard_normal((1, 8, 2, 16)), jnp.float32)
+  with tokamax.record_dispatch() as records:
+    # The README's example: on a core-only install it must run "xla".
+    out = tokamax.dot_product_attention(q, q, q, implementation=["triton", "xla"])
+    tokamax.layer_norm(_x(), None, None, implementation=["mosaic", "xla"])
+  np.testing.assert_array_equal(
+      out, tokamax.dot_product_attention(q, q, q, implementation="xla"))
+  assert [(r.op, r.implementation) for r in records] == [
+      ("dot_product_attention", "xla"), ("layer_norm", "xla")]
+  assert records[0].rejected == (
+      ("triton", "not installed: pip install tokamax-gpu-triton "
+                 "(or tokamax-core[gpu])"),)
+  assert [label for label, _ in records[1].rejected] == ["mosaic_gpu", "mosaic_tpu"]
+
+
+def test_sequence_of_nothing_that_runs_lists_every_entry(fresh_registry):
+  _install(fresh_registry)
+  with pytest.raises(NotImplementedError) as e:
+    tokamax.layer_norm(_x(), None, None, implementation=["triton", "mosaic", "cudnn"])
+  message = str(e.value)
+  assert message.startswith("layer_norm forward: no implementation can run this call")
+  assert "'triton': not installed: pip install tokamax-gpu-triton" in message
+  assert "'mosaic' (mosaic_gpu): not installed: pip install tokamax-gpu-mosaic" in message
+  assert "'mosaic' (mosaic_tpu): not installed: pip install tokamax-tpu-mosaic" in message
+  assert "'cudnn': has no layer_norm implementation (it implements dot_product_attention)" in message
+
+
+def test_unknown_name_in_a_sequence_still_raises(fresh_registry):
+  # Likely a typo: skipping it would hide that the intended kernel never runs.
+  _install(fresh_registry)
+  with pytest.raises(ValueError, match="implementation='tritn' is not an implementation"):
+    tokamax.layer_norm(_x(), None, None, implementation=["tritn", "xla"])
+
+
+def test_disabled_backend_is_told_apart_from_a_missing_one(fresh_registry):
+  fresh_registry.setenv("TOKAMAX_DISABLED_BACKENDS", "gpu_triton")
+  _install(fresh_registry, FakeEntryPoint("gpu_triton", _backend("gpu_triton", "triton"),
+                                          FakeDist("tokamax_gpu_triton")))
+  with pytest.raises(tokamax.ImplementationNotInstalledError) as e:
+    tokamax.layer_norm(_x(), None, None, implementation="triton")
+  assert str(e.value) == (
+      "implementation='triton' is provided by tokamax-gpu-triton, whose backend "
+      "'gpu_triton' is disabled by TOKAMAX_DISABLED_BACKENDS; remove 'gpu_triton' "
+      "from it to use 'triton'")
+  with tokamax.record_dispatch() as records:
+    tokamax.layer_norm(_x(), None, None, implementation=["triton", "xla"])
+  assert records[0].implementation == "xla"
+  assert records[0].rejected == (("triton", "its backend 'gpu_triton' "
+                                  "(tokamax-gpu-triton) is disabled by "
+                                  "TOKAMAX_DISABLED_BACKENDS"),)
+
+
+def test_broken_first_party_backend_is_not_called_missing(fresh_registry):
+  _install(fresh_registry, FakeEntryPoint("gpu_triton", ImportError("no module kaboom"),
+                                          FakeDist("tokamax-gpu-triton")))
+  with pytest.warns(tokamax.PluginWarning):
+    registry.get()
+  with pytest.raises(ImportError, match="installed but its backend 'gpu_triton' failed "
+                                        "to load: ImportError: no module kaboom"):
+    tokamax.layer_norm(_x(), None, None, implementation="triton")
+  with tokamax.record_dispatch() as records:
+    tokamax.layer_norm(_x(), None, None, implementation=["triton", "xla"])
+  assert records[0].implementation == "xla"
+  assert "failed to load" in records[0].rejected[0][1]
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuOnlyNorm(tokamax.Op):
+  """Stands for mosaic_tpu: runs on a TPU or in interpret mode."""
+
+  op_name = "layer_norm"
+  name = "mosaic_tpu"
+
+  def check_supported(self, args, device):
+    if device.platform != "tpu" and not device.interpret:
+      raise NotImplementedError("needs a TPU or TOKAMAX_INTERPRET=1")
+
+  def forward(self, args, config):
+    return DoubledNorm().forward(args, config)
+
+
+_module.TpuOnlyNorm = TpuOnlyNorm
+
+
+def _mosaic_backends(fresh_registry):
+  """mosaic_gpu without a layer_norm (as shipped), mosaic_tpu with one."""
+  gpu = tokamax.plugin.Backend(
+      name="gpu_mosaic", api_version=tokamax.plugin.PLUGIN_API_VERSION,
+      implementations=(tokamax.plugin.Implementation(
+          op="ragged_dot", name="mosaic_gpu", forward="fake_tokamax_plugin:Absent",
+          platforms=("gpu",)),))
+  tpu = tokamax.plugin.Backend(
+      name="tpu_mosaic", api_version=tokamax.plugin.PLUGIN_API_VERSION,
+      implementations=(tokamax.plugin.Implementation(
+          op="layer_norm", name="mosaic_tpu", forward="fake_tokamax_plugin:TpuOnlyNorm",
+          platforms=("tpu",)),))
+  _install(fresh_registry,
+           FakeEntryPoint("gpu_mosaic", gpu, FakeDist("tokamax-gpu-mosaic")),
+           FakeEntryPoint("tpu_mosaic", tpu, FakeDist("tokamax-tpu-mosaic")))
+
+
+def test_alias_means_the_members_that_implement_the_op(fresh_registry):
+  _mosaic_backends(fresh_registry)
+  scale = jnp.ones((8,), jnp.float32)
+  if tokamax.interpret_mode() or jax.default_backend() != "cpu":
+    pytest.skip("the refusal below is the one on a CPU outside interpret mode")
+  # Not "implementation='mosaic_gpu' is not an implementation of layer_norm": the
+  # name typed, then why each member cannot run.
+  with pytest.raises(NotImplementedError) as e:
+    tokamax.rms_norm(_x(), scale, implementation="mosaic")
+  assert str(e.value) == (
+      "layer_norm forward: implementation 'mosaic' (mosaic_gpu or mosaic_tpu here) "
+      "cannot run this call: 'mosaic_gpu': has no layer_norm implementation (it "
+      "implements ragged_dot); 'mosaic_tpu': needs a TPU or TOKAMAX_INTERPRET=1")
+  with tokamax.record_dispatch() as records:
+    tokamax.rms_norm(_x(), scale, implementation=["mosaic", "xla"])
+  assert records[0].implementation == "xla"
+  assert [label for label, _ in records[0].rejected] == ["mosaic_gpu", "mosaic_tpu"]
+  x = _x()
+  with tokamax.interpret(), tokamax.record_dispatch() as records:
+    y = tokamax.rms_norm(x, scale, implementation="mosaic")
+  assert records[0].implementation == "mosaic_tpu"
+  np.testing.assert_allclose(
+      y, 2 * tokamax.rms_norm(x, scale, implementation="xla"), rtol=1e-6)
+
+
+def test_alias_with_no_member_for_the_op_names_the_alias(fresh_registry):
+  _mosaic_backends(fresh_registry)
+  with tokamax.interpret(), pytest.raises(ValueError) as e:
+    tokamax.dot_product_attention(*(jnp.ones((1, 8, 2, 16)),) * 3,
+                                  implementation="mosaic")
+  assert str(e.value) == (
+      "implementation='mosaic' (mosaic_gpu on GPU / mosaic_tpu on TPU) has no "
+      "implementation of dot_product_attention here (platform "
+      f"{jax.default_backend()}, interpret mode): mosaic_gpu: has no "
+      "dot_product_attention implementation (it implements ragged_dot); mosaic_tpu: "
+      "has no dot_product_attention implementation (it implements layer_norm)")
+
+
+def test_alias_on_a_gpu_means_mosaic_gpu_only(fresh_registry):
+  # As on an NVIDIA GPU: "mosaic" is mosaic_gpu, which has no layer_norm.
+  from tokamax._src import dispatch  # pylint: disable=import-outside-toplevel
+  _mosaic_backends(fresh_registry)
+  fresh_registry.setattr(dispatch, "current_device", lambda arrays: tokamax.DeviceInfo(
+      platform="gpu", device_kind="NVIDIA H100", interpret=False,
+      compute_capability="9.0"))
+  scale = jnp.ones((8,), jnp.float32)
+  with pytest.raises(ValueError) as e:
+    tokamax.rms_norm(_x(), scale, implementation="mosaic")
+  assert str(e.value) == (
+      "implementation='mosaic' (mosaic_gpu on GPU / mosaic_tpu on TPU) has no "
+      "implementation of layer_norm here (platform gpu): mosaic_gpu: has no "
+      "layer_norm implementation (it implements ragged_dot)")
+  with tokamax.record_dispatch() as records:
+    tokamax.rms_norm(_x(), scale, implementation=["mosaic", "xla"])
+  assert records[0].implementation == "xla"
+  assert [label for label, _ in records[0].rejected] == ["mosaic_gpu"]
 
 
 def test_unknown_name_lists_what_exists():

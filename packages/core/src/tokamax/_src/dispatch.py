@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,11 +27,24 @@ from tokamax._src.op import DeviceInfo, Op, VjpOp
 
 Implementation = None | str | Op | Sequence[str | Op]
 
-# "mosaic" names the Mosaic backend of the platform at hand.
+# "mosaic" names the Mosaic backend of the platform at hand. In interpret mode,
+# or on a platform that has none of them (a CPU), it means all of them: each
+# one's check_supported then says whether it runs here and, if not, why.
 _ALIASES = {
-    "mosaic": {"gpu": ("mosaic_gpu",), "tpu": ("mosaic_tpu",),
-               "cpu": ("mosaic_gpu", "mosaic_tpu")},
+    "mosaic": {"gpu": "mosaic_gpu", "tpu": "mosaic_tpu"},
 }
+
+
+def _alias_members(alias: str, device: DeviceInfo) -> tuple[str, ...]:
+  members = _ALIASES[alias]
+  if device.platform in members and not device.interpret:
+    return (members[device.platform],)
+  return tuple(members.values())
+
+
+def _alias_meaning(alias: str) -> str:
+  return " / ".join(f"{name} on {platform.upper()}"
+                    for platform, name in _ALIASES[alias].items())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,14 +146,30 @@ class _Candidate:
   make_forward: Any  # () -> Op
   backward: Any  # () -> VjpOp | None ; None: choose automatically
   explicit: bool
+  # The entry of `implementation=` this came from as the user typed it (an alias
+  # such as "mosaic" gives several); None under automatic choice.
+  given: str | None = None
+  # The user named this one implementation and nothing else: a failure to import
+  # it is raised as such rather than being a refusal among others.
+  alone: bool = False
 
 
-def _entry_candidate(entry: registry.Entry, explicit: bool) -> _Candidate:
+def _entry_candidate(entry: registry.Entry, explicit: bool,
+                     given: str | None = None) -> _Candidate:
   def make_backward():
     cls = registry.backward_class(entry)
     return None if cls is None else cls()
   return _Candidate(entry.name, lambda: registry.forward_class(entry)(),
-                    make_backward, explicit)
+                    make_backward, explicit, given)
+
+
+def _unavailable_candidate(missing: registry.Unavailable, given: str) -> _Candidate:
+  """An entry of a sequence that cannot run here (not installed, disabled, not an
+  implementation of this op): it refuses every call, so that it is skipped in
+  order and its reason is listed if nothing runs."""
+  def refuse():
+    raise NotImplementedError(missing.reason)
+  return _Candidate(missing.name, refuse, refuse, explicit=True, given=given)
 
 
 def _op_candidate(op: Op, op_name: str) -> _Candidate:
@@ -151,35 +181,62 @@ def _op_candidate(op: Op, op_name: str) -> _Candidate:
                      f"{op.op_name!r}, not {op_name!r}")
   vjp_cls = type(op).vjp
   return _Candidate(op.implementation_name, lambda: op,
-                    lambda: None if vjp_cls is None else vjp_cls(), explicit=True)
+                    lambda: None if vjp_cls is None else vjp_cls(), explicit=True,
+                    given=op.implementation_name)
+
+
+def _alias_candidates(op_name: str, alias: str, device: DeviceInfo,
+                      alone: bool) -> list[_Candidate]:
+  found = [registry.lookup(op_name, m) for m in _alias_members(alias, device)]
+  if alone and not any(isinstance(f, registry.Entry) for f in found):
+    errors = [f.error for f in found]
+    error = next((e for e in (registry.ImplementationNotInstalledError, ImportError)
+                  if e in errors), ValueError)
+    reasons = "; ".join(f"{f.name}: {f.reason}" for f in found)
+    raise error(
+        f"implementation={alias!r} ({_alias_meaning(alias)}) has no implementation "
+        f"of {op_name} here (platform {device.platform}"
+        f"{', interpret mode' if device.interpret else ''}): {reasons}")
+  return [_entry_candidate(f, True, given=alias) if isinstance(f, registry.Entry)
+          else _unavailable_candidate(f, alias) for f in found]
 
 
 def _expand(op_name: str, implementation: Implementation,
             device: DeviceInfo) -> list[_Candidate]:
+  """The candidates for `implementation`, in order.
+
+  A sequence means "the first of these that can run": an entry that is not
+  installed, is disabled or does not implement this op is kept as a candidate
+  that refuses (with the reason), so it is skipped in order. A single name that
+  cannot be found raises (ImplementationNotInstalledError, ImportError or
+  ValueError), as does an unknown name anywhere: that is likely a typo.
+  """
   if implementation is None:
     return [_entry_candidate(e, explicit=False) for e in registry.entries(op_name)
             if _platform_matches(e, device)]
   if isinstance(implementation, (str, Op)):
     implementation = (implementation,)
-  if not isinstance(implementation, Sequence) or not implementation:
+  if (not isinstance(implementation, Sequence) or not implementation or
+      isinstance(implementation, (bytes, bytearray))):
     raise TypeError(f"implementation must be None, a name, a non-empty sequence of "
                     f"names or a tokamax.Op instance; got {implementation!r}")
+  alone = len(implementation) == 1
   candidates = []
   for item in implementation:
-    if isinstance(item, str):
-      names = _ALIASES.get(item, {}).get(device.platform, (item,))
-      for name in names:
-        try:
-          candidates.append(_entry_candidate(registry.find(op_name, name), True))
-        except registry.ImplementationNotInstalledError:
-          if len(names) == 1:
-            raise
-      if not candidates and item in _ALIASES:
-        raise registry.ImplementationNotInstalledError(
-            f"implementation={item!r} means {' or '.join(names)} here, and none "
-            f"is installed: pip install tokamax-core[gpu] or tokamax-core[tpu]")
-    else:
+    if not isinstance(item, str):
       candidates.append(_op_candidate(item, op_name))
+    elif item in _ALIASES:
+      candidates += _alias_candidates(op_name, item, device, alone)
+    else:
+      found = registry.lookup(op_name, item)
+      if isinstance(found, registry.Entry):
+        candidates.append(_entry_candidate(found, True, given=item))
+      elif alone or not found.known:
+        found.raise_error()
+      else:
+        candidates.append(_unavailable_candidate(found, item))
+  if alone and len(candidates) == 1:
+    candidates = [dataclasses.replace(candidates[0], alone=True)]
   return candidates
 
 
@@ -202,15 +259,15 @@ def check_opt_in(op: Op, args: Any) -> None:
         f"supported_features once handled)")
 
 
-def _build_checked(make: Callable[[], Any], explicit: bool, args: Any,
+def _build_checked(make: Callable[[], Any], raise_import: bool, args: Any,
                    device: DeviceInfo, *residuals) -> Any:
   """The op `make()` builds, checked for this call (opt-in fields, then its own
   check_supported, given `residuals` for a backward).
 
   Raises:
     NotImplementedError: the op refuses the call (or there is none); its reason.
-    ImportError: only for an `explicit` implementation that fails to import (an
-      automatic one is a refusal).
+    ImportError: only with `raise_import` (an implementation the user named on its
+      own); otherwise a failure to import is a refusal.
   """
   try:
     op = make()
@@ -219,10 +276,14 @@ def _build_checked(make: Callable[[], Any], explicit: bool, args: Any,
     check_opt_in(op, args)
     op.check_supported(args, device, *residuals)
   except ImportError as e:
-    if explicit:
+    if raise_import:
       raise
     raise NotImplementedError(f"failed to import: {_describe(e)}") from e
   return op
+
+
+def _raises_import(cand: _Candidate) -> bool:
+  return cand.explicit and cand.alone
 
 
 def _choose_forward(op_name: str, args: Any, device: DeviceInfo,
@@ -230,31 +291,55 @@ def _choose_forward(op_name: str, args: Any, device: DeviceInfo,
                     ) -> tuple[_Candidate, Op, list]:
   """The first candidate that runs the call; with `prefer`, first the first one
   that also declares those opt-in features (which the call's sharding would use)."""
-  rejected = []
+  failures = []
   for cand in candidates:
     try:
-      op = _build_checked(cand.make_forward, cand.explicit, args, device)
+      op = _build_checked(cand.make_forward, _raises_import(cand), args, device)
     except NotImplementedError as e:
-      rejected.append((cand.label, _describe(e)))
+      failures.append((cand, _describe(e)))
       continue
     missing = prefer - frozenset(getattr(op, "supported_features", ()))
     if missing:
-      rejected.append((cand.label, f"does not take {', '.join(sorted(missing))}, "
-                                   "which the operands' sharding uses"))
+      failures.append((cand, f"does not take {', '.join(sorted(missing))}, "
+                             "which the operands' sharding uses"))
       continue
-    return cand, op, rejected
+    return cand, op, [(c.label, reason) for c, reason in failures]
   if prefer:
     # None takes them: the first that runs the call (its layout then gathers).
     return _choose_forward(op_name, args, device, candidates)
-  raise NotImplementedError(_no_implementation_message(op_name, "forward", rejected))
+  raise NotImplementedError(_failure_message(op_name, "forward", failures))
+
+
+def _failure_message(op_name: str, direction: str,
+                     failures: list[tuple[_Candidate, str]]) -> str:
+  """Why no candidate ran, in the terms the user wrote `implementation=` in."""
+  if not failures:
+    return f"{op_name} {direction}: no implementation is registered for this platform"
+  givens = {c.given or c.label for c, _ in failures}
+  if len(givens) == 1:
+    (given,) = givens
+    if given in _ALIASES:
+      # Named as typed, then why each of its members refuses.
+      members = " or ".join(c.label for c, _ in failures)
+      reasons = "; ".join(f"{c.label!r}: {reason}" for c, reason in failures)
+      return (f"{op_name} {direction}: implementation {given!r} ({members} here) "
+              f"cannot run this call: {reasons}")
+    if len(failures) == 1:
+      return (f"{op_name} {direction}: implementation {given!r} cannot run this "
+              f"call: {failures[0][1]}")
+
+  def entry(cand, reason):
+    given = cand.given or cand.label
+    name = f"{given!r} ({cand.label})" if given in _ALIASES else repr(given)
+    return f"{name}: {reason}"
+  lines = "; ".join(entry(c, r) for c, r in failures)
+  return f"{op_name} {direction}: no implementation can run this call ({lines})"
 
 
 def _no_implementation_message(op_name: str, direction: str, rejected: list) -> str:
-  if len(rejected) == 1:
-    label, reason = rejected[0]
-    return f"{op_name} {direction}: implementation {label!r} cannot run this call: {reason}"
-  lines = "; ".join(f"{label!r}: {reason}" for label, reason in rejected)
-  return f"{op_name} {direction}: no implementation can run this call ({lines})"
+  return _failure_message(op_name, direction, [
+      (_Candidate(label, None, None, explicit=False), reason)
+      for label, reason in rejected])
 
 
 def _choose_backward(op_name: str, args: Any, residuals: Any, device: DeviceInfo,
@@ -375,26 +460,28 @@ def call(op_name: str, args: Any, implementation: Implementation,
 
   global_shapes = _shapes(merged)
 
-  def forward_local(args):
+  def forward_local(args, for_backward: bool):
     config_ = fwd_config
     if _shapes(args) != global_shapes:
       # A shard (or a shard's adjusted args): check it again on its own shapes.
       check_opt_in(fwd_op, args)
       fwd_op.check_supported(args, device)
       config_ = fwd_op.resolve_config(args)
-    out, residuals = fwd_op.forward(args, config_)
+    # Entered here, not around the call below: a partitioned call traces this
+    # function again later, at compile time, when that context is gone.
+    with (op_lib.forward_for_backward() if for_backward else contextlib.nullcontext()):
+      out, residuals = fwd_op.forward(args, config_)
     return out, dict(residuals)
 
   def partitioned_forward(args, for_backward: bool):
     # `sharding.forward` also runs the unpartitioned call (under vmap the answer
     # can differ from the one above, given JVP tracers): it merges the leading dims.
+    local = functools.partial(forward_local, for_backward=for_backward)
     if for_backward and not sharding.active(jax.tree_util.tree_leaves(args)):
       with op_lib.allow_opaque_residuals():
-        out, residuals = sharding.forward(op_name, args, forward_local, supports,
-                                          lead_dims)
+        out, residuals = sharding.forward(op_name, args, local, supports, lead_dims)
     else:
-      out, residuals = sharding.forward(op_name, args, forward_local, supports,
-                                        lead_dims)
+      out, residuals = sharding.forward(op_name, args, local, supports, lead_dims)
     return vma.outputs_like_inputs(out, args), residuals
 
   @jax.custom_vjp
@@ -441,24 +528,25 @@ def forward_with_residuals(op_name: str, args: Any, implementation: Implementati
   """
   device = current_device(jax.tree_util.tree_leaves(args))
   candidates = _expand(op_name, implementation, device)
-  rejected = []
+  failures = []
   for cand in candidates:
     try:
-      _, op, _ = _choose_forward(op_name, args, device, [cand])
+      op = _build_checked(cand.make_forward, _raises_import(cand), args, device)
     except NotImplementedError as e:
-      rejected.append((cand.label, _describe(e)))
+      failures.append((cand, _describe(e)))
       continue
     config_ = op.resolve_config(args)
     residual_names = jax.eval_shape(lambda a: dict(op.forward(a, config_)[1]), args)
     if not set(needed) <= set(residual_names):
-      rejected.append((cand.label, f"returns no {', '.join(needed)} residual"))
+      failures.append((cand, f"returns no {', '.join(needed)} residual"))
       continue
-    _record(DispatchRecord(op_name, "forward", cand.label, config_, tuple(rejected)))
+    _record(DispatchRecord(op_name, "forward", cand.label, config_,
+                           tuple((c.label, r) for c, r in failures)))
     out, residuals = op.forward(args, config_)
     return out, dict(residuals)
   if implementation is None:
     return forward_with_residuals(op_name, args, "xla_chunked", needed)
-  raise NotImplementedError(_no_implementation_message(op_name, "forward", rejected))
+  raise NotImplementedError(_failure_message(op_name, "forward", failures))
 
 
 def _consumes(op: VjpOp, args: Any, device: DeviceInfo, residuals: dict,
@@ -486,20 +574,21 @@ def backward_with_residuals(op_name: str, args: Any, residuals: dict, out: jax.A
   skipped); with `implementation=None`, the XLA chunked one when none does.
   """
   device = current_device(jax.tree_util.tree_leaves(args))
-  rejected = []
+  failures = []
   for cand in _expand(op_name, implementation, device):
     try:
-      op = _build_checked(cand.backward, cand.explicit, args, device, residuals)
+      op = _build_checked(cand.backward, _raises_import(cand), args, device, residuals)
       if not _consumes(op, args, device, residuals, consumes):
         raise NotImplementedError(f"does not compute from the given "
                                   f"{', '.join(consumes)}")
     except NotImplementedError as e:
-      rejected.append((cand.label, _describe(e)))
+      failures.append((cand, _describe(e)))
       continue
     config_ = op.resolve_config(args)
-    _record(DispatchRecord(op_name, "backward", cand.label, config_, tuple(rejected)))
+    _record(DispatchRecord(op_name, "backward", cand.label, config_,
+                           tuple((c.label, r) for c, r in failures)))
     return dict(op.backward(args, residuals, out, dout, config_))
   if implementation is None:
     return backward_with_residuals(op_name, args, residuals, out, dout, "xla_chunked",
                                    consumes)
-  raise NotImplementedError(_no_implementation_message(op_name, "backward", rejected))
+  raise NotImplementedError(_failure_message(op_name, "backward", failures))

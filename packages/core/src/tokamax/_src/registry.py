@@ -260,31 +260,109 @@ def entries(op: str) -> list[Entry]:
   return list(get().entries[op])
 
 
-def find(op: str, name: str) -> Entry:
-  """The entry for `name` (plain or qualified), or a clear error."""
+@dataclasses.dataclass(frozen=True)
+class Unavailable:
+  """Why a name gives no implementation of an op here.
+
+  A sequence of names skips an entry for which this is `known` (the name is real,
+  it just cannot serve this op here); an unknown name is more likely a typo, so it
+  raises even inside a sequence.
+  """
+
+  name: str
+  error: type[Exception]  # what `raise_error` raises
+  reason: str  # short, for a list of reasons
+  message: str  # the whole error message
+  known: bool
+  cause: BaseException | None = None
+
+  def raise_error(self):
+    if self.cause is not None:
+      raise self.error(self.message) from self.cause
+    raise self.error(self.message)
+
+
+def _normalized(distribution: str | None) -> str | None:
+  return distribution.lower().replace("_", "-") if distribution else distribution
+
+
+def _install_hint(dist: str) -> str:
+  return f"pip install {dist} (or tokamax-core[{EXTRA_FOR_DISTRIBUTION[dist]}])"
+
+
+def lookup(op: str, name: str) -> Entry | Unavailable:
+  """The entry for `name` (plain or qualified), or why there is none."""
   reg = get()
   entry = reg.by_name.get((op, name))
   if entry is not None:
     return entry
   if name in reg.failed_entry_points:
-    raise ImportError(
+    cause = reg.failed_entry_points[name]
+    return Unavailable(
+        name, ImportError, f"its backend plugin failed to load: {cause}",
         f"implementation {name!r} comes from a backend plugin that failed to "
-        f"load: {reg.failed_entry_points[name]}") from reg.failed_entry_points[name]
+        f"load: {cause}", known=True, cause=cause)
+  other_ops = [o for o, ents in reg.entries.items()
+               if any(name in (e.name, e.qualified_name) for e in ents)]
   dist = FIRST_PARTY_DISTRIBUTIONS.get(name)
-  if dist is not None and not any(e.name == name for ents in reg.entries.values()
-                                  for e in ents):
-    extra = EXTRA_FOR_DISTRIBUTION[dist]
-    raise ImplementationNotInstalledError(
+  if dist is not None and not other_ops:
+    # Installed but unusable is not "not installed": say which, so that the fix
+    # (re-enable, repair, or install) is the right one.
+    for err in reg.errors:
+      if _normalized(err.distribution) == dist:
+        return Unavailable(
+            name, ImportError,
+            f"{dist} is installed but its backend {err.backend!r} failed to load: "
+            f"{err.message}",
+            f"implementation={name!r} is provided by {dist}, which is installed "
+            f"but its backend {err.backend!r} failed to load: {err.message}",
+            known=True, cause=err.exception)
+    for info in reg.backends:
+      if info.status == "disabled" and _normalized(info.distribution) == dist:
+        return Unavailable(
+            name, ImplementationNotInstalledError,
+            f"its backend {info.name!r} ({dist}) is disabled by "
+            "TOKAMAX_DISABLED_BACKENDS",
+            f"implementation={name!r} is provided by {dist}, whose backend "
+            f"{info.name!r} is disabled by TOKAMAX_DISABLED_BACKENDS; remove "
+            f"{info.name!r} from it to use {name!r}", known=True)
+    return Unavailable(
+        name, ImplementationNotInstalledError,
+        f"not installed: {_install_hint(dist)}",
         f"implementation={name!r} is provided by the distribution {dist}, which is "
-        f"not installed (or is disabled): pip install {dist} (or "
-        f"tokamax-core[{extra}])")
+        f"not installed: {_install_hint(dist)}", known=True)
   available = sorted({e.name for e in reg.entries[op]})
+  if other_ops:
+    return Unavailable(
+        name, ValueError,
+        f"has no {op} implementation (it implements {', '.join(other_ops)})",
+        f"implementation={name!r} is not an implementation of {op} (it implements "
+        f"{', '.join(other_ops)}); {op} implementations here: {available}",
+        known=True)
   message = (f"implementation={name!r} is not an implementation of {op}; "
              f"available here: {available}")
   broken = [err.backend for err in reg.errors]
   if broken:
     message += f" (backends that failed to load: {broken}; see tokamax.backend_errors())"
-  raise ValueError(message)
+  disabled = [b.name for b in reg.backends if b.status == "disabled"]
+  if disabled:
+    message += f" (backends disabled by TOKAMAX_DISABLED_BACKENDS: {disabled})"
+  return Unavailable(name, ValueError, "unknown name", message, known=False)
+
+
+def find(op: str, name: str) -> Entry:
+  """The entry for `name` (plain or qualified), or a clear error.
+
+  Raises:
+    ImplementationNotInstalledError: a first-party name whose distribution is not
+      installed (or whose backend is disabled).
+    ImportError: the name's backend plugin failed to load.
+    ValueError: no implementation of `op` has this name.
+  """
+  found = lookup(op, name)
+  if isinstance(found, Unavailable):
+    found.raise_error()
+  return found
 
 
 def backends() -> list[BackendInfo]:
