@@ -6,6 +6,7 @@ import pytest
 
 import tokamax
 from tokamax._src import bench
+from tokamax._src import model_bench
 
 
 def _tiny_norm():
@@ -38,3 +39,163 @@ def test_reference_suite_covers_the_benchmark_shapes():
   assert ("ragged_dot", "M65536 K7168 N2048 G256 random") in names
   assert ("gated_linear_unit", "silu x16384x4096 w4096x2x14336") in names
   assert len(bench.sequence_sweep()) == 5
+
+
+# --------------------------------------------------------------- formatting, shapes
+
+
+@pytest.mark.parametrize("rate, text", [
+    (678.26, "678"), (1234.4, "1234"), (4.2718, "4.27"), (0.012345, "0.0123"),
+    (12.345, "12.3"), (0.0, "0"), (0.00046, "0.000460")])
+def test_rates_have_three_significant_figures(rate, text):
+  assert bench.format_rate(rate) == text
+
+
+def test_small_shapes_off_a_gpu():
+  assert bench.use_quick_shapes() == (jax.default_backend() != "gpu")
+  assert bench.use_quick_shapes(True) and not bench.use_quick_shapes(False)
+  quick = bench.quick_suite()
+  assert {p.op for p in quick} == {p.op for p in bench.reference_suite()}
+  for p in quick:  # every input under a million elements
+    assert all(x.size <= 2**20 for x in jax.eval_shape(p.make_inputs))
+
+
+def test_one_table_per_run_and_numerics_per_row(monkeypatch, capsys):
+  tiny = _tiny_norm()
+  tiny.reference = ("XLA (jnp)",)
+  tiny.dtype = "float32"
+  monkeypatch.setattr(bench, "quick_suite", lambda: [tiny, tiny])
+  rows, _ = bench._run(["layer_norm"], 2, [None], False, None, True, None)
+  out = capsys.readouterr().out
+  assert out.count("| op | shape |") == 1 and out.count(bench.HEADER[1]) == 1
+  assert len(rows) == 2 * 2 * 2
+  for r in rows:
+    assert r["rel_err"] <= r["tol"] and r["reference"] == "XLA (jnp)"
+  assert "| reference |" in out
+
+
+def test_missing_matplotlib_is_said_clearly(monkeypatch, tmp_path, capsys):
+  monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
+  rows = [dict(op="layer_norm", shape="s", direction="forward", implementation="x",
+               ms=1.0, rate=1.0, unit="TB/s")]
+  assert bench.plot(rows, str(tmp_path)) == []
+  err = capsys.readouterr().err
+  assert "NOT written" in err and "tokamax-core[plot]" in err
+
+
+# ----------------------------------------------------------------------- models
+
+
+TINY_DENSE = model_bench.DenseSize(dim=64, heads=4, kv_heads=2, head_dim=16, ffn=128,
+                                   batch=1, seq=32)
+TINY_MOE = model_bench.MoeSize(tokens=64, dim=64, ffn=128, experts=4, top_k=2)
+
+
+@pytest.mark.parametrize("model, size", [("dense", TINY_DENSE), ("moe", TINY_MOE)])
+def test_model_training_step_tokamax_against_plain(model, size):
+  rows, text = model_bench.run_model(model, size, iterations=1)
+  by_impl = {r["implementation"]: r for r in rows}
+  assert set(by_impl) == {"plain JAX", "tokamax auto"}
+  for r in rows:
+    assert r["ms"] > 0 and r["rate"] > 0 and r["direction"] == "training step"
+  ours = by_impl["tokamax auto"]
+  assert ours["vs_peer"] == pytest.approx(by_impl["plain JAX"]["ms"] / ours["ms"])
+  assert 0 <= ours["rel_err"] <= ours["tol"], ours["errors"]
+  assert {"loss", "dx"} <= set(ours["errors"])  # gradients over the input too
+  expected_ops = ({"dot_product_attention", "layer_norm", "gated_linear_unit"}
+                  if model == "dense" else {"ragged_dot"})
+  assert set(ours["dispatch"]) == expected_ops
+  for directions in ours["dispatch"].values():
+    assert directions["forward"] and directions["backward"]
+  assert "ok" in text and "BEYOND" not in text
+
+
+def test_model_steps_compute_the_same_function():
+  for model, size in (("dense", TINY_DENSE), ("moe", TINY_MOE)):
+    params, x, dy = model_bench.inputs(model, size)
+    up = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)
+    ref = model_bench.training_step(model, size, "plain")(up(params), up(x), dy)
+    got = model_bench.training_step(model, size, "tokamax")(up(params), up(x), dy)
+    errors = model_bench.relative_errors(got, ref)
+    assert max(errors.values()) < 1e-4, errors
+
+
+def test_moe_routing_matches_a_dense_computation():
+  size = TINY_MOE
+  params, x, _ = model_bench.moe_inputs(size)
+  params, x = jax.tree.map(lambda a: a.astype(jnp.float32), (params, x))
+  out = model_bench.moe_ffn(params, x, size, "plain")
+  top, ids = jax.lax.top_k(x @ params["w_router"], size.top_k)
+  gates = jax.nn.softmax(top, axis=-1)
+  h = jnp.einsum("td,edf->tef", x, params["w_gate_up"])
+  h = jax.nn.silu(h[..., :size.ffn]) * h[..., size.ffn:]
+  y = jnp.einsum("tef,efd->ted", h, params["w_down"])
+  expected = jnp.sum(jnp.take_along_axis(y, ids[..., None], axis=1) * gates[..., None], 1)
+  assert jnp.allclose(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_model_sizes_from_the_command_line():
+  assert model_bench.make_size("dense", False) == model_bench.DenseSize()
+  size = model_bench.make_size("dense", True, {"seq": "64", "kv-heads": "1", "tokens": "8"})
+  assert size.seq == 64 and size.kv_heads == 1
+  assert model_bench.make_size("moe", False, {"seq": "64"}) == model_bench.MoeSize()
+  with pytest.raises(ValueError, match="no model has a size 'bogus'"):
+    model_bench.make_size("moe", True, {"bogus": "1"})
+  assert model_bench.MoeSize().flops() == 3 * (2 * 16384 * 4096 * 2 * 14336
+                                              + 2 * 16384 * 14336 * 4096)
+
+
+# ------------------------------------------------------------- regression guard
+
+
+def _row(impl, ms, rel_err=None, op="gated_linear_unit"):
+  row = dict(op=op, shape="s", direction="forward", implementation=impl, ms=ms,
+             rate=1.0, unit="TFLOP/s")
+  if rel_err is not None:
+    row.update(rel_err=rel_err, tol=0.04)
+  return row
+
+
+def test_compare_flags_a_slower_row_and_changed_numerics():
+  baseline = [_row("tokamax auto", 10.0, 0.005), _row("tokamax triton", 10.0, 0.005),
+              _row("XLA (jnp)", 10.0, 0.0), _row("tokamax xla", 10.0, 0.005),
+              _row("tokamax mosaic_gpu", 10.0, 0.005), _row("only in baseline", 1.0)]
+  current = [_row("tokamax auto", 10.9, 0.005),      # within the 10% noise
+             _row("tokamax triton", 11.5, 0.005),    # slower: fails
+             _row("XLA (jnp)", 13.0, 0.0),           # a peer: reported only
+             _row("tokamax xla", 10.0, 0.012),       # error grew 2.4x: fails
+             _row("tokamax mosaic_gpu", 9.0, 0.05),  # beyond tolerance: fails
+             _row("new one", 1.0)]
+  report, failures = bench.compare(current, baseline)
+  assert len(failures) == 3
+  assert any("SLOWER" in f and "tokamax triton" in f for f in failures)
+  assert any("NUMERICS" in f and "tokamax xla" in f for f in failures)
+  assert any("NUMERICS" in f and "tokamax mosaic_gpu" in f for f in failures)
+  assert any("peer; not a failure" in line for line in report)
+  assert any(line.startswith("not measured") for line in report)
+  assert any(line.startswith("new") for line in report)
+  # A tighter threshold catches the 9% row; a looser one lets the 15% row pass.
+  assert len(bench.compare(current, baseline, threshold=0.05)[1]) == 4
+  assert len(bench.compare(current, baseline, threshold=0.2)[1]) == 2
+  # A row that failed now but ran in the baseline is a regression.
+  failed = [dict(_row("tokamax auto", 0), error="boom")]
+  failed[0].pop("ms")
+  assert bench.compare(failed, baseline[:1])[1]
+
+
+def test_json_and_compare_from_the_command_line(tmp_path, capsys):
+  from tokamax import __main__ as cli  # pylint: disable=g-import-not-at-top
+  rows = [_row("tokamax auto", 10.0, 0.005), _row("plain JAX", 12.0, op="model dense")]
+  src = tmp_path / "rows.json"
+  src.write_text(__import__("json").dumps(rows))
+  base = tmp_path / "baseline.json"
+  assert cli.main(["bench", "--from-json", str(src), "--json", str(base)]) == 0
+  doc, loaded = bench.load_rows(str(base))
+  assert loaded == rows and doc["device_kind"] and doc["jax"] == jax.__version__
+  assert cli.main(["bench", "--from-json", str(base), "--compare", str(base)]) == 0
+  slow = tmp_path / "slow.json"
+  slow.write_text(__import__("json").dumps([_row("tokamax auto", 12.0, 0.005)] + rows[1:]))
+  assert cli.main(["bench", "--from-json", str(slow), "--compare", str(base)]) == 1
+  assert cli.main(["bench", "--from-json", str(slow), "--compare", str(base),
+                   "--threshold", "0.25"]) == 0
+  assert "no regression" in capsys.readouterr().out

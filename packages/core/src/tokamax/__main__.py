@@ -37,18 +37,67 @@ def info() -> None:
           f"{s.distribution}{reason}")
 
 
+BENCH_HELP = """\
+Per-op rows: every usable tokamax implementation against its peers (cuDNN through
+jax.nn, XLA, jax.lax.ragged_dot, a dense matmul of the same FLOPs), forward and
+forward+backward, with each row's relative L2 error against the reference peer.
+Model rows (--model): one training step (value_and_grad of sum(out * dy) over
+params and input) with tokamax defaults against the plain-JAX program.
+
+Off a GPU the shapes are small unless --full. Times: CUPTI kernel time on NVIDIA
+GPUs, wall clock elsewhere.
+
+examples:
+  python -m tokamax bench --model dense          # Llama-3-8B-sized decoder block
+  python -m tokamax bench --model moe --size tokens=16384 --size experts=16
+  python -m tokamax bench --op all --model all --json run.json
+  python -m tokamax bench --op all --model all --compare benchmarks/baselines/nvidia_h200.json
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m tokamax",
                                    description="tokamax: kernels for JAX")
   sub = parser.add_subparsers(dest="command", required=True)
   sub.add_parser("info", help="installed backends and what can run here")
   sub.add_parser("demo", help="a transformer block + MoE through tokamax")
-  bench = sub.add_parser("bench", help="the reference benchmark suite (GPU: CUPTI time)")
-  bench.add_argument("--op", action="append", help="only this op (repeatable)")
+  bench = sub.add_parser(
+      "bench", help="the reference benchmark suite and model training steps "
+                    "(GPU: CUPTI time)",
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      description=BENCH_HELP)
+  bench.add_argument("--op", action="append",
+                     help="only this op (repeatable; 'all' for every op, e.g. with --model)")
   bench.add_argument("--implementation", action="append",
                      help="only this implementation (repeatable; 'auto' for None)")
+  bench.add_argument("--model", action="append", choices=["dense", "moe", "all"],
+                     help="time a training step of this model, tokamax vs plain JAX "
+                          "(repeatable; alone it skips the per-op suite)")
+  bench.add_argument("--size", action="append", default=[], metavar="KEY=VALUE",
+                     help="a model size (repeatable): dense: dim heads kv_heads head_dim "
+                          "ffn batch seq dtype; moe: tokens dim ffn experts top_k dtype")
+  shapes = bench.add_mutually_exclusive_group()
+  shapes.add_argument("--quick", action="store_true", default=None,
+                      help="small shapes (the default where the platform is not a GPU)")
+  shapes.add_argument("--full", dest="quick", action="store_false",
+                      help="the reference (GPU-sized) shapes, also off a GPU")
   bench.add_argument("--iterations", type=int, default=10)
-  bench.add_argument("--out", help="folder for bench.json, bench.md and PNG plots")
+  bench.add_argument("--out", help="folder for bench.json, bench.md and PNG plots "
+                                   "(plots need matplotlib: tokamax-core[plot])")
+  bench.add_argument("--json", dest="json_path", metavar="PATH",
+                     help="write every row (time, rate, ratio, rel. error) and the "
+                          "device, JAX and tokamax versions to PATH")
+  bench.add_argument("--compare", metavar="BASELINE",
+                     help="compare with a --json file (e.g. benchmarks/baselines/"
+                          "<device>.json); exit 1 on a regression")
+  bench.add_argument("--from-json", metavar="PATH",
+                     help="take the rows from a --json file instead of running")
+  bench.add_argument("--threshold", type=float, default=0.10,
+                     help="--compare: a tokamax row slower than its baseline by more "
+                          "than this fraction is a regression (default 0.10)")
+  bench.add_argument("--error-growth", type=float, default=2.0,
+                     help="--compare: a row whose relative error exceeds this factor of "
+                          "its baseline's is a regression (default 2)")
   bench.add_argument("--sweep", action="store_true",
                      help="attention throughput against sequence length instead")
   tune = sub.add_parser("autotune", help="autotune the reference shapes; write tuned data")
@@ -72,7 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     from tokamax._src import bench  # pylint: disable=g-import-not-at-top
     impls = None if not args.implementation else [
         None if i == "auto" else i for i in args.implementation]
-    bench.main(args.op, args.out, args.iterations, impls, args.sweep)
+    try:
+      sizes = dict(kv.split("=", 1) for kv in args.size)
+    except ValueError:
+      parser.error(f"--size takes KEY=VALUE; got {args.size}")
+    return bench.main(args.op, args.out, args.iterations, impls, args.sweep,
+                      models=args.model, quick=args.quick, sizes=sizes,
+                      json_path=args.json_path, compare_path=args.compare,
+                      from_json=args.from_json, threshold=args.threshold,
+                      error_growth=args.error_growth)
   return 0
 
 

@@ -10,7 +10,10 @@ wall clock elsewhere.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +37,25 @@ def kernel_time_ms(f: Callable, *args, iterations: int = 10) -> tuple[float, str
   return data.median_evaluation_time_ms, data.method
 
 
+def time_and_output(f: Callable, *args, iterations: int = 10) -> tuple[float, str, Any]:
+  """`kernel_time_ms` that also returns one output of the compiled function (the
+  same executable that was timed, so nothing is compiled twice)."""
+  f_std, flat = benchmarking.standardize_function(f, *args)
+  run = benchmarking.compile_benchmark(f_std, flat)
+  data = run(flat, iterations=iterations)
+  return data.median_evaluation_time_ms, data.method, run.compiled(*flat)
+
+
+def format_rate(rate: float) -> str:
+  """At least three significant figures: 678, 4.27, 0.0123 (no exponent)."""
+  if rate != rate or rate in (float("inf"), float("-inf")):
+    return str(rate)
+  if rate == 0 or abs(rate) >= 100:
+    return f"{rate:.0f}"
+  digits = 2 - int(np.floor(np.log10(abs(rate))))
+  return f"{rate:.{digits}f}"
+
+
 @dataclasses.dataclass
 class Problem:
   """One benchmark shape: inputs, a tokamax call, the peers, and the work done."""
@@ -46,10 +68,19 @@ class Problem:
   flops: float = 0.0  # forward FLOPs
   bytes: float = 0.0  # forward bytes (norms)
   backward_factor: float = 3.5  # fwd+bwd work / fwd work (FLOPs)
+  # Candidates whose output is the numerical reference, first that runs wins (a
+  # peer label, or "tokamax <impl>"); peers computing another function are left out.
+  reference: tuple[str, ...] = ()
+  dtype: str = "bfloat16"
 
 
 def _rand(key, shape, dtype=BF16, scale=1.0):
   return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
+
+
+def _jax_nn_attention_impl() -> str | None:
+  """cuDNN on NVIDIA GPUs (the peer to beat), jax.nn's default elsewhere."""
+  return "cudnn" if benchmarking._is_nvidia_gpu(jax.devices()[0]) else None  # pylint: disable=protected-access
 
 
 def _attention(b, t, n, k, h, causal, dtype=BF16) -> Problem:
@@ -60,12 +91,15 @@ def _attention(b, t, n, k, h, causal, dtype=BF16) -> Problem:
   flops = 4 * b * n * t * t * h / (2 if causal else 1)
   name = (f"B{b} T{t} N{n}" + (f" K{k}" if k != n else "") + f" H{h}"
           + (" causal" if causal else "") + ("" if dtype == BF16 else " f16"))
+  peer_impl = _jax_nn_attention_impl()
+  peer = "cudnn (jax.nn)" if peer_impl else "jax.nn"
   return Problem(
       "dot_product_attention", name, make,
       lambda a, i: tokamax.dot_product_attention(*a, is_causal=causal, implementation=i),
-      {"cudnn (jax.nn)": lambda a: jax.nn.dot_product_attention(
-          *a, is_causal=causal, implementation="cudnn")},
-      flops=flops)
+      {peer: lambda a: jax.nn.dot_product_attention(
+          *a, is_causal=causal, implementation=peer_impl)},
+      flops=flops, reference=(peer, "tokamax xla"),
+      dtype=jnp.dtype(dtype).name)
 
 
 def _ragged(m, k, n, g, random_sizes) -> Problem:
@@ -89,7 +123,8 @@ def _ragged(m, k, n, g, random_sizes) -> Problem:
     peers["dense batched matmul"] = dense
   return Problem("ragged_dot", f"M{m} K{k} N{n} G{g}" + (" random" if random_sizes else ""),
                  make, lambda a, i: tokamax.ragged_dot(*a, implementation=i), peers,
-                 flops=2 * m * k * n, backward_factor=3.0)
+                 flops=2 * m * k * n, backward_factor=3.0,
+                 reference=("lax.ragged_dot", "tokamax xla"))
 
 
 def _norm(rows, d, rms) -> Problem:
@@ -110,7 +145,7 @@ def _norm(rows, d, rms) -> Problem:
   call = ((lambda a, i: tokamax.rms_norm(a[0], a[1], implementation=i)) if rms else
           (lambda a, i: tokamax.layer_norm(*a, implementation=i)))
   return Problem("layer_norm", f"{op} {rows}x{d}", make, call, {"XLA (jnp)": xla},
-                 bytes=2 * rows * d * 2, backward_factor=2.0)
+                 bytes=2 * rows * d * 2, backward_factor=2.0, reference=("XLA (jnp)",))
 
 
 def _glu(m, k, n) -> Problem:
@@ -126,7 +161,8 @@ def _glu(m, k, n) -> Problem:
   return Problem("gated_linear_unit", f"silu x{m}x{k} w{k}x2x{n}", make,
                  lambda a, i: tokamax.gated_linear_unit(*a, activation=jax.nn.silu,
                                                         implementation=i),
-                 {"XLA (jnp)": xla}, flops=2 * 2 * m * k * n, backward_factor=3.0)
+                 {"XLA (jnp)": xla}, flops=2 * 2 * m * k * n, backward_factor=3.0,
+                 reference=("XLA (jnp)",))
 
 
 def reference_suite() -> list[Problem]:
@@ -141,6 +177,22 @@ def reference_suite() -> list[Problem]:
       _norm(32768, 8192, False), _norm(32768, 8192, True),
       _glu(16384, 4096, 14336),
   ]
+
+
+def quick_suite() -> list[Problem]:
+  """Small shapes of the same kinds, for CPUs (seconds each) and `--quick`."""
+  return [
+      _attention(1, 256, 4, 4, 64, False), _attention(1, 256, 4, 4, 64, True),
+      _attention(1, 256, 8, 2, 64, True),
+      _ragged(512, 256, 512, 4, False), _ragged(512, 256, 256, 8, True),
+      _norm(1024, 1024, False), _norm(1024, 1024, True),
+      _glu(256, 256, 512),
+  ]
+
+
+def use_quick_shapes(quick: bool | None = None) -> bool:
+  """`quick` if given, else small shapes everywhere but on GPUs."""
+  return jax.default_backend() != "gpu" if quick is None else quick
 
 
 def _fwd_bwd(fn: Callable, inputs: tuple) -> tuple[Callable, tuple]:
@@ -167,52 +219,90 @@ def _fwd_bwd(fn: Callable, inputs: tuple) -> tuple[Callable, tuple]:
   return jax.jit(step), ([inputs[i] for i in float_idx], dy)
 
 
+def _pair_tolerance(dtype: str) -> float:
+  from tokamax._src import model_bench  # pylint: disable=g-import-not-at-top
+  return model_bench.PAIR_TOLERANCE.get(dtype, 4e-2)
+
+
 def run_problem(problem: Problem, implementations: list[str | None],
                 directions=("forward", "forward+backward"), iterations: int = 10) -> list[dict]:
+  """One row per candidate and direction: time, rate, ratio to the first peer
+  (``vs_peer``) and relative L2 error against the reference candidate
+  (``rel_err``, with ``tol``; outputs and gradients, the worst leaf)."""
+  from tokamax._src import model_bench  # pylint: disable=g-import-not-at-top
   inputs = problem.make_inputs()
   rows = []
   candidates = [(f"tokamax {i or 'auto'}", lambda a, i=i: problem.call(a, i))
                 for i in implementations]
   candidates += list(problem.peers.items())
+  labels = [label for label, _ in candidates]
+  # The reference runs first so that each candidate's output can be compared and freed.
+  order = sorted(range(len(candidates)), key=lambda j: (
+      problem.reference.index(labels[j]) if labels[j] in problem.reference
+      else len(problem.reference)))
+  tol = _pair_tolerance(problem.dtype)
   for direction in directions:
-    times = {}
-    for label, fn in candidates:
+    times, by_label, reference = {}, {}, None
+    for j in order:
+      label, fn = candidates[j]
       try:
         if direction == "forward":
           f, args = jax.jit(fn), (inputs,)
         else:
           f, args = _fwd_bwd(fn, inputs)
-        ms, method = kernel_time_ms(f, *args, iterations=iterations)
+        ms, method, out = time_and_output(f, *args, iterations=iterations)
       except Exception as e:  # pylint: disable=broad-except
-        rows.append(dict(op=problem.op, shape=problem.name, direction=direction,
-                         implementation=label, error=f"{type(e).__name__}: {str(e)[:200]}"))
+        by_label[label] = dict(op=problem.op, shape=problem.name, direction=direction,
+                               implementation=label,
+                               error=f"{type(e).__name__}: {str(e)[:200]}")
         continue
       times[label] = ms
       work = problem.flops or problem.bytes
       if direction != "forward":
         work *= problem.backward_factor
       rate = work / (ms * 1e-3) / 1e12
-      rows.append(dict(op=problem.op, shape=problem.name, direction=direction,
-                       implementation=label, ms=ms, method=method,
-                       rate=rate, unit="TFLOP/s" if problem.flops else "TB/s"))
+      row = dict(op=problem.op, shape=problem.name, direction=direction,
+                 implementation=label, ms=ms, method=method,
+                 rate=rate, unit="TFLOP/s" if problem.flops else "TB/s")
+      if reference is None and label in problem.reference:
+        reference = (label, out)
+      if reference is not None and (label in problem.reference or
+                                    label.startswith("tokamax")):
+        errors = model_bench.relative_errors(out, reference[1])
+        row.update(rel_err=max(errors.values(), default=0.0), tol=tol,
+                   reference=reference[0])
+      by_label[label] = row
+      del out
+    reference = None
     peer = next((times[p] for p in problem.peers if p in times), None)
-    for row in rows:
-      if row["direction"] == direction and "ms" in row and peer is not None:
+    for label in labels:
+      row = by_label[label]
+      if "ms" in row and peer is not None:
         row["vs_peer"] = peer / row["ms"]
+      rows.append(row)
   return rows
 
 
-def markdown_table(rows: list[dict]) -> str:
-  lines = ["| op | shape | direction | implementation | ms | rate | x first peer |",
-           "|---|---|---|---|---|---|---|"]
+HEADER = ["| op | shape | direction | implementation | ms | rate | x first peer | rel. error |",
+          "|---|---|---|---|---|---|---|---|"]
+
+
+def markdown_table(rows: list[dict], header: bool = True) -> str:
+  """Rows as markdown; ``header=False`` for rows appended to a table already printed."""
+  lines = list(HEADER) if header else []
   for r in rows:
     if "error" in r:
       lines.append(f"| {r['op']} | {r['shape']} | {r['direction']} | {r['implementation']} "
-                   f"| failed: {r['error'][:80]} | | |")
+                   f"| failed: {r['error'][:80]} | | | |")
       continue
+    err = f"{r['rel_err']:.2g}" if "rel_err" in r else ""
+    if r.get("reference") == r["implementation"]:
+      err = "reference"
+    if "rel_err" in r and r["rel_err"] > r.get("tol", float("inf")):
+      err += " (> tol)"
+    ratio = f"{r['vs_peer']:.2f}" if "vs_peer" in r else ""
     lines.append(f"| {r['op']} | {r['shape']} | {r['direction']} | {r['implementation']} | "
-                 f"{r['ms']:.3f} | {r['rate']:.0f} {r['unit']} | "
-                 f"{r.get('vs_peer', float('nan')):.2f} |")
+                 f"{r['ms']:.3f} | {format_rate(r['rate'])} {r['unit']} | {ratio} | {err} |")
   return "\n".join(lines)
 
 
@@ -224,13 +314,12 @@ def sequence_sweep(lengths=(1024, 2048, 4096, 8192, 16384), tokens=32768) -> lis
 def plot(rows: list[dict], out: str) -> list[str]:
   """PNG plots of `rows`: throughput per implementation for each problem, and
   attention throughput against sequence length. Needs matplotlib."""
-  import os  # pylint: disable=g-import-not-at-top
   try:
     import matplotlib  # pylint: disable=g-import-not-at-top
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   except ImportError:
-    print("matplotlib is not installed: no plots written")
+    print(PLOT_MISSING, file=sys.stderr)
     return []
   os.makedirs(out, exist_ok=True)
   ok = [r for r in rows if "rate" in r]
@@ -238,7 +327,11 @@ def plot(rows: list[dict], out: str) -> list[str]:
   problems = sorted({(r["op"], r["shape"]) for r in ok})
   fig, axes = plt.subplots(len(problems), 2, figsize=(12, 2.2 * len(problems)), squeeze=False)
   for i, (op, shape) in enumerate(problems):
-    for j, direction in enumerate(("forward", "forward+backward")):
+    directions = [d for d in ("forward", "forward+backward", "training step")
+                  if any((r["op"], r["shape"], r["direction"]) == (op, shape, d) for r in ok)]
+    for j in range(2):
+      axes[i][j].set_visible(j < len(directions))
+    for j, direction in enumerate(directions[:2]):
       sel = [r for r in ok if (r["op"], r["shape"], r["direction"]) == (op, shape, direction)]
       ax = axes[i][j]
       ax.barh([r["implementation"] for r in sel], [r["rate"] for r in sel])
@@ -271,13 +364,175 @@ def plot(rows: list[dict], out: str) -> list[str]:
   return written
 
 
+PLOT_MISSING = ("plots NOT written: matplotlib is not installed "
+                "(pip install 'tokamax-core[plot]', or pip install matplotlib)")
+
+# A row slower than its baseline by more than this fraction fails `--compare`.
+# Run-to-run noise seen on the H200: about 8% on one GLU forward row over three
+# runs (docs/benchmarks.md), under 2% elsewhere.
+DEFAULT_THRESHOLD = 0.10
+# A row whose relative error grows past this factor of its baseline's (floored at
+# a tenth of its tolerance) fails `--compare`, even within tolerance.
+DEFAULT_ERROR_GROWTH = 2.0
+
+
+def row_key(row: dict) -> tuple[str, str, str, str]:
+  return (row["op"], row["shape"], row["direction"], row["implementation"])
+
+
+def results_document(rows: list[dict]) -> dict:
+  """What `--json` writes: the run's environment and every row."""
+  device = jax.devices()[0]
+  return dict(device_kind=device.device_kind, platform=device.platform,
+              jax=jax.__version__, tokamax=tokamax.__version__,
+              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              rows=rows)
+
+
+def load_rows(path: str) -> tuple[dict, list[dict]]:
+  """(document, rows) of a `--json` file (or a bare list of rows, as `--out` writes)."""
+  with open(path) as f:
+    doc = json.load(f)
+  if isinstance(doc, list):
+    return {}, doc
+  return doc, doc["rows"]
+
+
+def compare(rows: list[dict], baseline: list[dict], threshold: float = DEFAULT_THRESHOLD,
+            error_growth: float = DEFAULT_ERROR_GROWTH) -> tuple[list[str], list[str]]:
+  """Each baseline row against this run's row of the same key.
+
+  Returns ``(report lines, failures)``. Failures: a tokamax row (implementation
+  "tokamax ...") slower than its baseline by more than `threshold` (a fraction),
+  or failing where it ran before; any row whose relative error exceeds its
+  tolerance, or grew past `error_growth` x its baseline's (the baseline floored at
+  tol / 10), or is NaN. Peer rows (cuDNN, XLA, plain JAX) only report their change:
+  they show the machine's noise, not a tokamax regression. Rows of the baseline
+  this run did not measure (e.g. other --op) are listed as not measured.
+  """
+  current = {row_key(r): r for r in rows}
+  report, failures = [], []
+  known = {row_key(b) for b in baseline}
+  for r in rows:
+    if row_key(r) not in known:
+      report.append(f"new (not in the baseline): {' / '.join(row_key(r))}")
+  for base in baseline:
+    key = row_key(base)
+    name = " / ".join(key)
+    ours = key[3].startswith("tokamax")
+    cur = current.get(key)
+    if cur is None:
+      report.append(f"not measured: {name}")
+      continue
+    if "ms" not in cur:
+      line = f"FAILED now ({cur.get('error', '?')[:100]}): {name}"
+      report.append(line)
+      if "ms" in base and ours:
+        failures.append(line)
+      continue
+    if "ms" not in base:
+      report.append(f"runs now (failed in the baseline): {name}: {cur['ms']:.3f} ms")
+      continue
+    change = cur["ms"] / base["ms"] - 1
+    line = (f"{name}: {cur['ms']:.3f} ms vs {base['ms']:.3f} ms ({change:+.1%})")
+    slow = change > threshold
+    if slow and ours:
+      line = "SLOWER: " + line + f" > {threshold:.0%}"
+      failures.append(line)
+    elif slow:
+      line += " (peer; not a failure)"
+    err, tol = cur.get("rel_err"), cur.get("tol", base.get("tol"))
+    if err is not None:
+      base_err = base.get("rel_err")
+      line += f"; rel. error {err:.3g}" + (f" (baseline {base_err:.3g})" if base_err is not None
+                                           else "")
+      problem = None
+      if err != err:
+        problem = "NaN error"
+      elif tol is not None and err > tol:
+        problem = f"error {err:.3g} > tolerance {tol:g}"
+      elif base_err is not None and tol is not None and err > error_growth * max(
+          base_err, tol / 10):
+        problem = f"error grew {err / max(base_err, 1e-30):.1f}x (limit {error_growth:g}x)"
+      if problem:
+        line = f"NUMERICS ({problem}): " + line
+        failures.append(line)
+    report.append(line)
+  return report, failures
+
+
+def _print_compare(rows, baseline_path, threshold, error_growth) -> int:
+  doc, baseline = load_rows(baseline_path)
+  here = jax.devices()[0].device_kind
+  print(f"\ncompared with {baseline_path} ({doc.get('device_kind', '?')}, JAX "
+        f"{doc.get('jax', '?')}, {doc.get('date', '?')}); speed threshold "
+        f"{threshold:.0%}, error growth limit {error_growth:g}x")
+  if doc.get("device_kind") and doc["device_kind"] != here and rows:
+    print(f"warning: the baseline is from {doc['device_kind']}, this is {here}")
+  report, failures = compare(rows, baseline, threshold, error_growth)
+  for line in report:
+    print("  " + line)
+  if failures:
+    print(f"{len(failures)} regression{'s' * (len(failures) != 1)}:")
+    for line in failures:
+      print("  " + line)
+    return 1
+  print("no regression")
+  return 0
+
+
 def main(ops: list[str] | None, out: str | None, iterations: int,
-         implementations: list[str] | None, sweep: bool = False) -> None:
-  problems = [p for p in reference_suite() if not ops or p.op in ops]
+         implementations: list[str] | None, sweep: bool = False, *,
+         models: list[str] | None = None, quick: bool | None = None,
+         sizes: dict[str, str] | None = None, json_path: str | None = None,
+         compare_path: str | None = None, from_json: str | None = None,
+         threshold: float = DEFAULT_THRESHOLD,
+         error_growth: float = DEFAULT_ERROR_GROWTH) -> int:
+  """Runs (or loads, `from_json`) the rows; writes, plots and compares them.
+
+  Returns the exit status: 1 if `compare_path` found a regression or a model's
+  numerics are beyond tolerance, else 0.
+  """
+  if from_json:
+    all_rows, notes = load_rows(from_json)[1], []
+  else:
+    all_rows, notes = _run(ops, iterations, implementations, sweep, models, quick, sizes)
+  status = 0
+  for r in all_rows:
+    if r["op"].startswith("model ") and r.get("rel_err", 0) > r.get("tol", float("inf")):
+      status = 1
+  if json_path:
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+    with open(json_path, "w") as f:
+      json.dump(results_document(all_rows), f, indent=1)
+    print(f"wrote {json_path}")
+  if out:
+    os.makedirs(out, exist_ok=True)
+    name = "bench_sweep" if sweep else "bench"
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+      json.dump(all_rows, f, indent=1)
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+      f.write(markdown_table(all_rows) + "\n" + "".join(f"\n{n}\n" for n in notes))
+    for path in plot(all_rows, out):
+      print(f"wrote {path}")
+  if compare_path:
+    status = max(status, _print_compare(all_rows, compare_path, threshold, error_growth))
+  return status
+
+
+def _run(ops, iterations, implementations, sweep, models, quick, sizes):
+  from tokamax._src import model_bench  # pylint: disable=g-import-not-at-top
+  quick = use_quick_shapes(quick)
+  suite = quick_suite() if quick else reference_suite()
+  run_ops = ops is not None or not models
+  problems = [p for p in suite if not ops or "all" in ops or p.op in ops] if run_ops else []
   if sweep:
     problems = sequence_sweep()
-  print(f"tokamax bench on {jax.devices()[0].device_kind}, JAX {jax.__version__}")
-  all_rows = []
+  models = list(model_bench.MODELS) if models and "all" in models else (models or [])
+  print(f"tokamax bench on {jax.devices()[0].device_kind}, JAX {jax.__version__}"
+        f"{', quick shapes (--full for the reference shapes)' if quick and not sweep else ''}")
+  print("\n".join(HEADER), flush=True)
+  all_rows, notes = [], []
   for p in problems:
     usable = [s.name for s in introspection.implementations(p.op) if s.usable]
     impls = implementations or [None] + [n for n in usable if n != "xla_chunked"]
@@ -285,18 +540,17 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
     if sweep:
       for r in rows:
         r.update(sweep=True, seq=int(p.name.split(" T")[1].split()[0]))
-    print(markdown_table(rows), flush=True)
+    print(markdown_table(rows, header=False), flush=True)
     all_rows += rows
-  if out:
-    import os  # pylint: disable=g-import-not-at-top
-    os.makedirs(out, exist_ok=True)
-    name = "bench_sweep" if sweep else "bench"
-    with open(os.path.join(out, f"{name}.json"), "w") as f:
-      json.dump(all_rows, f, indent=1)
-    with open(os.path.join(out, f"{name}.md"), "w") as f:
-      f.write(markdown_table(all_rows) + "\n")
-    for path in plot(all_rows, out):
-      print(f"wrote {path}")
+  for model in models:
+    size = model_bench.make_size(model, quick, sizes)
+    rows, text = model_bench.run_model(model, size, iterations=iterations)
+    print(markdown_table(rows, header=False), flush=True)
+    all_rows += rows
+    notes.append(text)
+  for text in notes:
+    print("\n" + text)
+  return all_rows, notes
 
 
 def _first_party_only(result):
@@ -318,8 +572,6 @@ def _first_party_only(result):
 def autotune_suite(ops: list[str] | None, shape: str | None, out: str, iterations: int,
                    timeout_s: float | None) -> None:
   """Autotunes the reference problems and writes ``out/<device slug>/<op>.json``."""
-  import os  # pylint: disable=g-import-not-at-top
-
   from tokamax._src import autotuning, tuned_data  # pylint: disable=g-import-not-at-top
   result = autotuning.AutotuningResult()
   for p in reference_suite():

@@ -1,0 +1,345 @@
+"""`python -m tokamax bench --model {dense,moe}`: one training step, tokamax vs plain JAX.
+
+Each model is written twice with the same parameters and inputs:
+
+* ``tokamax``: every heavy op through tokamax with ``implementation=None``.
+* ``plain``: the program a user writes today without tokamax: jnp RMSNorm,
+  `jax.nn.dot_product_attention` (``implementation="cudnn"`` on NVIDIA GPUs),
+  ``jax.nn.silu(x @ wg) * (x @ wu)``, `jax.lax.ragged_dot`.
+
+The step is ``jax.value_and_grad`` of ``sum(out * dy)`` (random ``dy``) over the
+parameters and the input, timed with `bench.time_and_output` (CUPTI kernel time on
+NVIDIA GPUs, wall clock elsewhere). The tokamax step's loss and gradients are
+checked against the plain step's (relative L2, the worst leaf reported; the loss
+against the L2 norm of its terms, see `loss_error`).
+
+Models (shared/BENCHMARKS.md):
+
+* ``dense``: a decoder block: RMSNorm -> causal GQA attention (q/k/v/o
+  projections) -> residual -> RMSNorm -> SwiGLU FFN (weights ``[D, 2, F]``) ->
+  down projection -> residual. Default Llama-3-8B-sized.
+* ``moe``: an MoE FFN: router, top-k, softmax over the chosen logits, tokens
+  sorted by expert (the single-device case of `tokamax.moe_all_to_all`'s routing:
+  row gathers whose transposes are gathers), SwiGLU experts as two ragged_dots
+  (gate and up fused as ``[E, D, 2F]``, then down ``[E, F, D]``), outputs combined
+  with the gates. Default Mixtral-like. Both programs share the routing; only the
+  ragged_dots differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import tokamax
+from tokamax._src import benchmarking
+from tokamax._src import moe as moe_lib
+
+F32 = jnp.float32
+
+# Relative L2 error allowed between two bf16 programs (each within the conformance
+# tolerance 2e-2 of the exact result, so at most twice that apart).
+PAIR_TOLERANCE = {"bfloat16": 4e-2, "float16": 6e-3, "float32": 2e-3}
+
+
+@dataclasses.dataclass
+class DenseSize:
+  dim: int = 4096
+  heads: int = 32
+  kv_heads: int = 8
+  head_dim: int = 128
+  ffn: int = 14336
+  batch: int = 2
+  seq: int = 4096
+  dtype: str = "bfloat16"
+
+  def describe(self) -> str:
+    return (f"D{self.dim} N{self.heads} K{self.kv_heads} H{self.head_dim} F{self.ffn} "
+            f"B{self.batch} T{self.seq}" + _dtype_suffix(self.dtype))
+
+  def flops(self) -> float:
+    """FLOPs of one training step: 3x the forward's matmuls, 3.5x its attention."""
+    bt, d, f = self.batch * self.seq, self.dim, self.ffn
+    nh, kh = self.heads * self.head_dim, self.kv_heads * self.head_dim
+    matmul = 2 * bt * d * (2 * nh + 2 * kh) + 2 * bt * d * 2 * f + 2 * bt * f * d
+    attention = 4 * self.batch * self.heads * self.seq**2 * self.head_dim / 2
+    return 3 * matmul + 3.5 * attention
+
+
+@dataclasses.dataclass
+class MoeSize:
+  tokens: int = 8192
+  dim: int = 4096
+  ffn: int = 14336
+  experts: int = 8
+  top_k: int = 2
+  dtype: str = "bfloat16"
+
+  def describe(self) -> str:
+    return (f"tokens{self.tokens} D{self.dim} F{self.ffn} E{self.experts} "
+            f"top{self.top_k}" + _dtype_suffix(self.dtype))
+
+  def flops(self) -> float:
+    """3 x 2*M*K*N per ragged_dot (forward, and the two matmuls of its backward)."""
+    m = self.tokens * self.top_k
+    return 3 * (2 * m * self.dim * 2 * self.ffn + 2 * m * self.ffn * self.dim)
+
+
+# Small sizes for platforms other than GPUs (and `--quick`): seconds on a CPU.
+QUICK = {
+    "dense": DenseSize(dim=256, heads=4, kv_heads=2, head_dim=64, ffn=512, batch=1, seq=256),
+    "moe": MoeSize(tokens=512, dim=256, ffn=512, experts=8, top_k=2),
+}
+FULL = {"dense": DenseSize(), "moe": MoeSize()}
+MODELS = tuple(FULL)
+
+
+def _dtype_suffix(dtype: str) -> str:
+  return "" if dtype == "bfloat16" else f" {dtype}"
+
+
+def make_size(model: str, quick: bool, overrides: dict[str, str] | None = None):
+  """The model's size: the full or quick defaults with ``KEY=VALUE`` overrides.
+
+  A key that only the other model has (``seq`` for moe) is ignored; one that no
+  model has is an error.
+  """
+  size = dataclasses.replace(QUICK[model] if quick else FULL[model])
+  fields = {f.name for f in dataclasses.fields(size)}
+  known = {f.name for m in FULL.values() for f in dataclasses.fields(m)}
+  for key, value in (overrides or {}).items():
+    key = key.replace("-", "_")
+    if key not in known:
+      raise ValueError(f"--size {key}=...: no model has a size {key!r}; "
+                       f"{model} has {', '.join(sorted(fields))}")
+    if key in fields:
+      setattr(size, key, value if key == "dtype" else int(value))
+  return size
+
+
+def _init(key, shape, fan_in, dtype):
+  return (jax.random.normal(key, shape, F32) * fan_in**-0.5).astype(dtype)
+
+
+def _is_nvidia_gpu() -> bool:
+  return benchmarking._is_nvidia_gpu(jax.devices()[0])  # pylint: disable=protected-access
+
+
+# ------------------------------------------------------------------------- dense
+
+
+def dense_inputs(size: DenseSize, seed: int = 0) -> tuple[dict, jax.Array, jax.Array]:
+  """(params, x, dy)."""
+  d, f, dt = size.dim, size.ffn, jnp.dtype(size.dtype)
+  nh, kh = size.heads * size.head_dim, size.kv_heads * size.head_dim
+  ks = jax.random.split(jax.random.key(seed), 10)
+  params = dict(
+      norm1=(1 + 0.1 * jax.random.normal(ks[0], (d,), F32)).astype(dt),
+      wq=_init(ks[1], (d, nh), d, dt), wk=_init(ks[2], (d, kh), d, dt),
+      wv=_init(ks[3], (d, kh), d, dt), wo=_init(ks[4], (nh, d), nh, dt),
+      norm2=(1 + 0.1 * jax.random.normal(ks[5], (d,), F32)).astype(dt),
+      w_glu=_init(ks[6], (d, 2, f), d, dt), w_down=_init(ks[7], (f, d), f, dt))
+  shape = (size.batch, size.seq, d)
+  x = jax.random.normal(ks[8], shape, F32).astype(dt)
+  dy = jax.random.normal(ks[9], shape, F32).astype(dt)
+  return params, x, dy
+
+
+def _plain_rms_norm(x, scale, eps=1e-6):
+  xf = x.astype(F32)
+  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps) * scale.astype(F32)
+  return y.astype(x.dtype)
+
+
+def dense_block(params: dict, x: jax.Array, size: DenseSize, program: str) -> jax.Array:
+  """The decoder block; ``program`` is "tokamax" or "plain"."""
+  b, t, d = x.shape
+  n, k, h = size.heads, size.kv_heads, size.head_dim
+  ours = program == "tokamax"
+  norm = tokamax.rms_norm if ours else _plain_rms_norm
+  y = norm(x, params["norm1"])
+  q = (y @ params["wq"]).reshape(b, t, n, h)
+  key = (y @ params["wk"]).reshape(b, t, k, h)
+  value = (y @ params["wv"]).reshape(b, t, k, h)
+  if ours:
+    attn = tokamax.dot_product_attention(q, key, value, is_causal=True)
+  else:
+    attn = jax.nn.dot_product_attention(
+        q, key, value, is_causal=True,
+        implementation="cudnn" if _is_nvidia_gpu() else None)
+  x = x + attn.reshape(b, t, n * h) @ params["wo"]
+  y = norm(x, params["norm2"])
+  if ours:
+    hidden = tokamax.gated_linear_unit(y, params["w_glu"], activation=jax.nn.silu)
+  else:
+    wg, wu = params["w_glu"][:, 0], params["w_glu"][:, 1]
+    hidden = jax.nn.silu(y @ wg) * (y @ wu)
+  return x + hidden @ params["w_down"]
+
+
+# --------------------------------------------------------------------------- moe
+
+
+def moe_inputs(size: MoeSize, seed: int = 0) -> tuple[dict, jax.Array, jax.Array]:
+  """(params, x, dy)."""
+  d, f, e, dt = size.dim, size.ffn, size.experts, jnp.dtype(size.dtype)
+  ks = jax.random.split(jax.random.key(seed), 5)
+  params = dict(w_router=_init(ks[0], (d, e), d, dt),
+                w_gate_up=_init(ks[1], (e, d, 2 * f), d, dt),
+                w_down=_init(ks[2], (e, f, d), f, dt))
+  x = jax.random.normal(ks[3], (size.tokens, d), F32).astype(dt)
+  dy = jax.random.normal(ks[4], (size.tokens, d), F32).astype(dt)
+  return params, x, dy
+
+
+def moe_ffn(params: dict, x: jax.Array, size: MoeSize, program: str) -> jax.Array:
+  """The MoE FFN; ``program`` is "tokamax" or "plain" (only the ragged_dots differ)."""
+  ragged = tokamax.ragged_dot if program == "tokamax" else jax.lax.ragged_dot
+  m, d = x.shape
+  e, k, f = size.experts, size.top_k, size.ffn
+  logits = jnp.dot(x, params["w_router"], preferred_element_type=F32)
+  top_logits, ids = jax.lax.top_k(logits, k)
+  gates = jax.nn.softmax(top_logits, axis=-1)
+  # Routing of moe_all_to_all on one device: slots sorted by expert.
+  route = moe_lib._route(ids.reshape(-1).astype(jnp.int32), 1, e, m * k, k)  # pylint: disable=protected-access
+  take = moe_lib._take_rows  # pylint: disable=protected-access
+  rows = take(x, route.token_of_slot, route.slot_of_assignment, k)
+  group_sizes = route.sent_counts[0]
+  gate_up = ragged(rows, params["w_gate_up"], group_sizes)
+  act = jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]
+  out = ragged(act, params["w_down"], group_sizes)
+  out = take(out, route.slot_of_assignment, route.assignment_of_slot, 1).reshape(m, k, d)
+  return jnp.sum(out.astype(F32) * gates[..., None], axis=1).astype(x.dtype)
+
+
+# -------------------------------------------------------------------------- step
+
+
+def forward_fn(model: str) -> Callable[..., jax.Array]:
+  return {"dense": dense_block, "moe": moe_ffn}[model]
+
+
+def inputs(model: str, size, seed: int = 0):
+  return {"dense": dense_inputs, "moe": moe_inputs}[model](size, seed)
+
+
+def training_step(model: str, size, program: str) -> Callable[..., Any]:
+  """``step(params, x, dy) -> (loss, (param grads, x grad))``, jitted."""
+  forward = forward_fn(model)
+
+  def loss(params, x, dy):
+    out = forward(params, x, size, program)
+    return jnp.sum(out.astype(F32) * dy.astype(F32))
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
+def relative_errors(actual, expected) -> dict[str, float]:
+  """Relative L2 error of each leaf (float32 on device), keyed by its path."""
+  errors = {}
+  flat_a = jax.tree_util.tree_flatten_with_path(actual)[0]
+  flat_e = jax.tree_util.tree_leaves(expected)
+  for (path, a), e in zip(flat_a, flat_e):
+    a32, e32 = jnp.asarray(a, F32), jnp.asarray(e, F32)
+    norm = jnp.sqrt(jnp.sum(e32 * e32))
+    diff = jnp.sqrt(jnp.sum((a32 - e32) ** 2))
+    rel = float(jnp.where(norm > 0, diff / jnp.where(norm > 0, norm, 1), diff))
+    errors[jax.tree_util.keystr(path)] = rel
+  return errors
+
+
+def loss_error(model, size, params, x, dy, loss, expected_loss) -> float:
+  """``|loss - expected| / ||out * dy||_2`` (the plain program's out).
+
+  The loss is a sum of terms of random sign that mostly cancel, so its own
+  relative error is meaningless; measured against the L2 norm of its terms it
+  reads like the relative L2 error of the output.
+  """
+  forward = forward_fn(model)
+  scale = jax.jit(lambda p, x, dy: jnp.sqrt(jnp.sum(
+      (forward(p, x, size, "plain").astype(F32) * dy.astype(F32)) ** 2)))(params, x, dy)
+  diff = abs(float(loss) - float(expected_loss))
+  scale = float(scale)
+  return diff / scale if scale > 0 else diff
+
+
+def _step_names(errors: dict[str, float]) -> dict[str, float]:
+  """Readable leaf names: (loss, ((params...), x)) -> loss, d params['wq'], dx."""
+  out = {}
+  for path, err in errors.items():
+    if path == "[0]":
+      name = "loss"
+    elif path.startswith("[1][0]"):
+      name = "d" + path[len("[1][0]"):]
+    elif path == "[1][1]":
+      name = "dx"
+    else:
+      name = path
+    out[name] = err
+  return out
+
+
+def dispatch_summary(records) -> dict[str, dict[str, list[str]]]:
+  """``{op: {"forward": [impls], "backward": [impls]}}`` from dispatch records."""
+  summary: dict[str, dict[str, list[str]]] = {}
+  for r in records:
+    impls = summary.setdefault(r.op, {}).setdefault(r.direction, [])
+    if r.implementation not in impls:
+      impls.append(r.implementation)
+  return summary
+
+
+def run_model(model: str, size, iterations: int = 10) -> tuple[list[dict], str]:
+  """Times the tokamax and plain training steps; returns (rows, dispatch text).
+
+  Rows follow `bench.run_problem`'s format; the tokamax row carries ``rel_err``
+  (the worst leaf of loss and gradients against the plain step), ``errors`` (every
+  leaf), ``tol`` and ``dispatch``.
+  """
+  from tokamax._src import bench  # pylint: disable=g-import-not-at-top
+  params, x, dy = inputs(model, size)
+  base = dict(op=f"model {model}", shape=size.describe(), direction="training step")
+  flops = size.flops()
+  rows, outputs = [], {}
+  summary = {}
+  for program, label in (("plain", "plain JAX"), ("tokamax", "tokamax auto")):
+    step = training_step(model, size, program)
+    try:
+      with tokamax.record_dispatch() as records:
+        ms, method, out = bench.time_and_output(step, params, x, dy, iterations=iterations)
+    except Exception as e:  # pylint: disable=broad-except
+      rows.append(dict(base, implementation=label,
+                       error=f"{type(e).__name__}: {str(e)[:300]}"))
+      continue
+    outputs[program] = out
+    row = dict(base, implementation=label, ms=ms, method=method,
+               rate=flops / (ms * 1e-3) / 1e12, unit="TFLOP/s")
+    if program == "tokamax":
+      summary = dispatch_summary(records)
+      row["dispatch"] = summary
+    rows.append(row)
+  times = {r["implementation"]: r["ms"] for r in rows if "ms" in r}
+  tol = PAIR_TOLERANCE.get(jnp.dtype(size.dtype).name, 4e-2)
+  for r in rows:
+    if "ms" in r and "plain JAX" in times:
+      r["vs_peer"] = times["plain JAX"] / r["ms"]
+    if r["implementation"] == "tokamax auto" and "ms" in r and "plain" in outputs:
+      errors = _step_names(relative_errors(outputs["tokamax"], outputs["plain"]))
+      errors["loss"] = loss_error(model, size, params, x, dy, outputs["tokamax"][0],
+                                  outputs["plain"][0])
+      worst = max(errors, key=errors.get)
+      r.update(rel_err=errors[worst], worst_leaf=worst, errors=errors, tol=tol)
+  text = f"{model} ({size.describe()}): tokamax ran " + ("; ".join(
+      f"{op} forward {','.join(d.get('forward', ['-']))}, "
+      f"backward {','.join(d.get('backward', ['-']))}"
+      for op, d in sorted(summary.items())) or "no op")
+  tok = next((r for r in rows if r["implementation"] == "tokamax auto" and "rel_err" in r),
+             None)
+  if tok is not None:
+    verdict = "ok" if tok["rel_err"] <= tol else "BEYOND TOLERANCE"
+    text += (f"\n{model}: loss and gradients, tokamax vs plain: worst relative L2 "
+             f"{tok['rel_err']:.3g} ({tok['worst_leaf']}), tolerance {tol:g}: {verdict}")
+  return rows, text
