@@ -5,6 +5,8 @@ not run warp-specialized pipelines); on the CPU the registration, the refusals a
 the lowering to Mosaic GPU IR for "cuda" are checked.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -171,6 +173,55 @@ def test_lowers_for_cuda(activation):
       platforms=["cuda"])(jax.ShapeDtypeStruct((300, 200), jnp.bfloat16),
                           jax.ShapeDtypeStruct((200, 2, 136), jnp.bfloat16))
   assert "mosaic_gpu" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_forward_with_projections_lowers_for_cuda(stages):
+  pytest.importorskip("absl")
+  config = glu.GatedLinearUnitConfig(num_stages=stages)
+  exported = jax.export.export(
+      jax.jit(lambda x, w: glu.fused_glu(x, w, jax.nn.silu, config,
+                                         keep_projections=True)),
+      platforms=["cuda"])(jax.ShapeDtypeStruct((300, 200), jnp.bfloat16),
+                          jax.ShapeDtypeStruct((200, 2, 136), jnp.bfloat16))
+  assert "mosaic_gpu" in exported.mlir_module()
+  out, projections = exported.out_avals
+  assert out.shape == (300, 136) and projections.shape == (300, 2, 136)
+
+
+def test_a_tuned_config_makes_room_for_projections():
+  args = GatedLinearUnitArgs(jnp.zeros((4096, 4096), jnp.bfloat16),
+                             jnp.zeros((4096, 2, 14336), jnp.bfloat16))
+  config = glu._room_for_projections(args, glu.GatedLinearUnitConfig(num_stages=4))
+  assert config == glu.GatedLinearUnitConfig(num_stages=3)
+  assert glu.smem_bytes(config, 2, keep_projections=True) <= glu._common.SMEM_LIMIT
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(1000, 384, 520), (4096, 512, 1024), (37, 72, 24)])
+def test_forward_with_projections(shape):
+  m, k, n = shape
+  x, w = _inputs(m, k, n, jnp.bfloat16)
+  out, projections = jax.jit(lambda x, w: glu.fused_glu(
+      x, w, jax.nn.silu, glu.GatedLinearUnitConfig(num_stages=3),
+      keep_projections=True))(x, w)
+  ref_h = jnp.einsum("mk,kpn->mpn", x.astype(jnp.float32), w.astype(jnp.float32),
+                     precision=HIGHEST)
+  ref = jax.nn.silu(ref_h[:, 0]) * ref_h[:, 1]
+  testing.assert_close(projections, ref_h, jnp.bfloat16, what="projections", gpu=True)
+  testing.assert_close(out, ref, jnp.bfloat16, what="forward", gpu=True)
+
+
+@gpu
+def test_training_keeps_projections_and_skips_the_recompute():
+  x, w = _inputs(512, 256, 384, jnp.bfloat16)
+  grad = jax.jit(jax.grad(lambda x, w: jnp.sum(tokamax.gated_linear_unit(
+      x, w, activation=jax.nn.silu, implementation="mosaic_gpu").astype(jnp.float32)),
+      argnums=(0, 1)))
+  kernels = re.findall(r"@mosaic_gpu\w*", grad.lower(x, w).as_text())
+  # One Mosaic GPU kernel (the forward with projections), no dh recompute kernel.
+  assert len(kernels) == 1, kernels
+  _check_grads(x, w, jax.nn.silu, jnp.bfloat16)
 
 
 def _custom(v):

@@ -125,3 +125,32 @@ def test_chunked_attention_runs_long_sequences_in_bounded_memory():
   out, lse = jax.jit(lambda q: ref.attention_chunked(q, q, q, scale=128**-0.5,
                                                      is_causal=True, chunk_size=512))(q)
   assert out.shape == q.shape and bool(jnp.isfinite(lse).all())
+
+
+@pytest.mark.parametrize("t,s", [(7, 7), (5, 9), (9, 4)])
+def test_cudnn_window_rewrite_keeps_visibility(t, s):
+  # Every window cuDNN is given must see exactly the keys of the call it stands for:
+  # cuDNN's form is causal narrowed to the last `sliding_window_length` keys.
+  q_pos, k_pos = jnp.arange(t), jnp.arange(s)
+  sides = (None, -1, 0, 1, 3, 20)
+  for is_causal in (False, True):
+    for window in [None] + [(left, right) for left in sides for right in sides]:
+      rewritten = ref.cudnn_window(is_causal, window)
+      if isinstance(rewritten, str):
+        continue
+      cudnn_causal, length = rewritten
+      want = ref.visibility(q_pos, k_pos, is_causal=is_causal, local_window=window)
+      got = ref.visibility(q_pos, k_pos, is_causal=cudnn_causal,
+                           local_window=None if length is None else (length - 1, None))
+      np.testing.assert_array_equal(got, want, err_msg=f"{is_causal=} {window=}")
+
+
+def test_cudnn_window_refusals_say_why():
+  assert ref.cudnn_window(False, (4, 0)) == (True, 5)  # the form cuDNN got wrong
+  assert ref.cudnn_window(True, (4, 2)) == (True, 5)
+  assert ref.cudnn_window(True, (None, 3)) == (True, None)
+  assert ref.cudnn_window(False, None) == (False, None)
+  for is_causal, window in ((False, (4, 2)), (False, (None, 3)), (False, (4, None)),
+                            (True, (4, -1)), (True, (-1, 0))):
+    reason = ref.cudnn_window(is_causal, window)
+    assert isinstance(reason, str) and str(window) in reason

@@ -76,9 +76,13 @@ class GatedLinearUnitConfig:
       raise ValueError(f"num_stages >= 2 and grid_tile_width >= 1: {self}")
 
 
-def smem_bytes(config: GatedLinearUnitConfig, itemsize: int) -> int:
+def smem_bytes(config: GatedLinearUnitConfig, itemsize: int,
+               keep_projections: bool = False) -> int:
   stage = (config.block_m + 2 * config.block_n) * config.block_k * itemsize
-  return config.num_stages * stage + config.block_m * config.block_n * itemsize
+  # The epilogue's staging tiles: the output's, and the up projection's when the
+  # projections are kept (the gate's shares the output's buffer).
+  epilogue = (2 if keep_projections else 1) * config.block_m * config.block_n
+  return config.num_stages * stage + epilogue * itemsize
 
 
 def _pad_to(x, axis: int, size: int):
@@ -126,8 +130,13 @@ def _gate_up_mma(wg, half: int):
   return mma
 
 
-def fused_glu(x, weights, activation, config: GatedLinearUnitConfig) -> jax.Array:
-  """``activation(x @ weights[:, 0]) * (x @ weights[:, 1])`` in x's dtype."""
+def fused_glu(x, weights, activation, config: GatedLinearUnitConfig,
+              keep_projections: bool = False):
+  """``activation(x @ weights[:, 0]) * (x @ weights[:, 1])`` in x's dtype.
+
+  With `keep_projections`, ``(out, projections)``: the epilogue also writes the
+  gate and up tiles ``x @ weights`` (``[M, 2, N]`` in x's dtype) for the backward.
+  """
   m_orig, k_orig = x.shape
   n_orig = weights.shape[2]
   bm, bn, bk = config.block_m, config.block_n, config.block_k
@@ -146,19 +155,20 @@ def fused_glu(x, weights, activation, config: GatedLinearUnitConfig) -> jax.Arra
 
   make_pipeline = _gate_up_pipeline(dtype, config, k_steps)
 
-  def kernel(x_ref, w_ref, out_ref):
+  def kernel(x_ref, w_ref, out_ref, *h_ref):
     ignore = lambda *_, **__: None
     allocs = make_pipeline(ignore, ignore).get_allocations(
         x_ref, w_ref.at[:, pl.ds(0, n)], w_ref.at[:, pl.ds(n, n)])
+    buffers = 2 if keep_projections else 1
 
     @functools.partial(
         pl.run_scoped, allocs=allocs,
-        out_smem=plgpu.SMEM((2, half, bn), dtype,
+        out_smem=plgpu.SMEM((2, buffers, half, bn), dtype,
                             transforms=_common.swizzled(dtype, bn)),
         collective_axes="wg")
     def _scope(allocs, out_smem):
       wg = lax.axis_index("wg")
-      o_smem = out_smem.at[jnp.minimum(wg, 1)]
+      own_smem = out_smem.at[jnp.minimum(wg, 1)]
 
       @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
       def _tile_loop(info):
@@ -173,12 +183,23 @@ def fused_glu(x, weights, activation, config: GatedLinearUnitConfig) -> jax.Arra
                              acc_u=plgpu.ACC((half, bn), jnp.float32))
           def _acc_scope(acc_g, acc_u):
             eval_pipeline((acc_g, acc_u))
-            y = act(acc_g[...]) * acc_u[...]
+            gate, up = acc_g[...], acc_u[...]
+            y = act(gate) * up
+            rows = pl.ds(m0 + wg * half, half)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            o_smem[...] = y.astype(dtype)
+            if keep_projections:
+              # Gate and up go out first; the output then reuses the gate's
+              # buffer once its store has read it (one store left in flight).
+              own_smem.at[0][...] = gate.astype(dtype)
+              own_smem.at[1][...] = up.astype(dtype)
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(own_smem.at[0], h_ref[0].at[rows, pl.ds(n0, bn)])
+              plgpu.copy_smem_to_gmem(own_smem.at[1],
+                                      h_ref[0].at[rows, pl.ds(n + n0, bn)])
+              plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            own_smem.at[0][...] = y.astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-                o_smem, out_ref.at[pl.ds(m0 + wg * half, half), pl.ds(n0, bn)])
+            plgpu.copy_smem_to_gmem(own_smem.at[0], out_ref.at[rows, pl.ds(n0, bn)])
 
         make_pipeline(_gate_up_mma(wg, half), context)(
             x_ref.at[pl.ds(m0, bm), :], w_ref.at[:, pl.ds(n0, bn)],
@@ -186,21 +207,25 @@ def fused_glu(x, weights, activation, config: GatedLinearUnitConfig) -> jax.Arra
 
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+  out_type = [jax.ShapeDtypeStruct((m, n), dtype)]
+  if keep_projections:
+    out_type.append(jax.ShapeDtypeStruct((m, 2 * n), dtype))
   call = _common.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((m, n), dtype),
+      kernel, out_type=tuple(out_type),
       grid=(_common.num_sms(),), grid_names=("sm",), num_threads=3,
       thread_name="wg", compiler_params=_common.compiler_params())
-  out = call(x, w2)
-  if (m, n) != (m_orig, n_orig):
-    out = out[:m_orig, :n_orig]
-  return out
+  out, *h = call(x, w2)
+  out = out[:m_orig, :n_orig]
+  if not keep_projections:
+    return out
+  return out, h[0].reshape(m, 2, n)[:m_orig, :, :n_orig]
 
 
-def _heuristic(args) -> GatedLinearUnitConfig:
+def _heuristic(args, keep_projections: bool = False) -> GatedLinearUnitConfig:
   itemsize = jnp.dtype(args.x.dtype).itemsize
   for block_n, stages in ((128, 4), (128, 3), (64, 4)):
     config = GatedLinearUnitConfig(block_n=block_n, num_stages=stages)
-    if smem_bytes(config, itemsize) <= _common.SMEM_LIMIT:
+    if smem_bytes(config, itemsize, keep_projections) <= _common.SMEM_LIMIT:
       return config
   return GatedLinearUnitConfig(block_n=64, block_k=32, num_stages=3)
 
@@ -255,7 +280,25 @@ class MosaicGpuGatedLinearUnit(Op):
     return _search_space(args)
 
   def forward(self, args, config):
-    return fused_glu(args.x, args.weights, args.activation, config), {}
+    if not self.residuals_wanted():
+      return fused_glu(args.x, args.weights, args.activation, config), {}
+    out, projections = fused_glu(args.x, args.weights, args.activation,
+                                 _room_for_projections(args, config),
+                                 keep_projections=True)
+    return out, {"projections": projections}
+
+
+def _room_for_projections(args, config: GatedLinearUnitConfig) -> GatedLinearUnitConfig:
+  """`config` (chosen for a forward without projections: tuned data is keyed by
+  the call only) with fewer stages where the projections' staging tile needs the
+  room; the heuristic's choice where no number of stages leaves enough."""
+  itemsize = jnp.dtype(args.x.dtype).itemsize
+  fits = lambda c: smem_bytes(c, itemsize, keep_projections=True) <= _common.SMEM_LIMIT
+  for stages in range(config.num_stages, 1, -1):
+    candidate = dataclasses.replace(config, num_stages=stages)
+    if fits(candidate):
+      return candidate
+  return _heuristic(args, keep_projections=True)
 
 
 # ----------------------------------------------------------------------------
@@ -537,7 +580,7 @@ class MosaicGpuGatedLinearUnitVjp(VjpOp):
   config_cls = GatedLinearUnitVjpConfig
 
   def check_supported(self, args, device, residuals=None):
-    del residuals  # Recomputes the projections; needs none.
+    del residuals  # Recomputes the projections where the forward kept none.
     _common.check_hopper_device(device)
     _check_vjp_args(args)
 
@@ -548,7 +591,12 @@ class MosaicGpuGatedLinearUnitVjp(VjpOp):
     return _vjp_search_space(args)
 
   def backward(self, args, residuals, out, dout, config):
-    del residuals, out
+    del out
+    if "projections" in residuals:
+      # The forward kept the projections: dh is elementwise and dx, dw are two
+      # dense matmuls, which XLA's (cuBLAS) runs faster than our grouped-matmul
+      # kernel at one group (notes/MEASUREMENTS.md, session 7).
+      return args.backward_from_projections(residuals["projections"], dout)
     config = config or self.heuristic_config(args)
     needed = dh_smem_bytes(config.dh_config(), jnp.dtype(args.x.dtype).itemsize)
     if needed > _common.SMEM_LIMIT:

@@ -479,7 +479,11 @@ class TritonGatedLinearUnitVjp(tokamax.VjpOp):
     return _search_space(args)
 
   def backward(self, args, residuals, out, dout, config):
-    del residuals, out
+    del out
+    if "projections" in residuals:
+      # The forward kept the projections: no recompute kernel is needed, only the
+      # elementwise dh and the two XLA matmuls.
+      return args.backward_from_projections(residuals["projections"], dout)
     _check_config(config)
     x = args.x
     m, k = x.shape

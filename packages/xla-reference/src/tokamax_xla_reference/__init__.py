@@ -11,6 +11,7 @@ from tokamax_xla_reference.attention import attention_chunked
 from tokamax_xla_reference.attention import attention_chunked_backward
 from tokamax_xla_reference.attention import cudnn_attention
 from tokamax_xla_reference.attention import cudnn_unsupported_reason
+from tokamax_xla_reference.attention import cudnn_window
 from tokamax_xla_reference.attention import visibility
 from tokamax_xla_reference.gated_linear_unit import gated_linear_unit
 from tokamax_xla_reference.layer_norm import layer_norm
@@ -24,6 +25,7 @@ __all__ = [
     "attention_chunked_backward",
     "cudnn_attention",
     "cudnn_unsupported_reason",
+    "cudnn_window",
     "gated_linear_unit",
     "layer_norm",
     "ragged_dot",

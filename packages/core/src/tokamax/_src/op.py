@@ -29,6 +29,26 @@ def opaque_residuals_allowed() -> bool:
   return _OPAQUE_RESIDUALS.get()
 
 
+# Whether the forward being traced feeds a backward (a `jax.grad`/`jax.vjp` trace).
+# Residuals an op documents as optional (the GLU's projections) cost memory
+# traffic and are worth writing only then.
+_FOR_BACKWARD = contextvars.ContextVar("tokamax_for_backward", default=False)
+
+
+def for_backward() -> bool:
+  """True while dispatch traces a forward whose residuals a backward will read."""
+  return _FOR_BACKWARD.get()
+
+
+@contextlib.contextmanager
+def forward_for_backward():
+  token = _FOR_BACKWARD.set(True)
+  try:
+    yield
+  finally:
+    _FOR_BACKWARD.reset(token)
+
+
 @contextlib.contextmanager
 def allow_opaque_residuals():
   token = _OPAQUE_RESIDUALS.set(True)
@@ -147,6 +167,12 @@ class Op(abc.ABC):
 
   def __call__(self, args: Any):
     return self.forward(args, self.resolve_config(args))
+
+  @staticmethod
+  def residuals_wanted() -> bool:
+    """Whether a backward will read this forward's residuals: an op's optional
+    residuals (see its Args docstring) should be returned only then."""
+    return for_backward()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -350,7 +350,7 @@ def gated_linear_unit_plan(mesh, shapes, specs, supports) -> Plan:
   M = tuple(_entry(axes) for axes in mx)
   N = _entry(nx)
   arg_specs = dataclasses.replace(shapes, x=P(*M, None), weights=P(None, None, N))
-  return Plan(args=arg_specs, out=P(*M, N), residuals={})
+  return Plan(args=arg_specs, out=P(*M, N), residuals={"projections": P(*M, None, N)})
 
 
 def _elementwise(activation) -> bool:
@@ -418,7 +418,8 @@ _LABELS = {
         dict(out="btnd", lse="bnt")),
     "layer_norm": (dict(x="rd", scale="d", offset="d"),
                    dict(out="rd", mean="r", rstd="r")),
-    "gated_linear_unit": (dict(x="mk", weights="kpn"), dict(out="mn")),
+    "gated_linear_unit": (dict(x="mk", weights="kpn"),
+                          dict(out="mn", projections="mpn")),
     "ragged_dot": (dict(lhs="mk", rhs="gkn", group_sizes="G", group_offset=""),
                    dict(out="mn")),
 }

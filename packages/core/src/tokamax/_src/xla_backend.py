@@ -161,7 +161,7 @@ def _cudnn_check(args, device, backward: bool = False):
   reason = _ref().cudnn_unsupported_reason(
       args.query, args.key, args.value, logits_soft_cap=args.logits_soft_cap,
       q_segment_ids=args.q_segment_ids, platform=device.platform, bias=args.bias,
-      mask=args.mask)
+      mask=args.mask, is_causal=args.is_causal, local_window=args.local_window)
   if reason is None and not device.is_nvidia_gpu:
     reason = "cuDNN attention needs an NVIDIA GPU"
   if reason is not None:
@@ -267,7 +267,12 @@ class XlaGatedLinearUnit(Op):
   name = "xla"
 
   def forward(self, args, config):
-    return _glu(args), {}
+    if not self.residuals_wanted():
+      return _glu(args), {}
+    out, projections = _ref().gated_linear_unit(
+        args.x, args.weights, activation=args.activation, precision=args.precision,
+        return_projections=True)
+    return out, {"projections": projections}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,6 +281,8 @@ class XlaGatedLinearUnitVjp(VjpOp):
   name = "xla"
 
   def backward(self, args, residuals, out, dout, config):
+    if "projections" in residuals:
+      return args.backward_from_projections(residuals["projections"], dout)
     return _autodiff_backward(_glu, args, ("x", "weights"), dout)
 
 

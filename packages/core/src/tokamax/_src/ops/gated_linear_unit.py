@@ -29,7 +29,10 @@ class GatedLinearUnitArgs:
   - precision: for the matmuls.
 
   ``out = activation(x @ w_gate) * (x @ w_up)``, accumulated in float32, in x's
-  dtype. Residuals: ``{}`` (backward implementations recompute the projections).
+  dtype. Residuals: ``{}``, or, optionally, ``{"projections": [M, 2, N]}``: the
+  pre-activations ``x @ weights`` in x's dtype, which a forward returns only when
+  `Op.residuals_wanted()` (a backward then needs no projection matmul: see
+  `backward_from_projections`); without them a backward recomputes them.
   """
 
   x: jax.Array
@@ -37,6 +40,35 @@ class GatedLinearUnitArgs:
   activation: Callable[[jax.Array], jax.Array] | None = dataclasses.field(
       default=None, metadata=dict(static=True))
   precision: Any = dataclasses.field(default=None, metadata=dict(static=True))
+
+  def backward_from_projections(self, projections: jax.Array,
+                                dout: jax.Array) -> dict[str, jax.Array]:
+    """``{"x": dx, "weights": dw}`` from the forward's projections residual.
+
+    Two matmuls, the work of the plain-JAX backward: ``dh = [dout * up *
+    act'(gate), dout * act(gate)]`` (float32, then x's dtype), ``dx = dh @ w^T``
+    and ``dw = x^T @ dh`` with float32 accumulation (XLA: cuBLAS on NVIDIA).
+    """
+    m, k = self.x.shape
+    n = self.weights.shape[2]
+    dtype = self.x.dtype
+    gate = projections[:, 0].astype(jnp.float32)
+    up = projections[:, 1].astype(jnp.float32)
+    dy = dout.astype(jnp.float32)
+    if self.activation is None:
+      activated, d_gate = gate, dy * up
+    else:
+      activated, act_vjp = jax.vjp(self.activation, gate)
+      (d_gate,) = act_vjp(dy * up)
+    dh = jnp.stack([d_gate, dy * activated], axis=1).astype(dtype).reshape(m, 2 * n)
+    w2 = self.weights.reshape(k, 2 * n)
+    # The products come out in x's dtype: the matmul accumulates in float32 and
+    # rounds once (no float32 [M, K] / [K, 2N] through memory).
+    dx = jax.lax.dot_general(dh, w2, (((1,), (1,)), ((), ())), precision=self.precision,
+                             preferred_element_type=dtype)
+    dw = jax.lax.dot_general(self.x, dh, (((0,), (0,)), ((), ())),
+                             precision=self.precision, preferred_element_type=dtype)
+    return {"x": dx, "weights": dw.reshape(k, 2, n)}
 
 
 DIFF_FIELDS = ("x", "weights")
