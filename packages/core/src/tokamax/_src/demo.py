@@ -3,16 +3,23 @@
 norm -> attention -> norm -> SwiGLU, then an MoE layer (top-1 routing, tokens
 sorted by expert, two ragged_dots), forward and backward with
 ``implementation=None``. Prints which implementation ran each op forward and
-backward, each op's max error against the XLA reference (float32 inputs,
-HIGHEST precision), and each usable implementation's time side by side.
+backward; each op's output and gradient error against the XLA reference (float32
+inputs, HIGHEST precision) beside the dtype's tolerance from the conformance suite
+(`tokamax.testing.TOLERANCES`) and whether it is within it; and each usable
+implementation's forward and forward+backward time side by side.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import tokamax
+from tokamax import testing
+from tokamax.testing import _conformance
 from tokamax._src import bench
 from tokamax._src import introspection
 
@@ -98,11 +105,67 @@ def _op_calls(cfg, key):
   }, up
 
 
+@dataclasses.dataclass(frozen=True)
+class Accuracy:
+  """One result against its reference, measured as `testing.assert_close` does."""
+
+  rel_l2: float  # relative L2 error
+  max_abs: float  # max |result - reference| / max(1, max |reference|)
+  tolerance: tuple[float, float]  # (rel_l2, max_abs) allowed for the dtype
+  ok: bool  # what `testing.assert_close` says (it alone decides)
+
+
+def accuracy(actual, expected, dtype, *, scale: float = 1.0) -> Accuracy:
+  """How far `actual` is from `expected`, against the tolerance for `dtype`.
+
+  `scale` widens the tolerance as the conformance suite does (2 for gradients).
+  """
+  name = jnp.dtype(dtype).name
+  gpu = jax.default_backend() == "gpu"
+  try:
+    testing.assert_close(actual, expected, dtype, scale=scale, gpu=gpu)
+    ok = True
+  except AssertionError:
+    ok = False
+  rel_tol, abs_tol = testing.TOLERANCES[name]
+  if gpu and name == "float32":  # TF32 matmuls: assert_close allows more
+    rel_tol, abs_tol = _conformance._GPU_F32_TOLERANCE  # pylint: disable=protected-access
+  a = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+  e = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
+  peak = float(np.max(np.abs(e))) if e.size else 0.0
+  max_abs = float(np.max(np.abs(a - e))) / max(peak, 1.0) if e.size else 0.0
+  return Accuracy(testing.relative_l2_error(a, e), max_abs,
+                  (rel_tol * scale, abs_tol * scale), ok)
+
+
+def worst(accuracies: list[Accuracy]) -> Accuracy:
+  """The failing one if any, else the one closest to its tolerance."""
+  return max(accuracies, key=lambda a: (not a.ok, max(a.rel_l2 / a.tolerance[0],
+                                                      a.max_abs / a.tolerance[1])))
+
+
+_ACCURACY_HEADER = f"{'rel L2':>8} {'max abs*':>8}  <= tolerance"
+
+
+def format_accuracy(acc: Accuracy) -> str:
+  return (f"{acc.rel_l2:8.2g} {acc.max_abs:8.2g}  <= {acc.tolerance[0]:<5.2g} "
+          f"{acc.tolerance[1]:<5.2g} {'ok' if acc.ok else 'FAIL'}")
+
+
+def _time_ms(fn, args) -> str:
+  try:
+    ms, _ = bench.kernel_time_ms(fn, args, iterations=5)
+  except NotImplementedError:
+    return "n/a"
+  return f"{ms:.2f}"
+
+
 def run() -> None:
   platform = jax.default_backend()
   cfg = _shapes(platform)
+  dtype = jnp.dtype(cfg["dtype"])
   print(f"tokamax {tokamax.__version__} demo on {jax.devices()[0].device_kind} "
-        f"({platform}), JAX {jax.__version__}, dtype {jnp.dtype(cfg['dtype']).name}")
+        f"({platform}), JAX {jax.__version__}, dtype {dtype.name}")
   params = _params(cfg, jax.random.key(0))
   x = jax.random.normal(jax.random.key(1), (cfg["batch"], cfg["seq"], cfg["hidden"]),
                         jnp.float32).astype(cfg["dtype"])
@@ -121,26 +184,54 @@ def run() -> None:
         f"|grad| finite: {all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))}")
 
   calls, upcast = _op_calls(cfg, jax.random.key(3))
-  print()
-  header = f"{'op':<22} {'forward':<12} {'backward':<12} {'max |err| vs XLA f32':>21}   time per implementation (forward, ms)"
+  print(f"\nEach op alone, implementation=None against the XLA reference in float32 "
+        f"at HIGHEST precision; tolerance: tokamax.testing.TOLERANCES[{dtype.name!r}] "
+        "(x2 for gradients, as the conformance suite allows)")
+  width = len(format_accuracy(Accuracy(0.0, 0.0, (0.0, 0.0), False)))
+  print(f"{'':<48} {'output':<{width}}   gradients (worst of the inputs)")
+  header = (f"{'op':<22} {'forward':<12} {'backward':<12} "
+            f"{_ACCURACY_HEADER:<{width}}   {_ACCURACY_HEADER}")
   print(header)
   print("-" * len(header))
+  timings = []
+  failed = False
   for op, (fn, args) in calls.items():
     ref = fn(upcast(args), "xla", HIGHEST)
     out = jax.jit(lambda a: fn(a, None, None))(args)
-    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
-    times = []
-    for status in introspection.implementations(op):
-      if not status.usable:
-        continue
-      try:
-        ms, _ = bench.kernel_time_ms(
-            jax.jit(lambda a, i=status.name: fn(a, i, None)), args, iterations=5)
-        times.append(f"{status.name} {ms:.2f}")
-      except NotImplementedError:
-        times.append(f"{status.name} n/a")
+    out_acc = accuracy(out, ref, dtype)
+    # Exact in the input dtype, so the float32 reference sees the same cotangent.
+    cotangent = jax.random.normal(jax.random.key(4), out.shape, jnp.float32).astype(
+        dtype).astype(jnp.float32)
+
+    def loss_of(i, p, fn=fn, cotangent=cotangent):
+      return lambda a: jnp.sum(fn(a, i, p).astype(jnp.float32) * cotangent)
+
+    got = jax.jit(jax.grad(loss_of(None, None)))(args)
+    want = jax.grad(loss_of("xla", HIGHEST))(upcast(args))
+    grad_acc = worst([accuracy(g, w, dtype, scale=2.0) for g, w in zip(got, want)])
+    failed |= not (out_acc.ok and grad_acc.ok)
     fwd = ",".join(sorted(chosen.get((op, "forward"), {"-"})))
     bwd = ",".join(sorted(chosen.get((op, "backward"), {"-"})))
-    print(f"{op:<22} {fwd:<12} {bwd:<12} {err:>21.3g}   {' | '.join(times)}")
-  print(f"\n(times: median of 5, {'CUPTI kernel time' if platform == 'gpu' else 'wall clock'}"
-        "; `python -m tokamax bench` runs the reference shapes)")
+    print(f"{op:<22} {fwd:<12} {bwd:<12} {format_accuracy(out_acc):<{width}}   "
+          f"{format_accuracy(grad_acc)}")
+    for status in introspection.implementations(op):
+      if status.usable:
+        timings.append((op, status.name,
+                        _time_ms(jax.jit(lambda a, i=status.name: fn(a, i, None)), args),
+                        _time_ms(jax.jit(jax.grad(loss_of(status.name, None))), args)))
+  print("* max |result - reference| / max(1, max |reference|), as "
+        "tokamax.testing.assert_close measures it")
+  if failed:
+    print("FAIL: an op is outside the tolerance the conformance suite allows")
+
+  method = "CUPTI kernel time" if platform == "gpu" else "wall clock"
+  header = f"\n{'op':<22} {'implementation':<16} {'forward ms':>11} {'fwd+bwd ms':>11}"
+  print(header)
+  print("-" * (len(header) - 1))
+  previous = None
+  for op, name, forward_ms, both_ms in timings:
+    print(f"{op if op != previous else '':<22} {name:<16} {forward_ms:>11} {both_ms:>11}")
+    previous = op
+  print(f"\n(times: median of 5, {method}; fwd+bwd: the gradient of a sum, with the "
+        "backward dispatched as for a training step; `python -m tokamax bench` runs "
+        "the reference shapes)")
