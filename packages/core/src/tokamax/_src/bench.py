@@ -24,6 +24,7 @@ import numpy as np
 import tokamax
 from tokamax._src import benchmarking
 from tokamax._src import introspection
+from tokamax._src import model_bench
 
 BF16 = jnp.bfloat16
 
@@ -35,15 +36,6 @@ def kernel_time_ms(f: Callable, *args, iterations: int = 10) -> tuple[float, str
   """
   data = benchmarking.benchmark(f, args, iterations=iterations)
   return data.median_evaluation_time_ms, data.method
-
-
-def time_and_output(f: Callable, *args, iterations: int = 10) -> tuple[float, str, Any]:
-  """`kernel_time_ms` that also returns one output of the compiled function (the
-  same executable that was timed, so nothing is compiled twice)."""
-  f_std, flat = benchmarking.standardize_function(f, *args)
-  run = benchmarking.compile_benchmark(f_std, flat)
-  data = run(flat, iterations=iterations)
-  return data.median_evaluation_time_ms, data.method, run.compiled(*flat)
 
 
 def format_rate(rate: float) -> str:
@@ -154,10 +146,7 @@ def _glu(m, k, n) -> Problem:
     return (_rand(ks[0], (m, k)), _rand(ks[1], (k, 2, n), scale=k**-0.5))
 
   def xla(a):
-    x, w = a
-    gate = jnp.dot(x, w[:, 0], preferred_element_type=jnp.float32)
-    up = jnp.dot(x, w[:, 1], preferred_element_type=jnp.float32)
-    return (jax.nn.silu(gate) * up).astype(x.dtype)
+    return model_bench.plain_glu(*a)
   return Problem("gated_linear_unit", f"silu x{m}x{k} w{k}x2x{n}", make,
                  lambda a, i: tokamax.gated_linear_unit(*a, activation=jax.nn.silu,
                                                         implementation=i),
@@ -220,7 +209,6 @@ def _fwd_bwd(fn: Callable, inputs: tuple) -> tuple[Callable, tuple]:
 
 
 def _pair_tolerance(dtype: str) -> float:
-  from tokamax._src import model_bench  # pylint: disable=g-import-not-at-top
   return model_bench.PAIR_TOLERANCE.get(dtype, 4e-2)
 
 
@@ -229,7 +217,6 @@ def run_problem(problem: Problem, implementations: list[str | None],
   """One row per candidate and direction: time, rate, ratio to the first peer
   (``vs_peer``) and relative L2 error against the reference candidate
   (``rel_err``, with ``tol``; outputs and gradients, the worst leaf)."""
-  from tokamax._src import model_bench  # pylint: disable=g-import-not-at-top
   inputs = problem.make_inputs()
   rows = []
   candidates = [(f"tokamax {i or 'auto'}", lambda a, i=i: problem.call(a, i))
@@ -250,7 +237,7 @@ def run_problem(problem: Problem, implementations: list[str | None],
           f, args = jax.jit(fn), (inputs,)
         else:
           f, args = _fwd_bwd(fn, inputs)
-        ms, method, out = time_and_output(f, *args, iterations=iterations)
+        ms, method, out = benchmarking.time_and_output(f, *args, iterations=iterations)
       except Exception as e:  # pylint: disable=broad-except
         by_label[label] = dict(op=problem.op, shape=problem.name, direction=direction,
                                implementation=label,
@@ -521,7 +508,6 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
 
 
 def _run(ops, iterations, implementations, sweep, models, quick, sizes):
-  from tokamax._src import model_bench  # pylint: disable=g-import-not-at-top
   quick = use_quick_shapes(quick)
   suite = quick_suite() if quick else reference_suite()
   run_ops = ops is not None or not models

@@ -668,3 +668,12 @@ def benchmark(f: Callable[..., Any], args: Sequence[Any], method: str | None = N
   f_std, flat_args = standardize_function(f, *args)
   run = compile_benchmark(f_std, flat_args)
   return run(flat_args, method=method, iterations=iterations, warmup=warmup)
+
+
+def time_and_output(f: Callable, *args, iterations: int = 10) -> tuple[float, str, Any]:
+  """``(median ms, method, output)`` of ``f(*args)``: `benchmark`'s time and one
+  output of the executable it timed (nothing is compiled twice)."""
+  f_std, flat = standardize_function(f, *args)
+  run = compile_benchmark(f_std, flat)
+  data = run(flat, iterations=iterations)
+  return data.median_evaluation_time_ms, data.method, run.compiled(*flat)
