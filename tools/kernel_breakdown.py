@@ -2,6 +2,7 @@
 
     python tools/kernel_breakdown.py --op dot_product_attention \\
         --implementation mosaic_gpu --shape "B4 T4096 N16 H128" [--direction forward]
+    python tools/kernel_breakdown.py --model dense [--size seq=2048]
 
 Prints, for each matching problem, every GPU kernel the forward (or forward+backward)
 launches with its median time over the iterations, so that a slow step can be pinned
@@ -19,6 +20,7 @@ import jax
 from jax.experimental.mosaic.gpu import profiler
 
 from tokamax._src import bench
+from tokamax._src import model_bench
 
 
 def breakdown(f, args, iterations: int) -> list[tuple[str, float]]:
@@ -44,9 +46,36 @@ def report(label: str, f, args, iterations: int) -> None:
     print(f"    {ms:8.3f} ms  {100 * ms / total:5.1f}%  {name[:110]}", flush=True)
 
 
+def report_by_name(label: str, f, args, iterations: int) -> None:
+  """Kernels summed by name, the largest first (a training step launches hundreds)."""
+  totals = collections.Counter()
+  counts = collections.Counter()
+  for name, ms in breakdown(f, args, iterations):
+    totals[name] += ms
+    counts[name] += 1
+  total = sum(totals.values())
+  print(f"  {label}: {total:.3f} ms in {sum(counts.values())} kernels", flush=True)
+  for name, ms in totals.most_common():
+    if ms >= 0.005 * total:
+      print(f"    {ms:8.3f} ms  {100 * ms / total:5.1f}%  x{counts[name]:<3d} {name[:100]}",
+            flush=True)
+
+
+def model_breakdown(model: str, sizes: dict[str, str], iterations: int) -> None:
+  """The plain-JAX and the tokamax training step of `model`, kernel by kernel."""
+  size = model_bench.make_size(model, False, sizes)
+  params, x, dy = model_bench.inputs(model, size)
+  print(f"## model {model} {size.describe()}", flush=True)
+  for program in ("plain", "tokamax"):
+    step = model_bench.training_step(model, size, program)
+    report_by_name(program, step, (params, x, dy), iterations)
+
+
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("--op", action="append", required=True)
+  parser.add_argument("--model", choices=("dense", "moe"))
+  parser.add_argument("--size", action="append", default=[], help="KEY=VALUE")
+  parser.add_argument("--op", action="append", default=[])
   parser.add_argument("--implementation", action="append", default=[])
   parser.add_argument("--shape", help="substring of the problem name")
   parser.add_argument("--direction", choices=("forward", "forward+backward"),
@@ -54,6 +83,9 @@ def main():
   parser.add_argument("--peers", action="store_true")
   parser.add_argument("--iterations", type=int, default=5)
   args = parser.parse_args()
+  if args.model:
+    model_breakdown(args.model, dict(kv.split("=", 1) for kv in args.size),
+                    args.iterations)
   for problem in bench.reference_suite():
     if problem.op not in args.op or (args.shape and args.shape not in problem.name):
       continue

@@ -6,8 +6,10 @@
 ``--match FIELD=VALUE`` keeps only configs whose field prints as VALUE (repeatable;
 the heuristic config is always timed, for reference).
 
-Forward configs are timed on the forward; backward configs on forward+backward with
-the forward at its heuristic config. CUPTI kernel time on GPUs.
+Forward configs are timed on the forward (with ``--training``: on forward+backward,
+where the forward keeps the residuals a training step asks of it, e.g. the GLU's
+projections); backward configs on forward+backward with the forward at its
+heuristic config. CUPTI kernel time on GPUs.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def _field_value(text: str) -> tuple[str, str]:
 
 
 def tune(problem: bench.Problem, implementation: str, iterations: int,
-         directions=("forward", "forward+backward"), match=None) -> None:
+         directions=("forward", "forward+backward"), match=None,
+         training: bool = False) -> None:
   entry = registry.find(problem.op, implementation)
   fwd_cls, bwd_cls = registry.forward_class(entry), registry.backward_class(entry)
   inputs = problem.make_inputs()
@@ -82,7 +85,7 @@ def tune(problem: bench.Problem, implementation: str, iterations: int,
       source = _Fixed(cls, config)
       try:
         with config_sources.use(source):
-          if direction == "forward":
+          if direction == "forward" and not training:
             f, fargs = jax.jit(lambda a: problem.call(a, implementation)), (inputs,)
           else:
             f, fargs = bench._fwd_bwd(lambda a: problem.call(a, implementation), inputs)  # pylint: disable=protected-access
@@ -102,6 +105,8 @@ def main():
   parser.add_argument("--iterations", type=int, default=5)
   parser.add_argument("--direction", choices=("forward", "forward+backward"),
                       help="tune only the forward or only the backward configs")
+  parser.add_argument("--training", action="store_true",
+                      help="time forward configs in forward+backward")
   parser.add_argument("--match", action="append", default=[], metavar="FIELD=VALUE",
                       type=_field_value,
                       help="only configs whose FIELD prints as VALUE (repeatable)")
@@ -110,7 +115,8 @@ def main():
   directions = (args.direction,) if args.direction else ("forward", "forward+backward")
   for problem in bench.reference_suite():
     if problem.op in args.op and (not args.shape or args.shape in problem.name):
-      tune(problem, args.implementation, args.iterations, directions, match)
+      tune(problem, args.implementation, args.iterations, directions, match,
+           args.training)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,16 @@ The weights ``[K, 2, N]`` are read as ``[K, 2N]`` (a free reshape): gate columns
 at ``[0, N)``, up columns at ``[N, 2N)``. Shapes that are not multiples of the
 128-byte swizzle (64 elements) are zero-padded first (a copy, only then).
 
-Backward (`glu_backward`), with ``h = x @ w`` the ``[M, 2N]`` pre-activations
-(gate, up) and ``dh = [dy * up * act'(gate), dy * act(gate)]``:
+In a training step (`Op.residuals_wanted()`), the epilogue also stores the gate
+and up tiles: the ``projections`` residual ``h = x @ w``. The backward then needs
+no projection matmul: ``dh`` is elementwise and ``dx``, ``dw`` are two dense
+matmuls, which `GatedLinearUnitArgs.backward_from_projections` runs through XLA
+(cuBLAS beats our grouped-matmul kernel at one group). The projections cost the
+epilogue a second staging tile, so the forward then runs with one stage fewer
+where shared memory asks for it (`_room_for_projections`).
+
+Backward without projections (`glu_backward`), with ``h = x @ w`` the ``[M, 2N]``
+pre-activations (gate, up) and ``dh = [dy * up * act'(gate), dy * act(gate)]``:
 
 1. ``dh`` comes from one kernel, `_glu_dh`: the forward's kernel whose epilogue
    loads the ``dy`` tile (TMA, issued before the K loop so it lands meanwhile)

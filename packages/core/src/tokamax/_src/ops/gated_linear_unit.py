@@ -52,15 +52,13 @@ class GatedLinearUnitArgs:
     m, k = self.x.shape
     n = self.weights.shape[2]
     dtype = self.x.dtype
-    gate = projections[:, 0].astype(jnp.float32)
-    up = projections[:, 1].astype(jnp.float32)
-    dy = dout.astype(jnp.float32)
-    if self.activation is None:
-      activated, d_gate = gate, dy * up
-    else:
-      activated, act_vjp = jax.vjp(self.activation, gate)
-      (d_gate,) = act_vjp(dy * up)
-    dh = jnp.stack([d_gate, dy * activated], axis=1).astype(dtype).reshape(m, 2 * n)
+    activation = self.activation or (lambda gate: gate)
+
+    def epilogue(h):  # [M, 2N] (gate | up) -> [M, N], in float32
+      return activation(h[:, :n]) * h[:, n:]
+    _, epilogue_vjp = jax.vjp(epilogue, projections.reshape(m, 2 * n).astype(jnp.float32))
+    (dh,) = epilogue_vjp(dout.astype(jnp.float32))
+    dh = dh.astype(dtype)
     w2 = self.weights.reshape(k, 2 * n)
     # The products come out in x's dtype: the matmul accumulates in float32 and
     # rounds once (no float32 [M, K] / [K, 2N] through memory).
