@@ -1,0 +1,615 @@
+"""GPU conformance sweep of `tokamax.dot_product_attention` at realistic sizes.
+
+The conformance suite (`tokamax.testing`) uses small shapes, so some paths never run
+there: jax.nn's cuDNN path, for one, only takes calls at sizes where it can run. This
+sweep checks every registered GPU implementation of attention (found through the
+registry, not a fixed list) and ``implementation=None`` against the float32 XLA
+reference (`tokamax_xla_reference.attention` on float32 upcasts at
+``Precision.HIGHEST``, run over query blocks where the dense scores would not fit)
+at T, S up to 16384, T != S, odd lengths, over windows (with and without
+``is_causal``), per-batch lengths with rows that see no key, segment ids, bias,
+mask, logits soft cap, GQA/MQA, head dims 64/128/256, bfloat16 and float16: the
+forward (alone, and the one that feeds the backward) and dq, dk, dv, dbias for a
+random cotangent.
+
+Per case and implementation: a `NotImplementedError` is a refusal (a skip, with the
+reason); a result must be within the dtype's tolerance of `tokamax.testing` (the
+relative L2 and max-abs checks of `testing.assert_close`; gradients at twice the
+forward's, as the conformance suite does). A wrong result is a failure. Dispatch
+records show that the named implementation ran the forward; the backward that ran
+is recorded (it may be another implementation's).
+
+Run it on a GPU (5 minutes on one H200: 158 tests, 307 s; --dist loadgroup keeps
+each case's reference on one worker, computed once)::
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python -m pytest -n 4 --dist loadgroup \\
+        -m gpu integration_tests/test_gpu_attention_sweep.py -rs
+
+``TOKAMAX_SWEEP_LOG=<file>`` appends one JSON line per test (status, which
+implementations ran forward and backward, errors, seconds).
+``TOKAMAX_SWEEP_SCALE=<factor>`` multiplies every length (and large window) by the
+factor, so the same sweep runs on a CPU (`xla_chunked`, `xla`, `triton` in interpret
+mode; the others refuse there)::
+
+    TOKAMAX_SWEEP_SCALE=0.01 python -m pytest -m gpu \\
+        integration_tests/test_gpu_attention_sweep.py -k "xla_chunked and t4097s3001"
+
+Without a GPU and without that variable, the sweep's tests skip. `test_harness_smoke`
+(not marked gpu) runs a few tiny cases through the same harness on any machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tokamax
+from tokamax import testing
+from tokamax.testing import _conformance
+
+OP = "dot_product_attention"
+_ON_GPU = jax.default_backend() == "gpu"
+_SCALE_ENV = "TOKAMAX_SWEEP_SCALE"
+_LOG_ENV = "TOKAMAX_SWEEP_LOG"
+# Dense float32 scores of the reference in one block at most this many elements
+# (B * N * T_block * S): 2**27 is 512 MiB, a few GiB with autodiff's temporaries.
+_REFERENCE_BLOCK_ELEMENTS = 2**27
+# Gradients are compared at twice the forward's tolerance (as `testing.check_case`).
+_GRAD_TOLERANCE_SCALE = 2.0
+
+
+# ---------------------------------------------------------------- the grid
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepCase:
+  """One attention call of the sweep, at full scale.
+
+  Lengths (`t`, `s`, windows) are scaled by `TOKAMAX_SWEEP_SCALE` when inputs are
+  made; per-batch sequence lengths are fractions of T and S.
+  """
+
+  size: str
+  feature: str
+  b: int
+  t: int
+  s: int
+  n: int
+  k: int
+  h: int = 128
+  dtype: str = "bfloat16"
+  is_causal: bool = False
+  window: tuple[int | None, int | None] | None = None
+  # Fractions of T and S for batch rows 0, 1, ... (the first B are used).
+  q_lengths: tuple[float, ...] | None = None
+  kv_lengths: tuple[float, ...] | None = None
+  segments: bool = False
+  bias: str | None = None  # which dims are full: "BNTS", "1NTS", "B1TS"
+  mask: str | None = None
+  soft_cap: float | None = None
+
+  @property
+  def id(self) -> str:
+    return f"{self.size}-{self.feature}-{self.dtype}-h{self.h}"
+
+  def __str__(self):
+    return self.id
+
+
+SIZES = {
+    # T != S, odd lengths; GQA.
+    "t4097s3001": dict(b=2, t=4097, s=3001, n=4, k=2),
+    # T < S, odd lengths; MQA.
+    "t1023s4097": dict(b=2, t=1023, s=4097, n=4, k=1),
+    # Long: T = S = 16384; GQA.
+    "t16384": dict(b=1, t=16384, s=16384, n=4, k=2),
+}
+
+# Window sizes are in full-scale positions: "large" ones shrink with the scale.
+FEATURES = {
+    "base": dict(),
+    "causal": dict(is_causal=True),
+    "win_L0_large": dict(window=(1000, 0)),
+    "win_L0_small": dict(window=(7, 0)),
+    "win_0R": dict(window=(0, 300)),
+    "win_LR": dict(window=(128, 64)),
+    "win_L_unbounded": dict(window=(500, None)),  # right side None: unbounded
+    "win_L0_causal": dict(window=(1000, 0), is_causal=True),
+    "win_LR_causal": dict(window=(33, 900), is_causal=True),
+    "win_0R_causal": dict(window=(0, 5), is_causal=True),
+    "lengths": dict(q_lengths=(1.0, 0.55), kv_lengths=(0.4, 0.0)),
+    "lengths_causal": dict(q_lengths=(0.8, 0.25), kv_lengths=(0.3, 1.0),
+                           is_causal=True),
+    "lengths_window": dict(kv_lengths=(0.5, 0.1), window=(200, 0)),
+    "segments": dict(segments=True),
+    "segments_causal": dict(segments=True, is_causal=True),
+    "bias": dict(bias="1NTS"),
+    "bias_causal": dict(bias="B1TS", is_causal=True),
+    "mask": dict(mask="B1TS"),
+    "mask_bias_window": dict(mask="1NTS", bias="B1TS", window=(300, 300)),
+    "soft_cap": dict(soft_cap=2.0),
+    "soft_cap_causal_window": dict(soft_cap=2.0, is_causal=True, window=(256, 0)),
+    "combined": dict(is_causal=True, window=(1000, 0), segments=True,
+                     kv_lengths=(0.9, 0.6), soft_cap=8.0),
+    "combined_no_segments": dict(is_causal=True, window=(300, 0), bias="B1TS",
+                                 q_lengths=(0.7, 1.0), kv_lengths=(1.0, 0.5)),
+}
+
+# Every feature at bfloat16, head dim 128 on the first size; a subset on the others.
+# Compile time dominates (a few seconds per implementation and case, 15 for some
+# kernels), so the features are crossed with sizes, dtypes and head dims sparsely.
+_FEATURES_PER_SIZE = {
+    # The largest first: xdist hands out case groups in this order.
+    "t16384": ("causal", "win_L0_large", "win_LR", "lengths_window"),
+    "t4097s3001": ("base", "causal", "win_L0_large", "win_L0_small", "win_0R",
+                   "win_LR", "win_L0_causal", "win_LR_causal", "win_0R_causal",
+                   "lengths", "lengths_window", "bias", "mask", "mask_bias_window",
+                   "combined", "combined_no_segments"),
+    "t1023s4097": ("win_L0_large", "segments_causal", "bias_causal",
+                   "soft_cap_causal_window"),
+}
+# Dtypes and head dims crossed over a few features: (size, feature, dtype, h).
+_CROSSED = [
+    ("t16384", "win_L0_large", "float16", 128),
+    ("t4097s3001", "win_LR_causal", "float16", 128),
+    ("t4097s3001", "win_L0_large", "float16", 64),
+    ("t4097s3001", "causal", "bfloat16", 256),
+    ("t4097s3001", "win_LR", "float16", 256),
+    ("t1023s4097", "lengths", "float16", 64),
+]
+# "xla" is the reference's own dense code (it materializes [B, N, T, S]): checked
+# on these cases only.
+_DENSE_XLA_CASES = {
+    "t4097s3001-win_L0_large-bfloat16-h128", "t4097s3001-combined-bfloat16-h128",
+    "t4097s3001-combined_no_segments-bfloat16-h128",
+    "t4097s3001-mask_bias_window-bfloat16-h128", "t1023s4097-win_L0_large-bfloat16-h128",
+    "t16384-win_L0_large-bfloat16-h128", "t4097s3001-win_LR-float16-h256",
+    "t1023s4097-lengths-float16-h64",
+}
+
+
+def _make_case(size, feature, dtype="bfloat16", h=128) -> SweepCase:
+  return SweepCase(size=size, feature=feature, dtype=dtype, h=h, **SIZES[size],
+                   **FEATURES[feature])
+
+
+def sweep_cases() -> list[SweepCase]:
+  cases = [_make_case(size, f) for size, feats in _FEATURES_PER_SIZE.items()
+           for f in feats]
+  cases[len(_FEATURES_PER_SIZE["t16384"]):len(_FEATURES_PER_SIZE["t16384"])] = [
+      _make_case(*c) for c in _CROSSED]
+  assert len({c.id for c in cases}) == len(cases)
+  return cases
+
+
+def gpu_implementations() -> list[str]:
+  """The registered implementations of attention that can run on a GPU."""
+  # `tokamax.implementations()` names them; their platforms are in the registry.
+  from tokamax._src import registry  # pylint: disable=g-import-not-at-top
+  by_name = registry.get().by_name
+  names = []
+  for status in tokamax.implementations(OP):
+    entry = by_name.get((OP, status.name))
+    platforms = set(entry.spec.platforms) if entry is not None else set()
+    if platforms & {"gpu", "cuda"}:
+      names.append(status.name)
+  return names
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def _scaled(n: int, scale: float) -> int:
+  if scale == 1.0:
+    return n
+  m = max(1, int(round(n * scale)))
+  return m + 1 if n % 2 and not m % 2 else m  # odd stays odd
+
+
+def _scaled_window(w: int | None, scale: float) -> int | None:
+  return w if w is None or w < 32 else max(1, int(round(w * scale)))
+
+
+@dataclasses.dataclass
+class Inputs:
+  """One case's inputs, host-side (numpy), float arrays in the case's dtype."""
+
+  floats: dict[str, np.ndarray]  # query, key, value[, bias]
+  mask: np.ndarray | None
+  q_lengths: np.ndarray | None
+  kv_lengths: np.ndarray | None
+  q_segments: np.ndarray | None
+  kv_segments: np.ndarray | None
+  window: tuple[int | None, int | None] | None
+  scale: float
+  cotangent: np.ndarray  # exact in the dtype, stored as float32
+
+
+def make_inputs(case: SweepCase, scale: float) -> Inputs:
+  rng = np.random.default_rng(_conformance.default_seed(case.id))
+  dtype = jnp.dtype(case.dtype)
+  b, n, k, h = case.b, case.n, case.k, case.h
+  t, s = _scaled(case.t, scale), _scaled(case.s, scale)
+
+  def normal(shape):
+    return np.asarray(jnp.asarray(rng.standard_normal(shape, np.float32), dtype))
+
+  floats = dict(query=normal((b, t, n, h)), key=normal((b, s, k, h)),
+                value=normal((b, s, k, h)))
+  full = dict(B=b, N=n, T=t, S=s)
+  if case.bias:
+    floats["bias"] = normal(tuple(full.get(d, 1) for d in case.bias))
+  mask = None
+  if case.mask:
+    mask = rng.random(tuple(full.get(d, 1) for d in case.mask)) < 0.7
+    mask[..., 0, :] = False  # a query row with no visible key
+  q_lengths = kv_lengths = None
+  if case.q_lengths:  # the first B fractions
+    q_lengths = np.asarray([int(round(f * t)) for f in case.q_lengths[:b]], np.int32)
+  if case.kv_lengths:
+    kv_lengths = np.asarray([int(round(f * s)) for f in case.kv_lengths[:b]], np.int32)
+  q_segments = kv_segments = None
+  if case.segments:
+    q_segments = np.sort(rng.integers(0, 4, (b, t)), -1).astype(np.int32)
+    kv_segments = np.sort(rng.integers(0, 4, (b, s)), -1).astype(np.int32)
+    kv_segments[0] = np.minimum(kv_segments[0], 2)  # segment 3 of row 0: no keys
+  window = None
+  if case.window is not None:
+    window = tuple(_scaled_window(w, scale) for w in case.window)
+  cotangent = np.asarray(jnp.asarray(normal((b, t, n, h)), jnp.float32))
+  return Inputs(floats, mask, q_lengths, kv_lengths, q_segments, kv_segments, window,
+                1.0 / float(np.sqrt(h)), cotangent)
+
+
+# ---------------------------------------------------------------- the reference
+
+
+# Without XLA's GEMM autotuning: it took half a minute per new reference shape on
+# an H200 (the reference's speed does not matter; the checked kernels keep theirs).
+@functools.partial(jax.jit, static_argnames=("static",),
+                   compiler_options={"xla_gpu_autotune_level": 0})
+def _reference_block(floats, mask, q_lengths, kv_lengths, q_segments, kv_segments,
+                     q_offset, cotangent, *, static):
+  import tokamax_xla_reference  # pylint: disable=g-import-not-at-top
+  scale, is_causal, window, soft_cap = static
+
+  def f(fl):
+    return tokamax_xla_reference.attention(
+        fl["query"], fl["key"], fl["value"], fl.get("bias"), mask, scale=scale,
+        is_causal=is_causal, local_window=window, logits_soft_cap=soft_cap,
+        query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
+        q_segment_ids=q_segments, kv_segment_ids=kv_segments,
+        precision=jax.lax.Precision.HIGHEST, q_offset=q_offset)
+
+  out, vjp, lse = jax.vjp(f, floats, has_aux=True)
+  (grads,) = vjp(cotangent)
+  return out, lse, grads
+
+
+def reference(case: SweepCase, x: Inputs,
+              block_elements: int = _REFERENCE_BLOCK_ELEMENTS) -> dict[str, np.ndarray]:
+  """The float32 reference: out, empty (bool [B, T, N]: rows with no visible key)
+  and d<name> for each float input; host float32.
+
+  Query rows are independent given all keys, so the dense reference runs over
+  blocks of queries (``q_offset`` places a block for the causal mask and window;
+  per-row mask, bias, lengths and segment ids are sliced). The last block ends at
+  T and overlaps the one before; its overlapping rows get a zero cotangent, so
+  they add nothing to dk, dv and a broadcast dbias.
+  """
+  f32 = {name: jnp.asarray(v, jnp.float32) for name, v in x.floats.items()}
+  b, t, n, _ = f32["query"].shape
+  s = f32["key"].shape[1]
+  block = max(1, min(t, block_elements // max(1, b * n * s)))
+  static = (x.scale, case.is_causal, x.window, case.soft_cap)
+  mask = None if x.mask is None else jnp.asarray(x.mask)
+  kv_lengths = None if x.kv_lengths is None else jnp.asarray(x.kv_lengths)
+  kv_segments = None if x.kv_segments is None else jnp.asarray(x.kv_segments)
+  cotangent = jnp.asarray(x.cotangent)
+
+  def rows(a, start, axis):  # a block of query rows, unless broadcast over T
+    if a is None or a.shape[axis] == 1:
+      return a
+    return jax.lax.slice_in_dim(a, start, start + block, axis=axis)
+
+  out = np.zeros((b, t, n, f32["value"].shape[-1]), np.float32)
+  empty = np.zeros((b, t, n), bool)
+  dq = np.zeros(f32["query"].shape, np.float32)
+  bias = f32.get("bias")
+  bias_rows = bias is not None and bias.shape[2] == t
+  dbias = np.zeros(bias.shape, np.float32) if bias is not None else None
+  dk = dv = dbias_sum = None
+  done = 0
+  while done < t:
+    start = min(done, t - block)
+    keep = jnp.arange(start, start + block) >= done
+    block_floats = dict(query=rows(f32["query"], start, 1), key=f32["key"],
+                        value=f32["value"])
+    if bias is not None:
+      block_floats["bias"] = rows(bias, start, 2)
+    q_lengths = None
+    if x.q_lengths is not None:
+      q_lengths = jnp.clip(jnp.asarray(x.q_lengths) - start, 0, block)
+    q_segments = None if x.q_segments is None else rows(jnp.asarray(x.q_segments),
+                                                        start, 1)
+    block_cotangent = jnp.where(keep[None, :, None, None],
+                                rows(cotangent, start, 1), 0.0)
+    o, lse, g = _reference_block(block_floats, rows(mask, start, 2), q_lengths,
+                                 kv_lengths, q_segments, kv_segments,
+                                 jnp.int32(start), block_cotangent, static=static)
+    new = slice(done - start, block)
+    out[:, done:start + block] = np.asarray(o)[:, new]
+    empty[:, done:start + block] = np.moveaxis(np.isinf(np.asarray(lse)), 1, 2)[:, new]
+    dq[:, done:start + block] = np.asarray(g["query"])[:, new]
+    dk = g["key"] if dk is None else dk + g["key"]
+    dv = g["value"] if dv is None else dv + g["value"]
+    if bias_rows:
+      dbias[:, :, done:start + block] = np.asarray(g["bias"])[:, :, new]
+    elif bias is not None:
+      dbias_sum = g["bias"] if dbias_sum is None else dbias_sum + g["bias"]
+    done = start + block
+  result = dict(out=out, empty=empty, dquery=dq, dkey=np.asarray(dk),
+                dvalue=np.asarray(dv))
+  if bias is not None:
+    result["dbias"] = dbias if bias_rows else np.asarray(dbias_sum)
+  return result
+
+
+_reference_cache: dict[Any, Any] = {}
+
+
+def cached_inputs_and_reference(case: SweepCase, scale: float):
+  """The last case's inputs and reference (each worker keeps one case)."""
+  key = (case, scale)
+  if key not in _reference_cache:
+    _reference_cache.clear()
+    started = time.perf_counter()
+    x = make_inputs(case, scale)
+    _reference_cache[key] = (x, reference(case, x))
+    _log(dict(case=case.id, implementation="(reference)", status="computed",
+              seconds=round(time.perf_counter() - started, 2)))
+  return _reference_cache[key]
+
+
+# ---------------------------------------------------------------- one check
+
+
+class Refused(Exception):
+  """The implementation raised NotImplementedError (message: its reason)."""
+
+
+def _attention_fn(case: SweepCase, x: Inputs, implementation):
+  def call(floats, extras):
+    return tokamax.dot_product_attention(
+        floats["query"], floats["key"], floats["value"], floats.get("bias"),
+        extras["mask"], scale=x.scale, is_causal=case.is_causal,
+        query_seq_lengths=extras["q_lengths"],
+        key_value_seq_lengths=extras["kv_lengths"], local_window_size=x.window,
+        logits_soft_cap=case.soft_cap, q_segment_ids=extras["q_segments"],
+        kv_segment_ids=extras["kv_segments"], implementation=implementation)
+  return call
+
+
+def run_case(case: SweepCase, implementation: str | None, scale: float = 1.0, *,
+             _call_window: Any = "same") -> dict[str, Any]:
+  """Runs `implementation` on `case` and checks it against the reference.
+
+  Returns:
+    A record: status "passed" with which implementations ran forward and
+    backward and the relative L2 errors.
+
+  Raises:
+    Refused: the implementation raised NotImplementedError (forward, or backward
+      after a forward that matched the reference).
+    AssertionError: a result off the reference (every check's message).
+  """
+  x, ref = cached_inputs_and_reference(case, scale)
+  if _call_window != "same":  # the harness's own test: a deliberately wrong call
+    x = dataclasses.replace(x, window=_call_window)
+  call = _attention_fn(case, x, implementation)
+  dtype = jnp.dtype(case.dtype)
+  floats = {name: jnp.asarray(v) for name, v in x.floats.items()}
+  extras = dict(mask=x.mask, q_lengths=x.q_lengths, kv_lengths=x.kv_lengths,
+                q_segments=x.q_segments, kv_segments=x.kv_segments)
+  extras = {name: None if v is None else jnp.asarray(v) for name, v in extras.items()}
+  cotangent = jnp.asarray(x.cotangent, dtype)
+
+  @jax.jit
+  def forward_and_grads(floats, extras, cotangent):
+    out = call(floats, extras)  # the forward alone (inference)
+    out_for_grad, vjp = jax.vjp(lambda f: call(f, extras), floats)
+    (grads,) = vjp(cotangent)
+    return out, out_for_grad, grads
+
+  @jax.jit
+  def forward_only(floats, extras):
+    return call(floats, extras)
+
+  started = time.perf_counter()
+  try:
+    return _run_and_check(case, implementation, x, ref, forward_and_grads,
+                          forward_only, floats, extras, cotangent, started)
+  except Refused as e:
+    if not getattr(e, "logged", False):
+      _log(dict(case=case.id, implementation=implementation, status="refused",
+                reason=str(e)[:500]))
+    raise
+  except AssertionError:
+    raise  # logged with its errors
+  except Exception as e:
+    _log(dict(case=case.id, implementation=implementation, status="error",
+              reason=f"{type(e).__name__}: {str(e)[:1500]}",
+              seconds=round(time.perf_counter() - started, 2)))
+    raise
+
+
+def _run_and_check(case, implementation, x, ref, forward_and_grads, forward_only,
+                   floats, extras, cotangent, started):
+  del x
+  dtype = jnp.dtype(case.dtype)
+  backward_refusal = None
+  # On a CPU, a named Pallas kernel runs in interpret mode; None gets what users
+  # get there.
+  interpret = not _ON_GPU and implementation is not None
+  with tokamax.interpret(interpret), tokamax.record_dispatch() as records:
+    try:
+      outs = jax.block_until_ready(forward_and_grads(floats, extras, cotangent))
+    except NotImplementedError as e:
+      backward_refusal = e
+      del records[:]
+      try:
+        outs = (jax.block_until_ready(forward_only(floats, extras)), None, None)
+      except NotImplementedError as e2:
+        raise Refused(str(e2)) from e2
+  forward_ran = sorted({r.implementation for r in records if r.direction == "forward"})
+  backward_ran = sorted({r.implementation for r in records
+                         if r.direction == "backward"})
+  record = dict(case=case.id, implementation=implementation, forward=forward_ran,
+                backward=backward_ran, errors={})
+  problems = []
+
+  def check(what, actual, expected, tol_scale):
+    record["errors"][what] = testing.relative_l2_error(
+        np.asarray(jnp.asarray(actual, jnp.float32)), expected)
+    try:
+      testing.assert_close(actual, expected, dtype, what=f"{case.id} {what}",
+                           scale=tol_scale, gpu=_ON_GPU)
+    except AssertionError as e:
+      problems.append(str(e))
+
+  def check_empty_rows(what, out):
+    out = np.asarray(jnp.asarray(out, jnp.float32))
+    bad = ref["empty"] & np.any(out != 0, axis=-1)
+    if bad.any():
+      problems.append(f"{case.id} {what}: {int(bad.sum())} (batch, query, head) rows "
+                      "with no visible key are not 0")
+
+  out, out_for_grad, grads = outs
+  if out.dtype != dtype:
+    problems.append(f"{case.id}: output dtype {out.dtype}, expected {dtype}")
+  check("forward", out, ref["out"], 1.0)
+  check_empty_rows("forward", out)
+  if out_for_grad is not None:
+    check("forward (for grad)", out_for_grad, ref["out"], 1.0)
+    check_empty_rows("forward (for grad)", out_for_grad)
+    for name, g in grads.items():
+      if g.dtype != dtype:
+        problems.append(f"{case.id}: d{name} dtype {g.dtype}, expected {dtype}")
+      check(f"d{name}", g, ref[f"d{name}"], _GRAD_TOLERANCE_SCALE)
+  if implementation is not None and forward_ran != [implementation]:
+    problems.append(f"{case.id}: implementation={implementation!r} but the forward "
+                    f"ran {forward_ran}")
+  if out_for_grad is not None and not backward_ran:
+    problems.append(f"{case.id}: no backward was dispatched")
+  record["seconds"] = round(time.perf_counter() - started, 2)
+  if problems:
+    record["status"] = "failed"
+    _log(record)
+    raise AssertionError("\n".join(problems))
+  if backward_refusal is not None:
+    record["status"] = "backward refused"
+    record["reason"] = str(backward_refusal)[:500]
+    _log(record)
+    refused = Refused(f"forward matches the reference (ran {forward_ran}); the "
+                      f"backward refused: {backward_refusal}")
+    refused.logged = True
+    raise refused
+  record["status"] = "passed"
+  _log(record)
+  return record
+
+
+def _log(record):
+  path = os.environ.get(_LOG_ENV)
+  if path:
+    with open(path, "a", encoding="utf-8") as f:
+      f.write(json.dumps(record, default=str) + "\n")
+
+
+# ---------------------------------------------------------------- pytest
+
+
+def _sweep_scale() -> float | None:
+  text = os.environ.get(_SCALE_ENV)
+  if text:
+    return float(text)
+  return 1.0 if _ON_GPU else None
+
+
+_IMPLEMENTATIONS = gpu_implementations() + [None]
+_CASES = sweep_cases()
+
+
+def _params():
+  for case in _CASES:
+    for name in _IMPLEMENTATIONS:
+      if name == "xla" and case.id not in _DENSE_XLA_CASES:
+        continue
+      yield pytest.param(case, name, id=f"{case.id}-{name or 'auto'}",
+                         marks=pytest.mark.xdist_group(case.id))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,implementation", list(_params()))
+def test_sweep(case, implementation):
+  scale = _sweep_scale()
+  if scale is None:
+    pytest.skip(f"needs a GPU (or {_SCALE_ENV}=<factor> to shrink the lengths)")
+  try:
+    record = run_case(case, implementation, scale)
+  except Refused as e:
+    pytest.skip(f"refused by {implementation}: {e}")
+  if implementation is None:
+    print(f"implementation=None ran forward {record['forward']}, backward "
+          f"{record['backward']}")
+  elif record["backward"] != [implementation]:
+    print(f"{implementation}: backward ran {record['backward']}")
+
+
+def test_sweep_covers_gpu_implementations():
+  """Every GPU implementation we ship is in the sweep (found through the registry)."""
+  assert {"cudnn", "triton", "mosaic_gpu", "xla_chunked"} <= set(_IMPLEMENTATIONS)
+
+
+_SMOKE_SCALE = 0.01
+
+
+def test_harness_smoke():
+  """A few tiny sweep cases through the same harness on any machine: a match
+  passes, a refusal is reported as one, a wrong call is caught."""
+  cases = [_make_case("t4097s3001", "win_L0_large"),
+           _make_case("t1023s4097", "combined", "float16", 64),
+           _make_case("t4097s3001", "mask_bias_window")]
+  for case in cases:
+    record = run_case(case, "xla_chunked", _SMOKE_SCALE)
+    assert record["status"] == "passed" and record["forward"] == ["xla_chunked"]
+    assert record["backward"], record
+  record = run_case(cases[0], None, _SMOKE_SCALE)
+  assert record["status"] == "passed" and record["forward"], record
+  if not _ON_GPU:
+    with pytest.raises(Refused, match="cuDNN"):
+      run_case(cases[0], "cudnn", _SMOKE_SCALE)
+  # The reference over query blocks (the last overlapping) equals one block; with
+  # bias rows and bias broadcast over T, mask, lengths, segments, window, causal.
+  for case in (cases[2], dataclasses.replace(cases[1], bias="1N1S", mask="BN1S")):
+    x = make_inputs(case, _SMOKE_SCALE)
+    whole = reference(case, x)
+    b, t, n, _ = x.floats["query"].shape
+    blocks = reference(case, x, block_elements=12 * b * n * x.floats["key"].shape[1])
+    assert t % 12 and whole.keys() == blocks.keys()
+    for name, value in whole.items():
+      np.testing.assert_allclose(blocks[name], value, rtol=1e-5, atol=1e-5,
+                                 err_msg=f"{case.id} {name}")
+  # (L, 0) called as (L, L): the result is wrong, and the harness must say so.
+  window = _scaled_window(cases[0].window[0], _SMOKE_SCALE)
+  with pytest.raises(AssertionError, match="forward"):
+    run_case(cases[0], "xla_chunked", _SMOKE_SCALE, _call_window=(window, window))
