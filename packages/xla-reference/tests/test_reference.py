@@ -154,3 +154,15 @@ def test_cudnn_window_refusals_say_why():
                             (True, (4, -1)), (True, (-1, 0))):
     reason = ref.cudnn_window(is_causal, window)
     assert isinstance(reason, str) and str(window) in reason
+
+
+def test_cudnn_refuses_a_window_with_more_queries_than_keys():
+  def reason(t, s, **kw):
+    q = jax.ShapeDtypeStruct((1, t, 2, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, s, 2, 64), jnp.bfloat16)
+    return ref.cudnn_unsupported_reason(q, k, k, logits_soft_cap=None,
+                                        q_segment_ids=None, platform="gpu", **kw)
+  assert "T <= S" in reason(4097, 3001, is_causal=True, local_window=(8, 0))
+  assert reason(3001, 4097, is_causal=True, local_window=(8, 0)) is None
+  assert reason(4097, 3001, is_causal=True) is None  # causal alone runs
+  assert reason(64, 64) is None

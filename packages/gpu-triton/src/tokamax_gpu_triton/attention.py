@@ -822,8 +822,10 @@ class TritonAttention(tokamax.Op):
       return AttentionConfig(block_q=128, block_k=32 if wide else 128, num_warps=4,
                              num_stages=3)
     if hd <= 128:
+      # A bias or mask tile per stage overflows shared memory at 3 stages (H200,
+      # H128: 262144 > 232448 bytes, tools/checks GPU sweep).
       return AttentionConfig(block_q=128, block_k=32 if wide else 128, num_warps=8,
-                             num_stages=2 if wide else 3)
+                             num_stages=2 if wide or _has_score_tiles(args) else 3)
     return AttentionConfig(block_q=64, block_k=32, num_warps=8, num_stages=2)
 
   def search_space(self, args):
@@ -854,6 +856,11 @@ class TritonAttention(tokamax.Op):
     return out, {"lse": lse}
 
 
+def _has_score_tiles(args) -> bool:
+  """Whether a [T, S] bias or mask tile joins each pipeline stage."""
+  return args.bias is not None or args.mask is not None
+
+
 @dataclasses.dataclass(frozen=True)
 class TritonAttentionVjp(tokamax.VjpOp):
   """FlashAttention-2 backward in Pallas Triton (dK/dV kernel + dQ kernel)."""
@@ -878,8 +885,9 @@ class TritonAttentionVjp(tokamax.VjpOp):
       return AttentionVjpConfig(32, 128, 128, 64, num_warps_dkv=4, num_warps_dq=4,
                                 num_stages=4)
     if hd <= 128 and not wide:
+      # As the forward: bias / mask tiles leave room for 2 stages only.
       return AttentionVjpConfig(64, 128, 128, 64, num_warps_dkv=8, num_warps_dq=8,
-                                num_stages=3)
+                                num_stages=2 if _has_score_tiles(args) else 3)
     if hd <= 128:
       return AttentionVjpConfig(32, 128 if not wide else 64, 128 if not wide else 64,
                                 32, num_warps_dkv=8, num_warps_dq=8 if not wide else 4,

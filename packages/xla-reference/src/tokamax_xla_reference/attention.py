@@ -328,7 +328,14 @@ def cudnn_unsupported_reason(q, k, v, *, logits_soft_cap, q_segment_ids, platfor
   if q.shape[-1] > 256 or q.shape[-1] % 8:
     return f"cuDNN attention needs a head dim <= 256 and a multiple of 8, got {q.shape[-1]}"
   window = cudnn_window(is_causal, local_window)
-  return window if isinstance(window, str) else None
+  if isinstance(window, str):
+    return window
+  if window[1] is not None and q.shape[1] > k.shape[1]:
+    # Measured on the H200: cuDNN's graph check fails at run time ("Sliding
+    # window attention is only supported with max_s_q <= max_s_kv").
+    return (f"cuDNN's sliding window needs T <= S; got T={q.shape[1]}, "
+            f"S={k.shape[1]} with local_window={local_window}")
+  return None
 
 
 def cudnn_attention(q, k, v, bias=None, mask=None, *, scale, is_causal=False,

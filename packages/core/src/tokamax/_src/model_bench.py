@@ -5,7 +5,8 @@ Each model is written twice with the same parameters and inputs:
 * ``tokamax``: every heavy op through tokamax with ``implementation=None``.
 * ``plain``: the program a user writes today without tokamax: jnp RMSNorm,
   `jax.nn.dot_product_attention` (``implementation="cudnn"`` on NVIDIA GPUs),
-  ``jax.nn.silu(x @ wg) * (x @ wu)``, `jax.lax.ragged_dot`.
+  SwiGLU as one matmul with the fused gate/up weight (`plain_glu`),
+  `jax.lax.ragged_dot`.
 
 The step is ``jax.value_and_grad`` of ``sum(out * dy)`` (random ``dy``) over the
 parameters and the input, timed with `benchmarking.time_and_output` (CUPTI kernel time on
