@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -310,6 +309,58 @@ def _choose_forward(op_name: str, args: Any, device: DeviceInfo,
   raise NotImplementedError(_failure_message(op_name, "forward", failures))
 
 
+def _training_choice(op_name: str, args: Any, device: DeviceInfo,
+                     candidates: list[_Candidate], prefer: frozenset[str],
+                     inference: tuple[_Candidate, Op, list]
+                     ) -> tuple[_Candidate, Op, list]:
+  """The forward of a training step, where dispatch chooses among several.
+
+  The inference choice, unless its own backward refuses the call: its residuals
+  may then be of no use to the fast backwards (cuDNN's forward leaves no
+  log-sum-exp, and only the dense XLA backward, which builds the [T, S] scores,
+  would run). Then the first later candidate whose forward and own backward both
+  take the call.
+  """
+  cand, _, _ = inference
+  why = _own_backward_refusal(cand, args, device)
+  if why is None:
+    return inference
+  for other in candidates[candidates.index(cand) + 1:]:
+    if _own_backward_refusal(other, args, device) is not None:
+      continue
+    try:
+      chosen, op, rejected = _choose_forward(op_name, args, device, [other], prefer)
+    except NotImplementedError:
+      continue
+    return chosen, op, [(cand.label, f"its backward refuses this call: {why}"), *rejected]
+  return inference
+
+
+def _feature_check(fwd_op: Op) -> Callable[[str], bool]:
+  """Whether the chosen forward takes an opt-in field: layouts that need one (a
+  split query sequence needs q_offset) are used only then."""
+  features = frozenset(getattr(fwd_op, "supported_features", ()))
+  return lambda feature: feature in features
+
+
+def _own_backward_refusal(cand: _Candidate, args: Any, device: DeviceInfo) -> str | None:
+  """Why `cand`'s own backward cannot run the call (None: it can, or it has none
+  of its own and dispatch will choose one)."""
+  try:
+    own = cand.backward()
+  except ImportError as e:
+    return f"failed to import: {_describe(e)}"
+  except NotImplementedError as e:  # a sequence entry that is not available here
+    return _describe(e)
+  if own is None:
+    return None
+  try:
+    _build_checked(lambda: own, False, args, device, None)
+  except NotImplementedError as e:
+    return _describe(e)
+  return None
+
+
 def _failure_message(op_name: str, direction: str,
                      failures: list[tuple[_Candidate, str]]) -> str:
   """Why no candidate ran, in the terms the user wrote `implementation=` in."""
@@ -448,52 +499,56 @@ def call(op_name: str, args: Any, implementation: Implementation,
   choosing = implementation is None or (
       isinstance(implementation, (list, tuple)) and len(implementation) > 1)
   prefer = sharding.wanted_features(op_name, args) if choosing else frozenset()
-  forward, fwd_op, rejected = _choose_forward(op_name, merged, device, candidates,
-                                              prefer)
-  fwd_config = fwd_op.resolve_config(merged)
-  _record(DispatchRecord(op_name, "forward", forward.label, fwd_config, tuple(rejected)))
-
-  def supports(feature: str) -> bool:
-    # Layouts that need an opt-in field (a split query sequence needs q_offset)
-    # are used only when the chosen forward takes it.
-    return feature in frozenset(getattr(fwd_op, "supported_features", ()))
-
+  inference = _choose_forward(op_name, merged, device, candidates, prefer)
+  # A training step traces `run_fwd` instead of `run`: there the forward must also
+  # leave its backward something fast to run (see `_training_choice`).
+  training = (_training_choice(op_name, merged, device, candidates, prefer, inference)
+              if choosing else inference)
   global_shapes = _shapes(merged)
 
-  def forward_local(args, for_backward: bool):
-    config_ = fwd_config
-    if _shapes(args) != global_shapes:
-      # A shard (or a shard's adjusted args): check it again on its own shapes.
-      check_opt_in(fwd_op, args)
-      fwd_op.check_supported(args, device)
-      config_ = fwd_op.resolve_config(args)
-    # Entered here, not around the call below: a partitioned call traces this
-    # function again later, at compile time, when that context is gone.
-    with (op_lib.forward_for_backward() if for_backward else contextlib.nullcontext()):
-      out, residuals = fwd_op.forward(args, config_)
-    return out, dict(residuals)
+  def partitioned_forward(args, choice, for_backward: bool):
+    cand, fwd_op, rejected = choice
+    fwd_config = fwd_op.resolve_config(merged)
+    _record(DispatchRecord(op_name, "forward", cand.label, fwd_config, tuple(rejected)))
 
-  def partitioned_forward(args, for_backward: bool):
+    supports = _feature_check(fwd_op)
+
+    def forward_local(args):
+      config_ = fwd_config
+      if _shapes(args) != global_shapes:
+        # A shard (or a shard's adjusted args): check it again on its own shapes.
+        check_opt_in(fwd_op, args)
+        fwd_op.check_supported(args, device)
+        config_ = fwd_op.resolve_config(args)
+      # Entered here, not around the call below: a partitioned call traces this
+      # function again later, at compile time, when that context is gone.
+      with (op_lib.forward_for_backward() if for_backward
+            else contextlib.nullcontext()):
+        out, residuals = fwd_op.forward(args, config_)
+      return out, dict(residuals)
+
     # `sharding.forward` also runs the unpartitioned call (under vmap the answer
     # can differ from the one above, given JVP tracers): it merges the leading dims.
-    local = functools.partial(forward_local, for_backward=for_backward)
     if for_backward and not sharding.active(jax.tree_util.tree_leaves(args)):
       with op_lib.allow_opaque_residuals():
-        out, residuals = sharding.forward(op_name, args, local, supports, lead_dims)
+        out, residuals = sharding.forward(op_name, args, forward_local, supports,
+                                          lead_dims)
     else:
-      out, residuals = sharding.forward(op_name, args, local, supports, lead_dims)
+      out, residuals = sharding.forward(op_name, args, forward_local, supports,
+                                        lead_dims)
     return vma.outputs_like_inputs(out, args), residuals
 
   @jax.custom_vjp
   def run(args):
-    return partitioned_forward(args, for_backward=False)[0]
+    return partitioned_forward(args, inference, for_backward=False)[0]
 
   def run_fwd(args):
-    out, residuals = partitioned_forward(args, for_backward=True)
+    out, residuals = partitioned_forward(args, training, for_backward=True)
     return out, (args, dict(residuals), out)
 
   def run_bwd(saved, dout):
     args, residuals, out = saved
+    forward, fwd_op, _ = training
     merged_args = sharding.merge_leading(op_name, args, lead_dims, abstract=True)
     merged_residuals = sharding.merge_residuals(op_name, residuals, lead_dims,
                                                 abstract=True)
@@ -501,6 +556,8 @@ def call(op_name: str, args: Any, implementation: Implementation,
                               implementation)
     bwd_config = bwd_op.resolve_config(merged_args)
     _record(DispatchRecord(op_name, "backward", bwd_op.implementation_name, bwd_config))
+
+    supports = _feature_check(fwd_op)
 
     def backward_local(a, r, o, do):
       config_ = bwd_config

@@ -1,0 +1,75 @@
+"""Dispatch chooses a training step's forward so that its own backward runs.
+
+A forward whose own backward refuses the call (cuDNN's at odd T != S) leaves
+residuals that only a slow backward can use; when dispatch chooses among several,
+a training step then takes the next forward whose backward runs, while inference
+keeps the first choice.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tokamax
+from tokamax._src import xla_backend
+
+
+@dataclasses.dataclass(frozen=True)
+class _RefusingVjp(xla_backend.XlaLayerNormVjp):
+  name = "refusing"
+
+  def check_supported(self, args, device, residuals=None):
+    raise NotImplementedError("this backward refuses every call")
+
+
+@dataclasses.dataclass(frozen=True)
+class _FastForward(xla_backend.XlaLayerNorm):
+  name = "fast_forward"
+  vjp = _RefusingVjp
+
+
+@dataclasses.dataclass(frozen=True)
+class _Paired(xla_backend.XlaLayerNorm):
+  name = "paired"
+  vjp = xla_backend.XlaLayerNormVjp
+
+
+def _inputs():
+  rng = np.random.default_rng(0)
+  return (jnp.asarray(rng.standard_normal((6, 16)), jnp.float32),
+          jnp.asarray(rng.standard_normal(16), jnp.float32))
+
+
+def _norm(x, scale, implementation):
+  return tokamax.rms_norm(x, scale, implementation=implementation)
+
+
+def test_inference_keeps_the_first_forward():
+  x, scale = _inputs()
+  with tokamax.record_dispatch() as records:
+    _norm(x, scale, [_FastForward(), _Paired()])
+  assert [(r.direction, r.implementation) for r in records] == [
+      ("forward", "fast_forward")]
+
+
+def test_training_takes_the_forward_whose_backward_runs():
+  x, scale = _inputs()
+  dy = jnp.asarray(np.random.default_rng(1).standard_normal((6, 16)), jnp.float32)
+  with tokamax.record_dispatch() as records:
+    dx = jax.grad(lambda x: jnp.sum(_norm(x, scale, [_FastForward(), _Paired()]) * dy))(x)
+  assert [(r.direction, r.implementation) for r in records] == [
+      ("forward", "paired"), ("backward", "xla")]
+  (label, reason), = records[0].rejected
+  assert label == "fast_forward" and "backward refuses" in reason
+  want = jax.grad(lambda x: jnp.sum(_norm(x, scale, "xla") * dy))(x)
+  np.testing.assert_allclose(dx, want, rtol=1e-6, atol=1e-6)
+
+
+def test_training_keeps_the_first_forward_when_no_other_pair_runs():
+  x, scale = _inputs()
+  # Named explicitly, the forward's own backward must run: its refusal is the error.
+  with pytest.raises(NotImplementedError, match="'fast_forward' cannot run this call"):
+    jax.grad(lambda x: jnp.sum(_norm(x, scale, [_FastForward(), _FastForward()])))(x)
