@@ -14,6 +14,7 @@ import pytest
 import tokamax
 from tokamax import testing
 import tokamax_xla_reference
+from tokamax._src.ops.gated_linear_unit import GatedLinearUnitArgs
 from tokamax_gpu_triton import gated_linear_unit as glu
 
 _HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
@@ -250,3 +251,30 @@ def test_gpu_search_space_configs():
     _assert_close(f"out {config}", y, y_ref, jnp.bfloat16)
     _assert_close(f"dx {config}", grads["x"], dx_ref, jnp.bfloat16)
     _assert_close(f"dw {config}", grads["weights"], dw_ref, jnp.bfloat16)
+
+
+def test_training_forward_keeps_projections_and_backward_skips_the_recompute():
+  x, w, dout = _inputs(40, 24, 36, jnp.float32)
+  loss = lambda x, w: jnp.sum(tokamax.gated_linear_unit(
+      x, w, activation=jax.nn.silu, implementation="triton") * dout)
+  with tokamax.interpret(_INTERPRET):
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w))
+  # One kernel: the forward, which also writes the projections.
+  assert jaxpr.count("pallas_call[") == 1, jaxpr.count("pallas_call[")
+  records = _check(x, w, dout, jax.nn.silu)
+  assert {(r.direction, r.implementation) for r in records} == {
+      ("forward", "triton"), ("backward", "triton")}
+
+
+@pytest.mark.parametrize("activation", ["silu", "none", "gelu_exact"])
+def test_backward_without_projections_recomputes_them(activation):
+  # The recompute kernel: what a forward that kept no projections gets.
+  activation = _ACTIVATIONS[activation]
+  x, w, dout = _inputs(37, 24, 20, jnp.float32)
+  args = GatedLinearUnitArgs(x=x, weights=w, activation=activation)
+  vjp = glu.TritonGatedLinearUnitVjp()
+  with tokamax.interpret(_INTERPRET):
+    grads = vjp.backward(args, {}, None, dout, vjp.heuristic_config(args))
+  _, (dx_ref, dw_ref) = _reference(x, w, dout, activation)
+  _assert_close("dx", grads["x"], dx_ref, jnp.float32)
+  _assert_close("dw", grads["weights"], dw_ref, jnp.float32)

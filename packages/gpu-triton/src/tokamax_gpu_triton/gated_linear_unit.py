@@ -275,8 +275,11 @@ def _fused_projections(x_ref, w_ref, m0, n0, *, n, block_m, block_n, block_k,
   return (gate, up), m_mask, n_mask
 
 
-def _fwd_kernel(x_ref, w_ref, o_ref, *, activation, block_m, block_n, block_k,
+def _fwd_kernel(x_ref, w_ref, o_ref, *h_ref, activation, block_m, block_n, block_k,
                 group_m, precision, fuse_weights):
+  """One output tile; with `h_ref` (a training forward), also the tile's gate and
+  up projections, at columns ``[n0, n0 + block_n)`` and ``[N + n0, ...)`` of
+  ``h [M, 2N]``."""
   m = x_ref.shape[0]
   n = o_ref.shape[1]
   pid_m, pid_n = _tile_ids(pl.cdiv(m, block_m), pl.cdiv(n, block_n), group_m)
@@ -285,11 +288,20 @@ def _fwd_kernel(x_ref, w_ref, o_ref, *, activation, block_m, block_n, block_k,
   (gate, up), m_mask, n_mask = _projections(
       x_ref, w_ref, m0, n0, n=n, block_m=block_m, block_n=block_n,
       block_k=block_k, precision=precision, fuse_weights=fuse_weights)
+  mask = _common.block_mask(m_mask, n_mask)
+  rows = pl.ds(m0, block_m)
+  # The projections as the plain program keeps them: rounded to x's dtype, and the
+  # output computed from the rounded values, so forward and backward agree.
+  if h_ref:
+    gate = gate.astype(o_ref.dtype)
+    up = up.astype(o_ref.dtype)
+    for col0, val in ((n0, gate), (n + n0, up)):
+      _common.store(h_ref[0].at[rows, pl.ds(col0, block_n)], val, mask)
+    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
   if activation is not None:
     (gate,) = _in_kernel(lambda g: (activation(g).astype(jnp.float32),), gate)
   out = (gate * up).astype(o_ref.dtype)
-  o_view = o_ref.at[pl.ds(m0, block_m), pl.ds(n0, block_n)]
-  _common.store(o_view, out, _common.block_mask(m_mask, n_mask))
+  _common.store(o_ref.at[rows, pl.ds(n0, block_n)], out, mask)
 
 
 def _bwd_kernel(x_ref, w_ref, dout_ref, dgu_ref, *, activation, block_m, block_n,
@@ -339,9 +351,11 @@ def _grid_call(kernel, args, config, out_shape, name, *extra):
       block_n=config.block_n, block_k=config.block_k, group_m=config.group_m,
       precision=args.precision, fuse_weights=config.fuse_weights)
   num_tiles = pl.cdiv(m, config.block_m) * pl.cdiv(n, config.block_n)
+  out_specs = (tuple(pl.no_block_spec for _ in out_shape) if isinstance(out_shape, tuple)
+               else pl.no_block_spec)
   return _common.pallas_call(
       kernel, out_shape=out_shape, grid=(num_tiles,),
-      in_specs=[pl.no_block_spec] * (2 + len(extra)), out_specs=pl.no_block_spec,
+      in_specs=[pl.no_block_spec] * (2 + len(extra)), out_specs=out_specs,
       num_warps=config.num_warps, num_stages=config.num_stages,
       interpret=tokamax.interpret_mode(), name=name,
   )(x, w, *extra)
@@ -450,15 +464,21 @@ class TritonGatedLinearUnit(tokamax.Op):
     _check_config(config)
     m = args.x.shape[0]
     n = args.weights.shape[-1]
-    out = _grid_call(_fwd_kernel, args, config,
-                     jax.ShapeDtypeStruct((m, n), args.x.dtype),
-                     "tokamax_glu_fwd")
-    return out, {}
+    out_shape = jax.ShapeDtypeStruct((m, n), args.x.dtype)
+    if not self.residuals_wanted():
+      return _grid_call(_fwd_kernel, args, config, out_shape, "tokamax_glu_fwd"), {}
+    # A training forward keeps the projections: the backward then skips its
+    # recompute kernel (`GatedLinearUnitArgs.backward_from_projections`).
+    out, h = _grid_call(_fwd_kernel, args, config,
+                        (out_shape, jax.ShapeDtypeStruct((m, 2 * n), args.x.dtype)),
+                        "tokamax_glu_fwd")
+    return out, {"projections": h.reshape(m, 2, n)}
 
 
 @dataclasses.dataclass(frozen=True)
 class TritonGatedLinearUnitVjp(tokamax.VjpOp):
-  """GLU backward: fused recompute + activation derivative kernel, XLA matmuls."""
+  """GLU backward: from the forward's projections where it kept them, else a fused
+  recompute + activation derivative kernel; XLA matmuls."""
 
   op_name = "gated_linear_unit"
   name = "triton"
