@@ -1,5 +1,8 @@
-"""The GLU forward keeps its projections for a backward, which then skips the
-projection matmul (the plain-JAX program's three matmuls, not four)."""
+"""The GLU's optional `projections` residual: dispatch asks a forward for it only in
+a training step, and `backward_from_projections` (the backward of the kernels that
+keep it) matches JAX autodiff of the reference, which it shares no code with."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +10,10 @@ import numpy as np
 import pytest
 
 import tokamax
+import tokamax_xla_reference
 from tokamax import testing
+from tokamax._src import xla_backend
+from tokamax._src.ops.gated_linear_unit import GatedLinearUnitArgs
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -16,47 +22,103 @@ def _inputs(m, k, n, dtype, seed=0):
   rng = np.random.default_rng(seed)
   x = jnp.asarray(rng.standard_normal((m, k)), dtype)
   w = jnp.asarray(rng.standard_normal((k, 2, n)) / np.sqrt(k), dtype)
-  dy = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((m, n)), dtype)
   return x, w, dy
 
 
-def _loss(x, w, dy, activation, implementation="xla", precision=None):
-  y = tokamax.gated_linear_unit(x, w, activation=activation, precision=precision,
-                                implementation=implementation)
-  return jnp.sum(y.astype(jnp.float32) * dy)
-
-
-def _dots(fn, *args):
-  return jax.jit(fn).lower(*args).as_text().count("dot_general")
-
-
-def test_training_step_has_three_matmuls():
-  x, w, dy = _inputs(64, 32, 48, jnp.float32)
-  grad = jax.grad(lambda x, w: _loss(x, w, dy, jax.nn.silu), argnums=(0, 1))
-  assert _dots(grad, x, w) == 3
-  # Inference keeps no projections: the forward alone, one matmul.
-  assert _dots(lambda x, w: _loss(x, w, dy, jax.nn.silu), x, w) == 1
+def _reference_grads(x, w, dy, activation):
+  """JAX autodiff of the reference on float32 upcasts at HIGHEST."""
+  up = lambda a: a.astype(jnp.float32)
+  _, vjp = jax.vjp(lambda x, w: tokamax_xla_reference.gated_linear_unit(
+      x, w, activation=activation, precision=HIGHEST), up(x), up(w))
+  return vjp(up(dy))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("activation", [jax.nn.silu, None, jax.nn.gelu, jnp.tanh])
 @pytest.mark.parametrize("shape", [(37, 40, 24), (1, 8, 3), (130, 64, 257)])
-def test_gradients_from_projections_match_the_reference(dtype, activation, shape):
+def test_backward_from_projections_matches_autodiff_of_the_reference(
+    dtype, activation, shape):
   x, w, dy = _inputs(*shape, dtype, seed=sum(shape))
-  dx, dw = jax.jit(jax.grad(lambda x, w: _loss(x, w, dy, activation),
-                            argnums=(0, 1)))(x, w)
-  up = lambda a: a.astype(jnp.float32)
-  rx, rw = jax.grad(lambda x, w: _loss(x, w, dy, activation, "xla", HIGHEST),
-                    argnums=(0, 1))(up(x), up(w))
-  assert dx.dtype == x.dtype and dw.dtype == w.dtype
-  testing.assert_close(dx, rx, dtype, what="dx", scale=2)
-  testing.assert_close(dw, rw, dtype, what="dw", scale=2)
+  projections = jnp.einsum("mk,kpn->mpn", x, w, preferred_element_type=jnp.float32,
+                           precision=HIGHEST).astype(x.dtype)
+  args = GatedLinearUnitArgs(x=x, weights=w, activation=activation)
+  grads = jax.jit(args.backward_from_projections)(projections, dy)
+  rx, rw = _reference_grads(x, w, dy, activation)
+  assert grads["x"].dtype == x.dtype and grads["weights"].dtype == w.dtype
+  testing.assert_close(grads["x"], rx, dtype, what="dx", scale=2)
+  testing.assert_close(grads["weights"], rw, dtype, what="dw", scale=2)
 
 
-def test_projections_are_laid_out_like_the_output_under_leading_dims():
+@dataclasses.dataclass(frozen=True)
+class _KeepsProjectionsVjp(xla_backend.XlaGatedLinearUnitVjp):
+  name = "keeps_projections"
+
+  def check_supported(self, args, device, residuals=None):
+    if residuals is not None and "projections" not in residuals:
+      raise NotImplementedError("needs the projections residual")
+
+  def backward(self, args, residuals, out, dout, config):
+    return args.backward_from_projections(residuals["projections"], dout)
+
+
+@dataclasses.dataclass(frozen=True)
+class _KeepsProjections(xla_backend.XlaGatedLinearUnit):
+  """A forward that keeps the projections when a backward will read them, as the
+  kernels do; it logs what it was asked."""
+
+  name = "keeps_projections"
+  vjp = _KeepsProjectionsVjp
+  asked: list = dataclasses.field(default_factory=list, compare=False, hash=False)
+
+  def forward(self, args, config):
+    wanted = self.residuals_wanted()
+    self.asked.append(wanted)
+    out = tokamax_xla_reference.gated_linear_unit(
+        args.x, args.weights, activation=args.activation, precision=args.precision)
+    if not wanted:
+      return out, {}
+    return out, {"projections": jnp.einsum("mk,kpn->mpn", args.x, args.weights)}
+
+
+def _loss(op, x, w, dy):
+  y = tokamax.gated_linear_unit(x, w, activation=jax.nn.silu, implementation=op)
+  return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("transform", ["grad", "jit_grad", "grad_jit", "checkpoint"])
+def test_a_training_forward_is_asked_for_residuals(transform):
+  x, w, dy = _inputs(12, 8, 6, jnp.float32, seed=1)
+  op = _KeepsProjections()
+  loss = lambda x, w: _loss(op, x, w, dy)
+  grad = {"grad": jax.grad(loss, argnums=(0, 1)),
+          "jit_grad": jax.jit(jax.grad(loss, argnums=(0, 1))),
+          "grad_jit": jax.grad(jax.jit(loss), argnums=(0, 1)),
+          "checkpoint": jax.grad(jax.checkpoint(loss), argnums=(0, 1))}[transform]
+  with tokamax.record_dispatch() as records:
+    dx, dw = grad(x, w)
+  assert True in op.asked
+  # One forward decision and one backward, whichever way the step was traced.
+  assert [(r.direction, r.implementation) for r in records] == [
+      ("forward", "keeps_projections"), ("backward", "keeps_projections")]
+  rx, rw = _reference_grads(x, w, dy, jax.nn.silu)
+  testing.assert_close(dx, rx, "float32", what="dx")
+  testing.assert_close(dw, rw, "float32", what="dw")
+
+
+def test_inference_keeps_no_projections():
+  x, w, dy = _inputs(12, 8, 6, jnp.float32, seed=2)
+  op = _KeepsProjections()
+  jax.jit(lambda x, w: _loss(op, x, w, dy))(x, w)
+  assert op.asked == [False]
+
+
+def test_projections_under_leading_dims_and_vmap():
   x, w, dy = _inputs(24, 16, 8, jnp.float32, seed=3)
-  x3, dy3 = x.reshape(2, 3, 4, 16), dy.reshape(2, 3, 4, 8)
-  g3 = jax.grad(lambda x, w: _loss(x, w, dy3, jax.nn.silu), argnums=(0, 1))(x3, w)
-  g2 = jax.grad(lambda x, w: _loss(x, w, dy, jax.nn.silu), argnums=(0, 1))(x, w)
-  np.testing.assert_allclose(g3[0].reshape(24, 16), g2[0], rtol=1e-6, atol=1e-6)
-  np.testing.assert_allclose(g3[1], g2[1], rtol=1e-6, atol=1e-6)
+  op = _KeepsProjections()
+  g3 = jax.grad(lambda x: _loss(op, x, w, dy.reshape(2, 3, 4, 8)))(x.reshape(2, 3, 4, 16))
+  gv = jax.vmap(jax.grad(lambda x, dy: _loss(op, x, w, dy)))(
+      x.reshape(2, 12, 16), dy.reshape(2, 12, 8))
+  rx, _ = _reference_grads(x, w, dy, jax.nn.silu)
+  testing.assert_close(g3.reshape(24, 16), rx, "float32", what="dx [2, 3, 4]")
+  testing.assert_close(gv.reshape(24, 16), rx, "float32", what="dx under vmap")

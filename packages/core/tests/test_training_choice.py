@@ -68,8 +68,24 @@ def test_training_takes_the_forward_whose_backward_runs():
   np.testing.assert_allclose(dx, want, rtol=1e-6, atol=1e-6)
 
 
+@dataclasses.dataclass(frozen=True)
+class _AlsoFastForward(_FastForward):
+  name = "also_fast_forward"
+
+
 def test_training_keeps_the_first_forward_when_no_other_pair_runs():
   x, scale = _inputs()
-  # Named explicitly, the forward's own backward must run: its refusal is the error.
+  # No later forward has a backward that runs: the first stays, and, named
+  # explicitly, its own backward's refusal is the error.
   with pytest.raises(NotImplementedError, match="'fast_forward' cannot run this call"):
-    jax.grad(lambda x: jnp.sum(_norm(x, scale, [_FastForward(), _FastForward()])))(x)
+    jax.grad(lambda x: jnp.sum(
+        _norm(x, scale, [_FastForward(), _AlsoFastForward()])))(x)
+
+
+def test_training_choice_under_grad_of_jit_records_one_forward():
+  x, scale = _inputs()
+  with tokamax.record_dispatch() as records:
+    jax.grad(jax.jit(lambda x: jnp.sum(_norm(x, scale, [_FastForward(), _Paired()]))))(x)
+  # jit traces the inference forward first; the training forward takes its place.
+  assert [(r.direction, r.implementation) for r in records] == [
+      ("forward", "paired"), ("backward", "xla")]

@@ -190,8 +190,8 @@ def test_forward_with_projections_lowers_for_cuda(stages):
 
 
 def test_a_tuned_config_makes_room_for_projections():
-  args = GatedLinearUnitArgs(jnp.zeros((4096, 4096), jnp.bfloat16),
-                             jnp.zeros((4096, 2, 14336), jnp.bfloat16))
+  args = GatedLinearUnitArgs(jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16),
+                             jax.ShapeDtypeStruct((4096, 2, 14336), jnp.bfloat16))
   config = glu._room_for_projections(args, glu.GatedLinearUnitConfig(num_stages=4))
   assert config == glu.GatedLinearUnitConfig(num_stages=3)
   assert glu.smem_bytes(config, 2, keep_projections=True) <= glu._common.SMEM_LIMIT
@@ -221,7 +221,25 @@ def test_training_keeps_projections_and_skips_the_recompute():
   kernels = re.findall(r"@mosaic_gpu\w*", grad.lower(x, w).as_text())
   # One Mosaic GPU kernel (the forward with projections), no dh recompute kernel.
   assert len(kernels) == 1, kernels
-  _check_grads(x, w, jax.nn.silu, jnp.bfloat16)
+  _check_grads(x, w, jax.nn.silu, jnp.bfloat16, impl="mosaic_gpu")
+
+
+@gpu
+@pytest.mark.parametrize("activation", [jax.nn.silu, None])
+def test_backward_without_projections_recomputes_them(activation):
+  # What a forward that kept no projections gets: the dh kernel and the matmuls.
+  x, w = _inputs(300, 200, 136, jnp.bfloat16)
+  dy = jnp.asarray(np.random.default_rng(next(_seed)).standard_normal((300, 136)),
+                   jnp.bfloat16)
+  args = GatedLinearUnitArgs(x=x, weights=w, activation=activation)
+  vjp = glu.MosaicGpuGatedLinearUnitVjp()
+  grads = jax.jit(lambda a, dy: vjp.backward(a, {}, None, dy, None))(args, dy)
+  _, ref_vjp = jax.vjp(lambda x, w: tokamax.gated_linear_unit(
+      x, w, activation=activation, precision=HIGHEST, implementation="xla"),
+      x.astype(jnp.float32), w.astype(jnp.float32))
+  rx, rw = ref_vjp(dy.astype(jnp.float32))
+  testing.assert_close(grads["x"], rx, jnp.bfloat16, what="dx", scale=2, gpu=True)
+  testing.assert_close(grads["weights"], rw, jnp.bfloat16, what="dw", scale=2, gpu=True)
 
 
 def _custom(v):

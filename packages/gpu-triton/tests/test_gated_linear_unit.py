@@ -14,6 +14,7 @@ import pytest
 import tokamax
 from tokamax import testing
 import tokamax_xla_reference
+from tokamax._src import op as op_lib
 from tokamax._src.ops.gated_linear_unit import GatedLinearUnitArgs
 from tokamax_gpu_triton import gated_linear_unit as glu
 
@@ -276,5 +277,23 @@ def test_backward_without_projections_recomputes_them(activation):
   with tokamax.interpret(_INTERPRET):
     grads = vjp.backward(args, {}, None, dout, vjp.heuristic_config(args))
   _, (dx_ref, dw_ref) = _reference(x, w, dout, activation)
+  _assert_close("dx", grads["x"], dx_ref, jnp.float32)
+  _assert_close("dw", grads["weights"], dw_ref, jnp.float32)
+
+
+@pytest.mark.parametrize("shape,config", _CONFIGS)
+def test_explicit_configs_in_a_training_forward(shape, config):
+  # The forward that writes the projections, at every tiling above (interleaved
+  # weights included), and the backward that reads them.
+  x, w, dout = _inputs(*shape, jnp.float32)
+  args = tokamax.GatedLinearUnitArgs(x, w, jax.nn.gelu, None)
+  with tokamax.interpret(_INTERPRET), op_lib.forward_for_backward():
+    y, residuals = glu.TritonGatedLinearUnit(config=config)(args)
+  with tokamax.interpret(_INTERPRET):
+    grads = glu.TritonGatedLinearUnitVjp(config=config)(args, residuals, y, dout)
+  projections = jnp.einsum("mk,kpn->mpn", x, w, precision=jax.lax.Precision.HIGHEST)
+  y_ref, (dx_ref, dw_ref) = _reference(x, w, dout, jax.nn.gelu)
+  _assert_close("projections", residuals["projections"], projections, jnp.float32)
+  _assert_close("out", y, y_ref, jnp.float32)
   _assert_close("dx", grads["x"], dx_ref, jnp.float32)
   _assert_close("dw", grads["weights"], dw_ref, jnp.float32)

@@ -153,7 +153,9 @@ def fused_glu(x, weights, activation, config: GatedLinearUnitConfig,
   # At least two K steps, as ragged_dot does: a one-step warp-specialized
   # pipeline crashed on the H200 (notes/MOSAIC_GPU.md); zero columns add nothing.
   k = _round_up(k_orig, _COLS, 2 * bk)
-  n = _round_up(n_orig, _COLS, bn)
+  # The projections' gate tiles must not reach into the up columns at n: whole
+  # tiles then.
+  n = _round_up(n_orig, bn if keep_projections else _COLS, bn)
   x = _pad_to(_pad_to(x, 0, m), 1, k)
   weights = _pad_to(_pad_to(weights, 0, k), 2, n)
   w2 = weights.reshape(k, 2 * n)
@@ -192,14 +194,18 @@ def fused_glu(x, weights, activation, config: GatedLinearUnitConfig,
           def _acc_scope(acc_g, acc_u):
             eval_pipeline((acc_g, acc_u))
             gate, up = acc_g[...], acc_u[...]
-            y = act(gate) * up
+            if keep_projections:
+              # The output from the projections as the backward reads them
+              # (rounded to x's dtype), as the plain program computes it.
+              gate, up = gate.astype(dtype), up.astype(dtype)
+            y = act(gate.astype(jnp.float32)) * up.astype(jnp.float32)
             rows = pl.ds(m0 + wg * half, half)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             if keep_projections:
               # Gate and up go out first; the output then reuses the gate's
               # buffer once its store has read it (one store left in flight).
-              own_smem.at[0][...] = gate.astype(dtype)
-              own_smem.at[1][...] = up.astype(dtype)
+              own_smem.at[0][...] = gate
+              own_smem.at[1][...] = up
               plgpu.commit_smem()
               plgpu.copy_smem_to_gmem(own_smem.at[0], h_ref[0].at[rows, pl.ds(n0, bn)])
               plgpu.copy_smem_to_gmem(own_smem.at[1],

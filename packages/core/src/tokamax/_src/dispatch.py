@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -319,21 +320,26 @@ def _training_choice(op_name: str, args: Any, device: DeviceInfo,
   may then be of no use to the fast backwards (cuDNN's forward leaves no
   log-sum-exp, and only the dense XLA backward, which builds the [T, S] scores,
   would run). Then the first later candidate whose forward and own backward both
-  take the call.
+  take the call (preferring, as the inference choice does, one with the opt-in
+  features the operands' sharding uses).
   """
-  cand, _, _ = inference
+  cand, _, rejected = inference
   why = _own_backward_refusal(cand, args, device)
   if why is None:
     return inference
+  rejected = [*rejected, (cand.label, f"its backward refuses this call: {why}")]
+  eligible = []
   for other in candidates[candidates.index(cand) + 1:]:
-    if _own_backward_refusal(other, args, device) is not None:
-      continue
-    try:
-      chosen, op, rejected = _choose_forward(op_name, args, device, [other], prefer)
-    except NotImplementedError:
-      continue
-    return chosen, op, [(cand.label, f"its backward refuses this call: {why}"), *rejected]
-  return inference
+    refusal = _own_backward_refusal(other, args, device)
+    if refusal is None:
+      eligible.append(other)
+    else:
+      rejected.append((other.label, f"its backward refuses this call: {refusal}"))
+  try:
+    chosen, op, more = _choose_forward(op_name, args, device, eligible, prefer)
+  except NotImplementedError:
+    return inference
+  return chosen, op, [*rejected, *more]
 
 
 def _feature_check(fwd_op: Op) -> Callable[[str], bool]:
@@ -345,20 +351,34 @@ def _feature_check(fwd_op: Op) -> Callable[[str], bool]:
 
 def _own_backward_refusal(cand: _Candidate, args: Any, device: DeviceInfo) -> str | None:
   """Why `cand`'s own backward cannot run the call (None: it can, or it has none
-  of its own and dispatch will choose one)."""
+  of its own and dispatch will choose one). Advisory: any failure of the check is
+  a refusal here; the backward's own dispatch reports it if it matters."""
   try:
     own = cand.backward()
-  except ImportError as e:
-    return f"failed to import: {_describe(e)}"
-  except NotImplementedError as e:  # a sequence entry that is not available here
-    return _describe(e)
-  if own is None:
-    return None
-  try:
+    if own is None:
+      return None
     _build_checked(lambda: own, False, args, device, None)
-  except NotImplementedError as e:
+  except Exception as e:  # pylint: disable=broad-except
     return _describe(e)
   return None
+
+
+def _forward_record(op_name: str, args: Any, choice) -> DispatchRecord:
+  cand, op, rejected = choice
+  return DispatchRecord(op_name, "forward", cand.label, op.resolve_config(args),
+                        tuple(rejected))
+
+
+def _replace_record(old: DispatchRecord, new: DispatchRecord) -> None:
+  """`new` in `old`'s place in the active records (appended if `old` is not there)."""
+  records = _records.get()
+  if records is None:
+    return
+  for i, record in enumerate(records):
+    if record is old:
+      records[i] = new
+      return
+  records.append(new)
 
 
 def _failure_message(op_name: str, direction: str,
@@ -500,17 +520,26 @@ def call(op_name: str, args: Any, implementation: Implementation,
       isinstance(implementation, (list, tuple)) and len(implementation) > 1)
   prefer = sharding.wanted_features(op_name, args) if choosing else frozenset()
   inference = _choose_forward(op_name, merged, device, candidates, prefer)
-  # A training step traces `run_fwd` instead of `run`: there the forward must also
-  # leave its backward something fast to run (see `_training_choice`).
-  training = (_training_choice(op_name, merged, device, candidates, prefer, inference)
-              if choosing else inference)
+  inference_record = _forward_record(op_name, merged, inference)
+  _record(inference_record)
   global_shapes = _shapes(merged)
 
-  def partitioned_forward(args, choice, for_backward: bool):
-    cand, fwd_op, rejected = choice
-    fwd_config = fwd_op.resolve_config(merged)
-    _record(DispatchRecord(op_name, "forward", cand.label, fwd_config, tuple(rejected)))
+  @functools.cache
+  def training():
+    # A training step traces `run_fwd` instead of `run`: there the forward must also
+    # leave its backward something fast to run (see `_training_choice`). Its
+    # decision takes the inference one's place in the records (under
+    # `grad(jit(f))` both are traced, and only the training forward runs).
+    if not choosing:
+      return inference
+    choice = _training_choice(op_name, merged, device, candidates, prefer, inference)
+    if choice[0] != inference[0]:
+      _replace_record(inference_record, _forward_record(op_name, merged, choice))
+    return choice
 
+  def partitioned_forward(args, choice, for_backward: bool):
+    _, fwd_op, _ = choice
+    fwd_config = fwd_op.resolve_config(merged)
     supports = _feature_check(fwd_op)
 
     def forward_local(args):
@@ -522,8 +551,7 @@ def call(op_name: str, args: Any, implementation: Implementation,
         config_ = fwd_op.resolve_config(args)
       # Entered here, not around the call below: a partitioned call traces this
       # function again later, at compile time, when that context is gone.
-      with (op_lib.forward_for_backward() if for_backward
-            else contextlib.nullcontext()):
+      with op_lib.forward_for_backward(for_backward):
         out, residuals = fwd_op.forward(args, config_)
       return out, dict(residuals)
 
@@ -543,12 +571,12 @@ def call(op_name: str, args: Any, implementation: Implementation,
     return partitioned_forward(args, inference, for_backward=False)[0]
 
   def run_fwd(args):
-    out, residuals = partitioned_forward(args, training, for_backward=True)
+    out, residuals = partitioned_forward(args, training(), for_backward=True)
     return out, (args, dict(residuals), out)
 
   def run_bwd(saved, dout):
     args, residuals, out = saved
-    forward, fwd_op, _ = training
+    forward, fwd_op, _ = training()
     merged_args = sharding.merge_leading(op_name, args, lead_dims, abstract=True)
     merged_residuals = sharding.merge_residuals(op_name, residuals, lead_dims,
                                                 abstract=True)

@@ -41,8 +41,10 @@ def for_backward() -> bool:
 
 
 @contextlib.contextmanager
-def forward_for_backward():
-  token = _FOR_BACKWARD.set(True)
+def forward_for_backward(value: bool = True):
+  """Sets `for_backward()` to `value` inside (False too: a forward nested in
+  another op's forward is asked for what its own call needs)."""
+  token = _FOR_BACKWARD.set(value)
   try:
     yield
   finally:
