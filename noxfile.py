@@ -32,7 +32,7 @@ def demo(session):
 @nox.session
 def tests(session):
   """Every package's tests and the integration tests (pytest + xdist)."""
-  _install_tokamax(session, "all,test")
+  _install_tokamax(session, "all,test,flax")
   session.install(*(f"./integration_tests/plugins/{p}" for p in EXAMPLE_PLUGINS))
   workers = os.environ.get("TOKAMAX_TEST_WORKERS", "auto")
   session.run("python", "-m", "pytest", "-n", workers, "-m", "not slow and not gpu",
