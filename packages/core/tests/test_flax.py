@@ -1,15 +1,16 @@
-"""`tokamax.flax.attention_fn` in Flax's own attention modules, against Flax's
-default attention on the same parameters."""
+"""`tokamax.flax`: `attention_fn` in Flax's own attention modules and the norm
+modules, against Flax's own on the same parameters (checkpoints load unchanged)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import tokamax.flax
+import tokamax
 from tokamax import testing
 
 flax = pytest.importorskip("flax")
+import tokamax.flax  # noqa: E402
 from flax import linen  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -96,3 +97,38 @@ def test_dtype_is_the_computation_dtype():
   q = _x((1, 4, 2, 8))
   out = tokamax.flax.attention_fn(q, q, q, dtype=jnp.bfloat16)
   assert out.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("kind", ["RMSNorm", "LayerNorm"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_norm_modules_load_flax_state_and_match_flax(kind, dtype):
+  kw = dict(epsilon=1e-5, dtype=jnp.dtype(dtype))
+  flax_module = getattr(nnx, kind)(48, rngs=nnx.Rngs(0), **kw)
+  # Non-trivial parameters, as a trained checkpoint has.
+  for name, param in nnx.state(flax_module, nnx.Param).flat_state():
+    param[...] = _x(param[...].shape, seed=len(name)).astype(param[...].dtype)
+  ours = getattr(tokamax.flax, kind)(48, rngs=nnx.Rngs(1), **kw)
+  nnx.update(ours, nnx.state(flax_module))  # the checkpoint, loaded unchanged
+  x = _x((3, 5, 48), seed=7).astype(dtype)
+  got, want = ours(x), flax_module(x)
+  assert got.dtype == want.dtype
+  testing.assert_close(got, want, dtype, what=kind)
+  grad = lambda m: nnx.grad(lambda m, x: jnp.sum(m(x).astype(jnp.float32) ** 2))(m, x)
+  for g, w in zip(jax.tree.leaves(grad(ours)), jax.tree.leaves(grad(flax_module))):
+    testing.assert_close(g, w, dtype, what=f"{kind} gradient", scale=2)
+
+
+def test_norm_modules_refuse_what_the_op_does_not_do():
+  norm = tokamax.flax.RMSNorm(8, reduction_axes=(-2, -1), feature_axes=-1,
+                              rngs=nnx.Rngs(0))
+  with pytest.raises(NotImplementedError, match="last axis only"):
+    norm(_x((2, 3, 8)))
+  with pytest.raises(NotImplementedError, match="mask"):
+    tokamax.flax.LayerNorm(8, rngs=nnx.Rngs(0))(_x((2, 8)), mask=jnp.ones((2, 8), bool))
+
+
+def test_norm_module_implementation_is_selectable():
+  norm = tokamax.flax.RMSNorm(8, rngs=nnx.Rngs(0), implementation=["triton", "xla"])
+  with tokamax.record_dispatch() as records:
+    norm(_x((2, 8)))
+  assert [r.implementation for r in records] == ["xla"]
