@@ -209,7 +209,7 @@ def _fwd_bwd(fn: Callable, inputs: tuple) -> tuple[Callable, tuple]:
 
 
 def _pair_tolerance(dtype: str) -> float:
-  return model_bench.PAIR_TOLERANCE.get(dtype, 4e-2)
+  return model_bench.pair_tolerance(dtype)
 
 
 def run_problem(problem: Problem, implementations: list[str | None],

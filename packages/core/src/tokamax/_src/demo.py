@@ -19,7 +19,6 @@ import numpy as np
 
 import tokamax
 from tokamax import testing
-from tokamax.testing import _conformance
 from tokamax._src import bench
 from tokamax._src import introspection
 
@@ -127,9 +126,7 @@ def accuracy(actual, expected, dtype, *, scale: float = 1.0) -> Accuracy:
     ok = True
   except AssertionError:
     ok = False
-  rel_tol, abs_tol = testing.TOLERANCES[name]
-  if gpu and name == "float32":  # TF32 matmuls: assert_close allows more
-    rel_tol, abs_tol = _conformance._GPU_F32_TOLERANCE  # pylint: disable=protected-access
+  rel_tol, abs_tol = testing.tolerance(name, gpu=gpu)
   a = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
   e = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
   peak = float(np.max(np.abs(e))) if e.size else 0.0

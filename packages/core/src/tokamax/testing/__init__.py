@@ -25,6 +25,7 @@ from tokamax.testing._conformance import check_errors
 from tokamax.testing._conformance import define_conformance_tests
 from tokamax.testing._conformance import error_cases
 from tokamax.testing._conformance import relative_l2_error
+from tokamax.testing._conformance import tolerance
 
 __all__ = [
     "Case",
@@ -36,4 +37,5 @@ __all__ = [
     "define_conformance_tests",
     "error_cases",
     "relative_l2_error",
+    "tolerance",
 ]

@@ -298,12 +298,19 @@ def relative_l2_error(actual, expected) -> float:
   return float(diff / norm) if norm > 0 else float(diff)
 
 
+def tolerance(dtype, *, gpu: bool = False) -> tuple[float, float]:
+  """``(relative L2, max abs relative to max |reference|)`` allowed for `dtype`
+  (float32 on a GPU: TF32 matmuls)."""
+  name = jnp.dtype(dtype).name
+  return _GPU_F32_TOLERANCE if gpu and name == "float32" else TOLERANCES[name]
+
+
 def assert_close(actual, expected, dtype, *, what: str = "output", scale: float = 1.0,
                  gpu: bool = False) -> None:
   """Relative L2 error and max-abs error (relative to max |expected|) within the
   dtype's tolerance; shapes equal; no NaN/inf where the reference is finite."""
   name = jnp.dtype(dtype).name
-  rel_tol, abs_tol = _GPU_F32_TOLERANCE if gpu and name == "float32" else TOLERANCES[name]
+  rel_tol, abs_tol = tolerance(dtype, gpu=gpu)
   actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
   expected = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
   assert actual.shape == expected.shape, (
