@@ -1,6 +1,8 @@
 """`tokamax.flax`: `attention_fn` in Flax's own attention modules and the norm
 modules, against Flax's own on the same parameters (checkpoints load unchanged)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,4 +133,238 @@ def test_norm_module_implementation_is_selectable():
   norm = tokamax.flax.RMSNorm(8, rngs=nnx.Rngs(0), implementation=["triton", "xla"])
   with tokamax.record_dispatch() as records:
     norm(_x((2, 8)))
+  assert [r.implementation for r in records] == ["xla"]
+
+
+# -------------------------------------------------------------------- gated MLP
+
+
+def _randomize(module, seed=0):
+  """Non-trivial parameters, as a trained checkpoint has (not the initializers')."""
+  for i, (_, param) in enumerate(nnx.to_flat_state(nnx.state(module, nnx.Param))):
+    param[...] = (0.3 * _x(param[...].shape, seed=seed + i)).astype(param[...].dtype)
+
+
+def _flax_mlp(activation, k, n, seed=0):
+  """A Flax MLP as Llama writes it: three bias-free nnx.Linear layers."""
+  gate, up, down = (nnx.Linear(i, o, use_bias=False, rngs=nnx.Rngs(seed + j))
+                    for j, (i, o) in enumerate(((k, n), (k, n), (n, k))))
+  forward = lambda x: down(activation(gate(x)) * up(x))
+  return (gate, up, down), forward
+
+
+@pytest.mark.parametrize("kind, activation", [("SwiGLU", jax.nn.silu),
+                                              ("GeGLU", jax.nn.gelu)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gated_mlp_loads_flax_linears_and_matches_them(kind, activation, dtype):
+  (gate, up, down), flax_mlp = _flax_mlp(activation, 32, 48)
+  for layer in (gate, up, down):
+    layer.dtype = jnp.dtype(dtype)  # the computation dtype, as the module's
+  ours = getattr(tokamax.flax, kind)(32, 48, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(5))
+  ours.load_linears(gate=gate, up=up, down=down)
+  x = _x((3, 7, 32), seed=1).astype(dtype)
+  got, want = ours(x), flax_mlp(x)
+  assert got.dtype == want.dtype == jnp.dtype(dtype)
+  testing.assert_close(got, want, dtype, what=kind)
+  dy = _x(want.shape, seed=2)
+  loss = lambda f, x: jnp.sum(f(x).astype(jnp.float32) * dy)
+  testing.assert_close(jax.grad(lambda x: loss(ours, x))(x),
+                       jax.grad(lambda x: loss(flax_mlp, x))(x), dtype, what="dx", scale=2)
+  ours_grads = nnx.grad(lambda m: loss(m, x))(ours)
+  flax_grads = nnx.grad(lambda layers: loss(
+      lambda x: layers[2](activation(layers[0](x)) * layers[1](x)), x))((gate, up, down))
+  for i, name in enumerate(("gate", "up")):
+    testing.assert_close(ours_grads["gate_up"][...][:, i], flax_grads[i]["kernel"][...],
+                         dtype, what=f"d{name}", scale=2)
+  testing.assert_close(ours_grads["down"]["kernel"][...], flax_grads[2]["kernel"][...],
+                       dtype, what="ddown", scale=2)
+
+
+def test_gated_mlp_initializes_each_kernel_as_nnx_linear():
+  k, n = 256, 192
+  mlp = tokamax.flax.GatedMLP(k, n, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  assert mlp.gate_up[...].shape == (k, 2, n) and mlp.gate_up[...].dtype == jnp.bfloat16
+  assert mlp.down.kernel[...].shape == (n, k) and mlp.down.bias is None
+  # Lecun normal per [in, out] kernel: std 1/sqrt(fan_in), fan_in the kernel's own.
+  kernels = {"gate": (mlp.gate_up[...][:, 0], k), "up": (mlp.gate_up[...][:, 1], k),
+             "down": (mlp.down.kernel[...], n)}
+  for name, (w, fan_in) in kernels.items():
+    std = float(jnp.std(w.astype(jnp.float32)))
+    assert abs(std * fan_in**0.5 - 1) < 0.03, (name, std, fan_in**-0.5)
+  assert not np.allclose(kernels["gate"][0], kernels["up"][0])  # separate draws
+  custom = tokamax.flax.GatedMLP(4, 6, kernel_init=nnx.initializers.ones, rngs=nnx.Rngs(0))
+  np.testing.assert_array_equal(custom.gate_up[...], np.ones((4, 2, 6)))
+
+
+def test_gated_mlp_refuses_linears_it_cannot_hold():
+  (gate, up, down), _ = _flax_mlp(jax.nn.silu, 8, 12)
+  mlp = tokamax.flax.SwiGLU(8, 12, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="up has a bias"):
+    mlp.load_linears(gate, nnx.Linear(8, 12, rngs=nnx.Rngs(0)), down)
+  with pytest.raises(ValueError, match=r"down.kernel must be \(12, 8\)"):
+    mlp.load_linears(gate, up, nnx.Linear(12, 9, use_bias=False, rngs=nnx.Rngs(0)))
+  with pytest.raises(ValueError, match="hidden_features must be >= 1; got 0"):
+    tokamax.flax.SwiGLU(8, 0, rngs=nnx.Rngs(0))
+
+
+def test_gated_mlp_implementation_is_selectable():
+  mlp = tokamax.flax.SwiGLU(8, 12, implementation="xla", rngs=nnx.Rngs(0))
+  with tokamax.record_dispatch() as records:
+    mlp(_x((2, 8)))
+  assert [(r.op, r.implementation) for r in records] == [("gated_linear_unit", "xla")]
+
+
+# -------------------------------------------------------------------------- MoE
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _kept(expert_ids, num_experts, capacity):
+  """Which assignments an expert keeps, straight from the documented rule: token
+  by token, a token's choices in order, the first `capacity` of each expert."""
+  kept = np.zeros(expert_ids.shape, bool)
+  received = np.zeros(num_experts, int)
+  for t, j in np.ndindex(*expert_ids.shape):
+    e = expert_ids[t, j]
+    kept[t, j] = capacity is None or received[e] < capacity
+    received[e] += 1
+  return kept
+
+
+def _moe_reference(params, x, top_k, softmax_over, kept):
+  """Every token through every expert, in float32 at HIGHEST precision, weighted
+  by a dense [tokens, E] gate matrix (0 where not chosen or dropped)."""
+  tokens = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+  w_router = params["router"]["kernel"].astype(jnp.float32)
+  gate_up, down = (params[n].astype(jnp.float32) for n in ("gate_up", "down"))
+  logits = jnp.dot(tokens, w_router, precision=HIGHEST)
+  top_logits, ids = jax.lax.top_k(logits, top_k)
+  if softmax_over == "top_k":
+    gates = jax.nn.softmax(top_logits)
+  else:
+    gates = jnp.take_along_axis(jax.nn.softmax(logits), ids, axis=-1)
+  rows = jnp.arange(tokens.shape[0])[:, None]
+  dense = jnp.zeros(logits.shape).at[rows, ids].add(gates * kept)
+  f = down.shape[1]
+  h = jnp.einsum("md,edf->emf", tokens, gate_up, precision=HIGHEST)
+  y = jnp.einsum("emf,efd->emd", jax.nn.silu(h[..., :f]) * h[..., f:], down,
+                 precision=HIGHEST)
+  return jnp.einsum("me,emd->md", dense, y, precision=HIGHEST).reshape(x.shape)
+
+
+def _moe_case(dtype="float32", **kw):
+  moe = tokamax.flax.MoE(16, 24, 4, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0), **kw)
+  _randomize(moe)
+  x = _x((2, 8, 16), seed=9).astype(dtype)
+  params = nnx.to_pure_dict(nnx.state(moe, nnx.Param))
+  logits = jnp.dot(x.reshape(-1, 16).astype(jnp.float32), params["router"]["kernel"],
+                   precision=HIGHEST)
+  ids = np.asarray(jax.lax.top_k(logits, moe.top_k)[1])
+  capacity = (None if moe.capacity_factor is None else
+              int(np.ceil(moe.capacity_factor * ids.size / moe.num_experts)))
+  return moe, x, params, _kept(ids, moe.num_experts, capacity)
+
+
+@pytest.mark.parametrize("top_k, softmax_over, capacity_factor", [
+    (2, "top_k", None), (1, "all", None), (2, "top_k", 0.75), (3, "all", 0.5)])
+def test_moe_matches_every_token_through_every_expert(top_k, softmax_over,
+                                                      capacity_factor):
+  moe, x, params, kept = _moe_case(top_k=top_k, softmax_over=softmax_over,
+                                   capacity_factor=capacity_factor)
+  if capacity_factor is not None:
+    assert 0 < (~kept).sum() < kept.size  # the capacity drops some, not all
+  reference = lambda p, x: _moe_reference(p, x, top_k, softmax_over, kept)
+  testing.assert_close(moe(x), reference(params, x), "float32", what="MoE")
+  dy = _x(x.shape, seed=10)
+  loss = lambda out: jnp.sum(out * dy)
+  got_dp, got_dx = nnx.grad(lambda m, x: loss(m(x)), argnums=(0, 1))(moe, x)
+  want_dp, want_dx = jax.grad(lambda p, x: loss(reference(p, x)), argnums=(0, 1))(params, x)
+  testing.assert_close(got_dx, want_dx, "float32", what="dx")
+  got_dp = nnx.to_pure_dict(got_dp)
+  for path, want in jax.tree_util.tree_flatten_with_path(want_dp)[0]:
+    got = functools.reduce(lambda t, k: t[k.key], path, got_dp)
+    testing.assert_close(got, want, "float32", what=f"d{jax.tree_util.keystr(path)}")
+
+
+def test_moe_in_bfloat16():
+  moe, x, params, kept = _moe_case("bfloat16", param_dtype=jnp.bfloat16)
+  out = moe(x)
+  assert out.dtype == jnp.bfloat16 and moe.gate_up[...].dtype == jnp.bfloat16
+  testing.assert_close(out, _moe_reference(params, x, 2, "top_k", kept), "bfloat16",
+                       what="MoE bf16")
+
+
+def test_moe_parameters_and_initializers():
+  moe = tokamax.flax.MoE(64, 96, 8, rngs=nnx.Rngs(0))
+  shapes = jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(moe, nnx.Param)))
+  assert shapes == {"router": {"kernel": (64, 8)}, "gate_up": (8, 64, 192),
+                    "down": (8, 96, 64)}
+  gate_up, down = moe.gate_up[...], moe.down[...]
+  # Lecun normal per expert kernel ([in, out], fan_in = in), each its own draw.
+  for name, w, fan_in in (("gate", gate_up[..., :96], 64), ("up", gate_up[..., 96:], 64),
+                          ("down", down, 96)):
+    assert abs(float(jnp.std(w)) * fan_in**0.5 - 1) < 0.03, name
+  assert not np.allclose(gate_up[0], gate_up[1])
+
+
+def test_moe_refuses_bad_arguments():
+  make = lambda **kw: tokamax.flax.MoE(8, 8, **{"num_experts": 4, **kw},
+                                       rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"top_k must be in \[1, num_experts=4\]; got 5"):
+    make(top_k=5)
+  with pytest.raises(ValueError, match="capacity_factor must be None or > 0; got 0"):
+    make(capacity_factor=0)
+  with pytest.raises(ValueError, match="softmax_over must be one of"):
+    make(softmax_over="experts")
+  with pytest.raises(ValueError, match=r"x must be \[..., 8\]; got shape \(2, 3\)"):
+    make()(_x((2, 3)))
+  with pytest.raises(ValueError, match="inside jax.shard_map over mesh axis 'ep'"):
+    make(expert_axis="ep")(_x((2, 8)))
+
+
+def test_moe_implementation_is_selectable():
+  moe = tokamax.flax.MoE(8, 8, 4, implementation="xla", rngs=nnx.Rngs(0))
+  with tokamax.record_dispatch() as records:
+    moe(_x((6, 8)))
+  assert {(r.op, r.implementation) for r in records} == {("ragged_dot", "xla")}
+
+
+# ------------------------------------------------------------------------ linen
+
+
+@pytest.mark.parametrize("kind", ["RMSNorm", "LayerNorm"])
+@pytest.mark.parametrize("x_dtype, dtype", [("float32", None), ("bfloat16", None),
+                                            ("bfloat16", "bfloat16")])
+def test_linen_norms_load_flax_variables_and_match_flax(kind, x_dtype, dtype):
+  kw = dict(epsilon=1e-5, dtype=dtype and jnp.dtype(dtype))
+  flax_module = getattr(linen, kind)(**kw)
+  ours = getattr(tokamax.flax.linen, kind)(**kw)
+  x = _x((3, 5, 48), seed=7).astype(x_dtype)
+  variables = flax_module.init(jax.random.key(0), x)
+  assert (jax.tree.map(jnp.shape, ours.init(jax.random.key(1), x))
+          == jax.tree.map(jnp.shape, variables))  # same names and shapes
+  variables = jax.tree_util.tree_map_with_path(
+      lambda path, v: _x(v.shape, seed=len(jax.tree_util.keystr(path))), variables)
+  got, want = ours.apply(variables, x), flax_module.apply(variables, x)
+  assert got.dtype == want.dtype  # float32 params promote a bf16 x, as in Flax
+  testing.assert_close(got, want, want.dtype, what=kind)
+  loss = lambda m: lambda v, x: jnp.sum(m.apply(v, x).astype(jnp.float32) ** 2)
+  got_grads = jax.grad(loss(ours), argnums=(0, 1))(variables, x)
+  want_grads = jax.grad(loss(flax_module), argnums=(0, 1))(variables, x)
+  for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+    # A float32 gradient of a bf16 computation (or the reverse) has bf16's error.
+    tol = jnp.bfloat16 if jnp.bfloat16 in (w.dtype, want.dtype) else jnp.float32
+    testing.assert_close(g, w, tol, what=f"{kind} gradient", scale=2)
+
+
+def test_linen_norms_refuse_what_the_op_does_not_do_and_select_implementations():
+  x = _x((2, 3, 8))
+  with pytest.raises(NotImplementedError, match="last axis only"):
+    tokamax.flax.linen.LayerNorm(reduction_axes=(-2, -1)).init(jax.random.key(0), x)
+  with pytest.raises(NotImplementedError, match="axis_name='batch'"):
+    tokamax.flax.linen.RMSNorm(axis_name="batch").init(jax.random.key(0), x)
+  norm = tokamax.flax.linen.RMSNorm(implementation=("triton", "xla"))
+  variables = norm.init(jax.random.key(0), x)
+  with tokamax.record_dispatch() as records:
+    norm.apply(variables, x)
   assert [r.implementation for r in records] == ["xla"]

@@ -1,0 +1,222 @@
+"""`MoE`: a Flax NNX mixture-of-experts FFN whose experts run through `tokamax.ragged_dot`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import math
+from typing import Any
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+
+from tokamax._src import dispatch
+from tokamax._src import moe as moe_lib
+from tokamax._src.ops.ragged_dot import ragged_dot
+from tokamax.flax._mlp import Initializer, default_kernel_init, matrices, promote
+from tokamax.flax._norms import as_static
+
+_SOFTMAX_OVER = ("top_k", "all")
+
+
+class MoE(nnx.Module):
+  """Mixture-of-experts gated FFN: router, top-k, optional capacity, grouped experts.
+
+  Each token ``x`` (the rows of ``[..., D]``) goes to the `top_k` experts with the
+  largest router logits ``x @ router.kernel`` (computed in float32); expert ``e``
+  computes ``activation(x @ Wg_e) * (x @ Wu_e) @ Wd_e``, and the token's output is
+  the sum of its experts' outputs times their gates. The tokens are sorted by
+  expert so that each expert matmul is one `tokamax.ragged_dot` over all experts.
+
+  Parameters (the expert kernels in `flax.nnx.Linear`'s ``[in, out]`` order):
+
+  * ``router``: `nnx.Linear` ``D -> E`` without bias.
+  * ``gate_up``: ``[E, D, 2F]``: ``gate_up[e, :, :F]`` is expert e's gate kernel,
+    ``gate_up[e, :, F:]`` its up kernel (``jnp.concatenate([w_gate, w_up], -1)``).
+  * ``down``: ``[E, F, D]``.
+
+  Gates (`softmax_over`): ``"top_k"`` (default, Mixtral): a softmax over the k
+  chosen logits, so a token's gates sum to 1; ``"all"`` (Switch Transformer):
+  the chosen experts' probabilities under a softmax over all E logits (with
+  ``top_k=1`` only this one trains the router).
+
+  Capacity (`capacity_factor`): each expert takes at most
+  ``capacity = ceil(capacity_factor * tokens * top_k / E)`` assignments of a call,
+  ``tokens`` being the rows of this call's input (with `expert_axis`: of this
+  device's shard). The assignments are ranked token by token in row order, a
+  token's choices in order of decreasing logit; an expert keeps the first
+  `capacity` of those it received. A dropped assignment contributes 0 to its
+  token's output, and the token's other gates are not renormalized, so a token
+  whose every choice was dropped outputs 0 (the residual connection carries it).
+  None: nothing is dropped.
+
+  Expert parallelism (`expert_axis`): call the module inside `jax.shard_map`
+  over that mesh axis of n devices, with the tokens split along the axis,
+  ``gate_up`` and ``down`` split along their first (expert) axis, so that each
+  device holds ``E / n`` experts, and the router replicated. Tokens travel to
+  their experts' devices and back by `tokamax.moe_all_to_all`; the capacity
+  applies on each device, to its own tokens, before they travel.
+
+  Load-balancing losses are the model's to add; ``self.router(x)`` gives the
+  logits.
+
+  Example:
+    >>> moe = tokamax.flax.MoE(512, 1024, num_experts=8, top_k=2, rngs=nnx.Rngs(0))
+    >>> y = moe(x)  # [..., 512] -> [..., 512]
+  """
+
+  def __init__(self, in_features: int, hidden_features: int, num_experts: int, *,
+               top_k: int = 2, capacity_factor: float | None = None,
+               softmax_over: str = "top_k",
+               activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
+               expert_axis: str | None = None, dtype: Any = None,
+               param_dtype: Any = jnp.float32, precision: Any = None,
+               kernel_init: Initializer = default_kernel_init,
+               implementation: dispatch.Implementation = None, rngs: nnx.Rngs):
+    """Args:
+      in_features: D, the input's (and output's) last axis.
+      hidden_features: F, each expert's hidden width.
+      num_experts: E.
+      top_k: experts per token, in ``[1, E]``.
+      capacity_factor: None (no token dropped) or > 0; see the class docstring.
+      softmax_over: ``"top_k"`` or ``"all"``; see the class docstring.
+      activation: applied to the gate projection (silu: SwiGLU experts).
+      expert_axis: None (every expert on this device) or the mesh axis the
+        experts are sharded over; see the class docstring.
+      dtype: the computation dtype (None: the common dtype of input and params).
+      param_dtype: the parameters' dtype.
+      precision: of the matmuls, as `jax.lax.dot_general` takes it.
+      kernel_init: an initializer of one ``[in, out]`` kernel, as `nnx.Linear`'s
+        (default: lecun normal); each expert's gate, up and down kernels and the
+        router get one draw each.
+      implementation: of `tokamax.ragged_dot` (None: dispatch chooses).
+      rngs: the ``params`` stream initializes the kernels.
+    """
+    _check_arguments(in_features, hidden_features, num_experts, top_k, capacity_factor,
+                     softmax_over)
+    d, f, e = in_features, hidden_features, num_experts
+    self.router = nnx.Linear(d, e, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                             precision=precision, kernel_init=kernel_init, rngs=rngs)
+    gate_up = matrices(kernel_init, rngs.params(), 2 * e, (d, f), param_dtype)
+    # [E * 2, D, F] -> [E, D, 2, F] -> [E, D, 2F]: gate columns first, then up.
+    gate_up = gate_up.reshape(e, 2, d, f).transpose(0, 2, 1, 3).reshape(e, d, 2 * f)
+    self.gate_up = nnx.Param(gate_up)
+    self.down = nnx.Param(matrices(kernel_init, rngs.params(), e, (f, d), param_dtype))
+    self.num_experts = e
+    self.top_k = top_k
+    self.capacity_factor = capacity_factor
+    self.softmax_over = softmax_over
+    self.activation = activation
+    self.expert_axis = expert_axis
+    self.dtype = dtype
+    self.precision = precision
+    self.implementation = as_static(implementation)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """``[..., D] -> [..., D]``."""
+    if x.ndim < 1 or x.shape[-1] != self.router.in_features:
+      raise ValueError(f"x must be [..., {self.router.in_features}]; got shape {x.shape}")
+    tokens = x.reshape(-1, x.shape[-1])
+    tokens, router, gate_up, down = promote(tokens, self.router.kernel[...],
+                                            self.gate_up[...], self.down[...],
+                                            dtype=self.dtype)
+    expert_ids, gates = self._route(tokens, router)
+    if self.capacity_factor is not None:
+      capacity = math.ceil(self.capacity_factor * expert_ids.size / self.num_experts)
+      expert_ids = drop_over_capacity(expert_ids, self.num_experts, capacity)
+    else:
+      capacity = None
+    experts = lambda rows, group_sizes: self._experts(rows, group_sizes, gate_up, down)
+    if self.expert_axis is None:
+      out = sorted_by_expert(tokens, expert_ids, gates, experts, self.num_experts)
+    else:
+      out = self._all_to_all(tokens, expert_ids, gates, experts, gate_up.shape[0],
+                             capacity)
+    return out.reshape(x.shape[:-1] + out.shape[-1:])
+
+  def _route(self, tokens, router) -> tuple[jax.Array, jax.Array]:
+    """``(expert_ids [m, k] int32, gates [m, k] float32)``, best expert first."""
+    # Float32 logits: bf16 would tie experts that differ in the 3rd digit.
+    logits = jnp.dot(tokens, router, precision=self.precision,
+                     preferred_element_type=jnp.float32)
+    top_logits, expert_ids = jax.lax.top_k(logits, self.top_k)
+    if self.softmax_over == "top_k":
+      gates = jax.nn.softmax(top_logits, axis=-1)
+    else:
+      probs = jax.nn.softmax(logits, axis=-1)
+      gates = jnp.take_along_axis(probs, expert_ids, axis=-1)
+    return expert_ids.astype(jnp.int32), gates
+
+  def _experts(self, rows, group_sizes, gate_up, down):
+    """Rows sorted by expert (``group_sizes[e]`` rows of expert e, then padding)
+    through their experts: two ragged_dots around the gated activation."""
+    f = down.shape[1]
+    h = ragged_dot(rows, gate_up, group_sizes, precision=self.precision,
+                   implementation=self.implementation)
+    hidden = h[:, :f] if self.activation is None else self.activation(h[:, :f])
+    return ragged_dot(hidden * h[:, f:], down, group_sizes, precision=self.precision,
+                      implementation=self.implementation)
+
+  def _all_to_all(self, tokens, expert_ids, gates, experts, num_local, capacity):
+    """The tokens to their experts' devices and back (inside shard_map)."""
+    axis = self.expert_axis
+    try:
+      devices = jax.lax.axis_size(axis)
+    except NameError as e:
+      raise ValueError(f"MoE(expert_axis={axis!r}) must be called inside jax.shard_map "
+                       f"over mesh axis {axis!r} ({e})") from e
+    if devices * num_local != self.num_experts:
+      raise ValueError(
+          f"MoE(expert_axis={axis!r}): each of the {devices} devices holds "
+          f"{num_local} experts of gate_up, not num_experts / {devices} = "
+          f"{self.num_experts} / {devices}: split gate_up and down along their "
+          f"first axis over {axis!r} (P({axis!r})) and replicate the router")
+    # Past the per-expert capacity nothing is left to drop, and a device receives
+    # at most num_local * capacity rows from each other: its buffers' size.
+    pair_capacity = None if capacity is None else num_local * capacity
+    return moe_lib.moe_all_to_all(tokens, expert_ids, experts, axis_name=axis,
+                                  num_local_experts=num_local, capacity=pair_capacity,
+                                  combine_weights=gates)
+
+
+def _check_arguments(in_features, hidden_features, num_experts, top_k, capacity_factor,
+                     softmax_over):
+  for name, value in (("in_features", in_features), ("hidden_features", hidden_features),
+                      ("num_experts", num_experts)):
+    if value < 1:
+      raise ValueError(f"{name} must be >= 1; got {value}")
+  if not 1 <= top_k <= num_experts:
+    raise ValueError(f"top_k must be in [1, num_experts={num_experts}]; got {top_k}")
+  if capacity_factor is not None and not capacity_factor > 0:
+    raise ValueError(f"capacity_factor must be None or > 0; got {capacity_factor}")
+  if softmax_over not in _SOFTMAX_OVER:
+    raise ValueError(f"softmax_over must be one of {_SOFTMAX_OVER}; got {softmax_over!r}")
+
+
+def drop_over_capacity(expert_ids: jax.Array, num_experts: int,
+                       capacity: int) -> jax.Array:
+  """`expert_ids` ``[m, k]`` with each expert's assignments past the first
+  `capacity` (in row-major order: token by token) replaced by `num_experts`,
+  an id every router of tokamax drops."""
+  # moe_all_to_all's routing with one destination per expert ranks the
+  # assignments of each expert in exactly this order and drops those past
+  # `capacity`: its slot of a dropped assignment is out of range.
+  m, k = expert_ids.shape
+  route = moe_lib._route(expert_ids.reshape(-1), num_experts, 1, capacity, k)  # pylint: disable=protected-access
+  kept = route.slot_of_assignment < num_experts * capacity
+  return jnp.where(kept.reshape(m, k), expert_ids, num_experts)
+
+
+def sorted_by_expert(tokens: jax.Array, expert_ids: jax.Array, gates: jax.Array,
+                     experts: moe_lib.ExpertFn, num_experts: int) -> jax.Array:
+  """The single-device case of `tokamax.moe_all_to_all`: ``[m, D]`` tokens'
+  gated sum of their experts' outputs, the experts run once on all rows sorted
+  by expert. Out-of-range ids contribute 0."""
+  m, k = expert_ids.shape
+  take = moe_lib._take_rows  # pylint: disable=protected-access
+  route = moe_lib._route(expert_ids.reshape(-1), 1, num_experts, m * k, k)  # pylint: disable=protected-access
+  rows = take(tokens, route.token_of_slot, route.slot_of_assignment, k)
+  out = experts(rows, route.sent_counts[0])
+  out = take(out, route.slot_of_assignment, route.assignment_of_slot, 1).reshape(m, k, -1)
+  combined = jnp.sum(out.astype(jnp.float32) * gates[..., None].astype(jnp.float32), axis=1)
+  return combined.astype(out.dtype)
