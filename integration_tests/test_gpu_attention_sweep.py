@@ -8,9 +8,9 @@ reference (`tokamax_xla_reference.attention` on float32 upcasts at
 ``Precision.HIGHEST``, run over query blocks where the dense scores would not fit)
 at T, S up to 16384, T != S, odd lengths, over windows (with and without
 ``is_causal``), per-batch lengths with rows that see no key, segment ids, bias,
-mask, logits soft cap, GQA/MQA, head dims 64/128/256, bfloat16 and float16: the
-forward (alone, and the one that feeds the backward) and dq, dk, dv, dbias for a
-random cotangent.
+mask, logits soft cap, attention sinks, GQA/MQA, head dims 64/128/256, bfloat16
+and float16: the forward (alone, and the one that feeds the backward) and dq, dk,
+dv, dbias, dsinks for a random cotangent.
 
 Per case and implementation: a `NotImplementedError` is a refusal (a skip, with the
 reason); a result must be within the dtype's tolerance of `tokamax.testing` (the
@@ -96,6 +96,7 @@ class SweepCase:
   bias: str | None = None  # which dims are full: "BNTS", "1NTS", "B1TS"
   mask: str | None = None
   soft_cap: float | None = None
+  sinks: bool = False  # one random logit per query head
 
   @property
   def id(self) -> str:
@@ -142,6 +143,10 @@ FEATURES = {
                      kv_lengths=(0.9, 0.6), soft_cap=8.0),
     "combined_no_segments": dict(is_causal=True, window=(300, 0), bias="B1TS",
                                  q_lengths=(0.7, 1.0), kv_lengths=(1.0, 0.5)),
+    "sinks": dict(sinks=True),
+    "sinks_causal": dict(sinks=True, is_causal=True),
+    "sinks_window_lengths": dict(sinks=True, is_causal=True, window=(1000, 0),
+                                 q_lengths=(1.0, 0.55), kv_lengths=(0.8, 0.0)),
 }
 
 # Every feature at bfloat16, head dim 128 on the first size; a subset on the others.
@@ -153,9 +158,10 @@ _FEATURES_PER_SIZE = {
     "t4097s3001": ("base", "causal", "win_L0_large", "win_L0_small", "win_0R",
                    "win_LR", "win_L0_causal", "win_LR_causal", "win_0R_causal",
                    "lengths", "lengths_window", "bias", "mask", "mask_bias_window",
-                   "combined", "combined_no_segments"),
+                   "combined", "combined_no_segments", "sinks",
+                   "sinks_window_lengths"),
     "t1023s4097": ("win_L0_large", "segments_causal", "bias_causal",
-                   "soft_cap_causal_window"),
+                   "soft_cap_causal_window", "sinks_causal"),
 }
 # Dtypes and head dims crossed over a few features: (size, feature, dtype, h).
 _CROSSED = [
@@ -165,6 +171,7 @@ _CROSSED = [
     ("t4097s3001", "causal", "bfloat16", 256),
     ("t4097s3001", "win_LR", "float16", 256),
     ("t1023s4097", "lengths", "float16", 64),
+    ("t4097s3001", "sinks_causal", "float16", 64),
 ]
 # "xla" is the reference's own dense code (it materializes [B, N, T, S]): checked
 # on these cases only.
@@ -223,7 +230,7 @@ def _scaled_window(w: int | None, scale: float) -> int | None:
 class Inputs:
   """One case's inputs, host-side (numpy), float arrays in the case's dtype."""
 
-  floats: dict[str, np.ndarray]  # query, key, value[, bias]
+  floats: dict[str, np.ndarray]  # query, key, value[, bias][, sinks]
   mask: np.ndarray | None
   q_lengths: np.ndarray | None
   kv_lengths: np.ndarray | None
@@ -248,6 +255,9 @@ def make_inputs(case: SweepCase, scale: float) -> Inputs:
   full = dict(B=b, N=n, T=t, S=s)
   if case.bias:
     floats["bias"] = normal(tuple(full.get(d, 1) for d in case.bias))
+  if case.sinks:
+    # Spread so that some sinks outweigh a row's keys and some do not.
+    floats["sinks"] = normal((n,)) * 3
   mask = None
   if case.mask:
     mask = rng.random(tuple(full.get(d, 1) for d in case.mask)) < 0.7
@@ -288,7 +298,7 @@ def _reference_block(floats, mask, q_lengths, kv_lengths, q_segments, kv_segment
         is_causal=is_causal, local_window=window, logits_soft_cap=soft_cap,
         query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
         q_segment_ids=q_segments, kv_segment_ids=kv_segments,
-        precision=jax.lax.Precision.HIGHEST, q_offset=q_offset)
+        precision=jax.lax.Precision.HIGHEST, q_offset=q_offset, sinks=fl.get("sinks"))
 
   out, vjp, lse = jax.vjp(f, floats, has_aux=True)
   (grads,) = vjp(cotangent)
@@ -304,7 +314,7 @@ def reference(case: SweepCase, x: Inputs,
   blocks of queries (``q_offset`` places a block for the causal mask and window;
   per-row mask, bias, lengths and segment ids are sliced). The last block ends at
   T and overlaps the one before; its overlapping rows get a zero cotangent, so
-  they add nothing to dk, dv and a broadcast dbias.
+  they add nothing to dk, dv, dsinks and a broadcast dbias.
   """
   f32 = {name: jnp.asarray(v, jnp.float32) for name, v in x.floats.items()}
   b, t, n, _ = f32["query"].shape
@@ -327,13 +337,15 @@ def reference(case: SweepCase, x: Inputs,
   bias = f32.get("bias")
   bias_rows = bias is not None and bias.shape[2] == t
   dbias = np.zeros(bias.shape, np.float32) if bias is not None else None
-  dk = dv = dbias_sum = None
+  dk = dv = dbias_sum = dsinks = None
   done = 0
   while done < t:
     start = min(done, t - block)
     keep = jnp.arange(start, start + block) >= done
     block_floats = dict(query=rows(f32["query"], start, 1), key=f32["key"],
                         value=f32["value"])
+    if "sinks" in f32:
+      block_floats["sinks"] = f32["sinks"]
     if bias is not None:
       block_floats["bias"] = rows(bias, start, 2)
     q_lengths = None
@@ -352,6 +364,8 @@ def reference(case: SweepCase, x: Inputs,
     dq[:, done:start + block] = np.asarray(g["query"])[:, new]
     dk = g["key"] if dk is None else dk + g["key"]
     dv = g["value"] if dv is None else dv + g["value"]
+    if "sinks" in g:
+      dsinks = g["sinks"] if dsinks is None else dsinks + g["sinks"]
     if bias_rows:
       dbias[:, :, done:start + block] = np.asarray(g["bias"])[:, :, new]
     elif bias is not None:
@@ -361,6 +375,8 @@ def reference(case: SweepCase, x: Inputs,
                 dvalue=np.asarray(dv))
   if bias is not None:
     result["dbias"] = dbias if bias_rows else np.asarray(dbias_sum)
+  if dsinks is not None:
+    result["dsinks"] = np.asarray(dsinks)
   return result
 
 
@@ -395,7 +411,8 @@ def _attention_fn(case: SweepCase, x: Inputs, implementation):
         query_seq_lengths=extras["q_lengths"],
         key_value_seq_lengths=extras["kv_lengths"], local_window_size=x.window,
         logits_soft_cap=case.soft_cap, q_segment_ids=extras["q_segments"],
-        kv_segment_ids=extras["kv_segments"], implementation=implementation)
+        kv_segment_ids=extras["kv_segments"], sinks=floats.get("sinks"),
+        implementation=implementation)
   return call
 
 
@@ -588,7 +605,8 @@ def test_harness_smoke():
   passes, a refusal is reported as one, a wrong call is caught."""
   cases = [_make_case("t4097s3001", "win_L0_large"),
            _make_case("t1023s4097", "combined", "float16", 64),
-           _make_case("t4097s3001", "mask_bias_window")]
+           _make_case("t4097s3001", "mask_bias_window"),
+           _make_case("t4097s3001", "sinks_window_lengths")]
   for case in cases:
     record = run_case(case, "xla_chunked", _SMOKE_SCALE)
     assert record["status"] == "passed" and record["forward"] == ["xla_chunked"]

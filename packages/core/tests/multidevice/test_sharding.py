@@ -134,6 +134,23 @@ def test_attention_sequence_sharded_with_every_feature():
          out_spec=P("a", "b", None, None))
 
 
+@pytest.mark.parametrize("layout", ["batch_and_heads", "sequence"])
+def test_attention_sinks_sharded(layout):
+  """Sinks split with the query heads; their gradient sums over the batch and
+  query-sequence shards."""
+  mesh = _mesh((2, HALF))
+  q_spec, kv_spec, out_spec = ATTENTION_LAYOUTS[layout]
+  if layout != "sequence" and HALF > 2:
+    kv_spec = P(kv_spec[0])
+  sinks_spec = P("b") if layout == "batch_and_heads" else P()
+  impl = SEQUENCE_IMPLEMENTATION if layout == "sequence" else None
+  fn = lambda q, k, v, sinks: tokamax.dot_product_attention(
+      q, k, v, is_causal=True, sinks=sinks, implementation=impl)
+  args = (_rand(4, 16, 8, 8), _rand(4, 16, 2, 8), _rand(4, 16, 2, 8), _rand(8) * 2)
+  _check(mesh, fn, args, (q_spec, kv_spec, kv_spec, sinks_spec),
+         out_spec=P(*out_spec, *(None,) * (4 - len(out_spec))))
+
+
 def test_attention_bfloat16():
   mesh = _mesh((2, HALF))
   fn = lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=True)

@@ -938,7 +938,7 @@ class MosaicGpuAttention(Op):
   op_name = "dot_product_attention"
   name = "mosaic_gpu"
   config_cls = AttentionConfig
-  supported_features = ("q_offset",)
+  supported_features = ("q_offset", "sinks")
 
   def check_supported(self, args, device):
     _common.check_hopper_device(device)
@@ -968,6 +968,8 @@ class MosaicGpuAttention(Op):
         key_value_seq_lengths=args.key_value_seq_lengths,
         q_segment_ids=args.q_segment_ids, kv_segment_ids=args.kv_segment_ids,
         q_offset=args.q_offset)
+    # Sinks: one elementwise pass after the kernel (not yet in its epilogue).
+    out, lse = args.apply_sinks(out, lse)
     return out, {"lse": lse}
 
 
@@ -1761,7 +1763,7 @@ class MosaicGpuAttentionVjp(VjpOp):
   op_name = "dot_product_attention"
   name = "mosaic_gpu"
   config_cls = AttentionVjpConfig
-  supported_features = ("q_offset",)
+  supported_features = ("q_offset", "sinks")
 
   def check_supported(self, args, device, residuals=None):
     _common.check_hopper_device(device)
@@ -1795,4 +1797,7 @@ class MosaicGpuAttentionVjp(VjpOp):
         key_value_seq_lengths=args.key_value_seq_lengths,
         q_segment_ids=args.q_segment_ids, kv_segment_ids=args.kv_segment_ids,
         q_offset=args.q_offset)
-    return {"query": dq, "key": dk, "value": dv}
+    # With sinks the lse and out are the forward's (sinks in): the kernels are
+    # unchanged, the sinks' gradient is a row reduction.
+    return {"query": dq, "key": dk, "value": dv,
+            "sinks": args.sinks_cotangent(residuals["lse"], out, dout)}

@@ -6,6 +6,9 @@ online-softmax state (row max ``m``, row sum ``l``, unnormalized output ``acc``)
 float32. Logits live in the base-2 domain (``log2(e)`` folded into the scale) so the
 exponentials are ``exp2``. The T x S score matrix never leaves registers. The
 residual is the natural log-sum-exp per row, +inf for rows that see no key.
+Attention sinks join the denominator in the epilogue (the lse takes them in), so
+the backward kernels are the same with or without them; the sinks' own gradient
+is `AttentionArgs.sinks_cotangent`'s (a row reduction in jnp).
 
 Backward, from the saved log-sum-exp (no forward recomputation of the softmax
 statistics): ``delta = rowsum(dout * out)`` in plain jnp, then
@@ -102,6 +105,7 @@ class _Layout:
   has_segments: bool
   has_q_offset: bool  # query row t sits at position t + q_offset (window/causal)
   precision: Any
+  has_sinks: bool = False  # a per-head logit in each row's denominator (forward)
 
   @property
   def group(self) -> int:
@@ -139,7 +143,7 @@ def _layout(args) -> _Layout:
       has_segments=args.q_segment_ids is not None,
       # The offset moves only the window; without one it changes nothing.
       has_q_offset=args.q_offset is not None and (left, right) != (None, None),
-      precision=precision)
+      precision=precision, has_sinks=args.sinks is not None)
 
 
 # ----------------------------------------------------------------------------
@@ -437,8 +441,17 @@ def _fwd_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: 
   if lay.has_q_len:
     valid &= rows < q_limit
   l_safe = jnp.where(valid, l, 1.0)
-  out = jnp.where(valid[:, None], acc * (1.0 / l_safe)[:, None], 0.0)
-  lse = jnp.where(valid, (m + jnp.log2(l_safe)) * _LN2, jnp.inf)
+  lse2 = jnp.where(valid, m + jnp.log2(l_safe), 0.0)  # base 2, keys only
+  inv_l = 1.0 / l_safe
+  if lay.has_sinks:
+    # The sink joins the denominator: weights shrink by 1 / (1 + 2^(sink2 -
+    # lse2)), and the lse takes it in (a base-2 logaddexp, stable either way).
+    sink2 = refs["sinks"][...] * _LOG2E
+    top = jnp.maximum(lse2, sink2)
+    lse2 = top + jnp.log2(jnp.exp2(lse2 - top) + jnp.exp2(sink2 - top))
+    inv_l = inv_l * jnp.exp2(m + jnp.log2(l_safe) - lse2)
+  out = jnp.where(valid[:, None], acc * inv_l[:, None], 0.0)
+  lse = jnp.where(valid, lse2 * _LN2, jnp.inf)
   cols_ok = jnp.arange(lay.hvp) < lay.hv if lay.hvp != lay.hv else None
   o_ref = refs["out"]
   plgpu.store(o_ref.at[pl.ds(q0, bq), :], out.astype(o_ref.dtype),
@@ -681,6 +694,10 @@ def _forward(args, config: AttentionConfig):
 
   inputs = [("q", q, _seq_spec(lay.t, lay.hp, None, n)), ("k", k, kv_spec(lay.hp)),
             ("v", v, kv_spec(lay.hvp)), *_extras(args, lay, None, n)]
+  if lay.has_sinks:
+    head = _bn_index(n)
+    inputs.append(("sinks", args.sinks.astype(jnp.float32),
+                   pl.BlockSpec((1,), lambda _, bn: (head(bn)[1],))))
   outputs = [
       ("out", jax.ShapeDtypeStruct((b, lay.t, n, lay.hv), q.dtype),
        _seq_spec(lay.t, lay.hvp, None, n)),
@@ -768,7 +785,8 @@ def _backward(args, lse, out, dout, config: AttentionVjpConfig):
   (dq,) = _call(_dq_kernel, inputs, outputs, (nq, b * n), config.num_warps_dq,
                 config.num_stages, "tokamax_attention_dq", lay=lay, bq=bq, bk=bk,
                 nq=nq, reverse=lay.right is not None)
-  return {"query": dq, "key": dk, "value": dv, "bias": dbias}
+  return {"query": dq, "key": dk, "value": dv, "bias": dbias,
+          "sinks": args.sinks_cotangent(lse, out, dout)}
 
 
 # ----------------------------------------------------------------------------
@@ -807,7 +825,7 @@ class TritonAttention(tokamax.Op):
   op_name = "dot_product_attention"
   name = "triton"
   config_cls = AttentionConfig
-  supported_features = ("q_offset",)
+  supported_features = ("q_offset", "sinks")
 
   def check_supported(self, args, device):
     _check(args, device)
@@ -868,7 +886,7 @@ class TritonAttentionVjp(tokamax.VjpOp):
   op_name = "dot_product_attention"
   name = "triton"
   config_cls = AttentionVjpConfig
-  supported_features = ("q_offset",)
+  supported_features = ("q_offset", "sinks")
 
   def check_supported(self, args, device, residuals=None):
     _check(args, device)

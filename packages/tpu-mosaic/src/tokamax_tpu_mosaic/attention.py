@@ -751,7 +751,10 @@ def _backward(args, lse, out, dout, config: AttentionVjpConfig):
   dv = _unpad_heads(dv, sp, kh, lay.hvp, lay.s, lay.hv)
   (dq,) = _call(args, "dq", config.block_q_dq, config.block_k_dq, arrays)
   dq = _unpad_heads(dq, dq.shape[1], n, lay.hp, lay.t, lay.h)
-  return {"query": dq, "key": dk, "value": dv, "bias": None}
+  # With sinks the lse and out are the forward's (sinks in): the kernels are
+  # unchanged, the sinks' gradient is a row reduction.
+  return {"query": dq, "key": dk, "value": dv, "bias": None,
+          "sinks": args.sinks_cotangent(lse, out, dout)}
 
 
 # ----------------------------------------------------------------------------
@@ -834,7 +837,7 @@ class MosaicTpuAttention(tokamax.Op):
   op_name = "dot_product_attention"
   name = "mosaic_tpu"
   config_cls = AttentionConfig
-  supported_features = ("q_offset",)
+  supported_features = ("q_offset", "sinks")
 
   def check_supported(self, args, device):
     _check(args, device)
@@ -854,6 +857,8 @@ class MosaicTpuAttention(tokamax.Op):
 
   def forward(self, args, config):
     out, lse = _forward(args, config or self.heuristic_config(args))
+    # Sinks: one elementwise pass after the kernel (not yet in its epilogue).
+    out, lse = args.apply_sinks(out, lse)
     return out, {"lse": lse}
 
 
@@ -864,7 +869,7 @@ class MosaicTpuAttentionVjp(tokamax.VjpOp):
   op_name = "dot_product_attention"
   name = "mosaic_tpu"
   config_cls = AttentionVjpConfig
-  supported_features = ("q_offset",)
+  supported_features = ("q_offset", "sinks")
 
   def check_supported(self, args, device, residuals=None):
     _check(args, device)

@@ -70,20 +70,42 @@ def _logits(q, k, bias, *, scale, logits_soft_cap, precision):
   return logits
 
 
-def _softmax_stats(logits, vis):
-  """Row max (finite, no gradient), unnormalized probabilities and row sums."""
+def _softmax_stats(logits, vis, sinks=None):
+  """Row max (finite, no gradient), unnormalized probabilities, row sums, and
+  whether each row sees a key.
+
+  With sinks (``[K, G, 1]``, see `_grouped_sinks`), each row's sum also
+  holds ``exp(sink)`` (a logit that takes no value), and the max takes the sink
+  in so that a sink far above the logits cannot overflow the sum.
+  """
   masked = jnp.where(vis, logits, -jnp.inf)
   row_max = jnp.max(masked, axis=-1, keepdims=True, initial=-jnp.inf)  # S may be 0
-  row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+  nonempty = jnp.isfinite(row_max)
+  if sinks is not None:
+    row_max = jnp.maximum(row_max, sinks[..., None])
+  row_max = jax.lax.stop_gradient(jnp.where(nonempty, row_max, 0.0))
   p = jnp.exp(masked - row_max)
-  return row_max[..., 0], p, jnp.sum(p, axis=-1)
+  row_sum = jnp.sum(p, axis=-1)
+  if sinks is not None:
+    row_sum = row_sum + jnp.where(nonempty[..., 0], jnp.exp(sinks - row_max[..., 0]),
+                                  0.0)
+  return row_max[..., 0], p, row_sum, nonempty[..., 0]
+
+
+def _grouped_sinks(sinks, num_kv):
+  """``[N] -> [K, G, 1]`` float32, broadcasting with the grouped row statistics
+  ``[B, K, G, T]``."""
+  return sinks.astype(jnp.float32).reshape(num_kv, -1, 1)
 
 
 def attention(q, k, v, bias=None, mask=None, *, scale, is_causal=False,
               local_window=None, logits_soft_cap=None, query_seq_lengths=None,
               key_value_seq_lengths=None, q_segment_ids=None, kv_segment_ids=None,
-              precision=None, q_offset=None):
+              precision=None, q_offset=None, sinks=None):
   """Dense attention, materializing the ``[B, N, T, S]`` logits in float32.
+
+  `sinks` (None or float ``[N]``): a logit per query head in every row's softmax
+  denominator that takes no value (see `AttentionArgs.sinks`).
 
   Returns:
     ``(out [B, T, N, Hv] in q's dtype, lse float32 [B, N, T])``; rows with no
@@ -99,10 +121,12 @@ def attention(q, k, v, bias=None, mask=None, *, scale, is_causal=False,
                    key_value_seq_lengths=key_value_seq_lengths,
                    q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                    q_offset=q_offset)
-  row_max, p, row_sum = _softmax_stats(logits, _group_heads(vis, num_kv))
+  grouped_sinks = None if sinks is None else _grouped_sinks(sinks, num_kv)
+  row_max, p, row_sum, nonempty = _softmax_stats(logits, _group_heads(vis, num_kv),
+                                                 grouped_sinks)
   out = jnp.einsum("bkgts,bskh->btkgh", p, v.astype(jnp.float32), precision=precision,
                    preferred_element_type=jnp.float32)
-  nonempty = row_sum > 0
+  nonempty = nonempty & (row_sum > 0)
   denom = jnp.where(nonempty, row_sum, 1.0)
   out = out / jnp.moveaxis(denom, -1, 1)[..., None]
   lse = jnp.where(nonempty, row_max + jnp.log(denom), jnp.inf)
@@ -153,10 +177,11 @@ def attention_chunked(q, k, v, bias=None, mask=None, *, scale, is_causal=False,
                       local_window=None, logits_soft_cap=None, query_seq_lengths=None,
                       key_value_seq_lengths=None, q_segment_ids=None,
                       kv_segment_ids=None, precision=None, chunk_size=512,
-                      q_offset=None):
+                      q_offset=None, sinks=None):
   """Attention over key chunks with an online softmax: memory O(T * chunk_size).
 
-  Same contract as :func:`attention`. Differentiate it with
+  Same contract as :func:`attention`; the sinks join each row's sum after the
+  last chunk. Differentiate it with
   :func:`attention_chunked_backward` (autodiff through the scan would store every
   chunk's probabilities, O(T * S) again).
   """
@@ -198,6 +223,13 @@ def attention_chunked(q, k, v, bias=None, mask=None, *, scale, is_causal=False,
   denom = jnp.where(nonempty, row_sum, 1.0)
   out = acc / denom[..., None]
   lse = jnp.where(nonempty, row_max + jnp.log(denom), jnp.inf)
+  if sinks is not None:
+    # The sink's share: row weights times sum / (sum + exp(sink)), in float32
+    # before the output is rounded.
+    sink = _grouped_sinks(sinks, num_kv)
+    lse_keys = jnp.where(nonempty, lse, 0.0)
+    out = out * jax.nn.sigmoid(lse_keys - sink)[..., None]
+    lse = jnp.where(nonempty, jnp.logaddexp(lse_keys, sink), jnp.inf)
   out = jnp.moveaxis(out, 3, 1).reshape(b, t, n, hv)
   return out.astype(q.dtype), lse.reshape(b, n, t)
 
@@ -208,6 +240,9 @@ def attention_chunked_backward(q, k, v, bias, mask, out, lse, dout, *, scale,
                                q_segment_ids=None, kv_segment_ids=None, precision=None,
                                chunk_size=512, q_offset=None):
   """Gradients of attention from the saved log-sum-exp, one key chunk at a time.
+
+  With sinks, `lse` and `out` are the forward's (sinks included) and this is
+  unchanged; the sinks' own gradient is `AttentionArgs.sinks_cotangent`'s.
 
   Returns:
     ``(dq, dk, dv, dbias)`` (dbias None without bias), float32, memory

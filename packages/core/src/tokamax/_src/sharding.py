@@ -238,7 +238,8 @@ def attention_plan(mesh, shapes, specs, supports) -> Plan:
       key_value_seq_lengths=per_batch(shapes.key_value_seq_lengths),
       q_segment_ids=per_batch(shapes.q_segment_ids, T),
       kv_segment_ids=per_batch(shapes.kv_segment_ids, None),
-      q_offset=None if shapes.q_offset is None else P())
+      q_offset=None if shapes.q_offset is None else P(),
+      sinks=None if shapes.sinks is None else P(N))
 
   # localize and backward see the local shards flattened to one batch dim.
   def localize(mesh, a):
@@ -414,7 +415,7 @@ _LABELS = {
     "dot_product_attention": (
         dict(query="btnh", key="bskh", value="bskd", bias="bnts", mask="bnts",
              query_seq_lengths="b", key_value_seq_lengths="b", q_segment_ids="bt",
-             kv_segment_ids="bs", q_offset=""),
+             kv_segment_ids="bs", q_offset="", sinks="n"),
         dict(out="btnd", lse="bnt")),
     "layer_norm": (dict(x="rd", scale="d", offset="d"),
                    dict(out="rd", mean="r", rstd="r")),

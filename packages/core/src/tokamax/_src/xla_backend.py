@@ -59,6 +59,10 @@ def _attention_kwargs(args):
               precision=args.precision, q_offset=args.q_offset)
 
 
+def _attention_kwargs_with_sinks(args):
+  return dict(_attention_kwargs(args), sinks=args.sinks)
+
+
 def _vjp(fn, args, diff_fields):
   """``(fn(args), vjp)`` with `vjp` mapping a cotangent to ``{field: grad}``."""
   primals = {f: getattr(args, f) for f in diff_fields if getattr(args, f) is not None}
@@ -83,11 +87,11 @@ class XlaAttention(Op):
 
   op_name = "dot_product_attention"
   name = "xla"
-  supported_features = ("q_offset",)
+  supported_features = ("q_offset", "sinks")
 
   def forward(self, args, config):
     out, lse = _ref().attention(args.query, args.key, args.value, args.bias, args.mask,
-                                **_attention_kwargs(args))
+                                **_attention_kwargs_with_sinks(args))
     return out, {"lse": lse}
 
 
@@ -95,13 +99,14 @@ class XlaAttention(Op):
 class XlaAttentionVjp(VjpOp):
   op_name = "dot_product_attention"
   name = "xla"
-  supported_features = ("q_offset",)
+  supported_features = ("q_offset", "sinks")
 
   def backward(self, args, residuals, out, dout, config):
     def fn(a):
       return _ref().attention(a.query, a.key, a.value, a.bias, a.mask,
-                              **_attention_kwargs(a))[0]
-    return _autodiff_backward(fn, args, ("query", "key", "value", "bias"), dout)
+                              **_attention_kwargs_with_sinks(a))[0]
+    return _autodiff_backward(fn, args, ("query", "key", "value", "bias", "sinks"),
+                              dout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +120,7 @@ class XlaChunkedAttention(Op):
 
   op_name = "dot_product_attention"
   name = "xla_chunked"
-  supported_features = ("q_offset",)
+  supported_features = ("q_offset", "sinks")
   config_cls = ChunkConfig
 
   def heuristic_config(self, args):
@@ -128,7 +133,7 @@ class XlaChunkedAttention(Op):
   def forward(self, args, config):
     out, lse = _ref().attention_chunked(
         args.query, args.key, args.value, args.bias, args.mask,
-        chunk_size=config.chunk_size, **_attention_kwargs(args))
+        chunk_size=config.chunk_size, **_attention_kwargs_with_sinks(args))
     return out, {"lse": lse}
 
 
@@ -136,7 +141,7 @@ class XlaChunkedAttention(Op):
 class XlaChunkedAttentionVjp(VjpOp):
   op_name = "dot_product_attention"
   name = "xla_chunked"
-  supported_features = ("q_offset",)
+  supported_features = ("q_offset", "sinks")
   config_cls = ChunkConfig
 
   def heuristic_config(self, args):
@@ -150,7 +155,8 @@ class XlaChunkedAttentionVjp(VjpOp):
     dq, dk, dv, dbias = _ref().attention_chunked_backward(
         args.query, args.key, args.value, args.bias, args.mask, out,
         residuals["lse"], dout, chunk_size=config.chunk_size, **_attention_kwargs(args))
-    return {"query": dq, "key": dk, "value": dv, "bias": dbias}
+    return {"query": dq, "key": dk, "value": dv, "bias": dbias,
+            "sinks": args.sinks_cotangent(residuals["lse"], out, dout)}
 
 
 _ATTENTION_GRAD_FIELDS = ("query", "key", "value", "bias")

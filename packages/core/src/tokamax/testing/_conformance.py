@@ -103,6 +103,14 @@ def _attention_cases() -> list[Case]:
         local_window_size=(12, 0), q_offset=17, q_segment_ids=True,
         key_value_seq_lengths=(44, 30), query_seq_lengths=(21, 26)),
       c("q_offset_no_window", t=16, s=16, q_offset=100),
+      # Attention sinks (opt-in: implementations without "sinks" are skipped).
+      c("sinks", sinks=True, quick=True),
+      c("sinks_causal_gqa", n=4, k=2, is_causal=True, sinks=True),
+      c("sinks_window_lengths_mqa", n=4, k=1, local_window_size=(9, 0),
+        is_causal=True, query_seq_lengths=(30, 0), key_value_seq_lengths=(5, 37),
+        sinks=True, quick=True),
+      c("sinks_segments_soft_cap", q_segment_ids=True, logits_soft_cap=5.0, sinks=True),
+      c("sinks_q_offset", t=20, s=53, is_causal=True, q_offset=29, sinks=True),
   ]
 
 
@@ -195,6 +203,9 @@ def _attention_inputs(case: Case, rng, dtype):
   if sh["bias"] is not None:
     floats["bias"] = _normal(rng, sh["bias"], dtype)
   options = dict(case.options)
+  if options.pop("sinks", False):
+    # Spread so that some sinks outweigh a row's keys and some do not.
+    floats["sinks"] = _normal(rng, (n,), dtype) * 3
   mask = None
   if sh["mask"] is not None:
     mask = rng.random(sh["mask"]) < 0.7
@@ -216,16 +227,16 @@ def _attention_inputs(case: Case, rng, dtype):
 
 def call_attention(floats: dict, mask, options: dict, q_offset: int | None,
                    implementation: Any, precision):
-  """`tokamax.dot_product_attention` on ``floats`` (query, key, value, bias?);
-  with a `q_offset` (not a public argument) through the canonical args."""
+  """`tokamax.dot_product_attention` on ``floats`` (query, key, value, bias?,
+  sinks?); with a `q_offset` (not a public argument) through the canonical args."""
   f = floats
   if q_offset is None:
     return tokamax.dot_product_attention(
         f["query"], f["key"], f["value"], f.get("bias"), mask, precision=precision,
-        implementation=implementation, **options)
+        sinks=f.get("sinks"), implementation=implementation, **options)
   args, batch_shape = attention_op.canonical_args(
       f["query"], f["key"], f["value"], f.get("bias"), mask, precision=precision,
-      **options)
+      sinks=f.get("sinks"), **options)
   args = dataclasses.replace(args, q_offset=jnp.int32(q_offset))
   out = dispatch.call(attention_op.OP_NAME, args, implementation,
                       attention_op.DIFF_FIELDS)
@@ -415,6 +426,9 @@ def error_cases() -> list[tuple[str, Callable[[Any], Any], type, str]]:
       ("attention_bias_shape",
        lambda i: att(q, kv, kv, bias=jnp.ones((3, 4)), implementation=i), ValueError,
        "bias"),
+      ("attention_sinks_shape",
+       lambda i: att(q, kv, kv, sinks=jnp.zeros((2,)), implementation=i), ValueError,
+       "sinks"),
       ("attention_segments_alone",
        lambda i: att(q, kv, kv, q_segment_ids=jnp.zeros((1, 4), jnp.int32),
                      implementation=i), ValueError, "kv_segment_ids"),

@@ -50,8 +50,14 @@ class AttentionArgs:
   Logits are ``soft_cap(scale * q.k + bias)``; masked entries are excluded from the
   softmax; a query row with no visible key outputs 0.
 
-  Opt-in field (an implementation that handles it lists ``"q_offset"`` in its
+  Opt-in fields (an implementation that handles one lists its name in its
   ``supported_features``; dispatch refuses the others when it is set):
+
+  - sinks: None or float ``[N]``: attention sinks (gpt-oss, StreamingLLM), one
+    learnable logit per query head that joins every row's softmax denominator and
+    takes no value: row t's weights are ``exp(l_ts) / (exp(sink_n) + sum_s
+    exp(l_ts))`` over its visible keys. It is not scaled, capped or masked; a row
+    with no visible key still outputs 0. Gets a gradient.
 
   - q_offset: None or an int32 scalar: query row t sits at position
     ``t + q_offset`` relative to key 0 for ``is_causal`` and ``local_window``
@@ -60,8 +66,12 @@ class AttentionArgs:
     `tokamax.ring_attention` for a (query block, key block) pair.
 
   Residuals (forward to backward): ``{"lse": float32 [B, N, T]}``, the natural
-  log-sum-exp of each query row's visible logits, +inf for rows with no visible
-  key (so that ``exp(logit - lse)`` is 0), or ``{}`` if the forward has none.
+  log-sum-exp of each query row's visible logits (and its head's sink, with
+  sinks), +inf for rows with no visible key (so that ``exp(logit - lse)`` is 0),
+  or ``{}`` if the forward has none. With sinks the lse so defined makes
+  ``exp(logit - lse)`` the probabilities and ``rowsum(dout * out)`` the softmax
+  correction term as without: a backward written for that lse and output needs
+  only `sinks_cotangent` besides.
   """
 
   query: jax.Array
@@ -81,9 +91,46 @@ class AttentionArgs:
       default=None, metadata=dict(static=True))
   precision: Any = dataclasses.field(default=None, metadata=dict(static=True))
   q_offset: jax.Array | None = None
+  sinks: jax.Array | None = None
 
   def opt_in_features(self) -> tuple[str, ...]:
-    return ("q_offset",) if self.q_offset is not None else ()
+    return tuple(name for name in ("q_offset", "sinks")
+                 if getattr(self, name) is not None)
+
+  def apply_sinks(self, out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(out, lse)`` of attention without sinks -> with ``self.sinks``.
+
+    For an implementation whose kernel computes the attention without sinks and
+    leaves them to one elementwise pass: each row's key weights shrink by
+    ``sum / (sum + exp(sink)) = sigmoid(lse - sink)``, and the lse takes the sink
+    in (``logaddexp``). Rows with no visible key keep output 0 and lse +inf.
+    """
+    if self.sinks is None:
+      return out, lse
+    sink = self.sinks.astype(jnp.float32)[None, :, None]  # [1, N, 1] like lse
+    empty = lse == jnp.inf
+    lse_keys = jnp.where(empty, 0.0, lse)
+    weight = jax.nn.sigmoid(lse_keys - sink)  # [B, N, T]
+    rows = jnp.moveaxis(weight, 1, 2)[..., None]  # [B, T, N, 1] like out
+    out = (out.astype(jnp.float32) * rows).astype(out.dtype)
+    return out, jnp.where(empty, jnp.inf, jnp.logaddexp(lse_keys, sink))
+
+  def sinks_cotangent(self, lse: jax.Array, out: jax.Array,
+                      dout: jax.Array) -> jax.Array | None:
+    """The sinks' gradient ``[N]`` (None without sinks), from the lse (sinks
+    included) the forward returned, its output and the output's cotangent.
+
+    A sink's weight in row t is ``p_t = exp(sink - lse_t)``; it takes no value,
+    so its logit's gradient is ``-p_t * rowsum(dout * out)_t``, summed over the
+    rows of its head (0 for rows with no visible key: lse +inf, out 0).
+    """
+    if self.sinks is None:
+      return None
+    delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32),
+                       out.astype(jnp.float32))
+    p_sink = jnp.exp(self.sinks.astype(jnp.float32)[None, :, None]
+                     - lse.astype(jnp.float32))
+    return (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(self.sinks.dtype)
 
   @property
   def batch(self) -> int:
@@ -111,7 +158,7 @@ class AttentionArgs:
     return left, right
 
 
-DIFF_FIELDS = ("query", "key", "value", "bias")
+DIFF_FIELDS = ("query", "key", "value", "bias", "sinks")
 
 
 def _canonical_window(local_window_size: Any) -> tuple[int | None, int | None] | None:
@@ -201,6 +248,7 @@ def dot_product_attention(
     logits_soft_cap: float | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
+    sinks: jax.Array | None = None,
     precision: Any = None,
     implementation: dispatch.Implementation = None,
 ) -> jax.Array:
@@ -224,6 +272,9 @@ def dot_product_attention(
     logits_soft_cap: optional c > 0: logits become ``c * tanh(logits / c)``.
     q_segment_ids: optional int ``[*batch, T]`` (packed sequences).
     kv_segment_ids: optional int ``[*batch, S]``; required with q_segment_ids.
+    sinks: optional float ``[N]``: attention sinks, one logit per query head that
+      joins each row's softmax denominator and takes no value (gpt-oss,
+      StreamingLLM); gets a gradient. Every implementation but cuDNN takes it.
     precision: matmul precision, as `jax.lax.dot_general` takes it.
     implementation: None (choose), a name (``"xla"``, ``"xla_chunked"``,
       ``"cudnn"``, ``"triton"``, ``"mosaic"``, ...), a sequence of names tried in
@@ -241,8 +292,8 @@ def dot_product_attention(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
-      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, precision=precision,
-      merge_batch=False)
+      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, sinks=sinks,
+      precision=precision, merge_batch=False)
   return dispatch.call(OP_NAME, args, implementation, DIFF_FIELDS,
                        lead_dims=len(batch_shape))
 
@@ -250,8 +301,8 @@ def dot_product_attention(
 def canonical_args(query, key, value, bias=None, mask=None, *, scale=None,
                    is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
                    local_window_size=None, logits_soft_cap=None, q_segment_ids=None,
-                   kv_segment_ids=None, precision=None, merge_batch=True,
-                   ) -> tuple[AttentionArgs, tuple[int, ...]]:
+                   kv_segment_ids=None, sinks=None, precision=None,
+                   merge_batch=True) -> tuple[AttentionArgs, tuple[int, ...]]:
   """Validates `dot_product_attention`'s arguments (same names and meaning).
 
   `merge_batch=False` keeps the batch dims apart (dispatch merges them, after
@@ -321,6 +372,12 @@ def canonical_args(query, key, value, bias=None, mask=None, *, scale=None,
   if q_segment_ids is not None:
     q_segment_ids = _segments("q_segment_ids", q_segment_ids, batch_shape, t, "T")
     kv_segment_ids = _segments("kv_segment_ids", kv_segment_ids, batch_shape, s, "S")
+  if sinks is not None:
+    sinks = _checks.as_array("sinks", sinks)
+    _checks.check_float("sinks", sinks)
+    if tuple(sinks.shape) != (n,):
+      raise ValueError(f"sinks must have shape ({n},) (one logit per query head, "
+                       f"N={n}); got {_checks.describe(sinks)}")
 
   args = AttentionArgs(
       query=query,
@@ -337,6 +394,7 @@ def canonical_args(query, key, value, bias=None, mask=None, *, scale=None,
       local_window=_canonical_window(local_window_size),
       logits_soft_cap=logits_soft_cap,
       precision=_checks.canonical_precision(precision),
+      sinks=sinks,
   )
   if merge_batch:
     # One flat batch dim (sized explicitly: -1 cannot be inferred when another
