@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="only this op (repeatable; 'all' for every op, e.g. with --model)")
   bench.add_argument("--implementation", action="append",
                      help="only this implementation (repeatable; 'auto' for None)")
+  bench.add_argument("--shape", help="only problems whose name contains this "
+                                     "(e.g. 'window', 'sinks', 'B4 T4096')")
   bench.add_argument("--model", action="append", choices=["dense", "moe", "all"],
                      help="time a training step of this model, tokamax vs plain JAX "
                           "(repeatable; alone it skips the per-op suite)")
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                       models=args.model, quick=args.quick, sizes=sizes,
                       json_path=args.json_path, compare_path=args.compare,
                       from_json=args.from_json, threshold=args.threshold,
-                      error_growth=args.error_growth)
+                      error_growth=args.error_growth, shape=args.shape)
   return 0
 
 

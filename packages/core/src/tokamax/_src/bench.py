@@ -75,22 +75,47 @@ def _jax_nn_attention_impl() -> str | None:
   return "cudnn" if benchmarking._is_nvidia_gpu(jax.devices()[0]) else None  # pylint: disable=protected-access
 
 
-def _attention(b, t, n, k, h, causal, dtype=BF16) -> Problem:
+def _visible_pairs(t: int, causal: bool, window: int | None) -> int:
+  """(query, key) pairs a T x T attention computes: all, causal (each row its
+  t + 1 keys), or a causal sliding window (at most `window` keys back, as Mistral's
+  local_window_size=(window, 0))."""
+  if not causal:
+    return t * t
+  if window is None:
+    return t * (t + 1) // 2
+  w = min(window, t - 1)
+  return (w + 1) * t - w * (w + 1) // 2
+
+
+def _attention(b, t, n, k, h, causal, dtype=BF16, window=None, sinks=False) -> Problem:
+  """`window`: a causal sliding window of that many keys back. `sinks`: tokamax
+  gets one sink per head; the peer (no sinks in jax.nn) runs the same call
+  without them: a speed yardstick, not a numerical reference."""
   def make():
-    ks = jax.random.split(jax.random.key(0), 3)
-    return (_rand(ks[0], (b, t, n, h), dtype), _rand(ks[1], (b, t, k, h), dtype),
-            _rand(ks[2], (b, t, k, h), dtype))
-  flops = 4 * b * n * t * t * h / (2 if causal else 1)
+    ks = jax.random.split(jax.random.key(0), 4)
+    inputs = (_rand(ks[0], (b, t, n, h), dtype), _rand(ks[1], (b, t, k, h), dtype),
+              _rand(ks[2], (b, t, k, h), dtype))
+    return inputs + ((_rand(ks[3], (n,), jnp.float32),) if sinks else ())
+  flops = 4 * b * n * h * _visible_pairs(t, causal, window)
   name = (f"B{b} T{t} N{n}" + (f" K{k}" if k != n else "") + f" H{h}"
-          + (" causal" if causal else "") + ("" if dtype == BF16 else " f16"))
+          + (" causal" if causal else "") + (f" window {window}" if window else "")
+          + (" sinks" if sinks else "") + ("" if dtype == BF16 else " f16"))
+  local = None if window is None else (window, 0)
   peer_impl = _jax_nn_attention_impl()
   peer = "cudnn (jax.nn)" if peer_impl else "jax.nn"
+  if sinks:
+    peer += ", no sinks"
+
+  def ours(a, i):
+    q, k_, v = a[:3]
+    return tokamax.dot_product_attention(
+        q, k_, v, is_causal=causal, local_window_size=local,
+        sinks=a[3] if sinks else None, implementation=i)
   return Problem(
-      "dot_product_attention", name, make,
-      lambda a, i: tokamax.dot_product_attention(*a, is_causal=causal, implementation=i),
+      "dot_product_attention", name, make, ours,
       {peer: lambda a: jax.nn.dot_product_attention(
-          *a, is_causal=causal, implementation=peer_impl)},
-      flops=flops, reference=(peer, "tokamax xla"),
+          *a[:3], is_causal=causal, local_window_size=local, implementation=peer_impl)},
+      flops=flops, reference=("tokamax xla",) if sinks else (peer, "tokamax xla"),
       dtype=jnp.dtype(dtype).name)
 
 
@@ -162,6 +187,10 @@ def reference_suite() -> list[Problem]:
       _attention(2, 8192, 32, 8, 128, True),
       _attention(4, 4096, 16, 16, 128, False, jnp.float16),
       _attention(4, 4096, 16, 16, 128, True, jnp.float16),
+      # Sliding windows (Mistral/Gemma style) and attention sinks (gpt-oss).
+      _attention(2, 8192, 32, 8, 128, True, window=1024),
+      _attention(1, 16384, 32, 8, 128, True, window=4096),
+      _attention(2, 4096, 32, 8, 128, True, sinks=True),
       _ragged(16384, 2048, 16384, 16, False), _ragged(65536, 7168, 2048, 256, True),
       _norm(32768, 8192, False), _norm(32768, 8192, True),
       _glu(16384, 4096, 14336),
@@ -173,6 +202,8 @@ def quick_suite() -> list[Problem]:
   return [
       _attention(1, 256, 4, 4, 64, False), _attention(1, 256, 4, 4, 64, True),
       _attention(1, 256, 8, 2, 64, True),
+      _attention(1, 256, 8, 2, 64, True, window=64),
+      _attention(1, 256, 8, 2, 64, True, sinks=True),
       _ragged(512, 256, 512, 4, False), _ragged(512, 256, 256, 8, True),
       _norm(1024, 1024, False), _norm(1024, 1024, True),
       _glu(256, 256, 512),
@@ -472,6 +503,7 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
          implementations: list[str] | None, sweep: bool = False, *,
          models: list[str] | None = None, quick: bool | None = None,
          sizes: dict[str, str] | None = None, json_path: str | None = None,
+         shape: str | None = None,
          compare_path: str | None = None, from_json: str | None = None,
          threshold: float = DEFAULT_THRESHOLD,
          error_growth: float = DEFAULT_ERROR_GROWTH) -> int:
@@ -483,7 +515,8 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
   if from_json:
     all_rows, notes = load_rows(from_json)[1], []
   else:
-    all_rows, notes = _run(ops, iterations, implementations, sweep, models, quick, sizes)
+    all_rows, notes = _run(ops, iterations, implementations, sweep, models, quick, sizes,
+                           shape)
   status = 0
   for r in all_rows:
     if r["op"].startswith("model ") and r.get("rel_err", 0) > r.get("tol", float("inf")):
@@ -507,11 +540,13 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
   return status
 
 
-def _run(ops, iterations, implementations, sweep, models, quick, sizes):
+def _run(ops, iterations, implementations, sweep, models, quick, sizes, shape=None):
   quick = use_quick_shapes(quick)
   suite = quick_suite() if quick else reference_suite()
   run_ops = ops is not None or not models
   problems = [p for p in suite if not ops or "all" in ops or p.op in ops] if run_ops else []
+  if shape:
+    problems = [p for p in problems if shape in p.name]
   if sweep:
     problems = sequence_sweep()
   models = list(model_bench.MODELS) if models and "all" in models else (models or [])
