@@ -4,12 +4,15 @@ parameters (dense and MoE FFNs, float32 and bfloat16 computation)."""
 
 import importlib.util
 import pathlib
+import subprocess
 import sys
 
 import pytest
 
 import tokamax
 from tokamax import testing
+from tokamax.__main__ import main as tokamax_main
+from tokamax._src import model_bench
 
 pytest.importorskip("flax")
 pytest.importorskip("optax")
@@ -49,3 +52,45 @@ def test_tokamax_model_trains_as_the_plain_flax_model(num_experts, dtype):
     assert abs(g - w) <= rel_tol * abs(w), (
         f"step {step}: tokamax loss {g:.6g}, plain Flax {w:.6g} "
         f"(relative {abs(g - w) / abs(w):.3g} > {rel_tol:g}, {dtype}); all: {got} vs {want}")
+
+
+# ------------------------------------------- python -m tokamax bench --model flax-dense
+
+TINY = ["--size", "dim=32", "--size", "heads=4", "--size", "kv_heads=2", "--size",
+        "head_dim=8", "--size", "ffn=64", "--size", "batch=1", "--size", "seq=16"]
+
+
+def test_bench_times_the_example_layer_against_plain_flax():
+  size = model_bench.make_size("flax-dense", True, dict(a.split("=") for a in TINY[1::2]))
+  rows, text = model_bench.run_model("flax-dense", size, iterations=1)
+  by_impl = {r["implementation"]: r for r in rows}
+  assert set(by_impl) == {"plain Flax", "tokamax auto"}
+  ours = by_impl["tokamax auto"]
+  assert ours["vs_peer"] == pytest.approx(by_impl["plain Flax"]["ms"] / ours["ms"])
+  assert 0 <= ours["rel_err"] <= ours["tol"], ours["errors"]
+  assert {"loss", "dx", "d['ffn']['gate_up']"} <= set(ours["errors"])
+  assert set(ours["dispatch"]) == {"dot_product_attention", "layer_norm",
+                                   "gated_linear_unit"}
+  assert "flax-dense" in text and "ok" in text
+
+
+def test_bench_command_line_runs_flax_dense(capsys):
+  assert tokamax_main(["bench", "--model", "flax-dense", "--iterations", "1", *TINY]) == 0
+  out = capsys.readouterr().out
+  assert "| model flax-dense |" in out and "| plain Flax |" in out
+
+
+def test_bench_flax_dense_without_the_example_says_where_to_run(monkeypatch):
+  monkeypatch.setattr(model_bench, "FLAX_EXAMPLE", pathlib.Path("examples/absent.py"))
+  model_bench.flax_example.cache_clear()
+  try:
+    with pytest.raises(FileNotFoundError, match="run from the repository's root"):
+      model_bench.flax_example()
+  finally:
+    model_bench.flax_example.cache_clear()
+
+
+def test_core_does_not_import_flax():
+  code = ("import sys, tokamax, tokamax.__main__; from tokamax._src import bench, "
+          "model_bench; assert 'flax' not in sys.modules, 'flax imported'")
+  subprocess.run([sys.executable, "-c", code], check=True)

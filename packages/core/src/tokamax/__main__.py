@@ -42,7 +42,9 @@ Per-op rows: every usable tokamax implementation against its peers (cuDNN throug
 jax.nn, XLA, jax.lax.ragged_dot, a dense matmul of the same FLOPs), forward and
 forward+backward, with each row's relative L2 error against the reference peer.
 Model rows (--model): one training step (value_and_grad of sum(out * dy) over
-params and input) with tokamax defaults against the plain-JAX program.
+params and input) with tokamax defaults against the plain-JAX program (flax-dense:
+the Flax NNX layer of examples/llama_nnx.py against plain Flax; run from the
+repository's root).
 
 Off a GPU the shapes are small unless --full. Times: CUPTI kernel time on NVIDIA
 GPUs, wall clock elsewhere.
@@ -50,6 +52,7 @@ GPUs, wall clock elsewhere.
 examples:
   python -m tokamax bench --model dense          # Llama-3-8B-sized decoder block
   python -m tokamax bench --model moe --size tokens=16384 --size experts=16
+  python -m tokamax bench --model flax-dense     # the same layer in Flax NNX
   python -m tokamax bench --op all --model all --json run.json
   python -m tokamax bench --op all --model all --compare benchmarks/baselines/nvidia_h200.json
 """
@@ -72,12 +75,16 @@ def main(argv: list[str] | None = None) -> int:
                      help="only this implementation (repeatable; 'auto' for None)")
   bench.add_argument("--shape", help="only problems whose name contains this "
                                      "(e.g. 'window', 'sinks', 'B4 T4096')")
-  bench.add_argument("--model", action="append", choices=["dense", "moe", "all"],
+  bench.add_argument("--model", action="append",
+                     choices=["dense", "moe", "flax-dense", "all"],
                      help="time a training step of this model, tokamax vs plain JAX "
+                          "(flax-dense: the decoder layer of examples/llama_nnx.py, "
+                          "tokamax.flax vs plain Flax; 'all': dense and moe) "
                           "(repeatable; alone it skips the per-op suite)")
   bench.add_argument("--size", action="append", default=[], metavar="KEY=VALUE",
-                     help="a model size (repeatable): dense: dim heads kv_heads head_dim "
-                          "ffn batch seq dtype; moe: tokens dim ffn experts top_k dtype")
+                     help="a model size (repeatable): dense, flax-dense: dim heads "
+                          "kv_heads head_dim ffn batch seq dtype; moe: tokens dim ffn "
+                          "experts top_k dtype")
   shapes = bench.add_mutually_exclusive_group()
   shapes.add_argument("--quick", action="store_true", default=None,
                       help="small shapes (the default where the platform is not a GPU)")

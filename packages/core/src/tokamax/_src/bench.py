@@ -549,7 +549,9 @@ def _run(ops, iterations, implementations, sweep, models, quick, sizes, shape=No
     problems = [p for p in problems if shape in p.name]
   if sweep:
     problems = sequence_sweep()
-  models = list(model_bench.MODELS) if models and "all" in models else (models or [])
+  models = list(dict.fromkeys(  # "all": the plain-JAX models, then any other named
+      m for name in (models or [])
+      for m in (model_bench.MODELS if name == "all" else (name,))))
   print(f"tokamax bench on {jax.devices()[0].device_kind}, JAX {jax.__version__}"
         f"{', quick shapes (--full for the reference shapes)' if quick and not sweep else ''}")
   print("\n".join(HEADER), flush=True)

@@ -1,4 +1,5 @@
-"""`python -m tokamax bench --model {dense,moe}`: one training step, tokamax vs plain JAX.
+"""`python -m tokamax bench --model {dense,moe,flax-dense}`: one training step,
+tokamax vs plain JAX (or plain Flax).
 
 Each model is written twice with the same parameters and inputs:
 
@@ -25,11 +26,22 @@ Models (shared/BENCHMARKS.md):
   (gate and up fused as ``[E, D, 2F]``, then down ``[E, F, D]``), outputs combined
   with the gates. Default Mixtral-like. Both programs share the routing; only the
   ragged_dots differ.
+* ``flax-dense``: the decoder layer of the repository's ``examples/llama_nnx.py``
+  (Flax NNX: RMSNorm -> causal GQA attention with RoPE -> RMSNorm -> SwiGLU, with
+  residuals) at the ``dense`` sizes, built from `tokamax.flax`'s modules against
+  the same layer in plain Flax: `nnx.RMSNorm`, `nnx.dot_product_attention`
+  (Flax's default attention: XLA, K/V heads repeated, a causal mask; not cuDNN as
+  in ``dense``) and the fused-kernel SwiGLU. Same parameters. Needs Flax and the
+  repository checkout (run from its root); not part of ``--model all``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
+import pathlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -98,8 +110,10 @@ QUICK = {
     "dense": DenseSize(dim=256, heads=4, kv_heads=2, head_dim=64, ffn=512, batch=1, seq=256),
     "moe": MoeSize(tokens=512, dim=256, ffn=512, experts=8, top_k=2),
 }
-FULL = {"dense": DenseSize(), "moe": MoeSize()}
-MODELS = tuple(FULL)
+QUICK["flax-dense"] = QUICK["dense"]
+FULL = {"dense": DenseSize(), "moe": MoeSize(), "flax-dense": DenseSize()}
+MODELS = ("dense", "moe")  # --model all: the plain-JAX pairs
+FLAX_MODELS = ("flax-dense",)
 
 
 def _dtype_suffix(dtype: str) -> str:
@@ -228,15 +242,72 @@ def moe_ffn(params: dict, x: jax.Array, size: MoeSize, program: str) -> jax.Arra
   return jnp.sum(out.astype(F32) * gates[..., None], axis=1).astype(x.dtype)
 
 
+# -------------------------------------------------------------------- flax-dense
+
+FLAX_EXAMPLE = pathlib.Path("examples") / "llama_nnx.py"
+
+
+@functools.cache
+def flax_example():
+  """The repository's examples/llama_nnx.py, imported (it imports Flax): looked for
+  under the working directory, then in the checkout these sources are in."""
+  candidates = [pathlib.Path.cwd() / FLAX_EXAMPLE,
+                pathlib.Path(__file__).resolve().parents[5] / FLAX_EXAMPLE]
+  path = next((c for c in candidates if c.is_file()), None)
+  if path is None:
+    raise FileNotFoundError(
+        f"--model flax-dense runs the decoder layer of {FLAX_EXAMPLE} in the tokamax "
+        f"repository; none at {', '.join(map(str, candidates))}: run from the "
+        "repository's root")
+  spec = importlib.util.spec_from_file_location("tokamax_llama_nnx_example", path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # its dataclasses look the module up
+  spec.loader.exec_module(module)
+  return module
+
+
+@functools.cache
+def _flax_layer(size_fields: tuple, seed: int):
+  """``({"plain": f, "tokamax": f}, params)`` of the example's decoder layer."""
+  size = DenseSize(*size_fields)
+  example = flax_example()
+  config = example.Config(dim=size.dim, num_heads=size.heads, num_kv_heads=size.kv_heads,
+                          head_dim=size.head_dim, ffn_dim=size.ffn, dtype=size.dtype,
+                          param_dtype=size.dtype)
+  return example.decoder_layer_functions(config, seed)
+
+
+def flax_dense_inputs(size: DenseSize, seed: int = 0) -> tuple[dict, jax.Array, jax.Array]:
+  """(params, x, dy)."""
+  params = _flax_layer(dataclasses.astuple(size), seed)[1]
+  kx, kdy = jax.random.split(jax.random.key(seed + 1))
+  shape = (size.batch, size.seq, size.dim)
+  x = jax.random.normal(kx, shape, F32).astype(size.dtype)
+  dy = jax.random.normal(kdy, shape, F32).astype(size.dtype)
+  return params, x, dy
+
+
+def flax_dense_layer(params: dict, x: jax.Array, size: DenseSize, program: str) -> jax.Array:
+  """The example's decoder layer; ``program`` is "tokamax" or "plain"."""
+  # The functions do not depend on the seed (only the parameters do).
+  return _flax_layer(dataclasses.astuple(size), 0)[0][program](params, x)
+
+
 # -------------------------------------------------------------------------- step
 
 
 def forward_fn(model: str) -> Callable[..., jax.Array]:
-  return {"dense": dense_block, "moe": moe_ffn}[model]
+  return {"dense": dense_block, "moe": moe_ffn, "flax-dense": flax_dense_layer}[model]
 
 
 def inputs(model: str, size, seed: int = 0):
-  return {"dense": dense_inputs, "moe": moe_inputs}[model](size, seed)
+  return {"dense": dense_inputs, "moe": moe_inputs,
+          "flax-dense": flax_dense_inputs}[model](size, seed)
+
+
+def peer_label(model: str) -> str:
+  """The implementation name of the model's plain row."""
+  return "plain Flax" if model in FLAX_MODELS else "plain JAX"
 
 
 def training_step(model: str, size, program: str) -> Callable[..., Any]:
@@ -316,7 +387,8 @@ def run_model(model: str, size, iterations: int = 10) -> tuple[list[dict], str]:
   flops = size.flops()
   rows, outputs = [], {}
   summary = {}
-  for program, label in (("plain", "plain JAX"), ("tokamax", "tokamax auto")):
+  peer = peer_label(model)
+  for program, label in (("plain", peer), ("tokamax", "tokamax auto")):
     step = training_step(model, size, program)
     try:
       with tokamax.record_dispatch() as records:
@@ -335,8 +407,8 @@ def run_model(model: str, size, iterations: int = 10) -> tuple[list[dict], str]:
   times = {r["implementation"]: r["ms"] for r in rows if "ms" in r}
   tol = pair_tolerance(size.dtype)
   for r in rows:
-    if "ms" in r and "plain JAX" in times:
-      r["vs_peer"] = times["plain JAX"] / r["ms"]
+    if "ms" in r and peer in times:
+      r["vs_peer"] = times[peer] / r["ms"]
     if r["implementation"] == "tokamax auto" and "ms" in r and "plain" in outputs:
       errors = _step_names(relative_errors(outputs["tokamax"], outputs["plain"]))
       errors["loss"] = loss_error(model, size, params, x, dy, outputs["tokamax"][0],
