@@ -195,9 +195,9 @@ def _check_arguments(in_features, hidden_features, num_experts, top_k, capacity_
 
 def drop_over_capacity(expert_ids: jax.Array, num_experts: int,
                        capacity: int) -> jax.Array:
-  """`expert_ids` ``[m, k]`` with each expert's assignments past the first
-  `capacity` (in row-major order: token by token) replaced by `num_experts`,
-  an id every router of tokamax drops."""
+  """`expert_ids` ``[m, k]`` with each expert's assignments past its first
+  `capacity` (in row-major order: token by token) replaced by `num_experts`, an
+  out-of-range id, which the routing (local or `moe_all_to_all`) drops."""
   # moe_all_to_all's routing with one destination per expert ranks the
   # assignments of each expert in exactly this order and drops those past
   # `capacity`: its slot of a dropped assignment is out of range.
