@@ -79,7 +79,9 @@ def test_broken_plugin_is_isolated():
 def test_future_api_version_is_refused_with_clear_warning():
   errors = {e.backend: e for e in tokamax.backend_errors()}
   assert "plugin API version 2" in errors["future"].message
-  assert "tokamax-core speaks version 1" in errors["future"].message
+  core = importlib.metadata.version("tokamax-core")
+  assert f"tokamax-core {core} speaks version 1" in errors["future"].message
+  assert "(tokamax-future-plugin 9.0.0)" in errors["future"].message
   with pytest.raises(ValueError, match="not an implementation"):
     tokamax.layer_norm(jnp.ones((2, 8)), None, None, implementation="future_norm")
 

@@ -1,6 +1,7 @@
 """Plugin discovery: isolation of broken plugins, API versions, clashes, disabling."""
 
 import dataclasses
+import importlib.metadata
 import sys
 import types
 
@@ -128,7 +129,11 @@ def test_incompatible_api_version_is_refused(fresh_registry):
   with pytest.warns(tokamax.PluginWarning, match="plugin API version 99"):
     registry.get()
   assert ("layer_norm", "doubled") not in registry.get().by_name
-  assert "version 99" in tokamax.backend_errors()[0].message
+  message = tokamax.backend_errors()[0].message
+  assert "version 99" in message
+  # Both sides' versions, so that the user knows which of the two to change.
+  assert f"speaks version {tokamax.plugin.PLUGIN_API_VERSION}" in message
+  assert f"tokamax-core {importlib.metadata.version('tokamax-core')}" in message
 
 
 def test_not_a_backend_is_reported(fresh_registry):

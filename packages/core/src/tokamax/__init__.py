@@ -7,6 +7,8 @@ Example:
   >>> out = tokamax.dot_product_attention(q, k, v, is_causal=True)
 """
 
+import importlib.metadata
+
 from tokamax._src import plugin
 from tokamax._src.autotuning import AutotuningResult
 from tokamax._src.autotuning import autotune
@@ -42,7 +44,11 @@ from tokamax._src.ring_attention import ring_attention
 from tokamax._src.ring_attention import zigzag_permutation
 from tokamax._src.sharding import spmd_partitioning
 
-__version__ = "0.1.0"
+# pyproject.toml holds the version (tools/release.py bumps it there only).
+try:
+  __version__ = importlib.metadata.version("tokamax-core")
+except importlib.metadata.PackageNotFoundError:  # a source tree that is not installed
+  __version__ = "unknown"
 
 __all__ = [
     "AttentionArgs",

@@ -16,7 +16,11 @@ def _impl(op: str, module: str, fwd: str, bwd: str) -> plugin.Implementation:
 
 BACKEND = plugin.Backend(
     name="gpu_mosaic",
-    api_version=plugin.PLUGIN_API_VERSION,
+    # The plugin API this package was written against, as a literal: read from
+    # tokamax.plugin it would always match, and a core that changed the API
+    # could not refuse this release (pyproject.toml's tokamax-core range says
+    # the same to pip).
+    api_version=1,
     implementations=(
         _impl("ragged_dot", "ragged_dot", "MosaicGpuRaggedDot",
               "MosaicGpuRaggedDotVjp"),

@@ -1,3 +1,9 @@
 """tokamax-tpu-mosaic: a tokamax backend package (registered through the `tokamax.backends` entry point)."""
 
-__version__ = "0.1.0"
+import importlib.metadata
+
+# pyproject.toml holds the version (tools/release.py bumps it there only).
+try:
+  __version__ = importlib.metadata.version("tokamax-tpu-mosaic")
+except importlib.metadata.PackageNotFoundError:  # a source tree that is not installed
+  __version__ = "unknown"

@@ -6,6 +6,8 @@ package has no dependency on tokamax-core; core loads it and registers these
 functions as the "xla", "xla_chunked" and "cudnn" implementations.
 """
 
+import importlib.metadata
+
 from tokamax_xla_reference.attention import attention
 from tokamax_xla_reference.attention import attention_chunked
 from tokamax_xla_reference.attention import attention_chunked_backward
@@ -17,7 +19,11 @@ from tokamax_xla_reference.gated_linear_unit import gated_linear_unit
 from tokamax_xla_reference.layer_norm import layer_norm
 from tokamax_xla_reference.ragged_dot import ragged_dot
 
-__version__ = "0.1.0"
+# pyproject.toml holds the version (tools/release.py bumps it there only).
+try:
+  __version__ = importlib.metadata.version("tokamax-xla-reference")
+except importlib.metadata.PackageNotFoundError:  # a source tree that is not installed
+  __version__ = "unknown"
 
 __all__ = [
     "attention",

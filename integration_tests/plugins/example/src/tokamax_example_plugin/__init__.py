@@ -9,7 +9,10 @@ import tokamax
 
 BACKEND = tokamax.plugin.Backend(
     name="example",
-    api_version=tokamax.plugin.PLUGIN_API_VERSION,
+    # The plugin API version this package was written against, as a literal (not
+    # tokamax.plugin.PLUGIN_API_VERSION, which would always match the installed
+    # core): a core that speaks another version then refuses it with a warning.
+    api_version=1,
     implementations=(
         tokamax.plugin.Implementation(
             op="layer_norm",

@@ -162,15 +162,19 @@ def _check_backend(obj: Any, ep_name: str) -> plugin.Backend:
   return obj
 
 
+def _installed_version(distribution: str) -> str | None:
+  try:
+    return importlib.metadata.version(distribution)
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
 def _discover() -> _Registry:
   reg = _Registry()
   disabled = config.disabled_backends()
   builtin = _builtin_backend()
-  try:
-    ref_version = importlib.metadata.version("tokamax-xla-reference")
-  except importlib.metadata.PackageNotFoundError:
-    ref_version = None
-  reg.add_backend(builtin, "tokamax-xla-reference", ref_version, builtin=True)
+  reg.add_backend(builtin, "tokamax-xla-reference",
+                  _installed_version("tokamax-xla-reference"), builtin=True)
 
   eps = sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP),
                key=_entry_point_order)
@@ -189,8 +193,9 @@ def _discover() -> _Registry:
         raise RuntimeError(
             f"backend {backend.name!r} ({dist} {version}) was written for tokamax "
             f"plugin API version {backend.api_version}, but this tokamax-core "
-            f"speaks version {plugin.PLUGIN_API_VERSION}; upgrade the one that "
-            "is older")
+            f"{_installed_version('tokamax-core')} speaks version "
+            f"{plugin.PLUGIN_API_VERSION}; install a release of the two whose "
+            "versions match (each backend's requirement on tokamax-core says which)")
     except Exception as e:  # pylint: disable=broad-except
       if config.strict_plugins():
         raise
