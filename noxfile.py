@@ -1,10 +1,15 @@
-"""Sessions: demo, tests, lint (and bench on a GPU).
+"""Sessions: demo, tests, lint; build, install_test, release, changelog_check;
+tests_jax_newest (and bench on a GPU).
 
     pip install nox && nox -s demo     # set up and run the demo
     pip install nox && nox -s tests    # set up and run every test
+    nox -s build                       # sdist + wheel of every package into dist/, checked
+    nox -s release -- core --dry-run   # docs/releasing.md
 """
 
+import glob
 import os
+import pathlib
 
 import nox
 
@@ -13,12 +18,41 @@ nox.options.sessions = ["tests"]
 
 PACKAGES = ["core", "xla-reference", "gpu-triton", "gpu-mosaic", "tpu-mosaic"]
 EXAMPLE_PLUGINS = ["example", "broken", "future"]
+# The sibling folders each extra of tokamax-core stands for.
+EXTRA_FOLDERS = {
+    "gpu": ["gpu-triton", "gpu-mosaic"],
+    "tpu": ["tpu-mosaic"],
+    "all": ["gpu-triton", "gpu-mosaic", "tpu-mosaic"],
+}
+# The newest JAX release, tested on Python 3.12 by tests_jax_newest (JAX >= 0.11
+# needs Python >= 3.12). Raised by hand, so that a JAX release cannot turn CI red
+# overnight; the README's "JAX versions" table says what runs where.
+JAX_NEWEST = "0.12.0.1"
+# What tests_jax_newest runs: core's and the reference's own tests and plugin
+# discovery with installed plugins. The kernel packages' tests are left out until
+# they pass on it (README, "JAX versions": what fails there and why); the full
+# suite, about 16 minutes on 2 cores, runs on the default JAX in `tests`.
+JAX_NEWEST_TESTS = ["packages/core/tests", "packages/xla-reference/tests",
+                    "integration_tests/test_plugins.py"]
 
 
 def _install_tokamax(session, extras="all"):
-  # Core pulls the reference package and (with extras) the backend packages from
-  # the sibling folders; nothing is taken from a package index but their deps.
-  session.install(f"./packages/core[{extras}]")
+  """Installs tokamax-core[extras] and the packages it names from the sibling folders.
+
+  The packages' metadata names its tokamax dependencies by name and version range
+  (what a package index needs), so `pip install ./packages/core` alone would look
+  for tokamax-xla-reference on the index. We name every sibling folder on the same
+  pip command line instead: pip then takes each folder as the only candidate for
+  its name, and still checks the declared version ranges, so a range that excludes
+  the sibling fails here as it would for users. This is how opentelemetry-python
+  (tox) and google-cloud-python (nox) develop their many packages in one
+  repository: plain pip, no workspace tool, the published metadata the only truth.
+  """
+  folders = ["xla-reference"]
+  for extra in extras.split(","):
+    folders += EXTRA_FOLDERS.get(extra, [])
+  session.install(f"./packages/core[{extras}]",
+                  *(f"./packages/{f}" for f in dict.fromkeys(folders)))
 
 
 @nox.session
@@ -37,7 +71,9 @@ def tests(session):
   workers = os.environ.get("TOKAMAX_TEST_WORKERS", "auto")
   session.run("python", "-m", "pytest", "-n", workers, "-m", "not slow and not gpu",
               *[f"packages/{p}/tests" for p in PACKAGES], "integration_tests",
-              "--ignore=packages/core/tests/multidevice", *session.posargs)
+              "--ignore=packages/core/tests/multidevice",
+              # The example plugin's own CI tests run in install_test, from its wheel.
+              "--ignore=integration_tests/plugins", *session.posargs)
   # 8 virtual CPU devices: XLA_FLAGS must be set before JAX starts, hence a
   # pytest process of its own.
   session.run("python", "-m", "pytest", "-m", "not slow and not gpu",
@@ -45,7 +81,74 @@ def tests(session):
               env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
 
 
+def _find_python(version):
+  """An interpreter for `version`: on PATH, else pyenv's (where the CPU machines have one).
+
+  The CPU machines' default python3 is 3.11, but their image carries pyenv builds of
+  3.12 and 3.13 that are not on PATH (pyenv's shim refuses them while 3.11 is the
+  global version). Returning the bare version when neither exists lets nox report
+  the missing interpreter (an error under CI=true, not a silent skip).
+  """
+  pyenv_root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+  found = sorted(glob.glob(f"{pyenv_root}/versions/{version}.*/bin/python{version}"))
+  return found[-1] if found else version
+
+
+@nox.session(python=_find_python("3.12"))
+def tests_jax_newest(session):
+  """JAX_NEWEST on Python 3.12 (CPU): core's tests and every kernel's quick conformance."""
+  session.install(f"jax=={JAX_NEWEST}")
+  _install_tokamax(session, "all,test")
+  session.install(*(f"./integration_tests/plugins/{p}" for p in EXAMPLE_PLUGINS))
+  session.run("python", "-c", "import jax; v = jax.__version__; print('JAX', v); "
+              f"assert v == {JAX_NEWEST!r}, v")
+  workers = os.environ.get("TOKAMAX_TEST_WORKERS", "auto")
+  session.run("python", "-m", "pytest", "-n", workers, "-m", "not slow and not gpu",
+              *JAX_NEWEST_TESTS, "--ignore=packages/core/tests/multidevice",
+              *session.posargs)
+
+
 @nox.session
 def lint(session):
   session.install("ruff")
-  session.run("ruff", "check", "packages", "integration_tests", "noxfile.py")
+  session.run("ruff", "check", "packages", "integration_tests", "tools", "noxfile.py")
+
+
+def _install_dist_tools(session):
+  # hatchling for the builds without isolation (install_test, release --dry-run).
+  session.install("build>=1.2", "twine>=6.1", "packaging>=24", "hatchling>=1.27")
+
+
+@nox.session
+def build(session):
+  """sdist + wheel of each package into dist/ (or the folder given), checked."""
+  _install_dist_tools(session)
+  outdir = session.posargs[0] if session.posargs else "dist"
+  session.run("python", "tools/dist.py", "build", outdir)
+
+
+@nox.session
+def install_test(session):
+  """Builds every package, serves the folder as a local index, installs into clean venvs.
+
+  tools/install_test.py says what each venv checks; jax and the other third-party
+  wheels come from pip's cache through `pip download`, so the venvs never see the
+  real index (where a `tokamax` distribution of someone else's exists).
+  """
+  _install_dist_tools(session)
+  work = pathlib.Path(session.create_tmp()).resolve() / "install_test"
+  session.run("python", "tools/install_test.py", str(work), *session.posargs)
+
+
+@nox.session
+def release(session):
+  """`nox -s release -- <package> [--dry-run] [--part patch|minor|major | --version X]`."""
+  _install_dist_tools(session)
+  session.run("python", "tools/release.py", "release", *session.posargs)
+
+
+@nox.session
+def changelog_check(session):
+  """Fails when a package's source changed since its last tag with nothing under Unreleased."""
+  session.install("packaging>=24")
+  session.run("python", "tools/release.py", "check-changelogs")
