@@ -166,3 +166,33 @@ def test_cudnn_refuses_a_window_with_more_queries_than_keys():
   assert reason(3001, 4097, is_causal=True, local_window=(8, 0)) is None
   assert reason(4097, 3001, is_causal=True) is None  # causal alone runs
   assert reason(64, 64) is None
+
+
+@pytest.mark.parametrize("t,s", [(37, 37), (45, 17), (17, 45)])
+def test_zeroed_rows_are_exactly_those_without_a_visible_key(t, s):
+  """The cuDNN wrapper's row zeroing (positions and lengths in O(T), the mask in
+  O(T * S)) against the dense visibility's rows, over windows, causal, lengths
+  and a mask."""
+  rng = np.random.default_rng(3)
+  out = jnp.asarray(rng.standard_normal((2, t, 3, 4)), jnp.float32) + 10.0
+  qlen = jnp.asarray([t // 2, t], jnp.int32)
+  kvlen = jnp.asarray([0, s // 3], jnp.int32)
+  mask = jnp.asarray(rng.random((2, 1, t, s)) < 0.3)
+  windows = [None, (0, 0), (5, 0), (0, 4), (3, 7), (6, None), (None, 2), (40, 0)]
+  calls = 0
+  for window in windows:
+    for causal in (False, True):
+      for lengths in ({}, {"query_seq_lengths": qlen},
+                      {"key_value_seq_lengths": kvlen},
+                      {"query_seq_lengths": qlen, "key_value_seq_lengths": kvlen}):
+        for m in (None, mask):
+          got = ref.zero_rows_without_keys(out, s, is_causal=causal,
+                                           local_window=window, mask=m, **lengths)
+          vis = ref.visibility(jnp.arange(t), jnp.arange(s), is_causal=causal,
+                               local_window=window, mask=m, **lengths)
+          rows = jnp.moveaxis(jnp.any(vis, -1), 1, 2)[..., None]
+          want = jnp.where(rows, out, 0.0)
+          np.testing.assert_array_equal(got, want, err_msg=f"{window} {causal} "
+                                        f"{sorted(lengths)} mask={m is not None}")
+          calls += 1
+  assert calls == len(windows) * 2 * 4 * 2

@@ -15,6 +15,7 @@ from tokamax_xla_reference.attention import cudnn_attention
 from tokamax_xla_reference.attention import cudnn_unsupported_reason
 from tokamax_xla_reference.attention import cudnn_window
 from tokamax_xla_reference.attention import visibility
+from tokamax_xla_reference.attention import zero_rows_without_keys
 from tokamax_xla_reference.gated_linear_unit import gated_linear_unit
 from tokamax_xla_reference.layer_norm import layer_norm
 from tokamax_xla_reference.ragged_dot import ragged_dot
@@ -36,4 +37,5 @@ __all__ = [
     "layer_norm",
     "ragged_dot",
     "visibility",
+    "zero_rows_without_keys",
 ]

@@ -9,6 +9,7 @@ repeated.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def visibility(q_pos, k_pos, *, is_causal=False, local_window=None, mask=None,
@@ -388,18 +389,48 @@ def cudnn_attention(q, k, v, bias=None, mask=None, *, scale, is_causal=False,
       local_window_size=(None if sliding_window_length is None
                          else (sliding_window_length - 1, 0)),
       implementation="cudnn")
-  t, s = q.shape[1], k.shape[1]
-  if mask is None and local_window is None and query_seq_lengths is None and (
-      key_value_seq_lengths is None):
-    # Every row sees key 0 (causal is top-left aligned): nothing to zero, and no
-    # extra pass over the output.
-    return out.astype(q.dtype)
-  # A row can be empty through the mask, the key lengths, the query lengths or the
-  # window; zero such rows explicitly.
-  vis = visibility(jnp.arange(t), jnp.arange(s), is_causal=is_causal,
-                   local_window=local_window, mask=mask,
-                   query_seq_lengths=query_seq_lengths,
-                   key_value_seq_lengths=key_value_seq_lengths)
-  row_ok = jnp.any(vis, axis=-1)  # [B|1, N|1, T]
-  row_ok = jnp.moveaxis(row_ok, 1, 2)[..., None]  # [B|1, T, N|1, 1]
-  return jnp.where(row_ok, out, 0).astype(q.dtype)
+  return zero_rows_without_keys(
+      out, k.shape[1], is_causal=is_causal, local_window=local_window, mask=mask,
+      query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths).astype(q.dtype)
+
+
+def zero_rows_without_keys(out, s, *, is_causal=False, local_window=None, mask=None,
+                           query_seq_lengths=None, key_value_seq_lengths=None):
+  """`out` ``[B, T, N, Hv]`` with the rows that see no key (of S) set to 0.
+
+  Our contract zeroes them; cuDNN's output there is not ours to trust. Which rows
+  those are follows from positions and lengths alone (O(T) work, and none at all
+  when no row can be empty: the common causal and sliding-window calls), from the
+  mask only with an O(T * S) pass.
+  """
+  t = out.shape[1]
+  if mask is not None:
+    vis = visibility(jnp.arange(t), jnp.arange(s), is_causal=is_causal,
+                     local_window=local_window, mask=mask,
+                     query_seq_lengths=query_seq_lengths,
+                     key_value_seq_lengths=key_value_seq_lengths)
+    row_ok = jnp.moveaxis(jnp.any(vis, axis=-1), 1, 2)[..., None]  # [B|1, T, N|1, 1]
+    return jnp.where(row_ok, out, 0)
+  first, last = _visible_key_span(t, s, is_causal, local_window)
+  if query_seq_lengths is None and key_value_seq_lengths is None and np.all(
+      first <= last):
+    return out
+  row_ok = jnp.asarray(first <= last)[None, :]  # [1|B, T]
+  if key_value_seq_lengths is not None:
+    row_ok = row_ok & (jnp.asarray(first)[None, :] < key_value_seq_lengths[:, None])
+  if query_seq_lengths is not None:
+    row_ok = row_ok & (jnp.arange(t)[None, :] < query_seq_lengths[:, None])
+  return jnp.where(row_ok[:, :, None, None], out, 0)
+
+
+def _visible_key_span(t, s, is_causal, local_window):
+  """Per query row (numpy int ``[T]``), the first and last key its position may
+  see: the row sees none when first > last."""
+  left, right = local_window if local_window is not None else (None, None)
+  if is_causal:
+    right = 0 if right is None else min(right, 0)
+  rows = np.arange(t)
+  first = np.zeros(t, np.int64) if left is None else np.maximum(rows - left, 0)
+  last = np.full(t, s - 1) if right is None else np.minimum(rows + right, s - 1)
+  return first, last
