@@ -266,7 +266,7 @@ def _moe_case(dtype="float32", **kw):
 
 
 @pytest.mark.parametrize("top_k, softmax_over, capacity_factor", [
-    (2, "top_k", None), (1, "all", None), (2, "top_k", 0.75), (3, "all", 0.5)])
+    (2, "top_k", None), (1, "all", 1.0), (3, "top_k", 0.5)])
 def test_moe_matches_every_token_through_every_expert(top_k, softmax_over,
                                                       capacity_factor):
   moe, x, params, kept = _moe_case(top_k=top_k, softmax_over=softmax_over,
