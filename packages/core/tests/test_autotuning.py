@@ -2,6 +2,7 @@
 
 import json
 import sys
+import types
 import warnings
 
 import jax
@@ -205,16 +206,18 @@ def _write_package(tmp_path, name, files):
   return pkg
 
 
-def _shipped_setup(monkeypatch, tmp_path, files, pkg_name):
+def _shipped_setup(monkeypatch, tmp_path, files, pkg_name, dist=None):
   _write_package(tmp_path, pkg_name, files)
   monkeypatch.syspath_prepend(str(tmp_path))
   backend = tokamax.plugin.Backend(name="tuned_test", api_version=1, tuned_data=pkg_name)
 
   class EP:
-    name, dist = "tuned_test", None
+    name = "tuned_test"
 
     def load(self):
       return backend
+
+  EP.dist = dist
 
   real = registry.importlib.metadata.entry_points
   monkeypatch.setattr(registry.importlib.metadata, "entry_points",
@@ -266,6 +269,31 @@ def test_bad_shipped_data_warns_and_uses_heuristics(fresh_registry, tmp_path, pr
   with pytest.warns(UserWarning, match=match), tokamax.record_dispatch() as records:
     tokamax.dot_product_attention(q, q, q)
   assert records[0].implementation == "xla"
+
+
+_SHIPPING_DIST = types.SimpleNamespace(name="tokamax-tuned-test", version="1.0")
+
+
+@pytest.mark.parametrize("versions,used", [
+    # Another package's release (core, the reference) leaves this package's data on.
+    ({"tokamax-tuned-test": "1.0", "tokamax-core": "0.0.1",
+      "tokamax-xla-reference": "0.0.1"}, True),
+    # The shipping package's own release turns it off until it is retuned.
+    ({"tokamax-tuned-test": "0.9"}, False),
+])
+def test_shipped_data_needs_the_version_of_the_package_shipping_it(fresh_registry, tmp_path,
+                                                                   versions, used):
+  q = _rand(1, 48, 2, 8)
+  text = _result_text(q, 16, versions={"jax": jax.__version__, **versions})
+  _shipped_setup(fresh_registry, tmp_path, {"dot_product_attention.json": text},
+                 f"tuned_dist_{used}", dist=_SHIPPING_DIST)
+  with warnings.catch_warnings(record=True) as caught, tokamax.record_dispatch() as records:
+    warnings.simplefilter("always")
+    tokamax.dot_product_attention(q, q, q)
+  assert records[0].implementation == ("xla_chunked" if used else "xla")
+  messages = [str(w.message) for w in caught]
+  assert used or any("measured with tokamax-tuned-test 0.9, installed is 1.0" in m
+                     for m in messages), messages
 
 
 def test_device_slug():

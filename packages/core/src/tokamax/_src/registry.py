@@ -102,7 +102,8 @@ class _Registry:
     self.backends: list[BackendInfo] = []
     self.errors: list[BackendError] = []
     self.failed_entry_points: dict[str, BaseException] = {}
-    self.tuned_packages: list[str] = []
+    # (package, distribution, version) of each backend's tuned data.
+    self.tuned_packages: list[tuple[str, str | None, str | None]] = []
 
   def add_backend(self, backend: Any, distribution: str | None, version: str | None,
                   builtin: bool) -> None:
@@ -126,7 +127,7 @@ class _Registry:
       names.append(f"{spec.op}/{spec.name}")
     tuned = getattr(backend, "tuned_data", None)
     if tuned:
-      self.tuned_packages.append(tuned)
+      self.tuned_packages.append((tuned, distribution, version))
     self.backends.append(
         BackendInfo(backend.name, distribution, version, "ok", tuple(names)))
 

@@ -10,7 +10,6 @@ it records; a corrupt, foreign or mismatched file gives a warning and is ignored
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.resources
 import re
 import threading
@@ -26,29 +25,33 @@ def device_slug(device_kind: str) -> str:
   return re.sub(r"[^a-z0-9]+", "_", device_kind.lower()).strip("_")
 
 
-def _installed_version(dist: str) -> str | None:
-  try:
-    return importlib.metadata.version(dist)
-  except importlib.metadata.PackageNotFoundError:
-    return None
+def _check_versions(result, source: str, shipped_by: tuple[str, str | None] | None
+                    ) -> str | None:
+  """Why `result` does not apply here, or None.
 
-
-def _check_versions(result, source: str) -> str | None:
-  """Why `result` does not apply to the installed packages, or None."""
-  for dist, version in result.versions.items():
-    if dist == "jax":
-      installed = jax.__version__
-    elif dist.startswith("tokamax"):
-      installed = _installed_version(dist)
-    else:
-      continue
-    if installed != version:
-      return f"{source} was measured with {dist} {version}, installed is {installed}"
+  A file applies with the JAX it was measured with and the version of the
+  distribution that ships it (`shipped_by`: name and installed version): its
+  configs are that package's kernels'. The other tokamax versions it records
+  (core, the reference, a backend whose timings it compares) are not required,
+  so that a release of one package does not turn off the tuned data of the others
+  (each package releases on its own train; docs/releasing.md).
+  """
+  expected = {"jax": jax.__version__}
+  if shipped_by is not None:
+    expected[shipped_by[0]] = shipped_by[1]
+  for dist, installed in expected.items():
+    recorded = result.versions.get(dist)
+    if recorded is not None and recorded != installed:
+      return f"{source} was measured with {dist} {recorded}, installed is {installed}"
   return None
 
 
-def load_backend_data(package: str, device_kind: str):
-  """Every valid tuned-data file of `package` for `device_kind`, merged (or None)."""
+def load_backend_data(package: str, device_kind: str,
+                      shipped_by: tuple[str, str | None] | None = None):
+  """Every valid tuned-data file of `package` for `device_kind`, merged (or None).
+
+  `shipped_by` is the (distribution, version) that ships `package`, when known.
+  """
   from tokamax._src.autotuning import AutotuningResult  # pylint: disable=g-import-not-at-top
   merged = None
   try:
@@ -67,7 +70,7 @@ def load_backend_data(package: str, device_kind: str):
       warnings.warn(f"tokamax: {source} ignored: measured on {result.device_kind!r}, "
                     f"this device is {device_kind!r}", stacklevel=2)
       continue
-    mismatch = _check_versions(result, source)
+    mismatch = _check_versions(result, source, shipped_by)
     if mismatch:
       warnings.warn(f"tokamax: {mismatch}; ignored", stacklevel=2)
       continue
@@ -88,8 +91,9 @@ class _Shipped:
       with self._lock:
         if kind not in self._by_device:
           merged = None
-          for backend in registry.get().tuned_packages:
-            data = load_backend_data(backend, kind)
+          for package, distribution, version in registry.get().tuned_packages:
+            shipped_by = None if distribution is None else (distribution, version)
+            data = load_backend_data(package, kind, shipped_by)
             if data is not None:
               merged = data if merged is None else merged.merge(data)
           self._by_device[kind] = merged
