@@ -20,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
 import dist  # noqa: E402
-import packages as pkgs  # noqa: E402
+import repo_packages as pkgs  # noqa: E402
 import release  # noqa: E402
 
 BACKENDS = ("gpu-triton", "gpu-mosaic", "tpu-mosaic")

@@ -22,7 +22,7 @@ import sys
 import tarfile
 import zipfile
 
-import packages as pkgs
+import repo_packages as pkgs
 
 REQUIRED_FIELDS = ("License-Expression", "License-File", "Requires-Python", "Summary",
                    "Description-Content-Type")

@@ -37,7 +37,7 @@ import sys
 import time
 
 import dist
-import packages as pkgs
+import repo_packages as pkgs
 
 FAILURES: list[str] = []
 # Distributions that mean "something for GPUs" or "something for TPUs" got installed.
@@ -150,11 +150,13 @@ class Venv:
     self.python = path / "bin" / "python"
     self.index = index
     # ensurepip's pip may predate the wheels' metadata version: upgrade it first.
-    run([self.python, "-m", "pip", "install", "--quiet", "--no-index", "--find-links",
-         wheelhouse, "--upgrade", "pip"])
+    run([self.python, "-m", "pip", "install", "--quiet", "--no-compile", "--no-index",
+         "--find-links", wheelhouse, "--upgrade", "pip"])
 
   def pip(self, *args, check=True) -> subprocess.CompletedProcess:
-    return run([self.python, "-m", "pip", *args, "--index-url", self.index], check=check)
+    # --no-compile: byte-compiling jax and scipy's files would be most of the time.
+    extra = ["--no-compile"] if args[0] == "install" else []
+    return run([self.python, "-m", "pip", *args, *extra, "--index-url", self.index], check=check)
 
   def probe(self) -> dict:
     out = run([self.python, pkgs.ROOT / "tools" / "install_probe.py"]).stdout

@@ -33,7 +33,7 @@ import tempfile
 from packaging.version import Version
 
 import dist
-import packages as pkgs
+import repo_packages as pkgs
 
 UNRELEASED = "## [Unreleased]"
 
