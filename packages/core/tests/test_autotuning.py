@@ -331,3 +331,34 @@ def test_autotune_on_miss_switch(monkeypatch):
     tokamax.dot_product_attention(_rand(1, 200, 2, 8), _rand(1, 200, 2, 8),
                                   _rand(1, 200, 2, 8), implementation="xla_chunked")
   assert off[0].config == xla_backend.ChunkConfig(200)  # heuristics: min(512, S)
+
+
+def test_tuned_data_orders_only_what_it_measured():
+  from tokamax._src import dispatch  # pylint: disable=g-import-not-at-top
+  order = lambda labels, times: dispatch._tuned_order(labels, labels, times)  # pylint: disable=protected-access
+  # Priority order: a (unmeasured) stays first although b was measured fastest.
+  assert order(["a", "b", "c"], {"b": 1.0, "c": 2.0}) == ["a", "b", "c"]
+  assert order(["a", "b", "c"], {"b": 3.0, "c": 2.0}) == ["a", "c", "b"]
+  assert order(["a", "b", "c"], {"a": 5.0, "c": 1.0}) == ["c", "b", "a"]
+  assert order(["a", "b"], {}) == ["a", "b"]
+  assert order(["a", "b"], {"zz": 1.0}) == ["a", "b"]  # not a candidate here
+
+
+def test_data_without_the_preferred_implementation_leaves_it_first():
+  """Tuned data that timed only xla_chunked (say, measured before another backend
+  was installed) does not put it ahead of xla, which it never timed."""
+  q = _rand(1, 48, 2, 8)
+  key = autotuning.args_key(_canonical_attention(q))
+  only_chunked = autotuning.AutotuningResult(
+      [autotuning.Measurement("dot_product_attention", "forward", key, "xla_chunked",
+                              {"chunk_size": 16}, 1.0)], device_kind="cpu")
+  with only_chunked, tokamax.record_dispatch() as records:
+    tokamax.dot_product_attention(q, q, q)
+  assert records[0].implementation == "xla"
+  both = autotuning.AutotuningResult(
+      [*only_chunked.measurements,
+       autotuning.Measurement("dot_product_attention", "forward", key, "xla", None, 5.0)],
+      device_kind="cpu")
+  with both, tokamax.record_dispatch() as records:
+    tokamax.dot_product_attention(q, q, q)
+  assert records[0].implementation == "xla_chunked"

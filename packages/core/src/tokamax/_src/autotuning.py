@@ -165,13 +165,13 @@ class AutotuningResult:
                       f"not fit ({e}); using heuristics", stacklevel=3)
       return None
 
-  def lookup_implementation(self, op_name: str, direction: str, args: Any) -> str | None:
+  def measured_times(self, op_name: str, direction: str, args: Any) -> dict[str, float]:
+    """``{implementation: ms}`` for every implementation measured on this call."""
     if not self._applies_here():
-      return None
+      return {}
     key = args_key(args)
-    best = [m for (o, d, k, _), m in self._by_impl.items()
-            if (o, d, k) == (op_name, direction, key)]
-    return min(best, key=lambda m: m.time_ms).implementation if best else None
+    return {impl: m.time_ms for (o, d, k, impl), m in self._by_impl.items()
+            if (o, d, k) == (op_name, direction, key)}
 
   # Context manager: calls inside use this result first.
   def __enter__(self):

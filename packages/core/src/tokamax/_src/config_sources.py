@@ -1,7 +1,7 @@
 """Where dispatch looks for a tuned implementation and an `Op` for its config.
 
 Sources are objects with ``lookup(op, args) -> config | None`` and optionally
-``lookup_implementation(op_name, direction, args) -> name | None`` (an
+``measured_times(op_name, direction, args) -> {implementation: ms}`` (an
 `AutotuningResult` used as a context manager, the tuned data shipped with the
 backend packages). The innermost active source that knows the call wins; the
 shipped tuned data is consulted last.
@@ -47,11 +47,12 @@ def lookup(op: Any, args: Any) -> Any:
   return None
 
 
-def lookup_implementation(op_name: str, direction: str, args: Any) -> str | None:
-  """The implementation a source measured fastest for this call, or None."""
+def measured_times(op_name: str, direction: str, args: Any) -> dict[str, float]:
+  """``{implementation: ms}`` measured for this call by the innermost source that
+  measured it at all (``{}`` if none did)."""
   for source in _sources():
-    find = getattr(source, "lookup_implementation", None)
-    name = find(op_name, direction, args) if find is not None else None
-    if name is not None:
-      return name
-  return None
+    find = getattr(source, "measured_times", None)
+    times = find(op_name, direction, args) if find is not None else {}
+    if times:
+      return dict(times)
+  return {}

@@ -99,12 +99,20 @@ def observe(observer):
     _observers.reset(token)
 
 
-def _tuned_first(options: list, labels: list[str], preferred: str | None) -> list:
-  """Moves the option measured fastest (tuned data) to the front."""
-  if preferred is None or preferred not in labels:
-    return options
-  i = labels.index(preferred)
-  return [options[i], *options[:i], *options[i + 1:]]
+def _tuned_order(options: list, labels: list[str], times: dict[str, float]) -> list:
+  """`options` (in priority order) with the measured ones (tuned data's `times`)
+  sorted by time among the places they hold; the others keep theirs.
+
+  Tuned data orders only what it measured: data measured before a faster
+  backend was installed (or without it) must not put its fastest ahead of an
+  implementation it never timed.
+  """
+  places = [i for i, label in enumerate(labels) if label in times]
+  ordered = sorted(places, key=lambda i: times[labels[i]])
+  out = list(options)
+  for place, i in zip(places, ordered):
+    out[place] = options[i]
+  return out
 
 
 def _record(record: DispatchRecord) -> None:
@@ -428,12 +436,13 @@ def _choose_backward(op_name: str, args: Any, residuals: Any, device: DeviceInfo
             for e in registry.entries(op_name)
             if e.spec.backward is not None and _platform_matches(e, device)]
     if implementation is None:
-      preferred = config_sources.lookup_implementation(op_name, "backward", args)
-      if own is not None and preferred is not None and preferred != forward.label:
-        options = []  # tuned data says another backward is faster than its own
+      times = config_sources.measured_times(op_name, "backward", args)
+      if own is not None and forward.label in times and any(
+          t < times[forward.label] for t in times.values()):
+        options = []  # tuned data measured another backward faster than its own
         auto = [a for a in auto if a[0] != forward.label] + [
             (forward.label, lambda: own, False)]
-      auto = _tuned_first(auto, [a[0] for a in auto], preferred)
+      auto = _tuned_order(auto, [a[0] for a in auto], times)
     options += auto
   for label, make, explicit in options:
     try:
@@ -510,9 +519,9 @@ def call(op_name: str, args: Any, implementation: Implementation,
   device = current_device(jax.tree_util.tree_leaves(args))
   candidates = _expand(op_name, implementation, device)
   if implementation is None:
-    candidates = _tuned_first(
+    candidates = _tuned_order(
         candidates, [c.label for c in candidates],
-        config_sources.lookup_implementation(op_name, "forward", merged))
+        config_sources.measured_times(op_name, "forward", merged))
   # A choice among several (None, or a sequence of names) prefers one that keeps
   # the operands' explicit sharding (e.g. attention queries split along the
   # sequence need q_offset); a single named implementation is used as it is.

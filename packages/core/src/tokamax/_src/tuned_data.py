@@ -103,10 +103,9 @@ class _Shipped:
     result = self._result()
     return None if result is None else result.lookup(op, args)
 
-  def lookup_implementation(self, op_name, direction, args):
+  def measured_times(self, op_name, direction, args):
     result = self._result()
-    return None if result is None else result.lookup_implementation(
-        op_name, direction, args)
+    return {} if result is None else result.measured_times(op_name, direction, args)
 
   def reset(self):
     with self._lock:
