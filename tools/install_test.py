@@ -40,6 +40,7 @@ import dist
 import repo_packages as pkgs
 
 FAILURES: list[str] = []
+PASSED: list[str] = []
 # Distributions that mean "something for GPUs" or "something for TPUs" got installed.
 GPU_MARKERS = ("tokamax-gpu-", "nvidia-", "jax-cuda", "jax_cuda", "triton", "jax-triton")
 TPU_MARKERS = ("tokamax-tpu-", "libtpu")
@@ -47,8 +48,7 @@ TPU_MARKERS = ("tokamax-tpu-", "libtpu")
 
 def expect(condition: bool, what: str) -> None:
   print(f"  {'ok  ' if condition else 'FAIL'} {what}")
-  if not condition:
-    FAILURES.append(what)
+  (PASSED if condition else FAILURES).append(what)
 
 
 def clean_env() -> dict:
@@ -299,7 +299,8 @@ def main(work: pathlib.Path) -> int:
   timed("tokamax-core[tpu], then newer cores", tpu_then_newer_cores,
         Venv(work / "venv-tpu", index, wheelhouse), newer_index, current)
   timed("tokamax-core[gpu]", gpu, Venv(work / "venv-gpu", index, wheelhouse))
-  print(f"install test: {len(FAILURES)} failed checks, {time.monotonic() - start:.0f} s")
+  print(f"install test took {time.monotonic() - start:.0f} s")
+  print(f"install_test: {len(PASSED)} passed, {len(FAILURES)} failed")
   return 1 if FAILURES else 0
 
 
