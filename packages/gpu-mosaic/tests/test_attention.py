@@ -1029,6 +1029,9 @@ def test_backward_automatic_dispatch_takes_a_backward():
     dict(segments=True, local_window=(100, 0), key_value_seq_lengths=True),
     dict(q_offset=True, local_window=(32, 0), logits_soft_cap=30.0),
     dict(q_offset=True),  # with causal below; without: the offset is moot
+    dict(sinks=True),
+    dict(sinks=True, local_window=(64, 0), key_value_seq_lengths=True,
+         query_seq_lengths=True),
 ])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("h,n,k,t,s,config", [
@@ -1054,6 +1057,9 @@ def test_lowers_for_cuda_with_features(features, causal, h, n, k, t, s, config):
   if features.pop("q_offset", False):
     names.append("q_offset")
     shapes.append(jax.ShapeDtypeStruct((), jnp.int32))
+  if features.pop("sinks", False):
+    names.append("sinks")
+    shapes.append(jax.ShapeDtypeStruct((n,), jnp.float32))
 
   def run(q, key, v, *rest):
     return mat.mosaic_attention(q, key, v, scale=0.125, causal=causal,

@@ -65,6 +65,11 @@ Features (static switches: off, the kernels above compile unchanged):
   that see no key (or lie past the query length): output 0, lse +inf; the
   softmax exponentiates against 0 while a row's max is still -inf.
 
+Attention sinks (one logit per head in every row's denominator) join in the
+epilogue: the row's sum and lse take ``e^sink`` in; the backward is the same with
+or without them (it reads that lse), plus a row reduction for the sinks'
+gradient.
+
 Bias and a bool mask are refused ([T, S] tile streams: not cheap here).
 
 GQA/MQA: query head n reads key/value head ``n // (N // K)`` through the TMA
@@ -365,14 +370,15 @@ def _pass_turn(barrier):
 
 
 def _flash_forward(q, k, v, *extras, scale: float, causal: bool, s_true: int,
-                   config: AttentionConfig, feat: _Features = _PLAIN):
+                   config: AttentionConfig, feat: _Features = _PLAIN, sinks=None):
   """The kernel on padded inputs: q [B, Tp, N, H] (Tp % 128 == 0), k/v
   [B, Sp, K, H] (Sp % block_kv == 0); keys at or past `s_true` are masked.
 
   `extras` (int32): with `feat.dynamic`, ``lims [B, 3]`` = (valid queries,
   valid keys, q_offset) per batch element; with `feat.segments` also the
   segment tile ranges ``[B, Tp // 64, 2]``, q ids ``[B, Tp]`` and kv ids
-  ``[B, Sp]``.
+  ``[B, Sp]``. `sinks`: None or float32 ``[N]``, one logit per head joining
+  each row's denominator in the epilogue (it takes no value).
 
   Returns (out [B, Tp, N, H] in q's dtype, lse [B, N, Tp] float32, natural log).
   """
@@ -403,7 +409,8 @@ def _flash_forward(q, k, v, *extras, scale: float, causal: bool, s_true: int,
   # Keys past the valid ones can sit in a visited tile: mask them there.
   mask_keys = pad_keys or feat.kv_len
   # Ring slots count from the first streamed tile (dynamic: the union's first).
-  n_in = 3 + len(extras)
+  # Inputs: q, k, v, the extras, then the sinks (if any).
+  n_in = 3 + len(extras) + (sinks is not None)
 
   def body(*refs):
     q_ref, k_ref, v_ref = refs[:3]
@@ -715,6 +722,7 @@ def _flash_forward(q, k, v, *extras, scale: float, causal: bool, s_true: int,
 
       acc, m, l = carry
       lse_tile = lse_smem.at[wg]
+      valid = None
       if dynamic:
         # Rows that saw no key (l = 0) or lie past the valid queries: output
         # 0 and lse +inf (the contract), never NaN (the guarded softmax kept
@@ -724,15 +732,24 @@ def _flash_forward(q, k, v, *extras, scale: float, causal: bool, s_true: int,
           rows = plgpu.broadcasted_iota(jnp.int32, (bq,), 0,
                                         layout=plgpu.Layout.WGMMA.reduce(1)) + r0
           valid = valid & (rows < q_limit)
-        l_safe = jnp.where(valid, l, 1.0)
-        inv = jnp.where(valid, 1.0 / l_safe, 0.0)
-        out = acc * _bcast_rows(inv, acc.shape)
-        q_tile[...] = out.astype(dtype)  # Q is no longer read: stage O there
-        lse_tile[...] = jnp.where(valid, m * _LN2 + jnp.log(l_safe), jnp.inf)
-      else:
-        out = acc * _bcast_rows(1.0 / l, acc.shape)
-        q_tile[...] = out.astype(dtype)  # Q is no longer read: stage O there
-        lse_tile[...] = m * _LN2 + jnp.log(l)
+        l = jnp.where(valid, l, 1.0)
+      inv = 1.0 / l
+      lse = m * _LN2 + jnp.log(l)
+      if sinks is not None:
+        # The sink joins the denominator: rows scale by sum / (sum + e^sink) =
+        # e^(lse - lse_with_sink) <= 1, and the lse takes it in (a stable
+        # logaddexp).
+        sink = refs[n_in - 1][hi]
+        top = jnp.maximum(lse, sink)
+        with_sink = top + jnp.log(jnp.exp(lse - top) + jnp.exp(sink - top))
+        inv = inv * jnp.exp(lse - with_sink)
+        lse = with_sink
+      if valid is not None:
+        inv = jnp.where(valid, inv, 0.0)
+        lse = jnp.where(valid, lse, jnp.inf)
+      out = acc * _bcast_rows(inv, acc.shape)
+      q_tile[...] = out.astype(dtype)  # Q is no longer read: stage O there
+      lse_tile[...] = lse
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(q_tile, o_ref.at[bi, pl.ds(r0, bq), hi])
       plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[bi, hi, pl.ds(r0, bq)])
@@ -794,7 +811,7 @@ def _flash_forward(q, k, v, *extras, scale: float, causal: bool, s_true: int,
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane))
-  return call(q, k, v, *extras)
+  return call(q, k, v, *extras, *(() if sinks is None else (sinks,)))
 
 
 def _limits(b: int, t: int, s: int, feat: _Features, query_seq_lengths,
@@ -815,12 +832,13 @@ def mosaic_attention(q, k, v, *, scale: float, causal: bool,
                      config: AttentionConfig, local_window=None,
                      logits_soft_cap: float | None = None,
                      query_seq_lengths=None, key_value_seq_lengths=None,
-                     q_segment_ids=None, kv_segment_ids=None, q_offset=None):
+                     q_segment_ids=None, kv_segment_ids=None, q_offset=None,
+                     sinks=None):
   """Attention forward on [B, T, N, H] / [B, S, K, H] inputs (pads odd lengths).
 
   The optional arguments mean what `AttentionArgs`' fields of the same names
   mean (lengths int32 [B], segment ids int32 [B, T] / [B, S], q_offset an int32
-  scalar); each one off costs nothing (static switches).
+  scalar, sinks float [N]); each one off costs nothing (static switches).
 
   Returns (out [B, T, N, H], lse [B, N, T] float32).
   """
@@ -843,7 +861,8 @@ def mosaic_attention(q, k, v, *, scale: float, causal: bool,
                  _pad_axis(q_ids, 1, tp), _pad_axis(kv_ids, 1, sp))
   out, lse = _flash_forward(_pad_axis(q, 1, tp), _pad_axis(k, 1, sp),
                             _pad_axis(v, 1, sp), *extras, scale=scale,
-                            causal=causal, s_true=s, config=config, feat=feat)
+                            causal=causal, s_true=s, config=config, feat=feat,
+                            sinks=None if sinks is None else sinks.astype(jnp.float32))
   if tp != t:
     out, lse = out[:, :t], lse[:, :, :t]
   return out, lse
@@ -967,9 +986,7 @@ class MosaicGpuAttention(Op):
         query_seq_lengths=args.query_seq_lengths,
         key_value_seq_lengths=args.key_value_seq_lengths,
         q_segment_ids=args.q_segment_ids, kv_segment_ids=args.kv_segment_ids,
-        q_offset=args.q_offset)
-    # Sinks: one elementwise pass after the kernel (not yet in its epilogue).
-    out, lse = args.apply_sinks(out, lse)
+        q_offset=args.q_offset, sinks=args.sinks)
     return out, {"lse": lse}
 
 
