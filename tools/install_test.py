@@ -79,6 +79,10 @@ def build_all(outdir: pathlib.Path) -> None:
   for problem in problems:
     expect(False, f"built artifact: {problem}")
   run([sys.executable, "-m", "build", "--no-isolation", "--outdir", outdir, pkgs.EXAMPLE_PLUGIN])
+  example = sorted(map(str, outdir.glob("tokamax_example_plugin-*")))
+  twine = run([sys.executable, "-m", "twine", "check", "--strict", *example], check=False)
+  expect(len(example) == 2 and twine.returncode == 0,
+         f"example plugin: sdist and wheel pass twine check ({example})")
 
 
 def build_core_variant(work: pathlib.Path, version: str, api_version: int) -> None:
