@@ -146,6 +146,16 @@ def test_changelog_check_after_a_tag(scratch_repo):
   assert release.changelog_problems(pkgs.load(package)) == []
 
 
+def test_changelog_check_without_tags_uses_the_release_commit(scratch_repo):
+  _, package, git = scratch_repo
+  (package / "CHANGELOG.md").write_text("## [Unreleased]\n\n## [0.1.0]\n\n- a\n")
+  _commit(git, "Release tokamax-pkg 0.1.0")
+  assert release.changelog_problems(pkgs.load(package)) == []
+  (package / "src" / "mod.py").write_text("x = 2\n")
+  _commit(git, "x is 2")
+  assert "src/mod.py" in release.changelog_problems(pkgs.load(package))[0]
+
+
 def test_next_version(scratch_repo):
   _, package, git = scratch_repo
   _commit(git)

@@ -70,15 +70,25 @@ def changed_since(tag: str, package: pkgs.Package) -> list[str]:
                 if not n.startswith(f"{folder}/tests/") and n != f"{folder}/CHANGELOG.md")
 
 
+def last_release(package: pkgs.Package) -> str | None:
+  """The last release's tag or, in a clone without tags, its release commit."""
+  tags = tagged_versions(package)
+  if tags:
+    return f"{package.tag_prefix}{tags[-1]}"
+  # A clone may come without tags (CI's may): the commit `release` made says it too.
+  commit = git("log", "-1", "--format=%H", "--fixed-strings",
+               f"--grep=Release {package.name} ")
+  return commit or None
+
+
 def changelog_problems(package: pkgs.Package) -> list[str]:
   entries = unreleased_entries((package.path / "CHANGELOG.md").read_text())
   if entries:
     return []
-  tags = tagged_versions(package)
-  if not tags:
+  tag = last_release(package)
+  if tag is None:
     return [f"{package.name} was never released (no tag {package.tag_prefix}*): its "
             f"CHANGELOG.md must describe the first release under {UNRELEASED!r}"]
-  tag = f"{package.tag_prefix}{tags[-1]}"
   changed = changed_since(tag, package)
   if changed:
     shown = ", ".join(changed[:5]) + (" ..." if len(changed) > 5 else "")
