@@ -362,3 +362,51 @@ def test_data_without_the_preferred_implementation_leaves_it_first():
   with both, tokamax.record_dispatch() as records:
     tokamax.dot_product_attention(q, q, q)
   assert records[0].implementation == "xla_chunked"
+
+
+def test_an_implementation_that_only_failed_is_tried_last():
+  q = _rand(1, 48, 2, 8)
+  key = autotuning.args_key(_canonical_attention(q))
+  failure = dict(op="dot_product_attention", direction="forward", key=key,
+                 implementation="xla", config=None, error="RuntimeError: boom")
+  result = autotuning.AutotuningResult(
+      [autotuning.Measurement("dot_product_attention", "forward", key, "xla_chunked",
+                              {"chunk_size": 16}, 1.0)], device_kind="cpu",
+      failures=[failure])
+  assert result.measured_times("dot_product_attention", "forward",
+                               _canonical_attention(q)) == {"xla_chunked": 1.0,
+                                                            "xla": float("inf")}
+  with result, tokamax.record_dispatch() as records:
+    tokamax.dot_product_attention(q, q, q)
+  assert records[0].implementation == "xla_chunked"
+  # A config skipped for time is not a failure: xla keeps its place.
+  skipped = autotuning.AutotuningResult(
+      result.measurements, device_kind="cpu",
+      failures=[dict(failure, error="skipped: autotuning timeout")])
+  with skipped, tokamax.record_dispatch() as records:
+    tokamax.dot_product_attention(q, q, q)
+  assert records[0].implementation == "xla"
+
+
+def test_backward_keeps_its_own_unless_one_here_was_measured_faster():
+  """The forward's own backward stays first; a backward tuned data measured
+  faster goes ahead of it, but an unmeasured one of higher priority does not."""
+  q = _rand(1, 48, 2, 8)
+  args = _canonical_attention(q)
+  key = autotuning.args_key(args)
+
+  def backward_ran(times):
+    result = autotuning.AutotuningResult(
+        [autotuning.Measurement("dot_product_attention", "backward", key, impl, None, t)
+         for impl, t in times.items()], device_kind="cpu")
+    loss = lambda q: jnp.sum(tokamax.dot_product_attention(q, q, q,
+                                                           implementation=None))
+    with result, tokamax.record_dispatch() as records:
+      jax.grad(loss)(q)
+    return [r.implementation for r in records if r.direction == "backward"]
+
+  assert backward_ran({}) == ["xla"]
+  assert backward_ran({"xla_chunked": 1.0, "xla": 2.0}) == ["xla_chunked"]
+  assert backward_ran({"xla_chunked": 3.0, "xla": 2.0}) == ["xla"]
+  # Measured faster but not an implementation here: the own backward stays.
+  assert backward_ran({"not_installed": 0.5, "xla": 2.0}) == ["xla"]

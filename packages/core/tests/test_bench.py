@@ -199,3 +199,26 @@ def test_json_and_compare_from_the_command_line(tmp_path, capsys):
   assert cli.main(["bench", "--from-json", str(slow), "--compare", str(base),
                    "--threshold", "0.25"]) == 0
   assert "no regression" in capsys.readouterr().out
+
+
+def test_visible_pairs_count_causal_windows_by_brute_force():
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  for t in (1, 5, 64):
+    rows, cols = np.arange(t)[:, None], np.arange(t)[None, :]
+    assert bench._visible_pairs(t, False, None) == t * t  # pylint: disable=protected-access
+    assert bench._visible_pairs(t, True, None) == int((cols <= rows).sum())  # pylint: disable=protected-access
+    for w in (0, 1, 3, 200):
+      want = int(((cols <= rows) & (cols >= rows - w)).sum())
+      assert bench._visible_pairs(t, True, w) == want, (t, w)  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match="causal"):
+    bench._visible_pairs(8, False, 2)  # pylint: disable=protected-access
+
+
+def test_shape_selects_problems_by_name(monkeypatch):
+  tiny, other = _tiny_norm(), _tiny_norm()
+  other.name = "other 8x8"
+  for p in (tiny, other):
+    p.reference, p.dtype = ("XLA (jnp)",), "float32"
+  monkeypatch.setattr(bench, "quick_suite", lambda: [tiny, other])
+  rows, _ = bench._run(["layer_norm"], 1, [None], False, None, True, None, "64x128")  # pylint: disable=protected-access
+  assert rows and {r["shape"] for r in rows} == {"tiny 64x128"}

@@ -88,8 +88,10 @@ def _softmax_stats(logits, vis, sinks=None):
   p = jnp.exp(masked - row_max)
   row_sum = jnp.sum(p, axis=-1)
   if sinks is not None:
-    row_sum = row_sum + jnp.where(nonempty[..., 0], jnp.exp(sinks - row_max[..., 0]),
-                                  0.0)
+    # exp of -inf, not a masked exp: an empty row's max is 0, where exp(sink)
+    # may overflow, and the gradient of a masked inf is NaN.
+    row_sum = row_sum + jnp.exp(jnp.where(nonempty[..., 0], sinks - row_max[..., 0],
+                                          -jnp.inf))
   return row_max[..., 0], p, row_sum, nonempty[..., 0]
 
 

@@ -166,12 +166,19 @@ class AutotuningResult:
       return None
 
   def measured_times(self, op_name: str, direction: str, args: Any) -> dict[str, float]:
-    """``{implementation: ms}`` for every implementation measured on this call."""
+    """``{implementation: ms}`` for every implementation measured on this call;
+    +inf for one whose every tried config failed here (not merely skipped for
+    time), so that dispatch tries it last."""
     if not self._applies_here():
       return {}
     key = args_key(args)
-    return {impl: m.time_ms for (o, d, k, impl), m in self._by_impl.items()
-            if (o, d, k) == (op_name, direction, key)}
+    times = {impl: m.time_ms for (o, d, k, impl), m in self._by_impl.items()
+             if (o, d, k) == (op_name, direction, key)}
+    for f in self.failures:
+      if ((f.get("op"), f.get("direction"), f.get("key")) == (op_name, direction, key)
+          and not str(f.get("error", "")).startswith("skipped")):
+        times.setdefault(f.get("implementation"), float("inf"))
+    return times
 
   # Context manager: calls inside use this result first.
   def __enter__(self):

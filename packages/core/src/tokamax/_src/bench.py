@@ -80,6 +80,8 @@ def _visible_pairs(t: int, causal: bool, window: int | None) -> int:
   t + 1 keys), or a causal sliding window (at most `window` keys back, as Mistral's
   local_window_size=(window, 0))."""
   if not causal:
+    if window is not None:
+      raise ValueError("a bench window is a causal sliding window: pass causal=True")
     return t * t
   if window is None:
     return t * (t + 1) // 2
@@ -545,10 +547,10 @@ def _run(ops, iterations, implementations, sweep, models, quick, sizes, shape=No
   suite = quick_suite() if quick else reference_suite()
   run_ops = ops is not None or not models
   problems = [p for p in suite if not ops or "all" in ops or p.op in ops] if run_ops else []
-  if shape:
-    problems = [p for p in problems if shape in p.name]
   if sweep:
     problems = sequence_sweep()
+  if shape:
+    problems = [p for p in problems if shape in p.name]
   models = list(dict.fromkeys(  # "all": the plain-JAX models, then any other named
       m for name in (models or [])
       for m in (model_bench.MODELS if name == "all" else (name,))))

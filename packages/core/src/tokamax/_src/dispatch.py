@@ -436,12 +436,13 @@ def _choose_backward(op_name: str, args: Any, residuals: Any, device: DeviceInfo
             for e in registry.entries(op_name)
             if e.spec.backward is not None and _platform_matches(e, device)]
     if implementation is None:
+      if own is not None:
+        # Its own first, where the registry has it: then only a backward that
+        # tuned data measured faster (and that is here) goes ahead of it.
+        options = []
+        auto = [(forward.label, lambda: own, False)] + [
+            a for a in auto if a[0] != forward.label]
       times = config_sources.measured_times(op_name, "backward", args)
-      if own is not None and forward.label in times and any(
-          t < times[forward.label] for t in times.values()):
-        options = []  # tuned data measured another backward faster than its own
-        auto = [a for a in auto if a[0] != forward.label] + [
-            (forward.label, lambda: own, False)]
       auto = _tuned_order(auto, [a[0] for a in auto], times)
     options += auto
   for label, make, explicit in options:

@@ -274,7 +274,8 @@ def dot_product_attention(
     kv_segment_ids: optional int ``[*batch, S]``; required with q_segment_ids.
     sinks: optional float ``[N]``: attention sinks, one logit per query head that
       joins each row's softmax denominator and takes no value (gpt-oss,
-      StreamingLLM); gets a gradient. Every implementation but cuDNN takes it.
+      StreamingLLM); gets a gradient. Every implementation but cuDNN takes it
+      (`tokamax.ring_attention` has no sinks argument).
     precision: matmul precision, as `jax.lax.dot_general` takes it.
     implementation: None (choose), a name (``"xla"``, ``"xla_chunked"``,
       ``"cudnn"``, ``"triton"``, ``"mosaic"``, ...), a sequence of names tried in
