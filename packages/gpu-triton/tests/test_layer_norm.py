@@ -251,3 +251,30 @@ def test_gpu_search_space_configs(subtract_mean):
     for name, g_ref in zip(("x", "scale", "offset"), grads_ref):
       if g_ref is not None:
         _assert_close(f"{name} {config}", grads[name], g_ref, jnp.bfloat16)
+
+
+def test_wide_rms_backward_declines_under_automatic_choice():
+  """RMS rows wider than one backward block: None's training step runs a forward
+  whose own backward takes them (XLA's, measured faster); a user who names
+  triton still gets triton both ways, with the same gradients."""
+  x, scale, _, _ = _inputs(3, ln._MAX_BLOCK_D_BWD + 8, jnp.float32, True, False)  # pylint: disable=protected-access
+
+  def grads(implementation):
+    loss = lambda x, s: jnp.sum(jnp.sin(tokamax.rms_norm(
+        x, s, implementation=implementation)))
+    with tokamax.interpret(_INTERPRET), tokamax.record_dispatch() as records:
+      g = jax.grad(loss, argnums=(0, 1))(x, scale)
+    return g, [(r.direction, r.implementation) for r in records]
+
+  auto, auto_ran = grads(None)
+  named, named_ran = grads("triton")
+  assert ("backward", "triton") not in auto_ran, auto_ran
+  assert named_ran == [("forward", "triton"), ("backward", "triton")], named_ran
+  for a, n in zip(auto, named):
+    _assert_close("grad", a, n, jnp.float32)
+  # Layer norm (with the mean) at the same width keeps triton's backward.
+  op = ln.TritonLayerNormVjp()
+  args = tokamax.LayerNormArgs(x, scale, None, subtract_mean=True)
+  assert op.declines(args) is None
+  assert "slower than XLA" in op.declines(
+      tokamax.LayerNormArgs(x, scale, None, subtract_mean=False))

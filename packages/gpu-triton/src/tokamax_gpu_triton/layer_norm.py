@@ -614,6 +614,18 @@ class TritonLayerNormVjp(tokamax.VjpOp):
   def check_supported(self, args, device, residuals=None):
     _check_args(args, device)
 
+  def declines(self, args):
+    d = args.x.shape[1]
+    if not args.subtract_mean and d > _MAX_BLOCK_D_BWD:
+      # XLA fuses the RMS backward well; our rows do not fit one block here, and
+      # the two-pass path reads x and dy twice. Measured on the H200
+      # (tools/shape_sweep.py --op norms, bf16, rows x D = 2^27): forward+backward
+      # 0.537 ms against XLA's 0.394 at D 12288, 0.508 against 0.437 at 16384;
+      # the one-block path at block_d 16384 was no better (0.469 / 0.564).
+      return (f"the RMS backward at D={d} > {_MAX_BLOCK_D_BWD} (two passes over x "
+              "and dy) is slower than XLA's (0.73x at D 12288 on the H200)")
+    return None
+
   def heuristic_config(self, args):
     r, d = args.x.shape
     block_d = min(_common.next_power_of_2(d), _MAX_BLOCK_D_BWD)

@@ -366,9 +366,9 @@ def _own_backward_refusal(cand: _Candidate, args: Any, device: DeviceInfo) -> st
     if own is None:
       return None
     _build_checked(lambda: own, False, args, device, None)
+    return None if cand.explicit else own.declines(args)
   except Exception as e:  # pylint: disable=broad-except
     return _describe(e)
-  return None
 
 
 def _forward_record(op_name: str, args: Any, choice) -> DispatchRecord:
@@ -445,6 +445,7 @@ def _choose_backward(op_name: str, args: Any, residuals: Any, device: DeviceInfo
       times = config_sources.measured_times(op_name, "backward", args)
       auto = _tuned_order(auto, [a[0] for a in auto], times)
     options += auto
+  declined = None  # the first that runs the call but declines it (Op.declines)
   for label, make, explicit in options:
     try:
       op = _build_checked(make, explicit, args, device, residuals)
@@ -455,7 +456,14 @@ def _choose_backward(op_name: str, args: Any, residuals: Any, device: DeviceInfo
             f"{_describe(e)}") from e
       rejected.append((label, _describe(e)))
       continue
+    reason = op.declines(args) if implementation is None else None
+    if reason is not None:
+      rejected.append((label, f"declines: {reason}"))
+      declined = declined or op
+      continue
     return op
+  if declined is not None:
+    return declined  # every other refused: a slower backward beats none
   raise NotImplementedError(_no_implementation_message(op_name, "backward", rejected))
 
 

@@ -132,6 +132,15 @@ class Op(abc.ABC):
     """Raises `NotImplementedError` with the reason if this call can't run here."""
     del args, device
 
+  def declines(self, args: Any) -> str | None:
+    """Why automatic choice should pass this call on although it runs it: a
+    measured reason (another implementation, the XLA reference say, is faster
+    for these args), or None to take it. Only ``implementation=None`` listens
+    (a backward declining moves a training step to a forward whose own
+    backward does not); a user who names this implementation still gets it."""
+    del args
+    return None
+
   def heuristic_config(self, args: Any) -> Any:
     """A good config for `args` without measuring anything."""
     del args
