@@ -509,6 +509,35 @@ def test_ring_attention(shape, causal, balanced):
   assert "collective-permute" in text and "all-gather" not in text
 
 
+@pytest.mark.parametrize("causal,balanced", [(False, False), (True, True)])
+def test_ring_attention_with_sinks(causal, balanced):
+  """Sinks join once, after the ring's blocks merge; their gradient is summed over
+  the ring: equal to dot_product_attention(sinks=) on the whole sequence."""
+  shape = [m for m in MESHES if m[1] > 1][0]
+  mesh, n = _mesh(shape), shape[1]
+  q, k, v = _rand(2, 32, 4, 8), _rand(2, 32, 2, 8), _rand(2, 32, 2, 8)
+  sinks = _rand(4) * 2
+  ring = jax.shard_map(
+      lambda q, k, v, s: tokamax.ring_attention(
+          q, k, v, axis_name="b", is_causal=causal, load_balanced=balanced, sinks=s),
+      mesh=mesh, in_specs=(P("a", "b"), P("a", "b"), P("a", "b"), P()),
+      out_specs=P("a", "b"))
+  if balanced:
+    perm = tokamax.zigzag_permutation(32, n)
+    inv = np.argsort(perm)
+    fn = lambda q, k, v, s: ring(q[:, perm], k[:, perm], v[:, perm], s)[:, inv]
+  else:
+    fn = ring
+  ref = lambda q, k, v, s: tokamax.dot_product_attention(q, k, v, is_causal=causal,
+                                                         sinks=s)
+  loss = lambda f: (lambda *a: jnp.sum(jnp.sin(f(*a))))
+  assert _rel(jax.jit(fn)(q, k, v, sinks), ref(q, k, v, sinks)) < 1e-5 * TOL_SCALE
+  got = jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+  want = jax.grad(loss(ref), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+  for g, w in zip(got, want):
+    assert _rel(g, w) < 1e-5 * TOL_SCALE
+
+
 def test_zigzag_balances_causal_work():
   perm = tokamax.zigzag_permutation(16, 4)
   chunks = perm.reshape(4, 2, 2)[:, :, 0] // 2  # chunk ids per shard

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tokamax._src import dispatch
+from tokamax._src import vma
 from tokamax._src.ops import attention as attention_op
 
 
@@ -211,7 +212,9 @@ def _shift(x, axis_name, perm):
   return jax.lax.ppermute(x, axis_name, perm)
 
 
-def _forward(q, k, v, s: _Static):
+def _forward(q, k, v, sinks, s: _Static):
+  """(out [B, T, N, Hv] in q's dtype, lse [B, N, T] with -inf for empty rows),
+  sinks joined once, after every block is merged (in float32, before rounding)."""
   n, index, perm = _ring_info(s.axis_name)
   acc = _empty(q, v, k)
   for step in range(n):
@@ -224,6 +227,8 @@ def _forward(q, k, v, s: _Static):
     if nxt is not None:
       k, v = nxt
   out, lse = acc
+  if sinks is not None:
+    out, lse = attention_op.apply_sinks(sinks, out, lse)
   return out.astype(q.dtype), lse
 
 
@@ -248,19 +253,29 @@ def _backward(q, k, v, out, lse, dout, s: _Static):
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _ring(q, k, v, s: _Static):
-  return _forward(q, k, v, s)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ring(q, k, v, sinks, s: _Static):
+  return _forward(q, k, v, sinks, s)[0]
 
 
-def _ring_fwd(q, k, v, s):
-  out, lse = _forward(q, k, v, s)
-  return out, (q, k, v, out, lse)
+def _ring_fwd(q, k, v, sinks, s):
+  out, lse = _forward(q, k, v, sinks, s)
+  return out, (q, k, v, sinks, out, lse)
 
 
 def _ring_bwd(s, saved, dout):
-  q, k, v, out, lse = saved
-  return _backward(q, k, v, out, lse, dout, s)
+  q, k, v, sinks, out, lse = saved
+  # The blocks' backwards read the global lse and output (sinks in): unchanged.
+  dq, dk, dv = _backward(q, k, v, out, lse, dout, s)
+  dsinks = None
+  if sinks is not None:
+    # Every device holds all heads' sinks and its own query rows: the sum over
+    # the ring (and over any other axis the rows are split on, where the sinks
+    # are not) is the gradient of the sinks every device was given.
+    dsinks = jax.lax.psum(attention_op.sinks_cotangent(sinks, lse, out, dout),
+                          s.axis_name)
+    dsinks = vma.match_varying(dsinks, vma.varying_axes(sinks))
+  return dq, dk, dv, dsinks
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -275,6 +290,7 @@ def ring_attention(
     is_causal: bool = False,
     scale: float | None = None,
     load_balanced: bool = False,
+    sinks: jax.Array | None = None,
     precision: Any = None,
     implementation: dispatch.Implementation = None,
 ) -> jax.Array:
@@ -293,6 +309,9 @@ def ring_attention(
     scale: logit scale; default ``1 / sqrt(H)``.
     load_balanced: the sequence is in the zig-zag layout of
       `zigzag_permutation` (causal only): equal work on every device.
+    sinks: optional float ``[N]`` (every device the same, not split), as in
+      `tokamax.dot_product_attention`: joined once, after the ring's blocks are
+      merged; its gradient is summed over the ring.
     precision: matmul precision.
     implementation: the per-block implementation(s). The forward must return
       the log-sum-exp residual and the backward must compute from it (with None:
@@ -315,7 +334,14 @@ def ring_attention(
     raise ValueError("load_balanced needs is_causal and an even block length")
   if scale is None:
     scale = 1.0 / math.sqrt(query.shape[-1])
+  if sinks is not None:
+    sinks = jnp.asarray(sinks)
+    if sinks.shape != (query.shape[2],) or not jnp.issubdtype(sinks.dtype,
+                                                               jnp.floating):
+      raise ValueError(f"sinks must be a float array of shape ({query.shape[2]},) "
+                       f"(one logit per query head); got {sinks.dtype} "
+                       f"{tuple(sinks.shape)}")
   static = _Static(axis_name=axis_name, is_causal=is_causal, scale=float(scale),
                    precision=precision, load_balanced=load_balanced,
                    implementation=implementation)
-  return _ring(query, key, value, static)
+  return _ring(query, key, value, sinks, static)

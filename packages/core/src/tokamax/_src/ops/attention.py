@@ -98,39 +98,15 @@ class AttentionArgs:
                  if getattr(self, name) is not None)
 
   def apply_sinks(self, out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(out, lse)`` of attention without sinks -> with ``self.sinks``.
-
-    For an implementation whose kernel computes the attention without sinks and
-    leaves them to one elementwise pass: each row's key weights shrink by
-    ``sum / (sum + exp(sink)) = sigmoid(lse - sink)``, and the lse takes the sink
-    in (``logaddexp``). Rows with no visible key keep output 0 and lse +inf.
-    """
-    if self.sinks is None:
-      return out, lse
-    sink = self.sinks.astype(jnp.float32)[None, :, None]  # [1, N, 1] like lse
-    empty = lse == jnp.inf
-    lse_keys = jnp.where(empty, 0.0, lse)
-    weight = jax.nn.sigmoid(lse_keys - sink)  # [B, N, T]
-    rows = jnp.moveaxis(weight, 1, 2)[..., None]  # [B, T, N, 1] like out
-    out = (out.astype(jnp.float32) * rows).astype(out.dtype)
-    return out, jnp.where(empty, jnp.inf, jnp.logaddexp(lse_keys, sink))
+    """``(out, lse)`` of attention without sinks -> with ``self.sinks`` (see
+    `apply_sinks`), for an implementation that leaves them to one pass after its
+    kernel."""
+    return (out, lse) if self.sinks is None else apply_sinks(self.sinks, out, lse)
 
   def sinks_cotangent(self, lse: jax.Array, out: jax.Array,
                       dout: jax.Array) -> jax.Array | None:
-    """The sinks' gradient ``[N]`` (None without sinks), from the lse (sinks
-    included) the forward returned, its output and the output's cotangent.
-
-    A sink's weight in row t is ``p_t = exp(sink - lse_t)``; it takes no value,
-    so its logit's gradient is ``-p_t * rowsum(dout * out)_t``, summed over the
-    rows of its head (0 for rows with no visible key: lse +inf, out 0).
-    """
-    if self.sinks is None:
-      return None
-    delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32),
-                       out.astype(jnp.float32))
-    p_sink = jnp.exp(self.sinks.astype(jnp.float32)[None, :, None]
-                     - lse.astype(jnp.float32))
-    return (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(self.sinks.dtype)
+    """The sinks' gradient ``[N]`` (None without sinks); see `sinks_cotangent`."""
+    return None if self.sinks is None else sinks_cotangent(self.sinks, lse, out, dout)
 
   @property
   def batch(self) -> int:
@@ -159,6 +135,41 @@ class AttentionArgs:
 
 
 DIFF_FIELDS = ("query", "key", "value", "bias", "sinks")
+
+
+def apply_sinks(sinks: jax.Array, out: jax.Array,
+                lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(out [B, T, N, Hv], lse [B, N, T])`` of attention without sinks -> with
+  `sinks` ``[N]``.
+
+  Each row's key weights shrink by ``sum / (sum + exp(sink)) = sigmoid(lse -
+  sink)``, and the lse takes the sink in (``logaddexp``). Rows with no visible
+  key (lse +inf, or -inf as ring attention keeps them) keep output 0 and their lse.
+  """
+  sink = sinks.astype(jnp.float32)[None, :, None]  # [1, N, 1] like lse
+  empty = jnp.isinf(lse)
+  lse_keys = jnp.where(empty, 0.0, lse)
+  weight = jax.nn.sigmoid(lse_keys - sink)  # [B, N, T]
+  rows = jnp.moveaxis(weight, 1, 2)[..., None]  # [B, T, N, 1] like out
+  out = (out.astype(jnp.float32) * rows).astype(out.dtype)
+  return out, jnp.where(empty, lse, jnp.logaddexp(lse_keys, sink))
+
+
+def sinks_cotangent(sinks: jax.Array, lse: jax.Array, out: jax.Array,
+                    dout: jax.Array) -> jax.Array:
+  """The gradient ``[N]`` of `sinks`, from the lse (sinks included) a forward
+  returned, its output and the output's cotangent.
+
+  A sink's weight in row t is ``p_t = exp(sink - lse_t)``; it takes no value, so
+  its logit's gradient is ``-p_t * rowsum(dout * out)_t``, summed over the rows
+  of its head (0 for rows with no visible key: lse +-inf there, out 0).
+  """
+  delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32),
+                     out.astype(jnp.float32))
+  lse = lse.astype(jnp.float32)
+  p_sink = jnp.where(jnp.isinf(lse), 0.0,
+                     jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse))
+  return (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
 
 
 def _canonical_window(local_window_size: Any) -> tuple[int | None, int | None] | None:
@@ -275,7 +286,7 @@ def dot_product_attention(
     sinks: optional float ``[N]``: attention sinks, one logit per query head that
       joins each row's softmax denominator and takes no value (gpt-oss,
       StreamingLLM); gets a gradient. Every implementation but cuDNN takes it
-      (`tokamax.ring_attention` has no sinks argument).
+      (and `tokamax.ring_attention`).
     precision: matmul precision, as `jax.lax.dot_general` takes it.
     implementation: None (choose), a name (``"xla"``, ``"xla_chunked"``,
       ``"cudnn"``, ``"triton"``, ``"mosaic"``, ...), a sequence of names tried in
