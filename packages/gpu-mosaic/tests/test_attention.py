@@ -18,6 +18,8 @@ import tokamax
 from tokamax import testing
 from tokamax._src.ops import attention as attention_op
 from tokamax_gpu_mosaic import attention as mat
+from tokamax_gpu_mosaic import attention_kernel_bwd as akb
+from tokamax_gpu_mosaic import attention_kernel_common as akc
 
 HIGHEST = jax.lax.Precision.HIGHEST
 _ON_HOPPER = (jax.default_backend() == "gpu"
@@ -326,7 +328,7 @@ def _check_features(b, t, s, n, k, h, dtype=jnp.bfloat16, config=None, **feature
 def test_feature_oracle_matches_xla():
   # The dense oracle above (output and lse) agrees with the XLA reference (CPU,
   # float32), q_offset included: the GPU feature tests trust it.
-  import tokamax_xla_reference  # pylint: disable=import-outside-toplevel
+  import tokamax_xla_reference  # lazy: another package, needed by these tests only
   for kw in (dict(causal=True, window=(7, None), kv_len=[50, 0]),
              dict(window=(3, 5), soft_cap=2.0, q_len=[40, 9]),
              dict(segments=(np.repeat(np.arange(4), 16)[None].repeat(2, 0),
@@ -584,7 +586,7 @@ def test_key_range_matches_brute_force():
   rng = np.random.default_rng(0)
   windows = [(None, None), (None, 0), (0, 0), (5, 0), (100, 3), (None, 17),
              (300, None), (1, 1), (64, 64)]
-  key_range = jax.jit(mat._key_range, static_argnums=(1, 5, 6, 7))
+  key_range = jax.jit(akc.key_range, static_argnums=(1, 5, 6, 7))
   for trial in range(300):
     bkv = int(rng.choice([64, 128, 192, 256]))
     t = int(rng.integers(1, 700))
@@ -613,9 +615,9 @@ def test_key_range_matches_brute_force():
 
 def test_union_and_segment_ranges():
   i32 = jnp.int32
-  assert [int(x) for x in mat._union((i32(3), i32(3)), (i32(1), i32(4)))] == [1, 4]
-  assert [int(x) for x in mat._union((i32(2), i32(5)), (i32(0), i32(0)))] == [2, 5]
-  lo, hi = mat._union((i32(7), i32(7)), (i32(0), i32(0)))
+  assert [int(x) for x in akc.union((i32(3), i32(3)), (i32(1), i32(4)))] == [1, 4]
+  assert [int(x) for x in akc.union((i32(2), i32(5)), (i32(0), i32(0)))] == [2, 5]
+  lo, hi = akc.union((i32(7), i32(7)), (i32(0), i32(0)))
   assert int(hi) <= int(lo)
   rng = np.random.default_rng(1)
   for trial in range(40):
@@ -628,7 +630,7 @@ def test_union_and_segment_ranges():
       qs = rng.integers(0, 4, (2, t)).astype(np.int32)
       ks = rng.integers(0, 4, (2, s)).astype(np.int32)
     tp, sp = -(-t // 128) * 128, -(-s // bkv) * bkv
-    table = np.asarray(mat._segment_tile_range(jnp.asarray(qs), jnp.asarray(ks), t,
+    table = np.asarray(akc.segment_tile_range(jnp.asarray(qs), jnp.asarray(ks), t,
                                                s, tp, sp, bkv))
     assert table.shape == (2, tp // 64, 2)
     for bb in range(2):
@@ -1093,7 +1095,7 @@ def test_bwd_features_query_range_matches_brute_force():
   rng = np.random.default_rng(2)
   windows = [(None, None), (None, 0), (0, 0), (5, 0), (100, 3), (None, 17),
              (300, None), (1, 1), (64, 64)]
-  query_range = jax.jit(mat._query_range, static_argnums=(1, 5, 6, 7))
+  query_range = jax.jit(akc.query_range, static_argnums=(1, 5, 6, 7))
   for trial in range(300):
     bq = int(rng.choice([64, 128]))
     t = int(rng.integers(1, 700))
@@ -1146,8 +1148,8 @@ def _model_scores(s, dp, lse_b, delta_b, c, cap, visible):
     if cap is None:
       z = s * c - lse_b
     else:
-      th = np.tanh(s * (c / (mat._LOG2E * cap)))
-      z = th * (cap * mat._LOG2E) - lse_b
+      th = np.tanh(s * (c / (akc.LOG2E * cap)))
+      z = th * (cap * akc.LOG2E) - lse_b
     if visible is not None:
       z = np.where(visible, z, -np.inf)
     p = np.exp2(z)
@@ -1163,11 +1165,11 @@ def _model_dkv(q, k, v, do, lse2, delta, *extras, scale, causal, config, feat):
   b, tp, n, h = q.shape
   sp, nk = k.shape[1], k.shape[2]
   group, bq, rows = n // nk, config.block_q, 64
-  nq, c = tp // bq, scale * mat._LOG2E
+  nq, c = tp // bq, scale * akc.LOG2E
   lims = np.asarray(extras[0]) if feat.dynamic else None
   if feat.segments:
     table, q_ids, kv_ids = (np.asarray(x) for x in extras[1:4])
-  query_range = jax.jit(mat._query_range, static_argnums=(1, 5, 6, 7))
+  query_range = jax.jit(akc.query_range, static_argnums=(1, 5, 6, 7))
   dk, dv = np.zeros(k.shape), np.zeros(v.shape)
   for bi in range(b):
     for kh in range(nk):
@@ -1180,7 +1182,7 @@ def _model_dkv(q, k, v, do, lse2, delta, *extras, scale, causal, config, feat):
               jnp.int32(kv_limit), jnp.int32(off), feat.left, feat.right, bq)),
               table if feat.segments else None, bi, ki * 2 + w, feat.segments)
                     for w in (0, 1)]
-          lo, fl, fh, hi = _ints(*mat._shared_steps(*(
+          lo, fl, fh, hi = _ints(*akc.shared_steps(*(
               tuple(jnp.int32(x) for x in r) for r in ranges)))
           assert lo <= fl <= fh <= hi
         for w in (0, 1):
@@ -1232,11 +1234,11 @@ def _model_dq(q, k, v, do, lse2, delta, *extras, scale, causal, s_true, config,
   b, tp, n, h = q.shape
   sp, nk = k.shape[1], k.shape[2]
   group, bkv, rows = n // nk, config.block_kv, 64
-  n_kv, c = sp // bkv, scale * mat._LOG2E
+  n_kv, c = sp // bkv, scale * akc.LOG2E
   lims = np.asarray(extras[0]) if feat.dynamic else None
   if feat.segments:
     table, q_ids, kv_ids = (np.asarray(x) for x in extras[1:4])
-  key_range = jax.jit(mat._key_range, static_argnums=(1, 5, 6, 7))
+  key_range = jax.jit(akc.key_range, static_argnums=(1, 5, 6, 7))
   dq = np.zeros(q.shape)
   for bi in range(b):
     for head in range(n):
@@ -1250,7 +1252,7 @@ def _model_dq(q, k, v, do, lse2, delta, *extras, scale, causal, s_true, config,
               jnp.int32(kv_limit), jnp.int32(off), feat.left, feat.right, bkv)),
               table if feat.segments else None, bi, qi * 2 + w, feat.segments)
                     for w in (0, 1)]
-          lo, fl, fh, hi = _ints(*mat._shared_steps(*(
+          lo, fl, fh, hi = _ints(*akc.shared_steps(*(
               tuple(jnp.int32(x) for x in r) for r in ranges)))
           assert lo <= fl <= fh <= hi
         for w in (0, 1):
@@ -1335,14 +1337,14 @@ def test_bwd_features_tile_model_matches_autodiff(case, monkeypatch):
   # tables) with both kernels replaced by NumPy models of their loops (tile
   # ranges, shared steps, masks, soft-cap derivative, zeroed rows), against
   # autodiff of the XLA reference: checks the index logic the GPU runs.
-  import tokamax_xla_reference  # pylint: disable=import-outside-toplevel
+  import tokamax_xla_reference  # lazy: another package, needed by these tests only
   t, s, n, k, (block_q, block_kv), feats = _BWD_MODEL_CASES[case]
   feats = dict(feats)
   if "segments" in feats:
     feats["segments"] = _model_segments(feats["segments"], t, s)
   args = _feature_args(2, t, s, n, k, 16, jnp.float32, **feats)
-  monkeypatch.setattr(mat, "_flash_dkv", _model_dkv)
-  monkeypatch.setattr(mat, "_flash_dq", _model_dq)
+  monkeypatch.setattr(akb, "flash_dkv", _model_dkv)
+  monkeypatch.setattr(akb, "flash_dq", _model_dq)
   kw = dict(is_causal=args.is_causal, local_window=args.local_window,
             logits_soft_cap=args.logits_soft_cap,
             query_seq_lengths=args.query_seq_lengths,
@@ -1483,7 +1485,7 @@ def _check_bwd_features(b, t, s, n, k, h, dtype=jnp.bfloat16, **features):
 def _check_bwd_features_direct(b, t, s, n, k, h, config=None, **features):
   """The backward alone (q_offset is not in the public API; an explicit
   config), fed the XLA reference's output and lse, against its VJP."""
-  import tokamax_xla_reference  # pylint: disable=import-outside-toplevel
+  import tokamax_xla_reference  # lazy: another package, needed by these tests only
   args = _feature_args(b, t, s, n, k, h, jnp.bfloat16, **features)
   config = config or mat.MosaicGpuAttentionVjp().heuristic_config(args)
   kw = dict(is_causal=args.is_causal, local_window=args.local_window,
@@ -1592,7 +1594,7 @@ def test_backward_skips_key_tiles_of_padding_only():
   """S = 192 with 64-row key tiles: S is padded to 256, so the last key tile holds
   padding only. Logits near -128 put lse below -88, where exp2 of a padded key's
   score (0) overflows; visiting that tile made dQ inf * 0 = NaN."""
-  import tokamax_xla_reference  # pylint: disable=import-outside-toplevel
+  import tokamax_xla_reference  # lazy: another package, needed by these tests only
   b, t, s, n, h = 1, 128, 192, 2, 64
   rng = np.random.default_rng(next(_seed))
   q = jnp.asarray(4.0 + np.abs(rng.standard_normal((b, t, n, h))), jnp.bfloat16)

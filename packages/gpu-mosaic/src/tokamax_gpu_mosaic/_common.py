@@ -26,6 +26,25 @@ H100_SMS = 132  # H100/H200 SXM; used only when the device can't be asked.
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
+def cdiv(a, b):
+  """Ceiling division of Python ints."""
+  return -(-a // b)
+
+
+def round_up(x: int, multiple: int, minimum: int) -> int:
+  """`x` rounded up to a multiple of `multiple`, at least `minimum`."""
+  return max(cdiv(x, multiple) * multiple, minimum)
+
+
+def pad_axis(x, axis: int, size: int):
+  """Zero-pads `x` along `axis` to `size` (no copy where it already has it)."""
+  if x.shape[axis] == size:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, pad)
+
+
 def check_hopper_device(device: DeviceInfo) -> None:
   """Raises NotImplementedError unless these kernels can run natively on `device`.
 
@@ -78,7 +97,7 @@ def kernel(body, *, out_type, scratch_types=None, **kwargs):
 def num_sms() -> int:
   try:
     count = jax.devices()[0].core_count
-  except Exception:  # pylint: disable=broad-except
+  except Exception:  # any backend or device that cannot say: assume an H100/H200
     return H100_SMS
   return int(count) if count else H100_SMS
 
@@ -103,9 +122,11 @@ def compiler_params():
 def lowerable_primitives() -> frozenset | None:
   """Primitives the Lane lowering handles on warpgroup arrays, None if unknown."""
   try:
-    from jax._src.pallas.mosaic_gpu import lowering  # pylint: disable=g-import-not-at-top
+    # Lazy: a private JAX module whose path and table layout change between JAX
+    # versions; where it cannot be read, the kernel lowering decides instead.
+    from jax._src.pallas.mosaic_gpu import lowering
     rules = lowering.mosaic_lowering_rules
-  except Exception:  # pylint: disable=broad-except
+  except Exception:  # any failure to read it means "unknown"
     return None
   for key, table in rules.items():
     parts = key if isinstance(key, tuple) else (key,)
@@ -198,7 +219,7 @@ def check_elementwise_fn(name: str, fn) -> None:
   shape = jax.ShapeDtypeStruct((64, 128), jnp.float32)
   try:
     closed = jax.make_jaxpr(fn)(shape)
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:  # whatever tracing raised, the kernel cannot take it
     raise NotImplementedError(f"{name} could not be traced: {e}") from e
   if [(a.shape, a.dtype) for a in closed.out_avals] != [(shape.shape, shape.dtype)]:
     raise NotImplementedError(f"{name} must map a float32 array to one of its shape")

@@ -1,0 +1,193 @@
+"""Producer/consumer pipeline pieces shared by this package's Mosaic GPU kernels.
+
+Two kernel shapes use them:
+
+- hand-rolled warp specialization (attention forward and backward): a producer
+  warpgroup streams tiles by TMA into a ring of shared-memory slots, each with a
+  "full" barrier (TMA arrivals) and a "free" barrier (consumer arrivals), and two
+  consumer warpgroups compute (`split_warpgroups`, `Ring`, `refill`, `pass_turn`);
+- `plgpu.emit_pipeline_warp_specialized` over a persistent grid (ragged_dot, the
+  gated linear unit): `WarpSpecializedPipeline`, `tma_spec`, `persistent_kernel`.
+
+Each kernel binds its refs by name (`bind_refs`) into a NamedTuple whose fields
+list the kernel's inputs, outputs and scratch in call order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from tokamax_gpu_mosaic import _common
+
+# Registers per thread: consumers take the most; the producer keeps only a few.
+CONSUMER_REGS = 232
+PRODUCER_REGS = 40
+
+
+# ----------------------------------------------------------------------------
+# Refs by name.
+
+
+def bind_refs(cls, refs, absent=()):
+  """`cls` (a NamedTuple) from a kernel's refs tuple, in field order.
+
+  Fields named in `absent` take no ref and are None (an input, output or
+  scratch buffer that this call does not have); every ref must be taken.
+  """
+  it = iter(refs)
+  values = {name: None if name in absent else next(it) for name in cls._fields}
+  rest = tuple(it)
+  if rest:
+    raise ValueError(f"{cls.__name__}: {len(rest)} refs left unbound")
+  return cls(**values)
+
+
+def in_field_order(cls, **types):
+  """The scratch `types` (None: not allocated) ordered as `cls`'s fields, so
+  that `bind_refs(cls, ...)` finds each at its name."""
+  unknown = set(types) - set(cls._fields)
+  if unknown:
+    raise ValueError(f"{cls.__name__} has no fields {sorted(unknown)}")
+  return tuple(types[name] for name in cls._fields
+               if types.get(name) is not None)
+
+
+# ----------------------------------------------------------------------------
+# Hand-rolled warp specialization (one producer, two consumer warpgroups).
+
+
+def split_warpgroups(wg, consumer: Callable[[], None],
+                     producer: Callable[[], None]) -> None:
+  """Warpgroups 0 and 1 run `consumer` (with most registers), 2 `producer`."""
+
+  @pl.when(wg < 2)
+  def _consumer():
+    plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+    consumer()
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
+    producer()
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+  """A ring of `stages` shared-memory slots; step `i` uses slot
+  ``(i - base) % stages`` (``base``: the first streamed step, None for 0)."""
+
+  stages: int
+  base: Any = None
+
+  @property
+  def start(self):
+    return 0 if self.base is None else self.base
+
+  def slot(self, i):
+    return lax.rem(i if self.base is None else i - self.base, self.stages)
+
+  def reuse(self, i):
+    """Whether step `i` refills a slot an earlier step used (wait for "free")."""
+    return i >= self.stages if self.base is None else i - self.base >= self.stages
+
+
+def wait_when(cond, barrier) -> None:
+  """Waits on `barrier` where `cond` holds."""
+
+  @pl.when(cond)
+  def _():
+    plgpu.barrier_wait(barrier)
+
+
+def refill(reuse, free, src, dst, full) -> None:
+  """Producer: once the slot is free (where `reuse`), TMA `src` into `dst`,
+  arriving on `full`."""
+  wait_when(reuse, free)
+  plgpu.copy_gmem_to_smem(src, dst, full)
+
+
+def release(*barriers) -> None:
+  """Consumer: arrive on each "free" barrier (the slot may be refilled)."""
+  for barrier in barriers:
+    plgpu.barrier_arrive(barrier)
+
+
+def pass_turn(barrier) -> None:
+  """Ping-pong: both consumers arrive, then wait (a two-arrival barrier)."""
+  plgpu.barrier_arrive(barrier)
+  plgpu.barrier_wait(barrier)
+
+
+def wgmma_iota(shape, dim: int):
+  """int32 indices along `dim` of a tile in the wgmma register layout."""
+  return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def zeros_tile(shape, dtype):
+  """A zero tile in the wgmma register layout."""
+  return (wgmma_iota(shape, 0) * 0).astype(dtype)
+
+
+def store_tile(smem, value, dst) -> None:
+  """Stage `value` in `smem`, then TMA it to `dst` (not waited for)."""
+  smem[...] = value
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(smem, dst)
+
+
+def warpgroup_kernel(body, *, out_type, scratch_types, grid, grid_names):
+  """A kernel of one producer and two consumer warpgroups (approximate math)."""
+  return _common.kernel(
+      body, out_type=out_type, scratch_types=scratch_types, grid=grid,
+      grid_names=grid_names, num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane))
+
+
+# ----------------------------------------------------------------------------
+# `emit_pipeline_warp_specialized` on a persistent grid.
+
+
+def tma_spec(block_shape, index_map, dtype, minor: int):
+  """A swizzled TMA block whose buffer is released one step late (the wgmma of
+  step s may still read it while step s+1 is issued)."""
+  return plgpu.BlockSpec(block_shape, index_map,
+                         transforms=_common.swizzled(dtype, minor), delay_release=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarpSpecializedPipeline:
+  """A memory warpgroup streams `in_specs` through a `stages`-deep ring; two
+  compute warpgroups run the body on each step."""
+
+  in_specs: tuple
+  stages: int
+
+  def __call__(self, body, context, steps):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(steps,), memory_registers=PRODUCER_REGS,
+        in_specs=list(self.in_specs), wg_axis="wg", num_compute_wgs=2,
+        max_concurrent_steps=self.stages, compute_context=context)
+
+  def allocations(self, *refs, steps):
+    """The ring's shared memory for operands like `refs` (allocated once for all
+    the kernel's work items; it does not depend on the step count)."""
+    ignore = lambda *_, **__: None
+    return self(ignore, ignore, steps).get_allocations(*refs)
+
+
+def persistent_kernel(kernel, *, out_type, scratch_types=None,
+                      warp_specialized: bool = True):
+  """A kernel of one block per SM (`kernel` walks its work items), with a memory
+  and two compute warpgroups where `warp_specialized`."""
+  threads = dict(num_threads=3, thread_name="wg") if warp_specialized else {}
+  return _common.kernel(
+      kernel, out_type=out_type, scratch_types=scratch_types,
+      grid=(_common.num_sms(),), grid_names=("sm",),
+      compiler_params=_common.compiler_params(), **threads)

@@ -1,0 +1,790 @@
+"""Attention backward kernels in Pallas Mosaic GPU (Hopper, sm_90), FA3 style.
+
+``delta = rowsum(dO * O)`` in jnp, then two kernels, no atomics (deterministic),
+each with the forward's warpgroup layout (a producer, two 64-row consumers):
+
+- dK/dV (`_DkvKernel`): grid (key tiles of 128 rows, kv heads, batch). The
+  producer streams, per step, one query tile of every query head of the kv
+  head's group (Q, dO, the base-2 lse and delta); the consumers keep K, V in
+  shared memory and dK, dV in float32 registers. Working transposed (keys are
+  the rows): ``S^T = K Q^T`` and ``dP^T = V dO^T`` (issued together),
+  ``P^T = exp2(S^T c - lse2)``, ``dS^T = P^T (dP^T - delta)``, then
+  ``dV += P^T dO`` and ``dK += dS^T Q`` (issued together).
+- dQ (`_DqKernel`): grid (query tiles of 128 rows, heads, batch), the forward's
+  layout: the producer streams K and V tiles; per key tile ``S = Q K^T`` and
+  ``dP = dO V^T``, P, dS, then ``dQ += dS K``.
+
+Registers per consumer thread (an f32 64 x n tile takes n/2): dK/dV holds dK
+and dV (H) plus S^T and dP^T (block_q); dQ holds dQ (H/2) plus S and dP.
+
+Padding: T and S are padded to multiples of 128. Padded query rows get
+lse = +inf and dO = 0, so P = dS = 0 there: no mask. Padded key rows only make
+dK/dV rows that are sliced off; in dQ they are masked (exp2 of a padded key's
+score can overflow when lse is very negative: inf * 0 = NaN).
+
+Causal: dK/dV visits only the query tiles at or after the key tile (per head),
+masks those crossing the diagonal, and writes zeros for key tiles no query
+sees; dQ visits the key tiles up to the diagonal. Both consumers of a block take
+the same steps (a tile one cannot see is masked to zero), so every "free"
+barrier gets exactly its two arrivals per phase.
+
+Ping-pong (``ping_pong`` for dK/dV, ``ping_pong_dq`` for dQ): the forward's plain
+schedule; each consumer passes the two-arrival turn after issuing the scores
+matmuls and before issuing the accumulating ones, warpgroup 1 one phase behind.
+P and dS are converted and fenced (optimization barrier) before the turn.
+
+Features (the forward's static switches): soft cap (P from the same capped
+logits, ``dS *= 1 - tanh^2``); dynamic features: every warpgroup computes both
+consumers' ranges (dQ: `key_range` per 64 query rows; dK/dV: `query_range`,
+the transposed range) and both take the union's steps (`shared_steps`),
+unmasked only where both ranges are. Rows past the query length get lse2 = +inf
+in the wrapper; dK/dV rows past the key length are zeroed before the store.
+Segment ids: dK/dV loads its key ids with K/V and streams query ids with Q; dQ
+loads its query ids with Q and streams key ids in a ring next to K.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from tokamax_gpu_mosaic import _common
+from tokamax_gpu_mosaic import _pipeline
+from tokamax_gpu_mosaic import attention_kernel_common as akc
+
+if TYPE_CHECKING:
+  from tokamax_gpu_mosaic.attention import AttentionVjpConfig
+
+KEY_ROWS = 2 * akc.WG_ROWS  # key rows per dK/dV block (2 consumers x 64)
+_SEGMENT_FIELDS = ("seg_range", "q_seg", "kv_seg", "qseg_smem", "kvseg_smem",
+                   "seg_full")
+
+
+# ----------------------------------------------------------------------------
+# Shared by both kernels.
+
+
+def _scores_pair(shape, a0, b0, second_full, a1, b1, pass_turn=None):
+  """``a0 b0^T`` and ``a1 b1^T`` (float32 tiles of `shape`); the second waits
+  for its operand's slot to land. `pass_turn`: the ping-pong pass right after
+  issuing both (the partner's dS is done: the tensor cores are ours next)."""
+
+  def scores(s_acc, dp_acc):
+    plgpu.wgmma(s_acc, a0, b0.T)
+    plgpu.barrier_wait(second_full)
+    plgpu.wgmma(dp_acc, a1, b1.T)
+    if pass_turn is not None:
+      pass_turn()
+    return s_acc[...], dp_acc[...]
+  return pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32),
+                       plgpu.ACC(shape, jnp.float32))
+
+
+def _probs_and_ds(s, dp, c: float, soft_cap, lse_b, delta_b, visible=None):
+  """``P = exp2(s c - lse2)`` (masked where `visible()` is False) and
+  ``dS = P (dP - delta)`` (times the soft cap's ``1 - tanh^2``).
+
+  `lse_b`, `delta_b`: called for the broadcast lse2 and delta tiles at the
+  point each is needed; `visible`: None (no mask) or called for the mask.
+  """
+  if soft_cap is None:
+    z = s * c - lse_b()
+  else:
+    z, th = akc.soft_capped(s, c, soft_cap)
+    z = z - lse_b()
+  if visible is not None:
+    keep = visible()
+    if keep is not None:
+      z = jnp.where(keep, z, -jnp.inf)
+  p = jnp.exp2(z)
+  ds = p * (dp - delta_b())
+  if soft_cap is not None:
+    ds = ds * (1.0 - th * th)  # d(cap tanh(x / cap)) / dx
+  return p, ds
+
+
+def _turn_passes(wg, ping_pong: bool, pass_turn, run):
+  """`run()` between the ping-pong's extra passes: warpgroup 1 passes once
+  before (it runs one phase behind), warpgroup 0 once after."""
+  if ping_pong:
+    pl.when(wg == 1)(pass_turn)
+  out = run()
+  if ping_pong:
+    pl.when(wg == 0)(pass_turn)
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+  """The static shape of one backward call (both kernels)."""
+
+  b: int
+  tp: int
+  n: int
+  h: int
+  group: int  # query heads per key/value head
+  sp: int
+  config: Any
+  causal: bool
+  feat: akc.Features
+  dtype: Any
+  scale: float
+
+  @property
+  def c(self):
+    return float(self.scale) * akc.LOG2E
+
+  @property
+  def stages(self):
+    return self.config.num_stages
+
+  def absent(self):
+    """Refs this call does not have."""
+    absent = set()
+    if not self.feat.dynamic:
+      absent.add("lims")
+    if not self.feat.segments:
+      absent.update(_SEGMENT_FIELDS)
+    if not self.ping_pong:
+      absent.add("turn")
+    return absent
+
+
+# ----------------------------------------------------------------------------
+# dK, dV.
+
+
+class _DkvRefs(NamedTuple):
+  """The dK/dV kernel's refs in call order (None: absent in this call)."""
+
+  q: Any  # [B, Tp, N, H]
+  k: Any  # [B, Sp, K, H]
+  v: Any
+  do: Any  # [B, Tp, N, H]
+  lse: Any  # [B, N, Tp] float32, base 2
+  delta: Any  # [B, N, Tp] float32
+  lims: Any  # [B, 3] int32 (dynamic features)
+  seg_range: Any  # [B, Sp // 64, 2] int32: query tiles per 64 keys
+  q_seg: Any  # [B, Tp] int32
+  kv_seg: Any  # [B, Sp] int32
+  dk: Any
+  dv: Any
+  k_smem: Any  # [2, 64, H]: each consumer's K tile, then its dK tile
+  v_smem: Any  # [2, 64, H]: V, then dV
+  q_smem: Any  # [stages, block_q, H]
+  do_smem: Any
+  lse_smem: Any  # [stages, block_q] float32
+  delta_smem: Any
+  kv_full: Any  # per consumer: K + V [+ key ids]
+  q_full: Any  # per slot: Q + lse [+ query ids]
+  do_full: Any  # per slot: dO + delta
+  free: Any  # per slot: both consumers
+  turn: Any  # ping_pong: a two-party barrier
+  kvseg_smem: Any  # [2, 64] int32: each consumer's key ids
+  qseg_smem: Any  # [stages, block_q] int32: query ids, next to Q
+
+
+class _DkvBlock(NamedTuple):
+  wg: Any
+  ki: Any  # key tile
+  head: Any  # kv head
+  batch: Any
+  k0: Any  # first key row
+  j_lo: Any  # steps run head-major over query tiles [j_lo, j_lo + n_j)
+  j_fl: Any  # dynamic: [j_fl, j_fh) unmasked for both consumers
+  j_fh: Any
+  j_hi: Any
+  n_j: Any
+  n_steps: Any  # group * n_j
+  limits: Any  # dynamic: (q_limit, kv_limit, offset); else Nones
+  pass_turn: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _DkvKernel(_Shape):
+  """dK, dV; its methods are the kernel's stages."""
+
+  @property
+  def ping_pong(self):
+    return self.config.ping_pong
+
+  @property
+  def bq(self):
+    return self.config.block_q
+
+  @property
+  def nq(self):
+    return self.tp // self.bq
+
+  def block(self, r: _DkvRefs) -> _DkvBlock:
+    """Grid position and the query tiles both consumers step through."""
+    wg = lax.axis_index("wg")
+    pass_turn = functools.partial(_pipeline.pass_turn,
+                                  *(() if r.turn is None else (r.turn,)))
+    ki = lax.axis_index("kv")
+    kh = lax.axis_index("heads")
+    bi = lax.axis_index("batch")
+    k0 = ki * KEY_ROWS
+    j_fl = j_fh = j_hi = None
+    limits = (None, None, None)
+    if self.feat.dynamic:
+      # All three warpgroups compute both consumers' query tile ranges from the
+      # same scalars; steps run over their union (head-major, as below).
+      limits = akc.batch_limits(r.lims, bi)
+
+      def wg_range(w: int):
+        tiles = akc.query_range(k0 + w * akc.WG_ROWS, akc.WG_ROWS, *limits,
+                                self.feat.left, self.feat.right, self.bq)
+        if self.feat.segments:
+          tiles = akc.within_segments(tiles, r.seg_range, bi, ki * 2 + w)
+        return tiles
+      j_lo, j_fl, j_fh, j_hi = akc.shared_steps(wg_range(0), wg_range(1))
+      n_j = j_hi - j_lo
+    else:
+      # Causal: query tiles before j_lo see none of this block's keys (k0 is a
+      # multiple of bq). Steps run head-major: (head g, query tile j).
+      j_lo = lax.div(k0, self.bq) if self.causal else 0
+      n_j = jnp.maximum(self.nq - j_lo, 0) if self.causal else self.nq
+    n_steps = self.group * n_j
+    return _DkvBlock(wg, ki, kh, bi, k0, j_lo, j_fl, j_fh, j_hi, n_j, n_steps, limits,
+                     pass_turn)
+
+  def consumer(self, r: _DkvRefs, blk: _DkvBlock) -> None:
+    """Load this warpgroup's K, V; accumulate dK, dV over every step; store."""
+    wg, rows = blk.wg, akc.WG_ROWS
+    r0 = blk.k0 + wg * rows
+    k_tile, v_tile = r.k_smem.at[wg], r.v_smem.at[wg]
+    mine = (blk.batch, pl.ds(r0, rows), blk.head)
+    plgpu.copy_gmem_to_smem(r.k.at[mine], k_tile, r.kv_full.at[wg])
+    plgpu.copy_gmem_to_smem(r.v.at[mine], v_tile, r.kv_full.at[wg])
+    if self.feat.segments:
+      plgpu.copy_gmem_to_smem(r.kv_seg.at[blk.batch, pl.ds(r0, rows)],
+                              r.kvseg_smem.at[wg], r.kv_full.at[wg])
+    j_clear = None
+    if self.causal and not self.feat.dynamic:
+      # From this query tile on, every query is at or past this warpgroup's
+      # last key (r0 + 63): no mask.
+      j_clear = jnp.minimum(lax.div(r0 + rows - 1 + self.bq - 1, self.bq), self.nq)
+    zeros = plgpu.layout_cast(jnp.zeros((rows, self.h), jnp.float32),
+                              plgpu.Layout.WGMMA)
+    plgpu.barrier_wait(r.kv_full.at[wg])
+    kv_ids = None
+    if self.feat.segments:
+      kv_ids = plgpu.load(r.kvseg_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
+    head = functools.partial(self.head_steps, r, blk, r0, k_tile, v_tile, j_clear,
+                             kv_ids)
+    # Both consumers take the same steps (two passes each per step).
+    dk, dv = _turn_passes(wg, self.ping_pong, blk.pass_turn,
+                          lambda: lax.fori_loop(0, self.group, head, (zeros, zeros)))
+    if self.feat.kv_len:
+      # Keys past the valid ones may have taken unmasked (even non-finite)
+      # values in unmasked steps; their rows are zero by the contract.
+      kv_limit = blk.limits[1]
+      key = _pipeline.wgmma_iota((rows, self.h), 0) + r0
+      dk = jnp.where(key < kv_limit, dk, 0.0)
+      dv = jnp.where(key < kv_limit, dv, 0.0)
+    # K and V are no longer read (every wgmma was waited for): stage the
+    # results there. dS was taken unscaled: scale dK once here.
+    k_tile[...] = (dk * self.scale).astype(self.dtype)
+    v_tile[...] = dv.astype(self.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_tile, r.dk.at[mine], commit_group=False)
+    plgpu.copy_smem_to_gmem(v_tile, r.dv.at[mine], commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0)
+
+  def head_steps(self, r, blk: _DkvBlock, r0, k_tile, v_tile, j_clear, kv_ids, g,
+                 carry):
+    """The steps of query head `g` of the group: masked where needed."""
+    base = g * blk.n_j - blk.j_lo  # step index of (g, j) is base + j
+    step = functools.partial(self.step, r, blk, r0, k_tile, v_tile, kv_ids)
+    if self.feat.dynamic:
+      masked = functools.partial(step, base=base, masked=True)
+      carry = lax.fori_loop(blk.j_lo, blk.j_fl, masked, carry)
+      carry = lax.fori_loop(blk.j_fl, blk.j_fh,
+                            functools.partial(step, base=base, masked=False), carry)
+      return lax.fori_loop(blk.j_fh, blk.j_hi, masked, carry)
+    if self.causal:
+      carry = lax.fori_loop(blk.j_lo, j_clear,
+                            functools.partial(step, base=base, masked=True), carry)
+      return lax.fori_loop(j_clear, self.nq,
+                           functools.partial(step, base=base, masked=False), carry)
+    return lax.fori_loop(0, self.nq, functools.partial(step, base=base, masked=False),
+                         carry)
+
+  def step(self, r: _DkvRefs, blk: _DkvBlock, r0, k_tile, v_tile, kv_ids, j, carry,
+           base, masked: bool):
+    """Query tile `j` of one head: S^T, dP^T, then dV += P^T dO, dK += dS^T Q."""
+    dk, dv = carry
+    slot = lax.rem(base + j, self.stages)
+    plgpu.barrier_wait(r.q_full.at[slot])
+    s, dp = _scores_pair((akc.WG_ROWS, self.bq), k_tile, r.q_smem.at[slot],
+                         r.do_full.at[slot], v_tile, r.do_smem.at[slot],
+                         blk.pass_turn if self.ping_pong else None)
+    lse_col = plgpu.load(r.lse_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+
+    def delta_b():
+      delta_col = plgpu.load(r.delta_smem.at[slot], (),
+                             layout=plgpu.Layout.WGMMA.reduce(0))
+      return akc.bcast_cols(delta_col, dp.shape)
+
+    def visible():
+      # Keys past the valid ones are not masked here: their dK/dV rows are
+      # zeroed at the end. Queries past the valid ones have lse2 = +inf.
+      key = _pipeline.wgmma_iota(s.shape, 0) + r0
+      query = _pipeline.wgmma_iota(s.shape, 1) + j * self.bq
+      return akc.visible(
+          query, key, self.feat, dynamic=self.feat.dynamic, causal=True,
+          off=blk.limits[2],
+          segment_match=lambda: akc.same_segment(kv_ids, r.qseg_smem.at[slot],
+                                                 s.shape))
+    p, ds = _probs_and_ds(s, dp, self.c, self.feat.soft_cap,
+                          lambda: akc.bcast_cols(lse_col, s.shape), delta_b,
+                          visible if masked else None)
+    if self.ping_pong:
+      # Materialized before the turn, so that none of it sinks into the
+      # partner's turn; then wait for the partner's scores matmuls.
+      p, ds = lax.optimization_barrier((p.astype(self.dtype), ds.astype(self.dtype)))
+      blk.pass_turn()
+
+    def update(refs):
+      dv_acc, dk_acc = refs
+      plgpu.wgmma(dv_acc, p.astype(self.dtype), r.do_smem.at[slot])
+      plgpu.wgmma(dk_acc, ds.astype(self.dtype), r.q_smem.at[slot])
+    dv, dk = pl.run_state(update)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+    plgpu.barrier_arrive(r.free.at[slot])
+    return dk, dv
+
+  def producer(self, r: _DkvRefs, blk: _DkvBlock) -> None:
+    """Stream (head, query tile) steps: Q, lse [, query ids]; dO, delta."""
+    bq, ring = self.bq, _pipeline.Ring(self.stages)
+
+    def issue(i, _):
+      slot = ring.slot(i)
+      g = lax.div(i, blk.n_j)
+      t0 = (blk.j_lo + lax.rem(i, blk.n_j)) * bq
+      head = blk.head * self.group + g
+      _pipeline.wait_when(ring.reuse(i), r.free.at[slot])
+      tile = (blk.batch, pl.ds(t0, bq), head)
+      stat = (blk.batch, head, pl.ds(t0, bq))
+      plgpu.copy_gmem_to_smem(r.q.at[tile], r.q_smem.at[slot], r.q_full.at[slot])
+      plgpu.copy_gmem_to_smem(r.lse.at[stat], r.lse_smem.at[slot], r.q_full.at[slot])
+      if self.feat.segments:
+        plgpu.copy_gmem_to_smem(r.q_seg.at[blk.batch, pl.ds(t0, bq)],
+                                r.qseg_smem.at[slot], r.q_full.at[slot])
+      plgpu.copy_gmem_to_smem(r.do.at[tile], r.do_smem.at[slot], r.do_full.at[slot])
+      plgpu.copy_gmem_to_smem(r.delta.at[stat], r.delta_smem.at[slot],
+                              r.do_full.at[slot])
+    lax.fori_loop(0, blk.n_steps, issue, None)
+
+  def scratch(self):
+    rows, bq, h, stages = akc.WG_ROWS, self.bq, self.h, self.stages
+    transforms = _common.swizzled(self.dtype, h)
+    segments = self.feat.segments
+    tile = lambda n, m: plgpu.SMEM((n, m, h), self.dtype, transforms=transforms)
+    # Arrivals: one per TMA copy landing on the barrier (K + V [+ kv ids];
+    # Q + lse [+ q ids]; dO + delta), one per consumer on "free".
+    with_ids = 3 if segments else 2
+    return _pipeline.in_field_order(
+        _DkvRefs,
+        k_smem=tile(2, rows), v_smem=tile(2, rows), q_smem=tile(stages, bq),
+        do_smem=tile(stages, bq),
+        lse_smem=plgpu.SMEM((stages, bq), jnp.float32),
+        delta_smem=plgpu.SMEM((stages, bq), jnp.float32),
+        kv_full=plgpu.Barrier(num_arrivals=with_ids, num_barriers=2),
+        q_full=plgpu.Barrier(num_arrivals=with_ids, num_barriers=stages),
+        do_full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        turn=plgpu.Barrier(num_arrivals=2) if self.ping_pong else None,
+        kvseg_smem=plgpu.SMEM((2, rows), jnp.int32) if segments else None,
+        qseg_smem=plgpu.SMEM((stages, bq), jnp.int32) if segments else None)
+
+  def __call__(self, q, k, v, do, lse2, delta, *extras):
+    def body(*refs):
+      r = _pipeline.bind_refs(_DkvRefs, refs, self.absent())
+      blk = self.block(r)
+      _pipeline.split_warpgroups(blk.wg, lambda: self.consumer(r, blk),
+                                 lambda: self.producer(r, blk))
+
+    call = _pipeline.warpgroup_kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct(k.shape, self.dtype),
+                  jax.ShapeDtypeStruct(v.shape, self.dtype)),
+        scratch_types=self.scratch(),
+        grid=(self.sp // KEY_ROWS, k.shape[2], self.b),
+        grid_names=("kv", "heads", "batch"))
+    return call(q, k, v, do, lse2, delta, *extras)
+
+
+# ----------------------------------------------------------------------------
+# dQ.
+
+
+class _DqRefs(NamedTuple):
+  """The dQ kernel's refs in call order (None: absent in this call)."""
+
+  q: Any  # [B, Tp, N, H]
+  k: Any  # [B, Sp, K, H]
+  v: Any
+  do: Any
+  lse: Any  # [B, N, Tp] float32, base 2
+  delta: Any
+  lims: Any  # [B, 3] int32 (dynamic features)
+  seg_range: Any  # [B, Tp // 64, 2] int32: key tiles per 64 query rows
+  q_seg: Any
+  kv_seg: Any
+  dq: Any
+  q_smem: Any  # [2, 64, H]: each consumer's Q tile, then its dQ tile
+  do_smem: Any  # [2, 64, H]
+  lse_smem: Any  # [2, 64] float32
+  delta_smem: Any
+  k_smem: Any  # [stages, block_kv, H]
+  v_smem: Any
+  q_full: Any  # per consumer: Q, dO, lse2, delta [, query ids]
+  k_full: Any  # per slot
+  v_full: Any
+  k_free: Any  # per slot: both consumers
+  v_free: Any
+  turn: Any  # ping_pong_dq: a two-party barrier
+  qseg_smem: Any  # [2, 64] int32: each consumer's query ids
+  kvseg_smem: Any  # [stages, block_kv] int32: key ids, next to K
+  seg_full: Any
+
+
+class _DqBlock(NamedTuple):
+  wg: Any
+  qi: Any
+  head: Any
+  batch: Any
+  tile0: Any
+  ring: _pipeline.Ring
+  i_fl: Any  # dynamic: [i_fl, i_fh) unmasked for both consumers
+  i_fh: Any
+  n_block: Any  # both consumers step through [ring.start, n_block)
+  limits: Any
+  pass_turn: Any
+
+
+class _DqTile(NamedTuple):
+  """One consumer's query rows: their tiles and per-row statistics."""
+
+  r0: Any
+  q_tile: Any
+  do_tile: Any
+  lse_row: Any
+  delta_row: Any
+  q_ids: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _DqKernel(_Shape):
+  """dQ; its methods are the kernel's stages. Keys at or past `s_true` are
+  masked."""
+
+  s_true: int = 0
+
+  @property
+  def ping_pong(self):
+    return self.config.ping_pong_dq
+
+  @property
+  def bkv(self):
+    return self.config.block_kv
+
+  @property
+  def nq(self):
+    return self.tp // akc.CTA_ROWS
+
+  @property
+  def n_kv(self):
+    # Key tiles holding padding only (S is padded to 128, tiles may be 64 rows)
+    # are never visited: unmasked, exp2 of their scores could overflow (inf *
+    # 0 = NaN), and they are wasted work.
+    return _common.cdiv(self.s_true, self.bkv)
+
+  @property
+  def pad_keys(self):
+    return self.s_true % self.bkv != 0
+
+  def kv_end(self, row_end):
+    if not self.causal:
+      return self.n_kv
+    return jnp.minimum(lax.div(row_end + self.bkv - 1, self.bkv), self.n_kv)
+
+  def block(self, r: _DqRefs) -> _DqBlock:
+    """Grid position and the key tiles both consumers step through."""
+    wg = lax.axis_index("wg")
+    pass_turn = functools.partial(_pipeline.pass_turn,
+                                  *(() if r.turn is None else (r.turn,)))
+    qi = lax.axis_index("q")
+    if self.causal or self.feat.right is not None:
+      qi = self.nq - 1 - qi  # the longest tiles first
+    hi = lax.axis_index("heads")
+    bi = lax.axis_index("batch")
+    tile0 = qi * akc.CTA_ROWS
+    i_fl = i_fh = None
+    limits = (None, None, None)
+    if self.feat.dynamic:
+      # As the forward: all three warpgroups compute both consumers' key tile
+      # ranges; both consumers then take the union's steps (`shared_steps`).
+      limits = akc.batch_limits(r.lims, bi)
+
+      def wg_range(w: int):
+        tiles = akc.key_range(tile0 + w * akc.WG_ROWS, akc.WG_ROWS, *limits,
+                              self.feat.left, self.feat.right, self.bkv)
+        if self.feat.segments:
+          tiles = akc.within_segments(tiles, r.seg_range, bi, qi * 2 + w)
+        return tiles
+      base, i_fl, i_fh, n_block = akc.shared_steps(wg_range(0), wg_range(1))
+    else:
+      base = None
+      n_block = self.kv_end(tile0 + akc.CTA_ROWS)
+    return _DqBlock(wg, qi, hi, bi, tile0, _pipeline.Ring(self.stages, base), i_fl,
+                    i_fh, n_block, limits, pass_turn)
+
+  def consumer(self, r: _DqRefs, blk: _DqBlock) -> None:
+    """Load this warpgroup's Q, dO, lse2, delta; accumulate dQ; store it."""
+    wg, rows = blk.wg, akc.WG_ROWS
+    r0 = blk.tile0 + wg * rows
+    q_tile, do_tile = r.q_smem.at[wg], r.do_smem.at[wg]
+    mine = (blk.batch, pl.ds(r0, rows), blk.head)
+    stat = (blk.batch, blk.head, pl.ds(r0, rows))
+    plgpu.copy_gmem_to_smem(r.q.at[mine], q_tile, r.q_full.at[wg])
+    plgpu.copy_gmem_to_smem(r.do.at[mine], do_tile, r.q_full.at[wg])
+    plgpu.copy_gmem_to_smem(r.lse.at[stat], r.lse_smem.at[wg], r.q_full.at[wg])
+    plgpu.copy_gmem_to_smem(r.delta.at[stat], r.delta_smem.at[wg], r.q_full.at[wg])
+    if self.feat.segments:
+      plgpu.copy_gmem_to_smem(r.q_seg.at[blk.batch, pl.ds(r0, rows)],
+                              r.qseg_smem.at[wg], r.q_full.at[wg])
+    if self.feat.dynamic:
+      n_clear = None  # the shared ranges say which tiles need a mask
+    elif self.causal:
+      n_clear = jnp.minimum(lax.div(r0 + 1, self.bkv), self.s_true // self.bkv)
+    else:
+      n_clear = self.s_true // self.bkv
+    plgpu.barrier_wait(r.q_full.at[wg])
+    reduce1 = plgpu.Layout.WGMMA.reduce(1)
+    lse_row = plgpu.load(r.lse_smem.at[wg], (), layout=reduce1)
+    delta_row = plgpu.load(r.delta_smem.at[wg], (), layout=reduce1)
+    q_ids = None
+    if self.feat.segments:
+      q_ids = plgpu.load(r.qseg_smem.at[wg], (), layout=reduce1)
+    tile = _DqTile(r0, q_tile, do_tile, lse_row, delta_row, q_ids)
+    dq = plgpu.layout_cast(jnp.zeros((rows, self.h), jnp.float32), plgpu.Layout.WGMMA)
+    # Both consumers visit the same key tiles (two passes each per tile).
+    dq = _turn_passes(wg, self.ping_pong, blk.pass_turn,
+                      lambda: self.key_steps(r, blk, tile, n_clear, dq))
+    q_tile[...] = (dq * self.scale).astype(self.dtype)  # Q is no longer read
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_tile, r.dq.at[mine])
+    plgpu.wait_smem_to_gmem(0)
+
+  def key_steps(self, r, blk: _DqBlock, tile: _DqTile, n_clear, dq):
+    """Every key tile of the block, masked where needed."""
+    step = functools.partial(self.step, r, blk, tile)
+    if self.feat.dynamic:
+      masked = functools.partial(step, masked=True)
+      dq = lax.fori_loop(blk.ring.base, blk.i_fl, masked, dq)
+      dq = lax.fori_loop(blk.i_fl, blk.i_fh, functools.partial(step, masked=False), dq)
+      return lax.fori_loop(blk.i_fh, blk.n_block, masked, dq)
+    if self.causal or self.pad_keys:
+      dq = lax.fori_loop(0, n_clear, functools.partial(step, masked=False), dq)
+      return lax.fori_loop(n_clear, blk.n_block, functools.partial(step, masked=True),
+                           dq)
+    return lax.fori_loop(0, self.n_kv, functools.partial(step, masked=False), dq)
+
+  def step(self, r: _DqRefs, blk: _DqBlock, tile: _DqTile, i, dq, masked: bool):
+    """Key tile `i`: S, dP, then dQ += dS K."""
+    slot = blk.ring.slot(i)
+    plgpu.barrier_wait(r.k_full.at[slot])
+    s, dp = _scores_pair((akc.WG_ROWS, self.bkv), tile.q_tile, r.k_smem.at[slot],
+                         r.v_full.at[slot], tile.do_tile, r.v_smem.at[slot],
+                         blk.pass_turn if self.ping_pong else None)
+    plgpu.barrier_arrive(r.v_free.at[slot])
+
+    def visible():
+      # Queries past the valid ones have lse2 = +inf (P = 0): no mask.
+      query = _pipeline.wgmma_iota(s.shape, 0) + tile.r0
+      key = _pipeline.wgmma_iota(s.shape, 1) + i * self.bkv
+
+      def segment_match():
+        slot = blk.ring.slot(i)
+        plgpu.barrier_wait(r.seg_full.at[slot])
+        return akc.same_segment(tile.q_ids, r.kvseg_smem.at[slot], s.shape)
+      _, kv_limit, off = blk.limits
+      return akc.visible(
+          query, key, self.feat, dynamic=self.feat.dynamic, causal=self.causal,
+          s_true=self.s_true if self.pad_keys else None,
+          kv_limit=kv_limit if self.pad_keys or self.feat.kv_len else None,
+          off=off, segment_match=segment_match)
+    _, ds = _probs_and_ds(s, dp, self.c, self.feat.soft_cap,
+                          lambda: akc.bcast_rows(tile.lse_row, s.shape),
+                          lambda: akc.bcast_rows(tile.delta_row, dp.shape),
+                          visible if masked else None)
+    if self.ping_pong:
+      # Materialized before the turn (see `_DkvKernel.step`).
+      ds = lax.optimization_barrier(ds.astype(self.dtype))
+      blk.pass_turn()
+    dq = pl.run_state(
+        lambda acc: plgpu.wgmma(acc, ds.astype(self.dtype), r.k_smem.at[slot]))(
+            plgpu.ACC.init(dq))
+    plgpu.barrier_arrive(r.k_free.at[slot])
+    return dq
+
+  def producer(self, r: _DqRefs, blk: _DqBlock) -> None:
+    """Stream the block's key tiles: K [, key ids], V."""
+    kv_head = lax.div(blk.head, self.group)
+    bkv, ring = self.bkv, blk.ring
+
+    def issue(i, _):
+      slot = ring.slot(i)
+      tile = (blk.batch, pl.ds(i * bkv, bkv), kv_head)
+      reuse = ring.reuse(i)
+      _pipeline.refill(reuse, r.k_free.at[slot], r.k.at[tile], r.k_smem.at[slot],
+                       r.k_full.at[slot])
+      if self.feat.segments:
+        # Key ids are read in the mask, before K's slot is freed.
+        plgpu.copy_gmem_to_smem(r.kv_seg.at[blk.batch, pl.ds(i * bkv, bkv)],
+                                r.kvseg_smem.at[slot], r.seg_full.at[slot])
+      _pipeline.refill(reuse, r.v_free.at[slot], r.v.at[tile], r.v_smem.at[slot],
+                       r.v_full.at[slot])
+    lax.fori_loop(ring.start, blk.n_block, issue, None)
+
+  def scratch(self):
+    rows, bkv, h, stages = akc.WG_ROWS, self.bkv, self.h, self.stages
+    transforms = _common.swizzled(self.dtype, h)
+    segments = self.feat.segments
+    tile = lambda n, m: plgpu.SMEM((n, m, h), self.dtype, transforms=transforms)
+    return _pipeline.in_field_order(
+        _DqRefs,
+        q_smem=tile(2, rows), do_smem=tile(2, rows),
+        lse_smem=plgpu.SMEM((2, rows), jnp.float32),
+        delta_smem=plgpu.SMEM((2, rows), jnp.float32),
+        k_smem=tile(stages, bkv), v_smem=tile(stages, bkv),
+        # Q, dO, lse2, delta [, q ids]
+        q_full=plgpu.Barrier(num_arrivals=5 if segments else 4, num_barriers=2),
+        k_full=plgpu.Barrier(num_barriers=stages),
+        v_full=plgpu.Barrier(num_barriers=stages),
+        k_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both consumers
+        v_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        turn=plgpu.Barrier(num_arrivals=2) if self.ping_pong else None,
+        qseg_smem=plgpu.SMEM((2, rows), jnp.int32) if segments else None,
+        kvseg_smem=plgpu.SMEM((stages, bkv), jnp.int32) if segments else None,
+        seg_full=plgpu.Barrier(num_barriers=stages) if segments else None)
+
+  def __call__(self, q, k, v, do, lse2, delta, *extras):
+    def body(*refs):
+      r = _pipeline.bind_refs(_DqRefs, refs, self.absent())
+      blk = self.block(r)
+      _pipeline.split_warpgroups(blk.wg, lambda: self.consumer(r, blk),
+                                 lambda: self.producer(r, blk))
+
+    call = _pipeline.warpgroup_kernel(
+        body, out_type=jax.ShapeDtypeStruct(q.shape, self.dtype),
+        scratch_types=self.scratch(), grid=(self.nq, self.n, self.b),
+        grid_names=("q", "heads", "batch"))
+    return call(q, k, v, do, lse2, delta, *extras)
+
+
+# ----------------------------------------------------------------------------
+# The wrapper.
+
+
+def _shape(q, k, *, scale, causal, config, feat) -> dict:
+  b, tp, n, h = q.shape
+  return dict(b=b, tp=tp, n=n, h=h, group=n // k.shape[2], sp=k.shape[1],
+              config=config, causal=causal, feat=feat, dtype=q.dtype, scale=scale)
+
+
+def flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
+              config: AttentionVjpConfig, feat: akc.Features = akc.PLAIN):
+  """dK, dV on padded inputs: q/do [B, Tp, N, H], k/v [B, Sp, K, H] (Tp and Sp
+  multiples of 128); lse2 (base-2 lse, +inf on padded rows), delta [B, N, Tp].
+
+  `extras` (int32): with `feat.dynamic`, ``lims [B, 3]`` (valid queries, valid
+  keys, q_offset); with `feat.segments` also the query tile ranges per 64 keys
+  ``[B, Sp // 64, 2]``, q ids ``[B, Tp]`` and kv ids ``[B, Sp]``. Key rows at or
+  past the valid keys get zero dK/dV."""
+  kernel = _DkvKernel(**_shape(q, k, scale=scale, causal=causal, config=config,
+                               feat=feat))
+  return kernel(q, k, v, do, lse2, delta, *extras)
+
+
+def flash_dq(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
+             s_true: int, config: AttentionVjpConfig, feat: akc.Features = akc.PLAIN):
+  """dQ on padded inputs (as `flash_dkv`); keys at or past `s_true` are masked.
+
+  `extras` (int32): with `feat.dynamic`, ``lims [B, 3]``; with `feat.segments`
+  also the key tile ranges per 64 query rows ``[B, Tp // 64, 2]`` (the
+  forward's table for ``block_kv``), q ids ``[B, Tp]`` and kv ids ``[B, Sp]``."""
+  kernel = _DqKernel(**_shape(q, k, scale=scale, causal=causal, config=config,
+                              feat=feat), s_true=s_true)
+  return kernel(q, k, v, do, lse2, delta, *extras)
+
+
+def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
+                         config: AttentionVjpConfig, local_window=None,
+                         logits_soft_cap: float | None = None,
+                         query_seq_lengths=None, key_value_seq_lengths=None,
+                         q_segment_ids=None, kv_segment_ids=None, q_offset=None):
+  """Attention backward on [B, T, N, H] / [B, S, K, H] inputs (pads odd lengths).
+
+  `lse`: the forward's natural log-sum-exp [B, N, T] (any implementation's;
+  +inf on rows that see no key). The optional arguments are `mosaic_attention`'s.
+  Returns (dq, dk, dv) in the inputs' dtype; rows past the sequence lengths and
+  rows that see no key get zero gradients.
+  """
+  b, t, s = q.shape[0], q.shape[1], k.shape[1]
+  tp = _common.cdiv(t, akc.CTA_ROWS) * akc.CTA_ROWS
+  sp = _common.cdiv(s, KEY_ROWS) * KEY_ROWS
+  segments = q_segment_ids is not None
+  feat = akc.features(causal, local_window, logits_soft_cap,
+                      query_seq_lengths is not None,
+                      key_value_seq_lengths is not None, segments,
+                      q_offset is not None)
+  dtype = q.dtype
+  dout = dout.astype(dtype)
+  delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32),
+                     out.astype(jnp.float32))
+  lse2 = lse.astype(jnp.float32) * akc.LOG2E
+  if tp != t:
+    # Padded rows: lse = +inf and dO = 0 make P and dS exactly zero there.
+    lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, tp - t)), constant_values=jnp.inf)
+    delta = _common.pad_axis(delta, 2, tp)
+  extras_dkv = extras_dq = ()
+  if feat.dynamic:
+    lims = akc.limits(b, t, s, feat, query_seq_lengths, key_value_seq_lengths,
+                      q_offset)
+    if feat.q_len:
+      # Rows past the valid queries: lse2 = +inf makes P and dS zero there
+      # without a mask (whatever lse another forward left on them).
+      valid = jnp.arange(tp)[None, None, :] < lims[:, 0, None, None]
+      lse2 = jnp.where(valid, lse2, jnp.inf)
+    extras_dkv = extras_dq = (lims,)
+    if segments:
+      q_ids = q_segment_ids.astype(jnp.int32)
+      kv_ids = kv_segment_ids.astype(jnp.int32)
+      ids = (_common.pad_axis(q_ids, 1, tp), _common.pad_axis(kv_ids, 1, sp))
+      # dK/dV: query tiles per 64 keys; dQ: key tiles per 64 query rows.
+      extras_dkv += (akc.segment_tile_range(kv_ids, q_ids, s, t, sp, tp,
+                                            config.block_q),) + ids
+      extras_dq += (akc.segment_tile_range(q_ids, kv_ids, t, s, tp, sp,
+                                           config.block_kv),) + ids
+  qp, dop = _common.pad_axis(q, 1, tp), _common.pad_axis(dout, 1, tp)
+  kp, vp = _common.pad_axis(k, 1, sp), _common.pad_axis(v, 1, sp)
+  dk, dv = flash_dkv(qp, kp, vp, dop, lse2, delta, *extras_dkv, scale=scale,
+                     causal=causal, config=config, feat=feat)
+  dq = flash_dq(qp, kp, vp, dop, lse2, delta, *extras_dq, scale=scale,
+                causal=causal, s_true=s, config=config, feat=feat)
+  if tp != t:
+    dq = dq[:, :t]
+  if sp != s:
+    dk, dv = dk[:, :s], dv[:, :s]
+  return dq, dk, dv

@@ -1,0 +1,262 @@
+"""What the attention forward and backward kernels share.
+
+The static feature switches of a call (`Features`), the per-batch scalars of
+the dynamic features (`limits`, `batch_limits`), the tile ranges a block of
+query rows or key rows visits (`key_range`, `query_range`, `union`,
+`shared_steps`, `segment_tile_range`, `within_segments`), which scores of a tile
+are kept (`visible`), and small register-tile helpers.
+
+Layout shared by all three kernels: each block runs two consumer warpgroups of
+``WG_ROWS`` (64) rows each, one wgmma M, and a producer warpgroup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import operator
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from tokamax_gpu_mosaic import _common
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+WG_ROWS = 64  # rows per consumer warpgroup (one wgmma M)
+CTA_ROWS = 2 * WG_ROWS  # rows per block (two consumer warpgroups)
+
+
+def row_vector(value: float):
+  """A per-row float32 vector of a warpgroup's 64-row tile, filled with `value`."""
+  return plgpu.layout_cast(jnp.full((WG_ROWS,), value, jnp.float32),
+                           plgpu.Layout.WGMMA.reduce(1))
+
+
+def bcast_rows(x, shape):
+  """A per-row vector broadcast along a tile's columns."""
+  return lax.broadcast_in_dim(x, shape, [0])
+
+
+def bcast_cols(x, shape):
+  """A per-column vector broadcast along a tile's rows."""
+  return lax.broadcast_in_dim(x, shape, [1])
+
+
+def soft_capped(s, c: float, soft_cap: float):
+  """(base-2 logits, tanh) of raw scores ``s`` under a soft cap: the contract's
+  ``cap * tanh(x / cap)`` of ``x = scale * q.k`` (``c = scale * log2(e)``), moved
+  to base 2. The backward recomputes P with the same expression, so that it
+  matches the forward's lse."""
+  th = jnp.tanh(s * (c / (LOG2E * soft_cap)))
+  return th * (soft_cap * LOG2E), th
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+  """Static switches for the optional features (all off: the plain kernel).
+
+  ``left``/``right``: the visible window by position with causal folded in
+  (`AttentionArgs.visible_window`), None on a side for unbounded.
+  """
+
+  window: bool = False  # a local window was given (else only causal, if any)
+  left: int | None = None
+  right: int | None = None
+  soft_cap: float | None = None
+  q_len: bool = False
+  kv_len: bool = False
+  offset: bool = False  # q_offset moves the window (ignored without one)
+  segments: bool = False
+
+  @property
+  def dynamic(self) -> bool:
+    """Whether each warpgroup's key tile range is computed in the kernel from
+    per-batch scalars (else: all tiles, or the static causal range)."""
+    return (self.window or self.q_len or self.kv_len or self.offset
+            or self.segments)
+
+
+PLAIN = Features()
+
+
+def features(causal: bool, local_window, soft_cap, q_len: bool, kv_len: bool,
+              segments: bool, q_offset: bool) -> Features:
+  """The static switches of one call; the kernel wrapper and the config choice
+  (which schedules can take the call) both read them from here."""
+  left, right = local_window if local_window is not None else (None, None)
+  if causal:
+    right = 0 if right is None else min(right, 0)
+  feat = Features(
+      window=local_window is not None and tuple(local_window) != (None, None),
+      left=left, right=right, soft_cap=soft_cap, q_len=q_len, kv_len=kv_len,
+      # The offset moves only the window (causal included); else it is moot.
+      offset=q_offset and (left, right) != (None, None), segments=segments)
+  if not feat.window and not feat.dynamic:
+    # A window of (None, None) is no window; causal alone is the static path.
+    feat = dataclasses.replace(feat, left=None, right=None)
+  return feat
+
+
+def key_range(r0, rows: int, q_limit, kv_limit, off, left, right, bkv: int):
+  """Key tiles ``lo <= fl <= fh <= hi`` for the query rows ``[r0, r0 + rows)``.
+
+  Tiles in ``[lo, hi)`` may hold a visible key for a row below ``q_limit``;
+  those in ``[fl, fh)`` are visible for every such row by position (no mask).
+  Query row t sits at position ``t + off``. Plain int32 scalar arithmetic: it
+  runs in the kernel, and in the CPU tests against a brute-force count.
+  """
+  cdiv = lambda x, d: lax.div(x + (d - 1), d)
+  clamp = lambda x, a, b: jnp.minimum(jnp.maximum(x, a), b)
+  q_last = jnp.minimum(r0 + rows, q_limit) - 1
+  p0, p_last = r0 + off, q_last + off
+  lo = jnp.int32(0) if left is None else jnp.maximum(p0 - left, 0)
+  hi = kv_limit if right is None else jnp.minimum(kv_limit, p_last + right + 1)
+  lo_t = lax.div(lo, bkv)
+  hi_t = jnp.maximum(cdiv(jnp.maximum(hi, 0), bkv), lo_t)
+  hi_t = jnp.where(q_last < r0, lo_t, hi_t)  # no valid query row
+  if left is None:
+    fl_t = lo_t
+  else:
+    fl_t = clamp(cdiv(jnp.maximum(p_last - left, 0), bkv), lo_t, hi_t)
+  full_end = kv_limit if right is None else jnp.minimum(p0 + right + 1, kv_limit)
+  fh_t = clamp(lax.div(jnp.maximum(full_end, 0), bkv), fl_t, hi_t)
+  return lo_t, fl_t, fh_t, hi_t
+
+
+def union(range0, range1):
+  """``[lo, hi)`` covering two warpgroups' non-empty tile ranges (both empty:
+  an empty range)."""
+  (lo0, hi0), (lo1, hi1) = range0, range1
+  ne0, ne1 = hi0 > lo0, hi1 > lo1
+  lo = jnp.where(ne0, jnp.where(ne1, jnp.minimum(lo0, lo1), lo0),
+                 jnp.where(ne1, lo1, 0))
+  hi = jnp.where(ne0, jnp.where(ne1, jnp.maximum(hi0, hi1), hi0),
+                 jnp.where(ne1, hi1, 0))
+  return lo, hi
+
+
+def segment_tile_range(q_seg, kv_seg, t: int, s: int, tp: int, sp: int, bkv: int):
+  """Per (batch, 64-row query group): ``[lo, hi)`` key tiles whose segment ids
+  can meet the group's, int32 ``[B, Tp // 64, 2]`` (XLA, before the kernel).
+
+  A tile can hold a match only if the ``[min, max]`` id intervals of the group
+  and of the tile overlap: exact for packed (sorted) segments, conservative
+  otherwise; tiles between the first and the last candidate are visited too.
+  """
+  big = jnp.iinfo(jnp.int32).max
+
+  def bounds(ids, true_len, padded, block):
+    valid = jnp.arange(padded) < true_len
+    ids = _common.pad_axis(ids, 1, padded)
+    lo = jnp.where(valid, ids, big).reshape(ids.shape[0], -1, block).min(axis=2)
+    hi = jnp.where(valid, ids, -big).reshape(ids.shape[0], -1, block).max(axis=2)
+    return lo, hi
+
+  qlo, qhi = bounds(q_seg, t, tp, WG_ROWS)
+  klo, khi = bounds(kv_seg, s, sp, bkv)
+  meet = ((qlo[:, :, None] <= khi[:, None, :])
+          & (klo[:, None, :] <= qhi[:, :, None]))  # [B, G, n_kv]
+  n_kv = sp // bkv
+  first = jnp.argmax(meet, axis=2).astype(jnp.int32)
+  last = n_kv - jnp.argmax(meet[:, :, ::-1], axis=2).astype(jnp.int32)
+  some = meet.any(axis=2)
+  return jnp.stack([jnp.where(some, first, 0), jnp.where(some, last, 0)], axis=-1)
+
+
+def batch_limits(lims_ref, bi):
+  """(q_limit, kv_limit, q_offset) of batch element `bi` from the ``[B, 3]``
+  int32 table `limits` builds."""
+  return lims_ref[bi, 0], lims_ref[bi, 1], lims_ref[bi, 2]
+
+
+def within_segments(tile_range, seg_range_ref, bi, g):
+  """`tile_range` ``(lo, fl, fh, top)`` narrowed to the tiles row group `g` of
+  batch element `bi` can see by segment (`segment_tile_range`'s table). Every
+  tile is then masked: any may cross a segment boundary."""
+  lo, _, _, top = tile_range
+  lo = jnp.maximum(lo, seg_range_ref[bi, g, 0])
+  top = jnp.maximum(jnp.minimum(top, seg_range_ref[bi, g, 1]), lo)
+  return lo, lo, lo, top
+
+
+def limits(b: int, t: int, s: int, feat: Features, query_seq_lengths,
+            key_value_seq_lengths, q_offset):
+  """The dynamic features' per-batch int32 scalars ``[B, 3]``: (valid queries,
+  valid keys, q_offset), read by the forward and backward kernels."""
+  def lengths(x, full):
+    if x is None:
+      return jnp.full((b,), full, jnp.int32)
+    return jnp.minimum(x.astype(jnp.int32), full)
+  offset = (jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32).reshape(()), (b,))
+            if feat.offset else jnp.zeros((b,), jnp.int32))
+  return jnp.stack([lengths(query_seq_lengths, t),
+                    lengths(key_value_seq_lengths, s), offset], axis=1)
+
+
+
+def query_range(k0, rows: int, q_limit, kv_limit, off, left, right, bq: int):
+  """Query tiles ``lo <= fl <= fh <= hi`` (of ``bq`` rows) for the key rows
+  ``[k0, k0 + rows)``: `key_range` transposed, for the dK/dV kernel's steps.
+
+  Tiles in ``[lo, hi)`` may hold a query row below ``q_limit`` that sees one of
+  these keys below ``kv_limit``; in ``[fl, fh)`` every such query sees every
+  such key by position (no mask). Query row t sits at position ``t + off`` and
+  sees key c iff ``t + off - left <= c <= t + off + right``.
+  """
+  # Key c "sits" at position c - off and sees query rows within (right, left)
+  # of it: `key_range` with the roles of queries and keys exchanged.
+  return key_range(k0, rows, kv_limit, q_limit, -off, right, left, bq)
+
+
+def shared_steps(range0, range1):
+  """Both consumers of a backward block take the same steps (so that every
+  "free" barrier phase gets its two arrivals and the ping-pong count matches):
+  the union ``[lo, hi)`` of their ranges ``(lo, fl, fh, hi)``, unmasked only on
+  ``[fl, fh)``, where both are unmasked (an empty range's ``fl = fh`` makes
+  this empty). Returns (lo, fl, fh, hi)."""
+  lo, hi = union((range0[0], range0[3]), (range1[0], range1[3]))
+  clamp = lambda x, a, b: jnp.minimum(jnp.maximum(x, a), b)
+  fl = clamp(jnp.maximum(range0[1], range1[1]), lo, hi)
+  fh = clamp(jnp.minimum(range0[2], range1[2]), fl, hi)
+  return lo, fl, fh, hi
+
+
+def visible(query, key, feat: Features, *, dynamic: bool, causal: bool = False,
+            s_true: int | None = None, kv_limit=None, off=None, segment_match=None):
+  """Which entries of a score tile are kept (bool, wgmma layout); None: all.
+
+  `query`/`key`: int32 tiles of each entry's query row and key. Static path:
+  causal and keys at or past `s_true` (None: no padded keys). Dynamic path:
+  keys at or past `kv_limit` (None: not masked), the window by position (query
+  row + `off` where `feat.offset`), and `segment_match()` (called last, only with
+  segments: it may wait for the key ids to land).
+  """
+  keep = []
+  if not dynamic:
+    if causal:
+      keep.append(key <= query)
+    if s_true is not None:
+      keep.append(key < s_true)
+  else:
+    pos = query + off if feat.offset else query
+    if kv_limit is not None:
+      keep.append(key < kv_limit)
+    if feat.left is not None:
+      keep.append(key >= pos - feat.left)
+    if feat.right is not None:
+      keep.append(key <= pos + feat.right)
+    if feat.segments:
+      keep.append(segment_match())
+  if not keep:
+    return None
+  return functools.reduce(operator.and_, keep)
+
+
+def same_segment(row_ids, col_ids_ref, shape):
+  """Whether each entry's row and column segment ids match: `row_ids` are in
+  registers, the column ids are loaded from `col_ids_ref` (shared memory)."""
+  col_ids = plgpu.load(col_ids_ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
+  return bcast_rows(row_ids, shape) == bcast_cols(col_ids, shape)

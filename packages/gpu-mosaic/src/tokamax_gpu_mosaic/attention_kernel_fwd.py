@@ -1,0 +1,708 @@
+"""Attention forward kernel in Pallas Mosaic GPU (Hopper, sm_90), FA3 style.
+
+Grid: (query tiles of 128 rows, query heads, batch); three warpgroups a block:
+
+- a producer (few registers) streams the key and value tiles of ``block_kv`` rows
+  by TMA into a ``num_stages``-deep ring of swizzled shared memory; K and V have
+  separate "full" barriers (V is needed later) and "free" barriers that both
+  consumers arrive on;
+- two consumers own 64 query rows each (Q stays in shared memory). Per key tile:
+  ``S = Q K^T`` (wgmma, float32), an online softmax in the base-2 domain
+  (``p = exp2(s * c - m)`` with ``c = log2(e) * scale``), then ``O += P V``.
+
+Schedules (`AttentionConfig`):
+
+- ping-pong (plain): the consumers share a two-arrival "turn" barrier and
+  warpgroup 1 starts one phase later, so one warpgroup's softmax runs while the
+  other's matmuls occupy the tensor cores; each passes the turn twice per tile
+  (after issuing ``Q K^T``, before issuing ``P V``);
+- ``overlap_qk`` (FA3's intra-warpgroup pipelining): a turn issues ``Q K_i^T``
+  and ``P_{i-1} V_{i-1}`` together and the softmax of tile i runs while that
+  ``P V`` is in flight; the turn is a token (one single-arrival barrier per
+  warpgroup), so a warpgroup is never held back after issuing. K slots are
+  freed before the older V slots: every release follows this warpgroup's wait
+  on the slot's "full" barrier, so no warpgroup arrives twice on one phase of a
+  "free" barrier.
+
+Causal (top-left): a warpgroup visits only key tiles that can hold a visible key;
+tiles wholly below the diagonal run unmasked. A warpgroup that finishes first
+keeps releasing ring slots and passing the turn until its partner is done. Query
+tiles run in reverse order (the longest first).
+
+Dynamic features (lengths, window, q_offset, segment ids; plain schedule only):
+``[B, 3]`` int32 scalars (valid queries, valid keys, offset); every warpgroup
+computes both consumers' key tile ranges ``[lo, fl, fh, hi)`` (`key_range`:
+``[fl, fh)`` unmasked) and the producer streams their union; a consumer
+releases the union's tiles outside its own range. Segment ids narrow the ranges
+by a table XLA computes (`segment_tile_range`); query ids are loaded once, key
+ids stream in a small ring next to V. Rows that see no key output 0, lse +inf.
+Soft cap: base-2 logits ``cap * log2(e) * tanh(scale * s / cap)``. Sinks join
+each row's denominator in the epilogue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from tokamax_gpu_mosaic import _common
+from tokamax_gpu_mosaic import _pipeline
+from tokamax_gpu_mosaic import attention_kernel_common as akc
+
+if TYPE_CHECKING:
+  from tokamax_gpu_mosaic.attention import AttentionConfig
+
+
+# ----------------------------------------------------------------------------
+# The online softmax.
+
+
+def online_softmax(s, m, l, c: float, visible, soft_cap: float | None = None,
+                   guard: bool = False):
+  """One online-softmax step on raw scores ``s``; returns (p, m, l, alpha).
+
+  ``m`` is the running row max of the base-2 logits ``s * c``; ``alpha`` moves
+  what was accumulated so far onto the new max. Without a mask and with
+  ``c > 0`` the max is taken on ``s`` and the scale is applied in the exp2
+  argument (one FMA per element).
+
+  ``guard``: a row may have seen no visible key yet (window, segments, lengths,
+  q_offset), so its max may still be -inf; exponentiate against 0 then, which
+  keeps p = 0 and alpha finite instead of exp2(-inf + inf) = NaN.
+  """
+  if soft_cap is not None:
+    z, _ = akc.soft_capped(s, c, soft_cap)
+    if visible is not None:
+      z = jnp.where(visible, z, -jnp.inf)
+    m_new = jnp.maximum(m, z.max(axis=1))
+  elif visible is None and c > 0 and not guard:
+    m_new = jnp.maximum(m, s.max(axis=1) * c)
+    p = jnp.exp2(s * c - akc.bcast_rows(m_new, s.shape))
+  else:
+    z = s * c
+    if visible is not None:
+      z = jnp.where(visible, z, -jnp.inf)
+    m_new = jnp.maximum(m, z.max(axis=1))
+  if guard:
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  else:
+    # Without the dynamic features every visited tile has a visible key in every
+    # row, or the row saw key 0 already (causal), so m_new is finite and alpha is
+    # exp2(-inf) = 0 only on the first tile.
+    m_safe = m_new
+  if soft_cap is not None or visible is not None or c <= 0 or guard:
+    p = jnp.exp2(z - akc.bcast_rows(m_safe, s.shape))
+  alpha = jnp.exp2(m - m_safe)
+  l = l * alpha + p.sum(axis=1)
+  return p, m_new, l, alpha
+
+
+def _softmax_update(s, m, l, acc, c: float, visible, soft_cap=None, guard=False):
+  """`online_softmax` and the rescaling of ``acc``; returns (p, m, l, acc)."""
+  p, m, l, alpha = online_softmax(s, m, l, c, visible, soft_cap, guard)
+  return p, m, l, acc * akc.bcast_rows(alpha, acc.shape)
+
+
+# ----------------------------------------------------------------------------
+# Refs and per-block state.
+
+
+class _Refs(NamedTuple):
+  """The kernel's refs in call order: inputs, outputs, scratch (None: absent)."""
+
+  q: Any  # [B, Tp, N, H]
+  k: Any  # [B, Sp, K, H]
+  v: Any
+  lims: Any  # [B, 3] int32 (dynamic features): valid queries, valid keys, offset
+  seg_range: Any  # [B, Tp // 64, 2] int32 (segments): key tiles per 64 rows
+  q_seg: Any  # [B, Tp] int32
+  kv_seg: Any  # [B, Sp] int32
+  sinks: Any  # [N] float32
+  o: Any  # [B, Tp, N, H]
+  lse: Any  # [B, N, Tp] float32
+  q_smem: Any  # [2, 64, H]: each consumer's Q tile, then its output tile
+  k_smem: Any  # [stages, block_kv, H]
+  v_smem: Any
+  lse_smem: Any  # [2, 64] float32
+  q_full: Any  # per consumer
+  k_full: Any  # per slot: the TMA's arrival
+  v_full: Any
+  k_free: Any  # per slot: both consumers arrive
+  v_free: Any
+  turn: Any  # ping-pong: a two-party barrier, or a token per warpgroup
+  qseg_smem: Any  # [2, 64] int32: each consumer's query ids
+  kvseg_smem: Any  # [stages, block_kv] int32: key ids, a ring next to V
+  qseg_full: Any
+  seg_full: Any
+
+
+_SEGMENT_FIELDS = ("seg_range", "q_seg", "kv_seg", "qseg_smem", "kvseg_smem",
+                   "qseg_full", "seg_full")
+
+
+class _Block(NamedTuple):
+  """One block's grid position and the key tiles its producer streams."""
+
+  wg: Any
+  qi: Any  # query tile (reversed where the longest tiles go first)
+  batch: Any
+  head: Any
+  tile0: Any  # first query row
+  ring: _pipeline.Ring  # slots counted from the first streamed tile
+  n_block: Any  # streamed tiles: [ring.start, n_block)
+  ranges: Any  # dynamic: both consumers' (lo, fl, fh, hi); else None
+  limits: Any  # dynamic: (q_limit, kv_limit, offset); else Nones
+  pass_turn: Any  # the ping-pong pass (one object: its traced branch is shared)
+
+
+class _Tiles(NamedTuple):
+  """One consumer warpgroup's rows and key tiles."""
+
+  r0: Any  # first query row
+  q_tile: Any  # its Q tile in shared memory
+  lo: Any  # dynamic: [lo, fl) masked, [fl, fh) unmasked, [fh, n_own) masked
+  fl: Any
+  fh: Any
+  n_own: Any  # key tiles it needs: [lo or 0, n_own)
+  n_clear: Any  # static: tiles before it need no mask
+  q_ids: Any  # segments: its query ids (registers)
+
+
+# ----------------------------------------------------------------------------
+# The kernel.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Forward:
+  """The static shape of one forward call; its methods are the kernel's stages."""
+
+  b: int
+  tp: int
+  n: int
+  h: int
+  group: int  # query heads per key/value head
+  sp: int
+  config: Any
+  causal: bool
+  s_true: int
+  feat: akc.Features
+  dtype: Any
+  has_sinks: bool
+  scale: float
+
+  @property
+  def c(self):
+    """Scores to base-2 logits."""
+    return float(self.scale) * akc.LOG2E
+
+  @property
+  def bq(self):
+    return akc.WG_ROWS
+
+  @property
+  def bkv(self):
+    return self.config.block_kv
+
+  @property
+  def stages(self):
+    return self.config.num_stages
+
+  @property
+  def nq(self):
+    return self.tp // akc.CTA_ROWS
+
+  @property
+  def n_kv(self):
+    return self.sp // self.bkv
+
+  @property
+  def pad_keys(self):
+    return self.s_true % self.bkv != 0
+
+  @property
+  def needs_mask(self):
+    return self.causal or self.pad_keys
+
+  @property
+  def mask_keys(self):
+    # Keys past the valid ones can sit in a visited tile: mask them there.
+    return self.pad_keys or self.feat.kv_len
+
+  def kv_end(self, row_end):
+    """Key tiles a run of query rows ending (exclusive) at `row_end` can see."""
+    if not self.causal:
+      return self.n_kv
+    return jnp.minimum(lax.div(row_end + self.bkv - 1, self.bkv), self.n_kv)
+
+  def bind(self, refs) -> _Refs:
+    absent = set()
+    if not self.feat.dynamic:
+      absent.add("lims")
+    if not self.feat.segments:
+      absent.update(_SEGMENT_FIELDS)
+    if not self.has_sinks:
+      absent.add("sinks")
+    return _pipeline.bind_refs(_Refs, refs, absent)
+
+  def block(self, r: _Refs) -> _Block:
+    """Grid position; the union of both consumers' key tiles (dynamic), which
+    every warpgroup computes from the same scalars so that all three agree."""
+    wg = lax.axis_index("wg")
+    qi = lax.axis_index("q")
+    if self.causal or self.feat.right is not None:
+      qi = self.nq - 1 - qi  # the longest tiles first
+    bi = lax.axis_index("batch")
+    hi = lax.axis_index("heads")
+    tile0 = qi * akc.CTA_ROWS
+    ranges, limits = None, (None, None, None)
+    if self.feat.dynamic:
+      limits = akc.batch_limits(r.lims, bi)
+
+      def wg_range(w: int):
+        tiles = akc.key_range(tile0 + w * self.bq, self.bq, *limits, self.feat.left,
+                              self.feat.right, self.bkv)
+        if self.feat.segments:
+          tiles = akc.within_segments(tiles, r.seg_range, bi, qi * 2 + w)
+        return tiles
+      ranges = (wg_range(0), wg_range(1))
+      base, n_block = akc.union(*((x[0], x[3]) for x in ranges))
+    else:
+      base = None
+      n_block = self.kv_end(tile0 + akc.CTA_ROWS)  # steps the producer streams
+    return _Block(wg, qi, bi, hi, tile0, _pipeline.Ring(self.stages, base), n_block,
+                  ranges, limits, functools.partial(_pipeline.pass_turn, r.turn))
+
+  # -- Consumers ---------------------------------------------------------------
+
+  def consumer(self, r: _Refs, blk: _Block) -> None:
+    """Load Q, run the schedule over this warpgroup's key tiles, store O, lse."""
+    wg, bq = blk.wg, self.bq
+    r0 = blk.tile0 + wg * bq
+    q_tile = r.q_smem.at[wg]
+    plgpu.copy_gmem_to_smem(r.q.at[blk.batch, pl.ds(r0, bq), blk.head], q_tile,
+                            r.q_full.at[wg])
+    if self.feat.segments:
+      plgpu.copy_gmem_to_smem(r.q_seg.at[blk.batch, pl.ds(r0, bq)],
+                              r.qseg_smem.at[wg], r.qseg_full.at[wg])
+    tiles = self.own_tiles(blk, r0, q_tile)
+    if self.feat.segments:
+      plgpu.barrier_wait(r.qseg_full.at[wg])
+      tiles = tiles._replace(q_ids=plgpu.load(r.qseg_smem.at[wg], (),
+                                              layout=plgpu.Layout.WGMMA.reduce(1)))
+    carry = (plgpu.layout_cast(jnp.zeros((bq, self.h), jnp.float32),
+                               plgpu.Layout.WGMMA),
+             akc.row_vector(-jnp.inf), akc.row_vector(0.0))
+    plgpu.barrier_wait(r.q_full.at[wg])
+    schedule = self.overlapped if self.config.overlap_qk else self.pingpong
+    carry = schedule(r, blk, tiles, carry)
+    self.epilogue(r, blk, tiles, carry)
+
+  def own_tiles(self, blk: _Block, r0, q_tile) -> _Tiles:
+    """This warpgroup's key tiles (dynamic: an empty range becomes [base, base),
+    so that every streamed tile is released after the empty loops)."""
+    lo = fl = fh = n_clear = None
+    if self.feat.dynamic:
+      own = [jnp.where(blk.wg == 0, x0, x1) for x0, x1 in zip(*blk.ranges)]
+      empty = own[3] <= own[0]
+      lo, fl, fh, n_own = [jnp.where(empty, blk.ring.base, x) for x in own]
+    elif self.causal:
+      n_own = self.kv_end(r0 + self.bq)
+      # Tiles whose every key is <= the first row (and < S) need no mask.
+      n_clear = jnp.minimum(lax.div(r0 + 1, self.bkv), self.s_true // self.bkv)
+    else:
+      n_own = self.kv_end(r0 + self.bq)
+      n_clear = self.s_true // self.bkv
+    return _Tiles(r0, q_tile, lo, fl, fh, n_own, n_clear, None)
+
+  def visibility(self, r: _Refs, blk: _Block, tiles: _Tiles, i):
+    """Which scores of key tile `i` are kept (None: all)."""
+    shape = (self.bq, self.bkv)
+    rows = _pipeline.wgmma_iota(shape, 0) + tiles.r0
+    cols = _pipeline.wgmma_iota(shape, 1) + i * self.bkv
+
+    def segment_match():
+      slot = blk.ring.slot(i)
+      plgpu.barrier_wait(r.seg_full.at[slot])
+      return akc.same_segment(tiles.q_ids, r.kvseg_smem.at[slot], shape)
+    _, kv_limit, off = blk.limits
+    return akc.visible(
+        rows, cols, self.feat, dynamic=self.feat.dynamic, causal=self.causal,
+        s_true=self.s_true if self.pad_keys else None,
+        kv_limit=kv_limit if self.mask_keys else None, off=off,
+        segment_match=segment_match)
+
+  def pingpong(self, r: _Refs, blk: _Block, tiles: _Tiles, carry):
+    """The plain schedule: S, softmax, then O += P V, two turns per tile."""
+    wg, pass_turn = blk.wg, blk.pass_turn
+    step = functools.partial(self.pingpong_step, r, blk, tiles)
+    if self.feat.dynamic:
+      # [base, lo) released, [lo, fl) masked, [fl, fh) unmasked, [fh, hi)
+      # masked, [hi, n_block) released; the ping-pong count stays two passes
+      # per streamed tile for each warpgroup.
+      pl.when(wg == 1)(pass_turn)
+      if self.feat.left is not None or self.feat.segments:
+        lax.fori_loop(blk.ring.base, tiles.lo,
+                      functools.partial(self.release_first, r, blk), None)
+
+      @pl.when(tiles.lo < tiles.n_own)
+      def _():
+        plgpu.barrier_wait(r.k_full.at[blk.ring.slot(tiles.lo)])
+      masked = functools.partial(step, masked=True)
+      carry = lax.fori_loop(tiles.lo, tiles.fl, masked, carry)
+      carry = lax.fori_loop(tiles.fl, tiles.fh, functools.partial(step, masked=False),
+                            carry)
+      carry = lax.fori_loop(tiles.fh, tiles.n_own, masked, carry)
+      lax.fori_loop(tiles.n_own, blk.n_block,
+                    functools.partial(self.release_pingpong, r, blk), None)
+      pl.when(wg == 0)(pass_turn)
+      return carry
+
+    plgpu.barrier_wait(r.k_full.at[0])  # n_own >= 1 always
+    pl.when(wg == 1)(pass_turn)  # warpgroup 1 runs one phase behind
+    if self.needs_mask:
+      carry = lax.fori_loop(0, tiles.n_clear, functools.partial(step, masked=False),
+                            carry)
+      carry = lax.fori_loop(tiles.n_clear, tiles.n_own,
+                            functools.partial(step, masked=True), carry)
+    else:
+      carry = lax.fori_loop(0, self.n_kv, functools.partial(step, masked=False),
+                            carry)
+    if self.causal:
+      lax.fori_loop(tiles.n_own, blk.n_block,
+                    functools.partial(self.release_pingpong, r, blk), None)
+    pl.when(wg == 0)(pass_turn)
+    return carry
+
+  def pingpong_step(self, r: _Refs, blk: _Block, tiles: _Tiles, i, carry,
+                    masked: bool):
+    """Key tile `i`: S = Q K^T (then pass the turn), softmax, O += P V."""
+    acc, m, l = carry
+    slot = blk.ring.slot(i)
+
+    def scores(s_acc):
+      plgpu.wgmma(s_acc, tiles.q_tile, r.k_smem.at[slot].T)
+      blk.pass_turn()  # partner's softmax done: the tensor cores are ours next
+      return s_acc[...]
+    s = pl.run_scoped(scores, plgpu.ACC((self.bq, self.bkv), jnp.float32))
+    plgpu.barrier_arrive(r.k_free.at[slot])
+
+    visible = self.visibility(r, blk, tiles, i) if masked else None
+    p, m, l, acc = _softmax_update(s, m, l, acc, self.c, visible, self.feat.soft_cap,
+                                   guard=self.feat.dynamic and masked)
+    p = p.astype(self.dtype)
+    if self.config.fence_softmax:
+      p, m, l, acc = lax.optimization_barrier((p, m, l, acc))
+
+    plgpu.barrier_arrive(r.turn)
+    plgpu.barrier_wait(r.v_full.at[slot])
+    plgpu.barrier_wait(r.turn)
+
+    def update(o_acc):
+      plgpu.wgmma(o_acc, p, r.v_smem.at[slot])
+      nxt = i + 1
+
+      @pl.when(nxt < tiles.n_own)
+      def _():  # overlaps the wait for the next K with this matmul
+        plgpu.barrier_wait(r.k_full.at[blk.ring.slot(nxt)])
+    acc = pl.run_state(update)(plgpu.ACC.init(acc))
+    plgpu.barrier_arrive(r.v_free.at[slot])
+    return acc, m, l
+
+  def release_pingpong(self, r: _Refs, blk: _Block, i, _):
+    """A tile this warpgroup does not need (causal): free the slot for the
+    producer and keep the ping-pong barrier's count in step with the partner."""
+    slot = blk.ring.slot(i)
+    _pipeline.release(r.k_free.at[slot], r.v_free.at[slot])
+    blk.pass_turn()
+    blk.pass_turn()
+
+  def release_first(self, r: _Refs, blk: _Block, i, _):
+    """A tile before this warpgroup's range (left window, segments). Its "full"
+    barriers are waited on although unused: barrier phases are tracked per
+    warpgroup by counting waits, and it waits on the same slots again later."""
+    slot = blk.ring.slot(i)
+    plgpu.barrier_wait(r.k_full.at[slot])
+    plgpu.barrier_arrive(r.k_free.at[slot])
+    if self.feat.segments:
+      plgpu.barrier_wait(r.seg_full.at[slot])
+    plgpu.barrier_wait(r.v_full.at[slot])
+    plgpu.barrier_arrive(r.v_free.at[slot])
+    blk.pass_turn()
+    blk.pass_turn()
+
+  def overlapped(self, r: _Refs, blk: _Block, tiles: _Tiles, carry):
+    """`overlap_qk`: a turn issues Q K_i^T and P_{i-1} V_{i-1} together; the
+    softmax of tile i runs while P_{i-1} V_{i-1} is in flight.
+
+    The turn is a token: `turn` holds one single-arrival barrier per warpgroup;
+    a warpgroup waits on its own before issuing and arrives on its partner's
+    right after; warpgroup 1 hands warpgroup 0 the first token.
+    """
+    acc, m, l = carry
+    wg = blk.wg
+    mine, theirs = r.turn.at[wg], r.turn.at[1 - wg]
+    # Tile 0: its Q K^T is this warpgroup's whole first turn. The mask is built
+    # whenever any tile may need one (cheaper than a dynamic branch).
+    pl.when(wg == 1)(lambda: plgpu.barrier_arrive(r.turn.at[0]))
+    plgpu.barrier_wait(r.k_full.at[0])  # n_own >= 1 always
+    plgpu.barrier_wait(mine)
+
+    def first_scores(s_acc):
+      plgpu.wgmma(s_acc, tiles.q_tile, r.k_smem.at[0].T)
+      plgpu.barrier_arrive(theirs)
+      return s_acc[...]
+    s = pl.run_scoped(first_scores, plgpu.ACC((self.bq, self.bkv), jnp.float32))
+    plgpu.barrier_arrive(r.k_free.at[0])
+    p, m, l, _ = self.overlap_softmax(r, blk, tiles, s, m, l, 0,
+                                      self.needs_mask)  # alpha = 0 and O = 0
+    p = p.astype(self.dtype)
+
+    step = functools.partial(self.overlap_step, r, blk, tiles, mine, theirs)
+    carry = (acc, m, l, p)
+    if self.needs_mask:
+      split = jnp.maximum(tiles.n_clear, 1)
+      carry = lax.fori_loop(1, split, functools.partial(step, masked=False), carry)
+      carry = lax.fori_loop(split, tiles.n_own, functools.partial(step, masked=True),
+                            carry)
+    else:
+      carry = lax.fori_loop(1, self.n_kv, functools.partial(step, masked=False),
+                            carry)
+    acc, m, l, p = carry
+
+    # The last P V, outside the turns (as in FA3).
+    last = lax.rem(tiles.n_own - 1, self.stages)
+    plgpu.barrier_wait(r.v_full.at[last])
+    acc = pl.run_state(lambda o_acc: plgpu.wgmma(o_acc, p, r.v_smem.at[last]))(
+        plgpu.ACC.init(acc))
+    plgpu.barrier_arrive(r.v_free.at[last])
+    if self.causal:
+      lax.fori_loop(tiles.n_own, blk.n_block,
+                    functools.partial(self.release_overlapped, r, blk, mine, theirs),
+                    None)
+    return acc, m, l
+
+  def overlap_softmax(self, r, blk, tiles, s, m, l, i, masked: bool):
+    """The softmax of tile `i` (fenced: computed before waiting for P V)."""
+    p, m, l, alpha = online_softmax(
+        s, m, l, self.c, self.visibility(r, blk, tiles, i) if masked else None,
+        self.feat.soft_cap)
+    if self.config.fence_softmax:
+      p, m, l, alpha = lax.optimization_barrier((p, m, l, alpha))
+    return p, m, l, alpha
+
+  def overlap_step(self, r: _Refs, blk: _Block, tiles: _Tiles, mine, theirs, i,
+                   carry, masked: bool):
+    """Key tile i >= 1: one turn issues S_i = Q K_i^T and O += P_{i-1} V_{i-1};
+    the softmax of S_i runs while that P V is in flight."""
+    acc, m, l, p = carry  # acc is already on the running max m
+    slot, prev = blk.ring.slot(i), blk.ring.slot(i - 1)
+    plgpu.barrier_wait(r.k_full.at[slot])
+    plgpu.barrier_wait(mine)
+
+    def turn_then_softmax(s_acc, o_acc):
+      o_acc[...] = acc
+      plgpu.wgmma(s_acc, tiles.q_tile, r.k_smem.at[slot].T)
+      plgpu.barrier_wait(r.v_full.at[prev])
+      plgpu.wgmma(o_acc, p, r.v_smem.at[prev])
+      plgpu.barrier_arrive(theirs)
+      # Matmul groups complete in order: this waits for Q K^T only.
+      s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
+      plgpu.barrier_arrive(r.k_free.at[slot])
+      p_new, m_new, l_new, alpha = self.overlap_softmax(r, blk, tiles, s, m, l, i,
+                                                        masked)
+      o = plgpu.wgmma_accumulator_load(o_acc, wait_n=0)
+      # Only now (as FA3): O is rescaled and P_i takes the 16-bit form it is
+      # carried in. Converted earlier, P_i could be given the registers of the
+      # loop-carried P_{i-1} that the in-flight P V still reads.
+      return (o * akc.bcast_rows(alpha, o.shape), m_new, l_new,
+              p_new.astype(self.dtype))
+    carry = pl.run_scoped(turn_then_softmax,
+                          plgpu.ACC((self.bq, self.bkv), jnp.float32),
+                          plgpu.ACC((self.bq, self.h), jnp.float32))
+    plgpu.barrier_arrive(r.v_free.at[prev])
+    return carry
+
+  def release_overlapped(self, r: _Refs, blk: _Block, mine, theirs, i, _):
+    """A tile this warpgroup does not need (causal): pass the partner's turn on,
+    and free the slot only once it is full. Being ahead, this warpgroup could
+    otherwise arrive on a slot's "free" barrier twice before the partner's
+    arrival for the older tile (2 stages), which would release it early."""
+    slot = blk.ring.slot(i)
+    plgpu.barrier_wait(mine)
+    plgpu.barrier_arrive(theirs)
+    plgpu.barrier_wait(r.k_full.at[slot])
+    plgpu.barrier_arrive(r.k_free.at[slot])
+    plgpu.barrier_wait(r.v_full.at[slot])
+    plgpu.barrier_arrive(r.v_free.at[slot])
+
+  def epilogue(self, r: _Refs, blk: _Block, tiles: _Tiles, carry) -> None:
+    """O / l and the natural lse (sinks joined), staged in Q's shared memory."""
+    acc, m, l = carry
+    bq, r0 = self.bq, tiles.r0
+    lse_tile = r.lse_smem.at[blk.wg]
+    valid = None
+    if self.feat.dynamic:
+      # Rows that saw no key (l = 0) or lie past the valid queries: output 0
+      # and lse +inf (the contract), never NaN (the guarded softmax kept every
+      # value finite).
+      valid = l > 0
+      if self.feat.q_len:
+        rows = plgpu.broadcasted_iota(jnp.int32, (bq,), 0,
+                                      layout=plgpu.Layout.WGMMA.reduce(1)) + r0
+        valid = valid & (rows < blk.limits[0])
+      l = jnp.where(valid, l, 1.0)
+    inv = 1.0 / l
+    lse = m * akc.LN2 + jnp.log(l)
+    if self.has_sinks:
+      # The sink joins the denominator: rows scale by sum / (sum + e^sink) =
+      # e^(lse - lse_with_sink) <= 1, and the lse takes it in (a stable
+      # logaddexp).
+      sink = r.sinks[blk.head]
+      top = jnp.maximum(lse, sink)
+      with_sink = top + jnp.log(jnp.exp(lse - top) + jnp.exp(sink - top))
+      inv = inv * jnp.exp(lse - with_sink)
+      lse = with_sink
+    if valid is not None:
+      inv = jnp.where(valid, inv, 0.0)
+      lse = jnp.where(valid, lse, jnp.inf)
+    out = acc * akc.bcast_rows(inv, acc.shape)
+    tiles.q_tile[...] = out.astype(self.dtype)  # Q is no longer read: stage O
+    lse_tile[...] = lse
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(tiles.q_tile, r.o.at[blk.batch, pl.ds(r0, bq), blk.head])
+    plgpu.copy_smem_to_gmem(lse_tile, r.lse.at[blk.batch, blk.head, pl.ds(r0, bq)])
+    plgpu.wait_smem_to_gmem(0)
+
+  # -- Producer ----------------------------------------------------------------
+
+  def producer(self, r: _Refs, blk: _Block) -> None:
+    """Stream the block's key tiles (K, V and key ids) into the ring."""
+    kv_head = lax.div(blk.head, self.group)
+    bkv, ring = self.bkv, blk.ring
+
+    def issue(i, _):
+      slot = ring.slot(i)
+      rows = (blk.batch, pl.ds(i * bkv, bkv), kv_head)
+      reuse = ring.reuse(i)
+      _pipeline.refill(reuse, r.k_free.at[slot], r.k.at[rows], r.k_smem.at[slot],
+                       r.k_full.at[slot])
+      _pipeline.refill(reuse, r.v_free.at[slot], r.v.at[rows], r.v_smem.at[slot],
+                       r.v_full.at[slot])
+      if self.feat.segments:
+        # The key ids are read in the softmax, after K's slot is freed: they
+        # share V's slot lifetime.
+        plgpu.copy_gmem_to_smem(r.kv_seg.at[blk.batch, pl.ds(i * bkv, bkv)],
+                                r.kvseg_smem.at[slot], r.seg_full.at[slot])
+    lax.fori_loop(ring.start, blk.n_block, issue, None)
+
+  # -- The call ----------------------------------------------------------------
+
+  def scratch(self):
+    bq, bkv, h, stages = self.bq, self.bkv, self.h, self.stages
+    transforms = _common.swizzled(self.dtype, h)
+    segments = self.feat.segments
+    kv_ring = lambda: plgpu.SMEM((stages, bkv, h), self.dtype, transforms=transforms)
+    return _pipeline.in_field_order(
+        _Refs,
+        q_smem=plgpu.SMEM((2, bq, h), self.dtype, transforms=transforms),
+        k_smem=kv_ring(), v_smem=kv_ring(),
+        lse_smem=plgpu.SMEM((2, bq), jnp.float32),
+        q_full=plgpu.Barrier(num_barriers=2),
+        k_full=plgpu.Barrier(num_barriers=stages),
+        v_full=plgpu.Barrier(num_barriers=stages),
+        k_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        v_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        turn=(plgpu.Barrier(num_barriers=2) if self.config.overlap_qk
+              else plgpu.Barrier(num_arrivals=2)),
+        qseg_smem=plgpu.SMEM((2, bq), jnp.int32) if segments else None,
+        kvseg_smem=plgpu.SMEM((stages, bkv), jnp.int32) if segments else None,
+        qseg_full=plgpu.Barrier(num_barriers=2) if segments else None,
+        seg_full=plgpu.Barrier(num_barriers=stages) if segments else None)
+
+
+def flash_forward(q, k, v, *extras, scale: float, causal: bool, s_true: int,
+                  config: AttentionConfig, feat: akc.Features = akc.PLAIN, sinks=None):
+  """The kernel on padded inputs: q [B, Tp, N, H] (Tp % 128 == 0), k/v
+  [B, Sp, K, H] (Sp % block_kv == 0); keys at or past `s_true` are masked.
+
+  `extras` (int32): with `feat.dynamic`, ``lims [B, 3]`` = (valid queries,
+  valid keys, q_offset) per batch element; with `feat.segments` also the
+  segment tile ranges ``[B, Tp // 64, 2]``, q ids ``[B, Tp]`` and kv ids
+  ``[B, Sp]``. `sinks`: None or float32 ``[N]``, one logit per head joining
+  each row's denominator in the epilogue (it takes no value).
+
+  Returns (out [B, Tp, N, H] in q's dtype, lse [B, N, Tp] float32, natural log).
+  """
+  b, tp, n, h = q.shape
+  if feat.dynamic and config.overlap_qk:
+    raise NotImplementedError(
+        "overlap_qk with a local window, sequence lengths, segment ids or "
+        "q_offset: its first turn needs at least one key tile per warpgroup; "
+        "use the plain schedule (overlap_qk=False)")
+  fwd = _Forward(b=b, tp=tp, n=n, h=h, group=n // k.shape[2], sp=k.shape[1],
+                 config=config, causal=causal, s_true=s_true, feat=feat,
+                 dtype=q.dtype, has_sinks=sinks is not None, scale=scale)
+
+  def body(*refs):
+    r = fwd.bind(refs)
+    blk = fwd.block(r)
+    _pipeline.split_warpgroups(blk.wg, lambda: fwd.consumer(r, blk),
+                               lambda: fwd.producer(r, blk))
+
+  call = _pipeline.warpgroup_kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((b, tp, n, h), q.dtype),
+                jax.ShapeDtypeStruct((b, n, tp), jnp.float32)),
+      scratch_types=fwd.scratch(),
+      grid=(fwd.nq, n, b), grid_names=("q", "heads", "batch"))
+  return call(q, k, v, *extras, *(() if sinks is None else (sinks,)))
+
+
+def mosaic_attention(q, k, v, *, scale: float, causal: bool,
+                     config: AttentionConfig, local_window=None,
+                     logits_soft_cap: float | None = None,
+                     query_seq_lengths=None, key_value_seq_lengths=None,
+                     q_segment_ids=None, kv_segment_ids=None, q_offset=None,
+                     sinks=None):
+  """Attention forward on [B, T, N, H] / [B, S, K, H] inputs (pads odd lengths).
+
+  The optional arguments mean what `AttentionArgs`' fields of the same names
+  mean (lengths int32 [B], segment ids int32 [B, T] / [B, S], q_offset an int32
+  scalar, sinks float [N]); each one off costs nothing (static switches).
+  T is padded to a multiple of 128 and S of ``block_kv`` (a copy, only then):
+  padded keys are masked in the last key tile, padded query rows sliced off.
+
+  Returns (out [B, T, N, H], lse [B, N, T] float32).
+  """
+  b, t, s = q.shape[0], q.shape[1], k.shape[1]
+  tp = _common.cdiv(t, akc.CTA_ROWS) * akc.CTA_ROWS
+  sp = _common.cdiv(s, config.block_kv) * config.block_kv
+  segments = q_segment_ids is not None
+  feat = akc.features(causal, local_window, logits_soft_cap,
+                      query_seq_lengths is not None,
+                      key_value_seq_lengths is not None, segments,
+                      q_offset is not None)
+  extras = ()
+  if feat.dynamic:
+    extras = (akc.limits(b, t, s, feat, query_seq_lengths, key_value_seq_lengths,
+                         q_offset),)
+    if segments:
+      q_ids = q_segment_ids.astype(jnp.int32)
+      kv_ids = kv_segment_ids.astype(jnp.int32)
+      extras += (akc.segment_tile_range(q_ids, kv_ids, t, s, tp, sp, config.block_kv),
+                 _common.pad_axis(q_ids, 1, tp), _common.pad_axis(kv_ids, 1, sp))
+  pad = _common.pad_axis
+  out, lse = flash_forward(pad(q, 1, tp), pad(k, 1, sp), pad(v, 1, sp), *extras,
+                           scale=scale, causal=causal, s_true=s, config=config,
+                           feat=feat,
+                           sinks=None if sinks is None else sinks.astype(jnp.float32))
+  if tp != t:
+    out, lse = out[:, :t], lse[:, :, :t]
+  return out, lse
