@@ -17,6 +17,7 @@ import tokamax
 from tokamax import testing
 from tokamax._src import config_sources
 from tokamax_gpu_mosaic import ragged_dot as rd
+from tokamax_gpu_mosaic import ragged_dot_kernel as rdk
 
 HIGHEST = jax.lax.Precision.HIGHEST
 _ON_HOPPER = (jax.default_backend() == "gpu"
@@ -385,7 +386,7 @@ def test_registered():
 
 def test_refuses_non_hopper():
   lhs, rhs = _inputs(16, 16, 16, 2, jnp.bfloat16)
-  from tokamax._src.ops.ragged_dot import RaggedDotArgs  # pylint: disable=g-import-not-at-top
+  from tokamax._src.ops.ragged_dot import RaggedDotArgs
   args = RaggedDotArgs(lhs=lhs, rhs=rhs, group_sizes=jnp.asarray([8, 8], jnp.int32))
   for device in (tokamax.DeviceInfo("cpu", "cpu"),
                  tokamax.DeviceInfo("cpu", "cpu", interpret=True),
@@ -398,7 +399,7 @@ def test_refuses_non_hopper():
 
 
 def test_refuses_unsupported_args():
-  from tokamax._src.ops.ragged_dot import RaggedDotArgs  # pylint: disable=g-import-not-at-top
+  from tokamax._src.ops.ragged_dot import RaggedDotArgs
   h200 = tokamax.DeviceInfo("gpu", "NVIDIA H200", compute_capability="9.0")
   sizes = jnp.asarray([8, 8], jnp.int32)
   lhs, rhs = _inputs(16, 16, 16, 2, jnp.float32)
@@ -463,7 +464,7 @@ def test_lowers_for_cuda(transpose_rhs, tiling, pieces):
 ])
 def test_tile_groups_table(sizes, m, held, offset):
   starts, ends = tokamax.plugin.held_row_ranges(jnp.asarray(sizes, jnp.int32), offset, held, m)
-  table = np.asarray(rd._tile_groups(starts, ends, m, 128))
+  table = np.asarray(rdk.tile_groups(starts, ends, m, 128))
   s, e = np.asarray(starts), np.asarray(ends)
   for t, (first, last) in enumerate(table):
     lo, hi = t * 128, t * 128 + 128
@@ -485,7 +486,7 @@ def test_tile_groups_table(sizes, m, held, offset):
 ])
 def test_work_items_cover_every_row_once(sizes, m, held, offset):
   starts, ends = tokamax.plugin.held_row_ranges(jnp.asarray(sizes, jnp.int32), offset, held, m)
-  items = np.asarray(rd._work_items(starts, ends, m, 128))
+  items = np.asarray(rdk.work_items(starts, ends, m, 128))
   owner = np.full(m, -2)
   s, e = np.asarray(starts), np.asarray(ends)
   for row0, group, lo, hi in items:
@@ -506,10 +507,10 @@ def test_pieces_heuristic_lowers_for_cuda(transpose_rhs, out_dtype):
   pytest.importorskip("absl")
   m, k, n, g = 4096, 256, 512, 4
   itemsize = jnp.dtype(out_dtype).itemsize
-  config = rd._heuristic(m, k, n, g, 2, itemsize, pieces=True)
+  config = rd.heuristic(m, k, n, g, 2, itemsize, pieces=True)
   assert config.out_pieces == 2
   assert config.num_stages == (4 if out_dtype == jnp.bfloat16 else 3)
-  small = rd._heuristic(m, k, n, 64, 2, itemsize, pieces=True)
+  small = rd.heuristic(m, k, n, 64, 2, itemsize, pieces=True)
   assert small.num_stages == 3
   _grouped_matmul_lowers(m, k, n, g, config, transpose_rhs, out_dtype=out_dtype)
 
@@ -554,7 +555,7 @@ def test_config_validation():
 
 
 def test_heuristics_pick_pieces_only_for_this_module():
-  from tokamax._src.ops.ragged_dot import RaggedDotArgs  # pylint: disable=g-import-not-at-top
+  from tokamax._src.ops.ragged_dot import RaggedDotArgs
   lhs, rhs = _inputs(2048, 128, 256, 2, jnp.bfloat16)  # groups of 1024 rows
   args = RaggedDotArgs(lhs=lhs, rhs=rhs,
                        group_sizes=jnp.asarray([1000, 1048], jnp.int32))
@@ -565,7 +566,7 @@ def test_heuristics_pick_pieces_only_for_this_module():
   assert rd.MosaicGpuRaggedDotVjp().heuristic_config(args).drhs_kernel == "ws"
   # gated_linear_unit rebuilds configs from block_n/num_stages alone: the plain
   # heuristic must stay a whole-tile config that fits.
-  plain = rd._heuristic(0, 0, 0, 1, 2, 2)
+  plain = rd.heuristic(0, 0, 0, 1, 2, 2)
   assert (plain.block_n, plain.num_stages, plain.out_pieces) == (128, 3, 1)
   assert rd.smem_bytes(plain, 2, 2) <= rd._common.SMEM_LIMIT
 
@@ -611,8 +612,8 @@ def test_weight_reuse_f32_out_lowers_for_cuda():
 @pytest.mark.parametrize("bm,n_tiles,width", [(128, 5, 2), (256, 3, 4), (128, 1, 8)])
 def test_ordered_items_table(sizes, m, held, offset, bm, n_tiles, width):
   starts, ends = tokamax.plugin.held_row_ranges(jnp.asarray(sizes, jnp.int32), offset, held, m)
-  items = np.asarray(rd._work_items(starts, ends, m, bm))
-  table = np.asarray(rd._ordered_items(jnp.asarray(items), n_tiles, width))
+  items = np.asarray(rdk.work_items(starts, ends, m, bm))
+  table = np.asarray(rdk.ordered_items(jnp.asarray(items), n_tiles, width))
   assert table.shape == (items.shape[0] * n_tiles, 5)
   # Every (item, column tile) exactly once.
   pairs = {(tuple(r[:4]), r[4]) for r in table}
@@ -644,13 +645,13 @@ def test_ordered_items_table(sizes, m, held, offset, bm, n_tiles, width):
 
 def _snake_or_table(config, items, n_tiles):
   if config.item_order == "group":
-    table = np.asarray(rd._ordered_items(jnp.asarray(items), n_tiles,
+    table = np.asarray(rdk.ordered_items(jnp.asarray(items), n_tiles,
                                          config.grid_tile_width))
     return [(L, int(table[L, 4])) for L in range(table.shape[0])], table
   order = []
   for L in range(items.shape[0] * n_tiles):
-    ii, ni = rd.plgpu.planar_snake(jnp.int32(L), (items.shape[0], n_tiles), 1,
-                                   config.grid_tile_width)
+    ii, ni = rdk.plgpu.planar_snake(jnp.int32(L), (items.shape[0], n_tiles), 1,
+                                    config.grid_tile_width)
     order.append((int(ii), int(ni)))
   return order, items
 
@@ -672,13 +673,13 @@ def test_tall_and_order_tile_model(config, sizes, m, held, offset):
   rng = np.random.default_rng(0)
   k, n = 48, 200
   starts, ends = tokamax.plugin.held_row_ranges(jnp.asarray(sizes, jnp.int32), offset, held, m)
-  bm, half, cta_n = config.block_m, config.block_m // 2, rd._cta_n(config)
+  bm, half, cta_n = config.block_m, config.block_m // 2, rdk.cta_n(config)
   m_pad, n_tiles = max(-(-m // 8) * 8, bm), -(-n // cta_n)
   lhs = np.zeros((m_pad + bm, k))
   lhs[:m] = rng.standard_normal((m, k))
   rhs = np.zeros((held, k, n_tiles * cta_n))
   rhs[:, :, :n] = rng.standard_normal((held, k, n))
-  items = np.asarray(rd._work_items(starts, ends, m_pad, bm))
+  items = np.asarray(rdk.work_items(starts, ends, m_pad, bm))
   order, table = _snake_or_table(config, items, n_tiles)
   out = np.full((m_pad, n_tiles * cta_n), np.nan)
   for ii, ni in order:
@@ -711,7 +712,7 @@ def test_weight_reuse_config_validation_and_space():
   with pytest.raises(ValueError, match="item_order='group' needs"):
     rd.RaggedDotConfig(block_m=128, row_tiling="fixed", item_order="group")
   tall = rd.RaggedDotConfig(block_m=256, block_n=128, num_stages=4, out_pieces=2)
-  assert rd._cta_n(tall) == 128
+  assert rdk.cta_n(tall) == 128
   # Stage (256 x 64 + 64 x 128) x 2 B, staging 256 x 128 x 2 B / 2 pieces.
   assert rd.smem_bytes(tall, 2, 2) == 4 * 49152 + 32768 + 1024
   assert rd.smem_bytes(rd.RaggedDotConfig(), 2, 2) == 3 * 49152 + 65536 + 1024
@@ -723,7 +724,7 @@ def test_weight_reuse_config_validation_and_space():
     assert dataclasses.replace(tall, item_order="group") in space
   # The defaults did not move.
   assert rd.RaggedDotConfig().item_order == "snake"
-  assert rd._heuristic(0, 0, 0, 1, 2, 2) == rd.RaggedDotConfig()
+  assert rd.heuristic(0, 0, 0, 1, 2, 2) == rd.RaggedDotConfig()
 
 
 def test_output_pieces_narrower_than_the_swizzle_are_refused():

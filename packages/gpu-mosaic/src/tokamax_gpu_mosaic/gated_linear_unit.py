@@ -519,7 +519,7 @@ def glu_backward(x, weights, dout, activation, config: GatedLinearUnitVjpConfig)
     dh = _glu_dh(x, w2, dout, activation, dh_config)
   else:
     itemsize = jnp.dtype(dtype).itemsize
-    f32_config = ragged_dot._heuristic(m, k, 2 * n, 1, itemsize, 4)  # pylint: disable=protected-access
+    f32_config = ragged_dot.heuristic(m, k, 2 * n, 1, itemsize, 4)
     dh = _dh_unfused(x, w2, dout, activation, f32_config)
   if (m, n) != (m_orig, n_orig):
     # Padded rows and columns have gate 0 and dy 0, but an activation whose
@@ -542,7 +542,7 @@ def glu_backward(x, weights, dout, activation, config: GatedLinearUnitVjpConfig)
 
 def _vjp_heuristic(args) -> GatedLinearUnitVjpConfig:
   itemsize = jnp.dtype(args.x.dtype).itemsize
-  mm = ragged_dot._heuristic(0, 0, 0, 1, itemsize, itemsize)  # pylint: disable=protected-access
+  mm = ragged_dot.heuristic(0, 0, 0, 1, itemsize, itemsize)
   base = dict(matmul_block_n=mm.block_n, matmul_num_stages=mm.num_stages)
   for block_n, stages in ((128, 3), (64, 4)):
     config = GatedLinearUnitVjpConfig(block_n=block_n, num_stages=stages, **base)

@@ -1,0 +1,649 @@
+"""Grouped matmul kernels (ragged_dot's forward and dlhs) in Pallas Mosaic GPU.
+
+``out[i] = lhs[i] @ op(rhs[g(i)])`` on Hopper (sm_90), ``op`` the identity (the
+forward) or the transpose (dlhs, reading rhs tiles as ``[n, k]``: wgmma takes
+the transposed shared-memory operand).
+
+A persistent grid (one block per SM) walks work items (a row tile x ``2 *
+block_n`` columns) in a planar-snake order. Each block has a memory warpgroup
+that streams the lhs and rhs tiles through a ``num_stages``-deep ring of
+swizzled shared memory (TMA), and two compute warpgroups that issue wgmma into
+float32 accumulators (`plgpu.emit_pipeline_warp_specialized`).
+
+Groups (``row_tiling="group"``, `_GroupTiles`): row tiles follow the groups. A
+table computed with jnp outside the kernel (`work_items`) cuts each held group's
+rows into tiles of ``block_m`` rows from the group's first row rounded down to 8
+(swizzled TMA reads rows in 8-row units), so a group wastes less than a tile.
+The two compute warpgroups own 64 rows each (128 in two wgmma halves for
+``block_m=256``); one whose rows all lie outside the group skips its wgmma. Each
+writes only the rows it owns: a whole aligned tile with one TMA store from
+swizzled shared memory, a partial one from unswizzled shared memory in
+power-of-two row chunks (`_store_rows`). Rows no held group owns get zero-only
+items, so every output row is written exactly once: no atomics.
+``item_order="group"`` writes the (row tile, column tile) order into the table
+(`ordered_items`): a group's row tiles of one column tile run on neighbouring
+SMs together (L2 sharing of the weights). The output tile is staged whole or in
+two column pieces (``out_pieces``, room for one more stage).
+
+``row_tiling="fixed"`` (`_fixed_tiles`) keeps fixed 128-row tiles and runs one K
+pipeline per group meeting the tile, merging rows in shared memory (1.5x the
+work at 256 random groups; kept for comparison).
+
+Reads past the array edges are zero-filled by TMA; the arrays are zero-padded
+only where shapes are not multiples of the swizzle (8 rows, 64 columns).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from tokamax_gpu_mosaic import _common
+from tokamax_gpu_mosaic import _pipeline
+
+if TYPE_CHECKING:
+  from tokamax_gpu_mosaic.ragged_dot import RaggedDotConfig
+
+WGMMA_M = 64  # wgmma's row granularity per warpgroup.
+COLS = 64  # Minor dimensions are padded to this (the 128-byte swizzle's width).
+
+
+def cta_n(config: RaggedDotConfig) -> int:
+  """Output columns of one block: ``2 * block_n``, or ``block_n`` for tall
+  (``block_m=256``) group items, whose warpgroups split rows, not columns."""
+  if config.row_tiling == "group" and config.block_m == 256:
+    return config.block_n
+  return 2 * config.block_n
+
+
+def smem_bytes(config: RaggedDotConfig, itemsize: int, out_itemsize: int) -> int:
+  """Shared memory of the warp-specialized kernels (the forward/dlhs kernel, and
+  the ``drhs_kernel="ws"`` contraction, whose stage holds 128 lhs columns where
+  the forward holds 128 lhs rows: the same bytes)."""
+  n = cta_n(config)
+  stage = (config.block_m * config.block_k + config.block_k * n) * itemsize
+  out = config.block_m * n * out_itemsize // config.out_pieces
+  return config.num_stages * stage + out + 1024  # + barriers, alignment
+
+
+def check_fits(config: RaggedDotConfig, itemsize: int, out_itemsize: int,
+               what: str) -> None:
+  need = smem_bytes(config, itemsize, out_itemsize)
+  if need > _common.SMEM_LIMIT:
+    raise ValueError(
+        f"{what}: {config} needs {need} bytes of shared memory with "
+        f"{itemsize}-byte operands and {out_itemsize}-byte outputs; the limit is "
+        f"{_common.SMEM_LIMIT} (fewer num_stages, out_pieces=2, or a smaller "
+        "block_n)")
+
+
+def pad_to_multiple(x, axis: int, multiple: int, minimum: int):
+  """Zero-pads `x` along `axis` to a multiple of `multiple`, at least `minimum`.
+
+  Swizzled TMA needs the array's tiled dimensions to be multiples of the SMEM
+  tiling (8 rows, 64 columns of 16-bit elements); aligned shapes (the usual MoE
+  case) are not copied.
+  """
+  return _common.pad_axis(x, axis, _common.round_up(x.shape[axis], multiple, minimum))
+
+
+# ----------------------------------------------------------------------------
+# Group tables (plain jnp, outside the kernel).
+
+
+def tile_groups(starts, ends, m: int, block_m: int):
+  """Per m-tile, the first and last held group meeting it, int32 ``[tiles, 2]``.
+
+  ``first > last`` when none does. The first group is never empty: the kernel's
+  first visit of a tile is the one that zeroes the rows no group owns, so an empty
+  group (which it skips) must not take that role. Empty groups can sit at a
+  tile's start when the held groups begin mid-sequence (``group_offset``).
+  """
+  num_tiles = pl.cdiv(m, block_m)
+  num_held = starts.shape[0]
+  lo = jnp.arange(num_tiles, dtype=jnp.int32) * block_m
+  hi = lo + block_m
+  first = jnp.searchsorted(ends, lo, side="right").astype(jnp.int32)
+  # Move past empty groups: the next non-empty group at or after `first`.
+  index = jnp.arange(num_held, dtype=jnp.int32)
+  nonempty_at = jnp.where(ends > starts, index, num_held)
+  next_nonempty = lax.cummin(nonempty_at, reverse=True)
+  first = jnp.where(first < num_held,
+                    next_nonempty[jnp.minimum(first, num_held - 1)], num_held)
+  last = (jnp.searchsorted(starts, hi, side="left") - 1).astype(jnp.int32)
+  none = (first > last) | (first >= starts.shape[0])
+  first = jnp.where(none, 1, first)
+  last = jnp.where(none, 0, last)
+  return jnp.stack([first, last], axis=1)
+
+
+_ROW0, _GROUP, _LO, _HI = range(4)  # Columns of the work-item table.
+
+
+def work_items(starts, ends, m: int, block_m: int):
+  """Row tiles that follow the groups, int32 ``[cdiv(m, block_m) + G + 2, 4]``.
+
+  Each held group's rows ``[s, e)`` are cut into tiles of `block_m` rows starting
+  at ``s`` rounded down to 8 (TMA reads swizzled tiles at 8-row granularity), so a
+  group wastes less than one tile of work, not one tile per boundary it shares.
+  Rows no held group owns (before the first, after the last held group) get
+  zero-only items. Per item: the first row, the rhs group (-1: zeros), and the
+  rows ``[lo, hi)`` of the tile it owns; items past the end own nothing.
+  """
+  num_held = starts.shape[0]
+  num = pl.cdiv(m, block_m) + num_held + 2
+  first = starts - starts % 8
+  tiles = jnp.where(ends > starts, (ends - first + block_m - 1) // block_m, 0)
+  cum = jnp.cumsum(tiles)
+  num_group_items = cum[-1]
+  i = jnp.arange(num, dtype=jnp.int32)
+  g = jnp.minimum(jnp.searchsorted(cum, i, side="right"), num_held - 1)
+  g = g.astype(jnp.int32)
+  row_g = first[g] + (i - (cum[g] - tiles[g])) * block_m
+  lo_g = jnp.maximum(starts[g] - row_g, 0)
+  hi_g = jnp.minimum(ends[g] - row_g, block_m)
+  # Zero items: [0, held_lo) then [held_hi, m) in tiles of block_m rows.
+  held_lo, held_hi = starts[0], ends[-1]
+  held_hi = jnp.maximum(held_hi, held_lo)
+  below = (held_lo + block_m - 1) // block_m
+  above = (m - held_hi + block_m - 1) // block_m
+  z = i - num_group_items
+  row_z = jnp.where(z < below, z * block_m, held_hi + (z - below) * block_m)
+  end_z = jnp.where(z < below, held_lo, m)
+  is_z = (z >= 0) & (z < below + above)
+  is_g = i < num_group_items
+  row = jnp.where(is_g, row_g, jnp.where(is_z, row_z, 0))
+  group = jnp.where(is_g, g, -1)
+  lo = jnp.where(is_g, lo_g, 0)
+  hi = jnp.where(is_g, hi_g, jnp.where(is_z, jnp.minimum(end_z - row_z, block_m), 0))
+  return jnp.stack([row, group, lo, hi], axis=1).astype(jnp.int32)
+
+
+_NI = 4  # Column of `ordered_items`: the item's column tile.
+
+
+def ordered_items(items, n_tiles: int, width: int):
+  """`work_items` x column tiles in "group" order, int32 ``[items * n_tiles, 5]``.
+
+  Row ``L`` of the result is the work item the kernel's linear index ``L`` runs
+  (the `work_items` columns, then the column tile). A run is the row tiles of
+  one group (a zero or past-the-end item is a run of its own); each run is cut
+  into bands of at most `width` row tiles; a band of ``b`` row tiles takes the
+  ``b * n_tiles`` consecutive indices from ``band_start * n_tiles``, column
+  tile by column tile with the band's row tiles fastest. Neighbouring indices
+  run at the same time on neighbouring SMs (the persistent grid deals them out
+  round robin), so a column tile's weights are read by the group's row tiles
+  together (L2 hits) and the group's lhs rows stay hot across column tiles.
+  Odd bands walk the column tiles backwards (their first column tile is the one
+  the previous band ended on).
+  """
+  num = items.shape[0]
+  i = jnp.arange(num, dtype=jnp.int32)
+  group = items[:, _GROUP]
+  prev = jnp.concatenate([jnp.full((1,), -2, jnp.int32), group[:-1]])
+  new_run = (group != prev) | (group < 0)
+  run_start = lax.cummax(jnp.where(new_run, i, 0))
+  next_start = lax.cummin(jnp.where(new_run, i, num), reverse=True)
+  run_end = jnp.concatenate([next_start[1:], jnp.full((1,), num, jnp.int32)])
+  band = (i - run_start) // width
+  band_start = run_start + band * width
+  band_len = jnp.minimum(width, run_end - band_start)
+  j = jnp.arange(n_tiles, dtype=jnp.int32)[None, :]  # position in the band
+  linear = (band_start[:, None] * n_tiles + j * band_len[:, None]
+            + (i - band_start)[:, None])
+  ni = jnp.where(band[:, None] % 2 == 1, n_tiles - 1 - j, j)
+  rows = jnp.concatenate(
+      [jnp.broadcast_to(items[:, None, :], (num, n_tiles, 4)), ni[..., None]],
+      axis=2)
+  table = jnp.zeros((num * n_tiles, 5), jnp.int32)
+  return table.at[linear.reshape(-1)].set(rows.reshape(-1, 5),
+                                          unique_indices=True)
+
+
+# ----------------------------------------------------------------------------
+# The kernels.
+
+
+def grouped_matmul(lhs, rhs, starts, ends, *, transpose_rhs: bool, out_dtype,
+                   config: RaggedDotConfig) -> jax.Array:
+  """``out[i] = lhs[i] @ op(rhs[g])`` for rows ``[starts[g], ends[g])``, else 0.
+
+  ``op`` is the transpose when `transpose_rhs` (rhs is then ``[G, N, K]``).
+  """
+  if config.row_tiling == "fixed":
+    return _fixed_tiles(lhs, rhs, starts, ends, transpose_rhs=transpose_rhs,
+                        out_dtype=out_dtype, config=config)
+  return _group_tiles(lhs, rhs, starts, ends, transpose_rhs=transpose_rhs,
+                      out_dtype=out_dtype, config=config)
+
+
+def _pad_operands(lhs, rhs, transpose_rhs: bool, config: RaggedDotConfig):
+  """Pads M to 8 rows, K and N to 64 columns (and tiny ones to a block).
+
+  K gets at least two pipeline steps: a one-step warp-specialized pipeline
+  crashed on the H200 (CUDA_ERROR_LAUNCH_FAILED at K=64, notes/MOSAIC_GPU.md).
+  """
+  bm, bk, n = config.block_m, config.block_k, cta_n(config)
+  lhs = pad_to_multiple(pad_to_multiple(lhs, 0, 8, bm), 1, COLS, 2 * bk)
+  k = lhs.shape[1]
+  k_axis, n_axis = (2, 1) if transpose_rhs else (1, 2)
+  rhs = pad_to_multiple(pad_to_multiple(rhs, k_axis, k, k), n_axis, COLS, n)
+  return lhs, rhs
+
+
+def _operand_pipeline(dtype, block_m: int, block_k: int, n: int,
+                      transpose_rhs: bool, stages: int):
+  """The K loop over an lhs row tile and an rhs column tile of `n` columns."""
+  lhs_spec = _pipeline.tma_spec((block_m, block_k), lambda ki: (0, ki), dtype, block_k)
+  if transpose_rhs:
+    rhs_spec = _pipeline.tma_spec((n, block_k), lambda ki: (0, ki), dtype, block_k)
+  else:
+    rhs_spec = _pipeline.tma_spec((block_k, n), lambda ki: (ki, 0), dtype, block_k)
+  return _pipeline.WarpSpecializedPipeline((lhs_spec, rhs_spec), stages)
+
+
+def _store_rows(y, lo, hi, dst_row, swizzled_smem, linear_smem, out_ref, cols):
+  """Writes rows ``[lo, hi)`` of a warpgroup's ``[64 or 128, n]`` tile to ``out_ref``.
+
+  A whole 8-row-aligned tile goes out in one TMA store from swizzled shared
+  memory; a partial one through unswizzled shared memory in power-of-two row
+  chunks (TMA boxes have static shapes; unswizzled, any row offset works), so
+  rows other items own are never touched.
+  """
+  rows = y.shape[0]
+  full = (lo == 0) & (hi == rows) & (dst_row % 8 == 0)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  @pl.when(full)
+  def _full():
+    _pipeline.store_tile(swizzled_smem, y, out_ref.at[pl.ds(dst_row, rows), cols])
+
+  @pl.when(~full & (hi > lo))
+  def _partial():
+    linear_smem[...] = y
+    plgpu.commit_smem()
+    count = hi - lo
+    size = rows  # A whole tile at an unaligned row also goes this way.
+    while size >= 1:
+      offset = lo + (count & ~(2 * size - 1))
+
+      @pl.when((count & size) != 0)
+      def _chunk():
+        plgpu.copy_smem_to_gmem(
+            linear_smem.at[pl.ds(offset, size)],
+            out_ref.at[pl.ds(dst_row + offset, size), cols])
+      size //= 2
+
+
+class _Item(NamedTuple):
+  """One work item as a compute warpgroup sees it."""
+
+  wg: Any
+  cwg: Any  # compute warpgroup (0 or 1; the memory warpgroup counts as 1)
+  row0: Any  # first row of the tile
+  group: Any  # rhs group (-1: zeros)
+  lo: Any  # rows [lo, hi) of the tile belong to the item
+  hi: Any
+  n0: Any  # first column
+  wlo: Any  # this warpgroup's rows [wlo, whi) of its `half`
+  whi: Any
+  dst_row: Any  # its first output row
+
+
+@dataclasses.dataclass(frozen=True)
+class _GroupTiles:
+  """`grouped_matmul` on row tiles that follow the groups (`work_items`).
+
+  The two compute warpgroups split the tile's rows (64 each, or 128 for
+  ``block_m=256`` in two wgmma halves) and share the rhs tile.
+  """
+
+  config: Any
+  transpose_rhs: bool
+  out_dtype: Any
+  num_items: int
+  n_tiles: int
+  k_steps: int
+  pipeline: _pipeline.WarpSpecializedPipeline
+
+  @property
+  def bm(self):
+    return self.config.block_m
+
+  @property
+  def half(self):  # a compute warpgroup's rows: 64, or 128 in two wgmma halves
+    return self.bm // 2
+
+  @property
+  def subs(self):
+    return self.half // WGMMA_M
+
+  @property
+  def cta_n(self):
+    return cta_n(self.config)
+
+  @property
+  def pieces(self):
+    return self.config.out_pieces
+
+  @property
+  def piece_n(self):
+    return self.cta_n // self.pieces
+
+  def out_smem_types(self):
+    """Per compute warpgroup, its output tile (or one column piece) as swizzled
+    (whole tiles) or plain (partial tiles) shared memory over the same bytes.
+    One union per warpgroup: with one union of [2, ...] views, one warpgroup's
+    plain writes corrupted the other's swizzled tile on the H200
+    (notes/MOSAIC_GPU.md)."""
+    return [
+        plgpu.RefUnion(
+            plgpu.SMEM((self.half, self.piece_n), self.out_dtype,
+                       transforms=_common.swizzled(self.out_dtype, self.piece_n)),
+            plgpu.SMEM((self.half, self.piece_n), self.out_dtype))
+        for _ in range(2)]
+
+  def kernel(self, items_ref, lhs_ref, rhs_ref, out_ref):
+    allocs = self.pipeline.allocations(lhs_ref, rhs_ref, steps=self.k_steps)
+
+    @functools.partial(pl.run_scoped, allocs=allocs, out_smem=self.out_smem_types(),
+                       collective_axes="wg")
+    def _scope(allocs, out_smem):
+      wg = lax.axis_index("wg")
+      cwg = jnp.minimum(wg, 1)
+
+      @plgpu.nd_loop((self.num_items * self.n_tiles,), collective_axes="sm")
+      def _item_loop(info):
+        item = self.item(items_ref, wg, cwg, info.index[0])
+        self.run_item(item, lhs_ref, rhs_ref, out_ref, out_smem, allocs)
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  def item(self, items_ref, wg, cwg, index) -> _Item:
+    """Work item `index` (the table's row, and its column tile)."""
+    if self.config.item_order == "group":
+      ii = index
+      ni = items_ref[ii, _NI]
+    else:
+      ii, ni = plgpu.planar_snake(index, (self.num_items, self.n_tiles), 1,
+                                  self.config.grid_tile_width)
+    row0 = items_ref[ii, _ROW0]
+    group = items_ref[ii, _GROUP]
+    lo = items_ref[ii, _LO]
+    hi = items_ref[ii, _HI]
+    n0 = ni * self.cta_n
+    half = self.half
+    wlo = jnp.clip(lo - cwg * half, 0, half)
+    whi = jnp.clip(hi - cwg * half, 0, half)
+    dst_row = row0 + cwg * half
+    return _Item(wg, cwg, row0, group, lo, hi, n0, wlo, whi, dst_row)
+
+  def run_item(self, item: _Item, lhs_ref, rhs_ref, out_ref, out_smem, allocs):
+    """The item's K pipeline and store, or its zeros (rows no group owns)."""
+    cols = pl.ds(item.n0, self.cta_n)
+
+    @pl.when((item.group >= 0) & (item.hi > item.lo))
+    def _matmul():
+      if self.transpose_rhs:
+        b_ref = rhs_ref.at[item.group, cols, :]
+      else:
+        b_ref = rhs_ref.at[item.group, :, cols]
+      mma = functools.partial(self.mma, item)
+      context = functools.partial(self.context, item, out_ref, out_smem)
+      self.pipeline(mma, context, self.k_steps)(
+          lhs_ref.at[pl.ds(item.row0, self.bm), :], b_ref, allocations=allocs)
+
+    @pl.when((item.group < 0) & (item.hi > item.lo) & (item.wg < 2))
+    def _zeros():
+      zeros = _pipeline.zeros_tile((self.half, self.piece_n), self.out_dtype)
+      self.store_tile(item, out_ref, out_smem, lambda p: zeros)
+
+  def mma(self, item: _Item, _, a_smem, b_smem, acc_ref):
+    """One K step: this warpgroup's rows of the lhs tile times the rhs tile."""
+    if self.transpose_rhs:
+      b = plgpu.transpose_ref(b_smem, (1, 0))
+    else:
+      b = b_smem
+    if self.subs == 1:
+      @pl.when(item.whi > item.wlo)
+      def _issue():
+        plgpu.wgmma(acc_ref, a_smem.at[pl.ds(item.cwg * self.half, self.half)], b)
+      plgpu.wgmma_wait(1)
+      return acc_ref
+    self.issue_halves(item, a_smem, b, acc_ref)
+    return acc_ref
+
+  def issue_halves(self, item: _Item, a_smem, b, acc_ref):
+    """Tall items: the wgmma of each 64-row half of this warpgroup's 128 rows
+    that holds rows of the group."""
+    wlo, whi = item.wlo, item.whi
+    active = [(jnp.minimum(whi, (h + 1) * WGMMA_M) > jnp.maximum(wlo, h * WGMMA_M))
+              for h in range(self.subs)]
+    for h in range(self.subs):
+      @pl.when(active[h])
+      def _issue():
+        rows = pl.ds(h * WGMMA_M, WGMMA_M)
+        plgpu.wgmma(acc_ref.at[rows],
+                    a_smem.at[pl.ds(item.cwg * self.half + h * WGMMA_M, WGMMA_M)], b)
+    # Each wgmma call is one commit group. At the end of step s the pipeline
+    # frees step s-1's buffers (delay_release=1), so all of s-1's groups must be
+    # done: leave pending only this step's.
+    both = active[0] & active[1]
+
+    @pl.when(both)
+    def _wait_two():
+      plgpu.wgmma_wait(2)
+
+    @pl.when(~both)
+    def _wait_one():
+      plgpu.wgmma_wait(1)
+
+  def context(self, item: _Item, out_ref, out_smem, eval_pipeline):
+    """The accumulator around the K loop, then the store of this warpgroup's
+    rows."""
+
+    @functools.partial(pl.run_scoped,
+                       acc_ref=plgpu.ACC((self.half, self.cta_n), jnp.float32))
+    def _acc_scope(acc_ref):
+      eval_pipeline(acc_ref)
+      if self.pieces == 1:
+        self.store_rows(item, out_ref, out_smem, acc_ref[...].astype(self.out_dtype),
+                        pl.ds(item.n0, self.cta_n))
+      else:
+        # Converted piece by piece: only one piece's outputs live in registers
+        # next to the accumulator. (Static column slices: the load is the whole
+        # accumulator, sliced as a value; a pl.ds slice becomes a dynamic_slice,
+        # which does not lower.)
+        acc = acc_ref[...]
+        piece_n = self.piece_n
+        self.store_tile(item, out_ref, out_smem,
+                        lambda p: acc[:, p * piece_n:(p + 1) * piece_n].astype(
+                            self.out_dtype))
+
+  def store_rows(self, item: _Item, out_ref, out_smem, y, cols):
+    for w, (swizzled_smem, linear_smem) in enumerate(out_smem):
+      @pl.when(item.wg == w)
+      def _store():
+        _store_rows(y, item.wlo, item.whi, item.dst_row, swizzled_smem, linear_smem,
+                    out_ref, cols)
+
+  def store_tile(self, item: _Item, out_ref, out_smem, piece_of):
+    """Stores the warpgroup's ``[half, cta_n]`` tile, `pieces` column pieces one
+    after the other through the same shared memory: `_store_rows` first waits
+    until the previous piece's TMA store has read it."""
+    for p in range(self.pieces):
+      self.store_rows(item, out_ref, out_smem, piece_of(p),
+                      pl.ds(item.n0 + p * self.piece_n, self.piece_n))
+
+
+def _group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool, out_dtype,
+                 config: RaggedDotConfig) -> jax.Array:
+  m_orig = lhs.shape[0]
+  n_orig = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  check_fits(config, lhs.dtype.itemsize, jnp.dtype(out_dtype).itemsize,
+             "ragged_dot grouped_matmul")
+  lhs, rhs = _pad_operands(lhs, rhs, transpose_rhs, config)
+  m, k = lhs.shape
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  items = work_items(starts, ends, m, config.block_m)
+  num_items = items.shape[0]
+  n_tiles = pl.cdiv(n, cta_n(config))
+  if config.item_order == "group":
+    items = ordered_items(items, n_tiles, config.grid_tile_width)
+  tiles = _GroupTiles(
+      config=config, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
+      num_items=num_items, n_tiles=n_tiles, k_steps=pl.cdiv(k, config.block_k),
+      pipeline=_operand_pipeline(lhs.dtype, config.block_m, config.block_k,
+                                 cta_n(config), transpose_rhs, config.num_stages))
+
+  def kernel(items_ref, lhs_ref, rhs_ref, out_ref):
+    tiles.kernel(items_ref, lhs_ref, rhs_ref, out_ref)
+
+  # The output gets whole column tiles: a TMA store from plain (unswizzled)
+  # shared memory whose box crossed the last column did not clip there on the
+  # H200 but wrapped into the next row's first columns (notes/MOSAIC_GPU.md).
+  n_out = n_tiles * cta_n(config)
+  call = _pipeline.persistent_kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((m, n_out), out_dtype))
+  out = call(items, lhs, rhs)
+  if (m, n_out) != (m_orig, n_orig):
+    out = out[:m_orig, :n_orig]
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _FixedTiles:
+  """`grouped_matmul` on fixed m-tiles, one K pipeline per group meeting a tile;
+  each group's rows are merged into the tile staged in shared memory."""
+
+  config: Any
+  transpose_rhs: bool
+  out_dtype: Any
+  m_tiles: int
+  n_tiles: int
+  k_steps: int
+  pipeline: _pipeline.WarpSpecializedPipeline
+
+  def kernel(self, tiles_ref, bounds_ref, lhs_ref, rhs_ref, out_ref):
+    bm, bn = self.config.block_m, self.config.block_n
+    allocs = self.pipeline.allocations(lhs_ref, rhs_ref, steps=self.k_steps)
+
+    @functools.partial(
+        pl.run_scoped, allocs=allocs,
+        out_smem=plgpu.SMEM((2, bm, bn), self.out_dtype,
+                            transforms=_common.swizzled(self.out_dtype, bn)),
+        collective_axes="wg")
+    def _scope(allocs, out_smem):
+      wg = lax.axis_index("wg")
+      o_smem = out_smem.at[jnp.minimum(wg, 1)]
+
+      @plgpu.nd_loop((self.m_tiles * self.n_tiles,), collective_axes="sm")
+      def _tile_loop(info):
+        mi, ni = plgpu.planar_snake(info.index[0], (self.m_tiles, self.n_tiles), 1,
+                                    self.config.grid_tile_width)
+        m0 = mi * bm
+        n0 = ni * (2 * bn)
+        first = tiles_ref[mi, 0]
+        last = tiles_ref[mi, 1]
+        visit = functools.partial(self.visit_group, wg, o_smem, bounds_ref, lhs_ref,
+                                  rhs_ref, allocs, m0, n0, first)
+        lax.fori_loop(first, last + 1, visit, None)
+        self.store(wg, o_smem, out_ref, m0, n0, first, last)
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  def visit_group(self, wg, o_smem, bounds_ref, lhs_ref, rhs_ref, allocs, m0, n0,
+                  first, g, carry):
+    """Group `g`'s K pipeline over the tile, merged into `o_smem`."""
+    bm, bn = self.config.block_m, self.config.block_n
+    start = bounds_ref[g, 0]
+    end = bounds_ref[g, 1]
+
+    def mma(_, a_smem, b_smem, acc_ref):
+      cols = pl.ds(wg * bn, bn)
+      if self.transpose_rhs:
+        b = plgpu.transpose_ref(b_smem.at[cols], (1, 0))
+      else:
+        b = b_smem.at[:, cols]
+      plgpu.wgmma(acc_ref, a_smem, b)
+      plgpu.wgmma_wait(1)
+      return acc_ref
+
+    def context(eval_pipeline):
+      @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+      def _acc_scope(acc_ref):
+        eval_pipeline(acc_ref)
+        acc = acc_ref[...]
+        rows = m0 + _pipeline.wgmma_iota((bm, bn), 0)
+        mine = (rows >= start) & (rows < end)
+        # The previous tile's TMA store must have read the buffer.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        @pl.when(g == first)
+        def _first():
+          o_smem[...] = jnp.where(mine, acc, 0.0).astype(self.out_dtype)
+
+        @pl.when(g != first)
+        def _later():
+          prev = o_smem[...].astype(jnp.float32)
+          o_smem[...] = jnp.where(mine, acc, prev).astype(self.out_dtype)
+
+    @pl.when(end > start)
+    def _run():
+      cols = pl.ds(n0, 2 * bn)
+      if self.transpose_rhs:
+        b_ref = rhs_ref.at[g, cols, :]
+      else:
+        b_ref = rhs_ref.at[g, :, cols]
+      self.pipeline(mma, context, self.k_steps)(lhs_ref.at[pl.ds(m0, bm), :], b_ref,
+                                                allocations=allocs)
+    return carry
+
+  def store(self, wg, o_smem, out_ref, m0, n0, first, last):
+    """Each compute warpgroup stores its columns (zeros where no group met the
+    tile)."""
+    bm, bn = self.config.block_m, self.config.block_n
+
+    @pl.when(wg < 2)
+    def _store():
+      @pl.when(first > last)
+      def _zeros():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        o_smem[...] = _pipeline.zeros_tile((bm, bn), self.out_dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(
+          o_smem, out_ref.at[pl.ds(m0, bm), pl.ds(n0 + wg * bn, bn)])
+
+
+def _fixed_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool, out_dtype,
+                 config: RaggedDotConfig) -> jax.Array:
+  m_orig = lhs.shape[0]
+  n_orig = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  bm, bk, n_cta = config.block_m, config.block_k, 2 * config.block_n
+  lhs, rhs = _pad_operands(lhs, rhs, transpose_rhs, config)
+  m, k = lhs.shape
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  tiles = tile_groups(starts, ends, m, bm)
+  bounds = jnp.stack([starts, ends], axis=1)
+  fixed = _FixedTiles(
+      config=config, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
+      m_tiles=pl.cdiv(m, bm), n_tiles=pl.cdiv(n, n_cta), k_steps=pl.cdiv(k, bk),
+      pipeline=_operand_pipeline(lhs.dtype, bm, bk, n_cta, transpose_rhs,
+                                 config.num_stages))
+
+  def kernel(tiles_ref, bounds_ref, lhs_ref, rhs_ref, out_ref):
+    fixed.kernel(tiles_ref, bounds_ref, lhs_ref, rhs_ref, out_ref)
+
+  call = _pipeline.persistent_kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype))
+  out = call(tiles, bounds, lhs, rhs)
+  if (m, n) != (m_orig, n_orig):
+    out = out[:m_orig, :n_orig]
+  return out

@@ -1,0 +1,337 @@
+"""ragged_dot's drhs kernels in Pallas Mosaic GPU: the ragged contraction.
+
+``drhs[g] = lhs[rows_g]^T @ dout[rows_g]``, ``[G_rhs, K, N]``: a per-group
+contraction over the group's rows, whose length differs per group. A persistent
+grid walks (held group, K tile, N tile) items, N fastest. A group's rows are read
+in chunks from its start rounded down to 8 rows (swizzled TMA reads rows in
+8-row units); in a chunk that reaches outside the group those rows are zeroed in
+shared memory before the wgmma (`_zero_outside`). An empty group's tiles are
+zeros. Every output tile is written once, by one block: no atomics,
+deterministic. Two kernels (``RaggedDotConfig.drhs_kernel``):
+
+- "ring" (`_drhs_ring`): one warpgroup per block with a hand-rolled
+  `num_stages`-deep TMA ring;
+- "ws" (`_DrhsWarpSpecialized`): the forward's kernel shape, with a per-item
+  dynamic pipeline length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from tokamax_gpu_mosaic import _common
+from tokamax_gpu_mosaic import _pipeline
+from tokamax_gpu_mosaic.ragged_dot_kernel import COLS
+from tokamax_gpu_mosaic.ragged_dot_kernel import WGMMA_M
+from tokamax_gpu_mosaic.ragged_dot_kernel import check_fits
+from tokamax_gpu_mosaic.ragged_dot_kernel import pad_to_multiple
+
+if TYPE_CHECKING:
+  from tokamax_gpu_mosaic.ragged_dot import RaggedDotConfig
+
+_TG_K = 64  # "ring" tile rows (of K): one wgmma M.
+WS_K = 2 * WGMMA_M  # K rows of a "ws" tile (one wgmma M of 128).
+
+
+def grouped_transposed_matmul(lhs, dout, starts, ends, *, out_dtype,
+                              config: RaggedDotConfig) -> jax.Array:
+  """``drhs[g] = lhs[rows_g]^T @ dout[rows_g]``, ``[G_rhs, K, N]``.
+
+  ``config.drhs_kernel`` picks the kernel: "ring" (`_drhs_ring`, one warpgroup)
+  or "ws" (`_drhs_warp_specialized`).
+  """
+  if config.drhs_kernel == "ws":
+    return _drhs_warp_specialized(lhs, dout, starts, ends, out_dtype=out_dtype,
+                                  config=config)
+  return _drhs_ring(lhs, dout, starts, ends, out_dtype=out_dtype, config=config)
+
+
+def _drhs_item(idx, bounds_ref, k_tiles: int, n_tiles: int):
+  """A drhs work item: (held group, K tile, N tile) for linear index `idx`, N
+  fastest, and the group's rows ``[start, end)`` read from ``first`` (the start
+  rounded down to 8: swizzled TMA reads rows in 8-row units)."""
+  g = idx // (k_tiles * n_tiles)
+  ki = (idx // n_tiles) % k_tiles
+  ni = idx % n_tiles
+  start = bounds_ref[g, 0]
+  end = bounds_ref[g, 1]
+  return g, ki, ni, start, end, start - start % 8
+
+
+def _zero_outside(ref, row0, start: Any, end: Any, dtype):
+  """Zeroes the rows of the chunk `ref` (its first row is `row0`) outside the
+  group's rows ``[start, end)``, in shared memory."""
+  rows = row0 + _pipeline.wgmma_iota(ref.shape, 0)
+  keep = (rows >= start) & (rows < end)
+  ref[...] = jnp.where(keep, ref[...], 0).astype(dtype)
+  plgpu.commit_smem()
+
+
+# ----------------------------------------------------------------------------
+# "ring": one warpgroup, a hand-rolled TMA ring.
+
+
+def _drhs_ring(lhs, dout, starts, ends, *, out_dtype,
+               config: RaggedDotConfig) -> jax.Array:
+  """One warpgroup per block, persistent over (group, K-tile, N-tile) items,
+  with a `num_stages`-deep TMA ring of `block_k`-row chunks (the contraction
+  length differs per group, which the fixed-grid pipeline helpers cannot
+  express)."""
+  num_held = starts.shape[0]
+  m_orig, k_orig = lhs.shape
+  n_orig = dout.shape[1]
+  bk, stages = config.block_k, config.num_stages
+  tn = 2 * config.block_n
+  m = _common.round_up(m_orig, 8, bk)
+  k = _common.round_up(k_orig, _TG_K, _TG_K)
+  n = _common.round_up(n_orig, tn, tn)
+  lhs = jnp.pad(lhs, ((0, m - m_orig), (0, k - k_orig)))
+  dout = jnp.pad(dout, ((0, m - m_orig), (0, n - n_orig)))
+  k_tiles, n_tiles = k // _TG_K, n // tn
+  bounds = jnp.stack([starts, ends], axis=1)
+  dtype = lhs.dtype
+
+  def kernel(bounds_ref, lhs_ref, dout_ref, out_ref, lhs_smem, dout_smem,
+             out_smem, barriers):
+    @plgpu.nd_loop((num_held * k_tiles * n_tiles,), collective_axes="sm")
+    def _item_loop(info):
+      g, ki, ni, start, end, first = _drhs_item(info.index[0], bounds_ref,
+                                                k_tiles, n_tiles)
+      chunks = jnp.where(end > start, (end - first + bk - 1) // bk, 0)
+      k_cols = pl.ds(ki * _TG_K, _TG_K)
+      n_cols = pl.ds(ni * tn, tn)
+
+      def issue(c):
+        slot = c % stages
+        rows = pl.ds(first + c * bk, bk)
+        plgpu.copy_gmem_to_smem(lhs_ref.at[rows, k_cols], lhs_smem.at[slot],
+                                barriers.at[slot])
+        plgpu.copy_gmem_to_smem(dout_ref.at[rows, n_cols], dout_smem.at[slot],
+                                barriers.at[slot])
+
+      for c in range(stages - 1):
+        @pl.when(c < chunks)
+        def _prologue():
+          issue(c)
+
+      def step(c, acc_ref):
+        slot = c % stages
+        plgpu.barrier_wait(barriers.at[slot])
+        row0 = first + c * bk
+
+        @pl.when((row0 < start) | (row0 + bk > end))
+        def _mask():
+          _zero_outside(lhs_smem.at[slot], row0, start, end, dtype)
+
+        plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem.at[slot], (1, 0)),
+                    dout_smem.at[slot])
+        plgpu.wgmma_wait(1)  # Chunk c-1 is done: its slot may be refilled.
+
+        @pl.when(c + stages - 1 < chunks)
+        def _refill():
+          issue(c + stages - 1)
+        return acc_ref
+
+      def acc_scope(acc_ref):
+        lax.fori_loop(0, chunks, step, acc_ref)
+        plgpu.wgmma_wait(0)
+        return acc_ref[...]
+      acc = pl.run_scoped(acc_scope, plgpu.ACC((_TG_K, tn), jnp.float32))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      _pipeline.store_tile(out_smem, acc.astype(out_dtype),
+                           out_ref.at[g, k_cols, n_cols])
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  call = _pipeline.persistent_kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((num_held, k, n), out_dtype),
+      scratch_types=[
+          plgpu.SMEM((stages, bk, _TG_K), dtype,
+                     transforms=_common.swizzled(dtype, _TG_K)),
+          plgpu.SMEM((stages, bk, tn), dtype, transforms=_common.swizzled(dtype, tn)),
+          plgpu.SMEM((_TG_K, tn), out_dtype,
+                     transforms=_common.swizzled(out_dtype, tn)),
+          # Two copies (lhs, dout) arrive on each stage's barrier.
+          plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      ],
+      warp_specialized=False)
+  out = call(bounds, lhs, dout)
+  return out[:, :k_orig, :n_orig]
+
+
+# ----------------------------------------------------------------------------
+# "ws": the forward's warp-specialized shape.
+
+
+@dataclasses.dataclass(frozen=True)
+class _DrhsWarpSpecialized:
+  """Per item, `plgpu.emit_pipeline_warp_specialized` with a dynamic grid of
+  ``chunks`` steps: a memory warpgroup streams the group's lhs rows
+  ``[block_k, 128]`` and dout rows ``[block_k, 2 * block_n]``, and two compute
+  warpgroups each accumulate a ``[128, block_n]`` float32 tile ``lhs_chunk^T @
+  dout_chunk[:, own columns]``, staged in `out_pieces` column pieces.
+
+  In a chunk that reaches outside the group each compute warpgroup zeroes those
+  rows of its own dout columns (disjoint columns: no barrier between the two).
+  A group with rows runs at least two steps (a one-step warp-specialized
+  pipeline crashed the H200; the extra chunk is all masked).
+  """
+
+  config: Any
+  out_dtype: Any
+  dtype: Any
+  num_held: int
+  k_tiles: int
+  n_tiles: int
+  m: int
+  pipeline: _pipeline.WarpSpecializedPipeline
+
+  @property
+  def bk(self):
+    return self.config.block_k
+
+  @property
+  def bn(self):
+    return self.config.block_n
+
+  @property
+  def piece_n(self):
+    return self.bn // self.config.out_pieces
+
+  def kernel(self, bounds_ref, lhs_ref, dout_ref, out_ref):
+    # The allocations depend on the specs and the stage count, not the grid.
+    allocs = self.pipeline.allocations(
+        lhs_ref.at[:, pl.ds(0, WS_K)], dout_ref.at[:, pl.ds(0, 2 * self.bn)],
+        steps=self.config.num_stages)
+    out_smem_type = plgpu.SMEM((2, WS_K, self.piece_n), self.out_dtype,
+                               transforms=_common.swizzled(self.out_dtype,
+                                                           self.piece_n))
+
+    @functools.partial(pl.run_scoped, allocs=allocs, out_smem=out_smem_type,
+                       collective_axes="wg")
+    def _scope(allocs, out_smem):
+      wg = lax.axis_index("wg")
+      cwg = jnp.minimum(wg, 1)
+      o_smem = out_smem.at[cwg]
+
+      @plgpu.nd_loop((self.num_held * self.k_tiles * self.n_tiles,),
+                     collective_axes="sm")
+      def _item_loop(info):
+        self.item(info.index[0], wg, cwg, o_smem, bounds_ref, lhs_ref, dout_ref,
+                  out_ref, allocs)
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  def item(self, index, wg, cwg, o_smem, bounds_ref, lhs_ref, dout_ref, out_ref,
+           allocs):
+    """One (group, K tile, N tile) item: its contraction, or zeros."""
+    bk, cta_n = self.bk, 2 * self.bn
+    g, ki, ni, start, end, first = _drhs_item(index, bounds_ref, self.k_tiles,
+                                              self.n_tiles)
+    chunks = jnp.where(end > start, jnp.maximum((end - first + bk - 1) // bk, 2), 0)
+    k0, n0 = ki * WS_K, ni * cta_n
+    store = functools.partial(self.store, cwg, o_smem, out_ref, g, k0, n0)
+
+    @pl.when(chunks > 0)
+    def _contract():
+      # A window from the group's first row; its steps past the array end read
+      # zeros (TMA), and rows past `end` are masked anyway.
+      rows = pl.ds(first, self.m)
+      mma = functools.partial(self.mma, wg, cwg, first, start, end)
+      context = functools.partial(self.context, store)
+      self.pipeline(mma, context, chunks)(
+          lhs_ref.at[rows, pl.ds(k0, WS_K)], dout_ref.at[rows, pl.ds(n0, cta_n)],
+          allocations=allocs)
+
+    @pl.when((chunks == 0) & (wg < 2))
+    def _empty_group():
+      zeros = _pipeline.zeros_tile((WS_K, self.piece_n), self.out_dtype)
+      store(lambda p: zeros)
+
+  def store(self, cwg, o_smem, out_ref, g, k0, n0, piece_of):
+    for p in range(self.config.out_pieces):
+      # The previous piece's (or tile's) store must have read o_smem.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      o_smem[...] = piece_of(p)
+      plgpu.commit_smem()
+      cols = pl.ds(n0 + cwg * self.bn + p * self.piece_n, self.piece_n)
+      plgpu.copy_smem_to_gmem(o_smem, out_ref.at[g, pl.ds(k0, WS_K), cols])
+
+  def mma(self, wg, cwg, first, start, end, indices, a_smem, b_smem, acc_ref):
+    bk, bn = self.bk, self.bn
+    row0 = first + indices[0] * bk
+
+    # Rows outside the group: zero them in this warpgroup's columns.
+    for w in range(2):
+      @pl.when((wg == w) & ((row0 < start) | (row0 + bk > end)))
+      def _mask():
+        _zero_outside(b_smem.at[:, w * bn:(w + 1) * bn], row0, start, end,
+                      self.dtype)
+
+    plgpu.wgmma(acc_ref, plgpu.transpose_ref(a_smem, (1, 0)),
+                b_smem.at[:, pl.ds(cwg * bn, bn)])
+    plgpu.wgmma_wait(1)
+    return acc_ref
+
+  def context(self, store, eval_pipeline):
+    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((WS_K, self.bn), jnp.float32))
+    def _acc_scope(acc_ref):
+      eval_pipeline(acc_ref)
+      acc = acc_ref[...]  # Waits for the last wgmma.
+      piece_n = self.piece_n
+      store(lambda p: acc[:, p * piece_n:(p + 1) * piece_n].astype(self.out_dtype))
+
+
+def _drhs_warp_specialized(lhs, dout, starts, ends, *, out_dtype,
+                           config: RaggedDotConfig) -> jax.Array:
+  """``drhs[g] = lhs[rows_g]^T @ dout[rows_g]`` as the forward's kernel shape
+  (`_DrhsWarpSpecialized`): items (held group, 128-row K tile, ``2 * block_n``
+  N tile), consecutive items sharing the group and K tile (L2 reuse of the
+  group's lhs columns)."""
+  itemsize = jnp.dtype(lhs.dtype).itemsize
+  out_itemsize = jnp.dtype(out_dtype).itemsize
+  if config.block_k != 64:
+    raise ValueError(f"the 'ws' drhs kernel takes block_k=64; got {config}")
+  check_fits(dataclasses.replace(config, block_m=WS_K), itemsize, out_itemsize,
+             "ragged_dot drhs (ws)")
+  num_held = starts.shape[0]
+  m_orig, k_orig = lhs.shape
+  n_orig = dout.shape[1]
+  bk, cta_n = config.block_k, 2 * config.block_n
+  # Whole swizzle widths and at least one tile per operand; reads past the
+  # edges within that are zero-filled by TMA, so aligned shapes are not copied.
+  lhs = pad_to_multiple(pad_to_multiple(lhs, 0, 8, bk), 1, COLS, WS_K)
+  dout = pad_to_multiple(pad_to_multiple(dout, 0, 8, bk), 1, COLS, cta_n)
+  m, k = lhs.shape
+  n = dout.shape[1]
+  k_tiles, n_tiles = pl.cdiv(k, WS_K), pl.cdiv(n, cta_n)
+  bounds = jnp.stack([starts, ends], axis=1)
+  dtype = lhs.dtype
+  lhs_spec = _pipeline.tma_spec((bk, WS_K), lambda c: (c, 0), dtype, WS_K)
+  dout_spec = _pipeline.tma_spec((bk, cta_n), lambda c: (c, 0), dtype, WS_K)
+  ws = _DrhsWarpSpecialized(
+      config=config, out_dtype=out_dtype, dtype=dtype, num_held=num_held,
+      k_tiles=k_tiles, n_tiles=n_tiles, m=m,
+      pipeline=_pipeline.WarpSpecializedPipeline((lhs_spec, dout_spec),
+                                                 config.num_stages))
+
+  def kernel(bounds_ref, lhs_ref, dout_ref, out_ref):
+    ws.kernel(bounds_ref, lhs_ref, dout_ref, out_ref)
+
+  # Whole tiles in the output (sliced after only where K or N is not a tile
+  # multiple): every TMA store is a whole swizzled box inside the array.
+  k_out, n_out = k_tiles * WS_K, n_tiles * cta_n
+  call = _pipeline.persistent_kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((num_held, k_out, n_out), out_dtype))
+  out = call(bounds, lhs, dout)
+  if (k_out, n_out) != (k_orig, n_orig):
+    out = out[:, :k_orig, :n_orig]
+  return out
