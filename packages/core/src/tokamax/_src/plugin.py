@@ -17,7 +17,7 @@ and ``my_backend/_plugin.py``::
 
     BACKEND = tokamax.plugin.Backend(
         name="my_backend",
-        api_version=tokamax.plugin.PLUGIN_API_VERSION,
+        api_version=1,
         implementations=(
             tokamax.plugin.Implementation(
                 op="layer_norm",
@@ -29,11 +29,23 @@ and ``my_backend/_plugin.py``::
             ),
         ),
     )
+
+A backend with one implementation name for several ops declares them together
+with :func:`implementations`. Besides the contract, this module holds the
+helpers that several backends' kernels share (re-exported as
+``tokamax.plugin.*``): activation checks, group row ranges, shard_map output
+types, :class:`OpFunctions` (an Op / VjpOp pair that delegates to module
+functions) and the attention kernels' common layout and checks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import jax.numpy as jnp
+from jax import lax
 
 # Helpers for backends' kernels, re-exported here as tokamax.plugin.*.
 from tokamax._src.activation import check_elementwise_activation  # noqa: F401
@@ -101,7 +113,11 @@ class Backend:
   Attributes:
     name: the backend's name (e.g. "gpu_triton"); used in messages and in
       ``TOKAMAX_DISABLED_BACKENDS``.
-    api_version: the ``PLUGIN_API_VERSION`` the package was written against.
+    api_version: the ``PLUGIN_API_VERSION`` the package was written against,
+      written as a literal: read from ``tokamax.plugin.PLUGIN_API_VERSION`` it
+      would always match the installed core, and a core that changed the API
+      could not refuse the package (its ``tokamax-core`` version range says the
+      same to pip).
     implementations: the implementations it provides.
     tuned_data: a package holding tuned configs as
       ``<device_kind_slug>/<op>.json`` (see ``python -m tokamax autotune``), or None.
@@ -111,3 +127,163 @@ class Backend:
   api_version: int
   implementations: tuple[Implementation, ...] = ()
   tuned_data: str | None = None
+
+
+def implementations(*, name: str, platforms: tuple[str, ...], priority: int,
+                    ops: Mapping[str, tuple[str, str | None]]
+                    ) -> tuple[Implementation, ...]:
+  """One :class:`Implementation` per op, all with the same name, platforms and priority.
+
+  Args:
+    name: the implementation name users pass as ``implementation=``.
+    platforms: the JAX platforms every one of them runs on.
+    priority: their priority (see :class:`Implementation`).
+    ops: op name -> ``("module:attr" of the forward, "module:attr" of the backward
+      or None)``.
+  """
+  return tuple(
+      Implementation(op=op, name=name, forward=forward, backward=backward,
+                     platforms=platforms, priority=priority)
+      for op, (forward, backward) in ops.items())
+
+
+# ----------------------------------------------------------------------------
+# Helpers for backends' Op classes.
+# ----------------------------------------------------------------------------
+
+
+class OpFunctions:
+  """Mixin: ``check_supported``, ``heuristic_config`` and ``search_space`` of a
+  backend's ``tokamax.Op`` or ``tokamax.VjpOp`` from module functions.
+
+  A kernel module's forward Op and its VjpOp usually run the same argument checks
+  and size their configs with the same functions, told which pass they serve.
+  List the mixin first (``class MyNorm(plugin.OpFunctions, tokamax.Op)``) and set,
+  as ``staticmethod``s, the ones the class does not implement as methods itself:
+
+  - ``check_args(args, device)``: raises NotImplementedError for what the kernels
+    do not support;
+  - ``heuristic(args, backward=...)``: the config without autotuning;
+  - ``configs(args, backward=...)``: the configs autotuning tries.
+
+  ``backward`` is True in a VjpOp. ``needed_residuals`` maps the residuals a VjpOp
+  cannot run without to what they are ("lse": "log-sum-exp"); check_supported
+  refuses forward residuals that lack one.
+
+  A kernel module usually declares what its two ops share once, in a base of
+  both::
+
+      class _NormFunctions(plugin.OpFunctions):
+        op_name = "layer_norm"
+        name = "my_impl"
+        check_args = staticmethod(_check_args)
+        heuristic = staticmethod(_heuristic)
+        configs = staticmethod(_search_space)
+
+      @dataclasses.dataclass(frozen=True)
+      class MyNorm(_NormFunctions, tokamax.Op): ...
+
+      @dataclasses.dataclass(frozen=True)
+      class MyNormVjp(_NormFunctions, tokamax.VjpOp): ...
+  """
+
+  check_args: ClassVar[Callable[[Any, Any], None]]
+  heuristic: ClassVar[Callable[[Any, bool], Any]]
+  configs: ClassVar[Callable[[Any, bool], Sequence[Any]]]
+  needed_residuals: ClassVar[Mapping[str, str]] = {}
+
+  @property
+  def _backward(self) -> bool:
+    # Imported here: tokamax's __init__ imports this module before it defines VjpOp.
+    import tokamax
+    return isinstance(self, tokamax.VjpOp)
+
+  def check_supported(self, args, device, residuals=None) -> None:
+    self.check_args(args, device)
+    for key, what in self.needed_residuals.items():
+      if residuals is not None and key not in residuals:
+        raise NotImplementedError(f"needs the forward's {what} residual ({key!r})")
+
+  def heuristic_config(self, args):
+    return self.heuristic(args, backward=self._backward)
+
+  def search_space(self, args):
+    return self.configs(args, backward=self._backward)
+
+
+# ----------------------------------------------------------------------------
+# Helpers for attention kernels.
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionLayout:
+  """What an attention kernel specializes on, from ``AttentionArgs``: static sizes,
+  the visible window and which optional inputs are present.
+
+  Kernels subclass it (a frozen dataclass) with their own fields and properties
+  and build it with :meth:`from_args`.
+  """
+
+  t: int
+  s: int
+  num_heads: int
+  num_kv_heads: int
+  h: int
+  hv: int
+  scale: float
+  left: int | None  # key s visible to query t needs s >= t - left
+  right: int | None  # ... and s <= t + right (causal: right = 0)
+  soft_cap: float | None
+  has_q_len: bool
+  has_kv_len: bool
+  has_segments: bool
+  has_q_offset: bool  # query row t sits at position t + q_offset (window/causal)
+  precision: Any
+
+  @property
+  def group(self) -> int:
+    """Query heads per kv head (GQA/MQA)."""
+    return self.num_heads // self.num_kv_heads
+
+  @classmethod
+  def from_args(cls, args, precision, **fields):
+    """The layout of `args`; `precision` is the kernel's for its in-kernel dots.
+
+    A float32 call without one gets ``Precision.HIGHEST``, XLA's float32 accuracy
+    (the accelerators' default float32 dots are TF32 on GPUs, bf16 passes on TPUs).
+    `fields` are the subclass's own.
+    """
+    left, right = args.visible_window
+    if precision is None and args.query.dtype == jnp.float32:
+      precision = lax.Precision.HIGHEST
+    return cls(
+        t=args.query.shape[1], s=args.key.shape[1], num_heads=args.query.shape[2],
+        num_kv_heads=args.key.shape[2], h=args.query.shape[3], hv=args.value.shape[3],
+        scale=args.scale, left=left, right=right, soft_cap=args.logits_soft_cap,
+        has_q_len=args.query_seq_lengths is not None,
+        has_kv_len=args.key_value_seq_lengths is not None,
+        has_segments=args.q_segment_ids is not None,
+        # The offset moves only the window; without one it changes nothing.
+        has_q_offset=args.q_offset is not None and (left, right) != (None, None),
+        precision=precision, **fields)
+
+
+def check_attention_shapes(args, max_head_dim: int) -> None:
+  """Refuses head dims above `max_head_dim` and empty inputs (NotImplementedError)."""
+  h, hv = args.query.shape[-1], args.value.shape[-1]
+  if max(h, hv) > max_head_dim:
+    raise NotImplementedError(f"head dims up to {max_head_dim} are supported; got "
+                              f"H={h}, Hv={hv}")
+  if min(args.query.shape[1], args.key.shape[1], h, hv, args.query.shape[0],
+         args.query.shape[2]) == 0:
+    raise NotImplementedError(
+        f"empty (zero-size) inputs: query {tuple(args.query.shape)}, key "
+        f"{tuple(args.key.shape)}, value {tuple(args.value.shape)}")
+
+
+def attention_delta(out, dout):
+  """``rowsum(dout * out)`` in float32, ``[B, N, T]``: the softmax backward's
+  correction term, from ``[B, T, N, Hv]`` outputs and their cotangents."""
+  return jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32),
+                    out.astype(jnp.float32))

@@ -1,0 +1,80 @@
+"""The helpers tokamax.plugin offers backends (beyond the Backend contract)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import tokamax
+from tokamax import plugin
+
+
+def test_implementations_share_name_platforms_priority():
+  impls = plugin.implementations(
+      name="k", platforms=("gpu",), priority=7,
+      ops={"layer_norm": ("m.ln:F", "m.ln:B"), "ragged_dot": ("m.rd:F", None)})
+  assert impls == (
+      plugin.Implementation("layer_norm", "k", "m.ln:F", "m.ln:B", ("gpu",), 7),
+      plugin.Implementation("ragged_dot", "k", "m.rd:F", None, ("gpu",), 7))
+
+
+def _check(args, device):
+  if device == "bad":
+    raise NotImplementedError("bad device")
+
+
+class _Functions(plugin.OpFunctions):
+  op_name = "layer_norm"
+  name = "helper_test"
+  check_args = staticmethod(_check)
+  heuristic = staticmethod(lambda args, backward: ("heuristic", backward))
+  configs = staticmethod(lambda args, backward: [("space", backward)])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fwd(_Functions, tokamax.Op):
+  def forward(self, args, config):
+    raise AssertionError
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bwd(_Functions, tokamax.VjpOp):
+  needed_residuals = {"lse": "log-sum-exp"}
+
+  def backward(self, args, residuals, out, dout, config):
+    raise AssertionError
+
+
+def test_op_functions_tell_the_pass_and_check_residuals():
+  assert _Fwd().heuristic_config(None) == ("heuristic", False)
+  assert _Bwd().heuristic_config(None) == ("heuristic", True)
+  assert _Bwd().search_space(None) == [("space", True)]
+  _Fwd().check_supported(None, "ok")
+  _Bwd().check_supported(None, "ok", residuals={"lse": 0})
+  _Bwd().check_supported(None, "ok")  # residuals unknown yet
+  with pytest.raises(NotImplementedError, match="bad device"):
+    _Fwd().check_supported(None, "bad")
+  with pytest.raises(NotImplementedError, match=r"log-sum-exp residual \('lse'\)"):
+    _Bwd().check_supported(None, "ok", residuals={})
+
+
+def test_attention_layout_and_checks():
+  q = jnp.zeros((2, 8, 4, 16), jnp.float32)
+  kv = jnp.zeros((2, 12, 2, 16), jnp.float32)
+  args = tokamax.AttentionArgs(q, kv, kv, is_causal=True, q_offset=jnp.int32(3))
+  lay = plugin.AttentionLayout.from_args(args, None)
+  assert (lay.t, lay.s, lay.group, lay.left, lay.right) == (8, 12, 2, None, 0)
+  assert lay.has_q_offset and lay.precision == jax.lax.Precision.HIGHEST
+  bf16 = tokamax.AttentionArgs(q.astype(jnp.bfloat16), kv.astype(jnp.bfloat16),
+                               kv.astype(jnp.bfloat16), q_offset=jnp.int32(3))
+  lay = plugin.AttentionLayout.from_args(bf16, None)
+  assert lay.precision is None and not lay.has_q_offset  # no window: no offset
+  plugin.check_attention_shapes(args, 16)
+  with pytest.raises(NotImplementedError, match="head dims up to 8"):
+    plugin.check_attention_shapes(args, 8)
+  empty = tokamax.AttentionArgs(q, kv[:, :0], kv[:, :0])
+  with pytest.raises(NotImplementedError, match="empty"):
+    plugin.check_attention_shapes(empty, 16)
+  out = jnp.ones((2, 8, 4, 16), jnp.bfloat16)
+  assert plugin.attention_delta(out, out).shape == (2, 4, 8)
