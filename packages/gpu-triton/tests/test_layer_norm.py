@@ -257,7 +257,8 @@ def test_wide_rms_backward_declines_under_automatic_choice():
   """RMS rows wider than one backward block: None's training step runs a forward
   whose own backward takes them (XLA's, measured faster); a user who names
   triton still gets triton both ways, with the same gradients."""
-  x, scale, _, _ = _inputs(3, ln._MAX_BLOCK_D_BWD + 8, jnp.float32, True, False)  # pylint: disable=protected-access
+  # Just past the kernel's (private) widest backward block.
+  x, scale, _, _ = _inputs(3, ln._MAX_BLOCK_D_BWD + 8, jnp.float32, True, False)
 
   def grads(implementation):
     loss = lambda x, s: jnp.sum(jnp.sin(tokamax.rms_norm(

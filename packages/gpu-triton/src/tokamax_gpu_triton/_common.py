@@ -43,6 +43,15 @@ def next_power_of_2(x: int) -> int:
   return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
+def and_masks(*masks):
+  """Logical and of the non-None masks (None: nothing to mask)."""
+  out = None
+  for m in masks:
+    if m is not None:
+      out = m if out is None else out & m
+  return out
+
+
 def block_mask(rows_ok, cols_ok):
   """A block's 2-D mask from optional row and column masks; None when all valid."""
   if rows_ok is None:
@@ -50,6 +59,12 @@ def block_mask(rows_ok, cols_ok):
   if cols_ok is None:
     return rows_ok[:, None]
   return rows_ok[:, None] & cols_ok[None, :]
+
+
+def tile_mask(rows_ok, cols_ok, shape):
+  """`block_mask` broadcast to the full `shape` (None when all valid)."""
+  m = block_mask(rows_ok, cols_ok)
+  return None if m is None else jnp.broadcast_to(m, shape)
 
 
 def load(ref, mask=None, other=0, *, eviction_policy=None):

@@ -37,8 +37,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -46,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 import tokamax
+from tokamax import plugin
 from tokamax_gpu_triton import _common
 
 _LOG2E = math.log2(math.e)
@@ -85,31 +84,12 @@ class AttentionVjpConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
+class _Layout(plugin.AttentionLayout):
   """Everything static the kernels need to know about one call."""
 
-  t: int
-  s: int
-  num_heads: int
-  num_kv_heads: int
-  h: int
-  hv: int
-  scale: float
-  left: int | None  # key s visible to query t needs s >= t - left
-  right: int | None  # ... and s <= t + right (causal: right = 0)
-  soft_cap: float | None
   bias_shape: tuple[int, ...] | None
   mask_shape: tuple[int, ...] | None
-  has_q_len: bool
-  has_kv_len: bool
-  has_segments: bool
-  has_q_offset: bool  # query row t sits at position t + q_offset (window/causal)
-  precision: Any
   has_sinks: bool = False  # a per-head logit in each row's denominator (forward)
-
-  @property
-  def group(self) -> int:
-    return self.num_heads // self.num_kv_heads
 
   @property
   def hp(self) -> int:
@@ -127,23 +107,12 @@ class _Layout:
 
 
 def _layout(args) -> _Layout:
-  left, right = args.visible_window
-  precision = args.precision
-  if precision is None and args.query.dtype == jnp.float32:
-    # Triton's default for float32 dots is TF32; match XLA's float32 accuracy.
-    precision = lax.Precision.HIGHEST
-  return _Layout(
-      t=args.query.shape[1], s=args.key.shape[1], num_heads=args.query.shape[2],
-      num_kv_heads=args.key.shape[2], h=args.query.shape[3], hv=args.value.shape[3],
-      scale=args.scale, left=left, right=right, soft_cap=args.logits_soft_cap,
+  # float32 without a precision: HIGHEST, not Triton's TF32 default (from_args).
+  return _Layout.from_args(
+      args, args.precision,
       bias_shape=None if args.bias is None else tuple(args.bias.shape),
       mask_shape=None if args.mask is None else tuple(args.mask.shape),
-      has_q_len=args.query_seq_lengths is not None,
-      has_kv_len=args.key_value_seq_lengths is not None,
-      has_segments=args.q_segment_ids is not None,
-      # The offset moves only the window; without one it changes nothing.
-      has_q_offset=args.q_offset is not None and (left, right) != (None, None),
-      precision=precision, has_sinks=args.sinks is not None)
+      has_sinks=args.sinks is not None)
 
 
 # ----------------------------------------------------------------------------
@@ -151,20 +120,6 @@ def _layout(args) -> _Layout:
 # ----------------------------------------------------------------------------
 
 
-def _and(*masks):
-  """Logical and of the non-None masks (None: nothing to mask)."""
-  out = None
-  for m in masks:
-    if m is not None:
-      out = m if out is None else out & m
-  return out
-
-
-def _tile_mask(rows_ok, cols_ok, shape):
-  """A full-shape load/store mask from optional row and column predicates."""
-  m = _and(None if rows_ok is None else rows_ok[:, None],
-           None if cols_ok is None else cols_ok[None, :])
-  return None if m is None else jnp.broadcast_to(m, shape)
 
 
 def _load_rows(ref, head, start, size, rows_ok, width, true_width):
@@ -173,11 +128,27 @@ def _load_rows(ref, head, start, size, rows_ok, width, true_width):
   cols_ok = jnp.arange(width) < true_width if width != true_width else None
   rows = pl.ds(start, size)
   idx = (rows, slice(None)) if head is None else (rows, head, slice(None))
-  return _common.load(ref.at[idx], _tile_mask(rows_ok, cols_ok, (size, width)), 0.0)
+  return _common.load(ref.at[idx], _common.tile_mask(rows_ok, cols_ok, (size, width)), 0.0)
+
+
+def _store_rows(ref, start, size, x, rows_ok, width, true_width):
+  """Stores `x` ``[size, width]`` as rows ``[start, start + size)`` of a
+  ``[rows, true_width]`` ref (the counterpart of `_load_rows`)."""
+  cols_ok = jnp.arange(width) < true_width if width != true_width else None
+  plgpu.store(ref.at[pl.ds(start, size), :], x.astype(ref.dtype),
+              mask=_common.tile_mask(rows_ok, cols_ok, (size, width)))
 
 
 def _load_vec(ref, lead, start, size, ok, other):
   return _common.load(ref.at[(*lead, pl.ds(start, size))], ok, other)
+
+
+def _load_seg(lay: _Layout, refs, name, start, size, ok):
+  """Segment ids ``[start, start + size)`` of "q_seg" or "kv_seg" (None without
+  segments); padding reads -1 for queries and -2 for keys, so it never matches."""
+  if not lay.has_segments:
+    return None
+  return _load_vec(refs[name], (), start, size, ok, -1 if name == "q_seg" else -2)
 
 
 def _load_pair(ref, lead, q0, bq, k0, bk, rows_ok, cols_ok, other):
@@ -186,7 +157,7 @@ def _load_pair(ref, lead, q0, bq, k0, bk, rows_ok, cols_ok, other):
   rows = pl.ds(q0, bq) if tb > 1 else pl.ds(0, 1)
   cols = pl.ds(k0, bk) if sb > 1 else pl.ds(0, 1)
   shape = (bq if tb > 1 else 1, bk if sb > 1 else 1)
-  mask = _tile_mask(rows_ok if tb > 1 else None, cols_ok if sb > 1 else None, shape)
+  mask = _common.tile_mask(rows_ok if tb > 1 else None, cols_ok if sb > 1 else None, shape)
   return _common.load(ref.at[(*lead, rows, cols)], mask, other)
 
 
@@ -218,9 +189,9 @@ def _positional(lay: _Layout, rows, cols, kv_limit, bk, rows_first=True):
   if lay.has_kv_len or lay.s % bk:  # else every visited key is < S
     vis = c < kv_limit
   if lay.left is not None:
-    vis = _and(vis, c >= r - lay.left)
+    vis = _common.and_masks(vis, c >= r - lay.left)
   if lay.right is not None:
-    vis = _and(vis, c <= r + lay.right)
+    vis = _common.and_masks(vis, c <= r + lay.right)
   return vis
 
 
@@ -358,8 +329,40 @@ def _content(lay: _Layout, refs, lead_b, lead_m, q0, bq, k0, bk, rows_ok, cols_o
   if q_seg is not None:
     seg = (q_seg[None, :] == kv_seg[:, None]) if transpose else (
         q_seg[:, None] == kv_seg[None, :])
-    vis = _and(vis, seg)
+    vis = _common.and_masks(vis, seg)
   return bias, vis
+
+
+def _query_tile(lay: _Layout, refs, bq: int, nq: int, reverse: bool):
+  """This program's query block (grid axis 0): ``(q0, rows, row_in, limits, q)``
+  with ``limits = (kv_limit, q_limit, off)`` (`_limits`)."""
+  qb = pl.program_id(0)
+  if reverse:  # heaviest (last) query blocks first: better tail under causal
+    qb = nq - 1 - qb
+  q0 = qb * bq
+  rows = q0 + jnp.arange(bq)
+  row_in = rows < lay.t if lay.t % bq else None
+  limits = _limits(lay, refs)
+  q = _load_rows(refs["q"], None, q0, bq, row_in, lay.hp, lay.h)
+  return q0, rows, row_in, limits, q
+
+
+def _key_block(lay: _Layout, refs, j, bk, masked, q0, bq, rows, row_in, q_seg, limits,
+               load_k=True):
+  """Key block j for the query tile at `q0`: ``(k or None, v, bias, vis)``, where
+  `vis` takes in positional masking when `masked` (else content only)."""
+  kv_limit, _, off = limits
+  k0 = j * bk
+  cols = k0 + jnp.arange(bk)
+  col_in = cols < lay.s if (masked and lay.s % bk) else None
+  k = _load_rows(refs["k"], None, k0, bk, col_in, lay.hp, lay.h) if load_k else None
+  v = _load_rows(refs["v"], None, k0, bk, col_in, lay.hvp, lay.hv)
+  kv_seg = _load_seg(lay, refs, "kv_seg", k0, bk, col_in)
+  bias, vis = _content(lay, refs, (), (), q0, bq, k0, bk, row_in, col_in, q_seg,
+                       kv_seg)
+  if masked:
+    vis = _common.and_masks(vis, _positional(lay, rows + off, cols, kv_limit, bk))
+  return k, v, bias, vis
 
 
 # ----------------------------------------------------------------------------
@@ -370,17 +373,9 @@ def _content(lay: _Layout, refs, lead_b, lead_m, q0, bq, k0, bk, rows_ok, cols_o
 def _fwd_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: bool,
                 prefetch_qk: bool):
   refs = dict(zip(names, refs))
-  qb = pl.program_id(0)
-  if reverse:  # heaviest (last) query blocks first: better tail under causal
-    qb = nq - 1 - qb
-  q0 = qb * bq
-  rows = q0 + jnp.arange(bq)
-  row_in = rows < lay.t if lay.t % bq else None
-  kv_limit, q_limit, off = _limits(lay, refs)
-  q = _load_rows(refs["q"], None, q0, bq, row_in, lay.hp, lay.h)
-  q_seg = None
-  if lay.has_segments:
-    q_seg = _load_vec(refs["q_seg"], (), q0, bq, row_in, -1)
+  q0, rows, row_in, limits, q = _query_tile(lay, refs, bq, nq, reverse)
+  kv_limit, q_limit, off = limits
+  q_seg = _load_seg(lay, refs, "q_seg", q0, bq, row_in)
 
   def scores(j):
     """QK^T of key block j. The prefetching loop may compute it for a block it
@@ -392,19 +387,8 @@ def _fwd_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: 
 
   def body(j, carry, masked, qk=None):
     acc, m, l = carry
-    k0 = j * bk
-    cols = k0 + jnp.arange(bk)
-    col_in = cols < lay.s if (masked and lay.s % bk) else None
-    if qk is None:
-      k = _load_rows(refs["k"], None, k0, bk, col_in, lay.hp, lay.h)
-    v = _load_rows(refs["v"], None, k0, bk, col_in, lay.hvp, lay.hv)
-    kv_seg = None
-    if q_seg is not None:
-      kv_seg = _load_vec(refs["kv_seg"], (), k0, bk, col_in, -2)
-    bias, vis = _content(lay, refs, (), (), q0, bq, k0, bk, row_in, col_in, q_seg,
-                         kv_seg)
-    if masked:
-      vis = _and(vis, _positional(lay, rows + off, cols, kv_limit, bk))
+    k, v, bias, vis = _key_block(lay, refs, j, bk, masked, q0, bq, rows, row_in, q_seg,
+                                 limits, load_k=qk is None)
     if qk is None:
       qk = _dot(q, k, lay.precision, trans_b=True)
     if lay.direct_scale:
@@ -452,10 +436,7 @@ def _fwd_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: 
     inv_l = inv_l * jnp.exp2(m + jnp.log2(l_safe) - lse2)
   out = jnp.where(valid[:, None], acc * inv_l[:, None], 0.0)
   lse = jnp.where(valid, lse2 * _LN2, jnp.inf)
-  cols_ok = jnp.arange(lay.hvp) < lay.hv if lay.hvp != lay.hv else None
-  o_ref = refs["out"]
-  plgpu.store(o_ref.at[pl.ds(q0, bq), :], out.astype(o_ref.dtype),
-              mask=_tile_mask(row_in, cols_ok, (bq, lay.hvp)))
+  _store_rows(refs["out"], q0, bq, out, row_in, lay.hvp, lay.hv)
   plgpu.store(refs["lse"].at[pl.ds(q0, bq)], lse, mask=row_in)
 
 
@@ -466,36 +447,18 @@ def _fwd_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: 
 
 def _dq_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: bool):
   refs = dict(zip(names, refs))
-  qb = pl.program_id(0)
-  if reverse:
-    qb = nq - 1 - qb
-  q0 = qb * bq
-  rows = q0 + jnp.arange(bq)
-  row_in = rows < lay.t if lay.t % bq else None
-  kv_limit, q_limit, off = _limits(lay, refs)
-  q = _load_rows(refs["q"], None, q0, bq, row_in, lay.hp, lay.h)
+  q0, rows, row_in, limits, q = _query_tile(lay, refs, bq, nq, reverse)
+  kv_limit, q_limit, off = limits
   do = _load_rows(refs["do"], None, q0, bq, row_in, lay.hvp, lay.hv)
   # Rows past the query length (or past T) get lse = +inf: p = 0, no gradient.
   lse_ok = rows < q_limit if (lay.has_q_len or lay.t % bq) else None
   lse2 = _load_vec(refs["lse"], (), q0, bq, lse_ok, jnp.inf) * _LOG2E
   delta = _load_vec(refs["delta"], (), q0, bq, row_in, 0.0)
-  q_seg = None
-  if lay.has_segments:
-    q_seg = _load_vec(refs["q_seg"], (), q0, bq, row_in, -1)
+  q_seg = _load_seg(lay, refs, "q_seg", q0, bq, row_in)
 
   def body(j, dq, masked):
-    k0 = j * bk
-    cols = k0 + jnp.arange(bk)
-    col_in = cols < lay.s if (masked and lay.s % bk) else None
-    k = _load_rows(refs["k"], None, k0, bk, col_in, lay.hp, lay.h)
-    v = _load_rows(refs["v"], None, k0, bk, col_in, lay.hvp, lay.hv)
-    kv_seg = None
-    if q_seg is not None:
-      kv_seg = _load_vec(refs["kv_seg"], (), k0, bk, col_in, -2)
-    bias, vis = _content(lay, refs, (), (), q0, bq, k0, bk, row_in, col_in, q_seg,
-                         kv_seg)
-    if masked:
-      vis = _and(vis, _positional(lay, rows + off, cols, kv_limit, bk))
+    k, v, bias, vis = _key_block(lay, refs, j, bk, masked, q0, bq, rows, row_in, q_seg,
+                                 limits)
     z, th = _logits2(_dot(q, k, lay.precision, trans_b=True), bias, lay)
     p = jnp.exp2(z - lse2[:, None])
     if vis is not None:
@@ -511,10 +474,7 @@ def _dq_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: b
   dq = _run_loops(body, jnp.zeros((bq, lay.hp), jnp.float32), lo, fl, fh, hi,
                   lay.left is not None, mask_high)
   dq = dq * lay.scale
-  cols_ok = jnp.arange(lay.hp) < lay.h if lay.hp != lay.h else None
-  dq_ref = refs["dq"]
-  plgpu.store(dq_ref.at[pl.ds(q0, bq), :], dq.astype(dq_ref.dtype),
-              mask=_tile_mask(row_in, cols_ok, (bq, lay.hp)))
+  _store_rows(refs["dq"], q0, bq, dq, row_in, lay.hp, lay.h)
 
 
 def _dkdv_kernel(*refs, names, lay: _Layout, bq: int, bk: int):
@@ -525,9 +485,7 @@ def _dkdv_kernel(*refs, names, lay: _Layout, bq: int, bk: int):
   kv_limit, q_limit, off = _limits(lay, refs)
   k = _load_rows(refs["k"], None, k0, bk, col_in, lay.hp, lay.h)
   v = _load_rows(refs["v"], None, k0, bk, col_in, lay.hvp, lay.hv)
-  kv_seg = None
-  if lay.has_segments:
-    kv_seg = _load_vec(refs["kv_seg"], (), k0, bk, col_in, -2)
+  kv_seg = _load_seg(lay, refs, "kv_seg", k0, bk, col_in)
   lo, fl, fh, hi = _query_range(lay, k0, bk, bq, kv_limit, q_limit, off)
   mask_high = lay.left is not None or lay.has_kv_len or lay.s % bk != 0
   per_head_bias = lay.bias_shape is not None and lay.bias_shape[1] > 1
@@ -544,14 +502,12 @@ def _dkdv_kernel(*refs, names, lay: _Layout, bq: int, bk: int):
       lse_ok = rows < q_limit if (lay.has_q_len or lay.t % bq) else None
       lse2 = _load_vec(refs["lse"], (g,), q0, bq, lse_ok, jnp.inf) * _LOG2E
       delta = _load_vec(refs["delta"], (g,), q0, bq, row_in, 0.0)
-      q_seg = None
-      if kv_seg is not None:
-        q_seg = _load_vec(refs["q_seg"], (), q0, bq, row_in, -1)
+      q_seg = _load_seg(lay, refs, "q_seg", q0, bq, row_in)
       bias, vis = _content(lay, refs, (g,) if per_head_bias else (),
                            (g,) if per_head_mask else (), q0, bq, k0, bk, row_in,
                            col_in, q_seg, kv_seg, transpose=True)
       if masked:
-        vis = _and(vis, _positional(lay, rows + off, cols, kv_limit, bk,
+        vis = _common.and_masks(vis, _positional(lay, rows + off, cols, kv_limit, bk,
                                     rows_first=False))
       # Transposed tiles [bk, bq]: dK and dV come out without transposing p or ds.
       z, th = _logits2(_dot(k, q, lay.precision, trans_b=True), bias, lay)
@@ -565,7 +521,7 @@ def _dkdv_kernel(*refs, names, lay: _Layout, bq: int, bk: int):
         ds = ds * (1.0 - th * th)
       if "dbias" in refs:
         plgpu.store(refs["dbias"].at[g, pl.ds(q0, bq), pl.ds(k0, bk)], ds.T,
-                    mask=_tile_mask(row_in, col_in, (bq, bk)))
+                    mask=_common.tile_mask(row_in, col_in, (bq, bk)))
       dk = dk + _dot(ds.astype(q.dtype), q, lay.precision)
       return dk, dv
 
@@ -577,12 +533,8 @@ def _dkdv_kernel(*refs, names, lay: _Layout, bq: int, bk: int):
   else:
     dk, dv = lax.fori_loop(0, lay.group, head, carry)
   dk = dk * lay.scale
-  for name, x, width, true_width in (("dk", dk, lay.hp, lay.h),
-                                     ("dv", dv, lay.hvp, lay.hv)):
-    ref = refs[name]
-    cols_ok = jnp.arange(width) < true_width if width != true_width else None
-    plgpu.store(ref.at[pl.ds(k0, bk), :], x.astype(ref.dtype),
-                mask=_tile_mask(col_in, cols_ok, (bk, width)))
+  _store_rows(refs["dk"], k0, bk, dk, col_in, lay.hp, lay.h)
+  _store_rows(refs["dv"], k0, bk, dv, col_in, lay.hvp, lay.hv)
 
 
 # ----------------------------------------------------------------------------
@@ -634,6 +586,18 @@ def _pair_spec(shape, heads_block, num_heads):
   return pl.BlockSpec((None, heads_block if nb > 1 else None, tb, sb), index_map)
 
 
+def _kv_group_spec(length, width, num_heads, group):
+  """``[B, S, K, W]`` keys/values seen from a grid over batch * query heads: the
+  kv head of each query head's group (GQA/MQA)."""
+  split = _bn_index(num_heads)
+
+  def index_map(_, bn):
+    b, n = split(bn)
+    return b, 0, lax.div(n, group), 0
+
+  return pl.BlockSpec((None, length, None, width), index_map)
+
+
 def _batch_spec(length, num_heads):
   """``[B, L]`` segment ids, or ``[B]`` lengths when length is None (a scalar)."""
   split = _bn_index(num_heads)
@@ -683,15 +647,7 @@ def _forward(args, config: AttentionConfig):
   b, n = q.shape[0], lay.num_heads
   bq, bk = _fit(config.block_q, lay.t), _fit(config.block_k, lay.s)
   nq = pl.cdiv(lay.t, bq)
-  g = lay.group
-  kv_map = _bn_index(n)
-
-  def kv_spec(width):
-    def index_map(_, bn):
-      bb, nn = kv_map(bn)
-      return bb, 0, lax.div(nn, g), 0
-    return pl.BlockSpec((None, lay.s, None, width), index_map)
-
+  kv_spec = functools.partial(_kv_group_spec, lay.s, num_heads=n, group=lay.group)
   inputs = [("q", q, _seq_spec(lay.t, lay.hp, None, n)), ("k", k, kv_spec(lay.hp)),
             ("v", v, kv_spec(lay.hvp)), *_extras(args, lay, None, n)]
   if lay.has_sinks:
@@ -722,8 +678,7 @@ def _backward(args, lse, out, dout, config: AttentionVjpConfig):
   q, k, v = args.query, args.key, args.value
   b, n, nk_heads, g = q.shape[0], lay.num_heads, lay.num_kv_heads, lay.group
   dout = dout.astype(q.dtype)
-  delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32),
-                     out.astype(jnp.float32))
+  delta = plugin.attention_delta(out, dout)
   lse = lse.astype(jnp.float32)
 
   # dK/dV: one program per (key block, batch, kv head); query heads of the group
@@ -731,12 +686,7 @@ def _backward(args, lse, out, dout, config: AttentionVjpConfig):
   bq, bk = _fit(config.block_q_dkv, lay.t), _fit(config.block_k_dkv, lay.s)
   nkb = pl.cdiv(lay.s, bk)
   kv_split = _bn_index(nk_heads)
-
-  def kv_spec(width):
-    def index_map(_, bn):
-      bb, kh = kv_split(bn)
-      return bb, 0, kh, 0
-    return pl.BlockSpec((None, lay.s, None, width), index_map)
+  kv_spec = functools.partial(_seq_spec, lay.s, heads_block=None, num_heads=nk_heads)
 
   inputs = [("q", q, _seq_spec(lay.t, lay.hp, g, nk_heads)), ("k", k, kv_spec(lay.hp)),
             ("v", v, kv_spec(lay.hvp)), ("do", dout, _seq_spec(lay.t, lay.hvp, g,
@@ -767,13 +717,7 @@ def _backward(args, lse, out, dout, config: AttentionVjpConfig):
   # dQ: one program per (query block, batch, head).
   bq, bk = _fit(config.block_q_dq, lay.t), _fit(config.block_k_dq, lay.s)
   nq = pl.cdiv(lay.t, bq)
-  q_split = _bn_index(n)
-
-  def kv_spec_q(width):
-    def index_map(_, bn):
-      bb, nn = q_split(bn)
-      return bb, 0, lax.div(nn, g), 0
-    return pl.BlockSpec((None, lay.s, None, width), index_map)
+  kv_spec_q = functools.partial(_kv_group_spec, lay.s, num_heads=n, group=g)
 
   inputs = [("q", q, _seq_spec(lay.t, lay.hp, None, n)), ("k", k, kv_spec_q(lay.hp)),
             ("v", v, kv_spec_q(lay.hvp)), ("do", dout, _seq_spec(lay.t, lay.hvp, None,
@@ -800,15 +744,7 @@ def _check(args, device) -> None:
   if dtype not in _DTYPES:
     raise NotImplementedError(f"dtype {jnp.dtype(dtype).name} is not supported "
                               "(bfloat16, float16, float32)")
-  h, hv = args.query.shape[-1], args.value.shape[-1]
-  if max(h, hv) > _MAX_HEAD_DIM:
-    raise NotImplementedError(f"head dims up to {_MAX_HEAD_DIM} are supported; got "
-                              f"H={h}, Hv={hv}")
-  if min(args.query.shape[1], args.key.shape[1], h, hv, args.query.shape[0],
-         args.query.shape[2]) == 0:
-    raise NotImplementedError(
-        f"empty (zero-size) inputs: query {tuple(args.query.shape)}, key "
-        f"{tuple(args.key.shape)}, value {tuple(args.value.shape)}")
+  plugin.check_attention_shapes(args, _MAX_HEAD_DIM)
   if args.bias is not None and args.bias.dtype not in _DTYPES:
     raise NotImplementedError(f"bias dtype {jnp.dtype(args.bias.dtype).name}")
 
@@ -818,17 +754,20 @@ def _head_dim(args) -> int:
              _common.next_power_of_2(args.value.shape[-1]))
 
 
-@dataclasses.dataclass(frozen=True)
-class TritonAttention(tokamax.Op):
-  """FlashAttention-2 forward in Pallas Triton (see the module docstring)."""
+class _AttentionFunctions(plugin.OpFunctions):
+  """What the forward and backward ops share."""
 
   op_name = "dot_product_attention"
   name = "triton"
-  config_cls = AttentionConfig
   supported_features = ("q_offset", "sinks")
+  check_args = staticmethod(_check)
 
-  def check_supported(self, args, device):
-    _check(args, device)
+
+@dataclasses.dataclass(frozen=True)
+class TritonAttention(_AttentionFunctions, tokamax.Op):
+  """FlashAttention-2 forward in Pallas Triton (see the module docstring)."""
+
+  config_cls = AttentionConfig
 
   def heuristic_config(self, args):
     hd = _head_dim(args)
@@ -880,18 +819,11 @@ def _has_score_tiles(args) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class TritonAttentionVjp(tokamax.VjpOp):
+class TritonAttentionVjp(_AttentionFunctions, tokamax.VjpOp):
   """FlashAttention-2 backward in Pallas Triton (dK/dV kernel + dQ kernel)."""
 
-  op_name = "dot_product_attention"
-  name = "triton"
   config_cls = AttentionVjpConfig
-  supported_features = ("q_offset", "sinks")
-
-  def check_supported(self, args, device, residuals=None):
-    _check(args, device)
-    if residuals is not None and "lse" not in residuals:
-      raise NotImplementedError("needs the forward's log-sum-exp residual ('lse')")
+  needed_residuals = {"lse": "log-sum-exp"}
 
   def heuristic_config(self, args):
     hd = _head_dim(args)

@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.extend import core as jex_core
 
 import tokamax
+from tokamax import plugin
 from tokamax_gpu_triton import _common
 
 _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -173,7 +174,7 @@ def _check_activation(activation: Callable | None) -> None:
   try:
     closed = jax.make_jaxpr(_value_and_derivative(activation))(
         jax.ShapeDtypeStruct(shape, jnp.float32))
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:  # any failure: the kernel cannot apply it, so refuse it
     raise NotImplementedError(
         f"activation {activation!r} cannot be traced and differentiated on a "
         f"float32 array: {type(e).__name__}: {e}") from e
@@ -275,21 +276,26 @@ def _fused_projections(x_ref, w_ref, m0, n0, *, n, block_m, block_n, block_k,
   return (gate, up), m_mask, n_mask
 
 
-def _fwd_kernel(x_ref, w_ref, o_ref, *h_ref, activation, block_m, block_n, block_k,
-                group_m, precision, fuse_weights):
-  """One output tile; with `h_ref` (a training forward), also the tile's gate and
-  up projections, at columns ``[n0, n0 + block_n)`` and ``[N + n0, ...)`` of
-  ``h [M, 2N]``."""
+def _output_tile(x_ref, w_ref, n, *, block_m, block_n, block_k, group_m, precision,
+                 fuse_weights):
+  """This program's output tile: ``((gate, up), mask, rows, n0)``, the f32
+  projections, the tile's store mask, its row slice and first column."""
   m = x_ref.shape[0]
-  n = o_ref.shape[1]
   pid_m, pid_n = _tile_ids(pl.cdiv(m, block_m), pl.cdiv(n, block_n), group_m)
   m0 = pl.multiple_of(pid_m * block_m, block_m)
   n0 = pl.multiple_of(pid_n * block_n, block_n)
-  (gate, up), m_mask, n_mask = _projections(
+  projections, m_mask, n_mask = _projections(
       x_ref, w_ref, m0, n0, n=n, block_m=block_m, block_n=block_n,
       block_k=block_k, precision=precision, fuse_weights=fuse_weights)
-  mask = _common.block_mask(m_mask, n_mask)
-  rows = pl.ds(m0, block_m)
+  return projections, _common.block_mask(m_mask, n_mask), pl.ds(m0, block_m), n0
+
+
+def _fwd_kernel(x_ref, w_ref, o_ref, *h_ref, activation, block_n, **tiling):
+  """One output tile; with `h_ref` (a training forward), also the tile's gate and
+  up projections, at columns ``[n0, n0 + block_n)`` and ``[N + n0, ...)`` of
+  ``h [M, 2N]``."""
+  n = o_ref.shape[1]
+  (gate, up), mask, rows, n0 = _output_tile(x_ref, w_ref, n, block_n=block_n, **tiling)
   # The projections as the plain program keeps them: rounded to x's dtype, and the
   # output computed from the rounded values, so forward and backward agree.
   if h_ref:
@@ -304,18 +310,9 @@ def _fwd_kernel(x_ref, w_ref, o_ref, *h_ref, activation, block_m, block_n, block
   _common.store(o_ref.at[rows, pl.ds(n0, block_n)], out, mask)
 
 
-def _bwd_kernel(x_ref, w_ref, dout_ref, dgu_ref, *, activation, block_m, block_n,
-                block_k, group_m, precision, fuse_weights):
-  m = x_ref.shape[0]
+def _bwd_kernel(x_ref, w_ref, dout_ref, dgu_ref, *, activation, block_n, **tiling):
   n = dout_ref.shape[1]
-  pid_m, pid_n = _tile_ids(pl.cdiv(m, block_m), pl.cdiv(n, block_n), group_m)
-  m0 = pl.multiple_of(pid_m * block_m, block_m)
-  n0 = pl.multiple_of(pid_n * block_n, block_n)
-  (gate, up), m_mask, n_mask = _projections(
-      x_ref, w_ref, m0, n0, n=n, block_m=block_m, block_n=block_n,
-      block_k=block_k, precision=precision, fuse_weights=fuse_weights)
-  mask = _common.block_mask(m_mask, n_mask)
-  rows = pl.ds(m0, block_m)
+  (gate, up), mask, rows, n0 = _output_tile(x_ref, w_ref, n, block_n=block_n, **tiling)
   dout = _common.load(dout_ref.at[rows, pl.ds(n0, block_n)], mask).astype(jnp.float32)
   if activation is None:
     act, d_act = gate, None
@@ -377,7 +374,7 @@ def _fit(config: GatedLinearUnitConfig, m: int, n: int, k: int):
       block_n=_clamp_block(config.block_n, n), block_k=_clamp_block(config.block_k, k))
 
 
-def _heuristic(args) -> GatedLinearUnitConfig:
+def _heuristic(args, backward: bool = False) -> GatedLinearUnitConfig:
   m, k = args.x.shape
   n = args.weights.shape[-1]
   if args.x.dtype == jnp.float32 or args.weights.dtype == jnp.float32:
@@ -393,10 +390,15 @@ def _heuristic(args) -> GatedLinearUnitConfig:
   config = _fit(config, m, n, k)
   if config.block_m * config.block_n <= 64 * 64:
     config = dataclasses.replace(config, num_warps=4)
+  if backward and config.fuse_weights and config.num_stages == 3:
+    # Measured on the H200 (docs/benchmarks.md): the recompute kernel gains from a
+    # fourth stage, 16.6 ms vs 17.7 ms forward+backward at x16384x4096 w4096x2x14336.
+    config = dataclasses.replace(config, num_stages=4)
   return config
 
 
-def _search_space(args):
+def _search_space(args, backward: bool = False):
+  del backward  # both kernels tile alike: one space, around the forward's heuristic
   m, k = args.x.shape
   n = args.weights.shape[-1]
   wide = args.x.dtype == jnp.float32 or args.weights.dtype == jnp.float32
@@ -443,22 +445,20 @@ def _check_config(config: GatedLinearUnitConfig) -> None:
     raise ValueError(f"GatedLinearUnitConfig blocks must be >= 16; got {config}")
 
 
-@dataclasses.dataclass(frozen=True)
-class TritonGatedLinearUnit(tokamax.Op):
-  """GLU forward: one Pallas Triton matmul kernel for both projections."""
+class _GluFunctions(plugin.OpFunctions):
+  """What the forward and backward ops share."""
 
   op_name = "gated_linear_unit"
   name = "triton"
   config_cls = GatedLinearUnitConfig
+  check_args = staticmethod(_check_args)
+  heuristic = staticmethod(_heuristic)
+  configs = staticmethod(_search_space)
 
-  def check_supported(self, args, device):
-    _check_args(args, device)
 
-  def heuristic_config(self, args):
-    return _heuristic(args)
-
-  def search_space(self, args):
-    return _search_space(args)
+@dataclasses.dataclass(frozen=True)
+class TritonGatedLinearUnit(_GluFunctions, tokamax.Op):
+  """GLU forward: one Pallas Triton matmul kernel for both projections."""
 
   def forward(self, args, config):
     _check_config(config)
@@ -476,27 +476,9 @@ class TritonGatedLinearUnit(tokamax.Op):
 
 
 @dataclasses.dataclass(frozen=True)
-class TritonGatedLinearUnitVjp(tokamax.VjpOp):
+class TritonGatedLinearUnitVjp(_GluFunctions, tokamax.VjpOp):
   """GLU backward: from the forward's projections where it kept them, else a fused
   recompute + activation derivative kernel; XLA matmuls."""
-
-  op_name = "gated_linear_unit"
-  name = "triton"
-  config_cls = GatedLinearUnitConfig
-
-  def check_supported(self, args, device, residuals=None):
-    _check_args(args, device)
-
-  def heuristic_config(self, args):
-    config = _heuristic(args)
-    if config.fuse_weights and config.num_stages == 3:
-      # Measured on the H200 (docs/benchmarks.md): the recompute kernel gains from a
-      # fourth stage, 16.6 ms vs 17.7 ms forward+backward at x16384x4096 w4096x2x14336.
-      config = dataclasses.replace(config, num_stages=4)
-    return config
-
-  def search_space(self, args):
-    return _search_space(args)
 
   def backward(self, args, residuals, out, dout, config):
     del out

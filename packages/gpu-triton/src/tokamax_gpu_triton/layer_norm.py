@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 import tokamax
+from tokamax import plugin
 from tokamax_gpu_triton import _common
 
 # Largest row tile kept in registers: the forward holds one f32 copy of the tile,
@@ -124,14 +125,6 @@ def _range_mask(start, size: int, bound: int, ragged: bool):
   return start + jnp.arange(size) < bound if ragged else None
 
 
-def _tile_mask(row_mask, col_mask):
-  if row_mask is None:
-    return None if col_mask is None else col_mask[None, :]
-  if col_mask is None:
-    return row_mask[:, None]
-  return row_mask[:, None] & col_mask[None, :]
-
-
 def _load(ref, mask, policy=None):
   return _common.load(ref, mask, 0.0, eviction_policy=policy).astype(jnp.float32)
 
@@ -173,7 +166,7 @@ def _fwd_kernel(*refs, has_scale, has_offset, subtract_mean, eps, block_rows,
   if block_d >= d:
     cols = pl.ds(0, block_d)
     col_mask = _range_mask(0, block_d, d, cols_ragged)
-    mask = _tile_mask(row_mask, col_mask)
+    mask = _common.block_mask(row_mask, col_mask)
     x = _load(x_ref.at[rows, cols], mask)
     if subtract_mean:
       mean = jnp.sum(x, axis=1) / d
@@ -193,8 +186,8 @@ def _fwd_kernel(*refs, has_scale, has_offset, subtract_mean, eps, block_rows,
       mean, m2 = carry
       c0 = pl.multiple_of(j * block_d, block_d)
       col_mask = _range_mask(c0, block_d, d, cols_ragged)
-      x = _load(x_ref.at[rows, pl.ds(c0, block_d)], _tile_mask(row_mask, col_mask),
-                "evict_last")
+      x = _load(x_ref.at[rows, pl.ds(c0, block_d)],
+                _common.block_mask(row_mask, col_mask), "evict_last")
       if not subtract_mean:
         return mean, m2 + jnp.sum(x * x, axis=1)
       # Chan et al.: merge this block's (count, mean, M2) into the running one.
@@ -218,7 +211,7 @@ def _fwd_kernel(*refs, has_scale, has_offset, subtract_mean, eps, block_rows,
       c0 = pl.multiple_of(j * block_d, block_d)
       cols = pl.ds(c0, block_d)
       col_mask = _range_mask(c0, block_d, d, cols_ragged)
-      mask = _tile_mask(row_mask, col_mask)
+      mask = _common.block_mask(row_mask, col_mask)
       x = _load(x_ref.at[rows, cols], mask, "evict_first")
       y = _affine((x - mean[:, None]) * rstd[:, None],
                   _load_param(scale_ref, cols, col_mask),
@@ -321,7 +314,7 @@ def _bwd_rows_kernel(*refs, has_scale, want_dscale, want_doffset, subtract_mean,
   def block(it):
     r0 = (pid + it * num_programs) * block_rows
     row_mask = _range_mask(r0, block_rows, r, rows_ragged)
-    return pl.ds(r0, block_rows), row_mask, _tile_mask(row_mask, col_mask)
+    return pl.ds(r0, block_rows), row_mask, _common.block_mask(row_mask, col_mask)
 
   def load(it):
     rows, _, mask = block(it)
@@ -377,7 +370,7 @@ def _bwd_row_sums_kernel(*refs, has_scale, subtract_mean, block_rows, block_d):
     c0 = pl.multiple_of(j * block_d, block_d)
     cols = pl.ds(c0, block_d)
     col_mask = _range_mask(c0, block_d, d, d % block_d != 0)
-    mask = _tile_mask(row_mask, col_mask)
+    mask = _common.block_mask(row_mask, col_mask)
     xhat = _xhat(_load(x_ref.at[rows, cols], mask, "evict_last"), mean, rstd)
     g = _g(_load(dy_ref.at[rows, cols], mask, "evict_last"),
            _load_param(scale_ref, cols, col_mask))
@@ -412,7 +405,7 @@ def _bwd_wide_kernel(*refs, has_scale, want_dscale, want_doffset, subtract_mean,
     r0 = (pid + it * num_programs) * block_rows
     row_mask = _range_mask(r0, block_rows, r, rows_ragged)
     rows = pl.ds(r0, block_rows)
-    mask = _tile_mask(row_mask, col_mask)
+    mask = _common.block_mask(row_mask, col_mask)
     mean = _load(mean_ref.at[rows], row_mask) if subtract_mean else None
     rstd = _load(rstd_ref.at[rows], row_mask)
     dy = _load(dy_ref.at[rows, cols], mask, "evict_first")
@@ -468,6 +461,28 @@ def _partials_to_grads(args, dx, partials):
   return grads
 
 
+@dataclasses.dataclass(frozen=True)
+class _BwdGrid:
+  """The persistent backward grid of one call and the outputs of its main kernel."""
+
+  num_row_blocks: int
+  num_programs: int
+  trips: int
+  rows_ragged: bool  # a partial last row block, or padding trips
+  out_shape: tuple[jax.ShapeDtypeStruct, ...]  # dx, then the dscale / doffset partials
+
+
+def _bwd_grid(args: tokamax.LayerNormArgs, config: LayerNormVjpConfig) -> _BwdGrid:
+  r, d = args.x.shape
+  num_row_blocks = pl.cdiv(r, config.block_rows)
+  num_programs, trips = _grid_rows(num_row_blocks, config.num_programs)
+  rows_ragged = r % config.block_rows != 0 or num_row_blocks != num_programs * trips
+  partial = jax.ShapeDtypeStruct((num_programs, d), jnp.float32)
+  out_shape = [jax.ShapeDtypeStruct((r, d), args.x.dtype)]
+  out_shape += [partial] * (int(args.scale is not None) + int(args.offset is not None))
+  return _BwdGrid(num_row_blocks, num_programs, trips, rows_ragged, tuple(out_shape))
+
+
 def _backward_rows(args: tokamax.LayerNormArgs, dy, config: LayerNormVjpConfig):
   """Rows that fit one block: a single kernel, statistics recomputed in registers.
 
@@ -475,28 +490,21 @@ def _backward_rows(args: tokamax.LayerNormArgs, dy, config: LayerNormVjpConfig):
   only gradients are wanted (the forward's output is then dead).
   """
   x = args.x
-  r, d = x.shape
   block_rows, block_d = config.block_rows, config.block_d
-  num_row_blocks = pl.cdiv(r, block_rows)
-  num_programs, trips = _grid_rows(num_row_blocks, config.num_programs)
-  rows_ragged = r % block_rows != 0 or num_row_blocks != num_programs * trips
+  grid = _bwd_grid(args, config)
   has_scale = args.scale is not None
-  want_doffset = args.offset is not None
   scale_in = [args.scale] if has_scale else []
-  partial = jax.ShapeDtypeStruct((num_programs, d), jnp.float32)
-  out_shape = [jax.ShapeDtypeStruct((r, d), x.dtype)]
-  out_shape += [partial] * (int(has_scale) + int(want_doffset))
   outs = _common.pallas_call(
       functools.partial(
           _bwd_rows_kernel, has_scale=has_scale, want_dscale=has_scale,
-          want_doffset=want_doffset, subtract_mean=args.subtract_mean,
-          eps=args.epsilon, prefetch=config.prefetch and trips > 1,
-          rows_ragged=rows_ragged, trips=trips, block_rows=block_rows,
+          want_doffset=args.offset is not None, subtract_mean=args.subtract_mean,
+          eps=args.epsilon, prefetch=config.prefetch and grid.trips > 1,
+          rows_ragged=grid.rows_ragged, trips=grid.trips, block_rows=block_rows,
           block_d=block_d),
-      out_shape=tuple(out_shape),
-      grid=(num_programs,),
+      out_shape=grid.out_shape,
+      grid=(grid.num_programs,),
       in_specs=[pl.no_block_spec] * (2 + len(scale_in)),
-      out_specs=[pl.no_block_spec] * len(out_shape),
+      out_specs=[pl.no_block_spec] * len(grid.out_shape),
       num_warps=config.num_warps, num_stages=config.num_stages,
       interpret=tokamax.interpret_mode(), name="tokamax_layer_norm_bwd",
   )(x, *scale_in, dy.astype(x.dtype))
@@ -509,11 +517,8 @@ def _backward_wide(args: tokamax.LayerNormArgs, mean, rstd, dy,
   x = args.x
   r, d = x.shape
   block_rows, block_d = config.block_rows, config.block_d
-  num_row_blocks = pl.cdiv(r, block_rows)
-  num_programs, trips = _grid_rows(num_row_blocks, config.num_programs)
-  rows_ragged = r % block_rows != 0 or num_row_blocks != num_programs * trips
+  grid = _bwd_grid(args, config)
   has_scale = args.scale is not None
-  want_doffset = args.offset is not None
   interpret = tokamax.interpret_mode()
   scale_in = [args.scale] if has_scale else []
   dy = dy.astype(x.dtype)
@@ -523,25 +528,22 @@ def _backward_wide(args: tokamax.LayerNormArgs, mean, rstd, dy,
                         subtract_mean=args.subtract_mean, block_rows=block_rows,
                         block_d=block_d),
       out_shape=(jax.ShapeDtypeStruct((r,), jnp.float32),) * 2,
-      grid=(num_row_blocks,),
+      grid=(grid.num_row_blocks,),
       in_specs=[pl.no_block_spec] * (4 + len(scale_in)),
       out_specs=[pl.no_block_spec] * 2,
       num_warps=config.num_warps, num_stages=1, interpret=interpret,
       name="tokamax_layer_norm_bwd_row_sums",
   )(x, *scale_in, dy, mean, rstd)
 
-  partial = jax.ShapeDtypeStruct((num_programs, d), jnp.float32)
-  out_shape = [jax.ShapeDtypeStruct((r, d), x.dtype)]
-  out_shape += [partial] * (int(has_scale) + int(want_doffset))
   outs = _common.pallas_call(
       functools.partial(_bwd_wide_kernel, has_scale=has_scale,
-                        want_dscale=has_scale, want_doffset=want_doffset,
-                        subtract_mean=args.subtract_mean, rows_ragged=rows_ragged,
-                        trips=trips, block_rows=block_rows, block_d=block_d),
-      out_shape=tuple(out_shape),
-      grid=(num_programs, pl.cdiv(d, block_d)),
+                        want_dscale=has_scale, want_doffset=args.offset is not None,
+                        subtract_mean=args.subtract_mean, rows_ragged=grid.rows_ragged,
+                        trips=grid.trips, block_rows=block_rows, block_d=block_d),
+      out_shape=grid.out_shape,
+      grid=(grid.num_programs, pl.cdiv(d, block_d)),
       in_specs=[pl.no_block_spec] * (6 + len(scale_in)),
-      out_specs=[pl.no_block_spec] * len(out_shape),
+      out_specs=[pl.no_block_spec] * len(grid.out_shape),
       num_warps=config.num_warps, num_stages=config.num_stages,
       interpret=interpret, name="tokamax_layer_norm_bwd",
   )(x, *scale_in, dy, mean, rstd, *row_sums)
@@ -567,16 +569,19 @@ def _check_args(args: tokamax.LayerNormArgs, device: tokamax.DeviceInfo) -> None
     raise NotImplementedError("x has 2**31 elements or more (int32 offsets)")
 
 
-@dataclasses.dataclass(frozen=True)
-class TritonLayerNorm(tokamax.Op):
-  """Layer / RMS normalization forward as a Pallas Triton kernel."""
+class _LayerNormFunctions(plugin.OpFunctions):
+  """What the forward and backward ops share."""
 
   op_name = "layer_norm"
   name = "triton"
-  config_cls = LayerNormConfig
+  check_args = staticmethod(_check_args)
 
-  def check_supported(self, args, device):
-    _check_args(args, device)
+
+@dataclasses.dataclass(frozen=True)
+class TritonLayerNorm(_LayerNormFunctions, tokamax.Op):
+  """Layer / RMS normalization forward as a Pallas Triton kernel."""
+
+  config_cls = LayerNormConfig
 
   def heuristic_config(self, args):
     r, d = args.x.shape
@@ -604,15 +609,10 @@ class TritonLayerNorm(tokamax.Op):
 
 
 @dataclasses.dataclass(frozen=True)
-class TritonLayerNormVjp(tokamax.VjpOp):
+class TritonLayerNormVjp(_LayerNormFunctions, tokamax.VjpOp):
   """Layer / RMS normalization backward as Pallas Triton kernels."""
 
-  op_name = "layer_norm"
-  name = "triton"
   config_cls = LayerNormVjpConfig
-
-  def check_supported(self, args, device, residuals=None):
-    _check_args(args, device)
 
   def declines(self, args):
     d = args.x.shape[1]

@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 import tokamax
-from tokamax import Op, VjpOp
+from tokamax import Op, VjpOp, plugin
 from tokamax_gpu_triton import _common
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
@@ -367,7 +367,8 @@ def _heuristic(args, *, backward: bool) -> RaggedDotConfig:
       group_m=8, num_warps=warps, num_stages=stages)
 
 
-def _search_space(args) -> tuple[RaggedDotConfig, ...]:
+def _search_space(args, backward: bool = False) -> tuple[RaggedDotConfig, ...]:
+  del backward  # one space covers the forward's and dlhs's (transposed) shapes
   m, k = args.lhs.shape
   n = args.rhs.shape[2]
   itemsize = jnp.dtype(args.lhs.dtype).itemsize
@@ -391,7 +392,8 @@ def _search_space(args) -> tuple[RaggedDotConfig, ...]:
   return tuple(sorted(configs, key=dataclasses.astuple))
 
 
-def _check_args(args) -> None:
+def _check_args(args, device) -> None:
+  _common.check_triton_device(device)
   dtype = jnp.dtype(args.lhs.dtype)
   if dtype not in _SUPPORTED_DTYPES:
     raise NotImplementedError(f"lhs/rhs dtype {dtype} (supported: bfloat16, "
@@ -414,23 +416,20 @@ def _check_args(args) -> None:
 # Ops.
 
 
-@dataclasses.dataclass(frozen=True)
-class TritonRaggedDot(Op):
-  """Grouped matmul forward: one tiled matmul per (m-tile, group) visit."""
+class _RaggedDotFunctions(plugin.OpFunctions):
+  """What the forward and backward ops share (the backward needs no residuals)."""
 
   op_name = "ragged_dot"
   name = "triton"
   config_cls = RaggedDotConfig
+  check_args = staticmethod(_check_args)
+  heuristic = staticmethod(_heuristic)
+  configs = staticmethod(_search_space)
 
-  def check_supported(self, args, device):
-    _common.check_triton_device(device)
-    _check_args(args)
 
-  def heuristic_config(self, args):
-    return _heuristic(args, backward=False)
-
-  def search_space(self, args):
-    return _search_space(args)
+@dataclasses.dataclass(frozen=True)
+class TritonRaggedDot(_RaggedDotFunctions, Op):
+  """Grouped matmul forward: one tiled matmul per (m-tile, group) visit."""
 
   def forward(self, args, config):
     out_dtype = args.preferred_element_type or args.lhs.dtype
@@ -441,23 +440,8 @@ class TritonRaggedDot(Op):
 
 
 @dataclasses.dataclass(frozen=True)
-class TritonRaggedDotVjp(VjpOp):
+class TritonRaggedDotVjp(_RaggedDotFunctions, VjpOp):
   """Grouped matmul backward: dlhs by the forward kernel on rhs^T, drhs per group."""
-
-  op_name = "ragged_dot"
-  name = "triton"
-  config_cls = RaggedDotConfig
-
-  def check_supported(self, args, device, residuals=None):
-    del residuals  # The backward needs none.
-    _common.check_triton_device(device)
-    _check_args(args)
-
-  def heuristic_config(self, args):
-    return _heuristic(args, backward=True)
-
-  def search_space(self, args):
-    return _search_space(args)
 
   def backward(self, args, residuals, out, dout, config):
     del residuals, out
