@@ -193,6 +193,17 @@ def cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
+def check_blocks(config, rows: Sequence[str], lanes: Sequence[str]) -> None:
+  """Refuses (ValueError) `config` block fields that break the TPU tiling rules:
+  the `rows` fields must be positive multiples of 16 (the bf16 sublane tile), the
+  `lanes` fields positive multiples of 128."""
+  for names, multiple in ((rows, 16), (lanes, LANES)):
+    for name in names:
+      v = getattr(config, name)
+      if v < multiple or v % multiple:
+        raise ValueError(f"{name} must be a positive multiple of {multiple}; got {v}")
+
+
 def check_dtypes(*dtypes, what: str = "inputs") -> None:
   """Refuses dtypes other than float32 and bfloat16 (NotImplementedError)."""
   for d in dtypes:

@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +81,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 import tokamax
+from tokamax import plugin
 from tokamax_tpu_mosaic import _common
 
 _LANES = _common.LANES
@@ -125,26 +125,7 @@ class AttentionVjpConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
-  t: int
-  s: int
-  num_heads: int
-  num_kv_heads: int
-  h: int
-  hv: int
-  scale: float
-  left: int | None  # key s visible to query t needs s >= t - left
-  right: int | None  # ... and s <= t + right (causal: right = 0)
-  soft_cap: float | None
-  has_q_len: bool
-  has_kv_len: bool
-  has_segments: bool
-  has_q_offset: bool  # query row t sits at position t + q_offset (window/causal)
-  precision: Any
-
-  @property
-  def group(self) -> int:
-    return self.num_heads // self.num_kv_heads
+class _Layout(plugin.AttentionLayout):
 
   @property
   def hp(self) -> int:
@@ -161,21 +142,8 @@ class _Layout:
 
 
 def _layout(args) -> _Layout:
-  left, right = args.visible_window
-  precision = _common.dot_precision(args.precision)
-  if precision is None and args.query.dtype == jnp.float32:
-    # Match XLA's float32 accuracy (the MXU's default for f32 is bf16 passes).
-    precision = lax.Precision.HIGHEST
-  return _Layout(
-      t=args.query.shape[1], s=args.key.shape[1], num_heads=args.query.shape[2],
-      num_kv_heads=args.key.shape[2], h=args.query.shape[3], hv=args.value.shape[3],
-      scale=args.scale, left=left, right=right, soft_cap=args.logits_soft_cap,
-      has_q_len=args.query_seq_lengths is not None,
-      has_kv_len=args.key_value_seq_lengths is not None,
-      has_segments=args.q_segment_ids is not None,
-      # The offset moves only the window; without one it changes nothing.
-      has_q_offset=args.q_offset is not None and (left, right) != (None, None),
-      precision=precision)
+  # float32 without a precision: HIGHEST, not the MXU's bf16 passes (from_args).
+  return _Layout.from_args(args, _common.dot_precision(args.precision))
 
 
 def _fit(block: int, length: int) -> int:
@@ -349,13 +317,24 @@ def _dot(a, b, dims, precision):
                          preferred_element_type=jnp.float32)
 
 
-def _visible(lay, q0, k0, bq, bk, qlen, kvlen, q_seg, kv_seg, off, transposed):
-  """Elementwise visibility of a ``[bq, bk]`` tile (``[bk, bq]`` if transposed).
+def _visible(lay, qi, kj, bq, bk, lens, bm, seg_refs, off, transposed):
+  """Elementwise visibility of the ``[bq, bk]`` tile of query block ``qi`` and key
+  block ``kj`` (``[bk, bq]`` if transposed).
 
-  ``q_seg``/``kv_seg`` already have the orientation of their axis (a column for
-  the rows, a row for the columns). ``off``: the query position offset (window
-  only; 0 without one).
+  ``lens`` are the (q_len, kv_len) prefetch refs, read at batch ``bm``;
+  ``seg_refs`` the (q, kv) segment id row refs or (None, None). ``off``: the
+  query position offset (window only; 0 without one).
   """
+  q_seg = kv_seg = None
+  qseg_ref, kseg_ref = seg_refs
+  if qseg_ref is not None:
+    # Each in the orientation of its axis: a column for the rows, a row for the
+    # columns.
+    if transposed:
+      q_seg, kv_seg = qseg_ref[...], _column(kseg_ref)
+    else:
+      q_seg, kv_seg = _column(qseg_ref), kseg_ref[...]
+  q0, k0, qlen, kvlen = qi * bq, kj * bk, lens[0][bm], lens[1][bm]
   shape = (bk, bq) if transposed else (bq, bk)
   q_axis, k_axis = (1, 0) if transposed else (0, 1)
   rows = q0 + lax.broadcasted_iota(jnp.int32, shape, q_axis)
@@ -385,11 +364,31 @@ def _column(row_ref):
   return row_ref[0][:, None]
 
 
-def _split_offset(lay, refs):
-  """``(q_offset value or 0, remaining refs)``: the optional 6th prefetch ref."""
-  if not lay.has_q_offset:
-    return 0, refs
-  return refs[0][0], refs[1:]
+def _split_refs(lay, refs, num_inputs):
+  """``(off, inputs, seg_refs, rest)`` of a kernel's refs after the five prefetch
+  refs: the query position offset (the optional sixth prefetch ref, else 0), the
+  first `num_inputs` operands, the (q, kv) segment id refs (or (None, None)) and
+  the outputs and scratch."""
+  off = 0
+  if lay.has_q_offset:
+    off, refs = refs[0][0], refs[1:]
+  inputs, refs = refs[:num_inputs], refs[num_inputs:]
+  seg_refs = (None, None)
+  if lay.has_segments:
+    seg_refs, refs = refs[:2], refs[2:]
+  return off, inputs, seg_refs, refs
+
+
+def _sparse_block(lay, idx_ref, kind_ref, cnt_ref, b, row_block, j, nrows, extent):
+  """``(bm, cnt, kind, block)`` of sparse step `j` of row `row_block`: the batch
+  index of the block lists, the row's count of visible blocks, whether this one
+  needs masking and its index."""
+  bm = b if lay.per_batch else 0
+  row = bm * nrows + row_block
+  cnt = cnt_ref[row]
+  kind = kind_ref[row * extent + j]
+  block = idx_ref[row * extent + j]
+  return bm, cnt, kind, block
 
 
 def _sparse_step(cnt, kind, j, body):
@@ -411,18 +410,11 @@ def _sparse_step(cnt, kind, j, body):
 
 def _fwd_kernel(qlen_ref, kvlen_ref, idx_ref, kind_ref, cnt_ref, *refs, lay, bq, bk,
                 extent, nrows):
-  off, refs = _split_offset(lay, refs)
-  if lay.has_segments:
-    q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr = refs
-  else:
-    q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr = refs
-    qseg_ref = kseg_ref = None
+  off, (q_ref, k_ref, v_ref), seg_refs, rest = _split_refs(lay, refs, 3)
+  o_ref, lse_ref, m_scr, l_scr, acc_scr = rest
   b, qi, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-  bm = b if lay.per_batch else 0
-  row = bm * nrows + qi
-  cnt = cnt_ref[row]
-  kind = kind_ref[row * extent + j]
-  kj = idx_ref[row * extent + j]
+  bm, cnt, kind, kj = _sparse_block(lay, idx_ref, kind_ref, cnt_ref, b, qi, j, nrows,
+                                    extent)
 
   @pl.when(j == 0)
   def _():
@@ -435,11 +427,8 @@ def _fwd_kernel(qlen_ref, kvlen_ref, idx_ref, kind_ref, cnt_ref, *refs, lay, bq,
     k = k_ref[...]
     s, _ = _logits(lay, _dot(q, k, _NT, lay.precision))
     if masked:
-      q_seg = kv_seg = None
-      if qseg_ref is not None:
-        q_seg, kv_seg = _column(qseg_ref), kseg_ref[...]
-      vis = _visible(lay, qi * bq, kj * bk, bq, bk, qlen_ref[bm], kvlen_ref[bm],
-                     q_seg, kv_seg, off, transposed=False)
+      vis = _visible(lay, qi, kj, bq, bk, (qlen_ref, kvlen_ref), bm, seg_refs, off,
+                     transposed=False)
       s = jnp.where(vis, s, -jnp.inf)
     m_prev = m_scr[...]
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # (bq, 128)
@@ -465,21 +454,12 @@ def _fwd_kernel(qlen_ref, kvlen_ref, idx_ref, kind_ref, cnt_ref, *refs, lay, bq,
 
 def _dkdv_kernel(qlen_ref, kvlen_ref, idx_ref, kind_ref, cnt_ref, *refs, lay, bq, bk,
                  extent, nrows):
-  off, refs = _split_offset(lay, refs)
-  if lay.has_segments:
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dk_ref,
-     dv_ref, dk_scr, dv_scr) = refs
-  else:
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_scr,
-     dv_scr) = refs
-    qseg_ref = kseg_ref = None
+  off, inputs, seg_refs, (dk_ref, dv_ref, dk_scr, dv_scr) = _split_refs(lay, refs, 6)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
   b, kj, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   jq = lax.rem(i, extent)
-  bm = b if lay.per_batch else 0
-  row = bm * nrows + kj
-  cnt = cnt_ref[row]
-  kind = kind_ref[row * extent + jq]
-  qi = idx_ref[row * extent + jq]
+  bm, cnt, kind, qi = _sparse_block(lay, idx_ref, kind_ref, cnt_ref, b, kj, jq, nrows,
+                                    extent)
 
   @pl.when(i == 0)
   def _():
@@ -494,11 +474,8 @@ def _dkdv_kernel(qlen_ref, kvlen_ref, idx_ref, kind_ref, cnt_ref, *refs, lay, bq
     s, th = _logits(lay, _dot(k, q, _NT, lay.precision))  # [bk, bq]
     p = jnp.exp(s - lse_ref[...])
     if masked:
-      q_seg = kv_seg = None
-      if qseg_ref is not None:
-        q_seg, kv_seg = qseg_ref[...], _column(kseg_ref)
-      vis = _visible(lay, qi * bq, kj * bk, bq, bk, qlen_ref[bm], kvlen_ref[bm],
-                     q_seg, kv_seg, off, transposed=True)
+      vis = _visible(lay, qi, kj, bq, bk, (qlen_ref, kvlen_ref), bm, seg_refs, off,
+                     transposed=True)
       p = jnp.where(vis, p, 0.0)
     dv_scr[...] += _dot(p.astype(do.dtype), do, _NN, lay.precision)
     dp = _dot(v, do, _NT, lay.precision)
@@ -517,19 +494,11 @@ def _dkdv_kernel(qlen_ref, kvlen_ref, idx_ref, kind_ref, cnt_ref, *refs, lay, bq
 
 def _dq_kernel(qlen_ref, kvlen_ref, idx_ref, kind_ref, cnt_ref, *refs, lay, bq, bk,
                extent, nrows):
-  off, refs = _split_offset(lay, refs)
-  if lay.has_segments:
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dq_ref,
-     dq_scr) = refs
-  else:
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_scr = refs
-    qseg_ref = kseg_ref = None
+  off, inputs, seg_refs, (dq_ref, dq_scr) = _split_refs(lay, refs, 6)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
   b, qi, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-  bm = b if lay.per_batch else 0
-  row = bm * nrows + qi
-  cnt = cnt_ref[row]
-  kind = kind_ref[row * extent + j]
-  kj = idx_ref[row * extent + j]
+  bm, cnt, kind, kj = _sparse_block(lay, idx_ref, kind_ref, cnt_ref, b, qi, j, nrows,
+                                    extent)
 
   @pl.when(j == 0)
   def _():
@@ -543,11 +512,8 @@ def _dq_kernel(qlen_ref, kvlen_ref, idx_ref, kind_ref, cnt_ref, *refs, lay, bq, 
     s, th = _logits(lay, _dot(q, k, _NT, lay.precision))  # [bq, bk]
     p = jnp.exp(s - _column(lse_ref))
     if masked:
-      q_seg = kv_seg = None
-      if qseg_ref is not None:
-        q_seg, kv_seg = _column(qseg_ref), kseg_ref[...]
-      vis = _visible(lay, qi * bq, kj * bk, bq, bk, qlen_ref[bm], kvlen_ref[bm],
-                     q_seg, kv_seg, off, transposed=False)
+      vis = _visible(lay, qi, kj, bq, bk, (qlen_ref, kvlen_ref), bm, seg_refs, off,
+                     transposed=False)
       p = jnp.where(vis, p, 0.0)
     dp = _dot(do, v, _NT, lay.precision)
     ds = p * (dp - _column(delta_ref))
@@ -604,18 +570,27 @@ def _stat_row_map(b_, n_, qi, j, *_):
   return b_, n_, 0, qi
 
 
+def _row_walk(lay, b, dtype, bq, bk, extent):
+  """What the grids over (B, N, q blocks, visible kv blocks) share (the forward's
+  and dQ's): the padded query length, the q, k, v operands and the segment ones."""
+  n, kh = lay.num_heads, lay.num_kv_heads
+  tp, sp = _round_up(lay.t, bq), _round_up(lay.s, bk)
+  kv_map = _sparse_kv_map(lay, tp // bq, extent, lambda n_: lax.div(n_, lay.group))
+  op = _common.Operand
+  qkv = (op((b, tp, n * lay.hp), dtype, pl.BlockSpec((None, bq, lay.hp), _row_map)),
+         op((b, sp, kh * lay.hp), dtype, pl.BlockSpec((None, bk, lay.hp), kv_map)),
+         op((b, sp, kh * lay.hvp), dtype, pl.BlockSpec((None, bk, lay.hvp), kv_map)))
+  segs = _seg_operands(lay, b, tp, sp, bq, bk, lambda b_, n_, qi, j, *_: (b_, 0, qi),
+                       lambda *a: (a[0], 0, kv_map(*a)[1]))
+  return tp, qkv, segs
+
+
 def _fwd_plan(lay, b, dtype, bq, bk, extent) -> _common.KernelPlan:
   """Grid (B, N, q blocks, visible kv blocks); ``extent`` is the sparse axis' size."""
-  n, g = lay.num_heads, lay.group
-  tp, sp = _round_up(lay.t, bq), _round_up(lay.s, bk)
-  kh = lay.num_kv_heads
-  kv_map = _sparse_kv_map(lay, tp // bq, extent, lambda n_: lax.div(n_, g))
+  n = lay.num_heads
+  tp, qkv, segs = _row_walk(lay, b, dtype, bq, bk, extent)
   op = _common.Operand
-  inputs = (op((b, tp, n * lay.hp), dtype, pl.BlockSpec((None, bq, lay.hp), _row_map)),
-            op((b, sp, kh * lay.hp), dtype, pl.BlockSpec((None, bk, lay.hp), kv_map)),
-            op((b, sp, kh * lay.hvp), dtype, pl.BlockSpec((None, bk, lay.hvp), kv_map)))
-  inputs += _seg_operands(lay, b, tp, sp, bq, bk, lambda b_, n_, qi, j, *_: (b_, 0, qi),
-                          lambda *a: (a[0], 0, kv_map(*a)[1]))
+  inputs = qkv + segs
   outputs = (op((b, tp, n * lay.hvp), dtype, pl.BlockSpec((None, bq, lay.hvp), _row_map)),
              op((b, n, 1, tp), jnp.float32,
                 pl.BlockSpec((None, None, 1, bq), _stat_row_map)))
@@ -665,20 +640,13 @@ def _dkdv_plan(lay, b, dtype, bq, bk, extent) -> _common.KernelPlan:
 
 def _dq_plan(lay, b, dtype, bq, bk, extent) -> _common.KernelPlan:
   """Grid (B, N, q blocks, visible kv blocks)."""
-  n, kh, g = lay.num_heads, lay.num_kv_heads, lay.group
-  tp, sp = _round_up(lay.t, bq), _round_up(lay.s, bk)
-  kv_map = _sparse_kv_map(lay, tp // bq, extent, lambda n_: lax.div(n_, g))
+  n = lay.num_heads
+  tp, qkv, segs = _row_walk(lay, b, dtype, bq, bk, extent)
   op = _common.Operand
-  inputs = (op((b, tp, n * lay.hp), dtype, pl.BlockSpec((None, bq, lay.hp), _row_map)),
-            op((b, sp, kh * lay.hp), dtype, pl.BlockSpec((None, bk, lay.hp), kv_map)),
-            op((b, sp, kh * lay.hvp), dtype, pl.BlockSpec((None, bk, lay.hvp), kv_map)),
-            op((b, tp, n * lay.hvp), dtype, pl.BlockSpec((None, bq, lay.hvp), _row_map)),
-            op((b, n, 1, tp), jnp.float32,
-               pl.BlockSpec((None, None, 1, bq), _stat_row_map)),
-            op((b, n, 1, tp), jnp.float32,
-               pl.BlockSpec((None, None, 1, bq), _stat_row_map)))
-  inputs += _seg_operands(lay, b, tp, sp, bq, bk, lambda b_, n_, qi, j, *_: (b_, 0, qi),
-                          lambda *a: (a[0], 0, kv_map(*a)[1]))
+  stat = op((b, n, 1, tp), jnp.float32, pl.BlockSpec((None, None, 1, bq), _stat_row_map))
+  inputs = qkv + (
+      op((b, tp, n * lay.hvp), dtype, pl.BlockSpec((None, bq, lay.hvp), _row_map)),
+      stat, stat) + segs
   outputs = (op((b, tp, n * lay.hp), dtype, pl.BlockSpec((None, bq, lay.hp), _row_map)),)
   return _common.KernelPlan(
       name="tokamax_tpu_attention_dq", grid=(b, n, tp // bq, extent), inputs=inputs,
@@ -737,8 +705,7 @@ def _backward(args, lse, out, dout, config: AttentionVjpConfig):
   lay = _layout(args)
   n, kh = lay.num_heads, lay.num_kv_heads
   dout = dout.astype(args.query.dtype)
-  delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32),
-                     out.astype(jnp.float32))
+  delta = plugin.attention_delta(out, dout)
 
   def arrays(tp, sp):
     return (_pad_heads(args.query, tp, lay.hp), _pad_heads(args.key, sp, lay.hp),
@@ -813,13 +780,7 @@ def _check(args, device) -> None:
   _common.check_tpu_device(device)
   _common.check_dtypes(args.query.dtype)
   _common.check_precision(args.precision)
-  h, hv = args.query.shape[-1], args.value.shape[-1]
-  if max(h, hv) > _MAX_HEAD_DIM:
-    raise NotImplementedError(f"head dims up to {_MAX_HEAD_DIM} are supported; got "
-                              f"H={h}, Hv={hv}")
-  if min(args.query.shape[0], args.query.shape[1], args.key.shape[1], h, hv,
-         args.query.shape[2]) == 0:
-    raise NotImplementedError("empty (zero-size) inputs")
+  plugin.check_attention_shapes(args, _MAX_HEAD_DIM)
   if args.bias is not None:
     raise NotImplementedError(
         "bias is not supported: a dense [T, S] bias defeats block skipping and its "
@@ -830,20 +791,25 @@ def _check(args, device) -> None:
         "segment ids or sequence lengths, which skip blocks)")
 
 
-@dataclasses.dataclass(frozen=True)
-class MosaicTpuAttention(tokamax.Op):
-  """Block-sparse flash attention forward in Pallas Mosaic TPU (module docstring)."""
+def _heuristic(args, backward: bool):
+  return heuristic_configs(args)[int(backward)]
+
+
+class _AttentionFunctions(plugin.OpFunctions):
+  """What the forward and backward ops share."""
 
   op_name = "dot_product_attention"
   name = "mosaic_tpu"
-  config_cls = AttentionConfig
   supported_features = ("q_offset", "sinks")
+  check_args = staticmethod(_check)
+  heuristic = staticmethod(_heuristic)
 
-  def check_supported(self, args, device):
-    _check(args, device)
 
-  def heuristic_config(self, args):
-    return heuristic_configs(args)[0]
+@dataclasses.dataclass(frozen=True)
+class MosaicTpuAttention(_AttentionFunctions, tokamax.Op):
+  """Block-sparse flash attention forward in Pallas Mosaic TPU (module docstring)."""
+
+  config_cls = AttentionConfig
 
   def search_space(self, args):
     limit = 2 * _common.VMEM_BUDGET_BYTES  # autotuning may try past the heuristic
@@ -863,21 +829,11 @@ class MosaicTpuAttention(tokamax.Op):
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicTpuAttentionVjp(tokamax.VjpOp):
+class MosaicTpuAttentionVjp(_AttentionFunctions, tokamax.VjpOp):
   """Flash attention backward in Pallas Mosaic TPU: a dK/dV kernel and a dQ kernel."""
 
-  op_name = "dot_product_attention"
-  name = "mosaic_tpu"
   config_cls = AttentionVjpConfig
-  supported_features = ("q_offset", "sinks")
-
-  def check_supported(self, args, device, residuals=None):
-    _check(args, device)
-    if residuals is not None and "lse" not in residuals:
-      raise NotImplementedError("needs the forward's log-sum-exp residual ('lse')")
-
-  def heuristic_config(self, args):
-    return heuristic_configs(args)[1]
+  needed_residuals = {"lse": "log-sum-exp"}
 
   def search_space(self, args):
     limit = 2 * _common.VMEM_BUDGET_BYTES  # autotuning may try past the heuristic

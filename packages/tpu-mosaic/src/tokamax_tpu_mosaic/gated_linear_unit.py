@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 import tokamax
+from tokamax import plugin
 from tokamax_tpu_mosaic import _common
 
 
@@ -52,12 +53,7 @@ class GatedLinearUnitConfig:
   block_k: int = 512
 
   def __post_init__(self):
-    if self.block_m < 16 or self.block_m % 16:
-      raise ValueError(f"block_m must be a positive multiple of 16; got {self.block_m}")
-    for name in ("block_n", "block_k"):
-      v = getattr(self, name)
-      if v < 128 or v % 128:
-        raise ValueError(f"{name} must be a positive multiple of 128; got {v}")
+    _common.check_blocks(self, rows=("block_m",), lanes=("block_n", "block_k"))
 
 
 _GENERATION_CONFIGS = {
@@ -108,7 +104,7 @@ def _check_activation(activation) -> None:
   try:
     x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
     jax.eval_shape(lambda g: jax.jvp(activation, (g,), (g,)), x)
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:  # any failure: the kernel cannot apply it, so refuse it
     raise NotImplementedError(f"activation {activation!r}: its derivative does not "
                               f"trace by jvp: {type(e).__name__}: {e}") from e
 
@@ -267,43 +263,28 @@ def _check_args(args, device) -> None:
   _check_activation(args.activation)
 
 
-@dataclasses.dataclass(frozen=True)
-class MosaicTpuGatedLinearUnit(tokamax.Op):
-  """GLU forward: one Pallas Mosaic TPU kernel for both projections."""
+class _GluFunctions(plugin.OpFunctions):
+  """What the forward and backward ops share."""
 
   op_name = "gated_linear_unit"
   name = "mosaic_tpu"
   config_cls = GatedLinearUnitConfig
+  check_args = staticmethod(_check_args)
+  heuristic = staticmethod(_heuristic)
+  configs = staticmethod(_search_space)
 
-  def check_supported(self, args, device):
-    _check_args(args, device)
 
-  def heuristic_config(self, args):
-    return _heuristic(args, backward=False)
-
-  def search_space(self, args):
-    return _search_space(args, backward=False)
+@dataclasses.dataclass(frozen=True)
+class MosaicTpuGatedLinearUnit(_GluFunctions, tokamax.Op):
+  """GLU forward: one Pallas Mosaic TPU kernel for both projections."""
 
   def forward(self, args, config):
     return _forward(args, config), {}
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicTpuGatedLinearUnitVjp(tokamax.VjpOp):
+class MosaicTpuGatedLinearUnitVjp(_GluFunctions, tokamax.VjpOp):
   """GLU backward: fused recompute + activation-derivative kernel, XLA matmuls."""
-
-  op_name = "gated_linear_unit"
-  name = "mosaic_tpu"
-  config_cls = GatedLinearUnitConfig
-
-  def check_supported(self, args, device, residuals=None):
-    _check_args(args, device)
-
-  def heuristic_config(self, args):
-    return _heuristic(args, backward=True)
-
-  def search_space(self, args):
-    return _search_space(args, backward=True)
 
   def backward(self, args, residuals, out, dout, config):
     del residuals, out

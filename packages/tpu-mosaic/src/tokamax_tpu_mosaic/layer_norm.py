@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 import tokamax
+from tokamax import plugin
 from tokamax_tpu_mosaic import _common
 
 _MAX_BLOCK_ROWS = 1024
@@ -238,22 +239,20 @@ def _check_args(args, device) -> None:
         f"({need / 2**20:.1f} MiB > {limit / 2**20:.0f} MiB scoped VMEM on v5e)")
 
 
-@dataclasses.dataclass(frozen=True)
-class MosaicTpuLayerNorm(tokamax.Op):
-  """Layer / RMS normalization forward as a Pallas Mosaic TPU kernel."""
+class _LayerNormFunctions(plugin.OpFunctions):
+  """What the forward and backward ops share."""
 
   op_name = "layer_norm"
   name = "mosaic_tpu"
   config_cls = LayerNormConfig
+  check_args = staticmethod(_check_args)
+  heuristic = staticmethod(_heuristic)
+  configs = staticmethod(_search_space)
 
-  def check_supported(self, args, device):
-    _check_args(args, device)
 
-  def heuristic_config(self, args):
-    return _heuristic(args, backward=False)
-
-  def search_space(self, args):
-    return _search_space(args, backward=False)
+@dataclasses.dataclass(frozen=True)
+class MosaicTpuLayerNorm(_LayerNormFunctions, tokamax.Op):
+  """Layer / RMS normalization forward as a Pallas Mosaic TPU kernel."""
 
   def forward(self, args, config):
     y, mean, rstd = _forward(args, config)
@@ -261,21 +260,8 @@ class MosaicTpuLayerNorm(tokamax.Op):
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicTpuLayerNormVjp(tokamax.VjpOp):
+class MosaicTpuLayerNormVjp(_LayerNormFunctions, tokamax.VjpOp):
   """Layer / RMS normalization backward as a Pallas Mosaic TPU kernel."""
-
-  op_name = "layer_norm"
-  name = "mosaic_tpu"
-  config_cls = LayerNormConfig
-
-  def check_supported(self, args, device, residuals=None):
-    _check_args(args, device)
-
-  def heuristic_config(self, args):
-    return _heuristic(args, backward=True)
-
-  def search_space(self, args):
-    return _search_space(args, backward=True)
 
   def backward(self, args, residuals, out, dout, config):
     del residuals, out  # statistics are recomputed in the kernel

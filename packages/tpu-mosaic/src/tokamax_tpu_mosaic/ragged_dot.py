@@ -51,6 +51,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 import tokamax
+from tokamax import plugin
 from tokamax_tpu_mosaic import _common
 
 
@@ -66,12 +67,7 @@ class RaggedDotConfig:
   block_n: int = 1024
 
   def __post_init__(self):
-    if self.block_m < 16 or self.block_m % 16:
-      raise ValueError(f"block_m must be a positive multiple of 16; got {self.block_m}")
-    for name in ("block_k", "block_n"):
-      v = getattr(self, name)
-      if v < 128 or v % 128:
-        raise ValueError(f"{name} must be a positive multiple of 128; got {v}")
+    _common.check_blocks(self, rows=("block_m",), lanes=("block_k", "block_n"))
 
 
 _GENERATION_CONFIGS = {
@@ -85,13 +81,16 @@ def _pow2_floor(x: int) -> int:
   return 1 << (max(1, x).bit_length() - 1)
 
 
-def _heuristic(args, generation: str | None = None) -> RaggedDotConfig:
+def _heuristic(args, generation: str | None = None, *, backward: bool = False
+               ) -> RaggedDotConfig:
   """The generation's table entry, block_m capped near M / G, shrunk to fit VMEM.
 
   `generation` defaults to the default device's; unknown devices and interpret
   mode get the v5e-safe entry. f32 halves the contraction block. The config is
-  shared by gmm, dlhs and tgmm, so all three plans must fit.
+  shared by gmm, dlhs and tgmm, so all three plans must fit (`backward` changes
+  nothing).
   """
+  del backward
   generation = generation or _common.device_generation()
   base = _GENERATION_CONFIGS.get(generation,
                                  _GENERATION_CONFIGS[_common.DEFAULT_GENERATION])
@@ -114,7 +113,8 @@ def _max_vmem(args, config) -> int:
   return max(p.vmem_bytes() for p in kernel_plans(args, config))
 
 
-def _search_space(args):
+def _search_space(args, backward: bool = False):
+  del backward  # one config serves gmm, dlhs and tgmm
   configs = [_heuristic(args)]
   for bm in (128, 256, 512, 1024):
     for bk, bn in ((512, 512), (512, 1024), (1024, 1024), (512, 2048)):
@@ -152,6 +152,23 @@ def _contract_block(dim: int, block: int) -> tuple[int, int]:
 # ----------------------------------------------------------------------------
 
 
+def _group_tiles(group_sizes, group_offset, num_held: int, m: int, bm: int,
+                 empty_count: int):
+  """What both schedules start from: ``(tiles_m, num_visits, h_starts, h_ends,
+  nonempty, first_tile, incl, excl)``: the held groups' row ranges, their first
+  row tile, and the inclusive / exclusive running sums of their row tiles
+  (`empty_count` for an empty group)."""
+  tiles_m = _common.cdiv(m, bm)
+  num_visits = _num_visits(m, bm, num_held)
+  h_starts, h_ends = tokamax.plugin.held_row_ranges(group_sizes, group_offset, num_held, m)
+  nonempty = h_ends > h_starts
+  first_tile = h_starts // bm
+  counts = jnp.where(nonempty, (h_ends - 1) // bm - first_tile + 1, empty_count)
+  incl = jnp.cumsum(counts)
+  excl = incl - counts
+  return tiles_m, num_visits, h_starts, h_ends, nonempty, first_tile, incl, excl
+
+
 def _visit_rows(h_starts, h_ends, group, tile, bm):
   lo = jnp.maximum(h_starts[group], tile * bm)
   hi = jnp.minimum(h_ends[group], (tile + 1) * bm)
@@ -171,14 +188,8 @@ def gmm_schedule(group_sizes, group_offset, num_held: int, m: int, bm: int):
   Rows ``[row_lo, row_hi)`` of the visit's tile get ``lhs @ rhs[group]``; an empty
   range writes nothing, except that the first visit of a tile zeroes the tile.
   """
-  tiles_m = _common.cdiv(m, bm)
-  num_visits = _num_visits(m, bm, num_held)
-  h_starts, h_ends = tokamax.plugin.held_row_ranges(group_sizes, group_offset, num_held, m)
-  nonempty = h_ends > h_starts
-  first_tile = h_starts // bm
-  counts = jnp.where(nonempty, (h_ends - 1) // bm - first_tile + 1, 0)
-  incl = jnp.cumsum(counts)
-  excl = incl - counts
+  (tiles_m, num_visits, h_starts, h_ends, _, first_tile, incl,
+   excl) = _group_tiles(group_sizes, group_offset, num_held, m, bm, 0)
   total_g = incl[-1]
   region_lo, region_hi = h_starts[0], h_ends[-1]
   has_region = region_hi > region_lo
@@ -210,14 +221,8 @@ def gmm_schedule(group_sizes, group_offset, num_held: int, m: int, bm: int):
 
 def tgmm_schedule(group_sizes, group_offset, num_held: int, m: int, bm: int):
   """Per-visit (tile, group, row_lo, row_hi, first_of_group, last_of_group)."""
-  tiles_m = _common.cdiv(m, bm)
-  num_visits = _num_visits(m, bm, num_held)
-  h_starts, h_ends = tokamax.plugin.held_row_ranges(group_sizes, group_offset, num_held, m)
-  nonempty = h_ends > h_starts
-  first_tile = h_starts // bm
-  counts = jnp.where(nonempty, (h_ends - 1) // bm - first_tile + 1, 1)
-  incl = jnp.cumsum(counts)
-  excl = incl - counts
+  (tiles_m, num_visits, h_starts, h_ends, nonempty, first_tile, incl,
+   excl) = _group_tiles(group_sizes, group_offset, num_held, m, bm, 1)
   total = incl[-1]
   i = jnp.arange(num_visits, dtype=jnp.int32)
   group = jnp.clip(jnp.searchsorted(incl, i, side="right"), 0, num_held - 1)
@@ -424,22 +429,20 @@ def _empty(args) -> bool:
   return 0 in (m, k, n, g)
 
 
-@dataclasses.dataclass(frozen=True)
-class MosaicTpuRaggedDot(tokamax.Op):
-  """Grouped matmul forward (gmm) as a Pallas Mosaic TPU kernel."""
+class _RaggedDotFunctions(plugin.OpFunctions):
+  """What the forward and backward ops share."""
 
   op_name = "ragged_dot"
   name = "mosaic_tpu"
   config_cls = RaggedDotConfig
+  check_args = staticmethod(_check_args)
+  heuristic = staticmethod(_heuristic)
+  configs = staticmethod(_search_space)
 
-  def check_supported(self, args, device):
-    _check_args(args, device)
 
-  def heuristic_config(self, args):
-    return _heuristic(args)
-
-  def search_space(self, args):
-    return _search_space(args)
+@dataclasses.dataclass(frozen=True)
+class MosaicTpuRaggedDot(_RaggedDotFunctions, tokamax.Op):
+  """Grouped matmul forward (gmm) as a Pallas Mosaic TPU kernel."""
 
   def forward(self, args, config):
     m, n = args.lhs.shape[0], args.rhs.shape[2]
@@ -451,21 +454,8 @@ class MosaicTpuRaggedDot(tokamax.Op):
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicTpuRaggedDotVjp(tokamax.VjpOp):
+class MosaicTpuRaggedDotVjp(_RaggedDotFunctions, tokamax.VjpOp):
   """Grouped matmul backward: dlhs by gmm with rhs transposed, drhs by tgmm."""
-
-  op_name = "ragged_dot"
-  name = "mosaic_tpu"
-  config_cls = RaggedDotConfig
-
-  def check_supported(self, args, device, residuals=None):
-    _check_args(args, device)
-
-  def heuristic_config(self, args):
-    return _heuristic(args)
-
-  def search_space(self, args):
-    return _search_space(args)
 
   def backward(self, args, residuals, out, dout, config):
     del residuals, out
