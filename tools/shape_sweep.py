@@ -49,7 +49,8 @@ def main() -> None:
 
 
 def _usable(op: str) -> set[str]:
-  from tokamax._src import introspection  # pylint: disable=g-import-not-at-top
+  # Imported when first needed: only the rows that filter by usability ask.
+  from tokamax._src import introspection
   return {s.name for s in introspection.implementations(op) if s.usable}
 
 

@@ -30,7 +30,7 @@ def check(name):
     try:
       fn()
       RESULTS.append((name, "ok", ""))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
       tb = traceback.format_exc(limit=-3)
       RESULTS.append((name, "FAIL", f"{type(e).__name__}: {str(e)[:600]}\n{tb[-1500:]}"))
     return fn
@@ -419,10 +419,10 @@ def norm_case(impl, dtype, shape, axis, with_scale, with_offset, eps, rms):
   scale = rand(r, (d,), dtype) if with_scale else None
   offset = rand(r, (d,), dtype) if with_offset else None
   if rms:
-    fn = lambda x, s, o: tokamax.rms_norm(x, s, axis=axis, epsilon=eps,  # noqa: E731
+    fn = lambda x, s, o: tokamax.rms_norm(x, s, axis=axis, epsilon=eps,
                                           implementation=impl)
   else:
-    fn = lambda x, s, o: tokamax.layer_norm(x, s, o, axis=axis,  # noqa: E731
+    fn = lambda x, s, o: tokamax.layer_norm(x, s, o, axis=axis,
                                             epsilon=eps, implementation=impl)
   out = fn(x, scale, offset)
   assert out.dtype == dtype and out.shape == x.shape
@@ -672,7 +672,7 @@ def _():
 def _():
   q, k, v, bias, mask, kw, ref_kw = make_attention(
       dict(mask="full", seg=True, qlen=True, kvlen=True, bias="full"), batch=(3, 2))
-  f = lambda q, k, v, b, m, ql, kl, qs, ks: tokamax.dot_product_attention(  # noqa
+  f = lambda q, k, v, b, m, ql, kl, qs, ks: tokamax.dot_product_attention(
       q, k, v, b, m, query_seq_lengths=ql, key_value_seq_lengths=kl,
       q_segment_ids=qs, kv_segment_ids=ks)
   out = jax.vmap(f)(q, k, v, bias, mask, kw["query_seq_lengths"],
@@ -711,7 +711,7 @@ def expect_error(fn, types, *needles):
     for nd in needles:
       assert nd.lower() in msg.lower(), f"message lacks {nd!r}: {msg!r}"
     return msg
-  except Exception as e:  # noqa: BLE001
+  except Exception as e:
     raise AssertionError(f"wrong error type {type(e).__name__}: {str(e)[:400]}") from e
   raise AssertionError("no error raised")
 

@@ -93,7 +93,7 @@ def check(name, fn, args, specs, mesh, *, tol=2e-5, grad_argnums=(), gather_limi
     for w in caught:
       if "tokamax" in str(w.filename) or "sharding" in str(w.message):
         print(f"   warning: {str(w.message)[:200]}")
-  except Exception as e:  # noqa: BLE001
+  except Exception as e:
     record(name, False, f"EXCEPTION {type(e).__name__}: {str(e)[:400]}")
     if os.environ.get("TB"):
       traceback.print_exc()
@@ -215,7 +215,7 @@ def attention_cases():
         if feats == "segments":
           seg_spec = P(*qs[:2])
           kseg_spec = P(ks[0] if len(ks) > 0 else None)
-          fn = lambda q, k, v, s1, s2, impl=impl: attn(  # noqa: E731
+          fn = lambda q, k, v, s1, s2, impl=impl: attn(
               q, k, v, impl=impl, q_segment_ids=s1, kv_segment_ids=s2, is_causal=True)
           check(name, fn, [q, k, v, seg, seg], [qs, ks, ks, seg_spec, kseg_spec], mesh,
                 grad_argnums=(0, 1, 2), ref_key=rk)
@@ -268,7 +268,7 @@ def attention_extra_cases():
   # bias and mask, batch+heads
   bias = rnd(B, N, T, T)
   mask = jnp.asarray(RNG.random((B, 1, T, T)) > 0.2)
-  fn = lambda q, k, v, b, m: attn(q, k, v, bias=b, mask=m, is_causal=True)  # noqa: E731
+  fn = lambda q, k, v, b, m: attn(q, k, v, bias=b, mask=m, is_causal=True)
   check("attn_x/2x4/bias_mask_batch_heads", fn, [q, k, v, bias, mask],
         [P("dp", None, "mp"), P("dp", None, "mp"), P("dp", None, "mp"), P("dp", "mp"),
          P("dp")], mesh, grad_argnums=(0, 1, 2, 3))
@@ -278,7 +278,7 @@ def attention_extra_cases():
   # seq lengths with sequence-sharded queries
   ql = jnp.asarray(RNG.integers(1, T + 1, (B,)), jnp.int32)
   kl = jnp.asarray(RNG.integers(1, T + 1, (B,)), jnp.int32)
-  fn = lambda q, k, v, a, b: attn(q, k, v, query_seq_lengths=a,  # noqa: E731
+  fn = lambda q, k, v, a, b: attn(q, k, v, query_seq_lengths=a,
                                   key_value_seq_lengths=b, is_causal=True)
   check("attn_x/2x4/seq_lengths_seq_q", fn, [q, k, v, ql, kl],
         [P("dp", "mp"), P("dp"), P("dp"), P(), P()], mesh, grad_argnums=(0, 1, 2))
@@ -320,21 +320,21 @@ def norm_cases():
         for impl in (None, "xla"):
           opname = "rms" if rms else "ln"
           if rms:
-            fn = lambda x, s, o, impl=impl: tokamax.rms_norm(x, s, implementation=impl)  # noqa: E731
+            fn = lambda x, s, o, impl=impl: tokamax.rms_norm(x, s, implementation=impl)
           else:
-            fn = lambda x, s, o, impl=impl: tokamax.layer_norm(x, s, o, implementation=impl)  # noqa: E731
+            fn = lambda x, s, o, impl=impl: tokamax.layer_norm(x, s, o, implementation=impl)
           check(f"norm/{mname}/{lname}/{opname}/impl={impl}", fn, [x3, scale, offset],
                 list(sp), mesh, grad_argnums=(0, 1) if rms else (0, 1, 2),
                 allow_forward_allreduce="feat" in lname)
   # other axis, bf16, uneven
   mesh = mesh_of("2x4")
-  fn = lambda x, s, o: tokamax.layer_norm(x, s, o, axis=1)  # noqa: E731
+  fn = lambda x, s, o: tokamax.layer_norm(x, s, o, axis=1)
   xa = rnd(8, D, 12)
   check("norm_x/2x4/axis1_features_sharded", fn, [xa, scale, offset],
         [P("dp", "mp"), P("mp"), P("mp")], mesh, grad_argnums=(0, 1, 2),
         allow_forward_allreduce=True)
   xb, sb, ob = (x.astype(jnp.bfloat16) for x in (x3, scale, offset))
-  fn = lambda x, s, o: tokamax.layer_norm(x, s, o)  # noqa: E731
+  fn = lambda x, s, o: tokamax.layer_norm(x, s, o)
   check("norm_x/2x4/bf16_rows_features", fn, [xb, sb, ob],
         [P("dp", None, "mp"), P("mp"), P("mp")], mesh, tol=2e-2, grad_argnums=(0, 1, 2),
         allow_forward_allreduce=True)
@@ -347,7 +347,7 @@ def norm_cases():
         [P(None, None, "mp"), P("mp"), P("mp")], mesh, grad_argnums=(0, 1, 2),
         gather_limit=10**9, allow_forward_allreduce=True)
   # no scale/offset
-  fn = lambda x: tokamax.layer_norm(x, None, None)  # noqa: E731
+  fn = lambda x: tokamax.layer_norm(x, None, None)
   check("norm_x/2x4/no_params_features", fn, [x3], [P("dp", None, "mp")], mesh,
         grad_argnums=(0,), allow_forward_allreduce=True)
 
@@ -372,19 +372,19 @@ def glu_cases():
       if sp is None:
         continue
       for impl in (None, "xla"):
-        fn = lambda x, w, impl=impl: tokamax.gated_linear_unit(  # noqa: E731
+        fn = lambda x, w, impl=impl: tokamax.gated_linear_unit(
             x, w, activation=jax.nn.silu, implementation=impl)
         check(f"glu/{mname}/{lname}/impl={impl}", fn, [x, w], list(sp[:2]), mesh,
               grad_argnums=(0, 1), expect_out_spec=sp[2],
               gather_limit=10**9 if "k_sharded" in lname or "fsdp" in lname else 64)
   mesh = mesh_of("2x4")
-  fn = lambda x, w: tokamax.gated_linear_unit(x, w, activation=jax.nn.gelu)  # noqa: E731
+  fn = lambda x, w: tokamax.gated_linear_unit(x, w, activation=jax.nn.gelu)
   x3 = rnd(4, 8, K)
   check("glu_x/2x4/3d_x_batch_and_tp", fn, [x3, w], [P("dp"), P(None, None, "mp")], mesh,
         grad_argnums=(0, 1), expect_out_spec=("dp", None, "mp"))
   check("glu_x/2x4/3d_x_second_dim_rows", fn, [x3, w], [P(None, "mp"), P()], mesh,
         grad_argnums=(0, 1), expect_out_spec=(None, "mp"))
-  fnp = lambda x, wg, wu: tokamax.gated_linear_unit(x, (wg, wu), activation=jax.nn.silu)  # noqa: E731
+  fnp = lambda x, wg, wu: tokamax.gated_linear_unit(x, (wg, wu), activation=jax.nn.silu)
   wg, wu = rnd(K, N, scale=0.2), rnd(K, N, scale=0.2)
   check("glu_x/2x4/pair_weights_tp", fnp, [x, wg, wu], [P("dp"), P(None, "mp"), P(None, "mp")],
         mesh, grad_argnums=(0, 1, 2), expect_out_spec=("dp", "mp"))
@@ -421,28 +421,28 @@ def ragged_cases():
       if sp is None:
         continue
       for impl in (None, "xla"):
-        fn = lambda l, r, g, impl=impl: tokamax.ragged_dot(l, r, g, implementation=impl)  # noqa: E731
+        fn = lambda l, r, g, impl=impl: tokamax.ragged_dot(l, r, g, implementation=impl)
         check(f"ragged/{mname}/{lname}/impl={impl}", fn, [lhs, rhs, gs],
               [sp[0], sp[1], P()], mesh, grad_argnums=(0, 1),
               allow_forward_allreduce=sp[3])
   mesh = mesh_of("2x4")
   # group_offset given by the user with rhs over experts
   rhs4 = rhs[2:6]
-  fn = lambda l, r, g: tokamax.ragged_dot(l, r, g, group_offset=2)  # noqa: E731
+  fn = lambda l, r, g: tokamax.ragged_dot(l, r, g, group_offset=2)
   check("ragged_x/2x4/user_group_offset_experts", fn, [lhs, rhs4, gs], [P(), P("mp"), P()],
         mesh, grad_argnums=(0, 1), allow_forward_allreduce=True)
   check("ragged_x/2x4/user_group_offset_rows", fn, [lhs, rhs4, gs], [P("mp"), P(), P()],
         mesh, grad_argnums=(0, 1))
   # group_sizes sharded (odd but legal)
-  fn = lambda l, r, g: tokamax.ragged_dot(l, r, g)  # noqa: E731
+  fn = lambda l, r, g: tokamax.ragged_dot(l, r, g)
   check("ragged_x/2x4/group_sizes_sharded_rows", fn, [lhs, rhs, gs], [P("dp"), P(), P("mp")],
         mesh, grad_argnums=(0, 1))
   # preferred_element_type, bf16
   lb, rb = lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16)
-  fn = lambda l, r, g: tokamax.ragged_dot(l, r, g, preferred_element_type=jnp.float32)  # noqa: E731
+  fn = lambda l, r, g: tokamax.ragged_dot(l, r, g, preferred_element_type=jnp.float32)
   check("ragged_x/2x4/bf16_pet_f32_experts", fn, [lb, rb, gs], [P("dp"), P("mp"), P()],
         mesh, tol=2e-2, grad_argnums=(0, 1), allow_forward_allreduce=True)
-  fn = lambda l, r, g: tokamax.ragged_dot(l, r, g)  # noqa: E731
+  fn = lambda l, r, g: tokamax.ragged_dot(l, r, g)
   check("ragged_x/2x4/bf16_experts", fn, [lb, rb, gs], [P(), P(("dp", "mp"))],
         mesh, tol=2e-2, grad_argnums=(0, 1), allow_forward_allreduce=True) if False else None
   check("ragged_x/2x4/bf16_experts_8way", fn, [lb, rb, gs], [P(), P(("dp", "mp")), P()],

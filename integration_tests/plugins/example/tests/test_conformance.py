@@ -10,6 +10,6 @@ import pytest
 
 pytest.importorskip("tokamax_example_plugin")
 
-from tokamax import testing  # noqa: E402
+from tokamax import testing
 
 testing.define_conformance_tests("example_rms", namespace=globals(), ops=["layer_norm"])
