@@ -2,7 +2,7 @@
 tests_jax_newest (and bench on a GPU).
 
     pip install nox && nox -s demo     # set up and run the demo
-    pip install nox && nox -s tests    # set up and run every test
+    pip install nox && nox -s tests    # lint, then set up and run every test
     nox -s build                       # sdist + wheel of every package into dist/, checked
     nox -s release -- core --dry-run   # docs/releasing.md
 """
@@ -34,6 +34,10 @@ JAX_NEWEST = "0.12.0.1"
 # suite, about 16 minutes on 2 cores, runs on the default JAX in `tests`.
 JAX_NEWEST_TESTS = ["packages/core/tests", "packages/xla-reference/tests",
                     "integration_tests/test_plugins.py"]
+# What ruff checks (ruff.toml says how), and the ruff that does: pinned, raised by
+# hand like JAX_NEWEST, so that a ruff release with new checks cannot turn CI red.
+LINT_PATHS = ["packages", "integration_tests", "tools", "noxfile.py"]
+RUFF = "ruff==0.17.6"
 
 
 def _install_tokamax(session, extras="all"):
@@ -63,9 +67,16 @@ def demo(session):
   session.run("python", "-m", "tokamax", "demo")
 
 
+def _ruff(session):
+  session.install(RUFF)
+  session.run("ruff", "check", *LINT_PATHS)
+
+
 @nox.session
 def tests(session):
-  """Every package's tests and the integration tests (pytest + xdist)."""
+  """ruff (seconds: a lint error fails before the 17 minutes of tests), then every
+  package's tests and the integration tests (pytest + xdist)."""
+  _ruff(session)
   _install_tokamax(session, "all,test,flax")
   session.install(*(f"./integration_tests/plugins/{p}" for p in EXAMPLE_PLUGINS))
   workers = os.environ.get("TOKAMAX_TEST_WORKERS", "auto")
@@ -110,8 +121,8 @@ def tests_jax_newest(session):
 
 @nox.session
 def lint(session):
-  session.install("ruff")
-  session.run("ruff", "check", "packages", "integration_tests", "tools", "noxfile.py")
+  """ruff alone (`tests` runs it first too)."""
+  _ruff(session)
 
 
 def _install_dist_tools(session):
