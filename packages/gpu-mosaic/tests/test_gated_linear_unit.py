@@ -16,6 +16,7 @@ import tokamax
 from tokamax import testing
 from tokamax._src.ops.gated_linear_unit import GatedLinearUnitArgs
 from tokamax_gpu_mosaic import gated_linear_unit as glu
+from tokamax_gpu_mosaic import gated_linear_unit_kernel as glk
 
 HIGHEST = jax.lax.Precision.HIGHEST
 _ON_HOPPER = (jax.default_backend() == "gpu"
@@ -142,12 +143,12 @@ def test_refusals():
 
 
 def test_epilogue_fusion_choice():
-  assert glu._epilogue_can_fuse(None)
-  assert glu._epilogue_can_fuse(jax.nn.silu)
-  assert glu._epilogue_can_fuse(jax.nn.relu)  # custom_jvp: inlined
-  assert glu._epilogue_can_fuse(jax.nn.gelu)
-  assert not glu._epilogue_can_fuse(lambda v: jax.nn.gelu(v, approximate=False))
-  assert not glu._epilogue_can_fuse(jax.lax.lgamma)
+  assert glk.epilogue_can_fuse(None)
+  assert glk.epilogue_can_fuse(jax.nn.silu)
+  assert glk.epilogue_can_fuse(jax.nn.relu)  # custom_jvp: inlined
+  assert glk.epilogue_can_fuse(jax.nn.gelu)
+  assert not glk.epilogue_can_fuse(lambda v: jax.nn.gelu(v, approximate=False))
+  assert not glk.epilogue_can_fuse(jax.lax.lgamma)
 
 
 def test_vjp_configs_fit():
@@ -391,7 +392,7 @@ def _dense_dh(x, w2, dout, activation, config):
   n = dout.shape[1]
   h = jnp.dot(x.astype(jnp.float32), w2.astype(jnp.float32), precision=HIGHEST)
   # The epilogue's own evaluation of the VJP jaxpr (custom rules inlined).
-  d_gate, d_up = glu._common.inline(glu._vjp_fn(activation))(
+  d_gate, d_up = glu._common.inline(glk.vjp_fn(activation))(
       h[:, :n], h[:, n:], dout.astype(jnp.float32))
   return jnp.concatenate([d_gate, d_up], axis=1).astype(x.dtype)
 
@@ -402,8 +403,8 @@ def _dense_dh(x, w2, dout, activation, config):
 def test_backward_wrapper_math(monkeypatch, fuse, activation, shape):
   """Padding, layout and the VJP math of `glu_backward` on the CPU, with the
   kernels replaced by dense jnp equivalents of what they compute."""
-  monkeypatch.setattr(glu.ragged_dot, "grouped_matmul", _dense_grouped_matmul)
-  monkeypatch.setattr(glu, "_glu_dh", _dense_dh)
+  monkeypatch.setattr(glk.ragged_dot_kernel, "grouped_matmul", _dense_grouped_matmul)
+  monkeypatch.setattr(glk, "glu_dh", _dense_dh)
   m, k, n = shape
   dtype = jnp.float16
   x, w = _inputs(m, k, n, dtype)
@@ -420,8 +421,8 @@ def test_backward_wrapper_math(monkeypatch, fuse, activation, shape):
 def test_backward_padding_with_an_infinite_derivative_at_zero(monkeypatch, fuse):
   """Padded rows and columns have gate 0; log|g|'s derivative there is infinite,
   and 0 * inf must not leak NaN into dx and dw through the matmuls."""
-  monkeypatch.setattr(glu.ragged_dot, "grouped_matmul", _dense_grouped_matmul)
-  monkeypatch.setattr(glu, "_glu_dh", _dense_dh)
+  monkeypatch.setattr(glk.ragged_dot_kernel, "grouped_matmul", _dense_grouped_matmul)
+  monkeypatch.setattr(glk, "glu_dh", _dense_dh)
   activation = lambda g: jnp.log(jnp.abs(g))
   m, k, n = 37, 40, 24  # pads M, K and N
   x, w = _inputs(m, k, n, jnp.float16)

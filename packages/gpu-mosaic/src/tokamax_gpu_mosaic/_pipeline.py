@@ -97,6 +97,14 @@ class Ring:
     return i >= self.stages if self.base is None else i - self.base >= self.stages
 
 
+def snake_tile(index, m_tiles: int, n_tiles: int, width: int, block_m: int,
+               block_n: int):
+  """(row tile, first row, first column) of a persistent grid's tile `index`,
+  walked in the planar-snake order (bands of `width` column tiles)."""
+  mi, ni = plgpu.planar_snake(index, (m_tiles, n_tiles), 1, width)
+  return mi, mi * block_m, ni * block_n
+
+
 def wait_when(cond, barrier) -> None:
   """Waits on `barrier` where `cond` holds."""
 

@@ -238,14 +238,8 @@ class _DkvKernel(_Shape):
       # All three warpgroups compute both consumers' query tile ranges from the
       # same scalars; steps run over their union (head-major, as below).
       limits = akc.batch_limits(r.lims, bi)
-
-      def wg_range(w: int):
-        tiles = akc.query_range(k0 + w * akc.WG_ROWS, akc.WG_ROWS, *limits,
-                                self.feat.left, self.feat.right, self.bq)
-        if self.feat.segments:
-          tiles = akc.within_segments(tiles, r.seg_range, bi, ki * 2 + w)
-        return tiles
-      j_lo, j_fl, j_fh, j_hi = akc.shared_steps(wg_range(0), wg_range(1))
+      j_lo, j_fl, j_fh, j_hi = akc.shared_steps(*akc.consumer_ranges(
+          akc.query_range, k0, ki, bi, limits, self.feat, self.bq, r.seg_range))
       n_j = j_hi - j_lo
     else:
       # Causal: query tiles before j_lo see none of this block's keys (k0 is a
@@ -514,9 +508,7 @@ class _DqKernel(_Shape):
     return self.s_true % self.bkv != 0
 
   def kv_end(self, row_end):
-    if not self.causal:
-      return self.n_kv
-    return jnp.minimum(lax.div(row_end + self.bkv - 1, self.bkv), self.n_kv)
+    return akc.kv_end(row_end, self.causal, self.bkv, self.n_kv)
 
   def block(self, r: _DqRefs) -> _DqBlock:
     """Grid position and the key tiles both consumers step through."""
@@ -535,14 +527,8 @@ class _DqKernel(_Shape):
       # As the forward: all three warpgroups compute both consumers' key tile
       # ranges; both consumers then take the union's steps (`shared_steps`).
       limits = akc.batch_limits(r.lims, bi)
-
-      def wg_range(w: int):
-        tiles = akc.key_range(tile0 + w * akc.WG_ROWS, akc.WG_ROWS, *limits,
-                              self.feat.left, self.feat.right, self.bkv)
-        if self.feat.segments:
-          tiles = akc.within_segments(tiles, r.seg_range, bi, qi * 2 + w)
-        return tiles
-      base, i_fl, i_fh, n_block = akc.shared_steps(wg_range(0), wg_range(1))
+      base, i_fl, i_fh, n_block = akc.shared_steps(*akc.consumer_ranges(
+          akc.key_range, tile0, qi, bi, limits, self.feat, self.bkv, r.seg_range))
     else:
       base = None
       n_block = self.kv_end(tile0 + akc.CTA_ROWS)

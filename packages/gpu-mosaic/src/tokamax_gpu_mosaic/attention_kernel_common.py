@@ -126,6 +126,29 @@ def key_range(r0, rows: int, q_limit, kv_limit, off, left, right, bkv: int):
   return lo_t, fl_t, fh_t, hi_t
 
 
+def kv_end(row_end, causal: bool, bkv: int, n_kv: int):
+  """Key tiles a run of query rows ending (exclusive) at `row_end` can see
+  (causal: up to the diagonal; else all `n_kv`)."""
+  if not causal:
+    return n_kv
+  return jnp.minimum(lax.div(row_end + bkv - 1, bkv), n_kv)
+
+
+def consumer_ranges(tile_range, r0, block, bi, limits, feat: Features, tile: int,
+                    seg_range_ref):
+  """Both consumer warpgroups' tile ranges ``(lo, fl, fh, hi)`` (`tile_range`:
+  `key_range` for 64 query rows, `query_range` for 64 keys) for a block whose
+  rows start at `r0`, narrowed by segments (`within_segments`) where given."""
+
+  def wg_range(w: int):
+    tiles = tile_range(r0 + w * WG_ROWS, WG_ROWS, *limits, feat.left, feat.right,
+                       tile)
+    if feat.segments:
+      tiles = within_segments(tiles, seg_range_ref, bi, block * 2 + w)
+    return tiles
+  return wg_range(0), wg_range(1)
+
+
 def union(range0, range1):
   """``[lo, hi)`` covering two warpgroups' non-empty tile ranges (both empty:
   an empty range)."""

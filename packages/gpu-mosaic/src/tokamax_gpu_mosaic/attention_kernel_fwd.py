@@ -236,10 +236,7 @@ class _Forward:
     return self.pad_keys or self.feat.kv_len
 
   def kv_end(self, row_end):
-    """Key tiles a run of query rows ending (exclusive) at `row_end` can see."""
-    if not self.causal:
-      return self.n_kv
-    return jnp.minimum(lax.div(row_end + self.bkv - 1, self.bkv), self.n_kv)
+    return akc.kv_end(row_end, self.causal, self.bkv, self.n_kv)
 
   def bind(self, refs) -> _Refs:
     absent = set()
@@ -264,14 +261,8 @@ class _Forward:
     ranges, limits = None, (None, None, None)
     if self.feat.dynamic:
       limits = akc.batch_limits(r.lims, bi)
-
-      def wg_range(w: int):
-        tiles = akc.key_range(tile0 + w * self.bq, self.bq, *limits, self.feat.left,
-                              self.feat.right, self.bkv)
-        if self.feat.segments:
-          tiles = akc.within_segments(tiles, r.seg_range, bi, qi * 2 + w)
-        return tiles
-      ranges = (wg_range(0), wg_range(1))
+      ranges = akc.consumer_ranges(akc.key_range, tile0, qi, bi, limits, self.feat,
+                                   self.bkv, r.seg_range)
       base, n_block = akc.union(*((x[0], x[3]) for x in ranges))
     else:
       base = None

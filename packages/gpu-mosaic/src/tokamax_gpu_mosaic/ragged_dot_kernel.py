@@ -546,10 +546,8 @@ class _FixedTiles:
 
       @plgpu.nd_loop((self.m_tiles * self.n_tiles,), collective_axes="sm")
       def _tile_loop(info):
-        mi, ni = plgpu.planar_snake(info.index[0], (self.m_tiles, self.n_tiles), 1,
-                                    self.config.grid_tile_width)
-        m0 = mi * bm
-        n0 = ni * (2 * bn)
+        mi, m0, n0 = _pipeline.snake_tile(info.index[0], self.m_tiles, self.n_tiles,
+                                          self.config.grid_tile_width, bm, 2 * bn)
         first = tiles_ref[mi, 0]
         last = tiles_ref[mi, 1]
         visit = functools.partial(self.visit_group, wg, o_smem, bounds_ref, lhs_ref,

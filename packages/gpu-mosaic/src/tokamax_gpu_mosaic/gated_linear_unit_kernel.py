@@ -1,0 +1,352 @@
+"""Gated linear unit kernels (forward and backward) in Pallas Mosaic GPU (sm_90).
+
+``out = activation(x @ w_gate) * (x @ w_up)``: one fused kernel, so the two
+projections never go through device memory and each x tile is loaded once for
+both.
+
+Kernel shape: a persistent grid (one block per SM) walking output tiles of
+``block_m x block_n`` in a planar-snake order. Each block has a memory warpgroup
+that streams, per step of ``block_k``, the x tile and the matching gate and up
+weight tiles into a ``num_stages``-deep ring of swizzled shared memory (TMA), and
+two compute warpgroups, each owning ``block_m / 2`` of the rows, that issue two
+wgmma per step (gate and up, float32 accumulators in registers). The epilogue
+applies the activation in float32 in registers, multiplies, and writes the tile
+with one TMA store (which clips rows past M and columns past N).
+
+The weights ``[K, 2, N]`` are read as ``[K, 2N]`` (a free reshape): gate columns
+at ``[0, N)``, up columns at ``[N, 2N)``. Shapes that are not multiples of the
+128-byte swizzle (64 elements) are zero-padded first (a copy, only then).
+
+In a training step (`Op.residuals_wanted()`), the epilogue also stores the gate
+and up tiles: the ``projections`` residual ``h = x @ w``. The backward then needs
+no projection matmul: ``dh`` is elementwise and ``dx``, ``dw`` are two dense
+matmuls, which `GatedLinearUnitArgs.backward_from_projections` runs through XLA
+(cuBLAS beats our grouped-matmul kernel at one group). The projections cost the
+epilogue a second staging tile, so the forward then runs with one stage fewer
+where shared memory asks for it (`_room_for_projections`).
+
+Backward without projections (`glu_backward`), with ``h = x @ w`` the ``[M, 2N]``
+pre-activations (gate, up) and ``dh = [dy * up * act'(gate), dy * act(gate)]``:
+
+1. ``dh`` comes from one kernel, `_glu_dh`: the forward's kernel whose epilogue
+   loads the ``dy`` tile (TMA, issued before the K loop so it lands meanwhile)
+   and applies the activation's VJP (``jax.vjp`` of the user's callable, traced
+   into the epilogue) to the float32 accumulators; it writes the gate and up
+   halves of ``dh`` straight into an ``[M, 2N]`` array laid out like the
+   weights. ``h`` itself never goes through device memory. Activations whose
+   VJP the epilogue cannot lower (or ``fuse_activation=False``) take two steps
+   instead: ``h`` in float32 from ragged_dot's dense kernel, then XLA.
+2. ``dx = dh @ w^T`` and ``dw = x^T @ dh`` are ragged_dot's grouped-matmul kernel
+   with one group (a dense matmul): dx reads w tiles transposed in shared memory
+   (as ragged_dot's dlhs), dw multiplies an XLA transpose of x (a pass over x,
+   a seventh of dh's bytes at the reference shape) by dh.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from tokamax_gpu_mosaic import _common
+from tokamax_gpu_mosaic import _pipeline
+from tokamax_gpu_mosaic import ragged_dot
+from tokamax_gpu_mosaic import ragged_dot_kernel
+
+if TYPE_CHECKING:
+  from tokamax_gpu_mosaic.gated_linear_unit import GatedLinearUnitConfig
+  from tokamax_gpu_mosaic.gated_linear_unit import GatedLinearUnitVjpConfig
+
+COLS = 64  # Minor dimensions are padded to this (the 128-byte swizzle's width).
+
+
+def _gate_up_pipeline(dtype, config: GatedLinearUnitConfig):
+  """The K loop shared by the forward and the backward's dh kernel: a memory
+  warpgroup streams the x tile and the gate and up weight tiles by TMA, two
+  compute warpgroups run the body on them."""
+  bm, bn, bk = config.block_m, config.block_n, config.block_k
+  x_spec = _pipeline.tma_spec((bm, bk), lambda ki: (0, ki), dtype, bk)
+  w_spec = _pipeline.tma_spec((bk, bn), lambda ki: (ki, 0), dtype, bk)
+  return _pipeline.WarpSpecializedPipeline((x_spec, w_spec, w_spec), config.num_stages)
+
+
+def _gate_up_mma(wg, half: int):
+  """The pipeline body: this compute warpgroup's rows of the x tile times the gate
+  and the up weight tiles, into the (gate, up) accumulator pair."""
+
+  def mma(_, x_smem, g_w_smem, u_w_smem, carry):
+    acc_g, acc_u = carry
+    own = x_smem.at[pl.ds(wg * half, half)]
+    plgpu.wgmma(acc_g, own, g_w_smem)
+    plgpu.wgmma(acc_u, own, u_w_smem)
+    plgpu.wgmma_wait(2)  # The previous step's pair is done: release it.
+    return carry
+  return mma
+
+
+def fused_glu(x, weights, activation, config: GatedLinearUnitConfig,
+              keep_projections: bool = False):
+  """``activation(x @ weights[:, 0]) * (x @ weights[:, 1])`` in x's dtype.
+
+  With `keep_projections`, ``(out, projections)``: the epilogue also writes the
+  gate and up tiles ``x @ weights`` (``[M, 2, N]`` in x's dtype) for the backward.
+  """
+  m_orig, k_orig = x.shape
+  n_orig = weights.shape[2]
+  bm, bn, bk = config.block_m, config.block_n, config.block_k
+  half = bm // 2
+  m = _common.round_up(m_orig, 8, bm)
+  # At least two K steps, as ragged_dot does: a one-step warp-specialized
+  # pipeline crashed on the H200 (notes/MOSAIC_GPU.md); zero columns add nothing.
+  k = _common.round_up(k_orig, COLS, 2 * bk)
+  # The projections' gate tiles must not reach into the up columns at n: whole
+  # tiles then.
+  n = _common.round_up(n_orig, bn if keep_projections else COLS, bn)
+  x = _common.pad_axis(_common.pad_axis(x, 0, m), 1, k)
+  weights = _common.pad_axis(_common.pad_axis(weights, 0, k), 2, n)
+  w2 = weights.reshape(k, 2 * n)
+  dtype = x.dtype
+  m_tiles, n_tiles, k_steps = pl.cdiv(m, bm), pl.cdiv(n, bn), pl.cdiv(k, bk)
+  act = _common.inline_elementwise(activation)
+
+  pipeline = _gate_up_pipeline(dtype, config)
+
+  def kernel(x_ref, w_ref, out_ref, *h_ref):
+    allocs = pipeline.allocations(x_ref, w_ref.at[:, pl.ds(0, n)],
+                                  w_ref.at[:, pl.ds(n, n)], steps=k_steps)
+    buffers = 2 if keep_projections else 1
+
+    @functools.partial(
+        pl.run_scoped, allocs=allocs,
+        out_smem=plgpu.SMEM((2, buffers, half, bn), dtype,
+                            transforms=_common.swizzled(dtype, bn)),
+        collective_axes="wg")
+    def _scope(allocs, out_smem):
+      wg = lax.axis_index("wg")
+      own_smem = out_smem.at[jnp.minimum(wg, 1)]
+
+      @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
+      def _tile_loop(info):
+        _, m0, n0 = _pipeline.snake_tile(info.index[0], m_tiles, n_tiles,
+                                         config.grid_tile_width, bm, bn)
+
+        def context(eval_pipeline):
+          @functools.partial(pl.run_scoped,
+                             acc_g=plgpu.ACC((half, bn), jnp.float32),
+                             acc_u=plgpu.ACC((half, bn), jnp.float32))
+          def _acc_scope(acc_g, acc_u):
+            eval_pipeline((acc_g, acc_u))
+            gate, up = acc_g[...], acc_u[...]
+            if keep_projections:
+              # The output from the projections as the backward reads them
+              # (rounded to x's dtype), as the plain program computes it.
+              gate, up = gate.astype(dtype), up.astype(dtype)
+            y = act(gate.astype(jnp.float32)) * up.astype(jnp.float32)
+            rows = pl.ds(m0 + wg * half, half)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            if keep_projections:
+              # Gate and up go out first; the output then reuses the gate's
+              # buffer once its store has read it (one store left in flight).
+              own_smem.at[0][...] = gate
+              own_smem.at[1][...] = up
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(own_smem.at[0], h_ref[0].at[rows, pl.ds(n0, bn)])
+              plgpu.copy_smem_to_gmem(own_smem.at[1],
+                                      h_ref[0].at[rows, pl.ds(n + n0, bn)])
+              plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            _pipeline.store_tile(own_smem.at[0], y.astype(dtype),
+                                 out_ref.at[rows, pl.ds(n0, bn)])
+
+        pipeline(_gate_up_mma(wg, half), context, k_steps)(
+            x_ref.at[pl.ds(m0, bm), :], w_ref.at[:, pl.ds(n0, bn)],
+            w_ref.at[:, pl.ds(n + n0, bn)], allocations=allocs)
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  out_type = [jax.ShapeDtypeStruct((m, n), dtype)]
+  if keep_projections:
+    out_type.append(jax.ShapeDtypeStruct((m, 2 * n), dtype))
+  call = _pipeline.persistent_kernel(kernel, out_type=tuple(out_type))
+  out, *h = call(x, w2)
+  out = out[:m_orig, :n_orig]
+  if not keep_projections:
+    return out
+  return out, h[0].reshape(m, 2, n)[:m_orig, :, :n_orig]
+
+
+def vjp_fn(activation):
+  """``(gate, up, dy) -> (d_gate, d_up)`` in float32, from ``jax.vjp`` of the
+  activation (so `jax.custom_vjp` / `custom_jvp` rules are honoured)."""
+
+  # Ordered so that values die early (in the kernel these are register tiles):
+  # up right away, act as soon as d_up is made.
+  def fn(gate, up, dy):
+    dy_up = dy * up
+    if activation is None:
+      return dy_up, dy * gate
+    act, pullback = jax.vjp(activation, gate)
+    d_up = (dy * act).astype(jnp.float32)
+    (d_gate,) = pullback(dy_up.astype(act.dtype))
+    return d_gate.astype(jnp.float32), d_up
+  return fn
+
+
+def vjp_jaxpr(activation, shape=(64, 128)):
+  tile = jax.ShapeDtypeStruct(shape, jnp.float32)
+  return jax.make_jaxpr(vjp_fn(activation))(tile, tile, tile)
+
+
+def epilogue_can_fuse(activation) -> bool:
+  """Whether the dh kernel's epilogue can lower the activation's VJP: only
+  primitives the Lane lowering has, and no array constants (a kernel cannot
+  capture them)."""
+  try:
+    closed = vjp_jaxpr(activation)
+  except Exception:  # whatever tracing raised, the epilogue cannot take it
+    return False
+  if any(getattr(c, "ndim", 0) for c in closed.consts):
+    return False
+  return not _common.missing_primitives(closed.jaxpr)
+
+
+def glu_dh(x, w2, dout, activation, config: GatedLinearUnitConfig) -> jax.Array:
+  """``[d_gate, d_up]`` as ``[m, 2n]`` from padded ``x [m, k]``, ``w2 [k, 2n]``
+  and ``dout [m, n]``, where `n` is a multiple of ``block_n`` (a gate tile must
+  not reach into the up columns, which another tile writes).
+
+  The forward's pipeline with a different epilogue: each compute warpgroup
+  fetches its ``[block_m / 2, block_n]`` dy tile by TMA before its K loop and
+  after the loop turns the float32 gate and up accumulators and dy into d_gate
+  (written over dy in shared memory) and d_up, stored with two TMA stores.
+  """
+  m, k = x.shape
+  n = dout.shape[1]
+  bm, bn, bk = config.block_m, config.block_n, config.block_k
+  half = bm // 2
+  dtype = x.dtype
+  m_tiles, n_tiles, k_steps = pl.cdiv(m, bm), n // bn, pl.cdiv(k, bk)
+  grads = _common.inline(vjp_fn(activation))
+
+  pipeline = _gate_up_pipeline(dtype, config)
+
+  tile_smem = plgpu.SMEM((2, half, bn), dtype, transforms=_common.swizzled(dtype, bn))
+
+  def kernel(x_ref, w_ref, dout_ref, dh_ref, dout_barriers):
+    allocs = pipeline.allocations(x_ref, w_ref.at[:, pl.ds(0, n)],
+                                  w_ref.at[:, pl.ds(n, n)], steps=k_steps)
+
+    @functools.partial(pl.run_scoped, allocs=allocs, gate_smem=tile_smem,
+                       up_smem=tile_smem, collective_axes="wg")
+    def _scope(allocs, gate_smem, up_smem):
+      wg = lax.axis_index("wg")
+      cwg = jnp.minimum(wg, 1)  # Only compute warpgroups use these.
+      g_smem = gate_smem.at[cwg]
+      u_smem = up_smem.at[cwg]
+      barrier = dout_barriers.at[cwg]
+
+      @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
+      def _tile_loop(info):
+        _, m0, n0 = _pipeline.snake_tile(info.index[0], m_tiles, n_tiles,
+                                         config.grid_tile_width, bm, bn)
+        rows = pl.ds(m0 + cwg * half, half)
+
+        def context(eval_pipeline):
+          # The previous tile's stores read g_smem: done before dy overwrites it.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          plgpu.copy_gmem_to_smem(dout_ref.at[rows, pl.ds(n0, bn)], g_smem, barrier)
+
+          @functools.partial(pl.run_scoped,
+                             acc_g=plgpu.ACC((half, bn), jnp.float32),
+                             acc_u=plgpu.ACC((half, bn), jnp.float32))
+          def _acc_scope(acc_g, acc_u):
+            eval_pipeline((acc_g, acc_u))
+            plgpu.barrier_wait(barrier)
+            dy = g_smem[...].astype(jnp.float32)
+            d_gate, d_up = grads(acc_g[...], acc_u[...], dy)
+            # Each thread overwrites exactly the dy elements it loaded (one
+            # register layout for both), so no barrier between load and store.
+            g_smem[...] = d_gate.astype(dtype)
+            u_smem[...] = d_up.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(g_smem, dh_ref.at[rows, pl.ds(n0, bn)])
+            plgpu.copy_smem_to_gmem(u_smem, dh_ref.at[rows, pl.ds(n + n0, bn)])
+
+        pipeline(_gate_up_mma(wg, half), context, k_steps)(
+            x_ref.at[pl.ds(m0, bm), :], w_ref.at[:, pl.ds(n0, bn)],
+            w_ref.at[:, pl.ds(n + n0, bn)], allocations=allocs)
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  call = _pipeline.persistent_kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((m, 2 * n), dtype),
+      scratch_types=[plgpu.Barrier(num_arrivals=1, num_barriers=2)])
+  return call(x, w2, dout)
+
+
+def _dh_unfused(x, w2, dout, activation, f32_out_config) -> jax.Array:
+  """`glu_dh` in two steps: h in float32 by the dense kernel, the VJP in XLA."""
+  m = x.shape[0]
+  n = dout.shape[1]
+  h = ragged_dot_kernel.grouped_matmul(
+      x, w2[None], jnp.zeros((1,), jnp.int32), jnp.full((1,), m, jnp.int32),
+      transpose_rhs=False, out_dtype=jnp.float32, config=f32_out_config)
+  d_gate, d_up = vjp_fn(activation)(h[:, :n], h[:, n:], dout.astype(jnp.float32))
+  return jnp.concatenate([d_gate, d_up], axis=1).astype(x.dtype)
+
+
+def glu_backward(x, weights, dout, activation, config: GatedLinearUnitVjpConfig):
+  """``(dx [M, K], dw [K, 2, N])`` of ``activation(x @ w_gate) * (x @ w_up)``.
+
+  x ``[M, K]``, weights ``[K, 2, N]`` (bf16/f16), dout ``[M, N]``. Float32
+  accumulation; dh (``[M, 2N]``) is rounded to x's dtype before the two matmuls,
+  as Triton's backward does.
+
+  Example:
+    >>> dx, dw = glu_backward(x, w, dy, jax.nn.silu, GatedLinearUnitVjpConfig())
+  """
+  m_orig, k_orig = x.shape
+  n_orig = weights.shape[2]
+  dh_config = config.dh_config()
+  mm_config = config.matmul_config()
+  bm, bn = dh_config.block_m, dh_config.block_n
+  dtype = x.dtype
+  # M: whole dh-kernel row tiles, so no dy tile load lies wholly past the array
+  # (and rows come in 64s, as dh's rows are dw's swizzled contraction).
+  # K: at least two steps of every kernel's 64-deep pipeline (a one-step
+  # warp-specialized pipeline crashed on the H200, notes/MOSAIC_GPU.md).
+  # N: whole dh-kernel tiles (see `glu_dh`). Aligned shapes are not copied.
+  m = _common.round_up(m_orig, bm, bm)
+  k = _common.round_up(k_orig, COLS, 128)
+  n = _common.round_up(n_orig, bn, bn)
+  x = _common.pad_axis(_common.pad_axis(x, 0, m), 1, k)
+  weights = _common.pad_axis(_common.pad_axis(weights, 0, k), 2, n)
+  dout = _common.pad_axis(_common.pad_axis(dout.astype(dtype), 0, m), 1, n)
+  w2 = weights.reshape(k, 2 * n)
+  if config.fuse_activation and epilogue_can_fuse(activation):
+    dh = glu_dh(x, w2, dout, activation, dh_config)
+  else:
+    itemsize = jnp.dtype(dtype).itemsize
+    f32_config = ragged_dot.heuristic(m, k, 2 * n, 1, itemsize, 4)
+    dh = _dh_unfused(x, w2, dout, activation, f32_config)
+  if (m, n) != (m_orig, n_orig):
+    # Padded rows and columns have gate 0 and dy 0, but an activation whose
+    # derivative at 0 is infinite (log|g|, cbrt) gives 0 * inf = NaN there, which
+    # the matmuls below would spread over all of dx and dw.
+    rows = jnp.arange(m)[:, None] < m_orig
+    cols = (jnp.arange(2 * n) % n)[None, :] < n_orig
+    dh = jnp.where(rows & cols, dh, jnp.zeros((), dh.dtype))
+  zero = jnp.zeros((1,), jnp.int32)
+  dx = ragged_dot_kernel.grouped_matmul(dh, w2[None], zero, jnp.full((1,), m, jnp.int32),
+                                 transpose_rhs=True, out_dtype=dtype,
+                                 config=mm_config)
+  dw = ragged_dot_kernel.grouped_matmul(x.T, dh[None], zero, jnp.full((1,), k, jnp.int32),
+                                 transpose_rhs=False, out_dtype=dtype,
+                                 config=mm_config)
+  dx = dx[:m_orig, :k_orig]
+  dw = dw.reshape(k, 2, n)[:k_orig, :, :n_orig]
+  return dx, dw
