@@ -12,7 +12,7 @@ import pytest
 import tokamax
 from tokamax import testing
 from tokamax.__main__ import main as tokamax_main
-from tokamax._src import model_bench
+from tokamax._src import bench_models
 
 pytest.importorskip("flax")
 pytest.importorskip("optax")
@@ -61,8 +61,8 @@ TINY = ["--size", "dim=32", "--size", "heads=4", "--size", "kv_heads=2", "--size
 
 
 def test_bench_times_the_example_layer_against_plain_flax():
-  size = model_bench.make_size("flax-dense", True, dict(a.split("=") for a in TINY[1::2]))
-  rows, text = model_bench.run_model("flax-dense", size, iterations=1)
+  size = bench_models.make_size("flax-dense", True, dict(a.split("=") for a in TINY[1::2]))
+  rows, text = bench_models.run_model("flax-dense", size, iterations=1)
   by_impl = {r["implementation"]: r for r in rows}
   assert set(by_impl) == {"plain Flax", "tokamax auto"}
   ours = by_impl["tokamax auto"]
@@ -81,16 +81,16 @@ def test_bench_command_line_runs_flax_dense(capsys):
 
 
 def test_bench_flax_dense_without_the_example_says_where_to_run(monkeypatch):
-  monkeypatch.setattr(model_bench, "FLAX_EXAMPLE", pathlib.Path("examples/absent.py"))
-  model_bench.flax_example.cache_clear()
+  monkeypatch.setattr(bench_models, "FLAX_EXAMPLE", pathlib.Path("examples/absent.py"))
+  bench_models.flax_example.cache_clear()
   try:
     with pytest.raises(FileNotFoundError, match="run from the repository's root"):
-      model_bench.flax_example()
+      bench_models.flax_example()
   finally:
-    model_bench.flax_example.cache_clear()
+    bench_models.flax_example.cache_clear()
 
 
 def test_core_does_not_import_flax():
-  code = ("import sys, tokamax, tokamax.__main__; from tokamax._src import bench, "
-          "model_bench; assert 'flax' not in sys.modules, 'flax imported'")
+  code = ("import sys, tokamax, tokamax.__main__; from tokamax._src import bench_suite, "
+          "bench_models; assert 'flax' not in sys.modules, 'flax imported'")
   subprocess.run([sys.executable, "-c", code], check=True)

@@ -201,7 +201,7 @@ def sweep_cases() -> list[SweepCase]:
 def gpu_implementations() -> list[str]:
   """The registered implementations of attention that can run on a GPU."""
   # `tokamax.implementations()` names them; their platforms are in the registry.
-  from tokamax._src import registry  # pylint: disable=g-import-not-at-top
+  from tokamax._src import registry
   by_name = registry.get().by_name
   names = []
   for status in tokamax.implementations(OP):
@@ -289,7 +289,7 @@ def make_inputs(case: SweepCase, scale: float) -> Inputs:
                    compiler_options={"xla_gpu_autotune_level": 0})
 def _reference_block(floats, mask, q_lengths, kv_lengths, q_segments, kv_segments,
                      q_offset, cotangent, *, static):
-  import tokamax_xla_reference  # pylint: disable=g-import-not-at-top
+  import tokamax_xla_reference
   scale, is_causal, window, soft_cap = static
 
   def f(fl):

@@ -5,7 +5,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 
-import trace_summary  # noqa: E402  pylint: disable=wrong-import-position
+import trace_summary  # noqa: E402
 
 
 def _event(pid, name, ts, dur):

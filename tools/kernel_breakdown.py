@@ -19,8 +19,8 @@ import statistics
 import jax
 from jax.experimental.mosaic.gpu import profiler
 
-from tokamax._src import bench
-from tokamax._src import model_bench
+from tokamax._src import bench_suite
+from tokamax._src import bench_models
 
 
 def breakdown(f, args, iterations: int) -> list[tuple[str, float]]:
@@ -63,11 +63,11 @@ def report_by_name(label: str, f, args, iterations: int) -> None:
 
 def model_breakdown(model: str, sizes: dict[str, str], iterations: int) -> None:
   """The plain-JAX and the tokamax training step of `model`, kernel by kernel."""
-  size = model_bench.make_size(model, False, sizes)
-  params, x, dy = model_bench.inputs(model, size)
+  size = bench_models.make_size(model, False, sizes)
+  params, x, dy = bench_models.inputs(model, size)
   print(f"## model {model} {size.describe()}", flush=True)
   for program in ("plain", "tokamax"):
-    step = model_bench.training_step(model, size, program)
+    step = bench_models.training_step(model, size, program)
     report_by_name(program, step, (params, x, dy), iterations)
 
 
@@ -86,7 +86,7 @@ def main():
   if args.model:
     model_breakdown(args.model, dict(kv.split("=", 1) for kv in args.size),
                     args.iterations)
-  for problem in bench.reference_suite():
+  for problem in bench_suite.reference_suite():
     if problem.op not in args.op or (args.shape and args.shape not in problem.name):
       continue
     print(f"## {problem.op} {problem.name} ({args.direction})", flush=True)
@@ -101,7 +101,7 @@ def main():
         if args.direction == "forward":
           report(label, call, (inputs,), args.iterations)
         else:
-          f, fargs = bench._fwd_bwd(call, inputs)  # pylint: disable=protected-access
+          f, fargs = bench_suite.fwd_bwd(call, inputs)
           report(label, f, fargs, args.iterations)
       except Exception as e:  # a kernel that fails is reported, the others still run
         print(f"  {label}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import argparse
 
-from tokamax._src import bench
+from tokamax._src import bench_suite
+from tokamax._src.ops.gated_linear_unit import problems as gated_linear_unit_problems
+from tokamax._src.ops.layer_norm import problems as layer_norm_problems
+from tokamax._src.problem import Problem
 
 _NORM_ELEMENTS = 2**27
 _NORM_WIDTHS = (1024, 2048, 4096, 8192, 12288, 16384)
@@ -23,12 +26,12 @@ _NORM_WIDTHS = (1024, 2048, 4096, 8192, 12288, 16384)
 _GLU_SHAPES = ((2048, 4096, 28672), (65536, 2048, 2048))
 
 
-def problems(op: str) -> list[bench.Problem]:
+def problems(op: str) -> list[Problem]:
   if op == "norms":
-    return [bench._norm(_NORM_ELEMENTS // d, d, rms)  # pylint: disable=protected-access
+    return [layer_norm_problems.problem(_NORM_ELEMENTS // d, d, rms)
             for d in _NORM_WIDTHS for rms in (False, True)]
   if op == "glu":
-    return [bench._glu(*shape) for shape in _GLU_SHAPES]  # pylint: disable=protected-access
+    return [gated_linear_unit_problems.problem(*shape) for shape in _GLU_SHAPES]
   raise ValueError(f"--op must be 'norms' or 'glu'; got {op!r}")
 
 
@@ -41,10 +44,10 @@ def main() -> None:
   args = parser.parse_args()
   impls = [None, "triton", "mosaic_gpu", "xla"] if not args.implementation else [
       None if i == "auto" else i for i in args.implementation]
-  print("\n".join(bench.HEADER), flush=True)
+  print("\n".join(bench_suite.HEADER), flush=True)
   for p in problems(args.op):
     usable = [i for i in impls if i is None or i in _usable(p.op)]
-    print(bench.markdown_table(bench.run_problem(p, usable, iterations=args.iterations),
+    print(bench_suite.markdown_table(bench_suite.run_problem(p, usable, iterations=args.iterations),
                                header=False), flush=True)
 
 

@@ -19,8 +19,10 @@ import dataclasses
 
 import jax
 
-from tokamax._src import bench
-from tokamax._src import config_sources
+from tokamax._src import bench_suite
+from tokamax._src import benchmarking
+from tokamax._src.problem import Problem
+from tokamax._src.tuning import context as tuning_context
 from tokamax._src import registry
 
 
@@ -57,15 +59,15 @@ def _field_value(text: str) -> tuple[str, str]:
   return key, value
 
 
-def tune(problem: bench.Problem, implementation: str, iterations: int,
+def tune(problem: Problem, implementation: str, iterations: int,
          directions=("forward", "forward+backward"), match=None,
          training: bool = False) -> None:
   entry = registry.find(problem.op, implementation)
   fwd_cls, bwd_cls = registry.forward_class(entry), registry.backward_class(entry)
   inputs = problem.make_inputs()
   capture = _Fixed()
-  grad, grad_args = bench._fwd_bwd(lambda a: problem.call(a, implementation), inputs)  # pylint: disable=protected-access
-  with config_sources.use(capture):
+  grad, grad_args = bench_suite.fwd_bwd(lambda a: problem.call(a, implementation), inputs)
+  with tuning_context.use(capture):
     try:
       jax.block_until_ready(grad(*grad_args))
     except NotImplementedError:  # a forward-only implementation: tune the forward
@@ -84,12 +86,12 @@ def tune(problem: bench.Problem, implementation: str, iterations: int,
     for config in dict.fromkeys([heuristic, *configs]):
       source = _Fixed(cls, config)
       try:
-        with config_sources.use(source):
+        with tuning_context.use(source):
           if direction == "forward" and not training:
             f, fargs = jax.jit(lambda a: problem.call(a, implementation)), (inputs,)
           else:
-            f, fargs = bench._fwd_bwd(lambda a: problem.call(a, implementation), inputs)  # pylint: disable=protected-access
-          ms, _ = bench.kernel_time_ms(f, *fargs, iterations=iterations)
+            f, fargs = bench_suite.fwd_bwd(lambda a: problem.call(a, implementation), inputs)
+          ms, _ = benchmarking.kernel_time_ms(f, *fargs, iterations=iterations)
         mark = " (heuristic)" if config == heuristic else ""
         print(f"  {direction:<17} {ms:8.3f} ms  {dataclasses.asdict(config)}{mark}", flush=True)
       except Exception as e:  # a config that fails is reported, the sweep goes on
@@ -113,7 +115,7 @@ def main():
   args = parser.parse_args()
   match = dict(args.match)
   directions = (args.direction,) if args.direction else ("forward", "forward+backward")
-  for problem in bench.reference_suite():
+  for problem in bench_suite.reference_suite():
     if problem.op in args.op and (not args.shape or args.shape in problem.name):
       tune(problem, args.implementation, args.iterations, directions, match,
            args.training)

@@ -370,13 +370,13 @@ def _():
                     window=case.get("local_window_size"), q_offset=off)
       want = attention_ref(np, f64(q), f64(k), f64(v), None, None, **ref_kw)
       for impl in ("xla", "xla_chunked", None):
-        out = dispatch.call("dot_product_attention", args, impl, attn_mod.DIFF_FIELDS)
+        out = dispatch.call(attn_mod.DEFINITION, args, impl)
         close(out, want, jnp.float32, what=f"{impl} off={off} {case}")
         cot = rand(rng(9), out.shape)
 
         def fn(q, k, v, args=args, impl=impl):
           a = dataclasses.replace(args, query=q, key=k, value=v)
-          return dispatch.call("dot_product_attention", a, impl, attn_mod.DIFF_FIELDS)
+          return dispatch.call(attn_mod.DEFINITION, a, impl)
         got = tk_grad(fn, (q, k, v), (0, 1, 2), cot)
         wg = ref_grad(lambda q, k, v: attention_ref(jnp, q, k, v, **ref_kw),
                       [q, k, v], (0, 1, 2), cot)

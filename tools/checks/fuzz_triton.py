@@ -19,7 +19,7 @@ import numpy as np
 
 import tokamax
 from tokamax import testing
-from tokamax._src import config_sources
+from tokamax._src.tuning import context as tuning_context
 from tokamax.testing import _conformance as conformance
 from tokamax_gpu_triton import attention as tri_att
 from tokamax_gpu_triton import gated_linear_unit as tri_glu
@@ -285,7 +285,7 @@ def run_case(op, seed, dtype, check_det=False):
     note += f" configs={[getattr(configs, a) for a in pick]}"
 
   def triton_run():
-    with tokamax.interpret(), (config_sources.use(configs) if configs is not None
+    with tokamax.interpret(), (tuning_context.use(configs) if configs is not None
                                else contextlib.nullcontext()):
       out, vjp = jax.vjp(lambda f: fn(f, "triton", None), floats)
       cot = jnp.asarray(cot_exact, out.dtype)

@@ -12,10 +12,14 @@ import pytest
 from jax import export
 
 import tokamax
-from tokamax._src import autotuning
 from tokamax._src import registry
-from tokamax._src import tuned_data
-from tokamax._src import xla_backend
+from tokamax._src import dispatch
+from tokamax._src.dispatch.candidates import tuned_order
+from tokamax._src.tuning import results
+from tokamax._src.tuning import shipped
+from tokamax._src.tuning import trials
+from tokamax._src.ops.attention import xla as attention_xla
+from tokamax._src.ops.layer_norm import xla as layer_norm_xla
 
 
 # Fixed seed: a failure reproduces (and CI does not flake on a rare input).
@@ -75,9 +79,9 @@ def test_dumps_loads_round_trip(tuned):
 
 
 def test_merge_keeps_the_faster():
-  slow = autotuning.Measurement("layer_norm", "forward", "k", "xla", None, 2.0)
-  fast = autotuning.Measurement("layer_norm", "forward", "k", "xla", None, 1.0)
-  other = autotuning.Measurement("layer_norm", "forward", "k2", "xla", None, 3.0)
+  slow = results.Measurement("layer_norm", "forward", "k", "xla", None, 2.0)
+  fast = results.Measurement("layer_norm", "forward", "k", "xla", None, 1.0)
+  other = results.Measurement("layer_norm", "forward", "k2", "xla", None, 3.0)
   merged = (tokamax.AutotuningResult([slow]) | tokamax.AutotuningResult([fast, other]))
   assert sorted(m.time_ms for m in merged.measurements) == [1.0, 3.0]
   with pytest.raises(ValueError, match="cannot merge"):
@@ -87,8 +91,8 @@ def test_merge_keeps_the_faster():
 @pytest.mark.parametrize("text,match", [
     ("not json", "not an autotuning result"),
     ('{"format": "something-else/9"}', "format"),
-    (json.dumps({"format": autotuning.FORMAT, "measurements": [{"op": "x"}]}), "malformed"),
-    (json.dumps({"format": autotuning.FORMAT, "measurements": [dict(
+    (json.dumps({"format": results.FORMAT, "measurements": [{"op": "x"}]}), "malformed"),
+    (json.dumps({"format": results.FORMAT, "measurements": [dict(
         op="layer_norm", direction="forward", key="k", implementation="xla",
         config={"f": {"nested": 1}}, time_ms=1.0)]}), "JSON scalars"),
 ])
@@ -103,13 +107,12 @@ def test_crafted_result_imports_nothing_and_falls_back():
 
   def grab(op_name, args, implementation):
     nonlocal args_key
-    args_key = autotuning.args_key(args)
+    args_key = results.args_key(args)
 
-  from tokamax._src import dispatch  # pylint: disable=g-import-not-at-top
   with dispatch.observe(grab):
     tokamax.dot_product_attention(q, q, q)
   sys.modules.pop("antigravity", None)
-  crafted = json.dumps({"format": autotuning.FORMAT, "measurements": [
+  crafted = json.dumps({"format": results.FORMAT, "measurements": [
       dict(op="dot_product_attention", direction="forward", key=args_key,
            implementation="antigravity:fly", config={"module": "antigravity"},
            time_ms=0.001),
@@ -127,7 +130,7 @@ def test_crafted_result_imports_nothing_and_falls_back():
     warnings.simplefilter("always")
     with tokamax.record_dispatch() as records:
       tokamax.dot_product_attention(q, q, q, implementation="xla_chunked")
-  assert records[0].config == xla_backend.XlaChunkedAttention().heuristic_config(_args_of(q))
+  assert records[0].config == attention_xla.XlaChunkedAttention().heuristic_config(_args_of(q))
   assert any("does not fit" in str(x.message) for x in w)
   np.testing.assert_allclose(out, tokamax.dot_product_attention(q, q, q, implementation="xla"))
 
@@ -148,14 +151,14 @@ def test_timeout_leaves_the_backward_its_share(monkeypatch):
   each direction gets its share, and each implementation's heuristic is measured
   even past it. A fake clock advanced 1.5 s per measurement keeps it exact."""
   clock = [0.0]
-  real_time = autotuning._time  # pylint: disable=protected-access
+  real_time = trials.time_ms
 
   def timed(*args):
     clock[0] += 1.5
     return real_time(*args)
 
-  monkeypatch.setattr(autotuning, "_clock", lambda: clock[0])
-  monkeypatch.setattr(autotuning, "_time", timed)
+  monkeypatch.setattr(trials, "clock", lambda: clock[0])
+  monkeypatch.setattr(trials, "time_ms", timed)
   q = _rand(1, 1024, 2, 8)  # xla plus 4 chunk sizes: 7.5 s of forward trials
   loss = lambda q: jnp.sum(tokamax.dot_product_attention(q, q, q) ** 2)
   result = tokamax.autotune(jax.grad(loss), q, timeout_s=6.0, progress=False)
@@ -168,24 +171,24 @@ def test_timeout_leaves_the_backward_its_share(monkeypatch):
 
 
 def test_failing_config_is_recorded_not_raised():
-  import dataclasses  # pylint: disable=g-import-not-at-top
+  import dataclasses
 
   @dataclasses.dataclass(frozen=True)
   class Flaky(tokamax.Op):
     op_name = "layer_norm"
     name = "flaky"
-    config_cls = xla_backend.ChunkConfig
+    config_cls = attention_xla.ChunkConfig
 
     def heuristic_config(self, args):
-      return xla_backend.ChunkConfig(2)
+      return attention_xla.ChunkConfig(2)
 
     def search_space(self, args):
-      return (xla_backend.ChunkConfig(1), xla_backend.ChunkConfig(2))
+      return (attention_xla.ChunkConfig(1), attention_xla.ChunkConfig(2))
 
     def forward(self, args, config):
       if config.chunk_size == 1:
         raise RuntimeError("this config does not compile")
-      return xla_backend.XlaLayerNorm().forward(args, None)
+      return layer_norm_xla.XlaLayerNorm().forward(args, None)
 
   x = _rand(4, 8)
   result = tokamax.autotune(lambda x: tokamax.layer_norm(x, None, None, implementation=Flaky()),
@@ -227,8 +230,8 @@ def _shipped_setup(monkeypatch, tmp_path, files, pkg_name, dist=None):
 
 
 def _result_text(q, chunk, device_kind="cpu", versions=None):
-  key = autotuning.args_key(_canonical_attention(q))
-  return json.dumps({"format": autotuning.FORMAT, "device_kind": device_kind,
+  key = results.args_key(_canonical_attention(q))
+  return json.dumps({"format": results.FORMAT, "device_kind": device_kind,
                      "versions": versions or {"jax": jax.__version__},
                      "measurements": [dict(op="dot_product_attention", direction="forward",
                                            key=key, implementation="xla_chunked",
@@ -239,7 +242,6 @@ def _result_text(q, chunk, device_kind="cpu", versions=None):
 
 
 def _canonical_attention(q):
-  from tokamax._src import dispatch  # pylint: disable=g-import-not-at-top
   seen = []
   with dispatch.observe(lambda op, args, impl: seen.append(args)):
     tokamax.dot_product_attention(q, q, q)
@@ -253,7 +255,7 @@ def test_shipped_tuned_data_drives_none(fresh_registry, tmp_path):
   with tokamax.record_dispatch() as records:
     tokamax.dot_product_attention(q, q, q)
   assert records[0].implementation == "xla_chunked"
-  assert records[0].config == xla_backend.ChunkConfig(16)
+  assert records[0].config == attention_xla.ChunkConfig(16)
 
 
 @pytest.mark.parametrize("problem,text_fn,match", [
@@ -297,7 +299,7 @@ def test_shipped_data_needs_the_version_of_the_package_shipping_it(fresh_registr
 
 
 def test_device_slug():
-  assert tuned_data.device_slug("NVIDIA H200") == "nvidia_h200"
+  assert shipped.device_slug("NVIDIA H200") == "nvidia_h200"
 
 
 def test_export_with_disabled_checks_round_trips():
@@ -312,15 +314,15 @@ def test_export_with_disabled_checks_round_trips():
 
 def test_autotune_on_miss_switch(monkeypatch):
   monkeypatch.setenv("TOKAMAX_AUTOTUNE_ON_MISS", "1")
-  monkeypatch.setattr(autotuning, "_ON_MISS", None)
+  monkeypatch.setattr(trials, "_ON_MISS", None)
   q = _rand(1, 300, 2, 8)
   timed = []
-  real_time = autotuning._time
-  monkeypatch.setattr(autotuning, "_time",
+  real_time = trials.time_ms
+  monkeypatch.setattr(trials, "time_ms",
                       lambda *a, **k: timed.append(1) or real_time(*a, **k))
   with tokamax.record_dispatch() as records:
     tokamax.dot_product_attention(q, q, q, implementation="xla_chunked")
-  op = xla_backend.XlaChunkedAttention()
+  op = attention_xla.XlaChunkedAttention()
   space = {*op.search_space(_args_of(q)), op.heuristic_config(_args_of(q))}
   assert records[0].config in space and len(timed) == len(space)
   with tokamax.record_dispatch() as again:
@@ -330,12 +332,11 @@ def test_autotune_on_miss_switch(monkeypatch):
   with tokamax.record_dispatch() as off:
     tokamax.dot_product_attention(_rand(1, 200, 2, 8), _rand(1, 200, 2, 8),
                                   _rand(1, 200, 2, 8), implementation="xla_chunked")
-  assert off[0].config == xla_backend.ChunkConfig(200)  # heuristics: min(512, S)
+  assert off[0].config == attention_xla.ChunkConfig(200)  # heuristics: min(512, S)
 
 
 def test_tuned_data_orders_only_what_it_measured():
-  from tokamax._src import dispatch  # pylint: disable=g-import-not-at-top
-  order = lambda labels, times: dispatch._tuned_order(labels, labels, times)  # pylint: disable=protected-access
+  order = lambda labels, times: tuned_order(labels, labels, times)
   # Priority order: a (unmeasured) stays first although b was measured fastest.
   assert order(["a", "b", "c"], {"b": 1.0, "c": 2.0}) == ["a", "b", "c"]
   assert order(["a", "b", "c"], {"b": 3.0, "c": 2.0}) == ["a", "c", "b"]
@@ -348,16 +349,16 @@ def test_data_without_the_preferred_implementation_leaves_it_first():
   """Tuned data that timed only xla_chunked (say, measured before another backend
   was installed) does not put it ahead of xla, which it never timed."""
   q = _rand(1, 48, 2, 8)
-  key = autotuning.args_key(_canonical_attention(q))
-  only_chunked = autotuning.AutotuningResult(
-      [autotuning.Measurement("dot_product_attention", "forward", key, "xla_chunked",
+  key = results.args_key(_canonical_attention(q))
+  only_chunked = results.AutotuningResult(
+      [results.Measurement("dot_product_attention", "forward", key, "xla_chunked",
                               {"chunk_size": 16}, 1.0)], device_kind="cpu")
   with only_chunked, tokamax.record_dispatch() as records:
     tokamax.dot_product_attention(q, q, q)
   assert records[0].implementation == "xla"
-  both = autotuning.AutotuningResult(
+  both = results.AutotuningResult(
       [*only_chunked.measurements,
-       autotuning.Measurement("dot_product_attention", "forward", key, "xla", None, 5.0)],
+       results.Measurement("dot_product_attention", "forward", key, "xla", None, 5.0)],
       device_kind="cpu")
   with both, tokamax.record_dispatch() as records:
     tokamax.dot_product_attention(q, q, q)
@@ -366,11 +367,11 @@ def test_data_without_the_preferred_implementation_leaves_it_first():
 
 def test_an_implementation_that_only_failed_is_tried_last():
   q = _rand(1, 48, 2, 8)
-  key = autotuning.args_key(_canonical_attention(q))
+  key = results.args_key(_canonical_attention(q))
   failure = dict(op="dot_product_attention", direction="forward", key=key,
                  implementation="xla", config=None, error="RuntimeError: boom")
-  result = autotuning.AutotuningResult(
-      [autotuning.Measurement("dot_product_attention", "forward", key, "xla_chunked",
+  result = results.AutotuningResult(
+      [results.Measurement("dot_product_attention", "forward", key, "xla_chunked",
                               {"chunk_size": 16}, 1.0)], device_kind="cpu",
       failures=[failure])
   assert result.measured_times("dot_product_attention", "forward",
@@ -380,7 +381,7 @@ def test_an_implementation_that_only_failed_is_tried_last():
     tokamax.dot_product_attention(q, q, q)
   assert records[0].implementation == "xla_chunked"
   # A config skipped for time is not a failure: xla keeps its place.
-  skipped = autotuning.AutotuningResult(
+  skipped = results.AutotuningResult(
       result.measurements, device_kind="cpu",
       failures=[dict(failure, error="skipped: autotuning timeout")])
   with skipped, tokamax.record_dispatch() as records:
@@ -393,11 +394,11 @@ def test_backward_keeps_its_own_unless_one_here_was_measured_faster():
   faster goes ahead of it, but an unmeasured one of higher priority does not."""
   q = _rand(1, 48, 2, 8)
   args = _canonical_attention(q)
-  key = autotuning.args_key(args)
+  key = results.args_key(args)
 
   def backward_ran(times):
-    result = autotuning.AutotuningResult(
-        [autotuning.Measurement("dot_product_attention", "backward", key, impl, None, t)
+    result = results.AutotuningResult(
+        [results.Measurement("dot_product_attention", "backward", key, impl, None, t)
          for impl, t in times.items()], device_kind="cpu")
     loss = lambda q: jnp.sum(tokamax.dot_product_attention(q, q, q,
                                                            implementation=None))

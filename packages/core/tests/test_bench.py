@@ -5,12 +5,13 @@ import jax.numpy as jnp
 import pytest
 
 import tokamax
-from tokamax._src import bench
-from tokamax._src import model_bench
+from tokamax._src import bench_suite
+from tokamax._src.ops.attention import problems as attention_problems
+from tokamax._src import bench_models
 
 
 def _tiny_norm():
-  return bench.Problem(
+  return bench_suite.Problem(
       "layer_norm", "tiny 64x128",
       lambda: (jax.random.normal(jax.random.key(0), (64, 128), jnp.float32),),
       lambda a, i: tokamax.rms_norm(a[0], None, implementation=i),
@@ -19,7 +20,7 @@ def _tiny_norm():
 
 
 def test_run_problem_times_every_candidate_against_the_peer(tmp_path):
-  rows = bench.run_problem(_tiny_norm(), [None, "xla"], iterations=2)
+  rows = bench_suite.run_problem(_tiny_norm(), [None, "xla"], iterations=2)
   labels = {(r["direction"], r["implementation"]) for r in rows}
   for direction in ("forward", "forward+backward"):
     assert {(direction, "tokamax auto"), (direction, "tokamax xla"),
@@ -27,18 +28,18 @@ def test_run_problem_times_every_candidate_against_the_peer(tmp_path):
   for r in rows:
     assert r["ms"] > 0 and r["rate"] > 0 and r["method"] == "wallclock"
     assert r["vs_peer"] > 0
-  table = bench.markdown_table(rows)
+  table = bench_suite.markdown_table(rows)
   assert table.count("\n") == len(rows) + 1
   pytest.importorskip("matplotlib")
-  assert [p.rsplit("/", 1)[1] for p in bench.plot(rows, str(tmp_path))] == ["throughput.png"]
+  assert [p.rsplit("/", 1)[1] for p in bench_suite.plot(rows, str(tmp_path))] == ["throughput.png"]
 
 
 def test_reference_suite_covers_the_benchmark_shapes():
-  names = {(p.op, p.name) for p in bench.reference_suite()}
+  names = {(p.op, p.name) for p in bench_suite.reference_suite()}
   assert ("dot_product_attention", "B4 T4096 N16 H128 causal") in names
   assert ("ragged_dot", "M65536 K7168 N2048 G256 random") in names
   assert ("gated_linear_unit", "silu x16384x4096 w4096x2x14336") in names
-  assert len(bench.sequence_sweep()) == 5
+  assert len(bench_suite.sequence_sweep()) == 5
 
 
 # --------------------------------------------------------------- formatting, shapes
@@ -48,14 +49,14 @@ def test_reference_suite_covers_the_benchmark_shapes():
     (678.26, "678"), (1234.4, "1234"), (4.2718, "4.27"), (0.012345, "0.0123"),
     (12.345, "12.3"), (0.0, "0"), (0.00046, "0.000460")])
 def test_rates_have_three_significant_figures(rate, text):
-  assert bench.format_rate(rate) == text
+  assert bench_suite.format_rate(rate) == text
 
 
 def test_small_shapes_off_a_gpu():
-  assert bench.use_quick_shapes() == (jax.default_backend() != "gpu")
-  assert bench.use_quick_shapes(True) and not bench.use_quick_shapes(False)
-  quick = bench.quick_suite()
-  assert {p.op for p in quick} == {p.op for p in bench.reference_suite()}
+  assert bench_suite.use_quick_shapes() == (jax.default_backend() != "gpu")
+  assert bench_suite.use_quick_shapes(True) and not bench_suite.use_quick_shapes(False)
+  quick = bench_suite.quick_suite()
+  assert {p.op for p in quick} == {p.op for p in bench_suite.reference_suite()}
   for p in quick:  # every input under a million elements
     assert all(x.size <= 2**20 for x in jax.eval_shape(p.make_inputs))
 
@@ -64,10 +65,10 @@ def test_one_table_per_run_and_numerics_per_row(monkeypatch, capsys):
   tiny = _tiny_norm()
   tiny.reference = ("XLA (jnp)",)
   tiny.dtype = "float32"
-  monkeypatch.setattr(bench, "quick_suite", lambda: [tiny, tiny])
-  rows, _ = bench._run(["layer_norm"], 2, [None], False, None, True, None)
+  monkeypatch.setattr(bench_suite, "quick_suite", lambda: [tiny, tiny])
+  rows, _ = bench_suite._run(["layer_norm"], 2, [None], False, None, True, None)
   out = capsys.readouterr().out
-  assert out.count("| op | shape |") == 1 and out.count(bench.HEADER[1]) == 1
+  assert out.count("| op | shape |") == 1 and out.count(bench_suite.HEADER[1]) == 1
   assert len(rows) == 2 * 2 * 2
   for r in rows:
     assert r["rel_err"] <= r["tol"] and r["reference"] == "XLA (jnp)"
@@ -78,7 +79,7 @@ def test_missing_matplotlib_is_said_clearly(monkeypatch, tmp_path, capsys):
   monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
   rows = [dict(op="layer_norm", shape="s", direction="forward", implementation="x",
                ms=1.0, rate=1.0, unit="TB/s")]
-  assert bench.plot(rows, str(tmp_path)) == []
+  assert bench_suite.plot(rows, str(tmp_path)) == []
   err = capsys.readouterr().err
   assert "NOT written" in err and "tokamax-core[plot]" in err
 
@@ -86,14 +87,14 @@ def test_missing_matplotlib_is_said_clearly(monkeypatch, tmp_path, capsys):
 # ----------------------------------------------------------------------- models
 
 
-TINY_DENSE = model_bench.DenseSize(dim=64, heads=4, kv_heads=2, head_dim=16, ffn=128,
+TINY_DENSE = bench_models.DenseSize(dim=64, heads=4, kv_heads=2, head_dim=16, ffn=128,
                                    batch=1, seq=32)
-TINY_MOE = model_bench.MoeSize(tokens=64, dim=64, ffn=128, experts=4, top_k=2)
+TINY_MOE = bench_models.MoeSize(tokens=64, dim=64, ffn=128, experts=4, top_k=2)
 
 
 @pytest.mark.parametrize("model, size", [("dense", TINY_DENSE), ("moe", TINY_MOE)])
 def test_model_training_step_tokamax_against_plain(model, size):
-  rows, text = model_bench.run_model(model, size, iterations=1)
+  rows, text = bench_models.run_model(model, size, iterations=1)
   by_impl = {r["implementation"]: r for r in rows}
   assert set(by_impl) == {"plain JAX", "tokamax auto"}
   for r in rows:
@@ -112,19 +113,19 @@ def test_model_training_step_tokamax_against_plain(model, size):
 
 def test_model_steps_compute_the_same_function():
   for model, size in (("dense", TINY_DENSE), ("moe", TINY_MOE)):
-    params, x, dy = model_bench.inputs(model, size)
+    params, x, dy = bench_models.inputs(model, size)
     up = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)
-    ref = model_bench.training_step(model, size, "plain")(up(params), up(x), dy)
-    got = model_bench.training_step(model, size, "tokamax")(up(params), up(x), dy)
-    errors = model_bench.relative_errors(got, ref)
+    ref = bench_models.training_step(model, size, "plain")(up(params), up(x), dy)
+    got = bench_models.training_step(model, size, "tokamax")(up(params), up(x), dy)
+    errors = bench_models.relative_errors(got, ref)
     assert max(errors.values()) < 1e-4, errors
 
 
 def test_moe_routing_matches_a_dense_computation():
   size = TINY_MOE
-  params, x, _ = model_bench.moe_inputs(size)
+  params, x, _ = bench_models.moe_inputs(size)
   params, x = jax.tree.map(lambda a: a.astype(jnp.float32), (params, x))
-  out = model_bench.moe_ffn(params, x, size, "plain")
+  out = bench_models.moe_ffn(params, x, size, "plain")
   top, ids = jax.lax.top_k(x @ params["w_router"], size.top_k)
   gates = jax.nn.softmax(top, axis=-1)
   h = jnp.einsum("td,edf->tef", x, params["w_gate_up"])
@@ -135,13 +136,13 @@ def test_moe_routing_matches_a_dense_computation():
 
 
 def test_model_sizes_from_the_command_line():
-  assert model_bench.make_size("dense", False) == model_bench.DenseSize()
-  size = model_bench.make_size("dense", True, {"seq": "64", "kv-heads": "1", "tokens": "8"})
+  assert bench_models.make_size("dense", False) == bench_models.DenseSize()
+  size = bench_models.make_size("dense", True, {"seq": "64", "kv-heads": "1", "tokens": "8"})
   assert size.seq == 64 and size.kv_heads == 1
-  assert model_bench.make_size("moe", False, {"seq": "64"}) == model_bench.MoeSize()
+  assert bench_models.make_size("moe", False, {"seq": "64"}) == bench_models.MoeSize()
   with pytest.raises(ValueError, match="no model has a size 'bogus'"):
-    model_bench.make_size("moe", True, {"bogus": "1"})
-  assert model_bench.MoeSize().flops() == 3 * (2 * 16384 * 4096 * 2 * 14336
+    bench_models.make_size("moe", True, {"bogus": "1"})
+  assert bench_models.MoeSize().flops() == 3 * (2 * 16384 * 4096 * 2 * 14336
                                               + 2 * 16384 * 14336 * 4096)
 
 
@@ -166,7 +167,7 @@ def test_compare_flags_a_slower_row_and_changed_numerics():
              _row("tokamax xla", 10.0, 0.012),       # error grew 2.4x: fails
              _row("tokamax mosaic_gpu", 9.0, 0.05),  # beyond tolerance: fails
              _row("new one", 1.0)]
-  report, failures = bench.compare(current, baseline)
+  report, failures = bench_suite.compare(current, baseline)
   assert len(failures) == 3
   assert any("SLOWER" in f and "tokamax triton" in f for f in failures)
   assert any("NUMERICS" in f and "tokamax xla" in f for f in failures)
@@ -175,22 +176,22 @@ def test_compare_flags_a_slower_row_and_changed_numerics():
   assert any(line.startswith("not measured") for line in report)
   assert any(line.startswith("new") for line in report)
   # A tighter threshold catches the 9% row; a looser one lets the 15% row pass.
-  assert len(bench.compare(current, baseline, threshold=0.05)[1]) == 4
-  assert len(bench.compare(current, baseline, threshold=0.2)[1]) == 2
+  assert len(bench_suite.compare(current, baseline, threshold=0.05)[1]) == 4
+  assert len(bench_suite.compare(current, baseline, threshold=0.2)[1]) == 2
   # A row that failed now but ran in the baseline is a regression.
   failed = [dict(_row("tokamax auto", 0), error="boom")]
   failed[0].pop("ms")
-  assert bench.compare(failed, baseline[:1])[1]
+  assert bench_suite.compare(failed, baseline[:1])[1]
 
 
 def test_json_and_compare_from_the_command_line(tmp_path, capsys):
-  from tokamax import __main__ as cli  # pylint: disable=g-import-not-at-top
+  from tokamax import __main__ as cli
   rows = [_row("tokamax auto", 10.0, 0.005), _row("plain JAX", 12.0, op="model dense")]
   src = tmp_path / "rows.json"
   src.write_text(__import__("json").dumps(rows))
   base = tmp_path / "baseline.json"
   assert cli.main(["bench", "--from-json", str(src), "--json", str(base)]) == 0
-  doc, loaded = bench.load_rows(str(base))
+  doc, loaded = bench_suite.load_rows(str(base))
   assert loaded == rows and doc["device_kind"] and doc["jax"] == jax.__version__
   assert cli.main(["bench", "--from-json", str(base), "--compare", str(base)]) == 0
   slow = tmp_path / "slow.json"
@@ -202,16 +203,16 @@ def test_json_and_compare_from_the_command_line(tmp_path, capsys):
 
 
 def test_visible_pairs_count_causal_windows_by_brute_force():
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import numpy as np
   for t in (1, 5, 64):
     rows, cols = np.arange(t)[:, None], np.arange(t)[None, :]
-    assert bench._visible_pairs(t, False, None) == t * t  # pylint: disable=protected-access
-    assert bench._visible_pairs(t, True, None) == int((cols <= rows).sum())  # pylint: disable=protected-access
+    assert attention_problems.visible_pairs(t, False, None) == t * t
+    assert attention_problems.visible_pairs(t, True, None) == int((cols <= rows).sum())
     for w in (0, 1, 3, 200):
       want = int(((cols <= rows) & (cols >= rows - w)).sum())
-      assert bench._visible_pairs(t, True, w) == want, (t, w)  # pylint: disable=protected-access
+      assert attention_problems.visible_pairs(t, True, w) == want, (t, w)
   with pytest.raises(ValueError, match="causal"):
-    bench._visible_pairs(8, False, 2)  # pylint: disable=protected-access
+    attention_problems.visible_pairs(8, False, 2)
 
 
 def test_shape_selects_problems_by_name(monkeypatch):
@@ -219,6 +220,6 @@ def test_shape_selects_problems_by_name(monkeypatch):
   other.name = "other 8x8"
   for p in (tiny, other):
     p.reference, p.dtype = ("XLA (jnp)",), "float32"
-  monkeypatch.setattr(bench, "quick_suite", lambda: [tiny, other])
-  rows, _ = bench._run(["layer_norm"], 1, [None], False, None, True, None, "64x128")  # pylint: disable=protected-access
+  monkeypatch.setattr(bench_suite, "quick_suite", lambda: [tiny, other])
+  rows, _ = bench_suite._run(["layer_norm"], 1, [None], False, None, True, None, "64x128")
   assert rows and {r["shape"] for r in rows} == {"tiny 64x128"}

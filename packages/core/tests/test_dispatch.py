@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import tokamax
-from tokamax._src import xla_backend
+from tokamax._src.ops.attention import xla as attention_xla
+from tokamax._src.ops.layer_norm import xla as layer_norm_xla
 
 
 # Fixed seed: a failure reproduces (and CI does not flake on a rare input).
@@ -30,7 +31,7 @@ class RmsOnly(tokamax.Op):
       raise NotImplementedError("only RMS normalization (subtract_mean=False)")
 
   def forward(self, args, config):
-    return xla_backend.XlaLayerNorm().forward(args, config)
+    return layer_norm_xla.XlaLayerNorm().forward(args, config)
 
 
 def test_none_picks_reference_on_cpu_for_both_directions():
@@ -82,10 +83,10 @@ def test_wrong_op_instance_is_rejected():
 
 def test_explicit_config_is_used():
   q, k = _rand(1, 40, 2, 8), _rand(1, 40, 2, 8)
-  op = xla_backend.XlaChunkedAttention(xla_backend.ChunkConfig(chunk_size=16))
+  op = attention_xla.XlaChunkedAttention(attention_xla.ChunkConfig(chunk_size=16))
   with tokamax.record_dispatch() as records:
     out = tokamax.dot_product_attention(q, k, k, implementation=op)
-  assert records[0].config == xla_backend.ChunkConfig(16)
+  assert records[0].config == attention_xla.ChunkConfig(16)
   ref = tokamax.dot_product_attention(q, k, k, implementation="xla")
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -135,7 +136,7 @@ def test_implementations_introspection():
 def test_an_unpartitioned_forward_may_leave_opaque_residuals_for_its_backward():
   # The cuDNN forward keeps jax.vjp's residuals this way, so that its backward
   # does not run the forward a second time (not testable without a GPU).
-  from tokamax._src import op as op_lib  # pylint: disable=import-outside-toplevel
+  from tokamax._src import op as op_lib
   seen = {}
 
   @dataclasses.dataclass(frozen=True)
@@ -181,7 +182,7 @@ def test_an_unpartitioned_forward_may_leave_opaque_residuals_for_its_backward():
 def test_cudnn_forward_keeps_its_vjp_only_where_the_training_path_traces(monkeypatch):
   # cuDNN's training path (jax.vjp) refuses some calls its inference path takes;
   # the forward must then run without the residual (another backward runs).
-  from tokamax._src import op as op_lib  # pylint: disable=import-outside-toplevel
+  from tokamax._src import op as op_lib
 
   @jax.custom_jvp
   def inference_only(q):
@@ -193,14 +194,14 @@ def test_cudnn_forward_keeps_its_vjp_only_where_the_training_path_traces(monkeyp
 
   q = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
   args = tokamax.AttentionArgs(q, q, q)
-  op = xla_backend.CudnnAttention()
+  op = attention_xla.CudnnAttention()
   for fn, kept in ((lambda a: a.query * 2.0, True), (lambda a: inference_only(a.query),
                                                      False)):
-    monkeypatch.setattr(xla_backend, "_cudnn_forward", fn)
+    monkeypatch.setattr(attention_xla, "_cudnn_forward", fn)
     with op_lib.allow_opaque_residuals():
       out, residuals = op.forward(args, None)
     np.testing.assert_allclose(out, q * 2.0)
-    assert (xla_backend._CUDNN_VJP in residuals) == kept  # pylint: disable=protected-access
+    assert (attention_xla._CUDNN_VJP in residuals) == kept
     _, residuals = op.forward(args, None)  # not allowed: never kept
     assert not residuals
 

@@ -12,7 +12,7 @@ import pytest
 import tokamax
 import tokamax_xla_reference
 from tokamax import testing
-from tokamax._src import xla_backend
+from tokamax._src.ops.gated_linear_unit import xla as glu_xla
 from tokamax._src.ops.gated_linear_unit import GatedLinearUnitArgs
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -51,7 +51,7 @@ def test_backward_from_projections_matches_autodiff_of_the_reference(
 
 
 @dataclasses.dataclass(frozen=True)
-class _KeepsProjectionsVjp(xla_backend.XlaGatedLinearUnitVjp):
+class _KeepsProjectionsVjp(glu_xla.XlaGatedLinearUnitVjp):
   name = "keeps_projections"
 
   def check_supported(self, args, device, residuals=None):
@@ -63,7 +63,7 @@ class _KeepsProjectionsVjp(xla_backend.XlaGatedLinearUnitVjp):
 
 
 @dataclasses.dataclass(frozen=True)
-class _KeepsProjections(xla_backend.XlaGatedLinearUnit):
+class _KeepsProjections(glu_xla.XlaGatedLinearUnit):
   """A forward that keeps the projections when a backward will read them, as the
   kernels do; it logs what it was asked."""
 

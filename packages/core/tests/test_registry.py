@@ -40,7 +40,7 @@ class DoubledNorm(tokamax.Op):
   name = "doubled"
 
   def forward(self, args, config):
-    from tokamax_xla_reference import layer_norm  # pylint: disable=g-import-not-at-top
+    from tokamax_xla_reference import layer_norm
     y, mean, rstd = layer_norm(args.x, args.scale, args.offset, epsilon=args.epsilon,
                                subtract_mean=args.subtract_mean)
     return 2 * y, {"mean": mean, "rstd": rstd}
@@ -328,11 +328,10 @@ def test_alias_with_no_member_for_the_op_names_the_alias(fresh_registry):
 
 def test_alias_on_a_gpu_means_mosaic_gpu_only(fresh_registry):
   # As on an NVIDIA GPU: "mosaic" is mosaic_gpu, which has no layer_norm.
-  from tokamax._src import dispatch  # pylint: disable=import-outside-toplevel
   _mosaic_backends(fresh_registry)
-  fresh_registry.setattr(dispatch, "current_device", lambda arrays: tokamax.DeviceInfo(
-      platform="gpu", device_kind="NVIDIA H100", interpret=False,
-      compute_capability="9.0"))
+  fresh_registry.setattr(tokamax.DeviceInfo, "of", classmethod(
+      lambda cls, arrays=(): cls(platform="gpu", device_kind="NVIDIA H100",
+                                 interpret=False, compute_capability="9.0")))
   scale = jnp.ones((8,), jnp.float32)
   with pytest.raises(ValueError) as e:
     tokamax.rms_norm(_x(), scale, implementation="mosaic")

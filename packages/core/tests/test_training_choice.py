@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 import tokamax
-from tokamax._src import xla_backend
+from tokamax._src.ops.layer_norm import xla as layer_norm_xla
 
 
 @dataclasses.dataclass(frozen=True)
-class _RefusingVjp(xla_backend.XlaLayerNormVjp):
+class _RefusingVjp(layer_norm_xla.XlaLayerNormVjp):
   name = "refusing"
 
   def check_supported(self, args, device, residuals=None):
@@ -26,15 +26,15 @@ class _RefusingVjp(xla_backend.XlaLayerNormVjp):
 
 
 @dataclasses.dataclass(frozen=True)
-class _FastForward(xla_backend.XlaLayerNorm):
+class _FastForward(layer_norm_xla.XlaLayerNorm):
   name = "fast_forward"
   vjp = _RefusingVjp
 
 
 @dataclasses.dataclass(frozen=True)
-class _Paired(xla_backend.XlaLayerNorm):
+class _Paired(layer_norm_xla.XlaLayerNorm):
   name = "paired"
-  vjp = xla_backend.XlaLayerNormVjp
+  vjp = layer_norm_xla.XlaLayerNormVjp
 
 
 def _inputs():

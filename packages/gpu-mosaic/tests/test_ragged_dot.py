@@ -15,7 +15,7 @@ import pytest
 
 import tokamax
 from tokamax import testing
-from tokamax._src import config_sources
+from tokamax._src.tuning import context as tuning_context
 from tokamax_gpu_mosaic import ragged_dot as rd
 from tokamax_gpu_mosaic import ragged_dot_kernel as rdk
 
@@ -91,7 +91,7 @@ def _check(m, k, n, sizes, *, num_held=None, group_offset=None, dtype=jnp.bfloat
                              implementation=impl)
       return jnp.sum(o.astype(jnp.float32) * cot)
     with (tokamax.record_dispatch() as records,
-          config_sources.use(_BackwardConfig(bwd_config))):
+          tuning_context.use(_BackwardConfig(bwd_config))):
       dl, dr = jax.grad(loss, argnums=(0, 1))(lhs, rhs, impl)
     assert any(r.implementation == "mosaic_gpu" and r.direction == "backward"
                for r in records), records

@@ -12,7 +12,7 @@ import pytest
 
 import tokamax
 from tokamax import testing
-from tokamax._src import config_sources
+from tokamax._src.tuning import context as tuning_context
 from tokamax_gpu_triton import attention as tri
 import tokamax_xla_reference as ref_attention
 
@@ -87,7 +87,7 @@ def _compare(q, k, v, bias=None, mask=None, *, grads=True, prefetch_qk=False, **
     return ref_attention.attention(*xs[:3], b, mask4, **rkw)[0]
 
   with (tokamax.interpret(_ON_CPU),
-        config_sources.use(_SmallBlocks(prefetch_qk))):
+        tuning_context.use(_SmallBlocks(prefetch_qk))):
     out, vjp = jax.vjp(tri_fn, *diff)
     want, ref_vjp = jax.vjp(ref_fn, *map(up, diff))
     _check("out", out, want, dtype)
@@ -217,7 +217,7 @@ def test_check_supported_refuses():
              if c.name.startswith("q_offset")], ids=str)
 def test_q_offset_small_blocks(case):
   """Shifted query positions move the block ranges: check them over many blocks."""
-  with tokamax.interpret(_ON_CPU), config_sources.use(_SmallBlocks()):
+  with tokamax.interpret(_ON_CPU), tuning_context.use(_SmallBlocks()):
     testing.check_case(case, "triton", "float32")
 
 

@@ -14,7 +14,7 @@ import pytest
 
 import tokamax
 from tokamax import testing
-from tokamax._src import config_sources
+from tokamax._src.tuning import context as tuning_context
 from tokamax_tpu_mosaic import attention as att
 import tokamax_xla_reference as ref_attention
 
@@ -75,7 +75,7 @@ def _compare(q, k, v, *, grads=True, **kw):
     return ref_attention.attention(q, k, v, None, None, **rkw)[0]
 
   up = lambda x: x.astype(jnp.float32)
-  with tokamax.interpret(not _ON_TPU), config_sources.use(_SmallBlocks()):
+  with tokamax.interpret(not _ON_TPU), tuning_context.use(_SmallBlocks()):
     out, vjp = jax.vjp(fn, q, k, v)
     want, ref_vjp = jax.vjp(ref_fn, up(q), up(k), up(v))
     testing.assert_close(out, want, dtype, what="out")
@@ -261,7 +261,7 @@ def test_q_offset_small_blocks(case):
   """The q_offset conformance cases, positions scaled x8 so that the 128-row tiles
   make several query and key blocks (skipped, full and partially masked ones,
   offsets not block-aligned), forward and gradients, through dispatch."""
-  with tokamax.interpret(not _ON_TPU), config_sources.use(_SmallBlocks()):
+  with tokamax.interpret(not _ON_TPU), tuning_context.use(_SmallBlocks()):
     testing.check_case(_scaled(case, 8), "mosaic_tpu", "float32")
 
 

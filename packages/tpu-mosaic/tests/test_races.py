@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 
 import tokamax
 from tokamax import testing
-from tokamax._src import config_sources
+from tokamax._src.tuning import context as tuning_context
 from tokamax._src import dispatch
 from tokamax._src.ops import attention as attention_op
 import tokamax_xla_reference as xla_ref
@@ -53,7 +53,7 @@ def _normal(key, shape, dtype):
 
 def _vjp_under_detector(fn, primals, num_kernels):
   """fn's output and its VJP at a random cotangent, traced and run under the detector."""
-  with (tokamax.interpret(), config_sources.use(_SmallBlocks()),
+  with (tokamax.interpret(), tuning_context.use(_SmallBlocks()),
         _common.detect_races() as log):
     out, vjp = jax.vjp(fn, *primals)
     ct = _normal(_keys(1)[0], out.shape, out.dtype)
@@ -153,8 +153,7 @@ def _check_attention(b, t, s, n, kh, h, dtype, q_offset=None, **kw):
     # q_offset is not a public argument: canonical args + dispatch, as the SPMD rules.
     args, _ = attention_op.canonical_args(q, k, v, **kw)
     args = dataclasses.replace(args, q_offset=jnp.int32(q_offset))
-    return dispatch.call(attention_op.OP_NAME, args, "mosaic_tpu",
-                         attention_op.DIFF_FIELDS)
+    return dispatch.call(attention_op.DEFINITION, args, "mosaic_tpu")
 
   window = kw.get("local_window_size")
 

@@ -15,24 +15,24 @@ from tokamax._src.autotuning import autotune
 from tokamax._src.benchmarking import BenchmarkData
 from tokamax._src.benchmarking import benchmark
 from tokamax._src.benchmarking import standardize_function
-from tokamax._src.config import interpret
-from tokamax._src.config import interpret_mode
 from tokamax._src.dispatch import DispatchRecord
 from tokamax._src.dispatch import record_dispatch
 from tokamax._src.export_checks import DISABLE_JAX_EXPORT_CHECKS
 from tokamax._src.introspection import implementations
-from tokamax._src.moe import moe_all_to_all
 from tokamax._src.op import DeviceInfo
 from tokamax._src.op import Op
 from tokamax._src.op import VjpOp
 from tokamax._src.ops.attention import AttentionArgs
 from tokamax._src.ops.attention import dot_product_attention
+from tokamax._src.ops.attention import ring_attention
+from tokamax._src.ops.attention import zigzag_permutation
 from tokamax._src.ops.gated_linear_unit import GatedLinearUnitArgs
 from tokamax._src.ops.gated_linear_unit import gated_linear_unit
 from tokamax._src.ops.layer_norm import LayerNormArgs
 from tokamax._src.ops.layer_norm import layer_norm
 from tokamax._src.ops.layer_norm import rms_norm
 from tokamax._src.ops.ragged_dot import RaggedDotArgs
+from tokamax._src.ops.ragged_dot import moe_all_to_all
 from tokamax._src.ops.ragged_dot import ragged_dot
 from tokamax._src.registry import BackendError
 from tokamax._src.registry import BackendInfo
@@ -40,8 +40,8 @@ from tokamax._src.registry import ImplementationNotInstalledError
 from tokamax._src.registry import PluginWarning
 from tokamax._src.registry import backend_errors
 from tokamax._src.registry import backends
-from tokamax._src.ring_attention import ring_attention
-from tokamax._src.ring_attention import zigzag_permutation
+from tokamax._src.settings import interpret
+from tokamax._src.settings import interpret_mode
 from tokamax._src.sharding import spmd_partitioning
 
 # pyproject.toml holds the version (tools/release.py bumps it there only).

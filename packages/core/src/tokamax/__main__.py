@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+import jax
+
+import tokamax
+from tokamax._src import bench_suite
+from tokamax._src import demo
+
 
 def info() -> None:
   """JAX and devices, installed backends, and the op x implementation matrix."""
-  import jax  # pylint: disable=g-import-not-at-top
-
-  import tokamax  # pylint: disable=g-import-not-at-top
   print(f"tokamax-core {tokamax.__version__}, JAX {jax.__version__}")
   print(f"devices: {', '.join(f'{d.device_kind} ({d.platform})' for d in jax.devices())}")
   print(f"interpret mode: {tokamax.interpret_mode()}")
@@ -121,20 +124,17 @@ def main(argv: list[str] | None = None) -> int:
   if args.command == "info":
     info()
   elif args.command == "demo":
-    from tokamax._src import demo  # pylint: disable=g-import-not-at-top
     demo.run()
   elif args.command == "autotune":
-    from tokamax._src import bench  # pylint: disable=g-import-not-at-top
-    bench.autotune_suite(args.op, args.shape, args.out, args.iterations, args.timeout)
+    bench_suite.autotune_suite(args.op, args.shape, args.out, args.iterations, args.timeout)
   elif args.command == "bench":
-    from tokamax._src import bench  # pylint: disable=g-import-not-at-top
     impls = None if not args.implementation else [
         None if i == "auto" else i for i in args.implementation]
     try:
       sizes = dict(kv.split("=", 1) for kv in args.size)
     except ValueError:
       parser.error(f"--size takes KEY=VALUE; got {args.size}")
-    return bench.main(args.op, args.out, args.iterations, impls, args.sweep,
+    return bench_suite.main(args.op, args.out, args.iterations, impls, args.sweep,
                       models=args.model, quick=args.quick, sizes=sizes,
                       json_path=args.json_path, compare_path=args.compare,
                       from_json=args.from_json, threshold=args.threshold,

@@ -17,7 +17,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tokamax
-from tokamax._src import xla_backend
+from tokamax._src.ops.attention import xla as attention_xla
+from tokamax._src.ops.layer_norm import xla as layer_norm_xla
 
 NUM_DEVICES = jax.device_count()
 HALF = max(NUM_DEVICES // 2, 1)
@@ -167,7 +168,7 @@ class NoOffset(tokamax.Op):
   name = "no_offset"
 
   def forward(self, args, config):
-    return xla_backend.XlaAttention().forward(args, config)
+    return attention_xla.XlaAttention().forward(args, config)
 
 
 def test_sequence_split_needs_q_offset_support():
@@ -180,7 +181,7 @@ def test_sequence_split_needs_q_offset_support():
   with pytest.warns(UserWarning, match="queries are gathered"):
     _check(mesh, fn, args, (P(None, "b"), P(), P()), no_gather=False)
   with pytest.raises(NotImplementedError, match="q_offset"):
-    from tokamax._src import dispatch  # pylint: disable=import-outside-toplevel
+    from tokamax._src import dispatch
     dispatch.check_opt_in(NoOffset(), tokamax.AttentionArgs(
         *args, q_offset=jnp.int32(0)))
 
@@ -218,7 +219,7 @@ def test_a_partitioned_forward_may_not_leave_opaque_residuals():
   """Partitioning lays out residuals by their documented names, so dispatch lets
   a forward keep opaque ones (the cuDNN forward's jax.vjp) only where it does not
   partition: one device, or inside shard_map."""
-  from tokamax._src import op as op_lib  # pylint: disable=import-outside-toplevel
+  from tokamax._src import op as op_lib
   allowed = []
 
   @dataclasses.dataclass(frozen=True)
@@ -228,8 +229,7 @@ def test_a_partitioned_forward_may_not_leave_opaque_residuals():
 
     def forward(self, args, config):
       allowed.append(op_lib.opaque_residuals_allowed())
-      from tokamax._src import xla_backend  # pylint: disable=import-outside-toplevel
-      return xla_backend.XlaLayerNorm().forward(args, config)
+      return layer_norm_xla.XlaLayerNorm().forward(args, config)
 
   mesh = _mesh((2, HALF))
   x = jax.device_put(_rand(16, 32), NamedSharding(mesh, P("a")))
@@ -372,7 +372,7 @@ def test_explicit_axes_mesh_with_a_sharded_non_leading_row_dim():
 def test_leading_dims_keep_the_merged_shapes_for_implementations():
   """Implementations (and tuned data's keys) see the row dims merged, sharded
   or not: on one device the 2-D x, in a partitioned call the local 2-D shard."""
-  from tokamax._src import autotuning  # pylint: disable=import-outside-toplevel
+  from tokamax._src import autotuning
   seen, keys = [], []
 
   @dataclasses.dataclass(frozen=True)
@@ -382,7 +382,7 @@ def test_leading_dims_keep_the_merged_shapes_for_implementations():
 
     def forward(self, args, config):
       seen.append(tuple(args.x.shape))
-      return xla_backend.XlaLayerNorm().forward(args, config)
+      return layer_norm_xla.XlaLayerNorm().forward(args, config)
 
   x = _rand(2, 4 * HALF, 32)
   fn = lambda x: tokamax.rms_norm(x, None, implementation=Probe())
@@ -393,7 +393,7 @@ def test_leading_dims_keep_the_merged_shapes_for_implementations():
   # Traced for the global shapes too (the call's result shapes), then per shard.
   assert seen[0] == (8 * HALF, 32) and (8, 32) in seen[1:]
   assert set(seen) == {(8 * HALF, 32), (8, 32)}
-  from tokamax._src import dispatch  # pylint: disable=import-outside-toplevel
+  from tokamax._src import dispatch
   with dispatch.observe(lambda op, args, impl: keys.append(autotuning.args_key(args))):
     jax.jit(lambda x: fn(x))(jax.device_put(x, NamedSharding(mesh, P(None, "b"))))
   assert keys == [f"x=float32[{8 * HALF},32] epsilon=1e-06 subtract_mean=False"]

@@ -41,7 +41,7 @@ def _check_concretely(activation) -> None:
       # Each element alone, as a [1, 1] array (so that functions of an axis
       # trace, and show what they depend on).
       each = jax.vmap(lambda e: activation(e.reshape(1, 1)).reshape(()))(x.reshape(-1))
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     raise NotImplementedError(
         f"activation {activation!r} cannot be traced elementwise on float32: "
         f"{type(e).__name__}: {e}") from e

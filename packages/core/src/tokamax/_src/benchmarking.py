@@ -189,17 +189,17 @@ def _device_of(args: Any) -> jax.Device:
     if isinstance(leaf, jax.Array):
       try:
         return min(leaf.devices(), key=lambda d: d.id)
-      except Exception:  # pylint: disable=broad-except  # e.g. a deleted array
+      except Exception:  # e.g. a deleted array
         pass
   return jax.devices()[0]
 
 
-def _is_nvidia_gpu(device: jax.Device) -> bool:
+def is_nvidia_gpu(device: jax.Device) -> bool:
   if device.platform != "gpu":
     return False
   try:
     version = device.client.platform_version.lower()
-  except Exception:  # pylint: disable=broad-except
+  except Exception:
     version = ""
   return "cuda" in version or "nvidia" in device.device_kind.lower()
 
@@ -211,7 +211,7 @@ def _describe(device: jax.Device) -> str:
 def _peak_memory_bytes(device: jax.Device) -> int | None:
   try:
     stats = device.memory_stats()
-  except Exception:  # pylint: disable=broad-except
+  except Exception:
     return None
   if not stats or "peak_bytes_in_use" not in stats:
     return None
@@ -221,7 +221,7 @@ def _peak_memory_bytes(device: jax.Device) -> int | None:
 def default_method(device: jax.Device | None = None) -> str:
   """The method ``method=None`` picks: "cupti" on NVIDIA GPUs, else "wallclock"."""
   device = jax.devices()[0] if device is None else device
-  return "cupti" if _is_nvidia_gpu(device) else "wallclock"
+  return "cupti" if is_nvidia_gpu(device) else "wallclock"
 
 
 # ---------------------------------------------------------------------- wallclock
@@ -243,12 +243,13 @@ def _measure_wallclock(compiled, args, iterations: int, warmup: int) -> list[flo
 
 def _measure_cupti(compiled, args, iterations: int, warmup: int,
                    device: jax.Device) -> list[float]:
-  if not _is_nvidia_gpu(device):
+  if not is_nvidia_gpu(device):
     raise RuntimeError(f"method='cupti' needs an NVIDIA GPU (CUPTI is NVIDIA's profiling "
                        f"interface), but the benchmark runs on a {_describe(device)}.")
   try:
-    from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
-  except Exception as e:  # pylint: disable=broad-except
+    # Imported here: it loads CUDA libraries, and runs only on NVIDIA GPUs.
+    from jax.experimental.mosaic.gpu import profiler
+  except Exception as e:
     raise RuntimeError("method='cupti' needs jax.experimental.mosaic.gpu.profiler, which "
                        f"failed to import: {type(e).__name__}: {e}") from e
   for _ in range(warmup):
@@ -463,7 +464,7 @@ def _load_cuda_events_library() -> ctypes.CDLL:
       jax.ffi.register_ffi_target(_CUDA_EVENTS_TARGET,
                                   jax.ffi.pycapsule(lib.TokamaxRecordCudaEvent),
                                   platform="CUDA")
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       raise RuntimeError(f"method='cuda_events': registering the XLA FFI target "
                          f"{_CUDA_EVENTS_TARGET!r} for platform CUDA failed: "
                          f"{type(e).__name__}: {e}") from e
@@ -610,7 +611,7 @@ class CompiledBenchmark:
     elif method == "cupti":
       times = _measure_cupti(self.compiled, args, iterations, warmup, device)
     elif method == "cuda_events":
-      if not _is_nvidia_gpu(device):
+      if not is_nvidia_gpu(device):
         raise RuntimeError(f"method='cuda_events' needs an NVIDIA GPU (it records CUDA events "
                            f"on the XLA stream), but the benchmark runs on a {_describe(device)}.")
       times = _measure_cuda_events(self._cuda_events_compiled, args, iterations, warmup, device)
@@ -677,3 +678,12 @@ def time_and_output(f: Callable, *args, iterations: int = 10) -> tuple[float, st
   run = compile_benchmark(f_std, flat)
   data = run(flat, iterations=iterations)
   return data.median_evaluation_time_ms, data.method, run.compiled(*flat)
+
+
+def kernel_time_ms(f: Callable, *args, iterations: int = 10) -> tuple[float, str]:
+  """Median time of ``f(*args)`` and the method: CUPTI kernel time on NVIDIA GPUs, else wall clock.
+
+  A thin wrapper of `benchmark`, the one timing implementation.
+  """
+  data = benchmark(f, args, iterations=iterations)
+  return data.median_evaluation_time_ms, data.method

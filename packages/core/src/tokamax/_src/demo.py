@@ -19,7 +19,7 @@ import numpy as np
 
 import tokamax
 from tokamax import testing
-from tokamax._src import bench
+from tokamax._src import benchmarking
 from tokamax._src import introspection
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -151,7 +151,7 @@ def format_accuracy(acc: Accuracy) -> str:
 
 def _time_ms(fn, args) -> str:
   try:
-    ms, _ = bench.kernel_time_ms(fn, args, iterations=5)
+    ms, _ = benchmarking.kernel_time_ms(fn, args, iterations=5)
   except NotImplementedError:
     return "n/a"
   return f"{ms:.2f}"

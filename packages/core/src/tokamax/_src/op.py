@@ -1,8 +1,10 @@
-"""The `Op` abstraction: one implementation of one operation.
+"""What an operation is (`OpDefinition`) and what one implementation of it is
+(`Op`, `VjpOp`).
 
 Every implementation, built in or from a plugin or written by a user, subclasses
 :class:`Op` (forward) and optionally :class:`VjpOp` (backward). Core does the rest:
-validation, dispatch, `jax.custom_vjp` wiring, config resolution.
+validation (each op's folder in `tokamax._src.ops`), dispatch, `jax.custom_vjp`
+wiring and config resolution (`tokamax._src.dispatch`).
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ import abc
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import jax
+
+from tokamax._src import settings
 
 # Whether the forward being traced may return residuals outside its op's
 # documented set, read only by its own backward (e.g. the cuDNN forward keeps
@@ -81,14 +85,63 @@ class DeviceInfo:
   def is_nvidia_gpu(self) -> bool:
     return self.platform == "gpu" and self.compute_capability is not None
 
+  @classmethod
+  def of(cls, arrays: Sequence[Any] = ()) -> DeviceInfo:
+    """The device a call on `arrays` runs on (their device if concrete, else the
+    default device)."""
+    device = None
+    for x in arrays:
+      if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        try:
+          device = next(iter(x.devices()))
+          break
+        except Exception:  # a deleted or odd array: use the default device
+          pass
+    if device is None:
+      device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    return cls(platform=device.platform, device_kind=device.device_kind,
+               interpret=settings.interpret_mode(),
+               compute_capability=str(capability) if capability is not None else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpDefinition:
+  """One operation as generic code sees it; each op's folder in
+  `tokamax._src.ops` declares one, and dispatch and sharding read nothing else
+  about the op.
+
+  Attributes:
+    name: one of ``tokamax.plugin.OP_NAMES`` (the name implementations register
+      under).
+    diff_fields: the fields of the op's args dataclass that receive gradients.
+    arg_labels: a dim label per args field (one letter per dim) for the Shardy
+      sharding rule: operands that share a letter propagate shardings to each
+      other.
+    result_labels: the same for ``"out"`` and each documented residual.
+    leading_label: the letter of the leading (row / batch) dim that may be
+      several dims (merged into one before implementations see the args), or
+      None where the op has no such dim.
+    plan: the op's partitioning rule, ``(mesh, shapes, specs, supports) ->
+      sharding.Plan`` (see `tokamax._src.sharding`).
+  """
+
+  name: str
+  diff_fields: tuple[str, ...]
+  arg_labels: Mapping[str, str]
+  result_labels: Mapping[str, str]
+  leading_label: str | None
+  plan: Callable[..., Any]
+
 
 @dataclasses.dataclass(frozen=True)
 class Op(abc.ABC):
   """Base class of a forward implementation of an op.
 
-  Subclasses are frozen dataclasses; the only field here is ``config``: None means
-  "resolve a config for me" (autotuning context, then shipped tuned data, then
-  :meth:`heuristic_config`).
+  Subclasses are frozen dataclasses; the only field here is ``config`` (the
+  kernel config: tiling, stages...): None means "resolve a config for me"
+  (dispatch asks the tuned-config sources, then autotunes on a miss if asked to,
+  then takes :meth:`heuristic_config`).
 
   A subclass sets the class attributes ``op_name`` (one of
   ``tokamax.plugin.OP_NAMES``) and ``name`` (the implementation name), and
@@ -160,25 +213,6 @@ class Op(abc.ABC):
       (e.g. the attention log-sum-exp) for a backward implementation, or ``{}``.
     """
 
-  def resolve_config(self, args: Any) -> Any:
-    """The config to run `args` with: explicit, else tuned, else heuristic."""
-    if self.config is not None:
-      return self.config
-    from tokamax._src import config_sources  # pylint: disable=g-import-not-at-top
-    tuned = config_sources.lookup(self, args)
-    if tuned is not None:
-      return tuned
-    from tokamax._src import config  # pylint: disable=g-import-not-at-top
-    if config.autotune_on_miss() and not isinstance(self, VjpOp):
-      from tokamax._src import autotuning  # pylint: disable=g-import-not-at-top
-      tuned = autotuning.tune_on_miss(self, args)
-      if tuned is not None:
-        return tuned
-    return self.heuristic_config(args)
-
-  def __call__(self, args: Any):
-    return self.forward(args, self.resolve_config(args))
-
   @staticmethod
   def residuals_wanted() -> bool:
     """Whether a backward will read this forward's residuals: an op's optional
@@ -209,5 +243,3 @@ class VjpOp(Op):
                dout: jax.Array, config: Any) -> Mapping[str, jax.Array | None]:
     """Returns ``{field_name: cotangent}`` for the differentiable fields of args."""
 
-  def __call__(self, args, residuals, out, dout):
-    return self.backward(args, residuals, out, dout, self.resolve_config(args))

@@ -22,8 +22,9 @@ import threading
 import warnings
 from typing import Any
 
-from tokamax._src import config
+from tokamax._src import settings
 from tokamax._src import plugin
+from tokamax._src import xla_backend
 from tokamax._src.op import Op, VjpOp
 
 ENTRY_POINT_GROUP = "tokamax.backends"
@@ -137,7 +138,6 @@ _registry: _Registry | None = None
 
 
 def _builtin_backend() -> plugin.Backend:
-  from tokamax._src import xla_backend  # pylint: disable=g-import-not-at-top
   return xla_backend.BACKEND
 
 
@@ -172,7 +172,7 @@ def _installed_version(distribution: str) -> str | None:
 
 def _discover() -> _Registry:
   reg = _Registry()
-  disabled = config.disabled_backends()
+  disabled = settings.disabled_backends()
   builtin = _builtin_backend()
   reg.add_backend(builtin, "tokamax-xla-reference",
                   _installed_version("tokamax-xla-reference"), builtin=True)
@@ -197,8 +197,8 @@ def _discover() -> _Registry:
             f"{_installed_version('tokamax-core')} speaks version "
             f"{plugin.PLUGIN_API_VERSION}; install a release of the two whose "
             "versions match (each backend's requirement on tokamax-core says which)")
-    except Exception as e:  # pylint: disable=broad-except
-      if config.strict_plugins():
+    except Exception as e:
+      if settings.strict_plugins():
         raise
       message = f"{type(e).__name__}: {e}"
       reg.errors.append(BackendError(ep.name, dist, message, e))
@@ -232,8 +232,6 @@ def reset() -> None:
   with _lock:
     _registry = None
     _loaded.clear()
-  from tokamax._src import tuned_data  # pylint: disable=g-import-not-at-top
-  tuned_data.shipped().reset()
 
 
 _loaded: dict[str, type] = {}

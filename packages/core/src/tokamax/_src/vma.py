@@ -15,7 +15,7 @@ import jax
 
 
 def _check_vma_active() -> bool:
-  from jax._src import config  # pylint: disable=g-import-not-at-top
+  from jax._src import config  # private JAX: read only when this is asked
   flag = getattr(config, "_check_vma", None)
   return bool(flag is not None and flag.value)
 
@@ -37,7 +37,7 @@ def varying_out_shape(out_shape: Any, inputs: Any) -> Any:
   """
   if not _check_vma_active():
     return out_shape
-  from jax._src import core  # pylint: disable=g-import-not-at-top
+  from jax._src import core  # private JAX: read only inside shard_map
   varying = frozenset().union(*(_varying_axes(x) for x in jax.tree.leaves(inputs)))
   mat = core.ManualAxisType(varying=varying)
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from tokamax._src import dispatch
-from tokamax._src import moe as moe_lib
+from tokamax._src.ops.ragged_dot import moe as moe_lib
 from tokamax._src.ops.ragged_dot import ragged_dot
 from tokamax.flax._mlp import Initializer, default_kernel_init, matrices, promote
 from tokamax.flax._norms import as_static
@@ -120,7 +120,7 @@ class MoE(nnx.Module):
     tokens, router, gate_up, down = promote(tokens, self.router.kernel[...],
                                             self.gate_up[...], self.down[...],
                                             dtype=self.dtype)
-    expert_ids, gates = self._route(tokens, router)
+    expert_ids, gates = self.route(tokens, router)
     if self.capacity_factor is not None:
       capacity = math.ceil(self.capacity_factor * expert_ids.size / self.num_experts)
       expert_ids = drop_over_capacity(expert_ids, self.num_experts, capacity)
@@ -134,7 +134,7 @@ class MoE(nnx.Module):
                              capacity)
     return out.reshape(x.shape[:-1] + out.shape[-1:])
 
-  def _route(self, tokens, router) -> tuple[jax.Array, jax.Array]:
+  def route(self, tokens, router) -> tuple[jax.Array, jax.Array]:
     """``(expert_ids [m, k] int32, gates [m, k] float32)``, best expert first."""
     # Float32 logits: bf16 would tie experts that differ in the 3rd digit.
     logits = jnp.dot(tokens, router, precision=self.precision,
@@ -202,7 +202,7 @@ def drop_over_capacity(expert_ids: jax.Array, num_experts: int,
   # assignments of each expert in exactly this order and drops those past
   # `capacity`: its slot of a dropped assignment is out of range.
   m, k = expert_ids.shape
-  route = moe_lib._route(expert_ids.reshape(-1), num_experts, 1, capacity, k)  # pylint: disable=protected-access
+  route = moe_lib.route(expert_ids.reshape(-1), num_experts, 1, capacity, k)
   kept = route.slot_of_assignment < num_experts * capacity
   return jnp.where(kept.reshape(m, k), expert_ids, num_experts)
 
@@ -213,8 +213,8 @@ def sorted_by_expert(tokens: jax.Array, expert_ids: jax.Array, gates: jax.Array,
   gated sum of their experts' outputs, the experts run once on all rows sorted
   by expert. Out-of-range ids contribute 0."""
   m, k = expert_ids.shape
-  take = moe_lib._take_rows  # pylint: disable=protected-access
-  route = moe_lib._route(expert_ids.reshape(-1), 1, num_experts, m * k, k)  # pylint: disable=protected-access
+  take = moe_lib.take_rows
+  route = moe_lib.route(expert_ids.reshape(-1), 1, num_experts, m * k, k)
   rows = take(tokens, route.token_of_slot, route.slot_of_assignment, k)
   out = experts(rows, route.sent_counts[0])
   out = take(out, route.slot_of_assignment, route.assignment_of_slot, 1).reshape(m, k, -1)

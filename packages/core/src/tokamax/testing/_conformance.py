@@ -238,8 +238,7 @@ def call_attention(floats: dict, mask, options: dict, q_offset: int | None,
       f["query"], f["key"], f["value"], f.get("bias"), mask, precision=precision,
       sinks=f.get("sinks"), **options)
   args = dataclasses.replace(args, q_offset=jnp.int32(q_offset))
-  out = dispatch.call(attention_op.OP_NAME, args, implementation,
-                      attention_op.DIFF_FIELDS)
+  out = dispatch.call(attention_op.DEFINITION, args, implementation)
   return out.reshape(*batch_shape, *out.shape[1:])
 
 
@@ -476,7 +475,7 @@ def error_cases() -> list[tuple[str, Callable[[Any], Any], type, str]]:
 
 def check_errors(implementation: Any) -> None:
   """Every malformed call raises its error type with a message naming the problem."""
-  import pytest  # pylint: disable=g-import-not-at-top
+  import pytest  # only the test helpers need it, not tokamax.testing itself
   for name, call, error, text in error_cases():
     with pytest.raises(error, match=text):
       call(implementation)
@@ -501,7 +500,7 @@ def define_conformance_tests(implementation: Any, namespace: dict, *,
     quick: only the quick subset; default from ``TOKAMAX_CONFORMANCE_QUICK=1``.
     gradients: check gradients too.
   """
-  import pytest  # pylint: disable=g-import-not-at-top
+  import pytest  # only the test helpers need it, not tokamax.testing itself
   if quick is None:
     quick = os.environ.get("TOKAMAX_CONFORMANCE_QUICK", "") == "1"
   for op in ops or tokamax.plugin.OP_NAMES:

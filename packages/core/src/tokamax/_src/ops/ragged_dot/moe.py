@@ -44,7 +44,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tokamax._src.ops import ragged_dot as ragged_dot_op
+from tokamax._src.ops.ragged_dot import api as ragged_dot_op
 
 ExpertFn = Callable[[jax.Array, jax.Array], jax.Array]
 
@@ -106,16 +106,16 @@ def moe_all_to_all(x: jax.Array, expert_ids: jax.Array,
   ids = expert_ids.reshape(-1).astype(jnp.int32)
   if exchange == "ring":
     ids = _rotate(ids, jax.lax.axis_index(axis_name) * e_local, n * e_local)
-  route = _route(ids, n, e_local, cap, top_k)
-  send = _take_rows(x, route.token_of_slot, route.slot_of_assignment, top_k)
+  routing = route(ids, n, e_local, cap, top_k)
+  send = take_rows(x, routing.token_of_slot, routing.slot_of_assignment, top_k)
   send = send.reshape(n, cap, x.shape[1])
   if exchange == "ring":
-    back = _ring_exchange(send, route.sent_counts, expert_fn, axis_name)
+    back = _ring_exchange(send, routing.sent_counts, expert_fn, axis_name)
   else:
-    back = _all_to_all_exchange(send, route.sent_counts, expert_fn, axis_name,
+    back = _all_to_all_exchange(send, routing.sent_counts, expert_fn, axis_name,
                                 chunks)
-  out = _take_rows(back.reshape(n * cap, -1), route.slot_of_assignment,
-                   route.assignment_of_slot, 1)
+  out = take_rows(back.reshape(n * cap, -1), routing.slot_of_assignment,
+                   routing.assignment_of_slot, 1)
   out = out.reshape(*expert_ids.shape, -1)
   if combine_weights is None:
     return out
@@ -209,7 +209,7 @@ def _check(x, expert_ids, chunks, capacity, exchange):
     raise ValueError(f"capacity must be >= 1 or None; got {capacity}")
 
 
-class _Route(NamedTuple):
+class Route(NamedTuple):
   """Index maps of the sending side. Invalid entries are out of range (dropped)."""
   token_of_slot: jax.Array       # [n * cap] -> token of x
   slot_of_assignment: jax.Array  # [m * top_k] -> send slot
@@ -217,7 +217,7 @@ class _Route(NamedTuple):
   sent_counts: jax.Array         # [n, E_local] rows sent per local expert
 
 
-def _route(ids, n, e_local, cap, top_k) -> _Route:
+def route(ids, n, e_local, cap, top_k) -> Route:
   """Slots of the send buffers: destination-major, expert-sorted within one.
 
   `ids` lists the assignments token-major: assignment a is token ``a // top_k``.
@@ -245,7 +245,7 @@ def _route(ids, n, e_local, cap, top_k) -> _Route:
   # buffer; the first `cap` slots are kept.
   offset = (start_e - jnp.repeat(start_d, e_local)).reshape(n, e_local)
   sent = jnp.clip(cap - offset, 0, count_e.reshape(n, e_local))
-  return _Route(token_of_slot, slot_of_assignment, assignment_of_slot, sent)
+  return Route(token_of_slot, slot_of_assignment, assignment_of_slot, sent)
 
 
 def _compute_piece(piece, recv_counts, first_slot, expert_fn):
@@ -253,9 +253,9 @@ def _compute_piece(piece, recv_counts, first_slot, expert_fn):
   n, width = piece.shape[:2]
   slot_to_row, row_to_slot, group_sizes = _piece_layout(recv_counts, first_slot,
                                                         width)
-  rows = _take_rows(piece.reshape(n * width, -1), row_to_slot, slot_to_row, 1)
+  rows = take_rows(piece.reshape(n * width, -1), row_to_slot, slot_to_row, 1)
   out = _run_experts(expert_fn, rows, group_sizes)
-  return _take_rows(out, slot_to_row, row_to_slot, 1).reshape(n, width, -1)
+  return take_rows(out, slot_to_row, row_to_slot, 1).reshape(n, width, -1)
 
 
 def _run_experts(expert_fn, rows, group_sizes):
@@ -295,7 +295,7 @@ def _piece_layout(recv_counts, first_slot, width):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _take_rows(x, idx, inverse, replicas):
+def take_rows(x, idx, inverse, replicas):
   """``x[idx]`` with 0 for out-of-range indices; `inverse` maps back.
 
   Each row of x appears ``replicas`` times in inverse (``inverse[i * replicas +
@@ -307,7 +307,7 @@ def _take_rows(x, idx, inverse, replicas):
 
 
 def _take_rows_fwd(x, idx, inverse, replicas):
-  return _take_rows(x, idx, inverse, replicas), inverse
+  return take_rows(x, idx, inverse, replicas), inverse
 
 
 def _take_rows_bwd(replicas, inverse, dy):
@@ -318,4 +318,4 @@ def _take_rows_bwd(replicas, inverse, dy):
   return dx, None, None
 
 
-_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)

@@ -51,7 +51,8 @@ import jax.numpy as jnp
 import tokamax
 from tokamax import testing
 from tokamax._src import benchmarking
-from tokamax._src import moe as moe_lib
+from tokamax._src.ops.gated_linear_unit.problems import plain_glu
+from tokamax._src.ops.ragged_dot import moe as moe_lib
 
 F32 = jnp.float32
 
@@ -144,7 +145,7 @@ def _init(key, shape, fan_in, dtype):
 
 
 def _is_nvidia_gpu() -> bool:
-  return benchmarking._is_nvidia_gpu(jax.devices()[0])  # pylint: disable=protected-access
+  return benchmarking.is_nvidia_gpu(jax.devices()[0])
 
 
 # ------------------------------------------------------------------------- dense
@@ -198,15 +199,6 @@ def dense_block(params: dict, x: jax.Array, size: DenseSize, program: str) -> ja
   return x + hidden @ params["w_down"]
 
 
-def plain_glu(x, w):
-  """SwiGLU as plain JAX writes it with a fused gate/up weight ``[K, 2, N]``: one
-  matmul ``x @ [wg | wu]`` in x's dtype (a free reshape, no slicing copies), then
-  ``silu(gate) * up``; the strongest of the plain forms we measured."""
-  k, _, n = w.shape
-  h = x @ w.reshape(k, 2 * n)
-  return jax.nn.silu(h[..., :n]) * h[..., n:]
-
-
 # --------------------------------------------------------------------------- moe
 
 
@@ -231,8 +223,8 @@ def moe_ffn(params: dict, x: jax.Array, size: MoeSize, program: str) -> jax.Arra
   top_logits, ids = jax.lax.top_k(logits, k)
   gates = jax.nn.softmax(top_logits, axis=-1)
   # Routing of moe_all_to_all on one device: slots sorted by expert.
-  route = moe_lib._route(ids.reshape(-1).astype(jnp.int32), 1, e, m * k, k)  # pylint: disable=protected-access
-  take = moe_lib._take_rows  # pylint: disable=protected-access
+  route = moe_lib.route(ids.reshape(-1).astype(jnp.int32), 1, e, m * k, k)
+  take = moe_lib.take_rows
   rows = take(x, route.token_of_slot, route.slot_of_assignment, k)
   group_sizes = route.sent_counts[0]
   gate_up = ragged(rows, params["w_gate_up"], group_sizes)
@@ -393,7 +385,7 @@ def run_model(model: str, size, iterations: int = 10) -> tuple[list[dict], str]:
     try:
       with tokamax.record_dispatch() as records:
         ms, method, out = benchmarking.time_and_output(step, params, x, dy, iterations=iterations)
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       rows.append(dict(base, implementation=label,
                        error=f"{type(e).__name__}: {str(e)[:300]}"))
       continue

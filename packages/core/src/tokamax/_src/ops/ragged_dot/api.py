@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from tokamax._src import dispatch
+from tokamax._src.op import OpDefinition
 from tokamax._src.ops import _checks
+from tokamax._src.ops.ragged_dot.sharding import ragged_dot_plan
 
 OP_NAME = "ragged_dot"
 
@@ -48,6 +50,19 @@ class RaggedDotArgs:
 
 
 DIFF_FIELDS = ("lhs", "rhs")
+
+# Everything generic code (dispatch, sharding) knows of this op. The labels name
+# each dim of the operands and results for the Shardy sharding rule (operands
+# sharing a letter propagate shardings to each other); the leading label is the
+# dim that may be several (merged into one before implementations see it).
+DEFINITION = OpDefinition(
+    name=OP_NAME,
+    diff_fields=DIFF_FIELDS,
+    arg_labels=dict(lhs="mk", rhs="gkn", group_sizes="G", group_offset=""),
+    result_labels=dict(out="mn"),
+    leading_label=None,
+    plan=ragged_dot_plan,
+)
 
 
 def ragged_dot(
@@ -132,4 +147,4 @@ def ragged_dot(
       lhs=lhs, rhs=rhs, group_sizes=group_sizes.astype(jnp.int32),
       group_offset=group_offset, preferred_element_type=preferred_element_type,
       precision=_checks.canonical_precision(precision))
-  return dispatch.call(OP_NAME, args, implementation, DIFF_FIELDS)
+  return dispatch.call(DEFINITION, args, implementation)

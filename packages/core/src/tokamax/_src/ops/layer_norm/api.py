@@ -8,7 +8,9 @@ import jax
 import jax.numpy as jnp
 
 from tokamax._src import dispatch
+from tokamax._src.op import OpDefinition
 from tokamax._src.ops import _checks
+from tokamax._src.ops.layer_norm.sharding import layer_norm_plan
 
 OP_NAME = "layer_norm"
 
@@ -38,6 +40,19 @@ class LayerNormArgs:
 
 
 DIFF_FIELDS = ("x", "scale", "offset")
+
+# Everything generic code (dispatch, sharding) knows of this op. The labels name
+# each dim of the operands and results for the Shardy sharding rule (operands
+# sharing a letter propagate shardings to each other); the leading label is the
+# dim that may be several (merged into one before implementations see it).
+DEFINITION = OpDefinition(
+    name=OP_NAME,
+    diff_fields=DIFF_FIELDS,
+    arg_labels=dict(x="rd", scale="d", offset="d"),
+    result_labels=dict(out="rd", mean="r", rstd="r"),
+    leading_label="r",
+    plan=layer_norm_plan,
+)
 
 
 def layer_norm(
@@ -98,8 +113,7 @@ def layer_norm(
   args = LayerNormArgs(
       x=moved, scale=params["scale"], offset=params["offset"],
       epsilon=float(epsilon), subtract_mean=bool(subtract_mean))
-  y = dispatch.call(OP_NAME, args, implementation, DIFF_FIELDS,
-                    lead_dims=moved.ndim - 1)
+  y = dispatch.call(DEFINITION, args, implementation, lead_dims=moved.ndim - 1)
   return jnp.moveaxis(y, -1, axis)
 
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from tokamax._src import dispatch
 from tokamax._src import vma
-from tokamax._src.ops import attention as attention_op
+from tokamax._src.ops.attention import api as attention_op
 
 
 def zigzag_permutation(seq_len: int, num_shards: int) -> np.ndarray:
@@ -87,10 +87,16 @@ def _args(q, k, v, causal, s: _Static):
                                     is_causal=causal, precision=s.precision)
 
 
+# The implementation a block runs with under automatic choice when none of the
+# others returns (or computes from) the log-sum-exp: the XLA chunked one always does.
+_FALLBACK = "xla_chunked"
+
+
 def _block_forward(q, k, v, causal, s: _Static):
   """(out float32 [B, T, N, Hv], lse [B, N, T] with -inf for empty rows)."""
   out, residuals = dispatch.forward_with_residuals(
-      attention_op.OP_NAME, _args(q, k, v, causal, s), s.implementation, ("lse",))
+      attention_op.OP_NAME, _args(q, k, v, causal, s), s.implementation, ("lse",),
+      fallback=_FALLBACK)
   return out.astype(jnp.float32), _lse_for_merge(residuals["lse"])
 
 
@@ -101,7 +107,7 @@ def _block_backward(q, k, v, causal, lse, out, dout, s: _Static):
   grads = dispatch.backward_with_residuals(
       attention_op.OP_NAME, _args(q, k, v, causal, s),
       {"lse": jnp.where(lse == -jnp.inf, jnp.inf, lse)}, out, dout, s.implementation,
-      consumes=("lse",))
+      consumes=("lse",), fallback=_FALLBACK)
   return tuple(grads[f].astype(jnp.float32) for f in ("query", "key", "value"))
 
 

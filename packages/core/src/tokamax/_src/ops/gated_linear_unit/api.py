@@ -11,7 +11,9 @@ import jax
 import jax.numpy as jnp
 
 from tokamax._src import dispatch
+from tokamax._src.op import OpDefinition
 from tokamax._src.ops import _checks
+from tokamax._src.ops.gated_linear_unit.sharding import gated_linear_unit_plan
 
 OP_NAME = "gated_linear_unit"
 
@@ -71,6 +73,19 @@ class GatedLinearUnitArgs:
 
 DIFF_FIELDS = ("x", "weights")
 
+# Everything generic code (dispatch, sharding) knows of this op. The labels name
+# each dim of the operands and results for the Shardy sharding rule (operands
+# sharing a letter propagate shardings to each other); the leading label is the
+# dim that may be several (merged into one before implementations see it).
+DEFINITION = OpDefinition(
+    name=OP_NAME,
+    diff_fields=DIFF_FIELDS,
+    arg_labels=dict(x="mk", weights="kpn"),
+    result_labels=dict(out="mn", projections="mpn"),
+    leading_label="m",
+    plan=gated_linear_unit_plan,
+)
+
 
 def _check_activation(activation: Any, gate_shape: tuple[int, ...]) -> None:
   """The activation must map the float32 gate ``[M, N]`` to an array of that shape
@@ -80,7 +95,7 @@ def _check_activation(activation: Any, gate_shape: tuple[int, ...]) -> None:
   gate = jax.ShapeDtypeStruct(gate_shape, jnp.float32)
   try:
     out = jax.eval_shape(activation, gate)
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     raise TypeError(f"activation {activation!r} must take one float32 array (the gate "
                     f"projection, shape {gate_shape}); calling it failed: "
                     f"{type(e).__name__}: {e}") from e
@@ -159,6 +174,5 @@ def gated_linear_unit(
   args = GatedLinearUnitArgs(
       x=x, weights=weights, activation=activation,
       precision=_checks.canonical_precision(precision))
-  return dispatch.call(OP_NAME, args, implementation, DIFF_FIELDS,
-                       lead_dims=x.ndim - 1)
+  return dispatch.call(DEFINITION, args, implementation, lead_dims=x.ndim - 1)
 

@@ -18,6 +18,7 @@ import warnings
 import jax
 
 from tokamax._src import registry
+from tokamax._src.tuning.results import AutotuningResult
 
 
 def device_slug(device_kind: str) -> str:
@@ -52,7 +53,6 @@ def load_backend_data(package: str, device_kind: str,
 
   `shipped_by` is the (distribution, version) that ships `package`, when known.
   """
-  from tokamax._src.autotuning import AutotuningResult  # pylint: disable=g-import-not-at-top
   merged = None
   try:
     folder = importlib.resources.files(package) / device_slug(device_kind)
@@ -83,21 +83,27 @@ class _Shipped:
 
   def __init__(self):
     self._lock = threading.Lock()
+    self._registry = None  # the discovery the cache below was read for
     self._by_device: dict[str, object] = {}
 
   def _result(self):
     kind = jax.devices()[0].device_kind
-    if kind not in self._by_device:
-      with self._lock:
-        if kind not in self._by_device:
-          merged = None
-          for package, distribution, version in registry.get().tuned_packages:
-            shipped_by = None if distribution is None else (distribution, version)
-            data = load_backend_data(package, kind, shipped_by)
-            if data is not None:
-              merged = data if merged is None else merged.merge(data)
-          self._by_device[kind] = merged
-    return self._by_device[kind]
+    found = registry.get()
+    with self._lock:
+      # `registry.reset()` (a plugin installed in-process) makes a new
+      # discovery, whose backends' data is read anew.
+      if found is not self._registry:
+        self._registry = found
+        self._by_device.clear()
+      if kind not in self._by_device:
+        merged = None
+        for package, distribution, version in found.tuned_packages:
+          shipped_by = None if distribution is None else (distribution, version)
+          data = load_backend_data(package, kind, shipped_by)
+          if data is not None:
+            merged = data if merged is None else merged.merge(data)
+        self._by_device[kind] = merged
+      return self._by_device[kind]
 
   def lookup(self, op, args):
     result = self._result()

@@ -9,33 +9,28 @@ wall clock elsewhere.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import tokamax
+from tokamax._src import autotuning
 from tokamax._src import benchmarking
 from tokamax._src import introspection
-from tokamax._src import model_bench
+from tokamax._src import bench_models
+from tokamax._src.ops import catalog
+from tokamax._src.ops.attention import problems as attention_problems
+from tokamax._src import registry
+from tokamax._src.problem import Problem, rand
+from tokamax._src.tuning import shipped
 
 BF16 = jnp.bfloat16
-
-
-def kernel_time_ms(f: Callable, *args, iterations: int = 10) -> tuple[float, str]:
-  """Median time of ``f(*args)`` and the method: CUPTI kernel time on NVIDIA GPUs, else wall clock.
-
-  A thin wrapper of `tokamax.benchmark`, the one timing implementation.
-  """
-  data = benchmarking.benchmark(f, args, iterations=iterations)
-  return data.median_evaluation_time_ms, data.method
 
 
 def format_rate(rate: float) -> str:
@@ -48,168 +43,14 @@ def format_rate(rate: float) -> str:
   return f"{rate:.{digits}f}"
 
 
-@dataclasses.dataclass
-class Problem:
-  """One benchmark shape: inputs, a tokamax call, the peers, and the work done."""
-
-  op: str
-  name: str
-  make_inputs: Callable[[], tuple]
-  call: Callable[..., Any]  # (inputs, implementation) -> out
-  peers: dict[str, Callable[..., Any]]  # name -> (inputs) -> out
-  flops: float = 0.0  # forward FLOPs
-  bytes: float = 0.0  # forward bytes (norms)
-  backward_factor: float = 3.5  # fwd+bwd work / fwd work (FLOPs)
-  # Candidates whose output is the numerical reference, first that runs wins (a
-  # peer label, or "tokamax <impl>"); peers computing another function are left out.
-  reference: tuple[str, ...] = ()
-  dtype: str = "bfloat16"
-
-
-def _rand(key, shape, dtype=BF16, scale=1.0):
-  return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
-
-
-def _jax_nn_attention_impl() -> str | None:
-  """cuDNN on NVIDIA GPUs (the peer to beat), jax.nn's default elsewhere."""
-  return "cudnn" if benchmarking._is_nvidia_gpu(jax.devices()[0]) else None  # pylint: disable=protected-access
-
-
-def _visible_pairs(t: int, causal: bool, window: int | None) -> int:
-  """(query, key) pairs a T x T attention computes: all, causal (each row its
-  t + 1 keys), or a causal sliding window (at most `window` keys back, as Mistral's
-  local_window_size=(window, 0))."""
-  if not causal:
-    if window is not None:
-      raise ValueError("a bench window is a causal sliding window: pass causal=True")
-    return t * t
-  if window is None:
-    return t * (t + 1) // 2
-  w = min(window, t - 1)
-  return (w + 1) * t - w * (w + 1) // 2
-
-
-def _attention(b, t, n, k, h, causal, dtype=BF16, window=None, sinks=False) -> Problem:
-  """`window`: a causal sliding window of that many keys back. `sinks`: tokamax
-  gets one sink per head; the peer (no sinks in jax.nn) runs the same call
-  without them: a speed yardstick, not a numerical reference."""
-  def make():
-    ks = jax.random.split(jax.random.key(0), 4)
-    inputs = (_rand(ks[0], (b, t, n, h), dtype), _rand(ks[1], (b, t, k, h), dtype),
-              _rand(ks[2], (b, t, k, h), dtype))
-    return inputs + ((_rand(ks[3], (n,), jnp.float32),) if sinks else ())
-  flops = 4 * b * n * h * _visible_pairs(t, causal, window)
-  name = (f"B{b} T{t} N{n}" + (f" K{k}" if k != n else "") + f" H{h}"
-          + (" causal" if causal else "") + (f" window {window}" if window else "")
-          + (" sinks" if sinks else "") + ("" if dtype == BF16 else " f16"))
-  local = None if window is None else (window, 0)
-  peer_impl = _jax_nn_attention_impl()
-  peer = "cudnn (jax.nn)" if peer_impl else "jax.nn"
-  if sinks:
-    peer += ", no sinks"
-
-  def ours(a, i):
-    q, k_, v = a[:3]
-    return tokamax.dot_product_attention(
-        q, k_, v, is_causal=causal, local_window_size=local,
-        sinks=a[3] if sinks else None, implementation=i)
-  return Problem(
-      "dot_product_attention", name, make, ours,
-      {peer: lambda a: jax.nn.dot_product_attention(
-          *a[:3], is_causal=causal, local_window_size=local, implementation=peer_impl)},
-      flops=flops, reference=("tokamax xla",) if sinks else (peer, "tokamax xla"),
-      dtype=jnp.dtype(dtype).name)
-
-
-def _ragged(m, k, n, g, random_sizes) -> Problem:
-  def make():
-    ks = jax.random.split(jax.random.key(0), 3)
-    if random_sizes:
-      cuts = np.sort(np.random.default_rng(0).integers(0, m, g - 1))
-      sizes = np.diff(np.concatenate([[0], cuts, [m]]))
-    else:
-      sizes = np.full(g, m // g)
-    return (_rand(ks[0], (m, k)), _rand(ks[1], (g, k, n), scale=k**-0.5),
-            jnp.asarray(sizes, jnp.int32))
-
-  def dense(a):  # the same FLOPs as one batched matmul: the bound to reach
-    lhs, rhs, _ = a
-    # bf16 in and out (cuBLAS accumulates in float32): a float32 output would
-    # make the backward's matmuls take a float32 cotangent.
-    return jnp.einsum("gmk,gkn->gmn", lhs.reshape(g, m // g, k), rhs)
-  peers = {"lax.ragged_dot": lambda a: jax.lax.ragged_dot(*a)}
-  if m % g == 0:
-    peers["dense batched matmul"] = dense
-  return Problem("ragged_dot", f"M{m} K{k} N{n} G{g}" + (" random" if random_sizes else ""),
-                 make, lambda a, i: tokamax.ragged_dot(*a, implementation=i), peers,
-                 flops=2 * m * k * n, backward_factor=3.0,
-                 reference=("lax.ragged_dot", "tokamax xla"))
-
-
-def _norm(rows, d, rms) -> Problem:
-  def make():
-    ks = jax.random.split(jax.random.key(0), 3)
-    return (_rand(ks[0], (rows, d)), _rand(ks[1], (d,)), _rand(ks[2], (d,)))
-
-  def xla(a):
-    x, s, o = a
-    xf = x.astype(jnp.float32)
-    if rms:
-      y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-6) * s
-    else:
-      mu = jnp.mean(xf, -1, keepdims=True)
-      y = (xf - mu) * jax.lax.rsqrt(jnp.var(xf, -1, keepdims=True) + 1e-6) * s + o
-    return y.astype(x.dtype)
-  op = "rms_norm" if rms else "layer_norm"
-  call = ((lambda a, i: tokamax.rms_norm(a[0], a[1], implementation=i)) if rms else
-          (lambda a, i: tokamax.layer_norm(*a, implementation=i)))
-  return Problem("layer_norm", f"{op} {rows}x{d}", make, call, {"XLA (jnp)": xla},
-                 bytes=2 * rows * d * 2, backward_factor=2.0, reference=("XLA (jnp)",))
-
-
-def _glu(m, k, n) -> Problem:
-  def make():
-    ks = jax.random.split(jax.random.key(0), 2)
-    return (_rand(ks[0], (m, k)), _rand(ks[1], (k, 2, n), scale=k**-0.5))
-
-  def xla(a):
-    return model_bench.plain_glu(*a)
-  return Problem("gated_linear_unit", f"silu x{m}x{k} w{k}x2x{n}", make,
-                 lambda a, i: tokamax.gated_linear_unit(*a, activation=jax.nn.silu,
-                                                        implementation=i),
-                 {"XLA (jnp)": xla}, flops=2 * 2 * m * k * n, backward_factor=3.0,
-                 reference=("XLA (jnp)",))
-
-
 def reference_suite() -> list[Problem]:
-  """The shapes of shared/BENCHMARKS.md."""
-  return [
-      _attention(4, 4096, 16, 16, 128, False), _attention(4, 4096, 16, 16, 128, True),
-      _attention(2, 8192, 16, 16, 64, False), _attention(2, 8192, 16, 16, 64, True),
-      _attention(2, 8192, 32, 8, 128, True),
-      _attention(4, 4096, 16, 16, 128, False, jnp.float16),
-      _attention(4, 4096, 16, 16, 128, True, jnp.float16),
-      # Sliding windows (Mistral/Gemma style) and attention sinks (gpt-oss).
-      _attention(2, 8192, 32, 8, 128, True, window=1024),
-      _attention(1, 16384, 32, 8, 128, True, window=4096),
-      _attention(2, 4096, 32, 8, 128, True, sinks=True),
-      _ragged(16384, 2048, 16384, 16, False), _ragged(65536, 7168, 2048, 256, True),
-      _norm(32768, 8192, False), _norm(32768, 8192, True),
-      _glu(16384, 4096, 14336),
-  ]
+  """The shapes of shared/BENCHMARKS.md, every op's."""
+  return [p for problems in catalog.PROBLEMS.values() for p in problems.reference_problems()]
 
 
 def quick_suite() -> list[Problem]:
   """Small shapes of the same kinds, for CPUs (seconds each) and `--quick`."""
-  return [
-      _attention(1, 256, 4, 4, 64, False), _attention(1, 256, 4, 4, 64, True),
-      _attention(1, 256, 8, 2, 64, True),
-      _attention(1, 256, 8, 2, 64, True, window=64),
-      _attention(1, 256, 8, 2, 64, True, sinks=True),
-      _ragged(512, 256, 512, 4, False), _ragged(512, 256, 256, 8, True),
-      _norm(1024, 1024, False), _norm(1024, 1024, True),
-      _glu(256, 256, 512),
-  ]
+  return [p for problems in catalog.PROBLEMS.values() for p in problems.quick_problems()]
 
 
 def use_quick_shapes(quick: bool | None = None) -> bool:
@@ -217,7 +58,7 @@ def use_quick_shapes(quick: bool | None = None) -> bool:
   return jax.default_backend() != "gpu" if quick is None else quick
 
 
-def _fwd_bwd(fn: Callable, inputs: tuple) -> tuple[Callable, tuple]:
+def fwd_bwd(fn: Callable, inputs: tuple) -> tuple[Callable, tuple]:
   """A training step's share of `fn`: the output and the float inputs' cotangents
   for a random cotangent ``dy`` of the output's dtype.
 
@@ -227,7 +68,7 @@ def _fwd_bwd(fn: Callable, inputs: tuple) -> tuple[Callable, tuple]:
   """
   float_idx = [i for i, x in enumerate(inputs) if jnp.issubdtype(x.dtype, jnp.floating)]
   out_shape = jax.eval_shape(fn, inputs)
-  dy = _rand(jax.random.key(7), out_shape.shape, out_shape.dtype)
+  dy = rand(jax.random.key(7), out_shape.shape, out_shape.dtype)
 
   def with_floats(floats):
     full = list(inputs)
@@ -242,7 +83,7 @@ def _fwd_bwd(fn: Callable, inputs: tuple) -> tuple[Callable, tuple]:
 
 
 def _pair_tolerance(dtype: str) -> float:
-  return model_bench.pair_tolerance(dtype)
+  return bench_models.pair_tolerance(dtype)
 
 
 def run_problem(problem: Problem, implementations: list[str | None],
@@ -269,9 +110,9 @@ def run_problem(problem: Problem, implementations: list[str | None],
         if direction == "forward":
           f, args = jax.jit(fn), (inputs,)
         else:
-          f, args = _fwd_bwd(fn, inputs)
+          f, args = fwd_bwd(fn, inputs)
         ms, method, out = benchmarking.time_and_output(f, *args, iterations=iterations)
-      except Exception as e:  # pylint: disable=broad-except
+      except Exception as e:
         by_label[label] = dict(op=problem.op, shape=problem.name, direction=direction,
                                implementation=label,
                                error=f"{type(e).__name__}: {str(e)[:200]}")
@@ -288,7 +129,7 @@ def run_problem(problem: Problem, implementations: list[str | None],
         reference = (label, out)
       if reference is not None and (label in problem.reference or
                                     label.startswith("tokamax")):
-        errors = model_bench.relative_errors(out, reference[1])
+        errors = bench_models.relative_errors(out, reference[1])
         row.update(rel_err=max(errors.values(), default=0.0), tol=tol,
                    reference=reference[0])
       by_label[label] = row
@@ -328,16 +169,17 @@ def markdown_table(rows: list[dict], header: bool = True) -> str:
 
 def sequence_sweep(lengths=(1024, 2048, 4096, 8192, 16384), tokens=32768) -> list[Problem]:
   """Attention at a fixed token count (B * T) across sequence lengths (causal, H128)."""
-  return [_attention(max(1, tokens // t), t, 16, 16, 128, True) for t in lengths]
+  return [attention_problems.problem(max(1, tokens // t), t, 16, 16, 128, True)
+          for t in lengths]
 
 
 def plot(rows: list[dict], out: str) -> list[str]:
   """PNG plots of `rows`: throughput per implementation for each problem, and
   attention throughput against sequence length. Needs matplotlib."""
   try:
-    import matplotlib  # pylint: disable=g-import-not-at-top
+    import matplotlib  # optional: plots only where it is installed
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+    import matplotlib.pyplot as plt
   except ImportError:
     print(PLOT_MISSING, file=sys.stderr)
     return []
@@ -553,7 +395,7 @@ def _run(ops, iterations, implementations, sweep, models, quick, sizes, shape=No
     problems = [p for p in problems if shape in p.name]
   models = list(dict.fromkeys(  # "all": the plain-JAX models, then any other named
       m for name in (models or [])
-      for m in (model_bench.MODELS if name == "all" else (name,))))
+      for m in (bench_models.MODELS if name == "all" else (name,))))
   print(f"tokamax bench on {jax.devices()[0].device_kind}, JAX {jax.__version__}"
         f"{', quick shapes (--full for the reference shapes)' if quick and not sweep else ''}")
   print("\n".join(HEADER), flush=True)
@@ -568,8 +410,8 @@ def _run(ops, iterations, implementations, sweep, models, quick, sizes, shape=No
     print(markdown_table(rows, header=False), flush=True)
     all_rows += rows
   for model in models:
-    size = model_bench.make_size(model, quick, sizes)
-    rows, text = model_bench.run_model(model, size, iterations=iterations)
+    size = bench_models.make_size(model, quick, sizes)
+    rows, text = bench_models.run_model(model, size, iterations=iterations)
     print(markdown_table(rows, header=False), flush=True)
     all_rows += rows
     notes.append(text)
@@ -581,7 +423,6 @@ def _run(ops, iterations, implementations, sweep, models, quick, sizes, shape=No
 def _first_party_only(result):
   """Keeps measurements of our own implementations (built in or tokamax-* packages),
   and the versions of just those packages, so shipped data depends on nothing else."""
-  from tokamax._src import autotuning, registry  # pylint: disable=g-import-not-at-top
   dists = {}
   for op_entries in registry.get().entries.values():
     for e in op_entries:
@@ -597,7 +438,6 @@ def _first_party_only(result):
 def autotune_suite(ops: list[str] | None, shape: str | None, out: str, iterations: int,
                    timeout_s: float | None) -> None:
   """Autotunes the reference problems and writes ``out/<device slug>/<op>.json``."""
-  from tokamax._src import autotuning, tuned_data  # pylint: disable=g-import-not-at-top
   result = autotuning.AutotuningResult()
   for p in reference_suite():
     if (ops and p.op not in ops) or (shape and shape not in p.name):
@@ -608,7 +448,7 @@ def autotune_suite(ops: list[str] | None, shape: str | None, out: str, iteration
         lambda *a, p=p: p.call(a, None), *inputs, iterations=iterations,
         timeout_s=timeout_s, progress=False))
   result = _first_party_only(result)
-  folder = os.path.join(out, tuned_data.device_slug(jax.devices()[0].device_kind))
+  folder = os.path.join(out, shipped.device_slug(jax.devices()[0].device_kind))
   os.makedirs(folder, exist_ok=True)
   for op in sorted({m.op for m in result.measurements}):
     part = autotuning.AutotuningResult(

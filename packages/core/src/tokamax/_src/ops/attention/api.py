@@ -13,7 +13,9 @@ import numpy as np
 
 from tokamax._src import dispatch
 from tokamax._src import sharding
+from tokamax._src.op import OpDefinition
 from tokamax._src.ops import _checks
+from tokamax._src.ops.attention.sharding import attention_plan
 
 OP_NAME = "dot_product_attention"
 
@@ -135,6 +137,21 @@ class AttentionArgs:
 
 
 DIFF_FIELDS = ("query", "key", "value", "bias", "sinks")
+
+# Everything generic code (dispatch, sharding) knows of this op. The labels name
+# each dim of the operands and results for the Shardy sharding rule (operands
+# sharing a letter propagate shardings to each other); the leading label is the
+# dim that may be several (merged into one before implementations see it).
+DEFINITION = OpDefinition(
+    name=OP_NAME,
+    diff_fields=DIFF_FIELDS,
+    arg_labels=dict(query="btnh", key="bskh", value="bskd", bias="bnts", mask="bnts",
+                    query_seq_lengths="b", key_value_seq_lengths="b", q_segment_ids="bt",
+                    kv_segment_ids="bs", q_offset="", sinks="n"),
+    result_labels=dict(out="btnd", lse="bnt"),
+    leading_label="b",
+    plan=attention_plan,
+)
 
 
 def apply_sinks(sinks: jax.Array, out: jax.Array,
@@ -306,8 +323,7 @@ def dot_product_attention(
       local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, sinks=sinks,
       precision=precision, merge_batch=False)
-  return dispatch.call(OP_NAME, args, implementation, DIFF_FIELDS,
-                       lead_dims=len(batch_shape))
+  return dispatch.call(DEFINITION, args, implementation, lead_dims=len(batch_shape))
 
 
 def canonical_args(query, key, value, bias=None, mask=None, *, scale=None,
@@ -411,5 +427,5 @@ def canonical_args(query, key, value, bias=None, mask=None, *, scale=None,
   if merge_batch:
     # One flat batch dim (sized explicitly: -1 cannot be inferred when another
     # dim is 0, an empty sequence).
-    args = sharding.merge_leading(OP_NAME, args, len(batch_shape))
+    args = sharding.merge_leading(DEFINITION, args, len(batch_shape))
   return args, batch_shape

@@ -1,0 +1,266 @@
+"""Choosing an implementation: one selection loop for every kind of call.
+
+`select` walks candidates in order and returns the first whose op is built and
+takes the call. Each kind of choice is that loop with its own acceptance test:
+
+- the forward of an inference call (`choose_forward`): preferring one that takes
+  the opt-in features the operands' sharding would use;
+- the forward of a training step (`training_choice`): the inference choice,
+  unless its own backward refuses the call;
+- the backward (`choose_backward`): the forward's own first, else the best
+  usable one; under automatic choice one that declines is passed over;
+- a forward whose residuals include given names, and a backward that computes
+  from given residuals (`with_residuals`: ring attention's blocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from tokamax._src import registry
+from tokamax._src.dispatch import configs
+from tokamax._src.dispatch.candidates import (Candidate, Implementation, build_checked,
+                                              describe, failure_message,
+                                              no_implementation_message,
+                                              platform_matches, raises_import,
+                                              tuned_order)
+from tokamax._src.op import DeviceInfo, Op, VjpOp
+from tokamax._src.tuning import sources
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """The candidate chosen, its op (checked for the call), and the candidates
+  passed over before it with the reason for each."""
+
+  candidate: Candidate
+  op: Op
+  rejected: tuple[tuple[Candidate, str], ...] = ()
+
+  def rejected_labels(self) -> tuple[tuple[str, str], ...]:
+    return tuple((c.label, reason) for c, reason in self.rejected)
+
+
+class NoChoice(NotImplementedError):
+  """No candidate took the call; `rejected` says why each did not."""
+
+  def __init__(self, rejected: list[tuple[Candidate, str]]):
+    super().__init__("no candidate takes the call")
+    self.rejected = rejected
+
+
+def select(candidates: Sequence[Candidate], args: Any, device: DeviceInfo, *,
+           part: Callable[[Candidate], Callable[[], Any]],
+           residuals: tuple = (),
+           accept: Callable[[Op], str | None] | None = None,
+           honor_declines: bool = False,
+           raise_refusal: Callable[[Candidate], bool] = lambda c: False) -> Choice:
+  """The first candidate whose op (`part(candidate)()`) takes the call.
+
+  Args:
+    candidates: in priority order.
+    args: the call's canonical args (shapes are enough).
+    device: where it runs.
+    part: which op of a candidate: its forward or its backward maker.
+    residuals: passed on to a backward's check_supported.
+    accept: a further test of a built op: a reason to pass it over, or None.
+    honor_declines: pass over an op that declines the call (`Op.declines`),
+      unless every other candidate refuses: then the first that declined runs.
+    raise_refusal: candidates whose refusal is raised rather than passed over
+      (an implementation the user named for this direction).
+
+  Raises:
+    NoChoice: no candidate took the call (its `rejected` lists why).
+  """
+  rejected: list[tuple[Candidate, str]] = []
+  declined: tuple[Candidate, Op] | None = None
+  for cand in candidates:
+    try:
+      op = build_checked(part(cand), raises_import(cand), args, device, *residuals)
+      reason = accept(op) if accept is not None else None
+      if reason is not None:
+        raise NotImplementedError(reason)
+    except NotImplementedError as e:
+      if raise_refusal(cand):
+        raise
+      rejected.append((cand, describe(e)))
+      continue
+    why = op.declines(args) if honor_declines else None
+    if why is not None:
+      rejected.append((cand, f"declines: {why}"))
+      declined = declined or (cand, op)
+      continue
+    return Choice(cand, op, tuple(rejected))
+  if declined is not None:
+    return Choice(*declined, tuple(rejected))  # a slower one beats none
+  raise NoChoice(rejected)
+
+
+def _forward_part(cand: Candidate) -> Callable[[], Any]:
+  return cand.make_forward
+
+
+def _backward_part(cand: Candidate) -> Callable[[], Any]:
+  return cand.backward
+
+
+def _features(op: Op) -> frozenset[str]:
+  return frozenset(getattr(op, "supported_features", ()))
+
+
+def choose_forward(op_name: str, args: Any, device: DeviceInfo,
+                   candidates: Sequence[Candidate],
+                   prefer: frozenset[str] = frozenset()) -> Choice:
+  """The first candidate that runs the call; with `prefer`, first the first one
+  that also declares those opt-in features (which the call's sharding would use)."""
+  def takes_preferred(op):
+    missing = prefer - _features(op)
+    if missing:
+      return (f"does not take {', '.join(sorted(missing))}, which the operands' "
+              "sharding uses")
+    return None
+  try:
+    return select(candidates, args, device, part=_forward_part, accept=takes_preferred)
+  except NoChoice as e:
+    if prefer:
+      # None takes them: the first that runs the call (its layout then gathers).
+      return choose_forward(op_name, args, device, candidates)
+    raise NotImplementedError(failure_message(op_name, "forward", e.rejected)) from None
+
+
+def own_backward_refusal(cand: Candidate, args: Any, device: DeviceInfo) -> str | None:
+  """Why `cand`'s own backward cannot run the call (None: it can, or it has none
+  of its own and dispatch will choose one). Advisory: any failure of the check is
+  a refusal here; the backward's own dispatch reports it if it matters."""
+  try:
+    own = cand.backward()
+    if own is None:
+      return None
+    build_checked(lambda: own, False, args, device, None)
+    return None if cand.explicit else own.declines(args)
+  except Exception as e:  # advisory: every failure is a reason to look further
+    return describe(e)
+
+
+def training_choice(op_name: str, args: Any, device: DeviceInfo,
+                    candidates: Sequence[Candidate], prefer: frozenset[str],
+                    inference: Choice) -> Choice:
+  """The forward of a training step, where dispatch chooses among several.
+
+  The inference choice, unless its own backward refuses the call: its residuals
+  may then be of no use to the fast backwards (cuDNN's forward leaves no
+  log-sum-exp, and only the dense XLA backward, which builds the [T, S] scores,
+  would run). Then the first later candidate whose forward and own backward both
+  take the call (preferring, as the inference choice does, one with the opt-in
+  features the operands' sharding uses).
+  """
+  why = own_backward_refusal(inference.candidate, args, device)
+  if why is None:
+    return inference
+  rejected = [*inference.rejected,
+              (inference.candidate, f"its backward refuses this call: {why}")]
+  eligible = []
+  later = list(candidates)[list(candidates).index(inference.candidate) + 1:]
+  for other in later:
+    refusal = own_backward_refusal(other, args, device)
+    if refusal is None:
+      eligible.append(other)
+    else:
+      rejected.append((other, f"its backward refuses this call: {refusal}"))
+  try:
+    choice = choose_forward(op_name, args, device, eligible, prefer)
+  except NotImplementedError:
+    return inference
+  return Choice(choice.candidate, choice.op, (*rejected, *choice.rejected))
+
+
+def _backward_candidates(op_name: str, args: Any, device: DeviceInfo,
+                         forward: Candidate,
+                         implementation: Implementation) -> list[Candidate]:
+  """The backwards to try after `forward`, in order."""
+  own = forward.backward()
+
+  def backward_of(label, make, explicit):
+    return Candidate(label, None, make, explicit, alone=explicit)
+  options = []
+  if own is not None:
+    options.append(backward_of(forward.label, lambda: own, forward.explicit))
+  if own is not None and forward.explicit:
+    return options
+  # No backward of its own, or its own refuses under automatic choice: the best
+  # usable backward (the XLA reference accepts any residuals), the one measured
+  # fastest first.
+  auto = [backward_of(e.name, lambda e=e: registry.backward_class(e)(), False)
+          for e in registry.entries(op_name)
+          if e.spec.backward is not None and platform_matches(e, device)]
+  if implementation is None:
+    if own is not None:
+      # Its own first, where the registry has it: then only a backward that
+      # tuned data measured faster (and that is here) goes ahead of it.
+      options = []
+      auto = [backward_of(forward.label, lambda: own, False)] + [
+          a for a in auto if a.label != forward.label]
+    times = sources.measured_times(op_name, "backward", args)
+    auto = tuned_order(auto, [a.label for a in auto], times)
+  return options + auto
+
+
+def choose_backward(op_name: str, args: Any, residuals: Any, device: DeviceInfo,
+                    forward: Candidate, implementation: Implementation) -> VjpOp:
+  """The backward of a call whose forward was `forward`."""
+  candidates = _backward_candidates(op_name, args, device, forward, implementation)
+
+  def named(cand):  # a backward the user named refuses: say so, do not fall back
+    return cand.explicit and implementation is not None
+  try:
+    return select(candidates, args, device, part=_backward_part, residuals=(residuals,),
+                  honor_declines=implementation is None, raise_refusal=named).op
+  except NoChoice as e:
+    raise NotImplementedError(no_implementation_message(
+        op_name, "backward", [(c.label, r) for c, r in e.rejected])) from None
+  except NotImplementedError as e:
+    label = next(c.label for c in candidates if named(c))
+    raise NotImplementedError(
+        f"{op_name} backward: implementation {label!r} cannot run this call: "
+        f"{describe(e)}") from e
+
+
+def forward_with_residuals(op_name: str, args: Any, device: DeviceInfo,
+                           candidates: Sequence[Candidate],
+                           needed: tuple[str, ...]) -> Choice:
+  """The first candidate whose forward runs the call and returns every residual
+  in `needed`."""
+  def returns_needed(op):
+    config = configs.resolve(op, args)
+    names = jax.eval_shape(lambda a: dict(op.forward(a, config)[1]), args)
+    if not set(needed) <= set(names):
+      return f"returns no {', '.join(needed)} residual"
+    return None
+  try:
+    return select(candidates, args, device, part=_forward_part, accept=returns_needed)
+  except NoChoice as e:
+    raise NotImplementedError(failure_message(op_name, "forward", e.rejected)) from None
+
+
+def backward_from_residuals(op_name: str, args: Any, residuals: dict, device: DeviceInfo,
+                            candidates: Sequence[Candidate],
+                            consumes: tuple[str, ...]) -> Choice:
+  """The first candidate whose own backward computes from the residuals in
+  `consumes` (refuses a call without them): a backward that would recompute them
+  (autodiff through a forward) gives another result and is passed over."""
+  def consumes_given(op):
+    rest = {k: v for k, v in residuals.items() if k not in consumes}
+    try:
+      op.check_supported(args, device, rest)
+    except NotImplementedError:
+      return None
+    return f"does not compute from the given {', '.join(consumes)}"
+  try:
+    return select(candidates, args, device, part=_backward_part, residuals=(residuals,),
+                  accept=consumes_given)
+  except NoChoice as e:
+    raise NotImplementedError(failure_message(op_name, "backward", e.rejected)) from None

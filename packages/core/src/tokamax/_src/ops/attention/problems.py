@@ -1,0 +1,95 @@
+"""Attention's benchmark shapes, and a typical call to ask implementations about."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from tokamax._src import benchmarking
+from tokamax._src.ops.attention import api
+from tokamax._src.ops.attention.api import AttentionArgs
+from tokamax._src.problem import BF16, Problem, rand
+
+
+def _jax_nn_attention_impl() -> str | None:
+  """cuDNN on NVIDIA GPUs (the peer to beat), jax.nn's default elsewhere."""
+  return "cudnn" if benchmarking.is_nvidia_gpu(jax.devices()[0]) else None
+
+
+def visible_pairs(t: int, causal: bool, window: int | None) -> int:
+  """(query, key) pairs a T x T attention computes: all, causal (each row its
+  t + 1 keys), or a causal sliding window (at most `window` keys back, as Mistral's
+  local_window_size=(window, 0))."""
+  if not causal:
+    if window is not None:
+      raise ValueError("a bench window is a causal sliding window: pass causal=True")
+    return t * t
+  if window is None:
+    return t * (t + 1) // 2
+  w = min(window, t - 1)
+  return (w + 1) * t - w * (w + 1) // 2
+
+
+def problem(b, t, n, k, h, causal, dtype=BF16, window=None, sinks=False) -> Problem:
+  """`window`: a causal sliding window of that many keys back. `sinks`: tokamax
+  gets one sink per head; the peer (no sinks in jax.nn) runs the same call
+  without them: a speed yardstick, not a numerical reference."""
+  def make():
+    ks = jax.random.split(jax.random.key(0), 4)
+    inputs = (rand(ks[0], (b, t, n, h), dtype), rand(ks[1], (b, t, k, h), dtype),
+              rand(ks[2], (b, t, k, h), dtype))
+    return inputs + ((rand(ks[3], (n,), jnp.float32),) if sinks else ())
+  flops = 4 * b * n * h * visible_pairs(t, causal, window)
+  name = (f"B{b} T{t} N{n}" + (f" K{k}" if k != n else "") + f" H{h}"
+          + (" causal" if causal else "") + (f" window {window}" if window else "")
+          + (" sinks" if sinks else "") + ("" if dtype == BF16 else " f16"))
+  local = None if window is None else (window, 0)
+  peer_impl = _jax_nn_attention_impl()
+  peer = "cudnn (jax.nn)" if peer_impl else "jax.nn"
+  if sinks:
+    peer += ", no sinks"
+
+  def ours(a, i):
+    q, k_, v = a[:3]
+    return api.dot_product_attention(
+        q, k_, v, is_causal=causal, local_window_size=local,
+        sinks=a[3] if sinks else None, implementation=i)
+  return Problem(
+      "dot_product_attention", name, make, ours,
+      {peer: lambda a: jax.nn.dot_product_attention(
+          *a[:3], is_causal=causal, local_window_size=local, implementation=peer_impl)},
+      flops=flops, reference=("tokamax xla",) if sinks else (peer, "tokamax xla"),
+      dtype=jnp.dtype(dtype).name)
+
+
+def reference_problems() -> list[Problem]:
+  """The shapes of shared/BENCHMARKS.md."""
+  return [
+      problem(4, 4096, 16, 16, 128, False), problem(4, 4096, 16, 16, 128, True),
+      problem(2, 8192, 16, 16, 64, False), problem(2, 8192, 16, 16, 64, True),
+      problem(2, 8192, 32, 8, 128, True),
+      problem(4, 4096, 16, 16, 128, False, jnp.float16),
+      problem(4, 4096, 16, 16, 128, True, jnp.float16),
+      # Sliding windows (Mistral/Gemma style) and attention sinks (gpt-oss).
+      problem(2, 8192, 32, 8, 128, True, window=1024),
+      problem(1, 16384, 32, 8, 128, True, window=4096),
+      problem(2, 4096, 32, 8, 128, True, sinks=True),
+  ]
+
+
+def quick_problems() -> list[Problem]:
+  """Small shapes of the same kinds, for CPUs (seconds each)."""
+  return [
+      problem(1, 256, 4, 4, 64, False), problem(1, 256, 4, 4, 64, True),
+      problem(1, 256, 8, 2, 64, True),
+      problem(1, 256, 8, 2, 64, True, window=64),
+      problem(1, 256, 8, 2, 64, True, sinks=True),
+  ]
+
+
+def probe_args() -> AttentionArgs:
+  """A typical bf16 call, as shapes only, to ask `check_supported` about."""
+  s = jax.ShapeDtypeStruct
+  return AttentionArgs(query=s((2, 1024, 8, 128), BF16), key=s((2, 1024, 8, 128), BF16),
+                       value=s((2, 1024, 8, 128), BF16), scale=128**-0.5,
+                       is_causal=True)

@@ -1,0 +1,183 @@
+"""Attention's XLA implementations as `Op`s: dense ("xla"), chunked with an
+online softmax ("xla_chunked"), and cuDNN through `jax.nn` ("cudnn"). The
+functions live in tokamax-xla-reference, which does not depend on core."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import tokamax_xla_reference as xla_ref
+
+from tokamax._src.op import Op, VjpOp, opaque_residuals_allowed
+from tokamax._src.ops import _autodiff
+
+
+def _attention_kwargs(args):
+  return dict(scale=args.scale, is_causal=args.is_causal,
+              local_window=args.local_window, logits_soft_cap=args.logits_soft_cap,
+              query_seq_lengths=args.query_seq_lengths,
+              key_value_seq_lengths=args.key_value_seq_lengths,
+              q_segment_ids=args.q_segment_ids, kv_segment_ids=args.kv_segment_ids,
+              precision=args.precision, q_offset=args.q_offset)
+
+
+def _attention_kwargs_with_sinks(args):
+  return dict(_attention_kwargs(args), sinks=args.sinks)
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaAttention(Op):
+  """Dense attention in XLA: materializes the ``[B, N, T, S]`` logits."""
+
+  op_name = "dot_product_attention"
+  name = "xla"
+  supported_features = ("q_offset", "sinks")
+
+  def forward(self, args, config):
+    out, lse = xla_ref.attention(args.query, args.key, args.value, args.bias, args.mask,
+                                **_attention_kwargs_with_sinks(args))
+    return out, {"lse": lse}
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaAttentionVjp(VjpOp):
+  op_name = "dot_product_attention"
+  name = "xla"
+  supported_features = ("q_offset", "sinks")
+
+  def backward(self, args, residuals, out, dout, config):
+    def fn(a):
+      return xla_ref.attention(a.query, a.key, a.value, a.bias, a.mask,
+                              **_attention_kwargs_with_sinks(a))[0]
+    return _autodiff.backward(fn, args, ("query", "key", "value", "bias", "sinks"),
+                              dout)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkConfig:
+  chunk_size: int = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaChunkedAttention(Op):
+  """Attention over key chunks with an online softmax: O(T * chunk) memory."""
+
+  op_name = "dot_product_attention"
+  name = "xla_chunked"
+  supported_features = ("q_offset", "sinks")
+  config_cls = ChunkConfig
+
+  def heuristic_config(self, args):
+    return ChunkConfig(chunk_size=min(512, max(16, args.key.shape[1])))
+
+  def search_space(self, args):
+    fitting = tuple(ChunkConfig(c) for c in (128, 256, 512, 1024) if c <= args.key.shape[1])
+    return fitting or (self.heuristic_config(args),)
+
+  def forward(self, args, config):
+    out, lse = xla_ref.attention_chunked(
+        args.query, args.key, args.value, args.bias, args.mask,
+        chunk_size=config.chunk_size, **_attention_kwargs_with_sinks(args))
+    return out, {"lse": lse}
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaChunkedAttentionVjp(VjpOp):
+  op_name = "dot_product_attention"
+  name = "xla_chunked"
+  supported_features = ("q_offset", "sinks")
+  config_cls = ChunkConfig
+
+  def heuristic_config(self, args):
+    return ChunkConfig(chunk_size=min(512, max(16, args.key.shape[1])))
+
+  def check_supported(self, args, device, residuals=None):
+    if residuals is not None and "lse" not in residuals:
+      raise NotImplementedError("needs the forward's log-sum-exp residual")
+
+  def backward(self, args, residuals, out, dout, config):
+    dq, dk, dv, dbias = xla_ref.attention_chunked_backward(
+        args.query, args.key, args.value, args.bias, args.mask, out,
+        residuals["lse"], dout, chunk_size=config.chunk_size, **_attention_kwargs(args))
+    return {"query": dq, "key": dk, "value": dv, "bias": dbias,
+            "sinks": args.sinks_cotangent(residuals["lse"], out, dout)}
+
+
+_ATTENTION_GRAD_FIELDS = ("query", "key", "value", "bias")
+_CUDNN_VJP = "cudnn_vjp"  # residual of the cuDNN forward: its jax.vjp function
+
+
+def _cudnn_check(args, device, backward: bool = False):
+  reason = xla_ref.cudnn_unsupported_reason(
+      args.query, args.key, args.value, logits_soft_cap=args.logits_soft_cap,
+      q_segment_ids=args.q_segment_ids, platform=device.platform, bias=args.bias,
+      mask=args.mask, is_causal=args.is_causal, local_window=args.local_window)
+  if reason is None and not device.is_nvidia_gpu:
+    reason = "cuDNN attention needs an NVIDIA GPU"
+  if reason is not None:
+    raise NotImplementedError(reason)
+  # jax.nn's cuDNN path has more shape rules (sequence lengths, windows...) than
+  # we mirror; trace it abstractly so that any it refuses is a refusal here, and
+  # dispatch can fall back instead of failing.
+  abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+  def probe(a):
+    if not backward:
+      return _cudnn_forward(a)
+    dout = jnp.zeros(a.query.shape[:-1] + a.value.shape[-1:], a.query.dtype)
+    return _autodiff.backward(_cudnn_forward, a, _ATTENTION_GRAD_FIELDS, dout)
+  try:
+    jax.eval_shape(probe, abstract)
+  except (NotImplementedError, ValueError) as e:
+    raise NotImplementedError(f"cuDNN refuses this call: {e}") from e
+
+
+def _cudnn_forward(args):
+  return xla_ref.cudnn_attention(
+      args.query, args.key, args.value, args.bias, args.mask, scale=args.scale,
+      is_causal=args.is_causal, local_window=args.local_window,
+      query_seq_lengths=args.query_seq_lengths,
+      key_value_seq_lengths=args.key_value_seq_lengths)
+
+
+@dataclasses.dataclass(frozen=True)
+class CudnnAttention(Op):
+  """cuDNN flash attention through `jax.nn.dot_product_attention`."""
+
+  op_name = "dot_product_attention"
+  name = "cudnn"
+
+  def check_supported(self, args, device):
+    _cudnn_check(args, device)
+
+  def forward(self, args, config):
+    if not opaque_residuals_allowed():
+      return _cudnn_forward(args), {}
+    # jax.vjp's residuals (cuDNN's softmax statistics among them) let the
+    # backward skip a second cuDNN forward.
+    try:
+      out, vjp = _autodiff.vjp(_cudnn_forward, args, _ATTENTION_GRAD_FIELDS)
+    except (NotImplementedError, ValueError):
+      # cuDNN's training path refuses calls its inference path takes (e.g. some
+      # sequence lengths): another implementation's backward will run.
+      return _cudnn_forward(args), {}
+    return out, {_CUDNN_VJP: vjp}
+
+
+@dataclasses.dataclass(frozen=True)
+class CudnnAttentionVjp(VjpOp):
+  """cuDNN's own backward: jax.vjp's, from the forward's residuals where it left
+  them (else it reruns the cuDNN forward: a partitioned call)."""
+
+  op_name = "dot_product_attention"
+  name = "cudnn"
+
+  def check_supported(self, args, device, residuals=None):
+    _cudnn_check(args, device, backward=True)
+
+  def backward(self, args, residuals, out, dout, config):
+    vjp = (residuals or {}).get(_CUDNN_VJP)
+    if vjp is not None:
+      return _autodiff.apply_vjp(vjp, out.dtype, dout)
+    return _autodiff.backward(_cudnn_forward, args, _ATTENTION_GRAD_FIELDS, dout)

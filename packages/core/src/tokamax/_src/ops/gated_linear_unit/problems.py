@@ -1,0 +1,50 @@
+"""gated_linear_unit's benchmark shapes, the plain-JAX peer, and a typical call
+to ask implementations about."""
+
+from __future__ import annotations
+
+import jax
+
+from tokamax._src.ops.gated_linear_unit import api
+from tokamax._src.ops.gated_linear_unit.api import GatedLinearUnitArgs
+from tokamax._src.problem import BF16, Problem, rand
+
+
+def plain_glu(x, w):
+  """SwiGLU as plain JAX writes it with a fused gate/up weight ``[K, 2, N]``: one
+  matmul ``x @ [wg | wu]`` in x's dtype (a free reshape, no slicing copies), then
+  ``silu(gate) * up``; the strongest of the plain forms we measured."""
+  k, _, n = w.shape
+  h = x @ w.reshape(k, 2 * n)
+  return jax.nn.silu(h[..., :n]) * h[..., n:]
+
+
+def problem(m, k, n) -> Problem:
+  def make():
+    ks = jax.random.split(jax.random.key(0), 2)
+    return (rand(ks[0], (m, k)), rand(ks[1], (k, 2, n), scale=k**-0.5))
+
+  def xla(a):
+    return plain_glu(*a)
+  return Problem("gated_linear_unit", f"silu x{m}x{k} w{k}x2x{n}", make,
+                 lambda a, i: api.gated_linear_unit(*a, activation=jax.nn.silu,
+                                                        implementation=i),
+                 {"XLA (jnp)": xla}, flops=2 * 2 * m * k * n, backward_factor=3.0,
+                 reference=("XLA (jnp)",))
+
+
+def reference_problems() -> list[Problem]:
+  """The shapes of shared/BENCHMARKS.md."""
+  return [problem(16384, 4096, 14336)]
+
+
+def quick_problems() -> list[Problem]:
+  """Small shapes of the same kinds, for CPUs (seconds each)."""
+  return [problem(256, 256, 512)]
+
+
+def probe_args() -> GatedLinearUnitArgs:
+  """A typical bf16 call, as shapes only, to ask `check_supported` about."""
+  s = jax.ShapeDtypeStruct
+  return GatedLinearUnitArgs(x=s((4096, 1024), BF16), weights=s((1024, 2, 4096), BF16),
+                             activation=jax.nn.silu)

@@ -1,0 +1,34 @@
+"""How a gated_linear_unit call is split over a mesh (see `tokamax._src.sharding`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax.sharding import PartitionSpec as P
+
+from tokamax._src import sharding
+from tokamax._src import activation as activation_lib
+
+
+def gated_linear_unit_plan(mesh, shapes, specs, supports) -> sharding.Plan:
+  """GLU: each row dim of x split; weights split on N (tensor parallel: the
+  output is split on N). The contraction dim K is never split (replicated)."""
+  del supports
+  *rows, _ = shapes.x.shape
+  n = shapes.weights.shape[2]
+  mx = sharding.fit_each(mesh, specs.x[:-1], rows)
+  nx = sharding.fit(mesh, specs.weights[2], n, sharding.joined(mx))
+  if nx and not _elementwise(shapes.activation):
+    nx = ()  # an activation that mixes a row's N columns needs whole rows
+  M = tuple(sharding.entry(axes) for axes in mx)
+  N = sharding.entry(nx)
+  arg_specs = dataclasses.replace(shapes, x=P(*M, None), weights=P(None, None, N))
+  return sharding.Plan(args=arg_specs, out=P(*M, N), residuals={"projections": P(*M, None, N)})
+
+
+def _elementwise(activation) -> bool:
+  try:
+    activation_lib.check_elementwise_activation(activation)
+  except NotImplementedError:
+    return False
+  return True

@@ -1,0 +1,48 @@
+"""layer_norm's benchmark shapes, and a typical call to ask implementations about."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from tokamax._src.ops.layer_norm import api
+from tokamax._src.ops.layer_norm.api import LayerNormArgs
+from tokamax._src.problem import BF16, Problem, rand
+
+
+def problem(rows, d, rms) -> Problem:
+  def make():
+    ks = jax.random.split(jax.random.key(0), 3)
+    return (rand(ks[0], (rows, d)), rand(ks[1], (d,)), rand(ks[2], (d,)))
+
+  def xla(a):
+    x, s, o = a
+    xf = x.astype(jnp.float32)
+    if rms:
+      y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-6) * s
+    else:
+      mu = jnp.mean(xf, -1, keepdims=True)
+      y = (xf - mu) * jax.lax.rsqrt(jnp.var(xf, -1, keepdims=True) + 1e-6) * s + o
+    return y.astype(x.dtype)
+  op = "rms_norm" if rms else "layer_norm"
+  call = ((lambda a, i: api.rms_norm(a[0], a[1], implementation=i)) if rms else
+          (lambda a, i: api.layer_norm(*a, implementation=i)))
+  return Problem("layer_norm", f"{op} {rows}x{d}", make, call, {"XLA (jnp)": xla},
+                 bytes=2 * rows * d * 2, backward_factor=2.0, reference=("XLA (jnp)",))
+
+
+def reference_problems() -> list[Problem]:
+  """The shapes of shared/BENCHMARKS.md."""
+  return [problem(32768, 8192, False), problem(32768, 8192, True)]
+
+
+def quick_problems() -> list[Problem]:
+  """Small shapes of the same kinds, for CPUs (seconds each)."""
+  return [problem(1024, 1024, False), problem(1024, 1024, True)]
+
+
+def probe_args() -> LayerNormArgs:
+  """A typical bf16 call, as shapes only, to ask `check_supported` about."""
+  s = jax.ShapeDtypeStruct
+  return LayerNormArgs(x=s((4096, 4096), BF16), scale=s((4096,), BF16),
+                       offset=s((4096,), BF16))

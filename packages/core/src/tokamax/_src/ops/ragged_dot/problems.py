@@ -1,0 +1,53 @@
+"""ragged_dot's benchmark shapes, and a typical call to ask implementations about."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tokamax._src.ops.ragged_dot import api
+from tokamax._src.ops.ragged_dot.api import RaggedDotArgs
+from tokamax._src.problem import BF16, Problem, rand
+
+
+def problem(m, k, n, g, random_sizes) -> Problem:
+  def make():
+    ks = jax.random.split(jax.random.key(0), 3)
+    if random_sizes:
+      cuts = np.sort(np.random.default_rng(0).integers(0, m, g - 1))
+      sizes = np.diff(np.concatenate([[0], cuts, [m]]))
+    else:
+      sizes = np.full(g, m // g)
+    return (rand(ks[0], (m, k)), rand(ks[1], (g, k, n), scale=k**-0.5),
+            jnp.asarray(sizes, jnp.int32))
+
+  def dense(a):  # the same FLOPs as one batched matmul: the bound to reach
+    lhs, rhs, _ = a
+    # bf16 in and out (cuBLAS accumulates in float32): a float32 output would
+    # make the backward's matmuls take a float32 cotangent.
+    return jnp.einsum("gmk,gkn->gmn", lhs.reshape(g, m // g, k), rhs)
+  peers = {"lax.ragged_dot": lambda a: jax.lax.ragged_dot(*a)}
+  if m % g == 0:
+    peers["dense batched matmul"] = dense
+  return Problem("ragged_dot", f"M{m} K{k} N{n} G{g}" + (" random" if random_sizes else ""),
+                 make, lambda a, i: api.ragged_dot(*a, implementation=i), peers,
+                 flops=2 * m * k * n, backward_factor=3.0,
+                 reference=("lax.ragged_dot", "tokamax xla"))
+
+
+def reference_problems() -> list[Problem]:
+  """The shapes of shared/BENCHMARKS.md."""
+  return [problem(16384, 2048, 16384, 16, False), problem(65536, 7168, 2048, 256, True)]
+
+
+def quick_problems() -> list[Problem]:
+  """Small shapes of the same kinds, for CPUs (seconds each)."""
+  return [problem(512, 256, 512, 4, False), problem(512, 256, 256, 8, True)]
+
+
+def probe_args() -> RaggedDotArgs:
+  """A typical bf16 call, as shapes only, to ask `check_supported` about."""
+  s = jax.ShapeDtypeStruct
+  return RaggedDotArgs(lhs=s((4096, 1024), BF16), rhs=s((8, 1024, 1024), BF16),
+                       group_sizes=s((8,), jnp.int32))

@@ -1,0 +1,36 @@
+"""ragged_dot's XLA implementation as an `Op` (the reference; tokamax-xla-reference
+holds the function)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tokamax_xla_reference as xla_ref
+
+from tokamax._src.op import Op, VjpOp
+from tokamax._src.ops import _autodiff
+
+
+def _ragged_dot(args):
+  return xla_ref.ragged_dot(args.lhs, args.rhs, args.group_sizes,
+                           group_offset=args.group_offset,
+                           preferred_element_type=args.preferred_element_type,
+                           precision=args.precision)
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaRaggedDot(Op):
+  op_name = "ragged_dot"
+  name = "xla"
+
+  def forward(self, args, config):
+    return _ragged_dot(args), {}
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaRaggedDotVjp(VjpOp):
+  op_name = "ragged_dot"
+  name = "xla"
+
+  def backward(self, args, residuals, out, dout, config):
+    return _autodiff.backward(_ragged_dot, args, ("lhs", "rhs"), dout)
