@@ -12,11 +12,22 @@ import numpy as np
 import pytest
 
 import tokamax
+from tokamax._src import dispatch
 from tokamax import testing
 import tokamax_xla_reference
 from tokamax._src import op as op_lib
 from tokamax._src.ops.gated_linear_unit import GatedLinearUnitArgs
 from tokamax_gpu_triton import gated_linear_unit as glu
+
+
+def _forward(op, args):
+  """`op`'s forward with the config dispatch would resolve for it."""
+  return op.forward(args, dispatch.resolve_config(op, args))
+
+
+def _backward(op, args, residuals, out, dout):
+  """`op`'s backward with the config dispatch would resolve for it."""
+  return op.backward(args, residuals, out, dout, dispatch.resolve_config(op, args))
 
 _HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
 _INTERPRET = jax.default_backend() == "cpu"
@@ -125,8 +136,8 @@ def test_explicit_configs(shape, config):
   x, w, dout = _inputs(*shape, jnp.float32)
   args = tokamax.GatedLinearUnitArgs(x, w, jax.nn.gelu, None)
   with tokamax.interpret(_INTERPRET):
-    y, residuals = glu.TritonGatedLinearUnit(config=config)(args)
-    grads = glu.TritonGatedLinearUnitVjp(config=config)(args, residuals, y, dout)
+    y, residuals = _forward(glu.TritonGatedLinearUnit(config=config), args)
+    grads = _backward(glu.TritonGatedLinearUnitVjp(config=config), args, residuals, y, dout)
   assert residuals == {}
   y_ref, (dx_ref, dw_ref) = _reference(x, w, dout, jax.nn.gelu)
   _assert_close("out", y, y_ref, jnp.float32)
@@ -221,8 +232,8 @@ def test_lowers_to_triton(activation):
 
   def fwd_bwd(x, w, dout):
     args = tokamax.GatedLinearUnitArgs(x, w, act, None)
-    y, res = glu.TritonGatedLinearUnit()(args)
-    return y, glu.TritonGatedLinearUnitVjp()(args, res, y, dout)
+    y, res = _forward(glu.TritonGatedLinearUnit(), args)
+    return y, _backward(glu.TritonGatedLinearUnitVjp(), args, res, y, dout)
 
   with tokamax.interpret(False):
     text = jax.jit(fwd_bwd).trace(x, w, dout).lower(
@@ -247,8 +258,8 @@ def test_gpu_search_space_configs():
   args = tokamax.GatedLinearUnitArgs(x, w, jax.nn.silu, None)
   y_ref, (dx_ref, dw_ref) = _reference(x, w, dout, jax.nn.silu)
   for config in glu.TritonGatedLinearUnit().search_space(args):
-    y, res = glu.TritonGatedLinearUnit(config=config)(args)
-    grads = glu.TritonGatedLinearUnitVjp(config=config)(args, res, y, dout)
+    y, res = _forward(glu.TritonGatedLinearUnit(config=config), args)
+    grads = _backward(glu.TritonGatedLinearUnitVjp(config=config), args, res, y, dout)
     _assert_close(f"out {config}", y, y_ref, jnp.bfloat16)
     _assert_close(f"dx {config}", grads["x"], dx_ref, jnp.bfloat16)
     _assert_close(f"dw {config}", grads["weights"], dw_ref, jnp.bfloat16)
@@ -288,9 +299,9 @@ def test_explicit_configs_in_a_training_forward(shape, config):
   x, w, dout = _inputs(*shape, jnp.float32)
   args = tokamax.GatedLinearUnitArgs(x, w, jax.nn.gelu, None)
   with tokamax.interpret(_INTERPRET), op_lib.forward_for_backward():
-    y, residuals = glu.TritonGatedLinearUnit(config=config)(args)
+    y, residuals = _forward(glu.TritonGatedLinearUnit(config=config), args)
   with tokamax.interpret(_INTERPRET):
-    grads = glu.TritonGatedLinearUnitVjp(config=config)(args, residuals, y, dout)
+    grads = _backward(glu.TritonGatedLinearUnitVjp(config=config), args, residuals, y, dout)
   projections = jnp.einsum("mk,kpn->mpn", x, w, precision=jax.lax.Precision.HIGHEST)
   y_ref, (dx_ref, dw_ref) = _reference(x, w, dout, jax.nn.gelu)
   _assert_close("projections", residuals["projections"], projections, jnp.float32)

@@ -11,9 +11,20 @@ import numpy as np
 import pytest
 
 import tokamax
+from tokamax._src import dispatch
 from tokamax import testing
 import tokamax_xla_reference
 from tokamax_gpu_triton import layer_norm as ln
+
+
+def _forward(op, args):
+  """`op`'s forward with the config dispatch would resolve for it."""
+  return op.forward(args, dispatch.resolve_config(op, args))
+
+
+def _backward(op, args, residuals, out, dout):
+  """`op`'s backward with the config dispatch would resolve for it."""
+  return op.backward(args, residuals, out, dout, dispatch.resolve_config(op, args))
 
 _HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
 _INTERPRET = jax.default_backend() == "cpu"
@@ -143,8 +154,8 @@ def test_explicit_configs(r, d, fwd_config, bwd_config, subtract_mean):
   x, scale, offset, dy = _inputs(r, d, jnp.float32, True, True)
   args = tokamax.LayerNormArgs(x, scale, offset, 1e-5, subtract_mean)
   with tokamax.interpret(_INTERPRET):
-    y, residuals = ln.TritonLayerNorm(config=fwd_config)(args)
-    grads = ln.TritonLayerNormVjp(config=bwd_config)(args, residuals, y, dy)
+    y, residuals = _forward(ln.TritonLayerNorm(config=fwd_config), args)
+    grads = _backward(ln.TritonLayerNormVjp(config=bwd_config), args, residuals, y, dy)
   y_ref, mean_ref, rstd_ref = tokamax_xla_reference.layer_norm(
       x, scale, offset, epsilon=1e-5, subtract_mean=subtract_mean)
   _assert_close("y", y, y_ref, jnp.float32)
@@ -176,7 +187,7 @@ def test_backward_without_residuals():
   x, scale, offset, dy = _inputs(7, 50, jnp.float32, True, True)
   args = tokamax.LayerNormArgs(x, scale, offset, 1e-6, True)
   with tokamax.interpret(_INTERPRET):
-    grads = ln.TritonLayerNormVjp()(args, {}, None, dy)
+    grads = _backward(ln.TritonLayerNormVjp(), args, {}, None, dy)
   _, grads_ref = _reference(x, scale, offset, dy, True, 1e-6)
   for name, g_ref in zip(("x", "scale", "offset"), grads_ref):
     _assert_close(name, grads[name], g_ref, jnp.float32)
@@ -220,8 +231,8 @@ def test_lowers_to_triton(subtract_mean):
 
     def fwd_bwd(x, s, o, dy):
       args = tokamax.LayerNormArgs(x, s, o, 1e-6, subtract_mean)
-      y, res = ln.TritonLayerNorm()(args)
-      return y, ln.TritonLayerNormVjp()(args, res, y, dy)
+      y, res = _forward(ln.TritonLayerNorm(), args)
+      return y, _backward(ln.TritonLayerNormVjp(), args, res, y, dy)
 
     with tokamax.interpret(False):
       text = jax.jit(fwd_bwd).trace(x, s, s, x).lower(
@@ -247,7 +258,7 @@ def test_gpu_search_space_configs(subtract_mean):
   args = tokamax.LayerNormArgs(x, scale, offset, 1e-6, subtract_mean)
   _, grads_ref = _reference(x, scale, offset, dy, subtract_mean, 1e-6)
   for config in ln.TritonLayerNormVjp().search_space(args):
-    grads = ln.TritonLayerNormVjp(config=config)(args, {}, None, dy)
+    grads = _backward(ln.TritonLayerNormVjp(config=config), args, {}, None, dy)
     for name, g_ref in zip(("x", "scale", "offset"), grads_ref):
       if g_ref is not None:
         _assert_close(f"{name} {config}", grads[name], g_ref, jnp.bfloat16)

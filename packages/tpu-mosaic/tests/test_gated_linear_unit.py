@@ -7,9 +7,20 @@ import jax.numpy as jnp
 import pytest
 
 import tokamax
+from tokamax._src import dispatch
 from tokamax import testing
 import tokamax_xla_reference as xla_ref
 from tokamax_tpu_mosaic import gated_linear_unit as glu
+
+
+def _forward(op, args):
+  """`op`'s forward with the config dispatch would resolve for it."""
+  return op.forward(args, dispatch.resolve_config(op, args))
+
+
+def _backward(op, args, residuals, out, dout):
+  """`op`'s backward with the config dispatch would resolve for it."""
+  return op.backward(args, residuals, out, dout, dispatch.resolve_config(op, args))
 
 HIGHEST = jax.lax.Precision.HIGHEST
 _INTERPRET = jax.default_backend() != "tpu"
@@ -113,8 +124,8 @@ def test_lowers_to_mosaic_tpu(dtype):
 
     def fwd_bwd(x, w, dout):
       args = tokamax.GatedLinearUnitArgs(x, w, jax.nn.silu)
-      out, _ = glu.MosaicTpuGatedLinearUnit()(args)
-      return out, glu.MosaicTpuGatedLinearUnitVjp()(args, {}, out, dout)
+      out, _ = _forward(glu.MosaicTpuGatedLinearUnit(), args)
+      return out, _backward(glu.MosaicTpuGatedLinearUnitVjp(), args, {}, out, dout)
 
     with tokamax.interpret(False):
       text = jax.jit(fwd_bwd).trace(

@@ -12,9 +12,20 @@ import jax.numpy as jnp
 import pytest
 
 import tokamax
+from tokamax._src import dispatch
 from tokamax import testing
 import tokamax_xla_reference
 from tokamax_tpu_mosaic import layer_norm as ln
+
+
+def _forward(op, args):
+  """`op`'s forward with the config dispatch would resolve for it."""
+  return op.forward(args, dispatch.resolve_config(op, args))
+
+
+def _backward(op, args, residuals, out, dout):
+  """`op`'s backward with the config dispatch would resolve for it."""
+  return op.backward(args, residuals, out, dout, dispatch.resolve_config(op, args))
 
 _seed = iter(range(10_000))
 _INTERPRET = jax.default_backend() != "tpu"
@@ -140,8 +151,8 @@ def test_lowers_to_mosaic_tpu(dtype):
 
     def fwd_bwd(x, s, o, dy):
       args = tokamax.LayerNormArgs(x, s, o, 1e-6, True)
-      y, res = ln.MosaicTpuLayerNorm()(args)
-      return y, ln.MosaicTpuLayerNormVjp()(args, res, y, dy)
+      y, res = _forward(ln.MosaicTpuLayerNorm(), args)
+      return y, _backward(ln.MosaicTpuLayerNormVjp(), args, res, y, dy)
 
     with tokamax.interpret(False):
       text = jax.jit(fwd_bwd).trace(x, p, p, x).lower(

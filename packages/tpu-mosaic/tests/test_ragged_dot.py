@@ -13,9 +13,20 @@ import numpy as np
 import pytest
 
 import tokamax
+from tokamax._src import dispatch
 from tokamax import testing
 import tokamax_xla_reference as xla_ref
 from tokamax_tpu_mosaic import ragged_dot as rd
+
+
+def _forward(op, args):
+  """`op`'s forward with the config dispatch would resolve for it."""
+  return op.forward(args, dispatch.resolve_config(op, args))
+
+
+def _backward(op, args, residuals, out, dout):
+  """`op`'s backward with the config dispatch would resolve for it."""
+  return op.backward(args, residuals, out, dout, dispatch.resolve_config(op, args))
 
 HIGHEST = jax.lax.Precision.HIGHEST
 _INTERPRET = jax.default_backend() != "tpu"
@@ -202,8 +213,8 @@ def test_lowers_to_mosaic_tpu(dtype):
 
     def fwd_bwd(lhs, rhs, sizes, dout):
       args = tokamax.RaggedDotArgs(lhs, rhs, sizes)
-      out, _ = rd.MosaicTpuRaggedDot()(args)
-      return out, rd.MosaicTpuRaggedDotVjp()(args, {}, out, dout)
+      out, _ = _forward(rd.MosaicTpuRaggedDot(), args)
+      return out, _backward(rd.MosaicTpuRaggedDotVjp(), args, {}, out, dout)
 
     with tokamax.interpret(False):
       text = jax.jit(fwd_bwd).trace(
