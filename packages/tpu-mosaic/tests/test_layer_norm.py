@@ -104,7 +104,7 @@ def test_residuals():
   x, scale, offset, _ = _inputs(19, 40, jnp.float32)
   args = tokamax.LayerNormArgs(x, scale, offset, 1e-5, True)
   with tokamax.interpret(_INTERPRET):
-    y, res = ln.MosaicTpuLayerNorm(ln.LayerNormConfig(16))(args)
+    y, res = _forward(ln.MosaicTpuLayerNorm(ln.LayerNormConfig(16)), args)
   _, mean, rstd = tokamax_xla_reference.layer_norm(x, scale, offset, epsilon=1e-5,
                                                    subtract_mean=True)
   testing.assert_close(res["mean"], mean, jnp.float32, what="mean")

@@ -50,6 +50,7 @@ from jax import lax
 # Helpers for backends' kernels, re-exported here as tokamax.plugin.*.
 from tokamax._src.activation import check_elementwise_activation  # noqa: F401
 from tokamax._src.groups import held_row_ranges  # noqa: F401
+from tokamax._src.op import VjpOp
 from tokamax._src.vma import varying_out_shape  # noqa: F401
 
 # Bumped when the contract below changes incompatibly. Core refuses plugins that
@@ -194,9 +195,7 @@ class OpFunctions:
 
   @property
   def _backward(self) -> bool:
-    # Imported here: tokamax's __init__ imports this module before it defines VjpOp.
-    import tokamax
-    return isinstance(self, tokamax.VjpOp)
+    return isinstance(self, VjpOp)
 
   def check_supported(self, args, device, residuals=None) -> None:
     self.check_args(args, device)
