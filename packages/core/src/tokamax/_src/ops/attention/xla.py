@@ -60,6 +60,11 @@ class ChunkConfig:
   chunk_size: int = 512
 
 
+def _chunk_heuristic(args) -> ChunkConfig:
+  """Chunks of 512 keys, fewer when the keys are fewer (16 at the least)."""
+  return ChunkConfig(chunk_size=min(512, max(16, args.key.shape[1])))
+
+
 @dataclasses.dataclass(frozen=True)
 class XlaChunkedAttention(Op):
   """Attention over key chunks with an online softmax: O(T * chunk) memory."""
@@ -70,7 +75,7 @@ class XlaChunkedAttention(Op):
   config_cls = ChunkConfig
 
   def heuristic_config(self, args):
-    return ChunkConfig(chunk_size=min(512, max(16, args.key.shape[1])))
+    return _chunk_heuristic(args)
 
   def search_space(self, args):
     fitting = tuple(ChunkConfig(c) for c in (128, 256, 512, 1024) if c <= args.key.shape[1])
@@ -91,7 +96,7 @@ class XlaChunkedAttentionVjp(VjpOp):
   config_cls = ChunkConfig
 
   def heuristic_config(self, args):
-    return ChunkConfig(chunk_size=min(512, max(16, args.key.shape[1])))
+    return _chunk_heuristic(args)
 
   def check_supported(self, args, device, residuals=None):
     if residuals is not None and "lse" not in residuals:
