@@ -16,6 +16,14 @@ from tokamax import testing
 _RNG = np.random.default_rng(7)
 
 
+@pytest.fixture(autouse=True)
+def _float32_matmuls():
+  """These tests check a definition in float32; a GPU's default float32 matmuls
+  (TF32-class) would miss their tolerance by design, not by a bug."""
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
 def _rand(*shape):
   return jnp.asarray(_RNG.standard_normal(shape), jnp.float32)
 
