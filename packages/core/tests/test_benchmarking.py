@@ -349,3 +349,39 @@ def test_gpu_cuda_events_documented_usage_agrees_with_cupti():
   # Repeated runs reuse the pooled events and the compiled instrumentation.
   again = run(args, method="cuda_events", iterations=3, warmup=0)
   assert len(again.evaluation_times_ms) == 3
+
+
+# ------------------------------------------------------------------ interleaved
+
+
+def test_prepare_returns_the_output_of_the_compiled_function():
+  x = jnp.linspace(-1.0, 1.0, 16)
+  c = impl.prepare(_scaled_tanh, x, 3.0)
+  np.testing.assert_allclose(c.output, np.tanh(np.asarray(x)) * 3.0, rtol=1e-6)
+  assert c.flat_args[0] is x  # arrays pass through; the scale is static
+
+
+def test_time_interleaved_alternates_contenders_and_drops_a_failing_one():
+  calls = []
+
+  class _Run:  # a CompiledBenchmark stand-in that logs each timed evaluation
+    lowering_time_ms = compile_time_ms = 0.0
+    device = jax.devices()[0]
+
+    def __init__(self, label, fails_at=None):
+      self.label, self.fails_at = label, fails_at
+
+    def __call__(self, args, method=None, iterations=10, warmup=1):
+      assert (iterations, warmup) == (1, 0)
+      calls.append(self.label)
+      if calls.count(self.label) == self.fails_at:
+        raise RuntimeError("kernel fault")
+      return impl.BenchmarkData("wallclock", 0.0, 0.0, (float(len(calls)),))
+
+  contenders = {name: impl.Contender(_Run(name, fails), (), None)
+                for name, fails in (("a", None), ("b", 2), ("c", None))}
+  results = impl.time_interleaved(contenders, iterations=3)
+  assert calls == ["a", "b", "c", "a", "b", "c", "a", "c"]
+  assert results["a"].evaluation_times_ms == (1.0, 4.0, 7.0)
+  assert results["c"].evaluation_times_ms == (3.0, 6.0, 8.0)
+  assert isinstance(results["b"], RuntimeError)

@@ -10,7 +10,7 @@ Each model is written twice with the same parameters and inputs:
   `jax.lax.ragged_dot`.
 
 The step is ``jax.value_and_grad`` of ``sum(out * dy)`` (random ``dy``) over the
-parameters and the input, timed with `benchmarking.time_and_output` (CUPTI kernel time on
+parameters and the input, timed with `benchmarking.time_interleaved` (CUPTI kernel time on
 NVIDIA GPUs, wall clock elsewhere). The tokamax step's loss and gradients are
 checked against the plain step's (relative L2, the worst leaf reported; the loss
 against the L2 norm of its terms, see `loss_error`).
@@ -377,23 +377,32 @@ def run_model(model: str, size, iterations: int = 10) -> tuple[list[dict], str]:
   params, x, dy = inputs(model, size)
   base = dict(op=f"model {model}", shape=size.describe(), direction="training step")
   flops = size.flops()
-  rows, outputs = [], {}
+  rows, outputs, contenders = [], {}, {}
   summary = {}
   peer = peer_label(model)
-  for program, label in (("plain", peer), ("tokamax", "tokamax auto")):
+  labels = {"plain": peer, "tokamax": "tokamax auto"}
+  for program, label in labels.items():
     step = training_step(model, size, program)
     try:
       with tokamax.record_dispatch() as records:
-        ms, method, out = benchmarking.time_and_output(step, params, x, dy, iterations=iterations)
+        contenders[label] = benchmarking.prepare(step, params, x, dy)
     except Exception as e:
       rows.append(dict(base, implementation=label,
                        error=f"{type(e).__name__}: {str(e)[:300]}"))
       continue
-    outputs[program] = out
-    row = dict(base, implementation=label, ms=ms, method=method,
-               rate=flops / (ms * 1e-3) / 1e12, unit="TFLOP/s")
+    outputs[program] = contenders[label].output
     if program == "tokamax":
       summary = dispatch_summary(records)
+  # Both steps timed in alternation (benchmarking.time_interleaved says why).
+  for label, data in benchmarking.time_interleaved(contenders, iterations).items():
+    if isinstance(data, Exception):
+      rows.append(dict(base, implementation=label,
+                       error=f"{type(data).__name__}: {str(data)[:300]}"))
+      continue
+    ms = data.median_evaluation_time_ms
+    row = dict(base, implementation=label, ms=ms, method=data.method,
+               rate=flops / (ms * 1e-3) / 1e12, unit="TFLOP/s")
+    if label == labels["tokamax"]:
       row["dispatch"] = summary
     rows.append(row)
   times = {r["implementation"]: r["ms"] for r in rows if "ms" in r}

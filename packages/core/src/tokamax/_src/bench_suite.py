@@ -102,29 +102,22 @@ def run_problem(problem: Problem, implementations: list[str | None],
       problem.reference.index(labels[j]) if labels[j] in problem.reference
       else len(problem.reference)))
   tol = _pair_tolerance(problem.dtype)
+  work = problem.flops or problem.bytes
   for direction in directions:
-    times, by_label, reference = {}, {}, None
-    for j in order:
+    by_label, contenders, reference = {}, {}, None
+    base = dict(op=problem.op, shape=problem.name, direction=direction)
+    for j in order:  # compile each, run it once, compare its output
       label, fn = candidates[j]
       try:
-        if direction == "forward":
-          f, args = jax.jit(fn), (inputs,)
-        else:
-          f, args = fwd_bwd(fn, inputs)
-        ms, method, out = benchmarking.time_and_output(f, *args, iterations=iterations)
+        f, args = (jax.jit(fn), (inputs,)) if direction == "forward" else fwd_bwd(fn, inputs)
+        contenders[label] = benchmarking.prepare(f, *args)
       except Exception as e:
-        by_label[label] = dict(op=problem.op, shape=problem.name, direction=direction,
-                               implementation=label,
+        by_label[label] = dict(base, implementation=label,
                                error=f"{type(e).__name__}: {str(e)[:200]}")
         continue
-      times[label] = ms
-      work = problem.flops or problem.bytes
-      if direction != "forward":
-        work *= problem.backward_factor
-      rate = work / (ms * 1e-3) / 1e12
-      row = dict(op=problem.op, shape=problem.name, direction=direction,
-                 implementation=label, ms=ms, method=method,
-                 rate=rate, unit="TFLOP/s" if problem.flops else "TB/s")
+      out = contenders[label].output
+      contenders[label].output = None  # freed once compared
+      row = by_label[label] = dict(base, implementation=label)
       if reference is None and label in problem.reference:
         reference = (label, out)
       if reference is not None and (label in problem.reference or
@@ -132,8 +125,20 @@ def run_problem(problem: Problem, implementations: list[str | None],
         errors = bench_models.relative_errors(out, reference[1])
         row.update(rel_err=max(errors.values(), default=0.0), tol=tol,
                    reference=reference[0])
-      by_label[label] = row
       del out
+    times = {}
+    timed = benchmarking.time_interleaved(contenders, iterations)
+    for label, data in timed.items():
+      row = by_label[label]
+      if isinstance(data, Exception):
+        by_label[label] = dict(base, implementation=label,
+                               error=f"{type(data).__name__}: {str(data)[:200]}")
+        continue
+      ms = times[label] = data.median_evaluation_time_ms
+      scaled = work * (problem.backward_factor if direction != "forward" else 1)
+      row.update(ms=ms, method=data.method, rate=scaled / (ms * 1e-3) / 1e12,
+                 unit="TFLOP/s" if problem.flops else "TB/s")
+    del contenders, timed
     reference = None
     peer = next((times[p] for p in problem.peers if p in times), None)
     for label in labels:

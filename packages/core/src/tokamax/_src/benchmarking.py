@@ -671,13 +671,61 @@ def benchmark(f: Callable[..., Any], args: Sequence[Any], method: str | None = N
   return run(flat_args, method=method, iterations=iterations, warmup=warmup)
 
 
-def time_and_output(f: Callable, *args, iterations: int = 10) -> tuple[float, str, Any]:
-  """``(median ms, method, output)`` of ``f(*args)``: `benchmark`'s time and one
-  output of the executable it timed (nothing is compiled twice)."""
+@dataclasses.dataclass
+class Contender:
+  """One function of a comparison, compiled, with its output of one call.
+
+  Made by :func:`prepare`; :func:`time_interleaved` times several together.
+  """
+
+  run: CompiledBenchmark
+  flat_args: tuple
+  output: Any
+
+
+def prepare(f: Callable, *args) -> Contender:
+  """Compiles ``f(*args)`` and runs it once (its output, and a warm-up)."""
   f_std, flat = standardize_function(f, *args)
   run = compile_benchmark(f_std, flat)
-  data = run(flat, iterations=iterations)
-  return data.median_evaluation_time_ms, data.method, run.compiled(*flat)
+  return Contender(run, tuple(flat), run.compiled(*flat))
+
+
+def time_interleaved(contenders: dict[str, Contender], iterations: int = 10,
+                     method: str | None = None) -> dict[str, BenchmarkData | Exception]:
+  """Times several compiled functions in rounds: one evaluation of each per round.
+
+  A GPU's clock moves with its temperature and power over a run; timed one after
+  the other, the later contenders of a comparison would run on a warmer chip
+  (a ~5% swing was seen between two runs of the same kernels on an H200).
+  Interleaved, every contender meets the same drift, so their ratio holds.
+
+  Returns:
+    Per label, its `BenchmarkData` (one time per round), or the exception that
+    stopped it (it is then left out of the later rounds).
+  """
+  if iterations < 1:
+    raise ValueError(f"iterations must be positive, got {iterations}")
+  times: dict[str, list[float]] = {label: [] for label in contenders}
+  results: dict[str, BenchmarkData | Exception] = {}
+  for _ in range(iterations):
+    for label, c in contenders.items():
+      if label in results:
+        continue  # failed in an earlier round
+      try:
+        data = c.run(c.flat_args, method=method, iterations=1, warmup=0)
+      except Exception as e:  # a contender that fails is reported, the others go on
+        results[label] = e
+        continue
+      times[label].extend(data.evaluation_times_ms)
+      method = data.method  # every contender the same way
+  for label, c in contenders.items():
+    if label not in results:
+      results[label] = BenchmarkData(
+          method=method, lowering_time_ms=c.run.lowering_time_ms,
+          compile_time_ms=c.run.compile_time_ms,
+          evaluation_times_ms=tuple(times[label]),
+          peak_memory_bytes=_peak_memory_bytes(c.run.device))
+  return results
 
 
 def kernel_time_ms(f: Callable, *args, iterations: int = 10) -> tuple[float, str]:
