@@ -8,6 +8,7 @@ import tokamax
 from tokamax._src import bench_suite
 from tokamax._src.ops.attention import problems as attention_problems
 from tokamax._src import bench_models
+from tokamax._src import benchmarking
 
 
 def _tiny_norm():
@@ -26,7 +27,8 @@ def test_run_problem_times_every_candidate_against_the_peer(tmp_path):
     assert {(direction, "tokamax auto"), (direction, "tokamax xla"),
             (direction, "XLA (jnp)")} <= labels
   for r in rows:
-    assert r["ms"] > 0 and r["rate"] > 0 and r["method"] == "wallclock"
+    assert r["ms"] > 0 and r["rate"] > 0
+    assert r["method"] == benchmarking.default_method()
     assert r["vs_peer"] > 0
   table = bench_suite.markdown_table(rows)
   assert table.count("\n") == len(rows) + 1
@@ -111,6 +113,8 @@ def test_model_training_step_tokamax_against_plain(model, size):
   assert "ok" in text and "BEYOND" not in text
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason=(
+    "float32 steps: the plain step's cuDNN attention takes only 16-bit inputs on GPUs"))
 def test_model_steps_compute_the_same_function():
   for model, size in (("dense", TINY_DENSE), ("moe", TINY_MOE)):
     params, x, dy = bench_models.inputs(model, size)
