@@ -50,6 +50,23 @@ def test_backward_from_projections_matches_autodiff_of_the_reference(
   testing.assert_close(grads["weights"], rw, dtype, what="dw", scale=2)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("activation", [jax.nn.silu, None])
+@pytest.mark.parametrize("shape", [(37, 40, 24), (1, 8, 3), (130, 64, 257)])
+def test_forward_with_projections_matches_the_reference(dtype, activation, shape):
+  x, w, _ = _inputs(*shape, dtype, seed=sum(shape) + 1)
+  args = GatedLinearUnitArgs(x=x, weights=w, activation=activation, precision=HIGHEST)
+  out, residuals = jax.jit(GatedLinearUnitArgs.forward_with_projections)(args)
+  up = lambda a: a.astype(jnp.float32)
+  ref_h = jnp.einsum("mk,kpn->mpn", up(x), up(w), precision=HIGHEST)
+  ref = tokamax_xla_reference.gated_linear_unit(up(x), up(w), activation=activation,
+                                                precision=HIGHEST)
+  assert out.dtype == x.dtype and residuals["projections"].dtype == x.dtype
+  assert residuals["projections"].shape == (shape[0], 2, shape[2])
+  testing.assert_close(residuals["projections"], ref_h, dtype, what="projections")
+  testing.assert_close(out, ref, dtype, what="forward")
+
+
 @dataclasses.dataclass(frozen=True)
 class _KeepsProjectionsVjp(glu_xla.XlaGatedLinearUnitVjp):
   name = "keeps_projections"

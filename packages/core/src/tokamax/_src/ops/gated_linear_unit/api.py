@@ -43,6 +43,21 @@ class GatedLinearUnitArgs:
       default=None, metadata=dict(static=True))
   precision: Any = dataclasses.field(default=None, metadata=dict(static=True))
 
+  def forward_with_projections(self) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """``(out, {"projections": [M, 2, N]})`` by the plain-JAX program: one matmul
+    with the fused weight in x's dtype (XLA: cuBLAS on NVIDIA), then the
+    activation on those rounded projections (float32 inside), as
+    `backward_from_projections` expects them."""
+    m, k = self.x.shape
+    n = self.weights.shape[2]
+    h = jax.lax.dot_general(self.x, self.weights.reshape(k, 2 * n),
+                            (((1,), (0,)), ((), ())), precision=self.precision,
+                            preferred_element_type=self.x.dtype)
+    activation = self.activation or (lambda gate: gate)
+    gate, up = h[:, :n].astype(jnp.float32), h[:, n:].astype(jnp.float32)
+    out = (activation(gate) * up).astype(self.x.dtype)
+    return out, {"projections": h.reshape(m, 2, n)}
+
   def backward_from_projections(self, projections: jax.Array,
                                 dout: jax.Array) -> dict[str, jax.Array]:
     """``{"x": dx, "weights": dw}`` from the forward's projections residual.
