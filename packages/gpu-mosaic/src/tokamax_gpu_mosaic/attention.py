@@ -25,8 +25,8 @@ from tokamax import Op, VjpOp
 from tokamax_gpu_mosaic import _common
 from tokamax_gpu_mosaic import attention_kernel_common as akc
 from tokamax_gpu_mosaic.attention_kernel_bwd import KEY_ROWS as _BWD_KEY_ROWS
-from tokamax_gpu_mosaic.attention_kernel_bwd import mosaic_attention_bwd
-from tokamax_gpu_mosaic.attention_kernel_fwd import mosaic_attention
+from tokamax_gpu_mosaic.attention_kernel_bwd import AttentionVjpConfig, mosaic_attention_bwd
+from tokamax_gpu_mosaic.attention_kernel_fwd import AttentionConfig, mosaic_attention
 
 __all__ = ["AttentionConfig", "AttentionVjpConfig", "MosaicGpuAttention",
            "MosaicGpuAttentionVjp", "bwd_smem_bytes", "mosaic_attention",
@@ -35,31 +35,6 @@ __all__ = ["AttentionConfig", "AttentionVjpConfig", "MosaicGpuAttention",
 _WG_ROWS = akc.WG_ROWS  # query rows per consumer warpgroup (one wgmma M)
 _CTA_ROWS = akc.CTA_ROWS
 _HEAD_DIMS = (64, 128, 256)
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionConfig:
-  """Key rows per pipeline step (``block_kv``) and steps in flight
-  (``num_stages``); each block covers 128 query rows (2 warpgroups x 64)."""
-
-  block_kv: int = 128
-  num_stages: int = 2
-  # Materialize the softmax results before the ping-pong barrier (an
-  # optimization barrier), so that the compiler cannot sink the rescaling of O
-  # and the row-sum update past it into the partner's turn. With `overlap_qk`:
-  # before waiting for ``P V``, so that the softmax really overlaps it.
-  fence_softmax: bool = True
-  # Intra-warpgroup pipelining (FA3): each turn on the tensor cores issues
-  # ``Q K_{j+1}^T`` and ``P_j V_j`` together, and the softmax of tile j+1 runs
-  # while ``P_j V_j`` is in flight (same register budget: _fits_registers).
-  # False: the plain ping-pong schedule.
-  overlap_qk: bool = False
-
-  def __post_init__(self):
-    if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
-      raise ValueError(f"block_kv must be 64, 128, 192 or 256; got {self.block_kv}")
-    if self.num_stages < 2:
-      raise ValueError(f"num_stages must be >= 2; got {self.num_stages}")
 
 
 def smem_bytes(config: AttentionConfig, head_dim: int, itemsize: int,
@@ -218,37 +193,6 @@ _BWD_HEAD_DIMS = (64, 128)
 # dP^T (block_q), dQ holds dQ (H/2) plus S and dP (block_kv); H = 256 would need
 # 256 for dK and dV alone (over the 232-register limit): refused.
 _BWD_REG_BUDGET = 192
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionVjpConfig:
-  """Tiles of the two backward kernels.
-
-  ``block_q``: query rows per step of the dK/dV kernel (its blocks own 128 key
-  rows); ``block_kv``: key rows per step of the dQ kernel (its blocks own 128
-  query rows); ``num_stages``: ring depth of both.
-  """
-
-  block_q: int = 64
-  block_kv: int = 128
-  num_stages: int = 2
-  # Ping-pong between the two consumer warpgroups (the forward's plain FA3
-  # schedule): one two-arrival turn barrier, passed after issuing the scores
-  # matmuls and before issuing the accumulating ones, with warpgroup 1 one phase
-  # behind, so that one warpgroup's exponentials and dS run while the other's
-  # matmuls occupy the tensor cores. ``ping_pong``: the dK/dV kernel;
-  # ``ping_pong_dq``: the dQ kernel. False: both consumers issue together.
-  ping_pong: bool = False
-  ping_pong_dq: bool = False
-
-  def __post_init__(self):
-    # 64 or 128: a multiple of 64 for the P^T dO / dS K contractions over a
-    # 128-byte-swizzled tile, and a divisor of the 128-row padding.
-    for name in ("block_q", "block_kv"):
-      if getattr(self, name) not in (64, 128):
-        raise ValueError(f"{name} must be 64 or 128; got {getattr(self, name)}")
-    if self.num_stages < 2:
-      raise ValueError(f"num_stages must be >= 2; got {self.num_stages}")
 
 
 def bwd_smem_bytes(config: AttentionVjpConfig, head_dim: int, itemsize: int,

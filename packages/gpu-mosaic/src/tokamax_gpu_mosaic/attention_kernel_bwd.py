@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,8 +59,37 @@ from tokamax_gpu_mosaic import _common
 from tokamax_gpu_mosaic import _pipeline
 from tokamax_gpu_mosaic import attention_kernel_common as akc
 
-if TYPE_CHECKING:
-  from tokamax_gpu_mosaic.attention import AttentionVjpConfig
+
+@dataclasses.dataclass(frozen=True)
+class AttentionVjpConfig:
+  """Tiles of the two backward kernels.
+
+  ``block_q``: query rows per step of the dK/dV kernel (its blocks own 128 key
+  rows); ``block_kv``: key rows per step of the dQ kernel (its blocks own 128
+  query rows); ``num_stages``: ring depth of both.
+  """
+
+  block_q: int = 64
+  block_kv: int = 128
+  num_stages: int = 2
+  # Ping-pong between the two consumer warpgroups (the forward's plain FA3
+  # schedule): one two-arrival turn barrier, passed after issuing the scores
+  # matmuls and before issuing the accumulating ones, with warpgroup 1 one phase
+  # behind, so that one warpgroup's exponentials and dS run while the other's
+  # matmuls occupy the tensor cores. ``ping_pong``: the dK/dV kernel;
+  # ``ping_pong_dq``: the dQ kernel. False: both consumers issue together.
+  ping_pong: bool = False
+  ping_pong_dq: bool = False
+
+  def __post_init__(self):
+    # 64 or 128: a multiple of 64 for the P^T dO / dS K contractions over a
+    # 128-byte-swizzled tile, and a divisor of the 128-row padding.
+    for name in ("block_q", "block_kv"):
+      if getattr(self, name) not in (64, 128):
+        raise ValueError(f"{name} must be 64 or 128; got {getattr(self, name)}")
+    if self.num_stages < 2:
+      raise ValueError(f"num_stages must be >= 2; got {self.num_stages}")
+
 
 KEY_ROWS = 2 * akc.WG_ROWS  # key rows per dK/dV block (2 consumers x 64)
 _SEGMENT_FIELDS = ("seg_range", "q_seg", "kv_seg", "qseg_smem", "kvseg_smem",

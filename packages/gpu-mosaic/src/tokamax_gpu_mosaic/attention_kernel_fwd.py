@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,8 +56,30 @@ from tokamax_gpu_mosaic import _common
 from tokamax_gpu_mosaic import _pipeline
 from tokamax_gpu_mosaic import attention_kernel_common as akc
 
-if TYPE_CHECKING:
-  from tokamax_gpu_mosaic.attention import AttentionConfig
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """Key rows per pipeline step (``block_kv``) and steps in flight
+  (``num_stages``); each block covers 128 query rows (2 warpgroups x 64)."""
+
+  block_kv: int = 128
+  num_stages: int = 2
+  # Materialize the softmax results before the ping-pong barrier (an
+  # optimization barrier), so that the compiler cannot sink the rescaling of O
+  # and the row-sum update past it into the partner's turn. With `overlap_qk`:
+  # before waiting for ``P V``, so that the softmax really overlaps it.
+  fence_softmax: bool = True
+  # Intra-warpgroup pipelining (FA3): each turn on the tensor cores issues
+  # ``Q K_{j+1}^T`` and ``P_j V_j`` together, and the softmax of tile j+1 runs
+  # while ``P_j V_j`` is in flight (same register budget: _fits_registers).
+  # False: the plain ping-pong schedule.
+  overlap_qk: bool = False
+
+  def __post_init__(self):
+    if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
+      raise ValueError(f"block_kv must be 64, 128, 192 or 256; got {self.block_kv}")
+    if self.num_stages < 2:
+      raise ValueError(f"num_stages must be >= 2; got {self.num_stages}")
 
 
 # ----------------------------------------------------------------------------

@@ -15,6 +15,8 @@ import tokamax
 from tokamax import Op, VjpOp
 from tokamax_gpu_mosaic import _common
 from tokamax_gpu_mosaic import ragged_dot
+from tokamax_gpu_mosaic.gated_linear_unit_kernel import GatedLinearUnitConfig
+from tokamax_gpu_mosaic.gated_linear_unit_kernel import GatedLinearUnitVjpConfig
 from tokamax_gpu_mosaic.gated_linear_unit_kernel import fused_glu
 from tokamax_gpu_mosaic.gated_linear_unit_kernel import glu_backward
 from tokamax_gpu_mosaic.gated_linear_unit_kernel import vjp_jaxpr
@@ -22,29 +24,6 @@ from tokamax_gpu_mosaic.gated_linear_unit_kernel import vjp_jaxpr
 __all__ = ["GatedLinearUnitConfig", "GatedLinearUnitVjpConfig",
            "MosaicGpuGatedLinearUnit", "MosaicGpuGatedLinearUnitVjp", "dh_smem_bytes",
            "fused_glu", "glu_backward", "smem_bytes"]
-
-
-@dataclasses.dataclass(frozen=True)
-class GatedLinearUnitConfig:
-  """Tiling: ``block_m x block_n`` outputs per block (two warpgroups of
-  ``block_m / 2`` rows), ``block_k`` per pipeline step, ``num_stages`` in flight,
-  ``grid_tile_width`` column tiles per band of the snake order."""
-
-  block_m: int = 128
-  block_n: int = 128
-  block_k: int = 64
-  num_stages: int = 4
-  grid_tile_width: int = 8
-
-  def __post_init__(self):
-    if self.block_m not in (128, 256):
-      raise ValueError(f"block_m must be 128 or 256; got {self.block_m}")
-    if self.block_n % 64 or self.block_n > 256:
-      raise ValueError(f"block_n must be a multiple of 64 up to 256; got {self.block_n}")
-    if self.block_k not in (32, 64):
-      raise ValueError(f"block_k must be 32 or 64; got {self.block_k}")
-    if self.num_stages < 2 or self.grid_tile_width < 1:
-      raise ValueError(f"num_stages >= 2 and grid_tile_width >= 1: {self}")
 
 
 def smem_bytes(config: GatedLinearUnitConfig, itemsize: int,
@@ -148,42 +127,6 @@ def _room_for_projections(args, config: GatedLinearUnitConfig) -> GatedLinearUni
 
 # ----------------------------------------------------------------------------
 # Backward.
-
-
-@dataclasses.dataclass(frozen=True)
-class GatedLinearUnitVjpConfig:
-  """Tiling of the backward.
-
-  ``block_m``, ``block_n``, ``block_k``, ``num_stages``, ``grid_tile_width``: the
-  dh kernel, as `GatedLinearUnitConfig` tiles the forward. ``matmul_*``: the dx
-  and dw matmuls (ragged_dot's kernel: ``128 x 2 matmul_block_n`` tiles, 64 deep).
-  ``fuse_activation=False`` recomputes h in float32 and differentiates the
-  activation in XLA (what activations the epilogue cannot lower always get).
-  """
-
-  block_m: int = 128
-  block_n: int = 128
-  block_k: int = 64
-  num_stages: int = 3
-  grid_tile_width: int = 8
-  matmul_block_n: int = 128
-  matmul_num_stages: int = 3
-  matmul_grid_tile_width: int = 8
-  fuse_activation: bool = True
-
-  def __post_init__(self):
-    self.dh_config()  # Validates the dh kernel's fields,
-    self.matmul_config()  # and the matmuls'.
-
-  def dh_config(self) -> GatedLinearUnitConfig:
-    return GatedLinearUnitConfig(self.block_m, self.block_n, self.block_k,
-                                 self.num_stages, self.grid_tile_width)
-
-  def matmul_config(self) -> ragged_dot.RaggedDotConfig:
-    return ragged_dot.RaggedDotConfig(
-        block_m=128, block_n=self.matmul_block_n, block_k=64,
-        num_stages=self.matmul_num_stages,
-        grid_tile_width=self.matmul_grid_tile_width)
 
 
 def dh_smem_bytes(config: GatedLinearUnitConfig, itemsize: int) -> int:

@@ -22,8 +22,7 @@ import jax.numpy as jnp
 import tokamax
 from tokamax import Op, VjpOp
 from tokamax_gpu_mosaic import _common
-from tokamax_gpu_mosaic.ragged_dot_kernel import WGMMA_M as _WGMMA_M
-from tokamax_gpu_mosaic.ragged_dot_kernel import cta_n as _cta_n
+from tokamax_gpu_mosaic.ragged_dot_kernel import RaggedDotConfig
 from tokamax_gpu_mosaic.ragged_dot_kernel import grouped_matmul
 from tokamax_gpu_mosaic.ragged_dot_kernel import smem_bytes
 from tokamax_gpu_mosaic.ragged_dot_kernel_drhs import WS_K as _WS_K
@@ -32,90 +31,6 @@ from tokamax_gpu_mosaic.ragged_dot_kernel_drhs import grouped_transposed_matmul
 __all__ = ["MosaicGpuRaggedDot", "MosaicGpuRaggedDotVjp", "RaggedDotConfig",
            "drhs_ws_config", "grouped_matmul", "grouped_transposed_matmul",
            "heuristic", "smem_bytes"]
-
-
-@dataclasses.dataclass(frozen=True)
-class RaggedDotConfig:
-  """Tiling of the grouped matmul.
-
-  A block computes ``block_m x (2 * block_n)`` of the output (two compute
-  warpgroups, ``block_n`` columns each), ``block_k`` of the contraction per
-  pipeline step, with ``num_stages`` steps in flight. ``grid_tile_width``: how
-  many column tiles a band of the snake order spans (L2 reuse of lhs rows).
-  ``out_pieces``: the output tile is staged in shared memory whole (1) or in
-  two column pieces (2, half the staging memory; ``row_tiling="group"``).
-  ``drhs_kernel`` (backward only): "ring" or "ws", see
-  `grouped_transposed_matmul`; "ws" runs ``block_k=64`` and the stages that fit
-  (`drhs_ws_config`).
-
-  ``row_tiling="group"`` with ``block_m=256`` ("tall" items): a block computes
-  ``256 x block_n`` (not ``128 x 2 block_n``), each compute warpgroup 128 rows
-  in two 64-row wgmma halves into one ``[128, block_n]`` accumulator, a half
-  skipped when its rows lie outside the group; a group of up to ~256 rows then
-  streams each weight tile once instead of 2-3 times.
-  ``item_order``: "snake" walks (row tile, column tile) with `plgpu.planar_snake`;
-  "group" writes the order into the work-item table: per group, bands of
-  ``grid_tile_width`` row tiles, and within a band the row tiles of one column
-  tile are consecutive linear indices (neighbouring SMs run them together and
-  share the weight tile's k-slices through L2), column tiles snaking between
-  bands.
-  """
-
-  block_m: int = 128
-  block_n: int = 128
-  block_k: int = 64
-  num_stages: int = 3
-  grid_tile_width: int = 8
-  row_tiling: str = "group"
-  out_pieces: int = 1
-  drhs_kernel: str = "ring"
-  item_order: str = "snake"
-
-  def __post_init__(self):
-    if self.block_m % _WGMMA_M or self.block_m > 256:
-      raise ValueError(f"block_m must be 64, 128, 192 or 256; got {self.block_m}")
-    if self.block_n % 64 or self.block_n > 256:
-      raise ValueError(f"block_n must be a multiple of 64 up to 256; got {self.block_n}")
-    if self.block_k not in (32, 64, 128):
-      raise ValueError(f"block_k must be 32, 64 or 128; got {self.block_k}")
-    if self.num_stages < 2 or self.grid_tile_width < 1:
-      raise ValueError(f"num_stages >= 2 and grid_tile_width >= 1: {self}")
-    if self.row_tiling not in ("group", "fixed"):
-      raise ValueError(f"row_tiling must be 'group' or 'fixed'; got {self.row_tiling}")
-    if self.row_tiling == "group" and self.block_m not in (128, 256):
-      raise ValueError("row_tiling='group' takes block_m=128 (64 rows per "
-                       "compute warpgroup) or 256 (128 rows per warpgroup); "
-                       f"got {self.block_m}")
-    if self.row_tiling == "group" and self.block_m == 256 and self.block_n > 128:
-      # Each warpgroup's [128, block_n] f32 accumulator: block_n registers per
-      # thread (of 232 for the compute warpgroups).
-      raise ValueError(f"block_m=256 takes block_n <= 128; got {self.block_n}")
-    if self.item_order not in ("snake", "group"):
-      raise ValueError(f"item_order must be 'snake' or 'group'; got {self.item_order}")
-    if self.item_order == "group" and self.row_tiling != "group":
-      raise ValueError("item_order='group' needs row_tiling='group'")
-    if self.out_pieces not in (1, 2):
-      raise ValueError(f"out_pieces must be 1 or 2; got {self.out_pieces}")
-    if self.out_pieces == 2 and self.row_tiling != "group":
-      raise ValueError("out_pieces=2 needs row_tiling='group'")
-    cta_n = _cta_n(self)
-    if self.out_pieces == 2 and cta_n // 2 < 64:
-      # A piece narrower than the 128-byte swizzle: the H200 run of such a
-      # config (256 x 64 items) failed with a misaligned address.
-      raise ValueError(f"out_pieces=2 needs output pieces of >= 64 columns; "
-                       f"items of {cta_n} columns make {cta_n // 2}")
-    if self.drhs_kernel not in ("ring", "ws"):
-      raise ValueError(f"drhs_kernel must be 'ring' or 'ws'; got {self.drhs_kernel}")
-    if self.drhs_kernel == "ws":
-      # Each compute warpgroup of the "ws" drhs kernel holds a [128, block_n]
-      # float32 tile (block_n registers per thread) and stages it in
-      # `out_pieces` column pieces of block_n / out_pieces.
-      if self.block_n > 128:
-        raise ValueError(f"drhs_kernel='ws' takes block_n <= 128 (its float32 tile "
-                         f"needs block_n registers per thread); got {self.block_n}")
-      if self.block_n // self.out_pieces < 64:
-        raise ValueError(f"drhs_kernel='ws' with out_pieces={self.out_pieces} needs "
-                         f"block_n >= {64 * self.out_pieces}; got {self.block_n}")
 
 
 # ----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,12 +30,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from tokamax_gpu_mosaic import _common
 from tokamax_gpu_mosaic import _pipeline
 from tokamax_gpu_mosaic.ragged_dot_kernel import COLS
+from tokamax_gpu_mosaic.ragged_dot_kernel import RaggedDotConfig
 from tokamax_gpu_mosaic.ragged_dot_kernel import WGMMA_M
 from tokamax_gpu_mosaic.ragged_dot_kernel import check_fits
 from tokamax_gpu_mosaic.ragged_dot_kernel import pad_to_multiple
-
-if TYPE_CHECKING:
-  from tokamax_gpu_mosaic.ragged_dot import RaggedDotConfig
 
 _TG_K = 64  # "ring" tile rows (of K): one wgmma M.
 WS_K = 2 * WGMMA_M  # K rows of a "ws" tile (one wgmma M of 128).
