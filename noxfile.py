@@ -16,6 +16,7 @@ import nox
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests"]
 
+QWIX = "qwix==0.1.8"  # the version the quantized-operand tests are written against
 PACKAGES = ["core", "xla-reference", "gpu-triton", "gpu-mosaic", "tpu-mosaic"]
 EXAMPLE_PLUGINS = ["example", "broken", "future"]
 # The sibling folders each extra of tokamax-core stands for.
@@ -79,6 +80,7 @@ def tests(session):
   _ruff(session)
   _install_tokamax(session, "all,test,flax")
   session.install(*(f"./integration_tests/plugins/{p}" for p in EXAMPLE_PLUGINS))
+  session.install(QWIX)  # ragged_dot takes Qwix's quantized arrays as they come
   workers = os.environ.get("TOKAMAX_TEST_WORKERS", "auto")
   session.run("python", "-m", "pytest", "-n", workers, "-m", "not slow and not gpu",
               *[f"packages/{p}/tests" for p in PACKAGES], "integration_tests",

@@ -34,6 +34,8 @@ from tokamax._src.ops.layer_norm import rms_norm
 from tokamax._src.ops.ragged_dot import RaggedDotArgs
 from tokamax._src.ops.ragged_dot import moe_all_to_all
 from tokamax._src.ops.ragged_dot import ragged_dot
+from tokamax._src.quantization import QuantizedArray
+from tokamax._src.quantization import quantize
 from tokamax._src.registry import BackendError
 from tokamax._src.registry import BackendInfo
 from tokamax._src.registry import ImplementationNotInstalledError
@@ -64,6 +66,7 @@ __all__ = [
     "LayerNormArgs",
     "Op",
     "PluginWarning",
+    "QuantizedArray",
     "RaggedDotArgs",
     "VjpOp",
     "autotune",
@@ -78,6 +81,7 @@ __all__ = [
     "layer_norm",
     "moe_all_to_all",
     "plugin",
+    "quantize",
     "ragged_dot",
     "record_dispatch",
     "ring_attention",

@@ -307,6 +307,17 @@ def test_ragged_dot_expert_parallel_with_group_offset():
          out_spec=P("a", None))
 
 
+def test_quantized_ragged_dot_on_sharded_operands_gathers_them():
+  """Block scales are not split with their operands yet: the call runs on whole
+  operands, with the single-device result."""
+  mesh = _mesh((2, HALF))
+  lhs = _rand(32, 128)
+  rq = tokamax.quantize(_rand(8, 128, 8), (1, 128, 8))
+  sharded = jax.device_put(lhs, NamedSharding(mesh, P("a")))
+  got = jax.jit(lambda x: tokamax.ragged_dot(x, rq, SIZES))(sharded)
+  np.testing.assert_allclose(got, tokamax.ragged_dot(lhs, rq, SIZES), rtol=1e-6)
+
+
 # ------------------------------------------- leading dims sharded individually
 
 # x [B, T, D] with T sharded (sequence parallelism) or B and T over two axes: a

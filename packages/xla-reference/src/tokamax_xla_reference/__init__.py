@@ -18,6 +18,7 @@ from tokamax_xla_reference.attention import visibility
 from tokamax_xla_reference.attention import zero_rows_without_keys
 from tokamax_xla_reference.gated_linear_unit import gated_linear_unit
 from tokamax_xla_reference.layer_norm import layer_norm
+from tokamax_xla_reference.ragged_dot import dequantize
 from tokamax_xla_reference.ragged_dot import ragged_dot
 
 # pyproject.toml holds the version (tools/release.py bumps it there only).
@@ -33,6 +34,7 @@ __all__ = [
     "cudnn_attention",
     "cudnn_unsupported_reason",
     "cudnn_window",
+    "dequantize",
     "gated_linear_unit",
     "layer_norm",
     "ragged_dot",

@@ -10,9 +10,20 @@ def group_ids(group_sizes: jax.Array, num_rows: int) -> jax.Array:
   return jnp.searchsorted(ends, jnp.arange(num_rows), side="right").astype(jnp.int32)
 
 
+def dequantize(values: jax.Array, scales: jax.Array) -> jax.Array:
+  """``values * scales`` in float32, each scale covering a tile of
+  ``values.shape[i] // scales.shape[i]`` along every axis i (block scales)."""
+  x = values.astype(jnp.float32)
+  s = scales.astype(jnp.float32)
+  for axis, (size, count) in enumerate(zip(values.shape, scales.shape)):
+    s = jnp.repeat(s, size // count, axis=axis)
+  return x * s
+
+
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                group_offset: jax.Array | None = None, preferred_element_type=None,
-               precision=None) -> jax.Array:
+               precision=None, lhs_scales: jax.Array | None = None,
+               rhs_scales: jax.Array | None = None) -> jax.Array:
   """``out[i] = lhs[i] @ rhs[group(i) - group_offset]``, 0 for rows rhs does not hold.
 
   One masked matmul per group held by rhs: simple and exact, but G times the
@@ -25,11 +36,22 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     group_offset: None (``G == G_rhs``) or an int32 scalar: the first group rhs holds.
     preferred_element_type: output dtype (default lhs dtype).
     precision: matmul precision.
+    lhs_scales, rhs_scales: block scales of a quantized operand (see
+      `dequantize`): the operand is its values times its scales, in float32, and
+      the products run at HIGHEST precision: these numbers define what a
+      quantized kernel must compute.
 
   Returns:
     ``[M, N]``, accumulated in float32.
   """
   out_dtype = preferred_element_type or lhs.dtype
+  if lhs_scales is not None or rhs_scales is not None:
+    if lhs_scales is not None:
+      lhs = dequantize(lhs, lhs_scales)
+    if rhs_scales is not None:
+      rhs = dequantize(rhs, rhs_scales)
+    lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
+    precision = jax.lax.Precision.HIGHEST
   offset = 0 if group_offset is None else group_offset
   row_group = group_ids(group_sizes, lhs.shape[0]) - offset
 

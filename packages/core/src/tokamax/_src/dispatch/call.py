@@ -44,7 +44,9 @@ def _cotangents(args: Any, grads: dict, diff_fields: tuple[str, ...]) -> Any:
     if not isinstance(primal, jax.Array | jax.core.Tracer | jnp.ndarray):
       continue
     g = grads.get(field.name) if field.name in diff_fields else None
-    if g is None:
+    if g is None or not jnp.issubdtype(primal.dtype, jnp.floating):
+      # No cotangent, or a primal that takes none (int8 values of a quantized
+      # operand): None is a zero cotangent to custom_vjp.
       updates[field.name] = None
       continue
     if g.shape != primal.shape:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tokamax._src import dispatch
+from tokamax._src import quantization
 from tokamax._src.op import OpDefinition
 from tokamax._src.ops import _checks
 from tokamax._src.ops.ragged_dot.sharding import ragged_dot_plan
@@ -30,6 +31,10 @@ class RaggedDotArgs:
     ``[group_offset, group_offset + G_rhs)`` of the G groups (expert parallelism).
   - preferred_element_type: the output dtype.
   - precision: for the matmuls.
+  - lhs_scales, rhs_scales: None, or the block scales of a quantized operand
+    (float32, one per tile, as `tokamax.QuantizedArray`): lhs or rhs then holds
+    its values (float8 or int8) and stands for ``values * scales``. An opt-in
+    feature ("block_scales"): only implementations that declare it see such calls.
 
   ``out[i] = lhs[i] @ rhs[g(i) - group_offset]`` for rows of groups held by rhs,
   0 for every other row (other groups' rows, and rows past ``sum(group_sizes)``).
@@ -43,10 +48,18 @@ class RaggedDotArgs:
   preferred_element_type: Any = dataclasses.field(
       default=None, metadata=dict(static=True))
   precision: Any = dataclasses.field(default=None, metadata=dict(static=True))
+  lhs_scales: jax.Array | None = None
+  rhs_scales: jax.Array | None = None
 
   @property
   def num_groups(self) -> int:
     return self.group_sizes.shape[0]
+
+  def opt_in_features(self) -> tuple[str, ...]:
+    """Fields an implementation must declare in ``supported_features`` to be
+    given this call: one that ignored the scales would return a wrong result."""
+    quantized = self.lhs_scales is not None or self.rhs_scales is not None
+    return ("block_scales",) if quantized else ()
 
 
 DIFF_FIELDS = ("lhs", "rhs")
@@ -58,7 +71,9 @@ DIFF_FIELDS = ("lhs", "rhs")
 DEFINITION = OpDefinition(
     name=OP_NAME,
     diff_fields=DIFF_FIELDS,
-    arg_labels=dict(lhs="mk", rhs="gkn", group_sizes="G", group_offset=""),
+    # Scales take labels of their own: a tile count is not its operand's size.
+    arg_labels=dict(lhs="mk", rhs="gkn", group_sizes="G", group_offset="",
+                    lhs_scales="ab", rhs_scales="cde"),
     result_labels=dict(out="mn"),
     leading_label=None,
     plan=ragged_dot_plan,
@@ -77,12 +92,21 @@ def ragged_dot(
 ) -> jax.Array:
   """Grouped matmul with the semantics of `jax.lax.ragged_dot` (the MoE matmul).
 
+  Either operand may be quantized: a `tokamax.QuantizedArray` (float8 or int8
+  values with float32 block scales, e.g. from `tokamax.quantize`), or a Qwix
+  ``QArray`` / PTQ ``WithAux`` as Qwix hands it over. The result is then that of
+  the operands they stand for (``values * scales``), computed by an
+  implementation that applies the scales in its kernel where one takes the call,
+  else by the XLA reference; a Qwix scheme with zero points or sub-byte types is
+  dequantized first.
+
   Args:
-    lhs: ``[M, K]``, rows sorted by group.
-    rhs: ``[G_rhs, K, N]``, one weight matrix per group.
+    lhs: ``[M, K]``, rows sorted by group (or a quantized operand, above).
+    rhs: ``[G_rhs, K, N]``, one weight matrix per group (or a quantized operand).
     group_sizes: int ``[G]``, rows per group, summing to at most M.
     precision: matmul precision, as `jax.lax.dot_general` takes it.
-    preferred_element_type: output dtype (default: lhs dtype).
+    preferred_element_type: output dtype (default: lhs dtype; for a quantized
+      lhs, the dtype it stands for).
     group_offset: optional int scalar: rhs holds groups ``[group_offset,
       group_offset + G_rhs)`` of the G in group_sizes; rows of other groups give 0.
     implementation: None, a name, a sequence of names or a `tokamax.Op`.
@@ -94,16 +118,26 @@ def ragged_dot(
   Example:
     >>> out = tokamax.ragged_dot(tokens, expert_weights, tokens_per_expert)
   """
+  lhs, lhs_scales, lhs_dtype = quantization.split("lhs", lhs)
+  rhs, rhs_scales, rhs_dtype = quantization.split("rhs", rhs)
   lhs = _checks.as_array("lhs", lhs)
   rhs = _checks.as_array("rhs", rhs)
   group_sizes = _checks.as_array("group_sizes", group_sizes)
-  _checks.check_float("lhs", lhs)
-  _checks.check_float("rhs", rhs)
+  if lhs_scales is None:
+    _checks.check_float("lhs", lhs)
+  if rhs_scales is None:
+    _checks.check_float("rhs", rhs)
   _checks.check_rank("lhs", lhs, 2, "[M, K]")
   _checks.check_rank("rhs", rhs, 3, "[G, K, N]")
   _checks.check_rank("group_sizes", group_sizes, 1, "[G]")
   _checks.check_int("group_sizes", group_sizes)
-  _checks.check_same_dtype(("lhs", "rhs"), (lhs, rhs))
+  if jnp.dtype(lhs_dtype) != jnp.dtype(rhs_dtype):
+    raise TypeError(f"lhs, rhs must stand for the same dtype; got lhs: "
+                    f"{jnp.dtype(lhs_dtype).name}, rhs: {jnp.dtype(rhs_dtype).name}"
+                    " (a quantized operand stands for its `dtype`)")
+  if preferred_element_type is None and (lhs_scales is not None or
+                                         rhs_scales is not None):
+    preferred_element_type = lhs_dtype
   m, k = lhs.shape
   if rhs.shape[1] != k:
     raise ValueError(f"rhs must have K={k} (lhs.shape[1]) on axis 1; got "
@@ -146,5 +180,6 @@ def ragged_dot(
   args = RaggedDotArgs(
       lhs=lhs, rhs=rhs, group_sizes=group_sizes.astype(jnp.int32),
       group_offset=group_offset, preferred_element_type=preferred_element_type,
-      precision=_checks.canonical_precision(precision))
+      precision=_checks.canonical_precision(precision),
+      lhs_scales=lhs_scales, rhs_scales=rhs_scales)
   return dispatch.call(DEFINITION, args, implementation)

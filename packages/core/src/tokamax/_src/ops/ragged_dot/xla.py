@@ -15,13 +15,15 @@ def _ragged_dot(args):
   return xla_ref.ragged_dot(args.lhs, args.rhs, args.group_sizes,
                            group_offset=args.group_offset,
                            preferred_element_type=args.preferred_element_type,
-                           precision=args.precision)
+                           precision=args.precision, lhs_scales=args.lhs_scales,
+                           rhs_scales=args.rhs_scales)
 
 
 @dataclasses.dataclass(frozen=True)
 class XlaRaggedDot(Op):
   op_name = "ragged_dot"
   name = "xla"
+  supported_features = ("block_scales",)
 
   def forward(self, args, config):
     return _ragged_dot(args), {}
@@ -31,6 +33,7 @@ class XlaRaggedDot(Op):
 class XlaRaggedDotVjp(VjpOp):
   op_name = "ragged_dot"
   name = "xla"
+  supported_features = ("block_scales",)
 
   def backward(self, args, residuals, out, dout, config):
     return _autodiff.backward(_ragged_dot, args, ("lhs", "rhs"), dout)

@@ -1,0 +1,150 @@
+"""Quantized operands: values with block scales, and the adapters for Qwix's.
+
+A quantized operand is ``values * scales``, each scale covering one tile of the
+values (``tile[i] = values.shape[i] // scales.shape[i]``; the convention of Qwix's
+``QArray``). tokamax takes three forms of it, as they come:
+
+- `QuantizedArray` (ours): float8_e4m3fn, float8_e5m2 or int8 values, float32
+  scales, and the dtype the operand stands for (``dtype``, e.g. bfloat16);
+- a Qwix ``QArray`` (duck-typed: ``qvalue``, ``scale``, ``zero_point``, ``qtype``;
+  core does not import Qwix), or a Qwix PTQ ``WithAux`` holding one (``.array``).
+
+`split` turns an operand into (values, scales or None, the dtype it stands for).
+A Qwix scheme no kernel takes (zero points, int4 or other values than float8
+and int8, a logical qtype other than the stored dtype) is dequantized there, and the call runs as one on
+plain arrays: the "dequantize, then XLA" fallback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import tokamax_xla_reference as xla_ref
+
+VALUE_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedArray:
+  """``values * scales`` (block scales), standing for an array of ``dtype``.
+
+  Attributes:
+    values: float8_e4m3fn, float8_e5m2 or int8.
+    scales: float32, the rank of `values`; each dim divides the values' (one
+      scale per tile: 1x128 per row for activations and 128x128 for weights is
+      DeepSeek-V3's fp8 recipe).
+    dtype: the dtype the operand stands for (and the default output dtype of an
+      op it enters).
+
+  Example:
+    >>> w = jax.random.normal(jax.random.key(0), (8, 256, 512), jnp.bfloat16)
+    >>> wq = tokamax.quantize(w, tile_shape=(1, 128, 128))
+    >>> wq.values.dtype, wq.scales.shape
+    (dtype(float8_e4m3fn), (8, 2, 4))
+  """
+
+  values: jax.Array
+  scales: jax.Array
+  dtype: Any = dataclasses.field(default=jnp.bfloat16, metadata=dict(static=True))
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(self.values.shape)
+
+  @property
+  def ndim(self) -> int:
+    return self.values.ndim
+
+  @property
+  def tile_shape(self) -> tuple[int, ...]:
+    return tuple(v // s for v, s in zip(self.values.shape, self.scales.shape))
+
+  def dequantize(self) -> jax.Array:
+    """The array it stands for, in `dtype`."""
+    return xla_ref.dequantize(self.values, self.scales).astype(self.dtype)
+
+
+def _per_element(per_tile: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """One value per tile -> one per element of `shape` (float32)."""
+  out = per_tile.astype(jnp.float32)
+  for axis, (size, count) in enumerate(zip(shape, per_tile.shape)):
+    out = jnp.repeat(out, size // count, axis=axis)
+  return out
+
+
+def quantize(x: jax.Array, tile_shape: tuple[int, ...],
+             dtype: Any = jnp.float8_e4m3fn) -> QuantizedArray:
+  """`x` as a `QuantizedArray`: one scale per tile, ``max|tile| / max(dtype)``
+  (absmax), values rounded to `dtype`.
+
+  Args:
+    x: a float array.
+    tile_shape: the tile each scale covers, one entry per dim of `x`, each
+      dividing it (e.g. ``(1, 128)`` for activations, ``(1, 128, 128)`` for a
+      ``[G, K, N]`` weight).
+    dtype: float8_e4m3fn, float8_e5m2 or int8.
+  """
+  dtype = jnp.dtype(dtype)
+  if dtype not in [jnp.dtype(d) for d in VALUE_DTYPES]:
+    raise TypeError(f"dtype must be float8_e4m3fn, float8_e5m2 or int8; got {dtype.name}")
+  tile_shape = tuple(tile_shape)
+  if len(tile_shape) != x.ndim or any(
+      t < 1 or size % t for size, t in zip(x.shape, tile_shape)):
+    raise ValueError(f"tile_shape must have one entry per dim of x, each dividing "
+                     f"it; got {tile_shape} for shape {tuple(x.shape)}")
+  counts = tuple(size // t for size, t in zip(x.shape, tile_shape))
+  # [c0, t0, c1, t1, ...]: the absmax of each tile over its t axes.
+  tiled = jnp.abs(x.astype(jnp.float32)).reshape(
+      tuple(d for c, t in zip(counts, tile_shape) for d in (c, t)))
+  absmax = jnp.max(tiled, axis=tuple(range(1, 2 * x.ndim, 2)))
+  largest = float(jnp.finfo(dtype).max if jnp.issubdtype(dtype, jnp.floating)
+                  else jnp.iinfo(dtype).max)
+  scales = jnp.where(absmax > 0, absmax / largest, 1.0).astype(jnp.float32)
+  scaled = x.astype(jnp.float32) / _per_element(scales, x.shape)
+  if jnp.issubdtype(dtype, jnp.integer):
+    scaled = jnp.round(scaled)
+  return QuantizedArray(scaled.astype(dtype), scales, jnp.dtype(x.dtype))
+
+
+def _unwrap(x: Any) -> Any:
+  """A Qwix PTQ ``WithAux`` -> the ``QArray`` it holds."""
+  inner = getattr(x, "array", None)
+  return inner if inner is not None and hasattr(inner, "qvalue") else x
+
+
+def split(name: str, x: Any) -> tuple[Any, jax.Array | None, Any]:
+  """``(values, scales, dtype)`` of operand `x`; ``scales`` None for a plain array
+  (``dtype`` then its own) or for a scheme dequantized here (module docstring)."""
+  x = _unwrap(x)
+  if isinstance(x, QuantizedArray):
+    values, scales, dtype = x.values, x.scales, jnp.dtype(x.dtype)
+  elif hasattr(x, "qvalue") and hasattr(x, "scale"):  # a Qwix QArray
+    values, scales, dtype = x.qvalue, x.scale, jnp.dtype(x.scale.dtype)
+    qtype = getattr(x, "qtype", None)
+    stored_as_is = qtype is None or jnp.dtype(qtype) == jnp.dtype(values.dtype)
+    kernel_dtype = jnp.dtype(values.dtype) in [jnp.dtype(d) for d in VALUE_DTYPES]
+    if (getattr(x, "zero_point", None) is not None or not stored_as_is
+        or not kernel_dtype):
+      shifted = values.astype(jnp.float32)
+      if getattr(x, "zero_point", None) is not None:
+        shifted = shifted - _per_element(x.zero_point, values.shape)
+      return (xla_ref.dequantize(shifted, scales).astype(dtype), None, dtype)
+  else:
+    return x, None, getattr(x, "dtype", None)
+  values_dtype = jnp.dtype(values.dtype)
+  if values_dtype not in [jnp.dtype(d) for d in VALUE_DTYPES]:
+    raise TypeError(f"{name}: quantized values must be float8_e4m3fn, float8_e5m2 "
+                    f"or int8; got {values_dtype.name}")
+  if scales.ndim != values.ndim or any(
+      s < 1 or v % s for v, s in zip(values.shape, scales.shape)):
+    raise ValueError(f"{name}: scales must have the values' rank, each dim dividing "
+                     f"the values' (one scale per tile); got scales "
+                     f"{tuple(scales.shape)} for values {tuple(values.shape)}")
+  if not jnp.issubdtype(scales.dtype, jnp.floating):
+    raise TypeError(f"{name}: scales must be a float array; got "
+                    f"{jnp.dtype(scales.dtype).name}")
+  return values, scales.astype(jnp.float32), dtype

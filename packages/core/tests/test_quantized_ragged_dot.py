@@ -1,0 +1,165 @@
+"""Quantized operands of ragged_dot: `tokamax.quantize`, `QuantizedArray`, Qwix's
+QArray / WithAux as they come, the XLA reference's numbers (checked against
+numpy in float64 here), the refusal of implementations that do not apply block
+scales, and the errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tokamax
+from tokamax import testing
+
+_RNG = np.random.default_rng(11)
+_SIZES = jnp.asarray([40, 0, 50], jnp.int32)  # an empty group, and 6 rows past the end
+
+
+def _operands():
+  lhs = jnp.asarray(_RNG.standard_normal((96, 256)), jnp.bfloat16)
+  rhs = jnp.asarray(_RNG.standard_normal((3, 256, 384)) / 16, jnp.bfloat16)
+  return lhs, rhs
+
+
+def _np_dequantize(q):
+  values = np.asarray(q.values.astype(jnp.float32), np.float64)
+  scales = np.asarray(q.scales, np.float64)
+  for axis, t in enumerate(q.tile_shape):
+    scales = np.repeat(scales, t, axis=axis)
+  return values * scales
+
+
+def _np_ragged_dot(lhs, rhs, sizes):
+  """float64, one group at a time; rows past the groups stay 0."""
+  out = np.zeros((lhs.shape[0], rhs.shape[2]))
+  start = 0
+  for g, size in enumerate(np.asarray(sizes)):
+    out[start:start + size] = lhs[start:start + size] @ rhs[g]
+    start += size
+  return out
+
+
+@pytest.mark.parametrize("dtype,rel", [(jnp.float8_e4m3fn, 0.07), (jnp.float8_e5m2, 0.14),
+                                       (jnp.int8, 0.01)])
+def test_quantize_round_trips_within_the_value_type(dtype, rel):
+  x = jnp.asarray(_RNG.standard_normal((4, 256, 384)), jnp.bfloat16)
+  q = tokamax.quantize(x, (1, 128, 128), dtype)
+  assert q.values.dtype == dtype and q.scales.shape == (4, 2, 3) and q.dtype == jnp.bfloat16
+  assert q.tile_shape == (1, 128, 128)
+  got, want = _np_dequantize(q), np.asarray(x, np.float64)
+  assert np.linalg.norm(got - want) / np.linalg.norm(want) < rel
+  # Each tile's largest magnitude lands on the value type's largest (absmax).
+  largest = float(jnp.finfo(dtype).max if dtype != jnp.int8 else 127)
+  np.testing.assert_allclose(np.abs(np.asarray(q.values.astype(jnp.float32))).max(), largest)
+
+
+@pytest.mark.parametrize("quantized", ["both", "rhs", "lhs"])
+def test_matches_float64_on_the_dequantized_operands(quantized):
+  lhs, rhs = _operands()
+  lq, rq = tokamax.quantize(lhs, (1, 128)), tokamax.quantize(rhs, (1, 128, 128))
+  a = lq if quantized in ("both", "lhs") else lhs
+  b = rq if quantized in ("both", "rhs") else rhs
+  with tokamax.record_dispatch() as records:
+    out = jax.jit(lambda a, b: tokamax.ragged_dot(a, b, _SIZES))(a, b)
+  assert out.dtype == jnp.bfloat16 and out.shape == (96, 384)
+  assert records[0].implementation == "xla"
+  as_f64 = lambda x: _np_dequantize(x) if isinstance(x, tokamax.QuantizedArray) else (
+      np.asarray(x, np.float64))
+  want = _np_ragged_dot(as_f64(a), as_f64(b), _SIZES)
+  testing.assert_close(out, want, jnp.bfloat16)
+  assert not np.asarray(out[90:]).any()  # rows past the groups
+
+
+def test_float32_output_and_gradient_of_a_plain_lhs():
+  lhs, rhs = _operands()
+  rq = tokamax.quantize(rhs, (1, 128, 128))
+  out = tokamax.ragged_dot(lhs, rq, _SIZES, preferred_element_type=jnp.float32)
+  assert out.dtype == jnp.float32
+  dy = jnp.asarray(_RNG.standard_normal((96, 384)), jnp.float32)
+  grad = jax.grad(lambda x: jnp.sum(tokamax.ragged_dot(
+      x, rq, _SIZES, preferred_element_type=jnp.float32) * dy))(lhs)
+  # d lhs = dy @ rhs^T per group, rhs being what rq stands for.
+  rhs64 = _np_dequantize(rq)
+  want = np.zeros((96, 256))
+  for g, (start, size) in enumerate(((0, 40), (40, 0), (40, 50))):
+    want[start:start + size] = np.asarray(dy, np.float64)[start:start + size] @ rhs64[g].T
+  testing.assert_close(grad, want, jnp.bfloat16)
+
+
+def test_kernels_without_block_scales_are_passed_over_with_the_reason():
+  lhs, rhs = _operands()
+  rq = tokamax.quantize(rhs, (1, 128, 128))
+  with tokamax.interpret(), tokamax.record_dispatch() as records:
+    tokamax.ragged_dot(lhs, rq, _SIZES)
+  assert records[0].implementation == "xla"
+  reasons = dict(records[0].rejected)
+  assert reasons and all("block_scales" in r for r in reasons.values()), reasons
+  with tokamax.interpret(), pytest.raises(NotImplementedError, match="block_scales"):
+    tokamax.ragged_dot(lhs, rq, _SIZES, implementation="triton")
+
+
+class _QArrayLike:
+  """What Qwix's QArray carries (the attributes tokamax reads)."""
+
+  def __init__(self, qvalue, scale, zero_point=None, qtype=None):
+    self.qvalue, self.scale, self.zero_point, self.qtype = qvalue, scale, zero_point, qtype
+
+
+class _WithAuxLike:
+  def __init__(self, array):
+    self.array, self.how = array, None
+
+
+def test_qwix_style_operands_are_taken_as_they_come():
+  lhs, rhs = _operands()
+  rq = tokamax.quantize(rhs, (1, 128, 128))
+  # Qwix keeps scales in the dtype the array stands for (here bfloat16).
+  scale = rq.scales.astype(jnp.bfloat16)
+  ours = tokamax.ragged_dot(lhs, tokamax.QuantizedArray(
+      rq.values, scale.astype(jnp.float32), jnp.bfloat16), _SIZES)
+  qarray = _QArrayLike(rq.values, scale, qtype=jnp.float8_e4m3fn)
+  np.testing.assert_array_equal(tokamax.ragged_dot(lhs, qarray, _SIZES), ours)
+  np.testing.assert_array_equal(tokamax.ragged_dot(lhs, _WithAuxLike(qarray), _SIZES), ours)
+
+
+def test_a_zero_point_scheme_is_dequantized_first():
+  lhs, _ = _operands()
+  values = jnp.asarray(_RNG.integers(-100, 100, (3, 256, 384)), jnp.int8)
+  scale = jnp.asarray(_RNG.uniform(0.001, 0.01, (3, 2, 384)), jnp.float32)
+  zero = jnp.asarray(_RNG.integers(-5, 5, (3, 2, 384)), jnp.float32)
+  out = tokamax.ragged_dot(lhs.astype(jnp.float32), _QArrayLike(values, scale, zero),
+                           _SIZES)
+  rhs64 = (np.asarray(values, np.float64) - np.repeat(np.asarray(zero), 128, 1)) * (
+      np.repeat(np.asarray(scale, np.float64), 128, 1))
+  want = _np_ragged_dot(np.asarray(lhs, np.float64), rhs64, _SIZES)
+  testing.assert_close(out, want, jnp.float32, scale=4)
+
+
+def test_with_qwix():
+  qwix = pytest.importorskip("qwix")
+  ptq = pytest.importorskip("qwix._src.providers.ptq")
+  lhs, rhs = _operands()
+  q = qwix.quantize(rhs, jnp.float8_e4m3fn, channelwise_axes=[0], tiled_axes={1: 128, 2: 128})
+  want = tokamax.ragged_dot(lhs, tokamax.QuantizedArray(
+      q.qvalue, q.scale.astype(jnp.float32), jnp.bfloat16), _SIZES)
+  for operand in (q, ptq.WithAux(q, None)):
+    np.testing.assert_array_equal(tokamax.ragged_dot(lhs, operand, _SIZES), want)
+  # int4 has no kernel: Qwix's own dequantization, then the plain call.
+  q4 = qwix.quantize(rhs, jnp.int4, channelwise_axes=[0, 2], tiled_axes={1: 128})
+  np.testing.assert_array_equal(tokamax.ragged_dot(lhs, q4, _SIZES),
+                                tokamax.ragged_dot(lhs, qwix.dequantize(q4), _SIZES))
+
+
+def test_errors_name_the_argument():
+  lhs, rhs = _operands()
+  rq = tokamax.quantize(rhs, (1, 128, 128))
+  with pytest.raises(TypeError, match="rhs: quantized values must be float8_e4m3fn"):
+    tokamax.ragged_dot(lhs, tokamax.QuantizedArray(rhs, rq.scales), _SIZES)
+  with pytest.raises(ValueError, match=r"rhs: scales must have the values' rank.*\(3, 3, 3\)"):
+    tokamax.ragged_dot(lhs, tokamax.QuantizedArray(rq.values, jnp.ones((3, 3, 3))), _SIZES)
+  with pytest.raises(TypeError, match="lhs, rhs must stand for the same dtype.*float32"):
+    tokamax.ragged_dot(lhs, tokamax.QuantizedArray(rq.values, rq.scales, jnp.float32), _SIZES)
+  with pytest.raises(ValueError, match=r"tile_shape must .* \(1, 100\)"):
+    tokamax.quantize(lhs, (1, 100))
+  with pytest.raises(TypeError, match="dtype must be float8_e4m3fn"):
+    tokamax.quantize(lhs, (1, 128), jnp.bfloat16)
