@@ -131,13 +131,18 @@ def ragged_dot(
   _checks.check_rank("rhs", rhs, 3, "[G, K, N]")
   _checks.check_rank("group_sizes", group_sizes, 1, "[G]")
   _checks.check_int("group_sizes", group_sizes)
-  if jnp.dtype(lhs_dtype) != jnp.dtype(rhs_dtype):
-    raise TypeError(f"lhs, rhs must stand for the same dtype; got lhs: "
-                    f"{jnp.dtype(lhs_dtype).name}, rhs: {jnp.dtype(rhs_dtype).name}"
-                    " (a quantized operand stands for its `dtype`)")
-  if preferred_element_type is None and (lhs_scales is not None or
-                                         rhs_scales is not None):
-    preferred_element_type = lhs_dtype
+  if lhs_scales is None and rhs_scales is None:
+    _checks.check_same_dtype(("lhs", "rhs"), (lhs, rhs))
+  else:
+    # A quantized operand stands for its `dtype`; a plain one for its own.
+    lhs_dtype = jnp.dtype(lhs.dtype if lhs_scales is None else lhs_dtype)
+    rhs_dtype = jnp.dtype(rhs.dtype if rhs_scales is None else rhs_dtype)
+    if lhs_dtype != rhs_dtype:
+      raise TypeError(f"lhs, rhs must stand for the same dtype; got lhs: "
+                      f"{lhs_dtype.name}, rhs: {rhs_dtype.name} (a quantized "
+                      "operand stands for its `dtype`)")
+    if preferred_element_type is None:
+      preferred_element_type = lhs_dtype
   m, k = lhs.shape
   if rhs.shape[1] != k:
     raise ValueError(f"rhs must have K={k} (lhs.shape[1]) on axis 1; got "
