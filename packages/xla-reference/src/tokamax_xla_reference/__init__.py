@@ -19,6 +19,7 @@ from tokamax_xla_reference.attention import zero_rows_without_keys
 from tokamax_xla_reference.gated_linear_unit import gated_linear_unit
 from tokamax_xla_reference.layer_norm import layer_norm
 from tokamax_xla_reference.ragged_dot import dequantize
+from tokamax_xla_reference.ragged_dot import per_element
 from tokamax_xla_reference.ragged_dot import ragged_dot
 
 # pyproject.toml holds the version (tools/release.py bumps it there only).
@@ -37,6 +38,7 @@ __all__ = [
     "dequantize",
     "gated_linear_unit",
     "layer_norm",
+    "per_element",
     "ragged_dot",
     "visibility",
     "zero_rows_without_keys",

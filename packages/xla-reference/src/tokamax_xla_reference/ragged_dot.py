@@ -10,14 +10,18 @@ def group_ids(group_sizes: jax.Array, num_rows: int) -> jax.Array:
   return jnp.searchsorted(ends, jnp.arange(num_rows), side="right").astype(jnp.int32)
 
 
+def per_element(per_tile: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """One value per tile -> one per element of `shape`, in float32: each value
+  covers ``shape[i] // per_tile.shape[i]`` elements along every axis i."""
+  out = per_tile.astype(jnp.float32)
+  for axis, (size, count) in enumerate(zip(shape, per_tile.shape)):
+    out = jnp.repeat(out, size // count, axis=axis)
+  return out
+
+
 def dequantize(values: jax.Array, scales: jax.Array) -> jax.Array:
-  """``values * scales`` in float32, each scale covering a tile of
-  ``values.shape[i] // scales.shape[i]`` along every axis i (block scales)."""
-  x = values.astype(jnp.float32)
-  s = scales.astype(jnp.float32)
-  for axis, (size, count) in enumerate(zip(values.shape, scales.shape)):
-    s = jnp.repeat(s, size // count, axis=axis)
-  return x * s
+  """``values * scales`` in float32, one scale per tile (see `per_element`)."""
+  return values.astype(jnp.float32) * per_element(scales, values.shape)
 
 
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,

@@ -68,14 +68,6 @@ class QuantizedArray:
     return xla_ref.dequantize(self.values, self.scales).astype(self.dtype)
 
 
-def _per_element(per_tile: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """One value per tile -> one per element of `shape` (float32)."""
-  out = per_tile.astype(jnp.float32)
-  for axis, (size, count) in enumerate(zip(shape, per_tile.shape)):
-    out = jnp.repeat(out, size // count, axis=axis)
-  return out
-
-
 def quantize(x: jax.Array, tile_shape: tuple[int, ...],
              dtype: Any = jnp.float8_e4m3fn) -> QuantizedArray:
   """`x` as a `QuantizedArray`: one scale per tile, ``max|tile| / max(dtype)``
@@ -104,7 +96,7 @@ def quantize(x: jax.Array, tile_shape: tuple[int, ...],
   largest = float(jnp.finfo(dtype).max if jnp.issubdtype(dtype, jnp.floating)
                   else jnp.iinfo(dtype).max)
   scales = jnp.where(absmax > 0, absmax / largest, 1.0).astype(jnp.float32)
-  scaled = x.astype(jnp.float32) / _per_element(scales, x.shape)
+  scaled = x.astype(jnp.float32) / xla_ref.per_element(scales, x.shape)
   if jnp.issubdtype(dtype, jnp.integer):
     scaled = jnp.round(scaled)
   return QuantizedArray(scaled.astype(dtype), scales, jnp.dtype(x.dtype))
@@ -131,7 +123,7 @@ def split(name: str, x: Any) -> tuple[Any, jax.Array | None, Any]:
         or not kernel_dtype):
       shifted = values.astype(jnp.float32)
       if getattr(x, "zero_point", None) is not None:
-        shifted = shifted - _per_element(x.zero_point, values.shape)
+        shifted = shifted - xla_ref.per_element(x.zero_point, values.shape)
       return (xla_ref.dequantize(shifted, scales).astype(dtype), None, dtype)
   else:
     return x, None, getattr(x, "dtype", None)
