@@ -65,9 +65,9 @@ def _chunk_heuristic(args) -> ChunkConfig:
   return ChunkConfig(chunk_size=min(512, max(16, args.key.shape[1])))
 
 
-@dataclasses.dataclass(frozen=True)
-class XlaChunkedAttention(Op):
-  """Attention over key chunks with an online softmax: O(T * chunk) memory."""
+class _Chunked:
+  """What the chunked forward and its backward share: the name, the features and
+  the chunk-size heuristic (autotuning searches the forward's chunk only)."""
 
   op_name = "dot_product_attention"
   name = "xla_chunked"
@@ -76,6 +76,11 @@ class XlaChunkedAttention(Op):
 
   def heuristic_config(self, args):
     return _chunk_heuristic(args)
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaChunkedAttention(_Chunked, Op):
+  """Attention over key chunks with an online softmax: O(T * chunk) memory."""
 
   def search_space(self, args):
     fitting = tuple(ChunkConfig(c) for c in (128, 256, 512, 1024) if c <= args.key.shape[1])
@@ -89,14 +94,8 @@ class XlaChunkedAttention(Op):
 
 
 @dataclasses.dataclass(frozen=True)
-class XlaChunkedAttentionVjp(VjpOp):
-  op_name = "dot_product_attention"
-  name = "xla_chunked"
-  supported_features = ("q_offset", "sinks")
-  config_cls = ChunkConfig
-
-  def heuristic_config(self, args):
-    return _chunk_heuristic(args)
+class XlaChunkedAttentionVjp(_Chunked, VjpOp):
+  """The chunked backward: recomputes each chunk's scores from the forward's lse."""
 
   def check_supported(self, args, device, residuals=None):
     if residuals is not None and "lse" not in residuals:
