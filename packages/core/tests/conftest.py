@@ -1,3 +1,4 @@
+import jax
 import pytest
 
 from tokamax._src import registry
@@ -10,3 +11,10 @@ def fresh_registry(monkeypatch):
   yield monkeypatch
   monkeypatch.undo()
   registry.reset()
+
+
+@pytest.fixture
+def highest_matmul_precision():
+  """float32 checks against a definition: a GPU's default float32 matmul is TF32."""
+  with jax.default_matmul_precision("highest"):
+    yield

@@ -15,6 +15,8 @@ from tokamax import testing
 from tokamax._src.ops.gated_linear_unit import xla as glu_xla
 from tokamax._src.ops.gated_linear_unit import GatedLinearUnitArgs
 
+pytestmark = pytest.mark.usefixtures("highest_matmul_precision")
+
 HIGHEST = jax.lax.Precision.HIGHEST
 
 

@@ -11,6 +11,8 @@ import pytest
 import tokamax
 from tokamax import testing
 
+pytestmark = pytest.mark.usefixtures("highest_matmul_precision")
+
 _RNG = np.random.default_rng(11)
 _SIZES = jnp.asarray([40, 0, 50], jnp.int32)  # an empty group, and 6 rows past the end
 
