@@ -7,6 +7,8 @@ keeps the first choice.
 """
 
 import dataclasses
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +16,9 @@ import numpy as np
 import pytest
 
 import tokamax
+from tokamax._src import registry
 from tokamax._src.ops.layer_norm import xla as layer_norm_xla
+from tokamax._src.ops.ragged_dot import xla as ragged_dot_xla
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,3 +93,48 @@ def test_training_choice_under_grad_of_jit_records_one_forward():
   # jit traces the inference forward first; the training forward takes its place.
   assert [(r.direction, r.implementation) for r in records] == [
       ("forward", "paired"), ("backward", "xla")]
+
+
+
+@dataclasses.dataclass(frozen=True)
+class _RefusingRaggedDotVjp(ragged_dot_xla.XlaRaggedDotVjp):
+  name = "fast_ragged_dot"
+
+  def check_supported(self, args, device, residuals=None):
+    raise NotImplementedError("this backward refuses every call")
+
+
+@dataclasses.dataclass(frozen=True)
+class _FastRaggedDot(ragged_dot_xla.XlaRaggedDot):
+  name = "fast_ragged_dot"
+
+
+_module = types.ModuleType("fake_ragged_dot_plugin")
+_module.Forward, _module.Backward = _FastRaggedDot, _RefusingRaggedDotVjp
+sys.modules[_module.__name__] = _module
+
+
+def test_an_op_without_residuals_keeps_its_first_forward_in_training(fresh_registry):
+  """ragged_dot documents no residuals: any backward computes from the operands,
+  so `None` keeps the first forward in a training step although its own backward
+  refuses (mosaic_gpu's fp8 forward has no fp8 backward)."""
+  registry.get().add_backend(tokamax.plugin.Backend(
+      name="fake", api_version=tokamax.plugin.PLUGIN_API_VERSION,
+      implementations=(tokamax.plugin.Implementation(
+          op="ragged_dot", name="fast_ragged_dot",
+          forward="fake_ragged_dot_plugin:Forward",
+          backward="fake_ragged_dot_plugin:Backward",
+          platforms=("cpu", "gpu", "tpu"), priority=500),)), None, None, False)
+  registry.get().entries["ragged_dot"].sort(key=lambda e: -e.spec.priority)
+  rng = np.random.default_rng(2)
+  lhs = jnp.asarray(rng.standard_normal((12, 8)), jnp.float32)
+  rhs = jnp.asarray(rng.standard_normal((2, 8, 4)), jnp.float32)
+  sizes = jnp.asarray([5, 7], jnp.int32)
+  dy = jnp.asarray(rng.standard_normal((12, 4)), jnp.float32)
+  loss = lambda lhs, impl: jnp.sum(tokamax.ragged_dot(lhs, rhs, sizes,
+                                                      implementation=impl) * dy)
+  with tokamax.record_dispatch() as records:
+    grad = jax.grad(loss)(lhs, None)
+  assert [(r.direction, r.implementation) for r in records] == [
+      ("forward", "fast_ragged_dot"), ("backward", "xla")]
+  np.testing.assert_allclose(grad, jax.grad(loss)(lhs, "xla"), rtol=1e-5, atol=1e-5)

@@ -25,6 +25,7 @@ from tokamax_gpu_mosaic import _common
 from tokamax_gpu_mosaic.ragged_dot_kernel import RaggedDotConfig
 from tokamax_gpu_mosaic.ragged_dot_kernel import grouped_matmul
 from tokamax_gpu_mosaic.ragged_dot_kernel import smem_bytes
+from tokamax_gpu_mosaic import ragged_dot_kernel_fp8 as fp8
 from tokamax_gpu_mosaic.ragged_dot_kernel_drhs import WS_K as _WS_K
 from tokamax_gpu_mosaic.ragged_dot_kernel_drhs import grouped_transposed_matmul
 
@@ -176,7 +177,10 @@ def _vjp_search_space(m, k, n, num_groups, itemsize, out_itemsize):
 
 
 def _check_args(args) -> None:
-  _common.check_dtype("lhs/rhs", args.lhs.dtype)
+  if _quantized(args):
+    _check_fp8_args(args)
+  else:
+    _common.check_dtype("lhs/rhs", args.lhs.dtype)
   out_dtype = jnp.dtype(args.preferred_element_type or args.lhs.dtype)
   if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
                        jnp.dtype(jnp.float32)):
@@ -188,6 +192,58 @@ def _check_args(args) -> None:
         f"empty operands (lhs {args.lhs.shape}, rhs {args.rhs.shape})")
   if args.group_sizes.shape[0] == 0:
     raise NotImplementedError("no groups")
+
+
+def _quantized(args) -> bool:
+  return args.lhs_scales is not None or args.rhs_scales is not None
+
+
+def _check_fp8_args(args) -> None:
+  """What the fp8 kernel (`ragged_dot_kernel_fp8`) takes: both operands float8
+  of one type, both with scales whose K tiles are multiples of 128."""
+  if args.lhs_scales is None or args.rhs_scales is None:
+    raise NotImplementedError(
+        "block scales on one operand only (the fp8 kernel needs both operands "
+        "quantized to float8)")
+  dtypes = {jnp.dtype(args.lhs.dtype), jnp.dtype(args.rhs.dtype)}
+  if len(dtypes) != 1 or not dtypes <= set(fp8.FP8_DTYPES):
+    raise NotImplementedError(
+        f"quantized values lhs {args.lhs.dtype}, rhs {args.rhs.dtype} (the fp8 "
+        "kernel takes float8_e4m3fn or float8_e5m2, the same for both)")
+  _fp8_scales(args)  # raises where a K tile is not a multiple of 128
+
+
+def _fp8_scales(args):
+  """The scales as the fp8 kernel takes them: lhs ``[M, K/128]``, rhs ``[G,
+  K/128, N]``."""
+  return (fp8.scales_per_step(args.lhs_scales, args.lhs.shape, 1, "lhs"),
+          fp8.scales_per_step(args.rhs_scales, args.rhs.shape, 1, "rhs"))
+
+
+def _fp8_heuristic(m, num_groups, out_itemsize) -> RaggedDotConfig:
+  """128 x 128 tiles (the widest whose two float32 tiles fit in registers), the
+  most stages that fit."""
+  del m, num_groups
+  for stages, pieces in ((6, 2), (5, 1), (4, 1)):
+    config = RaggedDotConfig(block_m=128, block_n=64, block_k=fp8.SCALE_K,
+                             num_stages=stages, out_pieces=pieces)
+    if fp8.fits(config, out_itemsize):
+      return config
+  return RaggedDotConfig(block_m=128, block_n=64, block_k=fp8.SCALE_K, num_stages=3)
+
+
+def _fp8_search_space(out_itemsize):
+  configs = []
+  for stages in (3, 4, 5, 6):
+    for pieces in (1, 2):
+      for order, widths in (("snake", (4, 8, 16)), ("group", (4, 8, 16))):
+        for width in widths:
+          c = RaggedDotConfig(block_m=128, block_n=64, block_k=fp8.SCALE_K,
+                              num_stages=stages, out_pieces=pieces,
+                              grid_tile_width=width, item_order=order)
+          if fp8.fits(c, out_itemsize):
+            configs.append(c)
+  return tuple(configs)
 
 
 def _problem(args):
@@ -209,23 +265,35 @@ class MosaicGpuRaggedDot(Op):
   op_name = "ragged_dot"
   name = "mosaic_gpu"
   config_cls = RaggedDotConfig
+  # float8 operands with block scales: the fp8 kernel (`ragged_dot_kernel_fp8`).
+  supported_features = ("block_scales",)
 
   def check_supported(self, args, device):
     _common.check_hopper_device(device)
     _check_args(args)
 
   def heuristic_config(self, args):
+    m, _, _, g, _, out_itemsize = _problem(args)
+    if _quantized(args):
+      return _fp8_heuristic(m, g, out_itemsize)
     return _forward_heuristic(*_problem(args))
 
   def search_space(self, args):
+    if _quantized(args):
+      return _fp8_search_space(_problem(args)[-1])
     return _search_space(*_problem(args))
 
   def forward(self, args, config):
     out_dtype = jnp.dtype(args.preferred_element_type or args.lhs.dtype)
     starts, ends = tokamax.plugin.held_row_ranges(args.group_sizes, args.group_offset,
                                args.rhs.shape[0], args.lhs.shape[0])
-    out = grouped_matmul(args.lhs, args.rhs, starts, ends, transpose_rhs=False,
-                         out_dtype=out_dtype, config=config)
+    if _quantized(args):
+      lhs_scales, rhs_scales = _fp8_scales(args)
+      out = fp8.grouped_matmul_fp8(args.lhs, lhs_scales, args.rhs, rhs_scales, starts,
+                                   ends, out_dtype=out_dtype, config=config)
+    else:
+      out = grouped_matmul(args.lhs, args.rhs, starts, ends, transpose_rhs=False,
+                           out_dtype=out_dtype, config=config)
     return out, {}
 
 

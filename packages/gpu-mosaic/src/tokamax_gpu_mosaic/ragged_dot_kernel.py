@@ -431,8 +431,10 @@ class _GroupTiles:
             plgpu.SMEM((self.half, self.piece_n), self.out_dtype))
         for _ in range(2)]
 
-  def kernel(self, items_ref, lhs_ref, rhs_ref, out_ref):
-    allocs = self.pipeline.allocations(lhs_ref, rhs_ref, steps=self.k_steps)
+  def kernel(self, items_ref, *refs):
+    """`refs`: the operands the pipeline streams (lhs, rhs), then the output."""
+    *operands, out_ref = refs
+    allocs = self.pipeline.allocations(*operands, steps=self.k_steps)
 
     @functools.partial(pl.run_scoped, allocs=allocs, out_smem=self.out_smem_types(),
                        collective_axes="wg")
@@ -443,7 +445,7 @@ class _GroupTiles:
       @plgpu.nd_loop((self.num_items * self.n_tiles,), collective_axes="sm")
       def _item_loop(info):
         item = self.item(items_ref, wg, cwg, info.index[0])
-        self.run_item(item, lhs_ref, rhs_ref, out_ref, out_smem, allocs)
+        self.run_item(item, operands, out_ref, out_smem, allocs)
 
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -466,20 +468,25 @@ class _GroupTiles:
     dst_row = row0 + cwg * half
     return _Item(wg, cwg, row0, group, lo, hi, n0, wlo, whi, dst_row)
 
-  def run_item(self, item: _Item, lhs_ref, rhs_ref, out_ref, out_smem, allocs):
-    """The item's K pipeline and store, or its zeros (rows no group owns)."""
+  def operand_blocks(self, item: _Item, operands):
+    """The item's views of the streamed operands: its lhs rows and rhs columns."""
+    lhs_ref, rhs_ref = operands
     cols = pl.ds(item.n0, self.cta_n)
+    if self.transpose_rhs:
+      b_ref = rhs_ref.at[item.group, cols, :]
+    else:
+      b_ref = rhs_ref.at[item.group, :, cols]
+    return lhs_ref.at[pl.ds(item.row0, self.bm), :], b_ref
+
+  def run_item(self, item: _Item, operands, out_ref, out_smem, allocs):
+    """The item's K pipeline and store, or its zeros (rows no group owns)."""
 
     @pl.when((item.group >= 0) & (item.hi > item.lo))
     def _matmul():
-      if self.transpose_rhs:
-        b_ref = rhs_ref.at[item.group, cols, :]
-      else:
-        b_ref = rhs_ref.at[item.group, :, cols]
       mma = functools.partial(self.mma, item)
       context = functools.partial(self.context, item, out_ref, out_smem)
       self.pipeline(mma, context, self.k_steps)(
-          lhs_ref.at[pl.ds(item.row0, self.bm), :], b_ref, allocations=allocs)
+          *self.operand_blocks(item, operands), allocations=allocs)
 
     @pl.when((item.group < 0) & (item.hi > item.lo) & (item.wg < 2))
     def _zeros():
@@ -534,19 +541,21 @@ class _GroupTiles:
                        acc_ref=plgpu.ACC((self.half, self.cta_n), jnp.float32))
     def _acc_scope(acc_ref):
       eval_pipeline(acc_ref)
-      if self.pieces == 1:
-        self.store_rows(item, out_ref, out_smem, acc_ref[...].astype(self.out_dtype),
-                        pl.ds(item.n0, self.cta_n))
-      else:
-        # Converted piece by piece: only one piece's outputs live in registers
-        # next to the accumulator. (Static column slices: the load is the whole
-        # accumulator, sliced as a value; a pl.ds slice becomes a dynamic_slice,
-        # which does not lower.)
-        acc = acc_ref[...]
-        piece_n = self.piece_n
-        self.store_tile(item, out_ref, out_smem,
-                        lambda p: acc[:, p * piece_n:(p + 1) * piece_n].astype(
-                            self.out_dtype))
+      self.store_acc(item, out_ref, out_smem, acc_ref[...])
+
+  def store_acc(self, item: _Item, out_ref, out_smem, acc):
+    """Stores this warpgroup's rows of the float32 tile `acc`."""
+    if self.pieces == 1:
+      self.store_rows(item, out_ref, out_smem, acc.astype(self.out_dtype),
+                      pl.ds(item.n0, self.cta_n))
+    else:
+      # Converted piece by piece: only one piece's outputs live in registers
+      # next to the accumulator. (Static column slices of the value; a pl.ds
+      # slice becomes a dynamic_slice, which does not lower.)
+      piece_n = self.piece_n
+      self.store_tile(item, out_ref, out_smem,
+                      lambda p: acc[:, p * piece_n:(p + 1) * piece_n].astype(
+                          self.out_dtype))
 
   def store_rows(self, item: _Item, out_ref, out_smem, y, cols):
     for w, (swizzled_smem, linear_smem) in enumerate(out_smem):

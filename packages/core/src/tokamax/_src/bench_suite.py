@@ -103,7 +103,7 @@ def run_problem(problem: Problem, implementations: list[str | None],
       else len(problem.reference)))
   tol = _pair_tolerance(problem.dtype)
   work = problem.flops or problem.bytes
-  for direction in directions:
+  for direction in (d for d in directions if d in problem.directions):
     by_label, contenders, reference = {}, {}, None
     base = dict(op=problem.op, shape=problem.name, direction=direction)
     for j in order:  # compile each, run it once, compare its output
@@ -126,6 +126,9 @@ def run_problem(problem: Problem, implementations: list[str | None],
         row.update(rel_err=max(errors.values(), default=0.0), tol=tol,
                    reference=reference[0])
       del out
+      if label in problem.untimed:
+        del contenders[label]
+        row["note"] = "not timed"
     times = {}
     timed = benchmarking.time_interleaved(contenders, iterations)
     for label, data in timed.items():
@@ -167,6 +170,10 @@ def markdown_table(rows: list[dict], header: bool = True) -> str:
     if "rel_err" in r and r["rel_err"] > r.get("tol", float("inf")):
       err += " (> tol)"
     ratio = f"{r['vs_peer']:.2f}" if "vs_peer" in r else ""
+    if "ms" not in r:  # run for the numbers only
+      lines.append(f"| {r['op']} | {r['shape']} | {r['direction']} | "
+                   f"{r['implementation']} | {r.get('note', '')} | | | {err} |")
+      continue
     lines.append(f"| {r['op']} | {r['shape']} | {r['direction']} | {r['implementation']} | "
                  f"{r['ms']:.3f} | {format_rate(r['rate'])} {r['unit']} | {ratio} | {err} |")
   return "\n".join(lines)
@@ -291,6 +298,8 @@ def compare(rows: list[dict], baseline: list[dict], threshold: float = DEFAULT_T
     if cur is None:
       report.append(f"not measured: {name}")
       continue
+    if "ms" not in cur and "error" not in cur:
+      continue  # run for the numbers only (`Problem.untimed`)
     if "ms" not in cur:
       line = f"FAILED now ({cur.get('error', '?')[:100]}): {name}"
       report.append(line)

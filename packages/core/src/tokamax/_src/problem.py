@@ -32,6 +32,11 @@ class Problem:
   # peer label, or "tokamax <impl>"); peers computing another function are left out.
   reference: tuple[str, ...] = ()
   dtype: str = "bfloat16"
+  # What is timed: a problem without a training step (fp8 inference) says "forward".
+  directions: tuple[str, ...] = ("forward", "forward+backward")
+  # Candidates run once for the numbers but not timed (a float32 definition
+  # hundreds of times slower than the kernels would take the whole run).
+  untimed: tuple[str, ...] = ()
 
 
 def rand(key, shape, dtype=BF16, scale=1.0):

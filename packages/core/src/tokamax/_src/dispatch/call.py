@@ -114,7 +114,9 @@ class _Dispatch:
     must also leave its backward something fast to run (see
     `selection.training_choice`). Its decision takes the inference one's place in
     the records (under `grad(jit(f))` both are traced, and only this one runs)."""
-    if not self.choosing:
+    if not self.choosing or set(self.definition.result_labels) == {"out"}:
+      # An op that documents no residuals (ragged_dot): every backward computes
+      # from the operands alone, whichever forward ran.
       return self.inference
     choice = selection.training_choice(self.definition.name, self.merged, self.device,
                                        self.candidates, self.prefer, self.inference)

@@ -1,0 +1,194 @@
+"""The fp8 grouped matmul with block scales (ragged_dot's forward on quantized
+operands) in Pallas Mosaic GPU.
+
+``out[i] = sum_s (lhs[i, s] @ rhs[g(i)][s, :]) * lhs_scale[i, s] * rhs_scale[g, s, :]``
+over K steps ``s`` of 128: one lhs scale per row and one rhs scale per column
+cover a step (DeepSeek-V3's 1x128 activation tiles and 128x128 weight blocks;
+any tiles whose K extent is a multiple of 128 are expanded to that).
+
+The schedule is `ragged_dot_kernel`'s (row tiles that follow the groups, a
+persistent grid, a memory warpgroup streaming the tiles by TMA, two compute
+warpgroups of 64 rows each), with two changes that fp8 imposes:
+
+- wgmma takes 8-bit operands only K-major, so rhs is streamed as ``[N, K]``
+  tiles (the weights transposed once outside the kernel, as the dlhs kernel
+  reads them);
+- Hopper's fp8 wgmma accumulates with reduced precision, so each 128-deep step
+  is accumulated alone (a fresh wgmma accumulator, waited for) and promoted:
+  multiplied by its row and column scales and added to a float32 total in
+  registers. The scales travel with the operand tiles in the same pipeline
+  (lhs scales as ``[K/128, M]`` rows, rhs scales as ``[G, K/128, N]`` rows).
+
+The total and the step's accumulator each take ``block_n / 2`` registers per
+thread per 64 columns, so a block's tile is ``128 x 2 block_n`` with
+``block_n <= 64`` (128 output columns): wider tiles do not fit next to two
+float32 tiles in 232 registers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from tokamax_gpu_mosaic import _common
+from tokamax_gpu_mosaic import _pipeline
+from tokamax_gpu_mosaic import ragged_dot_kernel as rdk
+
+SCALE_K = 128  # K per pipeline step: one scale per row and per column covers it
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def check_config(config: rdk.RaggedDotConfig) -> None:
+  """The tilings the fp8 kernel runs (ValueError naming what is not)."""
+  if config.block_k != SCALE_K:
+    raise ValueError(f"the fp8 kernel takes block_k={SCALE_K} (one scale step); got "
+                     f"{config.block_k}")
+  if config.row_tiling != "group" or config.block_m != 128:
+    raise ValueError("the fp8 kernel takes row_tiling='group' and block_m=128; got "
+                     f"{config.row_tiling!r}, {config.block_m}")
+  if config.block_n > 64:
+    raise ValueError("the fp8 kernel takes block_n <= 64 (a step's accumulator and "
+                     f"the total are both float32 in registers); got {config.block_n}")
+
+
+def smem_bytes(config: rdk.RaggedDotConfig, out_itemsize: int) -> int:
+  """Shared memory: the operand ring (1-byte values), the scales' ring, the
+  staged output."""
+  n = rdk.cta_n(config)
+  scales = config.num_stages * (config.block_m + n) * 4
+  return rdk.smem_bytes(config, 1, out_itemsize) + scales
+
+
+def fits(config: rdk.RaggedDotConfig, out_itemsize: int) -> bool:
+  return smem_bytes(config, out_itemsize) <= _common.SMEM_LIMIT
+
+
+def scales_per_step(scales, shape, k_axis: int, what: str):
+  """Block scales of an operand of `shape` (one per tile, ``tile = shape //
+  scales.shape``) as one scale per element of every axis but K, and one per
+  128-deep K step along K.
+
+  Raises NotImplementedError where a K tile is not a multiple of 128 (a step
+  would need two scales).
+  """
+  tile = [d // s for d, s in zip(shape, scales.shape)]
+  if tile[k_axis] % SCALE_K:
+    raise NotImplementedError(
+        f"mosaic_gpu's fp8 kernel applies one scale per {SCALE_K}-deep K step; the "
+        f"{what} scales cover K in tiles of {tile[k_axis]}")
+  for axis, t in enumerate(tile):
+    repeat = t // SCALE_K if axis == k_axis else t
+    if repeat > 1:
+      scales = jnp.repeat(scales, repeat, axis=axis)
+  return scales.astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
+  """`rdk._GroupTiles` streaming two scale rows with the operand tiles and
+  promoting every K step's wgmma result into a float32 total."""
+
+  def operand_blocks(self, item, operands):
+    lhs_ref, rhs_ref, lhs_scales_ref, rhs_scales_ref = operands
+    a, b = super().operand_blocks(item, (lhs_ref, rhs_ref))
+    return (a, b, lhs_scales_ref.at[:, pl.ds(item.row0, self.bm)],
+            rhs_scales_ref.at[item.group, :, pl.ds(item.n0, self.cta_n)])
+
+  def mma(self, item, _, a_smem, b_smem, a_scales, b_scales, total):
+    """One K step: its own wgmma, waited for, then scaled into the total."""
+    rows = self.half
+
+    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((rows, self.cta_n), jnp.float32))
+    def step(acc_ref):
+      @pl.when(item.whi > item.wlo)
+      def _issue():
+        plgpu.wgmma(acc_ref, a_smem.at[pl.ds(item.cwg * rows, rows)],
+                    plgpu.transpose_ref(b_smem, (1, 0)))
+      plgpu.wgmma_wait(0)
+      return acc_ref[...]
+
+    shape = (rows, self.cta_n)
+    # Each warpgroup's 64 row scales, read with static offsets (one load per
+    # warpgroup, the other's discarded).
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    row_scale = jnp.where(
+        item.cwg == 0,
+        plgpu.load(a_scales.at[0, pl.ds(0, rows)], (), layout=row_layout),
+        plgpu.load(a_scales.at[0, pl.ds(rows, rows)], (), layout=row_layout))
+    col_scale = plgpu.load(b_scales.at[0], (), layout=plgpu.Layout.WGMMA.reduce(0))
+    scale = (lax.broadcast_in_dim(row_scale, shape, [0])
+             * lax.broadcast_in_dim(col_scale, shape, [1]))
+    return total + step * scale
+
+  def context(self, item, out_ref, out_smem, eval_pipeline):
+    zeros = _pipeline.zeros_tile((self.half, self.cta_n), jnp.float32)
+    self.store_acc(item, out_ref, out_smem, eval_pipeline(zeros))
+
+
+def _pipeline_of(config: rdk.RaggedDotConfig, dtype):
+  """The K loop: lhs ``[block_m, 128]`` and rhs ``[cta_n, 128]`` fp8 tiles
+  (swizzled), and the step's row of lhs scales and of rhs scales."""
+  bm, n = config.block_m, rdk.cta_n(config)
+  step = lambda ki: (0, ki)
+  specs = (
+      _pipeline.tma_spec((bm, SCALE_K), step, dtype, SCALE_K),
+      _pipeline.tma_spec((n, SCALE_K), step, dtype, SCALE_K),
+      plgpu.BlockSpec((1, bm), lambda ki: (ki, 0), delay_release=1),
+      plgpu.BlockSpec((1, n), lambda ki: (ki, 0), delay_release=1),
+  )
+  return _pipeline.WarpSpecializedPipeline(specs, config.num_stages)
+
+
+def grouped_matmul_fp8(lhs, lhs_scales, rhs, rhs_scales, starts, ends, *, out_dtype,
+                       config: rdk.RaggedDotConfig) -> jax.Array:
+  """``out[i] = (lhs * scales)[i] @ (rhs * scales)[g]`` for rows ``[starts[g],
+  ends[g])``, else 0, applying the scales per 128-deep K step in float32.
+
+  Args:
+    lhs: ``[M, K]`` float8 values.
+    lhs_scales: float32 ``[M, K / 128]``: one scale per row and K step.
+    rhs: ``[G, K, N]`` float8 values (the same float8 type as lhs).
+    rhs_scales: float32 ``[G, K / 128, N]``: one scale per column and K step.
+  """
+  check_config(config)
+  if not fits(config, jnp.dtype(out_dtype).itemsize):
+    raise ValueError(f"ragged_dot fp8: {config} needs "
+                     f"{smem_bytes(config, jnp.dtype(out_dtype).itemsize)} bytes of "
+                     f"shared memory; the limit is {_common.SMEM_LIMIT}")
+  m_orig, k = lhs.shape
+  n_orig = rhs.shape[2]
+  if k % SCALE_K:
+    raise ValueError(f"K={k} must be a multiple of {SCALE_K} (scales per K step)")
+  n_cta = rdk.cta_n(config)
+  # wgmma reads 8-bit operands only K-major: the weights as [G, N, K].
+  rhs_t = jnp.swapaxes(rhs, 1, 2)
+  # At least two K steps (a one-step pipeline crashed, `rdk._pad_operands`);
+  # the padded steps hold zero values and zero scales.
+  k_pad = max(k, 2 * SCALE_K)
+  lhs = rdk.pad_to_multiple(_common.pad_axis(lhs, 1, k_pad), 0, 8, config.block_m)
+  rhs_t = rdk.pad_to_multiple(_common.pad_axis(rhs_t, 2, k_pad), 1, rdk.COLS, n_cta)
+  m = lhs.shape[0]
+  n = rhs_t.shape[1]
+  steps = k_pad // SCALE_K
+  lhs_scales_t = _common.pad_axis(
+      _common.pad_axis(lhs_scales.T, 0, steps), 1, m)  # [steps, M]
+  rhs_scales = _common.pad_axis(_common.pad_axis(rhs_scales, 1, steps), 2, n)
+  items = rdk.work_items(starts, ends, m, config.block_m)
+  num_items = items.shape[0]
+  n_tiles = pl.cdiv(n, n_cta)
+  if config.item_order == "group":
+    items = rdk.ordered_items(items, n_tiles, config.grid_tile_width)
+  tiles = _ScaledGroupTiles(
+      config=config, transpose_rhs=True, out_dtype=out_dtype, num_items=num_items,
+      n_tiles=n_tiles, k_steps=steps, pipeline=_pipeline_of(config, lhs.dtype))
+  n_out = n_tiles * n_cta  # whole column tiles (see `rdk._group_tiles`)
+  call = _pipeline.persistent_kernel(
+      tiles.kernel, out_type=jax.ShapeDtypeStruct((m, n_out), out_dtype))
+  out = call(items, lhs, rhs_t, lhs_scales_t, rhs_scales)
+  return out[:m_orig, :n_orig]

@@ -1,0 +1,232 @@
+"""Tests of the Mosaic GPU fp8 grouped matmul (ragged_dot on float8 operands with
+block scales, `ragged_dot_kernel_fp8`).
+
+Natively on Hopper: the kernel against the XLA reference on the same quantized
+inputs (the reference dequantizes to float32 and multiplies at HIGHEST), with
+empty, skewed and random groups, both float8 types, bf16 and f32 outputs, and
+what `implementation=None` picks. On the CPU: the lowering to Mosaic GPU IR for
+"cuda", the refusals with their reasons, and the scale expansion.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tokamax
+import tokamax_xla_reference
+from tokamax import testing
+from tokamax._src.ops.ragged_dot import RaggedDotArgs
+from tokamax_gpu_mosaic import ragged_dot as rd
+from tokamax_gpu_mosaic import ragged_dot_kernel as rdk
+from tokamax_gpu_mosaic import ragged_dot_kernel_fp8 as fp8
+
+_ON_HOPPER = (jax.default_backend() == "gpu"
+              and getattr(jax.devices()[0], "compute_capability", "").startswith("9."))
+gpu = pytest.mark.skipif(not _ON_HOPPER, reason="needs an NVIDIA Hopper GPU")
+_H200 = tokamax.DeviceInfo("gpu", "NVIDIA H200", compute_capability="9.0")
+
+_seed = iter(range(1_000_000))
+
+
+def _quantized(m, k, n, num_held, dtype=jnp.float8_e4m3fn, lhs_tile=(1, 128),
+               rhs_tile=(1, 128, 128)):
+  rng = np.random.default_rng(next(_seed))
+  # Rows and weight blocks of different magnitudes, so that wrong scales show.
+  lhs = rng.standard_normal((m, k)) * rng.uniform(0.1, 4.0, (m, 1))
+  rhs = rng.standard_normal((num_held, k, n)) / np.sqrt(k)
+  rhs *= rng.uniform(0.2, 3.0, (num_held, k // 128, 1)).repeat(128, axis=1)
+  lq = tokamax.quantize(jnp.asarray(lhs, jnp.bfloat16), lhs_tile, dtype)
+  rq = tokamax.quantize(jnp.asarray(rhs, jnp.bfloat16), rhs_tile, dtype)
+  return lq, rq
+
+
+def _check(m, k, n, sizes, *, num_held=None, group_offset=None,
+           dtype=jnp.float8_e4m3fn, out_dtype=None, config=None,
+           rhs_tile=(1, 128, 128), lhs_tile=(1, 128)):
+  num_held = num_held or len(sizes)
+  lq, rq = _quantized(m, k, n, num_held, dtype, lhs_tile, rhs_tile)
+  group_sizes = jnp.asarray(sizes, jnp.int32)
+  impl = rd.MosaicGpuRaggedDot(config) if config else "mosaic_gpu"
+  call = lambda impl: jax.jit(lambda l, r, g: tokamax.ragged_dot(
+      l, r, g, group_offset=group_offset, preferred_element_type=out_dtype,
+      implementation=impl))(lq, rq, group_sizes)
+  with tokamax.record_dispatch() as records:
+    out = call(impl)
+  assert [(r.direction, r.implementation) for r in records] == [
+      ("forward", "mosaic_gpu")], records
+  ref = call("xla")
+  assert out.dtype == jnp.dtype(out_dtype or jnp.bfloat16)
+  testing.assert_close(out, ref, jnp.bfloat16, what="fp8 forward", gpu=True)
+  # Rows outside the held groups are exactly zero (never left unwritten).
+  ends = np.cumsum(sizes)
+  starts = ends - np.asarray(sizes)
+  offset = group_offset or 0
+  held = np.zeros(m, bool)
+  for g in range(offset, offset + num_held):
+    held[starts[g]:ends[g]] = True
+  assert not np.asarray(out, np.float32)[~held].any()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+@pytest.mark.parametrize("out_dtype", [None, jnp.float32])
+def test_awkward_groups(dtype, out_dtype):
+  # An empty group, groups that do not start on a tile, rows past the total, N
+  # not a multiple of the tile.
+  _check(1000, 512, 320, [300, 0, 201, 399], dtype=dtype, out_dtype=out_dtype,
+         rhs_tile=(1, 128, 64))
+
+
+@gpu
+def test_group_offset_and_tiny_groups():
+  _check(200, 256, 128, [5, 9, 0, 3, 60, 1], num_held=3, group_offset=2)
+
+
+@gpu
+def test_many_random_groups():
+  rng = np.random.default_rng(5)
+  sizes = rng.multinomial(8000, rng.dirichlet(np.ones(64) * 0.5))
+  _check(8192, 1024, 512, sizes.tolist())
+
+
+@gpu
+def test_per_channel_and_wide_k_tiles():
+  # rhs scales per column (tile N of 1), lhs scales per 256 columns: both
+  # expanded to one scale per 128-deep step and column / row.
+  _check(640, 768, 256, [100, 400, 140], rhs_tile=(1, 128, 1), lhs_tile=(1, 256))
+
+
+@gpu
+@pytest.mark.parametrize("config", [
+    rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=128, num_stages=3),
+    rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=128, num_stages=6,
+                        out_pieces=2, item_order="group"),
+], ids=["3stages", "6stages_pieces_group"])
+def test_configs(config):
+  _check(1500, 1024, 640, [700, 0, 50, 750], config=config)
+
+
+@gpu
+def test_moe_sized_and_picked_by_default():
+  rng = np.random.default_rng(7)
+  sizes = rng.multinomial(8192, np.ones(8) / 8).tolist()
+  lq, rq = _quantized(8192, 2048, 4096, 8)
+  group_sizes = jnp.asarray(sizes, jnp.int32)
+  with tokamax.record_dispatch() as records:
+    out = jax.jit(lambda l, r, g: tokamax.ragged_dot(l, r, g))(lq, rq, group_sizes)
+  assert [(r.direction, r.implementation) for r in records] == [
+      ("forward", "mosaic_gpu")], records
+  ref = tokamax.ragged_dot(lq, rq, group_sizes, implementation="xla")
+  testing.assert_close(out, ref, jnp.bfloat16, what="fp8 forward", gpu=True)
+
+
+@gpu
+def test_training_step_takes_the_fp8_forward_and_the_reference_backward():
+  """Activations quantized inside the step: the forward runs the fp8 kernel, the
+  backward (no fp8 kernel) the reference's; gradients equal the reference's."""
+  rng = np.random.default_rng(9)
+  x = jnp.asarray(rng.standard_normal((1024, 512)), jnp.bfloat16)
+  _, rq = _quantized(8, 512, 256, 4)
+  sizes = jnp.asarray([300, 200, 0, 500], jnp.int32)
+  dy = jnp.asarray(rng.standard_normal((1024, 256)), jnp.float32)
+
+  def loss(x, impl):
+    xq = tokamax.quantize(x, (1, 128))
+    y = tokamax.ragged_dot(xq, rq, sizes, implementation=impl)
+    return jnp.sum(y.astype(jnp.float32) * dy)
+
+  with tokamax.record_dispatch() as records:
+    value, grad = jax.jit(jax.value_and_grad(lambda x: loss(x, None)))(x)
+  assert ("forward", "mosaic_gpu") in [(r.direction, r.implementation) for r in records]
+  want_value, want_grad = jax.jit(jax.value_and_grad(lambda x: loss(x, "xla")))(x)
+  testing.assert_close(value, want_value, jnp.bfloat16, what="loss", gpu=True)
+  testing.assert_close(grad, want_grad, jnp.bfloat16, what="dx", gpu=True)
+
+
+# ----------------------------------------------------------------------------
+# CPU: lowering, refusals, scales.
+
+
+def _args(lq, rq, sizes):
+  def parts(q):
+    return (q.values, q.scales) if isinstance(q, tokamax.QuantizedArray) else (q, None)
+  (lhs, ls), (rhs, rs) = parts(lq), parts(rq)
+  return RaggedDotArgs(lhs=lhs, rhs=rhs, group_sizes=jnp.asarray(sizes, jnp.int32),
+                       preferred_element_type=jnp.bfloat16, lhs_scales=ls,
+                       rhs_scales=rs)
+
+
+@pytest.mark.parametrize("dtype,out_dtype,config", [
+    (jnp.float8_e4m3fn, jnp.bfloat16, rdk.RaggedDotConfig(
+        block_m=128, block_n=64, block_k=128, num_stages=4)),
+    (jnp.float8_e5m2, jnp.float32, rdk.RaggedDotConfig(
+        block_m=128, block_n=64, block_k=128, num_stages=3)),
+    (jnp.float8_e4m3fn, jnp.bfloat16, rdk.RaggedDotConfig(
+        block_m=128, block_n=64, block_k=128, num_stages=6, out_pieces=2,
+        item_order="group")),
+])
+def test_lowers_for_cuda(dtype, out_dtype, config):
+  """The whole kernel traces and lowers to Mosaic GPU for "cuda" without a GPU."""
+  pytest.importorskip("absl")
+  m, k, n, g = 300, 256, 200, 3
+
+  def f(lhs, lhs_scales, rhs, rhs_scales, sizes):
+    starts, ends = tokamax.plugin.held_row_ranges(sizes, None, g, m)
+    return fp8.grouped_matmul_fp8(lhs, lhs_scales, rhs, rhs_scales, starts, ends,
+                                  out_dtype=out_dtype, config=config)
+
+  shapes = (((m, k), dtype), ((m, k // 128), jnp.float32), ((g, k, n), dtype),
+            ((g, k // 128, n), jnp.float32), ((g,), jnp.int32))
+  exported = jax.export.export(jax.jit(f), platforms=["cuda"])(
+      *(jax.ShapeDtypeStruct(s, d) for s, d in shapes))
+  assert "mosaic_gpu" in exported.mlir_module()
+
+
+def test_takes_fp8_operands_with_scales():
+  lq, rq = _quantized(64, 256, 128, 2)
+  rd.MosaicGpuRaggedDot().check_supported(_args(lq, rq, [30, 34]), _H200)
+  assert "block_scales" in rd.MosaicGpuRaggedDot.supported_features
+  # The backward has no fp8 kernel: it never sees such a call.
+  assert "block_scales" not in rd.MosaicGpuRaggedDotVjp.supported_features
+
+
+def test_refusals_say_why():
+  lq, rq = _quantized(64, 256, 128, 2)
+  op = rd.MosaicGpuRaggedDot()
+  plain_lhs = lq.values.astype(jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="one operand only"):
+    op.check_supported(_args(plain_lhs, rq, [30, 34]), _H200)
+  lhs8, rhs8 = _quantized(64, 256, 128, 2, dtype=jnp.int8)
+  with pytest.raises(NotImplementedError, match="float8_e4m3fn or float8_e5m2"):
+    op.check_supported(_args(lhs8, rhs8, [30, 34]), _H200)
+  _, rq5 = _quantized(64, 256, 128, 2, dtype=jnp.float8_e5m2)
+  with pytest.raises(NotImplementedError, match="the same for both"):
+    op.check_supported(_args(lq, rq5, [30, 34]), _H200)
+  lq64, rq64 = _quantized(64, 256, 128, 2, lhs_tile=(1, 64))
+  with pytest.raises(NotImplementedError, match="lhs scales cover K in tiles of 64"):
+    op.check_supported(_args(lq64, rq64, [30, 34]), _H200)
+
+
+def test_scales_per_step_match_the_per_element_scales():
+  """Each expanded scale is the one the reference applies to the step's first
+  element (tokamax_xla_reference.per_element defines the tiles)."""
+  rng = np.random.default_rng(3)
+  shape = (6, 3, 512)  # [G, K, N]-like with K on axis 2 here
+  scales = jnp.asarray(rng.uniform(0.5, 2.0, (3, 3, 2)), jnp.float32)  # tiles (2, 1, 256)
+  per_step = fp8.scales_per_step(scales, shape, 2, "rhs")
+  assert per_step.shape == (6, 3, 4)
+  every = np.asarray(tokamax_xla_reference.per_element(scales, shape))
+  np.testing.assert_array_equal(np.asarray(per_step), every[:, :, ::128])
+
+
+def test_config_checks():
+  with pytest.raises(ValueError, match="block_k=128"):
+    fp8.check_config(rdk.RaggedDotConfig(block_n=64, block_k=64))
+  with pytest.raises(ValueError, match="block_n <= 64"):
+    fp8.check_config(rdk.RaggedDotConfig(block_n=128, block_k=128))
+  with pytest.raises(ValueError, match="block_m=128"):
+    fp8.check_config(rdk.RaggedDotConfig(block_m=256, block_n=64, block_k=128))
+  for c in rd._fp8_search_space(2) + (rd._fp8_heuristic(8192, 8, 2),):
+    fp8.check_config(c)
+    assert fp8.fits(c, 2)
