@@ -215,9 +215,9 @@ def _check_fp8_args(args) -> None:
 
 def _fp8_scales(args):
   """The scales as the fp8 kernel takes them: lhs ``[M, K/128]``, rhs ``[G,
-  K/128, N]``."""
+  K/128, N / tile_n]``."""
   return (fp8.scales_per_step(args.lhs_scales, args.lhs.shape, 1, "lhs"),
-          fp8.scales_per_step(args.rhs_scales, args.rhs.shape, 1, "rhs"))
+          fp8.scales_per_step(args.rhs_scales, args.rhs.shape, 1, "rhs", keep_axis=2))
 
 
 def _fp8_heuristic(m, num_groups, out_itemsize) -> RaggedDotConfig:
@@ -233,16 +233,19 @@ def _fp8_heuristic(m, num_groups, out_itemsize) -> RaggedDotConfig:
 
 
 def _fp8_search_space(out_itemsize):
+  """128 x 128 tiles; one or two scale steps per pipeline step (``block_k`` 128
+  or 256), the stages that fit, both item orders."""
   configs = []
-  for stages in (3, 4, 5, 6):
-    for pieces in (1, 2):
-      for order, widths in (("snake", (4, 8, 16)), ("group", (4, 8, 16))):
-        for width in widths:
-          c = RaggedDotConfig(block_m=128, block_n=64, block_k=fp8.SCALE_K,
-                              num_stages=stages, out_pieces=pieces,
-                              grid_tile_width=width, item_order=order)
-          if fp8.fits(c, out_itemsize):
-            configs.append(c)
+  for block_k in (fp8.SCALE_K, 2 * fp8.SCALE_K):
+    for stages in (2, 3, 4, 5, 6):
+      for pieces in (1, 2):
+        for order in ("snake", "group"):
+          for width in (4, 8, 16):
+            c = RaggedDotConfig(block_m=128, block_n=64, block_k=block_k,
+                                num_stages=stages, out_pieces=pieces,
+                                grid_tile_width=width, item_order=order)
+            if fp8.fits(c, out_itemsize):
+              configs.append(c)
   return tuple(configs)
 
 

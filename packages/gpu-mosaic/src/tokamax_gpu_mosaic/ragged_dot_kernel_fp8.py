@@ -41,14 +41,17 @@ from tokamax_gpu_mosaic import _pipeline
 from tokamax_gpu_mosaic import ragged_dot_kernel as rdk
 
 SCALE_K = 128  # K per pipeline step: one scale per row and per column covers it
+# A step's rhs scale of a 128-column block, streamed repeated to 128 bytes: a
+# pipeline copy moves a multiple of the warpgroup's 128 threads in bytes.
+BLOCK_SCALE_WIDTH = 32
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
 def check_config(config: rdk.RaggedDotConfig) -> None:
   """The tilings the fp8 kernel runs (ValueError naming what is not)."""
-  if config.block_k != SCALE_K:
-    raise ValueError(f"the fp8 kernel takes block_k={SCALE_K} (one scale step); got "
-                     f"{config.block_k}")
+  if config.block_k not in (SCALE_K, 2 * SCALE_K):
+    raise ValueError(f"the fp8 kernel takes block_k={SCALE_K} or {2 * SCALE_K} (one "
+                     f"or two scale steps); got {config.block_k}")
   if config.row_tiling != "group" or config.block_m != 128:
     raise ValueError("the fp8 kernel takes row_tiling='group' and block_m=128; got "
                      f"{config.row_tiling!r}, {config.block_m}")
@@ -61,7 +64,7 @@ def smem_bytes(config: rdk.RaggedDotConfig, out_itemsize: int) -> int:
   """Shared memory: the operand ring (1-byte values), the scales' ring, the
   staged output."""
   n = rdk.cta_n(config)
-  scales = config.num_stages * (config.block_m + n) * 4
+  scales = config.num_stages * config.block_k // SCALE_K * (config.block_m + n) * 4
   return rdk.smem_bytes(config, 1, out_itemsize) + scales
 
 
@@ -69,10 +72,10 @@ def fits(config: rdk.RaggedDotConfig, out_itemsize: int) -> bool:
   return smem_bytes(config, out_itemsize) <= _common.SMEM_LIMIT
 
 
-def scales_per_step(scales, shape, k_axis: int, what: str):
+def scales_per_step(scales, shape, k_axis: int, what: str, keep_axis=None):
   """Block scales of an operand of `shape` (one per tile, ``tile = shape //
-  scales.shape``) as one scale per element of every axis but K, and one per
-  128-deep K step along K.
+  scales.shape``) as one per 128-deep K step along K and one per element along
+  every other axis but `keep_axis` (left at its tiles).
 
   Raises NotImplementedError where a K tile is not a multiple of 128 (a step
   would need two scales).
@@ -83,64 +86,127 @@ def scales_per_step(scales, shape, k_axis: int, what: str):
         f"mosaic_gpu's fp8 kernel applies one scale per {SCALE_K}-deep K step; the "
         f"{what} scales cover K in tiles of {tile[k_axis]}")
   for axis, t in enumerate(tile):
-    repeat = t // SCALE_K if axis == k_axis else t
+    repeat = t // SCALE_K if axis == k_axis else (1 if axis == keep_axis else t)
     if repeat > 1:
       scales = jnp.repeat(scales, repeat, axis=axis)
   return scales.astype(jnp.float32)
 
 
+def _column_scales(rhs_scales, n: int, n_cta: int):
+  """rhs scales ``[G, steps, N / tile_n]`` as the kernel streams them, and
+  whether one covers a tile's columns (``col_block``): per 128-column block,
+  repeated to `BLOCK_SCALE_WIDTH`, where ``tile_n`` is a multiple of the tile's
+  width; else per column."""
+  tile_n = n // rhs_scales.shape[2]
+  if tile_n % n_cta == 0:
+    per_block = jnp.repeat(rhs_scales, tile_n // n_cta, axis=2)
+    return jnp.repeat(per_block, BLOCK_SCALE_WIDTH, axis=2), True
+  return jnp.repeat(rhs_scales, tile_n, axis=2), False
+
+
 @dataclasses.dataclass(frozen=True)
 class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
-  """`rdk._GroupTiles` streaming two scale rows with the operand tiles and
-  promoting every K step's wgmma result into a float32 total."""
+  """`rdk._GroupTiles` streaming the step's scales with the operand tiles and
+  promoting every K step's wgmma result into a float32 total.
+
+  A pipeline step covers ``block_k`` of K: one or two scale steps of 128
+  (`sub_steps`), each with its own wgmma and scales.
+
+  ``col_block``: one rhs scale per scale step covers the tile's 128 columns
+  (rhs scales over blocks of a multiple of 128 columns, DeepSeek-V3's
+  128x128). Each scale step then issues its wgmma first and, while it runs,
+  adds the previous one's product times its scales to the total (the carry
+  holds that product and its per-row scale). Otherwise (narrower rhs blocks, e.g. per channel) each column
+  has its own scale and the step waits for its wgmma, then promotes it: a
+  per-column scale tile does not fit next to the in-flight accumulator.
+  """
+
+  col_block: bool
 
   def operand_blocks(self, item, operands):
     lhs_ref, rhs_ref, lhs_scales_ref, rhs_scales_ref = operands
     a, b = super().operand_blocks(item, (lhs_ref, rhs_ref))
+    if self.col_block:
+      cols = pl.ds(item.n0 // self.cta_n * BLOCK_SCALE_WIDTH, BLOCK_SCALE_WIDTH)
+    else:
+      cols = pl.ds(item.n0, self.cta_n)
     return (a, b, lhs_scales_ref.at[:, pl.ds(item.row0, self.bm)],
-            rhs_scales_ref.at[item.group, :, pl.ds(item.n0, self.cta_n)])
+            rhs_scales_ref.at[item.group, :, cols])
 
-  def mma(self, item, _, a_smem, b_smem, a_scales, b_scales, total):
-    """One K step: its own wgmma, waited for, then scaled into the total."""
+  @property
+  def sub_steps(self):
+    """128-deep scale steps per pipeline step (``block_k / 128``)."""
+    return self.config.block_k // SCALE_K
+
+  def wgmma_step(self, item, a_smem, b_smem, j: int, while_running):
+    """Scale step `j`'s product in a fresh accumulator, and `while_running()`
+    traced between the wgmma's issue and the wait for it."""
     rows = self.half
+    ks = pl.ds(j * SCALE_K, SCALE_K)
 
     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((rows, self.cta_n), jnp.float32))
     def step(acc_ref):
       @pl.when(item.whi > item.wlo)
       def _issue():
-        plgpu.wgmma(acc_ref, a_smem.at[pl.ds(item.cwg * rows, rows)],
-                    plgpu.transpose_ref(b_smem, (1, 0)))
-      plgpu.wgmma_wait(0)
-      return acc_ref[...]
+        plgpu.wgmma(acc_ref, a_smem.at[pl.ds(item.cwg * rows, rows), ks],
+                    plgpu.transpose_ref(b_smem.at[:, ks], (1, 0)))
+      overlapped = while_running()
+      return overlapped, acc_ref[...]  # the load waits for the wgmma
+    return step
 
-    shape = (rows, self.cta_n)
-    # Each warpgroup's 64 row scales, read with static offsets (one load per
-    # warpgroup, the other's discarded).
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-    row_scale = jnp.where(
+  def row_scales(self, item, a_scales, j: int):
+    """This warpgroup's 64 row scales of scale step `j`, read with static
+    offsets (one load per warpgroup, the other's discarded)."""
+    rows, layout = self.half, plgpu.Layout.WGMMA.reduce(1)
+    return jnp.where(
         item.cwg == 0,
-        plgpu.load(a_scales.at[0, pl.ds(0, rows)], (), layout=row_layout),
-        plgpu.load(a_scales.at[0, pl.ds(rows, rows)], (), layout=row_layout))
-    col_scale = plgpu.load(b_scales.at[0], (), layout=plgpu.Layout.WGMMA.reduce(0))
-    scale = (lax.broadcast_in_dim(row_scale, shape, [0])
-             * lax.broadcast_in_dim(col_scale, shape, [1]))
-    return total + step * scale
+        plgpu.load(a_scales.at[j, pl.ds(0, rows)], (), layout=layout),
+        plgpu.load(a_scales.at[j, pl.ds(rows, rows)], (), layout=layout))
+
+  def mma(self, item, _, a_smem, b_smem, a_scales, b_scales, carry):
+    shape = (self.half, self.cta_n)
+    if self.col_block:
+      for j in range(self.sub_steps):
+        total, prev, prev_scale = carry
+        total, acc = self.wgmma_step(
+            item, a_smem, b_smem, j,
+            lambda: total + prev * lax.broadcast_in_dim(prev_scale, shape, [0]))
+        carry = total, acc, self.row_scales(item, a_scales, j) * b_scales[j, 0]
+      return carry
+    for j in range(self.sub_steps):
+      _, acc = self.wgmma_step(item, a_smem, b_smem, j, lambda: None)
+      col_scale = plgpu.load(b_scales.at[j], (), layout=plgpu.Layout.WGMMA.reduce(0))
+      scale = (lax.broadcast_in_dim(self.row_scales(item, a_scales, j), shape, [0])
+               * lax.broadcast_in_dim(col_scale, shape, [1]))
+      carry = carry + acc * scale
+    return carry
 
   def context(self, item, out_ref, out_smem, eval_pipeline):
-    zeros = _pipeline.zeros_tile((self.half, self.cta_n), jnp.float32)
-    self.store_acc(item, out_ref, out_smem, eval_pipeline(zeros))
+    shape = (self.half, self.cta_n)
+    zeros = _pipeline.zeros_tile(shape, jnp.float32)
+    if self.col_block:
+      no_scale = plgpu.layout_cast(jnp.zeros((self.half,), jnp.float32),
+                                   plgpu.Layout.WGMMA.reduce(1))
+      total, last, last_scale = eval_pipeline((zeros, zeros, no_scale))
+      total = total + last * lax.broadcast_in_dim(last_scale, shape, [0])
+    else:
+      total = eval_pipeline(zeros)
+    self.store_acc(item, out_ref, out_smem, total)
 
 
-def _pipeline_of(config: rdk.RaggedDotConfig, dtype):
+def _pipeline_of(config: rdk.RaggedDotConfig, dtype, col_block: bool):
   """The K loop: lhs ``[block_m, 128]`` and rhs ``[cta_n, 128]`` fp8 tiles
-  (swizzled), and the step's row of lhs scales and of rhs scales."""
-  bm, n = config.block_m, rdk.cta_n(config)
+  (swizzled), and the step's lhs scales and rhs scales (one per column, or
+  the column block's, repeated)."""
+  bm, bk, n = config.block_m, config.block_k, rdk.cta_n(config)
+  n_scales = BLOCK_SCALE_WIDTH if col_block else n
+  sub = bk // SCALE_K
   step = lambda ki: (0, ki)
   specs = (
-      _pipeline.tma_spec((bm, SCALE_K), step, dtype, SCALE_K),
-      _pipeline.tma_spec((n, SCALE_K), step, dtype, SCALE_K),
-      plgpu.BlockSpec((1, bm), lambda ki: (ki, 0), delay_release=1),
-      plgpu.BlockSpec((1, n), lambda ki: (ki, 0), delay_release=1),
+      _pipeline.tma_spec((bm, bk), step, dtype, SCALE_K),
+      _pipeline.tma_spec((n, bk), step, dtype, SCALE_K),
+      plgpu.BlockSpec((sub, bm), lambda ki: (ki, 0), delay_release=1),
+      plgpu.BlockSpec((sub, n_scales), lambda ki: (ki, 0), delay_release=1),
   )
   return _pipeline.WarpSpecializedPipeline(specs, config.num_stages)
 
@@ -154,7 +220,8 @@ def grouped_matmul_fp8(lhs, lhs_scales, rhs, rhs_scales, starts, ends, *, out_dt
     lhs: ``[M, K]`` float8 values.
     lhs_scales: float32 ``[M, K / 128]``: one scale per row and K step.
     rhs: ``[G, K, N]`` float8 values (the same float8 type as lhs).
-    rhs_scales: float32 ``[G, K / 128, N]``: one scale per column and K step.
+    rhs_scales: float32 ``[G, K / 128, N / tile_n]``: one scale per K step and
+      block of ``tile_n`` columns (a multiple of 128 is the fast case).
   """
   check_config(config)
   if not fits(config, jnp.dtype(out_dtype).itemsize):
@@ -168,17 +235,20 @@ def grouped_matmul_fp8(lhs, lhs_scales, rhs, rhs_scales, starts, ends, *, out_dt
   n_cta = rdk.cta_n(config)
   # wgmma reads 8-bit operands only K-major: the weights as [G, N, K].
   rhs_t = jnp.swapaxes(rhs, 1, 2)
-  # At least two K steps (a one-step pipeline crashed, `rdk._pad_operands`);
-  # the padded steps hold zero values and zero scales.
-  k_pad = max(k, 2 * SCALE_K)
+  # Whole pipeline steps, at least two (a one-step pipeline crashed,
+  # `rdk._pad_operands`); the padded steps hold zero values and zero scales.
+  k_pad = _common.round_up(k, config.block_k, 2 * config.block_k)
   lhs = rdk.pad_to_multiple(_common.pad_axis(lhs, 1, k_pad), 0, 8, config.block_m)
   rhs_t = rdk.pad_to_multiple(_common.pad_axis(rhs_t, 2, k_pad), 1, rdk.COLS, n_cta)
   m = lhs.shape[0]
   n = rhs_t.shape[1]
-  steps = k_pad // SCALE_K
+  steps = k_pad // SCALE_K  # scale steps
   lhs_scales_t = _common.pad_axis(
       _common.pad_axis(lhs_scales.T, 0, steps), 1, m)  # [steps, M]
-  rhs_scales = _common.pad_axis(_common.pad_axis(rhs_scales, 1, steps), 2, n)
+  rhs_scales, col_block = _column_scales(rhs_scales, n_orig, n_cta)
+  rhs_scales = _common.pad_axis(rhs_scales, 1, steps)
+  rhs_scales = _common.pad_axis(
+      rhs_scales, 2, pl.cdiv(n, n_cta) * BLOCK_SCALE_WIDTH if col_block else n)
   items = rdk.work_items(starts, ends, m, config.block_m)
   num_items = items.shape[0]
   n_tiles = pl.cdiv(n, n_cta)
@@ -186,7 +256,8 @@ def grouped_matmul_fp8(lhs, lhs_scales, rhs, rhs_scales, starts, ends, *, out_dt
     items = rdk.ordered_items(items, n_tiles, config.grid_tile_width)
   tiles = _ScaledGroupTiles(
       config=config, transpose_rhs=True, out_dtype=out_dtype, num_items=num_items,
-      n_tiles=n_tiles, k_steps=steps, pipeline=_pipeline_of(config, lhs.dtype))
+      n_tiles=n_tiles, k_steps=k_pad // config.block_k, col_block=col_block,
+      pipeline=_pipeline_of(config, lhs.dtype, col_block))
   n_out = n_tiles * n_cta  # whole column tiles (see `rdk._group_tiles`)
   call = _pipeline.persistent_kernel(
       tiles.kernel, out_type=jax.ShapeDtypeStruct((m, n_out), out_dtype))
