@@ -233,19 +233,17 @@ def _fp8_heuristic(m, num_groups, out_itemsize) -> RaggedDotConfig:
 
 
 def _fp8_search_space(out_itemsize):
-  """128 x 128 tiles; one or two scale steps per pipeline step (``block_k`` 128
-  or 256), the stages that fit, both item orders."""
+  """128 x 128 tiles, the stages that fit, both item orders."""
   configs = []
-  for block_k in (fp8.SCALE_K, 2 * fp8.SCALE_K):
-    for stages in (2, 3, 4, 5, 6):
-      for pieces in (1, 2):
-        for order in ("snake", "group"):
-          for width in (4, 8, 16):
-            c = RaggedDotConfig(block_m=128, block_n=64, block_k=block_k,
-                                num_stages=stages, out_pieces=pieces,
-                                grid_tile_width=width, item_order=order)
-            if fp8.fits(c, out_itemsize):
-              configs.append(c)
+  for stages in (2, 3, 4, 5, 6):
+    for pieces in (1, 2):
+      for order in ("snake", "group"):
+        for width in (4, 8, 16):
+          c = RaggedDotConfig(block_m=128, block_n=64, block_k=fp8.SCALE_K,
+                              num_stages=stages, out_pieces=pieces,
+                              grid_tile_width=width, item_order=order)
+          if fp8.fits(c, out_itemsize):
+            configs.append(c)
   return tuple(configs)
 
 

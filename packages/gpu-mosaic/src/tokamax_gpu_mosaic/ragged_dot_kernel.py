@@ -91,9 +91,8 @@ class RaggedDotConfig:
       raise ValueError(f"block_m must be 64, 128, 192 or 256; got {self.block_m}")
     if self.block_n % 64 or self.block_n > 256:
       raise ValueError(f"block_n must be a multiple of 64 up to 256; got {self.block_n}")
-    if self.block_k not in (32, 64, 128, 256):
-      raise ValueError(f"block_k must be 32, 64, 128 or 256 (fp8 only); got "
-                       f"{self.block_k}")
+    if self.block_k not in (32, 64, 128):
+      raise ValueError(f"block_k must be 32, 64 or 128; got {self.block_k}")
     if self.num_stages < 2 or self.grid_tile_width < 1:
       raise ValueError(f"num_stages >= 2 and grid_tile_width >= 1: {self}")
     if self.row_tiling not in ("group", "fixed"):
@@ -299,9 +298,6 @@ def grouped_matmul(lhs, rhs, starts, ends, *, transpose_rhs: bool, out_dtype,
 
   ``op`` is the transpose when `transpose_rhs` (rhs is then ``[G, N, K]``).
   """
-  if config.block_k > 128:
-    raise ValueError(f"16-bit operands take block_k <= 128; got {config.block_k} "
-                     "(256 is the fp8 kernel's)")
   if config.row_tiling == "fixed":
     return _fixed_tiles(lhs, rhs, starts, ends, transpose_rhs=transpose_rhs,
                         out_dtype=out_dtype, config=config)

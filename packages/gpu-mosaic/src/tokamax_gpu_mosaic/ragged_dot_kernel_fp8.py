@@ -49,9 +49,11 @@ FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 def check_config(config: rdk.RaggedDotConfig) -> None:
   """The tilings the fp8 kernel runs (ValueError naming what is not)."""
-  if config.block_k not in (SCALE_K, 2 * SCALE_K):
-    raise ValueError(f"the fp8 kernel takes block_k={SCALE_K} or {2 * SCALE_K} (one "
-                     f"or two scale steps); got {config.block_k}")
+  if config.block_k != SCALE_K:
+    # Two scale steps per pipeline step (block_k 256) measured 1.8x slower on the
+    # H200 (notes/MEASUREMENTS.md, session 11).
+    raise ValueError(f"the fp8 kernel takes block_k={SCALE_K} (one scale step); got "
+                     f"{config.block_k}")
   if config.row_tiling != "group" or config.block_m != 128:
     raise ValueError("the fp8 kernel takes row_tiling='group' and block_m=128; got "
                      f"{config.row_tiling!r}, {config.block_m}")
@@ -64,7 +66,7 @@ def smem_bytes(config: rdk.RaggedDotConfig, out_itemsize: int) -> int:
   """Shared memory: the operand ring (1-byte values), the scales' ring, the
   staged output."""
   n = rdk.cta_n(config)
-  scales = config.num_stages * config.block_k // SCALE_K * (config.block_m + n) * 4
+  scales = config.num_stages * (config.block_m + n) * 4
   return rdk.smem_bytes(config, 1, out_itemsize) + scales
 
 
@@ -109,14 +111,11 @@ class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
   """`rdk._GroupTiles` streaming the step's scales with the operand tiles and
   promoting every K step's wgmma result into a float32 total.
 
-  A pipeline step covers ``block_k`` of K: one or two scale steps of 128
-  (`sub_steps`), each with its own wgmma and scales.
-
-  ``col_block``: one rhs scale per scale step covers the tile's 128 columns
-  (rhs scales over blocks of a multiple of 128 columns, DeepSeek-V3's
-  128x128). Each scale step then issues its wgmma first and, while it runs,
-  adds the previous one's product times its scales to the total (the carry
-  holds that product and its per-row scale). Otherwise (narrower rhs blocks, e.g. per channel) each column
+  ``col_block``: one rhs scale per step covers the tile's 128 columns (rhs
+  scales over blocks of a multiple of 128 columns, DeepSeek-V3's 128x128). Each
+  step then issues its wgmma first and, while it runs, adds the previous step's
+  product times its scales to the total (the carry holds that product and its
+  per-row scale). Otherwise (narrower rhs blocks, e.g. per channel) each column
   has its own scale and the step waits for its wgmma, then promotes it: a
   per-column scale tile does not fit next to the in-flight accumulator.
   """
@@ -133,53 +132,43 @@ class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
     return (a, b, lhs_scales_ref.at[:, pl.ds(item.row0, self.bm)],
             rhs_scales_ref.at[item.group, :, cols])
 
-  @property
-  def sub_steps(self):
-    """128-deep scale steps per pipeline step (``block_k / 128``)."""
-    return self.config.block_k // SCALE_K
-
-  def wgmma_step(self, item, a_smem, b_smem, j: int, while_running):
-    """Scale step `j`'s product in a fresh accumulator, and `while_running()`
-    traced between the wgmma's issue and the wait for it."""
+  def wgmma_step(self, item, a_smem, b_smem, while_running):
+    """This step's product in a fresh accumulator, and `while_running()` traced
+    between the wgmma's issue and the wait for it."""
     rows = self.half
-    ks = pl.ds(j * SCALE_K, SCALE_K)
 
     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((rows, self.cta_n), jnp.float32))
     def step(acc_ref):
       @pl.when(item.whi > item.wlo)
       def _issue():
-        plgpu.wgmma(acc_ref, a_smem.at[pl.ds(item.cwg * rows, rows), ks],
-                    plgpu.transpose_ref(b_smem.at[:, ks], (1, 0)))
+        plgpu.wgmma(acc_ref, a_smem.at[pl.ds(item.cwg * rows, rows)],
+                    plgpu.transpose_ref(b_smem, (1, 0)))
       overlapped = while_running()
       return overlapped, acc_ref[...]  # the load waits for the wgmma
     return step
 
-  def row_scales(self, item, a_scales, j: int):
-    """This warpgroup's 64 row scales of scale step `j`, read with static
-    offsets (one load per warpgroup, the other's discarded)."""
+  def row_scales(self, item, a_scales):
+    """This warpgroup's 64 row scales of the step, read with static offsets (one
+    load per warpgroup, the other's discarded)."""
     rows, layout = self.half, plgpu.Layout.WGMMA.reduce(1)
     return jnp.where(
         item.cwg == 0,
-        plgpu.load(a_scales.at[j, pl.ds(0, rows)], (), layout=layout),
-        plgpu.load(a_scales.at[j, pl.ds(rows, rows)], (), layout=layout))
+        plgpu.load(a_scales.at[0, pl.ds(0, rows)], (), layout=layout),
+        plgpu.load(a_scales.at[0, pl.ds(rows, rows)], (), layout=layout))
 
   def mma(self, item, _, a_smem, b_smem, a_scales, b_scales, carry):
     shape = (self.half, self.cta_n)
     if self.col_block:
-      for j in range(self.sub_steps):
-        total, prev, prev_scale = carry
-        total, acc = self.wgmma_step(
-            item, a_smem, b_smem, j,
-            lambda: total + prev * lax.broadcast_in_dim(prev_scale, shape, [0]))
-        carry = total, acc, self.row_scales(item, a_scales, j) * b_scales[j, 0]
-      return carry
-    for j in range(self.sub_steps):
-      _, acc = self.wgmma_step(item, a_smem, b_smem, j, lambda: None)
-      col_scale = plgpu.load(b_scales.at[j], (), layout=plgpu.Layout.WGMMA.reduce(0))
-      scale = (lax.broadcast_in_dim(self.row_scales(item, a_scales, j), shape, [0])
-               * lax.broadcast_in_dim(col_scale, shape, [1]))
-      carry = carry + acc * scale
-    return carry
+      total, prev, prev_scale = carry
+      total, acc = self.wgmma_step(
+          item, a_smem, b_smem,
+          lambda: total + prev * lax.broadcast_in_dim(prev_scale, shape, [0]))
+      return total, acc, self.row_scales(item, a_scales) * b_scales[0, 0]
+    _, acc = self.wgmma_step(item, a_smem, b_smem, lambda: None)
+    col_scale = plgpu.load(b_scales.at[0], (), layout=plgpu.Layout.WGMMA.reduce(0))
+    scale = (lax.broadcast_in_dim(self.row_scales(item, a_scales), shape, [0])
+             * lax.broadcast_in_dim(col_scale, shape, [1]))
+    return carry + acc * scale
 
   def context(self, item, out_ref, out_smem, eval_pipeline):
     shape = (self.half, self.cta_n)
@@ -198,15 +187,14 @@ def _pipeline_of(config: rdk.RaggedDotConfig, dtype, col_block: bool):
   """The K loop: lhs ``[block_m, 128]`` and rhs ``[cta_n, 128]`` fp8 tiles
   (swizzled), and the step's lhs scales and rhs scales (one per column, or
   the column block's, repeated)."""
-  bm, bk, n = config.block_m, config.block_k, rdk.cta_n(config)
+  bm, n = config.block_m, rdk.cta_n(config)
   n_scales = BLOCK_SCALE_WIDTH if col_block else n
-  sub = bk // SCALE_K
   step = lambda ki: (0, ki)
   specs = (
-      _pipeline.tma_spec((bm, bk), step, dtype, SCALE_K),
-      _pipeline.tma_spec((n, bk), step, dtype, SCALE_K),
-      plgpu.BlockSpec((sub, bm), lambda ki: (ki, 0), delay_release=1),
-      plgpu.BlockSpec((sub, n_scales), lambda ki: (ki, 0), delay_release=1),
+      _pipeline.tma_spec((bm, SCALE_K), step, dtype, SCALE_K),
+      _pipeline.tma_spec((n, SCALE_K), step, dtype, SCALE_K),
+      plgpu.BlockSpec((1, bm), lambda ki: (ki, 0), delay_release=1),
+      plgpu.BlockSpec((1, n_scales), lambda ki: (ki, 0), delay_release=1),
   )
   return _pipeline.WarpSpecializedPipeline(specs, config.num_stages)
 
@@ -235,14 +223,14 @@ def grouped_matmul_fp8(lhs, lhs_scales, rhs, rhs_scales, starts, ends, *, out_dt
   n_cta = rdk.cta_n(config)
   # wgmma reads 8-bit operands only K-major: the weights as [G, N, K].
   rhs_t = jnp.swapaxes(rhs, 1, 2)
-  # Whole pipeline steps, at least two (a one-step pipeline crashed,
-  # `rdk._pad_operands`); the padded steps hold zero values and zero scales.
-  k_pad = _common.round_up(k, config.block_k, 2 * config.block_k)
+  # At least two K steps (a one-step pipeline crashed, `rdk._pad_operands`);
+  # the padded steps hold zero values and zero scales.
+  k_pad = max(k, 2 * SCALE_K)
   lhs = rdk.pad_to_multiple(_common.pad_axis(lhs, 1, k_pad), 0, 8, config.block_m)
   rhs_t = rdk.pad_to_multiple(_common.pad_axis(rhs_t, 2, k_pad), 1, rdk.COLS, n_cta)
   m = lhs.shape[0]
   n = rhs_t.shape[1]
-  steps = k_pad // SCALE_K  # scale steps
+  steps = k_pad // SCALE_K
   lhs_scales_t = _common.pad_axis(
       _common.pad_axis(lhs_scales.T, 0, steps), 1, m)  # [steps, M]
   rhs_scales, col_block = _column_scales(rhs_scales, n_orig, n_cta)
@@ -256,7 +244,7 @@ def grouped_matmul_fp8(lhs, lhs_scales, rhs, rhs_scales, starts, ends, *, out_dt
     items = rdk.ordered_items(items, n_tiles, config.grid_tile_width)
   tiles = _ScaledGroupTiles(
       config=config, transpose_rhs=True, out_dtype=out_dtype, num_items=num_items,
-      n_tiles=n_tiles, k_steps=k_pad // config.block_k, col_block=col_block,
+      n_tiles=n_tiles, k_steps=steps, col_block=col_block,
       pipeline=_pipeline_of(config, lhs.dtype, col_block))
   n_out = n_tiles * n_cta  # whole column tiles (see `rdk._group_tiles`)
   call = _pipeline.persistent_kernel(

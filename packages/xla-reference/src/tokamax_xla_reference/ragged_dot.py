@@ -20,7 +20,14 @@ def per_element(per_tile: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 
 def dequantize(values: jax.Array, scales: jax.Array) -> jax.Array:
-  """``values * scales`` in float32, one scale per tile (see `per_element`)."""
+  """``values * scales`` in float32, one scale per tile (see `per_element`).
+
+  The values pass an optimization barrier first: where the quantization is in
+  the same program, XLA on GPUs (excess precision allowed, its default) removes
+  the float32 -> float8 -> float32 round trip, and the product would silently be
+  that of the unquantized operand (measured on an H100: 2.6% relative error).
+  """
+  values = jax.lax.optimization_barrier(values)
   return values.astype(jnp.float32) * per_element(scales, values.shape)
 
 
