@@ -135,6 +135,10 @@ def test_an_op_without_residuals_keeps_its_first_forward_in_training(fresh_regis
                                                       implementation=impl) * dy)
   with tokamax.record_dispatch() as records:
     grad = jax.grad(loss)(lhs, None)
-  assert [(r.direction, r.implementation) for r in records] == [
-      ("forward", "fast_ragged_dot"), ("backward", "xla")]
-  np.testing.assert_allclose(grad, jax.grad(loss)(lhs, "xla"), rtol=1e-5, atol=1e-5)
+  # The backward: the best usable one (its own refuses): the reference on a CPU.
+  assert [r.direction for r in records] == ["forward", "backward"]
+  assert records[0].implementation == "fast_ragged_dot"
+  assert records[1].implementation != "fast_ragged_dot"
+  with jax.default_matmul_precision("highest"):
+    want = jax.grad(loss)(lhs, "xla")
+    np.testing.assert_allclose(jax.grad(loss)(lhs, None), want, rtol=1e-5, atol=1e-5)
