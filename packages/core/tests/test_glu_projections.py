@@ -15,8 +15,6 @@ from tokamax import testing
 from tokamax._src.ops.gated_linear_unit import xla as glu_xla
 from tokamax._src.ops.gated_linear_unit import GatedLinearUnitArgs
 
-pytestmark = pytest.mark.usefixtures("highest_matmul_precision")
-
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -105,6 +103,7 @@ def _loss(op, x, w, dy):
   return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
 
 
+@pytest.mark.usefixtures("highest_matmul_precision")
 @pytest.mark.parametrize("transform", ["grad", "jit_grad", "grad_jit", "checkpoint"])
 def test_a_training_forward_is_asked_for_residuals(transform):
   x, w, dy = _inputs(12, 8, 6, jnp.float32, seed=1)
@@ -132,6 +131,7 @@ def test_inference_keeps_no_projections():
   assert op.asked == [False]
 
 
+@pytest.mark.usefixtures("highest_matmul_precision")
 def test_projections_under_leading_dims_and_vmap():
   x, w, dy = _inputs(24, 16, 8, jnp.float32, seed=3)
   op = _KeepsProjections()

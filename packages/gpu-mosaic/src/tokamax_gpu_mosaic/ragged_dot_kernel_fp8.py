@@ -11,18 +11,20 @@ persistent grid, a memory warpgroup streaming the tiles by TMA, two compute
 warpgroups of 64 rows each), with two changes that fp8 imposes:
 
 - wgmma takes 8-bit operands only K-major, so rhs is streamed as ``[N, K]``
-  tiles (the weights transposed once outside the kernel, as the dlhs kernel
-  reads them);
+  tiles, as the dlhs kernel reads them: the weights are transposed outside the
+  kernel on every call (a pass over them that costs about 0.3 ms of the 1.73 ms
+  call at M16384 K2048 N16384 G16 on the H200, notes/FP8_DESIGN.md);
 - Hopper's fp8 wgmma accumulates with reduced precision, so each 128-deep step
-  is accumulated alone (a fresh wgmma accumulator, waited for) and promoted:
-  multiplied by its row and column scales and added to a float32 total in
-  registers. The scales travel with the operand tiles in the same pipeline
-  (lhs scales as ``[K/128, M]`` rows, rhs scales as ``[G, K/128, N]`` rows).
+  is accumulated alone (a fresh wgmma accumulator) and promoted: multiplied by
+  its row and column scales and added to a float32 total in registers. The
+  scales travel with the operand tiles in the same pipeline (lhs scales as
+  ``[K/128, M]`` rows, rhs scales as rows of ``[G, K/128, N]`` or of one
+  scale per 128-column block).
 
-The total and the step's accumulator each take ``block_n / 2`` registers per
-thread per 64 columns, so a block's tile is ``128 x 2 block_n`` with
-``block_n <= 64`` (128 output columns): wider tiles do not fit next to two
-float32 tiles in 232 registers.
+A warpgroup holds three float32 tiles of ``64 x 2 block_n`` (the total, the
+step in flight, the previous step's product: `_ScaledGroupTiles`), so a
+block's tile is ``128 x 2 block_n`` with ``block_n <= 64`` (128 output
+columns): wider ones do not fit in 232 registers.
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ def check_config(config: rdk.RaggedDotConfig) -> None:
     raise ValueError("the fp8 kernel takes row_tiling='group' and block_m=128; got "
                      f"{config.row_tiling!r}, {config.block_m}")
   if config.block_n > 64:
-    raise ValueError("the fp8 kernel takes block_n <= 64 (a step's accumulator and "
-                     f"the total are both float32 in registers); got {config.block_n}")
+    raise ValueError("the fp8 kernel takes block_n <= 64 (three float32 tiles of a "
+                     f"warpgroup's 64 x 2 block_n in registers); got {config.block_n}")
 
 
 def smem_bytes(config: rdk.RaggedDotConfig, out_itemsize: int) -> int:
