@@ -21,12 +21,16 @@ from tokamax._src.ops.layer_norm import xla as layer_norm_xla
 from tokamax._src.ops.ragged_dot import xla as ragged_dot_xla
 
 
-@dataclasses.dataclass(frozen=True)
-class _RefusingVjp(layer_norm_xla.XlaLayerNormVjp):
-  name = "refusing"
+class _Refuses:
+  """A backward that refuses every call (mixed into a reference VjpOp)."""
 
   def check_supported(self, args, device, residuals=None):
     raise NotImplementedError("this backward refuses every call")
+
+
+@dataclasses.dataclass(frozen=True)
+class _RefusingVjp(_Refuses, layer_norm_xla.XlaLayerNormVjp):
+  name = "refusing"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,13 +99,9 @@ def test_training_choice_under_grad_of_jit_records_one_forward():
       ("forward", "paired"), ("backward", "xla")]
 
 
-
 @dataclasses.dataclass(frozen=True)
-class _RefusingRaggedDotVjp(ragged_dot_xla.XlaRaggedDotVjp):
+class _RefusingRaggedDotVjp(_Refuses, ragged_dot_xla.XlaRaggedDotVjp):
   name = "fast_ragged_dot"
-
-  def check_supported(self, args, device, residuals=None):
-    raise NotImplementedError("this backward refuses every call")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,9 @@ warpgroups of 64 rows each), with two changes that fp8 imposes:
 
 - wgmma takes 8-bit operands only K-major, so rhs is streamed as ``[N, K]``
   tiles, as the dlhs kernel reads them: the weights are transposed outside the
-  kernel on every call (a pass over them that costs about 0.3 ms of the 1.73 ms
-  call at M16384 K2048 N16384 G16 on the H200, notes/FP8_DESIGN.md);
+  kernel on every call (a pass over them: about 0.3 ms of the 1.73 ms call at
+  M16384 K2048 N16384 G16 on the H200, estimated from its bytes against the
+  kernel's 1.38 ms measured alone, notes/FP8_DESIGN.md);
 - Hopper's fp8 wgmma accumulates with reduced precision, so each 128-deep step
   is accumulated alone (a fresh wgmma accumulator) and promoted: multiplied by
   its row and column scales and added to a float32 total in registers. The
