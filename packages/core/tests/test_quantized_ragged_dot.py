@@ -25,7 +25,7 @@ def _operands():
 
 
 def _np_dequantize(q):
-  values = np.asarray(q.values.astype(jnp.float32), np.float64)
+  values = np.asarray(q.array_values().astype(jnp.float32), np.float64)
   scales = np.asarray(q.scales, np.float64)
   for axis, t in enumerate(q.tile_shape):
     scales = np.repeat(scales, t, axis=axis)
@@ -54,6 +54,37 @@ def test_quantize_round_trips_within_the_value_type(dtype, rel):
   # Each tile's largest magnitude lands on the value type's largest (absmax).
   largest = float(jnp.finfo(dtype).max if dtype != jnp.int8 else 127)
   np.testing.assert_allclose(np.abs(np.asarray(q.values.astype(jnp.float32))).max(), largest)
+
+
+@pytest.mark.parametrize("minor_axis", [1, -2])
+def test_minor_axis_stores_that_axis_last(minor_axis):
+  """``minor_axis=1`` stores [G, K, N] weights as [G, N, K] values; the array
+  they stand for, its tiles and scales are those of the plain quantization."""
+  _, rhs = _operands()
+  plain = tokamax.quantize(rhs, (1, 128, 128))
+  k_major = tokamax.quantize(rhs, (1, 128, 128), minor_axis=minor_axis)
+  assert k_major.values.shape == (3, 384, 256)
+  assert k_major.shape == plain.shape == (3, 256, 384)
+  assert k_major.tile_shape == (1, 128, 128)
+  np.testing.assert_array_equal(np.asarray(k_major.values, np.float32),
+                                np.asarray(plain.values, np.float32).transpose(0, 2, 1))
+  np.testing.assert_array_equal(k_major.scales, plain.scales)
+  np.testing.assert_array_equal(k_major.dequantize(), plain.dequantize())
+
+
+def test_k_major_weights_give_the_same_result_and_gradient():
+  lhs, rhs = _operands()
+  lq = tokamax.quantize(lhs, (1, 128))
+  plain = tokamax.quantize(rhs, (1, 128, 128))
+  k_major = tokamax.quantize(rhs, (1, 128, 128), minor_axis=1)
+  f = jax.jit(lambda a, b: tokamax.ragged_dot(a, b, _SIZES))
+  np.testing.assert_array_equal(f(lq, k_major), f(lq, plain))
+  want = _np_ragged_dot(_np_dequantize(lq), _np_dequantize(plain), _SIZES)
+  testing.assert_close(f(lq, k_major), want, jnp.bfloat16)
+  dy = jnp.asarray(_RNG.standard_normal((96, 384)), jnp.bfloat16)
+  grad = lambda b: jax.grad(lambda x: jnp.sum(
+      (tokamax.ragged_dot(x, b, _SIZES) * dy).astype(jnp.float32)))(lhs)
+  np.testing.assert_array_equal(grad(k_major), grad(plain))
 
 
 def _declared_features(implementation: str) -> tuple[str, ...]:
@@ -177,6 +208,12 @@ def test_errors_name_the_argument():
     tokamax.quantize(lhs, (1, 100))
   with pytest.raises(TypeError, match="dtype must be float8_e4m3fn"):
     tokamax.quantize(lhs, (1, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"minor_axis must be None or an axis of the "
+                     r"2-d array \(an int in \[-2, 2\)\); got 2"):
+    tokamax.quantize(lhs, (1, 128), minor_axis=2)
+  with pytest.raises(ValueError, match=r"rhs: minor_axis must .* 3-d array .*; got 3"):
+    tokamax.ragged_dot(lhs, tokamax.QuantizedArray(rq.values, rq.scales, minor_axis=3),
+                       _SIZES)
 
 
 def test_quantized_in_the_same_program_computes_with_the_quantized_values():

@@ -108,6 +108,35 @@ def test_configs(config):
 
 
 @gpu
+def test_k_major_weights_are_read_without_a_transpose():
+  """Weights quantized with ``minor_axis=1`` (stored [G, N, K]) give the same
+  result, and the compiled call moves no weights: XLA cancels the transpose of
+  the stored values against the kernel wrapper's."""
+  m, k, n, g = 1024, 512, 768, 4
+  rng = np.random.default_rng(11)
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
+  sizes = jnp.asarray([256, 0, 512, 256], jnp.int32)
+  lq = tokamax.quantize(x, (1, 128))
+  plain = tokamax.quantize(w, (1, 128, 128))
+  k_major = tokamax.quantize(w, (1, 128, 128), minor_axis=1)
+  assert k_major.values.shape == (g, n, k)
+  f = jax.jit(lambda l, r, s: tokamax.ragged_dot(l, r, s, implementation="mosaic_gpu"))
+  np.testing.assert_array_equal(np.asarray(f(lq, k_major, sizes), np.float32),
+                                np.asarray(f(lq, plain, sizes), np.float32))
+
+  def weight_moves(rq):
+    hlo = f.lower(lq, rq, sizes).compile().as_text()
+    # A transpose of the weights shows as a transpose or a copy (a layout
+    # change) of an f8 [G, ...] array.
+    return [line for line in hlo.splitlines()
+            if f"f8e4m3fn[{g}," in line and (" transpose(" in line or " copy(" in line
+                                            or "fusion(" in line)]
+  assert weight_moves(plain), "the check must see the transpose of [G, K, N] weights"
+  assert not weight_moves(k_major), weight_moves(k_major)
+
+
+@gpu
 def test_moe_sized_and_picked_by_default():
   rng = np.random.default_rng(7)
   sizes = rng.multinomial(8192, np.ones(8) / 8).tolist()

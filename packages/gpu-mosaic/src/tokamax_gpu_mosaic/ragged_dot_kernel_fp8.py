@@ -11,21 +11,23 @@ persistent grid, a memory warpgroup streaming the tiles by TMA, two compute
 warpgroups of 64 rows each), with two changes that fp8 imposes:
 
 - wgmma takes 8-bit operands only K-major, so rhs is streamed as ``[N, K]``
-  tiles, as the dlhs kernel reads them: the weights are transposed outside the
-  kernel on every call (a pass over them: about 0.3 ms of the 1.73 ms call at
-  M16384 K2048 N16384 G16 on the H200, estimated from its bytes against the
-  kernel's 1.38 ms measured alone, notes/FP8_DESIGN.md);
+  tiles, as the dlhs kernel reads them: `grouped_matmul_fp8` transposes the
+  weights to ``[G, N, K]``. Weights stored that way (``tokamax.quantize(...,
+  minor_axis=1)``) arrive as the transpose of their stored values, which XLA
+  cancels against this one: no pass over the weights. Other weights pay a
+  transpose per call (0.35 ms of 1.73 at M16384 K2048 N16384 G16 on the H200,
+  notes/MEASUREMENTS.md);
 - Hopper's fp8 wgmma accumulates with reduced precision, so each 128-deep step
   is accumulated alone (a fresh wgmma accumulator) and promoted: multiplied by
   its row and column scales and added to a float32 total in registers. The
   scales travel with the operand tiles in the same pipeline (lhs scales as
   ``[K/128, M]`` rows, rhs scales as rows of ``[G, K/128, N]`` or of one
-  scale per 128-column block).
+  scale per 128-column block) and are read while the step's wgmma runs.
 
-A warpgroup holds three float32 tiles of ``64 x 2 block_n`` (the total, the
-step in flight, the previous step's product: `_ScaledGroupTiles`), so a
-block's tile is ``128 x 2 block_n`` with ``block_n <= 64`` (128 output
-columns): wider ones do not fit in 232 registers.
+A block's tile is ``128 x 2 block_n`` with ``block_n <= 64`` (128 output
+columns): ptxas gives this kernel 168 registers a thread, and wider tiles (a
+warpgroup's float32 total of 64 x 256 and a 64-column chunk in flight)
+spilled and ran 2.3-2.8x slower on the H200 (notes/MEASUREMENTS.md, session 12).
 """
 
 from __future__ import annotations
@@ -114,13 +116,16 @@ class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
   """`rdk._GroupTiles` streaming the step's scales with the operand tiles and
   promoting every K step's wgmma result into a float32 total.
 
-  ``col_block``: one rhs scale per step covers the tile's 128 columns (rhs
-  scales over blocks of a multiple of 128 columns, DeepSeek-V3's 128x128). Each
-  step then issues its wgmma first and, while it runs, adds the previous step's
-  product times its scales to the total (the carry holds that product and its
-  per-row scale). Otherwise (narrower rhs blocks, e.g. per channel) each column
-  has its own scale and the step waits for its wgmma, then promotes it: a
-  per-column scale tile does not fit next to the in-flight accumulator.
+  Each step issues its wgmma into a fresh accumulator, reads the step's scales
+  while it runs, waits for it and adds the product times the scales to the
+  total. ``col_block``: one rhs scale per step covers the tile's 128 columns
+  (rhs scales over blocks of a multiple of 128 columns, DeepSeek-V3's 128x128),
+  so a row's scale is the product of two scalars; otherwise (narrower rhs
+  blocks, e.g. per channel) each column has its own.
+
+  (Promoting the previous step's product under this step's wgmma instead needs
+  a third float32 tile and a copy of the accumulator per step: 1.17x slower at
+  G16 on the H200, notes/MEASUREMENTS.md, session 12.)
   """
 
   col_block: bool
@@ -159,30 +164,25 @@ class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
         plgpu.load(a_scales.at[0, pl.ds(0, rows)], (), layout=layout),
         plgpu.load(a_scales.at[0, pl.ds(rows, rows)], (), layout=layout))
 
-  def mma(self, item, _, a_smem, b_smem, a_scales, b_scales, carry):
-    shape = (self.half, self.cta_n)
+  def step_scales(self, item, a_scales, b_scales):
+    """The step's scales: per row (times the column block's), and per column
+    unless ``col_block``."""
+    rows = self.row_scales(item, a_scales)
     if self.col_block:
-      total, prev, prev_scale = carry
-      total, acc = self.wgmma_step(
-          item, a_smem, b_smem,
-          lambda: total + prev * lax.broadcast_in_dim(prev_scale, shape, [0]))
-      return total, acc, self.row_scales(item, a_scales) * b_scales[0, 0]
-    _, acc = self.wgmma_step(item, a_smem, b_smem, lambda: None)
-    col_scale = plgpu.load(b_scales.at[0], (), layout=plgpu.Layout.WGMMA.reduce(0))
-    scale = (lax.broadcast_in_dim(self.row_scales(item, a_scales), shape, [0])
-             * lax.broadcast_in_dim(col_scale, shape, [1]))
-    return carry + acc * scale
+      return (rows * b_scales[0, 0],)
+    return rows, plgpu.load(b_scales.at[0], (), layout=plgpu.Layout.WGMMA.reduce(0))
+
+  def mma(self, item, _, a_smem, b_smem, a_scales, b_scales, total):
+    shape = (self.half, self.cta_n)
+    scales, acc = self.wgmma_step(
+        item, a_smem, b_smem, lambda: self.step_scales(item, a_scales, b_scales))
+    product = acc * lax.broadcast_in_dim(scales[0], shape, [0])
+    if not self.col_block:
+      product = product * lax.broadcast_in_dim(scales[1], shape, [1])
+    return total + product
 
   def context(self, item, out_ref, out_smem, eval_pipeline):
-    shape = (self.half, self.cta_n)
-    zeros = _pipeline.zeros_tile(shape, jnp.float32)
-    if self.col_block:
-      no_scale = plgpu.layout_cast(jnp.zeros((self.half,), jnp.float32),
-                                   plgpu.Layout.WGMMA.reduce(1))
-      total, last, last_scale = eval_pipeline((zeros, zeros, no_scale))
-      total = total + last * lax.broadcast_in_dim(last_scale, shape, [0])
-    else:
-      total = eval_pipeline(zeros)
+    total = eval_pipeline(_pipeline.zeros_tile((self.half, self.cta_n), jnp.float32))
     self.store_acc(item, out_ref, out_smem, total)
 
 

@@ -33,27 +33,43 @@ class QuantizedArray:
   """``values * scales`` (block scales), standing for an array of ``dtype``.
 
   Attributes:
-    values: float8_e4m3fn, float8_e5m2 or int8.
-    scales: float32, the rank of `values`; each dim divides the values' (one
+    values: float8_e4m3fn, float8_e5m2 or int8; stored with axis `minor_axis`
+      of the array moved last, where one is given.
+    scales: float32, the rank of the array; each dim divides the array's (one
       scale per tile: 1x128 per row for activations and 128x128 for weights is
-      DeepSeek-V3's fp8 recipe).
+      DeepSeek-V3's fp8 recipe). Always in the array's own axis order.
     dtype: the dtype the operand stands for (and the default output dtype of an
       op it enters).
+    minor_axis: None (`values` in the array's axis order), or the axis of the
+      array that `values` holds last (contiguous): ``values`` is
+      ``jnp.moveaxis(array, minor_axis, -1)``. Hopper's fp8 matmul reads both
+      operands contraction-minor, so ragged_dot weights ``[G, K, N]`` stored
+      with ``minor_axis=1`` (``[G, N, K]``, DeepGEMM's layout) reach the kernel
+      without a transpose per call; with ``minor_axis=None`` the kernel's
+      wrapper transposes them on every call.
 
   Example:
     >>> w = jax.random.normal(jax.random.key(0), (8, 256, 512), jnp.bfloat16)
     >>> wq = tokamax.quantize(w, tile_shape=(1, 128, 128))
     >>> wq.values.dtype, wq.scales.shape
     (dtype(float8_e4m3fn), (8, 2, 4))
+    >>> tokamax.quantize(w, tile_shape=(1, 128, 128), minor_axis=1).values.shape
+    (8, 512, 256)
   """
 
   values: jax.Array
   scales: jax.Array
   dtype: Any = dataclasses.field(default=jnp.bfloat16, metadata=dict(static=True))
+  minor_axis: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @property
   def shape(self) -> tuple[int, ...]:
-    return tuple(self.values.shape)
+    """The shape of the array it stands for."""
+    shape = tuple(self.values.shape)
+    if self.minor_axis is None:
+      return shape
+    axis = self.minor_axis % len(shape)
+    return shape[:axis] + shape[-1:] + shape[axis:-1]
 
   @property
   def ndim(self) -> int:
@@ -61,15 +77,24 @@ class QuantizedArray:
 
   @property
   def tile_shape(self) -> tuple[int, ...]:
-    return tuple(v // s for v, s in zip(self.values.shape, self.scales.shape))
+    return tuple(v // s for v, s in zip(self.shape, self.scales.shape))
+
+  def array_values(self) -> jax.Array:
+    """`values` in the array's own axis order. Where `minor_axis` is set this is
+    a transpose, which XLA cancels against a kernel's transpose back to the
+    stored order (the fp8 ragged_dot's), so the kernel reads `values` as stored."""
+    if self.minor_axis is None:
+      return self.values
+    return jnp.moveaxis(self.values, -1, self.minor_axis)
 
   def dequantize(self) -> jax.Array:
     """The array it stands for, in `dtype`."""
-    return xla_ref.dequantize(self.values, self.scales).astype(self.dtype)
+    return xla_ref.dequantize(self.array_values(), self.scales).astype(self.dtype)
 
 
 def quantize(x: jax.Array, tile_shape: tuple[int, ...],
-             dtype: Any = jnp.float8_e4m3fn) -> QuantizedArray:
+             dtype: Any = jnp.float8_e4m3fn, minor_axis: int | None = None
+             ) -> QuantizedArray:
   """`x` as a `QuantizedArray`: one scale per tile, ``max|tile| / max(dtype)``
   (absmax), values rounded to `dtype`.
 
@@ -79,10 +104,15 @@ def quantize(x: jax.Array, tile_shape: tuple[int, ...],
       dividing it (e.g. ``(1, 128)`` for activations, ``(1, 128, 128)`` for a
       ``[G, K, N]`` weight).
     dtype: float8_e4m3fn, float8_e5m2 or int8.
+    minor_axis: None, or the axis of `x` to store last in the values
+      (`QuantizedArray.minor_axis`): 1 for ``[G, K, N]`` weights of the fp8
+      ragged_dot, which then reads them without a transpose.
   """
   dtype = jnp.dtype(dtype)
   if dtype not in [jnp.dtype(d) for d in VALUE_DTYPES]:
     raise TypeError(f"dtype must be float8_e4m3fn, float8_e5m2 or int8; got {dtype.name}")
+  if minor_axis is not None:
+    minor_axis = _check_minor_axis(minor_axis, x.ndim)
   tile_shape = tuple(tile_shape)
   if len(tile_shape) != x.ndim or any(
       t < 1 or size % t for size, t in zip(x.shape, tile_shape)):
@@ -99,7 +129,20 @@ def quantize(x: jax.Array, tile_shape: tuple[int, ...],
   scaled = x.astype(jnp.float32) / xla_ref.per_element(scales, x.shape)
   if jnp.issubdtype(dtype, jnp.integer):
     scaled = jnp.round(scaled)
-  return QuantizedArray(scaled.astype(dtype), scales, jnp.dtype(x.dtype))
+  values = scaled.astype(dtype)
+  if minor_axis is not None:
+    values = jnp.moveaxis(values, minor_axis, -1)
+  return QuantizedArray(values, scales, jnp.dtype(x.dtype), minor_axis)
+
+
+def _check_minor_axis(minor_axis: Any, ndim: int, name: str = "minor_axis") -> int:
+  """`minor_axis` as a non-negative axis of a rank-`ndim` array (ValueError
+  naming `name` if it is not one)."""
+  if (isinstance(minor_axis, bool) or not isinstance(minor_axis, int)
+      or not -ndim <= minor_axis < ndim):
+    raise ValueError(f"{name} must be None or an axis of the {ndim}-d array "
+                     f"(an int in [{-ndim}, {ndim})); got {minor_axis!r}")
+  return minor_axis % ndim
 
 
 def _unwrap(x: Any) -> Any:
@@ -113,7 +156,9 @@ def split(name: str, x: Any) -> tuple[Any, jax.Array | None, Any]:
   (``dtype`` then its own) or for a scheme dequantized here (module docstring)."""
   x = _unwrap(x)
   if isinstance(x, QuantizedArray):
-    values, scales, dtype = x.values, x.scales, jnp.dtype(x.dtype)
+    if x.minor_axis is not None:
+      _check_minor_axis(x.minor_axis, x.values.ndim, f"{name}: minor_axis")
+    values, scales, dtype = x.array_values(), x.scales, jnp.dtype(x.dtype)
   elif hasattr(x, "qvalue") and hasattr(x, "scale"):  # a Qwix QArray
     values, scales, dtype = x.qvalue, x.scale, jnp.dtype(x.scale.dtype)
     qtype = getattr(x, "qtype", None)

@@ -37,28 +37,33 @@ def problem(m, k, n, g, random_sizes) -> Problem:
                  reference=("lax.ragged_dot", "tokamax xla"))
 
 
-def fp8_problem(m, k, n, g, random_sizes) -> Problem:
+def fp8_problem(m, k, n, g, random_sizes, k_major=False) -> Problem:
   """The forward on float8_e4m3fn operands with DeepSeek-V3's block scales (1x128
   lhs tiles, 128x128 rhs blocks), against the bf16 ragged_dot at the same shape
   (the speed-up fp8 is for); numbers against the XLA reference on the same
-  quantized inputs. Forward only: the training step's fp8 backward is not built."""
+  quantized inputs. Forward only: the training step's fp8 backward is not built.
+
+  `k_major`: the weights stored ``[G, N, K]`` (``minor_axis=1``), as Hopper's fp8
+  matmul reads them; else ``[G, K, N]``, which the kernel transposes per call."""
   bf16 = problem(m, k, n, g, random_sizes)
+  minor_axis = 1 if k_major else None
 
   def make():
     lhs, rhs, sizes = bf16.make_inputs()
     lq = quantization.quantize(lhs, (1, 128))
-    rq = quantization.quantize(rhs, (1, 128, 128))
+    rq = quantization.quantize(rhs, (1, 128, 128), minor_axis=minor_axis)
     return lq.values, lq.scales, rq.values, rq.scales, sizes, lhs, rhs
 
   def call(a, implementation):
     lv, ls, rv, rs, sizes = a[:5]
     return api.ragged_dot(quantization.QuantizedArray(lv, ls, BF16),
-                          quantization.QuantizedArray(rv, rs, BF16), sizes,
-                          implementation=implementation)
+                          quantization.QuantizedArray(rv, rs, BF16, minor_axis),
+                          sizes, implementation=implementation)
 
   peers = {"bf16 ragged_dot (tokamax auto)":
            lambda a: api.ragged_dot(a[5], a[6], a[4])}
-  return Problem("ragged_dot", bf16.name + " fp8 1x128/128x128", make, call, peers,
+  name = bf16.name + " fp8 1x128/128x128" + (" K-major" if k_major else "")
+  return Problem("ragged_dot", name, make, call, peers,
                  flops=bf16.flops, reference=("tokamax xla",), dtype="bfloat16",
                  directions=("forward",), untimed=("tokamax xla",))
 
@@ -66,13 +71,15 @@ def fp8_problem(m, k, n, g, random_sizes) -> Problem:
 def reference_problems() -> list[Problem]:
   """The shapes of shared/BENCHMARKS.md, in bf16 and in fp8."""
   shapes = [(16384, 2048, 16384, 16, False), (65536, 7168, 2048, 256, True)]
-  return [problem(*s) for s in shapes] + [fp8_problem(*s) for s in shapes]
+  return ([problem(*s) for s in shapes] + [fp8_problem(*s) for s in shapes]
+          + [fp8_problem(*s, k_major=True) for s in shapes])
 
 
 def quick_problems() -> list[Problem]:
   """Small shapes of the same kinds, for CPUs (seconds each)."""
   return [problem(512, 256, 512, 4, False), problem(512, 256, 256, 8, True),
-          fp8_problem(512, 256, 512, 4, False)]
+          fp8_problem(512, 256, 512, 4, False),
+          fp8_problem(512, 256, 512, 4, False, k_major=True)]
 
 
 def probe_args() -> RaggedDotArgs:
