@@ -36,6 +36,30 @@ def test_run_problem_times_every_candidate_against_the_peer(tmp_path):
   assert [p.rsplit("/", 1)[1] for p in bench_suite.plot(rows, str(tmp_path))] == ["throughput.png"]
 
 
+def test_a_run_that_fails_when_its_output_is_read_is_a_failed_cell(monkeypatch):
+  """Device runs are asynchronous: an out-of-memory failure surfaces when the
+  output is first read (the comparison). That candidate's cell fails; the
+  others are still timed."""
+  base = _tiny_norm()
+  call = lambda a, i: base.call(a, i).astype(jnp.float16 if i == "xla" else jnp.float32)
+  problem = bench_suite.Problem(base.op, base.name, base.make_inputs, call, base.peers,
+                                bytes=base.bytes, backward_factor=2.0,
+                                reference=("XLA (jnp)",))
+  compare = bench_models.relative_errors
+
+  def failing_on_float16(actual, expected):
+    if any(x.dtype == jnp.float16 for x in jax.tree_util.tree_leaves(actual)):
+      raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory (as a device reports it)")
+    return compare(actual, expected)
+  monkeypatch.setattr(bench_models, "relative_errors", failing_on_float16)
+  rows = bench_suite.run_problem(problem, [None, "xla"], iterations=2,
+                                 directions=("forward",))
+  by_label = {r["implementation"]: r for r in rows}
+  assert "RESOURCE_EXHAUSTED" in by_label["tokamax xla"]["error"]
+  assert "ms" not in by_label["tokamax xla"]
+  assert by_label["tokamax auto"]["ms"] > 0 and by_label["XLA (jnp)"]["ms"] > 0
+
+
 def test_reference_suite_covers_the_benchmark_shapes():
   names = {(p.op, p.name) for p in bench_suite.reference_suite()}
   assert ("dot_product_attention", "B4 T4096 N16 H128 causal") in names

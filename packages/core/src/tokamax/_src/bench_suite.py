@@ -108,24 +108,30 @@ def run_problem(problem: Problem, implementations: list[str | None],
     base = dict(op=problem.op, shape=problem.name, direction=direction)
     for j in order:  # compile each, run it once, compare its output
       label, fn = candidates[j]
+      row = dict(base, implementation=label)
       try:
         f, args = (jax.jit(fn), (inputs,)) if direction == "forward" else fwd_bwd(fn, inputs)
         contenders[label] = benchmarking.prepare(f, *args)
+        out = contenders[label].output
+        contenders[label].output = None  # freed once compared
+        against = reference
+        if against is None and label in problem.reference:
+          against = (label, out)
+        if against is not None and (label in problem.reference or
+                                    label.startswith("tokamax")):
+          # Runs are asynchronous: a failure of this one (e.g. out of device
+          # memory) surfaces here, and makes a failed cell like any other.
+          errors = bench_models.relative_errors(out, against[1])
+          row.update(rel_err=max(errors.values(), default=0.0), tol=tol,
+                     reference=against[0])
+        reference = against
+        del out
       except Exception as e:
+        contenders.pop(label, None)
         by_label[label] = dict(base, implementation=label,
                                error=f"{type(e).__name__}: {str(e)[:200]}")
         continue
-      out = contenders[label].output
-      contenders[label].output = None  # freed once compared
-      row = by_label[label] = dict(base, implementation=label)
-      if reference is None and label in problem.reference:
-        reference = (label, out)
-      if reference is not None and (label in problem.reference or
-                                    label.startswith("tokamax")):
-        errors = bench_models.relative_errors(out, reference[1])
-        row.update(rel_err=max(errors.values(), default=0.0), tol=tol,
-                   reference=reference[0])
-      del out
+      by_label[label] = row
       if label in problem.untimed:
         del contenders[label]
         row["note"] = "not timed"
