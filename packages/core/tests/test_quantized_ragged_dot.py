@@ -87,6 +87,68 @@ def test_k_major_weights_give_the_same_result_and_gradient():
   np.testing.assert_array_equal(grad(k_major), grad(plain))
 
 
+def _straight_through(xq, wq, dy):
+  """float64 gradients of ``sum(ragged_dot(xq, wq) * dy)`` with respect to the
+  arrays xq and wq stand for."""
+  x, w = _np_dequantize(xq), _np_dequantize(wq)
+  dy = np.asarray(dy, np.float64)
+  dx, dw = np.zeros_like(x), np.zeros_like(w)
+  start = 0
+  for g, size in enumerate(np.asarray(_SIZES)):
+    rows = slice(start, start + size)
+    dx[rows] = dy[rows] @ w[g].T
+    dw[g] = x[rows].T @ dy[rows]
+    start += size
+  return dx, dw
+
+
+@pytest.mark.parametrize("dy_scale", [1.0, 1e-3])
+def test_gradients_reach_the_sources_straight_through(dy_scale):
+  """Quantized inside the differentiated function (fp8 training): the gradients
+  with respect to x and w are those with respect to the arrays the quantized
+  operands stand for. Through the float8 values they would be rounded to
+  float8, and vanish at small magnitudes."""
+  lhs, rhs = _operands()
+  x, w = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
+  dy = jnp.asarray(_RNG.standard_normal((96, 384)) * dy_scale, jnp.float32)
+
+  def loss(x, w):
+    xq = tokamax.quantize(x, (1, 128))
+    wq = tokamax.quantize(w, (1, 128, 128), minor_axis=1)
+    out = tokamax.ragged_dot(xq, wq, _SIZES, preferred_element_type=jnp.float32)
+    return jnp.sum(out * dy)
+
+  dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+  want_dx, want_dw = _straight_through(tokamax.quantize(x, (1, 128)),
+                                       tokamax.quantize(w, (1, 128, 128)), dy)
+  testing.assert_close(dx, want_dx, jnp.float32, what="dx")
+  testing.assert_close(dw, want_dw, jnp.float32, what="dw")
+
+
+def test_operands_without_a_source_get_no_gradient():
+  """Frozen quantized weights (stored without their source) and a quantized
+  operand's own values and scales take zero cotangents, never float8-rounded
+  ones; a plain operand beside them takes its gradient."""
+  lhs, rhs = _operands()
+  x = lhs.astype(jnp.float32)
+  wq = tokamax.quantize(rhs.astype(jnp.float32), (1, 128, 128), keep_source=False)
+  assert wq.source is None and tokamax.quantize(rhs, (1, 128, 128)).without_source().source is None
+  dy = jnp.asarray(_RNG.standard_normal((96, 384)), jnp.float32)
+  f = lambda x, wq: jnp.sum(tokamax.ragged_dot(
+      x, wq, _SIZES, preferred_element_type=jnp.float32) * dy)
+  dx, dwq = jax.grad(f, argnums=(0, 1))(x, wq)
+  want_dx, _ = _straight_through(tokamax.QuantizedArray(
+      x, jnp.ones((96, 1)), jnp.float32), wq, dy)
+  testing.assert_close(dx, want_dx, jnp.float32, what="dx")
+  assert not np.asarray(dwq.values, np.float32).any()
+  assert not np.asarray(dwq.scales).any()
+  xq = tokamax.quantize(x, (1, 128), keep_source=False)
+  dx_frozen = jax.grad(lambda x: jnp.sum(tokamax.ragged_dot(
+      tokamax.quantize(x, (1, 128), keep_source=False), wq, _SIZES,
+      preferred_element_type=jnp.float32) * dy))(x)
+  assert xq.source is None and not np.asarray(dx_frozen).any()
+
+
 def _declared_features(implementation: str) -> tuple[str, ...]:
   entry = next(e for e in registry.entries("ragged_dot") if e.name == implementation)
   return registry.forward_class(entry).supported_features

@@ -151,30 +151,38 @@ def test_moe_sized_and_picked_by_default():
 
 
 @gpu
-def test_training_step_takes_the_fp8_forward_and_the_reference_backward():
-  """Activations quantized inside the step: the forward runs the fp8 kernel, the
-  backward (no fp8 kernel) the reference's; gradients equal the reference's."""
+def test_training_step_takes_the_fp8_forward_and_a_kernel_backward():
+  """Activations and weights quantized inside the step (fp8 training): the
+  forward runs the fp8 kernel; the backward (straight-through, core's
+  `_quantized_call`) runs the plain ragged_dot's backward kernels on the
+  dequantized operands, not the reference; the gradients reach x and w and
+  equal the reference's."""
   rng = np.random.default_rng(9)
   x = jnp.asarray(rng.standard_normal((1024, 512)), jnp.bfloat16)
-  _, rq = _quantized(8, 512, 256, 4)
+  w = jnp.asarray(rng.standard_normal((4, 512, 256)) / np.sqrt(512), jnp.bfloat16)
   sizes = jnp.asarray([300, 200, 0, 500], jnp.int32)
-  dy = jnp.asarray(rng.standard_normal((1024, 256)), jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((1024, 256)) * 1e-3, jnp.float32)
 
-  def loss(x, impl):
+  def loss(x, w, impl):
     xq = tokamax.quantize(x, (1, 128))
-    y = tokamax.ragged_dot(xq, rq, sizes, implementation=impl)
+    wq = tokamax.quantize(w, (1, 128, 128), minor_axis=1)
+    y = tokamax.ragged_dot(xq, wq, sizes, implementation=impl)
     return jnp.sum(y.astype(jnp.float32) * dy), y
 
-  step = lambda impl: jax.jit(jax.value_and_grad(lambda x: loss(x, impl), has_aux=True))
+  step = lambda impl: jax.jit(jax.value_and_grad(
+      lambda x, w: loss(x, w, impl), argnums=(0, 1), has_aux=True))
   with tokamax.record_dispatch() as records:
-    (_, y), grad = step(None)(x)
-  assert [(r.direction, r.implementation) for r in records] == [
-      ("forward", "mosaic_gpu"), ("backward", "xla")], records
-  (_, want_y), want_grad = step("xla")(x)
+    (_, y), (dx, dw) = step(None)(x, w)
+  assert (records[0].direction, records[0].implementation) == ("forward", "mosaic_gpu")
+  backward = [r.implementation for r in records if r.direction == "backward"]
+  assert backward and "xla" not in backward, records
+  (_, want_y), (want_dx, want_dw) = step("xla")(x, w)
   # (The loss itself, a sum of products of random signs, cancels: its relative
   # error says nothing about the kernel's.)
   testing.assert_close(y, want_y, jnp.bfloat16, what="output", gpu=True)
-  testing.assert_close(grad, want_grad, jnp.bfloat16, what="dx", gpu=True)
+  testing.assert_close(dx, want_dx, jnp.bfloat16, what="dx", gpu=True)
+  testing.assert_close(dw, want_dw, jnp.bfloat16, what="dw", gpu=True)
+  assert float(jnp.linalg.norm(dx.astype(jnp.float32))) > 0
 
 
 # ----------------------------------------------------------------------------

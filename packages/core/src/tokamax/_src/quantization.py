@@ -9,7 +9,15 @@ values (``tile[i] = values.shape[i] // scales.shape[i]``; the convention of Qwix
 - a Qwix ``QArray`` (duck-typed: ``qvalue``, ``scale``, ``zero_point``, ``qtype``;
   core does not import Qwix), or a Qwix PTQ ``WithAux`` holding one (``.array``).
 
-`split` turns an operand into (values, scales or None, the dtype it stands for).
+`split` turns an operand into (values, scales or None, the dtype it stands for,
+its source or None).
+
+Gradients: a float8 array cannot carry a gradient (its cotangent would be
+rounded to float8: gradients of typical magnitudes vanish). An op on quantized
+operands is differentiable as a straight-through estimator instead: the gradient
+with respect to a `QuantizedArray`'s ``source`` (the array `quantize` was given)
+is the gradient with respect to the array the operand stands for; values and
+scales get none (`zero_cotangents`).
 A Qwix scheme no kernel takes (zero points, int4 or other values than float8
 and int8, a logical qtype other than the stored dtype) is dequantized there, and the call runs as one on
 plain arrays: the "dequantize, then XLA" fallback.
@@ -22,6 +30,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import tokamax_xla_reference as xla_ref
 
 VALUE_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8)
@@ -40,6 +49,10 @@ class QuantizedArray:
       DeepSeek-V3's fp8 recipe). Always in the array's own axis order.
     dtype: the dtype the operand stands for (and the default output dtype of an
       op it enters).
+    source: the array it was quantized from (`quantize` keeps it unless
+      ``keep_source=False``), or None. Only gradients use it: they flow to it as
+      if the operand were that array (straight-through); with None the operand
+      gets no gradient (frozen quantized weights).
     minor_axis: None (`values` in the array's axis order), or the axis of the
       array that `values` holds last (contiguous): ``values`` is
       ``jnp.moveaxis(array, minor_axis, -1)``. Hopper's fp8 matmul reads both
@@ -61,6 +74,11 @@ class QuantizedArray:
   scales: jax.Array
   dtype: Any = dataclasses.field(default=jnp.bfloat16, metadata=dict(static=True))
   minor_axis: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+  source: jax.Array | None = None
+
+  def without_source(self) -> QuantizedArray:
+    """The same operand without its source (to store quantized weights alone)."""
+    return dataclasses.replace(self, source=None)
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -93,8 +111,8 @@ class QuantizedArray:
 
 
 def quantize(x: jax.Array, tile_shape: tuple[int, ...],
-             dtype: Any = jnp.float8_e4m3fn, minor_axis: int | None = None
-             ) -> QuantizedArray:
+             dtype: Any = jnp.float8_e4m3fn, minor_axis: int | None = None,
+             keep_source: bool = True) -> QuantizedArray:
   """`x` as a `QuantizedArray`: one scale per tile, ``max|tile| / max(dtype)``
   (absmax), values rounded to `dtype`.
 
@@ -107,6 +125,10 @@ def quantize(x: jax.Array, tile_shape: tuple[int, ...],
     minor_axis: None, or the axis of `x` to store last in the values
       (`QuantizedArray.minor_axis`): 1 for ``[G, K, N]`` weights of the fp8
       ragged_dot, which then reads them without a transpose.
+    keep_source: record `x` as the result's ``source``, so that gradients reach
+      it (straight-through, as fp8 training takes them). Inside a jitted step
+      this costs nothing; pass False (or use `QuantizedArray.without_source`)
+      for quantized weights that are stored and not trained.
   """
   dtype = jnp.dtype(dtype)
   if dtype not in [jnp.dtype(d) for d in VALUE_DTYPES]:
@@ -132,7 +154,8 @@ def quantize(x: jax.Array, tile_shape: tuple[int, ...],
   values = scaled.astype(dtype)
   if minor_axis is not None:
     values = jnp.moveaxis(values, minor_axis, -1)
-  return QuantizedArray(values, scales, jnp.dtype(x.dtype), minor_axis)
+  return QuantizedArray(values, scales, jnp.dtype(x.dtype), minor_axis,
+                        x if keep_source else None)
 
 
 def _check_minor_axis(minor_axis: Any, ndim: int, name: str = "minor_axis") -> int:
@@ -151,14 +174,21 @@ def _unwrap(x: Any) -> Any:
   return inner if inner is not None and hasattr(inner, "qvalue") else x
 
 
-def split(name: str, x: Any) -> tuple[Any, jax.Array | None, Any]:
-  """``(values, scales, dtype)`` of operand `x`; ``scales`` None for a plain array
-  (``dtype`` then its own) or for a scheme dequantized here (module docstring)."""
+def split(name: str, x: Any) -> tuple[Any, jax.Array | None, Any, jax.Array | None]:
+  """``(values, scales, dtype, source)`` of operand `x`; ``scales`` None for a
+  plain array (``dtype`` then its own) or for a scheme dequantized here (module
+  docstring); ``source`` that of a `QuantizedArray`, else None."""
   x = _unwrap(x)
+  source = None
   if isinstance(x, QuantizedArray):
     if x.minor_axis is not None:
       _check_minor_axis(x.minor_axis, x.values.ndim, f"{name}: minor_axis")
     values, scales, dtype = x.array_values(), x.scales, jnp.dtype(x.dtype)
+    source = x.source
+    if source is not None and tuple(source.shape) != tuple(values.shape):
+      raise ValueError(f"{name}: source must have the shape of the array the "
+                       f"operand stands for, {tuple(values.shape)}; got "
+                       f"{tuple(source.shape)}")
   elif hasattr(x, "qvalue") and hasattr(x, "scale"):  # a Qwix QArray
     values, scales, dtype = x.qvalue, x.scale, jnp.dtype(x.scale.dtype)
     qtype = getattr(x, "qtype", None)
@@ -169,9 +199,9 @@ def split(name: str, x: Any) -> tuple[Any, jax.Array | None, Any]:
       shifted = values.astype(jnp.float32)
       if getattr(x, "zero_point", None) is not None:
         shifted = shifted - xla_ref.per_element(x.zero_point, values.shape)
-      return (xla_ref.dequantize(shifted, scales).astype(dtype), None, dtype)
+      return (xla_ref.dequantize(shifted, scales).astype(dtype), None, dtype, None)
   else:
-    return x, None, getattr(x, "dtype", None)
+    return x, None, getattr(x, "dtype", None), None
   values_dtype = jnp.dtype(values.dtype)
   if values_dtype not in [jnp.dtype(d) for d in VALUE_DTYPES]:
     raise TypeError(f"{name}: quantized values must be float8_e4m3fn, float8_e5m2 "
@@ -184,4 +214,13 @@ def split(name: str, x: Any) -> tuple[Any, jax.Array | None, Any]:
   if not jnp.issubdtype(scales.dtype, jnp.floating):
     raise TypeError(f"{name}: scales must be a float array; got "
                     f"{jnp.dtype(scales.dtype).name}")
-  return values, scales.astype(jnp.float32), dtype
+  return values, scales.astype(jnp.float32), dtype, source
+
+
+def zero_cotangents(tree: Any) -> Any:
+  """Zero cotangents for every leaf of `tree` (float0 for integer leaves)."""
+  def zero(x):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+      return jnp.zeros(x.shape, x.dtype)
+    return np.zeros(x.shape, jax.dtypes.float0)
+  return jax.tree_util.tree_map(zero, tree)

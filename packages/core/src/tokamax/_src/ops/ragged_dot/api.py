@@ -9,9 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import tokamax_xla_reference as xla_ref
+
 from tokamax._src import dispatch
 from tokamax._src import quantization
-from tokamax._src.op import OpDefinition
+from tokamax._src.op import Op, OpDefinition
 from tokamax._src.ops import _checks
 from tokamax._src.ops.ragged_dot.sharding import ragged_dot_plan
 
@@ -118,8 +120,8 @@ def ragged_dot(
   Example:
     >>> out = tokamax.ragged_dot(tokens, expert_weights, tokens_per_expert)
   """
-  lhs, lhs_scales, lhs_dtype = quantization.split("lhs", lhs)
-  rhs, rhs_scales, rhs_dtype = quantization.split("rhs", rhs)
+  lhs, lhs_scales, lhs_dtype, lhs_source = quantization.split("lhs", lhs)
+  rhs, rhs_scales, rhs_dtype, rhs_source = quantization.split("rhs", rhs)
   lhs = _checks.as_array("lhs", lhs)
   rhs = _checks.as_array("rhs", rhs)
   group_sizes = _checks.as_array("group_sizes", group_sizes)
@@ -187,4 +189,57 @@ def ragged_dot(
       group_offset=group_offset, preferred_element_type=preferred_element_type,
       precision=_checks.canonical_precision(precision),
       lhs_scales=lhs_scales, rhs_scales=rhs_scales)
-  return dispatch.call(DEFINITION, args, implementation)
+  if lhs_scales is None and rhs_scales is None:
+    return dispatch.call(DEFINITION, args, implementation)
+  return _quantized_call(args, (lhs_source, rhs_source), (lhs_dtype, rhs_dtype),
+                         implementation)
+
+
+def _quantized_call(args: RaggedDotArgs, sources, dtypes, implementation):
+  """The call on quantized operands, differentiable as a straight-through
+  estimator (`tokamax._src.quantization`): the gradient with respect to an
+  operand's source is the plain ragged_dot's gradient with respect to the array
+  the operand stands for (its values times its scales, in `dtypes`), computed by
+  whichever implementation dispatch picks for that plain call; values and scales
+  get zero cotangents, and a plain operand its gradient. The forward runs the
+  quantized call as it is."""
+
+  @jax.custom_vjp
+  def call(sources, args):
+    del sources  # only the gradients' destination
+    return dispatch.call(DEFINITION, args, implementation)
+
+  def forward(sources, args):
+    return call(sources, args), args
+
+  def backward(args, dout):
+    def operand(values, scales, dtype):
+      if scales is None:
+        return values
+      return xla_ref.dequantize(values, scales).astype(dtype)
+
+    lhs = operand(args.lhs, args.lhs_scales, dtypes[0])
+    rhs = operand(args.rhs, args.rhs_scales, dtypes[1])
+    # An `Op` instance was configured for the quantized call; the plain one
+    # chooses its own.
+    plain_impl = None if isinstance(implementation, Op) else implementation
+    _, vjp = jax.vjp(
+        lambda lhs, rhs: ragged_dot(
+            lhs, rhs, args.group_sizes, precision=args.precision,
+            preferred_element_type=args.preferred_element_type,
+            group_offset=args.group_offset, implementation=plain_impl),
+        lhs, rhs)
+    dlhs, drhs = vjp(dout.astype(args.preferred_element_type))
+    d_sources = tuple(
+        None if source is None else grad.astype(source.dtype)
+        for source, grad in zip(sources, (dlhs, drhs)))
+    # A plain operand takes its gradient itself.
+    d_args = dataclasses.replace(
+        quantization.zero_cotangents(args),
+        **{name: grad for name, grad, scales in (
+            ("lhs", dlhs, args.lhs_scales), ("rhs", drhs, args.rhs_scales))
+           if scales is None})
+    return d_sources, d_args
+
+  call.defvjp(forward, backward)
+  return call(sources, args)

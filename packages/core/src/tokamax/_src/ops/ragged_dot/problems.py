@@ -68,18 +68,40 @@ def fp8_problem(m, k, n, g, random_sizes, k_major=False) -> Problem:
                  directions=("forward",), untimed=("tokamax xla",))
 
 
+def fp8_training_problem(m, k, n, g, random_sizes) -> Problem:
+  """fp8 in a training step: bf16 activations and weights quantized inside the
+  step (1x128 / 128x128 K-major, DeepSeek-V3's recipe), the fp8 ragged_dot, and
+  its straight-through backward (the plain ragged_dot's backward on the
+  dequantized operands); forward and forward+backward against the bf16
+  ragged_dot, quantization included."""
+  bf16 = problem(m, k, n, g, random_sizes)
+
+  def call(a, implementation):
+    lhs, rhs, sizes = a
+    return api.ragged_dot(quantization.quantize(lhs, (1, 128)),
+                          quantization.quantize(rhs, (1, 128, 128), minor_axis=1),
+                          sizes, implementation=implementation)
+
+  peers = {"bf16 ragged_dot (tokamax auto)": lambda a: api.ragged_dot(*a)}
+  return Problem("ragged_dot", bf16.name + " fp8 training", bf16.make_inputs, call,
+                 peers, flops=bf16.flops, backward_factor=3.0,
+                 reference=("tokamax xla",), dtype="bfloat16", untimed=("tokamax xla",))
+
+
 def reference_problems() -> list[Problem]:
   """The shapes of shared/BENCHMARKS.md, in bf16 and in fp8."""
   shapes = [(16384, 2048, 16384, 16, False), (65536, 7168, 2048, 256, True)]
   return ([problem(*s) for s in shapes] + [fp8_problem(*s) for s in shapes]
-          + [fp8_problem(*s, k_major=True) for s in shapes])
+          + [fp8_problem(*s, k_major=True) for s in shapes]
+          + [fp8_training_problem(*s) for s in shapes])
 
 
 def quick_problems() -> list[Problem]:
   """Small shapes of the same kinds, for CPUs (seconds each)."""
   return [problem(512, 256, 512, 4, False), problem(512, 256, 256, 8, True),
           fp8_problem(512, 256, 512, 4, False),
-          fp8_problem(512, 256, 512, 4, False, k_major=True)]
+          fp8_problem(512, 256, 512, 4, False, k_major=True),
+          fp8_training_problem(512, 256, 512, 4, False)]
 
 
 def probe_args() -> RaggedDotArgs:
