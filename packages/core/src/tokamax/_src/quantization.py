@@ -141,14 +141,18 @@ def quantize(x: jax.Array, tile_shape: tuple[int, ...],
     raise ValueError(f"tile_shape must have one entry per dim of x, each dividing "
                      f"it; got {tile_shape} for shape {tuple(x.shape)}")
   counts = tuple(size // t for size, t in zip(x.shape, tile_shape))
-  # [c0, t0, c1, t1, ...]: the absmax of each tile over its t axes.
-  tiled = jnp.abs(x.astype(jnp.float32)).reshape(
-      tuple(d for c, t in zip(counts, tile_shape) for d in (c, t)))
-  absmax = jnp.max(tiled, axis=tuple(range(1, 2 * x.ndim, 2)))
+  # [c0, t0, c1, t1, ...]: each tile's absmax over its t axes, and the scaling
+  # by a broadcast of it (one reduction and one elementwise pass for XLA).
+  # Values and scales carry no gradient (a float8 cotangent would be rounded):
+  # gradients reach `x` as the source, by the ops that take the result.
+  tiled = jax.lax.stop_gradient(x).astype(jnp.float32).reshape(
+      [d for c, t in zip(counts, tile_shape) for d in (c, t)])
+  absmax = jnp.max(jnp.abs(tiled), axis=tuple(range(1, 2 * x.ndim, 2)), keepdims=True)
   largest = float(jnp.finfo(dtype).max if jnp.issubdtype(dtype, jnp.floating)
                   else jnp.iinfo(dtype).max)
-  scales = jnp.where(absmax > 0, absmax / largest, 1.0).astype(jnp.float32)
-  scaled = x.astype(jnp.float32) / xla_ref.per_element(scales, x.shape)
+  tile_scales = jnp.where(absmax > 0, absmax / largest, 1.0).astype(jnp.float32)
+  scaled = (tiled / tile_scales).reshape(x.shape)
+  scales = tile_scales.reshape(counts)
   if jnp.issubdtype(dtype, jnp.integer):
     scaled = jnp.round(scaled)
   values = scaled.astype(dtype)
