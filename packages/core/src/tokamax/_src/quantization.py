@@ -10,7 +10,10 @@ values (``tile[i] = values.shape[i] // scales.shape[i]``; the convention of Qwix
   core does not import Qwix), or a Qwix PTQ ``WithAux`` holding one (``.array``).
 
 `split` turns an operand into (values, scales or None, the dtype it stands for,
-its source or None).
+its source or None). A Qwix scheme no kernel takes (zero points, int4 or other
+values than float8 and int8, a logical qtype other than the stored dtype) is
+dequantized there, and the call runs as one on plain arrays: the "dequantize,
+then XLA" fallback.
 
 Gradients: a float8 array cannot carry a gradient (its cotangent would be
 rounded to float8: gradients of typical magnitudes vanish). An op on quantized
@@ -18,9 +21,6 @@ operands is differentiable as a straight-through estimator instead: the gradient
 with respect to a `QuantizedArray`'s ``source`` (the array `quantize` was given)
 is the gradient with respect to the array the operand stands for; values and
 scales get none (`zero_cotangents`).
-A Qwix scheme no kernel takes (zero points, int4 or other values than float8
-and int8, a logical qtype other than the stored dtype) is dequantized there, and the call runs as one on
-plain arrays: the "dequantize, then XLA" fallback.
 """
 
 from __future__ import annotations

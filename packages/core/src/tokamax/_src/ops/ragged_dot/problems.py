@@ -41,7 +41,8 @@ def fp8_problem(m, k, n, g, random_sizes, k_major=False) -> Problem:
   """The forward on float8_e4m3fn operands with DeepSeek-V3's block scales (1x128
   lhs tiles, 128x128 rhs blocks), against the bf16 ragged_dot at the same shape
   (the speed-up fp8 is for); numbers against the XLA reference on the same
-  quantized inputs. Forward only: the training step's fp8 backward is not built.
+  quantized inputs. Forward only: operands quantized ahead carry no gradient (the
+  training step is `fp8_training_problem`).
 
   `k_major`: the weights stored ``[G, N, K]`` (``minor_axis=1``), as Hopper's fp8
   matmul reads them; else ``[G, K, N]``, which the kernel transposes per call."""
