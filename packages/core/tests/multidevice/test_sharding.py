@@ -318,6 +318,19 @@ def test_quantized_ragged_dot_on_sharded_operands_gathers_them():
   np.testing.assert_allclose(got, tokamax.ragged_dot(lhs, rq, SIZES), rtol=1e-6)
 
 
+def test_quantized_ragged_dot_gradients_on_sharded_operands():
+  """Activations quantized inside the differentiated function, rows sharded:
+  the straight-through gradients reach x and w as on one device."""
+  mesh = _mesh((2, HALF))
+  fn = lambda x, w: tokamax.ragged_dot(
+      tokamax.quantize(x, (1, 128)), tokamax.quantize(w, (1, 128, 8), minor_axis=1),
+      SIZES, preferred_element_type=jnp.float32)
+  x, w = _rand(32, 128), _rand(8, 128, 8)
+  _check(mesh, fn, (x, w), (P("a"), P()), no_gather=False)
+  dx, dw = jax.grad(lambda x, w: jnp.sum(fn(x, w)), argnums=(0, 1))(x, w)
+  assert float(jnp.abs(dx).max()) > 0 and float(jnp.abs(dw).max()) > 0
+
+
 # ------------------------------------------- leading dims sharded individually
 
 # x [B, T, D] with T sharded (sequence parallelism) or B and T over two axes: a
