@@ -29,6 +29,11 @@ def _calls():
               (_rand(5, 16), _rand(16, 2, 8))),
       "ragged_dot": (lambda lhs, rhs: tokamax.ragged_dot(lhs, rhs, sizes),
                      (_rand(9, 16), _rand(3, 16, 8))),
+      # Quantized inside: straight-through gradients to the sources.
+      "quantized_ragged_dot": (lambda lhs, rhs: tokamax.ragged_dot(
+          tokamax.quantize(lhs, (1, 16)),
+          tokamax.quantize(rhs, (1, 16, 8), minor_axis=1), sizes),
+                               (_rand(9, 16), _rand(3, 16, 8))),
   }
 
 
