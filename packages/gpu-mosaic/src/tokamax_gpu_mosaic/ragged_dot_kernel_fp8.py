@@ -27,7 +27,7 @@ warpgroups of 64 rows each), with two changes that fp8 imposes:
 A block's tile is ``128 x 2 block_n`` with ``block_n <= 64`` (128 output
 columns): ptxas gives this kernel 168 registers a thread, and wider tiles (a
 warpgroup's float32 total of 64 x 256 and a 64-column chunk in flight)
-spilled and ran 2.3-2.8x slower on the H200 (notes/MEASUREMENTS.md, session 12).
+spilled and ran 2.3-3.0x slower on the H200 (notes/MEASUREMENTS.md, session 12).
 """
 
 from __future__ import annotations
