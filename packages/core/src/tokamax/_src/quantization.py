@@ -26,6 +26,7 @@ scales get none (`zero_cotangents`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -219,6 +220,38 @@ def split(name: str, x: Any) -> tuple[Any, jax.Array | None, Any, jax.Array | No
     raise TypeError(f"{name}: scales must be a float array; got "
                     f"{jnp.dtype(scales.dtype).name}")
   return values, scales.astype(jnp.float32), dtype, source
+
+
+def dequantized(name: str, x: Any) -> Any:
+  """Operand `x` of an op without quantized kernels (the "dequantize, then run"
+  fallback): a quantized operand as the array it stands for, whose gradient goes
+  straight through to its source (none without one); any other as it is."""
+  values, scales, dtype, source = split(name, x)
+  if scales is None:
+    return values
+  array = jax.lax.stop_gradient(xla_ref.dequantize(values, scales).astype(dtype))
+  if source is None:
+    return array
+  return _straight_through(jnp.dtype(source.dtype), array, source)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _straight_through(source_dtype, array, source):
+  """`array`, with the gradient going to `source` instead (straight-through)."""
+  del source_dtype, source
+  return array
+
+
+def _straight_through_fwd(source_dtype, array, source):
+  del source_dtype, source
+  return array, None
+
+
+def _straight_through_bwd(source_dtype, _, cotangent):
+  return jnp.zeros_like(cotangent), cotangent.astype(source_dtype)
+
+
+_straight_through.defvjp(_straight_through_fwd, _straight_through_bwd)
 
 
 def zero_cotangents(tree: Any) -> Any:

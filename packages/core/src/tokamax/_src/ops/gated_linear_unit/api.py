@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from tokamax._src import dispatch
+from tokamax._src import quantization
 from tokamax._src.op import OpDefinition
 from tokamax._src.ops import _checks
 from tokamax._src.ops.gated_linear_unit.sharding import gated_linear_unit_plan
@@ -140,7 +141,10 @@ def gated_linear_unit(
   Args:
     x: ``[..., K]``.
     weights: ``[K, 2, N]`` (gate, up stacked on axis 1) or a pair
-      ``(w_gate [K, N], w_up [K, N])``.
+      ``(w_gate [K, N], w_up [K, N])``. x and the weights may be quantized
+      (`tokamax.QuantizedArray`, a Qwix ``QArray`` / ``WithAux``): they are
+      dequantized to the arrays they stand for (no GLU kernel applies scales),
+      with straight-through gradients to a `QuantizedArray`'s source.
     activation: any elementwise JAX callable, or None.
     precision: matmul precision, as `jax.lax.dot_general` takes it.
     implementation: None, a name, a sequence of names or a `tokamax.Op`.
@@ -151,7 +155,8 @@ def gated_linear_unit(
   Example:
     >>> y = tokamax.gated_linear_unit(x, w, activation=jax.nn.silu)  # SwiGLU
   """
-  x = _checks.as_array("x", x)
+  # Quantized operands (no GLU kernel takes scales): the arrays they stand for.
+  x = _checks.as_array("x", quantization.dequantized("x", x))
   _checks.check_float("x", x)
   if x.ndim < 1:
     raise ValueError(f"x must have rank >= 1 ([..., K]); got {_checks.describe(x)}")
@@ -159,8 +164,8 @@ def gated_linear_unit(
     if len(weights) != 2:
       raise ValueError(f"weights as a sequence must be a pair (w_gate, w_up); got "
                        f"{len(weights)} arrays")
-    w_gate = _checks.as_array("weights[0]", weights[0])
-    w_up = _checks.as_array("weights[1]", weights[1])
+    w_gate = _checks.as_array("weights[0]", quantization.dequantized("weights[0]", weights[0]))
+    w_up = _checks.as_array("weights[1]", quantization.dequantized("weights[1]", weights[1]))
     for name, w in (("weights[0]", w_gate), ("weights[1]", w_up)):
       _checks.check_float(name, w)
       _checks.check_rank(name, w, 2, "[K, N]")
@@ -170,7 +175,7 @@ def gated_linear_unit(
     _checks.check_same_dtype(("weights[0]", "weights[1]"), (w_gate, w_up))
     weights = jnp.stack([w_gate, w_up], axis=1)
   else:
-    weights = _checks.as_array("weights", weights)
+    weights = _checks.as_array("weights", quantization.dequantized("weights", weights))
     _checks.check_float("weights", weights)
     _checks.check_rank("weights", weights, 3, "[K, 2, N]")
     if weights.shape[1] != 2:

@@ -1,0 +1,67 @@
+"""gated_linear_unit on quantized operands: no GLU kernel applies block scales, so
+they are dequantized at the API (the "dequantize, then run" fallback), with
+straight-through gradients to a `tokamax.QuantizedArray`'s source."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tokamax
+
+_RNG = np.random.default_rng(5)
+
+
+def _operands():
+  x = jnp.asarray(_RNG.standard_normal((48, 256)), jnp.float32)
+  w = jnp.asarray(_RNG.standard_normal((256, 2, 128)) / 16, jnp.float32)
+  return x, w
+
+
+def _glu(x, w):
+  return tokamax.gated_linear_unit(x, w, activation=jax.nn.silu)
+
+
+def test_quantized_weights_are_the_arrays_they_stand_for():
+  x, w = _operands()
+  wq = tokamax.quantize(w, (128, 1, 128))
+  xq = tokamax.quantize(x, (1, 128))
+  want = _glu(xq.dequantize(), wq.dequantize())
+  np.testing.assert_array_equal(_glu(xq, wq), want)
+  # The pair form, each matrix quantized on its own.
+  gate, up = (tokamax.quantize(w[:, i], (128, 128)) for i in (0, 1))
+  pair_want = _glu(x, jnp.stack([gate.dequantize(), up.dequantize()], axis=1))
+  np.testing.assert_array_equal(_glu(x, (gate, up)), pair_want)
+
+
+def test_gradients_go_straight_through_to_the_sources():
+  x, w = _operands()
+  dy = jnp.asarray(_RNG.standard_normal((48, 128)), jnp.float32)
+  loss = lambda x, w: jnp.sum(_glu(x, w) * dy)
+  quantize = lambda x, w: (tokamax.quantize(x, (1, 128)),
+                           tokamax.quantize(w, (128, 1, 128)))
+  dx, dw = jax.jit(jax.grad(lambda x, w: loss(*quantize(x, w)), argnums=(0, 1)))(x, w)
+  xq, wq = quantize(x, w)
+  want_dx, want_dw = jax.grad(loss, argnums=(0, 1))(xq.dequantize(), wq.dequantize())
+  np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-6)
+  assert float(jnp.abs(dw).max()) > 0
+  # Without a source (frozen quantized weights) no gradient reaches w.
+  frozen = jax.grad(lambda w: loss(x, tokamax.quantize(w, (128, 1, 128),
+                                                       keep_source=False)))(w)
+  assert not np.asarray(frozen).any()
+
+
+def test_with_qwix():
+  qwix = pytest.importorskip("qwix")
+  x, w = _operands()
+  wq = qwix.quantize(w, jnp.float8_e4m3fn, channelwise_axes=[1],
+                     tiled_axes={0: 128, 2: 128})
+  np.testing.assert_array_equal(_glu(x, wq), _glu(x, qwix.dequantize(wq)))
+
+
+def test_errors_name_the_operand():
+  x, w = _operands()
+  wq = tokamax.quantize(w, (128, 1, 128))
+  with pytest.raises(ValueError, match=r"weights: scales must have the values' rank"):
+    _glu(x, tokamax.QuantizedArray(wq.values, jnp.ones((2, 2))))
