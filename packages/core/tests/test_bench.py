@@ -60,6 +60,26 @@ def test_a_run_that_fails_when_its_output_is_read_is_a_failed_cell(monkeypatch):
   assert by_label["tokamax auto"]["ms"] > 0 and by_label["XLA (jnp)"]["ms"] > 0
 
 
+def test_auto_is_compared_with_the_fastest_named_implementation(capsys):
+  row = lambda shape, impl, ms: dict(op="op", shape=shape, direction="forward",
+                                     implementation=impl, ms=ms)
+  rows = [row("a", "tokamax auto", 1.10), row("a", "tokamax k1", 1.00),
+          row("a", "tokamax k2", 1.20), row("a", "peer", 0.50),
+          row("b", "tokamax auto", 2.00), row("b", "tokamax k1", 2.02),
+          row("c", "tokamax k1", 3.0),  # no auto row: nothing to compare
+          dict(op="op", shape="d", direction="forward", implementation="tokamax auto",
+               error="failed")]
+  found = {f["shape"]: f for f in bench_suite.auto_against_fastest(rows)}
+  assert set(found) == {"a", "b"}
+  assert found["a"]["fastest"] == "tokamax k1"
+  assert found["a"]["ratio"] == pytest.approx(1.10)
+  assert found["b"]["ratio"] == pytest.approx(2.00 / 2.02)
+  bench_suite._print_auto_against_fastest(rows)
+  out = capsys.readouterr().out
+  assert "within 3% on 1 of 2 rows" in out and "op / a / forward" in out
+  assert "op / b /" not in out
+
+
 def test_reference_suite_covers_the_benchmark_shapes():
   names = {(p.op, p.name) for p in bench_suite.reference_suite()}
   assert ("dot_product_attention", "B4 T4096 N16 H128 causal") in names

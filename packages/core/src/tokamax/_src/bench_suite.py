@@ -399,9 +399,47 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
       f.write(markdown_table(all_rows) + "\n" + "".join(f"\n{n}\n" for n in notes))
     for path in plot(all_rows, out):
       print(f"wrote {path}")
+  _print_auto_against_fastest(all_rows)
   if compare_path:
     status = max(status, _print_compare(all_rows, compare_path, threshold, error_growth))
   return status
+
+
+AUTO_MARGIN = 0.03  # `None` may be this much slower than the fastest of its run
+
+
+def auto_against_fastest(rows: list[dict]) -> list[dict]:
+  """Per (op, shape, direction) timed for `None` ("tokamax auto") and at least
+  one named implementation: the fastest named one and ``ratio`` = auto's time
+  / its time (above 1: `None` chose a slower one, or the run's spread)."""
+  groups: dict[tuple, dict[str, float]] = {}
+  for r in rows:
+    if "ms" in r and r["implementation"].startswith("tokamax"):
+      key = (r["op"], r["shape"], r["direction"])
+      groups.setdefault(key, {})[r["implementation"]] = r["ms"]
+  out = []
+  for (op, shape, direction), times in groups.items():
+    auto = times.pop("tokamax auto", None)
+    if auto is None or not times:
+      continue
+    fastest = min(times, key=times.get)
+    out.append(dict(op=op, shape=shape, direction=direction, fastest=fastest,
+                    auto_ms=auto, fastest_ms=times[fastest],
+                    ratio=auto / times[fastest]))
+  return out
+
+
+def _print_auto_against_fastest(rows: list[dict]) -> None:
+  found = auto_against_fastest(rows)
+  slower = [f for f in found if f["ratio"] > 1 + AUTO_MARGIN]
+  if not found:
+    return
+  print(f"\nimplementation=None against the fastest named implementation of the "
+        f"run: within {AUTO_MARGIN:.0%} on {len(found) - len(slower)} of "
+        f"{len(found)} rows")
+  for f in slower:
+    print(f"  {f['op']} / {f['shape']} / {f['direction']}: auto {f['auto_ms']:.3f} "
+          f"ms, {f['fastest']} {f['fastest_ms']:.3f} ms ({f['ratio'] - 1:+.1%})")
 
 
 def _run(ops, iterations, implementations, sweep, models, quick, sizes, shape=None):
