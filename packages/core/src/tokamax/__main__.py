@@ -114,19 +114,27 @@ def main(argv: list[str] | None = None) -> int:
                      help="attention throughput against sequence length instead")
   tune = sub.add_parser("autotune", help="autotune the reference shapes; write tuned data")
   tune.add_argument("--op", action="append", help="only this op (repeatable)")
-  tune.add_argument("--shape", help="only problems whose name contains this")
+  tune.add_argument("--shape", action="append",
+                    help="only problems whose name contains this (repeatable: any of them)")
   tune.add_argument("--out", required=True,
                     help="folder to write <device_kind_slug>/<op>.json into (e.g. a "
                          "backend package's tuned-data folder)")
   tune.add_argument("--iterations", type=int, default=5)
   tune.add_argument("--timeout", type=float, default=None, help="seconds per problem")
+  tune.add_argument("--grid", action="store_true",
+                    help="the grid shapes instead (each implementation's heuristic "
+                         "config only), written to <op>_grid.json: which "
+                         "implementation wins where, for implementation=None")
+  tune.add_argument("--skip", action="append", default=[], metavar="IMPLEMENTATION",
+                    help="do not measure this implementation (repeatable)")
   args = parser.parse_args(argv)
   if args.command == "info":
     info()
   elif args.command == "demo":
     demo.run()
   elif args.command == "autotune":
-    bench_suite.autotune_suite(args.op, args.shape, args.out, args.iterations, args.timeout)
+    bench_suite.autotune_suite(args.op, args.shape, args.out, args.iterations, args.timeout,
+                               grid=args.grid, skip=tuple(args.skip))
   elif args.command == "bench":
     impls = None if not args.implementation else [
         None if i == "auto" else i for i in args.implementation]

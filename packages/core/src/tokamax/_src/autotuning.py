@@ -11,9 +11,10 @@ the winners, serialize it with `dumps`/`loads`, combine results with `merge`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import jax
@@ -22,7 +23,7 @@ import numpy as np
 
 from tokamax._src import dispatch
 from tokamax._src import registry
-from tokamax._src.op import DeviceInfo, Op
+from tokamax._src.op import DeviceInfo, Op, allow_opaque_residuals, forward_for_backward
 from tokamax._src.tuning import trials as trials_lib
 from tokamax._src.tuning.results import AutotuningResult, Measurement, args_key, config_to_json
 
@@ -45,8 +46,10 @@ class _Collector:
     self.calls.setdefault(key, _Call(op_name, trials_lib.abstract(args), implementation))
 
 
-def _candidate_ops(call: _Call, direction: str, device, residuals) -> list[tuple[str, Op]]:
-  """Usable (label, op instance) pairs for this call and direction."""
+def _candidate_ops(call: _Call, direction: str, device,
+                   fwd_states: dict | None) -> list[tuple[str, Op]]:
+  """Usable (label, op instance) pairs for this call and direction (a backward
+  checked on the residuals `_state_for` gives it)."""
   if direction == "forward":
     cands = dispatch.expand(call.op, call.implementation, device)
     ops = []
@@ -69,16 +72,49 @@ def _candidate_ops(call: _Call, direction: str, device, residuals) -> list[tuple
       continue
     try:
       op = registry.backward_class(entry)()
-      op.check_supported(call.args, device, residuals)
+      op.check_supported(call.args, device, _state_for(entry.name, fwd_states)[1])
     except (NotImplementedError, ImportError):
       continue
     ops.append((entry.name, op))
   return ops
 
 
+def _forward_states(best: dict, concrete: Any, rng) -> dict:
+  """``{label: (out, residuals, dout)}`` of each measured forward at its best
+  config, and under ``None`` the fastest one's.
+
+  An implementation's backward is measured after its own forward (what a
+  training step runs, and what `sources.step_times` adds up); a backward with no
+  forward of its own here gets the fastest forward's residuals. One cotangent
+  serves every backward.
+
+  Residuals are made as in a training step (`forward_for_backward`,
+  `allow_opaque_residuals`): cuDNN's
+  forward then leaves its jax.vjp function, and its backward is timed without
+  the second forward it would otherwise rerun.
+  """
+  states, dout = {}, None
+  for label, (_, trial) in sorted(best.items(), key=lambda kv: kv[1][0]):
+    with allow_opaque_residuals(), forward_for_backward():
+      out, res = jax.jit(lambda a, t=trial: t.op.forward(a, t.config))(concrete)
+    if dout is None:
+      dout = jax.random.normal(jax.random.key(int(rng.integers(2**31))), out.shape,
+                               jnp.float32).astype(out.dtype)
+      states[None] = (out, dict(res), dout)
+    states[label] = (out, dict(res), dout)
+  return states
+
+
+def _state_for(label: str, states: dict | None) -> tuple:
+  if not states:
+    return (None, None, None)
+  return states.get(label, states[None])
+
+
 def autotune(f: Callable, *args, iterations: int = 5, timeout_s: float | None = None,
              backward: bool = True, progress: bool = True,
-             compile_workers: int | None = None, **kwargs) -> AutotuningResult:
+             compile_workers: int | None = None, heuristics_only: bool = False,
+             skip: Collection[str] = (), **kwargs) -> AutotuningResult:
   """Measures every usable implementation and config of each tokamax op in `f`.
 
   Args:
@@ -94,6 +130,10 @@ def autotune(f: Callable, *args, iterations: int = 5, timeout_s: float | None = 
     backward: also tune the backward of every forward call found.
     progress: show a tqdm progress bar over the configs.
     compile_workers: threads compiling configs in parallel (default: CPU count).
+    heuristics_only: measure each implementation at its heuristic config only:
+      which implementation is fastest, not which config (`autotune --grid`).
+    skip: implementations not to measure (tuned data then leaves them in their
+      registry place).
     **kwargs: keyword arguments of `f`.
 
   Returns:
@@ -120,12 +160,12 @@ def autotune(f: Callable, *args, iterations: int = 5, timeout_s: float | None = 
   for call in collector.calls.values():
     key = args_key(call.args)
     concrete = trials_lib.concrete(call.args, rng)
-    fwd_state = None
+    fwd_states = None
     for direction in directions:
       slots_left -= 1
       if deadline is not None and trials_lib.clock() > deadline:
         break
-      if direction == "backward" and fwd_state is None:
+      if direction == "backward" and fwd_states is None:
         break  # no forward ran, so there are no residuals to measure a backward on
       # Each (call, direction) gets an equal share of the time left (time one
       # leaves unused goes to the next), so a forward's large config space
@@ -134,10 +174,12 @@ def autotune(f: Callable, *args, iterations: int = 5, timeout_s: float | None = 
       if deadline is not None:
         now = trials_lib.clock()
         stop = now + (deadline - now) / (slots_left + 1)
-      residuals = fwd_state[1] if fwd_state else None
+      ops = [(label, op) for label, op in
+             _candidate_ops(call, direction, device, fwd_states) if label not in skip]
       trials = trials_lib.trials_for(
-          _candidate_ops(call, direction, device, residuals), call.args, direction,
-          concrete, fwd_state)
+          ops, call.args, direction,
+          concrete, fwd_states and functools.partial(_state_for, states=fwd_states),
+          heuristics_only=heuristics_only)
       bar.total = (bar.total or 0) + len(trials)
       bar.refresh()
       # Each implementation's first trial is its heuristic config.
@@ -167,11 +209,7 @@ def autotune(f: Callable, *args, iterations: int = 5, timeout_s: float | None = 
         measurements.append(Measurement(call.op, direction, key, label,
                                         config_to_json(trial.config), ms))
       if direction == "forward" and best:
-        # The backward is measured on the residuals of the fastest forward.
-        _, trial = min(best.values(), key=lambda x: x[0])
-        out, res = jax.jit(lambda a, t=trial: t.op.forward(a, t.config))(concrete)
-        dout = jnp.asarray(rng.standard_normal(out.shape), out.dtype)
-        fwd_state = (out, dict(res), dout)
+        fwd_states = _forward_states(best, concrete, rng)
   bar.close()
   return AutotuningResult(measurements, device_kind=device.device_kind,
                           versions=_versions(), failures=failures)

@@ -48,6 +48,11 @@ def reference_suite() -> list[Problem]:
   return [p for problems in catalog.PROBLEMS.values() for p in problems.reference_problems()]
 
 
+def grid_suite() -> list[Problem]:
+  """The shapes tuned data is measured on, every op's (`autotune --grid`)."""
+  return [p for problems in catalog.PROBLEMS.values() for p in problems.grid_problems()]
+
+
 def quick_suite() -> list[Problem]:
   """Small shapes of the same kinds, for CPUs (seconds each) and `--quick`."""
   return [p for problems in catalog.PROBLEMS.values() for p in problems.quick_problems()]
@@ -493,26 +498,64 @@ def _first_party_only(result):
                                      versions=versions, failures=result.failures)
 
 
-def autotune_suite(ops: list[str] | None, shape: str | None, out: str, iterations: int,
-                   timeout_s: float | None) -> None:
-  """Autotunes the reference problems and writes ``out/<device slug>/<op>.json``."""
+def autotune_suite(ops: list[str] | None, shapes: list[str] | None, out: str,
+                   iterations: int,
+                   timeout_s: float | None, grid: bool = False,
+                   skip: tuple[str, ...] = ()) -> None:
+  """Autotunes the reference problems and writes ``out/<device slug>/<op>.json``.
+
+  With `grid`: the grid problems instead, each implementation at its heuristic
+  config only (which implementation wins where, for `implementation=None`; calls
+  between grid points take the nearest one's: `tuning.nearest`), written to
+  ``<op>_grid.json`` after each problem, so that a run cut short keeps its data;
+  calls an existing file holds and this run does not measure are kept, so that a
+  grid can be measured in several runs (``--shape``). `skip`: implementations
+  not measured (e.g. the dense XLA attention at long sequences, out of memory or
+  tens of times slower).
+  """
+  folder = os.path.join(out, shipped.device_slug(jax.devices()[0].device_kind))
+  os.makedirs(folder, exist_ok=True)
   result = autotuning.AutotuningResult()
-  for p in reference_suite():
-    if (ops and p.op not in ops) or (shape and shape not in p.name):
+  for p in grid_suite() if grid else reference_suite():
+    if (ops and p.op not in ops) or (shapes and not any(s in p.name for s in shapes)):
       continue
     inputs = p.make_inputs()
     print(f"autotuning {p.op} {p.name}", flush=True)
     result = result.merge(autotuning.autotune(
         lambda *a, p=p: p.call(a, None), *inputs, iterations=iterations,
-        timeout_s=timeout_s, progress=False))
-  result = _first_party_only(result)
-  folder = os.path.join(out, shipped.device_slug(jax.devices()[0].device_kind))
-  os.makedirs(folder, exist_ok=True)
+        timeout_s=timeout_s, progress=False, heuristics_only=grid, skip=skip))
+    del inputs
+    if grid:
+      _write_per_op(_with_earlier_grid(_first_party_only(result), folder, p.op),
+                    folder, "_grid", only=p.op)
+  if not grid:
+    _write_per_op(_first_party_only(result), folder, "")
+
+
+def _with_earlier_grid(result, folder: str, op: str):
+  """`result` and the calls of `folder`'s ``<op>_grid.json`` it did not measure."""
+  path = os.path.join(folder, f"{op}_grid.json")
+  if not os.path.exists(path):
+    return result
+  with open(path) as f:
+    earlier = autotuning.AutotuningResult.loads(f.read())
+  measured = {(m.op, m.key) for m in result.measurements}
+  kept = [m for m in earlier.measurements if (m.op, m.key) not in measured]
+  failures = [f for f in earlier.failures if (f["op"], f["key"]) not in measured]
+  return autotuning.AutotuningResult(
+      [*kept, *result.measurements], device_kind=result.device_kind,
+      versions=result.versions, failures=[*failures, *result.failures])
+
+
+def _write_per_op(result, folder: str, suffix: str, only: str | None = None) -> None:
   for op in sorted({m.op for m in result.measurements}):
+    if only is not None and op != only:
+      continue
     part = autotuning.AutotuningResult(
         [m for m in result.measurements if m.op == op], device_kind=result.device_kind,
         versions=result.versions, failures=[f for f in result.failures if f["op"] == op])
-    with open(os.path.join(folder, f"{op}.json"), "w") as f:
+    path = os.path.join(folder, f"{op}{suffix}.json")
+    with open(path, "w") as f:
       f.write(part.dumps())
-    print(f"wrote {folder}/{op}.json: {len(part)} measurements, "
-          f"{len(part.failures)} failed configs", flush=True)
+    print(f"wrote {path}: {len(part)} measurements, {len(part.failures)} failed "
+          "configs", flush=True)

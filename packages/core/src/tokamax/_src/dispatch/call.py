@@ -118,8 +118,17 @@ class _Dispatch:
       # An op that documents no residuals (ragged_dot): every backward computes
       # from the operands alone, whichever forward ran.
       return self.inference
-    choice = selection.training_choice(self.definition.name, self.merged, self.device,
-                                       self.candidates, self.prefer, self.inference)
+    name, candidates, inference = self.definition.name, self.candidates, self.inference
+    step = sources.step_times(name, self.merged) if self.implementation is None else {}
+    if step:
+      # A training step runs the forward and then (first choice) its own backward:
+      # order by their measured sum, not by the forward's time alone (mosaic_gpu's
+      # GQA causal attention forward beats cuDNN's, its forward+backward does not).
+      candidates = tuned_order(candidates, [c.label for c in candidates], step)
+      inference = selection.choose_forward(name, self.merged, self.device, candidates,
+                                           self.prefer)
+    choice = selection.training_choice(name, self.merged, self.device, candidates,
+                                       self.prefer, inference)
     if choice.candidate != self.inference.candidate:
       records.replace_record(self.inference_record,
                              _forward_record(self.definition.name, self.merged, choice))

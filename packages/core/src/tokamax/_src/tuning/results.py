@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from tokamax._src.op import Op, VjpOp
 from tokamax._src.tuning import context
+from tokamax._src.tuning import nearest
 
 FORMAT = "tokamax-autotuning/1"
 _SCALARS = (int, float, bool, str, type(None))
@@ -155,12 +156,17 @@ class AutotuningResult:
       return None
 
   def measured_times(self, op_name: str, direction: str, args: Any) -> dict[str, float]:
-    """``{implementation: ms}`` for every implementation measured on this call;
-    +inf for one whose every tried config failed here (not merely skipped for
-    time), so that dispatch tries it last."""
+    """``{implementation: ms}`` for every implementation measured on this call
+    (or, if it was not measured, on the nearest measured call of its kind:
+    `tuning.nearest`); +inf for one whose every tried config failed there (not
+    merely skipped for time), so that dispatch tries it last."""
     if not self._applies_here():
       return {}
     key = args_key(args)
+    if not any((o, d, k) == (op_name, direction, key) for o, d, k, _ in self._by_impl):
+      # Not measured here: the nearest measured call of the same kind, if close.
+      key = nearest.nearest(key, (k for o, d, k, _ in self._by_impl
+                                  if (o, d) == (op_name, direction))) or key
     times = {impl: m.time_ms for (o, d, k, impl), m in self._by_impl.items()
              if (o, d, k) == (op_name, direction, key)}
     for f in self.failures:

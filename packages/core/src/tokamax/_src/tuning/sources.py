@@ -35,3 +35,12 @@ def measured_times(op_name: str, direction: str, args: Any) -> dict[str, float]:
     if times:
       return dict(times)
   return {}
+
+
+def step_times(op_name: str, args: Any) -> dict[str, float]:
+  """``{implementation: forward ms + backward ms}`` for the implementations whose
+  forward and backward were both measured on this call (or its nearest measured
+  one): what each costs a training step when its own backward runs."""
+  forward = measured_times(op_name, "forward", args)
+  backward = measured_times(op_name, "backward", args)
+  return {impl: forward[impl] + backward[impl] for impl in forward if impl in backward}

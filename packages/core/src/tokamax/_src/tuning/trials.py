@@ -26,7 +26,15 @@ from tokamax._src.tuning.results import AutotuningResult, Measurement, args_key,
 
 
 def concrete(args: Any, rng: np.random.Generator) -> Any:
-  """Random inputs with the call's shapes; integer fields get valid values."""
+  """Random inputs with the call's shapes; integer fields get valid values.
+
+  Floats are drawn on the device (`jax.random`, seeded from `rng`): MoE expert
+  weights of billions of elements would take minutes and tens of GB as host
+  float64 draws.
+  """
+  keys = iter(jax.random.split(jax.random.key(int(rng.integers(2**31))),
+                               len(dataclasses.fields(args))))
+
   def make(name, x):
     if x is None or not hasattr(x, "shape"):
       return x
@@ -45,7 +53,7 @@ def concrete(args: Any, rng: np.random.Generator) -> Any:
       return jnp.ones(shape, dtype)
     if jnp.issubdtype(dtype, jnp.integer):
       return jnp.zeros(shape, dtype)
-    return jnp.asarray(rng.standard_normal(shape), dtype)
+    return jax.random.normal(next(keys), shape, jnp.float32).astype(dtype)
   return dataclasses.replace(args, **{f.name: make(f.name, getattr(args, f.name))
                                       for f in dataclasses.fields(args)
                                       if hasattr(getattr(args, f.name), "shape")})
@@ -99,21 +107,25 @@ def compile_all(trials: list[Trial], workers: int, deadline: float | None,
 
 
 def trials_for(ops: Sequence[tuple[str, Op]], args: Any, direction: str, concrete_args: Any,
-               fwd_state: tuple | None) -> list[Trial]:
+               fwd_state: Callable[[str], tuple] | None, *,
+               heuristics_only: bool = False) -> list[Trial]:
   """The trials of `ops` (label, op) on one call: each op's heuristic config first
   (so a timeout still leaves every implementation measured at least once), then
-  the rest of its search space, round robin over the ops."""
+  the rest of its search space, round robin over the ops. A backward's inputs
+  are ``fwd_state(label)``: (out, residuals, dout) of a forward."""
   per_op = []
   for label, op in ops:
     heuristic = op.heuristic_config(args)
-    configs = [heuristic] + [c for c in op.search_space(args) if c != heuristic]
+    configs = [heuristic]
+    if not heuristics_only:
+      configs += [c for c in op.search_space(args) if c != heuristic]
     trials = []
     for config in configs:
       if direction == "forward":
         fn = lambda a, op=op, config=config: op.forward(a, config)[0]
         inputs = (concrete_args,)
       else:
-        out, res, dout = fwd_state
+        out, res, dout = fwd_state(label)
         fn = (lambda a, r, o, d, op=op, config=config:
               op.backward(a, r, o, d, config))
         inputs = (concrete_args, res, out, dout)

@@ -38,6 +38,13 @@ def reference_problems() -> list[Problem]:
   return [problem(16384, 4096, 14336)]
 
 
+def grid_problems() -> list[Problem]:
+  """The shapes tuned data is measured on (`autotune --grid`): the reference
+  shape, small M, large M with small N, and a wide K."""
+  return [problem(*s) for s in ((16384, 4096, 14336), (2048, 4096, 14336),
+                                (65536, 2048, 5632), (8192, 8192, 28672))]
+
+
 def quick_problems() -> list[Problem]:
   """Small shapes of the same kinds, for CPUs (seconds each)."""
   return [problem(256, 256, 512)]

@@ -36,6 +36,13 @@ def reference_problems() -> list[Problem]:
   return [problem(32768, 8192, False), problem(32768, 8192, True)]
 
 
+def grid_problems() -> list[Problem]:
+  """The shapes tuned data is measured on (`autotune --grid`): widths 1024-16384
+  at 4096 and 32768 rows, layer and RMS norm."""
+  return [problem(rows, d, rms) for rms in (False, True) for rows in (4096, 32768)
+          for d in (1024, 4096, 8192, 16384)]
+
+
 def quick_problems() -> list[Problem]:
   """Small shapes of the same kinds, for CPUs (seconds each)."""
   return [problem(1024, 1024, False), problem(1024, 1024, True)]

@@ -97,6 +97,15 @@ def reference_problems() -> list[Problem]:
           + [fp8_training_problem(*s) for s in shapes])
 
 
+def grid_problems() -> list[Problem]:
+  """The shapes tuned data is measured on (`autotune --grid`): MoE-like K/N at
+  8-256 groups, equal and random group sizes."""
+  return [problem(*s) for s in (
+      (16384, 2048, 16384, 16, False), (16384, 4096, 14336, 8, False),
+      (32768, 2048, 1408, 64, True), (16384, 4096, 4096, 64, True),
+      (65536, 7168, 2048, 256, True), (8192, 7168, 2048, 256, True))]
+
+
 def quick_problems() -> list[Problem]:
   """Small shapes of the same kinds, for CPUs (seconds each)."""
   return [problem(512, 256, 512, 4, False), problem(512, 256, 256, 8, True),

@@ -1,0 +1,94 @@
+"""Measured times for a call tuned data never saw: those of the nearest measured call.
+
+Tuned data is measured over a grid of shapes (`python -m tokamax autotune
+--grid`); a call between grid points takes the implementation times of the
+nearest measured call *of the same kind*:
+
+- the same fields, the same dtypes (bfloat16 and float16 count as one: the
+  kernels and their ranking are the same), the same ranks, and equal non-numeric
+  options (``is_causal``, the activation, ...);
+- among those, the nearest by the largest ``|log2((a + 1) / (b + 1))|`` over
+  the integers of the key (array dimensions, integer options such as a window
+  size), then by their sum; float options (``scale``, ``epsilon``) are ignored.
+  The largest, not the sum, so that a size several arrays share (T in query, key
+  and value) counts once;
+- within `RADIUS` octaves on every integer (4x either way): farther data says
+  nothing about the call, and the registry's order stands.
+
+How well this transfers is measured, not assumed: notes/MEASUREMENTS.md
+(session 13) compares the choice it makes at shapes off the grid with the fastest
+implementation measured there.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Iterable
+
+RADIUS = 2.0
+
+# "name=value" fields, separated by spaces; a value may itself hold spaces
+# ("local_window_size=(1024, 0)"), so a field starts only where "name=" does.
+_FIELD = re.compile(r"(?:^| )([A-Za-z_][A-Za-z0-9_]*)=")
+_ARRAY = re.compile(r"^([a-z0-9_]+)\[([0-9,]*)\]$")
+_INT = re.compile(r"-?[0-9]+")
+_FLOAT = re.compile(r"^-?[0-9.]+(?:e-?[0-9]+)?$|^-?inf$|^nan$")
+_SAME_DTYPE = {"float16": "bfloat16"}
+
+
+def _fields(key: str) -> list[tuple[str, str]]:
+  starts = list(_FIELD.finditer(key))
+  out = []
+  for m, nxt in zip(starts, starts[1:] + [None]):
+    end = nxt.start() if nxt is not None else len(key)
+    out.append((m.group(1), key[m.end():end]))
+  return out
+
+
+@functools.lru_cache(maxsize=4096)
+def parse(key: str) -> tuple[tuple, tuple[int, ...]]:
+  """``(kind, numbers)`` of an args key: what must match, and the integers to
+  measure the distance on (in field order, so equal kinds align them)."""
+  kind, numbers = [], []
+  for name, value in _fields(key):
+    array = _ARRAY.match(value)
+    if array:
+      dtype, dims = array.groups()
+      dims = [int(d) for d in dims.split(",") if d]
+      kind.append((name, _SAME_DTYPE.get(dtype, dtype), len(dims)))
+      numbers += dims
+    elif _FLOAT.match(value) and not _INT.fullmatch(value):
+      kind.append((name, "float"))
+    elif re.fullmatch(r"[-0-9(), ]+", value) and _INT.search(value):
+      ints = [int(i) for i in _INT.findall(value)]
+      kind.append((name, "ints", len(ints)))
+      numbers += ints
+    else:
+      kind.append((name, value))
+  return tuple(kind), tuple(numbers)
+
+
+def distance(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[float, float]:
+  """(largest, total) octaves between two aligned integer tuples."""
+  octaves = [abs(math.log2((abs(x) + 1) / (abs(y) + 1))) for x, y in zip(a, b)]
+  return max(octaves, default=0.0), sum(octaves)
+
+
+def nearest(key: str, measured: Iterable[str], radius: float = RADIUS) -> str | None:
+  """The measured key of `key`'s kind nearest to it within `radius`, or None.
+
+  Ties go to the first in sorted order, so the answer does not depend on the
+  order the data was loaded in.
+  """
+  kind, numbers = parse(key)
+  best = None
+  for other in sorted(set(measured)):
+    other_kind, other_numbers = parse(other)
+    if other_kind != kind:
+      continue
+    d = distance(numbers, other_numbers)
+    if d[0] <= radius and (best is None or d < best[0]):
+      best = (d, other)
+  return None if best is None else best[1]

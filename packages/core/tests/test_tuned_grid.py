@@ -1,0 +1,196 @@
+"""Tuned data over a grid of shapes: the nearest-point rule, the training step's
+choice by forward + own backward time, and `autotune --grid`."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import tokamax
+from tokamax._src import bench_suite
+from tokamax._src import dispatch
+from tokamax._src.ops import catalog
+from tokamax._src.tuning import nearest
+from tokamax._src.tuning import results
+from tokamax._src.tuning import trials
+
+_ATTN = ("query=bfloat16[{b},{t},16,128] key=bfloat16[{b},{t},16,128] "
+         "value=bfloat16[{b},{t},16,128] scale=0.088 is_causal={c}")
+
+
+def _attn(b=8, t=4096, c=True, dtype="bfloat16"):
+  return _ATTN.format(b=b, t=t, c=c).replace("bfloat16", dtype)
+
+
+def test_parse_separates_what_must_match_from_the_sizes():
+  kind, numbers = nearest.parse(
+      _attn(2, 8192) + " local_window=(1024, 0)")
+  assert numbers == (2, 8192, 16, 128) * 3 + (1024, 0)
+  assert ("is_causal", "True") in kind and ("local_window", "ints", 2) in kind
+  assert ("scale", "float") in kind  # its value is not compared
+  assert nearest.parse(_attn(dtype="float16"))[0] == nearest.parse(_attn())[0]
+  assert nearest.parse(_attn(dtype="float32"))[0] != nearest.parse(_attn())[0]
+
+
+def test_nearest_is_by_the_largest_octave_then_the_total():
+  grid = [_attn(32, 1024), _attn(8, 4096), _attn(2, 16384)]
+  assert nearest.nearest(_attn(4, 4096), grid) == _attn(8, 4096)
+  assert nearest.nearest(_attn(1, 16384), grid) == _attn(2, 16384)
+  # B1 T4096: 3 octaves from B8 T4096 in B; B2 T16384 is 1 in B and 2 in T.
+  assert nearest.nearest(_attn(1, 4096), grid) == _attn(2, 16384)
+  assert nearest.nearest(_attn(8, 4096), grid) == _attn(8, 4096)  # exact
+  # Farther than 4x on some size: nothing.
+  assert nearest.nearest(_attn(8, 128), grid) is None
+  assert nearest.nearest(_attn(8, 4096), grid, radius=0.5) == _attn(8, 4096)
+
+
+def test_nearest_keeps_to_calls_of_the_same_kind():
+  grid = [_attn(8, 4096, c=True)]
+  assert nearest.nearest(_attn(8, 4096, c=False), grid) is None
+  assert nearest.nearest(_attn(8, 4096, dtype="float32"), grid) is None
+  assert nearest.nearest(_attn(8, 4096) + " local_window=(1024, 0)", grid) is None
+  assert nearest.nearest(_attn(8, 4096, dtype="float16"), grid) == grid[0]
+  # Windows far apart on the other side are different windows.
+  windowed = [_attn() + " local_window=(1024, 0)"]
+  assert nearest.nearest(_attn() + " local_window=(2048, 0)", windowed) == windowed[0]
+  assert nearest.nearest(_attn() + " local_window=(0, 1024)", windowed) is None
+
+
+def test_nearest_ties_do_not_depend_on_order():
+  a, b = _attn(4, 4096), _attn(16, 4096)
+  assert nearest.nearest(_attn(8, 4096), [a, b]) == nearest.nearest(_attn(8, 4096), [b, a])
+
+
+def _q(t):
+  return jnp.asarray(np.random.default_rng(0).standard_normal((1, t, 2, 8)), jnp.float32)
+
+
+def _key(q):
+  seen = []
+  with dispatch.observe(lambda op, args, impl: seen.append(args)):
+    tokamax.dot_product_attention(q, q, q)
+  return seen[0]
+
+
+def _result(q, times: dict) -> results.AutotuningResult:
+  key = results.args_key(_key(q))
+  return results.AutotuningResult(
+      [results.Measurement("dot_product_attention", direction, key, impl, None, ms)
+       for (direction, impl), ms in times.items()], device_kind="cpu")
+
+
+def test_measured_times_of_a_call_off_the_grid_are_its_nearest_ones():
+  result = _result(_q(48), {("forward", "xla_chunked"): 1.0, ("forward", "xla"): 5.0})
+  assert result.measured_times("dot_product_attention", "forward", _key(_q(64))) == {
+      "xla_chunked": 1.0, "xla": 5.0}
+  assert result.measured_times("dot_product_attention", "forward", _key(_q(400))) == {}
+  with result, tokamax.record_dispatch() as records:
+    tokamax.dot_product_attention(_q(64), _q(64), _q(64))
+  assert records[0].implementation == "xla_chunked"
+
+
+def test_exact_data_wins_over_nearer_kinds_of_data():
+  near = _result(_q(48), {("forward", "xla_chunked"): 1.0, ("forward", "xla"): 5.0})
+  exact = _result(_q(64), {("forward", "xla_chunked"): 9.0, ("forward", "xla"): 5.0})
+  both = near.merge(exact)
+  assert both.measured_times("dot_product_attention", "forward", _key(_q(64))) == {
+      "xla_chunked": 9.0, "xla": 5.0}
+
+
+def test_training_takes_the_least_forward_plus_own_backward():
+  """xla_chunked's forward is measured faster, its backward much slower: inference
+  runs it, a training step runs xla's forward and backward."""
+  q = _q(48)
+  result = _result(q, {("forward", "xla_chunked"): 1.0, ("forward", "xla"): 2.0,
+                       ("backward", "xla_chunked"): 5.0, ("backward", "xla"): 1.0})
+  loss = lambda q: jnp.sum(tokamax.dot_product_attention(q, q, q) ** 2)
+  with result, tokamax.record_dispatch() as records:
+    tokamax.dot_product_attention(q, q, q)
+  assert [r.implementation for r in records] == ["xla_chunked"]
+  with result, tokamax.record_dispatch() as records:
+    grad = jax.grad(loss)(q)
+  assert [(r.direction, r.implementation) for r in records] == [
+      ("forward", "xla"), ("backward", "xla")]
+  np.testing.assert_allclose(grad, jax.grad(loss)(q), rtol=1e-5, atol=1e-5)
+  # The other way round, the step keeps the forward measured fastest.
+  result = _result(q, {("forward", "xla_chunked"): 1.0, ("forward", "xla"): 2.0,
+                       ("backward", "xla_chunked"): 1.0, ("backward", "xla"): 1.0})
+  with result, tokamax.record_dispatch() as records:
+    jax.grad(loss)(q)
+  assert [(r.direction, r.implementation) for r in records] == [
+      ("forward", "xla_chunked"), ("backward", "xla_chunked")]
+
+
+def test_a_named_implementation_ignores_step_times():
+  q = _q(48)
+  result = _result(q, {("forward", "xla_chunked"): 1.0, ("forward", "xla"): 2.0,
+                       ("backward", "xla_chunked"): 5.0, ("backward", "xla"): 1.0})
+  loss = lambda q: jnp.sum(tokamax.dot_product_attention(
+      q, q, q, implementation=["xla_chunked", "xla"]) ** 2)
+  with result, tokamax.record_dispatch() as records:
+    jax.grad(loss)(q)
+  assert records[0].implementation == "xla_chunked"  # the user's order stands
+
+
+def _attention_model(q):
+  return jnp.sum(tokamax.dot_product_attention(q, q, q, is_causal=True) ** 2)
+
+
+def test_heuristics_only_measures_one_config_per_implementation(monkeypatch):
+  timed = []
+  real = trials.time_ms
+  monkeypatch.setattr(trials, "time_ms",
+                      lambda fn, inputs, n: timed.append(fn) or real(fn, inputs, n))
+  result = tokamax.autotune(_attention_model, _q(96), iterations=1, progress=False,
+                            heuristics_only=True)
+  impls = {(m.direction, m.implementation) for m in result.measurements}
+  assert len(timed) == len(impls) and ("backward", "xla_chunked") in impls
+  assert not result.failures
+
+
+def test_skip_leaves_an_implementation_unmeasured():
+  result = tokamax.autotune(_attention_model, _q(96), iterations=1, progress=False,
+                            heuristics_only=True, skip=("xla",))
+  assert {m.implementation for m in result.measurements} == {"xla_chunked"}
+
+
+def test_each_backward_is_measured_on_its_own_forward(monkeypatch):
+  """The residuals a backward trial gets are those of its own implementation's
+  forward (what a training step gives it), not the fastest forward's."""
+  seen = {}
+  real = trials.trials_for
+
+  def spy(ops, args, direction, concrete_args, fwd_state, **kw):
+    if direction == "backward":
+      for label, _ in ops:
+        seen[label] = fwd_state(label)
+    return real(ops, args, direction, concrete_args, fwd_state, **kw)
+  monkeypatch.setattr(trials, "trials_for", spy)
+  tokamax.autotune(_attention_model, _q(96), iterations=1, progress=False,
+                   heuristics_only=True)
+  assert set(seen) == {"xla", "xla_chunked"}
+  # Same inputs and cotangent, residuals from each one's own forward.
+  assert seen["xla"][2] is seen["xla_chunked"][2]
+  assert seen["xla"][1] is not seen["xla_chunked"][1]
+
+
+def test_every_op_has_grid_shapes():
+  names = [p.name for p in bench_suite.grid_suite()]
+  assert len(names) == len(set(names))
+  assert {p.op for p in bench_suite.grid_suite()} == set(catalog.PROBLEMS)
+
+
+def test_autotune_grid_writes_per_op_and_keeps_earlier_calls(monkeypatch, tmp_path):
+  quick = [p for p in bench_suite.quick_suite() if p.op == "layer_norm"]
+  monkeypatch.setattr(bench_suite, "grid_suite", lambda: quick)
+  bench_suite.autotune_suite(None, ["rms"], str(tmp_path), 1, None, grid=True,
+                             skip=("example_rms",))
+  bench_suite.autotune_suite(None, ["layer_norm 1024"], str(tmp_path), 1, None,
+                             grid=True, skip=("example_rms",))
+  (folder,) = tmp_path.iterdir()
+  assert [f.name for f in folder.iterdir()] == ["layer_norm_grid.json"]
+  data = json.loads((folder / "layer_norm_grid.json").read_text())
+  keys = {m["key"] for m in data["measurements"]}
+  assert len(keys) == 2  # the RMS call of the first run, the layer_norm call of the second
+  assert {m["direction"] for m in data["measurements"]} == {"forward", "backward"}

@@ -1,0 +1,161 @@
+"""How well the nearest-grid-point rule picks implementations: measured, on the CPU.
+
+    python tools/grid_check.py [--device nvidia_h200] [--baseline PATH]
+
+Reads the tuned data shipped for the device (every backend package's
+``tuned/<device>/*.json``, merged as dispatch merges them) and reports, per op and
+direction (forward; "step" = forward + own backward, what a training step pays):
+
+- leave-one-out: each grid call's implementation as predicted from the *other*
+  grid calls (`tuning.nearest`), against the fastest measured at that call. The
+  nearest other point is at least one grid step away, farther than a call between
+  grid points is from its nearest: a pessimistic test of the rule.
+- with ``--baseline``: each bench row's shape (off the grid) as the rule would
+  choose from the grid alone, against the fastest tokamax implementation that
+  baseline measured there (its "tokamax <impl>" rows; same device kind).
+
+"Regret" is the chosen implementation's time over the fastest one's, minus 1;
+rows above 3% are listed. Nothing runs on an accelerator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+
+import jax
+
+from tokamax._src import bench_suite
+from tokamax._src import dispatch
+from tokamax._src.tuning import nearest
+from tokamax._src.tuning.results import AutotuningResult, args_key
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _shipped(device: str) -> AutotuningResult:
+  merged = AutotuningResult()
+  for path in sorted(glob.glob(os.path.join(_REPO, "packages", "*", "src", "*", "tuned",
+                                            device, "*.json"))):
+    with open(path) as f:
+      merged = merged.merge(AutotuningResult.loads(f.read()))
+  return merged
+
+
+def _times(result: AutotuningResult) -> dict:
+  """{(op, key): {"forward": {impl: ms}, "step": {impl: ms}}}"""
+  by = collections.defaultdict(lambda: collections.defaultdict(dict))
+  for m in result.measurements:
+    by[(m.op, m.key)][m.direction][m.implementation] = m.time_ms
+  for times in by.values():
+    fwd, bwd = times.get("forward", {}), times.get("backward", {})
+    times["step"] = {i: fwd[i] + bwd[i] for i in fwd if i in bwd}
+  return by
+
+
+def _regret(times: dict, chosen: str) -> float | None:
+  if chosen not in times:
+    return None
+  return times[chosen] / min(times.values()) - 1
+
+
+def _pick(times: dict) -> str:
+  return min(times, key=times.get)
+
+
+def leave_one_out(by: dict) -> list[tuple]:
+  rows = []
+  for (op, key), times in sorted(by.items()):
+    others = [k for (o, k) in by if o == op and k != key]
+    near = nearest.nearest(key, others)
+    for direction in ("forward", "step"):
+      if not times[direction]:
+        continue
+      if near is None:
+        rows.append((op, key, direction, None, None, "no neighbour within the radius"))
+        continue
+      chosen = _pick(by[(op, near)][direction]) if by[(op, near)][direction] else None
+      rows.append((op, key, direction, chosen, _regret(times[direction], chosen), near))
+  return rows
+
+
+def _problem_keys() -> dict:
+  """{bench problem name: (op, args key)} for the reference suite's problems."""
+  keys = {}
+  for p in bench_suite.reference_suite():
+    seen = []
+
+    def observer(op_name, args, implementation, seen=seen):
+      seen.append((op_name, args_key(args)))
+    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                    jax.eval_shape(p.make_inputs))
+    with dispatch.observe(observer):
+      try:
+        jax.eval_shape(lambda a, p=p: p.call(a, None), shapes)
+      except Exception:  # a call this platform refuses: the observer saw it first
+        pass
+    if seen:
+      keys[p.name] = seen[0]
+  return keys
+
+
+def against_baseline(by: dict, baseline_path: str) -> list[tuple]:
+  with open(baseline_path) as f:
+    baseline = json.load(f)["rows"]
+  measured = collections.defaultdict(dict)
+  for r in baseline:
+    if "ms" in r and r["implementation"].startswith("tokamax ") and \
+        r["implementation"] != "tokamax auto":
+      direction = "forward" if r["direction"] == "forward" else "step"
+      measured[(r["shape"], direction)][r["implementation"][len("tokamax "):]] = r["ms"]
+  rows = []
+  for name, (op, key) in sorted(_problem_keys().items()):
+    near = nearest.nearest(key, [k for (o, k) in by if o == op])
+    for direction in ("forward", "step"):
+      times = measured.get((name, direction))
+      if not times:
+        continue
+      if near is None:
+        rows.append((op, name, direction, None, None, "no grid point within the radius"))
+        continue
+      grid = by[(op, near)][direction]
+      chosen = _pick(grid) if grid else None
+      rows.append((op, name, direction, chosen, _regret(times, chosen), near))
+  return rows
+
+
+def _report(title: str, rows: list[tuple]) -> None:
+  print(f"## {title}")
+  for op in sorted({r[0] for r in rows}):
+    for direction in ("forward", "step"):
+      mine = [r for r in rows if r[0] == op and r[2] == direction]
+      scored = [r for r in mine if r[4] is not None]
+      if not mine:
+        continue
+      worst = max((r[4] for r in scored), default=0.0)
+      within = sum(r[4] <= 0.03 for r in scored)
+      print(f"{op} {direction}: {within}/{len(scored)} within 3% "
+            f"(worst {worst:.1%}); {len(mine) - len(scored)} without a prediction")
+      for r in mine:
+        if r[4] is None or r[4] > 0.03:
+          regret = "n/a" if r[4] is None else f"{r[4]:.1%}"
+          print(f"  {r[1]}: chose {r[3]}, regret {regret} (from {r[5]})")
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--device", default="nvidia_h200")
+  parser.add_argument("--baseline", help="a bench --json file of the same device kind")
+  args = parser.parse_args()
+  by = _times(_shipped(args.device))
+  _report("leave one out (grid calls predicted from the other grid calls)",
+          leave_one_out(by))
+  if args.baseline:
+    _report(f"bench shapes against {args.baseline}", against_baseline(by, args.baseline))
+
+
+if __name__ == "__main__":
+  main()
