@@ -4,7 +4,9 @@
 
 Reads the tuned data shipped for the device (every backend package's
 ``tuned/<device>/*.json``, merged as dispatch merges them) and reports, per op and
-direction (forward; "step" = forward + own backward, what a training step pays):
+direction (forward; backward, which dispatch chooses on its own where the op has
+no residuals, as ragged_dot; "step" = forward + own backward, what a training step
+pays where a forward's residuals tie it to its backward):
 
 - leave-one-out: each grid call's implementation as predicted from the *other*
   grid calls (`tuning.nearest`), against the fastest measured at that call. The
@@ -33,6 +35,7 @@ from tokamax._src import dispatch
 from tokamax._src.tuning import nearest
 from tokamax._src.tuning.results import AutotuningResult, args_key
 
+_DIRECTIONS = ("forward", "backward", "step")
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -46,7 +49,7 @@ def _shipped(device: str) -> AutotuningResult:
 
 
 def _times(result: AutotuningResult) -> dict:
-  """{(op, key): {"forward": {impl: ms}, "step": {impl: ms}}}"""
+  """{(op, key): {"forward" | "backward" | "step": {impl: ms}}}"""
   by = collections.defaultdict(lambda: collections.defaultdict(dict))
   for m in result.measurements:
     by[(m.op, m.key)][m.direction][m.implementation] = m.time_ms
@@ -71,7 +74,7 @@ def leave_one_out(by: dict) -> list[tuple]:
   for (op, key), times in sorted(by.items()):
     others = [k for (o, k) in by if o == op and k != key]
     near = nearest.nearest(key, others)
-    for direction in ("forward", "step"):
+    for direction in _DIRECTIONS:
       if not times[direction]:
         continue
       if near is None:
@@ -130,7 +133,7 @@ def against_baseline(by: dict, baseline_path: str) -> list[tuple]:
 def _report(title: str, rows: list[tuple]) -> None:
   print(f"## {title}")
   for op in sorted({r[0] for r in rows}):
-    for direction in ("forward", "step"):
+    for direction in _DIRECTIONS:
       mine = [r for r in rows if r[0] == op and r[2] == direction]
       scored = [r for r in mine if r[4] is not None]
       if not mine:
