@@ -89,9 +89,8 @@ def _forward_states(best: dict, concrete: Any, rng) -> dict:
   serves every backward.
 
   Residuals are made as in a training step (`forward_for_backward`,
-  `allow_opaque_residuals`): cuDNN's
-  forward then leaves its jax.vjp function, and its backward is timed without
-  the second forward it would otherwise rerun.
+  `allow_opaque_residuals`): cuDNN's forward then leaves its jax.vjp function,
+  and its backward is timed without the second forward it would otherwise rerun.
   """
   states, dout = {}, None
   for label, (_, trial) in sorted(best.items(), key=lambda kv: kv[1][0]):
@@ -177,8 +176,8 @@ def autotune(f: Callable, *args, iterations: int = 5, timeout_s: float | None = 
       ops = [(label, op) for label, op in
              _candidate_ops(call, direction, device, fwd_states) if label not in skip]
       trials = trials_lib.trials_for(
-          ops, call.args, direction,
-          concrete, fwd_states and functools.partial(_state_for, states=fwd_states),
+          ops, call.args, direction, concrete,
+          fwd_states and functools.partial(_state_for, states=fwd_states),
           heuristics_only=heuristics_only)
       bar.total = (bar.total or 0) + len(trials)
       bar.refresh()

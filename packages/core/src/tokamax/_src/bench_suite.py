@@ -499,8 +499,7 @@ def _first_party_only(result):
 
 
 def autotune_suite(ops: list[str] | None, shapes: list[str] | None, out: str,
-                   iterations: int,
-                   timeout_s: float | None, grid: bool = False,
+                   iterations: int, timeout_s: float | None, grid: bool = False,
                    skip: tuple[str, ...] = ()) -> None:
   """Autotunes the reference problems and writes ``out/<device slug>/<op>.json``.
 

@@ -99,7 +99,8 @@ def reference_problems() -> list[Problem]:
 
 def grid_problems() -> list[Problem]:
   """The shapes tuned data is measured on (`autotune --grid`): MoE-like K/N at
-  8-256 groups, equal and random group sizes."""
+  8-256 groups. Autotuning times equal group sizes (a call's key does not say
+  how its rows are split), whatever sizes the problem's bench inputs have."""
   return [problem(*s) for s in (
       (16384, 2048, 16384, 16, False), (16384, 4096, 14336, 8, False),
       (32768, 2048, 1408, 64, True), (16384, 4096, 4096, 64, True),
