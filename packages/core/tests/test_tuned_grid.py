@@ -57,6 +57,20 @@ def test_nearest_keeps_to_calls_of_the_same_kind():
   assert nearest.nearest(_attn() + " local_window=(0, 1024)", windowed) is None
 
 
+def test_grouped_heads_and_cross_attention_are_other_kinds():
+  gqa = _attn().replace("key=bfloat16[8,4096,16,128]", "key=bfloat16[8,4096,4,128]")
+  gqa = gqa.replace("value=bfloat16[8,4096,16,128]", "value=bfloat16[8,4096,4,128]")
+  assert nearest.nearest(gqa, [_attn()]) is None
+  assert nearest.nearest(_attn(), [gqa]) is None
+  cross = _attn().replace("key=bfloat16[8,4096,", "key=bfloat16[8,2048,")
+  cross = cross.replace("value=bfloat16[8,4096,", "value=bfloat16[8,2048,")
+  assert nearest.nearest(cross, [_attn()]) is None
+  # Another GQA ratio is the same kind (query and key differ on the same axes).
+  gqa8 = gqa.replace("key=bfloat16[8,4096,4,128]", "key=bfloat16[8,4096,2,128]")
+  gqa8 = gqa8.replace("value=bfloat16[8,4096,4,128]", "value=bfloat16[8,4096,2,128]")
+  assert nearest.nearest(gqa8, [gqa]) == gqa
+
+
 def test_nearest_ties_do_not_depend_on_order():
   a, b = _attn(4, 4096), _attn(16, 4096)
   assert nearest.nearest(_attn(8, 4096), [a, b]) == nearest.nearest(_attn(8, 4096), [b, a])

@@ -5,8 +5,10 @@ Tuned data is measured over a grid of shapes (`python -m tokamax autotune
 nearest measured call *of the same kind*:
 
 - the same fields, the same dtypes (bfloat16 and float16 count as one: the
-  kernels and their ranking are the same), the same ranks, and equal non-numeric
-  options (``is_causal``, the activation, ...);
+  kernels and their ranking are the same), the same ranks, equal non-numeric
+  options (``is_causal``, the activation, ...), and, for arrays of one rank, the
+  same axes of equal size (attention's query and key: MHA or GQA, self- or
+  cross-attention);
 - among those, the nearest by the largest ``|log2((a + 1) / (b + 1))|`` over
   the integers of the key (array dimensions, integer options such as a window
   size), then by their sum; float options (``scale``, ``epsilon``) are ignored.
@@ -51,7 +53,7 @@ def _fields(key: str) -> list[tuple[str, str]]:
 def parse(key: str) -> tuple[tuple, tuple[int, ...]]:
   """``(kind, numbers)`` of an args key: what must match, and the integers to
   measure the distance on (in field order, so equal kinds align them)."""
-  kind, numbers = [], []
+  kind, numbers, arrays = [], [], []
   for name, value in _fields(key):
     array = _ARRAY.match(value)
     if array:
@@ -59,6 +61,7 @@ def parse(key: str) -> tuple[tuple, tuple[int, ...]]:
       dims = [int(d) for d in dims.split(",") if d]
       kind.append((name, _SAME_DTYPE.get(dtype, dtype), len(dims)))
       numbers += dims
+      arrays.append(dims)
     elif _FLOAT.match(value) and not _INT.fullmatch(value):
       kind.append((name, "float"))
     elif re.fullmatch(r"[-0-9(), ]+", value) and _INT.search(value):
@@ -67,7 +70,27 @@ def parse(key: str) -> tuple[tuple, tuple[int, ...]]:
       numbers += ints
     else:
       kind.append((name, value))
+  kind += _equal_positions(arrays)
   return tuple(kind), tuple(numbers)
+
+
+def _equal_positions(arrays: list[list[int]]) -> list[tuple]:
+  """For each pair of arrays of one rank, the axes where their sizes agree.
+
+  Attention's query and key agree on every axis in self-attention with as many
+  key as query heads, not in GQA (N != K) or cross-attention (T != S). Measured
+  (notes/MEASUREMENTS.md, session 13, item 7): with MHA and GQA calls as one
+  kind, grid points of one were predicted from the other, and the training
+  step's worst leave-one-out regret was 14% (H200) and 27% (H100); 5% and 11%
+  apart.
+  """
+  out = []
+  for i, a in enumerate(arrays):
+    for j in range(i + 1, len(arrays)):
+      b = arrays[j]
+      if len(a) == len(b):
+        out.append(("equal axes", i, j, tuple(x == y for x, y in zip(a, b))))
+  return out
 
 
 def distance(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[float, float]:
