@@ -1,11 +1,13 @@
 """Tuned data over a grid of shapes: the nearest-point rule, the training step's
 choice by forward + own backward time, and `autotune --grid`."""
 
+import importlib.resources
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import tokamax
 from tokamax._src import bench_suite
@@ -13,6 +15,7 @@ from tokamax._src import dispatch
 from tokamax._src.ops import catalog
 from tokamax._src.tuning import nearest
 from tokamax._src.tuning import results
+from tokamax._src.tuning import shipped
 from tokamax._src.tuning import trials
 
 _ATTN = ("query=bfloat16[{b},{t},16,128] key=bfloat16[{b},{t},16,128] "
@@ -208,3 +211,32 @@ def test_autotune_grid_writes_per_op_and_keeps_earlier_calls(monkeypatch, tmp_pa
   keys = {m["key"] for m in data["measurements"]}
   assert len(keys) == 2  # the RMS call of the first run, the layer_norm call of the second
   assert {m["direction"] for m in data["measurements"]} == {"forward", "backward"}
+
+
+def _shipped_files():
+  found = []
+  for package in ("tokamax_gpu_mosaic.tuned", "tokamax_gpu_triton.tuned"):
+    try:
+      root = importlib.resources.files(package)
+    except ModuleNotFoundError:
+      continue
+    for folder in root.iterdir():
+      if folder.is_dir():
+        found += [(folder.name, f) for f in folder.iterdir() if f.name.endswith(".json")]
+  return found
+
+
+def test_shipped_tuned_data_loads_and_every_key_has_a_kind():
+  """Every tuned-data file the GPU backends ship: it loads, it was measured on the
+  device kind its folder names, and the nearest-point rule can read its keys."""
+  files = _shipped_files()
+  if not files:
+    pytest.skip("no GPU backend package is installed")
+  for slug, path in files:
+    result = results.AutotuningResult.loads(path.read_text())
+    assert shipped.device_slug(result.device_kind) == slug, path
+    assert result.versions.get("jax"), path
+    for m in result.measurements:
+      kind, numbers = nearest.parse(m.key)
+      assert kind and numbers, (path, m.key)
+      assert m.time_ms > 0 and m.direction in ("forward", "backward"), (path, m)
