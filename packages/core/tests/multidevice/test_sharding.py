@@ -307,15 +307,42 @@ def test_ragged_dot_expert_parallel_with_group_offset():
          out_spec=P("a", None))
 
 
-def test_quantized_ragged_dot_on_sharded_operands_gathers_them():
-  """Block scales are not split with their operands yet: the call runs on whole
-  operands, with the single-device result."""
-  mesh = _mesh((2, HALF))
-  lhs = _rand(32, 128)
-  rq = tokamax.quantize(_rand(8, 128, 8), (1, 128, 8))
-  sharded = jax.device_put(lhs, NamedSharding(mesh, P("a")))
-  got = jax.jit(lambda x: tokamax.ragged_dot(x, rq, SIZES))(sharded)
-  np.testing.assert_allclose(got, tokamax.ragged_dot(lhs, rq, SIZES), rtol=1e-6)
+@pytest.mark.parametrize("layout", ["rows", "experts", "experts_and_n"])
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_quantized_ragged_dot_layouts(shape, layout):
+  """Quantized operands (quantized inside the function, as in training) split
+  with their block scales: the result and the straight-through gradients of
+  one device, and no all-gather (rows: 1x128 scales; experts: one scale per
+  128x4 block, N split in 4-column tiles)."""
+  mesh = _mesh(shape)
+  specs = {"rows": (P(("a", "b")), P()),
+           "experts": (P("a"), P("b")),
+           "experts_and_n": (P(), P("b", None, "a"))}[layout]
+  out = {"rows": P(("a", "b"), None), "experts": P("a", None),
+         "experts_and_n": P(None, "a")}[layout]
+  fn = lambda x, w: tokamax.ragged_dot(
+      tokamax.quantize(x, (1, 128)), tokamax.quantize(w, (1, 128, 4)), SIZES,
+      preferred_element_type=jnp.float32)
+  _check(mesh, fn, (_rand(32, 128), _rand(8, 128, 4 * NUM_DEVICES)), specs,
+         out_spec=out)
+
+
+def test_quantized_ragged_dot_keeps_scales_whole_where_they_cannot_split():
+  """Weights' values split on N over more shards than they have scale columns:
+  a shard could not hold whole tiles, so the call gathers N, with the one-device
+  result."""
+  if NUM_DEVICES < 2:
+    pytest.skip("needs 2 devices")
+  mesh = _mesh((1, NUM_DEVICES))
+  x = _rand(32, 128)
+  q = tokamax.quantize(_rand(8, 128, 4 * NUM_DEVICES), (1, 128, 8)).without_source()
+  assert q.scales.shape[2] < NUM_DEVICES
+  sharded = dataclasses.replace(
+      q, values=jax.device_put(q.values, NamedSharding(mesh, P(None, None, "b"))),
+      scales=jax.device_put(q.scales, NamedSharding(mesh, P())))
+  fn = lambda x, w: tokamax.ragged_dot(x, w, SIZES, preferred_element_type=jnp.float32)
+  got = jax.jit(fn)(x, sharded)
+  np.testing.assert_allclose(got, fn(x, q), rtol=1e-6, atol=1e-6)
 
 
 def test_quantized_ragged_dot_gradients_on_sharded_operands():
