@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device call: measure (part of) the implementation grid of `python -m tokamax
+# autotune --grid` on this machine's device kind, merged into the grid data the
+# packages already ship for it, and copy the files to $OUT/tuned/<device slug>/ to
+# be committed (gpu-mosaic's tuned folder; layer_norm_grid.json goes to
+# gpu-triton's). Each part has its own time limit and every shape is written as
+# soon as it is measured, so a part cut short keeps what it measured.
+#
+#   bash tools/grid_tune.sh [part ...]    parts: attn-short attn-long norms glu ragged
+#
+# attn-long skips the dense XLA attentions (out of memory or 8-30x slower than the
+# kernels at T >= 4096 on the H200 and H100: notes/MEASUREMENTS.md, session 13).
+set -uo pipefail
+OUT=${OUT:-grid_out}; mkdir -p "$OUT"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+source tools/h200_install.sh
+slug=$(python3 -c "import jax; from tokamax._src.tuning import shipped; print(shipped.device_slug(jax.devices()[0].device_kind))")
+dest="$OUT/tuned/$slug"; mkdir -p "$dest"
+for pkg in packages/gpu-mosaic/src/tokamax_gpu_mosaic packages/gpu-triton/src/tokamax_gpu_triton; do
+  cp "$pkg/tuned/$slug/"*_grid.json "$dest/" 2>/dev/null || true
+done
+G="python3 -m tokamax autotune --grid --out $OUT/tuned --iterations 5 --skip example_rms"
+declare -A PART=(
+  [attn-short]="300|$G --op dot_product_attention --shape T1024"
+  [attn-long]="560|$G --op dot_product_attention --shape T4096 --shape T8192 --shape T16384 --skip xla --skip xla_chunked"
+  [norms]="200|$G --op layer_norm"
+  [glu]="200|$G --op gated_linear_unit"
+  [ragged]="300|$G --op ragged_dot --skip xla"
+)
+for part in "${@:-attn-short}"; do
+  IFS='|' read -r seconds command <<< "${PART[$part]}"
+  echo "=== $part ($seconds s): $command"
+  timeout "$seconds" bash -c "$command" 2>&1 | grep -E "^(autotuning|wrote)" | tee "$OUT/grid_$part.txt"
+done
+ls -l "$dest"
