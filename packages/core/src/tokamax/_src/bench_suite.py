@@ -10,8 +10,10 @@ wall clock elsewhere.
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
 
@@ -483,19 +485,36 @@ def _run(ops, iterations, implementations, sweep, models, quick, sizes, shape=No
   return all_rows, notes
 
 
+def _first_party_distributions() -> set[str] | None:
+  """tokamax-core and the tokamax packages it requires or its extras install (the
+  backends this repository ships); None where tokamax-core is not installed."""
+  try:
+    requires = importlib.metadata.requires("tokamax-core") or []
+  except importlib.metadata.PackageNotFoundError:
+    return None
+  names = {re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower() for r in requires}
+  return {n for n in names if n.startswith("tokamax-")} | {"tokamax-core"}
+
+
 def _first_party_only(result):
-  """Keeps measurements of our own implementations (built in or tokamax-* packages),
-  and the versions of just those packages, so shipped data depends on nothing else."""
+  """Keeps measurements of our own implementations (built in, or from the packages
+  `_first_party_distributions` names; any tokamax-* package where core is not
+  installed), and the versions of just those packages, so shipped data depends on
+  nothing else: not on a third-party plugin installed beside them."""
+  ours = _first_party_distributions()
   dists = {}
   for op_entries in registry.get().entries.values():
     for e in op_entries:
-      if e.builtin or (e.distribution or "").startswith("tokamax-"):
+      dist = (e.distribution or "").lower()
+      if e.builtin or (dist in ours if ours is not None else dist.startswith("tokamax-")):
         dists[(e.op, e.name)] = e.distribution
   kept = [m for m in result.measurements if (m.op, m.implementation) in dists]
   used = {dists[(m.op, m.implementation)] for m in kept} | {"tokamax-core"}
   versions = {k: v for k, v in result.versions.items() if k == "jax" or k in used}
+  failures = [f for f in result.failures
+              if (f.get("op"), f.get("implementation")) in dists]
   return autotuning.AutotuningResult(kept, device_kind=result.device_kind,
-                                     versions=versions, failures=result.failures)
+                                     versions=versions, failures=failures)
 
 
 def autotune_suite(ops: list[str] | None, shapes: list[str] | None, out: str,
