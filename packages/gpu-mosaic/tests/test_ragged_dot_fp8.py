@@ -185,6 +185,37 @@ def test_training_step_takes_the_fp8_forward_and_a_kernel_backward():
   assert float(jnp.linalg.norm(dx.astype(jnp.float32))) > 0
 
 
+@gpu
+@pytest.mark.parametrize("minor_axis", [None, 1])
+def test_quantized_lhs_gradient_runs_the_fp8_kernel(minor_axis):
+  """The opt-in fp8 backward (`quantized_lhs_gradient`): dx is an fp8 ragged_dot
+  of the quantized cotangent and the transposed weights, run by this kernel, and
+  equal to the reference's on the same quantized operands."""
+  rng = np.random.default_rng(10)
+  x = jnp.asarray(rng.standard_normal((1024, 512)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((4, 512, 256)) / np.sqrt(512), jnp.bfloat16)
+  sizes = jnp.asarray([300, 200, 0, 500], jnp.int32)
+  dy = jnp.asarray(rng.standard_normal((1024, 256)), jnp.bfloat16)
+  spec = tokamax.GradientQuantization()
+
+  def dx(impl):
+    def loss(x):
+      y = tokamax.ragged_dot(
+          tokamax.quantize(x, (1, 128)),
+          tokamax.quantize(w, (1, 128, 128), minor_axis=minor_axis), sizes,
+          implementation=impl, quantized_lhs_gradient=spec)
+      return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+    return jax.jit(jax.grad(loss))(x)
+
+  with tokamax.record_dispatch() as records:
+    got = dx(None)
+  # The fp8 forward, the fp8 dx call, and the plain ragged_dot whose backward
+  # gives dw: all kernels (only mosaic_gpu takes fp8 operands), none the reference.
+  ran = [r.implementation for r in records]
+  assert ran.count("mosaic_gpu") >= 2 and "xla" not in ran, records
+  testing.assert_close(got, dx("xla"), jnp.bfloat16, what="dx", gpu=True)
+
+
 # ----------------------------------------------------------------------------
 # CPU: lowering, refusals, scales.
 

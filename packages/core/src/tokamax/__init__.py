@@ -34,6 +34,7 @@ from tokamax._src.ops.layer_norm import rms_norm
 from tokamax._src.ops.ragged_dot import RaggedDotArgs
 from tokamax._src.ops.ragged_dot import moe_all_to_all
 from tokamax._src.ops.ragged_dot import ragged_dot
+from tokamax._src.quantization import GradientQuantization
 from tokamax._src.quantization import QuantizedArray
 from tokamax._src.quantization import quantize
 from tokamax._src.registry import BackendError
@@ -62,6 +63,7 @@ __all__ = [
     "DeviceInfo",
     "DispatchRecord",
     "GatedLinearUnitArgs",
+    "GradientQuantization",
     "ImplementationNotInstalledError",
     "LayerNormArgs",
     "Op",

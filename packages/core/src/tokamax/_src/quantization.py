@@ -111,6 +111,41 @@ class QuantizedArray:
     return xla_ref.dequantize(self.array_values(), self.scales).astype(self.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class GradientQuantization:
+  """Opt-in: a backward matmul on quantized operands, as fp8 training runs it.
+
+  `tokamax.ragged_dot(..., quantized_lhs_gradient=GradientQuantization())`
+  computes the gradient with respect to lhs as the quantized ragged_dot of the
+  output's cotangent, quantized per `tile_shape` to `dtype`, and rhs's own
+  quantized values and scales, transposed (DeepSeek-V3's fp8 recipe: 1x128 tiles
+  of the cotangent, the weights' 128x128 blocks). This changes the numbers (the
+  cotangent is rounded to `dtype`); the XLA reference defines them: the product
+  of the two dequantized operands. Without it the gradient is straight-through:
+  the plain matmul of the cotangent and the dequantized rhs.
+
+  Attributes:
+    tile_shape: the tile of the ``[M, N]`` cotangent each scale covers.
+    dtype: float8_e4m3fn, float8_e5m2 or int8.
+  """
+
+  tile_shape: tuple[int, int] = (1, 128)
+  dtype: Any = jnp.float8_e4m3fn
+
+  def check(self, name: str, shape: tuple[int, int]) -> None:
+    """ValueError / TypeError naming `name` if this cannot quantize a cotangent
+    of `shape`."""
+    if jnp.dtype(self.dtype) not in [jnp.dtype(d) for d in VALUE_DTYPES]:
+      raise TypeError(f"{name}.dtype must be float8_e4m3fn, float8_e5m2 or int8; "
+                      f"got {jnp.dtype(self.dtype).name}")
+    tile = tuple(self.tile_shape)
+    if len(tile) != 2 or any(
+        not isinstance(t, int) or t < 1 or size % t for size, t in zip(shape, tile)):
+      raise ValueError(f"{name}.tile_shape must be two ints dividing the "
+                       f"cotangent's shape {tuple(shape)} ([M, N]); got "
+                       f"{self.tile_shape!r}")
+
+
 def quantize(x: jax.Array, tile_shape: tuple[int, ...],
              dtype: Any = jnp.float8_e4m3fn, minor_axis: int | None = None,
              keep_source: bool = True) -> QuantizedArray:

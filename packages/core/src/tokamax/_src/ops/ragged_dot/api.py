@@ -91,6 +91,7 @@ def ragged_dot(
     preferred_element_type: Any = None,
     group_offset: jax.Array | int | None = None,
     implementation: dispatch.Implementation = None,
+    quantized_lhs_gradient: quantization.GradientQuantization | None = None,
 ) -> jax.Array:
   """Grouped matmul with the semantics of `jax.lax.ragged_dot` (the MoE matmul).
 
@@ -112,6 +113,11 @@ def ragged_dot(
     group_offset: optional int scalar: rhs holds groups ``[group_offset,
       group_offset + G_rhs)`` of the G in group_sizes; rows of other groups give 0.
     implementation: None, a name, a sequence of names or a `tokamax.Op`.
+    quantized_lhs_gradient: with a quantized rhs, an opt-in
+      `tokamax.GradientQuantization`: the gradient with respect to lhs is then
+      the quantized ragged_dot of the quantized output cotangent and rhs's
+      values transposed (fp8 training's backward), not the straight-through
+      plain product.
 
   Returns:
     ``[M, N]``; rows past ``sum(group_sizes)`` (and of groups rhs does not hold)
@@ -189,20 +195,31 @@ def ragged_dot(
       group_offset=group_offset, preferred_element_type=preferred_element_type,
       precision=_checks.canonical_precision(precision),
       lhs_scales=lhs_scales, rhs_scales=rhs_scales)
+  if quantized_lhs_gradient is not None:
+    if not isinstance(quantized_lhs_gradient, quantization.GradientQuantization):
+      raise TypeError(f"quantized_lhs_gradient must be None or a "
+                      f"tokamax.GradientQuantization; got {quantized_lhs_gradient!r}")
+    if rhs_scales is None:
+      raise ValueError("quantized_lhs_gradient needs a quantized rhs (its values "
+                       "and scales enter the gradient's matmul); rhs is a plain "
+                       f"{_checks.describe(rhs)}")
+    quantized_lhs_gradient.check("quantized_lhs_gradient", (m, rhs.shape[2]))
   if lhs_scales is None and rhs_scales is None:
     return dispatch.call(DEFINITION, args, implementation)
   return _quantized_call(args, (lhs_source, rhs_source), (lhs_dtype, rhs_dtype),
-                         implementation)
+                         implementation, quantized_lhs_gradient)
 
 
-def _quantized_call(args: RaggedDotArgs, sources, dtypes, implementation):
+def _quantized_call(args: RaggedDotArgs, sources, dtypes, implementation,
+                    quantized_lhs_gradient=None):
   """The call on quantized operands, differentiable as a straight-through
   estimator (`tokamax._src.quantization`): the gradient with respect to an
   operand's source is the plain ragged_dot's gradient with respect to the array
   the operand stands for (its values times its scales, in `dtypes`), computed by
   whichever implementation dispatch picks for that plain call; values and scales
-  get zero cotangents, and a plain operand its gradient. The forward runs the
-  quantized call as it is."""
+  get zero cotangents, and a plain operand its gradient. With
+  `quantized_lhs_gradient`, lhs's gradient is a quantized call itself
+  (`_quantized_lhs_gradient`). The forward runs the quantized call as it is."""
 
   @jax.custom_vjp
   def call(sources, args):
@@ -223,13 +240,19 @@ def _quantized_call(args: RaggedDotArgs, sources, dtypes, implementation):
     # An `Op` instance was configured for the quantized call; the plain one
     # chooses its own.
     plain_impl = None if isinstance(implementation, Op) else implementation
-    _, vjp = jax.vjp(
-        lambda lhs, rhs: ragged_dot(
-            lhs, rhs, args.group_sizes, precision=args.precision,
-            preferred_element_type=args.preferred_element_type,
-            group_offset=args.group_offset, implementation=plain_impl),
-        lhs, rhs)
-    dlhs, drhs = vjp(dout.astype(args.preferred_element_type))
+    dout = dout.astype(args.preferred_element_type)
+    plain = lambda lhs, rhs: ragged_dot(
+        lhs, rhs, args.group_sizes, precision=args.precision,
+        preferred_element_type=args.preferred_element_type,
+        group_offset=args.group_offset, implementation=plain_impl)
+    if quantized_lhs_gradient is None:
+      _, vjp = jax.vjp(plain, lhs, rhs)
+      dlhs, drhs = vjp(dout)
+    else:
+      _, vjp = jax.vjp(lambda rhs: plain(lhs, rhs), rhs)
+      (drhs,) = vjp(dout)
+      dlhs = _quantized_lhs_gradient(args, dout, dtypes, quantized_lhs_gradient,
+                                     plain_impl)
     d_sources = tuple(
         None if source is None else grad.astype(source.dtype)
         for source, grad in zip(sources, (dlhs, drhs)))
@@ -243,3 +266,16 @@ def _quantized_call(args: RaggedDotArgs, sources, dtypes, implementation):
 
   call.defvjp(forward, backward)
   return call(sources, args)
+
+
+def _quantized_lhs_gradient(args: RaggedDotArgs, dout, dtypes,
+                            spec: quantization.GradientQuantization, implementation):
+  """``dout @ rhs^T`` per group as a quantized ragged_dot: `dout` quantized per
+  `spec`, rhs's values and block scales with K and N swapped (no new rounding of
+  rhs). Rows of groups rhs does not hold get 0, as in the forward."""
+  dout_q = quantization.quantize(dout, spec.tile_shape, spec.dtype, keep_source=False)
+  rhs_t = quantization.QuantizedArray(
+      jnp.swapaxes(args.rhs, 1, 2), jnp.swapaxes(args.rhs_scales, 1, 2), dtypes[1])
+  return ragged_dot(dout_q, rhs_t, args.group_sizes, precision=args.precision,
+                    preferred_element_type=dtypes[0], group_offset=args.group_offset,
+                    implementation=implementation)
