@@ -157,6 +157,23 @@ def test_quantized_lhs_gradient_is_the_product_of_the_quantized_operands(minor_a
   assert 0.005 < rel < 0.1, rel
 
 
+def test_quantized_lhs_gradient_with_bfloat16_weights_and_a_float32_output():
+  """The cotangent (float32 here) and the weights (bfloat16) stand for different
+  dtypes; dx comes back in x's dtype."""
+  lhs, rhs = _operands()
+  dy = jnp.asarray(_RNG.standard_normal((96, 384)), jnp.float32)
+  loss = lambda x: jnp.sum(tokamax.ragged_dot(
+      tokamax.quantize(x, (1, 128)), tokamax.quantize(rhs, (1, 128, 128)), _SIZES,
+      preferred_element_type=jnp.float32,
+      quantized_lhs_gradient=tokamax.GradientQuantization()) * dy)
+  dx = jax.grad(loss)(lhs)
+  want = _np_ragged_dot(_np_dequantize(tokamax.quantize(dy, (1, 128))),
+                        _np_dequantize(tokamax.quantize(rhs, (1, 128, 128)))
+                        .transpose(0, 2, 1), _SIZES)
+  assert dx.dtype == jnp.bfloat16
+  testing.assert_close(dx, want, jnp.bfloat16, what="dx")
+
+
 def test_quantized_lhs_gradient_errors_name_the_argument():
   lhs, rhs = _operands()
   wq = tokamax.quantize(rhs, (1, 128, 128))

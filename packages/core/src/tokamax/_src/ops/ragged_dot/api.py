@@ -273,7 +273,11 @@ def _quantized_lhs_gradient(args: RaggedDotArgs, dout, dtypes,
   """``dout @ rhs^T`` per group as a quantized ragged_dot: `dout` quantized per
   `spec`, rhs's values and block scales with K and N swapped (no new rounding of
   rhs). Rows of groups rhs does not hold get 0, as in the forward."""
-  dout_q = quantization.quantize(dout, spec.tile_shape, spec.dtype, keep_source=False)
+  # Labelled as standing for rhs's dtype (the call needs one dtype for both), the
+  # values quantized from the cotangent as it came (e.g. float32).
+  dout_q = dataclasses.replace(
+      quantization.quantize(dout, spec.tile_shape, spec.dtype, keep_source=False),
+      dtype=dtypes[1])
   rhs_t = quantization.QuantizedArray(
       jnp.swapaxes(args.rhs, 1, 2), jnp.swapaxes(args.rhs_scales, 1, 2), dtypes[1])
   return ragged_dot(dout_q, rhs_t, args.group_sizes, precision=args.precision,
