@@ -6,7 +6,9 @@
 # gpu-triton's). Each part has its own time limit and every shape is written as
 # soon as it is measured, so a part cut short keeps what it measured.
 #
-#   bash tools/grid_tune.sh [part ...]    parts: attn-short attn-long norms glu ragged
+#   bash tools/grid_tune.sh [part ...]    parts: attn-short attn-long norms glu ragged,
+#                                         or shapes:<seconds>:<op>:<name>[,<name>...]
+#                                         (only grid shapes whose name contains one)
 #
 # attn-long skips the dense XLA attentions (out of memory or 8-30x slower than the
 # kernels at T >= 4096 on the H200 and H100: notes/MEASUREMENTS.md, session 13).
@@ -28,8 +30,17 @@ declare -A PART=(
   [ragged]="300|$G --op ragged_dot --skip xla"
 )
 for part in "${@:-attn-short}"; do
-  IFS='|' read -r seconds command <<< "${PART[$part]}"
+  if [[ $part == shapes:* ]]; then
+    IFS=':' read -r _ seconds op names <<< "$part"
+    skips=""; [[ $op == dot_product_attention ]] && skips="--skip xla --skip xla_chunked"
+    [[ $op == ragged_dot ]] && skips="--skip xla"
+    command="$G --op $op $skips"
+    IFS=',' read -ra each <<< "$names"
+    for name in "${each[@]}"; do command+=" --shape '$name'"; done
+  else
+    IFS='|' read -r seconds command <<< "${PART[$part]}"
+  fi
   echo "=== $part ($seconds s): $command"
-  timeout "$seconds" bash -c "$command" 2>&1 | grep -E "^(autotuning|wrote)" | tee "$OUT/grid_$part.txt"
+  timeout "$seconds" bash -c "$command" 2>&1 | grep -E "^(autotuning|wrote)" | tee "$OUT/grid_${part//[^A-Za-z0-9_-]/_}.txt"
 done
 ls -l "$dest"

@@ -145,7 +145,11 @@ def test_quantized_lhs_gradient_is_the_product_of_the_quantized_operands(minor_a
   w_deq = _np_dequantize(tokamax.quantize(w, (1, 128, 128)))
   dy_deq = _np_dequantize(tokamax.quantize(dy, (1, 128)))
   want_dx = _np_ragged_dot(dy_deq, w_deq.transpose(0, 2, 1), _SIZES)
-  testing.assert_close(dx, want_dx, jnp.float32, what="dx")
+  # On a GPU the fp8 kernel computes dx: Hopper's float8 wgmma accumulates with
+  # fewer mantissa bits than float32 within each 128-deep scale block (measured
+  # 1.3e-4 relative L2 on the H200), hence the GPU float32 tolerance there.
+  testing.assert_close(dx, want_dx, jnp.float32, what="dx",
+                       gpu=jax.default_backend() == "gpu")
   _, want_dw = _straight_through(_np_dequantize(tokamax.quantize(x, (1, 128))),
                                  w_deq, dy)
   testing.assert_close(dw, want_dw, jnp.float32, what="dw")

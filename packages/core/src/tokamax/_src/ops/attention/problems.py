@@ -79,15 +79,13 @@ def reference_problems() -> list[Problem]:
 
 def grid_problems() -> list[Problem]:
   """The shapes tuned data is measured on (`autotune --grid`): sequence lengths
-  4x apart at 32768 tokens, head dims 64-256, MHA and GQA, causal or not, and
+  4x apart at 32768 tokens, head dims 64-256, MHA and GQA (each head dim: the two
+  rank differently, notes/MEASUREMENTS.md, session 13, item 5), causal or not, and
   sliding windows; calls between them take the nearest one's ranking."""
   shapes = []
   for t in (1024, 4096, 16384):
     for h in (64, 128, 256):
       for n, k in ((16, 16), (32, 8)):
-        if h != 128 and k != n:
-          continue  # GQA at H128 only, to save device time (MHA and GQA can rank
-                    # differently: notes/MEASUREMENTS.md, session 13, item 5)
         shapes += [(32768 // t, t, n, k, h, c) for c in (False, True)]
   return ([problem(*s) for s in shapes] +
           [problem(32768 // t, t, 32, 8, 128, True, window=w)

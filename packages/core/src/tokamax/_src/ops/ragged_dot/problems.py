@@ -99,12 +99,18 @@ def reference_problems() -> list[Problem]:
 
 def grid_problems() -> list[Problem]:
   """The shapes tuned data is measured on (`autotune --grid`): MoE-like K/N at
-  8-256 groups. Autotuning times equal group sizes (a call's key does not say
+  8-256 groups, up projections (K = model width) and down projections (N = model
+  width), whose rankings differ (session 13: the backward's flips between N 1408
+  and N >= 2048). Autotuning times equal group sizes (a call's key does not say
   how its rows are split), whatever sizes the problem's bench inputs have."""
   return [problem(*s) for s in (
       (16384, 2048, 16384, 16, False), (16384, 4096, 14336, 8, False),
       (32768, 2048, 1408, 64, True), (16384, 4096, 4096, 64, True),
-      (65536, 7168, 2048, 256, True), (8192, 7168, 2048, 256, True))]
+      (65536, 7168, 2048, 256, True), (8192, 7168, 2048, 256, True),
+      # Qwen3-MoE-like, 128 experts: up (K 2048 N 768, K 4096 N 1536) and down
+      # (K 768 N 2048).
+      (65536, 2048, 768, 128, True), (65536, 4096, 1536, 128, True),
+      (65536, 768, 2048, 128, True))]
 
 
 def quick_problems() -> list[Problem]:
