@@ -1,7 +1,7 @@
 """Times every config in an implementation's search space at the reference shapes.
 
     python tools/tune.py --op layer_norm [--implementation triton] [--shape rms]
-        [--match num_warps=8 --match prefetch_qk=True]
+        [--grid] [--match num_warps=8 --match prefetch_qk=True]
 
 ``--match FIELD=VALUE`` keeps only configs whose field prints as VALUE (repeatable;
 the heuristic config is always timed, for reference).
@@ -109,13 +109,17 @@ def main():
                       help="tune only the forward or only the backward configs")
   parser.add_argument("--training", action="store_true",
                       help="time forward configs in forward+backward")
+  parser.add_argument("--grid", action="store_true",
+                      help="the grid shapes (autotune --grid's) instead of the "
+                           "reference shapes")
   parser.add_argument("--match", action="append", default=[], metavar="FIELD=VALUE",
                       type=_field_value,
                       help="only configs whose FIELD prints as VALUE (repeatable)")
   args = parser.parse_args()
   match = dict(args.match)
   directions = (args.direction,) if args.direction else ("forward", "forward+backward")
-  for problem in bench_suite.reference_suite():
+  suite = bench_suite.grid_suite() if args.grid else bench_suite.reference_suite()
+  for problem in suite:
     if problem.op in args.op and (not args.shape or args.shape in problem.name):
       tune(problem, args.implementation, args.iterations, directions, match,
            args.training)

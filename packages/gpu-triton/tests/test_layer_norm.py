@@ -145,6 +145,11 @@ _CONFIGS = [
     (13, 40, ln.LayerNormConfig(2, 64, 1),
      ln.LayerNormVjpConfig(2, 64, 1, 3, prefetch=False)),
     (8, 64, ln.LayerNormConfig(2, 64, 2), ln.LayerNormVjpConfig(2, 64, 2, 2)),
+    # The backward recomputing the statistics instead of reading the saved ones.
+    (13, 40, ln.LayerNormConfig(2, 64, 1),
+     ln.LayerNormVjpConfig(2, 64, 1, 3, saved_stats=False)),
+    (13, 40, ln.LayerNormConfig(2, 64, 2),
+     ln.LayerNormVjpConfig(2, 64, 1, 3, prefetch=False, saved_stats=False)),
 ]
 
 
@@ -174,12 +179,15 @@ def test_zero_epsilon_with_padding_rows(subtract_mean):
   """Padding rows (rstd of an all-zero row is inf at eps = 0) must add no NaNs."""
   x, scale, offset, dy = _inputs(5, 16, jnp.float32, True, True)
   args = tokamax.LayerNormArgs(x, scale, offset, 0.0, subtract_mean)
+  bwd = ln.TritonLayerNormVjp(config=ln.LayerNormVjpConfig(2, 16, 1, 2))
   with tokamax.interpret(_INTERPRET):
-    grads = _backward(ln.TritonLayerNormVjp(config=ln.LayerNormVjpConfig(2, 16, 1, 2)),
-                      args, {}, None, dy)
+    _, saved = _forward(ln.TritonLayerNorm(config=ln.LayerNormConfig(2, 16, 1)), args)
+    # Recomputed statistics, and the forward's (padding rows load rstd = 0).
+    all_grads = [_backward(bwd, args, residuals, None, dy) for residuals in ({}, saved)]
   _, grads_ref = _reference(x, scale, offset, dy, subtract_mean, 0.0)
-  for name, g_ref in zip(("x", "scale", "offset"), grads_ref):
-    _assert_close(name, grads[name], g_ref, jnp.float32)
+  for grads in all_grads:
+    for name, g_ref in zip(("x", "scale", "offset"), grads_ref):
+      _assert_close(name, grads[name], g_ref, jnp.float32)
 
 
 def test_backward_without_residuals():

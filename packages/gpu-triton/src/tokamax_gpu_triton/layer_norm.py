@@ -18,11 +18,13 @@ keeps its share of ``dscale = sum(dy * xhat)`` and ``doffset = sum(dy)`` in
 registers, writing one float32 row of a ``[num_programs, D]`` partial array at
 the end; jnp then sums the partials (a few MB, deterministic, no atomics).
 
-- Rows that fit one block (the usual case): mean / rstd are recomputed from the
-  x tile in registers instead of read from the residuals, so the kernel moves
-  exactly x, dy in and dx out, and XLA can drop the whole forward kernel when only
-  gradients are used. The loads of the next row block are issued before the
-  current block's reductions (``prefetch``), keeping HBM busy across them.
+- Rows that fit one block (the usual case): one kernel moves x, dy in and dx
+  out. With ``saved_stats`` it reads the forward's mean / rstd (8 bytes a row),
+  so its row sums are independent of each other (one round of cross-warp
+  reductions); without, it recomputes them from the x tile in registers, which
+  lets XLA drop the forward kernel when only gradients are used. The loads of
+  the next row block are issued before the current block's reductions
+  (``prefetch``), keeping HBM busy across them.
 - Wider rows: a small first kernel computes ``mean(g * xhat)`` and ``mean(g)``
   per row from the saved mean / rstd, and the main kernel's grid gets a second axis over column blocks.
 """
@@ -68,7 +70,10 @@ class LayerNormVjpConfig:
   ``num_programs`` is the target size of the persistent grid (row direction); the
   grid is shrunk to the fewest programs with the same number of trips.
   ``prefetch`` (rows that fit one block only): load the next row block while
-  reducing the current one.
+  reducing the current one. ``saved_stats`` (rows that fit one block only): read
+  the forward's mean and rstd (8 bytes a row) when it saved them, instead of
+  recomputing them from x: the row sums then need one round of cross-warp
+  reductions, not two (LayerNorm's centred sums wait for its mean).
   """
 
   block_rows: int = 1
@@ -77,6 +82,7 @@ class LayerNormVjpConfig:
   num_programs: int = 264
   num_stages: int = 1
   prefetch: bool = True
+  saved_stats: bool = True
 
 
 def _pow2_at_most(x: int) -> int:
@@ -265,6 +271,20 @@ def _g(dy, scale):
   return dy if scale is None else dy * scale[None, :]
 
 
+def _rows_grads_from_stats(x, dy, scale, mean, rstd, col_mask, *, d):
+  """(dx, xhat) for a tile of whole rows, from the forward's mean (None for
+  RMSNorm) and rstd; padding rows load rstd = 0, so xhat and dx are 0 there."""
+  xhat = _xhat(x, mean, rstd)
+  if mean is not None and col_mask is not None:
+    xhat = jnp.where(col_mask[None, :], xhat, 0.0)
+  g = _g(dy, scale)
+  # Independent row sums: one round of cross-warp reductions.
+  dx = g - xhat * (jnp.sum(g * xhat, axis=1) / d)[:, None]
+  if mean is not None:
+    dx = dx - (jnp.sum(g, axis=1) / d)[:, None]
+  return dx * rstd[:, None], xhat
+
+
 def _rows_grads(x, dy, scale, row_mask, col_mask, *, subtract_mean, eps, d):
   """(dx, xhat) for a tile of whole rows, recomputing the statistics from x."""
   if subtract_mean:
@@ -273,8 +293,8 @@ def _rows_grads(x, dy, scale, row_mask, col_mask, *, subtract_mean, eps, d):
     if col_mask is not None:
       x = jnp.where(col_mask[None, :], x, 0.0)
   g = _g(dy, scale)
-  # The four row sums of LayerNorm (two for RMSNorm) are independent of each
-  # other, so their cross-warp reductions overlap.
+  # After LayerNorm's mean, its three row sums (two for RMSNorm) are independent
+  # of each other, so their cross-warp reductions overlap.
   rstd = jax.lax.rsqrt(jnp.sum(x * x, axis=1) / d + eps)
   if row_mask is not None:
     # Padding rows are all zeros: rsqrt(eps) with eps = 0 would be inf, and
@@ -288,8 +308,10 @@ def _rows_grads(x, dy, scale, row_mask, col_mask, *, subtract_mean, eps, d):
 
 
 def _bwd_rows_kernel(*refs, has_scale, want_dscale, want_doffset, subtract_mean,
-                     eps, prefetch, rows_ragged, trips, block_rows, block_d):
-  """Backward for rows that fit one block: no residuals, one read of x and dy.
+                     eps, prefetch, saved_stats, rows_ragged, trips, block_rows,
+                     block_d):
+  """Backward for rows that fit one block: one read of x and dy, and of the
+  forward's mean / rstd with `saved_stats` (else recomputed from x).
 
   Program ``p`` walks row blocks ``p, p + G, ...`` (``trips`` of them, the last
   ones padding when G does not divide the row blocks) and keeps its share of
@@ -301,7 +323,10 @@ def _bwd_rows_kernel(*refs, has_scale, want_dscale, want_doffset, subtract_mean,
   refs = list(refs)
   x_ref = refs.pop(0)
   scale_ref = refs.pop(0) if has_scale else None
-  dy_ref, dx_ref = refs.pop(0), refs.pop(0)
+  dy_ref = refs.pop(0)
+  mean_ref = refs.pop(0) if saved_stats and subtract_mean else None
+  rstd_ref = refs.pop(0) if saved_stats else None
+  dx_ref = refs.pop(0)
   dscale_ref = refs.pop(0) if want_dscale else None
   doffset_ref = refs.pop(0) if want_doffset else None
   r, d = x_ref.shape
@@ -330,8 +355,14 @@ def _bwd_rows_kernel(*refs, has_scale, want_dscale, want_doffset, subtract_mean,
       tiles = load(it)
     rows, row_mask, mask = block(it)
     x, dy = (t.astype(jnp.float32) for t in tiles)
-    dx, xhat = _rows_grads(x, dy, scale, row_mask, col_mask,
-                           subtract_mean=subtract_mean, eps=eps, d=d)
+    if saved_stats:
+      mean = None if mean_ref is None else _load(mean_ref.at[rows], row_mask)
+      dx, xhat = _rows_grads_from_stats(x, dy, scale, mean,
+                                        _load(rstd_ref.at[rows], row_mask), col_mask,
+                                        d=d)
+    else:
+      dx, xhat = _rows_grads(x, dy, scale, row_mask, col_mask,
+                             subtract_mean=subtract_mean, eps=eps, d=d)
     _store(dx_ref.at[rows, cols], dx, mask)
     new_accs = []
     if want_dscale:
@@ -483,31 +514,34 @@ def _bwd_grid(args: tokamax.LayerNormArgs, config: LayerNormVjpConfig) -> _BwdGr
   return _BwdGrid(num_row_blocks, num_programs, trips, rows_ragged, tuple(out_shape))
 
 
-def _backward_rows(args: tokamax.LayerNormArgs, dy, config: LayerNormVjpConfig):
-  """Rows that fit one block: a single kernel, statistics recomputed in registers.
-
-  Not reading the forward's residuals also lets XLA drop the forward kernel when
-  only gradients are wanted (the forward's output is then dead).
-  """
+def _backward_rows(args: tokamax.LayerNormArgs, dy, config: LayerNormVjpConfig,
+                   stats):
+  """Rows that fit one block: a single kernel. `stats`: the forward's (mean,
+  rstd), or None to recompute them in registers (which also lets XLA drop the
+  forward kernel when only gradients are wanted: its output is then dead)."""
   x = args.x
   block_rows, block_d = config.block_rows, config.block_d
   grid = _bwd_grid(args, config)
   has_scale = args.scale is not None
   scale_in = [args.scale] if has_scale else []
+  stats_in = []
+  if stats is not None:
+    mean, rstd = (a.astype(jnp.float32) for a in stats)
+    stats_in = [mean, rstd] if args.subtract_mean else [rstd]
   outs = _common.pallas_call(
       functools.partial(
           _bwd_rows_kernel, has_scale=has_scale, want_dscale=has_scale,
           want_doffset=args.offset is not None, subtract_mean=args.subtract_mean,
           eps=args.epsilon, prefetch=config.prefetch and grid.trips > 1,
-          rows_ragged=grid.rows_ragged, trips=grid.trips, block_rows=block_rows,
-          block_d=block_d),
+          saved_stats=stats is not None, rows_ragged=grid.rows_ragged,
+          trips=grid.trips, block_rows=block_rows, block_d=block_d),
       out_shape=grid.out_shape,
       grid=(grid.num_programs,),
-      in_specs=[pl.no_block_spec] * (2 + len(scale_in)),
+      in_specs=[pl.no_block_spec] * (2 + len(scale_in) + len(stats_in)),
       out_specs=[pl.no_block_spec] * len(grid.out_shape),
       num_warps=config.num_warps, num_stages=config.num_stages,
       interpret=tokamax.interpret_mode(), name="tokamax_layer_norm_bwd",
-  )(x, *scale_in, dy.astype(x.dtype))
+  )(x, *scale_in, dy.astype(x.dtype), *stats_in)
   return _partials_to_grads(args, outs[0], outs[1:])
 
 
@@ -636,16 +670,24 @@ class TritonLayerNormVjp(_LayerNormFunctions, tokamax.VjpOp):
     # other's reductions, and when they do not, 2 * 132 programs run as two
     # waves of equal length.
     num_warps = _warps_for(block_rows * block_d, 16)
+    # LayerNorm reads the forward's statistics (one round of row sums instead of
+    # two); RMSNorm's recomputed rstd costs no extra round. Measured on the H200
+    # (tools/tune.py --grid, 32768 rows, forward+backward with one forward for
+    # both): LayerNorm 0.153 -> 0.138 ms at D 1024, 0.493 -> 0.401 at 4096,
+    # 0.861 -> 0.851 at 8192; RMSNorm recomputing 0.107 / 0.361 / 0.707 against
+    # reading 0.113 / 0.367 / 0.730 (notes/MEASUREMENTS.md, session 14).
     return LayerNormVjpConfig(block_rows=block_rows, block_d=block_d,
                               num_warps=num_warps,
                               num_programs=_bwd_programs(num_warps, 1),
-                              num_stages=1, prefetch=True)
+                              num_stages=1, prefetch=True,
+                              saved_stats=args.subtract_mean)
 
   def search_space(self, args):
     r, d = args.x.shape
     base = self.heuristic_config(args)
     configs = [base]
     if base.block_d >= d:
+      configs.append(dataclasses.replace(base, saved_stats=not base.saved_stats))
       # (rows x, warps x, waves, prefetch, num_stages) around the heuristic.
       # num_stages=2 tells whether Triton pipelines these dot-free loops itself.
       for rows_x, warps_x, waves, prefetch, stages in (
@@ -658,7 +700,7 @@ class TritonLayerNormVjp(_LayerNormFunctions, tokamax.VjpOp):
         num_warps = max(1, min(32, int(base.num_warps * warps_x)))
         configs.append(LayerNormVjpConfig(
             block_rows, base.block_d, num_warps, _bwd_programs(num_warps, waves),
-            stages, prefetch))
+            stages, prefetch, base.saved_stats))
     else:
       for block_d in (2048, 4096, _MAX_BLOCK_D_BWD):
         block_rows = _row_block(r, block_d)
@@ -667,15 +709,18 @@ class TritonLayerNormVjp(_LayerNormFunctions, tokamax.VjpOp):
             configs.append(LayerNormVjpConfig(block_rows, block_d, num_warps,
                                               _bwd_programs(num_warps, waves), 1,
                                               False))
-    return list(dict.fromkeys(configs))[:12]
+    return list(dict.fromkeys(configs))[:13]
 
   def backward(self, args, residuals, out, dout, config):
     del out
     _check_config(config)
-    if config.block_d >= args.x.shape[1]:
-      return _backward_rows(args, dout, config)
     residuals = residuals or {}
-    if "mean" in residuals and "rstd" in residuals:
+    saved = "mean" in residuals and "rstd" in residuals
+    if config.block_d >= args.x.shape[1]:
+      stats = ((residuals["mean"], residuals["rstd"])
+               if saved and config.saved_stats else None)
+      return _backward_rows(args, dout, config, stats)
+    if saved:
       mean, rstd = residuals["mean"], residuals["rstd"]
     else:
       mean, rstd = _stats(args)
