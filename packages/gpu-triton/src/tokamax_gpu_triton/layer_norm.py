@@ -73,7 +73,8 @@ class LayerNormVjpConfig:
   reducing the current one. ``saved_stats`` (rows that fit one block only): read
   the forward's mean and rstd (8 bytes a row) when it saved them, instead of
   recomputing them from x: the row sums then need one round of cross-warp
-  reductions, not two (LayerNorm's centred sums wait for its mean).
+  reductions, not two (LayerNorm's centred sums wait for its mean), and none
+  waits for the other.
   """
 
   block_rows: int = 1
@@ -341,10 +342,15 @@ def _bwd_rows_kernel(*refs, has_scale, want_dscale, want_doffset, subtract_mean,
     row_mask = _range_mask(r0, block_rows, r, rows_ragged)
     return pl.ds(r0, block_rows), row_mask, _common.block_mask(row_mask, col_mask)
 
+  stats_refs = [ref for ref in (mean_ref, rstd_ref) if ref is not None]
+
   def load(it):
-    rows, _, mask = block(it)
+    """The block's x and dy tiles, then its saved statistics (prefetched alike:
+    a statistic loaded in the body would put HBM latency before the sums)."""
+    rows, row_mask, mask = block(it)
     return (_common.load(x_ref.at[rows, cols], mask),
-            _common.load(dy_ref.at[rows, cols], mask))
+            _common.load(dy_ref.at[rows, cols], mask),
+            *(_load(ref.at[rows], row_mask) for ref in stats_refs))
 
   def body(it, carry):
     accs, tiles = carry
@@ -354,12 +360,11 @@ def _bwd_rows_kernel(*refs, has_scale, want_dscale, want_doffset, subtract_mean,
     else:
       tiles = load(it)
     rows, row_mask, mask = block(it)
-    x, dy = (t.astype(jnp.float32) for t in tiles)
+    x, dy = (t.astype(jnp.float32) for t in tiles[:2])
     if saved_stats:
-      mean = None if mean_ref is None else _load(mean_ref.at[rows], row_mask)
-      dx, xhat = _rows_grads_from_stats(x, dy, scale, mean,
-                                        _load(rstd_ref.at[rows], row_mask), col_mask,
-                                        d=d)
+      *mean, rstd = tiles[2:]
+      dx, xhat = _rows_grads_from_stats(x, dy, scale, mean[0] if mean else None,
+                                        rstd, col_mask, d=d)
     else:
       dx, xhat = _rows_grads(x, dy, scale, row_mask, col_mask,
                              subtract_mean=subtract_mean, eps=eps, d=d)
@@ -377,7 +382,8 @@ def _bwd_rows_kernel(*refs, has_scale, want_dscale, want_doffset, subtract_mean,
     tiles = load(0)
   else:
     tiles = (jnp.zeros((block_rows, block_d), x_ref.dtype),
-             jnp.zeros((block_rows, block_d), dy_ref.dtype))
+             jnp.zeros((block_rows, block_d), dy_ref.dtype),
+             *(jnp.zeros((block_rows,), jnp.float32) for _ in stats_refs))
   accs, _ = jax.lax.fori_loop(0, trips, body, (accs, tiles))
   for ref, acc in zip((r for r in (dscale_ref, doffset_ref) if r is not None), accs):
     _store(ref.at[pid, cols], acc, col_mask)
@@ -670,17 +676,16 @@ class TritonLayerNormVjp(_LayerNormFunctions, tokamax.VjpOp):
     # other's reductions, and when they do not, 2 * 132 programs run as two
     # waves of equal length.
     num_warps = _warps_for(block_rows * block_d, 16)
-    # LayerNorm reads the forward's statistics (one round of row sums instead of
-    # two); RMSNorm's recomputed rstd costs no extra round. Measured on the H200
-    # (tools/tune.py --grid, 32768 rows, forward+backward with one forward for
-    # both): LayerNorm 0.153 -> 0.138 ms at D 1024, 0.493 -> 0.401 at 4096,
-    # 0.861 -> 0.851 at 8192; RMSNorm recomputing 0.107 / 0.361 / 0.707 against
-    # reading 0.113 / 0.367 / 0.730 (notes/MEASUREMENTS.md, session 14).
+    # The forward's statistics, prefetched with the tiles: LayerNorm's row sums
+    # then take one round of reductions instead of two. Measured on the H200
+    # (tools/tune.py --grid, 32768 rows, forward+backward, recomputing ->
+    # reading): LayerNorm 0.154 -> 0.131 ms at D 1024, 0.492 -> 0.373 at 4096,
+    # 0.820 -> 0.744 at 8192; RMSNorm 0.108 -> 0.105, 0.362 -> 0.352, 0.703 ->
+    # 0.695 (notes/MEASUREMENTS.md, session 14).
     return LayerNormVjpConfig(block_rows=block_rows, block_d=block_d,
                               num_warps=num_warps,
                               num_programs=_bwd_programs(num_warps, 1),
-                              num_stages=1, prefetch=True,
-                              saved_stats=args.subtract_mean)
+                              num_stages=1, prefetch=True, saved_stats=True)
 
   def search_space(self, args):
     r, d = args.x.shape
