@@ -2,7 +2,8 @@
 
 JAX 0.10.2 (the CPU machines) and 0.11.2 (the H200) differ in the Mosaic GPU API:
 `plgpu.kernel` takes ``out_type``/``scratch_types`` in 0.11 while 0.10 also took
-the older ``out_shape``/``scratch_shapes``. Everything version-dependent is here.
+the older ``out_shape``/``scratch_shapes``, and `plgpu.load`'s index argument is
+required in 0.10 and deprecated in 0.11. Everything version-dependent is here.
 """
 
 from __future__ import annotations
@@ -92,6 +93,20 @@ def kernel(body, *, out_type, scratch_types=None, **kwargs):
   if "out_type" in params:
     return plgpu.kernel(body, out_type=out_type, **kwargs)
   return plgpu.kernel(body, out_shape=out_type, **kwargs)
+
+
+@functools.cache
+def _load_takes_index() -> bool:
+  index = inspect.signature(plgpu.load).parameters.get("idx")
+  return index is not None and index.default is inspect.Parameter.empty
+
+
+def load(ref, *, layout):
+  """All of `ref` (indexed with ``.at[...]`` beforehand) into registers in
+  `layout`: JAX 0.10 requires `plgpu.load`'s index argument, 0.11 deprecates it."""
+  if _load_takes_index():
+    return plgpu.load(ref, (), layout=layout)
+  return plgpu.load(ref, layout=layout)
 
 
 def num_sms() -> int:

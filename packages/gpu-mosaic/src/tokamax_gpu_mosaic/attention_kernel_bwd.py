@@ -300,7 +300,7 @@ class _DkvKernel(_Shape):
     plgpu.barrier_wait(r.kv_full.at[wg])
     kv_ids = None
     if self.feat.segments:
-      kv_ids = plgpu.load(r.kvseg_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
+      kv_ids = _common.load(r.kvseg_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
     head = functools.partial(self.head_steps, r, blk, r0, k_tile, v_tile, j_clear,
                              kv_ids)
     # Both consumers take the same steps (two passes each per step).
@@ -351,11 +351,10 @@ class _DkvKernel(_Shape):
     s, dp = _scores_pair((akc.WG_ROWS, self.bq), k_tile, r.q_smem.at[slot],
                          r.do_full.at[slot], v_tile, r.do_smem.at[slot],
                          blk.pass_turn if self.ping_pong else None)
-    lse_col = plgpu.load(r.lse_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+    lse_col = _common.load(r.lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
 
     def delta_b():
-      delta_col = plgpu.load(r.delta_smem.at[slot], (),
-                             layout=plgpu.Layout.WGMMA.reduce(0))
+      delta_col = _common.load(r.delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
       return akc.bcast_cols(delta_col, dp.shape)
 
     def visible():
@@ -586,11 +585,11 @@ class _DqKernel(_Shape):
       n_clear = self.s_true // self.bkv
     plgpu.barrier_wait(r.q_full.at[wg])
     reduce1 = plgpu.Layout.WGMMA.reduce(1)
-    lse_row = plgpu.load(r.lse_smem.at[wg], (), layout=reduce1)
-    delta_row = plgpu.load(r.delta_smem.at[wg], (), layout=reduce1)
+    lse_row = _common.load(r.lse_smem.at[wg], layout=reduce1)
+    delta_row = _common.load(r.delta_smem.at[wg], layout=reduce1)
     q_ids = None
     if self.feat.segments:
-      q_ids = plgpu.load(r.qseg_smem.at[wg], (), layout=reduce1)
+      q_ids = _common.load(r.qseg_smem.at[wg], layout=reduce1)
     tile = _DqTile(r0, q_tile, do_tile, lse_row, delta_row, q_ids)
     dq = plgpu.layout_cast(jnp.zeros((rows, self.h), jnp.float32), plgpu.Layout.WGMMA)
     # Both consumers visit the same key tiles (two passes each per tile).

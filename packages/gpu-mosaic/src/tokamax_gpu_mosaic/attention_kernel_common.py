@@ -281,5 +281,5 @@ def visible(query, key, feat: Features, *, dynamic: bool, causal: bool = False,
 def same_segment(row_ids, col_ids_ref, shape):
   """Whether each entry's row and column segment ids match: `row_ids` are in
   registers, the column ids are loaded from `col_ids_ref` (shared memory)."""
-  col_ids = plgpu.load(col_ids_ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
+  col_ids = _common.load(col_ids_ref, layout=plgpu.Layout.WGMMA.reduce(0))
   return bcast_rows(row_ids, shape) == bcast_cols(col_ids, shape)

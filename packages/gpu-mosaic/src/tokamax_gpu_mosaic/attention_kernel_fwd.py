@@ -307,8 +307,8 @@ class _Forward:
     tiles = self.own_tiles(blk, r0, q_tile)
     if self.feat.segments:
       plgpu.barrier_wait(r.qseg_full.at[wg])
-      tiles = tiles._replace(q_ids=plgpu.load(r.qseg_smem.at[wg], (),
-                                              layout=plgpu.Layout.WGMMA.reduce(1)))
+      tiles = tiles._replace(q_ids=_common.load(r.qseg_smem.at[wg],
+                                                layout=plgpu.Layout.WGMMA.reduce(1)))
     carry = (plgpu.layout_cast(jnp.zeros((bq, self.h), jnp.float32),
                                plgpu.Layout.WGMMA),
              akc.row_vector(-jnp.inf), akc.row_vector(0.0))

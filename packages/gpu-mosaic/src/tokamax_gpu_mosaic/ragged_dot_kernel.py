@@ -496,7 +496,7 @@ class _GroupTiles:
   def mma(self, item: _Item, _, a_smem, b_smem, acc_ref):
     """One K step: this warpgroup's rows of the lhs tile times the rhs tile."""
     if self.transpose_rhs:
-      b = plgpu.transpose_ref(b_smem, (1, 0))
+      b = b_smem.transpose((1, 0))
     else:
       b = b_smem
     if self.subs == 1:
@@ -657,7 +657,7 @@ class _FixedTiles:
     def mma(_, a_smem, b_smem, acc_ref):
       cols = pl.ds(wg * bn, bn)
       if self.transpose_rhs:
-        b = plgpu.transpose_ref(b_smem.at[cols], (1, 0))
+        b = b_smem.at[cols].transpose((1, 0))
       else:
         b = b_smem.at[:, cols]
       plgpu.wgmma(acc_ref, a_smem, b)

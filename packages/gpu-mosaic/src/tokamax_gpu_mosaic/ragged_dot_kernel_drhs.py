@@ -129,7 +129,7 @@ def _drhs_ring(lhs, dout, starts, ends, *, out_dtype,
         def _mask():
           _zero_outside(lhs_smem.at[slot], row0, start, end, dtype)
 
-        plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem.at[slot], (1, 0)),
+        plgpu.wgmma(acc_ref, lhs_smem.at[slot].transpose((1, 0)),
                     dout_smem.at[slot])
         plgpu.wgmma_wait(1)  # Chunk c-1 is done: its slot may be refilled.
 
@@ -274,7 +274,7 @@ class _DrhsWarpSpecialized:
         _zero_outside(b_smem.at[:, w * bn:(w + 1) * bn], row0, start, end,
                       self.dtype)
 
-    plgpu.wgmma(acc_ref, plgpu.transpose_ref(a_smem, (1, 0)),
+    plgpu.wgmma(acc_ref, a_smem.transpose((1, 0)),
                 b_smem.at[:, pl.ds(cwg * bn, bn)])
     plgpu.wgmma_wait(1)
     return acc_ref

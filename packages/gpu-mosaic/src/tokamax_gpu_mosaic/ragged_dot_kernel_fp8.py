@@ -150,7 +150,7 @@ class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
       @pl.when(item.whi > item.wlo)
       def _issue():
         plgpu.wgmma(acc_ref, a_smem.at[pl.ds(item.cwg * rows, rows)],
-                    plgpu.transpose_ref(b_smem, (1, 0)))
+                    b_smem.transpose((1, 0)))
       overlapped = while_running()
       return overlapped, acc_ref[...]  # the load waits for the wgmma
     return step
@@ -161,8 +161,8 @@ class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
     rows, layout = self.half, plgpu.Layout.WGMMA.reduce(1)
     return jnp.where(
         item.cwg == 0,
-        plgpu.load(a_scales.at[0, pl.ds(0, rows)], (), layout=layout),
-        plgpu.load(a_scales.at[0, pl.ds(rows, rows)], (), layout=layout))
+        _common.load(a_scales.at[0, pl.ds(0, rows)], layout=layout),
+        _common.load(a_scales.at[0, pl.ds(rows, rows)], layout=layout))
 
   def step_scales(self, item, a_scales, b_scales):
     """The step's scales: per row (times the column block's), and per column
@@ -170,7 +170,7 @@ class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
     rows = self.row_scales(item, a_scales)
     if self.col_block:
       return (rows * b_scales[0, 0],)
-    return rows, plgpu.load(b_scales.at[0], (), layout=plgpu.Layout.WGMMA.reduce(0))
+    return rows, _common.load(b_scales.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
 
   def mma(self, item, _, a_smem, b_smem, a_scales, b_scales, total):
     shape = (self.half, self.cta_n)
