@@ -3,7 +3,8 @@
 JAX 0.10.2 (the CPU machines) and 0.11.2 (the H200) differ in the Mosaic GPU API:
 `plgpu.kernel` takes ``out_type``/``scratch_types`` in 0.11 while 0.10 also took
 the older ``out_shape``/``scratch_shapes``, and `plgpu.load`'s index argument is
-required in 0.10 and deprecated in 0.11. Everything version-dependent is here.
+required in 0.10 and deprecated in 0.11; JAX 0.12 refuses stores it cannot prove
+free of bank conflicts. Everything version-dependent is here.
 """
 
 from __future__ import annotations
@@ -107,6 +108,25 @@ def load(ref, *, layout):
   if _load_takes_index():
     return plgpu.load(ref, (), layout=layout)
   return plgpu.load(ref, layout=layout)
+
+
+@functools.cache
+def _plans_conflict_free_stores_only() -> bool:
+  # JAX 0.12 refuses a store it cannot prove free of shared-memory bank
+  # conflicts; `plgpu.store(..., optimized=False)` (new in 0.11/0.12) lifts that.
+  major, minor = (int(p) for p in jax.__version__.split(".")[:2])
+  return (major, minor) >= (0, 12)
+
+
+def store_unswizzled(ref, value) -> None:
+  """``ref[...] = value`` into unswizzled shared memory from WGMMA-layout
+  registers. JAX 0.12's transfer planner refuses this store ("Failed to
+  synthesize a transfer pattern that avoids bank conflicts"); there it runs as
+  an unoptimized store. Older releases keep the plain store they ran natively."""
+  if _plans_conflict_free_stores_only():
+    plgpu.store(ref, value, optimized=False)
+  else:
+    ref[...] = value
 
 
 def num_sms() -> int:

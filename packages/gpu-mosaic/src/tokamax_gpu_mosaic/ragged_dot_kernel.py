@@ -348,7 +348,7 @@ def _store_rows(y, lo, hi, dst_row, swizzled_smem, linear_smem, out_ref, cols):
 
   @pl.when(~full & (hi > lo))
   def _partial():
-    linear_smem[...] = y
+    _common.store_unswizzled(linear_smem, y)
     plgpu.commit_smem()
     count = hi - lo
     size = rows  # A whole tile at an unaligned row also goes this way.
