@@ -82,8 +82,17 @@ def interpret_params():
   if not tokamax.interpret_mode():
     return False
   if _races_on():
-    return pltpu.InterpretParams(detect_races=True, num_cores_or_threads=RACE_CORES)
+    return pltpu.InterpretParams(detect_races=True, num_cores_or_threads=RACE_CORES,
+                                 **_record_races())
   return pltpu.InterpretParams()
+
+
+def _record_races() -> dict:
+  # JAX 0.12 raises at the first race by default (`on_race="raise"`); `RaceLog`
+  # records every race of every kernel instead, so it asks for "warn" where the
+  # release has the choice (older ones only record).
+  fields = {f.name for f in dataclasses.fields(pltpu.InterpretParams)}
+  return {"on_race": "warn"} if "on_race" in fields else {}
 
 
 # Where JAX keeps the race detector's state. JAX 0.10.x:
