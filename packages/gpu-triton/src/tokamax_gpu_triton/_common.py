@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -37,6 +39,45 @@ def pallas_call(kernel, *, out_shape, grid, in_specs, out_specs, num_warps: int,
         compiler_params=None if interpret else compiler_params(num_warps, num_stages),
         interpret=interpret, name=name, **kwargs)(*args)
   return call
+
+
+@functools.cache
+def _static_slices_bounds_checked() -> bool:
+  major, minor = (int(p) for p in jax.__version__.split(".")[:2])
+  return (major, minor) >= (0, 12)
+
+
+def _runs_past(index, dim: int) -> bool:
+  return (isinstance(index, pl.Slice) and isinstance(index.start, int)
+          and index.start + (index.size - 1) * index.stride >= dim)
+
+
+def at(ref, *indices):
+  """``ref.at[indices]`` for a block that may run past the array's end.
+
+  Blocks are powers of two, so the block over a short dimension can run past it
+  statically (``pl.ds(0, 64)`` over 40 columns; its loads and stores are
+  masked). JAX 0.12 refuses such a slice when it is traced ("Out of bound
+  slice"); there every slice of the access becomes an index array, one axis
+  each, in order (index arrays, unlike slices, are not bound-checked, and the
+  Triton lowering computes a slice's offsets as start + iota as well). Older
+  JAX, and accesses whose slices all fit or have traced starts, keep the slices.
+  """
+  if not (_static_slices_bounds_checked()
+          and any(_runs_past(i, d) for i, d in zip(indices, ref.shape))):
+    return ref.at[indices]
+  num_slices = sum(isinstance(i, pl.Slice) for i in indices)
+  arrays, axis = [], 0
+  for index in indices:
+    if isinstance(index, pl.Slice):
+      shape = [1] * num_slices
+      shape[axis] = index.size
+      positions = index.start + index.stride * jnp.arange(index.size)
+      arrays.append(positions.reshape(shape))
+      axis += 1
+    else:
+      arrays.append(index)
+  return ref.at[tuple(arrays)]
 
 
 def next_power_of_2(x: int) -> int:

@@ -94,13 +94,24 @@ def _erf(x):
   return x * p / q
 
 
+def _horner(x, *coeffs):
+  """``coeffs[0] + x * (coeffs[1] + x * (...))``: `lax.polynomial` in plain ops."""
+  out = coeffs[-1]
+  for c in reversed(coeffs[:-1]):
+    out = out * x + c
+  return jnp.broadcast_to(out, x.shape).astype(x.dtype)
+
+
 # Primitives the Triton lowering lacks. For erfc, the absolute error of 1 - erf
 # (not a relative one) is what GELU-like uses need. `copy` comes from autodiff.
+# `polynomial` (JAX >= 0.12) comes from jax.nn.gelu's exact derivative.
 _REPLACEMENTS = {
     jax.lax.copy_p: lambda x: x,
     jax.lax.erf_p: lambda x: _erf(x.astype(jnp.float32)).astype(x.dtype),
     jax.lax.erfc_p: lambda x: (1.0 - _erf(x.astype(jnp.float32))).astype(x.dtype),
 }
+if hasattr(jax.lax, "polynomial_p"):
+  _REPLACEMENTS[jax.lax.polynomial_p] = _horner
 
 
 def _inner_jaxpr(eqn):

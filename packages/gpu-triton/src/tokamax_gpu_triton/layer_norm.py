@@ -141,7 +141,7 @@ def _store(ref, value, mask):
 
 
 def _load_param(ref, cols, col_mask):
-  return None if ref is None else _load(ref.at[cols], col_mask)
+  return None if ref is None else _load(_common.at(ref, cols), col_mask)
 
 
 def _affine(y, scale, offset):
@@ -174,7 +174,7 @@ def _fwd_kernel(*refs, has_scale, has_offset, subtract_mean, eps, block_rows,
     cols = pl.ds(0, block_d)
     col_mask = _range_mask(0, block_d, d, cols_ragged)
     mask = _common.block_mask(row_mask, col_mask)
-    x = _load(x_ref.at[rows, cols], mask)
+    x = _load(_common.at(x_ref, rows, cols), mask)
     if subtract_mean:
       mean = jnp.sum(x, axis=1) / d
       x = x - mean[:, None]
@@ -185,7 +185,7 @@ def _fwd_kernel(*refs, has_scale, has_offset, subtract_mean, eps, block_rows,
     rstd = jax.lax.rsqrt(jnp.sum(x * x, axis=1) / d + eps)
     y = _affine(x * rstd[:, None], _load_param(scale_ref, cols, col_mask),
                 _load_param(offset_ref, cols, col_mask))
-    _store(y_ref.at[rows, cols], y, mask)
+    _store(_common.at(y_ref, rows, cols), y, mask)
   else:
     num_col_blocks = pl.cdiv(d, block_d)
 
@@ -219,11 +219,11 @@ def _fwd_kernel(*refs, has_scale, has_offset, subtract_mean, eps, block_rows,
       cols = pl.ds(c0, block_d)
       col_mask = _range_mask(c0, block_d, d, cols_ragged)
       mask = _common.block_mask(row_mask, col_mask)
-      x = _load(x_ref.at[rows, cols], mask, "evict_first")
+      x = _load(_common.at(x_ref, rows, cols), mask, "evict_first")
       y = _affine((x - mean[:, None]) * rstd[:, None],
                   _load_param(scale_ref, cols, col_mask),
                   _load_param(offset_ref, cols, col_mask))
-      _store(y_ref.at[rows, cols], y, mask)
+      _store(_common.at(y_ref, rows, cols), y, mask)
       return ()
 
     jax.lax.fori_loop(0, num_col_blocks, norm_body, ())
@@ -348,8 +348,8 @@ def _bwd_rows_kernel(*refs, has_scale, want_dscale, want_doffset, subtract_mean,
     """The block's x and dy tiles, then its saved statistics (prefetched alike:
     a statistic loaded in the body would put HBM latency before the sums)."""
     rows, row_mask, mask = block(it)
-    return (_common.load(x_ref.at[rows, cols], mask),
-            _common.load(dy_ref.at[rows, cols], mask),
+    return (_common.load(_common.at(x_ref, rows, cols), mask),
+            _common.load(_common.at(dy_ref, rows, cols), mask),
             *(_load(ref.at[rows], row_mask) for ref in stats_refs))
 
   def body(it, carry):
@@ -368,7 +368,7 @@ def _bwd_rows_kernel(*refs, has_scale, want_dscale, want_doffset, subtract_mean,
     else:
       dx, xhat = _rows_grads(x, dy, scale, row_mask, col_mask,
                              subtract_mean=subtract_mean, eps=eps, d=d)
-    _store(dx_ref.at[rows, cols], dx, mask)
+    _store(_common.at(dx_ref, rows, cols), dx, mask)
     new_accs = []
     if want_dscale:
       new_accs.append(accs[len(new_accs)] + jnp.sum(dy * xhat, axis=0))
@@ -386,7 +386,7 @@ def _bwd_rows_kernel(*refs, has_scale, want_dscale, want_doffset, subtract_mean,
              *(jnp.zeros((block_rows,), jnp.float32) for _ in stats_refs))
   accs, _ = jax.lax.fori_loop(0, trips, body, (accs, tiles))
   for ref, acc in zip((r for r in (dscale_ref, doffset_ref) if r is not None), accs):
-    _store(ref.at[pid, cols], acc, col_mask)
+    _store(_common.at(ref, pid, cols), acc, col_mask)
 
 
 def _bwd_row_sums_kernel(*refs, has_scale, subtract_mean, block_rows, block_d):
@@ -408,8 +408,8 @@ def _bwd_row_sums_kernel(*refs, has_scale, subtract_mean, block_rows, block_d):
     cols = pl.ds(c0, block_d)
     col_mask = _range_mask(c0, block_d, d, d % block_d != 0)
     mask = _common.block_mask(row_mask, col_mask)
-    xhat = _xhat(_load(x_ref.at[rows, cols], mask, "evict_last"), mean, rstd)
-    g = _g(_load(dy_ref.at[rows, cols], mask, "evict_last"),
+    xhat = _xhat(_load(_common.at(x_ref, rows, cols), mask, "evict_last"), mean, rstd)
+    g = _g(_load(_common.at(dy_ref, rows, cols), mask, "evict_last"),
            _load_param(scale_ref, cols, col_mask))
     return s1 + jnp.sum(g * xhat, axis=1), s2 + jnp.sum(g, axis=1)
 
@@ -445,14 +445,14 @@ def _bwd_wide_kernel(*refs, has_scale, want_dscale, want_doffset, subtract_mean,
     mask = _common.block_mask(row_mask, col_mask)
     mean = _load(mean_ref.at[rows], row_mask) if subtract_mean else None
     rstd = _load(rstd_ref.at[rows], row_mask)
-    dy = _load(dy_ref.at[rows, cols], mask, "evict_first")
-    xhat = _xhat(_load(x_ref.at[rows, cols], mask, "evict_first"), mean, rstd)
+    dy = _load(_common.at(dy_ref, rows, cols), mask, "evict_first")
+    xhat = _xhat(_load(_common.at(x_ref, rows, cols), mask, "evict_first"), mean, rstd)
     g = _g(dy, scale)
     c1 = _load(c1_ref.at[rows], row_mask)
     dx = g - xhat * c1[:, None]
     if subtract_mean:
       dx = dx - _load(c2_ref.at[rows], row_mask)[:, None]
-    _store(dx_ref.at[rows, cols], dx * rstd[:, None], mask)
+    _store(_common.at(dx_ref, rows, cols), dx * rstd[:, None], mask)
     if want_dscale:
       acc_scale = acc_scale + jnp.sum(dy * xhat, axis=0)
     if want_doffset:
@@ -463,7 +463,7 @@ def _bwd_wide_kernel(*refs, has_scale, want_dscale, want_doffset, subtract_mean,
   acc_scale, acc_offset = jax.lax.fori_loop(0, trips, body, (zeros, zeros))
   for ref, acc in ((dscale_ref, acc_scale), (doffset_ref, acc_offset)):
     if ref is not None:
-      _store(ref.at[pid, cols], acc, col_mask)
+      _store(_common.at(ref, pid, cols), acc, col_mask)
 
 
 def _grid_rows(num_row_blocks: int, target: int) -> tuple[int, int]:
