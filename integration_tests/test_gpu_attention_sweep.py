@@ -200,16 +200,8 @@ def sweep_cases() -> list[SweepCase]:
 
 def gpu_implementations() -> list[str]:
   """The registered implementations of attention that can run on a GPU."""
-  # `tokamax.implementations()` names them; their platforms are in the registry.
-  from tokamax._src import registry
-  by_name = registry.get().by_name
-  names = []
-  for status in tokamax.implementations(OP):
-    entry = by_name.get((OP, status.name))
-    platforms = set(entry.spec.platforms) if entry is not None else set()
-    if platforms & {"gpu", "cuda"}:
-      names.append(status.name)
-  return names
+  return [s.name for s in tokamax.implementations(OP)
+          if set(s.platforms) & {"gpu", "cuda"}]
 
 
 # ---------------------------------------------------------------- inputs

@@ -139,6 +139,8 @@ def test_interpret_context():
 def test_implementations_introspection():
   statuses = {(s.op, s.name): s for s in tokamax.implementations()}
   assert statuses[("layer_norm", "xla")].usable
+  assert "gpu" in statuses[("dot_product_attention", "cudnn")].platforms
+  assert "gpu" not in statuses[("ragged_dot", "mosaic_tpu")].platforms
   if jax.default_backend() == "cpu":
     assert not statuses[("dot_product_attention", "cudnn")].usable
     assert "gpu" in statuses[("dot_product_attention", "cudnn")].reason

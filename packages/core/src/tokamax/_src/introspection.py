@@ -21,6 +21,7 @@ class ImplementationStatus:
   distribution: str | None
   version: str | None
   priority: int
+  platforms: tuple[str, ...]  # the JAX platforms it runs on ("gpu", "tpu", ...)
   has_backward: bool
   usable: bool
   reason: str  # why not usable ("" when usable)
@@ -58,6 +59,7 @@ def implementations(op: str | None = None) -> list[ImplementationStatus]:
       statuses.append(ImplementationStatus(
           op=op_name, name=name, backend=entry.backend,
           distribution=entry.distribution, version=entry.version,
-          priority=entry.spec.priority, has_backward=entry.spec.backward is not None,
+          priority=entry.spec.priority, platforms=tuple(entry.spec.platforms),
+          has_backward=entry.spec.backward is not None,
           usable=not reason, reason=reason))
   return statuses
