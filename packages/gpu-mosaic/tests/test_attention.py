@@ -516,7 +516,6 @@ def test_accepts_plain_call_on_hopper():
 def test_refuses_non_hopper_devices():
   args = _args()
   for device in (tokamax.DeviceInfo("cpu", "cpu"),
-                 tokamax.DeviceInfo("cpu", "cpu", interpret=True),
                  tokamax.DeviceInfo("gpu", "NVIDIA A100", compute_capability="8.0")):
     with pytest.raises(NotImplementedError, match="needs an NVIDIA Hopper GPU"):
       mat.MosaicGpuAttention().check_supported(args, device)
@@ -656,7 +655,6 @@ def test_backward_accepts_plain_call_on_hopper():
 
 def test_backward_refuses_non_hopper_devices():
   for device in (tokamax.DeviceInfo("cpu", "cpu"),
-                 tokamax.DeviceInfo("cpu", "cpu", interpret=True),
                  tokamax.DeviceInfo("gpu", "NVIDIA A100", compute_capability="8.0")):
     with pytest.raises(NotImplementedError, match="needs an NVIDIA Hopper GPU"):
       mat.MosaicGpuAttentionVjp().check_supported(_args(), device)

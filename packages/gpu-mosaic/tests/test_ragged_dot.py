@@ -389,7 +389,6 @@ def test_refuses_non_hopper():
   from tokamax._src.ops.ragged_dot import RaggedDotArgs
   args = RaggedDotArgs(lhs=lhs, rhs=rhs, group_sizes=jnp.asarray([8, 8], jnp.int32))
   for device in (tokamax.DeviceInfo("cpu", "cpu"),
-                 tokamax.DeviceInfo("cpu", "cpu", interpret=True),
                  tokamax.DeviceInfo("gpu", "NVIDIA A100", compute_capability="8.0")):
     with pytest.raises(NotImplementedError, match="needs an NVIDIA Hopper GPU"):
       rd.MosaicGpuRaggedDot().check_supported(args, device)
@@ -419,10 +418,7 @@ def test_dispatch_on_cpu_falls_back():
   with pytest.raises(NotImplementedError, match="Hopper"):
     tokamax.ragged_dot(lhs, rhs, jnp.asarray([8, 8], jnp.int32),
                        implementation="mosaic_gpu")
-  with tokamax.interpret():
-    with pytest.raises(NotImplementedError, match="Hopper"):
-      tokamax.ragged_dot(lhs, rhs, jnp.asarray([8, 8], jnp.int32),
-                         implementation="mosaic_gpu")
+  # Interpret mode depends on the JAX release: test_registration.py.
 
 
 def _lowers(f, *shapes):

@@ -2,8 +2,17 @@
 
 import importlib.metadata
 
+import jax
+import jax.numpy as jnp
+import pytest
+
 import tokamax
+from tokamax._src.ops.ragged_dot import RaggedDotArgs
+from tokamax_gpu_mosaic import _common
 from tokamax_gpu_mosaic import _plugin
+from tokamax_gpu_mosaic import attention as mat
+from tokamax_gpu_mosaic import gated_linear_unit as glu
+from tokamax_gpu_mosaic import ragged_dot as rd
 
 
 def test_entry_point_is_declared():
@@ -16,3 +25,29 @@ def test_backend_is_discovered():
   assert backends["gpu_mosaic"].status == "ok"
   assert backends["gpu_mosaic"].distribution == "tokamax-gpu-mosaic"
   assert _plugin.BACKEND.api_version == tokamax.plugin.PLUGIN_API_VERSION
+
+
+def _every_op():
+  x = jnp.zeros((16, 64), jnp.bfloat16)
+  q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+  attention = tokamax.AttentionArgs(query=q, key=q, value=q)
+  ragged = RaggedDotArgs(lhs=x, rhs=jnp.zeros((2, 64, 64), jnp.bfloat16),
+                         group_sizes=jnp.asarray([8, 8], jnp.int32))
+  glu_args = tokamax.GatedLinearUnitArgs(x=x, weights=jnp.zeros((64, 2, 64), jnp.bfloat16),
+                                         activation=jax.nn.silu)
+  return [(mat.MosaicGpuAttention(), attention), (mat.MosaicGpuAttentionVjp(), attention),
+          (rd.MosaicGpuRaggedDot(), ragged), (rd.MosaicGpuRaggedDotVjp(), ragged),
+          (glu.MosaicGpuGatedLinearUnit(), glu_args),
+          (glu.MosaicGpuGatedLinearUnitVjp(), glu_args)]
+
+
+def test_interpret_mode_where_the_interpreter_runs_the_kernels():
+  """Interpret mode on a CPU: taken from JAX 0.12 (test_interpret.py runs the
+  kernels there), refused with the reason before."""
+  device = tokamax.DeviceInfo("cpu", "cpu", interpret=True)
+  for op, args in _every_op():
+    if _common.interpreter_runs_these_kernels():
+      op.check_supported(args, device)
+    else:
+      with pytest.raises(NotImplementedError, match="needs JAX >= 0.12"):
+        op.check_supported(args, device)

@@ -16,6 +16,7 @@ import inspect
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import tokamax
@@ -48,20 +49,23 @@ def pad_axis(x, axis: int, size: int):
 
 
 def check_hopper_device(device: DeviceInfo) -> None:
-  """Raises NotImplementedError unless these kernels can run natively on `device`.
-
-  Interpret mode does not count: JAX's Mosaic GPU interpreter does not run the
-  warp-specialized pipelines these kernels are built on (see notes/MOSAIC_GPU.md),
-  so claiming support there would only turn into a failure later.
-  """
+  """Raises NotImplementedError unless these kernels can run on `device`: natively
+  on a Hopper GPU, or in interpret mode where JAX's Mosaic GPU interpreter runs
+  them (`interpreter_runs_these_kernels`)."""
+  if device.interpret:
+    if interpreter_runs_these_kernels():
+      return
+    raise NotImplementedError(
+        f"mosaic_gpu in interpret mode needs JAX >= 0.12 (this is {jax.__version__}): "
+        "the Mosaic GPU interpreter of older releases does not run these "
+        "warp-specialized kernels")
   cc = device.compute_capability
   if device.platform != "gpu" or cc is None or not cc.startswith("9."):
     where = (f"compute capability {cc}" if cc is not None
              else f"platform {device.platform}")
     raise NotImplementedError(
         f"this mosaic_gpu kernel needs an NVIDIA Hopper GPU (sm_90); this device is "
-        f"{device.device_kind} ({where}); Mosaic GPU interpret mode does not run "
-        "these warp-specialized kernels")
+        f"{device.device_kind} ({where})")
 
 
 def check_default_dot_algorithm(precision) -> None:
@@ -81,6 +85,30 @@ def check_dtype(name: str, dtype) -> None:
 
 
 @functools.cache
+def interpreter_runs_these_kernels() -> bool:
+  """Whether JAX's Mosaic GPU interpreter runs this package's kernels on a CPU.
+
+  JAX 0.12's does (warp specialization, barriers, TMA copies, wgmma with SMEM
+  operands; `accumulate` covers what it lacks); 0.10's had no rule for
+  ``layout_cast`` nor transposed SMEM operands (notes/MOSAIC_GPU.md).
+  """
+  major, minor = (int(p) for p in jax.__version__.split(".")[:2])
+  return (major, minor) >= (0, 12) and hasattr(plgpu, "InterpretGPUParams")
+
+
+def interpreting() -> bool:
+  """Whether kernels traced now run in JAX's Mosaic GPU interpreter: under
+  `tokamax.interpret()` where `interpreter_runs_these_kernels()`. Read at trace
+  time, like the TPU and Triton packages' interpret switch."""
+  return tokamax.interpret_mode() and interpreter_runs_these_kernels()
+
+
+def interpret_params():
+  """The `interpret=` argument of the kernels: params when `interpreting()`."""
+  return plgpu.InterpretGPUParams() if interpreting() else None
+
+
+@functools.cache
 def _kernel_params() -> frozenset[str]:
   return frozenset(inspect.signature(plgpu.kernel).parameters)
 
@@ -88,6 +116,8 @@ def _kernel_params() -> frozenset[str]:
 def kernel(body, *, out_type, scratch_types=None, **kwargs):
   """`plgpu.kernel` with the output/scratch arguments named as this JAX wants."""
   params = _kernel_params()
+  if interpreting():
+    kwargs["interpret"] = interpret_params()
   if scratch_types is not None:
     key = "scratch_types" if "scratch_types" in params else "scratch_shapes"
     kwargs[key] = scratch_types
@@ -129,7 +159,46 @@ def store_unswizzled(ref, value) -> None:
     ref[...] = value
 
 
+def accumulate(inits, terms, *, operand_dtype=None, after_issue=None):
+  """``init + a @ b`` for each init and its ``(a, b)`` term, as WGMMAs into
+  accumulators that start at `inits` (float32 register arrays; each `a` a
+  register array, cast to `operand_dtype` if given inside the accumulation's
+  scope, where the kernels have always cast it; each `b` an SMEM ref).
+  `after_issue` runs once the WGMMAs are issued, while they run. Returns the
+  sums, a tuple like `inits`.
+
+  Natively this is ``pl.run_state`` over ``plgpu.ACC.init`` accumulators. JAX's
+  Mosaic GPU interpreter has no rule for ``run_state`` nor a register operand
+  for its wgmma, so when `interpreting()` the products are plain dots.
+  """
+  def operand(a):
+    return a if operand_dtype is None else a.astype(operand_dtype)
+
+  if interpreting():
+    sums = tuple(init + jnp.dot(operand(a), b[...], preferred_element_type=jnp.float32)
+                 for init, (a, b) in zip(inits, terms, strict=True))
+    if after_issue is not None:
+      after_issue()
+    return sums
+
+  def issue(accs):
+    for acc, (a, b) in zip(accs, terms, strict=True):
+      plgpu.wgmma(acc, operand(a), b)
+    if after_issue is not None:
+      after_issue()
+  return pl.run_state(issue)(tuple(plgpu.ACC.init(x) for x in inits))
+
+
+# Programs of a persistent grid in the interpreter, which runs each program's
+# threads in turn: few, so that a call stays quick and every program walks
+# several tiles, as on a GPU with more tiles than SMs.
+INTERPRET_SMS = 2
+
+
 def num_sms() -> int:
+  """SMs of the device: the programs of a persistent grid."""
+  if interpreting():
+    return INTERPRET_SMS
   try:
     count = jax.devices()[0].core_count
   except Exception:  # any backend or device that cannot say: assume an H100/H200

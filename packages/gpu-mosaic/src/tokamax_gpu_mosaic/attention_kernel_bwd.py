@@ -376,11 +376,9 @@ class _DkvKernel(_Shape):
       p, ds = lax.optimization_barrier((p.astype(self.dtype), ds.astype(self.dtype)))
       blk.pass_turn()
 
-    def update(refs):
-      dv_acc, dk_acc = refs
-      plgpu.wgmma(dv_acc, p.astype(self.dtype), r.do_smem.at[slot])
-      plgpu.wgmma(dk_acc, ds.astype(self.dtype), r.q_smem.at[slot])
-    dv, dk = pl.run_state(update)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+    dv, dk = _common.accumulate(
+        (dv, dk), ((p, r.do_smem.at[slot]), (ds, r.q_smem.at[slot])),
+        operand_dtype=self.dtype)
     plgpu.barrier_arrive(r.free.at[slot])
     return dk, dv
 
@@ -646,9 +644,8 @@ class _DqKernel(_Shape):
       # Materialized before the turn (see `_DkvKernel.step`).
       ds = lax.optimization_barrier(ds.astype(self.dtype))
       blk.pass_turn()
-    dq = pl.run_state(
-        lambda acc: plgpu.wgmma(acc, ds.astype(self.dtype), r.k_smem.at[slot]))(
-            plgpu.ACC.init(dq))
+    (dq,) = _common.accumulate((dq,), ((ds, r.k_smem.at[slot]),),
+                               operand_dtype=self.dtype)
     plgpu.barrier_arrive(r.k_free.at[slot])
     return dq
 

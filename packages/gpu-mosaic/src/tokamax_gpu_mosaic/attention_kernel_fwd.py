@@ -417,14 +417,14 @@ class _Forward:
     plgpu.barrier_wait(r.v_full.at[slot])
     plgpu.barrier_wait(r.turn)
 
-    def update(o_acc):
-      plgpu.wgmma(o_acc, p, r.v_smem.at[slot])
+    def wait_next_k():
       nxt = i + 1
 
       @pl.when(nxt < tiles.n_own)
       def _():  # overlaps the wait for the next K with this matmul
         plgpu.barrier_wait(r.k_full.at[blk.ring.slot(nxt)])
-    acc = pl.run_state(update)(plgpu.ACC.init(acc))
+    (acc,) = _common.accumulate((acc,), ((p, r.v_smem.at[slot]),),
+                                after_issue=wait_next_k)
     plgpu.barrier_arrive(r.v_free.at[slot])
     return acc, m, l
 
@@ -492,8 +492,7 @@ class _Forward:
     # The last P V, outside the turns (as in FA3).
     last = lax.rem(tiles.n_own - 1, self.stages)
     plgpu.barrier_wait(r.v_full.at[last])
-    acc = pl.run_state(lambda o_acc: plgpu.wgmma(o_acc, p, r.v_smem.at[last]))(
-        plgpu.ACC.init(acc))
+    (acc,) = _common.accumulate((acc,), ((p, r.v_smem.at[last]),))
     plgpu.barrier_arrive(r.v_free.at[last])
     if self.causal:
       lax.fori_loop(tiles.n_own, blk.n_block,
@@ -659,6 +658,10 @@ def flash_forward(q, k, v, *extras, scale: float, causal: bool, s_true: int,
         "overlap_qk with a local window, sequence lengths, segment ids or "
         "q_offset: its first turn needs at least one key tile per warpgroup; "
         "use the plain schedule (overlap_qk=False)")
+  if config.overlap_qk and _common.interpreting():
+    raise NotImplementedError(
+        "overlap_qk in the Mosaic GPU interpreter: it has no rule for a store "
+        "into a WGMMA accumulator; use the plain schedule (overlap_qk=False)")
   fwd = _Forward(b=b, tp=tp, n=n, h=h, group=n // k.shape[2], sp=k.shape[1],
                  config=config, causal=causal, s_true=s_true, feat=feat,
                  dtype=q.dtype, has_sinks=sinks is not None, scale=scale)

@@ -1,0 +1,114 @@
+"""Every Mosaic GPU kernel on the CPU, in JAX's Mosaic GPU interpreter.
+
+From JAX 0.12 the interpreter runs these kernels (warp-specialized producers and
+consumers, barriers, TMA copies, wgmma), so under `tokamax.interpret()` the ops
+run the very kernels they run on a Hopper GPU, at small awkward shapes: each
+test checks the output and the gradients for a random cotangent against the
+XLA reference on float32 upcasts, within the dtype's tolerance, and that
+mosaic_gpu ran both directions. What the interpreter lacks is covered by small
+shims (`_common.accumulate`; a persistent grid of `INTERPRET_SMS` programs);
+the `overlap_qk` attention schedule, which stores into a WGMMA accumulator,
+does not run there (the heuristic takes the plain schedule).
+
+On older JAX (the CPU CI's 0.10.2) these tests skip; `nox -s tests_jax_newest`
+runs them.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import tokamax
+from tokamax import testing
+from tokamax_gpu_mosaic import _common
+
+pytestmark = pytest.mark.skipif(
+    not _common.interpreter_runs_these_kernels(),
+    reason=f"JAX's Mosaic GPU interpreter runs these kernels from JAX 0.12; this is "
+           f"{jax.__version__}")
+
+_seed = iter(range(1_000_000))
+
+
+def _normal(shape, dtype, scale=1.0):
+  key = jax.random.key(next(_seed))
+  return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
+
+
+def _check(call, operands, dtype):
+  """`call(implementation)(*operands)` and its VJP: mosaic_gpu interpreted
+  against the XLA reference on float32 upcasts (gradients at twice the
+  forward's tolerance, as the conformance suite)."""
+  with tokamax.interpret(), tokamax.record_dispatch() as records:
+    out, vjp = jax.vjp(call("mosaic_gpu"), *operands)
+    cotangent = _normal(out.shape, out.dtype)
+    grads = vjp(cotangent)
+  ran = {(r.direction, r.implementation) for r in records}
+  assert ran == {("forward", "mosaic_gpu"), ("backward", "mosaic_gpu")}, ran
+  upcast = [x.astype(jnp.float32) for x in operands]
+  ref_out, ref_vjp = jax.vjp(call("xla"), *upcast)
+  testing.assert_close(out, ref_out, dtype, what="output")
+  for i, (g, r) in enumerate(zip(grads, ref_vjp(cotangent.astype(jnp.float32)))):
+    testing.assert_close(g, r, dtype, what=f"gradient {i}", scale=2.0)
+
+
+def _attention(**options):
+  def call(implementation):
+    return lambda q, k, v: tokamax.dot_product_attention(
+        q, k, v, implementation=implementation, **options)
+  return call
+
+
+@pytest.mark.parametrize("b,t,s,n,k,h,dtype,options", [
+    # GQA, causal, lengths that are not tile multiples, T > S.
+    (2, 300, 257, 4, 2, 64, jnp.bfloat16, dict(is_causal=True)),
+    # MHA at H128 in float16, a soft cap.
+    (1, 200, 200, 2, 2, 128, jnp.float16, dict(logits_soft_cap=20.0)),
+    # The dynamic features: a two-sided window, key lengths (one row of the
+    # batch sees no key past 40), sinks.
+    (2, 256, 320, 2, 1, 64, jnp.bfloat16,
+     dict(local_window_size=(96, 32), key_value_seq_lengths=(320, 40))),
+], ids=["gqa-causal-odd", "h128-f16-softcap", "window-lengths"])
+def test_attention(b, t, s, n, k, h, dtype, options):
+  if "key_value_seq_lengths" in options:
+    options = {**options, "key_value_seq_lengths": jnp.asarray(
+        options["key_value_seq_lengths"], jnp.int32)}
+  operands = (_normal((b, t, n, h), dtype), _normal((b, s, k, h), dtype),
+              _normal((b, s, k, h), dtype))
+  _check(_attention(**options), operands, dtype)
+
+
+def test_attention_sinks():
+  sinks = _normal((4,), jnp.float32, 2.0)
+  operands = (_normal((1, 192, 4, 64), jnp.bfloat16),
+              _normal((1, 192, 2, 64), jnp.bfloat16),
+              _normal((1, 192, 2, 64), jnp.bfloat16))
+  _check(_attention(is_causal=True, sinks=sinks), operands, jnp.bfloat16)
+
+
+def test_ragged_dot():
+  """Empty groups, a group that ends mid-tile, rows past the last group."""
+  sizes = jnp.asarray([100, 0, 150, 37, 0], jnp.int32)
+  operands = (_normal((300, 256), jnp.bfloat16), _normal((5, 256, 192), jnp.bfloat16,
+                                                         256**-0.5))
+
+  def call(implementation):
+    return lambda x, w: tokamax.ragged_dot(x, w, sizes, implementation=implementation)
+  _check(call, operands, jnp.bfloat16)
+
+
+def test_gated_linear_unit():
+  operands = (_normal((200, 256), jnp.bfloat16), _normal((256, 2, 192), jnp.bfloat16,
+                                                         256**-0.5))
+
+  def call(implementation):
+    return lambda x, w: tokamax.gated_linear_unit(x, w, activation=jax.nn.silu,
+                                                  implementation=implementation)
+  _check(call, operands, jnp.bfloat16)
+
+
+def test_interpreter_is_asked_for_only_under_interpret():
+  assert _common.interpret_params() is None
+  with tokamax.interpret():
+    assert _common.interpret_params() is not None
+    assert _common.num_sms() == _common.INTERPRET_SMS
