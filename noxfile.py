@@ -35,6 +35,11 @@ JAX_NEWEST = "0.12.0.1"
 # the default JAX in `tests` only.
 JAX_NEWEST_TESTS = [*(f"packages/{p}/tests" for p in PACKAGES),
                     "integration_tests/test_plugins.py"]
+# Left out there to keep CI within its time: the two largest interpret-mode files
+# (about 5 of that session's CPU-minutes). Their kernels still run on the newest
+# JAX, in gpu-triton's test_determinism.py and tpu-mosaic's test_races.py.
+JAX_NEWEST_SKIPPED = ["packages/gpu-triton/tests/test_attention.py",
+                      "packages/tpu-mosaic/tests/test_attention.py"]
 # What ruff checks (ruff.toml says how), and the ruff that does: pinned, raised by
 # hand like JAX_NEWEST, so that a ruff release with new checks cannot turn CI red.
 LINT_PATHS = ["packages", "integration_tests", "tools", "noxfile.py"]
@@ -109,7 +114,8 @@ def _find_python(version):
 
 @nox.session(python=_find_python("3.12"))
 def tests_jax_newest(session):
-  """JAX_NEWEST on Python 3.12 (CPU): every package's tests but core's multi-device ones."""
+  """JAX_NEWEST on Python 3.12 (CPU): every package's tests but core's multi-device
+  ones and JAX_NEWEST_SKIPPED."""
   session.install(f"jax=={JAX_NEWEST}")
   _install_tokamax(session, "all,test")
   session.install(*(f"./integration_tests/plugins/{p}" for p in EXAMPLE_PLUGINS))
@@ -118,6 +124,7 @@ def tests_jax_newest(session):
   workers = os.environ.get("TOKAMAX_TEST_WORKERS", "auto")
   session.run("python", "-m", "pytest", "-n", workers, "-m", "not slow and not gpu",
               *JAX_NEWEST_TESTS, "--ignore=packages/core/tests/multidevice",
+              *(f"--ignore={path}" for path in JAX_NEWEST_SKIPPED),
               *session.posargs)
 
 
