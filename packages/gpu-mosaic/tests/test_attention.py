@@ -1,9 +1,9 @@
 """Tests of the Mosaic GPU attention forward (FA3-style).
 
-Numerical tests run natively on a Hopper GPU only (JAX's Mosaic GPU interpreter does
-not run warp-specialized kernels); on the CPU the registration, every refusal, the
-configs and the lowering to Mosaic GPU IR for "cuda" (through `jax.export`) are
-checked.
+Numerical tests here run natively on a Hopper GPU (on a CPU with JAX >= 0.12 the
+kernels also run in the Mosaic GPU interpreter: test_interpret.py); on the CPU the
+registration, every refusal, the configs and the lowering to Mosaic GPU IR for
+"cuda" (through `jax.export`) are checked.
 """
 
 import dataclasses

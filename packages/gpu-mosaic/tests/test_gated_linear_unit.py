@@ -1,8 +1,9 @@
 """Tests of the Mosaic GPU gated_linear_unit forward and backward.
 
-Numerical tests run natively on a Hopper GPU only (JAX's Mosaic GPU interpreter does
-not run warp-specialized pipelines); on the CPU the registration, the refusals and
-the lowering to Mosaic GPU IR for "cuda" are checked.
+Numerical tests here run natively on a Hopper GPU (on a CPU with JAX >= 0.12 the
+kernels also run in the Mosaic GPU interpreter: test_interpret.py); on the CPU the
+registration, the refusals and the lowering to Mosaic GPU IR for "cuda" are
+checked.
 """
 
 import re

@@ -8,7 +8,8 @@ XLA reference on float32 upcasts, within the dtype's tolerance, and that
 mosaic_gpu ran both directions. What the interpreter lacks is covered by small
 shims (`_common.accumulate`; a persistent grid of `INTERPRET_SMS` programs);
 the `overlap_qk` attention schedule, which stores into a WGMMA accumulator,
-does not run there (the heuristic takes the plain schedule).
+does not run there (the heuristic takes the plain schedule). The fp8 ragged_dot
+kernel is not run here (test_ragged_dot_fp8.py: natively and lowered).
 
 On older JAX (the CPU CI's 0.10.2) these tests skip; `nox -s tests_jax_newest`
 runs them.
@@ -21,6 +22,7 @@ import pytest
 import tokamax
 from tokamax import testing
 from tokamax_gpu_mosaic import _common
+from tokamax_gpu_mosaic import attention as mat
 
 pytestmark = pytest.mark.skipif(
     not _common.interpreter_runs_these_kernels(),
@@ -64,8 +66,8 @@ def _attention(**options):
     (2, 300, 257, 4, 2, 64, jnp.bfloat16, dict(is_causal=True)),
     # MHA at H128 in float16, a soft cap.
     (1, 200, 200, 2, 2, 128, jnp.float16, dict(logits_soft_cap=20.0)),
-    # The dynamic features: a two-sided window, key lengths (one row of the
-    # batch sees no key past 40), sinks.
+    # The dynamic features: a two-sided window, key lengths (the second batch
+    # row has 40 valid keys).
     (2, 256, 320, 2, 1, 64, jnp.bfloat16,
      dict(local_window_size=(96, 32), key_value_seq_lengths=(320, 40))),
 ], ids=["gqa-causal-odd", "h128-f16-softcap", "window-lengths"])
@@ -107,8 +109,17 @@ def test_gated_linear_unit():
   _check(call, operands, jnp.bfloat16)
 
 
+def test_overlap_qk_is_refused_in_the_interpreter():
+  q = _normal((1, 128, 2, 128), jnp.bfloat16)
+  config = mat.AttentionConfig(block_kv=128, num_stages=2, overlap_qk=True)
+  with tokamax.interpret():
+    with pytest.raises(NotImplementedError, match="overlap_qk in the Mosaic GPU"):
+      mat.mosaic_attention(q, q, q, scale=0.1, causal=False, config=config)
+
+
 def test_interpreter_is_asked_for_only_under_interpret():
-  assert _common.interpret_params() is None
+  with tokamax.interpret(False):
+    assert _common.interpret_params() is None
   with tokamax.interpret():
     assert _common.interpret_params() is not None
     assert _common.num_sms() == _common.INTERPRET_SMS

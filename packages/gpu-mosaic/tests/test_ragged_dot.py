@@ -1,9 +1,10 @@
 """Tests of the Mosaic GPU ragged_dot kernel.
 
-The kernel runs only natively on a Hopper GPU (JAX's Mosaic GPU interpreter does not
-run warp-specialized pipelines), so the numerical tests are skipped elsewhere; on
-the CPU the registration, the refusals and the lowering to Mosaic GPU IR (a full
-trace of the kernel for the "cuda" platform, which needs no GPU) are checked.
+The numerical tests here run natively on a Hopper GPU and are skipped elsewhere (on
+a CPU with JAX >= 0.12 the kernel also runs in the Mosaic GPU interpreter:
+test_interpret.py); on the CPU the registration, the refusals and the lowering to
+Mosaic GPU IR (a full trace of the kernel for the "cuda" platform, which needs no
+GPU) are checked.
 """
 
 import dataclasses

@@ -51,3 +51,18 @@ def test_interpret_mode_where_the_interpreter_runs_the_kernels():
     else:
       with pytest.raises(NotImplementedError, match="needs JAX >= 0.12"):
         op.check_supported(args, device)
+  if not _common.interpreter_runs_these_kernels():  # and through dispatch
+    _, ragged = _every_op()[2]
+    with tokamax.interpret(), pytest.raises(NotImplementedError,
+                                            match="needs JAX >= 0.12"):
+      tokamax.ragged_dot(ragged.lhs, ragged.rhs, ragged.group_sizes,
+                         implementation="mosaic_gpu")
+
+
+def test_a_hopper_gpu_under_interpret_mode_is_taken():
+  """On a GPU, interpret mode never refused these kernels: natively where JAX
+  cannot interpret them, in the interpreter where it can."""
+  h200 = tokamax.DeviceInfo("gpu", "NVIDIA H200", interpret=True,
+                            compute_capability="9.0")
+  for op, args in _every_op():
+    op.check_supported(args, h200)

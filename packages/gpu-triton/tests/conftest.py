@@ -13,8 +13,9 @@ _ABSTRACT_GPU = "NVIDIA H100 80GB HBM3"
 
 
 def _abstract_gpu():
-  """JAX 0.12's way to lower Triton kernels on a machine without a GPU: an
-  abstract mesh naming the target device. Older JAX needs none (nullcontext)."""
+  """An abstract mesh naming the target GPU: JAX 0.12 needs one to lower Triton
+  kernels on a machine without a GPU (older releases take it too); a JAX
+  without `AbstractDevice` gets none."""
   device_type = getattr(jax.sharding, "AbstractDevice", None)
   if device_type is None:
     return contextlib.nullcontext()

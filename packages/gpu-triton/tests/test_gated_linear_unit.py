@@ -305,3 +305,16 @@ def test_explicit_configs_in_a_training_forward(shape, config):
   _assert_close("out", y, y_ref, jnp.float32)
   _assert_close("dx", grads["x"], dx_ref, jnp.float32)
   _assert_close("dw", grads["weights"], dw_ref, jnp.float32)
+
+
+@pytest.mark.skipif(not hasattr(jax.lax, "polynomial_p"),
+                    reason="lax.polynomial is new in JAX 0.12")
+def test_polynomial_replacement_matches_lax():
+  """The in-kernel stand-in for `lax.polynomial` (0.12's exact GELU derivative
+  uses it): coefficients lowest degree first, as lax defines them."""
+  x = jnp.linspace(-3.0, 3.0, 37, dtype=jnp.float32)
+  coeffs = (1.0, -0.5, 0.25, 2.0)
+  want = jax.lax.polynomial(x, coeffs)
+  got = glu._REPLACEMENTS[jax.lax.polynomial_p](x, *coeffs)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  np.testing.assert_allclose(got, 1.0 - 0.5 * x + 0.25 * x**2 + 2.0 * x**3, rtol=1e-5)

@@ -111,11 +111,18 @@ def test_awkward_shapes(r, d):
 def test_index_arrays_for_a_block_past_the_row(monkeypatch, r, d):
   """JAX 0.12's form of a column block that runs past a short row (index arrays
   instead of slices, `_common.at`), forced on whatever JAX runs the test."""
-  consulted = []
-  monkeypatch.setattr(_common, "_static_slices_bounds_checked",
-                      lambda: consulted.append(True) or True)
-  _check(*_inputs(r, d, jnp.float32, True, True), subtract_mean=True)
-  assert consulted, "the kernels were not traced with the patched check"
+  monkeypatch.setattr(_common, "_static_slices_bounds_checked", lambda: True)
+  runs_past, converted = _common._runs_past, []
+
+  def spy(index, dim):  # counts the accesses that take the index-array form
+    converted.append(runs_past(index, dim))
+    return converted[-1]
+  monkeypatch.setattr(_common, "_runs_past", spy)
+  records = _check(*_inputs(r, d, jnp.float32, True, True), subtract_mean=True)
+  assert {(rec.direction, rec.implementation) for rec in records} == {
+      ("forward", "triton"), ("backward", "triton")}
+  # The forward's x, y, scale, offset and the backward's x, dy, dx, dscale, doffset.
+  assert sum(converted) >= 9, converted
 
 
 def test_dispatch_runs_triton_both_directions():

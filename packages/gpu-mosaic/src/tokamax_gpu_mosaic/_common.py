@@ -4,7 +4,8 @@ JAX 0.10.2 (the CPU machines) and 0.11.2 (the H200) differ in the Mosaic GPU API
 `plgpu.kernel` takes ``out_type``/``scratch_types`` in 0.11 while 0.10 also took
 the older ``out_shape``/``scratch_shapes``, and `plgpu.load`'s index argument is
 required in 0.10 and deprecated in 0.11; JAX 0.12 refuses stores it cannot prove
-free of bank conflicts. Everything version-dependent is here.
+free of bank conflicts, and its Mosaic GPU interpreter runs these kernels
+(`interpreting`, `accumulate`). Everything version-dependent is here.
 """
 
 from __future__ import annotations
@@ -52,20 +53,19 @@ def check_hopper_device(device: DeviceInfo) -> None:
   """Raises NotImplementedError unless these kernels can run on `device`: natively
   on a Hopper GPU, or in interpret mode where JAX's Mosaic GPU interpreter runs
   them (`interpreter_runs_these_kernels`)."""
-  if device.interpret:
-    if interpreter_runs_these_kernels():
-      return
-    raise NotImplementedError(
-        f"mosaic_gpu in interpret mode needs JAX >= 0.12 (this is {jax.__version__}): "
-        "the Mosaic GPU interpreter of older releases does not run these "
-        "warp-specialized kernels")
+  if device.interpret and interpreter_runs_these_kernels():
+    return  # the interpreter runs them on any device
   cc = device.compute_capability
-  if device.platform != "gpu" or cc is None or not cc.startswith("9."):
-    where = (f"compute capability {cc}" if cc is not None
-             else f"platform {device.platform}")
-    raise NotImplementedError(
-        f"this mosaic_gpu kernel needs an NVIDIA Hopper GPU (sm_90); this device is "
-        f"{device.device_kind} ({where})")
+  if device.platform == "gpu" and cc is not None and cc.startswith("9."):
+    return  # natively (under interpret mode too where JAX cannot interpret them)
+  where = (f"compute capability {cc}" if cc is not None
+           else f"platform {device.platform}")
+  why = (f"; interpret mode needs JAX >= 0.12 (this is {jax.__version__}), whose "
+         "Mosaic GPU interpreter runs these warp-specialized kernels"
+         if device.interpret else "")
+  raise NotImplementedError(
+      f"this mosaic_gpu kernel needs an NVIDIA Hopper GPU (sm_90); this device is "
+      f"{device.device_kind} ({where}){why}")
 
 
 def check_default_dot_algorithm(precision) -> None:
@@ -92,8 +92,7 @@ def interpreter_runs_these_kernels() -> bool:
   operands; `accumulate` covers what it lacks); 0.10's had no rule for
   ``layout_cast`` nor transposed SMEM operands (notes/MOSAIC_GPU.md).
   """
-  major, minor = (int(p) for p in jax.__version__.split(".")[:2])
-  return (major, minor) >= (0, 12) and hasattr(plgpu, "InterpretGPUParams")
+  return jax.__version_info__ >= (0, 12) and hasattr(plgpu, "InterpretGPUParams")
 
 
 def interpreting() -> bool:
@@ -140,20 +139,13 @@ def load(ref, *, layout):
   return plgpu.load(ref, layout=layout)
 
 
-@functools.cache
-def _plans_conflict_free_stores_only() -> bool:
-  # JAX 0.12 refuses a store it cannot prove free of shared-memory bank
-  # conflicts; `plgpu.store(..., optimized=False)` (new in 0.11/0.12) lifts that.
-  major, minor = (int(p) for p in jax.__version__.split(".")[:2])
-  return (major, minor) >= (0, 12)
-
-
 def store_unswizzled(ref, value) -> None:
   """``ref[...] = value`` into unswizzled shared memory from WGMMA-layout
   registers. JAX 0.12's transfer planner refuses this store ("Failed to
   synthesize a transfer pattern that avoids bank conflicts"); there it runs as
-  an unoptimized store. Older releases keep the plain store they ran natively."""
-  if _plans_conflict_free_stores_only():
+  an unoptimized store (`plgpu.store(..., optimized=False)`). Older releases
+  keep the plain store they ran natively."""
+  if jax.__version_info__ >= (0, 12):
     plgpu.store(ref, value, optimized=False)
   else:
     ref[...] = value

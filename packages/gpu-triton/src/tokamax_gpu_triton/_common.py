@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -41,15 +41,26 @@ def pallas_call(kernel, *, out_shape, grid, in_specs, out_specs, num_warps: int,
   return call
 
 
-@functools.cache
 def _static_slices_bounds_checked() -> bool:
-  major, minor = (int(p) for p in jax.__version__.split(".")[:2])
-  return (major, minor) >= (0, 12)
+  return jax.__version_info__ >= (0, 12)
+
+
+def _static_int(x) -> int | None:
+  """`x` as a Python int where it is known at trace time (an int, a NumPy or
+  concrete JAX integer), else None (a traced value)."""
+  try:
+    return operator.index(x)
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    return None
 
 
 def _runs_past(index, dim: int) -> bool:
-  return (isinstance(index, pl.Slice) and isinstance(index.start, int)
-          and index.start + (index.size - 1) * index.stride >= dim)
+  """Whether `index` is a slice whose start is static and that ends past `dim`
+  (what JAX 0.12 refuses at trace time)."""
+  if not isinstance(index, pl.Slice):
+    return False
+  start = _static_int(index.start)
+  return start is not None and start + (index.size - 1) * index.stride >= dim
 
 
 def at(ref, *indices):

@@ -21,10 +21,10 @@ class ImplementationStatus:
   distribution: str | None
   version: str | None
   priority: int
-  platforms: tuple[str, ...]  # the JAX platforms it runs on ("gpu", "tpu", ...)
   has_backward: bool
   usable: bool
   reason: str  # why not usable ("" when usable)
+  platforms: tuple[str, ...] = ()  # the JAX platforms it runs on ("gpu", "tpu", ...)
 
 
 def implementations(op: str | None = None) -> list[ImplementationStatus]:
