@@ -8,8 +8,7 @@ XLA reference on float32 upcasts, within the dtype's tolerance, and that
 mosaic_gpu ran both directions. What the interpreter lacks is covered by small
 shims (`_common.accumulate`; a persistent grid of `INTERPRET_SMS` programs);
 the `overlap_qk` attention schedule, which stores into a WGMMA accumulator,
-does not run there (the heuristic takes the plain schedule). The fp8 ragged_dot
-kernel is not run here (test_ragged_dot_fp8.py: natively and lowered).
+does not run there (the heuristic takes the plain schedule).
 
 On older JAX (the CPU CI's 0.10.2) these tests skip; `nox -s tests_jax_newest`
 runs them.
@@ -97,6 +96,23 @@ def test_ragged_dot():
   def call(implementation):
     return lambda x, w: tokamax.ragged_dot(x, w, sizes, implementation=implementation)
   _check(call, operands, jnp.bfloat16)
+
+
+def test_fp8_ragged_dot():
+  """The fp8 kernel (forward) against the reference on the same quantized
+  inputs: rows and weight blocks of different magnitudes, so wrong scales show."""
+  lhs = _normal((300, 256), jnp.float32) * jax.random.uniform(
+      jax.random.key(next(_seed)), (300, 1), minval=0.1, maxval=4.0)
+  rhs = _normal((3, 256, 256), jnp.float32, 256**-0.5)
+  lq = tokamax.quantize(lhs.astype(jnp.bfloat16), (1, 128), jnp.float8_e4m3fn)
+  rq = tokamax.quantize(rhs.astype(jnp.bfloat16), (1, 128, 128), jnp.float8_e4m3fn)
+  sizes = jnp.asarray([100, 0, 150], jnp.int32)
+  with tokamax.interpret(), tokamax.record_dispatch() as records:
+    out = tokamax.ragged_dot(lq, rq, sizes, implementation="mosaic_gpu")
+  assert [(r.direction, r.implementation) for r in records] == [
+      ("forward", "mosaic_gpu")]
+  want = tokamax.ragged_dot(lq, rq, sizes, implementation="xla")
+  testing.assert_close(out, want, jnp.bfloat16, what="fp8 output")
 
 
 def test_gated_linear_unit():
