@@ -13,10 +13,22 @@ A `NotImplementedError` is a refusal (a skip, with the reason). Dispatch records
 show that a named implementation ran the forward; the backward that ran is in
 the failure message (it may be another implementation's).
 
-On a GPU::
+cuDNN's attention backward (through jax.nn, as tokamax's "cudnn" runs it) sums
+dQ over key blocks in an order that varies from run to run: on the H200 1 to 14
+elements of dQ differ between runs (up to 2.4e-4 in bf16; dK, dV and the output
+do not), unless XLA is asked for determinism
+(``--xla_gpu_exclude_nondeterministic_ops=true`` or
+``--xla_gpu_deterministic_ops=true`` in ``XLA_FLAGS``; it then runs a
+deterministic backward: forward+backward
+8-9% slower at B4 T4096 N16 H128). Without that flag a cuDNN backward with
+differing gradients is an expected failure (xfail, with the differences); its
+output must still be bitwise equal. Run both::
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false python -m pytest -m gpu -n 2 \\
-        integration_tests/test_gpu_determinism.py -rs
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python -m pytest -m gpu -n 4 \\
+        integration_tests/test_gpu_determinism.py -rsx
+    XLA_FLAGS=--xla_gpu_exclude_nondeterministic_ops=true \\
+        XLA_PYTHON_CLIENT_PREALLOCATE=false python -m pytest -m gpu -n 4 \\
+        integration_tests/test_gpu_determinism.py -rsx -k "cudnn or auto"
 
 Without a GPU the `gpu` tests skip; the harness tests run anywhere.
 """
@@ -26,6 +38,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import os
+import re
 from typing import Callable
 
 import jax
@@ -175,6 +189,15 @@ def three_runs(fn, operands, cotangent_key) -> tuple[list[str], list]:
   return problems, list(first)
 
 
+def xla_determinism_requested(xla_flags: str | None = None) -> bool:
+  """Whether XLA_FLAGS asks XLA for deterministic GPU ops (cuDNN's attention
+  backward among them)."""
+  if xla_flags is None:
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+  flags = r"--xla_gpu_(?:deterministic_ops|exclude_nondeterministic_ops)"
+  return re.search(flags + r"(?:=(?:true|1))?(?:\s|$)", xla_flags) is not None
+
+
 def gpu_implementations(op: str) -> list[str]:
   """The registered implementations of `op` that can run on a GPU."""
   return [s.name for s in tokamax.implementations(op)
@@ -203,8 +226,12 @@ def test_bitwise_deterministic(call, implementation):
   backward = sorted({r.implementation for r in records if r.direction == "backward"})
   if implementation is not None:
     assert implementation in forward, (implementation, forward)
-  assert not problems, (f"forward {forward}, backward {backward}: "
-                        + "; ".join(problems))
+  summary = f"forward {forward}, backward {backward}: "
+  assert not [p for p in problems if p.startswith("output")], summary + "; ".join(problems)
+  if problems and "cudnn" in backward and not xla_determinism_requested():
+    pytest.xfail("cuDNN's backward sums dQ in a varying order unless XLA_FLAGS "
+                 "asks for determinism: " + summary + "; ".join(problems))
+  assert not problems, summary + "; ".join(problems)
   for i, a in enumerate(first):  # deterministic is not enough: finite and not zero
     a = np.asarray(a, np.float32)
     assert np.isfinite(a).all() and np.any(a != 0), (i, forward, backward)
@@ -214,6 +241,14 @@ def test_calls_cover_every_op():
   assert {c.op for c in CALLS} == {"dot_product_attention", "ragged_dot",
                                    "gated_linear_unit", "layer_norm"}
   assert len({c.id for c in CALLS}) == len(CALLS)
+
+
+def test_xla_determinism_flags_are_read():
+  assert xla_determinism_requested("--xla_gpu_deterministic_ops=true")
+  assert xla_determinism_requested("--foo=1 --xla_gpu_exclude_nondeterministic_ops")
+  assert not xla_determinism_requested("--xla_gpu_deterministic_ops=false")
+  assert not xla_determinism_requested("--xla_gpu_exclude_nondeterministic_ops=0 --a")
+  assert not xla_determinism_requested("")
 
 
 def test_harness_passes_a_deterministic_call():

@@ -51,7 +51,8 @@ def test_interpret_mode_where_the_interpreter_runs_the_kernels():
     else:
       with pytest.raises(NotImplementedError, match="needs JAX >= 0.12"):
         op.check_supported(args, device)
-  if not _common.interpreter_runs_these_kernels():  # and through dispatch
+  # And through dispatch, on a CPU (a Hopper GPU runs them natively under interpret).
+  if not _common.interpreter_runs_these_kernels() and jax.default_backend() == "cpu":
     _, ragged = _every_op()[2]
     with tokamax.interpret(), pytest.raises(NotImplementedError,
                                             match="needs JAX >= 0.12"):
