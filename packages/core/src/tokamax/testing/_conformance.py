@@ -369,8 +369,11 @@ def check_case(case: Case, implementation: Any, dtype: str = "float32", *,
   gpu = jax.default_backend() == "gpu"
   note = f"{case} {dtype} seed={seed}"
 
-  out = fn(floats, implementation, None)
-  ref = fn(_upcast(floats), "xla", HIGHEST)
+  # Each computation is jitted: run eagerly, every primitive of the reference and of
+  # the custom_vjp plumbing would compile on its own (over a hundred compilations per
+  # case); jit-against-eager parity has tests of its own (test_transforms.py).
+  out = jax.jit(lambda f: fn(f, implementation, None))(floats)
+  ref = jax.jit(lambda f: fn(f, "xla", HIGHEST))(_upcast(floats))
   assert out.dtype == ref.dtype or case.op == "ragged_dot" or dtype != "float32"
   assert_close(out, ref, dtype, what=f"{note}: forward", scale=case.tolerance_scale,
                gpu=gpu)
@@ -386,8 +389,8 @@ def check_case(case: Case, implementation: Any, dtype: str = "float32", *,
   def loss(f, implementation, precision):
     return jnp.sum(fn(f, implementation, precision).astype(jnp.float32) * cotangent)
 
-  grads = jax.grad(loss)(floats, implementation, None)
-  ref_grads = jax.grad(loss)(_upcast(floats), "xla", HIGHEST)
+  grads = jax.jit(jax.grad(lambda f: loss(f, implementation, None)))(floats)
+  ref_grads = jax.jit(jax.grad(lambda f: loss(f, "xla", HIGHEST)))(_upcast(floats))
   for name in floats:
     assert grads[name].dtype == floats[name].dtype, f"{note}: d{name} dtype"
     assert_close(grads[name], ref_grads[name], dtype, what=f"{note}: d{name}",
