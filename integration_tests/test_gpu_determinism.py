@@ -20,7 +20,7 @@ do not), unless XLA is asked for determinism
 (``--xla_gpu_exclude_nondeterministic_ops=true`` or
 ``--xla_gpu_deterministic_ops=true`` in ``XLA_FLAGS``; it then runs a
 deterministic backward: forward+backward
-8-9% slower at B4 T4096 N16 H128). Without that flag a cuDNN backward with
+7.8-8.8% slower at B4 T4096 N16 H128). Without that flag a cuDNN backward with
 differing gradients is an expected failure (xfail, with the differences); its
 output must still be bitwise equal. Run both::
 
