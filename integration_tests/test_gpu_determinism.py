@@ -13,9 +13,8 @@ A `NotImplementedError` is a refusal (a skip, with the reason). Dispatch records
 show that a named implementation ran the forward; the backward that ran is in
 the failure message (it may be another implementation's).
 
-cuDNN's attention backward (through jax.nn, as tokamax's "cudnn" runs it) sums
-dQ over key blocks in an order that varies from run to run: on the H200 1 to 14
-elements of dQ differ between runs (up to 2.4e-4 in bf16; dK, dV and the output
+cuDNN's attention backward (through jax.nn, as tokamax's "cudnn" runs it) is not
+deterministic: on the H200 1 to 14 elements of dQ differ between runs (up to 2.4e-4 in bf16; dK, dV and the output
 do not), unless XLA is asked for determinism
 (``--xla_gpu_exclude_nondeterministic_ops=true`` or
 ``--xla_gpu_deterministic_ops=true`` in ``XLA_FLAGS``; it then runs a
@@ -229,8 +228,8 @@ def test_bitwise_deterministic(call, implementation):
   summary = f"forward {forward}, backward {backward}: "
   assert not [p for p in problems if p.startswith("output")], summary + "; ".join(problems)
   if problems and "cudnn" in backward and not xla_determinism_requested():
-    pytest.xfail("cuDNN's backward sums dQ in a varying order unless XLA_FLAGS "
-                 "asks for determinism: " + summary + "; ".join(problems))
+    pytest.xfail("cuDNN's backward is deterministic only when XLA_FLAGS asks "
+                 "for it: " + summary + "; ".join(problems))
   assert not problems, summary + "; ".join(problems)
   for i, a in enumerate(first):  # deterministic is not enough: finite and not zero
     a = np.asarray(a, np.float32)
