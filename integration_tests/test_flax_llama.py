@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 
 import tokamax
@@ -46,8 +47,9 @@ def test_tokamax_model_trains_as_the_plain_flax_model(num_experts, dtype):
   ffn_op = "ragged_dot" if num_experts else "gated_linear_unit"
   assert {r.op for r in records} == {"dot_product_attention", "layer_norm", ffn_op}
   assert want[-1] < want[0] - 0.1, want
-  # The loss is a mean of positive terms: its relative error is meaningful.
-  rel_tol = testing.tolerance(dtype)[0]
+  # The loss is a mean of positive terms: its relative error is meaningful. On a
+  # GPU both programs run float32 matmuls in TF32 (the default precision there).
+  rel_tol = testing.tolerance(dtype, gpu=jax.default_backend() == "gpu")[0]
   for step, (g, w) in enumerate(zip(got, want)):
     assert abs(g - w) <= rel_tol * abs(w), (
         f"step {step}: tokamax loss {g:.6g}, plain Flax {w:.6g} "

@@ -271,3 +271,27 @@ def test_shape_selects_problems_by_name(monkeypatch):
   monkeypatch.setattr(bench_suite, "quick_suite", lambda: [tiny, other])
   rows, _ = bench_suite._run(["layer_norm"], 1, [None], False, None, True, None, "64x128")
   assert rows and {r["shape"] for r in rows} == {"tiny 64x128"}
+
+
+def test_json_keeps_the_rows_of_a_run_cut_short(monkeypatch, tmp_path):
+  # A device call's time limit can stop a long run (ragged_dot's xla rows take
+  # seconds each): the rows measured before it must already be in the file.
+  done, cut = _tiny_norm(), _tiny_norm()
+  cut.name = "cut 8x8"
+  for p in (done, cut):
+    p.reference, p.dtype = ("XLA (jnp)",), "float32"
+  monkeypatch.setattr(bench_suite, "quick_suite", lambda: [done, cut])
+  real_run_problem = bench_suite.run_problem
+
+  def stopped_at_the_second(p, *args, **kwargs):
+    if p is cut:
+      raise KeyboardInterrupt  # what `timeout -s INT` delivers
+    return real_run_problem(p, *args, **kwargs)
+
+  monkeypatch.setattr(bench_suite, "run_problem", stopped_at_the_second)
+  path = tmp_path / "run.json"
+  with pytest.raises(KeyboardInterrupt):
+    bench_suite.main(["layer_norm"], None, 1, [None], quick=True, json_path=str(path))
+  doc, rows = bench_suite.load_rows(str(path))
+  assert rows and {r["shape"] for r in rows} == {done.name}
+  assert doc["device_kind"] == jax.devices()[0].device_kind

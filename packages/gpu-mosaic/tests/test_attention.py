@@ -1613,3 +1613,18 @@ def test_backward_skips_key_tiles_of_padding_only():
   for name, g, w in zip(("dq", "dk", "dv"), got, want):
     assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))), name
     testing.assert_close(g, w, jnp.bfloat16, what=name, scale=2, gpu=True)
+
+
+def test_grid_order_head_major_only_where_blocks_do_equal_work():
+  # Mosaic GPU launches the last grid axis fastest: head-major puts the tiles last.
+  assert akc.block_grid(32, 16, 4, "q", True) == dict(
+      grid=(4, 16, 32), grid_names=("batch", "heads", "q"))
+  assert akc.block_grid(32, 16, 4, "kv", False) == dict(
+      grid=(32, 16, 4), grid_names=("kv", "heads", "batch"))
+  full = akc.features(False, None, None, False, False, False, False)
+  causal = akc.features(True, None, None, False, False, False, False)
+  window = akc.features(False, (64, 64), None, False, False, False, False)
+  assert akc.head_major(None, False, full)
+  assert not akc.head_major(None, True, causal)
+  assert not akc.head_major(None, False, window)
+  assert not akc.head_major(False, False, full) and akc.head_major(True, True, causal)

@@ -80,6 +80,10 @@ class AttentionVjpConfig:
   # ``ping_pong_dq``: the dQ kernel. False: both consumers issue together.
   ping_pong: bool = False
   ping_pong_dq: bool = False
+  # Both kernels' blocks head by head (`akc.block_grid`): the dK/dV blocks of a
+  # head share its Q, dO, lse and delta reads, the dQ blocks its K and V. None:
+  # by the measured rule (`akc.head_major`).
+  head_major: bool | None = None
 
   def __post_init__(self):
     # 64 or 128: a multiple of 64 for the P^T dO / dS K contractions over a
@@ -173,6 +177,10 @@ class _Shape:
   @property
   def stages(self):
     return self.config.num_stages
+
+  @property
+  def head_major(self) -> bool:
+    return akc.head_major(self.config.head_major, self.causal, self.feat)
 
   def absent(self):
     """Refs this call does not have."""
@@ -438,8 +446,8 @@ class _DkvKernel(_Shape):
         out_type=(jax.ShapeDtypeStruct(k.shape, self.dtype),
                   jax.ShapeDtypeStruct(v.shape, self.dtype)),
         scratch_types=self.scratch(),
-        grid=(self.sp // KEY_ROWS, k.shape[2], self.b),
-        grid_names=("kv", "heads", "batch"))
+        **akc.block_grid(self.sp // KEY_ROWS, k.shape[2], self.b, "kv",
+                         self.head_major))
     return call(q, k, v, do, lse2, delta, *extras)
 
 
@@ -699,8 +707,8 @@ class _DqKernel(_Shape):
 
     call = _pipeline.warpgroup_kernel(
         body, out_type=jax.ShapeDtypeStruct(q.shape, self.dtype),
-        scratch_types=self.scratch(), grid=(self.nq, self.n, self.b),
-        grid_names=("q", "heads", "batch"))
+        scratch_types=self.scratch(),
+        **akc.block_grid(self.nq, self.n, self.b, "q", self.head_major))
     return call(q, k, v, do, lse2, delta, *extras)
 
 

@@ -1,6 +1,9 @@
 """Attention forward kernel in Pallas Mosaic GPU (Hopper, sm_90), FA3 style.
 
-Grid: (query tiles of 128 rows, query heads, batch); three warpgroups a block:
+Grid: query tiles of 128 rows x query heads x batch, launched head by head
+where every block does the same work (`akc.head_major`: a head's K and V then
+come from HBM once), else one tile of every head at a time, the longest causal
+tiles first. Three warpgroups a block:
 
 - a producer (few registers) streams the key and value tiles of ``block_kv`` rows
   by TMA into a ``num_stages``-deep ring of swizzled shared memory; K and V have
@@ -74,6 +77,10 @@ class AttentionConfig:
   # while ``P_j V_j`` is in flight (same register budget: _fits_registers).
   # False: the plain ping-pong schedule.
   overlap_qk: bool = False
+  # Blocks head by head (every query tile of a head, then the next head), so a
+  # head's K and V are read from HBM once; False: one query tile of every head at
+  # a time (`akc.block_grid`). None: by the measured rule (`akc.head_major`).
+  head_major: bool | None = None
 
   def __post_init__(self):
     if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -677,7 +684,7 @@ def flash_forward(q, k, v, *extras, scale: float, causal: bool, s_true: int,
       out_type=(jax.ShapeDtypeStruct((b, tp, n, h), q.dtype),
                 jax.ShapeDtypeStruct((b, n, tp), jnp.float32)),
       scratch_types=fwd.scratch(),
-      grid=(fwd.nq, n, b), grid_names=("q", "heads", "batch"))
+      **akc.block_grid(fwd.nq, n, b, "q", akc.head_major(config.head_major, causal, feat)))
   return call(q, k, v, *extras, *(() if sinks is None else (sinks,)))
 
 

@@ -276,6 +276,13 @@ def results_document(rows: list[dict]) -> dict:
               rows=rows)
 
 
+def write_json(path: str, rows: list[dict]) -> None:
+  """Writes `rows` as a `--json` document (creating the folder)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(results_document(rows), f, indent=1)
+
+
 def load_rows(path: str) -> tuple[dict, list[dict]]:
   """(document, rows) of a `--json` file (or a bare list of rows, as `--out` writes)."""
   with open(path) as f:
@@ -387,15 +394,13 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
     all_rows, notes = load_rows(from_json)[1], []
   else:
     all_rows, notes = _run(ops, iterations, implementations, sweep, models, quick, sizes,
-                           shape)
+                           shape, json_path)
   status = 0
   for r in all_rows:
     if r["op"].startswith("model ") and r.get("rel_err", 0) > r.get("tol", float("inf")):
       status = 1
   if json_path:
-    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-    with open(json_path, "w") as f:
-      json.dump(results_document(all_rows), f, indent=1)
+    write_json(json_path, all_rows)
     print(f"wrote {json_path}")
   if out:
     os.makedirs(out, exist_ok=True)
@@ -449,7 +454,11 @@ def _print_auto_against_fastest(rows: list[dict]) -> None:
           f"ms, {f['fastest']} {f['fastest_ms']:.3f} ms ({f['ratio'] - 1:+.1%})")
 
 
-def _run(ops, iterations, implementations, sweep, models, quick, sizes, shape=None):
+def _run(ops, iterations, implementations, sweep, models, quick, sizes, shape=None,
+         json_path=None):
+  """The rows of every selected problem and model; with `json_path`, the rows so far
+  are written after each one, so that a run cut short (a device call's time limit)
+  keeps what it measured."""
   quick = use_quick_shapes(quick)
   suite = quick_suite() if quick else reference_suite()
   run_ops = ops is not None or not models
@@ -474,12 +483,16 @@ def _run(ops, iterations, implementations, sweep, models, quick, sizes, shape=No
         r.update(sweep=True, seq=int(p.name.split(" T")[1].split()[0]))
     print(markdown_table(rows, header=False), flush=True)
     all_rows += rows
+    if json_path:
+      write_json(json_path, all_rows)
   for model in models:
     size = bench_models.make_size(model, quick, sizes)
     rows, text = bench_models.run_model(model, size, iterations=iterations)
     print(markdown_table(rows, header=False), flush=True)
     all_rows += rows
     notes.append(text)
+    if json_path:
+      write_json(json_path, all_rows)
   for text in notes:
     print("\n" + text)
   return all_rows, notes
