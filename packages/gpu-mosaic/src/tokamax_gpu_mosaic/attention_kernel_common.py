@@ -45,7 +45,7 @@ def block_grid(tiles: int, heads: int, batch: int, tile_axis: str,
   return dict(grid=(tiles, heads, batch), grid_names=(tile_axis, "heads", "batch"))
 
 
-def head_major(choice: bool | None, causal: bool, feat: "Features") -> bool:
+def head_major(choice: bool | None, causal: bool, feat: Features) -> bool:
   """A config's ``head_major``, where None by the measured rule: head-major where
   every block does the same work (no causal mask, no dynamic feature).
 
