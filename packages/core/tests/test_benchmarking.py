@@ -361,7 +361,7 @@ def test_prepare_returns_the_output_of_the_compiled_function():
   assert c.flat_args[0] is x  # arrays pass through; the scale is static
 
 
-def test_time_interleaved_alternates_contenders_and_drops_a_failing_one():
+def test_time_interleaved_rotates_contenders_and_drops_a_failing_one():
   calls = []
 
   class _Run:  # a CompiledBenchmark stand-in that logs each timed evaluation
@@ -381,7 +381,8 @@ def test_time_interleaved_alternates_contenders_and_drops_a_failing_one():
   contenders = {name: impl.Contender(_Run(name, fails), (), None)
                 for name, fails in (("a", None), ("b", 2), ("c", None))}
   results = impl.time_interleaved(contenders, iterations=3)
-  assert calls == ["a", "b", "c", "a", "b", "c", "a", "c"]
-  assert results["a"].evaluation_times_ms == (1.0, 4.0, 7.0)
-  assert results["c"].evaluation_times_ms == (3.0, 6.0, 8.0)
+  # Each round starts one contender later; b fails in its second round.
+  assert calls == ["a", "b", "c", "b", "c", "a", "c", "a"]
+  assert results["a"].evaluation_times_ms == (1.0, 6.0, 8.0)
+  assert results["c"].evaluation_times_ms == (3.0, 5.0, 7.0)
   assert isinstance(results["b"], RuntimeError)
