@@ -28,6 +28,11 @@ from tokamax_gpu_mosaic import _common
 # Registers per thread: consumers take the most; the producer keeps only a few.
 CONSUMER_REGS = 232
 PRODUCER_REGS = 40
+# The widest split of the 64K registers of an SM between two consumer warpgroups
+# and a producer (2 x 128 x 240 + 128 x 24 = 64512). It pays where consumers spill
+# at 232 (the attention backward at H128) and costs where the producer's
+# address arithmetic needs more than 24 (H64: it issues twice the tiles).
+WIDE_CONSUMER_REGS = (240, 24)
 
 
 # ----------------------------------------------------------------------------
@@ -63,17 +68,23 @@ def in_field_order(cls, **types):
 
 
 def split_warpgroups(wg, consumer: Callable[[], None],
-                     producer: Callable[[], None]) -> None:
-  """Warpgroups 0 and 1 run `consumer` (with most registers), 2 `producer`."""
+                     producer: Callable[[], None],
+                     registers: tuple[int, int] | None = None) -> None:
+  """Warpgroups 0 and 1 run `consumer` (with most registers), 2 `producer`.
+
+  `registers`: (per consumer thread, per producer thread); None:
+  (CONSUMER_REGS, PRODUCER_REGS).
+  """
+  consumer_regs, producer_regs = registers or (CONSUMER_REGS, PRODUCER_REGS)
 
   @pl.when(wg < 2)
   def _consumer():
-    plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+    plgpu.set_max_registers(consumer_regs, action="increase")
     consumer()
 
   @pl.when(wg == 2)
   def _producer():
-    plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
+    plgpu.set_max_registers(producer_regs, action="decrease")
     producer()
 
 
