@@ -93,8 +93,8 @@ def tests(session):
               # The example plugin's own CI tests run in install_test, from its wheel.
               "--ignore=integration_tests/plugins", *session.posargs)
   # 8 virtual CPU devices: XLA_FLAGS must be set before JAX starts, hence a
-  # pytest process of its own.
-  session.run("python", "-m", "pytest", "-m", "not slow and not gpu",
+  # pytest process of its own (its workers each see the 8 devices).
+  session.run("python", "-m", "pytest", "-n", workers, "-m", "not slow and not gpu",
               "packages/core/tests/multidevice", *session.posargs,
               env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
 
