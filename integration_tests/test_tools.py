@@ -5,6 +5,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 
+import pytest  # noqa: E402
+import pytest_shard  # noqa: E402
 import trace_summary  # noqa: E402
 
 
@@ -34,3 +36,23 @@ def test_trace_summary_splits_kernel_time_and_overlap():
 
 def test_trace_summary_without_gpu_events():
   assert "no GPU kernel events" in trace_summary.summarize({"traceEvents": []}, 1)
+
+
+def test_pytest_shard_runs_every_nth_collected_test(tmp_path, capfd):
+  (tmp_path / "test_five.py").write_text(
+      "import pytest\n\n@pytest.mark.parametrize('i', range(5))\n"
+      "def test_i(i):\n  print('RAN', i)\n")
+  ids = pytest_shard.collect([str(tmp_path)])
+  assert len(ids) == 5 and ids[1].endswith("test_i[1]")
+  assert pytest_shard.shard(ids, 1, 2) == [ids[1], ids[3]]
+  assert pytest_shard.main(["1/2", str(tmp_path), "--", "-q", "-s"]) == 0
+  out = capfd.readouterr().out
+  assert "shard 1/2: 2 tests" in out
+  assert "RAN 1" in out and "RAN 3" in out
+  assert not any(f"RAN {i}" in out for i in (0, 2, 4))
+
+
+@pytest.mark.parametrize("index, count", [(2, 2), (-1, 3), (0, 0)])
+def test_pytest_shard_refuses_a_shard_outside_its_count(index, count):
+  with pytest.raises(ValueError, match=f"got {index}/{count}"):
+    pytest_shard.shard(["a", "b"], index, count)
