@@ -698,9 +698,10 @@ def time_interleaved(contenders: dict[str, Contender], iterations: int = 10,
   the other, the later contenders of a comparison would run on a warmer chip
   (a ~5% swing was seen between two runs of the same kernels on an H200).
   Interleaved, every contender meets the same drift, so their ratio holds. Each
-  round starts one contender later than the one before, so that no contender is
-  always the one that follows the same other one (or a gap in the launches):
-  a fixed order read `None` 4-6% slower than the same kernels run third.
+  round starts one contender later than the one before, so that no contender
+  always follows the same other one (or the gap between rounds): with a fixed
+  order, `None` timed first read 4.6-6.4% slower than the same kernels timed
+  second (ragged_dot G256 on an H200).
 
   Returns:
     Per label, its `BenchmarkData` (one time per round), or the exception that
