@@ -5,9 +5,12 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 
+import dataclasses  # noqa: E402
+
 import pytest  # noqa: E402
 import pytest_shard  # noqa: E402
 import trace_summary  # noqa: E402
+import tune  # noqa: E402
 
 
 def _event(pid, name, ts, dur):
@@ -56,3 +59,29 @@ def test_pytest_shard_runs_every_nth_collected_test(tmp_path, capfd):
 def test_pytest_shard_refuses_a_shard_outside_its_count(index, count):
   with pytest.raises(ValueError, match=f"got {index}/{count}"):
     pytest_shard.shard(["a", "b"], index, count)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  block: int = 64
+  chain_items: bool = True
+
+
+class _Op:
+  def heuristic_config(self, args):
+    return _Config(block=args)
+
+
+class _OtherOp:
+  def heuristic_config(self, args):
+    del args
+    return None
+
+
+def test_tune_ab_replaces_fields_of_the_heuristic_config():
+  source = tune._Replaced({"chain_items": tune._literal("False")})
+  assert source.lookup(_Op(), 128) == _Config(block=128, chain_items=False)
+  # An Op whose config lacks a field keeps its own choice (None: not this source's).
+  assert tune._Replaced({"stages": 3}).lookup(_Op(), 128) is None
+  assert source.lookup(_OtherOp(), 128) is None
+  assert tune._literal("3") == 3 and tune._literal("group") == "group"

@@ -2,9 +2,22 @@
 
     python tools/tune.py --op layer_norm [--implementation triton] [--shape rms]
         [--grid] [--match num_warps=8 --match prefetch_qk=True]
+    python tools/tune.py --op ragged_dot --implementation mosaic_gpu \
+        --ab chain_items=False [--iterations 20]
+    python tools/tune.py --model moe --ab chain_items=False
 
 ``--match FIELD=VALUE`` keeps only configs whose field prints as VALUE (repeatable;
 the heuristic config is always timed, for reference).
+
+``--ab FIELD=VALUE`` (repeatable) is an A/B of one change instead of a sweep:
+the heuristic configs against the same configs with the fields replaced, in
+the forward and the backward Op alike (wherever the config has the field),
+timed in alternation (`benchmarking.time_interleaved`), forward and
+forward+backward; it prints both medians and their ratio. With ``--model``
+(dense, moe, ...), the same for the tokamax training step of `python -m tokamax
+bench --model` (``implementation=None``: dispatch picks as it would; the
+"heuristic" side takes whatever config dispatch takes, tuned data included,
+the other the heuristic with the fields replaced).
 
 Forward configs are timed on the forward (with ``--training``: on forward+backward,
 where the forward keeps the residuals a training step asks of it, e.g. the GLU's
@@ -15,10 +28,14 @@ heuristic config. CUPTI kernel time on GPUs.
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import dataclasses
+import re
 
 import jax
 
+from tokamax._src import bench_models
 from tokamax._src import bench_suite
 from tokamax._src import benchmarking
 from tokamax._src.problem import Problem
@@ -35,6 +52,76 @@ class _Fixed:
   def lookup(self, op, args):
     self.args.setdefault(type(op), args)
     return self.config if type(op) is self.cls else None
+
+
+class _Replaced:
+  """A config source: each Op's heuristic config with `fields` replaced, for
+  the Ops whose config has all of them (the others keep their own choice)."""
+
+  def __init__(self, fields: dict[str, object]):
+    self.fields = fields
+
+  def lookup(self, op, args):
+    config = op.heuristic_config(args)
+    if not dataclasses.is_dataclass(config):
+      return None
+    names = {f.name for f in dataclasses.fields(config)}
+    if not set(self.fields) <= names:
+      return None
+    return dataclasses.replace(config, **self.fields)
+
+
+def _literal(text: str):
+  """A command-line value as the Python literal it spells (else the string)."""
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
+def ab(title: str, builders: dict, fields: dict[str, str], iterations: int) -> None:
+  """The heuristic configs against them with `fields` replaced, interleaved.
+
+  `builders`: per direction, ``() -> (jitted function, args)``, traced under
+  the config source in force (the heuristics, or the replaced ones).
+  """
+  replaced = {key: _literal(value) for key, value in fields.items()}
+  label = ", ".join(f"{k}={v!r}" for k, v in replaced.items())
+  print(f"## {title}: heuristic vs {label}", flush=True)
+  for direction, build in builders.items():
+    contenders = {}
+    for name, source in (("heuristic", None), (label, _Replaced(replaced))):
+      with tuning_context.use(source) if source else contextlib.nullcontext():
+        f, fargs = build()
+        contenders[name] = benchmarking.prepare(f, *fargs)
+    results = benchmarking.time_interleaved(contenders, iterations)
+    base, other = (results[name] for name in contenders)
+    if isinstance(base, Exception) or isinstance(other, Exception):
+      print(f"  {direction:<17} failed: {base if isinstance(base, Exception) else other}",
+            flush=True)
+      continue
+    a, b = base.median_evaluation_time_ms, other.median_evaluation_time_ms
+    print(f"  {direction:<17} heuristic {a:8.3f} ms, {label} {b:8.3f} ms "
+          f"(heuristic / other {a / b:.3f}, {base.method}, {iterations} rounds)",
+          flush=True)
+
+
+def problem_builders(problem: Problem, implementation: str, directions) -> dict:
+  """`ab`'s builders for a benchmark problem: its forward, its forward+backward."""
+  inputs = problem.make_inputs()
+  call = lambda a: problem.call(a, implementation)
+  builders = {"forward": lambda: (jax.jit(call), (inputs,)),
+              "forward+backward": lambda: bench_suite.fwd_bwd(call, inputs)}
+  return {d: builders[d] for d in directions}
+
+
+def model_builders(model: str) -> tuple[str, dict]:
+  """`ab`'s builder for a model of `python -m tokamax bench --model`: tokamax's
+  training step at the bench's size for this device."""
+  size = bench_models.make_size(model, quick=bench_suite.use_quick_shapes())
+  params, x, dy = bench_models.inputs(model, size)
+  step = lambda: (bench_models.training_step(model, size, "tokamax"), (params, x, dy))
+  return f"model {model} {size.describe()}", {"training step": step}
 
 
 def _matches(config, match: dict[str, str]) -> bool:
@@ -101,9 +188,13 @@ def tune(problem: Problem, implementation: str, iterations: int,
 
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("--op", action="append", required=True)
+  parser.add_argument("--op", action="append", default=[])
+  parser.add_argument("--model", action="append", default=[],
+                      help="with --ab: a model of `python -m tokamax bench --model` "
+                           "(its tokamax training step)")
   parser.add_argument("--implementation", default="triton")
-  parser.add_argument("--shape", help="substring of the problem name")
+  parser.add_argument("--shape", help="a regular expression searched in the problem "
+                                      "name (a plain substring; 'G16$' for the name's end)")
   parser.add_argument("--iterations", type=int, default=5)
   parser.add_argument("--direction", choices=("forward", "forward+backward"),
                       help="tune only the forward or only the backward configs")
@@ -115,14 +206,30 @@ def main():
   parser.add_argument("--match", action="append", default=[], metavar="FIELD=VALUE",
                       type=_field_value,
                       help="only configs whose FIELD prints as VALUE (repeatable)")
+  parser.add_argument("--ab", action="append", default=[], metavar="FIELD=VALUE",
+                      type=_field_value,
+                      help="A/B: the heuristic configs against them with FIELD "
+                           "set to VALUE (repeatable), interleaved")
   args = parser.parse_args()
+  if not args.op and not (args.ab and args.model):
+    parser.error("--op is required (or --model with --ab)")
   match = dict(args.match)
   directions = (args.direction,) if args.direction else ("forward", "forward+backward")
   suite = bench_suite.grid_suite() if args.grid else bench_suite.reference_suite()
   for problem in suite:
-    if problem.op in args.op and (not args.shape or args.shape in problem.name):
+    if problem.op not in args.op or (args.shape and not re.search(args.shape, problem.name)):
+      continue
+    if args.ab:
+      ab(f"{problem.op} {problem.name} ({args.implementation})",
+         problem_builders(problem, args.implementation, directions), dict(args.ab),
+         args.iterations)
+    else:
       tune(problem, args.implementation, args.iterations, directions, match,
            args.training)
+
+
+  for model in args.model if args.ab else ():
+    ab(*model_builders(model), dict(args.ab), args.iterations)
 
 
 if __name__ == "__main__":

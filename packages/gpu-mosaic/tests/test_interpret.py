@@ -23,6 +23,7 @@ import tokamax
 from tokamax import testing
 from tokamax_gpu_mosaic import _common
 from tokamax_gpu_mosaic import attention as mat
+from tokamax_gpu_mosaic import ragged_dot_kernel as rdk
 
 pytestmark = pytest.mark.skipif(
     not _common.interpreter_runs_these_kernels(),
@@ -97,6 +98,35 @@ def test_ragged_dot():
   def call(implementation):
     return lambda x, w: tokamax.ragged_dot(x, w, sizes, implementation=implementation)
   _check(call, operands, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["forward", "dlhs"])
+@pytest.mark.parametrize("config", [
+    # 128-row items, 4 K steps in a 2-deep ring (two ring laps per item).
+    rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=64, num_stages=2),
+    # 256-row items in the group order, the whole K loop in one ring lap.
+    rdk.RaggedDotConfig(block_m=256, block_n=128, block_k=64, num_stages=4,
+                        item_order="group", out_pieces=2),
+], ids=["wide", "tall"])
+def test_ragged_dot_chained_items(config, transpose_rhs):
+  """Work items chained in one ring (`_pipeline.ChainedPipeline`): each of the
+  2 interpreted SMs runs many items (zero items, empty groups, warpgroups
+  without rows among them) through one ring, against the reference."""
+  m, k, n = 420, 256, 256
+  sizes = jnp.asarray([60, 0, 150, 37, 0, 120, 3], jnp.int32)
+  lhs = _normal((m, k), jnp.bfloat16)
+  rhs_shape = (7, n, k) if transpose_rhs else (7, k, n)
+  rhs = _normal(rhs_shape, jnp.bfloat16, k**-0.5)
+  starts, ends = tokamax.plugin.held_row_ranges(sizes, None, 7, m)
+
+  assert config.chain_items and (k // config.block_k) % config.num_stages == 0
+  with tokamax.interpret():
+    chained = rdk.grouped_matmul(lhs, rhs, starts, ends, transpose_rhs=transpose_rhs,
+                                 out_dtype=jnp.bfloat16, config=config)
+  rhs_kn = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+  want = tokamax.ragged_dot(lhs.astype(jnp.float32), rhs_kn.astype(jnp.float32), sizes,
+                            precision=jax.lax.Precision.HIGHEST, implementation="xla")
+  testing.assert_close(chained, want, jnp.bfloat16, what="chained output")
 
 
 def test_fp8_ragged_dot():

@@ -173,11 +173,13 @@ def warpgroup_kernel(body, *, out_type, scratch_types, grid, grid_names):
 # `emit_pipeline_warp_specialized` on a persistent grid.
 
 
-def tma_spec(block_shape, index_map, dtype, minor: int):
+def tma_spec(block_shape, index_map, dtype, minor: int, delay_release: int = 1):
   """A swizzled TMA block whose buffer is released one step late (the wgmma of
-  step s may still read it while step s+1 is issued)."""
+  step s may still read it while step s+1 is issued); ``delay_release=0`` for a
+  `ChainedPipeline`, whose body releases the slots itself."""
   return plgpu.BlockSpec(block_shape, index_map,
-                         transforms=_common.swizzled(dtype, minor), delay_release=1)
+                         transforms=_common.swizzled(dtype, minor),
+                         delay_release=delay_release)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +201,57 @@ class WarpSpecializedPipeline:
     the kernel's work items; it does not depend on the step count)."""
     ignore = lambda *_, **__: None
     return self(ignore, ignore, steps).get_allocations(*refs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainedPipeline(WarpSpecializedPipeline):
+  """One ring streaming the K loops of a persistent block's work items back to
+  back: the memory warpgroup fetches the next item's first steps while the
+  compute warpgroups finish the current one (its last wgmma and its epilogue),
+  instead of starting each item with an empty ring.
+
+  Built on `emit_pipeline_warp_specialized`'s ``pipeline_state`` (START for the
+  block's first item, STEADY after), which needs the step count a multiple of
+  `stages` (every item then starts at slot 0) and no ``delay_release``: the
+  specs release nothing, and the body keeps one wgmma in flight by releasing
+  the previous step's slot itself (`release_previous`, after its wgmma wait),
+  and the item's last slot once the K loop's wgmmas are done (`release_last`).
+  Its body takes the two consumed barriers after the operand refs.
+  """
+
+  @staticmethod
+  def fits(steps: int, stages: int) -> bool:
+    return steps % stages == 0
+
+  def __call__(self, body, context, steps, *, first_item):
+    state = (plgpu.PipelinePipeline.START if first_item
+             else plgpu.PipelinePipeline.STEADY)
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(steps,), memory_registers=PRODUCER_REGS,
+        in_specs=list(self.in_specs), wg_axis="wg", num_compute_wgs=2,
+        max_concurrent_steps=self.stages, compute_context=context,
+        pipeline_state=state, manual_consumed_barriers=True)
+
+  def allocations(self, *refs, steps):
+    ignore = lambda *_, **__: None
+    return self(ignore, ignore, steps, first_item=True).get_allocations(*refs)
+
+  def release_previous(self, allocations, step) -> None:
+    """Compute warpgroup, in step `step`'s body after its wgmma wait left only
+    this step's wgmma pending: step - 1's slot may be refilled."""
+
+    @pl.when(step > 0)
+    def _release():
+      self._release(allocations, lax.rem(step - 1, self.stages))
+
+  def release_last(self, allocations, steps) -> None:
+    """Compute warpgroup, after the K loop: every wgmma done, the last slot free."""
+    plgpu.wgmma_wait(0)
+    self._release(allocations, (steps - 1) % self.stages)
+
+  def _release(self, allocations, slot) -> None:
+    for barriers in allocations["flat_consumed_barrier_refs"]:
+      plgpu.barrier_arrive(barriers.at[slot])
 
 
 def persistent_kernel(kernel, *, out_type, scratch_types=None,

@@ -62,6 +62,10 @@ class RaggedDotConfig:
   ``drhs_kernel`` (backward only): "ring" or "ws", see
   `grouped_transposed_matmul`; "ws" runs ``block_k=64`` and the stages that fit
   (`drhs_ws_config`).
+  ``chain_items`` (``row_tiling="group"``): one shared-memory ring runs a
+  block's work items back to back (`_pipeline.ChainedPipeline`: the next
+  item's first tiles load while the current one finishes), where the K steps
+  are a multiple of ``num_stages``; otherwise each item fills the ring anew.
 
   ``row_tiling="group"`` with ``block_m=256`` ("tall" items): a block computes
   ``256 x block_n`` (not ``128 x 2 block_n``), each compute warpgroup 128 rows
@@ -85,6 +89,7 @@ class RaggedDotConfig:
   out_pieces: int = 1
   drhs_kernel: str = "ring"
   item_order: str = "snake"
+  chain_items: bool = True
 
   def __post_init__(self):
     if self.block_m % WGMMA_M or self.block_m > 256:
@@ -320,14 +325,20 @@ def _pad_operands(lhs, rhs, transpose_rhs: bool, config: RaggedDotConfig):
 
 
 def _operand_pipeline(dtype, block_m: int, block_k: int, n: int,
-                      transpose_rhs: bool, stages: int):
-  """The K loop over an lhs row tile and an rhs column tile of `n` columns."""
-  lhs_spec = _pipeline.tma_spec((block_m, block_k), lambda ki: (0, ki), dtype, block_k)
+                      transpose_rhs: bool, stages: int, chained: bool = False):
+  """The K loop over an lhs row tile and an rhs column tile of `n` columns
+  (`chained`: a `_pipeline.ChainedPipeline` across work items)."""
+  delay = 0 if chained else 1
+  lhs_spec = _pipeline.tma_spec((block_m, block_k), lambda ki: (0, ki), dtype, block_k,
+                                delay)
   if transpose_rhs:
-    rhs_spec = _pipeline.tma_spec((n, block_k), lambda ki: (0, ki), dtype, block_k)
+    rhs_spec = _pipeline.tma_spec((n, block_k), lambda ki: (0, ki), dtype, block_k,
+                                  delay)
   else:
-    rhs_spec = _pipeline.tma_spec((block_k, n), lambda ki: (ki, 0), dtype, block_k)
-  return _pipeline.WarpSpecializedPipeline((lhs_spec, rhs_spec), stages)
+    rhs_spec = _pipeline.tma_spec((block_k, n), lambda ki: (ki, 0), dtype, block_k,
+                                  delay)
+  cls = _pipeline.ChainedPipeline if chained else _pipeline.WarpSpecializedPipeline
+  return cls((lhs_spec, rhs_spec), stages)
 
 
 def _store_rows(y, lo, hi, dst_row, swizzled_smem, linear_smem, out_ref, cols):
@@ -383,7 +394,10 @@ class _GroupTiles:
   """`grouped_matmul` on row tiles that follow the groups (`work_items`).
 
   The two compute warpgroups split the tile's rows (64 each, or 128 for
-  ``block_m=256`` in two wgmma halves) and share the rhs tile.
+  ``block_m=256`` in two wgmma halves) and share the rhs tile. With a
+  `_pipeline.ChainedPipeline` the block's items share one ring: the item loop
+  carries whether this block has run a K loop yet (its first one starts the
+  ring).
   """
 
   config: Any
@@ -397,6 +411,10 @@ class _GroupTiles:
   @property
   def bm(self):
     return self.config.block_m
+
+  @property
+  def chained(self):
+    return isinstance(self.pipeline, _pipeline.ChainedPipeline)
 
   @property
   def half(self):  # a compute warpgroup's rows: 64, or 128 in two wgmma halves
@@ -442,10 +460,12 @@ class _GroupTiles:
       wg = lax.axis_index("wg")
       cwg = jnp.minimum(wg, 1)
 
-      @plgpu.nd_loop((self.num_items * self.n_tiles,), collective_axes="sm")
-      def _item_loop(info):
+      @plgpu.nd_loop((self.num_items * self.n_tiles,), collective_axes="sm",
+                     init_carry=jnp.int32(0))
+      def _item_loop(info, carry):
         item = self.item(items_ref, wg, cwg, info.index[0])
-        self.run_item(item, operands, out_ref, out_smem, allocs)
+        self.run_item(item, operands, out_ref, out_smem, allocs, started=carry)
+        return carry | self.has_matmul(item).astype(jnp.int32)
 
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -478,15 +498,30 @@ class _GroupTiles:
       b_ref = rhs_ref.at[item.group, :, cols]
     return lhs_ref.at[pl.ds(item.row0, self.bm), :], b_ref
 
-  def run_item(self, item: _Item, operands, out_ref, out_smem, allocs):
-    """The item's K pipeline and store, or its zeros (rows no group owns)."""
+  @staticmethod
+  def has_matmul(item: _Item):
+    return (item.group >= 0) & (item.hi > item.lo)
 
-    @pl.when((item.group >= 0) & (item.hi > item.lo))
-    def _matmul():
-      mma = functools.partial(self.mma, item)
-      context = functools.partial(self.context, item, out_ref, out_smem)
-      self.pipeline(mma, context, self.k_steps)(
-          *self.operand_blocks(item, operands), allocations=allocs)
+  def run_item(self, item: _Item, operands, out_ref, out_smem, allocs, started):
+    """The item's K pipeline and store, or its zeros (rows no group owns).
+    `started`: whether this block ran a K pipeline before (int32)."""
+    context = functools.partial(self.context, item, out_ref, out_smem, allocs)
+    if not self.chained:
+      @pl.when(self.has_matmul(item))
+      def _matmul():
+        mma = functools.partial(self.mma, item)
+        self.pipeline(mma, context, self.k_steps)(
+            *self.operand_blocks(item, operands), allocations=allocs)
+    else:
+      mma = functools.partial(self.chained_mma, item, allocs)
+      first = started == 0
+      # Two copies of the pipeline: its START state (the ring's prologue) is
+      # static in emit_pipeline_warp_specialized's memory warpgroup.
+      for first_item, when in ((True, first), (False, ~first)):
+        @pl.when(self.has_matmul(item) & when)
+        def _matmul():
+          self.pipeline(mma, context, self.k_steps, first_item=first_item)(
+              *self.operand_blocks(item, operands), allocations=allocs)
 
     @pl.when((item.group < 0) & (item.hi > item.lo) & (item.wg < 2))
     def _zeros():
@@ -506,6 +541,14 @@ class _GroupTiles:
       plgpu.wgmma_wait(1)
       return acc_ref
     self.issue_halves(item, a_smem, b, acc_ref)
+    return acc_ref
+
+  def chained_mma(self, item: _Item, allocs, indices, a_smem, b_smem, _a_consumed,
+                  _b_consumed, acc_ref):
+    """`mma`, then the release of the previous step's slot (its wgmma is done:
+    `mma` waits until only this step's are pending)."""
+    self.mma(item, indices, a_smem, b_smem, acc_ref)
+    self.pipeline.release_previous(allocs, indices[0])
     return acc_ref
 
   def issue_halves(self, item: _Item, a_smem, b, acc_ref):
@@ -533,7 +576,7 @@ class _GroupTiles:
     def _wait_one():
       plgpu.wgmma_wait(1)
 
-  def context(self, item: _Item, out_ref, out_smem, eval_pipeline):
+  def context(self, item: _Item, out_ref, out_smem, allocs, eval_pipeline):
     """The accumulator around the K loop, then the store of this warpgroup's
     rows."""
 
@@ -541,6 +584,8 @@ class _GroupTiles:
                        acc_ref=plgpu.ACC((self.half, self.cta_n), jnp.float32))
     def _acc_scope(acc_ref):
       eval_pipeline(acc_ref)
+      if self.chained:
+        self.pipeline.release_last(allocs, self.k_steps)
       self.store_acc(item, out_ref, out_smem, acc_ref[...])
 
   def store_acc(self, item: _Item, out_ref, out_smem, acc):
@@ -587,11 +632,15 @@ def _group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool, out_dtype,
   n_tiles = pl.cdiv(n, cta_n(config))
   if config.item_order == "group":
     items = ordered_items(items, n_tiles, config.grid_tile_width)
+  k_steps = pl.cdiv(k, config.block_k)
+  chained = config.chain_items and _pipeline.ChainedPipeline.fits(
+      k_steps, config.num_stages)
   tiles = _GroupTiles(
       config=config, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
-      num_items=num_items, n_tiles=n_tiles, k_steps=pl.cdiv(k, config.block_k),
+      num_items=num_items, n_tiles=n_tiles, k_steps=k_steps,
       pipeline=_operand_pipeline(lhs.dtype, config.block_m, config.block_k,
-                                 cta_n(config), transpose_rhs, config.num_stages))
+                                 cta_n(config), transpose_rhs, config.num_stages,
+                                 chained))
 
   def kernel(items_ref, lhs_ref, rhs_ref, out_ref):
     tiles.kernel(items_ref, lhs_ref, rhs_ref, out_ref)
