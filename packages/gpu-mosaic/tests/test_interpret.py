@@ -22,6 +22,7 @@ import pytest
 import tokamax
 from tokamax import testing
 from tokamax_gpu_mosaic import _common
+from tokamax_gpu_mosaic import _pipeline
 from tokamax_gpu_mosaic import attention as mat
 from tokamax_gpu_mosaic import ragged_dot_kernel as rdk
 
@@ -119,7 +120,7 @@ def test_ragged_dot_chained_items(config, transpose_rhs):
   rhs = _normal(rhs_shape, jnp.bfloat16, k**-0.5)
   starts, ends = tokamax.plugin.held_row_ranges(sizes, None, 7, m)
 
-  assert config.chain_items and (k // config.block_k) % config.num_stages == 0
+  assert _pipeline.ChainedPipeline.ring_depth(k // config.block_k, config.num_stages)
   with tokamax.interpret():
     chained = rdk.grouped_matmul(lhs, rhs, starts, ends, transpose_rhs=transpose_rhs,
                                  out_dtype=jnp.bfloat16, config=config)

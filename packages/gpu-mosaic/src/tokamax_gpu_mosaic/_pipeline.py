@@ -212,16 +212,20 @@ class ChainedPipeline(WarpSpecializedPipeline):
 
   Built on `emit_pipeline_warp_specialized`'s ``pipeline_state`` (START for the
   block's first item, STEADY after), which needs the step count a multiple of
-  `stages` (every item then starts at slot 0) and no ``delay_release``: the
-  specs release nothing, and the body keeps one wgmma in flight by releasing
-  the previous step's slot itself (`release_previous`, after its wgmma wait),
-  and the item's last slot once the K loop's wgmmas are done (`release_last`).
-  Its body takes the two consumed barriers after the operand refs.
+  `stages` (every item then starts at slot 0) and specs without
+  ``delay_release``. The body leaves its step's wgmma running, so the slots
+  are released by hand: `releasing` wraps the body to release the previous
+  step's slot after it (its wgmma wait left only this step's pending), and
+  `finish_loop` releases the item's last slot once every wgmma is done.
   """
 
   @staticmethod
-  def fits(steps: int, stages: int) -> bool:
-    return steps % stages == 0
+  def ring_depth(steps: int, stages: int) -> int | None:
+    """The ring depth a chain of items of `steps` K steps runs with `stages`
+    (the pipeline shrinks a ring deeper than the loop), None where the steps
+    are no multiple of it (the items cannot share one ring)."""
+    depth = min(stages, steps)
+    return depth if steps % depth == 0 else None
 
   def __call__(self, body, context, steps, *, first_item):
     state = (plgpu.PipelinePipeline.START if first_item
@@ -236,18 +240,27 @@ class ChainedPipeline(WarpSpecializedPipeline):
     ignore = lambda *_, **__: None
     return self(ignore, ignore, steps, first_item=True).get_allocations(*refs)
 
-  def release_previous(self, allocations, step) -> None:
-    """Compute warpgroup, in step `step`'s body after its wgmma wait left only
-    this step's wgmma pending: step - 1's slot may be refilled."""
+  def releasing(self, body, allocations):
+    """The pipeline's body for ``body(indices, *operand_refs, carry)``."""
+    count = len(self.in_specs)
 
+    def wrapped(indices, *args):
+      # After the operand refs come their consumed barriers (one per operand,
+      # at this step's slot), then the carry.
+      carry = body(indices, *args[:count], *args[2 * count:])
+      self._release_previous(allocations, indices[0])
+      return carry
+    return wrapped
+
+  def finish_loop(self, allocations, steps) -> None:
+    """Compute warpgroup, after an item's K loop: release its last slot."""
+    plgpu.wgmma_wait(0)
+    self._release(allocations, (steps - 1) % self.stages)
+
+  def _release_previous(self, allocations, step) -> None:
     @pl.when(step > 0)
     def _release():
       self._release(allocations, lax.rem(step - 1, self.stages))
-
-  def release_last(self, allocations, steps) -> None:
-    """Compute warpgroup, after the K loop: every wgmma done, the last slot free."""
-    plgpu.wgmma_wait(0)
-    self._release(allocations, (steps - 1) % self.stages)
 
   def _release(self, allocations, slot) -> None:
     for barriers in allocations["flat_consumed_barrier_refs"]:

@@ -65,7 +65,9 @@ class RaggedDotConfig:
   ``chain_items`` (``row_tiling="group"``): one shared-memory ring runs a
   block's work items back to back (`_pipeline.ChainedPipeline`: the next
   item's first tiles load while the current one finishes), where the K steps
-  are a multiple of ``num_stages``; otherwise each item fills the ring anew.
+  are a multiple of ``num_stages`` (or fewer); otherwise each item fills the
+  ring anew. (The fp8 kernel fills its ring per item: chained, it measured
+  the same on the H200.)
 
   ``row_tiling="group"`` with ``block_m=256`` ("tall" items): a block computes
   ``256 x block_n`` (not ``128 x 2 block_n``), each compute warpgroup 128 rows
@@ -513,7 +515,7 @@ class _GroupTiles:
         self.pipeline(mma, context, self.k_steps)(
             *self.operand_blocks(item, operands), allocations=allocs)
     else:
-      mma = functools.partial(self.chained_mma, item, allocs)
+      mma = self.pipeline.releasing(functools.partial(self.mma, item), allocs)
       first = started == 0
       # Two copies of the pipeline: its START state (the ring's prologue) is
       # static in emit_pipeline_warp_specialized's memory warpgroup.
@@ -528,6 +530,11 @@ class _GroupTiles:
       zeros = _pipeline.zeros_tile((self.half, self.piece_n), self.out_dtype)
       self.store_tile(item, out_ref, out_smem, lambda p: zeros)
 
+  def finish_loop(self, allocs):
+    """After the item's K loop (compute warpgroups): a chained ring's last slot."""
+    if self.chained:
+      self.pipeline.finish_loop(allocs, self.k_steps)
+
   def mma(self, item: _Item, _, a_smem, b_smem, acc_ref):
     """One K step: this warpgroup's rows of the lhs tile times the rhs tile."""
     if self.transpose_rhs:
@@ -541,14 +548,6 @@ class _GroupTiles:
       plgpu.wgmma_wait(1)
       return acc_ref
     self.issue_halves(item, a_smem, b, acc_ref)
-    return acc_ref
-
-  def chained_mma(self, item: _Item, allocs, indices, a_smem, b_smem, _a_consumed,
-                  _b_consumed, acc_ref):
-    """`mma`, then the release of the previous step's slot (its wgmma is done:
-    `mma` waits until only this step's are pending)."""
-    self.mma(item, indices, a_smem, b_smem, acc_ref)
-    self.pipeline.release_previous(allocs, indices[0])
     return acc_ref
 
   def issue_halves(self, item: _Item, a_smem, b, acc_ref):
@@ -584,8 +583,7 @@ class _GroupTiles:
                        acc_ref=plgpu.ACC((self.half, self.cta_n), jnp.float32))
     def _acc_scope(acc_ref):
       eval_pipeline(acc_ref)
-      if self.chained:
-        self.pipeline.release_last(allocs, self.k_steps)
+      self.finish_loop(allocs)
       self.store_acc(item, out_ref, out_smem, acc_ref[...])
 
   def store_acc(self, item: _Item, out_ref, out_smem, acc):
@@ -633,14 +631,14 @@ def _group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool, out_dtype,
   if config.item_order == "group":
     items = ordered_items(items, n_tiles, config.grid_tile_width)
   k_steps = pl.cdiv(k, config.block_k)
-  chained = config.chain_items and _pipeline.ChainedPipeline.fits(
+  depth = config.chain_items and _pipeline.ChainedPipeline.ring_depth(
       k_steps, config.num_stages)
   tiles = _GroupTiles(
       config=config, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
       num_items=num_items, n_tiles=n_tiles, k_steps=k_steps,
       pipeline=_operand_pipeline(lhs.dtype, config.block_m, config.block_k,
-                                 cta_n(config), transpose_rhs, config.num_stages,
-                                 chained))
+                                 cta_n(config), transpose_rhs,
+                                 depth or config.num_stages, chained=bool(depth)))
 
   def kernel(items_ref, lhs_ref, rhs_ref, out_ref):
     tiles.kernel(items_ref, lhs_ref, rhs_ref, out_ref)
