@@ -80,8 +80,17 @@ class _OtherOp:
 
 def test_tune_ab_replaces_fields_of_the_heuristic_config():
   source = tune._Replaced({"chain_items": tune._literal("False")})
+  assert not source.applied
   assert source.lookup(_Op(), 128) == _Config(block=128, chain_items=False)
-  # An Op whose config lacks a field keeps its own choice (None: not this source's).
-  assert tune._Replaced({"stages": 3}).lookup(_Op(), 128) is None
+  assert source.applied
+  # The A side: the heuristic itself.
+  assert tune._Replaced({}).lookup(_Op(), 128) == _Config(block=128)
+  # An Op whose config lacks a field keeps its own choice (None: not this
+  # source's), and the source says it replaced nothing.
+  misspelt = tune._Replaced({"chain_item": False})
+  assert misspelt.lookup(_Op(), 128) is None and not misspelt.applied
   assert source.lookup(_OtherOp(), 128) is None
   assert tune._literal("3") == 3 and tune._literal("group") == "group"
+  # A value of another type than the field's ("false" is a string) is refused.
+  with pytest.raises(ValueError, match="chain_items is a bool"):
+    tune._Replaced({"chain_items": tune._literal("false")}).lookup(_Op(), 128)

@@ -15,9 +15,8 @@ the forward and the backward Op alike (wherever the config has the field),
 timed in alternation (`benchmarking.time_interleaved`), forward and
 forward+backward; it prints both medians and their ratio. With ``--model``
 (dense, moe, ...), the same for the tokamax training step of `python -m tokamax
-bench --model` (``implementation=None``: dispatch picks as it would; the
-"heuristic" side takes whatever config dispatch takes, tuned data included,
-the other the heuristic with the fields replaced).
+bench --model` (``implementation=None``: dispatch picks the implementations as
+it would; both sides run their heuristic configs, not tuned data's).
 
 Forward configs are timed on the forward (with ``--training``: on forward+backward,
 where the forward keeps the residuals a training step asks of it, e.g. the GLU's
@@ -29,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import dataclasses
 import re
 
@@ -56,10 +54,13 @@ class _Fixed:
 
 class _Replaced:
   """A config source: each Op's heuristic config with `fields` replaced, for
-  the Ops whose config has all of them (the others keep their own choice)."""
+  the Ops whose config has all of them (the others keep their own choice).
+  ``applied``: whether any lookup replaced them (else the A/B compares a
+  config with itself: a misspelt field)."""
 
   def __init__(self, fields: dict[str, object]):
     self.fields = fields
+    self.applied = False
 
   def lookup(self, op, args):
     config = op.heuristic_config(args)
@@ -68,6 +69,12 @@ class _Replaced:
     names = {f.name for f in dataclasses.fields(config)}
     if not set(self.fields) <= names:
       return None
+    for key, value in self.fields.items():
+      current = getattr(config, key)
+      if current is not None and type(value) is not type(current):
+        raise ValueError(f"--ab {key}={value!r}: {type(config).__name__}.{key} is "
+                         f"a {type(current).__name__} ({current!r})")
+    self.applied = True
     return dataclasses.replace(config, **self.fields)
 
 
@@ -82,18 +89,26 @@ def _literal(text: str):
 def ab(title: str, builders: dict, fields: dict[str, str], iterations: int) -> None:
   """The heuristic configs against them with `fields` replaced, interleaved.
 
-  `builders`: per direction, ``() -> (jitted function, args)``, traced under
-  the config source in force (the heuristics, or the replaced ones).
+  `builders`: per direction, ``() -> (jitted function, args)``, each call a new
+  function (a jitted function traced once would keep the first side's
+  configs), traced under the side's config source.
   """
   replaced = {key: _literal(value) for key, value in fields.items()}
   label = ", ".join(f"{k}={v!r}" for k, v in replaced.items())
   print(f"## {title}: heuristic vs {label}", flush=True)
   for direction, build in builders.items():
     contenders = {}
-    for name, source in (("heuristic", None), (label, _Replaced(replaced))):
-      with tuning_context.use(source) if source else contextlib.nullcontext():
-        f, fargs = build()
-        contenders[name] = benchmarking.prepare(f, *fargs)
+    changed = _Replaced(replaced)
+    try:
+      for name, source in (("heuristic", _Replaced({})), (label, changed)):
+        with tuning_context.use(source):
+          f, fargs = build()
+          contenders[name] = benchmarking.prepare(f, *fargs)
+    except Exception as e:  # a config that fails is reported, the others go on
+      print(f"  {direction:<17} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+      continue
+    if not changed.applied:
+      raise SystemExit(f"--ab {label}: no Op's config has these fields")
     results = benchmarking.time_interleaved(contenders, iterations)
     base, other = (results[name] for name in contenders)
     if isinstance(base, Exception) or isinstance(other, Exception):
@@ -109,15 +124,18 @@ def ab(title: str, builders: dict, fields: dict[str, str], iterations: int) -> N
 def problem_builders(problem: Problem, implementation: str, directions) -> dict:
   """`ab`'s builders for a benchmark problem: its forward, its forward+backward."""
   inputs = problem.make_inputs()
-  call = lambda a: problem.call(a, implementation)
-  builders = {"forward": lambda: (jax.jit(call), (inputs,)),
-              "forward+backward": lambda: bench_suite.fwd_bwd(call, inputs)}
+
+  def call():  # a new function per side (see `ab`)
+    return lambda a: problem.call(a, implementation)
+  builders = {"forward": lambda: (jax.jit(call()), (inputs,)),
+              "forward+backward": lambda: bench_suite.fwd_bwd(call(), inputs)}
   return {d: builders[d] for d in directions}
 
 
 def model_builders(model: str) -> tuple[str, dict]:
   """`ab`'s builder for a model of `python -m tokamax bench --model`: tokamax's
-  training step at the bench's size for this device."""
+  training step at the bench's size for this device (`training_step` jits a
+  new function per call)."""
   size = bench_models.make_size(model, quick=bench_suite.use_quick_shapes())
   params, x, dy = bench_models.inputs(model, size)
   step = lambda: (bench_models.training_step(model, size, "tokamax"), (params, x, dy))
@@ -213,6 +231,8 @@ def main():
   args = parser.parse_args()
   if not args.op and not (args.ab and args.model):
     parser.error("--op is required (or --model with --ab)")
+  if args.model and not args.ab:
+    parser.error("--model times a training step only in an A/B (--ab)")
   match = dict(args.match)
   directions = (args.direction,) if args.direction else ("forward", "forward+backward")
   suite = bench_suite.grid_suite() if args.grid else bench_suite.reference_suite()
@@ -226,9 +246,7 @@ def main():
     else:
       tune(problem, args.implementation, args.iterations, directions, match,
            args.training)
-
-
-  for model in args.model if args.ab else ():
+  for model in args.model:
     ab(*model_builders(model), dict(args.ab), args.iterations)
 
 

@@ -102,30 +102,34 @@ def test_ragged_dot():
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["forward", "dlhs"])
-@pytest.mark.parametrize("config", [
+@pytest.mark.parametrize("config,k,offset", [
     # 128-row items, 4 K steps in a 2-deep ring (two ring laps per item).
-    rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=64, num_stages=2),
-    # 256-row items in the group order, the whole K loop in one ring lap.
-    rdk.RaggedDotConfig(block_m=256, block_n=128, block_k=64, num_stages=4,
-                        item_order="group", out_pieces=2),
-], ids=["wide", "tall"])
-def test_ragged_dot_chained_items(config, transpose_rhs):
+    (rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=64, num_stages=2), 256, 0),
+    # 256-row items in the group order, the whole K loop in one ring lap; the
+    # held groups start at the third (the rows before them get zero items).
+    (rdk.RaggedDotConfig(block_m=256, block_n=128, block_k=64, num_stages=4,
+                         item_order="group", out_pieces=2), 256, 2),
+    # 2 K steps under 3 stages: the ring shrinks to the loop's 2.
+    (rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=64, num_stages=3), 128, 0),
+], ids=["wide", "tall-offset", "short-k"])
+def test_ragged_dot_chained_items(config, k, offset, transpose_rhs):
   """Work items chained in one ring (`_pipeline.ChainedPipeline`): each of the
   2 interpreted SMs runs many items (zero items, empty groups, warpgroups
   without rows among them) through one ring, against the reference."""
-  m, k, n = 420, 256, 256
+  m, n = 420, 256
   sizes = jnp.asarray([60, 0, 150, 37, 0, 120, 3], jnp.int32)
+  held = 7 - offset
   lhs = _normal((m, k), jnp.bfloat16)
-  rhs_shape = (7, n, k) if transpose_rhs else (7, k, n)
+  rhs_shape = (held, n, k) if transpose_rhs else (held, k, n)
   rhs = _normal(rhs_shape, jnp.bfloat16, k**-0.5)
-  starts, ends = tokamax.plugin.held_row_ranges(sizes, None, 7, m)
-
+  starts, ends = tokamax.plugin.held_row_ranges(sizes, jnp.int32(offset), held, m)
   assert _pipeline.ChainedPipeline.ring_depth(k // config.block_k, config.num_stages)
   with tokamax.interpret():
     chained = rdk.grouped_matmul(lhs, rhs, starts, ends, transpose_rhs=transpose_rhs,
                                  out_dtype=jnp.bfloat16, config=config)
   rhs_kn = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
   want = tokamax.ragged_dot(lhs.astype(jnp.float32), rhs_kn.astype(jnp.float32), sizes,
+                            group_offset=jnp.int32(offset),
                             precision=jax.lax.Precision.HIGHEST, implementation="xla")
   testing.assert_close(chained, want, jnp.bfloat16, what="chained output")
 

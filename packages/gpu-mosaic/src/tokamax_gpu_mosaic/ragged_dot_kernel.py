@@ -66,8 +66,8 @@ class RaggedDotConfig:
   block's work items back to back (`_pipeline.ChainedPipeline`: the next
   item's first tiles load while the current one finishes), where the K steps
   are a multiple of ``num_stages`` (or fewer); otherwise each item fills the
-  ring anew. (The fp8 kernel fills its ring per item: chained, it measured
-  the same on the H200.)
+  ring anew. (The fp8 kernel fills its ring per item: its one chained A/B on
+  the H200 measured no difference, notes/MEASUREMENTS.md, session 19.)
 
   ``row_tiling="group"`` with ``block_m=256`` ("tall" items): a block computes
   ``256 x block_n`` (not ``128 x 2 block_n``), each compute warpgroup 128 rows
@@ -517,8 +517,12 @@ class _GroupTiles:
     else:
       mma = self.pipeline.releasing(functools.partial(self.mma, item), allocs)
       first = started == 0
-      # Two copies of the pipeline: its START state (the ring's prologue) is
-      # static in emit_pipeline_warp_specialized's memory warpgroup.
+      # Two copies of the pipeline (code size and compile time): its START
+      # state (the ring's prologue) is static in
+      # emit_pipeline_warp_specialized's memory warpgroup. No item runs the
+      # STOP state: its quiesce (the memory warpgroup waiting for the last
+      # slots' releases) guards a reuse of the ring, and the ring's scope
+      # ends with the kernel, every fetch consumed by the compute warpgroups.
       for first_item, when in ((True, first), (False, ~first)):
         @pl.when(self.has_matmul(item) & when)
         def _matmul():
@@ -562,9 +566,10 @@ class _GroupTiles:
         rows = pl.ds(h * WGMMA_M, WGMMA_M)
         plgpu.wgmma(acc_ref.at[rows],
                     a_smem.at[pl.ds(item.cwg * self.half + h * WGMMA_M, WGMMA_M)], b)
-    # Each wgmma call is one commit group. At the end of step s the pipeline
-    # frees step s-1's buffers (delay_release=1), so all of s-1's groups must be
-    # done: leave pending only this step's.
+    # Each wgmma call is one commit group. At the end of step s step s-1's
+    # buffers are freed (by the pipeline's delay_release=1, or by
+    # `ChainedPipeline.releasing`), so all of s-1's groups must be done: leave
+    # pending only this step's.
     both = active[0] & active[1]
 
     @pl.when(both)
@@ -631,14 +636,15 @@ def _group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool, out_dtype,
   if config.item_order == "group":
     items = ordered_items(items, n_tiles, config.grid_tile_width)
   k_steps = pl.cdiv(k, config.block_k)
-  depth = config.chain_items and _pipeline.ChainedPipeline.ring_depth(
-      k_steps, config.num_stages)
+  depth = (_pipeline.ChainedPipeline.ring_depth(k_steps, config.num_stages)
+           if config.chain_items else None)
+  chained = depth is not None
   tiles = _GroupTiles(
       config=config, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
       num_items=num_items, n_tiles=n_tiles, k_steps=k_steps,
       pipeline=_operand_pipeline(lhs.dtype, config.block_m, config.block_k,
                                  cta_n(config), transpose_rhs,
-                                 depth or config.num_stages, chained=bool(depth)))
+                                 depth if chained else config.num_stages, chained))
 
   def kernel(items_ref, lhs_ref, rhs_ref, out_ref):
     tiles.kernel(items_ref, lhs_ref, rhs_ref, out_ref)
