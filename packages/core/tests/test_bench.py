@@ -295,3 +295,15 @@ def test_json_keeps_the_rows_of_a_run_cut_short(monkeypatch, tmp_path):
   doc, rows = bench_suite.load_rows(str(path))
   assert rows and {r["shape"] for r in rows} == {done.name}
   assert doc["device_kind"] == jax.devices()[0].device_kind
+
+
+def test_norm_rates_count_the_bytes_a_training_step_moves():
+  """x 4 x 8 bf16 (64 bytes an array), one param of 16 bytes (RMSNorm's scale).
+  Forward: x, y, scale = 144. Backward: x again, dy, dx, scale, dscale = 224."""
+  from tokamax._src.ops.layer_norm import problems as layer_norm_problems
+  assert layer_norm_problems.traffic_bytes(4, 8, num_params=1) == (144, 368)
+  rms = layer_norm_problems.problem(4, 8, rms=True)
+  assert (rms.bytes, rms.bytes * rms.backward_factor) == (144, 368)
+  # Scale and offset: forward 128 + 32; backward 192 + 16 (scale) + 32 (their grads).
+  layer = layer_norm_problems.problem(4, 8, rms=False)
+  assert (layer.bytes, layer.bytes * layer.backward_factor) == (160, 400)

@@ -27,8 +27,25 @@ def problem(rows, d, rms) -> Problem:
   op = "rms_norm" if rms else "layer_norm"
   call = ((lambda a, i: api.rms_norm(a[0], a[1], implementation=i)) if rms else
           (lambda a, i: api.layer_norm(*a, implementation=i)))
+  fwd_bytes, fwd_bwd_bytes = traffic_bytes(rows, d, num_params=1 if rms else 2)
   return Problem("layer_norm", f"{op} {rows}x{d}", make, call, {"XLA (jnp)": xla},
-                 bytes=2 * rows * d * 2, backward_factor=2.0, reference=("XLA (jnp)",))
+                 bytes=fwd_bytes, backward_factor=fwd_bwd_bytes / fwd_bytes,
+                 reference=("XLA (jnp)",))
+
+
+def traffic_bytes(rows: int, d: int, num_params: int, itemsize: int = 2) -> tuple[int, int]:
+  """(forward, forward+backward) bytes a norm must move, as its rate counts them.
+
+  Forward: x read, y written, the params (scale, offset) read. Backward: x read
+  again (the forward ran long before, with other ops between: any implementation,
+  jnp's included, reads x or a residual of its size once more), dy read, dx
+  written, scale read, the params' gradients written. The per-row statistics the
+  forward may save (8 bytes a row) are left out.
+  """
+  array, param = rows * d * itemsize, d * itemsize
+  forward = 2 * array + num_params * param
+  backward = 3 * array + param + num_params * param
+  return forward, forward + backward
 
 
 def reference_problems() -> list[Problem]:
