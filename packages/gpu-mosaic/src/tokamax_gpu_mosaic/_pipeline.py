@@ -191,16 +191,25 @@ class WarpSpecializedPipeline:
   stages: int
 
   def __call__(self, body, context, steps):
-    return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(steps,), memory_registers=PRODUCER_REGS,
-        in_specs=list(self.in_specs), wg_axis="wg", num_compute_wgs=2,
-        max_concurrent_steps=self.stages, compute_context=context)
+    return self._emit(body, context, steps)
 
   def allocations(self, *refs, steps):
     """The ring's shared memory for operands like `refs` (allocated once for all
     the kernel's work items; it does not depend on the step count)."""
     ignore = lambda *_, **__: None
-    return self(ignore, ignore, steps).get_allocations(*refs)
+    return self._emit(ignore, ignore, steps,
+                      **self._options(first_item=True)).get_allocations(*refs)
+
+  def _emit(self, body, context, steps, **options):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(steps,), memory_registers=PRODUCER_REGS,
+        in_specs=list(self.in_specs), wg_axis="wg", num_compute_wgs=2,
+        max_concurrent_steps=self.stages, compute_context=context, **options)
+
+  def _options(self, first_item: bool) -> dict:
+    """`emit_pipeline_warp_specialized`'s options beyond the common ones."""
+    del first_item
+    return {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,17 +237,12 @@ class ChainedPipeline(WarpSpecializedPipeline):
     return depth if steps % depth == 0 else None
 
   def __call__(self, body, context, steps, *, first_item):
+    return self._emit(body, context, steps, **self._options(first_item))
+
+  def _options(self, first_item: bool) -> dict:
     state = (plgpu.PipelinePipeline.START if first_item
              else plgpu.PipelinePipeline.STEADY)
-    return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(steps,), memory_registers=PRODUCER_REGS,
-        in_specs=list(self.in_specs), wg_axis="wg", num_compute_wgs=2,
-        max_concurrent_steps=self.stages, compute_context=context,
-        pipeline_state=state, manual_consumed_barriers=True)
-
-  def allocations(self, *refs, steps):
-    ignore = lambda *_, **__: None
-    return self(ignore, ignore, steps, first_item=True).get_allocations(*refs)
+    return dict(pipeline_state=state, manual_consumed_barriers=True)
 
   def releasing(self, body, allocations):
     """The pipeline's body for ``body(indices, *operand_refs, carry)``."""
