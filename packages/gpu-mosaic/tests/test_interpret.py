@@ -17,6 +17,7 @@ runs them.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import tokamax
@@ -25,6 +26,7 @@ from tokamax_gpu_mosaic import _common
 from tokamax_gpu_mosaic import _pipeline
 from tokamax_gpu_mosaic import attention as mat
 from tokamax_gpu_mosaic import ragged_dot_kernel as rdk
+from tokamax_gpu_mosaic import ragged_dot_kernel_drhs as rdd
 
 pytestmark = pytest.mark.skipif(
     not _common.interpreter_runs_these_kernels(),
@@ -132,6 +134,33 @@ def test_ragged_dot_chained_items(config, k, offset, transpose_rhs):
                             group_offset=jnp.int32(offset),
                             precision=jax.lax.Precision.HIGHEST, implementation="xla")
   testing.assert_close(chained, want, jnp.bfloat16, what="chained output")
+
+
+@pytest.mark.parametrize("stages,block_n,sizes,m,offset", [
+    # Chunk counts of 1-3 under a 3-deep ring (the slots of an item's chunks
+    # shift from item to item), an empty group, rows past the last group.
+    (3, 64, [60, 0, 150, 37, 0, 120, 3], 420, 0),
+    # A 2-deep ring; held groups from the third on, the first of them empty.
+    (2, 64, [100, 200, 0, 150, 30, 99], 600, 2),
+], ids=["stages3", "stages2-offset"])
+def test_ragged_dot_drhs_chained_items(stages, block_n, sizes, m, offset):
+  """The "ws" drhs kernel's hand-rolled ring across a block's items (each of
+  the 2 interpreted SMs runs 10-14 items), against the float32 reference."""
+  k, n = 256, 256
+  held = len(sizes) - offset
+  lhs, dout = _normal((m, k), jnp.bfloat16), _normal((m, n), jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  starts, ends = tokamax.plugin.held_row_ranges(gs, jnp.int32(offset), held, m)
+  config = rdk.RaggedDotConfig(block_m=128, block_n=block_n, block_k=64,
+                               num_stages=stages, drhs_kernel="ws")
+  with tokamax.interpret():
+    out = rdd.grouped_transposed_matmul(lhs, dout, starts, ends,
+                                        out_dtype=jnp.float32, config=config)
+  bounds = np.cumsum([0] + sizes)
+  lf, df = np.asarray(lhs, np.float32), np.asarray(dout, np.float32)
+  want = np.stack([lf[bounds[g]:bounds[g + 1]].T @ df[bounds[g]:bounds[g + 1]]
+                   for g in range(offset, len(sizes))])
+  testing.assert_close(out, want, jnp.bfloat16, what="chained drhs")
 
 
 def test_fp8_ragged_dot():

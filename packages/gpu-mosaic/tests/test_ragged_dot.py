@@ -231,7 +231,9 @@ def test_pieces_dlhs_kernel(config):
 
 _WS = [rd.RaggedDotConfig(num_stages=4, out_pieces=2, drhs_kernel="ws"),
        rd.RaggedDotConfig(num_stages=3, drhs_kernel="ws"),
-       rd.RaggedDotConfig(block_n=64, num_stages=2, drhs_kernel="ws")]
+       rd.RaggedDotConfig(block_n=64, num_stages=2, drhs_kernel="ws"),
+       # Each item's chunks through an emit_pipeline_warp_specialized of its own.
+       rd.RaggedDotConfig(num_stages=3, drhs_kernel="ws", chain_items=False)]
 
 
 def _drhs_reference(lhs, dout, sizes, offset, held):

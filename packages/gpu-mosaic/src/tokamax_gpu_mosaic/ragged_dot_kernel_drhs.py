@@ -11,8 +11,10 @@ deterministic. Two kernels (``RaggedDotConfig.drhs_kernel``):
 
 - "ring" (`_drhs_ring`): one warpgroup per block with a hand-rolled
   `num_stages`-deep TMA ring;
-- "ws" (`_DrhsWarpSpecialized`): the forward's kernel shape, with a per-item
-  dynamic pipeline length.
+- "ws": the forward's kernel shape (a producer and two consumer warpgroups):
+  with ``chain_items`` (the default) `_DrhsChained`, one hand-rolled ring for
+  all of a block's items; else `_DrhsWarpSpecialized`, a pipeline of the
+  item's length per item.
 """
 
 from __future__ import annotations
@@ -288,6 +290,111 @@ class _DrhsWarpSpecialized:
       store(lambda p: acc[:, p * piece_n:(p + 1) * piece_n].astype(self.out_dtype))
 
 
+class _DrhsChained(_DrhsWarpSpecialized):
+  """The "ws" kernel with one ring for all of a block's items (``chain_items``).
+
+  The ring is hand-rolled, since `emit_pipeline_warp_specialized` chains items
+  only at a fixed step count and a group's chunk count is known at run time:
+  the producer and both consumers count the block's chunks across its items
+  (``step``), and chunk ``step`` uses slot ``step % num_stages`` of the ring. So
+  the producer loads the next item's first chunks while the consumers finish
+  the current item (its last wgmmas and its store), instead of every item
+  starting with an empty ring. Each slot has a "full" barrier (the two TMA
+  copies arrive) and a "free" one (each consumer arrives once its wgmma of the
+  chunk is done; the producer waits on it before refilling the slot).
+  """
+
+  def kernel(self, bounds_ref, lhs_ref, dout_ref, out_ref):
+    stages, bk, cta_n = self.config.num_stages, self.bk, 2 * self.bn
+    swizzled = _common.swizzled
+    scratch = dict(
+        lhs_smem=plgpu.SMEM((stages, bk, WS_K), self.dtype,
+                            transforms=swizzled(self.dtype, WS_K)),
+        dout_smem=plgpu.SMEM((stages, bk, cta_n), self.dtype,
+                             transforms=swizzled(self.dtype, WS_K)),
+        out_smem=plgpu.SMEM((2, WS_K, self.piece_n), self.out_dtype,
+                            transforms=swizzled(self.out_dtype, self.piece_n)),
+        full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        free=plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+
+    @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
+    def _scope(lhs_smem, dout_smem, out_smem, full, free):
+      ring = _pipeline.Ring(stages)
+      items = (self.num_held * self.k_tiles * self.n_tiles,)
+      wg = lax.axis_index("wg")
+
+      def chunks_of(start, end, first):
+        return jnp.where(end > start, (end - first + bk - 1) // bk, 0)
+
+      def producer():
+        @plgpu.nd_loop(items, collective_axes="sm", init_carry=jnp.int32(0))
+        def _items(info, carry):
+          step = carry
+          g, ki, ni, start, end, first = _drhs_item(
+              info.index[0], bounds_ref, self.k_tiles, self.n_tiles)
+          del g
+          chunks = chunks_of(start, end, first)
+          k_cols, n_cols = pl.ds(ki * WS_K, WS_K), pl.ds(ni * cta_n, cta_n)
+
+          @pl.loop(0, chunks)
+          def _chunk(c):
+            slot = ring.slot(step + c)
+            rows = pl.ds(first + c * bk, bk)
+            _pipeline.wait_when(ring.reuse(step + c), free.at[slot])
+            plgpu.copy_gmem_to_smem(lhs_ref.at[rows, k_cols], lhs_smem.at[slot],
+                                    full.at[slot])
+            plgpu.copy_gmem_to_smem(dout_ref.at[rows, n_cols], dout_smem.at[slot],
+                                    full.at[slot])
+          return step + chunks
+
+      def consumer():
+        cwg = jnp.minimum(wg, 1)
+        o_smem = out_smem.at[cwg]
+
+        @plgpu.nd_loop(items, collective_axes="sm", init_carry=jnp.int32(0))
+        def _items(info, carry):
+          step = carry
+          g, ki, ni, start, end, first = _drhs_item(
+              info.index[0], bounds_ref, self.k_tiles, self.n_tiles)
+          chunks = chunks_of(start, end, first)
+          store = functools.partial(self.store, cwg, o_smem, out_ref, g, ki * WS_K,
+                                    ni * cta_n)
+
+          @pl.when(chunks > 0)
+          def _contract():
+            def chunk(c, acc_ref):
+              slot = ring.slot(step + c)
+              plgpu.barrier_wait(full.at[slot])
+              self.mma(wg, cwg, first, start, end, (c,), lhs_smem.at[slot],
+                       dout_smem.at[slot], acc_ref)
+
+              # mma waited for the previous chunk's wgmma: its slot is free.
+              @pl.when(c > 0)
+              def _release_previous():
+                plgpu.barrier_arrive(free.at[ring.slot(step + c - 1)])
+              return acc_ref
+
+            def contract(acc_ref):
+              lax.fori_loop(0, chunks, chunk, acc_ref)
+              plgpu.wgmma_wait(0)
+              plgpu.barrier_arrive(free.at[ring.slot(step + chunks - 1)])
+              return acc_ref[...]
+            acc = pl.run_scoped(contract, plgpu.ACC((WS_K, self.bn), jnp.float32))
+            piece_n = self.piece_n
+            store(lambda p: acc[:, p * piece_n:(p + 1) * piece_n].astype(
+                self.out_dtype))
+
+          @pl.when(chunks == 0)
+          def _empty_group():
+            zeros = _pipeline.zeros_tile((WS_K, self.piece_n), self.out_dtype)
+            store(lambda p: zeros)
+          return step + chunks
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+      _pipeline.split_warpgroups(wg, consumer, producer)
+
+
 def _drhs_warp_specialized(lhs, dout, starts, ends, *, out_dtype,
                            config: RaggedDotConfig) -> jax.Array:
   """``drhs[g] = lhs[rows_g]^T @ dout[rows_g]`` as the forward's kernel shape
@@ -315,7 +422,8 @@ def _drhs_warp_specialized(lhs, dout, starts, ends, *, out_dtype,
   dtype = lhs.dtype
   lhs_spec = _pipeline.tma_spec((bk, WS_K), lambda c: (c, 0), dtype, WS_K)
   dout_spec = _pipeline.tma_spec((bk, cta_n), lambda c: (c, 0), dtype, WS_K)
-  ws = _DrhsWarpSpecialized(
+  kernel_cls = _DrhsChained if config.chain_items else _DrhsWarpSpecialized
+  ws = kernel_cls(
       config=config, out_dtype=out_dtype, dtype=dtype, num_held=num_held,
       k_tiles=k_tiles, n_tiles=n_tiles, m=m,
       pipeline=_pipeline.WarpSpecializedPipeline((lhs_spec, dout_spec),
