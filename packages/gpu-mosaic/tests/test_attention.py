@@ -521,6 +521,7 @@ def test_refuses_non_hopper_devices():
       mat.MosaicGpuAttention().check_supported(args, device)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("kw,reason", [
     (dict(bias=np.ones((1, 2, 256, 256), np.float32) * 0.5), "bias"),
     (dict(mask=np.tril(np.ones((256, 256), bool))), "bool mask"),
@@ -727,6 +728,7 @@ def test_backward_configs_fit():
     assert not (config.ping_pong or config.ping_pong_dq)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("h,n,k,t,s,config", [
     (64, 4, 4, 512, 512, None),
@@ -798,6 +800,7 @@ def test_an_explicit_config_that_does_not_fit_is_named():
         mat.AttentionVjpConfig(block_q=128, block_kv=128, num_stages=2))
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("h,n,k,t,s,config", [
     (64, 4, 4, 512, 512, None),
@@ -1020,6 +1023,7 @@ def test_backward_automatic_dispatch_takes_a_backward():
     testing.assert_close(g, w, jnp.bfloat16, what=name, scale=2, gpu=True)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("features", [
     dict(logits_soft_cap=5.0),
     dict(local_window=(64, 16)),
@@ -1392,6 +1396,7 @@ def test_bwd_features_configs_fit_with_segments():
       mat.bwd_smem_bytes(mat.AttentionVjpConfig(), 128, 2)))
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("features", [
     dict(query_seq_lengths=True, key_value_seq_lengths=True),
     dict(local_window=(64, 16)),

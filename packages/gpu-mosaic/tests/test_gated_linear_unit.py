@@ -163,6 +163,7 @@ def test_vjp_configs_fit():
     glu.GatedLinearUnitVjpConfig(matmul_block_n=96)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("activation", [jax.nn.silu, jax.nn.relu])
 def test_lowers_for_cuda(activation):
   pytest.importorskip("absl")
@@ -248,6 +249,7 @@ def _custom(v):
   return jnp.tanh(v) * v + 0.5 * v
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("activation,fuse,shape", [
     (jax.nn.silu, True, (300, 200, 136)),
     (None, True, (37, 40, 24)),

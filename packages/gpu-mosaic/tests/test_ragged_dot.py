@@ -400,6 +400,7 @@ def test_refuses_non_hopper():
         args, tokamax.DeviceInfo("cpu", "cpu"))
 
 
+@pytest.mark.smoke
 def test_refuses_unsupported_args():
   from tokamax._src.ops.ragged_dot import RaggedDotArgs
   h200 = tokamax.DeviceInfo("gpu", "NVIDIA H200", compute_capability="9.0")
@@ -441,6 +442,7 @@ def _grouped_matmul_lowers(m, k, n, g, config, transpose_rhs,
   _lowers(f, ((m, k), jnp.bfloat16), (rhs_shape, jnp.bfloat16), ((g,), jnp.int32))
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 @pytest.mark.parametrize("tiling,pieces", [("group", 1), ("fixed", 1),
                                            ("group", 2)])
@@ -514,6 +516,7 @@ def test_pieces_heuristic_lowers_for_cuda(transpose_rhs, out_dtype):
   _grouped_matmul_lowers(m, k, n, g, config, transpose_rhs, out_dtype=out_dtype)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("block_n,stages,pieces,out_dtype", [
     (128, 4, 2, jnp.bfloat16), (128, 3, 1, jnp.bfloat16), (64, 2, 1, jnp.float32),
     (128, 3, 2, jnp.float32)])

@@ -229,6 +229,7 @@ def _args(lq, rq, sizes):
                        rhs_scales=rs)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("dtype,out_dtype,config", [
     (jnp.float8_e4m3fn, jnp.bfloat16, rdk.RaggedDotConfig(
         block_m=128, block_n=64, block_k=128, num_stages=4)),
@@ -266,6 +267,7 @@ def test_takes_fp8_operands_with_scales():
   assert "block_scales" not in rd.MosaicGpuRaggedDotVjp.supported_features
 
 
+@pytest.mark.smoke
 def test_refusals_say_why():
   lq, rq = _quantized(64, 256, 128, 2)
   op = rd.MosaicGpuRaggedDot()

@@ -14,6 +14,8 @@ from tokamax_gpu_mosaic import attention as mat
 from tokamax_gpu_mosaic import gated_linear_unit as glu
 from tokamax_gpu_mosaic import ragged_dot as rd
 
+pytestmark = pytest.mark.smoke  # cheap: CI runs these on the oldest JAX too
+
 
 def test_entry_point_is_declared():
   eps = importlib.metadata.entry_points(group="tokamax.backends")

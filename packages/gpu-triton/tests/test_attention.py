@@ -179,6 +179,7 @@ def test_large_blocks_default_config():
   _check("out", out, want, jnp.bfloat16)
 
 
+@pytest.mark.smoke
 def test_dispatch_records_triton_both_directions():
   q, k, v = _qkv(1, 16, 16, 2, 1, 32, 32, jnp.float32)
   loss = lambda q: jnp.sum(tokamax.dot_product_attention(q, k, v,
@@ -190,6 +191,7 @@ def test_dispatch_records_triton_both_directions():
   assert ("dot_product_attention", "backward", "triton") in got
 
 
+@pytest.mark.smoke
 def test_check_supported_refuses():
   q, k, v = _qkv(1, 16, 16, 1, 1, 32, 32, jnp.float32)
   args = tokamax.AttentionArgs(q, k, v, scale=0.1)

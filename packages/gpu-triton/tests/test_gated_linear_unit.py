@@ -145,6 +145,7 @@ def test_explicit_configs(shape, config):
   _assert_close("dw", grads["weights"], dw_ref, jnp.float32)
 
 
+@pytest.mark.smoke
 def test_dispatch_runs_triton_both_directions_and_weight_pair():
   x, w, dout = _inputs(6, 3, 4, jnp.bfloat16)
   records = _check(x, w, dout, jax.nn.silu)
@@ -222,6 +223,7 @@ def test_configs_are_sane():
       glu.GatedLinearUnitConfig(128, 128, 64, 8, 8, 3, fuse_weights=True)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("activation", list(_ACTIVATIONS))
 def test_lowers_to_triton(activation, lower_for_cuda):
   """The kernels lower through Pallas' Triton path (no GPU needed to lower)."""

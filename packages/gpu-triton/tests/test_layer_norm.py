@@ -125,6 +125,7 @@ def test_index_arrays_for_a_block_past_the_row(monkeypatch, r, d):
   assert sum(converted) >= 9, converted
 
 
+@pytest.mark.smoke
 def test_dispatch_runs_triton_both_directions():
   records = _check(*_inputs(5, 24, jnp.bfloat16, True, True), subtract_mean=True)
   got = {(r.op, r.direction, r.implementation) for r in records}
@@ -250,6 +251,7 @@ def test_configs_are_sane():
   assert ln.TritonLayerNorm().heuristic_config(big).block_d == 8192
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("subtract_mean", [True, False])
 def test_lowers_to_triton(subtract_mean, lower_for_cuda):
   """The kernels lower through Pallas' Triton path (no GPU needed to lower)."""

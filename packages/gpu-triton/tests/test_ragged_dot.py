@@ -105,6 +105,7 @@ def _check(lhs, rhs, group_sizes, *, group_offset=None, preferred_element_type=N
     _assert_close(actual, exp, dtype, name)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("dtype,m,k,n,group_sizes", [
     (jnp.float32, 37, 20, 24, [5, 0, 17, 3]),       # rows past the total, empty group
     (jnp.bfloat16, 37, 20, 24, [5, 0, 17, 3]),
@@ -202,6 +203,7 @@ def test_visit_schedule_covers_every_row_once(num_groups, num_held, m, block_m):
     _schedule_coverage(sizes, offset, num_held, m, block_m)
 
 
+@pytest.mark.smoke
 def test_check_supported_refuses():
   lhs, rhs = _inputs(8, 16, 16, 2, jnp.float32)
   args = tokamax.RaggedDotArgs(lhs=lhs, rhs=rhs,

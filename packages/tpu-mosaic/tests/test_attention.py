@@ -282,6 +282,7 @@ def test_q_offset_without_window_changes_nothing():
   assert att._layout(dataclasses.replace(shifted, is_causal=True)).has_q_offset
 
 
+@pytest.mark.smoke
 def test_dispatch_records_mosaic_tpu_both_directions():
   q, k, v = _qkv(1, 128, 128, 2, 1, 128, 128, jnp.float32)
   # By name: this also checks the plugin registration points at these classes.
@@ -294,6 +295,7 @@ def test_dispatch_records_mosaic_tpu_both_directions():
   assert ("dot_product_attention", "backward", "mosaic_tpu") in got
 
 
+@pytest.mark.smoke
 def test_check_supported_refuses():
   q, k, v = _qkv(1, 16, 16, 1, 1, 32, 32, jnp.float32)
   args = tokamax.AttentionArgs(q, k, v, scale=0.1)

@@ -74,6 +74,7 @@ def test_awkward_shapes(m, k, n):
   _check(m, k, n, lambda g: jnp.tanh(g) * 2.0 + g, jnp.float32)
 
 
+@pytest.mark.smoke
 def test_dispatch_runs_mosaic_tpu_both_directions():
   records = _check(24, 64, 40, jax.nn.silu, jnp.bfloat16, config=None)
   got = {(r.op, r.direction, r.implementation) for r in records}
@@ -116,6 +117,7 @@ def test_configs():
     glu.GatedLinearUnitConfig(block_n=100)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_lowers_to_mosaic_tpu(dtype):
   """Forward and backward lower through Pallas' Mosaic TPU path (no TPU needed)."""

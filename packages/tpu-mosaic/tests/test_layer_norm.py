@@ -93,6 +93,7 @@ def test_awkward_shapes_and_optional_params(r, d, with_scale, with_offset):
          config=ln.LayerNormConfig(16))
 
 
+@pytest.mark.smoke
 def test_dispatch_runs_mosaic_tpu_both_directions():
   records = _check(*_inputs(20, 128, jnp.bfloat16), subtract_mean=False)
   got = {(r.op, r.direction, r.implementation) for r in records}
@@ -142,6 +143,7 @@ def test_configs():
     assert config.block_rows * d * 4 <= 2 << 20
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_lowers_to_mosaic_tpu(dtype):
   """Forward and backward lower through Pallas' Mosaic TPU path (no TPU needed)."""

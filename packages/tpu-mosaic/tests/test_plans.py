@@ -24,6 +24,8 @@ from tokamax_tpu_mosaic import gated_linear_unit as glu
 from tokamax_tpu_mosaic import layer_norm as ln
 from tokamax_tpu_mosaic import ragged_dot as rd
 
+pytestmark = pytest.mark.smoke  # cheap: CI runs these on the oldest JAX too
+
 S = jax.ShapeDtypeStruct
 BF16, F32 = jnp.bfloat16, jnp.float32
 

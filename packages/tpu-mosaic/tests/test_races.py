@@ -94,6 +94,7 @@ def _same_block_writer(semantics):
       interpret=_common.interpret_params())
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("semantics,racy", [("parallel", True), ("arbitrary", False)])
 def test_detector_flags_a_racy_kernel(semantics, racy):
   x = _normal(_keys(1)[0], (16, 128), jnp.float32)

@@ -96,6 +96,7 @@ def test_small_tiles(dtype, m, k, n, group_sizes):
   _check(lhs, rhs, group_sizes)
 
 
+@pytest.mark.smoke
 def test_heuristic_config():
   lhs, rhs = _inputs(64, 48, 40, 3, jnp.bfloat16)
   _check(lhs, rhs, [20, 0, 30], config=None)
@@ -205,6 +206,7 @@ def test_configs():
     rd.RaggedDotConfig(block_k=100)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_lowers_to_mosaic_tpu(dtype):
   """gmm, dlhs and tgmm lower through Pallas' Mosaic TPU path (no TPU needed)."""

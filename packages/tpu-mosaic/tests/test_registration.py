@@ -2,8 +2,12 @@
 
 import importlib.metadata
 
+import pytest
+
 import tokamax
 from tokamax_tpu_mosaic import _plugin
+
+pytestmark = pytest.mark.smoke  # cheap: CI runs these on the oldest JAX too
 
 
 def test_entry_point_is_declared():

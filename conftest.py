@@ -1,0 +1,39 @@
+"""Repository-wide pytest options.
+
+``--backend-smoke``: the backend packages' tests (gpu-triton, gpu-mosaic,
+tpu-mosaic) reduced to those marked ``smoke``, each at its first
+parametrization. CI runs the backend packages' full tests on the newest JAX
+(`nox -s tests_jax_newest`, where they cost about 40% of their CPU time on the
+oldest) and this smoke set on the oldest JAX (`nox -s tests`): registration,
+refusals, one lowering of each kernel for its hardware and one dispatch of
+each op through interpret mode, i.e. what breaks when an older JAX lacks an
+API. On the oldest JAX the numbers of every installed kernel are still checked
+by integration_tests/test_conformance_installed.py.
+"""
+
+_BACKEND_TEST_DIRS = tuple(f"packages/{name}/tests/"
+                           for name in ("gpu-triton", "gpu-mosaic", "tpu-mosaic"))
+
+
+def pytest_addoption(parser):
+  parser.addoption("--backend-smoke", action="store_true",
+                   help="run only the backend packages' tests marked smoke, each at "
+                        "its first parametrization (the other tests as usual)")
+
+
+def _first_parametrization(item) -> bool:
+  callspec = getattr(item, "callspec", None)
+  return callspec is None or not any(callspec.indices.values())
+
+
+def pytest_collection_modifyitems(config, items):
+  if not config.getoption("--backend-smoke"):
+    return
+  kept, deselected = [], []
+  for item in items:
+    in_backend = any(d in item.path.as_posix() for d in _BACKEND_TEST_DIRS)
+    smoke = item.get_closest_marker("smoke") and _first_parametrization(item)
+    (kept if smoke or not in_backend else deselected).append(item)
+  if deselected:
+    config.hook.pytest_deselected(items=deselected)
+    items[:] = kept
