@@ -329,7 +329,7 @@ class _DrhsChained(_DrhsWarpSpecialized):
       def producer():
         @plgpu.nd_loop(items, collective_axes="sm", init_carry=jnp.int32(0))
         def _items(info, carry):
-          step = carry
+          step = carry  # the chunks of the block's earlier items
           g, ki, ni, start, end, first = _drhs_item(
               info.index[0], bounds_ref, self.k_tiles, self.n_tiles)
           del g
@@ -353,7 +353,7 @@ class _DrhsChained(_DrhsWarpSpecialized):
 
         @plgpu.nd_loop(items, collective_axes="sm", init_carry=jnp.int32(0))
         def _items(info, carry):
-          step = carry
+          step = carry  # the same count as the producer's
           g, ki, ni, start, end, first = _drhs_item(
               info.index[0], bounds_ref, self.k_tiles, self.n_tiles)
           chunks = chunks_of(start, end, first)
