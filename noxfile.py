@@ -102,7 +102,11 @@ def _ruff(session):
 def tests(session):
   """ruff (seconds: a lint error fails before the tests), then core's and the
   reference's tests, the backend packages' smoke set (`BACKEND_SMOKE`) and the
-  integration tests (pytest + xdist)."""
+  integration tests (pytest + xdist); then `tests_jax_newest`, where the backend
+  packages' tests run in full (without core's reference conformance file: about
+  4 minutes there, already run here; `nox -s tests_jax_newest` runs it)."""
+  session.notify("tests_jax_newest",
+                 posargs=["--ignore=packages/core/tests/test_conformance_reference.py"])
   _ruff(session)
   _install_tokamax(session, "all,test,flax")
   session.install(*(f"./integration_tests/plugins/{p}" for p in EXAMPLE_PLUGINS))
