@@ -67,8 +67,9 @@ class RaggedDotConfig:
   item's first tiles load while the current one finishes), where the K steps
   are a multiple of ``num_stages`` (or fewer); otherwise each item fills the
   ring anew. The "ws" drhs kernel chains its items at any chunk count (its ring
-  is hand-rolled, `ragged_dot_kernel_drhs._DrhsChained`). (The fp8 kernel fills its ring per item: its one chained A/B on
-  the H200 measured no difference, notes/MEASUREMENTS.md, session 19.)
+  is hand-rolled, `ragged_dot_kernel_drhs._DrhsChained`). (The fp8 kernel
+  fills its ring per item: its one chained A/B on the H200 measured no
+  difference, notes/MEASUREMENTS.md, session 19.)
 
   ``row_tiling="group"`` with ``block_m=256`` ("tall" items): a block computes
   ``256 x block_n`` (not ``128 x 2 block_n``), each compute warpgroup 128 rows
