@@ -2,7 +2,7 @@
 
 ``drhs[g] = lhs[rows_g]^T @ dout[rows_g]``, ``[G_rhs, K, N]``: a per-group
 contraction over the group's rows, whose length differs per group. A persistent
-grid walks (held group, K tile, N tile) items, N fastest. A group's rows are read
+grid walks (held group, K tile, N tile) items in bands of K tiles (`_drhs_item`). A group's rows are read
 in chunks from its start rounded down to 8 rows (swizzled TMA reads rows in
 8-row units); in a chunk that reaches outside the group those rows are zeroed in
 shared memory before the wgmma (`_zero_outside`). An empty group's tiles are
@@ -54,13 +54,32 @@ def grouped_transposed_matmul(lhs, dout, starts, ends, *, out_dtype,
   return _drhs_ring(lhs, dout, starts, ends, out_dtype=out_dtype, config=config)
 
 
+# K tiles per band of `_drhs_item`'s order.
+K_BAND = 16
+
+
 def _drhs_item(idx, bounds_ref, k_tiles: int, n_tiles: int):
-  """A drhs work item: (held group, K tile, N tile) for linear index `idx`, N
-  fastest, and the group's rows ``[start, end)`` read from ``first`` (the start
-  rounded down to 8: swizzled TMA reads rows in 8-row units)."""
-  g = idx // (k_tiles * n_tiles)
-  ki = (idx // n_tiles) % k_tiles
-  ni = idx % n_tiles
+  """A drhs work item: (held group, K tile, N tile) for linear index `idx`, and
+  the group's rows ``[start, end)`` read from ``first`` (the start rounded down
+  to 8: swizzled TMA reads rows in 8-row units).
+
+  A group's items go in bands of `K_BAND` K tiles; within a band K is fastest,
+  then N. So the items the SMs run at once (~132) cover a rectangle of about
+  16 K tiles by 8 N tiles, for which each chunk of the group's lhs and dout
+  rows is fetched into L2 once and read there by ~8 and ~16 items: that
+  rectangle minimizes what a wave reads from DRAM (an lhs chunk is half a dout
+  chunk's width). With N fastest a wave spans one or two K tiles of every N
+  tile, rereading all of the group's dout columns per K tile; with K fastest
+  and many K tiles (a down projection, K 14336) it spans one N tile and
+  rereads the group's lhs per N tile.
+  """
+  per_group = k_tiles * n_tiles
+  g, i = idx // per_group, idx % per_group
+  band = i // (K_BAND * n_tiles)
+  width = jnp.minimum(K_BAND, k_tiles - band * K_BAND)  # the last band's is less
+  within = i - band * (K_BAND * n_tiles)
+  ni = within // width
+  ki = band * K_BAND + within % width
   start = bounds_ref[g, 0]
   end = bounds_ref[g, 1]
   return g, ki, ni, start, end, start - start % 8
@@ -172,17 +191,15 @@ def _drhs_ring(lhs, dout, starts, ends, *, out_dtype,
 
 
 @dataclasses.dataclass(frozen=True)
-class _DrhsWarpSpecialized:
-  """Per item, `plgpu.emit_pipeline_warp_specialized` with a dynamic grid of
-  ``chunks`` steps: a memory warpgroup streams the group's lhs rows
-  ``[block_k, 128]`` and dout rows ``[block_k, 2 * block_n]``, and two compute
-  warpgroups each accumulate a ``[128, block_n]`` float32 tile ``lhs_chunk^T @
-  dout_chunk[:, own columns]``, staged in `out_pieces` column pieces.
+class _DrhsWs:
+  """What the two "ws" kernels share: a memory warpgroup streams the group's lhs
+  rows ``[block_k, 128]`` and dout rows ``[block_k, 2 * block_n]``, and two
+  compute warpgroups each accumulate a ``[128, block_n]`` float32 tile
+  ``lhs_chunk^T @ dout_chunk[:, own columns]``, stored through `out_pieces`
+  column pieces of shared memory.
 
   In a chunk that reaches outside the group each compute warpgroup zeroes those
   rows of its own dout columns (disjoint columns: no barrier between the two).
-  A group with rows runs at least two steps (a one-step warp-specialized
-  pipeline crashed the H200; the extra chunk is all masked).
   """
 
   config: Any
@@ -192,7 +209,6 @@ class _DrhsWarpSpecialized:
   k_tiles: int
   n_tiles: int
   m: int
-  pipeline: _pipeline.WarpSpecializedPipeline
 
   @property
   def bk(self):
@@ -205,6 +221,58 @@ class _DrhsWarpSpecialized:
   @property
   def piece_n(self):
     return self.bn // self.config.out_pieces
+
+  def store(self, cwg, o_smem, out_ref, g, k0, n0, piece_of):
+    """Writes this warpgroup's ``[128, block_n]`` tile of ``out[g]`` at (k0, n0 +
+    its columns), piece ``p`` being ``piece_of(p)``, through `o_smem`."""
+    for p in range(self.config.out_pieces):
+      # The previous piece's (or tile's) store must have read o_smem.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      o_smem[...] = piece_of(p)
+      plgpu.commit_smem()
+      cols = pl.ds(n0 + cwg * self.bn + p * self.piece_n, self.piece_n)
+      plgpu.copy_smem_to_gmem(o_smem, out_ref.at[g, pl.ds(k0, WS_K), cols])
+
+  def store_acc(self, store, acc):
+    """Stores the float32 accumulator `acc` through `store` (`store` with the
+    tile's place bound)."""
+    piece_n = self.piece_n
+    store(lambda p: acc[:, p * piece_n:(p + 1) * piece_n].astype(self.out_dtype))
+
+  def store_zeros(self, store):
+    """`store` of zeros: the tile of a group with no rows."""
+    zeros = _pipeline.zeros_tile((WS_K, self.piece_n), self.out_dtype)
+    store(lambda p: zeros)
+
+  def mma(self, wg, cwg, first, start, end, indices, a_smem, b_smem, acc_ref):
+    """Chunk ``indices[0]`` of the item (rows from ``first``) into `acc_ref`,
+    rows outside ``[start, end)`` zeroed first; waits for the previous chunk's
+    wgmma."""
+    bk, bn = self.bk, self.bn
+    row0 = first + indices[0] * bk
+
+    # Rows outside the group: zero them in this warpgroup's columns.
+    for w in range(2):
+      @pl.when((wg == w) & ((row0 < start) | (row0 + bk > end)))
+      def _mask():
+        _zero_outside(b_smem.at[:, w * bn:(w + 1) * bn], row0, start, end,
+                      self.dtype)
+
+    plgpu.wgmma(acc_ref, a_smem.transpose((1, 0)),
+                b_smem.at[:, pl.ds(cwg * bn, bn)])
+    plgpu.wgmma_wait(1)
+    return acc_ref
+
+
+@dataclasses.dataclass(frozen=True)
+class _DrhsWarpSpecialized(_DrhsWs):
+  """Per item, `plgpu.emit_pipeline_warp_specialized` with a dynamic grid of
+  ``chunks`` steps (`_DrhsWs` says what each warpgroup does). A group with rows
+  runs at least two steps (a one-step warp-specialized pipeline crashed the
+  H200; the extra chunk is all masked).
+  """
+
+  pipeline: _pipeline.WarpSpecializedPipeline
 
   def kernel(self, bounds_ref, lhs_ref, dout_ref, out_ref):
     # The allocations depend on the specs and the stage count, not the grid.
@@ -253,44 +321,17 @@ class _DrhsWarpSpecialized:
 
     @pl.when((chunks == 0) & (wg < 2))
     def _empty_group():
-      zeros = _pipeline.zeros_tile((WS_K, self.piece_n), self.out_dtype)
-      store(lambda p: zeros)
-
-  def store(self, cwg, o_smem, out_ref, g, k0, n0, piece_of):
-    for p in range(self.config.out_pieces):
-      # The previous piece's (or tile's) store must have read o_smem.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      o_smem[...] = piece_of(p)
-      plgpu.commit_smem()
-      cols = pl.ds(n0 + cwg * self.bn + p * self.piece_n, self.piece_n)
-      plgpu.copy_smem_to_gmem(o_smem, out_ref.at[g, pl.ds(k0, WS_K), cols])
-
-  def mma(self, wg, cwg, first, start, end, indices, a_smem, b_smem, acc_ref):
-    bk, bn = self.bk, self.bn
-    row0 = first + indices[0] * bk
-
-    # Rows outside the group: zero them in this warpgroup's columns.
-    for w in range(2):
-      @pl.when((wg == w) & ((row0 < start) | (row0 + bk > end)))
-      def _mask():
-        _zero_outside(b_smem.at[:, w * bn:(w + 1) * bn], row0, start, end,
-                      self.dtype)
-
-    plgpu.wgmma(acc_ref, a_smem.transpose((1, 0)),
-                b_smem.at[:, pl.ds(cwg * bn, bn)])
-    plgpu.wgmma_wait(1)
-    return acc_ref
+      self.store_zeros(store)
 
   def context(self, store, eval_pipeline):
     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((WS_K, self.bn), jnp.float32))
     def _acc_scope(acc_ref):
       eval_pipeline(acc_ref)
-      acc = acc_ref[...]  # Waits for the last wgmma.
-      piece_n = self.piece_n
-      store(lambda p: acc[:, p * piece_n:(p + 1) * piece_n].astype(self.out_dtype))
+      self.store_acc(store, acc_ref[...])  # acc_ref[...] waits for the last wgmma.
 
 
-class _DrhsChained(_DrhsWarpSpecialized):
+@dataclasses.dataclass(frozen=True)
+class _DrhsChained(_DrhsWs):
   """The "ws" kernel with one ring for all of a block's items (``chain_items``).
 
   The ring is hand-rolled, since `emit_pipeline_warp_specialized` chains items
@@ -380,14 +421,11 @@ class _DrhsChained(_DrhsWarpSpecialized):
               plgpu.barrier_arrive(free.at[ring.slot(step + chunks - 1)])
               return acc_ref[...]
             acc = pl.run_scoped(contract, plgpu.ACC((WS_K, self.bn), jnp.float32))
-            piece_n = self.piece_n
-            store(lambda p: acc[:, p * piece_n:(p + 1) * piece_n].astype(
-                self.out_dtype))
+            self.store_acc(store, acc)
 
           @pl.when(chunks == 0)
           def _empty_group():
-            zeros = _pipeline.zeros_tile((WS_K, self.piece_n), self.out_dtype)
-            store(lambda p: zeros)
+            self.store_zeros(store)
           return step + chunks
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -399,8 +437,7 @@ def _drhs_warp_specialized(lhs, dout, starts, ends, *, out_dtype,
                            config: RaggedDotConfig) -> jax.Array:
   """``drhs[g] = lhs[rows_g]^T @ dout[rows_g]`` as the forward's kernel shape
   (`_DrhsWarpSpecialized`): items (held group, 128-row K tile, ``2 * block_n``
-  N tile), consecutive items sharing the group and K tile (L2 reuse of the
-  group's lhs columns)."""
+  N tile), in `_drhs_item`'s order."""
   itemsize = jnp.dtype(lhs.dtype).itemsize
   out_itemsize = jnp.dtype(out_dtype).itemsize
   if config.block_k != 64:
@@ -422,12 +459,13 @@ def _drhs_warp_specialized(lhs, dout, starts, ends, *, out_dtype,
   dtype = lhs.dtype
   lhs_spec = _pipeline.tma_spec((bk, WS_K), lambda c: (c, 0), dtype, WS_K)
   dout_spec = _pipeline.tma_spec((bk, cta_n), lambda c: (c, 0), dtype, WS_K)
-  kernel_cls = _DrhsChained if config.chain_items else _DrhsWarpSpecialized
-  ws = kernel_cls(
-      config=config, out_dtype=out_dtype, dtype=dtype, num_held=num_held,
-      k_tiles=k_tiles, n_tiles=n_tiles, m=m,
-      pipeline=_pipeline.WarpSpecializedPipeline((lhs_spec, dout_spec),
-                                                 config.num_stages))
+  fields = dict(config=config, out_dtype=out_dtype, dtype=dtype,
+                num_held=num_held, k_tiles=k_tiles, n_tiles=n_tiles, m=m)
+  if config.chain_items:
+    ws = _DrhsChained(**fields)
+  else:
+    ws = _DrhsWarpSpecialized(**fields, pipeline=_pipeline.WarpSpecializedPipeline(
+        (lhs_spec, dout_spec), config.num_stages))
 
   def kernel(bounds_ref, lhs_ref, dout_ref, out_ref):
     ws.kernel(bounds_ref, lhs_ref, dout_ref, out_ref)
