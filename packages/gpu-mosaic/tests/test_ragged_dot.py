@@ -19,6 +19,7 @@ from tokamax import testing
 from tokamax._src.tuning import context as tuning_context
 from tokamax_gpu_mosaic import ragged_dot as rd
 from tokamax_gpu_mosaic import ragged_dot_kernel as rdk
+from tokamax_gpu_mosaic import ragged_dot_kernel_drhs as rdd
 
 HIGHEST = jax.lax.Precision.HIGHEST
 _ON_HOPPER = (jax.default_backend() == "gpu"
@@ -234,6 +235,29 @@ _WS = [rd.RaggedDotConfig(num_stages=4, out_pieces=2, drhs_kernel="ws"),
        rd.RaggedDotConfig(block_n=64, num_stages=2, drhs_kernel="ws"),
        # Each item's chunks through an emit_pipeline_warp_specialized of its own.
        rd.RaggedDotConfig(num_stages=3, drhs_kernel="ws", chain_items=False)]
+
+
+@pytest.mark.parametrize("k_tiles,n_tiles", [(1, 1), (3, 5), (16, 64), (17, 3),
+                                             (56, 8), (112, 2)])
+def test_drhs_item_order(k_tiles, n_tiles):
+  """The drhs kernels' item order (`_drhs_item`, runs on any backend): every
+  (group, K tile, N tile) once, including a last band of fewer than
+  `rdd.K_BAND` K tiles; K fastest within a band; each item's rows are its
+  group's, read from the start rounded down to 8."""
+  bounds = jnp.array([[0, 13], [13, 13], [13, 40]], jnp.int32)
+  items = 3 * k_tiles * n_tiles
+  g, ki, ni, start, end, first = jax.vmap(
+      lambda i: rdd._drhs_item(i, bounds, k_tiles, n_tiles))(jnp.arange(items))
+  g, ki, ni = np.asarray(g), np.asarray(ki), np.asarray(ni)
+  assert sorted(zip(g, ki, ni)) == [(a, b, c) for a in range(3)
+                                    for b in range(k_tiles) for c in range(n_tiles)]
+  np.testing.assert_array_equal(g, np.repeat(np.arange(3), k_tiles * n_tiles))
+  width = min(rdd.K_BAND, k_tiles)  # the first band's K tiles come first
+  np.testing.assert_array_equal(ki[:width], np.arange(width))
+  np.testing.assert_array_equal(ni[:width], np.zeros(width))
+  np.testing.assert_array_equal(np.asarray(start), np.asarray(bounds)[g, 0])
+  np.testing.assert_array_equal(np.asarray(end), np.asarray(bounds)[g, 1])
+  np.testing.assert_array_equal(np.asarray(first), np.asarray(bounds)[g, 0] // 8 * 8)
 
 
 def _drhs_reference(lhs, dout, sizes, offset, held):

@@ -2,10 +2,10 @@
 
 ``drhs[g] = lhs[rows_g]^T @ dout[rows_g]``, ``[G_rhs, K, N]``: a per-group
 contraction over the group's rows, whose length differs per group. A persistent
-grid walks (held group, K tile, N tile) items in bands of K tiles (`_drhs_item`). A group's rows are read
-in chunks from its start rounded down to 8 rows (swizzled TMA reads rows in
-8-row units); in a chunk that reaches outside the group those rows are zeroed in
-shared memory before the wgmma (`_zero_outside`). An empty group's tiles are
+grid walks (held group, K tile, N tile) items in bands of K tiles (`_drhs_item`).
+A group's rows are read in chunks from its start rounded down to 8 rows
+(swizzled TMA reads rows in 8-row units); in a chunk that reaches outside the
+group those rows are zeroed in shared memory before the wgmma (`_zero_outside`). An empty group's tiles are
 zeros. Every output tile is written once, by one block: no atomics,
 deterministic. Two kernels (``RaggedDotConfig.drhs_kernel``):
 
@@ -65,7 +65,7 @@ def _drhs_item(idx, bounds_ref, k_tiles: int, n_tiles: int):
 
   A group's items go in bands of `K_BAND` K tiles; within a band K is fastest,
   then N. So the items the SMs run at once (~132) cover a rectangle of about
-  16 K tiles by 8 N tiles, for which each chunk of the group's lhs and dout
+  16 K tiles by 8 N tiles (where the group has that many), for which each chunk of the group's lhs and dout
   rows is fetched into L2 once and read there by ~8 and ~16 items: that
   rectangle minimizes what a wave reads from DRAM (an lhs chunk is half a dout
   chunk's width). With N fastest a wave spans one or two K tiles of every N
@@ -457,13 +457,13 @@ def _drhs_warp_specialized(lhs, dout, starts, ends, *, out_dtype,
   k_tiles, n_tiles = pl.cdiv(k, WS_K), pl.cdiv(n, cta_n)
   bounds = jnp.stack([starts, ends], axis=1)
   dtype = lhs.dtype
-  lhs_spec = _pipeline.tma_spec((bk, WS_K), lambda c: (c, 0), dtype, WS_K)
-  dout_spec = _pipeline.tma_spec((bk, cta_n), lambda c: (c, 0), dtype, WS_K)
   fields = dict(config=config, out_dtype=out_dtype, dtype=dtype,
                 num_held=num_held, k_tiles=k_tiles, n_tiles=n_tiles, m=m)
   if config.chain_items:
     ws = _DrhsChained(**fields)
   else:
+    lhs_spec = _pipeline.tma_spec((bk, WS_K), lambda c: (c, 0), dtype, WS_K)
+    dout_spec = _pipeline.tma_spec((bk, cta_n), lambda c: (c, 0), dtype, WS_K)
     ws = _DrhsWarpSpecialized(**fields, pipeline=_pipeline.WarpSpecializedPipeline(
         (lhs_spec, dout_spec), config.num_stages))
 
