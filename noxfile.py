@@ -1,8 +1,8 @@
 """Sessions: demo, tests, lint; build, install_test, release, changelog_check;
 tests_jax_newest (and bench on a GPU).
 
-    pip install nox && nox -s demo     # set up and run the demo
-    pip install nox && nox -s tests    # lint, then set up and run every test
+    pip install nox uv && nox -s demo     # set up and run the demo
+    pip install nox uv && nox -s tests    # lint, then set up and run every test
     nox -s build                       # sdist + wheel of every package into dist/, checked
     nox -s release -- core --dry-run   # docs/releasing.md
 """
@@ -15,6 +15,11 @@ import nox
 
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests"]
+# uv makes the venvs and installs into them where it is installed (`pip install nox
+# uv`, as .ci/run does), else virtualenv and pip: the same packages, but the test
+# sessions' installs took 16 s instead of 146 s on a CI-sized CPU machine (session
+# 21). Sessions that run pip themselves install it (`_install_dist_tools`).
+nox.options.default_venv_backend = "uv|virtualenv"
 
 QWIX = "qwix==0.1.8"  # the version the quantized-operand tests are written against
 PACKAGES = ["core", "xla-reference", "gpu-triton", "gpu-mosaic", "tpu-mosaic"]
@@ -32,12 +37,21 @@ JAX_NEWEST = "0.12.0.1"
 # What tests_jax_newest runs: every package's tests in full (the kernels in
 # interpret mode and lowered for their hardware) and plugin discovery with
 # installed plugins; the integration tests and core's multi-device tests run on
-# the default JAX in `tests` only. The backend packages' tests run in full here
+# the default JAX in `tests` only (and core's `CORE_TESTS_OLDEST` on both). The backend packages' tests run in full here
 # and only their smoke set on the oldest JAX (`BACKEND_SMOKE`): on the CPU they
 # take about 40% of their 0.10.2 time on 0.12 (session 20: 1003 CPU-seconds for
 # this whole run against 1952 for the backend packages alone on 0.10.2).
 JAX_NEWEST_TESTS = [*(f"packages/{p}/tests" for p in PACKAGES),
                     "integration_tests/test_plugins.py"]
+# Core's test files the oldest JAX runs: the ops through the public API under jit,
+# grad and vmap (the reference's conformance cases, transforms, empty inputs), the
+# integrations installed only there (Flax, Qwix); its multi-device tests run there
+# too. Core's other files test its own logic (dispatch, autotuning, bench, demo,
+# registry, ...) and run on the newest JAX only, where they cost two thirds of
+# their CPU time on the oldest (session 21: 154 against 231 CPU-seconds).
+CORE_TESTS_OLDEST = [f"packages/core/tests/{f}" for f in (
+    "test_conformance_reference.py", "test_transforms.py", "test_empty_inputs.py",
+    "test_flax.py", "test_quantized_ragged_dot.py")]
 # The `tests` session's option for the backend packages (conftest.py): their
 # tests marked smoke, each at its first parametrization (registration, refusals,
 # one lowering of each kernel, one dispatch of each op): what an older JAX's
@@ -100,11 +114,12 @@ def _ruff(session):
 
 @nox.session
 def tests(session):
-  """ruff (seconds: a lint error fails before the tests), then core's and the
-  reference's tests, the backend packages' smoke set (`BACKEND_SMOKE`) and the
-  integration tests (pytest + xdist); then `tests_jax_newest`, where the backend
-  packages' tests run in full (without core's reference conformance file: about
-  4 minutes there, already run here; `nox -s tests_jax_newest` runs it)."""
+  """ruff (seconds: a lint error fails before the tests), then on the oldest JAX
+  the reference's tests, core's `CORE_TESTS_OLDEST` and multi-device tests, the
+  backend packages' smoke set (`BACKEND_SMOKE`) and the integration tests (pytest +
+  xdist); then `tests_jax_newest`, where core's other tests and the backend
+  packages' tests run in full (without core's reference conformance file: about 4
+  minutes there, already run here; `nox -s tests_jax_newest` runs it)."""
   session.notify("tests_jax_newest",
                  posargs=["--ignore=packages/core/tests/test_conformance_reference.py"])
   _ruff(session)
@@ -113,8 +128,9 @@ def tests(session):
   session.install(QWIX)  # ragged_dot takes Qwix's quantized arrays as they come
   workers = os.environ.get("TOKAMAX_TEST_WORKERS", "auto")
   session.run("python", "-m", "pytest", "-n", workers, "-m", "not slow and not gpu",
-              *[f"packages/{p}/tests" for p in PACKAGES], "integration_tests",
-              "--ignore=packages/core/tests/multidevice", BACKEND_SMOKE,
+              *CORE_TESTS_OLDEST,
+              *[f"packages/{p}/tests" for p in PACKAGES if p != "core"],
+              "integration_tests", BACKEND_SMOKE,
               # The example plugin's own CI tests run in install_test, from its wheel.
               "--ignore=integration_tests/plugins", *session.posargs, env=_test_env())
   # 8 virtual CPU devices: XLA_FLAGS must be set before JAX starts, hence a
@@ -159,8 +175,10 @@ def lint(session):
 
 
 def _install_dist_tools(session):
-  # hatchling for the builds without isolation (install_test, release --dry-run).
-  session.install("build>=1.2", "twine>=6.1", "packaging>=24", "hatchling>=1.27")
+  # hatchling for the builds without isolation (install_test, release --dry-run);
+  # pip for install_test's `pip download` (a uv-made venv has none).
+  session.install("build>=1.2", "twine>=6.1", "packaging>=24", "hatchling>=1.27",
+                  "pip")
 
 
 @nox.session
