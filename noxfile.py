@@ -1,10 +1,10 @@
 """Sessions: demo, tests, lint; build, install_test, release, changelog_check;
 tests_jax_newest (and bench on a GPU).
 
-    pip install nox uv && nox -s demo     # set up and run the demo
-    pip install nox uv && nox -s tests    # lint, then set up and run every test
-    nox -s build                       # sdist + wheel of every package into dist/, checked
-    nox -s release -- core --dry-run   # docs/releasing.md
+    pip install nox uv && nox -s demo   # set up and run the demo
+    pip install nox uv && nox -s tests  # lint, then set up and run every test
+    nox -s build                        # sdist + wheel of every package into dist/, checked
+    nox -s release -- core --dry-run    # docs/releasing.md
 """
 
 import glob
@@ -37,10 +37,11 @@ JAX_NEWEST = "0.12.0.1"
 # What tests_jax_newest runs: every package's tests in full (the kernels in
 # interpret mode and lowered for their hardware) and plugin discovery with
 # installed plugins; the integration tests and core's multi-device tests run on
-# the default JAX in `tests` only (and core's `CORE_TESTS_OLDEST` on both). The backend packages' tests run in full here
-# and only their smoke set on the oldest JAX (`BACKEND_SMOKE`): on the CPU they
-# take about 40% of their 0.10.2 time on 0.12 (session 20: 1003 CPU-seconds for
-# this whole run against 1952 for the backend packages alone on 0.10.2).
+# the default JAX in `tests` only (core's `CORE_TESTS_OLDEST` on both). The
+# backend packages' tests run in full here and only their smoke set on the oldest
+# JAX (`BACKEND_SMOKE`): on the CPU they take about 40% of their 0.10.2 time on
+# 0.12 (session 20: 1003 CPU-seconds for this whole run against 1952 for the
+# backend packages alone on 0.10.2).
 JAX_NEWEST_TESTS = [*(f"packages/{p}/tests" for p in PACKAGES),
                     "integration_tests/test_plugins.py"]
 # Core's test files the oldest JAX runs: the ops through the public API under jit,
