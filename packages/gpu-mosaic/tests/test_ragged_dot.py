@@ -541,14 +541,15 @@ def test_pieces_heuristic_lowers_for_cuda(transpose_rhs, out_dtype):
 
 
 @pytest.mark.smoke
-@pytest.mark.parametrize("block_n,stages,pieces,out_dtype", [
-    (128, 4, 2, jnp.bfloat16), (128, 3, 1, jnp.bfloat16), (64, 2, 1, jnp.float32),
-    (128, 3, 2, jnp.float32)])
-def test_drhs_ws_lowers_for_cuda(block_n, stages, pieces, out_dtype):
+@pytest.mark.parametrize("block_n,stages,pieces,out_dtype,chain", [
+    (128, 4, 2, jnp.bfloat16, True), (128, 3, 1, jnp.bfloat16, True),
+    (64, 2, 1, jnp.float32, True), (128, 3, 2, jnp.float32, True),
+    (128, 3, 1, jnp.bfloat16, False)])  # the per-item pipeline kernel
+def test_drhs_ws_lowers_for_cuda(block_n, stages, pieces, out_dtype, chain):
   pytest.importorskip("absl")
   m, k, n, g = 300, 200, 392, 3
   config = rd.RaggedDotConfig(block_n=block_n, num_stages=stages,
-                              out_pieces=pieces, drhs_kernel="ws")
+                              out_pieces=pieces, drhs_kernel="ws", chain_items=chain)
 
   def f(lhs, dout, sizes):
     starts, ends = tokamax.plugin.held_row_ranges(sizes, None, g, m)
