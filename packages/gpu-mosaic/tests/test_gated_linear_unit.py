@@ -422,11 +422,14 @@ def test_backward_wrapper_math(monkeypatch, fuse, activation, shape):
 
 @pytest.mark.parametrize("fuse", [True, False])
 def test_backward_padding_with_an_infinite_derivative_at_zero(monkeypatch, fuse):
-  """Padded rows and columns have gate 0; log|g|'s derivative there is infinite,
-  and 0 * inf must not leak NaN into dx and dw through the matmuls."""
+  """Padded rows and columns have gate 0; sqrt|g|'s derivative there is infinite,
+  and 0 * inf must not leak NaN into dx and dw through the matmuls. (Not log|g|:
+  its derivative 1/g overflows float16 at a real gate below ~1e-4, which some
+  random inputs hold: 1 of 60 seeds. sqrt|g|'s is at most ~2000 at a nonzero
+  float16 gate.)"""
   monkeypatch.setattr(glk.ragged_dot_kernel, "grouped_matmul", _dense_grouped_matmul)
   monkeypatch.setattr(glk, "glu_dh", _dense_dh)
-  activation = lambda g: jnp.log(jnp.abs(g))
+  activation = lambda g: jnp.sqrt(jnp.abs(g))
   m, k, n = 37, 40, 24  # pads M, K and N
   x, w = _inputs(m, k, n, jnp.float16)
   dy = jnp.asarray(np.random.default_rng(next(_seed)).standard_normal((m, n)),
