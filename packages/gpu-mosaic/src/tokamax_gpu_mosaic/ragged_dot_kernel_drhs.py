@@ -65,10 +65,12 @@ def _drhs_item(idx, bounds_ref, k_tiles: int, n_tiles: int):
 
   A group's items go in bands of `K_BAND` K tiles; within a band K is fastest,
   then N. So the items the SMs run at once (~132) cover a rectangle of about
-  16 K tiles by 8 N tiles (where the group has that many), for which each chunk of the group's lhs and dout
-  rows is fetched into L2 once and read there by ~8 and ~16 items: that
+  16 K tiles by 8 N tiles (where the group has that many), for which each chunk
+  of the group's lhs and dout rows is fetched into L2 once and read there by ~8
+  and ~16 items: with the "ws" kernel's tiles (128 K by 256 N columns) that
   rectangle minimizes what a wave reads from DRAM (an lhs chunk is half a dout
-  chunk's width). With N fastest a wave spans one or two K tiles of every N
+  chunk's width). The "ring" kernel (64 K columns a tile) takes the same order;
+  it was measured with the "ws" kernel only. With N fastest a wave spans one or two K tiles of every N
   tile, rereading all of the group's dout columns per K tile; with K fastest
   and many K tiles (a down projection, K 14336) it spans one N tile and
   rereads the group's lhs per N tile.
