@@ -178,6 +178,55 @@ def test_timeout_leaves_the_backward_its_share(monkeypatch):
   assert any(f["error"] == "skipped: autotuning timeout" for f in result.failures)
 
 
+def test_trials_time_equal_group_sizes_unless_given():
+  lhs, rhs = jax.ShapeDtypeStruct((10, 4), jnp.float32), jax.ShapeDtypeStruct((3, 4, 2), jnp.float32)
+  args = tokamax.RaggedDotArgs(lhs=lhs, rhs=rhs,
+                               group_sizes=jax.ShapeDtypeStruct((3,), jnp.int32))
+  rng = np.random.default_rng(0)
+  assert trials.concrete(args, rng).group_sizes.tolist() == [4, 3, 3]
+  router = np.array([7, 0, 3], np.int32)
+  given = trials.concrete(args, rng, {"group_sizes": router}).group_sizes
+  assert given.tolist() == [7, 0, 3]
+  # Another call's sizes (another group count) leave this call at equal sizes.
+  other = trials.concrete(args, rng, {"group_sizes": np.array([5, 5], np.int32)})
+  assert other.group_sizes.tolist() == [4, 3, 3]
+
+
+def _ragged_loss(lhs, rhs, sizes):
+  return jnp.sum(tokamax.ragged_dot(lhs, rhs, sizes) ** 2)
+
+
+def test_autotune_times_ragged_dot_at_the_given_group_sizes(monkeypatch):
+  seen = []
+  real_time = trials.time_ms
+
+  def timed(fn, inputs, iterations):
+    seen.append(np.asarray(inputs[0].group_sizes).tolist())
+    return real_time(fn, inputs, iterations)
+
+  monkeypatch.setattr(trials, "time_ms", timed)
+  lhs, rhs = _rand(12, 8), _rand(3, 8, 4)
+  router = jnp.asarray([9, 0, 3], jnp.int32)
+  result = tokamax.autotune(jax.grad(_ragged_loss), lhs, rhs, router, progress=False,
+                            integer_inputs={"group_sizes": router})
+  assert {m.direction for m in result.measurements} == {"forward", "backward"}
+  assert seen and all(s == [9, 0, 3] for s in seen), seen
+  seen.clear()
+  tokamax.autotune(jax.grad(_ragged_loss), lhs, rhs, router, progress=False)
+  assert seen and all(s == [4, 4, 4] for s in seen), seen
+
+
+@pytest.mark.parametrize("value,match", [
+    (jnp.asarray([9.0, 0.0, 3.0]), "must be an integer or bool array, got .* float32"),
+    (jnp.asarray([6, 6], jnp.int32), r"int32\[2\], but no op call .* int32\[3\]"),
+])
+def test_autotune_rejects_integer_inputs_no_call_takes(value, match):
+  lhs, rhs, sizes = _rand(12, 8), _rand(3, 8, 4), jnp.asarray([4, 4, 4], jnp.int32)
+  with pytest.raises(ValueError, match=match):
+    tokamax.autotune(_ragged_loss, lhs, rhs, sizes, progress=False,
+                     integer_inputs={"group_sizes": value})
+
+
 def test_failing_config_is_recorded_not_raised():
   import dataclasses
 

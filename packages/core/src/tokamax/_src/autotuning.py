@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import jax
@@ -113,7 +113,8 @@ def _state_for(label: str, states: dict | None) -> tuple:
 def autotune(f: Callable, *args, iterations: int = 5, timeout_s: float | None = None,
              backward: bool = True, progress: bool = True,
              compile_workers: int | None = None, heuristics_only: bool = False,
-             skip: Collection[str] = (), **kwargs) -> AutotuningResult:
+             skip: Collection[str] = (), integer_inputs: Mapping[str, Any] | None = None,
+             **kwargs) -> AutotuningResult:
   """Measures every usable implementation and config of each tokamax op in `f`.
 
   Args:
@@ -133,6 +134,12 @@ def autotune(f: Callable, *args, iterations: int = 5, timeout_s: float | None = 
       which implementation is fastest, not which config (`autotune --grid`).
     skip: implementations not to measure (tuned data then leaves them in their
       registry place).
+    integer_inputs: the values to time the ops' integer and bool inputs at, by
+      argument name, e.g. ``{"group_sizes": sizes}`` with a router's real sizes:
+      ragged_dot's kernels run at a speed that depends on how rows are split
+      among groups, and their ranking with it. A value is used by every call
+      whose argument of that name has its shape and dtype; other calls time
+      equal group sizes, full sequence lengths and all-true masks.
     **kwargs: keyword arguments of `f`.
 
   Returns:
@@ -147,6 +154,7 @@ def autotune(f: Callable, *args, iterations: int = 5, timeout_s: float | None = 
   collector = _Collector()
   with dispatch.observe(collector):
     jax.eval_shape(lambda *a, **k: f(*a, **k), *args, **kwargs)
+  _check_integer_inputs(integer_inputs or {}, collector.calls.values())
   device = DeviceInfo.of()
   deadline = None if timeout_s is None else trials_lib.clock() + timeout_s
   rng = np.random.default_rng(0)
@@ -158,7 +166,7 @@ def autotune(f: Callable, *args, iterations: int = 5, timeout_s: float | None = 
   slots_left = len(collector.calls) * len(directions)
   for call in collector.calls.values():
     key = args_key(call.args)
-    concrete = trials_lib.concrete(call.args, rng)
+    concrete = trials_lib.concrete(call.args, rng, integer_inputs)
     fwd_states = None
     for direction in directions:
       slots_left -= 1
@@ -212,6 +220,24 @@ def autotune(f: Callable, *args, iterations: int = 5, timeout_s: float | None = 
   bar.close()
   return AutotuningResult(measurements, device_kind=device.device_kind,
                           versions=_versions(), failures=failures)
+
+
+def _check_integer_inputs(values: Mapping[str, Any], calls) -> None:
+  """Each of `values` is an integer or bool array that some call takes as is."""
+  for name, value in values.items():
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not (jnp.issubdtype(dtype, jnp.integer)
+                             or jnp.issubdtype(dtype, jnp.bool_)):
+      raise ValueError(f"integer_inputs[{name!r}] must be an integer or bool array, "
+                       f"got {type(value).__name__} of dtype {dtype}")
+    takers = [getattr(c.args, name) for c in calls if hasattr(c.args, name)]
+    if not any(t is not None and tuple(t.shape) == tuple(np.shape(value))
+               and t.dtype == dtype for t in takers):
+      seen = sorted({f"{t.dtype}{list(t.shape)}" for t in takers if t is not None})
+      raise ValueError(
+          f"integer_inputs[{name!r}] is {dtype}{list(np.shape(value))}, but no op "
+          f"call in the function takes {name!r} of that shape and dtype "
+          f"(its calls take: {', '.join(seen) or 'no such argument'})")
 
 
 def _core_version() -> str:

@@ -554,7 +554,8 @@ def autotune_suite(ops: list[str] | None, shapes: list[str] | None, out: str,
     print(f"autotuning {p.op} {p.name}", flush=True)
     result = result.merge(autotuning.autotune(
         lambda *a, p=p: p.call(a, None), *inputs, iterations=iterations,
-        timeout_s=timeout_s, progress=False, heuristics_only=grid, skip=skip))
+        timeout_s=timeout_s, progress=False, heuristics_only=grid, skip=skip,
+        integer_inputs=p.integer_inputs and p.integer_inputs(inputs)))
     del inputs
     if grid:
       _write_per_op(_with_earlier_grid(_first_party_only(result), folder, p.op),

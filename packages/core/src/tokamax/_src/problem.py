@@ -37,6 +37,9 @@ class Problem:
   # Candidates run once for the numbers but not timed (a float32 definition
   # hundreds of times slower than the kernels would take the whole run).
   untimed: tuple[str, ...] = ()
+  # The inputs' integer values autotuning times the kernels at (`autotune`'s
+  # `integer_inputs`), where the speed depends on them (ragged_dot's group sizes).
+  integer_inputs: Callable[[tuple], dict] | None = None
 
 
 def rand(key, shape, dtype=BF16, scale=1.0):

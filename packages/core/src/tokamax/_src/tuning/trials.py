@@ -13,7 +13,7 @@ import dataclasses
 import itertools
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -25,12 +25,16 @@ from tokamax._src.op import DeviceInfo, Op
 from tokamax._src.tuning.results import AutotuningResult, Measurement, args_key, config_to_json
 
 
-def concrete(args: Any, rng: np.random.Generator) -> Any:
+def concrete(args: Any, rng: np.random.Generator,
+             given: Mapping[str, Any] | None = None) -> Any:
   """Random inputs with the call's shapes; integer fields get valid values.
 
   Floats are drawn on the device (`jax.random`, seeded from `rng`): MoE expert
   weights of billions of elements would take minutes and tens of GB as host
-  float64 draws.
+  float64 draws. Integer and bool fields are the call's typical values (equal
+  group sizes, full lengths, an all-true mask) unless `given` has an array of the
+  field's name, shape and dtype (e.g. a router's real group sizes): kernels whose
+  work depends on those values are then timed at them.
   """
   keys = iter(jax.random.split(jax.random.key(int(rng.integers(2**31))),
                                len(dataclasses.fields(args))))
@@ -39,6 +43,10 @@ def concrete(args: Any, rng: np.random.Generator) -> Any:
     if x is None or not hasattr(x, "shape"):
       return x
     shape, dtype = tuple(x.shape), jnp.dtype(x.dtype)
+    value = (given or {}).get(name)
+    if (value is not None and tuple(np.shape(value)) == shape
+        and jnp.dtype(value.dtype) == dtype):
+      return jnp.asarray(value)
     if name == "group_sizes":
       rows = args.lhs.shape[0]
       g = shape[0]

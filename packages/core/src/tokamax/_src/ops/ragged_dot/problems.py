@@ -34,7 +34,8 @@ def problem(m, k, n, g, random_sizes) -> Problem:
   return Problem("ragged_dot", f"M{m} K{k} N{n} G{g}" + (" random" if random_sizes else ""),
                  make, lambda a, i: api.ragged_dot(*a, implementation=i), peers,
                  flops=2 * m * k * n, backward_factor=3.0,
-                 reference=("lax.ragged_dot", "tokamax xla"))
+                 reference=("lax.ragged_dot", "tokamax xla"),
+                 integer_inputs=lambda a: {"group_sizes": a[2]})
 
 
 def fp8_problem(m, k, n, g, random_sizes, k_major=False) -> Problem:
@@ -66,7 +67,8 @@ def fp8_problem(m, k, n, g, random_sizes, k_major=False) -> Problem:
   name = bf16.name + " fp8 1x128/128x128" + (" K-major" if k_major else "")
   return Problem("ragged_dot", name, make, call, peers,
                  flops=bf16.flops, reference=("tokamax xla",), dtype="bfloat16",
-                 directions=("forward",), untimed=("tokamax xla",))
+                 directions=("forward",), untimed=("tokamax xla",),
+                 integer_inputs=lambda a: {"group_sizes": a[4]})
 
 
 def fp8_training_problem(m, k, n, g, random_sizes) -> Problem:
@@ -86,7 +88,8 @@ def fp8_training_problem(m, k, n, g, random_sizes) -> Problem:
   peers = {"bf16 ragged_dot (tokamax auto)": lambda a: api.ragged_dot(*a)}
   return Problem("ragged_dot", bf16.name + " fp8 training", bf16.make_inputs, call,
                  peers, flops=bf16.flops, backward_factor=3.0,
-                 reference=("tokamax xla",), dtype="bfloat16", untimed=("tokamax xla",))
+                 reference=("tokamax xla",), dtype="bfloat16", untimed=("tokamax xla",),
+                 integer_inputs=bf16.integer_inputs)
 
 
 def reference_problems() -> list[Problem]:
@@ -101,8 +104,12 @@ def grid_problems() -> list[Problem]:
   """The shapes tuned data is measured on (`autotune --grid`): MoE-like K/N at
   8-256 groups, up projections (K = model width) and down projections (N = model
   width), whose rankings differ (session 13: the backward's flips between N 1408
-  and N >= 2048). Autotuning times equal group sizes (a call's key does not say
-  how its rows are split), whatever sizes the problem's bench inputs have."""
+  and N >= 2048). Each is tuned at its bench inputs' group sizes (`Problem.
+  integer_inputs`): equal at 8 and 16 groups, a random split at 64-256 groups,
+  as a router leaves them. A call's key does not say how its rows are split, so
+  the data tells `None` what wins at those splits (session 21: at G128 K4096
+  N1536, mosaic_gpu's tall items win at equal sizes and lose 10% to triton at
+  random ones)."""
   return [problem(*s) for s in (
       (16384, 2048, 16384, 16, False), (16384, 4096, 14336, 8, False),
       (32768, 2048, 1408, 64, True), (16384, 4096, 4096, 64, True),
