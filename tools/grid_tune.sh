@@ -27,7 +27,7 @@ declare -A PART=(
   [attn-long]="560|$G --op dot_product_attention --shape T4096 --shape T8192 --shape T16384 --skip xla --skip xla_chunked"
   [norms]="200|$G --op layer_norm"
   [glu]="200|$G --op gated_linear_unit"
-  [ragged]="300|$G --op ragged_dot --skip xla"
+  [ragged]="420|$G --op ragged_dot --skip xla"
 )
 for part in "${@:-attn-short}"; do
   if [[ $part == shapes:* ]]; then

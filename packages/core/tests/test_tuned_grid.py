@@ -107,6 +107,35 @@ def test_measured_times_of_a_call_off_the_grid_are_its_nearest_ones():
   assert records[0].implementation == "xla_chunked"
 
 
+def _ragged_key(m, k, n, g):
+  return (f"lhs=bfloat16[{m},{k}] rhs=bfloat16[{g},{k},{n}] "
+          f"group_sizes=int32[{g}]")
+
+
+def test_ragged_dot_data_transfers_half_an_octave():
+  """Its rankings flip within an octave (G128 K4096 N1536 -> G160 K5120 N1536):
+  farther calls keep the registry's order, attention's data still reaches 4x."""
+  grid = [_ragged_key(65536, 4096, 1536, 128)]
+  assert nearest.radius_for("ragged_dot") == 0.5
+  assert nearest.radius_for("dot_product_attention") == nearest.RADIUS == 2.0
+  result = results.AutotuningResult(
+      [results.Measurement("ragged_dot", "forward", grid[0], "triton", None, 1.0),
+       results.Measurement("ragged_dot", "forward", grid[0], "mosaic_gpu", None, 1.1)],
+      device_kind="cpu")
+  s = jax.ShapeDtypeStruct
+
+  def args(m, k, n, g):
+    return tokamax.RaggedDotArgs(lhs=s((m, k), jnp.bfloat16),
+                                 rhs=s((g, k, n), jnp.bfloat16),
+                                 group_sizes=s((g,), jnp.int32))
+  assert results.args_key(args(65536, 4096, 1536, 128)) == grid[0]
+  # 0.42 octave away (M 49152): the grid point's times.
+  assert result.measured_times("ragged_dot", "forward", args(49152, 4096, 1536, 128)) == {
+      "triton": 1.0, "mosaic_gpu": 1.1}
+  # 0.68 octave (M) away: none.
+  assert result.measured_times("ragged_dot", "forward", args(40960, 5120, 1536, 160)) == {}
+
+
 def test_exact_data_wins_over_nearer_kinds_of_data():
   near = _result(_q(48), {("forward", "xla_chunked"): 1.0, ("forward", "xla"): 5.0})
   exact = _result(_q(64), {("forward", "xla_chunked"): 9.0, ("forward", "xla"): 5.0})

@@ -14,8 +14,9 @@ nearest measured call *of the same kind*:
   size), then by their sum; float options (``scale``, ``epsilon``) are ignored.
   The largest, not the sum, so that a size several arrays share (T in query, key
   and value) counts once;
-- within `RADIUS` octaves on every integer (4x either way): farther data says
-  nothing about the call, and the registry's order stands.
+- within `radius_for(op)` octaves on every integer (`RADIUS`, 4x either way,
+  unless the op's measurements say less): farther data says nothing about the
+  call, and the registry's order stands.
 
 How well this transfers is measured, not assumed: notes/MEASUREMENTS.md
 (session 13) compares the choice it makes at shapes off the grid with the fastest
@@ -30,6 +31,19 @@ import re
 from collections.abc import Iterable
 
 RADIUS = 2.0
+# ragged_dot's rankings change within an octave (notes/MEASUREMENTS.md, session
+# 22, H200, random group sizes): triton's few wins on its grid (at most 7%) held
+# 0.42 octave away and not 0.68 away (G160 K5120 N1536: 29% slower than
+# mosaic_gpu there). Over 13 calls (6 off the grid, 7 grid points each predicted
+# without itself) the worst regret was 1.29x forward and 1.23x forward+backward
+# at radius 2, 1.07x and 1.02x at 0.5 (the one miss a grid point, which its own
+# data covers).
+RADIUS_BY_OP = {"ragged_dot": 0.5}
+
+
+def radius_for(op_name: str) -> float:
+  """How far (octaves, on every integer of the key) an op's tuned data transfers."""
+  return RADIUS_BY_OP.get(op_name, RADIUS)
 
 # "name=value" fields, separated by spaces; a value may itself hold spaces
 # ("local_window_size=(1024, 0)"), so a field starts only where "name=" does.

@@ -166,7 +166,8 @@ class AutotuningResult:
     if not any((o, d, k) == (op_name, direction, key) for o, d, k, _ in self._by_impl):
       # Not measured here: the nearest measured call of the same kind, if close.
       key = nearest.nearest(key, (k for o, d, k, _ in self._by_impl
-                                  if (o, d) == (op_name, direction))) or key
+                                  if (o, d) == (op_name, direction)),
+                            nearest.radius_for(op_name)) or key
     times = {impl: m.time_ms for (o, d, k, impl), m in self._by_impl.items()
              if (o, d, k) == (op_name, direction, key)}
     for f in self.failures:
