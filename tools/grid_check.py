@@ -9,7 +9,9 @@ no residuals, as ragged_dot; "step" = forward + own backward, what a training st
 pays where a forward's residuals tie it to its backward):
 
 - leave-one-out: each grid call's implementation as predicted from the *other*
-  grid calls (`tuning.nearest`), against the fastest measured at that call. The
+  grid calls (`tuning.nearest`, within the op's radius; beyond it the registry's
+  first measured implementation, as dispatch falls back), against the fastest
+  measured at that call. The
   nearest other point is at least one grid step away, farther than a call between
   grid points is from its nearest: a pessimistic test of the rule.
 - with ``--baseline``: each bench row's shape (off the grid) as the rule would
@@ -69,19 +71,31 @@ def _pick(times: dict) -> str:
   return min(times, key=times.get)
 
 
+def _registry_first(op: str, times: dict) -> str | None:
+  """What dispatch runs where no tuned data reaches: the first registered of `times`."""
+  import tokamax
+  order = [s.name for s in tokamax.implementations() if s.op == op]
+  return next((name for name in order if name in times), None)
+
+
+def _choice(op: str, near: str | None, by: dict, direction: str, times: dict):
+  """(chosen implementation, where the choice came from)."""
+  if near is None:
+    return _registry_first(op, times), "registry order: no grid point within the radius"
+  grid = by[(op, near)][direction]
+  return (_pick(grid) if grid else None), near
+
+
 def leave_one_out(by: dict) -> list[tuple]:
   rows = []
   for (op, key), times in sorted(by.items()):
     others = [k for (o, k) in by if o == op and k != key]
-    near = nearest.nearest(key, others)
+    near = nearest.nearest(key, others, nearest.radius_for(op))
     for direction in _DIRECTIONS:
       if not times[direction]:
         continue
-      if near is None:
-        rows.append((op, key, direction, None, None, "no neighbour within the radius"))
-        continue
-      chosen = _pick(by[(op, near)][direction]) if by[(op, near)][direction] else None
-      rows.append((op, key, direction, chosen, _regret(times[direction], chosen), near))
+      chosen, source = _choice(op, near, by, direction, times[direction])
+      rows.append((op, key, direction, chosen, _regret(times[direction], chosen), source))
   return rows
 
 
@@ -116,17 +130,13 @@ def against_baseline(by: dict, baseline_path: str) -> list[tuple]:
       measured[(r["shape"], direction)][r["implementation"][len("tokamax "):]] = r["ms"]
   rows = []
   for name, (op, key) in sorted(_problem_keys().items()):
-    near = nearest.nearest(key, [k for (o, k) in by if o == op])
+    near = nearest.nearest(key, [k for (o, k) in by if o == op], nearest.radius_for(op))
     for direction in ("forward", "step"):
       times = measured.get((name, direction))
       if not times:
         continue
-      if near is None:
-        rows.append((op, name, direction, None, None, "no grid point within the radius"))
-        continue
-      grid = by[(op, near)][direction]
-      chosen = _pick(grid) if grid else None
-      rows.append((op, name, direction, chosen, _regret(times, chosen), near))
+      chosen, source = _choice(op, near, by, direction, times)
+      rows.append((op, name, direction, chosen, _regret(times, chosen), source))
   return rows
 
 
