@@ -1,7 +1,13 @@
 """The conformance suite for every installed implementation that can run here.
 
-Kernels for GPUs run in Pallas interpret mode on the CPU (quick case subset, two
-dtypes, to fit the CI budget); on a GPU everything runs natively.
+Kernels for GPUs run in Pallas interpret mode on the CPU (quick case subset, in
+float32, to fit the CI budget); on a GPU everything runs natively, in every dtype.
+
+On the CPU this file runs in CI on the oldest JAX only, where it checks that each
+installed kernel computes the right numbers there; float32's tight tolerances
+are what tells a wrong mask or offset from rounding. The kernels' bfloat16 paths
+are checked by their packages' own tests (in full on the newest JAX) and
+natively on GPUs. bfloat16 here cost as much again (140 of 272 CPU-seconds, session 22).
 """
 
 import jax
@@ -26,7 +32,7 @@ def _kernel_implementations():
 _PAIRS = _kernel_implementations()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"] if _ON_CPU else
+@pytest.mark.parametrize("dtype", ["float32"] if _ON_CPU else
                          ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("case,name", [(c, n) for op, n in _PAIRS
                                        for c in testing.all_cases(op, quick=_ON_CPU)],

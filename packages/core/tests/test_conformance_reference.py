@@ -14,7 +14,13 @@ testing.define_conformance_tests("xla", namespace=globals(), dtypes=_DTYPES)
 
 
 # xla_chunked only implements attention; small chunks so every case spans chunks.
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# On a CPU in float32 only: what the chunk loop adds (per-chunk masks and offsets,
+# the online softmax) is what can go wrong, and float32's tight tolerance is what
+# catches it. It computes in float32 whatever the input dtype, so a bfloat16 run
+# checks little more than its casts and cost as much again (about 70 CPU-seconds
+# of CI's oldest-JAX run, session 22). GPUs run both.
+@pytest.mark.parametrize("dtype", ["float32"] if jax.default_backend() == "cpu"
+                         else ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", testing.all_cases("dot_product_attention"), ids=str)
 def test_xla_chunked_attention_cases(case, dtype):
   op = attention_xla.XlaChunkedAttention(attention_xla.ChunkConfig(chunk_size=16))
