@@ -8,6 +8,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 import dataclasses  # noqa: E402
 
 import pytest  # noqa: E402
+import kernel_breakdown  # noqa: E402
 import pytest_shard  # noqa: E402
 import trace_summary  # noqa: E402
 import tune  # noqa: E402
@@ -94,3 +95,15 @@ def test_tune_ab_replaces_fields_of_the_heuristic_config():
   # A value of another type than the field's ("false" is a string) is refused.
   with pytest.raises(ValueError, match="chain_items is a bool"):
     tune._Replaced({"chain_items": tune._literal("false")}).lookup(_Op(), 128)
+
+
+def test_kernel_breakdown_keys_a_launch_by_its_name_not_its_position():
+  """Kernels of several streams recorded in another order in one run: each launch
+  still counts once (by position, a and b would each count twice)."""
+  runs = [[("a", 1.0), ("b", 2.0), ("c", 3.0), ("a", 4.0)],
+          [("b", 2.2), ("a", 1.2), ("c", 3.2), ("a", 4.2)],
+          [("a", 1.1), ("b", 2.1), ("c", 3.1), ("a", 4.1)]]
+  assert kernel_breakdown.per_launch_medians(runs) == [
+      ("a", 1.1), ("b", 2.1), ("c", 3.1), ("a", 4.1)]
+  with pytest.raises(ValueError, match="different kernels"):
+    kernel_breakdown.per_launch_medians([[("a", 1.0)], [("a", 1.0), ("b", 1.0)]])

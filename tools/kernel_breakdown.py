@@ -17,25 +17,47 @@ import collections
 import statistics
 
 import jax
-from jax.experimental.mosaic.gpu import profiler
 
 from tokamax._src import bench_suite
 from tokamax._src import bench_models
 
 
 def breakdown(f, args, iterations: int) -> list[tuple[str, float]]:
-  """(kernel name, median ms) per launch position, in launch order."""
+  """(kernel name, median ms) per launch, in launch order (`per_launch_medians`)."""
+  from jax.experimental.mosaic.gpu import profiler  # CUPTI: GPU machines only
   compiled = jax.jit(f).lower(*args).compile()
   jax.block_until_ready(compiled(*args))  # warm up
   runs = []
   for _ in range(iterations):
     _, kernels = profiler.measure(compiled, aggregate=False)(*args)
     runs.append(kernels)
-  times = collections.defaultdict(list)
+  return per_launch_medians(runs)
+
+
+def per_launch_medians(runs: list[list[tuple[str, float]]]) -> list[tuple[str, float]]:
+  """(kernel name, median ms) of each launch over the runs, in first-run order.
+
+  A launch is the n-th kernel of its name in a run, not the n-th kernel: XLA
+  may run independent kernels on several streams, so CUPTI can record them in
+  another order from run to run, and keying by position then counts one launch
+  under two keys (a step's total grows by the reordered kernels). Runs that
+  launch different kernels are an error, not a median over the runs that had
+  each one.
+  """
+  counts = [collections.Counter(name for name, _ in kernels) for kernels in runs]
+  if any(c != counts[0] for c in counts[1:]):
+    raise ValueError("the runs launched different kernels: "
+                     f"{[sum(c.values()) for c in counts]} launches")
+  times, order = collections.defaultdict(list), {}
   for kernels in runs:
-    for i, (name, ms) in enumerate(kernels):
-      times[(i, name)].append(ms)
-  return [(name, statistics.median(ms)) for (_, name), ms in sorted(times.items())]
+    seen = collections.Counter()
+    for position, (name, ms) in enumerate(kernels):
+      launch = (name, seen[name])
+      seen[name] += 1
+      times[launch].append(ms)
+      order.setdefault(launch, position)
+  return [(name, statistics.median(times[(name, n)]))
+          for name, n in sorted(times, key=order.get)]
 
 
 def report(label: str, f, args, iterations: int) -> None:
