@@ -9,6 +9,7 @@ import dataclasses  # noqa: E402
 
 import pytest  # noqa: E402
 import kernel_breakdown  # noqa: E402
+import none_check  # noqa: E402
 import pytest_shard  # noqa: E402
 import trace_summary  # noqa: E402
 import tune  # noqa: E402
@@ -107,3 +108,11 @@ def test_kernel_breakdown_keys_a_launch_by_its_name_not_its_position():
       ("a", 1.1), ("b", 2.1), ("c", 3.1), ("a", 4.1)]
   with pytest.raises(ValueError, match="different kernels"):
     kernel_breakdown.per_launch_medians([[("a", 1.0)], [("a", 1.0), ("b", 1.0)]])
+
+
+def test_none_check_reads_shapes():
+  assert none_check.parse_shape("65536,4096,1536,128,random") == (65536, 4096, 1536, 128, True)
+  assert none_check.parse_shape("16384,2048,16384,16") == (16384, 2048, 16384, 16, False)
+  for bad in ("1,2,3", "1,2,3,4,skewed"):
+    with pytest.raises(Exception, match="M,K,N,G"):
+      none_check.parse_shape(bad)
