@@ -57,7 +57,7 @@ CORE_TESTS_OLDEST = [f"packages/core/tests/{f}" for f in (
 # tests marked smoke, each at its first parametrization (registration, refusals,
 # one lowering of each kernel, one dispatch of each op): what an older JAX's
 # missing API breaks. The conformance suite still runs every installed kernel on
-# the oldest JAX (integration_tests/test_conformance_installed.py).
+# the oldest JAX, in float32 (integration_tests/test_conformance_installed.py).
 BACKEND_SMOKE = "--backend-smoke"
 # XLA_FLAGS of the test sessions. On CI's CPU machines most of the test time is XLA
 # compiling (the kernels in interpret mode, the references: 78 of the 101 s of
