@@ -179,9 +179,9 @@ def test_timeout_leaves_the_backward_its_share(monkeypatch):
 
 
 def test_trials_time_equal_group_sizes_unless_given():
-  lhs, rhs = jax.ShapeDtypeStruct((10, 4), jnp.float32), jax.ShapeDtypeStruct((3, 4, 2), jnp.float32)
-  args = tokamax.RaggedDotArgs(lhs=lhs, rhs=rhs,
-                               group_sizes=jax.ShapeDtypeStruct((3,), jnp.int32))
+  s = jax.ShapeDtypeStruct
+  args = tokamax.RaggedDotArgs(lhs=s((10, 4), jnp.float32), rhs=s((3, 4, 2), jnp.float32),
+                               group_sizes=s((3,), jnp.int32))
   rng = np.random.default_rng(0)
   assert trials.concrete(args, rng).group_sizes.tolist() == [4, 3, 3]
   router = np.array([7, 0, 3], np.int32)
