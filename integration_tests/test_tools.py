@@ -116,3 +116,15 @@ def test_none_check_reads_shapes():
   for bad in ("1,2,3", "1,2,3,4,skewed"):
     with pytest.raises(Exception, match="M,K,N,G"):
       none_check.parse_shape(bad)
+
+
+@pytest.mark.parametrize("auto_ms,status", [(1.02, 0), (1.05, 1)])
+def test_none_check_fails_past_the_margin(monkeypatch, auto_ms, status):
+  def rows(problem, implementations, iterations):
+    return [dict(op="ragged_dot", shape=problem.name, direction=d, implementation=i, ms=ms)
+            for d in problem.directions
+            for i, ms in (("tokamax auto", auto_ms), ("tokamax mosaic_gpu", 1.0),
+                          ("tokamax triton", 1.1))]
+  monkeypatch.setattr(none_check.bench_suite, "run_problem", rows)
+  monkeypatch.setattr(sys, "argv", ["none_check", "--shape", "512,256,512,4,random"])
+  assert none_check.main() == status

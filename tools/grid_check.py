@@ -32,6 +32,7 @@ import os
 
 import jax
 
+import tokamax
 from tokamax._src import bench_suite
 from tokamax._src import dispatch
 from tokamax._src.tuning import nearest
@@ -73,7 +74,6 @@ def _pick(times: dict) -> str:
 
 def _registry_first(op: str, times: dict) -> str | None:
   """What dispatch runs where no tuned data reaches: the first registered of `times`."""
-  import tokamax
   order = [s.name for s in tokamax.implementations() if s.op == op]
   return next((name for name in order if name in times), None)
 
