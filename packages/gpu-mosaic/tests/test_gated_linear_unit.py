@@ -33,6 +33,10 @@ def _inputs(m, k, n, dtype):
   return x, w
 
 
+def _custom_activation(v):
+  return jnp.tanh(v) * v + 0.5 * v
+
+
 def _check(m, k, n, activation, dtype=jnp.bfloat16, config=None, grads=True,
            lead=(), bwd_impl="mosaic_gpu"):
   x, w = _inputs(m, k, n, dtype)
@@ -221,10 +225,65 @@ def test_training_keeps_projections_and_skips_the_recompute(in_kernel):
       x, w, activation=jax.nn.silu, implementation=impl).astype(jnp.float32)),
       argnums=(0, 1)))
   kernels = re.findall(r"@mosaic_gpu\w*", grad.lower(x, w).as_text())
-  # No dh recompute kernel either way; the forward's projections come from the
-  # fused kernel (in_kernel) or from XLA's matmul (the default, faster today).
-  assert len(kernels) == (1 if in_kernel else 0), kernels
+  # No dh recompute kernel either way: the forward's projections come from the
+  # fused kernel (in_kernel) or from XLA's matmul (the default, faster today),
+  # and the backward's one kernel is the elementwise dh from them.
+  assert len(kernels) == (2 if in_kernel else 1), kernels
   _check_grads(x, w, jax.nn.silu, jnp.bfloat16, impl=impl)
+
+
+@pytest.mark.parametrize("m,n,tile", [
+    ((16384, 14336, (8, 256))), ((48, 384, (16, 128))), ((64, 192, (32, 64))),
+    ((30, 384, None)), ((64, 100, None)), ((8, 512, (8, 256)))])
+def test_dh_tile_is_the_widest_that_tiles_the_shape(m, n, tile):
+  assert glk.dh_tile(m, n) == tile
+
+
+def test_dh_from_projections_refuses_a_shape_without_a_tile():
+  with pytest.raises(ValueError, match="no block of 2048 elements"):
+    glk.glu_dh_from_projections(jnp.zeros((30, 768)), jnp.zeros((30, 384)), None)
+  with pytest.raises(ValueError, match=r"projections must be \[16, 1024\]"):
+    glk.glu_dh_from_projections(jnp.zeros((16, 512)), jnp.zeros((16, 512)), None)
+
+
+@pytest.mark.parametrize("activation", [jax.nn.silu, jax.nn.gelu, None])
+@pytest.mark.parametrize("shape,dtype", [((16384, 14336), jnp.bfloat16),
+                                         ((48, 384), jnp.float16),
+                                         ((64, 192), jnp.float32)])
+def test_dh_from_projections_lowers_for_cuda(activation, shape, dtype):
+  pytest.importorskip("absl")
+  m, n = shape
+  exported = jax.export.export(
+      jax.jit(lambda h, dy: glk.glu_dh_from_projections(h, dy, activation)),
+      platforms=["cuda"])(jax.ShapeDtypeStruct((m, 2 * n), dtype),
+                          jax.ShapeDtypeStruct((m, n), dtype))
+  assert "mosaic_gpu" in exported.mlir_module()
+  assert exported.out_avals[0].shape == (m, 2 * n)
+
+
+def _reference_dh(h, dy, activation):
+  """dh of ``activation(gate) * up`` by autodiff on float32 upcasts."""
+  n = dy.shape[1]
+  _, vjp = jax.vjp(lambda h: (activation or (lambda g: g))(h[:, :n]) * h[:, n:],
+                   h.astype(jnp.float32))
+  return vjp(dy.astype(jnp.float32))[0]
+
+
+@gpu
+@pytest.mark.parametrize("activation", [jax.nn.silu, jax.nn.gelu, jax.nn.relu, None,
+                                        _custom_activation])
+@pytest.mark.parametrize("shape,dtype", [((4096, 14336), jnp.bfloat16),
+                                         ((48, 384), jnp.float16),
+                                         ((96, 1408), jnp.bfloat16),
+                                         ((64, 192), jnp.float32)])
+def test_dh_from_projections(activation, shape, dtype):
+  m, n = shape
+  rng = np.random.default_rng(next(_seed))
+  h = jnp.asarray(rng.standard_normal((m, 2 * n)) * 2, dtype)
+  dy = jnp.asarray(rng.standard_normal((m, n)), dtype)
+  dh = jax.jit(lambda h, dy: glk.glu_dh_from_projections(h, dy, activation))(h, dy)
+  assert dh.dtype == dtype and dh.shape == (m, 2 * n)
+  testing.assert_close(dh, _reference_dh(h, dy, activation), dtype, what="dh", gpu=True)
 
 
 @gpu
@@ -245,17 +304,13 @@ def test_backward_without_projections_recomputes_them(activation):
   testing.assert_close(grads["weights"], rw, jnp.bfloat16, what="dw", scale=2, gpu=True)
 
 
-def _custom(v):
-  return jnp.tanh(v) * v + 0.5 * v
-
-
 @pytest.mark.smoke
 @pytest.mark.parametrize("activation,fuse,shape", [
     (jax.nn.silu, True, (300, 200, 136)),
     (None, True, (37, 40, 24)),
     (jax.nn.relu, True, (1000, 384, 520)),
     (jax.nn.gelu, True, (128, 128, 128)),
-    (_custom, True, (300, 200, 136)),
+    (_custom_activation, True, (300, 200, 136)),
     (lambda v: jax.nn.gelu(v, approximate=False), True, (300, 200, 136)),  # XLA VJP
     (jax.nn.silu, False, (300, 200, 136)),
 ])
@@ -305,7 +360,7 @@ def test_backward_has_no_copies_when_aligned():
 
 @gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("activation", [jax.nn.silu, jax.nn.gelu, None, _custom])
+@pytest.mark.parametrize("activation", [jax.nn.silu, jax.nn.gelu, None, _custom_activation])
 def test_backward(dtype, activation):
   x, w = _inputs(1000, 384, 520, dtype)
   _check_grads(x, w, activation, dtype)
@@ -401,7 +456,7 @@ def _dense_dh(x, w2, dout, activation, config):
 
 
 @pytest.mark.parametrize("fuse", [True, False])
-@pytest.mark.parametrize("activation", [jax.nn.silu, None, jax.nn.relu, _custom])
+@pytest.mark.parametrize("activation", [jax.nn.silu, None, jax.nn.relu, _custom_activation])
 @pytest.mark.parametrize("shape", [(37, 40, 24), (300, 200, 136)])
 def test_backward_wrapper_math(monkeypatch, fuse, activation, shape):
   """Padding, layout and the VJP math of `glu_backward` on the CPU, with the

@@ -183,9 +183,11 @@ def test_fp8_ragged_dot():
   testing.assert_close(out, want, jnp.bfloat16, what="fp8 output")
 
 
-def test_gated_linear_unit():
-  operands = (_normal((200, 256), jnp.bfloat16), _normal((256, 2, 192), jnp.bfloat16,
-                                                         256**-0.5))
+@pytest.mark.parametrize("m,n", [(200, 192),  # dh by XLA (no dh_tile)
+                                 (256, 384)])  # dh by glu_dh_from_projections
+def test_gated_linear_unit(m, n):
+  operands = (_normal((m, 256), jnp.bfloat16), _normal((256, 2, n), jnp.bfloat16,
+                                                       256**-0.5))
 
   def call(implementation):
     return lambda x, w: tokamax.gated_linear_unit(x, w, activation=jax.nn.silu,

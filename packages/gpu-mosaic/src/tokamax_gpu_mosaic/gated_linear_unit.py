@@ -17,8 +17,11 @@ from tokamax_gpu_mosaic import _common
 from tokamax_gpu_mosaic import ragged_dot
 from tokamax_gpu_mosaic.gated_linear_unit_kernel import GatedLinearUnitConfig
 from tokamax_gpu_mosaic.gated_linear_unit_kernel import GatedLinearUnitVjpConfig
+from tokamax_gpu_mosaic.gated_linear_unit_kernel import dh_tile
+from tokamax_gpu_mosaic.gated_linear_unit_kernel import epilogue_can_fuse
 from tokamax_gpu_mosaic.gated_linear_unit_kernel import fused_glu
 from tokamax_gpu_mosaic.gated_linear_unit_kernel import glu_backward
+from tokamax_gpu_mosaic.gated_linear_unit_kernel import glu_dh_from_projections
 from tokamax_gpu_mosaic.gated_linear_unit_kernel import vjp_jaxpr
 
 __all__ = ["GatedLinearUnitConfig", "GatedLinearUnitVjpConfig",
@@ -206,7 +209,8 @@ class MosaicGpuGatedLinearUnitVjp(VjpOp):
       # The forward kept the projections: dh is elementwise and dx, dw are two
       # dense matmuls, which XLA's (cuBLAS) runs faster than our grouped-matmul
       # kernel at one group (notes/MEASUREMENTS.md, session 7).
-      return args.backward_from_projections(residuals["projections"], dout)
+      return args.backward_from_dh(_projection_gradient(args, residuals["projections"],
+                                                        dout))
     config = config or self.heuristic_config(args)
     needed = dh_smem_bytes(config.dh_config(), jnp.dtype(args.x.dtype).itemsize)
     if needed > _common.SMEM_LIMIT:
@@ -216,3 +220,13 @@ class MosaicGpuGatedLinearUnitVjp(VjpOp):
           "smaller block_n or block_k")
     dx, dw = glu_backward(args.x, args.weights, dout, args.activation, config)
     return {"x": dx, "weights": dw}
+
+
+def _projection_gradient(args, projections, dout):
+  """dh from the projections: `glu_dh_from_projections` (one pass, each input read
+  once) where it takes the shape and lowers the activation's VJP, else XLA's."""
+  m, _, n = projections.shape
+  if dh_tile(m, n) is not None and epilogue_can_fuse(args.activation):
+    return glu_dh_from_projections(projections.reshape(m, 2 * n), dout,
+                                   args.activation)
+  return args.projection_gradient(projections, dout)

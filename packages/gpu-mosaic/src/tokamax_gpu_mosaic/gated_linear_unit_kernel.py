@@ -405,3 +405,61 @@ def glu_backward(x, weights, dout, activation, config: GatedLinearUnitVjpConfig)
   dx = dx[:m_orig, :k_orig]
   dw = dw.reshape(k, 2, n)[:k_orig, :, :n_orig]
   return dx, dw
+
+
+# Elements of one array per block of `glu_dh_from_projections`: 16 per thread
+# (128 threads), two 16-byte vectors of 16-bit values.
+DH_TILE_ELEMENTS = 2048
+
+
+def dh_tile(m: int, n: int) -> tuple[int, int] | None:
+  """The ``(rows, columns)`` block of `glu_dh_from_projections` for ``dout [m,
+  n]``: the widest rows of 256, 128 or 64 columns that tile it whole (its loads
+  and stores go straight between device memory and registers, unmasked), or
+  None where none does."""
+  for bn in (256, 128, 64):
+    bm = DH_TILE_ELEMENTS // bn
+    if n % bn == 0 and m % bm == 0:
+      return bm, bn
+  return None
+
+
+def glu_dh_from_projections(projections, dout, activation) -> jax.Array:
+  """``dh = [dy * up * act'(gate), dy * act(gate)]`` as ``[M, 2N]``, from the
+  forward's projections ``[M, 2N]`` (gate columns, then up) and ``dout [M, N]``.
+
+  Memory-bound: each block reads its dy, gate and up tiles once and writes both
+  halves of dh, 5 element transfers per (gate, up) pair (XLA's fusion of the
+  same VJP writes each half from its own loop and reads dy and the gate for
+  both: 7). No shared memory: tiles go from device memory to registers and back
+  (vectorized, coalesced rows); the blocks in flight on an SM (several, a
+  warpgroup each) hide the latency. The shape must have a `dh_tile`.
+  """
+  m, n = dout.shape
+  if projections.shape != (m, 2 * n):
+    raise ValueError(f"projections must be [{m}, {2 * n}] for dout {dout.shape}; "
+                     f"got {projections.shape}")
+  tile = dh_tile(m, n)
+  if tile is None:
+    raise ValueError(f"dout {dout.shape}: no block of {DH_TILE_ELEMENTS} elements "
+                     "with 64, 128 or 256 columns tiles it")
+  bm, bn = tile
+  dtype = projections.dtype
+  grads = _common.inline(vjp_fn(activation))
+
+  def kernel(h_ref, dout_ref, dh_ref):
+    rows = pl.ds(lax.axis_index("m") * bm, bm)
+    j = lax.axis_index("n") * bn
+    gate_cols, up_cols = pl.ds(j, bn), pl.ds(n + j, bn)
+    dy = dout_ref[rows, gate_cols].astype(jnp.float32)
+    gate = h_ref[rows, gate_cols].astype(jnp.float32)
+    up = h_ref[rows, up_cols].astype(jnp.float32)
+    d_gate, d_up = grads(gate, up, dy)
+    dh_ref[rows, gate_cols] = d_gate.astype(dtype)
+    dh_ref[rows, up_cols] = d_up.astype(dtype)
+
+  call = _common.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((m, 2 * n), dtype),
+      grid=(m // bm, n // bn), grid_names=("m", "n"),
+      compiler_params=_common.compiler_params())
+  return call(projections, dout.astype(dtype))

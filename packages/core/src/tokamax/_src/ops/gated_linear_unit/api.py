@@ -61,22 +61,31 @@ class GatedLinearUnitArgs:
 
   def backward_from_projections(self, projections: jax.Array,
                                 dout: jax.Array) -> dict[str, jax.Array]:
-    """``{"x": dx, "weights": dw}`` from the forward's projections residual.
+    """``{"x": dx, "weights": dw}`` from the forward's projections residual:
+    `projection_gradient` then `backward_from_dh`, the work of the plain-JAX
+    backward."""
+    return self.backward_from_dh(self.projection_gradient(projections, dout))
 
-    Two matmuls, the work of the plain-JAX backward: ``dh = [dout * up *
-    act'(gate), dout * act(gate)]`` (float32, then x's dtype), ``dx = dh @ w^T``
-    and ``dw = x^T @ dh`` with float32 accumulation (XLA: cuBLAS on NVIDIA).
-    """
-    m, k = self.x.shape
+  def projection_gradient(self, projections: jax.Array, dout: jax.Array) -> jax.Array:
+    """``dh = [dout * up * act'(gate), dout * act(gate)]`` as ``[M, 2N]`` in x's
+    dtype (XLA, float32 inside), from the ``[M, 2, N]`` projections residual."""
+    m = self.x.shape[0]
     n = self.weights.shape[2]
-    dtype = self.x.dtype
     activation = self.activation or (lambda gate: gate)
 
     def epilogue(h):  # [M, 2N] (gate | up) -> [M, N], in float32
       return activation(h[:, :n]) * h[:, n:]
     _, epilogue_vjp = jax.vjp(epilogue, projections.reshape(m, 2 * n).astype(jnp.float32))
     (dh,) = epilogue_vjp(dout.astype(jnp.float32))
-    dh = dh.astype(dtype)
+    return dh.astype(self.x.dtype)
+
+  def backward_from_dh(self, dh: jax.Array) -> dict[str, jax.Array]:
+    """``{"x": dh @ w^T, "weights": x^T @ dh}`` from ``dh [M, 2N]`` (gate columns,
+    then up) in x's dtype: two matmuls with float32 accumulation (XLA: cuBLAS on
+    NVIDIA)."""
+    k = self.x.shape[1]
+    n = self.weights.shape[2]
+    dtype = self.x.dtype
     w2 = self.weights.reshape(k, 2 * n)
     # The products come out in x's dtype: the matmul accumulates in float32 and
     # rounds once (no float32 [M, K] / [K, 2N] through memory).
