@@ -119,7 +119,7 @@ def test_none_check_reads_shapes():
 
 
 @pytest.mark.parametrize("auto_ms,status", [(1.02, 0), (1.05, 1)])
-def test_none_check_fails_past_the_margin(monkeypatch, auto_ms, status):
+def test_none_check_fails_past_the_margin(monkeypatch, capsys, auto_ms, status):
   def rows(problem, implementations, iterations):
     return [dict(op="ragged_dot", shape=problem.name, direction=d, implementation=i, ms=ms)
             for d in problem.directions
@@ -128,3 +128,5 @@ def test_none_check_fails_past_the_margin(monkeypatch, auto_ms, status):
   monkeypatch.setattr(none_check.bench_suite, "run_problem", rows)
   monkeypatch.setattr(sys, "argv", ["none_check", "--shape", "512,256,512,4,random"])
   assert none_check.main() == status
+  printed = capsys.readouterr().out
+  assert f"| forward | auto {auto_ms:.3f} | mosaic_gpu 1.000 | triton 1.100 |" in printed
