@@ -86,16 +86,24 @@ def heuristic(m: int, k: int, n: int, num_groups: int, itemsize: int,
 
 
 def _forward_heuristic(m, k, n, num_groups, itemsize, out_itemsize):
-  """The forward's default: `heuristic`, with 256-row items in the group order
-  where groups span many row tiles (its 4-stage, two-piece choice). H200 bf16
-  (tools/tune.py, CUPTI) at M16384 K2048 N16384 G16: 1.549 ms -> 1.472 (256-row
-  items in the snake order 1.572, with 3 stages 1.85; 128-row items in the group
-  order were not measured); at M65536 K7168 N2048 G256 random 256-row items are
-  slower (4.0-5.9 ms against 3.73), so smaller groups keep 128-row items."""
+  """The forward's default: `heuristic`, in the group order where groups span
+  many row tiles (its 4-stage, two-piece choice), with 256-row items for groups
+  of 512-1023 rows on average and 128-row items from 1024.
+
+  H200 bf16, CUPTI (notes/MEASUREMENTS.md): at M16384 K2048 N16384 G16 256-row
+  items in the group order ran 1.472 ms against 1.549 for 128-row items in the
+  snake order; 128-row items in the group order ran 1.423 against 1.432
+  (session 21), at G8 K4096 N14336 2.399 against 2.430, and at a router-like
+  uneven split (M16384 K4096 N28672 G8 random, sizes 561-3501) 5.485 against
+  5.741 (session 23): less padding in a group's last row tile. At 512 rows per
+  group (G64 K2048 N1408 random) 256-row items are 15% faster, at G128 random
+  9-17% slower; groups under 512 rows keep `heuristic`'s 128-row snake order
+  (M65536 K7168 N2048 G256 random: 256-row items 4.0-5.9 ms against 3.73)."""
   config = heuristic(m, k, n, num_groups, itemsize, out_itemsize, pieces=True)
   if not _few_rows_per_group(m, num_groups) and (
       config.num_stages, config.out_pieces, config.block_n) == (4, 2, 128):
-    config = dataclasses.replace(config, block_m=256, item_order="group")
+    block_m = 128 if m >= 1024 * max(num_groups, 1) else 256
+    config = dataclasses.replace(config, block_m=block_m, item_order="group")
   return config
 
 
