@@ -108,6 +108,10 @@ def test_kernel_breakdown_keys_a_launch_by_its_name_not_its_position():
       ("a", 1.1), ("b", 2.1), ("c", 3.1), ("a", 4.1)]
   with pytest.raises(ValueError, match="different kernels"):
     kernel_breakdown.per_launch_medians([[("a", 1.0)], [("a", 1.0), ("b", 1.0)]])
+  # A first run that missed a kernel is outvoted by the two after it.
+  assert kernel_breakdown.per_launch_medians(
+      [[("a", 9.0)], [("a", 1.0), ("b", 2.0)], [("a", 3.0), ("b", 4.0)]]) == [
+          ("a", 2.0), ("b", 3.0)]
 
 
 def test_none_check_reads_shapes():
