@@ -139,6 +139,37 @@ def test_iterations_and_warmup_counts():
 
 
 @cpu_only
+class _Device:
+  def __init__(self, bytes_limit):
+    self.bytes_limit = bytes_limit
+
+  def memory_stats(self):
+    return None if self.bytes_limit is None else {"bytes_limit": self.bytes_limit}
+
+
+@pytest.mark.parametrize("bytes_limit,calls", [
+    (80 << 20, 5),  # 5 outputs of 1 MiB fit in 10 MiB (an eighth of 80)
+    (16 << 20, 2),  # 2 MiB: two at a time
+    (4 << 20, 1),  # less than one output: one at a time, never zero
+    (None, 5)])  # a device that cannot say: an assumed 16 GiB
+def test_cupti_batches_as_many_calls_as_their_outputs_fit(bytes_limit, calls):
+  # CUPTI's profiler keeps every output of a batch of timed calls until the last
+  # one has run: the batch is sized so that they take an eighth of the memory.
+  compiled = jax.jit(lambda x: x * 2).lower(jnp.ones((512, 512), jnp.float32)).compile()
+  assert impl._calls_per_measure(compiled, 5, _Device(bytes_limit)) == calls
+
+
+def test_standardized_function_holds_no_arrays():
+  # Whatever keeps f_std after a timing (a compiled benchmark) must not keep the
+  # arrays it was standardized with alive on the device.
+  x = jnp.ones((64, 64))
+  f_std, flat = benchmarking.standardize_function(lambda a, scale: a * scale, x, 2.0)
+  cells = [c.cell_contents for c in f_std.__closure__ or ()]
+  leaves = [leaf for c in cells if isinstance(c, list) for leaf in c]
+  assert not any(isinstance(leaf, jax.Array) for leaf in leaves), leaves
+  np.testing.assert_array_equal(f_std(*flat), x * 2.0)
+
+
 def test_default_method_is_wallclock_off_nvidia_gpus():
   assert benchmarking.default_method() == "wallclock"
   assert tokamax.benchmark(jnp.sin, [jnp.ones(8)], iterations=2).method == "wallclock"

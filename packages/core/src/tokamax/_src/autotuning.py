@@ -166,8 +166,10 @@ def autotune(f: Callable, *args, iterations: int = 5, timeout_s: float | None = 
   slots_left = len(collector.calls) * len(directions)
   for call in collector.calls.values():
     key = args_key(call.args)
+    # The last call's inputs and forward states are let go before this call's
+    # are made: on the device there is one call's set at a time.
+    concrete = fwd_states = trials = best = None
     concrete = trials_lib.concrete(call.args, rng, integer_inputs)
-    fwd_states = None
     for direction in directions:
       slots_left -= 1
       if deadline is not None and trials_lib.clock() > deadline:
@@ -187,6 +189,11 @@ def autotune(f: Callable, *args, iterations: int = 5, timeout_s: float | None = 
           ops, call.args, direction, concrete,
           fwd_states and functools.partial(_state_for, states=fwd_states),
           heuristics_only=heuristics_only)
+      if direction == "backward":
+        # The trials hold each implementation's forward outputs and residuals
+        # (and the one cotangent) now; each trial lets go of its inputs once
+        # timed, so an implementation's go with its last trial.
+        fwd_states = None
       bar.total = (bar.total or 0) + len(trials)
       bar.refresh()
       # Each implementation's first trial is its heuristic config.
@@ -201,13 +208,18 @@ def autotune(f: Callable, *args, iterations: int = 5, timeout_s: float | None = 
         if (trial.error is None and stop is not None and trials_lib.clock() > stop
             and id(trial) not in heuristics):
           trial.error = "skipped: autotuning timeout"
+        # Taken from the trial: what `best` keeps of it is its config, and the
+        # device arrays (a backward's forward outputs) go once no trial left
+        # holds them.
+        inputs, trial.inputs = trial.inputs, None
         if trial.error is None:
           try:
-            ms = trials_lib.time_ms(trial.compiled, trial.inputs, iterations)
+            ms = trials_lib.time_ms(trial.compiled, inputs, iterations)
             if trial.label not in best or ms < best[trial.label][0]:
               best[trial.label] = (ms, trial)
           except Exception as e:  # any failure is this config's, recorded as such
             trial.error = f"{type(e).__name__}: {str(e)[:300]}"
+        del inputs
         if trial.error is not None:
           failures.append(dict(op=call.op, direction=direction, key=key,
                                implementation=trial.label,

@@ -163,21 +163,26 @@ def standardize_function(f: Callable[..., Any], *args: Any, kwargs: dict[str, An
       continue
     dynamic_index.append(i)
     flat_args.append(leaf)
-  static_leaves = list(leaves)
+  # The arguments' places are left empty: f_std holds no array, so that whatever
+  # keeps f_std after a timing keeps no device memory.
+  dynamic = set(dynamic_index)
+  static_leaves = [None if i in dynamic else leaf for i, leaf in enumerate(leaves)]
+  # Not functools.wraps: jit would follow __wrapped__ to f's signature.
+  std_name = f"{getattr(f, '__name__', type(f).__name__)}_standardized"
 
   def f_std(*flat):
+    # (`std_name`, not `f_std.__name__`: f_std in its own closure is a reference
+    # cycle, freed only by the garbage collector.)
     if len(flat) != len(dynamic_index):
-      raise TypeError(f"{f_std.__name__} takes {len(dynamic_index)} arrays, got {len(flat)}")
+      raise TypeError(f"{std_name} takes {len(dynamic_index)} arrays, got {len(flat)}")
     full = list(static_leaves)
     for i, x in zip(dynamic_index, flat):
       full[i] = x
     call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
     return f(*call_args, **call_kwargs)
 
-  # Not functools.wraps: jit would follow __wrapped__ to f's signature.
-  name = getattr(f, "__name__", type(f).__name__)
-  f_std.__name__ = f"{name}_standardized"
-  f_std.__qualname__ = f_std.__name__
+  f_std.__name__ = std_name
+  f_std.__qualname__ = std_name
   return f_std, tuple(flat_args)
 
 
@@ -254,16 +259,48 @@ def _measure_cupti(compiled, args, iterations: int, warmup: int,
                        f"failed to import: {type(e).__name__}: {e}") from e
   for _ in range(warmup):
     jax.block_until_ready(compiled(*args))
+  # `profiler.measure(iterations=n)` times n calls back to back and keeps all n
+  # outputs until the last has run: n times the output's device memory (5 x 7.9
+  # GiB for ragged_dot's backward at M65536 K7168 N2048 G256, whose tuning ran out
+  # of memory on an 80 GB H100). So the calls go in batches whose outputs fit
+  # `_calls_per_measure`; each batch follows one untimed call (`measure`'s warm-up).
+  batch = _calls_per_measure(compiled, iterations, device)
+  times = []
+  while len(times) < iterations:
+    n = min(batch, iterations - len(times))
+    try:
+      _, measured = profiler.measure(compiled, iterations=n)(*args)
+    except RuntimeError as e:
+      raise RuntimeError(f"method='cupti' failed: {e}") from e
+    if measured is None:
+      raise RuntimeError("method='cupti': CUPTI saw no GPU kernel launch in the function, "
+                         "so there is no kernel time to report (is its output constant?).")
+    if not isinstance(measured, (list, tuple)):  # iterations == 1 gives one float.
+      measured = [measured]
+    times.extend(float(t) for t in measured)
+  return times
+
+
+# Of the device's memory, the share that one batch of timed calls' outputs may take.
+_OUTPUTS_SHARE = 8
+_DEFAULT_DEVICE_BYTES = 16 << 30
+
+
+def _calls_per_measure(compiled, iterations: int, device: jax.Device) -> int:
+  """How many timed calls' outputs (all alive until the batch ends) fit in
+  1/`_OUTPUTS_SHARE` of the device's memory: all `iterations` for usual outputs,
+  one at a time for outputs of several GiB."""
   try:
-    _, times = profiler.measure(compiled, iterations=iterations)(*args)
-  except RuntimeError as e:
-    raise RuntimeError(f"method='cupti' failed: {e}") from e
-  if times is None:
-    raise RuntimeError("method='cupti': CUPTI saw no GPU kernel launch in the function, so "
-                       "there is no kernel time to report (is its output constant?).")
-  if not isinstance(times, (list, tuple)):  # iterations == 1 gives one float.
-    times = [times]
-  return [float(t) for t in times]
+    out_bytes = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+                    for x in jax.tree_util.tree_leaves(compiled.out_info))
+  except Exception:  # a compiled object that cannot say: time the calls one by one
+    return 1
+  try:
+    limit = int((device.memory_stats() or {}).get("bytes_limit", 0))
+  except Exception:
+    limit = 0
+  budget = (limit or _DEFAULT_DEVICE_BYTES) // _OUTPUTS_SHARE
+  return max(1, min(iterations, budget // max(out_bytes, 1)))
 
 
 # -------------------------------------------------------------------- cuda events
@@ -543,9 +580,11 @@ def _measure_cuda_events(instrumented, args, iterations: int, warmup: int,
       jax.block_until_ready(compiled(token, *args))
     lib.tokamax_cuda_events_reset()
     try:
-      outs = [compiled(token, *args) for _ in range(iterations)]
-      jax.block_until_ready(outs)
-      del outs
+      # Only the tokens are kept (the second event of a call follows all of its
+      # computations): the calls' outputs go as they are made, not N of them at once.
+      tokens = [compiled(token, *args)[1] for _ in range(iterations)]
+      jax.block_until_ready(tokens)
+      del tokens
       return _read_event_times(lib, iterations)
     finally:
       lib.tokamax_cuda_events_reset()
