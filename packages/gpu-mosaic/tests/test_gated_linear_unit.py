@@ -287,6 +287,52 @@ def test_dh_from_projections(activation, shape, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("activation", [jax.nn.silu, jax.nn.gelu])
+@pytest.mark.parametrize("m,k,n,sizes", [
+    (4096, 512, 1024, (1000, 0, 1900, 900)),  # an empty group, 296 rows past them
+    (1000, 384, 520, (333, 667))])  # no dh_tile: dh by XLA
+def test_grouped(activation, m, k, n, sizes):
+  rng = np.random.default_rng(next(_seed))
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((len(sizes), k, 2, n)) / np.sqrt(k), jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  dy = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+
+  def loss(implementation, precision=None):
+    return lambda x, w: jnp.sum(tokamax.gated_linear_unit(
+        x, w, activation=activation, group_sizes=gs, precision=precision,
+        implementation=implementation).astype(jnp.float32) * dy)
+  with tokamax.record_dispatch() as records:
+    out, grads = jax.jit(jax.value_and_grad(loss("mosaic_gpu"), argnums=(0, 1)))(x, w)
+  assert {(r.direction, r.implementation) for r in records} == {
+      ("forward", "mosaic_gpu"), ("backward", "mosaic_gpu")}
+  up = (x.astype(jnp.float32), w.astype(jnp.float32))
+  ref, ref_grads = jax.value_and_grad(loss("xla", HIGHEST), argnums=(0, 1))(*up)
+  testing.assert_close(out, ref, jnp.bfloat16, what="loss", gpu=True)
+  for got, want, what in zip(grads, ref_grads, ("dx", "dw")):
+    testing.assert_close(got, want, jnp.bfloat16, what=what, scale=2, gpu=True)
+
+
+def test_grouped_lowers_for_cuda():
+  pytest.importorskip("absl")
+  s = jax.ShapeDtypeStruct
+  args = GatedLinearUnitArgs(x=s((1000, 384), jnp.bfloat16),
+                             weights=s((3, 384, 2, 512), jnp.bfloat16),
+                             activation=jax.nn.silu, group_sizes=s((3,), jnp.int32))
+  fwd, vjp = glu.MosaicGpuGatedLinearUnit(), glu.MosaicGpuGatedLinearUnitVjp()
+
+  def step(args, dy):
+    out, residuals = fwd.forward(args, None)
+    return out, vjp.backward(args, residuals, out, dy, None)
+  exported = jax.export.export(jax.jit(step), platforms=["cuda"])(
+      args, s((1000, 512), jnp.bfloat16))
+  # The forward's projections, their recompute (a forward called outside
+  # dispatch keeps none), dh, dlhs and drhs.
+  kernels = re.findall(r"@mosaic_gpu\w*", exported.mlir_module())
+  assert len(kernels) == 5, kernels
+
+
+@gpu
 @pytest.mark.parametrize("activation", [jax.nn.silu, None])
 def test_backward_without_projections_recomputes_them(activation):
   # What a forward that kept no projections gets: the dh kernel and the matmuls.

@@ -195,6 +195,44 @@ def test_gated_linear_unit(m, n):
   _check(call, operands, jnp.bfloat16)
 
 
+def test_grouped_gated_linear_unit():
+  # An empty group, 26 rows past the groups, and dh by glu_dh_from_projections.
+  operands = (_normal((256, 256), jnp.bfloat16),
+              _normal((3, 256, 2, 384), jnp.bfloat16, 256**-0.5))
+  group_sizes = jnp.asarray([100, 0, 130], jnp.int32)
+
+  def call(implementation):
+    return lambda x, w: tokamax.gated_linear_unit(
+        x, w, activation=jax.nn.silu, group_sizes=group_sizes,
+        implementation=implementation)
+  _check(call, operands, jnp.bfloat16)
+
+
+def test_grouped_gated_linear_unit_chosen_by_dispatch_with_traced_sizes():
+  # As in an MoE step: implementation=None, group sizes computed in the traced
+  # function (a router's counts), weights reshaped there. Dispatch checks the
+  # candidates in a trace of its own; a check that computed on the operands
+  # leaked a tracer out of it (found on the H200 in `bench --model moe`).
+  x = _normal((64, 128), jnp.bfloat16)
+  w = _normal((2, 128, 256), jnp.bfloat16, 128**-0.5)
+
+  def loss(x, w, implementation):
+    sizes = jnp.stack([jnp.sum(x[:, 0] > 0).astype(jnp.int32) // 2, jnp.int32(24)])
+    out = tokamax.gated_linear_unit(x, w.reshape(2, 128, 2, 128), activation=jax.nn.silu,
+                                    group_sizes=sizes, implementation=implementation)
+    return jnp.sum(out.astype(jnp.float32))
+  with tokamax.interpret(), tokamax.record_dispatch() as records:
+    value, grads = jax.jit(jax.value_and_grad(lambda x, w: loss(x, w, None),
+                                              argnums=(0, 1)))(x, w)
+  assert {(r.direction, r.implementation) for r in records} == {
+      ("forward", "mosaic_gpu"), ("backward", "mosaic_gpu")}
+  want, want_grads = jax.value_and_grad(lambda x, w: loss(x, w, "xla"), argnums=(0, 1))(
+      x.astype(jnp.float32), w.astype(jnp.float32))
+  testing.assert_close(value, want, jnp.bfloat16, what="loss")
+  for g, r in zip(grads, want_grads):
+    testing.assert_close(g, r, jnp.bfloat16, what="gradient", scale=2.0)
+
+
 def test_overlap_qk_is_refused_in_the_interpreter():
   q = _normal((1, 128, 2, 128), jnp.bfloat16)
   config = mat.AttentionConfig(block_kv=128, num_stages=2, overlap_qk=True)

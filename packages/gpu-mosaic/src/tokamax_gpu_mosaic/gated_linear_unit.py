@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 import tokamax
@@ -85,12 +86,17 @@ class MosaicGpuGatedLinearUnit(Op):
   op_name = "gated_linear_unit"
   name = "mosaic_gpu"
   config_cls = GatedLinearUnitConfig
+  # Grouped calls (MoE experts) run ragged_dot's kernels (`_grouped_forward`).
+  supported_features = ("group_sizes",)
   # Whether a training forward stores the projections from the fused kernel
   # (True) or runs XLA's matmul for them (False, faster today; see forward).
   projections_in_kernel: bool = False
 
   def check_supported(self, args, device):
     _common.check_hopper_device(device)
+    if args.group_sizes is not None:
+      _check_grouped(args, ragged_dot.MosaicGpuRaggedDot(), device)
+      return
     _check_args(args)
 
   def heuristic_config(self, args):
@@ -100,6 +106,8 @@ class MosaicGpuGatedLinearUnit(Op):
     return _search_space(args)
 
   def forward(self, args, config):
+    if args.group_sizes is not None:
+      return _grouped_forward(args, self.residuals_wanted())
     if not self.residuals_wanted():
       return fused_glu(args.x, args.weights, args.activation, config), {}
     if not self.projections_in_kernel:
@@ -191,11 +199,14 @@ class MosaicGpuGatedLinearUnitVjp(VjpOp):
   op_name = "gated_linear_unit"
   name = "mosaic_gpu"
   config_cls = GatedLinearUnitVjpConfig
+  supported_features = ("group_sizes",)
 
   def check_supported(self, args, device, residuals=None):
     del residuals  # Recomputes the projections where the forward kept none.
     _common.check_hopper_device(device)
     _check_vjp_args(args)
+    if args.group_sizes is not None:
+      _check_grouped(args, ragged_dot.MosaicGpuRaggedDotVjp(), device)
 
   def heuristic_config(self, args):
     return _vjp_heuristic(args)
@@ -205,6 +216,8 @@ class MosaicGpuGatedLinearUnitVjp(VjpOp):
 
   def backward(self, args, residuals, out, dout, config):
     del out
+    if args.group_sizes is not None:
+      return _grouped_backward(args, residuals.get("projections"), dout)
     if "projections" in residuals:
       # The forward kept the projections: dh is elementwise and dx, dw are two
       # dense matmuls, which XLA's (cuBLAS) runs faster than our grouped-matmul
@@ -230,3 +243,66 @@ def _projection_gradient(args, projections, dout):
     return glu_dh_from_projections(projections.reshape(m, 2 * n), dout,
                                    args.activation)
   return args.projection_gradient(projections, dout)
+
+
+# ----------------------------------------------------------------------------
+# Grouped (MoE experts): ragged_dot's Mosaic GPU kernels around the activation.
+
+
+def _ragged_args(args, lhs=None):
+  """ragged_dot's args for the projections ``x @ [G, K, 2N]`` (or `lhs` @ them)."""
+  g, k, _, n = args.weights.shape
+  return tokamax.RaggedDotArgs(lhs=args.x if lhs is None else lhs,
+                               rhs=args.weights.reshape(g, k, 2 * n),
+                               group_sizes=args.group_sizes, precision=args.precision)
+
+
+def _check_grouped(args, ragged_op, device) -> None:
+  """What a grouped call needs: an elementwise activation (applied in XLA) and
+  ragged_dot's kernel taking the projections' matmul. Asked with shapes only: a
+  check must not compute (dispatch may check in a trace other than the call's,
+  and an array made there from the call's operands would escape it)."""
+  _check_operands(args)
+  tokamax.plugin.check_elementwise_activation(args.activation)
+  g, k, _, n = args.weights.shape
+  shape = lambda x, shape=None: jax.ShapeDtypeStruct(shape or x.shape, x.dtype)
+  ragged_op.check_supported(tokamax.RaggedDotArgs(
+      lhs=shape(args.x), rhs=shape(args.weights, (g, k, 2 * n)),
+      group_sizes=shape(args.group_sizes), precision=args.precision), device)
+
+
+def _grouped_projections(args):
+  """``h = x @ w[g]`` per group, ``[M, 2N]`` in x's dtype (0 past the groups), by
+  ragged_dot's forward kernel at the config it would run with."""
+  op = ragged_dot.MosaicGpuRaggedDot()
+  rd_args = _ragged_args(args)
+  h, _ = op.forward(rd_args, tokamax.plugin.resolve_config(op, rd_args))
+  return h
+
+
+def _grouped_forward(args, keep_projections: bool):
+  """The activation on the projections in XLA (one elementwise pass, as the
+  plain program's), keeping them for the backward in a training step."""
+  m = args.x.shape[0]
+  n = args.weights.shape[3]
+  h = _grouped_projections(args)
+  activation = args.activation or (lambda gate: gate)
+  out = (activation(h[:, :n].astype(jnp.float32)) * h[:, n:].astype(jnp.float32))
+  out = out.astype(args.x.dtype)
+  return out, ({"projections": h.reshape(m, 2, n)} if keep_projections else {})
+
+
+def _grouped_backward(args, projections, dout):
+  """dh from the projections (`_projection_gradient`: one Mosaic GPU pass), then
+  ``dx = dh @ w[g]^T`` and ``dw[g] = x^T @ dh`` by ragged_dot's backward
+  kernels. Rows past the groups have projections 0, so their dh is the
+  activation's derivative at 0 times dy: nonzero for some activations, but
+  ragged_dot's backward reads no row outside a group."""
+  if projections is None:  # a forward that kept none: recompute them
+    m, n = args.x.shape[0], args.weights.shape[3]
+    projections = _grouped_projections(args).reshape(m, 2, n)
+  dh = _projection_gradient(args, projections, dout)
+  vjp = ragged_dot.MosaicGpuRaggedDotVjp()
+  rd_args = _ragged_args(args)
+  grads = vjp.backward(rd_args, {}, None, dh, tokamax.plugin.resolve_config(vjp, rd_args))
+  return {"x": grads["lhs"], "weights": grads["rhs"].reshape(args.weights.shape)}

@@ -33,7 +33,9 @@ and ``my_backend/_plugin.py``::
 A backend with one implementation name for several ops declares them together
 with :func:`implementations`. Besides the contract, this module holds the
 helpers that several backends' kernels share (re-exported as
-``tokamax.plugin.*``): activation checks, group row ranges, shard_map output
+``tokamax.plugin.*``): activation checks, group row ranges, the config an Op
+runs with (`resolve_config`: its own, else tuned data's, else its heuristic's;
+for an implementation that runs another op's Op inside), shard_map output
 types, :class:`OpFunctions` (an Op / VjpOp pair that delegates to module
 functions) and the attention kernels' common layout and checks.
 """
@@ -266,6 +268,14 @@ class AttentionLayout:
         # The offset moves only the window; without one it changes nothing.
         has_q_offset=args.q_offset is not None and (left, right) != (None, None),
         precision=precision, **fields)
+
+
+def resolve_config(op: Any, args: Any) -> Any:
+  """The config `op` runs `args` with, as dispatch resolves it: the Op's own, else
+  tuned data's for this call, else its heuristic's. For an implementation that
+  runs another op's Op inside (e.g. a grouped GLU on ragged_dot's kernels)."""
+  from tokamax._src.dispatch import configs  # here: dispatch imports this module
+  return configs.resolve(op, args)
 
 
 def check_attention_shapes(args, max_head_dim: int) -> None:

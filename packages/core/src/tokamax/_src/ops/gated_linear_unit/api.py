@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tokamax._src import dispatch
 from tokamax._src import quantization
@@ -30,6 +31,12 @@ class GatedLinearUnitArgs:
   - activation: None (identity, bilinear GLU) or a JAX callable applied
     elementwise to the gate projection, in float32.
   - precision: for the matmuls.
+  - group_sizes: None, or int32 ``[G]`` (grouped, as an MoE layer's experts):
+    weights is then ``[G, K, 2, N]`` and x's rows are grouped consecutively as
+    ragged_dot's lhs (group g owns rows ``[sum(group_sizes[:g]),
+    sum(group_sizes[:g+1]))`` and multiplies ``weights[g]``); rows past
+    ``sum(group_sizes)`` give 0. An opt-in feature ("group_sizes"): only
+    implementations that declare it see such calls.
 
   ``out = activation(x @ w_gate) * (x @ w_up)``, accumulated in float32, in x's
   dtype. Residuals: ``{}``, or, optionally, ``{"projections": [M, 2, N]}``: the
@@ -43,6 +50,12 @@ class GatedLinearUnitArgs:
   activation: Callable[[jax.Array], jax.Array] | None = dataclasses.field(
       default=None, metadata=dict(static=True))
   precision: Any = dataclasses.field(default=None, metadata=dict(static=True))
+  group_sizes: jax.Array | None = None
+
+  def opt_in_features(self) -> tuple[str, ...]:
+    """Fields an implementation must declare in ``supported_features`` to be
+    given this call: one that ignored the groups would return a wrong result."""
+    return ("group_sizes",) if self.group_sizes is not None else ()
 
   def forward_with_projections(self) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``(out, {"projections": [M, 2, N]})`` by the plain-JAX program: one matmul
@@ -68,9 +81,10 @@ class GatedLinearUnitArgs:
 
   def projection_gradient(self, projections: jax.Array, dout: jax.Array) -> jax.Array:
     """``dh = [dout * up * act'(gate), dout * act(gate)]`` as ``[M, 2N]`` in x's
-    dtype (XLA, float32 inside), from the ``[M, 2, N]`` projections residual."""
+    dtype (XLA, float32 inside), from the ``[M, 2, N]`` projections residual
+    (grouped or not)."""
     m = self.x.shape[0]
-    n = self.weights.shape[2]
+    n = self.weights.shape[-1]
     activation = self.activation or (lambda gate: gate)
 
     def epilogue(h):  # [M, 2N] (gate | up) -> [M, N], in float32
@@ -105,7 +119,9 @@ DIFF_FIELDS = ("x", "weights")
 DEFINITION = OpDefinition(
     name=OP_NAME,
     diff_fields=DIFF_FIELDS,
-    arg_labels=dict(x="mk", weights="kpn"),
+    # Grouped weights ([G, K, 2, N]) match no label (fresh dims, replicated by
+    # the plan).
+    arg_labels=dict(x="mk", weights="kpn", group_sizes="G"),
     result_labels=dict(out="mn", projections="mpn"),
     leading_label="m",
     plan=gated_linear_unit_plan,
@@ -135,11 +151,31 @@ def _check_activation(activation: Any, gate_shape: tuple[int, ...]) -> None:
                      f"of shape {gate_shape} to a real array of the same shape; got {got}")
 
 
+def _check_group_sizes(group_sizes: Any, num_groups: int, m: int) -> jax.Array:
+  """group_sizes as int32 ``[G]`` (G = the weights' groups), non-negative and
+  summing to at most M where they are concrete."""
+  group_sizes = _checks.as_array("group_sizes", group_sizes)
+  _checks.check_rank("group_sizes", group_sizes, 1, "[G]")
+  _checks.check_int("group_sizes", group_sizes)
+  if group_sizes.shape[0] != num_groups:
+    raise ValueError(f"group_sizes must have {num_groups} entries (weights.shape[0]); "
+                     f"got {_checks.describe(group_sizes)}")
+  if _checks.is_concrete(group_sizes) and num_groups:
+    sizes = np.asarray(group_sizes)
+    if sizes.min() < 0:
+      raise ValueError(f"group_sizes must be non-negative; got {sizes.tolist()}")
+    if isinstance(m, int) and sizes.sum() > m:  # (M may be symbolic: jax.export)
+      raise ValueError(f"group_sizes must sum to at most M={m} (x's rows); they sum "
+                       f"to {int(sizes.sum())}")
+  return group_sizes.astype(jnp.int32)
+
+
 def gated_linear_unit(
     x: jax.Array,
     weights: jax.Array | Sequence[jax.Array],
     *,
     activation: Callable[[jax.Array], jax.Array] | None = None,
+    group_sizes: jax.Array | None = None,
     precision: Any = None,
     implementation: dispatch.Implementation = None,
 ) -> jax.Array:
@@ -155,6 +191,10 @@ def gated_linear_unit(
       dequantized to the arrays they stand for (no GLU kernel applies scales),
       with straight-through gradients to a `QuantizedArray`'s source.
     activation: any elementwise JAX callable, or None.
+    group_sizes: None, or int ``[G]``: a grouped GLU (an MoE layer's experts,
+      rows sorted by expert as for `tokamax.ragged_dot`): x is then ``[M, K]``,
+      the weights ``[G, K, 2, N]`` (or a pair of ``[G, K, N]``), group g's rows
+      use ``weights[g]``, and rows past ``sum(group_sizes)`` give 0.
     precision: matmul precision, as `jax.lax.dot_general` takes it.
     implementation: None, a name, a sequence of names or a `tokamax.Op`.
 
@@ -163,12 +203,19 @@ def gated_linear_unit(
 
   Example:
     >>> y = tokamax.gated_linear_unit(x, w, activation=jax.nn.silu)  # SwiGLU
+    >>> y = tokamax.gated_linear_unit(tokens, experts_w, activation=jax.nn.silu,
+    ...                               group_sizes=tokens_per_expert)  # MoE
   """
   # Quantized operands (no GLU kernel takes scales): the arrays they stand for.
   x = _checks.as_array("x", quantization.dequantized("x", x))
   _checks.check_float("x", x)
   if x.ndim < 1:
     raise ValueError(f"x must have rank >= 1 ([..., K]); got {_checks.describe(x)}")
+  grouped = group_sizes is not None
+  if grouped and x.ndim != 2:
+    raise ValueError(f"x must be [M, K] with group_sizes (rows sorted by group); got "
+                     f"{_checks.describe(x)}")
+  lead, lead_text = ((1, "G, ") if grouped else (0, ""))
   if isinstance(weights, (tuple, list)):
     if len(weights) != 2:
       raise ValueError(f"weights as a sequence must be a pair (w_gate, w_up); got "
@@ -177,24 +224,26 @@ def gated_linear_unit(
     w_up = _checks.as_array("weights[1]", quantization.dequantized("weights[1]", weights[1]))
     for name, w in (("weights[0]", w_gate), ("weights[1]", w_up)):
       _checks.check_float(name, w)
-      _checks.check_rank(name, w, 2, "[K, N]")
+      _checks.check_rank(name, w, 2 + lead, f"[{lead_text}K, N]")
     if w_gate.shape != w_up.shape:
       raise ValueError(f"weights[0] and weights[1] must have the same shape; got "
                        f"{tuple(w_gate.shape)} and {tuple(w_up.shape)}")
     _checks.check_same_dtype(("weights[0]", "weights[1]"), (w_gate, w_up))
-    weights = jnp.stack([w_gate, w_up], axis=1)
+    weights = jnp.stack([w_gate, w_up], axis=1 + lead)
   else:
     weights = _checks.as_array("weights", quantization.dequantized("weights", weights))
     _checks.check_float("weights", weights)
-    _checks.check_rank("weights", weights, 3, "[K, 2, N]")
-    if weights.shape[1] != 2:
-      raise ValueError(f"weights must have shape [K, 2, N]; got "
+    _checks.check_rank("weights", weights, 3 + lead, f"[{lead_text}K, 2, N]")
+    if weights.shape[1 + lead] != 2:
+      raise ValueError(f"weights must have shape [{lead_text}K, 2, N]; got "
                        f"{_checks.describe(weights)}")
   k = x.shape[-1]
-  if weights.shape[0] != k:
+  if weights.shape[lead] != k:
     raise ValueError(f"weights must have K={k} rows to match x's last dim; got "
                      f"{_checks.describe(weights)} for x of {_checks.describe(x)}")
   _checks.check_same_dtype(("x", "weights"), (x, weights))
+  if grouped:
+    group_sizes = _check_group_sizes(group_sizes, weights.shape[0], x.shape[0])
   if activation is not None:
     _check_activation(activation, (math.prod(x.shape[:-1]), weights.shape[-1]))
 
@@ -202,6 +251,6 @@ def gated_linear_unit(
   # partitioning, so that a sharded non-leading row dim stays split).
   args = GatedLinearUnitArgs(
       x=x, weights=weights, activation=activation,
-      precision=_checks.canonical_precision(precision))
+      precision=_checks.canonical_precision(precision), group_sizes=group_sizes)
   return dispatch.call(DEFINITION, args, implementation, lead_dims=x.ndim - 1)
 

@@ -14,6 +14,13 @@ def gated_linear_unit_plan(mesh, shapes, specs, supports) -> sharding.Plan:
   """GLU: each row dim of x split; weights split on N (tensor parallel: the
   output is split on N). The contraction dim K is never split (replicated)."""
   del supports
+  if shapes.group_sizes is not None:
+    # Grouped (MoE experts): replicated. Expert parallelism runs the op inside
+    # `shard_map`, where it sees each device's own experts and rows.
+    return sharding.Plan(
+        args=dataclasses.replace(shapes, x=P(None, None), weights=P(None, None, None, None),
+                                 group_sizes=P(None)),
+        out=P(None, None), residuals={"projections": P(None, None, None)})
   *rows, _ = shapes.x.shape
   n = shapes.weights.shape[2]
   mx = sharding.fit_each(mesh, specs.x[:-1], rows)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import tokamax_xla_reference as xla_ref
 
 from tokamax._src.op import Op, VjpOp
@@ -12,14 +13,29 @@ from tokamax._src.ops import _autodiff
 
 
 def _glu(args):
+  if args.group_sizes is not None:
+    return _grouped_glu(args)
   return xla_ref.gated_linear_unit(args.x, args.weights, activation=args.activation,
                                   precision=args.precision)
+
+
+def _grouped_glu(args):
+  """The grouped GLU: ragged_dot's reference with the fused ``[G, K, 2N]`` weight
+  in float32, then the activation, as the dense reference computes it."""
+  g, k, _, n = args.weights.shape
+  h = xla_ref.ragged_dot(args.x, args.weights.reshape(g, k, 2 * n), args.group_sizes,
+                         precision=args.precision, preferred_element_type=jnp.float32)
+  gate, up = h[:, :n], h[:, n:]
+  if args.activation is not None:
+    gate = args.activation(gate)
+  return (gate * up).astype(args.x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
 class XlaGatedLinearUnit(Op):
   op_name = "gated_linear_unit"
   name = "xla"
+  supported_features = ("group_sizes",)
 
   def forward(self, args, config):
     return _glu(args), {}
@@ -34,6 +50,7 @@ class XlaGatedLinearUnitVjp(VjpOp):
 
   op_name = "gated_linear_unit"
   name = "xla"
+  supported_features = ("group_sizes",)
 
   def backward(self, args, residuals, out, dout, config):
     return _autodiff.backward(_glu, args, ("x", "weights"), dout)

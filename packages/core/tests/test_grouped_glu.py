@@ -1,0 +1,95 @@
+"""`tokamax.gated_linear_unit(..., group_sizes=...)`: the grouped GLU (an MoE
+layer's experts) against a per-group composition of plain JAX, its gradients,
+its errors, and which implementations are given such calls."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tokamax
+from tokamax import testing
+
+HIGHEST = jax.lax.Precision.HIGHEST
+_seed = iter(range(1_000_000))
+
+
+def _inputs(m, k, n, sizes, dtype=jnp.float32):
+  rng = np.random.default_rng(next(_seed))
+  x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+  w = jnp.asarray(rng.standard_normal((len(sizes), k, 2, n)) / np.sqrt(k), dtype)
+  return x, w, jnp.asarray(sizes, jnp.int32)
+
+
+def _per_group(x, w, sizes, activation):
+  """Each group's dense GLU on its rows (jnp, float32, HIGHEST), zeros past them."""
+  rows, start = [], 0
+  for g, size in enumerate(np.asarray(sizes)):
+    h = jnp.einsum("mk,kpn->mpn", x[start:start + size].astype(jnp.float32),
+                   w[g].astype(jnp.float32), precision=HIGHEST)
+    rows.append((activation or (lambda v: v))(h[:, 0]) * h[:, 1])
+    start += size
+  rows.append(jnp.zeros((x.shape[0] - start, w.shape[-1]), jnp.float32))
+  return jnp.concatenate(rows)
+
+
+@pytest.mark.parametrize("activation,sizes", [
+    (jax.nn.silu, (10, 0, 25)),  # an empty group, rows past the groups
+    (jax.nn.gelu, (0, 40, 0)),  # one group holds every row
+    (None, (13, 14, 13))])
+def test_matches_each_group_dense_glu(activation, sizes):
+  x, w, gs = _inputs(40, 24, 20, sizes)
+  out = jax.jit(lambda x, w, gs: tokamax.gated_linear_unit(
+      x, w, activation=activation, group_sizes=gs))(x, w, gs)
+  testing.assert_close(out, _per_group(x, w, gs, activation), jnp.float32, what="forward")
+
+
+def test_gradients_match_autodiff_of_each_group_and_skip_rows_past_the_groups():
+  x, w, gs = _inputs(48, 16, 12, (20, 0, 21))
+  dy = jnp.asarray(np.random.default_rng(next(_seed)).standard_normal((48, 12)), jnp.float32)
+  loss = lambda f: lambda x, w: jnp.sum(f(x, w) * dy)
+  grads = jax.grad(loss(lambda x, w: tokamax.gated_linear_unit(
+      x, w, activation=jax.nn.silu, group_sizes=gs)), argnums=(0, 1))(x, w)
+  want = jax.grad(loss(lambda x, w: _per_group(x, w, gs, jax.nn.silu)), argnums=(0, 1))(x, w)
+  for got, ref, what in zip(grads, want, ("dx", "dw")):
+    testing.assert_close(got, ref, jnp.float32, what=what, scale=2.0)
+  assert not np.any(np.asarray(grads[0][41:])), "rows past the groups get no gradient"
+  assert not np.any(np.asarray(grads[1][1])), "an empty group's weights get none"
+
+
+def test_a_pair_of_weights_is_stacked_per_group():
+  x, w, gs = _inputs(30, 8, 16, (10, 20))
+  pair = tokamax.gated_linear_unit(x, (w[:, :, 0], w[:, :, 1]), activation=jax.nn.silu,
+                                   group_sizes=gs)
+  np.testing.assert_array_equal(
+      pair, tokamax.gated_linear_unit(x, w, activation=jax.nn.silu, group_sizes=gs))
+
+
+@pytest.mark.parametrize("x_shape,w_shape,sizes,match", [
+    ((2, 30, 8), (2, 8, 2, 16), (10, 20), r"x must be \[M, K\] with group_sizes"),
+    ((30, 8), (8, 2, 16), (10, 20), r"\[G, K, 2, N\]"),
+    ((30, 8), (2, 8, 2, 16), (10, 5, 15), "group_sizes must have 2 entries"),
+    ((30, 8), (2, 8, 2, 16), (-1, 20), "non-negative"),
+    ((30, 8), (2, 8, 2, 16), (20, 20), "sum to at most M=30"),
+])
+def test_bad_grouped_arguments_name_what_is_wrong(x_shape, w_shape, sizes, match):
+  with pytest.raises(ValueError, match=match):
+    tokamax.gated_linear_unit(jnp.ones(x_shape), jnp.ones(w_shape),
+                              group_sizes=jnp.asarray(sizes, jnp.int32))
+
+
+def test_float_group_sizes_are_refused():
+  with pytest.raises(TypeError, match="group_sizes"):
+    tokamax.gated_linear_unit(jnp.ones((30, 8)), jnp.ones((2, 8, 2, 16)),
+                              group_sizes=jnp.asarray([10.0, 20.0]))
+
+
+def test_only_implementations_that_declare_groups_are_given_them():
+  x, w, gs = _inputs(30, 8, 16, (10, 20))
+  args = tokamax.GatedLinearUnitArgs(x=x, weights=w, group_sizes=gs)
+  assert args.opt_in_features() == ("group_sizes",)
+  assert tokamax.GatedLinearUnitArgs(x=x, weights=w[0]).opt_in_features() == ()
+  with tokamax.record_dispatch() as records:
+    jax.grad(lambda x: tokamax.gated_linear_unit(x, w, group_sizes=gs).sum())(x)
+  assert {(r.direction, r.implementation) for r in records} == {
+      ("forward", "xla"), ("backward", "xla")}
