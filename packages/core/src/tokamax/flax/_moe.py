@@ -10,9 +10,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
-from tokamax._src import activation as activation_lib
 from tokamax._src import dispatch
-from tokamax._src.ops.gated_linear_unit import gated_linear_unit
 from tokamax._src.ops.ragged_dot import moe as moe_lib
 from tokamax._src.ops.ragged_dot import ragged_dot
 from tokamax.flax._mlp import Initializer, default_kernel_init, matrices, promote
@@ -151,24 +149,12 @@ class MoE(nnx.Module):
 
   def _experts(self, rows, group_sizes, gate_up, down):
     """Rows sorted by expert (``group_sizes[e]`` rows of expert e, then padding)
-    through their experts: the gated projection, then the down ragged_dot.
-
-    With ``implementation=None`` and an elementwise activation the gated
-    projection is one grouped `tokamax.gated_linear_unit` (whose backward takes
-    the activation's derivative in one pass over the projections); a named
-    implementation (of ragged_dot) runs two ragged_dots around the activation."""
-    e, d, two_f = gate_up.shape
-    f = two_f // 2
-    if self.implementation is None and _elementwise(self.activation):
-      hidden = gated_linear_unit(rows, gate_up.reshape(e, d, 2, f),
-                                 activation=self.activation, group_sizes=group_sizes,
-                                 precision=self.precision)
-    else:
-      h = ragged_dot(rows, gate_up, group_sizes, precision=self.precision,
-                     implementation=self.implementation)
-      gate = h[:, :f] if self.activation is None else self.activation(h[:, :f])
-      hidden = gate * h[:, f:]
-    return ragged_dot(hidden, down, group_sizes, precision=self.precision,
+    through their experts: two ragged_dots around the gated activation."""
+    f = down.shape[1]
+    h = ragged_dot(rows, gate_up, group_sizes, precision=self.precision,
+                   implementation=self.implementation)
+    hidden = h[:, :f] if self.activation is None else self.activation(h[:, :f])
+    return ragged_dot(hidden * h[:, f:], down, group_sizes, precision=self.precision,
                       implementation=self.implementation)
 
   def _all_to_all(self, tokens, expert_ids, gates, experts, num_local, capacity):
@@ -234,13 +220,3 @@ def sorted_by_expert(tokens: jax.Array, expert_ids: jax.Array, gates: jax.Array,
   out = take(out, route.slot_of_assignment, route.assignment_of_slot, 1).reshape(m, k, -1)
   combined = jnp.sum(out.astype(jnp.float32) * gates[..., None].astype(jnp.float32), axis=1)
   return combined.astype(out.dtype)
-
-
-def _elementwise(activation) -> bool:
-  """Whether `activation` is None or elementwise (what the grouped GLU's kernels
-  take; another one keeps the ragged_dot path, whose activation runs in XLA)."""
-  try:
-    activation_lib.check_elementwise_activation(activation)
-  except NotImplementedError:
-    return False
-  return True
