@@ -90,6 +90,19 @@ def is_concrete(x: Any) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
+def check_group_size_values(group_sizes: Any, m: Any, rows: str) -> None:
+  """Concrete group sizes must be non-negative and sum to at most `m` (the rows
+  of `rows`); traced ones (and a symbolic M, under jax.export) are not checked."""
+  if not is_concrete(group_sizes) or not group_sizes.shape[0]:
+    return
+  sizes = np.asarray(group_sizes)
+  if sizes.min() < 0:
+    raise ValueError(f"group_sizes must be non-negative; got {sizes.tolist()}")
+  if isinstance(m, int) and sizes.sum() > m:
+    raise ValueError(f"group_sizes must sum to at most M={m} ({rows} rows); they sum "
+                     f"to {int(sizes.sum())}")
+
+
 def canonical_precision(precision: Any) -> Any:
   """Makes `precision` hashable and checks it is something `lax.dot` takes."""
   if precision is None:

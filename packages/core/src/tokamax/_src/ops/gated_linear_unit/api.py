@@ -9,7 +9,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from tokamax._src import dispatch
 from tokamax._src import quantization
@@ -160,13 +159,7 @@ def _check_group_sizes(group_sizes: Any, num_groups: int, m: int) -> jax.Array:
   if group_sizes.shape[0] != num_groups:
     raise ValueError(f"group_sizes must have {num_groups} entries (weights.shape[0]); "
                      f"got {_checks.describe(group_sizes)}")
-  if _checks.is_concrete(group_sizes) and num_groups:
-    sizes = np.asarray(group_sizes)
-    if sizes.min() < 0:
-      raise ValueError(f"group_sizes must be non-negative; got {sizes.tolist()}")
-    if isinstance(m, int) and sizes.sum() > m:  # (M may be symbolic: jax.export)
-      raise ValueError(f"group_sizes must sum to at most M={m} (x's rows); they sum "
-                       f"to {int(sizes.sum())}")
+  _checks.check_group_size_values(group_sizes, m, "x's")
   return group_sizes.astype(jnp.int32)
 
 

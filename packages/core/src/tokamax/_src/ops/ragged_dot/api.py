@@ -7,7 +7,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import tokamax_xla_reference as xla_ref
 
@@ -173,13 +172,7 @@ def ragged_dot(
       raise ValueError(f"group_offset must lie in [0, {g - rhs.shape[0]}] (G - "
                        f"rhs.shape[0]); got {int(group_offset)}")
     group_offset = group_offset.astype(jnp.int32)
-  if _checks.is_concrete(group_sizes) and g:
-    sizes = np.asarray(group_sizes)
-    if sizes.min() < 0:
-      raise ValueError(f"group_sizes must be non-negative; got {sizes.tolist()}")
-    if isinstance(m, int) and sizes.sum() > m:  # (M may be symbolic: jax.export)
-      raise ValueError(f"group_sizes must sum to at most M={m} (lhs rows); they sum "
-                       f"to {int(sizes.sum())}")
+  _checks.check_group_size_values(group_sizes, m, "lhs")
   if preferred_element_type is not None:
     allowed = "None or a float dtype: float32, bfloat16 or float16"
     try:
