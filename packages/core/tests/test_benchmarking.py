@@ -138,7 +138,6 @@ def test_iterations_and_warmup_counts():
     run(args, method="bogus")
 
 
-@cpu_only
 class _Device:
   def __init__(self, bytes_limit):
     self.bytes_limit = bytes_limit
@@ -170,6 +169,7 @@ def test_standardized_function_holds_no_arrays():
   np.testing.assert_array_equal(f_std(*flat), x * 2.0)
 
 
+@cpu_only
 def test_default_method_is_wallclock_off_nvidia_gpus():
   assert benchmarking.default_method() == "wallclock"
   assert tokamax.benchmark(jnp.sin, [jnp.ones(8)], iterations=2).method == "wallclock"

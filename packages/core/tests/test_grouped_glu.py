@@ -2,6 +2,8 @@
 layer's experts) against a per-group composition of plain JAX, its gradients,
 its errors, and which implementations are given such calls."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,12 +86,49 @@ def test_float_group_sizes_are_refused():
                               group_sizes=jnp.asarray([10.0, 20.0]))
 
 
+@dataclasses.dataclass(frozen=True)
+class _DenseOnly(tokamax.Op):
+  """A GLU that knows nothing of groups: given a grouped call it would apply
+  weights[0] to every row."""
+
+  op_name = "gated_linear_unit"
+  name = "dense_only"
+
+  def forward(self, args, config):
+    w = args.weights.reshape(-1, *args.weights.shape[-3:])[0]
+    h = jnp.einsum("mk,kpn->mpn", args.x, w)
+    return h[:, 0] * h[:, 1], {}
+
+
 def test_only_implementations_that_declare_groups_are_given_them():
   x, w, gs = _inputs(30, 8, 16, (10, 20))
   args = tokamax.GatedLinearUnitArgs(x=x, weights=w, group_sizes=gs)
   assert args.opt_in_features() == ("group_sizes",)
   assert tokamax.GatedLinearUnitArgs(x=x, weights=w[0]).opt_in_features() == ()
+  with pytest.raises(NotImplementedError, match="does not support group_sizes"):
+    tokamax.gated_linear_unit(x, w, group_sizes=gs, implementation=_DenseOnly())
+  # Dense calls still reach it.
+  tokamax.gated_linear_unit(x, w[0], implementation=_DenseOnly())
   with tokamax.record_dispatch() as records:
     jax.grad(lambda x: tokamax.gated_linear_unit(x, w, group_sizes=gs).sum())(x)
   assert {(r.direction, r.implementation) for r in records} == {
       ("forward", "xla"), ("backward", "xla")}
+
+
+def test_dense_only_helpers_refuse_grouped_args():
+  x, w, gs = _inputs(30, 8, 16, (10, 20))
+  args = tokamax.GatedLinearUnitArgs(x=x, weights=w, group_sizes=gs)
+  with pytest.raises(ValueError, match="forward_with_projections takes dense weights"):
+    args.forward_with_projections()
+  with pytest.raises(ValueError, match="backward_from_dh takes dense weights"):
+    args.backward_from_dh(jnp.zeros((30, 32)))
+
+
+def test_autotune_takes_a_grouped_call():
+  # Autotuning fills group_sizes with an equal split of x's rows (or the given
+  # ones) when it makes its trial inputs.
+  x, w, gs = _inputs(32, 8, 16, (10, 22))
+  result = tokamax.autotune(
+      lambda x, w, gs: tokamax.gated_linear_unit(x, w, activation=jax.nn.silu,
+                                                 group_sizes=gs), x, w, gs, iterations=1)
+  assert any(m.op == "gated_linear_unit" for m in result.measurements), result

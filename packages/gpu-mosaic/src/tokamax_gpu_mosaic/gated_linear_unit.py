@@ -1,9 +1,12 @@
 """Gated linear unit (`tokamax.gated_linear_unit`) in Pallas Mosaic GPU (Hopper, sm_90).
 
 ``out = activation(x @ w_gate) * (x @ w_up)``. The Ops, their configs,
-heuristics and search spaces; the kernels (one fused forward kernel, and the
-backward's dh kernel with dx, dw by ragged_dot's grouped-matmul kernel) are in
-`gated_linear_unit_kernel`, whose docstring describes them.
+heuristics and search spaces; the kernels (one fused forward kernel, the
+backward's dh kernel with dx, dw by ragged_dot's grouped-matmul kernel, and the
+one-pass dh from a training forward's projections) are in
+`gated_linear_unit_kernel`, whose docstring describes them. Grouped calls
+(`group_sizes`, MoE experts) run ragged_dot's kernels around the activation
+(`_grouped_forward`, `_grouped_backward`).
 """
 from __future__ import annotations
 
@@ -103,6 +106,8 @@ class MosaicGpuGatedLinearUnit(Op):
     return _heuristic(args)
 
   def search_space(self, args):
+    if args.group_sizes is not None:  # runs ragged_dot's configs, not this one
+      return (self.heuristic_config(args),)
     return _search_space(args)
 
   def forward(self, args, config):
@@ -193,8 +198,10 @@ def _check_vjp_args(args) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class MosaicGpuGatedLinearUnitVjp(VjpOp):
-  """Backward: dh from the forward's kernel with a VJP epilogue, then dx and dw
-  by ragged_dot's dense-capable kernel (see the module docstring)."""
+  """Backward. From a training forward's projections: dh in one pass
+  (`glu_dh_from_projections`), then XLA's two matmuls. Without them: dh from the
+  forward's kernel with a VJP epilogue, then dx and dw by ragged_dot's
+  dense-capable kernel. Grouped: `_grouped_backward` (see the module docstring)."""
 
   op_name = "gated_linear_unit"
   name = "mosaic_gpu"
@@ -212,6 +219,8 @@ class MosaicGpuGatedLinearUnitVjp(VjpOp):
     return _vjp_heuristic(args)
 
   def search_space(self, args):
+    if args.group_sizes is not None:  # runs ragged_dot's configs, not this one
+      return (self.heuristic_config(args),)
     return _vjp_search_space(args)
 
   def backward(self, args, residuals, out, dout, config):
@@ -295,9 +304,9 @@ def _grouped_forward(args, keep_projections: bool):
 def _grouped_backward(args, projections, dout):
   """dh from the projections (`_projection_gradient`: one Mosaic GPU pass), then
   ``dx = dh @ w[g]^T`` and ``dw[g] = x^T @ dh`` by ragged_dot's backward
-  kernels. Rows past the groups have projections 0, so their dh is the
-  activation's derivative at 0 times dy: nonzero for some activations, but
-  ragged_dot's backward reads no row outside a group."""
+  kernels. Rows past the groups have projections 0, so their dh is ``[0, dy *
+  act(0)]``: nonzero for some activations, but ragged_dot's backward reads no
+  row outside a group."""
   if projections is None:  # a forward that kept none: recompute them
     m, n = args.x.shape[0], args.weights.shape[3]
     projections = _grouped_projections(args).reshape(m, 2, n)

@@ -269,7 +269,8 @@ def _measure_cupti(compiled, args, iterations: int, warmup: int,
   while len(times) < iterations:
     n = min(batch, iterations - len(times))
     try:
-      _, measured = profiler.measure(compiled, iterations=n)(*args)
+      # (The batch's first output, discarded here, before the next batch runs.)
+      measured = profiler.measure(compiled, iterations=n)(*args)[1]
     except RuntimeError as e:
       raise RuntimeError(f"method='cupti' failed: {e}") from e
     if measured is None:

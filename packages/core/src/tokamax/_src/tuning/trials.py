@@ -48,7 +48,8 @@ def concrete(args: Any, rng: np.random.Generator,
         and jnp.dtype(value.dtype) == dtype):
       return jnp.asarray(value)
     if name == "group_sizes":
-      rows = args.lhs.shape[0]
+      # The grouped rows: ragged_dot's lhs, the grouped GLU's x.
+      rows = (args.lhs if hasattr(args, "lhs") else args.x).shape[0]
       g = shape[0]
       sizes = np.full(g, rows // g, np.int64)
       sizes[: rows % g] += 1

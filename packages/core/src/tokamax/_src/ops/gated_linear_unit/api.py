@@ -25,8 +25,9 @@ class GatedLinearUnitArgs:
   """Canonical arguments every gated_linear_unit implementation receives.
 
   - x: ``[M, K]`` (leading dims flattened).
-  - weights: ``[K, 2, N]``; ``weights[:, 0]`` is the gate projection,
-    ``weights[:, 1]`` the up projection. Same dtype as x.
+  - weights: ``[K, 2, N]`` (``[G, K, 2, N]`` with group_sizes); ``weights[:, 0]``
+    (``weights[:, :, 0]``) is the gate projection, ``weights[:, 1]`` the up
+    projection. Same dtype as x.
   - activation: None (identity, bilinear GLU) or a JAX callable applied
     elementwise to the gate projection, in float32.
   - precision: for the matmuls.
@@ -56,11 +57,18 @@ class GatedLinearUnitArgs:
     given this call: one that ignored the groups would return a wrong result."""
     return ("group_sizes",) if self.group_sizes is not None else ()
 
+  def _check_dense(self, method: str) -> None:
+    if self.group_sizes is not None:
+      raise ValueError(f"GatedLinearUnitArgs.{method} takes dense weights [K, 2, N]; "
+                       f"this call is grouped (group_sizes, weights "
+                       f"{tuple(self.weights.shape)})")
+
   def forward_with_projections(self) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``(out, {"projections": [M, 2, N]})`` by the plain-JAX program: one matmul
     with the fused weight in x's dtype (XLA: cuBLAS on NVIDIA), then the
     activation on those rounded projections (float32 inside), as
-    `backward_from_projections` expects them."""
+    `backward_from_projections` expects them. Dense weights only."""
+    self._check_dense("forward_with_projections")
     m, k = self.x.shape
     n = self.weights.shape[2]
     h = jax.lax.dot_general(self.x, self.weights.reshape(k, 2 * n),
@@ -95,7 +103,8 @@ class GatedLinearUnitArgs:
   def backward_from_dh(self, dh: jax.Array) -> dict[str, jax.Array]:
     """``{"x": dh @ w^T, "weights": x^T @ dh}`` from ``dh [M, 2N]`` (gate columns,
     then up) in x's dtype: two matmuls with float32 accumulation (XLA: cuBLAS on
-    NVIDIA)."""
+    NVIDIA). Dense weights only."""
+    self._check_dense("backward_from_dh")
     k = self.x.shape[1]
     n = self.weights.shape[2]
     dtype = self.x.dtype
@@ -178,7 +187,8 @@ def gated_linear_unit(
 
   Args:
     x: ``[..., K]``.
-    weights: ``[K, 2, N]`` (gate, up stacked on axis 1) or a pair
+    weights: ``[K, 2, N]`` (gate, up stacked on axis 1; ``[G, K, 2, N]`` with
+      group_sizes) or a pair
       ``(w_gate [K, N], w_up [K, N])``. x and the weights may be quantized
       (`tokamax.QuantizedArray`, a Qwix ``QArray`` / ``WithAux``): they are
       dequantized to the arrays they stand for (no GLU kernel applies scales),
