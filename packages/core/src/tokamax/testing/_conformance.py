@@ -139,9 +139,10 @@ def _layer_norm_cases() -> list[Case]:
 
 
 def _glu_cases() -> list[Case]:
-  def c(name, m=13, k=40, n=24, quick=False, pair=False, tf32_scale=1.0, **options):
-    return Case("gated_linear_unit", name, dict(m=m, k=k, n=n, pair=pair), options,
-                quick, tf32_scale=tf32_scale)
+  def c(name, m=13, k=40, n=24, quick=False, pair=False, tf32_scale=1.0, sizes=None,
+        **options):
+    return Case("gated_linear_unit", name, dict(m=m, k=k, n=n, pair=pair, sizes=sizes),
+                options, quick, tf32_scale=tf32_scale)
 
   return [
       c("swiglu", activation=jax.nn.silu, quick=True),
@@ -162,6 +163,10 @@ def _glu_cases() -> list[Case]:
       # kernels must refuse it (skipped) or handle it (checked).
       c("activation_centering_not_elementwise", n=40,
         activation=lambda x: x - jnp.mean(x, axis=-1, keepdims=True), quick=True),
+      # Grouped (MoE experts, the "group_sizes" opt-in): an empty group and rows
+      # past the groups.
+      c("grouped", m=21, sizes=(5, 0, 9), activation=jax.nn.silu),
+      c("grouped_pair", m=14, sizes=(6, 8), pair=True, activation=jax.nn.gelu),
   ]
 
 
@@ -269,16 +274,19 @@ def _layer_norm_inputs(case: Case, rng, dtype):
 def _glu_inputs(case: Case, rng, dtype):
   sh = case.shapes
   m = sh["m"] if isinstance(sh["m"], tuple) else (sh["m"],)
-  k, n = sh["k"], sh["n"]
+  k, n, sizes = sh["k"], sh["n"], sh.get("sizes")
+  groups = () if sizes is None else (len(sizes),)
   floats = dict(x=_normal(rng, (*m, k), dtype),
-                weights=_normal(rng, (k, 2, n), dtype) / float(np.sqrt(k)))
+                weights=_normal(rng, (*groups, k, 2, n), dtype) / float(np.sqrt(k)))
+  grouped = {} if sizes is None else dict(group_sizes=jnp.asarray(sizes, jnp.int32))
 
   def fn(f, implementation, precision):
     w = f["weights"]
     if sh["pair"]:
-      w = (w[:, 0], w[:, 1])
+      w = (w[..., 0, :], w[..., 1, :])
     return tokamax.gated_linear_unit(f["x"], w, precision=precision,
-                                     implementation=implementation, **case.options)
+                                     implementation=implementation, **grouped,
+                                     **case.options)
   return fn, floats
 
 
