@@ -24,6 +24,7 @@ from tokamax import testing
 from tokamax_gpu_mosaic import _common
 from tokamax_gpu_mosaic import _pipeline
 from tokamax_gpu_mosaic import attention as mat
+from tokamax_gpu_mosaic import gated_linear_unit_kernel as glk
 from tokamax_gpu_mosaic import ragged_dot_kernel as rdk
 from tokamax_gpu_mosaic import ragged_dot_kernel_drhs as rdd
 
@@ -193,6 +194,20 @@ def test_gated_linear_unit(m, n):
     return lambda x, w: tokamax.gated_linear_unit(x, w, activation=jax.nn.silu,
                                                   implementation=implementation)
   _check(call, operands, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("activation", [jax.nn.silu, jax.nn.gelu, None])
+@pytest.mark.parametrize("m,n,dtype", [(16, 512, jnp.bfloat16),  # 8 x 256 blocks
+                                       (48, 384, jnp.float16),  # 16 x 128
+                                       (64, 192, jnp.float32)])  # 32 x 64
+def test_glu_dh_from_projections(activation, m, n, dtype):
+  h = _normal((m, 2 * n), dtype, 2.0)
+  dy = _normal((m, n), dtype)
+  with tokamax.interpret():
+    dh = glk.glu_dh_from_projections(h, dy, activation)
+  _, vjp = jax.vjp(lambda h: (activation or (lambda g: g))(h[:, :n]) * h[:, n:],
+                   h.astype(jnp.float32))
+  testing.assert_close(dh, vjp(dy.astype(jnp.float32))[0], dtype, what="dh")
 
 
 def test_grouped_gated_linear_unit():

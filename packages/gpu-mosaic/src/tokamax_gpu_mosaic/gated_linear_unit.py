@@ -295,9 +295,7 @@ def _grouped_forward(args, keep_projections: bool):
   m = args.x.shape[0]
   n = args.weights.shape[3]
   h = _grouped_projections(args)
-  activation = args.activation or (lambda gate: gate)
-  out = (activation(h[:, :n].astype(jnp.float32)) * h[:, n:].astype(jnp.float32))
-  out = out.astype(args.x.dtype)
+  out = args.output_from_projections(h)
   return out, ({"projections": h.reshape(m, 2, n)} if keep_projections else {})
 
 

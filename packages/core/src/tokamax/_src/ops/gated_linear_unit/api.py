@@ -74,10 +74,15 @@ class GatedLinearUnitArgs:
     h = jax.lax.dot_general(self.x, self.weights.reshape(k, 2 * n),
                             (((1,), (0,)), ((), ())), precision=self.precision,
                             preferred_element_type=self.x.dtype)
+    return self.output_from_projections(h), {"projections": h.reshape(m, 2, n)}
+
+  def output_from_projections(self, h: jax.Array) -> jax.Array:
+    """``activation(gate) * up`` in x's dtype (float32 inside) from the projections
+    ``h [M, 2N]`` (gate columns, then up; grouped or not)."""
+    n = self.weights.shape[-1]
     activation = self.activation or (lambda gate: gate)
     gate, up = h[:, :n].astype(jnp.float32), h[:, n:].astype(jnp.float32)
-    out = (activation(gate) * up).astype(self.x.dtype)
-    return out, {"projections": h.reshape(m, 2, n)}
+    return (activation(gate) * up).astype(self.x.dtype)
 
   def backward_from_projections(self, projections: jax.Array,
                                 dout: jax.Array) -> dict[str, jax.Array]:
