@@ -217,6 +217,8 @@ def test_gated_mlp_implementation_is_selectable():
 # -------------------------------------------------------------------------- MoE
 
 HIGHEST = jax.lax.Precision.HIGHEST
+# On a GPU the experts' float32 matmuls run at the default precision (TF32).
+ON_GPU = jax.default_backend() == "gpu"
 
 
 def _kept(expert_ids, num_experts, capacity):
@@ -274,16 +276,17 @@ def test_moe_matches_every_token_through_every_expert(top_k, softmax_over,
   if capacity_factor is not None:
     assert 0 < (~kept).sum() < kept.size  # the capacity drops some, not all
   reference = lambda p, x: _moe_reference(p, x, top_k, softmax_over, kept)
-  testing.assert_close(moe(x), reference(params, x), "float32", what="MoE")
+  testing.assert_close(moe(x), reference(params, x), "float32", what="MoE", gpu=ON_GPU)
   dy = _x(x.shape, seed=10)
   loss = lambda out: jnp.sum(out * dy)
   got_dp, got_dx = nnx.grad(lambda m, x: loss(m(x)), argnums=(0, 1))(moe, x)
   want_dp, want_dx = jax.grad(lambda p, x: loss(reference(p, x)), argnums=(0, 1))(params, x)
-  testing.assert_close(got_dx, want_dx, "float32", what="dx")
+  testing.assert_close(got_dx, want_dx, "float32", what="dx", gpu=ON_GPU)
   got_dp = nnx.to_pure_dict(got_dp)
   for path, want in jax.tree_util.tree_flatten_with_path(want_dp)[0]:
     got = functools.reduce(lambda t, k: t[k.key], path, got_dp)
-    testing.assert_close(got, want, "float32", what=f"d{jax.tree_util.keystr(path)}")
+    testing.assert_close(got, want, "float32", what=f"d{jax.tree_util.keystr(path)}",
+                         gpu=ON_GPU)
 
 
 def test_moe_in_bfloat16():
@@ -327,6 +330,13 @@ def test_moe_implementation_is_selectable():
   with tokamax.record_dispatch() as records:
     moe(_x((6, 8)))
   assert {(r.op, r.implementation) for r in records} == {("ragged_dot", "xla")}
+
+
+def test_moe_experts_run_a_grouped_glu_by_default():
+  moe = tokamax.flax.MoE(8, 8, 4, rngs=nnx.Rngs(0))
+  with tokamax.record_dispatch() as records:
+    moe(_x((6, 8)))
+  assert {r.op for r in records} == {"gated_linear_unit", "ragged_dot"}
 
 
 # ------------------------------------------------------------------------ linen

@@ -11,8 +11,11 @@ import pytest
 
 import tokamax
 from tokamax import testing
+from tokamax._src.ops.gated_linear_unit import composed
 
 HIGHEST = jax.lax.Precision.HIGHEST
+# On a GPU the op's float32 matmuls run at the default precision (TF32).
+ON_GPU = jax.default_backend() == "gpu"
 _seed = iter(range(1_000_000))
 
 
@@ -43,7 +46,8 @@ def test_matches_each_group_dense_glu(activation, sizes):
   x, w, gs = _inputs(40, 24, 20, sizes)
   out = jax.jit(lambda x, w, gs: tokamax.gated_linear_unit(
       x, w, activation=activation, group_sizes=gs))(x, w, gs)
-  testing.assert_close(out, _per_group(x, w, gs, activation), jnp.float32, what="forward")
+  testing.assert_close(out, _per_group(x, w, gs, activation), jnp.float32, what="forward",
+                       gpu=ON_GPU)
 
 
 def test_gradients_match_autodiff_of_each_group_and_skip_rows_past_the_groups():
@@ -54,7 +58,7 @@ def test_gradients_match_autodiff_of_each_group_and_skip_rows_past_the_groups():
       x, w, activation=jax.nn.silu, group_sizes=gs)), argnums=(0, 1))(x, w)
   want = jax.grad(loss(lambda x, w: _per_group(x, w, gs, jax.nn.silu)), argnums=(0, 1))(x, w)
   for got, ref, what in zip(grads, want, ("dx", "dw")):
-    testing.assert_close(got, ref, jnp.float32, what=what, scale=2.0)
+    testing.assert_close(got, ref, jnp.float32, what=what, scale=2.0, gpu=ON_GPU)
   assert not np.any(np.asarray(grads[0][41:])), "rows past the groups get no gradient"
   assert not np.any(np.asarray(grads[1][1])), "an empty group's weights get none"
 
@@ -109,10 +113,32 @@ def test_only_implementations_that_declare_groups_are_given_them():
     tokamax.gated_linear_unit(x, w, group_sizes=gs, implementation=_DenseOnly())
   # Dense calls still reach it.
   tokamax.gated_linear_unit(x, w[0], implementation=_DenseOnly())
+  # Float32 takes no grouped GLU kernel: the composed implementation runs, its
+  # projections by ragged_dot's own dispatch (xla on the CPU).
   with tokamax.record_dispatch() as records:
     jax.grad(lambda x: tokamax.gated_linear_unit(x, w, group_sizes=gs).sum())(x)
-  assert {(r.direction, r.implementation) for r in records} == {
-      ("forward", "xla"), ("backward", "xla")}
+  glu = {(r.direction, r.implementation) for r in records if r.op == "gated_linear_unit"}
+  assert glu == {("forward", "composed"), ("backward", "composed")}
+  ragged = {(r.direction, r.implementation) for r in records if r.op == "ragged_dot"}
+  assert {d for d, _ in ragged} == {"forward", "backward"}
+  if jax.default_backend() == "cpu":
+    assert ragged == {("forward", "xla"), ("backward", "xla")}
+
+
+def test_the_composed_implementation_takes_grouped_calls_only():
+  x, w, gs = _inputs(30, 8, 16, (10, 20))
+  with pytest.raises(NotImplementedError, match="grouped calls only"):
+    tokamax.gated_linear_unit(x, w[0], implementation="composed")
+  # Without residuals (a backward chosen apart from the forward) it recomputes
+  # the projections.
+  dy = jnp.asarray(np.random.default_rng(next(_seed)).standard_normal((30, 16)), jnp.float32)
+  args = tokamax.GatedLinearUnitArgs(x=x, weights=w, activation=jax.nn.silu, group_sizes=gs)
+  grads = composed.ComposedGatedLinearUnitVjp().backward(args, {}, None, dy, None)
+  want = jax.grad(lambda x, w: jnp.sum(_per_group(x, w, gs, jax.nn.silu) * dy),
+                  argnums=(0, 1))(x, w)
+  testing.assert_close(grads["x"], want[0], jnp.float32, what="dx", scale=2.0, gpu=ON_GPU)
+  testing.assert_close(grads["weights"], want[1], jnp.float32, what="dw", scale=2.0,
+                       gpu=ON_GPU)
 
 
 def test_dense_only_helpers_refuse_grouped_args():

@@ -1,4 +1,5 @@
-"""The built-in backend: the XLA reference implementations as `Op`s.
+"""The built-in backend: the XLA reference implementations as `Op`s, and the
+grouped GLU composed of `tokamax.ragged_dot` (``ops/gated_linear_unit/composed.py``).
 
 The functions live in the tokamax-xla-reference distribution (which does not
 depend on core); each op's folder adapts them to the `Op` interface
@@ -36,6 +37,14 @@ BACKEND = plugin.Backend(
         _impl("layer_norm", "layer_norm", "xla", "XlaLayerNorm", "XlaLayerNormVjp", 0),
         _impl("gated_linear_unit", "gated_linear_unit", "xla", "XlaGatedLinearUnit",
               "XlaGatedLinearUnitVjp", 0),
+        # Grouped calls only: after the kernels, ahead of the reference's one
+        # matmul per group (see the module).
+        plugin.Implementation(
+            op="gated_linear_unit", name="composed",
+            forward="tokamax._src.ops.gated_linear_unit.composed:ComposedGatedLinearUnit",
+            backward=("tokamax._src.ops.gated_linear_unit.composed:"
+                      "ComposedGatedLinearUnitVjp"),
+            platforms=_ALL_PLATFORMS, priority=10),
         _impl("ragged_dot", "ragged_dot", "xla", "XlaRaggedDot", "XlaRaggedDotVjp", 0),
     ),
 )

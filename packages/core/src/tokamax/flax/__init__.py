@@ -30,7 +30,8 @@ their parameters in the layouts the ops take:
 - `GatedMLP` (`SwiGLU`, `GeGLU`): ``down(activation(x @ w_gate) * (x @ w_up))`` by
   `tokamax.gated_linear_unit`, gate and up kernels as one ``[K, 2, N]`` parameter
   (`GatedMLP.load_linears` loads a Flax MLP's three `nnx.Linear` layers);
-- `MoE`: router, top-k, optional capacity, experts by `tokamax.ragged_dot`, and
+- `MoE`: router, top-k, optional capacity, experts by a grouped
+  `tokamax.gated_linear_unit` and `tokamax.ragged_dot`, and
   expert parallelism by `tokamax.moe_all_to_all` inside `jax.shard_map`.
 
 Every module takes ``implementation=`` (None by default) as its op does.

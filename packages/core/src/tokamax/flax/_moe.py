@@ -1,4 +1,5 @@
-"""`MoE`: a Flax NNX mixture-of-experts FFN whose experts run through `tokamax.ragged_dot`."""
+"""`MoE`: a Flax NNX mixture-of-experts FFN whose experts run through tokamax's
+grouped gated linear unit and `tokamax.ragged_dot`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from tokamax._src import dispatch
+from tokamax._src.ops.gated_linear_unit.api import gated_linear_unit
 from tokamax._src.ops.ragged_dot import moe as moe_lib
 from tokamax._src.ops.ragged_dot import ragged_dot
 from tokamax.flax._mlp import Initializer, default_kernel_init, matrices, promote
@@ -26,7 +28,8 @@ class MoE(nnx.Module):
   largest router logits ``x @ router.kernel`` (computed in float32); expert ``e``
   computes ``activation(x @ Wg_e) * (x @ Wu_e) @ Wd_e``, and the token's output is
   the sum of its experts' outputs times their gates. The tokens are sorted by
-  expert so that each expert matmul is one `tokamax.ragged_dot` over all experts.
+  expert so that each expert matmul is one grouped matmul over all experts
+  (`tokamax.gated_linear_unit` with ``group_sizes`` and `tokamax.ragged_dot`).
 
   Parameters (the expert kernels in `flax.nnx.Linear`'s ``[in, out]`` order):
 
@@ -89,7 +92,11 @@ class MoE(nnx.Module):
       kernel_init: an initializer of one ``[in, out]`` kernel, as `nnx.Linear`'s
         (default: lecun normal); each expert's gate, up and down kernels and the
         router get one draw each.
-      implementation: of `tokamax.ragged_dot` (None: dispatch chooses).
+      implementation: None: the experts' gate and up projections and their
+        activation run as one grouped `tokamax.gated_linear_unit`, the down
+        projection as `tokamax.ragged_dot`, each chosen by dispatch; a name (or
+        names) of `tokamax.ragged_dot`'s implementations: two ragged_dots of it
+        around the activation (in the computation dtype).
       rngs: the ``params`` stream initializes the kernels.
     """
     _check_arguments(in_features, hidden_features, num_experts, top_k, capacity_factor,
@@ -149,8 +156,16 @@ class MoE(nnx.Module):
 
   def _experts(self, rows, group_sizes, gate_up, down):
     """Rows sorted by expert (``group_sizes[e]`` rows of expert e, then padding)
-    through their experts: two ragged_dots around the gated activation."""
-    f = down.shape[1]
+    through their experts: with ``implementation=None`` a grouped gated linear
+    unit (its kernels keep the projections for the backward and compute the
+    activation's gradient in one pass) then the down ragged_dot; with a named
+    implementation, two ragged_dots of it around the gated activation."""
+    e, d, f = down.shape[0], gate_up.shape[1], down.shape[1]
+    if self.implementation is None:
+      hidden = gated_linear_unit(rows, gate_up.reshape(e, d, 2, f),
+                                 activation=self.activation, precision=self.precision,
+                                 group_sizes=group_sizes)
+      return ragged_dot(hidden, down, group_sizes, precision=self.precision)
     h = ragged_dot(rows, gate_up, group_sizes, precision=self.precision,
                    implementation=self.implementation)
     hidden = h[:, :f] if self.activation is None else self.activation(h[:, :f])
