@@ -46,7 +46,8 @@ def drhs_ws_config(config: RaggedDotConfig, itemsize: int,
   Row chunks are 64 deep (the boundary mask loads a chunk in the wgmma
   register layout: 64-row units); stages are dropped until the ring fits.
   """
-  c = dataclasses.replace(config, block_m=_WS_K, block_k=64, row_tiling="group")
+  c = dataclasses.replace(config, block_m=_WS_K, block_k=64, row_tiling="group",
+                          cluster_m=1)
   while c.num_stages > 2 and not _fits(c, itemsize, out_itemsize):
     c = dataclasses.replace(c, num_stages=c.num_stages - 1)
   return c
