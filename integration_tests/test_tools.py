@@ -114,6 +114,16 @@ def test_kernel_breakdown_keys_a_launch_by_its_name_not_its_position():
           ("a", 2.0), ("b", 3.0)]
 
 
+def test_kernel_breakdown_lists_launches_in_order_above_a_share(monkeypatch, capsys):
+  launches = [("mosaic", 5.0), ("fusion", 0.01), ("mosaic", 4.99)]
+  monkeypatch.setattr(kernel_breakdown, "breakdown", lambda f, args, iterations: launches)
+  kernel_breakdown.report("step", None, (), 1, min_share=0.005)
+  lines = capsys.readouterr().out.splitlines()
+  assert "10.000 ms in 3 kernels" in lines[0]
+  # The two launches of one name stay apart, in order; the 0.1% one is left out.
+  assert [line.split()[0] for line in lines[1:]] == ["5.000", "4.990"]
+
+
 def test_none_check_reads_shapes():
   assert none_check.parse_shape("65536,4096,1536,128,random") == (65536, 4096, 1536, 128, True)
   assert none_check.parse_shape("16384,2048,16384,16") == (16384, 2048, 16384, 16, False)

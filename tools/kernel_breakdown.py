@@ -2,7 +2,7 @@
 
     python tools/kernel_breakdown.py --op dot_product_attention \\
         --implementation mosaic_gpu --shape "B4 T4096 N16 H128" [--direction forward]
-    python tools/kernel_breakdown.py --model dense [--size seq=2048]
+    python tools/kernel_breakdown.py --model dense [--size seq=2048] [--launches]
 
 Prints, for each matching problem, every GPU kernel the forward (or forward+backward)
 launches with its median time over the iterations, so that a slow step can be pinned
@@ -70,12 +70,14 @@ def per_launch_medians(runs: list[list[tuple[str, float]]]) -> list[tuple[str, f
           for name, n in sorted(times, key=order.get)]
 
 
-def report(label: str, f, args, iterations: int) -> None:
+def report(label: str, f, args, iterations: int, min_share: float = 0.0) -> None:
+  """Every launch in launch order (those of at least `min_share` of the total)."""
   kernels = breakdown(f, args, iterations)
   total = sum(ms for _, ms in kernels)
   print(f"  {label}: {total:.3f} ms in {len(kernels)} kernels", flush=True)
   for name, ms in kernels:
-    print(f"    {ms:8.3f} ms  {100 * ms / total:5.1f}%  {name[:110]}", flush=True)
+    if ms >= min_share * total:
+      print(f"    {ms:8.3f} ms  {100 * ms / total:5.1f}%  {name[:110]}", flush=True)
 
 
 def report_by_name(label: str, f, args, iterations: int) -> None:
@@ -93,14 +95,21 @@ def report_by_name(label: str, f, args, iterations: int) -> None:
             flush=True)
 
 
-def model_breakdown(model: str, sizes: dict[str, str], iterations: int) -> None:
-  """The plain-JAX and the tokamax training step of `model`, kernel by kernel."""
+def model_breakdown(model: str, sizes: dict[str, str], iterations: int,
+                    launches: bool = False) -> None:
+  """The plain-JAX and the tokamax training step of `model`, kernel by kernel:
+  summed by name, or (`launches`) each launch of 0.5% of the step or more in
+  launch order (one kernel name can be several ops: Mosaic GPU's kernels all
+  share one)."""
   size = bench_models.make_size(model, False, sizes)
   params, x, dy = bench_models.inputs(model, size)
   print(f"## model {model} {size.describe()}", flush=True)
   for program in ("plain", "tokamax"):
     step = bench_models.training_step(model, size, program)
-    report_by_name(program, step, (params, x, dy), iterations)
+    if launches:
+      report(program, step, (params, x, dy), iterations, min_share=0.005)
+    else:
+      report_by_name(program, step, (params, x, dy), iterations)
 
 
 def main():
@@ -114,10 +123,12 @@ def main():
                       default="forward+backward")
   parser.add_argument("--peers", action="store_true")
   parser.add_argument("--iterations", type=int, default=5)
+  parser.add_argument("--launches", action="store_true",
+                      help="--model: each launch in order, not sums by kernel name")
   args = parser.parse_args()
   if args.model:
     model_breakdown(args.model, dict(kv.split("=", 1) for kv in args.size),
-                    args.iterations)
+                    args.iterations, args.launches)
   for problem in bench_suite.reference_suite():
     if problem.op not in args.op or (args.shape and args.shape not in problem.name):
       continue
