@@ -16,7 +16,7 @@ SwiGLU FFN      `PlainSwiGLU`: one matmul with the fused    `tokamax.flax.SwiGLU
                 ``[D, 2, F]`` gate/up kernel, then
                 ``silu(gate) * up``
 MoE FFN         `PlainMoE`: every token through every       `tokamax.flax.MoE`
-                expert, weighted by a dense gate matrix     (sorted tokens, `ragged_dot`)
+                expert, weighted by a dense gate matrix     (sorted tokens, grouped GLU)
 ==============  ==========================================  ==============================
 
 The parameter trees are identical (names, shapes, initializers), so the tokamax

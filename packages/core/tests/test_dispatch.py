@@ -194,6 +194,38 @@ def test_an_unpartitioned_forward_may_leave_opaque_residuals_for_its_backward():
   assert not op_lib.opaque_residuals_allowed()  # only while dispatch runs a forward
 
 
+def test_a_forward_nested_in_another_ops_forward_may_not_leave_opaque_residuals():
+  # The composed grouped GLU runs ragged_dot's dispatch inside its forward: the
+  # inner call's residuals reach no backward of its own, so the outer training
+  # forward's permission must not carry into it.
+  from tokamax._src import op as op_lib
+  seen = {}
+
+  @dataclasses.dataclass(frozen=True)
+  class Inner(layer_norm_xla.XlaLayerNorm):
+    name = "inner"
+
+    def forward(self, args, config):
+      seen["inner"] = op_lib.opaque_residuals_allowed()
+      return super().forward(args, config)
+
+  @dataclasses.dataclass(frozen=True)
+  class Outer(layer_norm_xla.XlaLayerNorm):
+    name = "outer"
+    vjp = layer_norm_xla.XlaLayerNormVjp
+
+    def forward(self, args, config):
+      seen["outer"] = op_lib.opaque_residuals_allowed()
+      return tokamax.layer_norm(args.x, args.scale, None, implementation=Inner()), {}
+
+  x = jax.random.normal(jax.random.key(0), (6, 16))
+  scale = jnp.ones((16,))
+  with tokamax.spmd_partitioning(False):
+    jax.grad(lambda x: jnp.sum(tokamax.layer_norm(x, scale, None,
+                                                  implementation=Outer())))(x)
+  assert seen == {"outer": True, "inner": False}
+
+
 def test_cudnn_forward_keeps_its_vjp_only_where_the_training_path_traces(monkeypatch):
   # cuDNN's training path (jax.vjp) refuses some calls its inference path takes;
   # the forward must then run without the residual (another backward runs).

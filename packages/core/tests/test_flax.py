@@ -129,8 +129,12 @@ def test_norm_modules_refuse_what_the_op_does_not_do():
     tokamax.flax.LayerNorm(8, rngs=nnx.Rngs(0))(_x((2, 8)), mask=jnp.ones((2, 8), bool))
 
 
-# What ``implementation=("triton", "xla")`` runs: triton takes the norms on a GPU.
-_FIRST_OF_TRITON_XLA = "triton" if jax.default_backend() == "gpu" else "xla"
+# What ``implementation=("triton", "xla")`` runs: the first of them usable here
+# (triton takes the norms on a GPU with tokamax-gpu-triton installed).
+_FIRST_OF_TRITON_XLA = next(
+    name for name in ("triton", "xla")
+    if any(i.op == "layer_norm" and i.name == name and i.usable
+           for i in tokamax.implementations()))
 
 
 def test_norm_module_implementation_is_selectable():

@@ -29,6 +29,10 @@ def _calls():
               (_rand(5, 16), _rand(16, 2, 8))),
       "ragged_dot": (lambda lhs, rhs: tokamax.ragged_dot(lhs, rhs, sizes),
                      (_rand(9, 16), _rand(3, 16, 8))),
+      # Grouped: the composed implementation dispatches ragged_dot inside.
+      "grouped_glu": (lambda x, w: tokamax.gated_linear_unit(
+          x, w, activation=jax.nn.silu, group_sizes=sizes),
+                      (_rand(9, 16), _rand(3, 16, 2, 8))),
       # Quantized inside: straight-through gradients to the sources.
       "quantized_ragged_dot": (lambda lhs, rhs: tokamax.ragged_dot(
           tokamax.quantize(lhs, (1, 16)),

@@ -138,6 +138,32 @@ def test_ragged_dot_chained_items(config, k, offset, transpose_rhs):
   testing.assert_close(chained, want, jnp.bfloat16, what="chained output")
 
 
+# Two of the four combinations (each ~10 s in the interpreter).
+@pytest.mark.parametrize("offset,transpose_rhs", [(2, False), (0, True)],
+                         ids=["forward-offset", "dlhs"])
+def test_ragged_dot_clusters(offset, transpose_rhs):
+  """2-block clusters (`cluster_m=2`): each block runs 128 rows of a 256-row item
+  with the weight tiles multicast, also where its rows lie outside the group,
+  against the float32 reference (zero items, empty groups, rows past the last
+  group, held groups from the third)."""
+  config = rdk.RaggedDotConfig(block_n=64, num_stages=2, item_order="group",
+                               cluster_m=2)
+  m, k, n = 420, 256, 256
+  sizes = jnp.asarray([60, 0, 150, 37, 0, 120, 3], jnp.int32)
+  held = 7 - offset
+  lhs = _normal((m, k), jnp.bfloat16)
+  rhs = _normal((held, n, k) if transpose_rhs else (held, k, n), jnp.bfloat16, k**-0.5)
+  starts, ends = tokamax.plugin.held_row_ranges(sizes, jnp.int32(offset), held, m)
+  with tokamax.interpret():
+    out = rdk.grouped_matmul(lhs, rhs, starts, ends, transpose_rhs=transpose_rhs,
+                             out_dtype=jnp.bfloat16, config=config)
+  rhs_kn = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+  want = tokamax.ragged_dot(lhs.astype(jnp.float32), rhs_kn.astype(jnp.float32), sizes,
+                            group_offset=jnp.int32(offset),
+                            precision=jax.lax.Precision.HIGHEST, implementation="xla")
+  testing.assert_close(out, want, jnp.bfloat16, what="clustered output")
+
+
 @pytest.mark.parametrize("stages,block_n,sizes,m,offset", [
     # Chunk counts of 1-3 under a 3-deep ring (the slots of an item's chunks
     # shift from item to item), an empty group, rows past the last group.

@@ -368,7 +368,7 @@ def test_reuse_order_tall_forward(config):
 
 
 @gpu
-@pytest.mark.parametrize("config", _REUSE[:3], ids=_wid)
+@pytest.mark.parametrize("config", _REUSE[:3] + _REUSE[4:], ids=_wid)
 def test_reuse_order_tall_group_offset_and_f32_out(config):
   _check(777, 384, 520, [100, 200, 0, 150, 300], num_held=2, group_offset=2,
          config=config, grads=False)

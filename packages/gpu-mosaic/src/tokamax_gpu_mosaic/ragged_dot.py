@@ -349,7 +349,7 @@ class MosaicGpuRaggedDotVjp(VjpOp):
       drhs_config = drhs_ws_config(config, itemsize,
                                    jnp.dtype(args.rhs.dtype).itemsize)
     else:
-      drhs_config = dataclasses.replace(config, block_k=64, num_stages=4)
+      drhs_config = dataclasses.replace(config, block_k=64, num_stages=4, cluster_m=1)
     drhs = grouped_transposed_matmul(args.lhs, dout, starts, ends,
                                      out_dtype=args.rhs.dtype, config=drhs_config)
     return {"lhs": dlhs, "rhs": drhs}

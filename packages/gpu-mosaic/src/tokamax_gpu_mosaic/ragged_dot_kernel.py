@@ -91,10 +91,10 @@ class RaggedDotConfig:
   TMA multicasts it to both (half the weight reads from L2 and memory, as
   cuBLAS's 2x1 clusters). Items are then cut at 256 rows; the blocks' rings
   are not chained across items (`chain_items` does not apply). Not in the
-  heuristics: on the H200 at the MoE step's G8 shapes each forward and dlhs
-  kernel ran 1-2.6% faster with it, but M16384 K2048 N16384 G16's forward
-  2.7% slower and the MoE training step 4% slower (notes/MEASUREMENTS.md,
-  session 24).
+  heuristics: on the H200 at the MoE step's G8 shapes the forward and dlhs
+  kernels (group order) ran 0.7-2.6% faster with it, but M16384 K2048 N16384
+  G16's forward 2.6% slower and the MoE training step 4% slower
+  (notes/MEASUREMENTS.md, session 24).
   """
 
   block_m: int = 128

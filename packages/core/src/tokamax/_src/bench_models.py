@@ -22,10 +22,11 @@ Models (shared/BENCHMARKS.md):
   down projection -> residual. Default Llama-3-8B-sized.
 * ``moe``: an MoE FFN: router, top-k, softmax over the chosen logits, tokens
   sorted by expert (the single-device case of `tokamax.moe_all_to_all`'s routing:
-  row gathers whose transposes are gathers), SwiGLU experts as two ragged_dots
-  (gate and up fused as ``[E, D, 2F]``, then down ``[E, F, D]``), outputs combined
-  with the gates. Default Mixtral-like. Both programs share the routing; only the
-  ragged_dots differ.
+  row gathers whose transposes are gathers), SwiGLU experts (gate and up fused as
+  ``[E, D, 2F]``, then down ``[E, F, D]``), outputs combined with the gates.
+  Default Mixtral-like. Both programs share the routing; only the experts differ:
+  two `jax.lax.ragged_dot`s around the bf16 activation in the plain program, a
+  grouped `tokamax.gated_linear_unit` and a `tokamax.ragged_dot` in tokamax's.
 * ``flax-dense``: the decoder layer of the repository's ``examples/llama_nnx.py``
   (Flax NNX: RMSNorm -> causal GQA attention with RoPE -> RMSNorm -> SwiGLU, with
   residuals) at the ``dense`` sizes, built from `tokamax.flax`'s modules against

@@ -56,8 +56,11 @@ def forward_for_backward(value: bool = True):
 
 
 @contextlib.contextmanager
-def allow_opaque_residuals():
-  token = _OPAQUE_RESIDUALS.set(True)
+def allow_opaque_residuals(value: bool = True):
+  """Sets `opaque_residuals_allowed()` to `value` inside (False too: a forward
+  nested in another op's, e.g. the composed grouped GLU's ragged_dot, returns
+  what its own call's backward lays out)."""
+  token = _OPAQUE_RESIDUALS.set(value)
   try:
     yield
   finally:

@@ -157,9 +157,10 @@ class MoE(nnx.Module):
   def _experts(self, rows, group_sizes, gate_up, down):
     """Rows sorted by expert (``group_sizes[e]`` rows of expert e, then padding)
     through their experts: with ``implementation=None`` a grouped gated linear
-    unit (its kernels keep the projections for the backward and compute the
-    activation's gradient in one pass) then the down ragged_dot; with a named
-    implementation, two ragged_dots of it around the gated activation."""
+    unit (on Hopper its mosaic_gpu implementation keeps the projections for the
+    backward and computes the activation's gradient in one pass) then the down
+    ragged_dot; with a named implementation, two ragged_dots of it around the
+    gated activation."""
     e, d, f = down.shape[0], gate_up.shape[1], down.shape[1]
     if self.implementation is None:
       hidden = gated_linear_unit(rows, gate_up.reshape(e, d, 2, f),

@@ -162,11 +162,9 @@ class _Dispatch:
     supports = self._supports(choice)
     # `sharding.forward` also runs the unpartitioned call (under vmap the answer
     # can differ from the one above, given JVP tracers): it merges the leading dims.
-    if for_backward and not sharding.active(jax.tree_util.tree_leaves(args)):
-      with allow_opaque_residuals():
-        out, residuals = sharding.forward(self.definition, args, local, supports,
-                                          self.lead_dims)
-    else:
+    # Set either way: a forward nested in another op's inherits no permission.
+    opaque = for_backward and not sharding.active(jax.tree_util.tree_leaves(args))
+    with allow_opaque_residuals(opaque):
       out, residuals = sharding.forward(self.definition, args, local, supports,
                                         self.lead_dims)
     return vma.outputs_like_inputs(out, args), residuals
