@@ -120,22 +120,8 @@ def test_ragged_dot_chained_items(config, k, offset, transpose_rhs):
   """Work items chained in one ring (`_pipeline.ChainedPipeline`): each of the
   2 interpreted SMs runs many items (zero items, empty groups, warpgroups
   without rows among them) through one ring, against the reference."""
-  m, n = 420, 256
-  sizes = jnp.asarray([60, 0, 150, 37, 0, 120, 3], jnp.int32)
-  held = 7 - offset
-  lhs = _normal((m, k), jnp.bfloat16)
-  rhs_shape = (held, n, k) if transpose_rhs else (held, k, n)
-  rhs = _normal(rhs_shape, jnp.bfloat16, k**-0.5)
-  starts, ends = tokamax.plugin.held_row_ranges(sizes, jnp.int32(offset), held, m)
   assert _pipeline.ChainedPipeline.ring_depth(k // config.block_k, config.num_stages)
-  with tokamax.interpret():
-    chained = rdk.grouped_matmul(lhs, rhs, starts, ends, transpose_rhs=transpose_rhs,
-                                 out_dtype=jnp.bfloat16, config=config)
-  rhs_kn = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
-  want = tokamax.ragged_dot(lhs.astype(jnp.float32), rhs_kn.astype(jnp.float32), sizes,
-                            group_offset=jnp.int32(offset),
-                            precision=jax.lax.Precision.HIGHEST, implementation="xla")
-  testing.assert_close(chained, want, jnp.bfloat16, what="chained output")
+  _check_grouped_matmul(config, k, offset, transpose_rhs, "chained output")
 
 
 # Two of the four combinations (each ~10 s in the interpreter).
@@ -148,11 +134,18 @@ def test_ragged_dot_clusters(offset, transpose_rhs):
   group, held groups from the third)."""
   config = rdk.RaggedDotConfig(block_n=64, num_stages=2, item_order="group",
                                cluster_m=2)
-  m, k, n = 420, 256, 256
+  _check_grouped_matmul(config, 256, offset, transpose_rhs, "clustered output")
+
+
+def _check_grouped_matmul(config, k, offset, transpose_rhs, what):
+  """`rdk.grouped_matmul` in the interpreter at M420 N256 (groups 60, 0, 150, 37,
+  0, 120, 3; those from `offset` held) against the float32 reference."""
+  m, n = 420, 256
   sizes = jnp.asarray([60, 0, 150, 37, 0, 120, 3], jnp.int32)
   held = 7 - offset
   lhs = _normal((m, k), jnp.bfloat16)
-  rhs = _normal((held, n, k) if transpose_rhs else (held, k, n), jnp.bfloat16, k**-0.5)
+  rhs_shape = (held, n, k) if transpose_rhs else (held, k, n)
+  rhs = _normal(rhs_shape, jnp.bfloat16, k**-0.5)
   starts, ends = tokamax.plugin.held_row_ranges(sizes, jnp.int32(offset), held, m)
   with tokamax.interpret():
     out = rdk.grouped_matmul(lhs, rhs, starts, ends, transpose_rhs=transpose_rhs,
@@ -161,7 +154,7 @@ def test_ragged_dot_clusters(offset, transpose_rhs):
   want = tokamax.ragged_dot(lhs.astype(jnp.float32), rhs_kn.astype(jnp.float32), sizes,
                             group_offset=jnp.int32(offset),
                             precision=jax.lax.Precision.HIGHEST, implementation="xla")
-  testing.assert_close(out, want, jnp.bfloat16, what="clustered output")
+  testing.assert_close(out, want, jnp.bfloat16, what=what)
 
 
 @pytest.mark.parametrize("stages,block_n,sizes,m,offset", [
