@@ -18,6 +18,7 @@ from tokamax import testing
 from tokamax._src.ops.gated_linear_unit import GatedLinearUnitArgs
 from tokamax_gpu_mosaic import gated_linear_unit as glu
 from tokamax_gpu_mosaic import gated_linear_unit_kernel as glk
+from tokamax_gpu_mosaic import ragged_dot_kernel as rdk
 
 HIGHEST = jax.lax.Precision.HIGHEST
 _ON_HOPPER = (jax.default_backend() == "gpu"
@@ -286,8 +287,14 @@ def test_dh_from_projections(activation, shape, dtype):
   testing.assert_close(dh, _reference_dh(h, dy, activation), dtype, what="dh", gpu=True)
 
 
+def _exact_gelu(v):
+  return jax.nn.gelu(v, approximate=False)
+
+
 @gpu
-@pytest.mark.parametrize("activation", [jax.nn.silu, jax.nn.gelu])
+@pytest.mark.parametrize("activation", [
+    jax.nn.silu, jax.nn.gelu,
+    _exact_gelu])  # erf: no epilogue lowering, so the forward applies it in XLA
 @pytest.mark.parametrize("m,k,n,sizes", [
     (4096, 512, 1024, (1000, 0, 1900, 900)),  # an empty group, 296 rows past them
     (1000, 384, 520, (333, 667))])  # no dh_tile: dh by XLA
@@ -304,6 +311,9 @@ def test_grouped(activation, m, k, n, sizes):
         implementation=implementation).astype(jnp.float32) * dy)
   with tokamax.record_dispatch() as records:
     out, grads = jax.jit(jax.value_and_grad(loss("mosaic_gpu"), argnums=(0, 1)))(x, w)
+    # An inference forward: the activation in the kernel's epilogue where it lowers.
+    inference = jax.jit(lambda x, w: tokamax.gated_linear_unit(
+        x, w, activation=activation, group_sizes=gs, implementation="mosaic_gpu"))(x, w)
   assert {(r.direction, r.implementation) for r in records} == {
       ("forward", "mosaic_gpu"), ("backward", "mosaic_gpu")}
   up = (x.astype(jnp.float32), w.astype(jnp.float32))
@@ -311,6 +321,44 @@ def test_grouped(activation, m, k, n, sizes):
   testing.assert_close(out, ref, jnp.bfloat16, what="loss", gpu=True)
   for got, want, what in zip(grads, ref_grads, ("dx", "dw")):
     testing.assert_close(got, want, jnp.bfloat16, what=what, scale=2, gpu=True)
+  testing.assert_close(inference, tokamax.gated_linear_unit(
+      *up, activation=activation, group_sizes=gs, precision=HIGHEST,
+      implementation="xla"), jnp.bfloat16, what="inference output", gpu=True)
+
+
+@gpu
+@pytest.mark.parametrize("config", [
+    rdk.RaggedDotConfig(block_n=128, num_stages=4, out_pieces=2, item_order="group"),
+    rdk.RaggedDotConfig(block_n=128, num_stages=3, chain_items=False),
+    rdk.RaggedDotConfig(block_n=64, num_stages=4),
+    # Tilings the kernel does not run, taken as 128-row group items.
+    rdk.RaggedDotConfig(block_m=256, block_n=128, num_stages=3, item_order="group"),
+    rdk.RaggedDotConfig(block_m=64, block_n=128, num_stages=6, row_tiling="fixed")],
+    ids=["group-order", "unchained", "block_n64", "from-tall", "from-fixed"])
+@pytest.mark.parametrize("keep_projections", [False, True])
+def test_grouped_glu_kernel(config, keep_projections):
+  """The grouped forward kernel (activation in the epilogue) against the float32
+  reference: held groups from the second (offset 1), an empty group, a group
+  ending mid-tile, rows past the last group, N not a multiple of the tile."""
+  m, k, n = 3000, 320, 700
+  sizes = jnp.asarray([200, 900, 0, 1333, 250, 17], jnp.int32)
+  rng = np.random.default_rng(next(_seed))
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((5, k, 2, n)) / np.sqrt(k), jnp.bfloat16)
+  starts, ends = tokamax.plugin.held_row_ranges(sizes, jnp.int32(1), 5, m)
+  got = jax.jit(lambda x, w: glk.grouped_glu(
+      x, w, starts, ends, jax.nn.silu, config, keep_projections))(x, w)
+  projections = tokamax.ragged_dot(
+      x.astype(jnp.float32), w.astype(jnp.float32).reshape(5, k, 2 * n), sizes,
+      group_offset=jnp.int32(1), precision=HIGHEST, implementation="xla")
+  rounded = projections.astype(jnp.bfloat16).astype(jnp.float32)
+  want = jax.nn.silu(rounded[:, :n]) * rounded[:, n:]
+  out = got[0] if keep_projections else got
+  testing.assert_close(out, want, jnp.bfloat16, what="output", gpu=True)
+  if keep_projections:
+    assert got[1].shape == (m, 2, n)
+    testing.assert_close(got[1].reshape(m, 2 * n), projections, jnp.bfloat16,
+                         what="projections", gpu=True)
 
 
 def test_grouped_lowers_for_cuda():

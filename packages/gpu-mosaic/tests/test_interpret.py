@@ -242,6 +242,36 @@ def test_grouped_gated_linear_unit():
   _check(call, operands, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("config,keep_projections,offset", [
+    # The MoE step's kind of config (group order, chained ring), projections kept.
+    (rdk.RaggedDotConfig(block_n=128, num_stages=2, item_order="group"), True, 0),
+    # 64-column tiles, held groups from the third (zero items before them).
+    (rdk.RaggedDotConfig(block_n=64, num_stages=3), False, 2)])
+def test_grouped_glu_kernel(config, keep_projections, offset):
+  """The grouped forward kernel (activation in the epilogue): empty groups, a
+  group ending mid-tile, rows past the last group, against the float32
+  reference on the projections rounded to bfloat16 (as the kernel rounds)."""
+  m, k, n = 420, 256, 384
+  sizes = jnp.asarray([60, 0, 150, 37, 0, 120, 3], jnp.int32)
+  held = 7 - offset
+  x = _normal((m, k), jnp.bfloat16)
+  w = _normal((held, k, 2, n), jnp.bfloat16, k**-0.5)
+  starts, ends = tokamax.plugin.held_row_ranges(sizes, jnp.int32(offset), held, m)
+  with tokamax.interpret():
+    got = glk.grouped_glu(x, w, starts, ends, jax.nn.silu, config, keep_projections)
+  projections = tokamax.ragged_dot(
+      x.astype(jnp.float32), w.astype(jnp.float32).reshape(held, k, 2 * n), sizes,
+      group_offset=jnp.int32(offset), precision=jax.lax.Precision.HIGHEST,
+      implementation="xla")
+  rounded = projections.astype(jnp.bfloat16).astype(jnp.float32)
+  want = jax.nn.silu(rounded[:, :n]) * rounded[:, n:]
+  testing.assert_close(got[0] if keep_projections else got, want, jnp.bfloat16,
+                       what="output")
+  if keep_projections:
+    testing.assert_close(got[1].reshape(m, 2 * n), projections, jnp.bfloat16,
+                         what="projections")
+
+
 def test_grouped_gated_linear_unit_chosen_by_dispatch_with_traced_sizes():
   # As in an MoE step: implementation=None, group sizes computed in the traced
   # function (a router's counts), weights reshaped there. Dispatch checks the

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -463,3 +464,172 @@ def glu_dh_from_projections(projections, dout, activation) -> jax.Array:
       grid=(m // bm, n // bn), grid_names=("m", "n"),
       compiler_params=_common.compiler_params())
   return call(projections, dout.astype(dtype))
+
+
+# ----------------------------------------------------------------------------
+# Grouped (MoE experts): ragged_dot's group tiles with the activation in the
+# epilogue.
+
+
+def grouped_glu_config(config: ragged_dot_kernel.RaggedDotConfig, itemsize: int
+                       ) -> ragged_dot_kernel.RaggedDotConfig:
+  """ragged_dot's forward config for the projections ``x @ [G, K, 2N]``, as
+  `grouped_glu` runs it: 128-row items over the groups (its two ``[64,
+  block_n]`` float32 accumulators per warpgroup take the registers of
+  ragged_dot's ``[64, 2 block_n]``; 256-row items would need twice that) and
+  one ``[128, block_n]`` output staging tile (``out_pieces=2``'s bytes), with
+  fewer stages where a 64-row fixed tiling's ring does not fit 128 rows.
+  Without clusters: with the gate and the up tiles as two multicast operands
+  the kernel hung in the Mosaic GPU interpreter (not investigated; ragged_dot
+  runs clusters only where a config asks for them)."""
+  config = dataclasses.replace(config, block_m=128, row_tiling="group", out_pieces=2,
+                               cluster_m=1)
+  while (ragged_dot_kernel.smem_bytes(config, itemsize, itemsize) > _common.SMEM_LIMIT
+         and config.num_stages > 2):
+    config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+  return config
+
+
+@dataclasses.dataclass(frozen=True)
+class _GroupGluTiles(ragged_dot_kernel._GroupTiles):  # pylint: disable=protected-access
+  """ragged_dot's forward over row tiles that follow the groups
+  (`ragged_dot_kernel._GroupTiles`: work items, chained rings), with
+  a GLU's epilogue. An item is a row tile x ``block_n`` output columns: the
+  weights stream as two operands, the gate tile and the up tile of those
+  columns, into two accumulators, and the epilogue writes ``activation(gate) *
+  up``, and in a training step (`keep_projections`) the gate and up
+  projections the backward's dh reads."""
+
+  activation: Any  # elementwise, inlined (`_common.inline_elementwise`)
+  up_offset: int  # the first up column of the ``[K, 2N]`` weights
+  keep_projections: bool
+
+  @property
+  def num_outputs(self):
+    return 2 if self.keep_projections else 1
+
+  @property
+  def cta_n(self):  # output columns of an item; its accumulators hold twice that
+    return self.config.block_n
+
+  @property
+  def pieces(self):  # each output tile goes out whole from one staging tile
+    return 1
+
+  def operand_blocks(self, item, operands):
+    lhs_ref, w_ref, _ = operands  # the weights, streamed as gate and as up
+    cols = lambda first: pl.ds(first + item.n0, self.cta_n)
+    return (lhs_ref.at[pl.ds(item.row0, self.bm), :],
+            w_ref.at[item.group, :, cols(0)],
+            w_ref.at[item.group, :, cols(self.up_offset)])
+
+  def mma(self, item, _, x_smem, gate_smem, up_smem, carry):
+    acc_gate, acc_up = carry
+
+    @pl.when(item.whi > item.wlo)
+    def _issue():
+      own = x_smem.at[pl.ds(item.cwg * self.half, self.half)]
+      plgpu.wgmma(acc_gate, own, gate_smem)
+      plgpu.wgmma(acc_up, own, up_smem)
+    plgpu.wgmma_wait(2)  # only this step's pair pending: the previous slot is free
+    return carry
+
+  def context(self, item, out_ref, out_smem, allocs, eval_pipeline):
+    shape = (self.half, self.cta_n)
+
+    @functools.partial(pl.run_scoped, acc_gate=plgpu.ACC(shape, jnp.float32),
+                       acc_up=plgpu.ACC(shape, jnp.float32))
+    def _acc_scope(acc_gate, acc_up):
+      eval_pipeline((acc_gate, acc_up))
+      self.finish_loop(allocs)
+      self.store_outputs(item, out_ref, out_smem, acc_gate[...], acc_up[...])
+
+  def outputs(self, out_ref):
+    """(output ref, projections ref or None)."""
+    return out_ref if self.keep_projections else (out_ref, None)
+
+  def store_outputs(self, item, out_ref, out_smem, gate, up):
+    y_ref, h_ref = self.outputs(out_ref)
+    # The output from the projections rounded to x's dtype: as the backward
+    # reads them, and as the plain program (two matmuls, then the activation)
+    # computes it.
+    gate, up = gate.astype(self.out_dtype), up.astype(self.out_dtype)
+    cols = pl.ds(item.n0, self.cta_n)
+    if h_ref is not None:
+      self.store_rows(item, h_ref, out_smem, gate, cols)
+      self.store_rows(item, h_ref, out_smem, up,
+                      pl.ds(self.up_offset + item.n0, self.cta_n))
+    y = self.activation(gate.astype(jnp.float32)) * up.astype(jnp.float32)
+    self.store_rows(item, y_ref, out_smem, y.astype(self.out_dtype), cols)
+
+  def store_zeros(self, item, out_ref, out_smem):
+    y_ref, h_ref = self.outputs(out_ref)
+    zeros = _pipeline.zeros_tile((self.half, self.cta_n), self.out_dtype)
+    targets = [(y_ref, 0)]
+    if h_ref is not None:
+      targets += [(h_ref, 0), (h_ref, self.up_offset)]
+    for ref, first in targets:
+      self.store_rows(item, ref, out_smem, zeros, pl.ds(first + item.n0, self.cta_n))
+
+
+def grouped_glu(x, weights, starts, ends, activation,
+                config: ragged_dot_kernel.RaggedDotConfig,
+                keep_projections: bool = False):
+  """``activation(x @ weights[g, :, 0]) * (x @ weights[g, :, 1])`` for the rows
+  ``[starts[g], ends[g])`` of group ``g`` (0 in rows no group holds), in x's
+  dtype, from ``x [M, K]`` and ``weights [G, K, 2, N]``.
+
+  One kernel: ragged_dot's forward whose items stream the gate and the up
+  tiles of the same columns, with the activation in the epilogue, so the
+  projections need not go through device memory and back for it. With
+  `keep_projections`, ``(out, projections)``: the epilogue also writes the
+  projections ``[M, 2, N]`` (x's dtype) for the backward. `config`: ragged_dot's
+  config for the projections' matmul, run as `grouped_glu_config` says.
+  """
+  rdk = ragged_dot_kernel
+  itemsize = jnp.dtype(x.dtype).itemsize
+  config = grouped_glu_config(config, itemsize)
+  rdk.check_fits(config, itemsize, itemsize, "gated_linear_unit grouped_glu")
+  m_orig, k_orig = x.shape
+  num_groups, _, _, n_orig = weights.shape
+  bm, bn, bk = config.block_m, config.block_n, config.block_k
+  # K gets two pipeline steps at least (`ragged_dot_kernel._pad_operands`); N
+  # whole column tiles, so that no gate tile reaches into the up columns.
+  x = rdk.pad_to_multiple(rdk.pad_to_multiple(x, 0, 8, bm), 1, COLS, 2 * bk)
+  m, k = x.shape
+  n = _common.round_up(n_orig, bn, bn)
+  weights = _common.pad_axis(_common.pad_axis(weights, 1, k), 3, n)
+  w2 = weights.reshape(num_groups, k, 2 * n)
+  items = rdk.work_items(starts, ends, m, bm)
+  num_items = items.shape[0]
+  n_tiles = n // bn
+  if config.item_order == "group":
+    items = rdk.ordered_items(items, n_tiles, config.grid_tile_width)
+  k_steps = pl.cdiv(k, bk)
+  depth = (_pipeline.ChainedPipeline.ring_depth(k_steps, config.num_stages)
+           if config.chain_items else None)
+  chained = depth is not None
+  delay = 0 if chained else 1
+  x_spec = _pipeline.tma_spec((bm, bk), lambda ki: (0, ki), x.dtype, bk, delay)
+  w_spec = _pipeline.tma_spec((bk, bn), lambda ki: (ki, 0), x.dtype, bk, delay)
+  pipeline_cls = _pipeline.ChainedPipeline if chained else _pipeline.WarpSpecializedPipeline
+  tiles = _GroupGluTiles(
+      config=config, transpose_rhs=False, out_dtype=x.dtype, num_items=num_items,
+      n_tiles=n_tiles, k_steps=k_steps,
+      pipeline=pipeline_cls((x_spec, w_spec, w_spec),
+                            depth if chained else config.num_stages),
+      activation=_common.inline_elementwise(activation), up_offset=n,
+      keep_projections=keep_projections)
+
+  def kernel(items_ref, x_ref, w_ref, *out_refs):
+    tiles.kernel(items_ref, x_ref, w_ref, w_ref, *out_refs)
+
+  out_type = [jax.ShapeDtypeStruct((m, n), x.dtype)]
+  if keep_projections:
+    out_type.append(jax.ShapeDtypeStruct((m, 2 * n), x.dtype))
+  call = _pipeline.persistent_kernel(kernel, out_type=tuple(out_type))
+  out, *h = call(items, x, w2)
+  out = out[:m_orig, :n_orig]
+  if not keep_projections:
+    return out
+  return out, h[0].reshape(m, 2, n)[:m_orig, :, :n_orig]

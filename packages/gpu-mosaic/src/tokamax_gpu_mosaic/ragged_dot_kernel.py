@@ -437,6 +437,9 @@ class _GroupTiles:
   k_steps: int
   pipeline: _pipeline.WarpSpecializedPipeline
 
+  # The kernel's outputs after the streamed operands (a subclass may write more).
+  num_outputs = 1
+
   @property
   def bm(self):
     return self.config.block_m
@@ -479,8 +482,10 @@ class _GroupTiles:
         for _ in range(2)]
 
   def kernel(self, items_ref, *refs):
-    """`refs`: the operands the pipeline streams (lhs, rhs), then the output."""
-    *operands, out_ref = refs
+    """`refs`: the operands the pipeline streams (lhs, rhs), then the output
+    (the `num_outputs` outputs, as a tuple, where there are more)."""
+    operands, outs = refs[:-self.num_outputs], refs[-self.num_outputs:]
+    out_ref = outs[0] if self.num_outputs == 1 else outs
     allocs = self.pipeline.allocations(*operands, steps=self.k_steps)
 
     @functools.partial(pl.run_scoped, allocs=allocs, out_smem=self.out_smem_types(),
@@ -564,8 +569,12 @@ class _GroupTiles:
 
     @pl.when((item.group < 0) & (item.hi > item.lo) & (item.wg < 2))
     def _zeros():
-      zeros = _pipeline.zeros_tile((self.half, self.piece_n), self.out_dtype)
-      self.store_tile(item, out_ref, out_smem, lambda p: zeros)
+      self.store_zeros(item, out_ref, out_smem)
+
+  def store_zeros(self, item: _Item, out_ref, out_smem):
+    """A zero item's rows (no held group owns them)."""
+    zeros = _pipeline.zeros_tile((self.half, self.piece_n), self.out_dtype)
+    self.store_tile(item, out_ref, out_smem, lambda p: zeros)
 
   def finish_loop(self, allocs):
     """After the item's K loop (compute warpgroups): a chained ring's last slot."""
