@@ -15,6 +15,7 @@ import pytest
 
 import tokamax
 from tokamax import testing
+from tokamax._src import op as op_lib
 from tokamax._src.ops.gated_linear_unit import GatedLinearUnitArgs
 from tokamax_gpu_mosaic import gated_linear_unit as glu
 from tokamax_gpu_mosaic import gated_linear_unit_kernel as glk
@@ -291,10 +292,16 @@ def _exact_gelu(v):
   return jax.nn.gelu(v, approximate=False)
 
 
+def test_which_activations_the_grouped_epilogue_takes():
+  assert glu._activation_in_epilogue(jax.nn.silu)
+  assert glu._activation_in_epilogue(None)
+  assert not glu._activation_in_epilogue(_exact_gelu)  # erfc: no Lane lowering
+
+
 @gpu
 @pytest.mark.parametrize("activation", [
     jax.nn.silu, jax.nn.gelu,
-    _exact_gelu])  # erf: no epilogue lowering, so the forward applies it in XLA
+    _exact_gelu])  # erfc: no epilogue lowering, so the forward applies it in XLA
 @pytest.mark.parametrize("m,k,n,sizes", [
     (4096, 512, 1024, (1000, 0, 1900, 900)),  # an empty group, 296 rows past them
     (1000, 384, 520, (333, 667))])  # no dh_tile: dh by XLA
@@ -336,23 +343,25 @@ def test_grouped(activation, m, k, n, sizes):
     rdk.RaggedDotConfig(block_m=64, block_n=128, num_stages=6, row_tiling="fixed")],
     ids=["group-order", "unchained", "block_n64", "from-tall", "from-fixed"])
 @pytest.mark.parametrize("keep_projections", [False, True])
-def test_grouped_glu_kernel(config, keep_projections):
+@pytest.mark.parametrize("activation", [jax.nn.silu, None])
+def test_grouped_glu_kernel(config, keep_projections, activation):
   """The grouped forward kernel (activation in the epilogue) against the float32
   reference: held groups from the second (offset 1), an empty group, a group
-  ending mid-tile, rows past the last group, N not a multiple of the tile."""
-  m, k, n = 3000, 320, 700
+  ending mid-tile, rows past the last group, N not a multiple of the tile. K
+  is 4 steps: the 4-stage configs chain their items in one ring."""
+  m, k, n = 3000, 256, 700
   sizes = jnp.asarray([200, 900, 0, 1333, 250, 17], jnp.int32)
   rng = np.random.default_rng(next(_seed))
   x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((5, k, 2, n)) / np.sqrt(k), jnp.bfloat16)
   starts, ends = tokamax.plugin.held_row_ranges(sizes, jnp.int32(1), 5, m)
   got = jax.jit(lambda x, w: glk.grouped_glu(
-      x, w, starts, ends, jax.nn.silu, config, keep_projections))(x, w)
+      x, w, starts, ends, activation, config, keep_projections))(x, w)
   projections = tokamax.ragged_dot(
       x.astype(jnp.float32), w.astype(jnp.float32).reshape(5, k, 2 * n), sizes,
       group_offset=jnp.int32(1), precision=HIGHEST, implementation="xla")
   rounded = projections.astype(jnp.bfloat16).astype(jnp.float32)
-  want = jax.nn.silu(rounded[:, :n]) * rounded[:, n:]
+  want = (activation or (lambda g: g))(rounded[:, :n]) * rounded[:, n:]
   out = got[0] if keep_projections else got
   testing.assert_close(out, want, jnp.bfloat16, what="output", gpu=True)
   if keep_projections:
@@ -369,15 +378,21 @@ def test_grouped_lowers_for_cuda():
                              activation=jax.nn.silu, group_sizes=s((3,), jnp.int32))
   fwd, vjp = glu.MosaicGpuGatedLinearUnit(), glu.MosaicGpuGatedLinearUnitVjp()
 
-  def step(args, dy):
-    out, residuals = fwd.forward(args, None)
-    return out, vjp.backward(args, residuals, out, dy, None)
-  exported = jax.export.export(jax.jit(step), platforms=["cuda"])(
-      args, s((1000, 512), jnp.bfloat16))
-  # The forward's projections, their recompute (a forward called outside
-  # dispatch keeps none), dh, dlhs and drhs.
-  kernels = re.findall(r"@mosaic_gpu\w*", exported.mlir_module())
-  assert len(kernels) == 5, kernels
+  def kernels(*training):
+    def step(args, dy):  # a new function per call: jit's trace cache ignores the context
+      out, residuals = fwd.forward(args, None)
+      return out, vjp.backward(args, residuals, out, dy, None)
+    with op_lib.forward_for_backward(*training):
+      exported = jax.export.export(jax.jit(step), platforms=["cuda"])(
+          args, s((1000, 512), jnp.bfloat16))
+    return re.findall(r"@mosaic_gpu\w*", exported.mlir_module())
+  # Outside dispatch a forward keeps no residuals: `grouped_glu` (the activation
+  # in its epilogue), then the backward's recompute of the projections, dh,
+  # dlhs and drhs.
+  assert len(kernels(False)) == 5, kernels(False)
+  # A training forward: the projections kernel (kept; XLA's activation), then
+  # dh, dlhs and drhs.
+  assert len(kernels()) == 4, kernels()
 
 
 @gpu

@@ -245,7 +245,8 @@ def test_grouped_gated_linear_unit():
 @pytest.mark.parametrize("config,keep_projections,offset", [
     # The MoE step's kind of config (group order, chained ring), projections kept.
     (rdk.RaggedDotConfig(block_n=128, num_stages=2, item_order="group"), True, 0),
-    # 64-column tiles, held groups from the third (zero items before them).
+    # 64-column tiles, held groups from the third (zero items before them); 4 K
+    # steps under 3 stages: each item fills the ring anew.
     (rdk.RaggedDotConfig(block_n=64, num_stages=3), False, 2)])
 def test_grouped_glu_kernel(config, keep_projections, offset):
   """The grouped forward kernel (activation in the epilogue): empty groups, a

@@ -258,7 +258,8 @@ def _projection_gradient(args, projections, dout):
 
 
 # ----------------------------------------------------------------------------
-# Grouped (MoE experts): ragged_dot's Mosaic GPU kernels, the activation fused.
+# Grouped (MoE experts): ragged_dot's Mosaic GPU kernels (an inference forward's
+# with the activation in its epilogue).
 
 
 def _ragged_args(args, lhs=None):
@@ -270,8 +271,9 @@ def _ragged_args(args, lhs=None):
 
 
 def _check_grouped(args, ragged_op, device) -> None:
-  """What a grouped call needs: an elementwise activation (applied in XLA) and
-  ragged_dot's kernel taking the projections' matmul. Asked with shapes only: a
+  """What a grouped call needs: an elementwise activation (in XLA, or in
+  `grouped_glu`'s epilogue where it lowers) and ragged_dot's kernel taking the
+  projections' matmul. Asked with shapes only: a
   check must not compute (dispatch may check in a trace other than the call's,
   and an array made there from the call's operands would escape it)."""
   _check_operands(args)
@@ -293,7 +295,11 @@ def _grouped_projections(args):
 
 
 def _activation_in_epilogue(activation) -> bool:
-  """Whether a kernel epilogue can lower `activation` (`_common.check_elementwise_fn`)."""
+  """Whether a kernel epilogue can lower `activation` (`_common.check_elementwise_fn`).
+  False where this JAX's table of lowerable primitives cannot be read: the
+  grouped forward then keeps XLA's activation, which takes any."""
+  if activation is not None and _common.lowerable_primitives() is None:
+    return False
   try:
     _common.check_elementwise_fn("activation", activation)
   except NotImplementedError:

@@ -40,6 +40,13 @@ pre-activations (gate, up) and ``dh = [dy * up * act'(gate), dy * act(gate)]``:
    with one group (a dense matmul): dx reads w tiles transposed in shared memory
    (as ragged_dot's dlhs), dw multiplies an XLA transpose of x (a pass over x,
    a seventh of dh's bytes at the reference shape) by dh.
+
+Grouped calls (``weights [G, K, 2, N]``, MoE experts): `grouped_glu` is
+ragged_dot's forward kernel over the groups' row tiles whose items stream the
+gate and the up weight tiles of the same columns into two accumulators, the
+activation in the epilogue (an inference forward; a training forward runs
+ragged_dot's kernel for the projections and XLA's activation, see
+`gated_linear_unit._grouped_forward`).
 """
 
 from __future__ import annotations
@@ -482,8 +489,12 @@ def grouped_glu_config(config: ragged_dot_kernel.RaggedDotConfig, itemsize: int
   Without clusters: with the gate and the up tiles as two multicast operands
   the kernel hung in the Mosaic GPU interpreter (not investigated; ragged_dot
   runs clusters only where a config asks for them)."""
-  config = dataclasses.replace(config, block_m=128, row_tiling="group", out_pieces=2,
-                               cluster_m=1)
+  # block_n up to 128: two [64, block_n] float32 accumulators per thread's
+  # registers. out_pieces=2: ragged_dot's shared-memory formula then counts one
+  # [128, block_n] staging tile, what this kernel stages (`_GroupGluTiles`).
+  config = dataclasses.replace(config, block_m=128, block_n=min(config.block_n, 128),
+                               row_tiling="group", out_pieces=2, cluster_m=1,
+                               drhs_kernel="ring")
   while (ragged_dot_kernel.smem_bytes(config, itemsize, itemsize) > _common.SMEM_LIMIT
          and config.num_stages > 2):
     config = dataclasses.replace(config, num_stages=config.num_stages - 1)
@@ -497,8 +508,8 @@ class _GroupGluTiles(ragged_dot_kernel._GroupTiles):  # pylint: disable=protecte
   a GLU's epilogue. An item is a row tile x ``block_n`` output columns: the
   weights stream as two operands, the gate tile and the up tile of those
   columns, into two accumulators, and the epilogue writes ``activation(gate) *
-  up``, and in a training step (`keep_projections`) the gate and up
-  projections the backward's dh reads."""
+  up`` and, with `keep_projections`, the gate and up projections (what a
+  backward's dh reads)."""
 
   activation: Any  # elementwise, inlined (`_common.inline_elementwise`)
   up_offset: int  # the first up column of the ``[K, 2N]`` weights
@@ -590,7 +601,7 @@ def grouped_glu(x, weights, starts, ends, activation,
   itemsize = jnp.dtype(x.dtype).itemsize
   config = grouped_glu_config(config, itemsize)
   rdk.check_fits(config, itemsize, itemsize, "gated_linear_unit grouped_glu")
-  m_orig, k_orig = x.shape
+  m_orig = x.shape[0]
   num_groups, _, _, n_orig = weights.shape
   bm, bn, bk = config.block_m, config.block_n, config.block_k
   # K gets two pipeline steps at least (`ragged_dot_kernel._pad_operands`); N
