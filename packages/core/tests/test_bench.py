@@ -1,5 +1,7 @@
 """The benchmark suite runner on a tiny problem (the reference shapes need a GPU)."""
 
+import subprocess
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -9,6 +11,7 @@ from tokamax._src import bench_suite
 from tokamax._src.ops.attention import problems as attention_problems
 from tokamax._src import bench_models
 from tokamax._src import benchmarking
+from tokamax._src import gpu_state
 
 
 def _tiny_norm():
@@ -307,3 +310,48 @@ def test_norm_rates_count_the_bytes_a_training_step_moves():
   # Scale and offset: forward 128 + 32; backward 192 + 16 (scale) + 32 (their grads).
   layer = layer_norm_problems.problem(4, 8, rms=False)
   assert (layer.bytes, layer.bytes * layer.backward_factor) == (160, 400)
+
+
+# ------------------------------------------------------------ the GPU's state
+
+
+class _FakeNvidiaSmi:
+  """`subprocess.run` for nvidia-smi: answers the queries whose fields it knows."""
+
+  def __init__(self, known):
+    self.known = known  # field -> value
+    self.queries = []
+
+  def __call__(self, command, **_):
+    fields = command[1].removeprefix("--query-gpu=").split(",")
+    self.queries.append(fields)
+    if not set(fields) <= set(self.known):
+      return subprocess.CompletedProcess(command, 2, stdout="", stderr="bad field")
+    line = ", ".join(self.known[f] for f in fields)
+    return subprocess.CompletedProcess(command, 0, stdout=line + "\n", stderr="")
+
+
+_STATE = {"clocks.sm": "1440", "clocks.max.sm": "1980", "power.draw": "698.20",
+          "power.limit": "700.00", "temperature.gpu": "61"}
+
+
+def test_gpu_state_names_clock_power_and_what_limits_the_clock(monkeypatch):
+  fake = _FakeNvidiaSmi({**_STATE, "clocks_throttle_reasons.active": "0x04"})
+  monkeypatch.setattr(gpu_state.shutil, "which", lambda name: "/usr/bin/" + name)
+  monkeypatch.setattr(gpu_state.subprocess, "run", fake)
+  assert gpu_state.describe() == ("SM clock 1440 MHz of 1980 MHz, power 698.20 W of "
+                                  "700.00 W, 61 C, clock limit reasons 0x04")
+  # The newer field name first, refused by this (older) driver.
+  assert [q[-1] for q in fake.queries] == ["clocks_event_reasons.active",
+                                           "clocks_throttle_reasons.active"]
+
+
+def test_gpu_state_without_the_reasons_field_or_nvidia_smi(monkeypatch):
+  monkeypatch.setattr(gpu_state.shutil, "which", lambda name: "/usr/bin/" + name)
+  monkeypatch.setattr(gpu_state.subprocess, "run", _FakeNvidiaSmi(_STATE))
+  assert gpu_state.describe() == ("SM clock 1440 MHz of 1980 MHz, power 698.20 W of 700.00 W, "
+                                  "61 C")
+  monkeypatch.setattr(gpu_state.subprocess, "run", _FakeNvidiaSmi({}))
+  assert gpu_state.describe() is None
+  monkeypatch.setattr(gpu_state.shutil, "which", lambda name: None)
+  assert gpu_state.describe() is None

@@ -26,6 +26,7 @@ from tokamax._src import autotuning
 from tokamax._src import benchmarking
 from tokamax._src import introspection
 from tokamax._src import bench_models
+from tokamax._src import gpu_state
 from tokamax._src.ops import catalog
 from tokamax._src.ops.attention import problems as attention_problems
 from tokamax._src import registry
@@ -472,6 +473,7 @@ def _run(ops, iterations, implementations, sweep, models, quick, sizes, shape=No
       for m in (bench_models.MODELS if name == "all" else (name,))))
   print(f"tokamax bench on {jax.devices()[0].device_kind}, JAX {jax.__version__}"
         f"{', quick shapes (--full for the reference shapes)' if quick and not sweep else ''}")
+  _print_gpu_state("at the start")
   print("\n".join(HEADER), flush=True)
   all_rows, notes = [], []
   for p in problems:
@@ -495,7 +497,15 @@ def _run(ops, iterations, implementations, sweep, models, quick, sizes, shape=No
       write_json(json_path, all_rows)
   for text in notes:
     print("\n" + text)
+  _print_gpu_state("at the end")
   return all_rows, notes
+
+
+def _print_gpu_state(when: str) -> None:
+  """The GPU's clock and power (`gpu_state.describe`) where nvidia-smi reports them."""
+  state = gpu_state.describe() if jax.devices()[0].platform == "gpu" else None
+  if state:
+    print(f"GPU {when}: {state}", flush=True)
 
 
 def _first_party_distributions() -> set[str] | None:
