@@ -36,9 +36,10 @@ def _query(fields) -> list[str] | None:
 
 
 def describe() -> str | None:
-  """``"SM clock 1980 MHz of 1980 MHz, power 120.5 W of 700.00 W, 38 C, clock
-  limit reasons 0x0000000000000000"`` for the first GPU nvidia-smi lists (JAX's first
-  device unless CUDA_VISIBLE_DEVICES reorders them), None without nvidia-smi."""
+  """E.g. ``"SM clock 1980 MHz of 1980 MHz, power 128.65 W of 700.00 W, 41 C,
+  clock limit reasons ..."`` (an H200 just after a bench run, session 25) for
+  the first GPU nvidia-smi lists (JAX's first device unless CUDA_VISIBLE_DEVICES
+  reorders them), None without nvidia-smi."""
   if shutil.which("nvidia-smi") is None:
     return None
   for fields in (*((*_FIELDS, (name, _REASON_LABEL)) for name in _REASON_FIELDS),
