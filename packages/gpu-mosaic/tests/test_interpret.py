@@ -25,6 +25,7 @@ from tokamax_gpu_mosaic import _common
 from tokamax_gpu_mosaic import _pipeline
 from tokamax_gpu_mosaic import attention as mat
 from tokamax_gpu_mosaic import gated_linear_unit_kernel as glk
+from tokamax_gpu_mosaic import layer_norm as mln
 from tokamax_gpu_mosaic import ragged_dot_kernel as rdk
 from tokamax_gpu_mosaic import ragged_dot_kernel_drhs as rdd
 
@@ -298,6 +299,30 @@ def test_grouped_gated_linear_unit_chosen_by_dispatch_with_traced_sizes():
   testing.assert_close(out, want, jnp.bfloat16, what="output")
   for g, r in zip(grads, want_grads):
     testing.assert_close(g, r, jnp.bfloat16, what="gradient", scale=2.0)
+
+
+@pytest.mark.parametrize("r,d,subtract_mean,dtype,rows_per_block", [
+    (6, 2048, True, jnp.bfloat16, 2), (5, 1024, False, jnp.float32, 1),
+    (8, 3072, True, jnp.float16, 4)])
+def test_layer_norm(r, d, subtract_mean, dtype, rows_per_block):
+  """The forward's kernel (the backward is another implementation's, reading its
+  residuals), with a shifted x and a float32 scale for a 16-bit x."""
+  x = _normal((r, d), dtype, 3.0) + jnp.asarray(2.0, dtype)
+  scale, offset = _normal((d,), jnp.float32), _normal((d,), dtype)
+  op = mln.MosaicGpuLayerNorm(mln.LayerNormConfig(rows_per_block))
+  call = lambda impl: lambda x, s, o: tokamax.layer_norm(
+      x, s, o, subtract_mean=subtract_mean, implementation=impl)
+  with tokamax.interpret(), tokamax.record_dispatch() as records:
+    out, vjp = jax.vjp(call(op), x, scale, offset)
+    cotangent = _normal(out.shape, out.dtype)
+    grads = vjp(cotangent)
+  assert ("forward", "mosaic_gpu") in {(r.direction, r.implementation)
+                                       for r in records}
+  upcast = [a.astype(jnp.float32) for a in (x, scale, offset)]
+  ref_out, ref_vjp = jax.vjp(call("xla"), *upcast)
+  testing.assert_close(out, ref_out, dtype, what="output")
+  for i, (g, ref) in enumerate(zip(grads, ref_vjp(cotangent.astype(jnp.float32)))):
+    testing.assert_close(g, ref, dtype, what=f"gradient {i}", scale=2.0)
 
 
 def test_overlap_qk_is_refused_in_the_interpreter():
