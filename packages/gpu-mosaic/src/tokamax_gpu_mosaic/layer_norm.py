@@ -29,11 +29,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import tokamax
-from tokamax import Op, VjpOp
+from tokamax import Op
 from tokamax_gpu_mosaic import _common
 
-__all__ = ["LayerNormConfig", "LayerNormVjpConfig", "MosaicGpuLayerNorm",
-           "MosaicGpuLayerNormVjp", "layer_norm_backward", "layer_norm_forward"]
+__all__ = ["LayerNormConfig", "MosaicGpuLayerNorm", "layer_norm_forward"]
 
 # Columns of one piece of a row: 128 threads x 8 elements (one 16-byte vector of
 # a 2-byte dtype each). Rows must be a multiple of it.
@@ -121,110 +120,6 @@ def layer_norm_forward(args: tokamax.LayerNormArgs, config: LayerNormConfig,
   return y, (dict(zip(("mean", "rstd"), stats)) if with_stats else {})
 
 
-@dataclasses.dataclass(frozen=True)
-class LayerNormVjpConfig:
-  """The backward's persistent grid: ``blocks_per_sm`` blocks per SM, each
-  walking a contiguous share of the rows. ``reload``: the second pass over a
-  row (dx, the scale / offset gradients) loads x and dy again (from L2, read
-  just before) instead of keeping the first pass's pieces in registers, which
-  leaves the registers to the gradients' accumulators: rows twice as wide fit."""
-
-  blocks_per_sm: int = 2
-  reload: bool = False
-
-
-def _bwd_kernel(*refs, d: int, per_block: int, rows: int, subtract_mean: bool,
-                has_scale: bool, want_dscale: bool, want_doffset: bool,
-                reload: bool):
-  refs = list(refs)
-  x_ref = refs.pop(0)
-  scale_ref = refs.pop(0) if has_scale else None
-  dy_ref, mean_ref, rstd_ref, dx_ref = refs[:4]
-  partial_refs = refs[4:]
-  block = lax.axis_index("blocks")
-  vector = 16 // jnp.dtype(x_ref.dtype).itemsize
-  pieces = [pl.ds(p * PIECE, PIECE) for p in range(d // PIECE)]
-  scale = lambda cols: _load_piece(scale_ref.at[cols], vector)
-
-  def row_pieces(row, cols):
-    """x-hat, g = dy * scale and dy of one piece of `row`."""
-    x = _load_piece(x_ref.at[row, cols], vector)
-    dy = _load_piece(dy_ref.at[row, cols], vector)
-    if subtract_mean:
-      x = x - mean_ref[row]
-    xhat = x * rstd_ref[row]
-    return xhat, (dy * scale(cols) if has_scale else dy), dy
-
-  def body(row, accs):
-    first = [row_pieces(row, cols) for cols in pieces]
-    # dx = rstd * (g - xhat * mean(g * xhat) - mean(g)); RMSNorm: no mean(g).
-    c1 = _row_sum([g * xhat for xhat, g, _ in first]) * (1.0 / d)
-    c2 = _row_sum([g for _, g, _ in first]) * (1.0 / d) if subtract_mean else None
-    new_accs = []
-    for p, cols in enumerate(pieces):
-      xhat, g, dy = row_pieces(row, cols) if reload else first[p]
-      dx = g - xhat * c1
-      if c2 is not None:
-        dx = dx - c2
-      dx_ref[row, cols] = (dx * rstd_ref[row]).astype(dx_ref.dtype)
-      terms = ([dy * xhat] if want_dscale else []) + ([dy] if want_doffset else [])
-      new_accs += [acc + t for acc, t in zip(accs[len(new_accs):], terms)]
-    return new_accs
-
-  layout = plgpu.Layout.WG_STRIDED((PIECE,), vec_size=vector)
-  zero = plgpu.layout_cast(jnp.zeros((PIECE,), jnp.float32), layout)
-  start = block * per_block
-  accs = lax.fori_loop(start, jnp.minimum(start + per_block, rows), body,
-                       [zero] * (len(pieces) * len(partial_refs)))
-  # The accumulators go out piece by piece, in the order the loop keeps them:
-  # for each piece, dscale's then doffset's.
-  for p, cols in enumerate(pieces):
-    for k, ref in enumerate(partial_refs):
-      ref[block, cols] = accs[p * len(partial_refs) + k]
-
-
-def layer_norm_backward(args: tokamax.LayerNormArgs, mean, rstd, dout,
-                        config: LayerNormVjpConfig) -> dict:
-  """The gradients of x, scale and offset from the forward's mean and rstd.
-
-  One persistent kernel writes dx and each block's float32 sums of the scale's
-  and offset's gradients over its rows (``[blocks, D]``); XLA adds those up
-  (a few MB: deterministic, no atomics)."""
-  x = args.x
-  r, d = x.shape
-  has_scale = args.scale is not None
-  want = [name for name, p in (("scale", args.scale), ("offset", args.offset))
-          if p is not None]
-  blocks = min(r, _common.num_sms() * config.blocks_per_sm)
-  per_block = _common.cdiv(r, blocks)
-  blocks = _common.cdiv(r, per_block)  # none without rows
-  out_type = [jax.ShapeDtypeStruct((r, d), x.dtype)]
-  out_type += [jax.ShapeDtypeStruct((blocks, d), jnp.float32)] * len(want)
-  kernel = functools.partial(
-      _bwd_kernel, d=d, per_block=per_block, rows=r,
-      subtract_mean=args.subtract_mean, has_scale=has_scale,
-      want_dscale="scale" in want, want_doffset="offset" in want,
-      reload=config.reload)
-  call = _common.kernel(kernel, out_type=tuple(out_type), grid=(blocks,),
-                        grid_names=("blocks",),
-                        compiler_params=_common.compiler_params())
-  dx, *partials = call(x, *([args.scale] if has_scale else []),
-                       dout.astype(x.dtype), mean.astype(jnp.float32),
-                       rstd.astype(jnp.float32))
-  grads = {"x": dx}
-  for name, partial in zip(want, partials):
-    grads[name] = jnp.sum(partial, axis=0).astype(getattr(args, name).dtype)
-  return grads
-
-
-def _bwd_registers(args: tokamax.LayerNormArgs, reload: bool) -> int:
-  """float32 registers a thread needs for a row's pieces and the accumulators."""
-  per_piece = PIECE // 128
-  pieces = args.x.shape[1] // PIECE
-  accumulators = (args.scale is not None) + (args.offset is not None)
-  return pieces * per_piece * (accumulators + (0 if reload else 2))
-
-
 def check_args(args: tokamax.LayerNormArgs) -> None:
   """NotImplementedError for what the kernel does not take."""
   for name in ("x", "scale", "offset"):
@@ -243,33 +138,6 @@ def check_args(args: tokamax.LayerNormArgs) -> None:
         f"got {d}")
   if r * d >= 2**31:
     raise NotImplementedError(f"x has 2**31 elements or more ({r} x {d})")
-
-
-# float32 registers a backward thread may give a row's pieces and accumulators.
-_MAX_BWD_REGISTERS = 128
-
-
-def check_backward_args(args: tokamax.LayerNormArgs, residuals) -> None:
-  """`check_args`, and what the backward kernel refuses beyond it."""
-  check_args(args)
-  if residuals is not None and not {"mean", "rstd"} <= set(residuals):
-    raise NotImplementedError("needs the forward's mean and rstd residuals")
-  if _bwd_registers(args, reload=True) > _MAX_BWD_REGISTERS:
-    raise NotImplementedError(
-        f"the scale and offset gradients of {args.x.shape[1]} columns do not fit "
-        f"a thread's registers ({_bwd_registers(args, True)} float32 > "
-        f"{_MAX_BWD_REGISTERS})")
-
-
-def heuristic_vjp_config(args: tokamax.LayerNormArgs) -> LayerNormVjpConfig:
-  reload = _bwd_registers(args, reload=False) > _MAX_BWD_REGISTERS
-  return LayerNormVjpConfig(blocks_per_sm=2, reload=reload)
-
-
-def vjp_search_space(args: tokamax.LayerNormArgs) -> tuple[LayerNormVjpConfig, ...]:
-  reloads = (True,) if heuristic_vjp_config(args).reload else (False, True)
-  return tuple(LayerNormVjpConfig(blocks, reload)
-               for reload in reloads for blocks in (1, 2, 3, 4))
 
 
 def heuristic_config(args: tokamax.LayerNormArgs) -> LayerNormConfig:
@@ -309,35 +177,3 @@ class MosaicGpuLayerNorm(Op):
       raise ValueError(f"LayerNormConfig.rows_per_block must be a power of 2; got "
                        f"{config.rows_per_block}")
     return layer_norm_forward(args, config, with_stats=self.residuals_wanted())
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicGpuLayerNormVjp(VjpOp):
-  """Layer / RMS normalization backward from the forward's mean and rstd: one
-  persistent kernel for dx and per-block sums of the parameters' gradients."""
-
-  op_name = "layer_norm"
-  name = "mosaic_gpu"
-  config_cls = LayerNormVjpConfig
-
-  def check_supported(self, args, device, residuals=None):
-    _common.check_hopper_device(device)
-    check_backward_args(args, residuals)
-
-  def heuristic_config(self, args):
-    return heuristic_vjp_config(args)
-
-  def search_space(self, args):
-    return vjp_search_space(args)
-
-  def backward(self, args, residuals, out, dout, config):
-    del out
-    if config.blocks_per_sm < 1:
-      raise ValueError(f"LayerNormVjpConfig.blocks_per_sm must be >= 1; got "
-                       f"{config.blocks_per_sm}")
-    if not config.reload and _bwd_registers(args, False) > _MAX_BWD_REGISTERS:
-      raise ValueError(f"LayerNormVjpConfig(reload=False) at {args.x.shape[1]} "
-                       "columns needs more registers than a thread has; use "
-                       "reload=True")
-    return layer_norm_backward(args, residuals["mean"], residuals["rstd"], dout,
-                               config)
