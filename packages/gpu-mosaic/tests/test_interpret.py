@@ -5,8 +5,8 @@ consumers, barriers, TMA copies, wgmma), so under `tokamax.interpret()` the ops
 run the very kernels they run on a Hopper GPU, at small awkward shapes: each
 test checks the output and the gradients for a random cotangent against the
 XLA reference on float32 upcasts, within the dtype's tolerance, and that
-mosaic_gpu ran both directions (the fp8 ragged_dot: its forward, the
-only direction its kernel has). What the interpreter lacks is covered by small
+mosaic_gpu ran both directions (the fp8 ragged_dot and the norms: their
+forward, the only direction they have a kernel for). What the interpreter lacks is covered by small
 shims (`_common.accumulate`; a persistent grid of `INTERPRET_SMS` programs);
 the `overlap_qk` attention schedule, which stores into a WGMMA accumulator,
 does not run there (the heuristic takes the plain schedule).
