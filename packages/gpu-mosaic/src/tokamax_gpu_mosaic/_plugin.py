@@ -20,8 +20,9 @@ BACKEND = plugin.Backend(
             "dot_product_attention": (
                 "tokamax_gpu_mosaic.attention:MosaicGpuAttention",
                 "tokamax_gpu_mosaic.attention:MosaicGpuAttentionVjp"),
-            "layer_norm": ("tokamax_gpu_mosaic.layer_norm:MosaicGpuLayerNorm",
-                           "tokamax_gpu_mosaic.layer_norm:MosaicGpuLayerNormVjp"),
+            # Forward only: the backward is chosen among the others, reading
+            # this forward's residuals (mean and rstd).
+            "layer_norm": ("tokamax_gpu_mosaic.layer_norm:MosaicGpuLayerNorm", None),
         }),
     # Measured with every GPU backend installed (tools/h200_retune.sh), so that
     # implementation=None picks between these kernels and the others by time.
