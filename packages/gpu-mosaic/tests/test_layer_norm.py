@@ -50,17 +50,20 @@ def test_refusals():
   with pytest.raises(ValueError, match="power of 2"):
     op.forward(LayerNormArgs(x=jnp.zeros((6, 1024), jnp.bfloat16)),
                mln.LayerNormConfig(rows_per_block=3))
+  with pytest.raises(ValueError, match="at most 16384 fit registers"):
+    op.forward(LayerNormArgs(x=jnp.zeros((8, 4096), jnp.bfloat16)),
+               mln.LayerNormConfig(rows_per_block=8))
 
 
 def test_declines_only_the_measured_rms_loss():
   op = mln.MosaicGpuLayerNorm()
   assert "Triton" in op.declines(_args(4096, 8192, subtract_mean=False))
   for args in (_args(4096, 8192), _args(8192, 8192, subtract_mean=False),
-               _args(4096, 2048, subtract_mean=False)):
+               _args(4096, 4096, subtract_mean=False)):
     assert op.declines(args) is None
 
 
-@pytest.mark.parametrize("r,d,rows", [(4096, 1024, 4), (4096, 2048, 2), (6, 1024, 2),
+@pytest.mark.parametrize("r,d,rows", [(4096, 1024, 4), (4096, 2048, 4), (6, 1024, 2),
                                       (7, 1024, 1), (65536, 16384, 1)])
 def test_heuristic_divides_the_rows_and_fits_registers(r, d, rows):
   config = mln.heuristic_config(_args(r, d))

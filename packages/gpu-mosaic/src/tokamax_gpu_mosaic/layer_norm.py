@@ -142,7 +142,12 @@ def check_args(args: tokamax.LayerNormArgs) -> None:
 
 def heuristic_config(args: tokamax.LayerNormArgs) -> LayerNormConfig:
   r, d = args.x.shape
-  rows_per_block = max(1, min(8, 4096 // d))
+  # Measured on the H200 (bf16, notes/MEASUREMENTS.md session 26, items 1-2),
+  # 65536 rows: at widths 1024 and 2048 four rows a block were the best at 3
+  # of the 4 (norm, width) pairs of the final kernel and at most 3.4% under the
+  # best in either run; two rows fell up to 12% under it (LayerNorm 2048).
+  # From 4096 on, one row a block was the best or within 1.2%.
+  rows_per_block = 4 if d <= 2048 else 1
   while r % rows_per_block:
     rows_per_block //= 2
   return LayerNormConfig(rows_per_block)
@@ -168,12 +173,13 @@ class MosaicGpuLayerNorm(Op):
 
   def declines(self, args):
     r, d = args.x.shape
-    if not args.subtract_mean and r <= 4096 and d >= 4096:
-      # Measured on the H200 (bf16, notes/MEASUREMENTS.md session 26): RMSNorm
-      # on 4096 rows, this kernel against Triton's: 3.63-3.65 TB/s against 3.77
-      # at 8192 columns, 3.64-3.65 against 3.64-3.66 at 4096 and 16384 (a
-      # grid of one or two waves, where Triton's wider blocks finish sooner).
-      return (f"RMSNorm on {r} <= 4096 rows of {d} >= 4096 columns: Triton's "
+    if not args.subtract_mean and r <= 4096 and d >= 8192:
+      # Measured on the H200 (bf16, notes/MEASUREMENTS.md session 26, items 3
+      # and 7): RMSNorm on 4096 rows, this kernel against Triton's: 3.63-3.65
+      # TB/s against 3.77 at 8192 columns (twice), 3.64-3.65 against 3.64-3.66
+      # at 16384; at 4096 columns it was ahead (3.65-3.70 against 3.64-3.67).
+      # A grid of one or two waves, where Triton's wider blocks finish sooner.
+      return (f"RMSNorm on {r} <= 4096 rows of {d} >= 8192 columns: Triton's "
               "kernel is as fast or faster (0.96x at 4096 x 8192 on the H200)")
     return None
 
@@ -187,4 +193,7 @@ class MosaicGpuLayerNorm(Op):
     if config.rows_per_block < 1 or config.rows_per_block & (config.rows_per_block - 1):
       raise ValueError(f"LayerNormConfig.rows_per_block must be a power of 2; got "
                        f"{config.rows_per_block}")
+    if config.rows_per_block * args.x.shape[1] > MAX_BLOCK_ELEMENTS:
+      raise ValueError(f"{config} holds {config.rows_per_block} x {args.x.shape[1]} "
+                       f"elements a block; at most {MAX_BLOCK_ELEMENTS} fit registers")
     return layer_norm_forward(args, config, with_stats=self.residuals_wanted())
