@@ -6,10 +6,11 @@ run the very kernels they run on a Hopper GPU, at small awkward shapes: each
 test checks the output and the gradients for a random cotangent against the
 XLA reference on float32 upcasts, within the dtype's tolerance, and that
 mosaic_gpu ran both directions (the fp8 ragged_dot and the norms: their
-forward, the only direction they have a kernel for). What the interpreter lacks is covered by small
-shims (`_common.accumulate`; a persistent grid of `INTERPRET_SMS` programs);
-the `overlap_qk` attention schedule, which stores into a WGMMA accumulator,
-does not run there (the heuristic takes the plain schedule).
+forward, the only direction they have a kernel for). What the interpreter
+lacks is covered by small shims (`_common.accumulate`; a persistent grid of
+`INTERPRET_SMS` programs); the `overlap_qk` attention schedule, which stores
+into a WGMMA accumulator, does not run there (the heuristic takes the plain
+schedule).
 
 On older JAX (the CPU CI's 0.10.2) these tests skip; `nox -s tests_jax_newest`
 runs them.
