@@ -17,6 +17,7 @@ import tokamax
 from tokamax import testing
 from tokamax._src import op as op_lib
 from tokamax._src.ops.gated_linear_unit import GatedLinearUnitArgs
+from tokamax_gpu_mosaic import _common
 from tokamax_gpu_mosaic import gated_linear_unit as glu
 from tokamax_gpu_mosaic import gated_linear_unit_kernel as glk
 from tokamax_gpu_mosaic import ragged_dot_kernel as rdk
@@ -296,6 +297,16 @@ def test_which_activations_the_grouped_epilogue_takes():
   assert glu._activation_in_epilogue(jax.nn.silu)
   assert glu._activation_in_epilogue(None)
   assert not glu._activation_in_epilogue(_exact_gelu)  # erfc: no Lane lowering
+
+
+def test_the_grouped_epilogue_refuses_where_the_lowering_table_is_unreadable(
+    monkeypatch):
+  monkeypatch.setattr(_common, "lowerable_primitives", lambda: None)
+  _common.check_elementwise_fn("activation", jax.nn.silu)  # the kernel decides
+  with pytest.raises(NotImplementedError, match="cannot be read"):
+    _common.check_elementwise_fn("activation", jax.nn.silu, strict=True)
+  assert not glu._activation_in_epilogue(jax.nn.silu)  # XLA's activation then
+  assert glu._activation_in_epilogue(None)
 
 
 @gpu

@@ -306,11 +306,18 @@ def _inner_closed(eqn):
         yield _Closed(v, ())
 
 
-def check_elementwise_fn(name: str, fn) -> None:
+def check_elementwise_fn(name: str, fn, strict: bool = False) -> None:
   """Refuses an activation that is not elementwise (the epilogue applies it to
-  tiles) or that the kernel epilogue could not lower."""
+  tiles) or that the kernel epilogue could not lower. `strict`: refuse it too
+  where this JAX's table of lowerable primitives cannot be read (for an
+  optional fusion, with XLA's activation to fall back on); otherwise the
+  kernel's lowering decides there."""
   if fn is None:
     return
+  if strict and lowerable_primitives() is None:
+    raise NotImplementedError(
+        f"{name}: this JAX's Mosaic GPU lowering table cannot be read, so whether "
+        "the kernel lowers it is unknown")
   tokamax.plugin.check_elementwise_activation(fn)
   shape = jax.ShapeDtypeStruct((64, 128), jnp.float32)
   try:

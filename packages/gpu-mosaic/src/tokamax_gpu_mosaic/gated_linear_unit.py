@@ -295,13 +295,11 @@ def _grouped_projections(args):
 
 
 def _activation_in_epilogue(activation) -> bool:
-  """Whether a kernel epilogue can lower `activation` (`_common.check_elementwise_fn`).
-  False where this JAX's table of lowerable primitives cannot be read: the
-  grouped forward then keeps XLA's activation, which takes any."""
-  if activation is not None and _common.lowerable_primitives() is None:
-    return False
+  """Whether a kernel epilogue can lower `activation` (`_common.check_elementwise_fn`,
+  strict: not where this JAX's table of lowerable primitives cannot be read; the
+  grouped forward then keeps XLA's activation, which takes any)."""
   try:
-    _common.check_elementwise_fn("activation", activation)
+    _common.check_elementwise_fn("activation", activation, strict=True)
   except NotImplementedError:
     return False
   return True
