@@ -130,19 +130,6 @@ def test_ragged_dot_chained_items(config, k, offset, transpose_rhs):
   _check_grouped_matmul(config, k, offset, transpose_rhs, "chained output")
 
 
-# Two of the four combinations (each ~10 s in the interpreter).
-@pytest.mark.parametrize("offset,transpose_rhs", [(2, False), (0, True)],
-                         ids=["forward-offset", "dlhs"])
-def test_ragged_dot_clusters(offset, transpose_rhs):
-  """2-block clusters (`cluster_m=2`): each block runs 128 rows of a 256-row item
-  with the weight tiles multicast, also where its rows lie outside the group,
-  against the float32 reference (zero items, empty groups, rows past the last
-  group, held groups from the third)."""
-  config = rdk.RaggedDotConfig(block_n=64, num_stages=2, item_order="group",
-                               cluster_m=2)
-  _check_grouped_matmul(config, 256, offset, transpose_rhs, "clustered output")
-
-
 def _check_grouped_matmul(config, k, offset, transpose_rhs, what):
   """`rdk.grouped_matmul` in the interpreter at M420 N256 (groups 60, 0, 150, 37,
   0, 120, 3; those from `offset` held) against the float32 reference."""

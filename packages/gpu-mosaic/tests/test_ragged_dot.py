@@ -328,7 +328,7 @@ def test_drhs_ws_through_vjp(config):
 
 def _wid(c):
   return (f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.num_stages}p{c.out_pieces}"
-          f"w{c.grid_tile_width}{c.item_order}c{c.cluster_m}")
+          f"w{c.grid_tile_width}{c.item_order}")
 
 
 _REUSE = [
@@ -336,9 +336,6 @@ _REUSE = [
     rd.RaggedDotConfig(block_m=256, num_stages=4, out_pieces=2, item_order="group"),
     rd.RaggedDotConfig(num_stages=3, item_order="group", grid_tile_width=2),
     rd.RaggedDotConfig(num_stages=4, out_pieces=2, item_order="group"),
-    # 2-block clusters sharing the weight tiles by TMA multicast.
-    rd.RaggedDotConfig(num_stages=4, out_pieces=2, item_order="group", cluster_m=2),
-    rd.RaggedDotConfig(num_stages=3, cluster_m=2),
 ]
 
 
@@ -368,7 +365,7 @@ def test_reuse_order_tall_forward(config):
 
 
 @gpu
-@pytest.mark.parametrize("config", _REUSE[:3] + _REUSE[4:], ids=_wid)
+@pytest.mark.parametrize("config", _REUSE[:3], ids=_wid)
 def test_reuse_order_tall_group_offset_and_f32_out(config):
   _check(777, 384, 520, [100, 200, 0, 150, 300], num_held=2, group_offset=2,
          config=config, grads=False)
@@ -397,7 +394,7 @@ def test_reuse_order_tall_many_random_groups(config):
 
 
 @gpu
-@pytest.mark.parametrize("config", _REUSE[:3] + _REUSE[4:], ids=_wid)
+@pytest.mark.parametrize("config", _REUSE[:3], ids=_wid)
 def test_reuse_order_tall_dlhs_and_vjp(config):
   """The transposed-rhs kernel (dlhs) with the variant, and the whole backward
   through dispatch with the variant as the backward config."""
@@ -467,23 +464,6 @@ def _grouped_matmul_lowers(m, k, n, g, config, transpose_rhs,
                              out_dtype=out_dtype, config=config)
   rhs_shape = (g, n, k) if transpose_rhs else (g, k, n)
   _lowers(f, ((m, k), jnp.bfloat16), (rhs_shape, jnp.bfloat16), ((g,), jnp.int32))
-
-
-@pytest.mark.parametrize("transpose_rhs", [False, True])
-def test_clusters_lower_for_cuda(transpose_rhs):
-  """2-block clusters with the weight tiles multicast trace and lower for CUDA."""
-  pytest.importorskip("absl")
-  config = rd.RaggedDotConfig(block_n=64, num_stages=2, item_order="group",
-                              cluster_m=2)
-  _grouped_matmul_lowers(300, 128, 200, 3, config, transpose_rhs)
-
-
-def test_cluster_config_refusals():
-  with pytest.raises(ValueError, match="cluster_m must be 1 or 2; got 4"):
-    rd.RaggedDotConfig(cluster_m=4)
-  with pytest.raises(ValueError, match="cluster_m=2 takes row_tiling='group' and "
-                                       "block_m=128"):
-    rd.RaggedDotConfig(block_m=256, cluster_m=2)
 
 
 @pytest.mark.smoke
@@ -599,8 +579,6 @@ def test_config_validation():
   fitted = rd.drhs_ws_config(dataclasses.replace(big, block_k=32, num_stages=6),
                              2, 2)
   assert (fitted.block_k, fitted.num_stages, fitted.out_pieces) == (64, 3, 1)
-  # The drhs kernel runs no clusters (a dlhs config with them keeps its own).
-  assert rd.drhs_ws_config(dataclasses.replace(big, cluster_m=2), 2, 2).cluster_m == 1
 
 
 def test_heuristics_pick_pieces_only_for_this_module():

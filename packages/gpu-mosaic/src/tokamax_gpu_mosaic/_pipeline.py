@@ -173,25 +173,13 @@ def warpgroup_kernel(body, *, out_type, scratch_types, grid, grid_names):
 # `emit_pipeline_warp_specialized` on a persistent grid.
 
 
-CLUSTER = "cluster"  # The cluster axis of `persistent_kernel(cluster=2)`.
-
-
-def tma_spec(block_shape, index_map, dtype, minor: int, delay_release: int = 1,
-             multicast: bool = False):
+def tma_spec(block_shape, index_map, dtype, minor: int, delay_release: int = 1):
   """A swizzled TMA block whose buffer is released one step late (the wgmma of
   step s may still read it while step s+1 is issued); ``delay_release=0`` for a
-  `ChainedPipeline`, whose body releases the slots itself.
-
-  `multicast` (a kernel of 2-block clusters): both blocks of a cluster read the
-  same block, each fetching half of it from memory and TMA multicasting that
-  half into both blocks' shared memory; a slot is refilled only once the
-  compute warpgroups of both blocks have released it (the pipeline's consumed
-  barriers become cluster barriers).
-  """
-  collective = dict(collective_axes=(CLUSTER,)) if multicast else {}
+  `ChainedPipeline`, whose body releases the slots itself."""
   return plgpu.BlockSpec(block_shape, index_map,
                          transforms=_common.swizzled(dtype, minor),
-                         delay_release=delay_release, **collective)
+                         delay_release=delay_release)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,18 +272,11 @@ class ChainedPipeline(WarpSpecializedPipeline):
 
 
 def persistent_kernel(kernel, *, out_type, scratch_types=None,
-                      warp_specialized: bool = True, cluster: int = 1):
+                      warp_specialized: bool = True):
   """A kernel of one block per SM (`kernel` walks its work items), with a memory
-  and two compute warpgroups where `warp_specialized`.
-
-  ``cluster=2``: blocks in clusters of two (axis `CLUSTER`). The "sm" axis then
-  counts clusters: both blocks of one see the same ``axis_index("sm")``, so a
-  loop over "sm" deals them the same work items, and each tells its part by
-  ``axis_index(CLUSTER)``.
-  """
+  and two compute warpgroups where `warp_specialized`."""
   threads = dict(num_threads=3, thread_name="wg") if warp_specialized else {}
-  clusters = dict(cluster=(cluster,), cluster_names=(CLUSTER,)) if cluster > 1 else {}
   return _common.kernel(
       kernel, out_type=out_type, scratch_types=scratch_types,
-      grid=(_common.num_sms() // cluster,), grid_names=("sm",),
-      compiler_params=_common.compiler_params(), **threads, **clusters)
+      grid=(_common.num_sms(),), grid_names=("sm",),
+      compiler_params=_common.compiler_params(), **threads)

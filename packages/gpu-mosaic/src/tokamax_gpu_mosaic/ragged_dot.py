@@ -46,8 +46,7 @@ def drhs_ws_config(config: RaggedDotConfig, itemsize: int,
   Row chunks are 64 deep (the boundary mask loads a chunk in the wgmma
   register layout: 64-row units); stages are dropped until the ring fits.
   """
-  c = dataclasses.replace(config, block_m=_WS_K, block_k=64, row_tiling="group",
-                          cluster_m=1)
+  c = dataclasses.replace(config, block_m=_WS_K, block_k=64, row_tiling="group")
   while c.num_stages > 2 and not _fits(c, itemsize, out_itemsize):
     c = dataclasses.replace(c, num_stages=c.num_stages - 1)
   return c
@@ -349,7 +348,7 @@ class MosaicGpuRaggedDotVjp(VjpOp):
       drhs_config = drhs_ws_config(config, itemsize,
                                    jnp.dtype(args.rhs.dtype).itemsize)
     else:
-      drhs_config = dataclasses.replace(config, block_k=64, num_stages=4, cluster_m=1)
+      drhs_config = dataclasses.replace(config, block_k=64, num_stages=4)
     drhs = grouped_transposed_matmul(args.lhs, dout, starts, ends,
                                      out_dtype=args.rhs.dtype, config=drhs_config)
     return {"lhs": dlhs, "rhs": drhs}

@@ -25,9 +25,6 @@ items, so every output row is written exactly once: no atomics.
 SMs together (L2 sharing of the weights). The output tile is staged whole or in
 two column pieces (``out_pieces``, room for one more stage).
 
-``cluster_m=2`` runs the blocks in 2-block clusters, each taking 128 rows of a
-256-row item, the weight tiles multicast to both (`_pipeline.tma_spec`).
-
 ``row_tiling="fixed"`` (`_fixed_tiles`) keeps fixed 128-row tiles and runs one K
 pipeline per group meeting the tile, merging rows in shared memory (1.5x the
 work at 256 random groups; kept for comparison).
@@ -85,16 +82,6 @@ class RaggedDotConfig:
   tile are consecutive linear indices (neighbouring SMs run them together and
   share the weight tile's k-slices through L2), column tiles snaking between
   bands.
-  ``cluster_m`` (``row_tiling="group"``, ``block_m=128``): 1, or 2 for blocks
-  in clusters of two that run the two 128-row halves of one 256-row item and
-  share its weight tiles: each block fetches half of every weight tile and
-  TMA multicasts it to both (half the weight reads from L2 and memory, as
-  cuBLAS's 2x1 clusters). Items are then cut at 256 rows; the blocks' rings
-  are not chained across items (`chain_items` does not apply). Not in the
-  heuristics: on the H200 at the MoE step's G8 shapes the forward and dlhs
-  kernels (group order) ran 0.7-2.6% faster with it, but M16384 K2048 N16384
-  G16's forward 2.6% slower and the MoE training step 4% slower
-  (notes/MEASUREMENTS.md, session 24).
   """
 
   block_m: int = 128
@@ -107,7 +94,6 @@ class RaggedDotConfig:
   drhs_kernel: str = "ring"
   item_order: str = "snake"
   chain_items: bool = True
-  cluster_m: int = 1
 
   def __post_init__(self):
     if self.block_m % WGMMA_M or self.block_m > 256:
@@ -128,12 +114,6 @@ class RaggedDotConfig:
       # Each warpgroup's [128, block_n] f32 accumulator: block_n registers per
       # thread (of 232 for the compute warpgroups).
       raise ValueError(f"block_m=256 takes block_n <= 128; got {self.block_n}")
-    if self.cluster_m not in (1, 2):
-      raise ValueError(f"cluster_m must be 1 or 2; got {self.cluster_m}")
-    if self.cluster_m == 2 and (self.row_tiling, self.block_m) != ("group", 128):
-      raise ValueError("cluster_m=2 takes row_tiling='group' and block_m=128 (each "
-                       f"block of a cluster runs 128 rows of a 256-row item); got "
-                       f"row_tiling={self.row_tiling!r}, block_m={self.block_m}")
     if self.item_order not in ("snake", "group"):
       raise ValueError(f"item_order must be 'snake' or 'group'; got {self.item_order}")
     if self.item_order == "group" and self.row_tiling != "group":
@@ -340,7 +320,7 @@ def _pad_operands(lhs, rhs, transpose_rhs: bool, config: RaggedDotConfig):
   K gets at least two pipeline steps: a one-step warp-specialized pipeline
   crashed on the H200 (CUDA_ERROR_LAUNCH_FAILED at K=64, notes/MOSAIC_GPU.md).
   """
-  bm, bk, n = config.block_m * config.cluster_m, config.block_k, cta_n(config)
+  bm, bk, n = config.block_m, config.block_k, cta_n(config)
   lhs = pad_to_multiple(pad_to_multiple(lhs, 0, 8, bm), 1, COLS, 2 * bk)
   k = lhs.shape[1]
   k_axis, n_axis = (2, 1) if transpose_rhs else (1, 2)
@@ -349,20 +329,18 @@ def _pad_operands(lhs, rhs, transpose_rhs: bool, config: RaggedDotConfig):
 
 
 def _operand_pipeline(dtype, block_m: int, block_k: int, n: int,
-                      transpose_rhs: bool, stages: int, chained: bool = False,
-                      multicast_rhs: bool = False):
+                      transpose_rhs: bool, stages: int, chained: bool = False):
   """The K loop over an lhs row tile and an rhs column tile of `n` columns
-  (`chained`: a `_pipeline.ChainedPipeline` across work items; `multicast_rhs`:
-  the rhs tile shared by a 2-block cluster)."""
+  (`chained`: a `_pipeline.ChainedPipeline` across work items)."""
   delay = 0 if chained else 1
   lhs_spec = _pipeline.tma_spec((block_m, block_k), lambda ki: (0, ki), dtype, block_k,
                                 delay)
   if transpose_rhs:
     rhs_spec = _pipeline.tma_spec((n, block_k), lambda ki: (0, ki), dtype, block_k,
-                                  delay, multicast=multicast_rhs)
+                                  delay)
   else:
     rhs_spec = _pipeline.tma_spec((block_k, n), lambda ki: (ki, 0), dtype, block_k,
-                                  delay, multicast=multicast_rhs)
+                                  delay)
   cls = _pipeline.ChainedPipeline if chained else _pipeline.WarpSpecializedPipeline
   return cls((lhs_spec, rhs_spec), stages)
 
@@ -413,9 +391,7 @@ class _Item(NamedTuple):
   wlo: Any  # this warpgroup's rows [wlo, whi) of its `half`
   whi: Any
   dst_row: Any  # its first output row
-  # Whether the item runs a K loop: the same in both blocks of a cluster (each
-  # takes part in every multicast, also one whose rows lie outside the group).
-  matmul: Any
+  matmul: Any  # whether the item runs a K loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -516,11 +492,6 @@ class _GroupTiles:
     lo = items_ref[ii, _LO]
     hi = items_ref[ii, _HI]
     matmul = (group >= 0) & (hi > lo)
-    if self.config.cluster_m > 1:  # this block's 128 rows of the 256-row item
-      part = lax.axis_index(_pipeline.CLUSTER) * self.bm
-      row0 = row0 + part
-      lo = jnp.clip(lo - part, 0, self.bm)
-      hi = jnp.clip(hi - part, 0, self.bm)
     n0 = ni * self.cta_n
     half = self.half
     wlo = jnp.clip(lo - cwg * half, 0, half)
@@ -672,23 +643,21 @@ def _group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool, out_dtype,
   lhs, rhs = _pad_operands(lhs, rhs, transpose_rhs, config)
   m, k = lhs.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  cluster = config.cluster_m
-  items = work_items(starts, ends, m, config.block_m * cluster)
+  items = work_items(starts, ends, m, config.block_m)
   num_items = items.shape[0]
   n_tiles = pl.cdiv(n, cta_n(config))
   if config.item_order == "group":
     items = ordered_items(items, n_tiles, config.grid_tile_width)
   k_steps = pl.cdiv(k, config.block_k)
   depth = (_pipeline.ChainedPipeline.ring_depth(k_steps, config.num_stages)
-           if config.chain_items and cluster == 1 else None)
+           if config.chain_items else None)
   chained = depth is not None
   tiles = _GroupTiles(
       config=config, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
       num_items=num_items, n_tiles=n_tiles, k_steps=k_steps,
       pipeline=_operand_pipeline(lhs.dtype, config.block_m, config.block_k,
                                  cta_n(config), transpose_rhs,
-                                 depth if chained else config.num_stages, chained,
-                                 multicast_rhs=cluster > 1))
+                                 depth if chained else config.num_stages, chained))
 
   def kernel(items_ref, lhs_ref, rhs_ref, out_ref):
     tiles.kernel(items_ref, lhs_ref, rhs_ref, out_ref)
@@ -698,7 +667,7 @@ def _group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool, out_dtype,
   # H200 but wrapped into the next row's first columns (notes/MOSAIC_GPU.md).
   n_out = n_tiles * cta_n(config)
   call = _pipeline.persistent_kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((m, n_out), out_dtype), cluster=cluster)
+      kernel, out_type=jax.ShapeDtypeStruct((m, n_out), out_dtype))
   out = call(items, lhs, rhs)
   if (m, n_out) != (m_orig, n_orig):
     out = out[:m_orig, :n_orig]
