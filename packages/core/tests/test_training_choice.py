@@ -114,7 +114,8 @@ _module.Forward, _module.Backward = _FastRaggedDot, _RefusingRaggedDotVjp
 sys.modules[_module.__name__] = _module
 
 
-def test_an_op_without_residuals_keeps_its_first_forward_in_training(fresh_registry):
+def test_an_op_without_residuals_keeps_its_first_forward_in_training(
+    fresh_registry, highest_matmul_precision):
   """ragged_dot documents no residuals: any backward computes from the operands,
   so `None` keeps the first forward in a training step although its own backward
   refuses (mosaic_gpu's fp8 forward has no fp8 backward)."""
@@ -142,3 +143,97 @@ def test_an_op_without_residuals_keeps_its_first_forward_in_training(fresh_regis
   with jax.default_matmul_precision("highest"):
     want = jax.grad(loss)(lhs, "xla")
   np.testing.assert_allclose(grad, want, rtol=1e-3, atol=1e-3)  # TF32 on a GPU
+
+
+# A backward that only declines: under `None` the step keeps its forward when
+# another backward takes that forward's residuals (the Mosaic GPU norm forward
+# with Triton's backward where its own is slower), and moves it otherwise.
+
+
+@dataclasses.dataclass(frozen=True)
+class _DecliningNormVjp(layer_norm_xla.XlaLayerNormVjp):
+  name = "declining_norm"
+
+  def declines(self, args):
+    return "measured slower than another backward here"
+
+
+@dataclasses.dataclass(frozen=True)
+class _DecliningNorm(layer_norm_xla.XlaLayerNorm):
+  name = "declining_norm"
+
+
+@dataclasses.dataclass(frozen=True)
+class _TokenNormVjp(layer_norm_xla.XlaLayerNormVjp):
+  """Takes only residuals that carry its own forward's "token"."""
+  name = "token_norm"
+
+  def check_supported(self, args, device, residuals=None):
+    if residuals is not None and "token" not in residuals:
+      raise NotImplementedError("needs the token residual")
+
+  def declines(self, args):
+    return None  # not the reference's, which one test makes decline
+
+
+@dataclasses.dataclass(frozen=True)
+class _TokenNorm(layer_norm_xla.XlaLayerNorm):
+  name = "token_norm"
+
+  def forward(self, args, config):
+    y, residuals = super().forward(args, config)
+    return y, {**residuals, "token": residuals["rstd"]}
+
+
+_norm_module = types.ModuleType("fake_norm_plugin")
+_norm_module.__dict__.update(DecliningNorm=_DecliningNorm,
+                             DecliningNormVjp=_DecliningNormVjp,
+                             TokenNorm=_TokenNorm, TokenNormVjp=_TokenNormVjp)
+sys.modules[_norm_module.__name__] = _norm_module
+
+
+def _register_norms(*names_and_priorities):
+  impls = tuple(tokamax.plugin.Implementation(
+      op="layer_norm", name=name, forward=f"fake_norm_plugin:{cls}",
+      backward=f"fake_norm_plugin:{cls}Vjp", platforms=("cpu", "gpu", "tpu"),
+      priority=priority) for name, cls, priority in names_and_priorities)
+  registry.get().add_backend(tokamax.plugin.Backend(
+      name="fake_norms", api_version=tokamax.plugin.PLUGIN_API_VERSION,
+      implementations=impls), None, None, False)
+  # Only these and the reference: on a GPU the installed kernels' backwards would
+  # take the residuals too.
+  entries = registry.get().entries
+  entries["layer_norm"] = sorted(
+      (e for e in entries["layer_norm"] if e.name in {"xla", *(n for n, _, _ in
+                                                                names_and_priorities)}),
+      key=lambda e: -e.spec.priority)
+
+
+def _training_step(x, scale):
+  dy = jnp.asarray(np.random.default_rng(3).standard_normal(x.shape), jnp.float32)
+  with tokamax.record_dispatch() as records:
+    dx = jax.grad(lambda x: jnp.sum(_norm(x, scale, None) * dy))(x)
+  want = jax.grad(lambda x: jnp.sum(_norm(x, scale, "xla") * dy))(x)
+  np.testing.assert_allclose(dx, want, rtol=1e-6, atol=1e-6)
+  return [(r.direction, r.implementation) for r in records], records
+
+
+def test_a_declining_backward_keeps_its_forward_when_another_takes_the_residuals(
+    fresh_registry):
+  _register_norms(("declining_norm", "DecliningNorm", 500))
+  ran, _ = _training_step(*_inputs())
+  assert ran == [("forward", "declining_norm"), ("backward", "xla")]
+
+
+def test_a_declining_backward_moves_the_forward_when_no_other_takes_the_residuals(
+    fresh_registry):
+  # The reference's backward declines too; the token backward refuses residuals
+  # without its token: nothing takes the declining forward's residuals.
+  fresh_registry.setattr(layer_norm_xla.XlaLayerNormVjp, "declines",
+                         lambda self, args: "declines everything")
+  _register_norms(("declining_norm", "DecliningNorm", 500),
+                  ("token_norm", "TokenNorm", 400))
+  ran, records = _training_step(*_inputs())
+  assert ran == [("forward", "token_norm"), ("backward", "token_norm")]
+  reason = dict(records[0].rejected)["declining_norm"]
+  assert "declines this call" in reason and "no other backward" in reason

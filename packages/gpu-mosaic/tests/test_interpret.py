@@ -16,6 +16,9 @@ On older JAX (the CPU CI's 0.10.2) these tests skip; `nox -s tests_jax_newest`
 runs them.
 """
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -43,20 +46,17 @@ def _normal(shape, dtype, scale=1.0):
   return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
 
 
-def _check(call, operands, dtype, implementation="mosaic_gpu", both=True):
+def _check(call, operands, dtype, implementation="mosaic_gpu"):
   """`call(implementation)(*operands)` and its VJP: mosaic_gpu interpreted
   against the XLA reference on float32 upcasts (gradients at twice the
-  forward's tolerance, as the conformance suite). `both`: mosaic_gpu must run
-  the backward too; else only the forward (an op without a Mosaic backward)."""
+  forward's tolerance, as the conformance suite); mosaic_gpu must run both
+  directions."""
   with tokamax.interpret(), tokamax.record_dispatch() as records:
     out, vjp = jax.vjp(call(implementation), *operands)
     cotangent = _normal(out.shape, out.dtype)
     grads = vjp(cotangent)
   ran = {(r.direction, r.implementation) for r in records}
-  if both:
-    assert ran == {("forward", "mosaic_gpu"), ("backward", "mosaic_gpu")}, ran
-  else:
-    assert ("forward", "mosaic_gpu") in ran, ran
+  assert ran == {("forward", "mosaic_gpu"), ("backward", "mosaic_gpu")}, ran
   upcast = [x.astype(jnp.float32) for x in operands]
   ref_out, ref_vjp = jax.vjp(call("xla"), *upcast)
   testing.assert_close(out, ref_out, dtype, what="output")
@@ -293,18 +293,26 @@ def test_grouped_gated_linear_unit_chosen_by_dispatch_with_traced_sizes():
     testing.assert_close(g, r, jnp.bfloat16, what="gradient", scale=2.0)
 
 
-@pytest.mark.parametrize("r,d,subtract_mean,dtype,rows_per_block", [
-    (6, 2048, True, jnp.bfloat16, 2), (5, 1024, False, jnp.float32, 1),
-    (8, 3072, True, jnp.float16, 4)])
-def test_layer_norm(r, d, subtract_mean, dtype, rows_per_block):
-  """The forward's kernel (the backward is another implementation's, reading its
-  residuals), with a shifted x and a float32 scale for a 16-bit x."""
+@pytest.mark.parametrize("r,d,subtract_mean,dtype,rows_per_block,vjp_config", [
+    (6, 2048, True, jnp.bfloat16, 2, mln.LayerNormVjpConfig(1, 2)),
+    (5, 1024, False, jnp.float32, 1, mln.LayerNormVjpConfig(2, 3)),
+    (9, 3072, True, jnp.float16, 1, mln.LayerNormVjpConfig(1, 2)),
+    (11, 1024, True, jnp.bfloat16, 1, mln.LayerNormVjpConfig(1, 4))])
+def test_layer_norm(r, d, subtract_mean, dtype, rows_per_block, vjp_config):
+  """Both kernels, with a shifted x and a float32 scale for a 16-bit x; the
+  backward's blocks walk several rows each (the interpreter's grid is
+  `INTERPRET_SMS` x blocks_per_sm blocks)."""
   x = _normal((r, d), dtype, 3.0) + jnp.asarray(2.0, dtype)
   scale, offset = _normal((d,), jnp.float32), _normal((d,), dtype)
-  op = mln.MosaicGpuLayerNorm(mln.LayerNormConfig(rows_per_block))
+
+  @dataclasses.dataclass(frozen=True)
+  class LayerNorm(mln.MosaicGpuLayerNorm):
+    vjp = functools.partial(mln.MosaicGpuLayerNormVjp, vjp_config)
+
+  op = LayerNorm(mln.LayerNormConfig(rows_per_block))
   call = lambda impl: lambda x, s, o: tokamax.layer_norm(
       x, s, o, subtract_mean=subtract_mean, implementation=impl)
-  _check(call, (x, scale, offset), dtype, implementation=op, both=False)
+  _check(call, (x, scale, offset), dtype, implementation=op)
 
 
 def test_overlap_qk_is_refused_in_the_interpreter():

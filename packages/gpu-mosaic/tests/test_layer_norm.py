@@ -1,7 +1,7 @@
-"""The Mosaic GPU layer / RMS norm forward: natively on a Hopper GPU against the
-XLA reference (the gradients through whichever backward `None` picks, reading
-this forward's residuals), its refusals, configs and CUDA lowering on any
-machine. The Mosaic GPU interpreter runs it in tests/test_interpret.py."""
+"""The Mosaic GPU layer / RMS norm: natively on a Hopper GPU against the XLA
+reference (forward and gradients, every config, widths the backward refuses),
+its refusals, configs and CUDA lowering on any machine. The Mosaic GPU
+interpreter runs both kernels in tests/test_interpret.py."""
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +11,7 @@ import pytest
 import tokamax
 from tokamax import testing
 from tokamax._src.ops.layer_norm import LayerNormArgs
+from tokamax_gpu_mosaic import _common
 from tokamax_gpu_mosaic import layer_norm as mln
 
 _ON_HOPPER = (jax.default_backend() == "gpu"
@@ -29,12 +30,11 @@ def _args(r, d, dtype=jnp.bfloat16, **kwargs):
   return LayerNormArgs(x=jax.ShapeDtypeStruct((r, d), dtype), **kwargs)
 
 
-def test_registered_forward_only():
-  """Forward only, so that `None` pairs this forward with any backward: a
-  backward of its own that refused or declined a call would move a training
-  step to another forward (notes/MEASUREMENTS.md, session 26, item 10)."""
+def test_registered_with_its_backward():
+  """Where the backward declines, dispatch keeps this forward and runs another
+  backward on its residuals (core's tests/test_training_choice.py)."""
   specs = {(s.op, s.name): s for s in tokamax.implementations()}
-  assert not specs["layer_norm", "mosaic_gpu"].has_backward
+  assert specs["layer_norm", "mosaic_gpu"].has_backward
 
 
 def test_refusals():
@@ -58,12 +58,78 @@ def test_refusals():
                mln.LayerNormConfig(rows_per_block=8))
 
 
+def test_backward_declines_only_where_it_measured_slower():
+  vjp = mln.MosaicGpuLayerNormVjp()
+  with_params = lambda r, d, **kw: _args(
+      r, d, scale=jax.ShapeDtypeStruct((d,), jnp.bfloat16),
+      offset=jax.ShapeDtypeStruct((d,), jnp.bfloat16), **kw)
+  for args in (with_params(131072, 1024), with_params(65536, 2048),
+               with_params(4096, 4096), with_params(26214, 5120),
+               with_params(16384, 8192), _args(10922, 12288, subtract_mean=False),
+               _args(4096, 3072)):
+    assert vjp.declines(args) is None, args.x.shape
+  assert "spill" in vjp.declines(with_params(10922, 12288))
+  assert "XLA's backward" in vjp.declines(_args(8192, 16384, subtract_mean=False))
+  for d in (1024, 2048):
+    assert "too few rows" in vjp.declines(with_params(4096, d))
+
+
 def test_declines_only_the_measured_rms_loss():
   op = mln.MosaicGpuLayerNorm()
   assert "Triton" in op.declines(_args(4096, 8192, subtract_mean=False))
   for args in (_args(4096, 8192), _args(8192, 8192, subtract_mean=False),
                _args(4096, 4096, subtract_mean=False)):
     assert op.declines(args) is None
+
+
+def test_backward_refusals():
+  vjp = mln.MosaicGpuLayerNormVjp()
+  args = lambda d, **kw: _args(8, d, scale=jax.ShapeDtypeStruct((d,), jnp.float32),
+                               **kw)
+  vjp.check_supported(args(8192, offset=jax.ShapeDtypeStruct((8192,), jnp.bfloat16)),
+                      H200)
+  vjp.check_supported(args(16384, subtract_mean=False), H200)  # RMSNorm: dscale only
+  # Gradient sums over the register budget: it runs them, spilling, and declines.
+  vjp.check_supported(args(16384, offset=jax.ShapeDtypeStruct((16384,), "bfloat16")),
+                      H200)
+  with pytest.raises(NotImplementedError, match="do not fit shared memory"):
+    vjp.check_supported(_args(8, 16384, jnp.float32, subtract_mean=False), H200)
+  with pytest.raises(NotImplementedError, match="mean and rstd residuals"):
+    vjp.check_supported(args(1024), H200, residuals={})
+  vjp.check_supported(args(1024), H200, residuals={"mean": 0, "rstd": 0})
+  with pytest.raises(NotImplementedError, match="needs an NVIDIA Hopper GPU"):
+    vjp.check_supported(args(1024), tokamax.DeviceInfo("cpu", "cpu"))
+  with pytest.raises(NotImplementedError, match="multiple of 1024"):
+    vjp.check_supported(args(1000), H200)
+  x = jnp.zeros((8, 8192), jnp.bfloat16)
+  full = LayerNormArgs(x=x, scale=jnp.ones(8192), offset=jnp.ones(8192))
+  residuals = {"mean": jnp.zeros(8), "rstd": jnp.ones(8)}
+  with pytest.raises(ValueError, match="shared memory at 8192 columns"):
+    vjp.backward(full, residuals, x, x, mln.LayerNormVjpConfig(num_stages=8))
+  with pytest.raises(ValueError, match="num_stages must be >= 2"):
+    vjp.backward(full, residuals, x, x, mln.LayerNormVjpConfig(num_stages=1))
+  with pytest.raises(ValueError, match="blocks_per_sm must be >= 1"):
+    vjp.backward(full, residuals, x, x, mln.LayerNormVjpConfig(blocks_per_sm=0))
+
+
+@pytest.mark.parametrize("d,dtype,config", [
+    (1024, jnp.bfloat16, mln.LayerNormVjpConfig(8, 3)),  # 8 x 12 KiB
+    (1024, jnp.float32, mln.LayerNormVjpConfig(4, 3)),  # the slot of bf16 2048
+    (3072, jnp.bfloat16, mln.LayerNormVjpConfig(4, 2)),
+    (4096, jnp.bfloat16, mln.LayerNormVjpConfig(3, 2)),
+    (5120, jnp.bfloat16, mln.LayerNormVjpConfig(2, 3)),
+    (8192, jnp.bfloat16, mln.LayerNormVjpConfig(2, 2)),  # 2 x 64 KiB
+    (12288, jnp.bfloat16, mln.LayerNormVjpConfig(1, 3)),  # 144 KiB
+    (8192, jnp.float32, mln.LayerNormVjpConfig(1, 2)),  # 128 KiB
+    (16384, jnp.bfloat16, mln.LayerNormVjpConfig(1, 2))])
+def test_backward_heuristic_fits_shared_memory(d, dtype, config):
+  args = _args(4096, d, dtype, scale=jax.ShapeDtypeStruct((d,), jnp.bfloat16),
+               subtract_mean=False)
+  assert mln.heuristic_vjp_config(args) == config
+  space = mln.vjp_search_space(args)
+  assert config in space
+  assert all(c.blocks_per_sm * mln.bwd_smem_bytes(args, c) <= _common.SMEM_LIMIT
+             for c in space)
 
 
 @pytest.mark.parametrize("r,d,rows", [(4096, 1024, 4), (4096, 2048, 4), (6, 1024, 2),
@@ -97,16 +163,50 @@ def test_lowers_for_cuda(subtract_mean, with_stats):
   assert shapes == [(4096, 3072)] + [(4096,)] * (2 if with_stats else 0)
 
 
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("scale,offset", [(True, True), (False, True), (False, False)])
+def test_backward_lowers_for_cuda(scale, offset, stages):
+  d = 2048
+  vec = lambda: jax.ShapeDtypeStruct((d,), jnp.bfloat16)
+  args = LayerNormArgs(x=jax.ShapeDtypeStruct((1031, d), jnp.bfloat16),
+                       scale=vec() if scale else None, offset=vec() if offset else None)
+  config = mln.LayerNormVjpConfig(blocks_per_sm=3, num_stages=stages)
+
+  def backward(x, dy, mean, rstd, *params):
+    params = iter(params)
+    a = LayerNormArgs(x=x, scale=next(params) if scale else None,
+                      offset=next(params) if offset else None)
+    return mln.layer_norm_backward(a, mean, rstd, dy, config)
+
+  row = jax.ShapeDtypeStruct((1031,), jnp.float32)
+  params = [p for p in (args.scale, args.offset) if p is not None]
+  exported = jax.export.export(jax.jit(backward), platforms=["cuda"])(
+      args.x, args.x, row, row, *params)
+  assert "mosaic_gpu" in exported.mlir_module()
+  assert len(exported.out_avals) == 1 + scale + offset
+
+
 def _check(r, d, dtype, subtract_mean, *, scale=True, offset=True, config=None,
            lead=None):
   """Forward and gradients (random cotangent) against the float32 XLA reference;
-  the forward must be this kernel, the residuals its mean and rstd."""
+  the forward must be this kernel, and the backward too where it takes the
+  call (`check_backward_args`)."""
   shape = lead + (r // int(np.prod(lead)), d) if lead else (r, d)
   # A shifted x with one outlier channel: two-pass statistics keep it exact.
   x = _normal(shape, dtype, 2.0, 0.5).at[..., 3].add(40.0)
   s = _normal((d,), jnp.float32) if scale else None
   o = _normal((d,), dtype) if offset else None
-  impl = mln.MosaicGpuLayerNorm(config) if config else "mosaic_gpu"
+  try:
+    mln.check_backward_args(LayerNormArgs(x=x.reshape(-1, d), scale=s, offset=o,
+                                          subtract_mean=subtract_mean), None)
+    backward_runs = True
+  except NotImplementedError:
+    backward_runs = False
+  # Named, mosaic_gpu runs both directions; an instance of the forward Op lets
+  # dispatch choose the backward: the first registered that takes the call,
+  # this one where it runs.
+  impl = ("mosaic_gpu" if backward_runs and not config
+          else mln.MosaicGpuLayerNorm(config))
 
   def call(implementation, x, s, o):
     return tokamax.layer_norm(x, s, o, subtract_mean=subtract_mean,
@@ -116,7 +216,9 @@ def _check(r, d, dtype, subtract_mean, *, scale=True, offset=True, config=None,
     out, vjp = jax.vjp(jax.jit(lambda *a: call(impl, *a)), x, s, o)
     dy = _normal(out.shape, dtype)
     grads = vjp(dy)
-  assert ("forward", "mosaic_gpu") in {(r.direction, r.implementation) for r in records}
+  ran = {(r.direction, r.implementation) for r in records}
+  assert ("forward", "mosaic_gpu") in ran
+  assert (("backward", "mosaic_gpu") in ran) == backward_runs, ran
   upcast = lambda a: None if a is None else a.astype(jnp.float32)
   ref, ref_vjp = jax.vjp(lambda *a: call("xla", *a), upcast(x), upcast(s), upcast(o))
   assert out.dtype == dtype
@@ -132,6 +234,32 @@ def _check(r, d, dtype, subtract_mean, *, scale=True, offset=True, config=None,
 @pytest.mark.parametrize("r,d", [(4096, 1024), (1031, 3072), (512, 7168), (96, 16384)])
 def test_forward_and_gradients(r, d, dtype, subtract_mean):
   _check(r, d, dtype, subtract_mean)
+
+
+@gpu
+@pytest.mark.parametrize("subtract_mean", [True, False])
+@pytest.mark.parametrize("r,d,config", [
+    (1031, 2048, mln.LayerNormVjpConfig(1, 2)),  # rows uneven over blocks
+    (1031, 2048, mln.LayerNormVjpConfig(4, 4)),
+    (70, 4096, mln.LayerNormVjpConfig(3, 3)),  # fewer rows than blocks
+    (300, 2048, mln.LayerNormVjpConfig(1, 4)),  # 2 rows a block: fewer than stages
+    (20000, 8192, mln.LayerNormVjpConfig(2, 2))])
+def test_backward_configs(r, d, config, subtract_mean):
+  x = _normal((r, d), jnp.bfloat16, 2.0, 0.5)
+  scale, offset = _normal((d,), jnp.float32), _normal((d,), jnp.bfloat16)
+  dy = _normal((r, d), jnp.bfloat16)
+  args = LayerNormArgs(x=x, scale=scale, offset=offset, subtract_mean=subtract_mean)
+  _, residuals = jax.jit(lambda a: mln.layer_norm_forward(
+      a, mln.heuristic_config(a), with_stats=True))(args)
+  grads = jax.jit(lambda a, res, dy: mln.layer_norm_backward(
+      a, res["mean"], res["rstd"], dy, config))(args, residuals, dy)
+  upcast = [a.astype(jnp.float32) for a in (x, scale, offset)]
+  _, ref_vjp = jax.vjp(lambda *a: tokamax.layer_norm(
+      *a, subtract_mean=subtract_mean, implementation="xla"), *upcast)
+  for name, ref in zip(("x", "scale", "offset"), ref_vjp(dy.astype(jnp.float32))):
+    assert grads[name].dtype == getattr(args, name).dtype
+    testing.assert_close(grads[name], ref, jnp.bfloat16, what=f"d{name}", scale=2.0,
+                         gpu=True)
 
 
 @gpu

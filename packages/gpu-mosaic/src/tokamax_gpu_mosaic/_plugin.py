@@ -20,9 +20,8 @@ BACKEND = plugin.Backend(
             "dot_product_attention": (
                 "tokamax_gpu_mosaic.attention:MosaicGpuAttention",
                 "tokamax_gpu_mosaic.attention:MosaicGpuAttentionVjp"),
-            # Forward only: the backward is chosen among the others, reading
-            # this forward's residuals (mean and rstd).
-            "layer_norm": ("tokamax_gpu_mosaic.layer_norm:MosaicGpuLayerNorm", None),
+            "layer_norm": ("tokamax_gpu_mosaic.layer_norm:MosaicGpuLayerNorm",
+                           "tokamax_gpu_mosaic.layer_norm:MosaicGpuLayerNormVjp"),
         }),
     # Measured with every GPU backend installed (tools/h200_retune.sh), so that
     # implementation=None picks between these kernels and the others by time.

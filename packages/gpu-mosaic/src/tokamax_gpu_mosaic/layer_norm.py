@@ -1,19 +1,30 @@
-"""Layer / RMS normalization forward (`tokamax.layer_norm`) in Pallas Mosaic GPU.
+"""Layer / RMS normalization (`tokamax.layer_norm`) in Pallas Mosaic GPU.
 
-Memory-bound: each block (one warpgroup) reads ``rows_per_block`` whole rows of
-x from device memory straight into registers, 1024 columns a piece (16-byte
-vector loads in the warpgroup's strided layout), issuing every row's loads
-before the first reduction so that a block keeps its rows' bytes in flight.
-The statistics are exact two-pass float32 sums over the registers (the mean,
-then the centred squares), as the reference computes them; each row sum is one
-warpgroup reduction of the pieces' element-wise sum. y goes back piece by piece,
-with the scale and offset pieces loaded where they are used (a whole row of
-them would double the registers of a wide row). No shared memory but the
-reductions' scratch: the blocks resident on an SM hide each other's latency.
+Memory-bound, both kernels with rows a multiple of 1024 columns wide, in
+1024-column pieces (one 16-byte vector of a 2-byte dtype a thread of a
+warpgroup, in the strided layout), statistics as exact two-pass float32 sums.
 
-Only the forward: the backward is chosen among the other implementations
-(`tokamax.layer_norm`'s residuals, mean and rstd per row, are written here
-when a backward will read them).
+Forward: each block (one warpgroup) reads ``rows_per_block`` whole rows of x
+from device memory straight into registers, issuing every row's loads before
+the first reduction so that a block keeps its rows' bytes in flight; each row
+sum is one warpgroup reduction of the pieces' element-wise sum. y goes back
+piece by piece, with the scale and offset pieces loaded where they are used
+(a whole row of them would double the registers of a wide row). No shared
+memory but the reductions' scratch: the blocks resident on an SM hide each
+other's latency. It writes the residuals (mean and rstd per row) only when a
+backward will read them.
+
+Backward, from those residuals: ``dx = rstd * (g - xhat * mean(g * xhat) -
+mean(g))`` with ``g = dy * scale`` (no ``mean(g)`` for RMSNorm). A persistent
+grid; each block walks a contiguous share of the rows through a ring of row
+slots in shared memory (x and dy, one bulk copy each, ``num_stages - 1`` rows
+ahead), reads each row's pieces twice from there (the row sums, then dx) and
+keeps the sums of the scale's and offset's gradients over its rows in
+registers; XLA adds the blocks' sums. Blocks an SM and slots a block follow the
+row's width (`heuristic_vjp_config`). Under `implementation=None` it declines
+where it measured slower (`MosaicGpuLayerNormVjp.declines`: gradient sums that
+spill, RMSNorm above 12288 columns, a few narrow rows); dispatch then keeps this
+forward and runs another backward on its residuals.
 """
 
 from __future__ import annotations
@@ -29,10 +40,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import tokamax
-from tokamax import Op
+from tokamax import Op, VjpOp
 from tokamax_gpu_mosaic import _common
 
-__all__ = ["LayerNormConfig", "MosaicGpuLayerNorm", "layer_norm_forward"]
+__all__ = ["LayerNormConfig", "LayerNormVjpConfig", "MosaicGpuLayerNorm",
+           "MosaicGpuLayerNormVjp", "layer_norm_backward", "layer_norm_forward"]
 
 # Columns of one piece of a row: 128 threads x 8 elements (one 16-byte vector of
 # a 2-byte dtype each). Rows must be a multiple of it.
@@ -120,6 +132,136 @@ def layer_norm_forward(args: tokamax.LayerNormArgs, config: LayerNormConfig,
   return y, (dict(zip(("mean", "rstd"), stats)) if with_stats else {})
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerNormVjpConfig:
+  """The backward's persistent grid: ``blocks_per_sm`` blocks per SM, each
+  walking a contiguous share of the rows through a ring of ``num_stages`` row
+  slots in shared memory (x and dy), ``num_stages - 1`` rows ahead."""
+
+  blocks_per_sm: int = 2
+  num_stages: int = 3
+
+
+def _bwd_kernel(*refs, d: int, per_block: int, rows: int, stages: int,
+                subtract_mean: bool, has_scale: bool, num_partials: int):
+  refs = list(refs)
+  x_ref = refs.pop(0)
+  scale_ref = refs.pop(0) if has_scale else None
+  dy_ref, mean_ref, rstd_ref, dx_ref = refs[:4]
+  partial_refs = refs[4:4 + num_partials]
+  x_smem, dy_smem, landed = refs[4 + num_partials:]
+  block = lax.axis_index("blocks")
+  vector = 16 // jnp.dtype(x_ref.dtype).itemsize
+  pieces = [pl.ds(p * PIECE, PIECE) for p in range(d // PIECE)]
+  start = block * per_block
+  stop = jnp.minimum(start + per_block, rows)
+
+  def issue(row):
+    """Row `row` of x and dy into its slot: contiguous in bounds, each a bulk
+    copy without a tensor map (whose boxes take at most 256 columns)."""
+    slot = (row - start) % stages
+    for ref, smem in ((x_ref, x_smem), (dy_ref, dy_smem)):
+      plgpu.copy_gmem_to_smem(ref.at[row], smem.at[slot], landed.at[slot],
+                              oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+
+  def row_pieces(row, slot, cols):
+    """x-hat, g = dy * scale and dy of one piece of `row`, from its slot."""
+    x = _load_piece(x_smem.at[slot, cols], vector)
+    dy = _load_piece(dy_smem.at[slot, cols], vector)
+    if subtract_mean:
+      x = x - mean_ref[row]
+    xhat = x * rstd_ref[row]
+    return xhat, (dy * _load_piece(scale_ref.at[cols], vector) if has_scale else dy), dy
+
+  for ahead in range(stages - 1):
+    @pl.when(start + ahead < stop)
+    def _prologue():
+      issue(start + ahead)
+
+  def body(row, accs):
+    slot = (row - start) % stages
+    plgpu.barrier_wait(landed.at[slot])
+    first = [row_pieces(row, slot, cols) for cols in pieces]
+    # dx = rstd * (g - xhat * mean(g * xhat) - mean(g)); RMSNorm: no mean(g).
+    c1 = _row_sum([g * xhat for xhat, g, _ in first]) * (1.0 / d)
+    # Every thread is past the reduction, so past its reads of the previous
+    # row's slot (at the first row: the slot no row has used yet): the row
+    # stages - 1 ahead goes there.
+    ahead = row + stages - 1
+
+    @pl.when(ahead < stop)
+    def _refill():
+      issue(ahead)
+
+    c2 = _row_sum([g for _, g, _ in first]) * (1.0 / d) if subtract_mean else None
+    new_accs = []
+    for cols in pieces:
+      xhat, g, dy = row_pieces(row, slot, cols)  # again from the slot: registers
+      dx = g - xhat * c1
+      if c2 is not None:
+        dx = dx - c2
+      dx_ref[row, cols] = (dx * rstd_ref[row]).astype(dx_ref.dtype)
+      # dscale's term (with a scale), then doffset's (with an offset).
+      terms = [dy * xhat, dy][:num_partials] if has_scale else [dy][:num_partials]
+      new_accs += [acc + t for acc, t in zip(accs[len(new_accs):], terms)]
+    return new_accs
+
+  layout = plgpu.Layout.WG_STRIDED((PIECE,), vec_size=vector)
+  zero = plgpu.layout_cast(jnp.zeros((PIECE,), jnp.float32), layout)
+  accs = lax.fori_loop(start, stop, body, [zero] * (len(pieces) * num_partials))
+  # The accumulators go out piece by piece, in the order the loop keeps them:
+  # for each piece, dscale's then doffset's.
+  for p, cols in enumerate(pieces):
+    for k, ref in enumerate(partial_refs):
+      ref[block, cols] = accs[p * num_partials + k]
+
+
+def layer_norm_backward(args: tokamax.LayerNormArgs, mean, rstd, dout,
+                        config: LayerNormVjpConfig) -> dict:
+  """The gradients of x, scale and offset from the forward's mean and rstd.
+
+  One persistent kernel writes dx and each block's float32 sums of the scale's
+  and offset's gradients over its rows (``[blocks, D]``); XLA adds those up
+  (a few MB: deterministic, no atomics)."""
+  x = args.x
+  r, d = x.shape
+  has_scale = args.scale is not None
+  want = [name for name, p in (("scale", args.scale), ("offset", args.offset))
+          if p is not None]
+  blocks = min(r, _common.num_sms() * config.blocks_per_sm)
+  per_block = _common.cdiv(r, blocks)
+  blocks = _common.cdiv(r, per_block)  # none without rows
+  out_type = [jax.ShapeDtypeStruct((r, d), x.dtype)]
+  out_type += [jax.ShapeDtypeStruct((blocks, d), jnp.float32)] * len(want)
+  kernel = functools.partial(
+      _bwd_kernel, d=d, per_block=per_block, rows=r, stages=config.num_stages,
+      subtract_mean=args.subtract_mean, has_scale=has_scale, num_partials=len(want))
+  call = _common.kernel(
+      kernel, out_type=tuple(out_type), grid=(blocks,), grid_names=("blocks",),
+      scratch_types=[plgpu.SMEM((config.num_stages, d), x.dtype),
+                     plgpu.SMEM((config.num_stages, d), x.dtype),
+                     # Two copies (x, dy) arrive on each slot's barrier.
+                     plgpu.Barrier(num_arrivals=2, num_barriers=config.num_stages)],
+      compiler_params=_common.compiler_params())
+  dx, *partials = call(x, *([args.scale] if has_scale else []),
+                       dout.astype(x.dtype), mean.astype(jnp.float32),
+                       rstd.astype(jnp.float32))
+  grads = {"x": dx}
+  for name, partial in zip(want, partials):
+    grads[name] = jnp.sum(partial, axis=0).astype(getattr(args, name).dtype)
+  return grads
+
+
+def _bwd_registers(args: tokamax.LayerNormArgs) -> int:
+  """float32 registers a thread keeps for the parameters' gradient sums."""
+  accumulators = (args.scale is not None) + (args.offset is not None)
+  return args.x.shape[1] // 128 * accumulators
+
+
+def bwd_smem_bytes(args: tokamax.LayerNormArgs, config: LayerNormVjpConfig) -> int:
+  return 2 * config.num_stages * args.x.shape[1] * jnp.dtype(args.x.dtype).itemsize
+
+
 def check_args(args: tokamax.LayerNormArgs) -> None:
   """NotImplementedError for what the kernel does not take."""
   for name in ("x", "scale", "offset"):
@@ -138,6 +280,57 @@ def check_args(args: tokamax.LayerNormArgs) -> None:
         f"got {d}")
   if r * d >= 2**31:
     raise NotImplementedError(f"x has 2**31 elements or more ({r} x {d})")
+
+
+# float32 registers a backward thread may give the gradient sums without
+# spilling (LayerNorm at 16384 columns needs 256: it runs, spilling, and
+# declines).
+_MAX_BWD_REGISTERS = 128
+
+
+def check_backward_args(args: tokamax.LayerNormArgs, residuals) -> None:
+  """`check_args`, and what the backward kernel refuses beyond it."""
+  check_args(args)
+  if residuals is not None and not {"mean", "rstd"} <= set(residuals):
+    raise NotImplementedError("needs the forward's mean and rstd residuals")
+  smallest = bwd_smem_bytes(args, LayerNormVjpConfig(blocks_per_sm=1, num_stages=2))
+  if smallest > _common.SMEM_LIMIT:
+    raise NotImplementedError(
+        f"two {args.x.shape[1]}-column rows of x and dy ({smallest} bytes) do not "
+        f"fit shared memory ({_common.SMEM_LIMIT})")
+
+
+def _slot_bytes(args: tokamax.LayerNormArgs) -> int:
+  """Shared memory of one row slot: a row of x and one of dy."""
+  return 2 * args.x.shape[1] * jnp.dtype(args.x.dtype).itemsize
+
+
+# (largest slot in KiB, blocks an SM, slots a block), narrowest rows first. The
+# best or near-best of `vjp_search_space` on the H200 (bf16, forward+backward,
+# 2**27 elements, LayerNorm and RMSNorm; notes/MEASUREMENTS.md, session 28):
+# narrow rows want many blocks (8 x 3 slots at 1024 columns: 3.65 / 4.00 TB/s
+# against 2.80 / 3.11 at 2 x 3), wide ones few (2 x 2 at 8192: 3.75 / 3.94
+# against 3.12 / 3.35 at 2 x 3). Where the table took the second best, it was
+# within 2.3% of the best (RMSNorm 5120: 3.92 against 4.01).
+_VJP_GRID = ((4, 8, 3), (8, 4, 3), (12, 4, 2), (16, 3, 2), (24, 2, 3), (32, 2, 2),
+             (48, 1, 3))
+
+
+def heuristic_vjp_config(args: tokamax.LayerNormArgs) -> LayerNormVjpConfig:
+  """The measured grid of `_VJP_GRID` for the row's width in bytes; wider rows
+  than it lists: one block with two slots (`check_backward_args` refuses rows
+  whose two slots do not fit)."""
+  slot = _slot_bytes(args)
+  for kib, blocks, stages in _VJP_GRID:
+    if slot <= kib * 1024:
+      return LayerNormVjpConfig(blocks_per_sm=blocks, num_stages=stages)
+  return LayerNormVjpConfig(blocks_per_sm=1, num_stages=2)
+
+
+def vjp_search_space(args: tokamax.LayerNormArgs) -> tuple[LayerNormVjpConfig, ...]:
+  return tuple(c for blocks in (1, 2, 3, 4, 6, 8) for stages in (2, 3, 4)
+               if blocks * bwd_smem_bytes(args, c := LayerNormVjpConfig(blocks, stages))
+               <= _common.SMEM_LIMIT)
 
 
 def heuristic_config(args: tokamax.LayerNormArgs) -> LayerNormConfig:
@@ -197,3 +390,60 @@ class MosaicGpuLayerNorm(Op):
       raise ValueError(f"{config} holds {config.rows_per_block} x {args.x.shape[1]} "
                        f"elements a block; at most {MAX_BLOCK_ELEMENTS} fit registers")
     return layer_norm_forward(args, config, with_stats=self.residuals_wanted())
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGpuLayerNormVjp(VjpOp):
+  """Layer / RMS normalization backward from the forward's mean and rstd: one
+  persistent kernel for dx and per-block sums of the parameters' gradients."""
+
+  op_name = "layer_norm"
+  name = "mosaic_gpu"
+  config_cls = LayerNormVjpConfig
+
+  def check_supported(self, args, device, residuals=None):
+    _common.check_hopper_device(device)
+    check_backward_args(args, residuals)
+
+  def declines(self, args):
+    r, d = args.x.shape
+    if _bwd_registers(args) > _MAX_BWD_REGISTERS:
+      # LayerNorm 12288 x 10922 on the H200: 2.14 TB/s against 2.50 with
+      # Triton's backward; 16384 x 8192: 1.21 against 2.64.
+      return (f"the scale and offset gradients of {d} columns take "
+              f"{_bwd_registers(args)} float32 registers a thread and spill "
+              "(0.46-0.86x of Triton's backward on the H200)")
+    if not args.subtract_mean and d > 12288:
+      # RMSNorm 8192 x 16384 on the H200: 3.43 TB/s at the best config against
+      # 4.18 with XLA's backward (Triton's declines there too). 12288 columns:
+      # 3.81, ahead of the others; 14336 is not measured.
+      return (f"RMSNorm at {d} > 12288 columns: XLA's backward is faster "
+              "(0.82x at 16384 on the H200)")
+    if r * d < 2**24 and _slot_bytes(args) <= 8 * 1024:
+      # 4096 rows of 1024-2048 columns on the H200: the best config 0.97-0.99x
+      # of Triton's backward (a block walks a handful of rows: the ring's fill
+      # is not paid back); 131072 x 1024 and 65536 x 2048: 1.02-1.04x.
+      return (f"{r} x {d}: too few rows a block for the ring; Triton's backward "
+              "is as fast or faster (0.97-0.99x at 4096 rows on the H200)")
+    return None
+
+  def heuristic_config(self, args):
+    return heuristic_vjp_config(args)
+
+  def search_space(self, args):
+    return vjp_search_space(args)
+
+  def backward(self, args, residuals, out, dout, config):
+    del out
+    if config.blocks_per_sm < 1:
+      raise ValueError(f"LayerNormVjpConfig.blocks_per_sm must be >= 1; got "
+                       f"{config.blocks_per_sm}")
+    if config.num_stages < 2:
+      raise ValueError(f"LayerNormVjpConfig.num_stages must be >= 2; got "
+                       f"{config.num_stages}")
+    if bwd_smem_bytes(args, config) > _common.SMEM_LIMIT:
+      raise ValueError(f"{config} needs {bwd_smem_bytes(args, config)} bytes of "
+                       f"shared memory at {args.x.shape[1]} columns; at most "
+                       f"{_common.SMEM_LIMIT} fit")
+    return layer_norm_backward(args, residuals["mean"], residuals["rstd"], dout,
+                               config)

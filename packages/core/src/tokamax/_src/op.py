@@ -192,8 +192,10 @@ class Op(abc.ABC):
     """Why automatic choice should pass this call on although it runs it: a
     measured reason (another implementation, the XLA reference say, is faster
     for these args), or None to take it. Only ``implementation=None`` listens
-    (a backward declining moves a training step to a forward whose own
-    backward does not); a user who names this implementation still gets it."""
+    (a backward declining passes the call to the next backward that takes its
+    forward's residuals, or, where none does, moves a training step to a forward
+    whose own backward takes it); a user who names this implementation still
+    gets it."""
     del args
     return None
 

@@ -6,7 +6,8 @@ takes the call. Each kind of choice is that loop with its own acceptance test:
 - the forward of an inference call (`choose_forward`): preferring one that takes
   the opt-in features the operands' sharding would use;
 - the forward of a training step (`training_choice`): the inference choice,
-  unless its own backward refuses the call;
+  unless its own backward refuses the call (or declines it, and no other
+  backward takes its residuals);
 - the backward (`choose_backward`): the forward's own first, else the best
   usable one; under automatic choice one that declines is passed over;
 - a forward whose residuals include given names, and a backward that computes
@@ -28,7 +29,8 @@ from tokamax._src.dispatch.candidates import (Candidate, Implementation, build_c
                                               no_implementation_message,
                                               platform_matches, raises_import,
                                               tuned_order)
-from tokamax._src.op import DeviceInfo, Op, VjpOp
+from tokamax._src.op import (DeviceInfo, Op, VjpOp, allow_opaque_residuals,
+                             forward_for_backward)
 from tokamax._src.tuning import sources
 
 
@@ -132,18 +134,79 @@ def choose_forward(op_name: str, args: Any, device: DeviceInfo,
     raise NotImplementedError(failure_message(op_name, "forward", e.rejected)) from None
 
 
-def own_backward_refusal(cand: Candidate, args: Any, device: DeviceInfo) -> str | None:
-  """Why `cand`'s own backward cannot run the call (None: it can, or it has none
-  of its own and dispatch will choose one). Advisory: any failure of the check is
-  a refusal here; the backward's own dispatch reports it if it matters."""
+@dataclasses.dataclass(frozen=True)
+class _OwnBackward:
+  """What a forward's own backward says of a call: `refusal`, why it cannot run
+  it; `decline`, why automatic choice should pass it on although it runs it
+  (`Op.declines`); both None: it takes the call (or the forward has none of its
+  own, and dispatch chooses one)."""
+
+  refusal: str | None = None
+  decline: str | None = None
+
+
+def _own_backward(cand: Candidate, args: Any, device: DeviceInfo) -> _OwnBackward:
+  """`cand`'s own backward's answer to the call. Advisory: any failure of the
+  check is a refusal here; the backward's own dispatch reports it if it matters."""
   try:
     own = cand.backward()
     if own is None:
-      return None
+      return _OwnBackward()
     build_checked(lambda: own, False, args, device, None)
-    return None if cand.explicit else own.declines(args)
   except Exception as e:  # advisory: every failure is a reason to look further
+    return _OwnBackward(refusal=describe(e))
+  return _OwnBackward(decline=None if cand.explicit else own.declines(args))
+
+
+def _forward_residuals(op: Op, args: Any) -> dict:
+  """The residuals (shapes) `op`'s forward returns in a training step."""
+  config = configs.resolve(op, args)
+  with forward_for_backward(True), allow_opaque_residuals(True):
+    return jax.eval_shape(lambda a: dict(op.forward(a, config)[1]), args)
+
+
+def _other_backward_for(op_name: str, args: Any, device: DeviceInfo,
+                        cand: Candidate, forward: Op) -> str | None:
+  """The backward automatic choice runs after `forward` (`cand`'s) when that
+  forward's own backward declines the call: the first other one that takes the
+  forward's residuals and does not decline (None: there is none)."""
+  residuals = _forward_residuals(forward, args)
+  others = [c for c in _backward_candidates(op_name, args, device, cand, None)
+            if c.label != cand.label]
+  try:
+    choice = select(others, args, device, part=_backward_part, residuals=(residuals,),
+                    honor_declines=True)
+  except NoChoice:
+    return None
+  return None if choice.op.declines(args) is not None else choice.candidate.label
+
+
+def _why_not_for_training(op_name: str, args: Any, device: DeviceInfo,
+                          cand: Candidate, forward: Op | None = None) -> str | None:
+  """Why a training step should not take `cand`'s forward (None: take it).
+
+  Its own backward refusing the call: the forward's residuals may then be of no
+  use to the fast backwards (cuDNN's forward leaves no log-sum-exp, and only the
+  dense XLA backward, which builds the [T, S] scores, would run). Its own
+  backward only declining (a measured "another backward is faster here"): the
+  forward stays when another backward takes its residuals and does not decline
+  (the norms' mean and rstd are every norm backward's), so that the forward's
+  own speed is not given up for its backward's.
+  """
+  own = _own_backward(cand, args, device)
+  if own.refusal is not None:
+    return f"its backward refuses this call: {own.refusal}"
+  if own.decline is None:
+    return None
+  try:
+    if forward is None:
+      forward = build_checked(cand.make_forward, False, args, device)
+    if _other_backward_for(op_name, args, device, cand, forward) is not None:
+      return None
+  except Exception as e:  # advisory, as `_own_backward`
     return describe(e)
+  return (f"its backward declines this call ({own.decline}) and no other backward "
+          "takes its residuals")
 
 
 def training_choice(op_name: str, args: Any, device: DeviceInfo,
@@ -151,26 +214,22 @@ def training_choice(op_name: str, args: Any, device: DeviceInfo,
                     inference: Choice) -> Choice:
   """The forward of a training step, where dispatch chooses among several.
 
-  The inference choice, unless its own backward refuses the call: its residuals
-  may then be of no use to the fast backwards (cuDNN's forward leaves no
-  log-sum-exp, and only the dense XLA backward, which builds the [T, S] scores,
-  would run). Then the first later candidate whose forward and own backward both
-  take the call (preferring, as the inference choice does, one with the opt-in
-  features the operands' sharding uses).
+  The inference choice, unless `_why_not_for_training` says otherwise; then the
+  first later candidate that it does not reject (preferring, as the inference
+  choice does, one with the opt-in features the operands' sharding uses).
   """
-  why = own_backward_refusal(inference.candidate, args, device)
+  why = _why_not_for_training(op_name, args, device, inference.candidate, inference.op)
   if why is None:
     return inference
-  rejected = [*inference.rejected,
-              (inference.candidate, f"its backward refuses this call: {why}")]
+  rejected = [*inference.rejected, (inference.candidate, why)]
   eligible = []
   later = list(candidates)[list(candidates).index(inference.candidate) + 1:]
   for other in later:
-    refusal = own_backward_refusal(other, args, device)
-    if refusal is None:
+    reason = _why_not_for_training(op_name, args, device, other)
+    if reason is None:
       eligible.append(other)
     else:
-      rejected.append((other, f"its backward refuses this call: {refusal}"))
+      rejected.append((other, reason))
   try:
     choice = choose_forward(op_name, args, device, eligible, prefer)
   except NotImplementedError:
