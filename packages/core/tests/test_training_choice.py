@@ -237,3 +237,26 @@ def test_a_declining_backward_moves_the_forward_when_no_other_takes_the_residual
   assert ran == [("forward", "token_norm"), ("backward", "token_norm")]
   reason = dict(records[0].rejected)["declining_norm"]
   assert "declines this call" in reason and "no other backward" in reason
+
+
+@dataclasses.dataclass(frozen=True)
+class _DecliningForward(layer_norm_xla.XlaLayerNorm):
+  name = "declining_forward"
+
+  def declines(self, args):
+    return "measured slower than another forward here"
+
+
+def test_a_declining_forward_is_passed_over_only_under_automatic_choice(
+    fresh_registry):
+  _norm_module.DecliningForward = _DecliningForward
+  _norm_module.DecliningForwardVjp = layer_norm_xla.XlaLayerNormVjp
+  _register_norms(("declining_forward", "DecliningForward", 500))
+  x, scale = _inputs()
+  with tokamax.record_dispatch() as records:
+    _norm(x, scale, None)
+  assert [r.implementation for r in records] == ["xla"]
+  assert "declines: measured slower" in dict(records[0].rejected)["declining_forward"]
+  with tokamax.record_dispatch() as records:  # named: it runs
+    _norm(x, scale, "declining_forward")
+  assert [r.implementation for r in records] == ["declining_forward"]

@@ -4,7 +4,8 @@
 takes the call. Each kind of choice is that loop with its own acceptance test:
 
 - the forward of an inference call (`choose_forward`): preferring one that takes
-  the opt-in features the operands' sharding would use;
+  the opt-in features the operands' sharding would use; under automatic choice
+  one that declines is passed over;
 - the forward of a training step (`training_choice`): the inference choice,
   unless its own backward refuses the call (or declines it, and no other
   backward takes its residuals);
@@ -70,8 +71,9 @@ def select(candidates: Sequence[Candidate], args: Any, device: DeviceInfo, *,
     part: which op of a candidate: its forward or its backward maker.
     residuals: passed on to a backward's check_supported.
     accept: a further test of a built op: a reason to pass it over, or None.
-    honor_declines: pass over an op that declines the call (`Op.declines`),
-      unless every other candidate refuses: then the first that declined runs.
+    honor_declines: pass over an op that declines the call (`Op.declines`)
+      where the candidate is not one the user named, unless every other
+      candidate refuses: then the first that declined runs.
     raise_refusal: candidates whose refusal is raised rather than passed over
       (an implementation the user named for this direction).
 
@@ -91,7 +93,7 @@ def select(candidates: Sequence[Candidate], args: Any, device: DeviceInfo, *,
         raise
       rejected.append((cand, describe(e)))
       continue
-    why = op.declines(args) if honor_declines else None
+    why = op.declines(args) if honor_declines and not cand.explicit else None
     if why is not None:
       rejected.append((cand, f"declines: {why}"))
       declined = declined or (cand, op)
@@ -117,8 +119,9 @@ def _features(op: Op) -> frozenset[str]:
 def choose_forward(op_name: str, args: Any, device: DeviceInfo,
                    candidates: Sequence[Candidate],
                    prefer: frozenset[str] = frozenset()) -> Choice:
-  """The first candidate that runs the call; with `prefer`, first the first one
-  that also declares those opt-in features (which the call's sharding would use)."""
+  """The first candidate that runs the call (under automatic choice, passing over
+  one that declines it); with `prefer`, first the first one that also declares
+  those opt-in features (which the call's sharding would use)."""
   def takes_preferred(op):
     missing = prefer - _features(op)
     if missing:
@@ -126,7 +129,8 @@ def choose_forward(op_name: str, args: Any, device: DeviceInfo,
               "sharding uses")
     return None
   try:
-    return select(candidates, args, device, part=_forward_part, accept=takes_preferred)
+    return select(candidates, args, device, part=_forward_part, accept=takes_preferred,
+                  honor_declines=True)
   except NoChoice as e:
     if prefer:
       # None takes them: the first that runs the call (its layout then gathers).
