@@ -297,7 +297,9 @@ def test_grouped_gated_linear_unit_chosen_by_dispatch_with_traced_sizes():
     (6, 2048, True, jnp.bfloat16, 2, mln.LayerNormVjpConfig(1, 2)),
     (5, 1024, False, jnp.float32, 1, mln.LayerNormVjpConfig(2, 3)),
     (9, 3072, True, jnp.float16, 1, mln.LayerNormVjpConfig(1, 2)),
-    (11, 1024, True, jnp.bfloat16, 1, mln.LayerNormVjpConfig(1, 4))])
+    (11, 1024, True, jnp.bfloat16, 1, mln.LayerNormVjpConfig(1, 4)),
+    # Above 8192 columns the offset's gradient sums live in shared memory.
+    (5, 9216, True, jnp.bfloat16, 1, mln.LayerNormVjpConfig(1, 2))])
 def test_layer_norm(r, d, subtract_mean, dtype, rows_per_block, vjp_config):
   """Both kernels, with a shifted x and a float32 scale for a 16-bit x; the
   backward's blocks walk several rows each (the interpreter's grid is

@@ -20,11 +20,12 @@ grid; each block walks a contiguous share of the rows through a ring of row
 slots in shared memory (x and dy, one bulk copy each, ``num_stages - 1`` rows
 ahead), reads each row's pieces twice from there (the row sums, then dx) and
 keeps the sums of the scale's and offset's gradients over its rows in
-registers; XLA adds the blocks' sums. Blocks an SM and slots a block follow the
-row's width (`heuristic_vjp_config`). Under `implementation=None` it declines
-where it measured slower (`MosaicGpuLayerNormVjp.declines`: gradient sums that
-spill, RMSNorm above 12288 columns, a few narrow rows); dispatch then keeps this
-forward and runs another backward on its residuals.
+registers (the offset's in shared memory where both would not fit); XLA adds the
+blocks' sums. Blocks an SM and slots a block follow the row's width
+(`heuristic_vjp_config`). Under `implementation=None` it declines where it
+measured slower (`MosaicGpuLayerNormVjp.declines`: RMSNorm above 12288
+columns, a few narrow rows); dispatch then keeps this forward and runs another
+backward on its residuals.
 """
 
 from __future__ import annotations
@@ -143,13 +144,14 @@ class LayerNormVjpConfig:
 
 
 def _bwd_kernel(*refs, d: int, per_block: int, rows: int, stages: int,
-                subtract_mean: bool, has_scale: bool, num_partials: int):
+                subtract_mean: bool, has_scale: bool, num_partials: int,
+                offset_in_smem: bool):
   refs = list(refs)
   x_ref = refs.pop(0)
   scale_ref = refs.pop(0) if has_scale else None
   dy_ref, mean_ref, rstd_ref, dx_ref = refs[:4]
   partial_refs = refs[4:4 + num_partials]
-  x_smem, dy_smem, landed = refs[4 + num_partials:]
+  x_smem, dy_smem, landed, *offset_smem = refs[4 + num_partials:]
   block = lax.axis_index("blocks")
   vector = 16 // jnp.dtype(x_ref.dtype).itemsize
   pieces = [pl.ds(p * PIECE, PIECE) for p in range(d // PIECE)]
@@ -203,17 +205,27 @@ def _bwd_kernel(*refs, d: int, per_block: int, rows: int, stages: int,
       dx_ref[row, cols] = (dx * rstd_ref[row]).astype(dx_ref.dtype)
       # dscale's term (with a scale), then doffset's (with an offset).
       terms = [dy * xhat, dy][:num_partials] if has_scale else [dy][:num_partials]
+      if offset_in_smem:
+        # Each thread adds to the elements it alone reads and writes (the same
+        # layout every row): no barrier.
+        sums = offset_smem[0].at[cols]
+        sums[...] = _load_piece(sums, vector) + terms.pop()
       new_accs += [acc + t for acc, t in zip(accs[len(new_accs):], terms)]
     return new_accs
 
   layout = plgpu.Layout.WG_STRIDED((PIECE,), vec_size=vector)
   zero = plgpu.layout_cast(jnp.zeros((PIECE,), jnp.float32), layout)
-  accs = lax.fori_loop(start, stop, body, [zero] * (len(pieces) * num_partials))
-  # The accumulators go out piece by piece, in the order the loop keeps them:
-  # for each piece, dscale's then doffset's.
+  if offset_in_smem:
+    for cols in pieces:
+      offset_smem[0][cols] = zero
+  in_registers = num_partials - offset_in_smem
+  accs = lax.fori_loop(start, stop, body, [zero] * (len(pieces) * in_registers))
+  # The sums go out piece by piece, in the order the loop keeps them: for each
+  # piece, dscale's then doffset's (from shared memory where it is kept there).
   for p, cols in enumerate(pieces):
     for k, ref in enumerate(partial_refs):
-      ref[block, cols] = accs[p * num_partials + k]
+      ref[block, cols] = (_load_piece(offset_smem[0].at[cols], vector)
+                          if k == in_registers else accs[p * in_registers + k])
 
 
 def layer_norm_backward(args: tokamax.LayerNormArgs, mean, rstd, dout,
@@ -233,15 +245,18 @@ def layer_norm_backward(args: tokamax.LayerNormArgs, mean, rstd, dout,
   blocks = _common.cdiv(r, per_block)  # none without rows
   out_type = [jax.ShapeDtypeStruct((r, d), x.dtype)]
   out_type += [jax.ShapeDtypeStruct((blocks, d), jnp.float32)] * len(want)
+  offset_in_smem = _offset_sums_in_smem(args)
   kernel = functools.partial(
       _bwd_kernel, d=d, per_block=per_block, rows=r, stages=config.num_stages,
-      subtract_mean=args.subtract_mean, has_scale=has_scale, num_partials=len(want))
+      subtract_mean=args.subtract_mean, has_scale=has_scale, num_partials=len(want),
+      offset_in_smem=offset_in_smem)
   call = _common.kernel(
       kernel, out_type=tuple(out_type), grid=(blocks,), grid_names=("blocks",),
       scratch_types=[plgpu.SMEM((config.num_stages, d), x.dtype),
                      plgpu.SMEM((config.num_stages, d), x.dtype),
                      # Two copies (x, dy) arrive on each slot's barrier.
-                     plgpu.Barrier(num_arrivals=2, num_barriers=config.num_stages)],
+                     plgpu.Barrier(num_arrivals=2, num_barriers=config.num_stages),
+                     *([plgpu.SMEM((d,), jnp.float32)] if offset_in_smem else [])],
       compiler_params=_common.compiler_params())
   dx, *partials = call(x, *([args.scale] if has_scale else []),
                        dout.astype(x.dtype), mean.astype(jnp.float32),
@@ -252,14 +267,26 @@ def layer_norm_backward(args: tokamax.LayerNormArgs, mean, rstd, dout,
   return grads
 
 
-def _bwd_registers(args: tokamax.LayerNormArgs) -> int:
-  """float32 registers a thread keeps for the parameters' gradient sums."""
-  accumulators = (args.scale is not None) + (args.offset is not None)
-  return args.x.shape[1] // 128 * accumulators
+# float32 registers a backward thread may give the parameters' gradient sums.
+# Both sums of 16384 columns would take 256 (they spilled: 1.21 TB/s against
+# Triton's 2.64 on the H200, LayerNorm 8192 x 16384 forward+backward).
+_MAX_BWD_REGISTERS = 128
+
+
+def _offset_sums_in_smem(args: tokamax.LayerNormArgs) -> bool:
+  """Whether the offset's gradient sums live in shared memory (a float32 row a
+  block) rather than registers: with the scale's as well they would take more
+  than `_MAX_BWD_REGISTERS` a thread (LayerNorm above 8192 columns)."""
+  both = args.scale is not None and args.offset is not None
+  return both and 2 * args.x.shape[1] // 128 > _MAX_BWD_REGISTERS
 
 
 def bwd_smem_bytes(args: tokamax.LayerNormArgs, config: LayerNormVjpConfig) -> int:
-  return 2 * config.num_stages * args.x.shape[1] * jnp.dtype(args.x.dtype).itemsize
+  """A block's shared memory: its row slots, and the offset's gradient sums
+  where they are kept there."""
+  d = args.x.shape[1]
+  slots = 2 * config.num_stages * d * jnp.dtype(args.x.dtype).itemsize
+  return slots + (4 * d if _offset_sums_in_smem(args) else 0)
 
 
 def check_args(args: tokamax.LayerNormArgs) -> None:
@@ -282,12 +309,6 @@ def check_args(args: tokamax.LayerNormArgs) -> None:
     raise NotImplementedError(f"x has 2**31 elements or more ({r} x {d})")
 
 
-# float32 registers a backward thread may give the gradient sums without
-# spilling (LayerNorm at 16384 columns needs 256: it runs, spilling, and
-# declines).
-_MAX_BWD_REGISTERS = 128
-
-
 def check_backward_args(args: tokamax.LayerNormArgs, residuals) -> None:
   """`check_args`, and what the backward kernel refuses beyond it."""
   check_args(args)
@@ -296,8 +317,9 @@ def check_backward_args(args: tokamax.LayerNormArgs, residuals) -> None:
   smallest = bwd_smem_bytes(args, LayerNormVjpConfig(blocks_per_sm=1, num_stages=2))
   if smallest > _common.SMEM_LIMIT:
     raise NotImplementedError(
-        f"two {args.x.shape[1]}-column rows of x and dy ({smallest} bytes) do not "
-        f"fit shared memory ({_common.SMEM_LIMIT})")
+        f"two {args.x.shape[1]}-column rows of x and dy ({smallest} bytes with "
+        f"the gradient sums kept there) do not fit shared memory "
+        f"({_common.SMEM_LIMIT})")
 
 
 def _slot_bytes(args: tokamax.LayerNormArgs) -> int:
@@ -322,8 +344,9 @@ def heuristic_vjp_config(args: tokamax.LayerNormArgs) -> LayerNormVjpConfig:
   whose two slots do not fit)."""
   slot = _slot_bytes(args)
   for kib, blocks, stages in _VJP_GRID:
-    if slot <= kib * 1024:
-      return LayerNormVjpConfig(blocks_per_sm=blocks, num_stages=stages)
+    config = LayerNormVjpConfig(blocks_per_sm=blocks, num_stages=stages)
+    if slot <= kib * 1024 and blocks * bwd_smem_bytes(args, config) <= _common.SMEM_LIMIT:
+      return config
   return LayerNormVjpConfig(blocks_per_sm=1, num_stages=2)
 
 
@@ -407,12 +430,6 @@ class MosaicGpuLayerNormVjp(VjpOp):
 
   def declines(self, args):
     r, d = args.x.shape
-    if _bwd_registers(args) > _MAX_BWD_REGISTERS:
-      # LayerNorm 12288 x 10922 on the H200: 2.14 TB/s against 2.50 with
-      # Triton's backward; 16384 x 8192: 1.21 against 2.64.
-      return (f"the scale and offset gradients of {d} columns take "
-              f"{_bwd_registers(args)} float32 registers a thread and spill "
-              "(0.46-0.86x of Triton's backward on the H200)")
     if not args.subtract_mean and d > 12288:
       # RMSNorm 8192 x 16384 on the H200: 3.43 TB/s at the best config against
       # 4.18 with XLA's backward (Triton's declines there too). 12288 columns:
