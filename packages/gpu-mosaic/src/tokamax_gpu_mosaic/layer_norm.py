@@ -23,8 +23,8 @@ keeps the sums of the scale's and offset's gradients over its rows in
 registers (the offset's in shared memory where both would not fit); XLA adds the
 blocks' sums. Blocks an SM and slots a block follow the row's width
 (`heuristic_vjp_config`). Under `implementation=None` it declines where it
-measured slower (`MosaicGpuLayerNormVjp.declines`: RMSNorm above 12288
-columns, a few narrow rows); dispatch then keeps this forward and runs another
+measured slower (`MosaicGpuLayerNormVjp.declines`: LayerNorm above 8192 and
+RMSNorm above 12288 columns, a few narrow rows); dispatch then keeps this forward and runs another
 backward on its residuals.
 """
 
@@ -430,6 +430,14 @@ class MosaicGpuLayerNormVjp(VjpOp):
 
   def declines(self, args):
     r, d = args.x.shape
+    if args.subtract_mean and d > 8192:
+      # LayerNorm on the H200 (forward+backward, scale and offset): 0.98x of
+      # Triton's backward at 10922 x 12288 and 0.73x at 8192 x 16384 (0.77x at
+      # 4096 x 16384): one block an SM, one warpgroup, walks rows this wide
+      # too slowly, with the offset's sums in shared memory or not (they
+      # spilled from registers before: 0.46x).
+      return (f"LayerNorm at {d} > 8192 columns: Triton's backward is faster "
+              "(0.73x at 16384 on the H200)")
     if not args.subtract_mean and d > 12288:
       # RMSNorm 8192 x 16384 on the H200: 3.43 TB/s at the best config against
       # 4.18 with XLA's backward (Triton's declines there too). 12288 columns:
