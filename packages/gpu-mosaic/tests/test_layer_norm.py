@@ -68,8 +68,8 @@ def test_backward_declines_only_where_it_measured_slower():
                with_params(16384, 8192), _args(10922, 12288, subtract_mean=False),
                _args(4096, 3072)):
     assert vjp.declines(args) is None, args.x.shape
-  for d in (12288, 16384):
-    assert "LayerNorm at" in vjp.declines(with_params(8192, d))
+  assert vjp.declines(with_params(10922, 12288)) is None
+  assert "LayerNorm at" in vjp.declines(with_params(8192, 16384))
   assert "XLA's backward" in vjp.declines(_args(8192, 16384, subtract_mean=False))
   for d in (1024, 2048):
     assert "too few rows" in vjp.declines(with_params(4096, d))
@@ -133,17 +133,19 @@ def test_backward_heuristic_fits_shared_memory(d, dtype, config):
              for c in space)
 
 
-@pytest.mark.parametrize("d,config", [(12288, mln.LayerNormVjpConfig(1, 3)),
-                                      (16384, mln.LayerNormVjpConfig(1, 2))])
-def test_offset_sums_in_shared_memory_above_8192_columns(d, config):
+@pytest.mark.parametrize("d", [9216, 12288, 16384])
+def test_offset_sums_in_shared_memory_above_8192_columns(d):
+  """With a scale and an offset: one block of two slots (the measured best at
+  12288), whatever the grid says for the width."""
   vec = lambda d: jax.ShapeDtypeStruct((d,), jnp.bfloat16)
   both = lambda d: _args(4096, d, scale=vec(d), offset=vec(d))
   assert not mln._offset_sums_in_smem(both(8192))
   assert not mln._offset_sums_in_smem(_args(4096, d, scale=vec(d), subtract_mean=False))
   assert mln._offset_sums_in_smem(both(d))
-  assert mln.heuristic_vjp_config(both(d)) == config
+  config = mln.heuristic_vjp_config(both(d))
+  assert config == mln.LayerNormVjpConfig(1, 2)
   # The slots (x and dy rows of bf16) and one float32 row of sums.
-  assert mln.bwd_smem_bytes(both(d), config) == 2 * config.num_stages * d * 2 + 4 * d
+  assert mln.bwd_smem_bytes(both(d), config) == 2 * 2 * d * 2 + 4 * d
   assert mln.bwd_smem_bytes(both(d), config) <= _common.SMEM_LIMIT
 
 
@@ -257,7 +259,7 @@ def test_forward_and_gradients(r, d, dtype, subtract_mean):
     (1031, 2048, mln.LayerNormVjpConfig(1, 2)),  # rows uneven over blocks
     (1031, 2048, mln.LayerNormVjpConfig(4, 4)),
     (70, 4096, mln.LayerNormVjpConfig(3, 3)),  # fewer rows than blocks
-    (300, 2048, mln.LayerNormVjpConfig(1, 4)),  # 2 rows a block: fewer than stages
+    (300, 2048, mln.LayerNormVjpConfig(1, 4)),  # 3 rows a block: fewer than stages
     (20000, 8192, mln.LayerNormVjpConfig(2, 2))])
 def test_backward_configs(r, d, config, subtract_mean):
   x = _normal((r, d), jnp.bfloat16, 2.0, 0.5)

@@ -23,9 +23,9 @@ keeps the sums of the scale's and offset's gradients over its rows in
 registers (the offset's in shared memory where both would not fit); XLA adds the
 blocks' sums. Blocks an SM and slots a block follow the row's width
 (`heuristic_vjp_config`). Under `implementation=None` it declines where it
-measured slower (`MosaicGpuLayerNormVjp.declines`: LayerNorm above 8192 and
-RMSNorm above 12288 columns, a few narrow rows); dispatch then keeps this forward and runs another
-backward on its residuals.
+measured slower (`MosaicGpuLayerNormVjp.declines`: above 12288 columns, a few
+narrow rows); dispatch then keeps this forward and runs another backward on
+its residuals.
 """
 
 from __future__ import annotations
@@ -183,9 +183,16 @@ def _bwd_kernel(*refs, d: int, per_block: int, rows: int, stages: int,
   def body(row, accs):
     slot = (row - start) % stages
     plgpu.barrier_wait(landed.at[slot])
-    first = [row_pieces(row, slot, cols) for cols in pieces]
     # dx = rstd * (g - xhat * mean(g * xhat) - mean(g)); RMSNorm: no mean(g).
-    c1 = _row_sum([g * xhat for xhat, g, _ in first]) * (1.0 / d)
+    # Both sums element-wise first, piece by piece, so that each piece dies as
+    # it is added (kept for the second reduction, every piece's g would hold
+    # d / 128 registers a thread across the first).
+    products = g_sum = None
+    for cols in pieces:
+      xhat, g, _ = row_pieces(row, slot, cols)
+      products = g * xhat if products is None else products + g * xhat
+      g_sum = g if g_sum is None else g_sum + g
+    c1 = jnp.sum(products) * (1.0 / d)
     # Every thread is past the reduction, so past its reads of the previous
     # row's slot (at the first row: the slot no row has used yet): the row
     # stages - 1 ahead goes there.
@@ -195,7 +202,7 @@ def _bwd_kernel(*refs, d: int, per_block: int, rows: int, stages: int,
     def _refill():
       issue(ahead)
 
-    c2 = _row_sum([g for _, g, _ in first]) * (1.0 / d) if subtract_mean else None
+    c2 = jnp.sum(g_sum) * (1.0 / d) if subtract_mean else None
     new_accs = []
     for cols in pieces:
       xhat, g, dy = row_pieces(row, slot, cols)  # again from the slot: registers
@@ -269,14 +276,16 @@ def layer_norm_backward(args: tokamax.LayerNormArgs, mean, rstd, dout,
 
 # float32 registers a backward thread may give the parameters' gradient sums.
 # Both sums of 16384 columns would take 256 (they spilled: 1.21 TB/s against
-# Triton's 2.64 on the H200, LayerNorm 8192 x 16384 forward+backward).
+# 2.64 for the Mosaic forward with Triton's backward on the H200, LayerNorm
+# 8192 x 16384 forward+backward).
 _MAX_BWD_REGISTERS = 128
 
 
 def _offset_sums_in_smem(args: tokamax.LayerNormArgs) -> bool:
   """Whether the offset's gradient sums live in shared memory (a float32 row a
   block) rather than registers: with the scale's as well they would take more
-  than `_MAX_BWD_REGISTERS` a thread (LayerNorm above 8192 columns)."""
+  than `_MAX_BWD_REGISTERS` a thread (a scale and an offset above 8192
+  columns)."""
   both = args.scale is not None and args.offset is not None
   return both and 2 * args.x.shape[1] // 128 > _MAX_BWD_REGISTERS
 
@@ -341,7 +350,12 @@ _VJP_GRID = ((4, 8, 3), (8, 4, 3), (12, 4, 2), (16, 3, 2), (24, 2, 3), (32, 2, 2
 def heuristic_vjp_config(args: tokamax.LayerNormArgs) -> LayerNormVjpConfig:
   """The measured grid of `_VJP_GRID` for the row's width in bytes; wider rows
   than it lists: one block with two slots (`check_backward_args` refuses rows
-  whose two slots do not fit)."""
+  whose two slots do not fit). With the offset's sums in shared memory, one
+  block with two slots too: LayerNorm 10922 x 12288 (scale and offset) moved
+  2.54-2.58 TB/s at 1 x 2 against 2.43-2.44 at the grid's 1 x 3 on the H200
+  (notes/MEASUREMENTS.md, session 28, items 4 and 6)."""
+  if _offset_sums_in_smem(args):
+    return LayerNormVjpConfig(blocks_per_sm=1, num_stages=2)
   slot = _slot_bytes(args)
   for kib, blocks, stages in _VJP_GRID:
     config = LayerNormVjpConfig(blocks_per_sm=blocks, num_stages=stages)
@@ -430,14 +444,15 @@ class MosaicGpuLayerNormVjp(VjpOp):
 
   def declines(self, args):
     r, d = args.x.shape
-    if args.subtract_mean and d > 8192:
-      # LayerNorm on the H200 (forward+backward, scale and offset): 0.98x of
-      # Triton's backward at 10922 x 12288 and 0.73x at 8192 x 16384 (0.77x at
-      # 4096 x 16384): one block an SM, one warpgroup, walks rows this wide
-      # too slowly, with the offset's sums in shared memory or not (they
-      # spilled from registers before: 0.46x).
-      return (f"LayerNorm at {d} > 8192 columns: Triton's backward is faster "
-              "(0.73x at 16384 on the H200)")
+    if args.subtract_mean and d > 12288:
+      # LayerNorm 8192 x 16384 on the H200 (forward+backward, scale and
+      # offset): 2.25 TB/s against 2.63 with Triton's backward (0.86x; 4096 x
+      # 16384, before the row sums' registers were cut: 0.77x). RMSNorm on the
+      # same one-block grid moves 3.43, so what LayerNorm adds (the offset's
+      # sums in shared memory, the second row sum) is the suspect; not
+      # profiled. Without an offset: not measured, declined alike.
+      return (f"LayerNorm at {d} > 12288 columns: Triton's backward is faster "
+              "(0.86x at 16384 on the H200)")
     if not args.subtract_mean and d > 12288:
       # RMSNorm 8192 x 16384 on the H200: 3.43 TB/s at the best config against
       # 4.18 with XLA's backward (Triton's declines there too). 12288 columns:

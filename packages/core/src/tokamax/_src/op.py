@@ -191,11 +191,12 @@ class Op(abc.ABC):
   def declines(self, args: Any) -> str | None:
     """Why automatic choice should pass this call on although it runs it: a
     measured reason (another implementation, the XLA reference say, is faster
-    for these args), or None to take it. Only ``implementation=None`` listens
-    (a backward declining passes the call to the next backward that takes its
-    forward's residuals, or, where none does, moves a training step to a forward
-    whose own backward takes it); a user who names this implementation still
-    gets it."""
+    for these args), or None to take it. Only ``implementation=None`` listens:
+    a forward declining passes the call to the next forward; a backward
+    declining passes it to the next backward that takes its forward's
+    residuals, or, where none does without declining, moves a training step to
+    a forward whose own backward takes it. A user who names this
+    implementation still gets it."""
     del args
     return None
 

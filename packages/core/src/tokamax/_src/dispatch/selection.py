@@ -8,7 +8,7 @@ takes the call. Each kind of choice is that loop with its own acceptance test:
   one that declines is passed over;
 - the forward of a training step (`training_choice`): the inference choice,
   unless its own backward refuses the call (or declines it, and no other
-  backward takes its residuals);
+  backward takes its residuals without declining);
 - the backward (`choose_backward`): the forward's own first, else the best
   usable one; under automatic choice one that declines is passed over;
 - a forward whose residuals include given names, and a backward that computes
@@ -207,8 +207,9 @@ def _why_not_for_training(op_name: str, args: Any, device: DeviceInfo,
       forward = build_checked(cand.make_forward, False, args, device)
     if _other_backward_for(op_name, args, device, cand, forward) is not None:
       return None
-  except Exception as e:  # advisory, as `_own_backward`
-    return describe(e)
+  except Exception as e:  # advisory, as `_own_backward`: said in the record
+    return (f"its backward declines this call ({own.decline}); looking for "
+            f"another backward failed: {describe(e)}")
   return (f"its backward declines this call ({own.decline}) and no other backward "
           "takes its residuals")
 
