@@ -290,12 +290,16 @@ def _offset_sums_in_smem(args: tokamax.LayerNormArgs) -> bool:
   return both and 2 * args.x.shape[1] // 128 > _MAX_BWD_REGISTERS
 
 
+def _slot_bytes(args: tokamax.LayerNormArgs) -> int:
+  """Shared memory of one row slot: a row of x and one of dy."""
+  return 2 * args.x.shape[1] * jnp.dtype(args.x.dtype).itemsize
+
+
 def bwd_smem_bytes(args: tokamax.LayerNormArgs, config: LayerNormVjpConfig) -> int:
   """A block's shared memory: its row slots, and the offset's gradient sums
   where they are kept there."""
-  d = args.x.shape[1]
-  slots = 2 * config.num_stages * d * jnp.dtype(args.x.dtype).itemsize
-  return slots + (4 * d if _offset_sums_in_smem(args) else 0)
+  slots = config.num_stages * _slot_bytes(args)
+  return slots + (4 * args.x.shape[1] if _offset_sums_in_smem(args) else 0)
 
 
 def check_args(args: tokamax.LayerNormArgs) -> None:
@@ -329,11 +333,6 @@ def check_backward_args(args: tokamax.LayerNormArgs, residuals) -> None:
         f"two {args.x.shape[1]}-column rows of x and dy ({smallest} bytes with "
         f"the gradient sums kept there) do not fit shared memory "
         f"({_common.SMEM_LIMIT})")
-
-
-def _slot_bytes(args: tokamax.LayerNormArgs) -> int:
-  """Shared memory of one row slot: a row of x and one of dy."""
-  return 2 * args.x.shape[1] * jnp.dtype(args.x.dtype).itemsize
 
 
 # (largest slot in KiB, blocks an SM, slots a block), narrowest rows first. The

@@ -162,11 +162,15 @@ def _own_backward(cand: Candidate, args: Any, device: DeviceInfo) -> _OwnBackwar
   return _OwnBackward(decline=None if cand.explicit else own.declines(args))
 
 
-def _forward_residuals(op: Op, args: Any) -> dict:
-  """The residuals (shapes) `op`'s forward returns in a training step."""
+def _forward_residuals(op: Op, args: Any, *, training: bool) -> dict:
+  """The residuals (shapes) `op`'s forward returns: in a training step
+  (`training`: a backward will read them), or run alone."""
   config = configs.resolve(op, args)
+  forward = lambda a: dict(op.forward(a, config)[1])
+  if not training:
+    return jax.eval_shape(forward, args)
   with forward_for_backward(True), allow_opaque_residuals(True):
-    return jax.eval_shape(lambda a: dict(op.forward(a, config)[1]), args)
+    return jax.eval_shape(forward, args)
 
 
 def _other_backward_for(op_name: str, args: Any, device: DeviceInfo,
@@ -174,7 +178,7 @@ def _other_backward_for(op_name: str, args: Any, device: DeviceInfo,
   """The backward automatic choice runs after `forward` (`cand`'s) when that
   forward's own backward declines the call: the first other one that takes the
   forward's residuals and does not decline (None: there is none)."""
-  residuals = _forward_residuals(forward, args)
+  residuals = _forward_residuals(forward, args, training=True)
   others = [c for c in _backward_candidates(op_name, args, device, cand, None)
             if c.label != cand.label]
   try:
@@ -299,8 +303,7 @@ def forward_with_residuals(op_name: str, args: Any, device: DeviceInfo,
   """The first candidate whose forward runs the call and returns every residual
   in `needed`."""
   def returns_needed(op):
-    config = configs.resolve(op, args)
-    names = jax.eval_shape(lambda a: dict(op.forward(a, config)[1]), args)
+    names = _forward_residuals(op, args, training=False)
     if not set(needed) <= set(names):
       return f"returns no {', '.join(needed)} residual"
     return None
