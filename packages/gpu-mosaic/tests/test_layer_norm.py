@@ -70,7 +70,7 @@ def test_backward_declines_only_where_it_measured_slower():
     assert vjp.declines(args) is None, args.x.shape
   assert vjp.declines(with_params(10922, 12288)) is None
   assert "LayerNorm at" in vjp.declines(with_params(8192, 16384))
-  assert "XLA's backward" in vjp.declines(_args(8192, 16384, subtract_mean=False))
+  assert vjp.declines(_args(8192, 16384, subtract_mean=False)) is None
   for d in (1024, 2048):
     assert "too few rows" in vjp.declines(with_params(4096, d))
 

@@ -23,7 +23,7 @@ keeps the sums of the scale's and offset's gradients over its rows in
 registers (the offset's in shared memory where both would not fit); XLA adds the
 blocks' sums. Blocks an SM and slots a block follow the row's width
 (`heuristic_vjp_config`). Under `implementation=None` it declines where it
-measured slower (`MosaicGpuLayerNormVjp.declines`: above 12288 columns, a few
+measured slower (`MosaicGpuLayerNormVjp.declines`: LayerNorm above 12288 columns, a few
 narrow rows); dispatch then keeps this forward and runs another backward on
 its residuals.
 """
@@ -452,12 +452,12 @@ class MosaicGpuLayerNormVjp(VjpOp):
       # profiled. Without an offset: not measured, declined alike.
       return (f"LayerNorm at {d} > 12288 columns: Triton's backward is faster "
               "(0.86x at 16384 on the H200)")
-    if not args.subtract_mean and d > 12288:
-      # RMSNorm 8192 x 16384 on the H200: 3.43 TB/s at the best config against
-      # 4.18 with XLA's backward (Triton's declines there too). 12288 columns:
-      # 3.81, ahead of the others; 14336 is not measured.
-      return (f"RMSNorm at {d} > 12288 columns: XLA's backward is faster "
-              "(0.82x at 16384 on the H200)")
+    # RMSNorm is not declined at any width: at 8192 x 16384 on the H200 this
+    # backward (1 x 2) ran forward+backward in 0.390 ms against 0.437 with
+    # XLA's and 0.507 with Triton's (`tools/shape_sweep.py --op norms`, a
+    # random cotangent, notes/MEASUREMENTS.md session 29). Session 28 had it
+    # behind XLA's under `jax.grad` of ``sum(y * dy)``, a program in which XLA
+    # need not write y: not the program a training step runs.
     if r * d < 2**24 and _slot_bytes(args) <= 8 * 1024:
       # 4096 rows of 1024-2048 columns on the H200: the best config 0.97-0.99x
       # of Triton's backward (a block walks a handful of rows: the ring's fill
