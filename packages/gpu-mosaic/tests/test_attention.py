@@ -441,6 +441,34 @@ def test_q_offset(offset, window):
 
 
 @gpu
+@pytest.mark.parametrize("tiles", [2, 3])
+@pytest.mark.parametrize("config", [_OVERLAP, mat.AttentionConfig(block_kv=64,
+                                                                  num_stages=3)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tiles_per_block(tiles, config, causal):
+  # Several query tiles a block: Q in two buffers, the key ring counted on from
+  # tile to tile. 7 tiles: the last block runs fewer; odd lengths pad.
+  config = dataclasses.replace(config, tiles_per_block=tiles)
+  _check(1, 896, 896, 8, 2, 128, causal, config=config)
+  _check(2, 300, 257, 4, 4, 64, causal, config=config, grads=False)
+
+
+@gpu
+@pytest.mark.parametrize("tiles", [2, 4])
+def test_tiles_per_block_features(tiles):
+  config = mat.AttentionConfig(block_kv=64, num_stages=3, tiles_per_block=tiles)
+  _check_features(2, 1024, 1024, 2, 1, 128, config=config, window=(200, 0),
+                  kv_len=[1000, 513], q_len=[1024, 700])
+  _check_features(1, 640, 704, 4, 2, 128, config=config, window=(64, 0),
+                  causal=True)
+  ids = _packed(2, 512, [[100, 28, 300, 84], [7, 500]])
+  _check_features(2, 512, 512, 4, 2, 128, config=config, segments=(ids, ids),
+                  causal=True)
+  _check_features(1, 200, 333, 2, 1, 64, config=config, causal=True, q_offset=37,
+                  kv_len=[300], soft_cap=5.0)
+
+
+@gpu
 def test_rows_that_see_nothing():
   # Whole blocks, single warpgroups and single rows with no visible key.
   _check_features(2, 384, 256, 2, 2, 128, q_offset=-200, causal=True)
@@ -821,6 +849,10 @@ def test_an_explicit_config_that_does_not_fit_is_named():
     (64, 2, 1, 640, 448, mat.AttentionConfig(block_kv=192, num_stages=3,
                                              overlap_qk=True)),
     (256, 2, 2, 256, 256, mat.AttentionConfig(block_kv=64, overlap_qk=True)),
+    # Several query tiles a block (the last block short of its third).
+    (128, 8, 2, 896, 640, mat.AttentionConfig(overlap_qk=True, tiles_per_block=3)),
+    (64, 4, 1, 200, 333, mat.AttentionConfig(block_kv=64, num_stages=3,
+                                             tiles_per_block=2)),
 ])
 def test_lowers_for_cuda(causal, h, n, k, t, s, config):
   pytest.importorskip("absl")
@@ -1049,6 +1081,8 @@ def _each_features_on_each_shape(features: list[dict], shapes: list[tuple]) -> l
     (128, 8, 2, 384, 640, mat.AttentionConfig(block_kv=128, num_stages=2)),
     (64, 4, 1, 200, 333, mat.AttentionConfig(block_kv=192, num_stages=3)),
     (256, 2, 2, 256, 256, mat.AttentionConfig(block_kv=64, num_stages=2)),
+    (128, 4, 2, 640, 512, mat.AttentionConfig(block_kv=64, num_stages=3,
+                                              tiles_per_block=2)),
 ]))
 def test_lowers_for_cuda_with_features(features, causal, h, n, k, t, s, config):
   pytest.importorskip("absl")

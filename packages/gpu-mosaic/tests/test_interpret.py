@@ -100,6 +100,26 @@ def test_attention_sinks():
   _check(_attention(is_causal=True, sinks=sinks), operands, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("options,t,tiles", [
+    # 3 causal query tiles over 2 blocks: the second block has no second tile;
+    # the ring's 3 slots wrap across the tiles at uneven key counts.
+    (dict(is_causal=True), 300, 2),
+    # One block runs a head's 3 tiles (the dynamic key ranges of a window).
+    (dict(local_window_size=(96, 32)), 384, 3),
+], ids=["causal-odd", "window"])
+def test_attention_tiles_per_block(options, t, tiles):
+  """Several query tiles a block: Q in two buffers, the ring counted on."""
+  config = mat.AttentionConfig(block_kv=64, num_stages=3, tiles_per_block=tiles)
+
+  def call(implementation):
+    if implementation == "mosaic_gpu":
+      implementation = mat.MosaicGpuAttention(config)
+    return _attention(**options)(implementation)
+  operands = (_normal((1, t, 2, 64), jnp.bfloat16), _normal((1, t, 1, 64), jnp.bfloat16),
+              _normal((1, t, 1, 64), jnp.bfloat16))
+  _check(call, operands, jnp.bfloat16)
+
+
 def test_ragged_dot():
   """Empty groups, a group that ends mid-tile, rows past the last group."""
   sizes = jnp.asarray([100, 0, 150, 37, 0], jnp.int32)

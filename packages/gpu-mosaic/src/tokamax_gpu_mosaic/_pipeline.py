@@ -91,21 +91,27 @@ def split_warpgroups(wg, consumer: Callable[[], None],
 @dataclasses.dataclass(frozen=True)
 class Ring:
   """A ring of `stages` shared-memory slots; step `i` uses slot
-  ``(i - base) % stages`` (``base``: the first streamed step, None for 0)."""
+  ``(streamed + i - base) % stages`` (``base``: the first streamed step, None
+  for 0; ``streamed``: the steps the same ring took before, for earlier tiles
+  of the block)."""
 
   stages: int
   base: Any = None
+  streamed: Any = 0
 
   @property
   def start(self):
     return 0 if self.base is None else self.base
 
+  def _position(self, i):
+    return self.streamed + (i if self.base is None else i - self.base)
+
   def slot(self, i):
-    return lax.rem(i if self.base is None else i - self.base, self.stages)
+    return lax.rem(self._position(i), self.stages)
 
   def reuse(self, i):
     """Whether step `i` refills a slot an earlier step used (wait for "free")."""
-    return i >= self.stages if self.base is None else i - self.base >= self.stages
+    return self._position(i) >= self.stages
 
 
 def snake_tile(index, m_tiles: int, n_tiles: int, width: int, block_m: int,

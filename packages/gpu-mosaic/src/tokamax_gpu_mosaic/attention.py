@@ -39,7 +39,8 @@ _HEAD_DIMS = (64, 128, 256)
 
 def smem_bytes(config: AttentionConfig, head_dim: int, itemsize: int,
                segments: bool = False) -> int:
-  q = _CTA_ROWS * head_dim * itemsize  # also stages the output
+  # Q (also stages the output), in two buffers where a block runs several tiles.
+  q = config.q_buffers * _CTA_ROWS * head_dim * itemsize
   kv = config.num_stages * 2 * config.block_kv * head_dim * itemsize
   # Segment ids: the block's query ids and a ring of key ids (int32).
   seg = (_CTA_ROWS + config.num_stages * config.block_kv) * 4 if segments else 0

@@ -81,12 +81,23 @@ class AttentionConfig:
   # head's K and V are read from HBM once; False: one query tile of every head at
   # a time (`akc.block_grid`). None: by the measured rule (`akc.head_major`).
   head_major: bool | None = None
+  # Query tiles a block runs one after the other (its producer streams the next
+  # tile's keys while the consumers finish a tile, and each consumer loads its
+  # next Q tile into a second buffer under the current one). 1: a block a tile.
+  tiles_per_block: int = 1
 
   def __post_init__(self):
     if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
       raise ValueError(f"block_kv must be 64, 128, 192 or 256; got {self.block_kv}")
     if self.num_stages < 2:
       raise ValueError(f"num_stages must be >= 2; got {self.num_stages}")
+    if self.tiles_per_block < 1:
+      raise ValueError(f"tiles_per_block must be >= 1; got {self.tiles_per_block}")
+
+  @property
+  def q_buffers(self) -> int:
+    """Q tiles in shared memory per consumer: two where a block runs several."""
+    return 1 if self.tiles_per_block == 1 else 2
 
 
 # ----------------------------------------------------------------------------
@@ -156,11 +167,11 @@ class _Refs(NamedTuple):
   sinks: Any  # [N] float32
   o: Any  # [B, Tp, N, H]
   lse: Any  # [B, N, Tp] float32
-  q_smem: Any  # [2, 64, H]: each consumer's Q tile, then its output tile
+  q_smem: Any  # [buffers x 2, 64, H]: each consumer's Q tiles, then output tiles
   k_smem: Any  # [stages, block_kv, H]
   v_smem: Any
   lse_smem: Any  # [2, 64] float32
-  q_full: Any  # per consumer
+  q_full: Any  # per buffer and consumer
   k_full: Any  # per slot: the TMA's arrival
   v_full: Any
   k_free: Any  # per slot: both consumers arrive
@@ -180,6 +191,9 @@ class _Block(NamedTuple):
   """One block's grid position and the key tiles its producer streams."""
 
   wg: Any
+  j: Any  # which of the block's query tiles (0 to tiles_per_block - 1)
+  valid: Any  # whether the block has a j-th tile (the last block may not)
+  qbuf: Any  # Q's shared-memory buffer of this tile
   qi: Any  # query tile (reversed where the longest tiles go first)
   batch: Any
   head: Any
@@ -252,6 +266,11 @@ class _Forward:
     return self.sp // self.bkv
 
   @property
+  def q_blocks(self):
+    """Blocks along the query tiles (the grid's "q" axis)."""
+    return _common.cdiv(self.nq, self.config.tiles_per_block)
+
+  @property
   def pad_keys(self):
     return self.s_true % self.bkv != 0
 
@@ -277,13 +296,32 @@ class _Forward:
       absent.add("sinks")
     return _pipeline.bind_refs(_Refs, refs, absent)
 
-  def block(self, r: _Refs) -> _Block:
-    """Grid position; the union of both consumers' key tiles (dynamic), which
-    every warpgroup computes from the same scalars so that all three agree."""
-    wg = lax.axis_index("wg")
-    qi = lax.axis_index("q")
+  def tile_of(self, j):
+    """The block's `j`-th query tile, and whether it has one.
+
+    Block ``q`` runs the tiles at positions ``j * q_blocks + q`` of the run
+    order, every other round from the other end (``q_blocks - 1 - q``): where
+    the tiles shorten along the run order (causal, the longest first), the
+    blocks' totals then stay close to each other.
+    """
+    q = lax.axis_index("q")
+    if self.config.tiles_per_block == 1:
+      pos, valid = q, True
+    else:
+      back = self.q_blocks - 1 - q
+      pos = j * self.q_blocks + jnp.where(lax.rem(j, 2) == 0, q, back)
+      valid = pos < self.nq
+      pos = jnp.minimum(pos, self.nq - 1)  # a tile that exists, never run
     if self.causal or self.feat.right is not None:
-      qi = self.nq - 1 - qi  # the longest tiles first
+      return self.nq - 1 - pos, valid  # the longest tiles first
+    return pos, valid
+
+  def block(self, r: _Refs, j=0, streamed=0) -> _Block:
+    """The block's `j`-th tile; its ring continues after `streamed` key tiles.
+    With dynamic features, the union of both consumers' key tiles, which every
+    warpgroup computes from the same scalars so that all three agree."""
+    wg = lax.axis_index("wg")
+    qi, valid = self.tile_of(j)
     bi = lax.axis_index("batch")
     hi = lax.axis_index("heads")
     tile0 = qi * akc.CTA_ROWS
@@ -296,8 +334,23 @@ class _Forward:
     else:
       base = None
       n_block = self.kv_end(tile0 + akc.CTA_ROWS)  # steps the producer streams
-    return _Block(wg, qi, bi, hi, tile0, _pipeline.Ring(self.stages, base), n_block,
-                  ranges, limits, functools.partial(_pipeline.pass_turn, r.turn))
+    qbuf = 0 if self.config.q_buffers == 1 else lax.rem(j, 2)
+    return _Block(wg, j, valid, qbuf, qi, bi, hi, tile0,
+                  _pipeline.Ring(self.stages, base, streamed), n_block, ranges, limits,
+                  functools.partial(_pipeline.pass_turn, r.turn))
+
+  def run_tiles(self, r: _Refs, role) -> None:
+    """`role(r, block)` (a consumer's or the producer's work) for each of the
+    block's query tiles, the ring's slots counted on from tile to tile."""
+    if self.config.tiles_per_block == 1:
+      role(r, self.block(r))
+      return
+
+    def tile(j, streamed):
+      blk = self.block(r, j, streamed)
+      pl.when(blk.valid)(lambda: role(r, blk))
+      return streamed + jnp.where(blk.valid, blk.n_block - blk.ring.start, 0)
+    lax.fori_loop(0, self.config.tiles_per_block, tile, jnp.int32(0))
 
   # -- Consumers ---------------------------------------------------------------
 
@@ -305,9 +358,12 @@ class _Forward:
     """Load Q, run the schedule over this warpgroup's key tiles, store O, lse."""
     wg, bq = blk.wg, self.bq
     r0 = blk.tile0 + wg * bq
-    q_tile = r.q_smem.at[wg]
-    plgpu.copy_gmem_to_smem(r.q.at[blk.batch, pl.ds(r0, bq), blk.head], q_tile,
-                            r.q_full.at[wg])
+    q_tile, q_full = self.q_buffer(r, blk.qbuf, wg)
+    if self.config.q_buffers == 1:
+      self.load_q(r, blk, r0, q_tile, q_full)
+    else:
+      pl.when(blk.j == 0)(lambda: self.load_q(r, blk, r0, q_tile, q_full))
+      self.prefetch_next_q(r, blk)
     if self.feat.segments:
       plgpu.copy_gmem_to_smem(r.q_seg.at[blk.batch, pl.ds(r0, bq)],
                               r.qseg_smem.at[wg], r.qseg_full.at[wg])
@@ -319,10 +375,30 @@ class _Forward:
     carry = (plgpu.layout_cast(jnp.zeros((bq, self.h), jnp.float32),
                                plgpu.Layout.WGMMA),
              akc.row_vector(-jnp.inf), akc.row_vector(0.0))
-    plgpu.barrier_wait(r.q_full.at[wg])
+    plgpu.barrier_wait(q_full)
     schedule = self.overlapped if self.config.overlap_qk else self.pingpong
     carry = schedule(r, blk, tiles, carry)
     self.epilogue(r, blk, tiles, carry)
+
+  def q_buffer(self, r: _Refs, qbuf, wg):
+    """A consumer's Q tile in buffer `qbuf` and the barrier its load arrives on."""
+    return r.q_smem.at[qbuf * 2 + wg], r.q_full.at[qbuf * 2 + wg]
+
+  def load_q(self, r: _Refs, blk: _Block, r0, q_tile, q_full) -> None:
+    plgpu.copy_gmem_to_smem(r.q.at[blk.batch, pl.ds(r0, self.bq), blk.head], q_tile,
+                            q_full)
+
+  def prefetch_next_q(self, r: _Refs, blk: _Block) -> None:
+    """Start loading this warpgroup's Q rows of the block's next tile into the
+    other buffer (its previous tile's output has been stored from it)."""
+    nxt = blk.j + 1
+    qi, valid = self.tile_of(nxt)
+    q_tile, q_full = self.q_buffer(r, 1 - blk.qbuf, blk.wg)
+    r0 = qi * akc.CTA_ROWS + blk.wg * self.bq
+
+    @pl.when(jnp.logical_and(nxt < self.config.tiles_per_block, valid))
+    def _():
+      self.load_q(r, blk, r0, q_tile, q_full)
 
   def own_tiles(self, blk: _Block, r0, q_tile) -> _Tiles:
     """This warpgroup's key tiles (dynamic: an empty range becomes [base, base),
@@ -384,7 +460,7 @@ class _Forward:
       pl.when(wg == 0)(pass_turn)
       return carry
 
-    plgpu.barrier_wait(r.k_full.at[0])  # n_own >= 1 always
+    plgpu.barrier_wait(r.k_full.at[blk.ring.slot(0)])  # n_own >= 1 always
     pl.when(wg == 1)(pass_turn)  # warpgroup 1 runs one phase behind
     if self.needs_mask:
       carry = lax.fori_loop(0, tiles.n_clear, functools.partial(step, masked=False),
@@ -470,16 +546,20 @@ class _Forward:
     mine, theirs = r.turn.at[wg], r.turn.at[1 - wg]
     # Tile 0: its Q K^T is this warpgroup's whole first turn. The mask is built
     # whenever any tile may need one (cheaper than a dynamic branch).
-    pl.when(wg == 1)(lambda: plgpu.barrier_arrive(r.turn.at[0]))
-    plgpu.barrier_wait(r.k_full.at[0])  # n_own >= 1 always
+    # Warpgroup 1 hands warpgroup 0 the first token of the block only: after
+    # each tile, warpgroup 1's last turn has left warpgroup 0 the next one.
+    pl.when(jnp.logical_and(wg == 1, blk.j == 0))(
+        lambda: plgpu.barrier_arrive(r.turn.at[0]))
+    first = blk.ring.slot(0)
+    plgpu.barrier_wait(r.k_full.at[first])  # n_own >= 1 always
     plgpu.barrier_wait(mine)
 
     def first_scores(s_acc):
-      plgpu.wgmma(s_acc, tiles.q_tile, r.k_smem.at[0].T)
+      plgpu.wgmma(s_acc, tiles.q_tile, r.k_smem.at[first].T)
       plgpu.barrier_arrive(theirs)
       return s_acc[...]
     s = pl.run_scoped(first_scores, plgpu.ACC((self.bq, self.bkv), jnp.float32))
-    plgpu.barrier_arrive(r.k_free.at[0])
+    plgpu.barrier_arrive(r.k_free.at[first])
     p, m, l, _ = self.overlap_softmax(r, blk, tiles, s, m, l, 0,
                                       self.needs_mask)  # alpha = 0 and O = 0
     p = p.astype(self.dtype)
@@ -497,7 +577,7 @@ class _Forward:
     acc, m, l, p = carry
 
     # The last P V, outside the turns (as in FA3).
-    last = lax.rem(tiles.n_own - 1, self.stages)
+    last = blk.ring.slot(tiles.n_own - 1)
     plgpu.barrier_wait(r.v_full.at[last])
     (acc,) = _common.accumulate((acc,), ((p, r.v_smem.at[last]),))
     plgpu.barrier_arrive(r.v_free.at[last])
@@ -630,10 +710,11 @@ class _Forward:
     kv_ring = lambda: plgpu.SMEM((stages, bkv, h), self.dtype, transforms=transforms)
     return _pipeline.in_field_order(
         _Refs,
-        q_smem=plgpu.SMEM((2, bq, h), self.dtype, transforms=transforms),
+        q_smem=plgpu.SMEM((2 * self.config.q_buffers, bq, h), self.dtype,
+                          transforms=transforms),
         k_smem=kv_ring(), v_smem=kv_ring(),
         lse_smem=plgpu.SMEM((2, bq), jnp.float32),
-        q_full=plgpu.Barrier(num_barriers=2),
+        q_full=plgpu.Barrier(num_barriers=2 * self.config.q_buffers),
         k_full=plgpu.Barrier(num_barriers=stages),
         v_full=plgpu.Barrier(num_barriers=stages),
         k_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
@@ -675,16 +756,17 @@ def flash_forward(q, k, v, *extras, scale: float, causal: bool, s_true: int,
 
   def body(*refs):
     r = fwd.bind(refs)
-    blk = fwd.block(r)
-    _pipeline.split_warpgroups(blk.wg, lambda: fwd.consumer(r, blk),
-                               lambda: fwd.producer(r, blk))
+    _pipeline.split_warpgroups(lax.axis_index("wg"),
+                               lambda: fwd.run_tiles(r, fwd.consumer),
+                               lambda: fwd.run_tiles(r, fwd.producer))
 
   call = _pipeline.warpgroup_kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((b, tp, n, h), q.dtype),
                 jax.ShapeDtypeStruct((b, n, tp), jnp.float32)),
       scratch_types=fwd.scratch(),
-      **akc.block_grid(fwd.nq, n, b, "q", akc.head_major(config.head_major, causal, feat)))
+      **akc.block_grid(fwd.q_blocks, n, b, "q",
+                       akc.head_major(config.head_major, causal, feat)))
   return call(q, k, v, *extras, *(() if sinks is None else (sinks,)))
 
 
