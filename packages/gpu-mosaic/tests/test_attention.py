@@ -440,23 +440,30 @@ def test_q_offset(offset, window):
                   kv_len=[300], soft_cap=5.0)
 
 
+_TILES = [dict(tiles_per_block=2), dict(tiles_per_block=3), dict(persistent=True)]
+
+
 @gpu
-@pytest.mark.parametrize("tiles", [2, 3])
+@pytest.mark.parametrize("tiles", _TILES)
 @pytest.mark.parametrize("config", [_OVERLAP, mat.AttentionConfig(block_kv=64,
                                                                   num_stages=3)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_tiles_per_block(tiles, config, causal):
   # Several query tiles a block: Q in two buffers, the key ring counted on from
-  # tile to tile. 7 tiles: the last block runs fewer; odd lengths pad.
-  config = dataclasses.replace(config, tiles_per_block=tiles)
+  # tile to tile. 7 tiles: the last block runs fewer; odd lengths pad. Causal
+  # with 64-key tiles: a warpgroup skips the block's last key tile.
+  config = dataclasses.replace(config, **tiles)
   _check(1, 896, 896, 8, 2, 128, causal, config=config)
   _check(2, 300, 257, 4, 4, 64, causal, config=config, grads=False)
+  # Persistent: more tiles than SMs, several rounds a block.
+  _check(2, 2048, 2048, 16, 4, 128, causal, config=config, grads=False)
 
 
 @gpu
-@pytest.mark.parametrize("tiles", [2, 4])
+@pytest.mark.parametrize("tiles", [dict(tiles_per_block=2), dict(tiles_per_block=4),
+                                   dict(persistent=True)])
 def test_tiles_per_block_features(tiles):
-  config = mat.AttentionConfig(block_kv=64, num_stages=3, tiles_per_block=tiles)
+  config = mat.AttentionConfig(block_kv=64, num_stages=3, **tiles)
   _check_features(2, 1024, 1024, 2, 1, 128, config=config, window=(200, 0),
                   kv_len=[1000, 513], q_len=[1024, 700])
   _check_features(1, 640, 704, 4, 2, 128, config=config, window=(64, 0),
@@ -853,6 +860,7 @@ def test_an_explicit_config_that_does_not_fit_is_named():
     (128, 8, 2, 896, 640, mat.AttentionConfig(overlap_qk=True, tiles_per_block=3)),
     (64, 4, 1, 200, 333, mat.AttentionConfig(block_kv=64, num_stages=3,
                                              tiles_per_block=2)),
+    (128, 8, 2, 896, 640, mat.AttentionConfig(overlap_qk=True, persistent=True)),
 ])
 def test_lowers_for_cuda(causal, h, n, k, t, s, config):
   pytest.importorskip("absl")
@@ -1083,6 +1091,8 @@ def _each_features_on_each_shape(features: list[dict], shapes: list[tuple]) -> l
     (256, 2, 2, 256, 256, mat.AttentionConfig(block_kv=64, num_stages=2)),
     (128, 4, 2, 640, 512, mat.AttentionConfig(block_kv=64, num_stages=3,
                                               tiles_per_block=2)),
+    (128, 4, 2, 640, 512, mat.AttentionConfig(block_kv=64, num_stages=3,
+                                              persistent=True)),
 ]))
 def test_lowers_for_cuda_with_features(features, causal, h, n, k, t, s, config):
   pytest.importorskip("absl")

@@ -103,13 +103,15 @@ def test_attention_sinks():
 @pytest.mark.parametrize("options,t,tiles", [
     # 3 causal query tiles over 2 blocks: the second block has no second tile;
     # the ring's 3 slots wrap across the tiles at uneven key counts.
-    (dict(is_causal=True), 300, 2),
+    (dict(is_causal=True), 300, dict(tiles_per_block=2)),
     # One block runs a head's 3 tiles (the dynamic key ranges of a window).
-    (dict(local_window_size=(96, 32)), 384, 3),
-], ids=["causal-odd", "window"])
+    (dict(local_window_size=(96, 32)), 384, dict(tiles_per_block=3)),
+    # Persistent: the interpreter's 2 SMs deal out 3 tiles x 2 heads.
+    (dict(local_window_size=(64, 0), is_causal=True), 320, dict(persistent=True)),
+], ids=["causal-odd", "window", "persistent"])
 def test_attention_tiles_per_block(options, t, tiles):
   """Several query tiles a block: Q in two buffers, the ring counted on."""
-  config = mat.AttentionConfig(block_kv=64, num_stages=3, tiles_per_block=tiles)
+  config = mat.AttentionConfig(block_kv=64, num_stages=3, **tiles)
 
   def call(implementation):
     if implementation == "mosaic_gpu":

@@ -85,6 +85,10 @@ class AttentionConfig:
   # tile's keys while the consumers finish a tile, and each consumer loads its
   # next Q tile into a second buffer under the current one). 1: a block a tile.
   tiles_per_block: int = 1
+  # One block per SM, walking the query tiles of every head and batch row in
+  # turn (as `tiles_per_block`, with as many tiles a block as it takes): no
+  # partial last wave of blocks.
+  persistent: bool = False
 
   def __post_init__(self):
     if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -93,11 +97,14 @@ class AttentionConfig:
       raise ValueError(f"num_stages must be >= 2; got {self.num_stages}")
     if self.tiles_per_block < 1:
       raise ValueError(f"tiles_per_block must be >= 1; got {self.tiles_per_block}")
+    if self.persistent and self.tiles_per_block != 1:
+      raise ValueError("a persistent block takes as many query tiles as it needs: "
+                       f"leave tiles_per_block at 1 (got {self.tiles_per_block})")
 
   @property
   def q_buffers(self) -> int:
     """Q tiles in shared memory per consumer: two where a block runs several."""
-    return 1 if self.tiles_per_block == 1 else 2
+    return 2 if self.persistent or self.tiles_per_block > 1 else 1
 
 
 # ----------------------------------------------------------------------------
@@ -191,7 +198,7 @@ class _Block(NamedTuple):
   """One block's grid position and the key tiles its producer streams."""
 
   wg: Any
-  j: Any  # which of the block's query tiles (0 to tiles_per_block - 1)
+  j: Any  # which of the block's query tiles (0 to `_Forward.rounds` - 1)
   valid: Any  # whether the block has a j-th tile (the last block may not)
   qbuf: Any  # Q's shared-memory buffer of this tile
   qi: Any  # query tile (reversed where the longest tiles go first)
@@ -267,8 +274,22 @@ class _Forward:
 
   @property
   def q_blocks(self):
-    """Blocks along the query tiles (the grid's "q" axis)."""
+    """Blocks along the query tiles (the grid's "q" axis; not persistent)."""
     return _common.cdiv(self.nq, self.config.tiles_per_block)
+
+  @property
+  def rounds(self):
+    """Query tiles a block runs in turn (a block's last ones may be absent)."""
+    if self.config.persistent:
+      return _common.cdiv(self.nq * self.n * self.b, _common.num_sms())
+    return self.config.tiles_per_block
+
+  def grid(self) -> dict:
+    if self.config.persistent:
+      return dict(grid=(_common.num_sms(),), grid_names=("sm",))
+    return akc.block_grid(self.q_blocks, self.n, self.b, "q",
+                          akc.head_major(self.config.head_major, self.causal,
+                                         self.feat))
 
   @property
   def pad_keys(self):
@@ -297,33 +318,43 @@ class _Forward:
     return _pipeline.bind_refs(_Refs, refs, absent)
 
   def tile_of(self, j):
-    """The block's `j`-th query tile, and whether it has one.
+    """The block's `j`-th query tile: (tile, batch row, head, whether the block
+    has one).
 
-    Block ``q`` runs the tiles at positions ``j * q_blocks + q`` of the run
-    order, every other round from the other end (``q_blocks - 1 - q``): where
-    the tiles shorten along the run order (causal, the longest first), the
-    blocks' totals then stay close to each other.
+    Persistent: the tiles in the order query tile, head, batch row, dealt out
+    to the SMs in turn (the blocks running at once share the heads' K and V in
+    L2). Otherwise block ``q`` runs the tiles at positions ``j * q_blocks + q``
+    of its head's run order, every other round from the other end
+    (``q_blocks - 1 - q``): where the tiles shorten along the run order
+    (causal, the longest first), the blocks' totals stay close to each other.
     """
-    q = lax.axis_index("q")
-    if self.config.tiles_per_block == 1:
-      pos, valid = q, True
+    if self.config.persistent:
+      total = self.nq * self.n * self.b
+      flat = lax.axis_index("sm") + j * _common.num_sms()
+      valid = flat < total
+      flat = jnp.minimum(flat, total - 1)  # a tile that exists, never run
+      pos, rest = lax.rem(flat, self.nq), lax.div(flat, self.nq)
+      hi, bi = lax.rem(rest, self.n), lax.div(rest, self.n)
     else:
-      back = self.q_blocks - 1 - q
-      pos = j * self.q_blocks + jnp.where(lax.rem(j, 2) == 0, q, back)
-      valid = pos < self.nq
-      pos = jnp.minimum(pos, self.nq - 1)  # a tile that exists, never run
+      q = lax.axis_index("q")
+      hi, bi = lax.axis_index("heads"), lax.axis_index("batch")
+      if self.config.tiles_per_block == 1:
+        pos, valid = q, True
+      else:
+        back = self.q_blocks - 1 - q
+        pos = j * self.q_blocks + jnp.where(lax.rem(j, 2) == 0, q, back)
+        valid = pos < self.nq
+        pos = jnp.minimum(pos, self.nq - 1)  # a tile that exists, never run
     if self.causal or self.feat.right is not None:
-      return self.nq - 1 - pos, valid  # the longest tiles first
-    return pos, valid
+      pos = self.nq - 1 - pos  # the longest tiles first
+    return pos, bi, hi, valid
 
   def block(self, r: _Refs, j=0, streamed=0) -> _Block:
     """The block's `j`-th tile; its ring continues after `streamed` key tiles.
     With dynamic features, the union of both consumers' key tiles, which every
     warpgroup computes from the same scalars so that all three agree."""
     wg = lax.axis_index("wg")
-    qi, valid = self.tile_of(j)
-    bi = lax.axis_index("batch")
-    hi = lax.axis_index("heads")
+    qi, bi, hi, valid = self.tile_of(j)
     tile0 = qi * akc.CTA_ROWS
     ranges, limits = None, (None, None, None)
     if self.feat.dynamic:
@@ -342,7 +373,7 @@ class _Forward:
   def run_tiles(self, r: _Refs, role) -> None:
     """`role(r, block)` (a consumer's or the producer's work) for each of the
     block's query tiles, the ring's slots counted on from tile to tile."""
-    if self.config.tiles_per_block == 1:
+    if self.rounds == 1 and not self.config.persistent:
       role(r, self.block(r))
       return
 
@@ -350,7 +381,7 @@ class _Forward:
       blk = self.block(r, j, streamed)
       pl.when(blk.valid)(lambda: role(r, blk))
       return streamed + jnp.where(blk.valid, blk.n_block - blk.ring.start, 0)
-    lax.fori_loop(0, self.config.tiles_per_block, tile, jnp.int32(0))
+    lax.fori_loop(0, self.rounds, tile, jnp.int32(0))
 
   # -- Consumers ---------------------------------------------------------------
 
@@ -360,9 +391,10 @@ class _Forward:
     r0 = blk.tile0 + wg * bq
     q_tile, q_full = self.q_buffer(r, blk.qbuf, wg)
     if self.config.q_buffers == 1:
-      self.load_q(r, blk, r0, q_tile, q_full)
+      self.load_q(r, blk.batch, blk.head, r0, q_tile, q_full)
     else:
-      pl.when(blk.j == 0)(lambda: self.load_q(r, blk, r0, q_tile, q_full))
+      pl.when(blk.j == 0)(
+          lambda: self.load_q(r, blk.batch, blk.head, r0, q_tile, q_full))
       self.prefetch_next_q(r, blk)
     if self.feat.segments:
       plgpu.copy_gmem_to_smem(r.q_seg.at[blk.batch, pl.ds(r0, bq)],
@@ -384,21 +416,20 @@ class _Forward:
     """A consumer's Q tile in buffer `qbuf` and the barrier its load arrives on."""
     return r.q_smem.at[qbuf * 2 + wg], r.q_full.at[qbuf * 2 + wg]
 
-  def load_q(self, r: _Refs, blk: _Block, r0, q_tile, q_full) -> None:
-    plgpu.copy_gmem_to_smem(r.q.at[blk.batch, pl.ds(r0, self.bq), blk.head], q_tile,
-                            q_full)
+  def load_q(self, r: _Refs, batch, head, r0, q_tile, q_full) -> None:
+    plgpu.copy_gmem_to_smem(r.q.at[batch, pl.ds(r0, self.bq), head], q_tile, q_full)
 
   def prefetch_next_q(self, r: _Refs, blk: _Block) -> None:
     """Start loading this warpgroup's Q rows of the block's next tile into the
     other buffer (its previous tile's output has been stored from it)."""
     nxt = blk.j + 1
-    qi, valid = self.tile_of(nxt)
+    qi, bi, hi, valid = self.tile_of(nxt)
     q_tile, q_full = self.q_buffer(r, 1 - blk.qbuf, blk.wg)
     r0 = qi * akc.CTA_ROWS + blk.wg * self.bq
 
-    @pl.when(jnp.logical_and(nxt < self.config.tiles_per_block, valid))
+    @pl.when(jnp.logical_and(nxt < self.rounds, valid))
     def _():
-      self.load_q(r, blk, r0, q_tile, q_full)
+      self.load_q(r, bi, hi, r0, q_tile, q_full)
 
   def own_tiles(self, blk: _Block, r0, q_tile) -> _Tiles:
     """This warpgroup's key tiles (dynamic: an empty range becomes [base, base),
@@ -512,8 +543,13 @@ class _Forward:
     return acc, m, l
 
   def release_pingpong(self, r: _Refs, blk: _Block, i, _):
-    """A tile this warpgroup does not need (causal): free the slot for the
-    producer and keep the ping-pong barrier's count in step with the partner."""
+    """A tile after this warpgroup's range (causal): free the slot for the
+    producer and keep the ping-pong barrier's count in step with the partner.
+    Where the block runs more query tiles, the slot is waited on first, as in
+    `release_first`: the ring's later laps wait on its barriers again."""
+    if self.rounds > 1:
+      self.release_first(r, blk, i, _)
+      return
     slot = blk.ring.slot(i)
     _pipeline.release(r.k_free.at[slot], r.v_free.at[slot])
     blk.pass_turn()
@@ -765,8 +801,7 @@ def flash_forward(q, k, v, *extras, scale: float, causal: bool, s_true: int,
       out_type=(jax.ShapeDtypeStruct((b, tp, n, h), q.dtype),
                 jax.ShapeDtypeStruct((b, n, tp), jnp.float32)),
       scratch_types=fwd.scratch(),
-      **akc.block_grid(fwd.q_blocks, n, b, "q",
-                       akc.head_major(config.head_major, causal, feat)))
+      **fwd.grid())
   return call(q, k, v, *extras, *(() if sinks is None else (sinks,)))
 
 
