@@ -820,7 +820,21 @@ def test_configs_fit():
     assert overlapped and {c.overlap_qk for c in space} == {False, True}
     assert max(b for b, _ in overlapped) == {64: 192, 128: 128, 256: 64}[h]
   assert mat.MosaicGpuAttention().heuristic_config(_args(h=64)) == (
-      mat.AttentionConfig(block_kv=128, num_stages=2))
+      mat.AttentionConfig(block_kv=128, num_stages=2, persistent=True))
+
+
+@pytest.mark.parametrize("kw,persistent", [
+    ({}, True),  # every query tile sees every key
+    ({"is_causal": True}, False),  # the tiles shorten: a block a tile
+    ({"is_causal": True, "local_window_size": (64, 0)}, True),  # sliding window
+    ({"local_window_size": (None, 17)}, False),  # causal-like
+    ({"h": 256}, False),  # two Q buffers do not fit next to the key ring
+])
+def test_heuristic_persistent_where_tiles_are_even(kw, persistent):
+  config = mat.MosaicGpuAttention().heuristic_config(_args(**kw))
+  assert config.persistent == persistent, config
+  with pytest.raises(ValueError, match="leave tiles_per_block at 1"):
+    mat.AttentionConfig(persistent=True, tiles_per_block=2)
 
 
 def test_an_explicit_config_that_does_not_fit_is_named():

@@ -81,13 +81,34 @@ def _heuristic(args) -> AttentionConfig:
   # overlap_qk: static features only (see flash_forward), and not in the Mosaic
   # GPU interpreter, which cannot store into a WGMMA accumulator.
   no_overlap = _needs_dynamic(args) or _common.interpreting()
+  segments = args.q_segment_ids is not None
   for block_kv, stages, overlap in preferred:
     if overlap and no_overlap:
       continue
     config = AttentionConfig(block_kv=block_kv, num_stages=stages, overlap_qk=overlap)
-    if _fits(config, h, itemsize, args.q_segment_ids is not None):
+    if _fits(config, h, itemsize, segments):
+      persistent = dataclasses.replace(config, persistent=True)
+      if _even_tiles(args) and _fits(persistent, h, itemsize, segments):
+        return persistent
       return config
   return AttentionConfig(block_kv=64, num_stages=2)
+
+
+def _even_tiles(args) -> bool:
+  """Whether every query tile sees about as many keys as the others (no causal
+  mask or one-sided window, or a left window that bounds each row's keys; no
+  segment ids), where persistent blocks pay.
+
+  H200, bf16, forward, CUPTI (notes/MEASUREMENTS.md session 29), persistent
+  against a block a tile: B1 T16384 N32 K8 H128 causal with a (W, 0) window,
+  W 512 / 1024 / 2048: 0.332 / 0.518 / 0.878 ms against 0.384 / 0.564 /
+  0.908 (W 4096 even); B4 T4096 N16 H128 0.770 against 0.788, B2 T8192 N16
+  H64 1.163 against 1.191. Under a plain causal mask the tiles shorten and
+  the longest-first launch order of a block a tile won: full causal T16384
+  3.295 against 3.044, GQA B2 T8192 3.3% slower.
+  """
+  left, right = args.visible_window
+  return (left is not None or right is None) and args.q_segment_ids is None
 
 
 def _needs_dynamic(args) -> bool:
@@ -109,10 +130,12 @@ def _search_space(args):
     for block_kv in (64, 128, 192, 256):
       for stages in (2, 3, 4):
         for fence in (True, False):
-          config = AttentionConfig(block_kv=block_kv, num_stages=stages,
-                                   fence_softmax=fence, overlap_qk=overlap)
-          if _fits(config, h, itemsize, segments):
-            out.append(config)
+          for persistent in (False, True):
+            config = AttentionConfig(block_kv=block_kv, num_stages=stages,
+                                     fence_softmax=fence, overlap_qk=overlap,
+                                     persistent=persistent)
+            if _fits(config, h, itemsize, segments):
+              out.append(config)
   return tuple(out)
 
 
