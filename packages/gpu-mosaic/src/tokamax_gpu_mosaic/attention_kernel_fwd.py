@@ -3,7 +3,11 @@
 Grid: query tiles of 128 rows x query heads x batch, launched head by head
 where every block does the same work (`akc.head_major`: a head's K and V then
 come from HBM once), else one tile of every head at a time, the longest causal
-tiles first. Three warpgroups a block:
+tiles first. Or a block runs several query tiles in turn (`tiles_per_block`, or
+`persistent`: one block per SM dealing out every tile): the key ring runs on
+from tile to tile, so the producer streams the next tile's keys while the
+consumers finish one, and each consumer's next Q tile loads into a second
+buffer. Three warpgroups a block:
 
 - a producer (few registers) streams the key and value tiles of ``block_kv`` rows
   by TMA into a ``num_stages``-deep ring of swizzled shared memory; K and V have
