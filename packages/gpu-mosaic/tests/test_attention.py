@@ -445,13 +445,13 @@ _TILES = [dict(tiles_per_block=2), dict(tiles_per_block=3), dict(persistent=True
 
 @gpu
 @pytest.mark.parametrize("tiles", _TILES)
-@pytest.mark.parametrize("config", [_OVERLAP, mat.AttentionConfig(block_kv=64,
-                                                                  num_stages=3)])
+@pytest.mark.parametrize("config", [_OVERLAP, _OVERLAP_64,
+                                    mat.AttentionConfig(block_kv=64, num_stages=3)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_tiles_per_block(tiles, config, causal):
   # Several query tiles a block: Q in two buffers, the key ring counted on from
-  # tile to tile. 7 tiles: the last block runs fewer; odd lengths pad. Causal
-  # with 64-key tiles: a warpgroup skips the block's last key tile.
+  # tile to tile. 7 tiles: some blocks run fewer; odd lengths pad. Causal with
+  # 64-key tiles: a warpgroup skips the block's last key tile.
   config = dataclasses.replace(config, **tiles)
   _check(1, 896, 896, 8, 2, 128, causal, config=config)
   _check(2, 300, 257, 4, 4, 64, causal, config=config, grads=False)
@@ -473,6 +473,9 @@ def test_tiles_per_block_features(tiles):
                   causal=True)
   _check_features(1, 200, 333, 2, 1, 64, config=config, causal=True, q_offset=37,
                   kv_len=[300], soft_cap=5.0)
+  # 192 tiles: persistent blocks run two rounds, across batch rows.
+  _check_features(2, 1536, 1536, 8, 2, 128, config=config, window=(300, 0),
+                  causal=True, kv_len=[1536, 1000], q_len=[1400, 1536])
 
 
 @gpu
@@ -820,17 +823,21 @@ def test_configs_fit():
     assert overlapped and {c.overlap_qk for c in space} == {False, True}
     assert max(b for b, _ in overlapped) == {64: 192, 128: 128, 256: 64}[h]
   assert mat.MosaicGpuAttention().heuristic_config(_args(h=64)) == (
-      mat.AttentionConfig(block_kv=128, num_stages=2, persistent=True))
+      mat.AttentionConfig(block_kv=128, num_stages=2))
 
 
 @pytest.mark.parametrize("kw,persistent", [
     ({}, True),  # every query tile sees every key
     ({"is_causal": True}, False),  # the tiles shorten: a block a tile
     ({"is_causal": True, "local_window_size": (64, 0)}, True),  # sliding window
-    ({"local_window_size": (None, 17)}, False),  # causal-like
+    ({"local_window_size": (64, 32)}, True),
+    ({"local_window_size": (None, 17)}, False),  # the tiles shorten
+    ({"local_window_size": (64, None)}, False),  # the tiles lengthen
     ({"h": 256}, False),  # two Q buffers do not fit next to the key ring
+    ({"t": 256, "s": 256, "n": 2, "k": 2}, False),  # 4 tiles: fewer than the SMs
 ])
 def test_heuristic_persistent_where_tiles_are_even(kw, persistent):
+  kw = {"t": 2048, "s": 2048, "n": 16, "k": 16, **kw}  # 256 tiles
   config = mat.MosaicGpuAttention().heuristic_config(_args(**kw))
   assert config.persistent == persistent, config
   with pytest.raises(ValueError, match="leave tiles_per_block at 1"):
@@ -875,6 +882,11 @@ def test_an_explicit_config_that_does_not_fit_is_named():
     (64, 4, 1, 200, 333, mat.AttentionConfig(block_kv=64, num_stages=3,
                                              tiles_per_block=2)),
     (128, 8, 2, 896, 640, mat.AttentionConfig(overlap_qk=True, persistent=True)),
+    # 256 tiles: several persistent rounds a block.
+    (128, 16, 4, 2048, 2048, mat.AttentionConfig(block_kv=64, overlap_qk=True,
+                                                 persistent=True)),
+    (64, 16, 4, 2048, 2048, mat.AttentionConfig(block_kv=64, num_stages=3,
+                                                persistent=True)),
 ])
 def test_lowers_for_cuda(causal, h, n, k, t, s, config):
   pytest.importorskip("absl")
@@ -1105,8 +1117,8 @@ def _each_features_on_each_shape(features: list[dict], shapes: list[tuple]) -> l
     (256, 2, 2, 256, 256, mat.AttentionConfig(block_kv=64, num_stages=2)),
     (128, 4, 2, 640, 512, mat.AttentionConfig(block_kv=64, num_stages=3,
                                               tiles_per_block=2)),
-    (128, 4, 2, 640, 512, mat.AttentionConfig(block_kv=64, num_stages=3,
-                                              persistent=True)),
+    (128, 16, 2, 1280, 1024, mat.AttentionConfig(block_kv=64, num_stages=3,
+                                                 persistent=True)),  # 2 rounds
 ]))
 def test_lowers_for_cuda_with_features(features, causal, h, n, k, t, s, config):
   pytest.importorskip("absl")

@@ -100,25 +100,30 @@ def test_attention_sinks():
   _check(_attention(is_causal=True, sinks=sinks), operands, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("options,t,tiles", [
-    # 3 causal query tiles over 2 blocks: the second block has no second tile;
-    # the ring's 3 slots wrap across the tiles at uneven key counts.
-    (dict(is_causal=True), 300, dict(tiles_per_block=2)),
+@pytest.mark.parametrize("options,b,t,tiles", [
+    # 3 causal query tiles over 2 blocks: one block has no second tile; the
+    # ring's 3 slots wrap across the tiles at uneven key counts.
+    (dict(is_causal=True), 1, 300, dict(tiles_per_block=2)),
     # One block runs a head's 3 tiles (the dynamic key ranges of a window).
-    (dict(local_window_size=(96, 32)), 384, dict(tiles_per_block=3)),
-    # Persistent: the interpreter's 2 SMs deal out 3 tiles x 2 heads.
-    (dict(local_window_size=(64, 0), is_causal=True), 320, dict(persistent=True)),
+    (dict(local_window_size=(96, 32)), 1, 384, dict(tiles_per_block=3)),
+    # Persistent: the interpreter's 2 SMs deal out 3 tiles x 2 heads x 2 batch
+    # rows, whose key lengths differ (a block's tiles cross batch rows).
+    (dict(local_window_size=(64, 0), is_causal=True,
+          key_value_seq_lengths=(320, 100)), 2, 320, dict(persistent=True)),
 ], ids=["causal-odd", "window", "persistent"])
-def test_attention_tiles_per_block(options, t, tiles):
+def test_attention_tiles_per_block(options, b, t, tiles):
   """Several query tiles a block: Q in two buffers, the ring counted on."""
+  if "key_value_seq_lengths" in options:
+    options = {**options, "key_value_seq_lengths": jnp.asarray(
+        options["key_value_seq_lengths"], jnp.int32)}
   config = mat.AttentionConfig(block_kv=64, num_stages=3, **tiles)
 
   def call(implementation):
     if implementation == "mosaic_gpu":
       implementation = mat.MosaicGpuAttention(config)
     return _attention(**options)(implementation)
-  operands = (_normal((1, t, 2, 64), jnp.bfloat16), _normal((1, t, 1, 64), jnp.bfloat16),
-              _normal((1, t, 1, 64), jnp.bfloat16))
+  operands = (_normal((b, t, 2, 64), jnp.bfloat16), _normal((b, t, 1, 64), jnp.bfloat16),
+              _normal((b, t, 1, 64), jnp.bfloat16))
   _check(call, operands, jnp.bfloat16)
 
 

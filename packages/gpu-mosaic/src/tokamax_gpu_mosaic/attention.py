@@ -95,20 +95,23 @@ def _heuristic(args) -> AttentionConfig:
 
 
 def _even_tiles(args) -> bool:
-  """Whether every query tile sees about as many keys as the others (no causal
-  mask or one-sided window, or a left window that bounds each row's keys; no
-  segment ids), where persistent blocks pay.
+  """Whether persistent blocks pay: more query tiles than SMs, each seeing
+  about as many keys as the others (no window side bounded alone, as causal
+  masking bounds the right; no segment ids).
 
-  H200, bf16, forward, CUPTI (notes/MEASUREMENTS.md session 29), persistent
-  against a block a tile: B1 T16384 N32 K8 H128 causal with a (W, 0) window,
-  W 512 / 1024 / 2048: 0.332 / 0.518 / 0.878 ms against 0.384 / 0.564 /
-  0.908 (W 4096 even); B4 T4096 N16 H128 0.770 against 0.788, B2 T8192 N16
-  H64 1.163 against 1.191. Under a plain causal mask the tiles shorten and
-  the longest-first launch order of a block a tile won: full causal T16384
-  3.295 against 3.044, GQA B2 T8192 3.3% slower.
+  H200, bf16, forward, CUPTI (notes/MEASUREMENTS.md session 29, item 3: one
+  run), persistent against a block a tile: B1 T16384 N32 K8 H128 causal with
+  a (W, 0) window, W 512 / 1024 / 2048: 0.332 / 0.518 / 0.878 ms against
+  0.384 / 0.564 / 0.908 (W 4096 even); B4 T4096 N16 H128 0.770 against
+  0.788, B2 T8192 N16 H64 1.163 against 1.191. Under a plain causal mask the
+  tiles shorten and a block a tile, launched longest first, won: T16384 3.295
+  against 3.044, GQA B2 T8192 N32 K8 1.726 against 1.613.
   """
   left, right = args.visible_window
-  return (left is not None or right is None) and args.q_segment_ids is None
+  b, t, n, _ = args.query.shape
+  tiles = b * n * _common.cdiv(t, _CTA_ROWS)
+  return ((left is None) == (right is None) and args.q_segment_ids is None
+          and tiles > _common.num_sms())
 
 
 def _needs_dynamic(args) -> bool:

@@ -91,7 +91,8 @@ class AttentionConfig:
   tiles_per_block: int = 1
   # One block per SM, walking the query tiles of every head and batch row in
   # turn (as `tiles_per_block`, with as many tiles a block as it takes): no
-  # partial last wave of blocks.
+  # partial last wave of blocks. `head_major` does not apply (the tiles go
+  # head by head).
   persistent: bool = False
 
   def __post_init__(self):
@@ -203,7 +204,7 @@ class _Block(NamedTuple):
 
   wg: Any
   j: Any  # which of the block's query tiles (0 to `_Forward.rounds` - 1)
-  valid: Any  # whether the block has a j-th tile (the last block may not)
+  valid: Any  # whether the block has a j-th tile (blocks with fewer skip it)
   qbuf: Any  # Q's shared-memory buffer of this tile
   qi: Any  # query tile (reversed where the longest tiles go first)
   batch: Any
@@ -480,7 +481,7 @@ class _Forward:
       pl.when(wg == 1)(pass_turn)
       if self.feat.left is not None or self.feat.segments:
         lax.fori_loop(blk.ring.base, tiles.lo,
-                      functools.partial(self.release_first, r, blk), None)
+                      functools.partial(self.release_unused, r, blk), None)
 
       @pl.when(tiles.lo < tiles.n_own)
       def _():
@@ -547,20 +548,21 @@ class _Forward:
     return acc, m, l
 
   def release_pingpong(self, r: _Refs, blk: _Block, i, _):
-    """A tile after this warpgroup's range (causal): free the slot for the
-    producer and keep the ping-pong barrier's count in step with the partner.
-    Where the block runs more query tiles, the slot is waited on first, as in
-    `release_first`: the ring's later laps wait on its barriers again."""
+    """A tile after this warpgroup's range (causal, window, lengths): free the
+    slot for the producer and keep the ping-pong barrier's count in step with
+    the partner. Where the block runs more query tiles, the slot is waited on
+    first (`release_unused`): the ring's later laps wait on its barriers again."""
     if self.rounds > 1:
-      self.release_first(r, blk, i, _)
+      self.release_unused(r, blk, i, _)
       return
     slot = blk.ring.slot(i)
     _pipeline.release(r.k_free.at[slot], r.v_free.at[slot])
     blk.pass_turn()
     blk.pass_turn()
 
-  def release_first(self, r: _Refs, blk: _Block, i, _):
-    """A tile before this warpgroup's range (left window, segments). Its "full"
+  def release_unused(self, r: _Refs, blk: _Block, i, _):
+    """A streamed tile outside this warpgroup's range (before it: left window,
+    segments; after it, where the block runs more query tiles). Its "full"
     barriers are waited on although unused: barrier phases are tracked per
     warpgroup by counting waits, and it waits on the same slots again later."""
     slot = blk.ring.slot(i)

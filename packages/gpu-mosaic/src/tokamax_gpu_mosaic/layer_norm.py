@@ -452,12 +452,13 @@ class MosaicGpuLayerNormVjp(VjpOp):
       # profiled. Without an offset: not measured, declined alike.
       return (f"LayerNorm at {d} > 12288 columns: Triton's backward is faster "
               "(0.86x at 16384 on the H200)")
-    # RMSNorm is not declined at any width: at 8192 x 16384 on the H200 this
-    # backward (1 x 2) ran forward+backward in 0.390 ms against 0.437 with
-    # XLA's and 0.507 with Triton's (`tools/shape_sweep.py --op norms`, a
-    # random cotangent, notes/MEASUREMENTS.md session 29). Session 28 had it
-    # behind XLA's under `jax.grad` of ``sum(y * dy)``, a program in which XLA
-    # need not write y: not the program a training step runs.
+    # RMSNorm is not declined for its width: at 8192 x 16384 on the H200 the
+    # Mosaic forward with this backward (1 x 2) ran forward+backward in 0.390
+    # ms, with XLA's backward 0.460 (`tools/shape_sweep.py --op norms`, a
+    # random cotangent, notes/MEASUREMENTS.md session 29; 12289-16383 columns
+    # and float32 not measured). Session 28 had it behind XLA's under
+    # `jax.grad` of ``sum(y * dy)``, a program in which XLA need not write y:
+    # not the program a training step runs.
     if r * d < 2**24 and _slot_bytes(args) <= 8 * 1024:
       # 4096 rows of 1024-2048 columns on the H200: the best config 0.97-0.99x
       # of Triton's backward (a block walks a handful of rows: the ring's fill
