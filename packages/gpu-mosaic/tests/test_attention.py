@@ -20,7 +20,6 @@ from tokamax._src.ops import attention as attention_op
 from tokamax_gpu_mosaic import attention as mat
 from tokamax_gpu_mosaic import attention_kernel_bwd as akb
 from tokamax_gpu_mosaic import attention_kernel_common as akc
-from tokamax_gpu_mosaic import attention_kernel_fwd as akf
 
 HIGHEST = jax.lax.Precision.HIGHEST
 _ON_HOPPER = (jax.default_backend() == "gpu"
@@ -482,21 +481,6 @@ def test_tiles_per_block_features(tiles):
 
 
 @gpu
-@pytest.mark.parametrize("config", [
-    mat.AttentionConfig(exp2_fma_columns=64),
-    mat.AttentionConfig(block_kv=192, exp2_fma_columns=64),
-    mat.AttentionConfig(exp2_fma_columns=64, persistent=True)])
-@pytest.mark.parametrize("causal", [False, True])
-def test_exp2_fma_columns(config, causal):
-  # Unmasked tiles split their exp2 between the MUFU and the FMA pipes; the lse
-  # (the backward's residual) is checked too. 1280 tokens: 20 tiles a head.
-  _check(2, 1280, 1280, 8, 2, 64, causal, config=config, grads=False)
-  _check(1, 300, 257, 2, 2, 64, causal, jnp.float16, config=config, grads=False)
-  if config.block_kv == 128:  # H128 fits two 128-key stages only
-    _check(1, 512, 512, 4, 4, 128, causal, config=config, grads=False)
-
-
-@gpu
 def test_rows_that_see_nothing():
   # Whole blocks, single warpgroups and single rows with no visible key.
   _check_features(2, 384, 256, 2, 2, 128, q_offset=-200, causal=True)
@@ -875,27 +859,6 @@ def test_an_explicit_config_that_does_not_fit_is_named():
         mat.AttentionVjpConfig(block_q=128, block_kv=128, num_stages=2))
 
 
-def test_exp2_on_fma_matches_exp2():
-  # The softmax's arguments: scores less their row max, so <= 0.
-  x = np.concatenate([np.linspace(-125.0, 0.0, 2_000_001),
-                      [-124.5, -0.5, -1e-7, -0.0]]).astype(np.float32)
-  got = np.asarray(akf.exp2_on_fma(jnp.asarray(x)), np.float64)
-  want = np.exp2(x.astype(np.float64))
-  assert np.max(np.abs(got / want - 1)) < 2.1e-4  # the fit's 2.0e-4
-  # Below -125 it stays at about 2**-125 (never reached: only unmasked tiles).
-  low = np.asarray(akf.exp2_on_fma(jnp.asarray([-126.0, -1000.0], jnp.float32)))
-  np.testing.assert_allclose(low, 2.0**-125, rtol=1e-3)
-
-
-def test_exp2_fma_columns_refusals():
-  with pytest.raises(ValueError, match="multiple of 64 below block_kv=128; got 32"):
-    mat.AttentionConfig(exp2_fma_columns=32)
-  with pytest.raises(ValueError, match="multiple of 64 below block_kv=128; got 128"):
-    mat.AttentionConfig(exp2_fma_columns=128)
-  with pytest.raises(ValueError, match="plain schedule"):
-    mat.AttentionConfig(exp2_fma_columns=64, overlap_qk=True)
-
-
 @pytest.mark.smoke
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("h,n,k,t,s,config", [
@@ -927,11 +890,6 @@ def test_exp2_fma_columns_refusals():
                                                  persistent=True)),
     (64, 16, 4, 2048, 2048, mat.AttentionConfig(block_kv=64, num_stages=3,
                                                 persistent=True)),
-    # exp2 on the FMA pipes for part of each unmasked tile (odd S: masked tiles).
-    (64, 4, 2, 256, 200, mat.AttentionConfig(exp2_fma_columns=64)),
-    (64, 4, 2, 512, 512, mat.AttentionConfig(block_kv=192, exp2_fma_columns=64,
-                                             persistent=True)),
-    (128, 4, 4, 384, 384, mat.AttentionConfig(exp2_fma_columns=64)),
 ])
 def test_lowers_for_cuda(causal, h, n, k, t, s, config):
   pytest.importorskip("absl")

@@ -127,25 +127,6 @@ def test_attention_tiles_per_block(options, b, t, tiles):
   _check(call, operands, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("dtype,options,t,s,block_kv", [
-    # Causal with 3 query tiles: unmasked tiles split, diagonal tiles masked.
-    (jnp.bfloat16, dict(is_causal=True), 384, 384, 128),
-    # Keys past a tile multiple (the last tile masked), GQA, float16.
-    (jnp.float16, dict(), 200, 450, 192),
-], ids=["bf16-causal", "f16-padded-keys"])
-def test_attention_exp2_on_fma(dtype, options, t, s, block_kv):
-  """The last 64 columns of each unmasked tile take exp2 on the FMA pipes."""
-  config = mat.AttentionConfig(block_kv=block_kv, exp2_fma_columns=64)
-
-  def call(implementation):
-    if implementation == "mosaic_gpu":
-      implementation = mat.MosaicGpuAttention(config)
-    return _attention(**options)(implementation)
-  operands = (_normal((1, t, 2, 64), dtype), _normal((1, s, 1, 64), dtype),
-              _normal((1, s, 1, 64), dtype))
-  _check(call, operands, dtype)
-
-
 def test_ragged_dot():
   """Empty groups, a group that ends mid-tile, rows past the last group."""
   sizes = jnp.asarray([100, 0, 150, 37, 0], jnp.int32)

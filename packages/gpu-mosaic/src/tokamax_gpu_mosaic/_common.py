@@ -155,10 +155,9 @@ def accumulate(inits, terms, *, operand_dtype=None, after_issue=None):
   """``init + a @ b`` for each init and its ``(a, b)`` term, as WGMMAs into
   accumulators that start at `inits` (float32 register arrays; each `a` a
   register array, cast to `operand_dtype` if given inside the accumulation's
-  scope, where the kernels have always cast it; each `b` an SMEM ref). A term
-  may also be a list of ``(a, b)`` pairs, all added into its accumulator (a
-  contraction in parts). `after_issue` runs once the WGMMAs are issued, while
-  they run. Returns the sums, a tuple like `inits`.
+  scope, where the kernels have always cast it; each `b` an SMEM ref).
+  `after_issue` runs once the WGMMAs are issued, while they run. Returns the
+  sums, a tuple like `inits`.
 
   Natively this is ``pl.run_state`` over ``plgpu.ACC.init`` accumulators. JAX's
   Mosaic GPU interpreter has no rule for ``run_state`` nor a register operand
@@ -167,21 +166,16 @@ def accumulate(inits, terms, *, operand_dtype=None, after_issue=None):
   def operand(a):
     return a if operand_dtype is None else a.astype(operand_dtype)
 
-  def pairs(term):
-    return term if isinstance(term, list) else [term]
-
   if interpreting():
-    sums = tuple(init + sum(jnp.dot(operand(a), b[...], preferred_element_type=jnp.float32)
-                            for a, b in pairs(term))
-                 for init, term in zip(inits, terms, strict=True))
+    sums = tuple(init + jnp.dot(operand(a), b[...], preferred_element_type=jnp.float32)
+                 for init, (a, b) in zip(inits, terms, strict=True))
     if after_issue is not None:
       after_issue()
     return sums
 
   def issue(accs):
-    for acc, term in zip(accs, terms, strict=True):
-      for a, b in pairs(term):
-        plgpu.wgmma(acc, operand(a), b)
+    for acc, (a, b) in zip(accs, terms, strict=True):
+      plgpu.wgmma(acc, operand(a), b)
     if after_issue is not None:
       after_issue()
   return pl.run_state(issue)(tuple(plgpu.ACC.init(x) for x in inits))

@@ -94,12 +94,6 @@ class AttentionConfig:
   # partial last wave of blocks. `head_major` does not apply (the tiles go
   # head by head).
   persistent: bool = False
-  # Of each unmasked key tile's scores, the last this many columns take exp2 as
-  # a polynomial on the FMA and integer pipes (`exp2_on_fma`) instead of the
-  # MUFU, whose 16 results a clock per SM can bound the softmax at small head
-  # dims (FlashAttention-4's trick). Plain schedule only; masked tiles keep
-  # the MUFU. 0: every exp2 on the MUFU.
-  exp2_fma_columns: int = 0
 
   def __post_init__(self):
     if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -111,15 +105,6 @@ class AttentionConfig:
     if self.persistent and self.tiles_per_block != 1:
       raise ValueError("a persistent block takes as many query tiles as it needs: "
                        f"leave tiles_per_block at 1 (got {self.tiles_per_block})")
-    cols = self.exp2_fma_columns
-    if cols % 64 or not 0 <= cols < self.block_kv:
-      # P V in two parts: each contracts over a multiple of 64 keys (a
-      # 128-byte swizzle of V's 16-bit rows).
-      raise ValueError("exp2_fma_columns must be a multiple of 64 below "
-                       f"block_kv={self.block_kv}; got {cols}")
-    if cols and self.overlap_qk:
-      raise ValueError("exp2_fma_columns is for the plain schedule: set "
-                       "overlap_qk=False or exp2_fma_columns=0")
 
   @property
   def q_buffers(self) -> int:
@@ -169,45 +154,6 @@ def online_softmax(s, m, l, c: float, visible, soft_cap: float | None = None,
   alpha = jnp.exp2(m - m_safe)
   l = l * alpha + p.sum(axis=1)
   return p, m_new, l, alpha
-
-
-# 2**f on [-0.5, 0.5] as c0 + f (c1 + f (c2 + f c3)): a least-squares fit of the
-# relative error, at most 2.0e-4 evaluated in float32 (bf16 rounds P to 3.9e-3,
-# f16 to 4.9e-4).
-_EXP2_POLY = (0.99998754, 0.69324851, 0.24182235, 0.054854438)
-# 1.5 * 2**23: adding it rounds a float32 of magnitude below 2**22 to an integer,
-# which the sum holds in its low mantissa bits.
-_ROUNDER = 12582912.0
-
-
-def exp2_on_fma(x):
-  """2**x on the FMA and integer pipes: 2**round(x) by writing the exponent
-  bits, times a cubic in the remainder. For x <= 0 with no -inf (the unmasked
-  scores less their row max): below -125 it returns about 2**-125, not 0."""
-  x = jnp.maximum(x, -125.0)
-  rounded = x + _ROUNDER
-  f = x - (rounded - _ROUNDER)
-  c0, c1, c2, c3 = _EXP2_POLY
-  poly = ((c3 * f + c2) * f + c1) * f + c0
-  # round(x) sits in the low bits of `rounded`: shifted into the exponent field
-  # (the high bits fall off), it scales the polynomial by 2**round(x).
-  bits = (lax.bitcast_convert_type(poly, jnp.int32)
-          + lax.shift_left(lax.bitcast_convert_type(rounded, jnp.int32), 23))
-  return lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def split_softmax(s, m, l, c: float, fma_columns: int):
-  """`online_softmax` of an unmasked tile (``c > 0``, no soft cap) with P in two
-  column parts: exp2 on the MUFU, then on the FMA pipes for the last
-  `fma_columns` columns. Returns ((p_mufu, p_fma), m, l, alpha)."""
-  rows, cols = s.shape
-  split = cols - fma_columns
-  m_new = jnp.maximum(m, s.max(axis=1) * c)
-  p_mufu = jnp.exp2(s[:, :split] * c - akc.bcast_rows(m_new, (rows, split)))
-  p_fma = exp2_on_fma(s[:, split:] * c - akc.bcast_rows(m_new, (rows, fma_columns)))
-  alpha = jnp.exp2(m - m_new)
-  l = l * alpha + p_mufu.sum(axis=1) + p_fma.sum(axis=1)
-  return (p_mufu, p_fma), m_new, l, alpha
 
 
 def _softmax_update(s, m, l, acc, c: float, visible, soft_cap=None, guard=False):
@@ -579,23 +525,12 @@ class _Forward:
     s = pl.run_scoped(scores, plgpu.ACC((self.bq, self.bkv), jnp.float32))
     plgpu.barrier_arrive(r.k_free.at[slot])
 
-    fma_columns = self.exp2_fma_columns(masked)
-    if fma_columns:
-      # P in two column parts, each multiplied by its rows of V.
-      parts, m, l, alpha = split_softmax(s, m, l, self.c, fma_columns)
-      acc = acc * akc.bcast_rows(alpha, acc.shape)
-      split = self.bkv - fma_columns
-      v_parts = [r.v_smem.at[slot, pl.ds(0, split)],
-                 r.v_smem.at[slot, pl.ds(split, fma_columns)]]
-    else:
-      visible = self.visibility(r, blk, tiles, i) if masked else None
-      p, m, l, acc = _softmax_update(s, m, l, acc, self.c, visible,
-                                     self.feat.soft_cap,
-                                     guard=self.feat.dynamic and masked)
-      parts, v_parts = (p,), [r.v_smem.at[slot]]
-    parts = tuple(p.astype(self.dtype) for p in parts)
+    visible = self.visibility(r, blk, tiles, i) if masked else None
+    p, m, l, acc = _softmax_update(s, m, l, acc, self.c, visible, self.feat.soft_cap,
+                                   guard=self.feat.dynamic and masked)
+    p = p.astype(self.dtype)
     if self.config.fence_softmax:
-      parts, m, l, acc = lax.optimization_barrier((parts, m, l, acc))
+      p, m, l, acc = lax.optimization_barrier((p, m, l, acc))
 
     plgpu.barrier_arrive(r.turn)
     plgpu.barrier_wait(r.v_full.at[slot])
@@ -607,16 +542,10 @@ class _Forward:
       @pl.when(nxt < tiles.n_own)
       def _():  # overlaps the wait for the next K with this matmul
         plgpu.barrier_wait(r.k_full.at[blk.ring.slot(nxt)])
-    (acc,) = _common.accumulate((acc,), (list(zip(parts, v_parts)),),
+    (acc,) = _common.accumulate((acc,), ((p, r.v_smem.at[slot]),),
                                 after_issue=wait_next_k)
     plgpu.barrier_arrive(r.v_free.at[slot])
     return acc, m, l
-
-  def exp2_fma_columns(self, masked: bool) -> int:
-    """Columns of this tile whose exp2 runs on the FMA pipes (`split_softmax`):
-    unmasked tiles of the plain softmax only (no soft cap, a positive scale)."""
-    plain = not masked and self.feat.soft_cap is None and self.c > 0
-    return self.config.exp2_fma_columns if plain else 0
 
   def release_pingpong(self, r: _Refs, blk: _Block, i, _):
     """A tile after this warpgroup's range (causal, window, lengths): free the
