@@ -7,8 +7,11 @@
 # soon as it is measured, so a part cut short keeps what it measured.
 #
 #   bash tools/grid_tune.sh [part ...]    parts: attn-short attn-long norms glu ragged,
-#                                         or shapes:<seconds>:<op>:<name>[,<name>...]
-#                                         (only grid shapes whose name contains one)
+#                                         or shapes:<seconds>:<op>:<name>[,<name>...][:<impl>]
+#                                         (only grid shapes whose name contains one;
+#                                         with <impl>, only that implementation is
+#                                         measured again and the others' entries kept:
+#                                         after a kernel change)
 #
 # attn-long skips the dense XLA attentions (out of memory or 8-30x slower than the
 # kernels at T >= 4096 on the H200 and H100: notes/MEASUREMENTS.md, session 13).
@@ -31,9 +34,15 @@ declare -A PART=(
 )
 for part in "${@:-attn-short}"; do
   if [[ $part == shapes:* ]]; then
-    IFS=':' read -r _ seconds op names <<< "$part"
+    IFS=':' read -r _ seconds op names only <<< "$part"
     skips=""; [[ $op == dot_product_attention ]] && skips="--skip xla --skip xla_chunked"
     [[ $op == ragged_dot ]] && skips="--skip xla"
+    if [[ -n $only ]]; then
+      skips=$(python3 -c "
+from tokamax._src import introspection
+print(' '.join('--skip ' + s.name for s in introspection.implementations('$op')
+               if s.name != '$only'))")
+    fi
     command="$G --op $op $skips"
     IFS=',' read -ra each <<< "$names"
     for name in "${each[@]}"; do command+=" --shape '$name'"; done

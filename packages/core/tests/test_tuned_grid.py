@@ -241,6 +241,51 @@ def test_autotune_grid_writes_per_op_and_keeps_earlier_calls(monkeypatch, tmp_pa
   assert {m["direction"] for m in data["measurements"]} == {"forward", "backward"}
 
 
+def test_autotune_grid_again_keeps_the_skipped_implementations(monkeypatch, tmp_path):
+  # One implementation measured again after it changed: the others' entries on
+  # the same calls stay (they are what it is ranked against).
+  quick = [p for p in bench_suite.quick_suite()
+           if p.op == "dot_product_attention" and p.name == "B1 T256 N4 H64"]
+  monkeypatch.setattr(bench_suite, "grid_suite", lambda: quick)
+  shape = ["B1 T256 N4 H64"]
+  bench_suite.autotune_suite(None, shape, str(tmp_path), 1, None, grid=True)
+  (folder,) = tmp_path.iterdir()
+  path = folder / "dot_product_attention_grid.json"
+
+  def entries():
+    return {(m["key"], m["direction"], m["implementation"]): m["time_ms"]
+            for m in json.loads(path.read_text())["measurements"]}
+  first = entries()
+  assert {impl for _, _, impl in first} == {"xla", "xla_chunked"}
+  bench_suite.autotune_suite(None, shape, str(tmp_path), 1, None, grid=True,
+                             skip=("xla_chunked",))
+  second = entries()
+  assert second.keys() == first.keys()
+  # xla_chunked's entries are the first run's; xla's were measured again.
+  chunked = [k for k in first if k[2] == "xla_chunked"]
+  assert chunked and all(second[k] == first[k] for k in chunked)
+  # Without the skip, a call measured again replaces what every implementation
+  # had there (an implementation that now fails on it must not keep its time).
+  measured_once = {k: v for k, v in second.items() if k[2] == "xla"}
+  monkeypatch.setattr(bench_suite.autotuning, "autotune",
+                      _only(bench_suite.autotuning.autotune, "xla"))
+  bench_suite.autotune_suite(None, shape, str(tmp_path), 1, None, grid=True)
+  third = entries()
+  assert {impl for _, _, impl in third} == {"xla"}
+  assert third.keys() == measured_once.keys()
+
+
+def _only(autotune, implementation):
+  """`autotune` whose results hold `implementation`'s measurements only."""
+  def measured(*args, **kwargs):
+    result = autotune(*args, **kwargs)
+    return bench_suite.autotuning.AutotuningResult(
+        [m for m in result.measurements if m.implementation == implementation],
+        device_kind=result.device_kind, versions=result.versions,
+        failures=result.failures)
+  return measured
+
+
 def _shipped_files():
   found = []
   for package in ("tokamax_gpu_mosaic.tuned", "tokamax_gpu_triton.tuned"):

@@ -552,7 +552,8 @@ def autotune_suite(ops: list[str] | None, shapes: list[str] | None, out: str,
   calls an existing file holds and this run does not measure are kept, so that a
   grid can be measured in several runs (``--shape``). `skip`: implementations
   not measured (e.g. the dense XLA attention at long sequences, out of memory or
-  tens of times slower).
+  tens of times slower); an existing file's entries for them are kept, so that
+  one implementation can be measured again after it changed (skip the others).
   """
   folder = os.path.join(out, shipped.device_slug(jax.devices()[0].device_kind))
   os.makedirs(folder, exist_ok=True)
@@ -580,22 +581,29 @@ def autotune_suite(ops: list[str] | None, shapes: list[str] | None, out: str,
         timeout_s=timeout_s, progress=False, heuristics_only=grid, skip=skip,
         integer_inputs=integer_inputs))
     if grid:
-      _write_per_op(_with_earlier_grid(_first_party_only(result), folder, p.op),
+      _write_per_op(_with_earlier_grid(_first_party_only(result), folder, p.op, skip),
                     folder, "_grid", only=p.op)
   if not grid:
     _write_per_op(_first_party_only(result), folder, "")
 
 
-def _with_earlier_grid(result, folder: str, op: str):
-  """`result` and the calls of `folder`'s ``<op>_grid.json`` it did not measure."""
+def _with_earlier_grid(result, folder: str, op: str, skip: tuple[str, ...] = ()):
+  """`result` and what `folder`'s ``<op>_grid.json`` holds of the calls it did
+  not measure, and of the implementations it skipped. (An implementation that
+  this run tried on a call and that failed or refused there loses its earlier
+  entries for that call: they describe code that no longer runs it.)"""
   path = os.path.join(folder, f"{op}_grid.json")
   if not os.path.exists(path):
     return result
   with open(path) as f:
     earlier = autotuning.AutotuningResult.loads(f.read())
   measured = {(m.op, m.key) for m in result.measurements}
-  kept = [m for m in earlier.measurements if (m.op, m.key) not in measured]
-  failures = [f for f in earlier.failures if (f["op"], f["key"]) not in measured]
+
+  def keep(op_name, key, implementation):
+    return (op_name, key) not in measured or implementation in skip
+  kept = [m for m in earlier.measurements if keep(m.op, m.key, m.implementation)]
+  failures = [f for f in earlier.failures
+              if keep(f["op"], f["key"], f.get("implementation"))]
   return autotuning.AutotuningResult(
       [*kept, *result.measurements], device_kind=result.device_kind,
       versions=result.versions, failures=[*failures, *result.failures])
