@@ -706,7 +706,6 @@ def test_backward_refuses_non_hopper_devices():
     (dict(bias=np.ones((1, 2, 256, 256), np.float32) * 0.5), "bias"),
     (dict(mask=np.tril(np.ones((256, 256), bool))), "bool mask"),
     (dict(dtype=jnp.float32), "bfloat16 or float16"),
-    (dict(h=256), "232-register limit"),
     (dict(h=80), "head dims"),
     (dict(h=128, hv=64), "head dims"),
     (dict(t=0), "empty"),
@@ -790,13 +789,21 @@ def test_backward_configs_fit():
                                                 ping_pong_dq=True)),  # T > S
     (128, 2, 2, 1, 77, mat.AttentionVjpConfig(64, 64, 4, ping_pong=True,
                                               ping_pong_dq=True)),  # f16 below
+    # H256: dK and dV in two passes, 32-row steps (the heuristic), GQA, padded.
+    (256, 4, 4, 512, 512, None),
+    (256, 8, 2, 200, 333, None),
+    (256, 4, 4, 384, 384, mat.AttentionVjpConfig(32, 32, 2, ping_pong=True,
+                                                 ping_pong_dq=True, split_dkv=True)),
+    # The same machinery at H64 (not in its search space).
+    (64, 4, 4, 512, 512, mat.AttentionVjpConfig(32, 32, 2, split_dkv=True)),
 ])
 def test_backward_lowers_for_cuda(causal, h, n, k, t, s, config):
   pytest.importorskip("absl")
   dtype = jnp.float16 if t == 1 else jnp.bfloat16
   args = _args(t=t, s=s, n=n, k=k, h=h, is_causal=causal, dtype=dtype)
   config = config or mat.MosaicGpuAttentionVjp().heuristic_config(args)
-  assert config in mat.MosaicGpuAttentionVjp().search_space(args)
+  if not (config.split_dkv and h < 256):  # split below H256: outside the space
+    assert config in mat.MosaicGpuAttentionVjp().search_space(args)
   q, key = args.query, args.key
   sds = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt)
   exported = jax.export.export(
@@ -805,7 +812,8 @@ def test_backward_lowers_for_cuda(causal, h, n, k, t, s, config):
       platforms=["cuda"])(sds(q.shape), sds(key.shape), sds(key.shape), sds(q.shape),
                           sds(q.shape), sds((1, n, t), jnp.float32))
   text = exported.mlir_module()
-  assert text.count("mosaic_gpu") >= 2  # the dK/dV and the dQ kernels
+  # The dK/dV kernel (twice with split_dkv) and the dQ kernel.
+  assert text.count("mosaic_gpu") >= (3 if config.split_dkv else 2)
   assert [(a.shape, a.dtype) for a in exported.out_avals] == [
       (q.shape, dtype), (key.shape, dtype), (key.shape, dtype)]
 
@@ -952,6 +960,22 @@ def _check_backward(b, t, s, n, k, h, causal, dtype=jnp.bfloat16, scale=None):
 @pytest.mark.parametrize("causal", [False, True])
 def test_backward(dtype, h, causal):
   _check_backward(2, 512, 512, 4, 4, h, causal, dtype)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_head_dim_256(dtype, causal):
+  # dK and dV in two passes, 32-row steps; GQA and lengths off the tiles.
+  _check_backward(2, 1024, 1024, 4, 4, 256, causal, dtype)
+  _check_backward(1, 300, 457, 4, 2, 256, causal, dtype)
+
+
+@gpu
+def test_backward_head_dim_256_features():
+  # Gemma-like: a sliding window with a soft cap; key and query lengths.
+  _check_bwd_features(2, 512, 512, 4, 2, 256, causal=True, window=(200, 0),
+                      soft_cap=30.0, kv_len=[512, 300], q_len=[450, 512])
 
 
 @gpu

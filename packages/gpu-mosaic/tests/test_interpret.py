@@ -92,6 +92,23 @@ def test_attention(b, t, s, n, k, h, dtype, options):
   _check(_attention(**options), operands, dtype)
 
 
+@pytest.mark.parametrize("t,s,options", [
+    (200, 333, dict(is_causal=True)),
+    # Gemma-like: a sliding window, a soft cap, key lengths.
+    (256, 256, dict(is_causal=True, local_window_size=(100, 0), logits_soft_cap=30.0,
+                    key_value_seq_lengths=(256, 150))),
+], ids=["causal-odd", "window-softcap-lengths"])
+def test_attention_head_dim_256(t, s, options):
+  """H256: the backward's dK and dV in two passes, 32-row steps (64-byte swizzle)."""
+  if "key_value_seq_lengths" in options:
+    options = {**options, "key_value_seq_lengths": jnp.asarray(
+        options["key_value_seq_lengths"], jnp.int32)}
+  b = 2 if "key_value_seq_lengths" in options else 1
+  operands = (_normal((b, t, 2, 256), jnp.bfloat16), _normal((b, s, 1, 256), jnp.bfloat16),
+              _normal((b, s, 1, 256), jnp.bfloat16))
+  _check(_attention(**options), operands, jnp.bfloat16)
+
+
 def test_attention_sinks():
   sinks = _normal((4,), jnp.float32, 2.0)
   operands = (_normal((1, 192, 4, 64), jnp.bfloat16),

@@ -10,8 +10,8 @@ Features: causal, local windows, per-batch lengths, q_offset, segment ids, soft
 cap and sinks (static switches: off, the kernels compile unchanged); GQA/MQA
 read key/value head ``n // (N // K)`` through the TMA slices. Bias and a bool
 mask are refused ([T, S] tile streams: not cheap here). The backward takes any
-forward's ``lse`` and refuses what it cannot run (bias, mask, H 256) on the
-arguments themselves, so that dispatch takes another backward with
+forward's ``lse`` and refuses what it cannot run (bias, mask) on the arguments
+themselves, so that dispatch takes another backward with
 ``implementation=None`` or an Op instance.
 """
 
@@ -218,10 +218,10 @@ class MosaicGpuAttention(Op):
 # ----------------------------------------------------------------------------
 
 
-_BWD_HEAD_DIMS = (64, 128)
-# f32 tile registers per consumer thread: dK/dV holds dK and dV (H) plus S^T and
-# dP^T (block_q), dQ holds dQ (H/2) plus S and dP (block_kv); H = 256 would need
-# 256 for dK and dV alone (over the 232-register limit): refused.
+_BWD_HEAD_DIMS = (64, 128, 256)
+# f32 tile registers per consumer thread: dK/dV holds dK and dV (H; H/2 with
+# `split_dkv`, one at a time) plus S^T and dP^T (block_q), dQ holds dQ (H/2)
+# plus S and dP (block_kv). At H256 only `split_dkv` fits.
 _BWD_REG_BUDGET = 192
 
 
@@ -244,9 +244,10 @@ def bwd_smem_bytes(config: AttentionVjpConfig, head_dim: int, itemsize: int,
 
 def _bwd_fits(config: AttentionVjpConfig, head_dim: int, itemsize: int,
               segments: bool = False) -> bool:
+  accumulators = head_dim // 2 if config.split_dkv else head_dim
   return (max(bwd_smem_bytes(config, head_dim, itemsize, segments))
           <= _common.SMEM_LIMIT
-          and head_dim + config.block_q <= _BWD_REG_BUDGET
+          and accumulators + config.block_q <= _BWD_REG_BUDGET
           and head_dim // 2 + config.block_kv <= _BWD_REG_BUDGET)
 
 
@@ -258,6 +259,11 @@ def _bwd_heuristic(args) -> AttentionVjpConfig:
   # H128 (plain, causal, f16, causal f16): fastest of the search space, within
   # 0.1-1.3% of the other plain configs; the ping-pong flags moved it by -1.4% to
   # +2.2% (notes/MOSAIC_GPU.md), so they stay off here.
+  # H256: dK and dV in two passes (their accumulators do not fit together) and
+  # 32-row steps (K, V or Q, dO resident take 128 KiB of shared memory): the
+  # only tiles that fit; not yet timed.
+  if h == 256:
+    return AttentionVjpConfig(block_q=32, block_kv=32, num_stages=2, split_dkv=True)
   preferred = {64: (128, 128, 2), 128: (64, 128, 2)}.get(h, (64, 64, 2))
   config = AttentionVjpConfig(*preferred)
   if _bwd_fits(config, h, itemsize, args.q_segment_ids is not None):
@@ -270,10 +276,12 @@ def _bwd_search_space(args):
   itemsize = jnp.dtype(args.query.dtype).itemsize
   segments = args.q_segment_ids is not None
   out = []
-  for block_q in (64, 128):
-    for block_kv in (64, 128):
+  # 32-row steps and split dK/dV only where nothing else fits (H256).
+  sizes, split = ((32,), True) if h == 256 else ((64, 128), False)
+  for block_q in sizes:
+    for block_kv in sizes:
       for stages in (2, 3, 4):
-        config = AttentionVjpConfig(block_q, block_kv, stages)
+        config = AttentionVjpConfig(block_q, block_kv, stages, split_dkv=split)
         if _bwd_fits(config, h, itemsize, segments):
           out.append(config)
   # The ping-pong schedules (same tiles, registers and shared memory), not yet
@@ -301,10 +309,6 @@ def _check_backward_args(args) -> None:
       raise NotImplementedError(f"the mosaic_gpu attention backward does not handle "
                                 f"{what}")
   h, hv = q.shape[-1], v.shape[-1]
-  if h == 256 and hv == h:
-    raise NotImplementedError(
-        "backward head dim 256: the dK and dV float32 accumulators of a 64-row key "
-        "tile take 256 registers per thread, over the 232-register limit")
   if h not in _BWD_HEAD_DIMS or hv != h:
     raise NotImplementedError(
         f"backward head dims H=Hv in {_BWD_HEAD_DIMS} only; got H={h}, Hv={hv}")
@@ -342,9 +346,10 @@ class MosaicGpuAttentionVjp(VjpOp):
           f"config {config} does not fit at head dim {h}: it needs "
           f"{max(bwd_smem_bytes(config, h, itemsize, segments))} bytes of shared "
           "memory "
-          f"(limit {_common.SMEM_LIMIT}) and block_q + H <= {_BWD_REG_BUDGET}, "
-          f"H / 2 + block_kv <= {_BWD_REG_BUDGET} (registers); use a smaller "
-          "block_q, block_kv or num_stages")
+          f"(limit {_common.SMEM_LIMIT}) and block_q + H <= {_BWD_REG_BUDGET} "
+          f"(H / 2 with split_dkv), H / 2 + block_kv <= {_BWD_REG_BUDGET} "
+          "(registers); use a smaller block_q, block_kv or num_stages, or "
+          "split_dkv=True")
     dq, dk, dv = mosaic_attention_bwd(
         args.query, args.key, args.value, out, dout, residuals["lse"],
         scale=args.scale, causal=args.is_causal, config=config,

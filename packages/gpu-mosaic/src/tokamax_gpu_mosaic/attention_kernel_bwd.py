@@ -15,7 +15,12 @@ each with the forward's warpgroup layout (a producer, two 64-row consumers):
   ``dP = dO V^T``, P, dS, then ``dQ += dS K``.
 
 Registers per consumer thread (an f32 64 x n tile takes n/2): dK/dV holds dK
-and dV (H) plus S^T and dP^T (block_q); dQ holds dQ (H/2) plus S and dP.
+and dV (H) plus S^T and dP^T (block_q); dQ holds dQ (H/2) plus S and dP. At
+H256 dK and dV do not fit together (256 registers): `split_dkv` runs the dK/dV
+kernel twice, once for dV (``S^T`` alone: no V, dP^T or delta) and once for dK,
+with 32-row steps in both kernels (K and V, or Q and dO, take 128 KiB of shared
+memory resident). A 32-row contraction takes the 64-byte swizzle, so every tile
+of that kernel does (`_Shape.transforms`).
 
 Padding: T and S are padded to multiples of 128. Padded query rows get
 lse = +inf and dO = 0, so P = dS = 0 there: no mask. Padded key rows only make
@@ -66,7 +71,9 @@ class AttentionVjpConfig:
 
   ``block_q``: query rows per step of the dK/dV kernel (its blocks own 128 key
   rows); ``block_kv``: key rows per step of the dQ kernel (its blocks own 128
-  query rows); ``num_stages``: ring depth of both.
+  query rows); ``num_stages``: ring depth of both. 32-row steps contract over
+  32 rows in the accumulating matmuls, so that kernel's tiles take the 64-byte
+  swizzle instead of the 128-byte one.
   """
 
   block_q: int = 64
@@ -84,13 +91,18 @@ class AttentionVjpConfig:
   # head share its Q, dO, lse and delta reads, the dQ blocks its K and V. None:
   # by the measured rule (`akc.head_major`).
   head_major: bool | None = None
+  # dK and dV in two runs of the dK/dV kernel, each holding one float32
+  # accumulator: dV (from S^T alone: no V, dO V^T or delta), then dK. One more
+  # matmul per step in all (S^T twice), and how H256 fits the registers: dK and
+  # dV of a 64-row key tile take 128 registers per thread each there.
+  split_dkv: bool = False
 
   def __post_init__(self):
-    # 64 or 128: a multiple of 64 for the P^T dO / dS K contractions over a
-    # 128-byte-swizzled tile, and a divisor of the 128-row padding.
+    # A divisor of the 128-row padding; the P^T dO / dS K contractions run over
+    # it (see the class docstring).
     for name in ("block_q", "block_kv"):
-      if getattr(self, name) not in (64, 128):
-        raise ValueError(f"{name} must be 64 or 128; got {getattr(self, name)}")
+      if getattr(self, name) not in (32, 64, 128):
+        raise ValueError(f"{name} must be 32, 64 or 128; got {getattr(self, name)}")
     if self.num_stages < 2:
       raise ValueError(f"num_stages must be >= 2; got {self.num_stages}")
 
@@ -120,9 +132,21 @@ def _scores_pair(shape, a0, b0, second_full, a1, b1, pass_turn=None):
                        plgpu.ACC(shape, jnp.float32))
 
 
+def _scores(shape, a, b, pass_turn=None):
+  """``a b^T`` alone (a float32 tile of `shape`), as `_scores_pair`."""
+
+  def scores(s_acc):
+    plgpu.wgmma(s_acc, a, b.T)
+    if pass_turn is not None:
+      pass_turn()
+    return s_acc[...]
+  return pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
+
+
 def _probs_and_ds(s, dp, c: float, soft_cap, lse_b, delta_b, visible=None):
   """``P = exp2(s c - lse2)`` (masked where `visible()` is False) and
-  ``dS = P (dP - delta)`` (times the soft cap's ``1 - tanh^2``).
+  ``dS = P (dP - delta)`` (times the soft cap's ``1 - tanh^2``; None where `dp`
+  is None: P alone).
 
   `lse_b`, `delta_b`: called for the broadcast lse2 and delta tiles at the
   point each is needed; `visible`: None (no mask) or called for the mask.
@@ -137,6 +161,8 @@ def _probs_and_ds(s, dp, c: float, soft_cap, lse_b, delta_b, visible=None):
     if keep is not None:
       z = jnp.where(keep, z, -jnp.inf)
   p = jnp.exp2(z)
+  if dp is None:
+    return p, None
   ds = p * (dp - delta_b())
   if soft_cap is not None:
     ds = ds * (1.0 - th * th)  # d(cap tanh(x / cap)) / dx
@@ -192,6 +218,11 @@ class _Shape:
     1.062, GQA B2 T8192 N32 K8 unchanged. At H64 it lost (dQ 1.43 -> 1.56 ms).
     """
     return _pipeline.WIDE_CONSUMER_REGS if self.h >= 128 else None
+
+  def transforms(self, step_rows: int):
+    """SMEM transforms of every tile of a kernel whose accumulating matmuls
+    contract over `step_rows` rows (a wgmma's operands share one swizzle)."""
+    return _common.swizzled(self.dtype, min(self.h, step_rows))
 
   def absent(self):
     """Refs this call does not have."""
@@ -257,11 +288,22 @@ class _DkvBlock(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class _DkvKernel(_Shape):
-  """dK, dV; its methods are the kernel's stages."""
+  """dK, dV; its methods are the kernel's stages. `grads`: which of the two it
+  computes ("dk", "dv" or both: `AttentionVjpConfig.split_dkv`)."""
+
+  grads: tuple[str, ...] = ("dk", "dv")
 
   @property
   def ping_pong(self):
     return self.config.ping_pong
+
+  @property
+  def needs_dp(self):
+    """dK needs dS, so dP^T = V dO^T and delta; dV needs P^T alone."""
+    return "dk" in self.grads
+
+  def absent(self):
+    return super().absent() | {g for g in ("dk", "dv") if g not in self.grads}
 
   @property
   def bq(self):
@@ -305,7 +347,8 @@ class _DkvKernel(_Shape):
     k_tile, v_tile = r.k_smem.at[wg], r.v_smem.at[wg]
     mine = (blk.batch, pl.ds(r0, rows), blk.head)
     plgpu.copy_gmem_to_smem(r.k.at[mine], k_tile, r.kv_full.at[wg])
-    plgpu.copy_gmem_to_smem(r.v.at[mine], v_tile, r.kv_full.at[wg])
+    if self.needs_dp:
+      plgpu.copy_gmem_to_smem(r.v.at[mine], v_tile, r.kv_full.at[wg])
     if self.feat.segments:
       plgpu.copy_gmem_to_smem(r.kv_seg.at[blk.batch, pl.ds(r0, rows)],
                               r.kvseg_smem.at[wg], r.kv_full.at[wg])
@@ -314,8 +357,9 @@ class _DkvKernel(_Shape):
       # From this query tile on, every query is at or past this warpgroup's
       # last key (r0 + 63): no mask.
       j_clear = jnp.minimum(lax.div(r0 + rows - 1 + self.bq - 1, self.bq), self.nq)
-    zeros = plgpu.layout_cast(jnp.zeros((rows, self.h), jnp.float32),
-                              plgpu.Layout.WGMMA)
+    zero = plgpu.layout_cast(jnp.zeros((rows, self.h), jnp.float32),
+                             plgpu.Layout.WGMMA)
+    zeros = {g: zero for g in self.grads}
     plgpu.barrier_wait(r.kv_full.at[wg])
     kv_ids = None
     if self.feat.segments:
@@ -323,22 +367,25 @@ class _DkvKernel(_Shape):
     head = functools.partial(self.head_steps, r, blk, r0, k_tile, v_tile, j_clear,
                              kv_ids)
     # Both consumers take the same steps (two passes each per step).
-    dk, dv = _turn_passes(wg, self.ping_pong, blk.pass_turn,
-                          lambda: lax.fori_loop(0, self.group, head, (zeros, zeros)))
+    grads = _turn_passes(wg, self.ping_pong, blk.pass_turn,
+                         lambda: lax.fori_loop(0, self.group, head, zeros))
     if self.feat.kv_len:
       # Keys past the valid ones may have taken unmasked (even non-finite)
       # values in unmasked steps; their rows are zero by the contract.
       kv_limit = blk.limits[1]
       key = _pipeline.wgmma_iota((rows, self.h), 0) + r0
-      dk = jnp.where(key < kv_limit, dk, 0.0)
-      dv = jnp.where(key < kv_limit, dv, 0.0)
+      grads = {g: jnp.where(key < kv_limit, x, 0.0) for g, x in grads.items()}
     # K and V are no longer read (every wgmma was waited for): stage the
     # results there. dS was taken unscaled: scale dK once here.
-    k_tile[...] = (dk * self.scale).astype(self.dtype)
-    v_tile[...] = dv.astype(self.dtype)
+    staged = {"dk": (k_tile, r.dk), "dv": (v_tile, r.dv)}
+    if "dk" in grads:
+      k_tile[...] = (grads["dk"] * self.scale).astype(self.dtype)
+    if "dv" in grads:
+      v_tile[...] = grads["dv"].astype(self.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_tile, r.dk.at[mine], commit_group=False)
-    plgpu.copy_smem_to_gmem(v_tile, r.dv.at[mine], commit_group=False)
+    for g in self.grads:
+      tile, out = staged[g]
+      plgpu.copy_smem_to_gmem(tile, out.at[mine], commit_group=False)
     plgpu.commit_smem_to_gmem_group()
     plgpu.wait_smem_to_gmem(0)
 
@@ -363,13 +410,19 @@ class _DkvKernel(_Shape):
 
   def step(self, r: _DkvRefs, blk: _DkvBlock, r0, k_tile, v_tile, kv_ids, j, carry,
            base, masked: bool):
-    """Query tile `j` of one head: S^T, dP^T, then dV += P^T dO, dK += dS^T Q."""
-    dk, dv = carry
+    """Query tile `j` of one head: S^T, dP^T, then dV += P^T dO, dK += dS^T Q
+    (of `grads`: dV alone needs S^T alone)."""
     slot = lax.rem(base + j, self.stages)
     plgpu.barrier_wait(r.q_full.at[slot])
-    s, dp = _scores_pair((akc.WG_ROWS, self.bq), k_tile, r.q_smem.at[slot],
-                         r.do_full.at[slot], v_tile, r.do_smem.at[slot],
-                         blk.pass_turn if self.ping_pong else None)
+    shape = (akc.WG_ROWS, self.bq)
+    if self.needs_dp:
+      s, dp = _scores_pair(shape, k_tile, r.q_smem.at[slot], r.do_full.at[slot],
+                           v_tile, r.do_smem.at[slot],
+                           blk.pass_turn if self.ping_pong else None)
+    else:
+      s, dp = _scores(shape, k_tile, r.q_smem.at[slot],
+                      blk.pass_turn if self.ping_pong else None), None
+      plgpu.barrier_wait(r.do_full.at[slot])  # dO, for dV += P^T dO
     lse_col = _common.load(r.lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
 
     def delta_b():
@@ -389,17 +442,22 @@ class _DkvKernel(_Shape):
     p, ds = _probs_and_ds(s, dp, self.c, self.feat.soft_cap,
                           lambda: akc.bcast_cols(lse_col, s.shape), delta_b,
                           visible if masked else None)
+    # dV += P^T dO first (P^T is ready first), then dK += dS^T Q.
+    names = tuple(g for g in ("dv", "dk") if g in carry)
+    a = {"dv": p, "dk": ds}
+    b = {"dv": r.do_smem.at[slot], "dk": r.q_smem.at[slot]}
+    operands = tuple(a[g] for g in names)
     if self.ping_pong:
       # Materialized before the turn, so that none of it sinks into the
       # partner's turn; then wait for the partner's scores matmuls.
-      p, ds = lax.optimization_barrier((p.astype(self.dtype), ds.astype(self.dtype)))
+      operands = lax.optimization_barrier(tuple(x.astype(self.dtype) for x in operands))
       blk.pass_turn()
 
-    dv, dk = _common.accumulate(
-        (dv, dk), ((p, r.do_smem.at[slot]), (ds, r.q_smem.at[slot])),
-        operand_dtype=self.dtype)
+    sums = _common.accumulate(tuple(carry[g] for g in names),
+                              tuple(zip(operands, (b[g] for g in names))),
+                              operand_dtype=self.dtype)
     plgpu.barrier_arrive(r.free.at[slot])
-    return dk, dv
+    return dict(zip(names, sums))
 
   def producer(self, r: _DkvRefs, blk: _DkvBlock) -> None:
     """Stream (head, query tile) steps: Q, lse [, query ids]; dO, delta."""
@@ -425,20 +483,21 @@ class _DkvKernel(_Shape):
 
   def scratch(self):
     rows, bq, h, stages = akc.WG_ROWS, self.bq, self.h, self.stages
-    transforms = _common.swizzled(self.dtype, h)
+    transforms = self.transforms(bq)
     segments = self.feat.segments
     tile = lambda n, m: plgpu.SMEM((n, m, h), self.dtype, transforms=transforms)
-    # Arrivals: one per TMA copy landing on the barrier (K + V [+ kv ids];
+    # Arrivals: one per TMA copy landing on the barrier (K [+ V] [+ kv ids];
     # Q + lse [+ q ids]; dO + delta), one per consumer on "free".
-    with_ids = 3 if segments else 2
+    with_ids = 2 if segments else 1
+    kv_arrivals = with_ids + (1 if self.needs_dp else 0)
     return _pipeline.in_field_order(
         _DkvRefs,
         k_smem=tile(2, rows), v_smem=tile(2, rows), q_smem=tile(stages, bq),
         do_smem=tile(stages, bq),
         lse_smem=plgpu.SMEM((stages, bq), jnp.float32),
         delta_smem=plgpu.SMEM((stages, bq), jnp.float32),
-        kv_full=plgpu.Barrier(num_arrivals=with_ids, num_barriers=2),
-        q_full=plgpu.Barrier(num_arrivals=with_ids, num_barriers=stages),
+        kv_full=plgpu.Barrier(num_arrivals=kv_arrivals, num_barriers=2),
+        q_full=plgpu.Barrier(num_arrivals=with_ids + 1, num_barriers=stages),
         do_full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         turn=plgpu.Barrier(num_arrivals=2) if self.ping_pong else None,
@@ -454,8 +513,7 @@ class _DkvKernel(_Shape):
 
     call = _pipeline.warpgroup_kernel(
         body,
-        out_type=(jax.ShapeDtypeStruct(k.shape, self.dtype),
-                  jax.ShapeDtypeStruct(v.shape, self.dtype)),
+        out_type=tuple(jax.ShapeDtypeStruct(k.shape, self.dtype) for _ in self.grads),
         scratch_types=self.scratch(),
         **akc.block_grid(self.sp // KEY_ROWS, k.shape[2], self.b, "kv",
                          self.head_major))
@@ -689,7 +747,7 @@ class _DqKernel(_Shape):
 
   def scratch(self):
     rows, bkv, h, stages = akc.WG_ROWS, self.bkv, self.h, self.stages
-    transforms = _common.swizzled(self.dtype, h)
+    transforms = self.transforms(bkv)
     segments = self.feat.segments
     tile = lambda n, m: plgpu.SMEM((n, m, h), self.dtype, transforms=transforms)
     return _pipeline.in_field_order(
@@ -734,16 +792,18 @@ def _shape(q, k, *, scale, causal, config, feat) -> dict:
 
 
 def flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
-              config: AttentionVjpConfig, feat: akc.Features = akc.PLAIN):
+              config: AttentionVjpConfig, feat: akc.Features = akc.PLAIN,
+              grads: tuple[str, ...] = ("dk", "dv")):
   """dK, dV on padded inputs: q/do [B, Tp, N, H], k/v [B, Sp, K, H] (Tp and Sp
   multiples of 128); lse2 (base-2 lse, +inf on padded rows), delta [B, N, Tp].
 
   `extras` (int32): with `feat.dynamic`, ``lims [B, 3]`` (valid queries, valid
   keys, q_offset); with `feat.segments` also the query tile ranges per 64 keys
   ``[B, Sp // 64, 2]``, q ids ``[B, Tp]`` and kv ids ``[B, Sp]``. Key rows at or
-  past the valid keys get zero dK/dV."""
+  past the valid keys get zero dK/dV. Returns the `grads` ("dk", "dv") in that
+  order."""
   kernel = _DkvKernel(**_shape(q, k, scale=scale, causal=causal, config=config,
-                               feat=feat))
+                               feat=feat), grads=grads)
   return kernel(q, k, v, do, lse2, delta, *extras)
 
 
@@ -809,8 +869,12 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
                                            config.block_kv),) + ids
   qp, dop = _common.pad_axis(q, 1, tp), _common.pad_axis(dout, 1, tp)
   kp, vp = _common.pad_axis(k, 1, sp), _common.pad_axis(v, 1, sp)
-  dk, dv = flash_dkv(qp, kp, vp, dop, lse2, delta, *extras_dkv, scale=scale,
-                     causal=causal, config=config, feat=feat)
+  dkv = functools.partial(flash_dkv, qp, kp, vp, dop, lse2, delta, *extras_dkv,
+                          scale=scale, causal=causal, config=config, feat=feat)
+  if config.split_dkv:
+    (dv,), (dk,) = dkv(grads=("dv",)), dkv(grads=("dk",))
+  else:
+    dk, dv = dkv()
   dq = flash_dq(qp, kp, vp, dop, lse2, delta, *extras_dq, scale=scale,
                 causal=causal, s_true=s, config=config, feat=feat)
   if tp != t:
