@@ -74,6 +74,8 @@ def reference_problems() -> list[Problem]:
       problem(2, 8192, 32, 8, 128, True, window=1024),
       problem(1, 16384, 32, 8, 128, True, window=4096),
       problem(2, 4096, 32, 8, 128, True, sinks=True),
+      # Head dim 256 (Gemma-2-9B-like heads).
+      problem(2, 4096, 16, 8, 256, True),
   ]
 
 
