@@ -97,12 +97,18 @@ def test_attention(b, t, s, n, k, h, dtype, options):
     # Gemma-like: a sliding window, a soft cap, key lengths.
     (256, 256, dict(is_causal=True, local_window_size=(100, 0), logits_soft_cap=30.0,
                     key_value_seq_lengths=(256, 150))),
-], ids=["causal-odd", "window-softcap-lengths"])
+    # Packed segments (three documents and padding), and sinks.
+    (256, 256, dict(is_causal=True, q_segment_ids=((1,) * 100 + (2,) * 60 + (3,) * 96,),
+                    kv_segment_ids=((1,) * 100 + (2,) * 60 + (3,) * 96,),
+                    sinks=(0.5, -1.0))),
+], ids=["causal-odd", "window-softcap-lengths", "segments-sinks"])
 def test_attention_head_dim_256(t, s, options):
   """H256: the backward's dK and dV in two passes, 32-row steps (64-byte swizzle)."""
-  if "key_value_seq_lengths" in options:
-    options = {**options, "key_value_seq_lengths": jnp.asarray(
-        options["key_value_seq_lengths"], jnp.int32)}
+  options = dict(options)
+  for name, dtype in (("key_value_seq_lengths", jnp.int32), ("q_segment_ids", jnp.int32),
+                      ("kv_segment_ids", jnp.int32), ("sinks", jnp.float32)):
+    if name in options:
+      options[name] = jnp.asarray(options[name], dtype)
   b = 2 if "key_value_seq_lengths" in options else 1
   operands = (_normal((b, t, 2, 256), jnp.bfloat16), _normal((b, s, 1, 256), jnp.bfloat16),
               _normal((b, s, 1, 256), jnp.bfloat16))
