@@ -38,10 +38,17 @@ for part in "${@:-attn-short}"; do
     skips=""; [[ $op == dot_product_attention ]] && skips="--skip xla --skip xla_chunked"
     [[ $op == ragged_dot ]] && skips="--skip xla"
     if [[ -n $only ]]; then
-      skips=$(python3 -c "
+      # Every other implementation of the op skipped (their entries stay).
+      skips=$(python3 - "$op" "$only" <<'PY'
+import sys
 from tokamax._src import introspection
-print(' '.join('--skip ' + s.name for s in introspection.implementations('$op')
-               if s.name != '$only'))")
+op, only = sys.argv[1:]
+names = [s.name for s in introspection.implementations(op)]
+if only not in names:
+  sys.exit(f"grid_tune.sh: {only!r} is not an implementation of {op}: {names}")
+print(" ".join(f"--skip {name}" for name in names if name != only))
+PY
+) || exit 1
     fi
     command="$G --op $op $skips"
     IFS=',' read -ra each <<< "$names"

@@ -253,8 +253,11 @@ def test_autotune_grid_again_keeps_the_skipped_implementations(monkeypatch, tmp_
   path = folder / "dot_product_attention_grid.json"
 
   def entries():
-    return {(m["key"], m["direction"], m["implementation"]): m["time_ms"]
-            for m in json.loads(path.read_text())["measurements"]}
+    measurements = json.loads(path.read_text())["measurements"]
+    out = {(m["key"], m["direction"], m["implementation"]): m["time_ms"]
+           for m in measurements}
+    assert len(out) == len(measurements)  # one entry per call and implementation
+    return out
   first = entries()
   assert {impl for _, _, impl in first} == {"xla", "xla_chunked"}
   bench_suite.autotune_suite(None, shape, str(tmp_path), 1, None, grid=True,
@@ -267,12 +270,23 @@ def test_autotune_grid_again_keeps_the_skipped_implementations(monkeypatch, tmp_
   # Without the skip, a call measured again replaces what every implementation
   # had there (an implementation that now fails on it must not keep its time).
   measured_once = {k: v for k, v in second.items() if k[2] == "xla"}
-  monkeypatch.setattr(bench_suite.autotuning, "autotune",
-                      _only(bench_suite.autotuning.autotune, "xla"))
+  autotune = bench_suite.autotuning.autotune
+  monkeypatch.setattr(bench_suite.autotuning, "autotune", _only(autotune, "xla"))
   bench_suite.autotune_suite(None, shape, str(tmp_path), 1, None, grid=True)
   third = entries()
   assert {impl for _, _, impl in third} == {"xla"}
   assert third.keys() == measured_once.keys()
+  # The one implementation measured again now fails on the call: its earlier
+  # time goes too, the skipped one's stays.
+  monkeypatch.setattr(bench_suite.autotuning, "autotune", autotune)
+  bench_suite.autotune_suite(None, shape, str(tmp_path), 1, None, grid=True)
+  assert {impl for _, _, impl in entries()} == {"xla", "xla_chunked"}
+  monkeypatch.setattr(bench_suite.autotuning, "autotune", _failing(autotune, "xla"))
+  bench_suite.autotune_suite(None, shape, str(tmp_path), 1, None, grid=True,
+                             skip=("xla_chunked",))
+  data = json.loads(path.read_text())
+  assert {m["implementation"] for m in data["measurements"]} == {"xla_chunked"}
+  assert {f["implementation"] for f in data["failures"]} == {"xla"}
 
 
 def _only(autotune, implementation):
@@ -283,6 +297,20 @@ def _only(autotune, implementation):
         [m for m in result.measurements if m.implementation == implementation],
         device_kind=result.device_kind, versions=result.versions,
         failures=result.failures)
+  return measured
+
+
+def _failing(autotune, implementation):
+  """`autotune` whose results say `implementation` failed on every call."""
+  def measured(*args, **kwargs):
+    result = autotune(*args, **kwargs)
+    gone = [m for m in result.measurements if m.implementation == implementation]
+    return bench_suite.autotuning.AutotuningResult(
+        [m for m in result.measurements if m.implementation != implementation],
+        device_kind=result.device_kind, versions=result.versions,
+        failures=[*result.failures, *(
+            dict(op=m.op, direction=m.direction, key=m.key, implementation=m.implementation,
+                 config=None, error="RuntimeError: now fails") for m in gone)])
   return measured
 
 

@@ -115,6 +115,30 @@ def test_attention_head_dim_256(t, s, options):
   _check(_attention(**options), operands, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("ping_pong", [False, True])
+def test_attention_backward_split_dkv_configs(ping_pong):
+  """The H256 backward called with a config (the ping-pong schedules too),
+  against the XLA reference's VJP on float32 upcasts."""
+  import tokamax_xla_reference  # the reference package (a test dependency)
+  config = mat.AttentionVjpConfig(32, 32, 2, ping_pong=ping_pong,
+                                  ping_pong_dq=ping_pong, split_dkv=True)
+  q, k, v = (_normal((1, 200, 2, 256), jnp.bfloat16),
+             _normal((1, 200, 1, 256), jnp.bfloat16),
+             _normal((1, 200, 1, 256), jnp.bfloat16))
+  scale = 256**-0.5
+  upcast = [x.astype(jnp.float32) for x in (q, k, v)]
+  (out, lse), vjp = jax.vjp(
+      lambda *a: tokamax_xla_reference.attention(
+          *a, scale=scale, is_causal=True, precision=jax.lax.Precision.HIGHEST), *upcast)
+  dout = _normal(out.shape, jnp.bfloat16)
+  want = vjp((dout.astype(jnp.float32), jnp.zeros_like(lse)))
+  with tokamax.interpret():
+    got = mat.mosaic_attention_bwd(q, k, v, out.astype(jnp.bfloat16), dout, lse,
+                                   scale=scale, causal=True, config=config)
+  for i, (g, w) in enumerate(zip(got, want)):
+    testing.assert_close(g, w, jnp.bfloat16, what=f"gradient {i}", scale=2.0)
+
+
 def test_attention_sinks():
   sinks = _normal((4,), jnp.float32, 2.0)
   operands = (_normal((1, 192, 4, 64), jnp.bfloat16),

@@ -242,13 +242,28 @@ def bwd_smem_bytes(config: AttentionVjpConfig, head_dim: int, itemsize: int,
   return dkv, dq
 
 
+def _bwd_misfit(config: AttentionVjpConfig, head_dim: int, itemsize: int,
+                segments: bool = False) -> str | None:
+  """What of `config` does not fit at `head_dim` (None: it fits)."""
+  smem = max(bwd_smem_bytes(config, head_dim, itemsize, segments))
+  if smem > _common.SMEM_LIMIT:
+    return (f"it needs {smem} bytes of shared memory (limit {_common.SMEM_LIMIT}): "
+            "use a smaller block_q, block_kv or num_stages")
+  accumulators = head_dim // 2 if config.split_dkv else head_dim
+  if accumulators + config.block_q > _BWD_REG_BUDGET:
+    return (f"the dK/dV kernel's registers: {accumulators} for "
+            f"{'one accumulator' if config.split_dkv else 'dK and dV'} + block_q "
+            f"{config.block_q} > {_BWD_REG_BUDGET}"
+            + ("" if config.split_dkv else " (split_dkv=True holds one at a time)"))
+  if head_dim // 2 + config.block_kv > _BWD_REG_BUDGET:
+    return (f"the dQ kernel's registers: {head_dim // 2} for dQ + block_kv "
+            f"{config.block_kv} > {_BWD_REG_BUDGET}")
+  return None
+
+
 def _bwd_fits(config: AttentionVjpConfig, head_dim: int, itemsize: int,
               segments: bool = False) -> bool:
-  accumulators = head_dim // 2 if config.split_dkv else head_dim
-  return (max(bwd_smem_bytes(config, head_dim, itemsize, segments))
-          <= _common.SMEM_LIMIT
-          and accumulators + config.block_q <= _BWD_REG_BUDGET
-          and head_dim // 2 + config.block_kv <= _BWD_REG_BUDGET)
+  return _bwd_misfit(config, head_dim, itemsize, segments) is None
 
 
 def _bwd_heuristic(args) -> AttentionVjpConfig:
@@ -337,19 +352,22 @@ class MosaicGpuAttentionVjp(VjpOp):
   def search_space(self, args):
     return _bwd_search_space(args)
 
+  def declines(self, args):
+    if args.query.shape[-1] == 256:
+      # Until it is timed on a GPU against cuDNN's and Triton's backwards,
+      # automatic choice keeps the backward it took before this one existed.
+      return ("the head-dim-256 backward (split_dkv) has not been timed on a GPU "
+              "yet")
+    return None
+
   def backward(self, args, residuals, out, dout, config):
     config = config or self.heuristic_config(args)
     h, itemsize = args.query.shape[-1], jnp.dtype(args.query.dtype).itemsize
     segments = args.q_segment_ids is not None
-    if not _bwd_fits(config, h, itemsize, segments):
-      raise ValueError(
-          f"config {config} does not fit at head dim {h}: it needs "
-          f"{max(bwd_smem_bytes(config, h, itemsize, segments))} bytes of shared "
-          "memory "
-          f"(limit {_common.SMEM_LIMIT}) and block_q + H <= {_BWD_REG_BUDGET} "
-          f"(H / 2 with split_dkv), H / 2 + block_kv <= {_BWD_REG_BUDGET} "
-          "(registers); use a smaller block_q, block_kv or num_stages, or "
-          "split_dkv=True")
+    misfit = _bwd_misfit(config, h, itemsize, segments)
+    if misfit is not None:
+      raise ValueError(f"config {config} does not fit at head dim {h}: {misfit}; "
+                       f"the heuristic's config here is {self.heuristic_config(args)}")
     dq, dk, dv = mosaic_attention_bwd(
         args.query, args.key, args.value, out, dout, residuals["lse"],
         scale=args.scale, causal=args.is_causal, config=config,

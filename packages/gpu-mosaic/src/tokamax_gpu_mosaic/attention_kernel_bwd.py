@@ -17,7 +17,8 @@ each with the forward's warpgroup layout (a producer, two 64-row consumers):
 Registers per consumer thread (an f32 64 x n tile takes n/2): dK/dV holds dK
 and dV (H) plus S^T and dP^T (block_q); dQ holds dQ (H/2) plus S and dP. At
 H256 dK and dV do not fit together (256 registers): `split_dkv` runs the dK/dV
-kernel twice, once for dV (``S^T`` alone: no V, dP^T or delta) and once for dK,
+kernel twice, once for dV (``S^T`` alone: V and delta are not loaded, dP^T is not
+computed) and once for dK,
 with 32-row steps in both kernels (K and V, or Q and dO, take 128 KiB of shared
 memory resident). A 32-row contraction takes the 64-byte swizzle, so every tile
 of that kernel does (`_Shape.transforms`).
@@ -99,10 +100,15 @@ class AttentionVjpConfig:
 
   def __post_init__(self):
     # A divisor of the 128-row padding; the P^T dO / dS K contractions run over
-    # it (see the class docstring).
+    # it (see the class docstring). 32 rows: the tiles that fit at H256, where
+    # the backward runs `split_dkv` (the one way it is checked).
     for name in ("block_q", "block_kv"):
-      if getattr(self, name) not in (32, 64, 128):
-        raise ValueError(f"{name} must be 32, 64 or 128; got {getattr(self, name)}")
+      value = getattr(self, name)
+      if value not in (32, 64, 128):
+        raise ValueError(f"{name} must be 32, 64 or 128; got {value}")
+      if value == 32 and not self.split_dkv:
+        raise ValueError(f"{name}=32 goes with split_dkv=True (head dim 256); "
+                         "got split_dkv=False")
     if self.num_stages < 2:
       raise ValueError(f"num_stages must be >= 2; got {self.num_stages}")
 
@@ -256,14 +262,14 @@ class _DkvRefs(NamedTuple):
   dk: Any
   dv: Any
   k_smem: Any  # [2, 64, H]: each consumer's K tile, then its dK tile
-  v_smem: Any  # [2, 64, H]: V, then dV
+  v_smem: Any  # [2, 64, H]: V (not loaded in a dV-only pass), then dV
   q_smem: Any  # [stages, block_q, H]
   do_smem: Any
   lse_smem: Any  # [stages, block_q] float32
   delta_smem: Any
-  kv_full: Any  # per consumer: K + V [+ key ids]
+  kv_full: Any  # per consumer: K [+ V] [+ key ids]
   q_full: Any  # per slot: Q + lse [+ query ids]
-  do_full: Any  # per slot: dO + delta
+  do_full: Any  # per slot: dO [+ delta]
   free: Any  # per slot: both consumers
   turn: Any  # ping_pong: a two-party barrier
   kvseg_smem: Any  # [2, 64] int32: each consumer's key ids
@@ -422,7 +428,6 @@ class _DkvKernel(_Shape):
     else:
       s, dp = _scores(shape, k_tile, r.q_smem.at[slot],
                       blk.pass_turn if self.ping_pong else None), None
-      plgpu.barrier_wait(r.do_full.at[slot])  # dO, for dV += P^T dO
     lse_col = _common.load(r.lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
 
     def delta_b():
@@ -452,6 +457,8 @@ class _DkvKernel(_Shape):
       # partner's turn; then wait for the partner's scores matmuls.
       operands = lax.optimization_barrier(tuple(x.astype(self.dtype) for x in operands))
       blk.pass_turn()
+    if not self.needs_dp:
+      plgpu.barrier_wait(r.do_full.at[slot])  # dO lands while P^T is computed
 
     sums = _common.accumulate(tuple(carry[g] for g in names),
                               tuple(zip(operands, (b[g] for g in names))),
@@ -477,8 +484,9 @@ class _DkvKernel(_Shape):
         plgpu.copy_gmem_to_smem(r.q_seg.at[blk.batch, pl.ds(t0, bq)],
                                 r.qseg_smem.at[slot], r.q_full.at[slot])
       plgpu.copy_gmem_to_smem(r.do.at[tile], r.do_smem.at[slot], r.do_full.at[slot])
-      plgpu.copy_gmem_to_smem(r.delta.at[stat], r.delta_smem.at[slot],
-                              r.do_full.at[slot])
+      if self.needs_dp:
+        plgpu.copy_gmem_to_smem(r.delta.at[stat], r.delta_smem.at[slot],
+                                r.do_full.at[slot])
     lax.fori_loop(0, blk.n_steps, issue, None)
 
   def scratch(self):
@@ -487,18 +495,18 @@ class _DkvKernel(_Shape):
     segments = self.feat.segments
     tile = lambda n, m: plgpu.SMEM((n, m, h), self.dtype, transforms=transforms)
     # Arrivals: one per TMA copy landing on the barrier (K [+ V] [+ kv ids];
-    # Q + lse [+ q ids]; dO + delta), one per consumer on "free".
-    with_ids = 2 if segments else 1
-    kv_arrivals = with_ids + (1 if self.needs_dp else 0)
+    # Q + lse [+ q ids]; dO [+ delta]: V and delta only where dP^T is
+    # computed), one per consumer on "free".
+    ids, dp = int(segments), int(self.needs_dp)
     return _pipeline.in_field_order(
         _DkvRefs,
         k_smem=tile(2, rows), v_smem=tile(2, rows), q_smem=tile(stages, bq),
         do_smem=tile(stages, bq),
         lse_smem=plgpu.SMEM((stages, bq), jnp.float32),
         delta_smem=plgpu.SMEM((stages, bq), jnp.float32),
-        kv_full=plgpu.Barrier(num_arrivals=kv_arrivals, num_barriers=2),
-        q_full=plgpu.Barrier(num_arrivals=with_ids + 1, num_barriers=stages),
-        do_full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        kv_full=plgpu.Barrier(num_arrivals=1 + dp + ids, num_barriers=2),
+        q_full=plgpu.Barrier(num_arrivals=2 + ids, num_barriers=stages),
+        do_full=plgpu.Barrier(num_arrivals=1 + dp, num_barriers=stages),
         free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         turn=plgpu.Barrier(num_arrivals=2) if self.ping_pong else None,
         kvseg_smem=plgpu.SMEM((2, rows), jnp.int32) if segments else None,
@@ -800,10 +808,12 @@ def flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
   `extras` (int32): with `feat.dynamic`, ``lims [B, 3]`` (valid queries, valid
   keys, q_offset); with `feat.segments` also the query tile ranges per 64 keys
   ``[B, Sp // 64, 2]``, q ids ``[B, Tp]`` and kv ids ``[B, Sp]``. Key rows at or
-  past the valid keys get zero dK/dV. Returns the `grads` ("dk", "dv") in that
-  order."""
+  past the valid keys get zero dK/dV. `grads`: which of "dk" and "dv" to
+  compute; returned in that order (dK before dV)."""
+  if not grads or not set(grads) <= {"dk", "dv"}:
+    raise ValueError(f"grads must name 'dk', 'dv' or both; got {grads!r}")
   kernel = _DkvKernel(**_shape(q, k, scale=scale, causal=causal, config=config,
-                               feat=feat), grads=grads)
+                               feat=feat), grads=tuple(g for g in ("dk", "dv") if g in grads))
   return kernel(q, k, v, do, lse2, delta, *extras)
 
 

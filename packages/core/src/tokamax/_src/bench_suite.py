@@ -597,10 +597,13 @@ def _with_earlier_grid(result, folder: str, op: str, skip: tuple[str, ...] = ())
     return result
   with open(path) as f:
     earlier = autotuning.AutotuningResult.loads(f.read())
-  measured = {(m.op, m.key) for m in result.measurements}
+  # A call this run tried (measured, or failed on) replaces the earlier data of
+  # every implementation it did not skip.
+  tried = ({(m.op, m.key) for m in result.measurements}
+           | {(f["op"], f["key"]) for f in result.failures})
 
   def keep(op_name, key, implementation):
-    return (op_name, key) not in measured or implementation in skip
+    return (op_name, key) not in tried or implementation in skip
   kept = [m for m in earlier.measurements if keep(m.op, m.key, m.implementation)]
   failures = [f for f in earlier.failures
               if keep(f["op"], f["key"], f.get("implementation"))]

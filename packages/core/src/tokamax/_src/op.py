@@ -191,7 +191,8 @@ class Op(abc.ABC):
   def declines(self, args: Any) -> str | None:
     """Why automatic choice should pass this call on although it runs it: a
     measured reason (another implementation, the XLA reference say, is faster
-    for these args), or None to take it. Only ``implementation=None`` listens:
+    for these args), or that the kernel for these args has not been timed
+    against the others yet; None to take it. Only ``implementation=None`` listens:
     a forward declining passes the call to the next forward; a backward
     declining passes it to the next backward that takes its forward's
     residuals, or, where none does without declining, moves a training step to

@@ -63,7 +63,8 @@ def problem(b, t, n, k, h, causal, dtype=BF16, window=None, sinks=False) -> Prob
 
 
 def reference_problems() -> list[Problem]:
-  """The shapes of shared/BENCHMARKS.md."""
+  """The shapes of shared/BENCHMARKS.md, then sliding windows, sinks and head dim
+  256 (shapes beyond that table which the models the library serves use)."""
   return [
       problem(4, 4096, 16, 16, 128, False), problem(4, 4096, 16, 16, 128, True),
       problem(2, 8192, 16, 16, 64, False), problem(2, 8192, 16, 16, 64, True),
