@@ -591,7 +591,9 @@ def _with_earlier_grid(result, folder: str, op: str, skip: tuple[str, ...] = ())
   """`result` and what `folder`'s ``<op>_grid.json`` holds of the calls it did
   not measure, and of the implementations it skipped. (An implementation that
   this run tried on a call and that failed or refused there loses its earlier
-  entries for that call: they describe code that no longer runs it.)"""
+  entries for that call: they describe code that no longer runs it.) The file
+  records this run's versions: kept entries are comparable only where the
+  earlier runs used the same JAX and packages."""
   path = os.path.join(folder, f"{op}_grid.json")
   if not os.path.exists(path):
     return result
