@@ -97,7 +97,7 @@ def test_attention(b, t, s, n, k, h, dtype, options):
     # Gemma-like: a sliding window, a soft cap, key lengths.
     (256, 256, dict(is_causal=True, local_window_size=(100, 0), logits_soft_cap=30.0,
                     key_value_seq_lengths=(256, 150))),
-    # Packed segments (three documents and padding), and sinks.
+    # Three packed documents (segment ids), and sinks.
     (256, 256, dict(is_causal=True, q_segment_ids=((1,) * 100 + (2,) * 60 + (3,) * 96,),
                     kv_segment_ids=((1,) * 100 + (2,) * 60 + (3,) * 96,),
                     sinks=(0.5, -1.0))),
