@@ -783,8 +783,8 @@ def test_backward_head_dim_256_configs():
   for dtype in (jnp.bfloat16, jnp.float16):
     args = _args(h=256, dtype=dtype)
     space = op.search_space(args)
-    assert {(c.block_q, c.block_kv, c.num_stages, c.split_dkv) for c in space} == {
-        (32, 32, 2, True)}
+    assert {(c.block_q, c.block_kv, c.num_stages, c.split_dkv, c.block_q_dv)
+            for c in space} == {(32, 32, 2, True, None), (32, 32, 2, True, 64)}
     assert {(c.ping_pong, c.ping_pong_dq) for c in space} == {
         (False, False), (True, False), (False, True), (True, True)}
     assert op.heuristic_config(args) in space
@@ -795,9 +795,11 @@ def test_backward_head_dim_256_configs():
   with pytest.raises(ValueError, match="shared memory.*heuristic's config here is"):
     op.backward(args, {"lse": None}, None, None,
                 mat.AttentionVjpConfig(32, 32, 3, split_dkv=True))
-  with pytest.raises(ValueError, match="dK and dV.*split_dkv=True holds one"):
+  with pytest.raises(ValueError, match="dK and dV.*smaller block_q or split_dkv=True"):
     op.backward(_args(h=128), {"lse": None}, None, None,
                 mat.AttentionVjpConfig(128, 64, 2))
+  with pytest.raises(ValueError, match="block_q_dv is the dV pass's step"):
+    mat.AttentionVjpConfig(64, 64, 2, block_q_dv=64)
   # Automatic choice passes it over until it is timed; H128 is taken.
   assert "not been timed" in op.declines(args)
   assert op.declines(_args(h=128)) is None
@@ -829,6 +831,9 @@ def test_backward_head_dim_256_configs():
     (256, 8, 2, 200, 333, None),
     (256, 4, 4, 384, 384, mat.AttentionVjpConfig(32, 32, 2, ping_pong=True,
                                                  ping_pong_dq=True, split_dkv=True)),
+    # 64-row steps in the dV pass (it holds K alone).
+    (256, 8, 2, 200, 333, mat.AttentionVjpConfig(32, 32, 2, split_dkv=True,
+                                                 block_q_dv=64)),
     # The same machinery at H64 (not in its search space).
     (64, 4, 4, 512, 512, mat.AttentionVjpConfig(32, 32, 2, split_dkv=True)),
 ])
@@ -1006,13 +1011,23 @@ def test_backward_head_dim_256(dtype, causal):
 
 
 @gpu
-def test_backward_head_dim_256_ping_pong():
-  # The ping-pong schedules with one accumulator a pass (in the search space).
+def test_backward_head_dim_256_configs_natively():
+  # The search space's other configs: the ping-pong schedules with one
+  # accumulator a pass, and 64-row steps in the dV pass.
   config = mat.AttentionVjpConfig(32, 32, 2, ping_pong=True, ping_pong_dq=True,
                                   split_dkv=True)
   _check_bwd_features_direct(1, 384, 384, 4, 2, 256, config=config, causal=True)
   _check_bwd_features_direct(2, 256, 300, 4, 4, 256, config=config, causal=True,
                              window=(64, 0), kv_len=[300, 120])
+  # 64-row steps in the dV pass, with and without ping-pong.
+  for ping_pong in (False, True):
+    config = mat.AttentionVjpConfig(32, 32, 2, ping_pong=ping_pong,
+                                    ping_pong_dq=ping_pong, split_dkv=True,
+                                    block_q_dv=64)
+    _check_bwd_features_direct(2, 512, 457, 4, 2, 256, config=config, causal=True)
+    ids = _packed(2, 512, [[100, 28, 300, 84], [7, 500]])
+    _check_bwd_features_direct(2, 512, 512, 4, 2, 256, config=config, causal=True,
+                               segments=(ids, ids), window=(200, 0))
 
 
 @gpu
@@ -1309,12 +1324,13 @@ def _model_scores(s, dp, lse_b, delta_b, c, cap, visible):
   return p, ds
 
 
-def _model_dkv(q, k, v, do, lse2, delta, *extras, scale, causal, config, feat):
-  """The dK/dV kernel's loops (ranges, masks, steps) in NumPy."""
+def _model_dkv(q, k, v, do, lse2, delta, *extras, scale, causal, config, feat,
+               grads=("dk", "dv")):
+  """The dK/dV kernel's loops (ranges, masks, steps) in NumPy; returns `grads`."""
   q, k, v, do, lse2, delta = (_np(x) for x in (q, k, v, do, lse2, delta))
   b, tp, n, h = q.shape
   sp, nk = k.shape[1], k.shape[2]
-  group, bq, rows = n // nk, config.block_q, 64
+  group, bq, rows = n // nk, config.pass_block_q(grads), 64
   nq, c = tp // bq, scale * akc.LOG2E
   lims = np.asarray(extras[0]) if feat.dynamic else None
   if feat.segments:
@@ -1374,7 +1390,8 @@ def _model_dkv(q, k, v, do, lse2, delta, *extras, scale, causal, config, feat):
             keep = (np.arange(r0, r0 + rows) < kv_limit)[:, None]
             dk[bi, r0:r0 + rows, kh] = np.where(keep, dk[bi, r0:r0 + rows, kh], 0)
             dv[bi, r0:r0 + rows, kh] = np.where(keep, dv[bi, r0:r0 + rows, kh], 0)
-  return jnp.asarray(dk * scale, jnp.float32), jnp.asarray(dv, jnp.float32)
+  out = {"dk": jnp.asarray(dk * scale, jnp.float32), "dv": jnp.asarray(dv, jnp.float32)}
+  return tuple(out[g] for g in grads)
 
 
 def _model_dq(q, k, v, do, lse2, delta, *extras, scale, causal, s_true, config,

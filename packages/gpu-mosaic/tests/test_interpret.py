@@ -115,26 +115,36 @@ def test_attention_head_dim_256(t, s, options):
   _check(_attention(**options), operands, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("ping_pong", [False, True])
-def test_attention_backward_split_dkv_configs(ping_pong):
-  """The H256 backward called with a config (the ping-pong schedules too),
+@pytest.mark.parametrize("ping_pong,block_q_dv,features", [
+    (False, None, False), (True, None, False), (False, 64, False), (True, 64, True),
+], ids=["plain", "ping-pong", "dv-64", "ping-pong-dv-64-features"])
+def test_attention_backward_split_dkv_configs(ping_pong, block_q_dv, features):
+  """The H256 backward called with a config (the ping-pong schedules, 64-row
+  steps in the dV pass, whose segment tile table differs from the dK pass's),
   against the XLA reference's VJP on float32 upcasts."""
   import tokamax_xla_reference  # the reference package (a test dependency)
-  config = mat.AttentionVjpConfig(32, 32, 2, ping_pong=ping_pong,
-                                  ping_pong_dq=ping_pong, split_dkv=True)
-  q, k, v = (_normal((1, 200, 2, 256), jnp.bfloat16),
-             _normal((1, 200, 1, 256), jnp.bfloat16),
-             _normal((1, 200, 1, 256), jnp.bfloat16))
+  config = mat.AttentionVjpConfig(32, 32, 2, ping_pong=ping_pong, ping_pong_dq=ping_pong,
+                                  split_dkv=True, block_q_dv=block_q_dv)
+  b = 2 if features else 1
+  q, k, v = (_normal((b, 200, 2, 256), jnp.bfloat16),
+             _normal((b, 200, 1, 256), jnp.bfloat16),
+             _normal((b, 200, 1, 256), jnp.bfloat16))
+  kw = {}
+  if features:
+    ids = jnp.asarray([[1] * 128 + [2] * 72, [1] * 30 + [2] * 170], jnp.int32)
+    kw = dict(local_window=(120, 0), q_segment_ids=ids, kv_segment_ids=ids,
+              key_value_seq_lengths=jnp.asarray([200, 150], jnp.int32))
   scale = 256**-0.5
   upcast = [x.astype(jnp.float32) for x in (q, k, v)]
   (out, lse), vjp = jax.vjp(
       lambda *a: tokamax_xla_reference.attention(
-          *a, scale=scale, is_causal=True, precision=jax.lax.Precision.HIGHEST), *upcast)
+          *a, scale=scale, is_causal=True, precision=jax.lax.Precision.HIGHEST, **kw),
+      *upcast)
   dout = _normal(out.shape, jnp.bfloat16)
   want = vjp((dout.astype(jnp.float32), jnp.zeros_like(lse)))
   with tokamax.interpret():
     got = mat.mosaic_attention_bwd(q, k, v, out.astype(jnp.bfloat16), dout, lse,
-                                   scale=scale, causal=True, config=config)
+                                   scale=scale, causal=True, config=config, **kw)
   for i, (g, w) in enumerate(zip(got, want)):
     testing.assert_close(g, w, jnp.bfloat16, what=f"gradient {i}", scale=2.0)
 

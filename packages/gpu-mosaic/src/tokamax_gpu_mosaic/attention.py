@@ -227,17 +227,23 @@ _BWD_REG_BUDGET = 192
 
 def bwd_smem_bytes(config: AttentionVjpConfig, head_dim: int, itemsize: int,
                    segments: bool = False) -> tuple[int, int]:
-  """Shared memory of the (dK/dV, dQ) kernels, with the forward's slack.
+  """Shared memory of the (dK/dV, dQ) kernels, with the forward's slack (dK/dV:
+  the larger of its passes with `split_dkv`; the dV pass holds no V tile).
 
   Segment ids add int32 rings: the block's own ids (128) and a ring of the
   streamed tiles' ids (query ids in dK/dV, key ids in dQ)."""
-  resident = 2 * _BWD_KEY_ROWS * head_dim * itemsize  # K, V (dkv) / Q, dO (dq)
-  dkv = (resident + config.num_stages * 2 * config.block_q * (head_dim * itemsize + 4)
-         + 3 * 1024)
-  dq = (resident + config.num_stages * 2 * config.block_kv * head_dim * itemsize
+  tile = _BWD_KEY_ROWS * head_dim * itemsize  # K or V (dkv), Q or dO (dq)
+
+  def dkv_pass(resident_tiles: int, block_q: int) -> int:
+    streamed = config.num_stages * 2 * block_q * (head_dim * itemsize + 4)
+    ids = (_BWD_KEY_ROWS + config.num_stages * block_q) * 4 if segments else 0
+    return resident_tiles * tile + streamed + ids + 3 * 1024
+  dkv = dkv_pass(2, config.block_q)
+  if config.split_dkv:
+    dkv = max(dkv, dkv_pass(1, config.pass_block_q(("dv",))))
+  dq = (2 * tile + config.num_stages * 2 * config.block_kv * head_dim * itemsize
         + 2 * 2 * _WG_ROWS * 4 + 3 * 1024)
   if segments:
-    dkv += (_BWD_KEY_ROWS + config.num_stages * config.block_q) * 4
     dq += (_CTA_ROWS + config.num_stages * config.block_kv) * 4
   return dkv, dq
 
@@ -253,11 +259,16 @@ def _bwd_misfit(config: AttentionVjpConfig, head_dim: int, itemsize: int,
   if accumulators + config.block_q > _BWD_REG_BUDGET:
     return (f"the dK/dV kernel's registers: {accumulators} for "
             f"{'one accumulator' if config.split_dkv else 'dK and dV'} + block_q "
-            f"{config.block_q} > {_BWD_REG_BUDGET}"
-            + ("" if config.split_dkv else " (split_dkv=True holds one at a time)"))
+            f"{config.block_q} > {_BWD_REG_BUDGET}: use a smaller block_q"
+            + ("" if config.split_dkv else " or split_dkv=True (one at a time)"))
+  dv_step = config.pass_block_q(("dv",))
+  if config.split_dkv and accumulators + dv_step // 2 > _BWD_REG_BUDGET:
+    # The dV pass: dV and S^T alone.
+    return (f"the dV pass's registers: {accumulators} for dV + block_q_dv "
+            f"{dv_step} / 2 > {_BWD_REG_BUDGET}: use a smaller block_q_dv")
   if head_dim // 2 + config.block_kv > _BWD_REG_BUDGET:
     return (f"the dQ kernel's registers: {head_dim // 2} for dQ + block_kv "
-            f"{config.block_kv} > {_BWD_REG_BUDGET}")
+            f"{config.block_kv} > {_BWD_REG_BUDGET}: use a smaller block_kv")
   return None
 
 
@@ -291,14 +302,18 @@ def _bwd_search_space(args):
   itemsize = jnp.dtype(args.query.dtype).itemsize
   segments = args.q_segment_ids is not None
   out = []
-  # 32-row steps and split dK/dV only where nothing else fits (H256).
+  # 32-row steps and split dK/dV only where nothing else fits (H256); there
+  # the dV pass may take 64-row steps (it holds K alone).
   sizes, split = ((32,), True) if h == 256 else ((64, 128), False)
+  dv_steps = (None, 64) if split else (None,)
   for block_q in sizes:
     for block_kv in sizes:
       for stages in (2, 3, 4):
-        config = AttentionVjpConfig(block_q, block_kv, stages, split_dkv=split)
-        if _bwd_fits(config, h, itemsize, segments):
-          out.append(config)
+        for block_q_dv in dv_steps:
+          config = AttentionVjpConfig(block_q, block_kv, stages, split_dkv=split,
+                                      block_q_dv=block_q_dv)
+          if _bwd_fits(config, h, itemsize, segments):
+            out.append(config)
   # The ping-pong schedules (same tiles, registers and shared memory), not yet
   # measured: dK/dV only, dQ only, both.
   out += [dataclasses.replace(config, ping_pong=dkv, ping_pong_dq=dq)

@@ -97,6 +97,10 @@ class AttentionVjpConfig:
   # matmul per step in all (S^T twice), and how H256 fits the registers: dK and
   # dV of a 64-row key tile take 128 registers per thread each there.
   split_dkv: bool = False
+  # With `split_dkv`: query rows per step of the dV pass (None: block_q). That
+  # pass holds K alone (no V tile: dV is staged in K's), so at H256 it fits
+  # 64-row steps, whose S^T matmul is twice as wide, where the dK pass needs 32.
+  block_q_dv: int | None = None
 
   def __post_init__(self):
     # A divisor of the 128-row padding; the P^T dO / dS K contractions run over
@@ -109,8 +113,20 @@ class AttentionVjpConfig:
       if value == 32 and not self.split_dkv:
         raise ValueError(f"{name}=32 goes with split_dkv=True (head dim 256); "
                          "got split_dkv=False")
+    if self.block_q_dv is not None:
+      if not self.split_dkv:
+        raise ValueError("block_q_dv is the dV pass's step of split_dkv=True; got "
+                         "split_dkv=False")
+      if self.block_q_dv not in (32, 64, 128):
+        raise ValueError(f"block_q_dv must be 32, 64 or 128; got {self.block_q_dv}")
     if self.num_stages < 2:
       raise ValueError(f"num_stages must be >= 2; got {self.num_stages}")
+
+  def pass_block_q(self, grads: tuple[str, ...]) -> int:
+    """Query rows per step of the dK/dV kernel run for `grads`."""
+    if grads == ("dv",) and self.block_q_dv is not None:
+      return self.block_q_dv
+    return self.block_q
 
 
 KEY_ROWS = 2 * akc.WG_ROWS  # key rows per dK/dV block (2 consumers x 64)
@@ -262,7 +278,7 @@ class _DkvRefs(NamedTuple):
   dk: Any
   dv: Any
   k_smem: Any  # [2, 64, H]: each consumer's K tile, then its dK tile
-  v_smem: Any  # [2, 64, H]: V (not loaded in a dV-only pass), then dV
+  v_smem: Any  # [2, 64, H]: V, then dV (absent in a dV-only pass)
   q_smem: Any  # [stages, block_q, H]
   do_smem: Any
   lse_smem: Any  # [stages, block_q] float32
@@ -309,11 +325,13 @@ class _DkvKernel(_Shape):
     return "dk" in self.grads
 
   def absent(self):
-    return super().absent() | {g for g in ("dk", "dv") if g not in self.grads}
+    # A dV-only pass has no V tile (dV is staged in K's).
+    return (super().absent() | {g for g in ("dk", "dv") if g not in self.grads}
+            | (set() if self.needs_dp else {"v_smem"}))
 
   @property
   def bq(self):
-    return self.config.block_q
+    return self.config.pass_block_q(self.grads)
 
   @property
   def nq(self):
@@ -350,7 +368,8 @@ class _DkvKernel(_Shape):
     """Load this warpgroup's K, V; accumulate dK, dV over every step; store."""
     wg, rows = blk.wg, akc.WG_ROWS
     r0 = blk.k0 + wg * rows
-    k_tile, v_tile = r.k_smem.at[wg], r.v_smem.at[wg]
+    k_tile = r.k_smem.at[wg]
+    v_tile = None if r.v_smem is None else r.v_smem.at[wg]
     mine = (blk.batch, pl.ds(r0, rows), blk.head)
     plgpu.copy_gmem_to_smem(r.k.at[mine], k_tile, r.kv_full.at[wg])
     if self.needs_dp:
@@ -383,11 +402,11 @@ class _DkvKernel(_Shape):
       grads = {g: jnp.where(key < kv_limit, x, 0.0) for g, x in grads.items()}
     # K and V are no longer read (every wgmma was waited for): stage the
     # results there. dS was taken unscaled: scale dK once here.
-    staged = {"dk": (k_tile, r.dk), "dv": (v_tile, r.dv)}
+    staged = {"dk": (k_tile, r.dk), "dv": (k_tile if v_tile is None else v_tile, r.dv)}
     if "dk" in grads:
       k_tile[...] = (grads["dk"] * self.scale).astype(self.dtype)
     if "dv" in grads:
-      v_tile[...] = grads["dv"].astype(self.dtype)
+      staged["dv"][0][...] = grads["dv"].astype(self.dtype)
     plgpu.commit_smem()
     for g in self.grads:
       tile, out = staged[g]
@@ -500,7 +519,8 @@ class _DkvKernel(_Shape):
     ids, dp = int(segments), int(self.needs_dp)
     return _pipeline.in_field_order(
         _DkvRefs,
-        k_smem=tile(2, rows), v_smem=tile(2, rows), q_smem=tile(stages, bq),
+        k_smem=tile(2, rows), v_smem=tile(2, rows) if self.needs_dp else None,
+        q_smem=tile(stages, bq),
         do_smem=tile(stages, bq),
         lse_smem=plgpu.SMEM((stages, bq), jnp.float32),
         delta_smem=plgpu.SMEM((stages, bq), jnp.float32),
@@ -858,7 +878,10 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
     # Padded rows: lse = +inf and dO = 0 make P and dS exactly zero there.
     lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, tp - t)), constant_values=jnp.inf)
     delta = _common.pad_axis(delta, 2, tp)
-  extras_dkv = extras_dq = ()
+  # The dK/dV kernel's extras per query step (the dV pass's may differ).
+  extras_dkv = {}
+  extras_dq = ()
+  steps = {config.pass_block_q(g) for g in (("dk", "dv"), ("dk",), ("dv",))}
   if feat.dynamic:
     lims = akc.limits(b, t, s, feat, query_seq_lengths, key_value_seq_lengths,
                       q_offset)
@@ -867,24 +890,27 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
       # without a mask (whatever lse another forward left on them).
       valid = jnp.arange(tp)[None, None, :] < lims[:, 0, None, None]
       lse2 = jnp.where(valid, lse2, jnp.inf)
-    extras_dkv = extras_dq = (lims,)
+    extras_dkv = {bq: (lims,) for bq in steps}
+    extras_dq = (lims,)
     if segments:
       q_ids = q_segment_ids.astype(jnp.int32)
       kv_ids = kv_segment_ids.astype(jnp.int32)
       ids = (_common.pad_axis(q_ids, 1, tp), _common.pad_axis(kv_ids, 1, sp))
       # dK/dV: query tiles per 64 keys; dQ: key tiles per 64 query rows.
-      extras_dkv += (akc.segment_tile_range(kv_ids, q_ids, s, t, sp, tp,
-                                            config.block_q),) + ids
+      extras_dkv = {bq: (lims, akc.segment_tile_range(kv_ids, q_ids, s, t, sp, tp, bq))
+                    + ids for bq in steps}
       extras_dq += (akc.segment_tile_range(q_ids, kv_ids, t, s, tp, sp,
                                            config.block_kv),) + ids
   qp, dop = _common.pad_axis(q, 1, tp), _common.pad_axis(dout, 1, tp)
   kp, vp = _common.pad_axis(k, 1, sp), _common.pad_axis(v, 1, sp)
-  dkv = functools.partial(flash_dkv, qp, kp, vp, dop, lse2, delta, *extras_dkv,
-                          scale=scale, causal=causal, config=config, feat=feat)
+  def dkv(grads):
+    return flash_dkv(qp, kp, vp, dop, lse2, delta,
+                     *extras_dkv.get(config.pass_block_q(grads), ()), scale=scale,
+                     causal=causal, config=config, feat=feat, grads=grads)
   if config.split_dkv:
-    (dv,), (dk,) = dkv(grads=("dv",)), dkv(grads=("dk",))
+    (dv,), (dk,) = dkv(("dv",)), dkv(("dk",))
   else:
-    dk, dv = dkv()
+    dk, dv = dkv(("dk", "dv"))
   dq = flash_dq(qp, kp, vp, dop, lse2, delta, *extras_dq, scale=scale,
                 causal=causal, s_true=s, config=config, feat=feat)
   if tp != t:
