@@ -1463,7 +1463,7 @@ def _model_dq(q, k, v, do, lse2, delta, *extras, scale, causal, s_true, config,
 
 
 _BWD_MODEL_CASES = [
-    # (t, s, n, k, config (block_q, block_kv), features)
+    # (t, s, n, k, config ((block_q, block_kv) at 2 stages, or a config), features)
     (200, 330, 4, 2, (64, 128), dict(q_len=[200, 77], kv_len=[300, 1])),
     (200, 330, 4, 2, (128, 64), dict(causal=True, q_len=[150, 3],
                                      kv_len=[0, 260])),
@@ -1484,6 +1484,12 @@ _BWD_MODEL_CASES = [
     # The static paths, to trust the model itself.
     (200, 330, 4, 2, (64, 128), dict()),
     (330, 200, 4, 2, (128, 64), dict(causal=True)),
+    # dK and dV in two passes (H256's), the dV pass at its own 64-row step with
+    # its own segment table.
+    (256, 256, 4, 2, mat.AttentionVjpConfig(32, 32, 2, split_dkv=True, block_q_dv=64),
+     dict(causal=True, segments="late", window=(100, 0))),
+    (200, 333, 2, 1, mat.AttentionVjpConfig(32, 32, 2, split_dkv=True),
+     dict(segments="random", kv_len=[250, 333])),
 ]
 
 
@@ -1495,6 +1501,9 @@ def _model_segments(kind, t, s):
   if kind == "random":
     return (rng.integers(0, 3, (2, t)).astype(np.int32),
             rng.integers(1, 5, (2, s)).astype(np.int32))
+  if kind == "late":  # a key block whose first matching query is far past it
+    ids = _packed(2, max(t, s), [[128, 128], [30, 226]])
+    return ids[:, :t], ids[:, :s]
   return np.zeros((2, t), np.int32), np.ones((2, s), np.int32)
 
 
@@ -1505,7 +1514,9 @@ def test_bwd_features_tile_model_matches_autodiff(case, monkeypatch):
   # ranges, shared steps, masks, soft-cap derivative, zeroed rows), against
   # autodiff of the XLA reference: checks the index logic the GPU runs.
   import tokamax_xla_reference  # lazy: another package, needed by these tests only
-  t, s, n, k, (block_q, block_kv), feats = _BWD_MODEL_CASES[case]
+  t, s, n, k, config, feats = _BWD_MODEL_CASES[case]
+  if isinstance(config, tuple):
+    config = mat.AttentionVjpConfig(*config, 2)
   feats = dict(feats)
   if "segments" in feats:
     feats["segments"] = _model_segments(feats["segments"], t, s)
@@ -1528,7 +1539,7 @@ def test_bwd_features_tile_model_matches_autodiff(case, monkeypatch):
   kw["causal"] = kw.pop("is_causal")
   got = mat.mosaic_attention_bwd(
       args.query, args.key, args.value, out, dout, lse, scale=args.scale,
-      config=mat.AttentionVjpConfig(block_q, block_kv, 2), **kw)
+      config=config, **kw)
   for name, g, w in zip(("dq", "dk", "dv"), got, want):
     g, w = np.asarray(g), np.asarray(w)
     assert g.shape == w.shape and np.isfinite(g).all(), name
