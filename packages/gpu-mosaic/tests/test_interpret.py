@@ -64,6 +64,14 @@ def _check(call, operands, dtype, implementation="mosaic_gpu"):
     testing.assert_close(g, r, dtype, what=f"gradient {i}", scale=2.0)
 
 
+def _as_arrays(options: dict) -> dict:
+  """`options` with the array arguments given as tuples made arrays."""
+  dtypes = dict(key_value_seq_lengths=jnp.int32, q_segment_ids=jnp.int32,
+                kv_segment_ids=jnp.int32, sinks=jnp.float32)
+  return {name: jnp.asarray(value, dtypes[name]) if name in dtypes else value
+          for name, value in options.items()}
+
+
 def _attention(**options):
   def call(implementation):
     return lambda q, k, v: tokamax.dot_product_attention(
@@ -84,9 +92,7 @@ def _attention(**options):
      dict(local_window_size=(96, 32), key_value_seq_lengths=(320, 40))),
 ], ids=["gqa-causal-odd", "h128-f16-softcap", "window-lengths"])
 def test_attention(b, t, s, n, k, h, dtype, options):
-  if "key_value_seq_lengths" in options:
-    options = {**options, "key_value_seq_lengths": jnp.asarray(
-        options["key_value_seq_lengths"], jnp.int32)}
+  options = _as_arrays(options)
   operands = (_normal((b, t, n, h), dtype), _normal((b, s, k, h), dtype),
               _normal((b, s, k, h), dtype))
   _check(_attention(**options), operands, dtype)
@@ -104,11 +110,7 @@ def test_attention(b, t, s, n, k, h, dtype, options):
 ], ids=["causal-odd", "window-softcap-lengths", "segments-sinks"])
 def test_attention_head_dim_256(t, s, options):
   """H256: the backward's dK and dV in two passes, 32-row steps (64-byte swizzle)."""
-  options = dict(options)
-  for name, dtype in (("key_value_seq_lengths", jnp.int32), ("q_segment_ids", jnp.int32),
-                      ("kv_segment_ids", jnp.int32), ("sinks", jnp.float32)):
-    if name in options:
-      options[name] = jnp.asarray(options[name], dtype)
+  options = _as_arrays(options)
   b = 2 if "key_value_seq_lengths" in options else 1
   operands = (_normal((b, t, 2, 256), jnp.bfloat16), _normal((b, s, 1, 256), jnp.bfloat16),
               _normal((b, s, 1, 256), jnp.bfloat16))
@@ -170,9 +172,7 @@ def test_attention_sinks():
 ], ids=["causal-odd", "window", "persistent"])
 def test_attention_tiles_per_block(options, b, t, tiles):
   """Several query tiles a block: Q in two buffers, the ring counted on."""
-  if "key_value_seq_lengths" in options:
-    options = {**options, "key_value_seq_lengths": jnp.asarray(
-        options["key_value_seq_lengths"], jnp.int32)}
+  options = _as_arrays(options)
   config = mat.AttentionConfig(block_kv=64, num_stages=3, **tiles)
 
   def call(implementation):

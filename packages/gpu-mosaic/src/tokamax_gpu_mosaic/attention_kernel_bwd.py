@@ -402,11 +402,12 @@ class _DkvKernel(_Shape):
       grads = {g: jnp.where(key < kv_limit, x, 0.0) for g, x in grads.items()}
     # K and V are no longer read (every wgmma was waited for): stage the
     # results there. dS was taken unscaled: scale dK once here.
-    staged = {"dk": (k_tile, r.dk), "dv": (k_tile if v_tile is None else v_tile, r.dv)}
+    dv_tile = k_tile if v_tile is None else v_tile  # a dV-only pass has no V tile
+    staged = {"dk": (k_tile, r.dk), "dv": (dv_tile, r.dv)}
     if "dk" in grads:
       k_tile[...] = (grads["dk"] * self.scale).astype(self.dtype)
     if "dv" in grads:
-      staged["dv"][0][...] = grads["dv"].astype(self.dtype)
+      dv_tile[...] = grads["dv"].astype(self.dtype)
     plgpu.commit_smem()
     for g in self.grads:
       tile, out = staged[g]
