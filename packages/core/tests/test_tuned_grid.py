@@ -260,8 +260,16 @@ def test_autotune_grid_again_keeps_the_skipped_implementations(monkeypatch, tmp_
     return out
   first = entries()
   assert {impl for _, _, impl in first} == {"xla", "xla_chunked"}
+  # The version of a package this run does not measure stays recorded (here one
+  # an earlier run named), this run's versions replace the earlier ones.
+  data = json.loads(path.read_text())
+  data["versions"].update({"tokamax-elsewhere": "7.1", "jax": "0.0.1"})
+  path.write_text(json.dumps(data))
   bench_suite.autotune_suite(None, shape, str(tmp_path), 1, None, grid=True,
                              skip=("xla_chunked",))
+  versions = json.loads(path.read_text())["versions"]
+  assert versions["tokamax-elsewhere"] == "7.1"
+  assert versions["jax"] == jax.__version__
   second = entries()
   assert second.keys() == first.keys()
   # xla_chunked's entries are the first run's; xla's were measured again.

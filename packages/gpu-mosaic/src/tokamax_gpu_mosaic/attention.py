@@ -287,9 +287,12 @@ def _bwd_heuristic(args) -> AttentionVjpConfig:
   # +2.2% (notes/MOSAIC_GPU.md), so they stay off here.
   # H256: dK and dV in two passes (their accumulators do not fit together) and
   # 32-row steps (K, V or Q, dO resident take 128 KiB of shared memory): the
-  # only tiles that fit; not yet timed.
+  # only tiles that fit; the dV pass (no V tile) takes 64 query rows a step,
+  # 3.1% faster forward+backward (H200, tools/tune.py --ab block_q_dv=64, B2
+  # T4096 N16 K8 H256 causal, notes/MEASUREMENTS.md session 31).
   if h == 256:
-    return AttentionVjpConfig(block_q=32, block_kv=32, num_stages=2, split_dkv=True)
+    return AttentionVjpConfig(block_q=32, block_kv=32, num_stages=2, split_dkv=True,
+                              block_q_dv=64)
   preferred = {64: (128, 128, 2), 128: (64, 128, 2)}.get(h, (64, 64, 2))
   config = AttentionVjpConfig(*preferred)
   if _bwd_fits(config, h, itemsize, args.q_segment_ids is not None):
@@ -366,14 +369,6 @@ class MosaicGpuAttentionVjp(VjpOp):
 
   def search_space(self, args):
     return _bwd_search_space(args)
-
-  def declines(self, args):
-    if args.query.shape[-1] == 256:
-      # Until it is timed on a GPU against cuDNN's and Triton's backwards,
-      # automatic choice keeps the backward it took before this one existed.
-      return ("the head-dim-256 backward (split_dkv) has not been timed on a GPU "
-              "yet")
-    return None
 
   def backward(self, args, residuals, out, dout, config):
     config = config or self.heuristic_config(args)

@@ -592,8 +592,9 @@ def _with_earlier_grid(result, folder: str, op: str, skip: tuple[str, ...] = ())
   not measure, and of the implementations it skipped. (An implementation that
   this run tried on a call and that failed or refused there loses its earlier
   entries for that call: they describe code that no longer runs it.) The file
-  records this run's versions: kept entries are comparable only where the
-  earlier runs used the same JAX and packages."""
+  records the earlier file's versions updated with this run's (a skipped
+  implementation's package stays named): kept entries are comparable only where
+  the earlier runs used the same JAX and packages."""
   path = os.path.join(folder, f"{op}_grid.json")
   if not os.path.exists(path):
     return result
@@ -611,7 +612,8 @@ def _with_earlier_grid(result, folder: str, op: str, skip: tuple[str, ...] = ())
               if keep(f["op"], f["key"], f.get("implementation"))]
   return autotuning.AutotuningResult(
       [*kept, *result.measurements], device_kind=result.device_kind,
-      versions=result.versions, failures=[*failures, *result.failures])
+      versions={**earlier.versions, **result.versions},
+      failures=[*failures, *result.failures])
 
 
 def _write_per_op(result, folder: str, suffix: str, only: str | None = None) -> None:
