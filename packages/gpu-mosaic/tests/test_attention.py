@@ -8,6 +8,7 @@ registration, every refusal, the configs and the lowering to Mosaic GPU IR for
 
 import dataclasses
 import functools
+import itertools
 import re
 
 import jax
@@ -463,6 +464,25 @@ def test_tiles_per_block(tiles, config, causal):
 
 
 @gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_group(causal):
+  # Blocks in groups of 3 (batch row, head) pairs: the last group short (2 x 8
+  # query heads, 2 x 2 key/value heads); GQA, odd lengths; forward and both
+  # backward kernels.
+  config = mat.AttentionConfig(block_kv=64, num_stages=3, head_group=3)
+  _check(2, 896, 700, 8, 2, 128, causal, config=config, grads=False)
+  _check(1, 300, 257, 5, 5, 64, causal, config=config, grads=False)
+  vjp = mat.AttentionVjpConfig(64, 128, 2, head_group=3)
+  _check_bwd_features_direct(2, 640, 704, 8, 2, 128, config=vjp, causal=causal)
+  _check_bwd_features_direct(2, 256, 300, 4, 4, 256, causal=causal, config=(
+      mat.AttentionVjpConfig(32, 32, 2, split_dkv=True, block_q_dv=64,
+                             head_group=3)))
+  # Dynamic key ranges (window, key lengths) take the same order.
+  _check_bwd_features_direct(2, 512, 512, 4, 2, 128, config=vjp, causal=True,
+                             window=(200, 0), kv_len=[512, 300])
+
+
+@gpu
 @pytest.mark.parametrize("tiles", [dict(tiles_per_block=2), dict(tiles_per_block=4),
                                    dict(persistent=True)])
 def test_tiles_per_block_features(tiles):
@@ -835,13 +855,17 @@ def test_backward_head_dim_256_configs():
                                                  block_q_dv=64)),
     # The same machinery at H64 (not in its search space).
     (64, 4, 4, 512, 512, mat.AttentionVjpConfig(32, 32, 2, split_dkv=True)),
+    # Blocks in head groups (3 query heads a group in the dQ kernel, 3 key/value
+    # heads in the dK/dV kernel: short last groups both).
+    (128, 8, 4, 384, 640, mat.AttentionVjpConfig(64, 128, 2, head_group=3)),
 ])
 def test_backward_lowers_for_cuda(causal, h, n, k, t, s, config):
   pytest.importorskip("absl")
   dtype = jnp.float16 if t == 1 else jnp.bfloat16
   args = _args(t=t, s=s, n=n, k=k, h=h, is_causal=causal, dtype=dtype)
   config = config or mat.MosaicGpuAttentionVjp().heuristic_config(args)
-  if not (config.split_dkv and h < 256):  # split below H256: outside the space
+  # Split below H256, and head groups not sized by `l2_head_group`: outside it.
+  if not (config.split_dkv and h < 256) and not config.head_group:
     assert config in mat.MosaicGpuAttentionVjp().search_space(args)
   q, key = args.query, args.key
   sds = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt)
@@ -936,6 +960,8 @@ def test_an_explicit_config_that_does_not_fit_is_named():
                                                  persistent=True)),
     (64, 16, 4, 2048, 2048, mat.AttentionConfig(block_kv=64, num_stages=3,
                                                 persistent=True)),
+    # Blocks in head groups (the last group short: 8 heads in groups of 3).
+    (128, 8, 2, 384, 640, mat.AttentionConfig(overlap_qk=True, head_group=3)),
 ])
 def test_lowers_for_cuda(causal, h, n, k, t, s, config):
   pytest.importorskip("absl")
@@ -1800,6 +1826,66 @@ def test_backward_skips_key_tiles_of_padding_only():
   for name, g, w in zip(("dq", "dk", "dv"), got, want):
     assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))), name
     testing.assert_close(g, w, jnp.bfloat16, what=name, scale=2, gpu=True)
+
+
+@pytest.mark.parametrize("tiles,heads,batch,group", [
+    (5, 4, 3, 4), (3, 2, 3, 4), (4, 3, 1, 8), (2, 6, 2, 1), (3, 5, 2, 3)])
+def test_grouped_block_order(tiles, heads, batch, group):
+  total = tiles * heads * batch
+  assert akc.block_grid(tiles, heads, batch, "q", False, group) == dict(
+      grid=(total,), grid_names=("grouped",))
+  # A block's position from its grid index (the kernel's lax.axis_index, here
+  # under vmap's axis name).
+  position = jax.vmap(
+      lambda _: jnp.stack(akc.block_position(tiles, heads, batch, "q", group)),
+      axis_name="grouped")
+  pos = np.asarray(position(jnp.arange(total)))  # [total, (tile, head, batch row)]
+  # Every (tile, head, batch row) exactly once.
+  assert sorted(map(tuple, pos.tolist())) == list(
+      itertools.product(range(tiles), range(heads), range(batch)))
+  # Group by group of `group` (batch row, head) pairs, heads fastest (GQA's query
+  # heads of one key/value head together), the last group short; within a group
+  # the tile advances slowest, so the longest tiles (reversed by the kernels)
+  # of all its heads run first.
+  pair = pos[:, 2] * heads + pos[:, 1]
+  for first in range(0, heads * batch, group):
+    members = range(first, min(first + group, heads * batch))
+    span = slice(first * tiles, members[-1] * tiles + tiles)
+    assert sorted(set(pair[span].tolist())) == list(members)
+    assert (np.diff(pos[span, 0]) >= 0).all()
+    assert (pos[span, 0] == np.repeat(np.arange(tiles), len(members))).all()
+
+
+def test_head_group_configs():
+  with pytest.raises(ValueError, match="head_group must be >= 0"):
+    mat.AttentionConfig(head_group=-1)
+  with pytest.raises(ValueError, match="leave head_major at None"):
+    mat.AttentionConfig(head_group=4, head_major=False)
+  with pytest.raises(ValueError, match="not with persistent or tiles_per_block"):
+    mat.AttentionConfig(head_group=4, persistent=True)
+  with pytest.raises(ValueError, match="not with persistent or tiles_per_block"):
+    mat.AttentionConfig(head_group=4, tiles_per_block=2)
+  with pytest.raises(ValueError, match="leave head_major at None"):
+    mat.AttentionVjpConfig(64, 64, 2, head_group=2, head_major=True)
+  # Pairs whose two [rows, h] operands fit 24 MiB, a power of two: H256 T4096
+  # bf16 K and V take 4 MiB a head (6 fit: 4); H128 2 MiB (12: 8); GQA with 4
+  # query heads a key/value head shares them (48: 32); never fewer than one.
+  assert mat.l2_head_group(4096, 256, 2, 1) == 4
+  assert mat.l2_head_group(4096, 128, 2, 1) == 8
+  assert mat.l2_head_group(4096, 128, 2, 4) == 32
+  assert mat.l2_head_group(1 << 20, 256, 2, 1) == 1
+  # In the search spaces where the blocks would otherwise go tile-major (causal,
+  # dynamic ranges), not yet in the heuristics (unmeasured).
+  fwd, bwd = mat.MosaicGpuAttention(), mat.MosaicGpuAttentionVjp()
+  causal = _args(t=4096, s=4096, n=16, k=16, h=256, is_causal=True)
+  full = _args(t=4096, s=4096, n=16, k=16, h=256, is_causal=False)
+  assert {c.head_group for c in fwd.search_space(causal)} == {0, 4}
+  assert {c.head_group for c in bwd.search_space(causal)} == {0, 4}
+  assert all(not c.persistent for c in fwd.search_space(causal) if c.head_group)
+  assert {c.head_group for c in fwd.search_space(full)} == {0}
+  assert {c.head_group for c in bwd.search_space(full)} == {0}
+  assert fwd.heuristic_config(causal).head_group == 0
+  assert bwd.heuristic_config(causal).head_group == 0
 
 
 def test_grid_order_head_major_only_where_blocks_do_equal_work():

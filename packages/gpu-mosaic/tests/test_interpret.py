@@ -151,6 +151,40 @@ def test_attention_backward_split_dkv_configs(ping_pong, block_q_dv, features):
     testing.assert_close(g, w, jnp.bfloat16, what=f"gradient {i}", scale=2.0)
 
 
+@pytest.mark.parametrize("causal,features", [(True, False), (False, True)],
+                         ids=["causal", "window-lengths"])
+def test_attention_head_group(causal, features):
+  """Blocks in groups of (batch row, head) pairs (`head_group`), the last group
+  short: the forward (6 pairs in groups of 4), the dQ kernel (the same) and
+  the dK/dV kernel (3 key/value pairs in groups of 2), called with configs,
+  against the XLA reference on float32 upcasts."""
+  import tokamax_xla_reference  # the reference package (a test dependency)
+  q, k, v = (_normal((3, 300, 2, 64), jnp.bfloat16), _normal((3, 300, 1, 64), jnp.bfloat16),
+             _normal((3, 300, 1, 64), jnp.bfloat16))
+  kw = {}
+  if features:
+    kw = dict(local_window=(100, 30), key_value_seq_lengths=jnp.asarray(
+        [300, 120, 260], jnp.int32))
+  scale = 64**-0.5
+  upcast = [x.astype(jnp.float32) for x in (q, k, v)]
+  (out, lse), vjp = jax.vjp(
+      lambda *a: tokamax_xla_reference.attention(
+          *a, scale=scale, is_causal=causal, precision=jax.lax.Precision.HIGHEST, **kw),
+      *upcast)
+  dout = _normal(out.shape, jnp.bfloat16)
+  want = vjp((dout.astype(jnp.float32), jnp.zeros_like(lse)))
+  with tokamax.interpret():
+    got_out, _ = mat.mosaic_attention(
+        q, k, v, scale=scale, causal=causal,
+        config=mat.AttentionConfig(block_kv=64, head_group=4), **kw)
+    got = mat.mosaic_attention_bwd(
+        q, k, v, out.astype(jnp.bfloat16), dout, lse, scale=scale, causal=causal,
+        config=mat.AttentionVjpConfig(64, 64, 2, head_group=2), **kw)
+  testing.assert_close(got_out, out, jnp.bfloat16, what="output")
+  for i, (g, w) in enumerate(zip(got, want)):
+    testing.assert_close(g, w, jnp.bfloat16, what=f"gradient {i}", scale=2.0)
+
+
 def test_attention_sinks():
   sinks = _normal((4,), jnp.float32, 2.0)
   operands = (_normal((1, 192, 4, 64), jnp.bfloat16),

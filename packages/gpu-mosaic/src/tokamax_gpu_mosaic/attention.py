@@ -123,6 +123,27 @@ def _needs_dynamic(args) -> bool:
                       args.q_segment_ids is not None, args.q_offset is not None).dynamic
 
 
+# What the blocks running at once may read from L2 between them: about half the
+# H100's and H200's 50 MiB (two partitions), as FA3 sizes its L2-aware order.
+_L2_BUDGET = 24 << 20
+
+
+def l2_head_group(rows: int, h: int, itemsize: int, heads_per_read: int) -> int:
+  """(Batch row, head) pairs per `head_group` whose shared reads fit `_L2_BUDGET`:
+  each pair's block reads `rows` rows of two [rows, h] operands (K and V in the
+  forward and the dQ kernel, Q and dO in the dK/dV kernel), which
+  `heads_per_read` pairs share (GQA's query heads of one key/value head); a
+  power of two."""
+  per_pair = max(1, rows * h * 2 * itemsize // heads_per_read)
+  return 1 << (max(1, _L2_BUDGET // per_pair).bit_length() - 1)
+
+
+def _ordered_by_head_group(args) -> bool:
+  """Whether the tile-major order (every head's K and V in flight) is what the
+  blocks would otherwise run: causal or dynamic key ranges (`akc.head_major`)."""
+  return args.is_causal or _needs_dynamic(args)
+
+
 def _search_space(args):
   h = args.query.shape[-1]
   itemsize = jnp.dtype(args.query.dtype).itemsize
@@ -139,6 +160,12 @@ def _search_space(args):
                                      persistent=persistent)
             if _fits(config, h, itemsize, segments):
               out.append(config)
+  if _ordered_by_head_group(args):
+    # The L2-sized head groups (not yet measured): each block-a-tile config again.
+    group = args.query.shape[2] // args.key.shape[2]
+    g = l2_head_group(args.key.shape[1], h, itemsize, group)
+    out += [dataclasses.replace(c, head_group=g) for c in tuple(out)
+            if not c.persistent]
   return tuple(out)
 
 
@@ -322,6 +349,12 @@ def _bwd_search_space(args):
   out += [dataclasses.replace(config, ping_pong=dkv, ping_pong_dq=dq)
           for dkv, dq in ((True, False), (False, True), (True, True))
           for config in tuple(out)]
+  if _ordered_by_head_group(args):
+    # The L2-sized head groups (not yet measured), sized by the dK/dV kernel's
+    # reads (Q and dO of a key/value head's query heads): every config again.
+    group = args.query.shape[2] // args.key.shape[2]
+    g = l2_head_group(args.query.shape[1] * group, h, itemsize, 1)
+    out += [dataclasses.replace(c, head_group=g) for c in tuple(out)]
   return tuple(out)
 
 

@@ -92,6 +92,10 @@ class AttentionVjpConfig:
   # head share its Q, dO, lse and delta reads, the dQ blocks its K and V. None:
   # by the measured rule (`akc.head_major`).
   head_major: bool | None = None
+  # > 0: both kernels' blocks in groups of this many (batch row, head) pairs
+  # (key/value heads in the dK/dV kernel), the tiles of the group's heads
+  # interleaved (`akc.block_position`); 0: `head_major` decides.
+  head_group: int = 0
   # dK and dV in two runs of the dK/dV kernel, each holding one float32
   # accumulator: dV (from S^T alone: no V, dO V^T or delta), then dK. One more
   # matmul per step in all (S^T twice), and how H256 fits the registers: dK and
@@ -121,6 +125,7 @@ class AttentionVjpConfig:
         raise ValueError(f"block_q_dv must be 32, 64 or 128; got {self.block_q_dv}")
     if self.num_stages < 2:
       raise ValueError(f"num_stages must be >= 2; got {self.num_stages}")
+    akc.check_head_group(self.head_group, self.head_major)
 
   def pass_block_q(self, grads: tuple[str, ...]) -> int:
     """Query rows per step of the dK/dV kernel run for `grads`."""
@@ -225,6 +230,10 @@ class _Shape:
   @property
   def stages(self):
     return self.config.num_stages
+
+  @property
+  def k_heads(self) -> int:
+    return self.n // self.group
 
   @property
   def head_major(self) -> bool:
@@ -342,9 +351,8 @@ class _DkvKernel(_Shape):
     wg = lax.axis_index("wg")
     pass_turn = functools.partial(_pipeline.pass_turn,
                                   *(() if r.turn is None else (r.turn,)))
-    ki = lax.axis_index("kv")
-    kh = lax.axis_index("heads")
-    bi = lax.axis_index("batch")
+    ki, kh, bi = akc.block_position(self.sp // KEY_ROWS, self.k_heads, self.b, "kv",
+                                    self.config.head_group)
     k0 = ki * KEY_ROWS
     j_fl = j_fh = j_hi = None
     limits = (None, None, None)
@@ -544,8 +552,8 @@ class _DkvKernel(_Shape):
         body,
         out_type=tuple(jax.ShapeDtypeStruct(k.shape, self.dtype) for _ in self.grads),
         scratch_types=self.scratch(),
-        **akc.block_grid(self.sp // KEY_ROWS, k.shape[2], self.b, "kv",
-                         self.head_major))
+        **akc.block_grid(self.sp // KEY_ROWS, self.k_heads, self.b, "kv",
+                         self.head_major, self.config.head_group))
     return call(q, k, v, do, lse2, delta, *extras)
 
 
@@ -647,11 +655,10 @@ class _DqKernel(_Shape):
     wg = lax.axis_index("wg")
     pass_turn = functools.partial(_pipeline.pass_turn,
                                   *(() if r.turn is None else (r.turn,)))
-    qi = lax.axis_index("q")
+    qi, hi, bi = akc.block_position(self.nq, self.n, self.b, "q",
+                                    self.config.head_group)
     if self.causal or self.feat.right is not None:
       qi = self.nq - 1 - qi  # the longest tiles first
-    hi = lax.axis_index("heads")
-    bi = lax.axis_index("batch")
     tile0 = qi * akc.CTA_ROWS
     i_fl = i_fh = None
     limits = (None, None, None)
@@ -806,7 +813,8 @@ class _DqKernel(_Shape):
     call = _pipeline.warpgroup_kernel(
         body, out_type=jax.ShapeDtypeStruct(q.shape, self.dtype),
         scratch_types=self.scratch(),
-        **akc.block_grid(self.nq, self.n, self.b, "q", self.head_major))
+        **akc.block_grid(self.nq, self.n, self.b, "q", self.head_major,
+                         self.config.head_group))
     return call(q, k, v, do, lse2, delta, *extras)
 
 

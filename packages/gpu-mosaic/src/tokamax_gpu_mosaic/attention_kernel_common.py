@@ -30,19 +30,62 @@ CTA_ROWS = 2 * WG_ROWS  # rows per block (two consumer warpgroups)
 
 
 def block_grid(tiles: int, heads: int, batch: int, tile_axis: str,
-               head_major: bool) -> dict:
+               head_major: bool, head_group: int = 0) -> dict:
   """The ``grid`` and ``grid_names`` of a kernel whose blocks each own one row tile of one
-  head of one batch element.
+  head of one batch element (`block_position` reads a block's back).
 
   Mosaic GPU launches the grid's last axis fastest. ``head_major``: the tiles
   last, so the blocks running at once are the tiles of a few heads and what they
   all read (a head's K and V in the forward) comes from HBM once and then from
   L2. Otherwise the batch is last: at once, one tile of every head, and each
-  block fetches its head's K and V itself.
+  block fetches its head's K and V itself. ``head_group`` > 0 (either
+  ``head_major`` ignored): one flat axis in `head_group` order.
   """
+  if head_group:
+    return dict(grid=(tiles * heads * batch,), grid_names=(_GROUPED_AXIS,))
   if head_major:
     return dict(grid=(batch, heads, tiles), grid_names=("batch", "heads", tile_axis))
   return dict(grid=(tiles, heads, batch), grid_names=(tile_axis, "heads", "batch"))
+
+
+_GROUPED_AXIS = "grouped"
+
+
+def block_position(tiles: int, heads: int, batch: int, tile_axis: str,
+                   head_group: int = 0):
+  """A block's (tile, head, batch row) in the grid of `block_grid`.
+
+  ``head_group`` > 0: the (batch row, head) pairs go in groups of `head_group`
+  (heads fastest, so GQA's query heads of one key/value head sit together), and
+  within a group the tile index advances slowest: the blocks running at once
+  are a few tiles of each of `head_group` heads. Where tiles differ in length
+  (causal, reversed by the caller so the longest go first) this keeps the
+  longest-first order within the group, as the tile-major grid does, while
+  what the blocks read (a head's K and V in the forward, its Q and dO in the
+  dK/dV kernel) stays within `head_group` heads' worth of L2 instead of every
+  head's: FA3's L2-aware longest-processing-time order, with the group sized
+  by the caller. The last group may hold fewer pairs.
+  """
+  if not head_group:
+    return (lax.axis_index(tile_axis), lax.axis_index("heads"),
+            lax.axis_index("batch"))
+  pairs = heads * batch
+  g = min(head_group, pairs)
+  flat = lax.axis_index(_GROUPED_AXIS)
+  group = lax.div(flat, g * tiles)
+  size = jnp.minimum(g, pairs - group * g)  # the last group's pairs
+  within = flat - group * (g * tiles)
+  pair = group * g + lax.rem(within, size)
+  return lax.div(within, size), lax.rem(pair, heads), lax.div(pair, heads)
+
+
+def check_head_group(head_group: int, head_major: bool | None) -> None:
+  """A config's `head_group` with its `head_major` (both configs take them)."""
+  if head_group < 0:
+    raise ValueError(f"head_group must be >= 0 (0: off); got {head_group}")
+  if head_group and head_major is not None:
+    raise ValueError(f"head_group={head_group} sets the block order itself: leave "
+                     f"head_major at None (got {head_major})")
 
 
 def head_major(choice: bool | None, causal: bool, feat: Features) -> bool:

@@ -85,6 +85,12 @@ class AttentionConfig:
   # head's K and V are read from HBM once; False: one query tile of every head at
   # a time (`akc.block_grid`). None: by the measured rule (`akc.head_major`).
   head_major: bool | None = None
+  # > 0: blocks in groups of this many (batch row, head) pairs, the longest
+  # tiles of the group's heads first (`akc.block_position`): the blocks running
+  # at once read a few heads' K and V from L2 where the tile-major order (causal)
+  # has every head's in flight. 0: `head_major` decides. Not with several tiles
+  # a block.
+  head_group: int = 0
   # Query tiles a block runs one after the other (its producer streams the next
   # tile's keys while the consumers finish a tile, and each consumer loads its
   # next Q tile into a second buffer under the current one). 1: a block a tile.
@@ -105,6 +111,10 @@ class AttentionConfig:
     if self.persistent and self.tiles_per_block != 1:
       raise ValueError("a persistent block takes as many query tiles as it needs: "
                        f"leave tiles_per_block at 1 (got {self.tiles_per_block})")
+    akc.check_head_group(self.head_group, self.head_major)
+    if self.head_group and (self.persistent or self.tiles_per_block != 1):
+      raise ValueError(f"head_group={self.head_group} orders blocks of one query "
+                       "tile each: not with persistent or tiles_per_block > 1")
 
   @property
   def q_buffers(self) -> int:
@@ -294,7 +304,7 @@ class _Forward:
       return dict(grid=(_common.num_sms(),), grid_names=("sm",))
     return akc.block_grid(self.q_blocks, self.n, self.b, "q",
                           akc.head_major(self.config.head_major, self.causal,
-                                         self.feat))
+                                         self.feat), self.config.head_group)
 
   @property
   def pad_keys(self):
@@ -341,8 +351,8 @@ class _Forward:
       pos, rest = lax.rem(flat, self.nq), lax.div(flat, self.nq)
       hi, bi = lax.rem(rest, self.n), lax.div(rest, self.n)
     else:
-      q = lax.axis_index("q")
-      hi, bi = lax.axis_index("heads"), lax.axis_index("batch")
+      q, hi, bi = akc.block_position(self.q_blocks, self.n, self.b, "q",
+                                     self.config.head_group)
       if self.config.tiles_per_block == 1:
         pos, valid = q, True
       else:
