@@ -464,6 +464,24 @@ def test_tiles_per_block(tiles, config, causal):
 
 
 @gpu
+@pytest.mark.parametrize("config", [
+    _OVERLAP, _OVERLAP_64, dataclasses.replace(_OVERLAP, persistent=True),
+    dataclasses.replace(_OVERLAP_64, tiles_per_block=2)])
+def test_overlap_window(config):
+  # overlap_qk with a window alone (`akc.overlap_takes`): causal sliding windows
+  # wider and narrower than a key tile, several tiles a block; a two-sided
+  # window with a soft cap where the last block's second warpgroup holds padded
+  # rows only (T % 128 = 44, one masked tile); T < S; H64 and GQA.
+  _check_features(2, 1024, 1024, 8, 2, 128, config=config, causal=True,
+                  window=(256, 0))
+  _check_features(1, 300, 333, 4, 4, 128, config=config, window=(100, 30),
+                  soft_cap=5.0)
+  _check_features(2, 640, 700, 4, 2, 64, config=config, causal=True, window=(40, 0))
+  _check_features(1, 2048, 2048, 16, 4, 128, config=config, causal=True,
+                  window=(1000, 0))
+
+
+@gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_head_group(causal):
   # Blocks in groups of 3 (batch row, head) pairs: the last group short (2 x 8
@@ -613,22 +631,39 @@ def test_accepts_features_on_hopper():
       dataclasses.replace(_args(is_causal=True), q_offset=jnp.int32(64)), _H200)
 
 
-def test_dynamic_features_take_the_plain_schedule():
-  # overlap_qk's first turn needs a key tile per warpgroup: never chosen with
-  # the dynamic features, and refused when asked for.
+def test_overlap_schedule_takes_windows_that_hold_the_diagonal():
+  # overlap_qk's first turn computes a key tile, so every block's first
+  # warpgroup needs one: the search space has it for a window alone that holds
+  # each row's own position with T <= S (a warpgroup of padded rows computes
+  # one masked tile); never for lengths, segment ids, q_offset or T > S, and it
+  # is refused when asked for there. The heuristic keeps the plain schedule
+  # with every dynamic feature until windows are measured with it.
   op = mat.MosaicGpuAttention()
-  for kw in (dict(local_window_size=(16, 0)),
-             dict(key_value_seq_lengths=np.array([100], np.int32)),
-             dict(q_segment_ids=np.zeros((1, 256), np.int32),
-                  kv_segment_ids=np.zeros((1, 256), np.int32))):
-    args = _args(h=128, **kw)
+  overlap = mat.AttentionConfig(overlap_qk=True)
+  causal_window = _args(h=128, t=200, s=333, is_causal=True, local_window_size=(50, 0))
+  takes = [_args(h=128, local_window_size=(16, 0)),
+           _args(h=128, t=300, s=300, local_window_size=(100, 30)),  # padded rows
+           causal_window, dataclasses.replace(causal_window, logits_soft_cap=5.0)]
+  refuses = [_args(h=128, key_value_seq_lengths=np.array([100], np.int32)),
+             _args(h=128, query_seq_lengths=np.array([100], np.int32)),
+             _args(h=128, q_segment_ids=np.zeros((1, 256), np.int32),
+                   kv_segment_ids=np.zeros((1, 256), np.int32)),
+             _args(h=128, t=333, s=200, local_window_size=(16, 0)),  # T > S
+             dataclasses.replace(causal_window, q_offset=jnp.int32(64))]
+  for args in takes:
     assert not op.heuristic_config(args).overlap_qk
+    assert any(c.overlap_qk for c in op.search_space(args))
+    out, res = jax.eval_shape(lambda a: op.forward(a, overlap), args)
+    assert out.shape == args.query.shape and res["lse"].shape == (1, 2, args.query.shape[1])
+  for args in refuses:
     space = op.search_space(args)
     assert space and not any(c.overlap_qk for c in space)
     with pytest.raises(NotImplementedError, match="overlap_qk"):
-      jax.eval_shape(lambda a: op.forward(a, mat.AttentionConfig(overlap_qk=True)),
-                     args)
-  # Soft cap and causal alone keep it (static switches).
+      jax.eval_shape(lambda a: op.forward(a, overlap), args)
+  # Static features: T > S takes it (the causal range is never empty there);
+  # soft cap and causal alone keep it in the heuristic (static switches).
+  assert any(c.overlap_qk for c in op.search_space(_args(h=128, t=333, s=200,
+                                                         is_causal=True)))
   assert op.heuristic_config(_args(h=128, logits_soft_cap=5.0,
                                    is_causal=True)).overlap_qk
 
@@ -1276,6 +1311,26 @@ def test_soft_cap_lowers_with_overlap(causal):
   exported = jax.export.export(jax.jit(lambda q, key, v: mat.mosaic_attention(
       q, key, v, scale=0.125, causal=causal, config=mat.AttentionConfig(
           overlap_qk=True), logits_soft_cap=10.0)), platforms=["cuda"])(*shapes)
+  assert "mosaic_gpu" in exported.mlir_module()
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("causal,window,t,s,config", [
+    (True, (256, 0), 640, 640, mat.AttentionConfig(overlap_qk=True)),
+    # The last block's second warpgroup of padded rows only (T % 128 = 44).
+    (False, (100, 30), 300, 333, mat.AttentionConfig(block_kv=64, overlap_qk=True)),
+    (True, (64, 0), 1280, 1280, mat.AttentionConfig(overlap_qk=True,
+                                                     persistent=True)),  # 2 rounds
+    (True, (None, 0), 640, 700, mat.AttentionConfig(overlap_qk=True,
+                                                    tiles_per_block=2)),
+])
+def test_window_lowers_with_overlap(causal, window, t, s, config):
+  pytest.importorskip("absl")
+  shapes = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+            for shape in ((2, t, 16, 128), (2, s, 4, 128), (2, s, 4, 128))]
+  exported = jax.export.export(jax.jit(lambda q, key, v: mat.mosaic_attention(
+      q, key, v, scale=0.125, causal=causal, config=config, local_window=window,
+      logits_soft_cap=10.0 if causal else None)), platforms=["cuda"])(*shapes)
   assert "mosaic_gpu" in exported.mlir_module()
 
 

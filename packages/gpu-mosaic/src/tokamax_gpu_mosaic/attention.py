@@ -78,9 +78,9 @@ def _heuristic(args) -> AttentionConfig:
   preferred = {64: ((128, 2, False),),
                128: ((128, 2, True), (128, 2, False), (64, 3, False)),
                256: ((64, 2, False),)}[h]
-  # overlap_qk: static features only (see flash_forward), and not in the Mosaic
-  # GPU interpreter, which cannot store into a WGMMA accumulator.
-  no_overlap = _needs_dynamic(args) or _common.interpreting()
+  # overlap_qk: static features only until it is measured with windows (the
+  # search space has it there: `_overlap_takes`).
+  no_overlap = _needs_dynamic(args) or not _overlap_takes(args)
   segments = args.q_segment_ids is not None
   for block_kv, stages, overlap in preferred:
     if overlap and no_overlap:
@@ -114,13 +114,25 @@ def _even_tiles(args) -> bool:
           and tiles > _common.num_sms())
 
 
-def _needs_dynamic(args) -> bool:
-  """Whether these arguments take the kernel's dynamic key ranges (window,
-  lengths, segments, a q_offset that moves a window or causal)."""
+def _features(args) -> akc.Features:
   return akc.features(args.is_causal, args.local_window, args.logits_soft_cap,
                       args.query_seq_lengths is not None,
                       args.key_value_seq_lengths is not None,
-                      args.q_segment_ids is not None, args.q_offset is not None).dynamic
+                      args.q_segment_ids is not None, args.q_offset is not None)
+
+
+def _needs_dynamic(args) -> bool:
+  """Whether these arguments take the kernel's dynamic key ranges (window,
+  lengths, segments, a q_offset that moves a window or causal)."""
+  return _features(args).dynamic
+
+
+def _overlap_takes(args) -> bool:
+  """Whether the `overlap_qk` schedule takes these arguments (`akc.overlap_takes`;
+  not in the Mosaic GPU interpreter, which cannot store into a WGMMA
+  accumulator)."""
+  return (akc.overlap_takes(_features(args), args.query.shape[1], args.key.shape[1])
+          and not _common.interpreting())
 
 
 # What the blocks running at once may read from L2 between them: about half the
@@ -149,8 +161,7 @@ def _search_space(args):
   itemsize = jnp.dtype(args.query.dtype).itemsize
   out = []
   segments = args.q_segment_ids is not None
-  no_overlap = _needs_dynamic(args) or _common.interpreting()  # as `_heuristic`
-  for overlap in (False, True) if not no_overlap else (False,):
+  for overlap in (False, True) if _overlap_takes(args) else (False,):
     for block_kv in (64, 128, 192, 256):
       for stages in (2, 3, 4):
         for fence in (True, False):

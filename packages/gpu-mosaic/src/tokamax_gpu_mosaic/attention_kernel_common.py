@@ -157,6 +157,19 @@ class Features:
 PLAIN = Features()
 
 
+def overlap_takes(feat: Features, t: int, s: int) -> bool:
+  """Whether the forward's `overlap_qk` schedule takes a call. Its first turn
+  computes a key tile, so each block's first warpgroup (whose rows are valid)
+  needs one: static features, or dynamic through a window alone that holds
+  every row's own position (no side negative) with T <= S, so that query row t
+  sees key t. (A warpgroup of padded rows computes one masked tile.)"""
+  if not feat.dynamic:
+    return True
+  if feat.q_len or feat.kv_len or feat.offset or feat.segments:
+    return False
+  return all(x is None or x >= 0 for x in (feat.left, feat.right)) and t <= s
+
+
 def features(causal: bool, local_window, soft_cap, q_len: bool, kv_len: bool,
               segments: bool, q_offset: bool) -> Features:
   """The static switches of one call; the kernel wrapper and the config choice

@@ -448,12 +448,19 @@ class _Forward:
 
   def own_tiles(self, blk: _Block, r0, q_tile) -> _Tiles:
     """This warpgroup's key tiles (dynamic: an empty range becomes [base, base),
-    so that every streamed tile is released after the empty loops)."""
+    so that every streamed tile is released after the empty loops; under
+    `overlap_qk`, whose first turn computes a tile, the masked tile [base,
+    base + 1): only a warpgroup of padded rows has none there, see
+    `akc.overlap_takes`)."""
     lo = fl = fh = n_clear = None
     if self.feat.dynamic:
       own = [jnp.where(blk.wg == 0, x0, x1) for x0, x1 in zip(*blk.ranges)]
       empty = own[3] <= own[0]
-      lo, fl, fh, n_own = [jnp.where(empty, blk.ring.base, x) for x in own]
+      base = blk.ring.base
+      instead = (base,) * 4
+      if self.config.overlap_qk:
+        instead = (base, base + 1, base + 1, base + 1)
+      lo, fl, fh, n_own = [jnp.where(empty, y, x) for x, y in zip(own, instead)]
     elif self.causal:
       n_own = self.kv_end(r0 + self.bq)
       # Tiles whose every key is <= the first row (and < S) need no mask.
@@ -596,14 +603,20 @@ class _Forward:
     acc, m, l = carry
     wg = blk.wg
     mine, theirs = r.turn.at[wg], r.turn.at[1 - wg]
-    # Tile 0: its Q K^T is this warpgroup's whole first turn. The mask is built
-    # whenever any tile may need one (cheaper than a dynamic branch).
+    release = functools.partial(self.release_overlapped, r, blk, mine, theirs)
     # Warpgroup 1 hands warpgroup 0 the first token of the block only: after
     # each tile, warpgroup 1's last turn has left warpgroup 0 the next one.
+    # Each warpgroup takes one turn per streamed tile, its own or released.
     pl.when(jnp.logical_and(wg == 1, blk.j == 0))(
         lambda: plgpu.barrier_arrive(r.turn.at[0]))
-    first = blk.ring.slot(0)
-    plgpu.barrier_wait(r.k_full.at[first])  # n_own >= 1 always
+    start = 0
+    if self.feat.dynamic:  # a window (`akc.overlap_takes`): [lo, n_own) is not empty
+      lax.fori_loop(blk.ring.base, tiles.lo, release, None)  # the partner's only
+      start = tiles.lo
+    # The first tile: its Q K^T is this warpgroup's whole first turn. The mask
+    # is built whenever any tile may need one (cheaper than a dynamic branch).
+    first = blk.ring.slot(start)
+    plgpu.barrier_wait(r.k_full.at[first])
     plgpu.barrier_wait(mine)
 
     def first_scores(s_acc):
@@ -612,20 +625,28 @@ class _Forward:
       return s_acc[...]
     s = pl.run_scoped(first_scores, plgpu.ACC((self.bq, self.bkv), jnp.float32))
     plgpu.barrier_arrive(r.k_free.at[first])
-    p, m, l, _ = self.overlap_softmax(r, blk, tiles, s, m, l, 0,
-                                      self.needs_mask)  # alpha = 0 and O = 0
+    p, m, l, _ = self.overlap_softmax(
+        r, blk, tiles, s, m, l, start,
+        self.needs_mask or self.feat.dynamic)  # alpha = 0 and O = 0
     p = p.astype(self.dtype)
 
     step = functools.partial(self.overlap_step, r, blk, tiles, mine, theirs)
+    masked, unmasked = (functools.partial(step, masked=x) for x in (True, False))
     carry = (acc, m, l, p)
-    if self.needs_mask:
+    if self.feat.dynamic:
+      # [start + 1, fl) masked (the window's left edge), [fl, fh) unmasked,
+      # [fh, n_own) masked (the diagonal, padded keys).
+      fl = jnp.maximum(tiles.fl, start + 1)
+      fh = jnp.maximum(tiles.fh, fl)
+      carry = lax.fori_loop(start + 1, fl, masked, carry)
+      carry = lax.fori_loop(fl, fh, unmasked, carry)
+      carry = lax.fori_loop(fh, tiles.n_own, masked, carry)
+    elif self.needs_mask:
       split = jnp.maximum(tiles.n_clear, 1)
-      carry = lax.fori_loop(1, split, functools.partial(step, masked=False), carry)
-      carry = lax.fori_loop(split, tiles.n_own, functools.partial(step, masked=True),
-                            carry)
+      carry = lax.fori_loop(1, split, unmasked, carry)
+      carry = lax.fori_loop(split, tiles.n_own, masked, carry)
     else:
-      carry = lax.fori_loop(1, self.n_kv, functools.partial(step, masked=False),
-                            carry)
+      carry = lax.fori_loop(1, self.n_kv, unmasked, carry)
     acc, m, l, p = carry
 
     # The last P V, outside the turns (as in FA3).
@@ -633,17 +654,15 @@ class _Forward:
     plgpu.barrier_wait(r.v_full.at[last])
     (acc,) = _common.accumulate((acc,), ((p, r.v_smem.at[last]),))
     plgpu.barrier_arrive(r.v_free.at[last])
-    if self.causal:
-      lax.fori_loop(tiles.n_own, blk.n_block,
-                    functools.partial(self.release_overlapped, r, blk, mine, theirs),
-                    None)
+    if self.causal or self.feat.dynamic:
+      lax.fori_loop(tiles.n_own, blk.n_block, release, None)
     return acc, m, l
 
   def overlap_softmax(self, r, blk, tiles, s, m, l, i, masked: bool):
     """The softmax of tile `i` (fenced: computed before waiting for P V)."""
     p, m, l, alpha = online_softmax(
         s, m, l, self.c, self.visibility(r, blk, tiles, i) if masked else None,
-        self.feat.soft_cap)
+        self.feat.soft_cap, guard=self.feat.dynamic and masked)
     if self.config.fence_softmax:
       p, m, l, alpha = lax.optimization_barrier((p, m, l, alpha))
     return p, m, l, alpha
@@ -793,11 +812,6 @@ def flash_forward(q, k, v, *extras, scale: float, causal: bool, s_true: int,
   Returns (out [B, Tp, N, H] in q's dtype, lse [B, N, Tp] float32, natural log).
   """
   b, tp, n, h = q.shape
-  if feat.dynamic and config.overlap_qk:
-    raise NotImplementedError(
-        "overlap_qk with a local window, sequence lengths, segment ids or "
-        "q_offset: its first turn needs at least one key tile per warpgroup; "
-        "use the plain schedule (overlap_qk=False)")
   if config.overlap_qk and _common.interpreting():
     raise NotImplementedError(
         "overlap_qk in the Mosaic GPU interpreter: it has no rule for a store "
@@ -845,6 +859,12 @@ def mosaic_attention(q, k, v, *, scale: float, causal: bool,
                       query_seq_lengths is not None,
                       key_value_seq_lengths is not None, segments,
                       q_offset is not None)
+  if config.overlap_qk and not akc.overlap_takes(feat, t, s):
+    raise NotImplementedError(
+        "overlap_qk with sequence lengths, segment ids, q_offset, T > S or a "
+        "window that excludes a row's own position: its first turn needs a key "
+        f"tile for every block's first warpgroup (T={t}, S={s}, window "
+        f"{local_window}); use the plain schedule (overlap_qk=False)")
   extras = ()
   if feat.dynamic:
     extras = (akc.limits(b, t, s, feat, query_seq_lengths, key_value_seq_lengths,
