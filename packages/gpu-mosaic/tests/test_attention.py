@@ -487,9 +487,12 @@ def test_head_group(causal):
   # Blocks in groups of 3 (batch row, head) pairs: the last group short (2 x 8
   # query heads, 2 x 2 key/value heads); GQA, odd lengths; forward and both
   # backward kernels.
-  config = mat.AttentionConfig(block_kv=64, num_stages=3, head_group=3)
-  _check(2, 896, 700, 8, 2, 128, causal, config=config, grads=False)
-  _check(1, 300, 257, 5, 5, 64, causal, config=config, grads=False)
+  for config in (mat.AttentionConfig(block_kv=64, num_stages=3, head_group=3),
+                 # Persistent blocks dealing the order out in a snake (rounds).
+                 mat.AttentionConfig(overlap_qk=True, persistent=True, head_group=3)):
+    _check(2, 896, 700, 8, 2, 128, causal, config=config, grads=False)
+    _check(1, 300, 257, 5, 5, 64, causal, config=config, grads=False)
+    _check(2, 2048, 2048, 16, 4, 128, causal, config=config, grads=False)
   vjp = mat.AttentionVjpConfig(64, 128, 2, head_group=3)
   _check_bwd_features_direct(2, 640, 704, 8, 2, 128, config=vjp, causal=causal)
   _check_bwd_features_direct(2, 256, 300, 4, 4, 256, causal=causal, config=(
@@ -995,8 +998,11 @@ def test_an_explicit_config_that_does_not_fit_is_named():
                                                  persistent=True)),
     (64, 16, 4, 2048, 2048, mat.AttentionConfig(block_kv=64, num_stages=3,
                                                 persistent=True)),
-    # Blocks in head groups (the last group short: 8 heads in groups of 3).
+    # Blocks in head groups (the last group short: 8 heads in groups of 3), and
+    # persistent blocks dealing that order out in a snake (several rounds).
     (128, 8, 2, 384, 640, mat.AttentionConfig(overlap_qk=True, head_group=3)),
+    (128, 16, 4, 2048, 2048, mat.AttentionConfig(overlap_qk=True, persistent=True,
+                                                 head_group=3)),
 ])
 def test_lowers_for_cuda(causal, h, n, k, t, s, config):
   pytest.importorskip("absl")
@@ -1916,10 +1922,9 @@ def test_head_group_configs():
     mat.AttentionConfig(head_group=-1)
   with pytest.raises(ValueError, match="leave head_major at None"):
     mat.AttentionConfig(head_group=4, head_major=False)
-  with pytest.raises(ValueError, match="not with persistent or tiles_per_block"):
-    mat.AttentionConfig(head_group=4, persistent=True)
-  with pytest.raises(ValueError, match="not with persistent or tiles_per_block"):
+  with pytest.raises(ValueError, match="not with tiles_per_block > 1"):
     mat.AttentionConfig(head_group=4, tiles_per_block=2)
+  mat.AttentionConfig(head_group=4, persistent=True)  # snake-dealt
   with pytest.raises(ValueError, match="leave head_major at None"):
     mat.AttentionVjpConfig(64, 64, 2, head_group=2, head_major=True)
   # Pairs whose two [rows, h] operands fit 24 MiB, a power of two: H256 T4096
@@ -1936,7 +1941,12 @@ def test_head_group_configs():
   full = _args(t=4096, s=4096, n=16, k=16, h=256, is_causal=False)
   assert {c.head_group for c in fwd.search_space(causal)} == {0, 4}
   assert {c.head_group for c in bwd.search_space(causal)} == {0, 4}
-  assert all(not c.persistent for c in fwd.search_space(causal) if c.head_group)
+  # Every config again with the group, persistent ones (H128) included.
+  causal_128 = _args(t=4096, s=4096, n=16, k=16, h=128, is_causal=True)
+  space = fwd.search_space(causal_128)
+  assert ({dataclasses.replace(c, head_group=0) for c in space if c.head_group}
+          == {c for c in space if not c.head_group})
+  assert any(c.persistent and c.head_group == 8 for c in space)
   assert {c.head_group for c in fwd.search_space(full)} == {0}
   assert {c.head_group for c in bwd.search_space(full)} == {0}
   assert fwd.heuristic_config(causal).head_group == 0

@@ -151,13 +151,15 @@ def test_attention_backward_split_dkv_configs(ping_pong, block_q_dv, features):
     testing.assert_close(g, w, jnp.bfloat16, what=f"gradient {i}", scale=2.0)
 
 
-@pytest.mark.parametrize("causal,features", [(True, False), (False, True)],
-                         ids=["causal", "window-lengths"])
-def test_attention_head_group(causal, features):
+@pytest.mark.parametrize("causal,features,persistent", [
+    (True, False, False), (False, True, False), (True, False, True)],
+    ids=["causal", "window-lengths", "causal-persistent"])
+def test_attention_head_group(causal, features, persistent):
   """Blocks in groups of (batch row, head) pairs (`head_group`), the last group
-  short: the forward (6 pairs in groups of 4), the dQ kernel (the same) and
-  the dK/dV kernel (3 key/value pairs in groups of 2), called with configs,
-  against the XLA reference on float32 upcasts."""
+  short: the forward (6 pairs in groups of 4; or persistent, the 18 tiles
+  snake-dealt to the interpreter's 2 "SMs" over 9 rounds), the dQ kernel (the
+  same) and the dK/dV kernel (3 key/value pairs in groups of 2), called with
+  configs, against the XLA reference on float32 upcasts."""
   import tokamax_xla_reference  # the reference package (a test dependency)
   q, k, v = (_normal((3, 300, 2, 64), jnp.bfloat16), _normal((3, 300, 1, 64), jnp.bfloat16),
              _normal((3, 300, 1, 64), jnp.bfloat16))
@@ -176,7 +178,8 @@ def test_attention_head_group(causal, features):
   with tokamax.interpret():
     got_out, _ = mat.mosaic_attention(
         q, k, v, scale=scale, causal=causal,
-        config=mat.AttentionConfig(block_kv=64, head_group=4), **kw)
+        config=mat.AttentionConfig(block_kv=64, head_group=4, persistent=persistent),
+        **kw)
     got = mat.mosaic_attention_bwd(
         q, k, v, out.astype(jnp.bfloat16), dout, lse, scale=scale, causal=causal,
         config=mat.AttentionVjpConfig(64, 64, 2, head_group=2), **kw)

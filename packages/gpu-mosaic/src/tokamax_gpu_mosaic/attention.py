@@ -172,11 +172,11 @@ def _search_space(args):
             if _fits(config, h, itemsize, segments):
               out.append(config)
   if _ordered_by_head_group(args):
-    # The L2-sized head groups (not yet measured): each block-a-tile config again.
+    # The L2-sized head groups (not yet measured): each config again (persistent
+    # ones snake-dealt).
     group = args.query.shape[2] // args.key.shape[2]
     g = l2_head_group(args.key.shape[1], h, itemsize, group)
-    out += [dataclasses.replace(c, head_group=g) for c in tuple(out)
-            if not c.persistent]
+    out += [dataclasses.replace(c, head_group=g) for c in tuple(out)]
   return tuple(out)
 
 

@@ -69,9 +69,15 @@ def block_position(tiles: int, heads: int, batch: int, tile_axis: str,
   if not head_group:
     return (lax.axis_index(tile_axis), lax.axis_index("heads"),
             lax.axis_index("batch"))
+  return grouped_position(lax.axis_index(_GROUPED_AXIS), tiles, heads, batch,
+                          head_group)
+
+
+def grouped_position(flat, tiles: int, heads: int, batch: int, head_group: int):
+  """(tile, head, batch row) at position `flat` of the `head_group` order
+  (`block_position`; the forward's persistent blocks deal it out too)."""
   pairs = heads * batch
   g = min(head_group, pairs)
-  flat = lax.axis_index(_GROUPED_AXIS)
   group = lax.div(flat, g * tiles)
   size = jnp.minimum(g, pairs - group * g)  # the last group's pairs
   within = flat - group * (g * tiles)

@@ -88,8 +88,10 @@ class AttentionConfig:
   # > 0: blocks in groups of this many (batch row, head) pairs, the longest
   # tiles of the group's heads first (`akc.block_position`): the blocks running
   # at once read a few heads' K and V from L2 where the tile-major order (causal)
-  # has every head's in flight. 0: `head_major` decides. Not with several tiles
-  # a block.
+  # has every head's in flight. 0: `head_major` decides. With `persistent`: the
+  # tiles in that order, dealt to the SMs round by round, every other round from
+  # the last SM down (a snake: along the longest-first order each SM's tiles
+  # alternate between a round's long and short ends). Not with tiles_per_block.
   head_group: int = 0
   # Query tiles a block runs one after the other (its producer streams the next
   # tile's keys while the consumers finish a tile, and each consumer loads its
@@ -112,9 +114,10 @@ class AttentionConfig:
       raise ValueError("a persistent block takes as many query tiles as it needs: "
                        f"leave tiles_per_block at 1 (got {self.tiles_per_block})")
     akc.check_head_group(self.head_group, self.head_major)
-    if self.head_group and (self.persistent or self.tiles_per_block != 1):
+    if self.head_group and self.tiles_per_block != 1:
       raise ValueError(f"head_group={self.head_group} orders blocks of one query "
-                       "tile each: not with persistent or tiles_per_block > 1")
+                       "tile each, or persistent blocks: not with tiles_per_block "
+                       f"> 1 (got {self.tiles_per_block})")
 
   @property
   def q_buffers(self) -> int:
@@ -336,20 +339,27 @@ class _Forward:
     """The block's `j`-th query tile: (tile, batch row, head, whether the block
     has one).
 
-    Persistent: the tiles in the order query tile, head, batch row, dealt out
-    to the SMs in turn (the blocks running at once share the heads' K and V in
-    L2). Otherwise block ``q`` runs the tiles at positions ``j * q_blocks + q``
+    Persistent: the tiles in the order query tile, head, batch row (with
+    `head_group`: that order, snake-dealt), dealt out to the SMs in turn (the
+    blocks running at once share the heads' K and V in L2). Otherwise block
+    ``q`` runs the tiles at positions ``j * q_blocks + q``
     of its head's run order, every other round from the other end
     (``q_blocks - 1 - q``): where the tiles shorten along the run order
     (causal, the longest first), the blocks' totals stay close to each other.
     """
     if self.config.persistent:
-      total = self.nq * self.n * self.b
-      flat = lax.axis_index("sm") + j * _common.num_sms()
+      total, sms, group = self.nq * self.n * self.b, _common.num_sms(), self.config.head_group
+      sm = lax.axis_index("sm")
+      if group:
+        sm = jnp.where(lax.rem(j, 2) == 0, sm, sms - 1 - sm)
+      flat = sm + j * sms
       valid = flat < total
       flat = jnp.minimum(flat, total - 1)  # a tile that exists, never run
-      pos, rest = lax.rem(flat, self.nq), lax.div(flat, self.nq)
-      hi, bi = lax.rem(rest, self.n), lax.div(rest, self.n)
+      if group:
+        pos, hi, bi = akc.grouped_position(flat, self.nq, self.n, self.b, group)
+      else:
+        pos, rest = lax.rem(flat, self.nq), lax.div(flat, self.nq)
+        hi, bi = lax.rem(rest, self.n), lax.div(rest, self.n)
     else:
       q, hi, bi = akc.block_position(self.q_blocks, self.n, self.b, "q",
                                      self.config.head_group)
