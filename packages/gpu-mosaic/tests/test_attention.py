@@ -1276,7 +1276,7 @@ def _each_features_on_each_shape(features: list[dict], shapes: list[tuple]) -> l
     (128, 4, 2, 640, 512, mat.AttentionConfig(block_kv=64, num_stages=3,
                                               tiles_per_block=2)),
     (128, 16, 2, 1280, 1024, mat.AttentionConfig(block_kv=64, num_stages=3,
-                                                 persistent=True)),  # 2 rounds
+                                                 persistent=True)),  # 3 rounds
 ]))
 def test_lowers_for_cuda_with_features(features, causal, h, n, k, t, s, config):
   pytest.importorskip("absl")
@@ -1326,7 +1326,7 @@ def test_soft_cap_lowers_with_overlap(causal):
     # The last block's second warpgroup of padded rows only (T % 128 = 44).
     (False, (100, 30), 300, 333, mat.AttentionConfig(block_kv=64, overlap_qk=True)),
     (True, (64, 0), 1280, 1280, mat.AttentionConfig(overlap_qk=True,
-                                                     persistent=True)),  # 2 rounds
+                                                     persistent=True)),  # 3 rounds
     (True, (None, 0), 640, 700, mat.AttentionConfig(overlap_qk=True,
                                                     tiles_per_block=2)),
 ])

@@ -710,8 +710,9 @@ class _Forward:
     return carry
 
   def release_overlapped(self, r: _Refs, blk: _Block, mine, theirs, i, _):
-    """A tile this warpgroup does not need (causal): pass the partner's turn on,
-    and free the slot only once it is full. Being ahead, this warpgroup could
+    """A tile this warpgroup does not need (causal, window; segments, whose key
+    ids would need their own wait, never take this schedule): pass the
+    partner's turn on, and free the slot only once it is full. Being ahead, this warpgroup could
     otherwise arrive on a slot's "free" barrier twice before the partner's
     arrival for the older tile (2 stages), which would release it early."""
     slot = blk.ring.slot(i)
