@@ -7,6 +7,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 
 import dataclasses  # noqa: E402
 
+import jax  # noqa: E402
+
 import pytest  # noqa: E402
 import kernel_breakdown  # noqa: E402
 import none_check  # noqa: E402
@@ -112,6 +114,33 @@ def test_kernel_breakdown_keys_a_launch_by_its_name_not_its_position():
   assert kernel_breakdown.per_launch_medians(
       [[("a", 9.0)], [("a", 1.0), ("b", 2.0)], [("a", 3.0), ("b", 4.0)]]) == [
           ("a", 2.0), ("b", 3.0)]
+
+
+def test_kernel_breakdown_sets_fields_of_tokamax_configs(monkeypatch, capsys):
+  # `--set chunk_size=64`: the tokamax implementation's config takes it (traced
+  # under the breakdown's config source); the peers still run.
+  from tokamax._src import bench_suite
+  import tokamax
+  ran = []
+
+  def traced(label, f, args, iterations):
+    with tokamax.record_dispatch() as records:
+      jax.eval_shape(f, *args)
+    ran.append((label, [r.config for r in records if r.direction == "forward"]))
+  monkeypatch.setattr(kernel_breakdown, "report", traced)
+  (problem,) = [p for p in bench_suite.quick_suite()
+                if p.op == "dot_product_attention" and p.name == "B1 T256 N4 H64"]
+  kernel_breakdown.problem_breakdown(problem, ["xla_chunked"], "forward", True, 1,
+                                     {"chunk_size": 64})
+  (label, configs), *peers = ran
+  assert label == "tokamax xla_chunked" and [c.chunk_size for c in configs] == [64]
+  assert [label for label, _ in peers] == list(problem.peers)
+  assert "chunk_size=64" in capsys.readouterr().out
+  # A field no config of it has is said, and its own config ran.
+  ran.clear()
+  kernel_breakdown.problem_breakdown(problem, ["xla"], "forward", False, 1,
+                                     {"chunk_size": 64})
+  assert "no config of it has ['chunk_size']" in capsys.readouterr().out
 
 
 def test_kernel_breakdown_lists_launches_in_order_above_a_share(monkeypatch, capsys):

@@ -2,7 +2,13 @@
 
     python tools/kernel_breakdown.py --op dot_product_attention \\
         --implementation mosaic_gpu --shape "B4 T4096 N16 H128" [--direction forward]
+        [--grid] [--set head_group=8]
     python tools/kernel_breakdown.py --model dense [--size seq=2048] [--launches]
+
+``--grid``: the grid shapes (``autotune --grid``'s) instead. ``--set FIELD=VALUE``
+(repeatable): tokamax's implementations run their heuristic configs with these
+fields replaced, as one side of ``tools/tune.py --ab`` (under Nsight Compute,
+the kernel of a config that is not the default).
 
 Prints, for each matching problem, every GPU kernel the forward (or forward+backward)
 launches with its median time over the iterations, so that a slow step can be pinned
@@ -21,6 +27,9 @@ import jax
 
 from tokamax._src import bench_suite
 from tokamax._src import bench_models
+from tokamax._src.tuning import context as tuning_context
+
+import tune
 
 
 def breakdown(f, args, iterations: int) -> list[tuple[str, float]]:
@@ -125,29 +134,49 @@ def main():
   parser.add_argument("--iterations", type=int, default=5)
   parser.add_argument("--launches", action="store_true",
                       help="--model: each launch in order, not sums by kernel name")
+  parser.add_argument("--grid", action="store_true",
+                      help="the grid shapes instead of the reference shapes")
+  parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                      type=tune._field_value,
+                      help="tokamax's heuristic configs with FIELD set to VALUE")
   args = parser.parse_args()
   if args.model:
     model_breakdown(args.model, dict(kv.split("=", 1) for kv in args.size),
                     args.iterations, args.launches)
-  for problem in bench_suite.reference_suite():
+  fields = {key: tune._literal(value) for key, value in args.set}
+  for problem in bench_suite.grid_suite() if args.grid else bench_suite.reference_suite():
     if problem.op not in args.op or (args.shape and args.shape not in problem.name):
       continue
-    print(f"## {problem.op} {problem.name} ({args.direction})", flush=True)
-    inputs = problem.make_inputs()
-    calls = {f"tokamax {impl}": (lambda i: lambda a: problem.call(a, i))(
-                 None if impl == "auto" else impl)
-             for impl in args.implementation or ["auto"]}
-    if args.peers:
-      calls.update(problem.peers)
-    for label, call in calls.items():
-      try:
-        if args.direction == "forward":
-          report(label, call, (inputs,), args.iterations)
+    problem_breakdown(problem, args.implementation or ["auto"], args.direction,
+                      args.peers, args.iterations, fields)
+
+
+def problem_breakdown(problem, implementations, direction: str, peers: bool,
+                      iterations: int, fields: dict) -> None:
+  """`report` for each implementation (and the peers) of one problem; tokamax's
+  with `fields` replaced in their heuristic configs where given."""
+  print(f"## {problem.op} {problem.name} ({direction})"
+        + "".join(f" {k}={v!r}" for k, v in fields.items()), flush=True)
+  inputs = problem.make_inputs()
+  calls = {f"tokamax {impl}": (lambda i: lambda a: problem.call(a, i))(
+               None if impl == "auto" else impl)
+           for impl in implementations}
+  if peers:
+    calls.update(problem.peers)
+  for label, call in calls.items():
+    source = tune._Replaced(fields if label.startswith("tokamax") else {})
+    try:
+      with tuning_context.use(source):
+        if direction == "forward":
+          report(label, call, (inputs,), iterations)
         else:
           f, fargs = bench_suite.fwd_bwd(call, inputs)
-          report(label, f, fargs, args.iterations)
-      except Exception as e:  # a kernel that fails is reported, the others still run
-        print(f"  {label}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+          report(label, f, fargs, iterations)
+    except Exception as e:  # a kernel that fails is reported, the others still run
+      print(f"  {label}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+      continue
+    if fields and label.startswith("tokamax") and not source.applied:
+      print(f"  {label}: no config of it has {sorted(fields)}: its own ran", flush=True)
 
 
 if __name__ == "__main__":
