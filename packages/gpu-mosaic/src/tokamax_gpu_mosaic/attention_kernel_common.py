@@ -79,7 +79,8 @@ def grouped_position(flat, tiles: int, heads: int, batch: int, head_group: int):
   pairs = heads * batch
   g = min(head_group, pairs)
   group = lax.div(flat, g * tiles)
-  size = jnp.minimum(g, pairs - group * g)  # the last group's pairs
+  # The pairs of this group: fewer in a short last group.
+  size = g if pairs % g == 0 else jnp.minimum(g, pairs - group * g)
   within = flat - group * (g * tiles)
   pair = group * g + lax.rem(within, size)
   return lax.div(within, size), lax.rem(pair, heads), lax.div(pair, heads)
