@@ -38,8 +38,8 @@ def block_grid(tiles: int, heads: int, batch: int, tile_axis: str,
   last, so the blocks running at once are the tiles of a few heads and what they
   all read (a head's K and V in the forward) comes from HBM once and then from
   L2. Otherwise the batch is last: at once, one tile of every head, and each
-  block fetches its head's K and V itself. ``head_group`` > 0 (either
-  ``head_major`` ignored): one flat axis in `head_group` order.
+  block fetches its head's K and V itself. ``head_group`` > 0: one flat axis
+  in the `head_group` order (``head_major`` does not apply).
   """
   if head_group:
     return dict(grid=(tiles * heads * batch,), grid_names=(_GROUPED_AXIS,))

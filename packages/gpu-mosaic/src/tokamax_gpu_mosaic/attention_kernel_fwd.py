@@ -348,7 +348,8 @@ class _Forward:
     (causal, the longest first), the blocks' totals stay close to each other.
     """
     if self.config.persistent:
-      total, sms, group = self.nq * self.n * self.b, _common.num_sms(), self.config.head_group
+      total, sms = self.nq * self.n * self.b, _common.num_sms()
+      group = self.config.head_group
       sm = lax.axis_index("sm")
       if group:
         sm = jnp.where(lax.rem(j, 2) == 0, sm, sms - 1 - sm)
