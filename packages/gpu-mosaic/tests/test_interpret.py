@@ -118,6 +118,20 @@ def test_attention_head_dim_256(t, s, options):
   _check(_attention(**options), operands, jnp.bfloat16)
 
 
+def _reference_vjp(q, k, v, scale, causal, **kw):
+  """The XLA reference attention on float32 upcasts: its output and lse, a
+  random bfloat16 cotangent of the output, and its gradients for that
+  cotangent (the backward kernels' inputs and expected results)."""
+  import tokamax_xla_reference  # the reference package (a test dependency)
+  upcast = [x.astype(jnp.float32) for x in (q, k, v)]
+  (out, lse), vjp = jax.vjp(
+      lambda *a: tokamax_xla_reference.attention(
+          *a, scale=scale, is_causal=causal, precision=jax.lax.Precision.HIGHEST, **kw),
+      *upcast)
+  dout = _normal(out.shape, jnp.bfloat16)
+  return out, lse, dout, vjp((dout.astype(jnp.float32), jnp.zeros_like(lse)))
+
+
 @pytest.mark.parametrize("ping_pong,block_q_dv,features", [
     (False, None, False), (True, None, False), (False, 64, False), (True, 64, True),
 ], ids=["plain", "ping-pong", "dv-64", "ping-pong-dv-64-features"])
@@ -125,7 +139,6 @@ def test_attention_backward_split_dkv_configs(ping_pong, block_q_dv, features):
   """The H256 backward called with a config (the ping-pong schedules, 64-row
   steps in the dV pass, whose segment tile table differs from the dK pass's),
   against the XLA reference's VJP on float32 upcasts."""
-  import tokamax_xla_reference  # the reference package (a test dependency)
   config = mat.AttentionVjpConfig(32, 32, 2, ping_pong=ping_pong, ping_pong_dq=ping_pong,
                                   split_dkv=True, block_q_dv=block_q_dv)
   b = 2 if features else 1
@@ -138,13 +151,7 @@ def test_attention_backward_split_dkv_configs(ping_pong, block_q_dv, features):
     kw = dict(local_window=(120, 0), q_segment_ids=ids, kv_segment_ids=ids,
               key_value_seq_lengths=jnp.asarray([200, 150], jnp.int32))
   scale = 256**-0.5
-  upcast = [x.astype(jnp.float32) for x in (q, k, v)]
-  (out, lse), vjp = jax.vjp(
-      lambda *a: tokamax_xla_reference.attention(
-          *a, scale=scale, is_causal=True, precision=jax.lax.Precision.HIGHEST, **kw),
-      *upcast)
-  dout = _normal(out.shape, jnp.bfloat16)
-  want = vjp((dout.astype(jnp.float32), jnp.zeros_like(lse)))
+  out, lse, dout, want = _reference_vjp(q, k, v, scale, True, **kw)
   with tokamax.interpret():
     got = mat.mosaic_attention_bwd(q, k, v, out.astype(jnp.bfloat16), dout, lse,
                                    scale=scale, causal=True, config=config, **kw)
@@ -161,7 +168,6 @@ def test_attention_head_group(causal, features, persistent):
   snake-dealt to the interpreter's 2 "SMs" over 9 rounds), the dQ kernel (the
   same) and the dK/dV kernel (3 key/value pairs in groups of 2), called with
   configs, against the XLA reference on float32 upcasts."""
-  import tokamax_xla_reference  # the reference package (a test dependency)
   q, k, v = (_normal((3, 300, 2, 64), jnp.bfloat16), _normal((3, 300, 1, 64), jnp.bfloat16),
              _normal((3, 300, 1, 64), jnp.bfloat16))
   kw = {}
@@ -169,13 +175,7 @@ def test_attention_head_group(causal, features, persistent):
     kw = dict(local_window=(100, 30), key_value_seq_lengths=jnp.asarray(
         [300, 120, 260], jnp.int32))
   scale = 64**-0.5
-  upcast = [x.astype(jnp.float32) for x in (q, k, v)]
-  (out, lse), vjp = jax.vjp(
-      lambda *a: tokamax_xla_reference.attention(
-          *a, scale=scale, is_causal=causal, precision=jax.lax.Precision.HIGHEST, **kw),
-      *upcast)
-  dout = _normal(out.shape, jnp.bfloat16)
-  want = vjp((dout.astype(jnp.float32), jnp.zeros_like(lse)))
+  out, lse, dout, want = _reference_vjp(q, k, v, scale, causal, **kw)
   with tokamax.interpret():
     got_out, got_lse = mat.mosaic_attention(
         q, k, v, scale=scale, causal=causal,
