@@ -1661,7 +1661,9 @@ def test_bwd_features_configs_fit_with_segments():
   for h in (64, 128):
     args = _args(h=h, **seg)
     config = op.heuristic_config(args)
-    assert config == op.heuristic_config(_args(h=h))  # the default still fits
+    # The default's tiles still fit (segments order the blocks in head groups).
+    assert (dataclasses.replace(config, head_group=0)
+            == op.heuristic_config(_args(h=h)))
     space = op.search_space(args)
     assert config in space
     for c in space:
@@ -1941,8 +1943,8 @@ def test_head_group_configs():
   assert mat.l2_head_group(4096, 128, 2, 1) == 8
   assert mat.l2_head_group(4096, 128, 2, 4) == 32
   assert mat.l2_head_group(1 << 20, 256, 2, 1) == 1
-  # In the search spaces where the blocks would otherwise go tile-major (causal,
-  # dynamic ranges), not yet in the heuristics (unmeasured).
+  # In the search spaces and the heuristics where the blocks would otherwise go
+  # tile-major (causal, dynamic ranges).
   fwd, bwd = mat.MosaicGpuAttention(), mat.MosaicGpuAttentionVjp()
   causal = _args(t=4096, s=4096, n=16, k=16, h=256, is_causal=True)
   full = _args(t=4096, s=4096, n=16, k=16, h=256, is_causal=False)
@@ -1956,8 +1958,19 @@ def test_head_group_configs():
   assert any(c.persistent and c.head_group == 8 for c in space)
   assert {c.head_group for c in fwd.search_space(full)} == {0}
   assert {c.head_group for c in bwd.search_space(full)} == {0}
-  assert fwd.heuristic_config(causal).head_group == 0
-  assert bwd.heuristic_config(causal).head_group == 0
+  assert fwd.heuristic_config(causal).head_group == 4
+  assert bwd.heuristic_config(causal).head_group == 4
+  assert fwd.heuristic_config(full).head_group == 0
+  assert bwd.heuristic_config(full).head_group == 0
+  # GQA: the forward's K and V are shared by a key/value head's 4 query heads; the
+  # dK/dV kernel reads those 4 heads' Q and dO.
+  gqa = _args(t=4096, s=4096, n=16, k=4, h=128, is_causal=True)
+  assert fwd.heuristic_config(gqa).head_group == 32
+  assert bwd.heuristic_config(gqa).head_group == 0  # measured slower under GQA
+  assert 2 in {c.head_group for c in bwd.search_space(gqa)}
+  # A window alone takes the kernel's dynamic key ranges: grouped too.
+  window = _args(t=4096, s=4096, n=16, k=16, h=128, local_window_size=(512, 512))
+  assert fwd.heuristic_config(window).head_group == 8
 
 
 def test_grid_order_head_major_only_where_blocks_do_equal_work():
