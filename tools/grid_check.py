@@ -9,9 +9,9 @@ no residuals, as ragged_dot; "step" = forward + own backward, what a training st
 pays where a forward's residuals tie it to its backward):
 
 - leave-one-out: each grid call's implementation as predicted from the *other*
-  grid calls (`tuning.nearest`, within the op's radius; beyond it the registry's
-  first measured implementation, as dispatch falls back), against the fastest
-  measured at that call. The
+  grid calls (`tuning.nearest`, within the op's radius and with each direction's
+  exact axes; beyond it the registry's first measured implementation, as
+  dispatch falls back), against the fastest measured at that call. The
   nearest other point is at least one grid step away, farther than a call between
   grid points is from its nearest: a pessimistic test of the rule.
 - with ``--baseline``: each bench row's shape (off the grid) as the rule would
@@ -78,11 +78,23 @@ def _registry_first(op: str, times: dict) -> str | None:
   return next((name for name in order if name in times), None)
 
 
-def _choice(op: str, near: str | None, by: dict, direction: str, times: dict):
+def _grid_times(op: str, key: str, others: list[str], by: dict, direction: str):
+  """(the times dispatch sees for `key` in `direction`, the grid point they come
+  from), as `AutotuningResult.measured_times` and `.step_times` find them (each
+  with its own exact axes: `nearest.exact_axes`); (None, None) where no grid
+  point is within the radius."""
+  measured = [k for k in others if by[(op, k)][direction]]
+  near = nearest.nearest(key, measured, nearest.radius_for(op),
+                         nearest.exact_axes(op, direction))
+  return (None, None) if near is None else (by[(op, near)][direction], near)
+
+
+def _choice(op: str, key: str, others: list[str], by: dict, direction: str,
+            times: dict):
   """(chosen implementation, where the choice came from)."""
-  if near is None:
+  grid, near = _grid_times(op, key, others, by, direction)
+  if grid is None:
     return _registry_first(op, times), "registry order: no grid point within the radius"
-  grid = by[(op, near)][direction]
   return (_pick(grid) if grid else None), near
 
 
@@ -90,11 +102,10 @@ def leave_one_out(by: dict) -> list[tuple]:
   rows = []
   for (op, key), times in sorted(by.items()):
     others = [k for (o, k) in by if o == op and k != key]
-    near = nearest.nearest(key, others, nearest.radius_for(op))
     for direction in _DIRECTIONS:
       if not times[direction]:
         continue
-      chosen, source = _choice(op, near, by, direction, times[direction])
+      chosen, source = _choice(op, key, others, by, direction, times[direction])
       rows.append((op, key, direction, chosen, _regret(times[direction], chosen), source))
   return rows
 
@@ -130,12 +141,12 @@ def against_baseline(by: dict, baseline_path: str) -> list[tuple]:
       measured[(r["shape"], direction)][r["implementation"][len("tokamax "):]] = r["ms"]
   rows = []
   for name, (op, key) in sorted(_problem_keys().items()):
-    near = nearest.nearest(key, [k for (o, k) in by if o == op], nearest.radius_for(op))
+    grid = [k for (o, k) in by if o == op]
     for direction in ("forward", "step"):
       times = measured.get((name, direction))
       if not times:
         continue
-      chosen, source = _choice(op, near, by, direction, times)
+      chosen, source = _choice(op, key, grid, by, direction, times)
       rows.append((op, name, direction, chosen, _regret(times, chosen), source))
   return rows
 

@@ -79,6 +79,51 @@ def test_nearest_ties_do_not_depend_on_order():
   assert nearest.nearest(_attn(8, 4096), [a, b]) == nearest.nearest(_attn(8, 4096), [b, a])
 
 
+def test_the_attention_forward_takes_data_of_its_own_head_dim_only():
+  """Its ranking follows the head dim (`nearest.EXACT_AXES`); the backward's and
+  the training step's take the nearest point of any head dim."""
+  h64 = _attn().replace(",128]", ",64]")
+  assert nearest.parse(h64)[0] == nearest.parse(_attn())[0]
+  forward = nearest.exact_axes("dot_product_attention", "forward")
+  assert forward == (("query", -1),)
+  assert nearest.nearest(_attn(4, 4096), [h64], exact=forward) is None
+  assert nearest.nearest(_attn(4, 4096), [h64, _attn(2, 16384)],
+                         exact=forward) == _attn(2, 16384)
+  for purpose in ("backward", "step"):
+    exact = nearest.exact_axes("dot_product_attention", purpose)
+    assert nearest.nearest(_attn(4, 4096), [h64], exact=exact) == h64
+  assert nearest.exact_axes("ragged_dot", "forward") == ()
+
+
+def test_step_times_come_from_one_point_measured_both_ways():
+  """Off the grid, the forward's nearest point (of the call's head dim) and the
+  step's (of any) differ: the step adds one point's forward and backward."""
+  h64, h128 = _attn(8, 4096).replace(",128]", ",64]"), _attn(2, 16384)
+  m = results.Measurement
+  result = results.AutotuningResult(
+      [m("dot_product_attention", "forward", h64, "cudnn", None, 1.0),
+       m("dot_product_attention", "forward", h64, "mosaic_gpu", None, 2.0),
+       m("dot_product_attention", "backward", h64, "cudnn", None, 4.0),
+       m("dot_product_attention", "backward", h64, "mosaic_gpu", None, 2.0),
+       m("dot_product_attention", "forward", h128, "cudnn", None, 9.0),
+       m("dot_product_attention", "forward", h128, "mosaic_gpu", None, 8.0),
+       m("dot_product_attention", "backward", h128, "cudnn", None, 1.0),
+       m("dot_product_attention", "backward", h128, "mosaic_gpu", None, 9.0)],
+      device_kind="cpu")
+  s = jax.ShapeDtypeStruct
+  args = lambda b, t: tokamax.AttentionArgs(
+      *(s((b, t, 16, 128), jnp.bfloat16) for _ in range(3)), scale=0.088,
+      is_causal=True)
+  call = args(8, 4096)  # the H64 point's sizes at H128
+  assert results.args_key(call) == _attn(8, 4096)
+  assert result.measured_times("dot_product_attention", "forward", call) == {
+      "cudnn": 9.0, "mosaic_gpu": 8.0}  # H128's (2 octaves away), not H64's
+  assert result.measured_times("dot_product_attention", "backward", call) == {
+      "cudnn": 4.0, "mosaic_gpu": 2.0}  # the nearest: H64's (1 octave)
+  assert result.step_times("dot_product_attention", call) == {
+      "cudnn": 5.0, "mosaic_gpu": 4.0}  # H64's both ways, not a mix of points
+
+
 def _q(t):
   return jnp.asarray(np.random.default_rng(0).standard_normal((1, t, 2, 8)), jnp.float32)
 

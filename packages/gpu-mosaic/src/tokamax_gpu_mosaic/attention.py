@@ -353,9 +353,9 @@ def _bwd_heuristic(args) -> AttentionVjpConfig:
   # backward 1.03-1.14x at every grid shape (H64-H256, T1024-T16384); under GQA
   # 0.94-1.06x on the grid, and 3-12% slower at the bench's GQA rows (B2 T8192
   # N32 K8 H128 causal 7.025 -> 7.283 ms forward+backward, H256 2.256 -> 2.530),
-  # where a group of one or two pairs (`_backward_head_group`: the dK/dV kernel
-  # reads every query head of its key/value head) leaves too few blocks side by
-  # side.
+  # where `_backward_head_group` gives groups of one or two pairs (the dK/dV
+  # kernel reads every query head of its key/value head). Why those lose is not
+  # profiled yet.
   mha = args.query.shape[2] == args.key.shape[2]
   if _ordered_by_head_group(args) and mha:
     config = dataclasses.replace(config, head_group=_backward_head_group(args))

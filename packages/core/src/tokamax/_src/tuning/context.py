@@ -1,7 +1,8 @@
 """The config sources active in this context (innermost last).
 
 A source is an object with ``lookup(op, args) -> config | None`` and optionally
-``measured_times(op_name, direction, args) -> {implementation: ms}``: an
+``measured_times(op_name, direction, args) -> {implementation: ms}`` and
+``step_times(op_name, args) -> {implementation: forward + backward ms}``: an
 `AutotuningResult` used as a context manager pushes itself here.
 """
 

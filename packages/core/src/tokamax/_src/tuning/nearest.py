@@ -16,7 +16,10 @@ nearest measured call *of the same kind*:
   and value) counts once;
 - within `radius_for(op)` octaves on every integer (`RADIUS`, 4x either way,
   unless the op's measurements say less): farther data says nothing about the
-  call, and the registry's order stands.
+  call, and the registry's order stands;
+- where an op's direction ranks its implementations by a size more than by the
+  others (`EXACT_AXES`: the attention forward by the head dim), equal in that
+  size too.
 
 How well this transfers is measured, not assumed: notes/MEASUREMENTS.md
 (session 13) compares the choice it makes at shapes off the grid with the fastest
@@ -44,6 +47,20 @@ RADIUS_BY_OP = {"ragged_dot": 0.5}
 def radius_for(op_name: str) -> float:
   """How far (octaves, on every integer of the key) an op's tuned data transfers."""
   return RADIUS_BY_OP.get(op_name, RADIUS)
+
+
+# (array field, axis) whose sizes must be equal, per (op, direction). The
+# attention forward's ranking follows the head dim (notes/MEASUREMENTS.md,
+# sessions 31 and 32: leave-one-out on the H200 grid, forward 36/38 calls within
+# 3% with the head dim part of the kind, 19-23/38 without), its backward's the
+# batch and sequence sizes (24/38 with it, 34/38 without): so the forward alone.
+EXACT_AXES = {("dot_product_attention", "forward"): (("query", -1),)}
+
+
+def exact_axes(op_name: str, direction: str) -> tuple[tuple[str, int], ...]:
+  """The (array field, axis) pairs a measurement of `direction` transfers only
+  between equal sizes of (`EXACT_AXES`)."""
+  return EXACT_AXES.get((op_name, direction), ())
 
 # "name=value" fields, separated by spaces; a value may itself hold spaces
 # ("local_window_size=(1024, 0)"), so a field starts only where "name=" does.
@@ -113,17 +130,29 @@ def distance(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[float, float]:
   return max(octaves, default=0.0), sum(octaves)
 
 
-def nearest(key: str, measured: Iterable[str], radius: float = RADIUS) -> str | None:
+def _sizes_at(key: str, axes: tuple[tuple[str, int], ...]) -> tuple:
+  """The sizes of `key`'s arrays at `axes` ((field, axis) pairs; None where the
+  key has no such array)."""
+  arrays = {name: m.group(2).split(",") for name, value in _fields(key)
+            if (m := _ARRAY.match(value))}
+  return tuple(int(arrays[name][axis]) if name in arrays else None
+               for name, axis in axes)
+
+
+def nearest(key: str, measured: Iterable[str], radius: float = RADIUS,
+            exact: tuple[tuple[str, int], ...] = ()) -> str | None:
   """The measured key of `key`'s kind nearest to it within `radius`, or None.
 
-  Ties go to the first in sorted order, so the answer does not depend on the
-  order the data was loaded in.
+  `exact`: (array field, axis) pairs whose sizes must be equal too
+  (`exact_axes`). Ties go to the first in sorted order, so the answer does not
+  depend on the order the data was loaded in.
   """
   kind, numbers = parse(key)
+  kind += _sizes_at(key, exact)
   best = None
   for other in sorted(set(measured)):
     other_kind, other_numbers = parse(other)
-    if other_kind != kind:
+    if other_kind + _sizes_at(other, exact) != kind:
       continue
     d = distance(numbers, other_numbers)
     if d[0] <= radius and (best is None or d < best[0]):

@@ -113,6 +113,10 @@ class _Shipped:
     result = self._result()
     return {} if result is None else result.measured_times(op_name, direction, args)
 
+  def step_times(self, op_name, args):
+    result = self._result()
+    return {} if result is None else result.step_times(op_name, args)
+
   def reset(self):
     with self._lock:
       self._by_device.clear()

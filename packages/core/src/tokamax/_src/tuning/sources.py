@@ -39,8 +39,20 @@ def measured_times(op_name: str, direction: str, args: Any) -> dict[str, float]:
 
 def step_times(op_name: str, args: Any) -> dict[str, float]:
   """``{implementation: forward ms + backward ms}`` for the implementations whose
-  forward and backward were both measured on this call (or its nearest measured
-  one): what each costs a training step when its own backward runs."""
-  forward = measured_times(op_name, "forward", args)
-  backward = measured_times(op_name, "backward", args)
-  return {impl: forward[impl] + backward[impl] for impl in forward if impl in backward}
+  forward and backward were both measured on this call (or its nearest call
+  measured both ways), by the innermost source that has any: what each costs a
+  training step when its own backward runs. A source without ``step_times``
+  answers with its two directions' `measured_times`."""
+  for source in _sources():
+    find = getattr(source, "step_times", None)
+    if find is not None:
+      times = find(op_name, args)
+    elif getattr(source, "measured_times", None) is not None:
+      forward = source.measured_times(op_name, "forward", args)
+      backward = source.measured_times(op_name, "backward", args)
+      times = {impl: forward[impl] + backward[impl] for impl in forward if impl in backward}
+    else:
+      times = {}
+    if times:
+      return dict(times)
+  return {}
