@@ -9,8 +9,8 @@ no residuals, as ragged_dot; "step" = forward + own backward, what a training st
 pays where a forward's residuals tie it to its backward):
 
 - leave-one-out: each grid call's implementation as predicted from the *other*
-  grid calls (`tuning.nearest`, within the op's radius and with each direction's
-  exact axes; beyond it the registry's first measured implementation, as
+  grid calls (`tuning.nearest`, within the op's radius, each direction's own
+  size first: `nearest.SAME_SIZE_FIRST`; beyond it the registry's first measured implementation, as
   dispatch falls back), against the fastest measured at that call. The
   nearest other point is at least one grid step away, farther than a call between
   grid points is from its nearest: a pessimistic test of the rule.
@@ -80,12 +80,12 @@ def _registry_first(op: str, times: dict) -> str | None:
 
 def _grid_times(op: str, key: str, others: list[str], by: dict, direction: str):
   """(the times dispatch sees for `key` in `direction`, the grid point they come
-  from), as `AutotuningResult.measured_times` and `.step_times` find them (each
-  with its own exact axes: `nearest.exact_axes`); (None, None) where no grid
-  point is within the radius."""
+  from), as `AutotuningResult.measured_times` and `.step_times` find them
+  ("step": one point measured both ways, with no size first); (None, None)
+  where no grid point is within the radius."""
   measured = [k for k in others if by[(op, k)][direction]]
-  near = nearest.nearest(key, measured, nearest.radius_for(op),
-                         nearest.exact_axes(op, direction))
+  same_first = () if direction == "step" else nearest.same_size_first(op, direction)
+  near = nearest.nearest(key, measured, nearest.radius_for(op), same_first)
   return (None, None) if near is None else (by[(op, near)][direction], near)
 
 

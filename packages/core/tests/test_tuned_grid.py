@@ -79,20 +79,26 @@ def test_nearest_ties_do_not_depend_on_order():
   assert nearest.nearest(_attn(8, 4096), [a, b]) == nearest.nearest(_attn(8, 4096), [b, a])
 
 
-def test_the_attention_forward_takes_data_of_its_own_head_dim_only():
-  """Its ranking follows the head dim (`nearest.EXACT_AXES`); the backward's and
-  the training step's take the nearest point of any head dim."""
+def test_the_attention_forward_takes_data_of_its_own_head_dim_first():
+  """Its ranking follows the head dim (`nearest.SAME_SIZE_FIRST`): a grid point
+  of the call's head dim if one is within the radius, else the nearest of any;
+  the backward takes the nearest of any head dim."""
   h64 = _attn().replace(",128]", ",64]")
   assert nearest.parse(h64)[0] == nearest.parse(_attn())[0]
-  forward = nearest.exact_axes("dot_product_attention", "forward")
-  assert forward == (("query", -1),)
-  assert nearest.nearest(_attn(4, 4096), [h64], exact=forward) is None
+  forward = nearest.same_size_first("dot_product_attention", "forward")
+  # H64 is nearer (1 octave in H) than B2 T16384 (2 in T), but of another H.
+  assert nearest.nearest(_attn(4, 4096), [h64, _attn(2, 16384)]) == h64
   assert nearest.nearest(_attn(4, 4096), [h64, _attn(2, 16384)],
-                         exact=forward) == _attn(2, 16384)
-  for purpose in ("backward", "step"):
-    exact = nearest.exact_axes("dot_product_attention", purpose)
-    assert nearest.nearest(_attn(4, 4096), [h64], exact=exact) == h64
-  assert nearest.exact_axes("ragged_dot", "forward") == ()
+                         same_first=forward) == _attn(2, 16384)
+  # No H128 point within the radius: the nearest of any H.
+  assert nearest.nearest(_attn(4, 4096), [h64, _attn(32, 1024)], radius=1.5,
+                         same_first=forward) == h64
+  h96 = _attn().replace(",128]", ",96]")  # a head dim off the grid
+  assert nearest.nearest(h96, [h64, _attn()], same_first=forward) == _attn()
+  backward = nearest.same_size_first("dot_product_attention", "backward")
+  assert nearest.nearest(_attn(4, 4096), [h64, _attn(2, 16384)],
+                         same_first=backward) == h64
+  assert nearest.same_size_first("ragged_dot", "forward") == ()
 
 
 def test_step_times_come_from_one_point_measured_both_ways():
@@ -122,6 +128,36 @@ def test_step_times_come_from_one_point_measured_both_ways():
       "cudnn": 4.0, "mosaic_gpu": 2.0}  # the nearest: H64's (1 octave)
   assert result.step_times("dot_product_attention", call) == {
       "cudnn": 5.0, "mosaic_gpu": 4.0}  # H64's both ways, not a mix of points
+
+
+class _MeasuredOnly:
+  """A config source with `measured_times` and no `step_times`."""
+
+  def __init__(self, times: dict):
+    self.times = times
+
+  def lookup(self, op, args):
+    return None
+
+  def measured_times(self, op_name, direction, args):
+    return self.times.get(direction, {})
+
+
+def test_step_times_ask_the_innermost_source_that_has_them():
+  from tokamax._src.tuning import context, sources
+  outer = _MeasuredOnly({"forward": {"xla": 1.0, "cudnn": 2.0},
+                         "backward": {"xla": 4.0, "cudnn": 1.0}})
+  forward_only = _MeasuredOnly({"forward": {"xla": 9.0}})
+  with context.use(outer):
+    # A source without step_times: its two directions added up.
+    assert sources.step_times("dot_product_attention", None) == {"xla": 5.0,
+                                                                 "cudnn": 3.0}
+    with context.use(forward_only):
+      # One without a backward has no step: the next source answers, whole.
+      assert sources.step_times("dot_product_attention", None) == {"xla": 5.0,
+                                                                   "cudnn": 3.0}
+      assert sources.measured_times("dot_product_attention", "forward", None) == {
+          "xla": 9.0}
 
 
 def _q(t):

@@ -1661,9 +1661,7 @@ def test_bwd_features_configs_fit_with_segments():
   for h in (64, 128):
     args = _args(h=h, **seg)
     config = op.heuristic_config(args)
-    # The default's tiles still fit (segments order the blocks in head groups).
-    assert (dataclasses.replace(config, head_group=0)
-            == op.heuristic_config(_args(h=h)))
+    assert config == op.heuristic_config(_args(h=h))  # the default still fits
     space = op.search_space(args)
     assert config in space
     for c in space:
@@ -1943,8 +1941,8 @@ def test_head_group_configs():
   assert mat.l2_head_group(4096, 128, 2, 1) == 8
   assert mat.l2_head_group(4096, 128, 2, 4) == 32
   assert mat.l2_head_group(1 << 20, 256, 2, 1) == 1
-  # In the search spaces and the heuristics where the blocks would otherwise go
-  # tile-major (causal, dynamic ranges).
+  # In the search spaces where the blocks would otherwise go tile-major (causal,
+  # dynamic ranges); in the heuristics of causal calls (the ones measured).
   fwd, bwd = mat.MosaicGpuAttention(), mat.MosaicGpuAttentionVjp()
   causal = _args(t=4096, s=4096, n=16, k=16, h=256, is_causal=True)
   full = _args(t=4096, s=4096, n=16, k=16, h=256, is_causal=False)
@@ -1968,9 +1966,15 @@ def test_head_group_configs():
   assert fwd.heuristic_config(gqa).head_group == 32
   assert bwd.heuristic_config(gqa).head_group == 0  # measured slower under GQA
   assert 2 in {c.head_group for c in bwd.search_space(gqa)}
-  # A window alone takes the kernel's dynamic key ranges: grouped too.
+  # A causal sliding window: grouped. A two-sided window alone (dynamic key
+  # ranges, not measured grouped): in the search space only.
+  sliding = _args(t=4096, s=4096, n=16, k=16, h=128, is_causal=True,
+                  local_window_size=(512, 0))
+  assert fwd.heuristic_config(sliding).head_group == 8
+  assert bwd.heuristic_config(sliding).head_group == 8
   window = _args(t=4096, s=4096, n=16, k=16, h=128, local_window_size=(512, 512))
-  assert fwd.heuristic_config(window).head_group == 8
+  assert fwd.heuristic_config(window).head_group == 0
+  assert 8 in {c.head_group for c in fwd.search_space(window)}
 
 
 def test_grid_order_head_major_only_where_blocks_do_equal_work():

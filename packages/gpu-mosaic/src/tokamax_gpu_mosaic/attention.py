@@ -69,7 +69,7 @@ def _fits(config: AttentionConfig, head_dim: int, itemsize: int,
 
 def _heuristic(args) -> AttentionConfig:
   config = _heuristic_tiles(args)
-  if _ordered_by_head_group(args):
+  if _grouped_by_default(args):
     config = dataclasses.replace(config, head_group=_forward_head_group(args))
   return config
 
@@ -160,30 +160,37 @@ def l2_head_group(rows: int, h: int, itemsize: int, heads_per_read: int) -> int:
 def _ordered_by_head_group(args) -> bool:
   """Whether the tile-major order (every head's K and V in flight) is what the
   blocks would otherwise run: causal or dynamic key ranges (`akc.head_major`).
-
-  There the L2-sized head groups are the forward's heuristic (the backward's
-  under MHA: `_bwd_heuristic`). H200, bf16, tools/tune.py --grid --ab
-  head_group=8 (notes/MEASUREMENTS.md session 32): the causal forward 1.00-1.24x
-  faster at every grid shape (B8 T4096 N16 H128 1.085 -> 0.873 ms, its DRAM
-  reads 4.41 GB -> 0.42 GB under Nsight Compute; H64 at T16384 even), causal
-  windows 1.04x; head_group=4 measured as 8 (within 0.5%). The grid measured
-  again at the `l2_head_group` sizes: forward 0.99-1.26x of the ungrouped
-  order at every causal shape.
-  """
+  There the search spaces hold each config again in head groups."""
   return args.is_causal or _needs_dynamic(args)
 
 
+def _grouped_by_default(args) -> bool:
+  """Whether the heuristics order the blocks in L2-sized head groups: causal
+  calls, the ones measured (the forward's; the backward's under MHA only:
+  `_bwd_heuristic`). Other dynamic calls (two-sided windows, lengths or
+  segment ids without causal masking) have the groups in the search space only.
+
+  H200, bf16, tools/tune.py --grid --ab head_group=8 (notes/MEASUREMENTS.md
+  session 32): the causal forward 1.00-1.24x faster at every grid shape (B8
+  T4096 N16 H128 1.085 -> 0.873 ms, its DRAM reads 4.41 GB -> 0.42 GB under
+  Nsight Compute; H64 at T16384 even), causal windows 1.04x; head_group=4
+  measured as 8 (within 0.5%). The grid measured again at the `l2_head_group`
+  sizes: forward 0.99-1.26x of the ungrouped order at every causal shape.
+  """
+  return args.is_causal
+
+
 def _forward_head_group(args) -> int:
-  """`l2_head_group` of the forward (and of the dQ kernel): K and V of a key/value
-  head, shared by its query heads."""
+  """`l2_head_group` of the forward: K and V of a key/value head, shared by its
+  query heads."""
   itemsize = jnp.dtype(args.query.dtype).itemsize
   return l2_head_group(args.key.shape[1], args.query.shape[-1], itemsize,
                        args.query.shape[2] // args.key.shape[2])
 
 
 def _backward_head_group(args) -> int:
-  """`l2_head_group` of the backward, sized by the dK/dV kernel's reads: Q and dO
-  of a key/value head's query heads."""
+  """`l2_head_group` of the backward (both kernels take it), sized by the dK/dV
+  kernel's reads: Q and dO of a key/value head's query heads."""
   itemsize = jnp.dtype(args.query.dtype).itemsize
   group = args.query.shape[2] // args.key.shape[2]
   return l2_head_group(args.query.shape[1] * group, args.query.shape[-1], itemsize, 1)
@@ -351,13 +358,13 @@ def _bwd_heuristic(args) -> AttentionVjpConfig:
   # Head groups where each query head has its own K and V (MHA). H200, bf16,
   # grouped against not (notes/MEASUREMENTS.md session 32): MHA causal
   # backward 1.03-1.14x at every grid shape (H64-H256, T1024-T16384); under GQA
-  # 0.94-1.06x on the grid, and 3-12% slower at the bench's GQA rows (B2 T8192
+  # 0.94-1.06x on the grid, and 1-12% slower at the bench's GQA rows (B2 T8192
   # N32 K8 H128 causal 7.025 -> 7.283 ms forward+backward, H256 2.256 -> 2.530),
   # where `_backward_head_group` gives groups of one or two pairs (the dK/dV
   # kernel reads every query head of its key/value head). Why those lose is not
   # profiled yet.
   mha = args.query.shape[2] == args.key.shape[2]
-  if _ordered_by_head_group(args) and mha:
+  if _grouped_by_default(args) and mha:
     config = dataclasses.replace(config, head_group=_backward_head_group(args))
   return config
 

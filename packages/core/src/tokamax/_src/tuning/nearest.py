@@ -18,8 +18,8 @@ nearest measured call *of the same kind*:
   unless the op's measurements say less): farther data says nothing about the
   call, and the registry's order stands;
 - where an op's direction ranks its implementations by a size more than by the
-  others (`EXACT_AXES`: the attention forward by the head dim), equal in that
-  size too.
+  others (`SAME_SIZE_FIRST`: the attention forward by the head dim), a call of
+  that size first; only where none is within the radius, one of any size.
 
 How well this transfers is measured, not assumed: notes/MEASUREMENTS.md
 (session 13) compares the choice it makes at shapes off the grid with the fastest
@@ -49,18 +49,19 @@ def radius_for(op_name: str) -> float:
   return RADIUS_BY_OP.get(op_name, RADIUS)
 
 
-# (array field, axis) whose sizes must be equal, per (op, direction). The
-# attention forward's ranking follows the head dim (notes/MEASUREMENTS.md,
-# sessions 31 and 32: leave-one-out on the H200 grid, forward 36/38 calls within
-# 3% with the head dim part of the kind, 19-23/38 without), its backward's the
-# batch and sequence sizes (24/38 with it, 34/38 without): so the forward alone.
-EXACT_AXES = {("dot_product_attention", "forward"): (("query", -1),)}
+# (array field, axis) where a call's own size comes first, per (op, direction).
+# The attention forward's ranking follows the head dim, its backward's the batch
+# and sequence sizes: H200 grid of session 32, leave-one-out
+# (notes/MEASUREMENTS.md, session 32, item 9), forward 35/38 calls within 3%
+# with the head dim first against 19/38 without; the backward 23/38 with it
+# against 34/38 without. So the forward alone.
+SAME_SIZE_FIRST = {("dot_product_attention", "forward"): (("query", -1),)}
 
 
-def exact_axes(op_name: str, direction: str) -> tuple[tuple[str, int], ...]:
-  """The (array field, axis) pairs a measurement of `direction` transfers only
-  between equal sizes of (`EXACT_AXES`)."""
-  return EXACT_AXES.get((op_name, direction), ())
+def same_size_first(op_name: str, direction: str) -> tuple[tuple[str, int], ...]:
+  """The (array field, axis) pairs whose size a measurement of `direction`
+  should share with the call, where one that does is near (`SAME_SIZE_FIRST`)."""
+  return SAME_SIZE_FIRST.get((op_name, direction), ())
 
 # "name=value" fields, separated by spaces; a value may itself hold spaces
 # ("local_window_size=(1024, 0)"), so a field starts only where "name=" does.
@@ -130,29 +131,46 @@ def distance(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[float, float]:
   return max(octaves, default=0.0), sum(octaves)
 
 
+@functools.lru_cache(maxsize=4096)
 def _sizes_at(key: str, axes: tuple[tuple[str, int], ...]) -> tuple:
   """The sizes of `key`'s arrays at `axes` ((field, axis) pairs; None where the
-  key has no such array)."""
+  key has no such array or axis)."""
   arrays = {name: m.group(2).split(",") for name, value in _fields(key)
             if (m := _ARRAY.match(value))}
-  return tuple(int(arrays[name][axis]) if name in arrays else None
-               for name, axis in axes)
+  sizes = []
+  for name, axis in axes:
+    dims = arrays.get(name, [])
+    sizes.append(int(dims[axis]) if -len(dims) <= axis < len(dims) and dims[axis]
+                 else None)
+  return tuple(sizes)
 
 
 def nearest(key: str, measured: Iterable[str], radius: float = RADIUS,
-            exact: tuple[tuple[str, int], ...] = ()) -> str | None:
+            same_first: tuple[tuple[str, int], ...] = ()) -> str | None:
   """The measured key of `key`'s kind nearest to it within `radius`, or None.
 
-  `exact`: (array field, axis) pairs whose sizes must be equal too
-  (`exact_axes`). Ties go to the first in sorted order, so the answer does not
-  depend on the order the data was loaded in.
+  `same_first`: (array field, axis) pairs (`same_size_first`): the nearest of the
+  keys of `key`'s sizes there if one is within `radius`, else of any. Ties go to
+  the first in sorted order, so the answer does not depend on the order the data
+  was loaded in.
   """
+  measured = sorted(set(measured))
+  if same_first:
+    own = _sizes_at(key, same_first)
+    same = [k for k in measured if _sizes_at(k, same_first) == own]
+    found = _nearest(key, same, radius)
+    if found is not None:
+      return found
+  return _nearest(key, measured, radius)
+
+
+def _nearest(key: str, measured: list[str], radius: float) -> str | None:
+  """The key of `measured` (sorted) of `key`'s kind nearest to it within `radius`."""
   kind, numbers = parse(key)
-  kind += _sizes_at(key, exact)
   best = None
-  for other in sorted(set(measured)):
+  for other in measured:
     other_kind, other_numbers = parse(other)
-    if other_kind + _sizes_at(other, exact) != kind:
+    if other_kind != kind:
       continue
     d = distance(numbers, other_numbers)
     if d[0] <= radius and (best is None or d < best[0]):

@@ -162,33 +162,34 @@ class AutotuningResult:
     merely skipped for time), so that dispatch tries it last."""
     if not self._applies_here():
       return {}
-    key = self._answering_key(op_name, (direction,), args_key(args), direction)
+    key = self._answering_key(op_name, (direction,), args_key(args),
+                              nearest.same_size_first(op_name, direction))
     return self._times_at(op_name, direction, key)
 
   def step_times(self, op_name: str, args: Any) -> dict[str, float]:
     """``{implementation: forward ms + backward ms}`` for the implementations
     whose forward and backward were both measured on this call, or on the
-    nearest call measured both ways (one point for both: `nearest.exact_axes`
-    of "step")."""
+    nearest call measured both ways: one point for both directions, not each
+    direction's own nearest (nor the forward's head-dim-first rule,
+    `nearest.SAME_SIZE_FIRST`: the step's ranking follows the backward's)."""
     if not self._applies_here():
       return {}
     directions = ("forward", "backward")
-    key = self._answering_key(op_name, directions, args_key(args), "step")
+    key = self._answering_key(op_name, directions, args_key(args), ())
     forward, backward = (self._times_at(op_name, d, key) for d in directions)
     return {impl: forward[impl] + backward[impl] for impl in forward if impl in backward}
 
   def _answering_key(self, op_name: str, directions: tuple[str, ...], key: str,
-                     purpose: str) -> str:
+                     same_first: tuple) -> str:
     """`key` where it was measured in every one of `directions`; else the nearest
-    key so measured (`nearest.nearest`, with `purpose`'s exact axes), or `key`
-    (which then finds no times)."""
+    key so measured (`nearest.nearest`), or `key` (which then finds no times)."""
     measured = [{k for o, d, k, _ in self._by_impl if (o, d) == (op_name, direction)}
                 for direction in directions]
     everywhere = set.intersection(*measured)
     if key in everywhere:
       return key
     return nearest.nearest(key, everywhere, nearest.radius_for(op_name),
-                           nearest.exact_axes(op_name, purpose)) or key
+                           same_first) or key
 
   def _times_at(self, op_name: str, direction: str, key: str) -> dict[str, float]:
     times = {impl: m.time_ms for (o, d, k, impl), m in self._by_impl.items()
