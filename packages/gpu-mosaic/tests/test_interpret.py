@@ -26,6 +26,7 @@ import pytest
 
 import tokamax
 from tokamax import testing
+from tokamax._src.ops import attention as attention_op
 from tokamax_gpu_mosaic import _common
 from tokamax_gpu_mosaic import _pipeline
 from tokamax_gpu_mosaic import attention as mat
@@ -455,3 +456,20 @@ def test_interpreter_is_asked_for_only_under_interpret():
   with tokamax.interpret():
     assert _common.interpret_params() is not None
     assert _common.num_sms() == _common.INTERPRET_SMS
+
+
+def test_head_group_with_32_row_steps_and_segments_is_refused_in_the_interpreter():
+  """JAX 0.12's interpreter hangs on that dK pass (notes/MOSAIC_GPU.md): a clear
+  refusal instead, and the heuristic keeps the ungrouped order there."""
+  q = _normal((1, 256, 2, 256), jnp.bfloat16)
+  ids = jnp.ones((1, 256), jnp.int32)
+  lse = jnp.zeros((1, 2, 256), jnp.float32)
+  config = mat.AttentionVjpConfig(32, 32, 2, split_dkv=True, head_group=1)
+  with tokamax.interpret():
+    with pytest.raises(NotImplementedError, match="head_group with 32-row"):
+      mat.mosaic_attention_bwd(q, q, q, q, q, lse, scale=0.1, causal=True,
+                               config=config, q_segment_ids=ids, kv_segment_ids=ids)
+    args = attention_op.canonical_args(q, q, q, None, None, is_causal=True,
+                                       q_segment_ids=ids, kv_segment_ids=ids)[0]
+    assert mat.MosaicGpuAttentionVjp().heuristic_config(args).head_group == 0
+  assert mat.MosaicGpuAttentionVjp().heuristic_config(args).head_group > 0
