@@ -9,11 +9,12 @@ no residuals, as ragged_dot; "step" = forward + own backward, what a training st
 pays where a forward's residuals tie it to its backward):
 
 - leave-one-out: each grid call's implementation as predicted from the *other*
-  grid calls (`tuning.nearest`, within the op's radius, each direction's own
-  size first: `nearest.SAME_SIZE_FIRST`; beyond it the registry's first measured implementation, as
-  dispatch falls back), against the fastest measured at that call. The
-  nearest other point is at least one grid step away, farther than a call between
-  grid points is from its nearest: a pessimistic test of the rule.
+  grid calls (`tuning.nearest`, within the op's radius, a direction's own size
+  first where `nearest.SAME_SIZE_FIRST` names one; beyond the radius the
+  registry's first measured implementation, as dispatch falls back), against
+  the fastest measured at that call. The nearest other point is at least one
+  grid step away, farther than a call between grid points is from its nearest:
+  a pessimistic test of the rule.
 - with ``--baseline``: each bench row's shape (off the grid) as the rule would
   choose from the grid alone, against the fastest tokamax implementation that
   baseline measured there (its "tokamax <impl>" rows; same device kind).

@@ -63,6 +63,7 @@ def same_size_first(op_name: str, direction: str) -> tuple[tuple[str, int], ...]
   should share with the call, where one that does is near (`SAME_SIZE_FIRST`)."""
   return SAME_SIZE_FIRST.get((op_name, direction), ())
 
+
 # "name=value" fields, separated by spaces; a value may itself hold spaces
 # ("local_window_size=(1024, 0)"), so a field starts only where "name=" does.
 _FIELD = re.compile(r"(?:^| )([A-Za-z_][A-Za-z0-9_]*)=")
