@@ -143,6 +143,19 @@ def test_kernel_breakdown_sets_fields_of_tokamax_configs(monkeypatch, capsys):
   assert "no config of it has ['chunk_size']" in capsys.readouterr().out
 
 
+def test_kernel_breakdown_without_set_leaves_the_tuned_configs(monkeypatch):
+  # No --set: no config source is entered, so tuned configs run as in dispatch
+  # (an empty replacement would force every heuristic config).
+  from tokamax._src import bench_suite
+  entered = []
+  monkeypatch.setattr(kernel_breakdown.tuning_context, "use", entered.append)
+  monkeypatch.setattr(kernel_breakdown, "report", lambda *a: None)
+  (problem,) = [p for p in bench_suite.quick_suite()
+                if p.op == "dot_product_attention" and p.name == "B1 T256 N4 H64"]
+  kernel_breakdown.problem_breakdown(problem, ["xla_chunked"], "forward", True, 1, {})
+  assert entered == []
+
+
 def test_kernel_breakdown_lists_launches_in_order_above_a_share(monkeypatch, capsys):
   launches = [("mosaic", 5.0), ("fusion", 0.01), ("mosaic", 4.99)]
   monkeypatch.setattr(kernel_breakdown, "breakdown", lambda f, args, iterations: launches)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import statistics
 import sys
 
@@ -164,9 +165,11 @@ def problem_breakdown(problem, implementations, direction: str, peers: bool,
   if peers:
     calls.update(problem.peers)
   for label, call in calls.items():
-    source = tune._Replaced(fields if label.startswith("tokamax") else {})
+    # Only where fields are set: an empty `_Replaced` would put every heuristic
+    # config in place of the tuned ones that would otherwise run.
+    source = tune._Replaced(fields) if fields and label.startswith("tokamax") else None
     try:
-      with tuning_context.use(source):
+      with tuning_context.use(source) if source else contextlib.nullcontext():
         if direction == "forward":
           report(label, call, (inputs,), iterations)
         else:
@@ -175,7 +178,7 @@ def problem_breakdown(problem, implementations, direction: str, peers: bool,
     except Exception as e:  # a kernel that fails is reported, the others still run
       print(f"  {label}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
       continue
-    if fields and label.startswith("tokamax") and not source.applied:
+    if source is not None and not source.applied:
       print(f"  {label}: no config of it has {sorted(fields)}: its own ran", flush=True)
 
 
