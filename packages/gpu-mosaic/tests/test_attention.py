@@ -647,7 +647,7 @@ def test_overlap_schedule_takes_windows_that_hold_the_diagonal():
   # each row's own position with T <= S (a warpgroup of padded rows computes
   # one masked tile); never for lengths, segment ids, q_offset or T > S, and it
   # is refused when asked for there. The heuristic keeps the plain schedule
-  # with every dynamic feature until windows are measured with it.
+  # with every dynamic feature (with windows it measured even).
   op = mat.MosaicGpuAttention()
   overlap = mat.AttentionConfig(overlap_qk=True)
   causal_window = _args(h=128, t=200, s=333, is_causal=True, local_window_size=(50, 0))

@@ -85,8 +85,9 @@ def _heuristic_tiles(args) -> AttentionConfig:
   preferred = {64: ((128, 2, False),),
                128: ((128, 2, True), (128, 2, False), (64, 3, False)),
                256: ((64, 2, False),)}[h]
-  # overlap_qk: static features only until it is measured with windows (the
-  # search space has it there: `_overlap_takes`).
+  # overlap_qk: static features only. With sliding windows (in the search space:
+  # `_overlap_takes`) it measured even on the H200 (0.992x W1024, 1.003x W4096:
+  # notes/MEASUREMENTS.md session 32, item 3).
   no_overlap = _needs_dynamic(args) or not _overlap_takes(args)
   segments = args.q_segment_ids is not None
   for block_kv, stages, overlap in preferred:
