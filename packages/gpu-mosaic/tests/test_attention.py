@@ -1934,15 +1934,6 @@ def test_head_group_configs():
   mat.AttentionConfig(head_group=4, persistent=True)  # snake-dealt
   with pytest.raises(ValueError, match="leave head_major at None"):
     mat.AttentionVjpConfig(64, 64, 2, head_group=2, head_major=True)
-  with pytest.raises(ValueError, match="head_group_dq must be >= 0"):
-    mat.AttentionVjpConfig(64, 64, 2, head_group_dq=-1)
-  with pytest.raises(ValueError, match="head_group_dq=4 sets the block order"):
-    mat.AttentionVjpConfig(64, 64, 2, head_group_dq=4, head_major=True)
-  # The dQ kernel's groups: its own where given, else the dK/dV kernel's.
-  assert mat.AttentionVjpConfig(64, 64, 2, head_group=2).dq_head_group == 2
-  assert mat.AttentionVjpConfig(64, 64, 2, head_group=2,
-                                head_group_dq=8).dq_head_group == 8
-  assert mat.AttentionVjpConfig(64, 64, 2, head_group_dq=0).dq_head_group == 0
   # Pairs whose two [rows, h] operands fit 24 MiB, a power of two: H256 T4096
   # bf16 K and V take 4 MiB a head (6 fit: 4); H128 2 MiB (12: 8); GQA with 4
   # query heads a key/value head shares them (48: 32); never fewer than one.

@@ -167,9 +167,8 @@ def test_attention_head_group(causal, features, persistent):
   """Blocks in groups of (batch row, head) pairs (`head_group`), the last group
   short: the forward (6 pairs in groups of 4; or persistent, the 18 tiles
   snake-dealt to the interpreter's 2 "SMs" over 9 rounds), the dQ kernel (the
-  same; in the persistent case a group of its own, `head_group_dq`, of 4 pairs)
-  and the dK/dV kernel (3 key/value pairs in groups of 2), called with configs,
-  against the XLA reference on float32 upcasts."""
+  same) and the dK/dV kernel (3 key/value pairs in groups of 2), called with
+  configs, against the XLA reference on float32 upcasts."""
   q, k, v = (_normal((3, 300, 2, 64), jnp.bfloat16), _normal((3, 300, 1, 64), jnp.bfloat16),
              _normal((3, 300, 1, 64), jnp.bfloat16))
   kw = {}
@@ -185,9 +184,7 @@ def test_attention_head_group(causal, features, persistent):
         **kw)
     got = mat.mosaic_attention_bwd(
         q, k, v, out.astype(jnp.bfloat16), dout, lse, scale=scale, causal=causal,
-        config=mat.AttentionVjpConfig(64, 64, 2, head_group=2,
-                                      head_group_dq=4 if persistent else None),
-        **kw)
+        config=mat.AttentionVjpConfig(64, 64, 2, head_group=2), **kw)
   testing.assert_close(got_out, out, jnp.bfloat16, what="output")
   # Rows that see no key (the window past the second row's 120 keys): +inf both.
   np.testing.assert_allclose(np.asarray(got_lse), np.asarray(lse), rtol=2e-2, atol=2e-2)

@@ -96,11 +96,6 @@ class AttentionVjpConfig:
   # (key/value heads in the dK/dV kernel), the tiles of the group's heads
   # interleaved (`akc.block_position`); 0: `head_major` decides.
   head_group: int = 0
-  # The dQ kernel's `head_group` where it differs from the dK/dV kernel's (None:
-  # `head_group`). The dQ blocks read K and V, as the forward's do, which under
-  # GQA the query heads of a key/value head share; the dK/dV blocks read every
-  # query head's Q and dO, so their L2-sized groups are smaller.
-  head_group_dq: int | None = None
   # dK and dV in two runs of the dK/dV kernel, each holding one float32
   # accumulator: dV (from S^T alone: no V, dO V^T or delta), then dK. One more
   # matmul per step in all (S^T twice), and how H256 fits the registers: dK and
@@ -131,13 +126,6 @@ class AttentionVjpConfig:
     if self.num_stages < 2:
       raise ValueError(f"num_stages must be >= 2; got {self.num_stages}")
     akc.check_head_group(self.head_group, self.head_major)
-    if self.head_group_dq is not None:
-      akc.check_head_group(self.head_group_dq, self.head_major, "head_group_dq")
-
-  @property
-  def dq_head_group(self) -> int:
-    """The dQ kernel's `head_group`."""
-    return self.head_group if self.head_group_dq is None else self.head_group_dq
 
   def pass_block_q(self, grads: tuple[str, ...]) -> int:
     """Query rows per step of the dK/dV kernel run for `grads`."""
@@ -668,7 +656,7 @@ class _DqKernel(_Shape):
     pass_turn = functools.partial(_pipeline.pass_turn,
                                   *(() if r.turn is None else (r.turn,)))
     qi, hi, bi = akc.block_position(self.nq, self.n, self.b, "q",
-                                    self.config.dq_head_group)
+                                    self.config.head_group)
     if self.causal or self.feat.right is not None:
       qi = self.nq - 1 - qi  # the longest tiles first
     tile0 = qi * akc.CTA_ROWS
@@ -826,7 +814,7 @@ class _DqKernel(_Shape):
         body, out_type=jax.ShapeDtypeStruct(q.shape, self.dtype),
         scratch_types=self.scratch(),
         **akc.block_grid(self.nq, self.n, self.b, "q", self.head_major,
-                         self.config.dq_head_group))
+                         self.config.head_group))
     return call(q, k, v, do, lse2, delta, *extras)
 
 

@@ -86,14 +86,12 @@ def grouped_position(flat, tiles: int, heads: int, batch: int, head_group: int):
   return lax.div(within, size), lax.rem(pair, heads), lax.div(pair, heads)
 
 
-def check_head_group(head_group: int, head_major: bool | None,
-                     name: str = "head_group") -> None:
-  """A config's `head_group` (or the field `name` of that meaning) with its
-  `head_major` (both configs take them)."""
+def check_head_group(head_group: int, head_major: bool | None) -> None:
+  """A config's `head_group` with its `head_major` (both configs take them)."""
   if head_group < 0:
-    raise ValueError(f"{name} must be >= 0 (0: off); got {head_group}")
+    raise ValueError(f"head_group must be >= 0 (0: off); got {head_group}")
   if head_group and head_major is not None:
-    raise ValueError(f"{name}={head_group} sets the block order itself: leave "
+    raise ValueError(f"head_group={head_group} sets the block order itself: leave "
                      f"head_major at None (got {head_major})")
 
 
