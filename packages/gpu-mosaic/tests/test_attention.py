@@ -21,7 +21,9 @@ from tokamax import testing
 from tokamax._src.ops import attention as attention_op
 from tokamax_gpu_mosaic import attention as mat
 from tokamax_gpu_mosaic import attention_kernel_bwd as akb
+from tokamax_gpu_mosaic import _common
 from tokamax_gpu_mosaic import attention_kernel_common as akc
+from tokamax_gpu_mosaic import attention_kernel_fwd as akf
 
 HIGHEST = jax.lax.Precision.HIGHEST
 _ON_HOPPER = (jax.default_backend() == "gpu"
@@ -1894,6 +1896,42 @@ def test_backward_skips_key_tiles_of_padding_only():
   for name, g, w in zip(("dq", "dk", "dv"), got, want):
     assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))), name
     testing.assert_close(g, w, jnp.bfloat16, what=name, scale=2, gpu=True)
+
+
+@pytest.mark.parametrize("causal,group", [
+    (False, 0), (False, 8), (True, 0), (True, 8), (True, 3)])
+def test_persistent_deal(causal, group):
+  """Which tiles each persistent block runs (`_Forward.deal`): every tile once,
+  each SM's in run order; round-robin where the tiles are even; where they are
+  not (causal: tile i of a head visits i + 1 key tiles), no SM's work above the
+  mean by more than one tile's, list scheduling's bound (with head groups the
+  longest tiles come back every group, which a fixed deal cannot follow)."""
+  b, n, t = 4, 16, 4096
+  nq = t // 128
+  fwd = akf._Forward(
+      b=b, tp=t, n=n, h=128, group=1, sp=t,
+      config=mat.AttentionConfig(persistent=True, head_group=group), causal=causal,
+      s_true=t, feat=akc.features(causal, None, None, False, False, False, False),
+      dtype=jnp.bfloat16, has_sinks=False, scale=0.1)
+  deal, total, sms = fwd.deal, b * n * nq, _common.num_sms()
+  assert deal.shape[0] == sms
+  assert sorted(deal[deal >= 0].tolist()) == list(range(total))
+  for row in deal:
+    mine = row[row >= 0]
+    assert (np.diff(mine) > 0).all() and (row[len(mine):] == -1).all()
+  if not causal:
+    assert deal.shape == (sms, -(-total // sms))
+    flat = np.arange(deal.size).reshape(deal.shape[1], sms).T  # sm + j * sms
+    np.testing.assert_array_equal(deal, np.where(flat < total, flat, -1))
+    return
+  # The key tiles of the tile at each position: the run order goes longest
+  # first, so position p along a head's tiles is tile nq - 1 - p.
+  flat = jnp.arange(total)
+  pos = (akc.grouped_position(flat, nq, n, b, group)[0] if group
+         else flat % nq)
+  cost = nq - np.asarray(pos) + 1  # its key tiles, plus one for load and store
+  load = np.asarray([cost[row[row >= 0]].sum() for row in deal])
+  assert load.max() - load.mean() <= cost.max(), (load.max(), load.mean())
 
 
 @pytest.mark.parametrize("tiles,heads,batch,group", [

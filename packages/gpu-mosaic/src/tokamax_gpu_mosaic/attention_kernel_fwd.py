@@ -51,10 +51,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -89,9 +91,8 @@ class AttentionConfig:
   # tiles of the group's heads first (`akc.block_position`): the blocks running
   # at once read a few heads' K and V from L2 where the tile-major order (causal)
   # has every head's in flight. 0: `head_major` decides. With `persistent`: the
-  # tiles in that order, dealt to the SMs round by round, every other round from
-  # the last SM down (a snake: along the longest-first order each SM's tiles
-  # alternate between a round's long and short ends). Not with tiles_per_block.
+  # tiles in that order, dealt as a work queue would (`_Forward.deal`). Not with
+  # tiles_per_block.
   head_group: int = 0
   # Query tiles a block runs one after the other (its producer streams the next
   # tile's keys while the consumers finish a tile, and each consumer loads its
@@ -100,7 +101,7 @@ class AttentionConfig:
   # One block per SM, walking the query tiles of every head and batch row in
   # turn (as `tiles_per_block`, with as many tiles a block as it takes): no
   # partial last wave of blocks. `head_major` does not apply (the tiles go
-  # head by head).
+  # head by head). Which SM runs which tiles: `_Forward.deal`.
   persistent: bool = False
 
   def __post_init__(self):
@@ -190,6 +191,7 @@ class _Refs(NamedTuple):
   q_seg: Any  # [B, Tp] int32
   kv_seg: Any  # [B, Sp] int32
   sinks: Any  # [N] float32
+  deal: Any  # [SMs, rounds] int32 (persistent): `_Forward.deal`
   o: Any  # [B, Tp, N, H]
   lse: Any  # [B, N, Tp] float32
   q_smem: Any  # [buffers x 2, 64, H]: each consumer's Q tiles, then output tiles
@@ -299,8 +301,64 @@ class _Forward:
   def rounds(self):
     """Query tiles a block runs in turn (a block's last ones may be absent)."""
     if self.config.persistent:
-      return _common.cdiv(self.nq * self.n * self.b, _common.num_sms())
+      return self.deal.shape[1]
     return self.config.tiles_per_block
+
+  @functools.cached_property
+  def deal(self) -> np.ndarray:
+    """Persistent: which tiles each SM runs, int32 ``[SMs, rounds]``: positions
+    in the run order (`tile_of`), -1 past an SM's last.
+
+    List scheduling, as a work queue would hand the tiles out: in run order,
+    each tile to the SM with the least work so far (ties: the lowest SM),
+    counting a tile's key steps (`tile_steps`) plus one for its own Q load and
+    output store. Where the tiles are even this is round-robin. Where they
+    differ (causal: longest first) it keeps the SMs' totals close even where
+    the run order goes in short runs of falling length: head groups restart the
+    longest tiles every group, and a fixed round-robin deal (or a snake) then
+    gave some SMs a long tile every round (H200, B4 T4096 N16 H128 causal
+    forward 0.688 ms against 0.439 for a block a tile; notes/MEASUREMENTS.md
+    session 33).
+    """
+    total, sms = self.nq * self.n * self.b, _common.num_sms()
+    with jax.ensure_compile_time_eval():
+      flat = jnp.arange(total, dtype=jnp.int32)
+      if self.config.head_group:
+        pos = akc.grouped_position(flat, self.nq, self.n, self.b,
+                                   self.config.head_group)[0]
+      else:
+        pos = lax.rem(flat, self.nq)
+      cost = self.tile_steps()[np.asarray(self.run_tile(pos))] + 1
+    load = [(0, sm) for sm in range(sms)]
+    dealt = [[] for _ in range(sms)]
+    for position, work in enumerate(cost.tolist()):
+      total_work, sm = heapq.heappop(load)
+      dealt[sm].append(position)
+      heapq.heappush(load, (total_work + work, sm))
+    table = np.full((sms, max(map(len, dealt))), -1, np.int32)
+    for sm, positions in enumerate(dealt):
+      table[sm, :len(positions)] = positions
+    return table
+
+  def tile_steps(self) -> np.ndarray:
+    """Key tiles each query tile visits by position alone (lengths, segment ids
+    and q_offset aside, which only the kernel knows), int ``[nq]``."""
+    with jax.ensure_compile_time_eval():
+      r0 = jnp.arange(self.nq, dtype=jnp.int32) * akc.CTA_ROWS
+      if self.feat.dynamic:
+        lo, _, _, hi = akc.key_range(r0, akc.CTA_ROWS, self.tp, self.s_true, 0,
+                                     self.feat.left, self.feat.right, self.bkv)
+        steps = hi - lo
+      else:
+        steps = self.kv_end(r0 + akc.CTA_ROWS) + 0 * r0
+      return np.asarray(steps)
+
+  def run_tile(self, pos):
+    """The query tile at `pos` along a head's run order: the longest first
+    where the tiles shorten (causal, or a window's right side)."""
+    if self.causal or self.feat.right is not None:
+      return self.nq - 1 - pos
+    return pos
 
   def grid(self) -> dict:
     if self.config.persistent:
@@ -333,14 +391,16 @@ class _Forward:
       absent.update(_SEGMENT_FIELDS)
     if not self.has_sinks:
       absent.add("sinks")
+    if not self.config.persistent:
+      absent.add("deal")
     return _pipeline.bind_refs(_Refs, refs, absent)
 
-  def tile_of(self, j):
+  def tile_of(self, r: _Refs, j):
     """The block's `j`-th query tile: (tile, batch row, head, whether the block
     has one).
 
     Persistent: the tiles in the order query tile, head, batch row (with
-    `head_group`: that order, snake-dealt), dealt out to the SMs in turn (the
+    `head_group`: that group order), as `deal` gives them to this SM (the
     blocks running at once share the heads' K and V in L2). Otherwise block
     ``q`` runs the tiles at positions ``j * q_blocks + q``
     of its head's run order, every other round from the other end
@@ -348,14 +408,11 @@ class _Forward:
     (causal, the longest first), the blocks' totals stay close to each other.
     """
     if self.config.persistent:
-      total, sms = self.nq * self.n * self.b, _common.num_sms()
       group = self.config.head_group
-      sm = lax.axis_index("sm")
-      if group:
-        sm = jnp.where(lax.rem(j, 2) == 0, sm, sms - 1 - sm)
-      flat = sm + j * sms
-      valid = flat < total
-      flat = jnp.minimum(flat, total - 1)  # a tile that exists, never run
+      # j may be one past the last round (`prefetch_next_q`): no tile there.
+      flat = r.deal[lax.axis_index("sm"), jnp.minimum(j, self.rounds - 1)]
+      valid = (j < self.rounds) & (flat >= 0)
+      flat = jnp.maximum(flat, 0)  # a tile that exists, never run
       if group:
         pos, hi, bi = akc.grouped_position(flat, self.nq, self.n, self.b, group)
       else:
@@ -371,16 +428,14 @@ class _Forward:
         pos = j * self.q_blocks + jnp.where(lax.rem(j, 2) == 0, q, back)
         valid = pos < self.nq
         pos = jnp.minimum(pos, self.nq - 1)  # a tile that exists, never run
-    if self.causal or self.feat.right is not None:
-      pos = self.nq - 1 - pos  # the longest tiles first
-    return pos, bi, hi, valid
+    return self.run_tile(pos), bi, hi, valid
 
   def block(self, r: _Refs, j=0, streamed=0) -> _Block:
     """The block's `j`-th tile; its ring continues after `streamed` key tiles.
     With dynamic features, the union of both consumers' key tiles, which every
     warpgroup computes from the same scalars so that all three agree."""
     wg = lax.axis_index("wg")
-    qi, bi, hi, valid = self.tile_of(j)
+    qi, bi, hi, valid = self.tile_of(r, j)
     tile0 = qi * akc.CTA_ROWS
     ranges, limits = None, (None, None, None)
     if self.feat.dynamic:
@@ -449,7 +504,7 @@ class _Forward:
     """Start loading this warpgroup's Q rows of the block's next tile into the
     other buffer (its previous tile's output has been stored from it)."""
     nxt = blk.j + 1
-    qi, bi, hi, valid = self.tile_of(nxt)
+    qi, bi, hi, valid = self.tile_of(r, nxt)
     q_tile, q_full = self.q_buffer(r, 1 - blk.qbuf, blk.wg)
     r0 = qi * akc.CTA_ROWS + blk.wg * self.bq
 
@@ -844,7 +899,8 @@ def flash_forward(q, k, v, *extras, scale: float, causal: bool, s_true: int,
                 jax.ShapeDtypeStruct((b, n, tp), jnp.float32)),
       scratch_types=fwd.scratch(),
       **fwd.grid())
-  return call(q, k, v, *extras, *(() if sinks is None else (sinks,)))
+  deal = (jnp.asarray(fwd.deal),) if config.persistent else ()
+  return call(q, k, v, *extras, *(() if sinks is None else (sinks,)), *deal)
 
 
 def mosaic_attention(q, k, v, *, scale: float, causal: bool,
