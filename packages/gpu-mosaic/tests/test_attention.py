@@ -490,7 +490,7 @@ def test_head_group(causal):
   # query heads, 2 x 2 key/value heads); GQA, odd lengths; forward and both
   # backward kernels.
   for config in (mat.AttentionConfig(block_kv=64, num_stages=3, head_group=3),
-                 # Persistent blocks dealing the order out in a snake (rounds).
+                 # Persistent blocks taking the order from `_Forward.deal` (rounds).
                  mat.AttentionConfig(overlap_qk=True, persistent=True, head_group=3)):
     _check(2, 896, 700, 8, 2, 128, causal, config=config, grads=False)
     _check(1, 300, 257, 5, 5, 64, causal, config=config, grads=False)
@@ -1008,7 +1008,7 @@ def test_an_explicit_config_that_does_not_fit_is_named():
     (64, 16, 4, 2048, 2048, mat.AttentionConfig(block_kv=64, num_stages=3,
                                                 persistent=True)),
     # Blocks in head groups (the last group short: 8 heads in groups of 3), and
-    # persistent blocks dealing that order out in a snake (several rounds).
+    # persistent blocks dealt that order (`_Forward.deal`, several rounds).
     (128, 8, 2, 384, 640, mat.AttentionConfig(overlap_qk=True, head_group=3)),
     (128, 16, 4, 2048, 2048, mat.AttentionConfig(overlap_qk=True, persistent=True,
                                                  head_group=3)),
@@ -1969,7 +1969,7 @@ def test_head_group_configs():
     mat.AttentionConfig(head_group=4, head_major=False)
   with pytest.raises(ValueError, match="not with tiles_per_block > 1"):
     mat.AttentionConfig(head_group=4, tiles_per_block=2)
-  mat.AttentionConfig(head_group=4, persistent=True)  # snake-dealt
+  mat.AttentionConfig(head_group=4, persistent=True)  # dealt in group order
   with pytest.raises(ValueError, match="leave head_major at None"):
     mat.AttentionVjpConfig(64, 64, 2, head_group=2, head_major=True)
   # Pairs whose two [rows, h] operands fit 24 MiB, a power of two: H256 T4096

@@ -213,7 +213,7 @@ def _search_space(args):
             if _fits(config, h, itemsize, segments):
               out.append(config)
   if _ordered_by_head_group(args):
-    # Each config again in L2-sized head groups (persistent ones snake-dealt).
+    # Each config again in L2-sized head groups (persistent ones dealt in that order).
     g = _forward_head_group(args)
     out += [dataclasses.replace(c, head_group=g) for c in tuple(out)]
   return tuple(out)
