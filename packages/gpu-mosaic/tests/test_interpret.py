@@ -166,7 +166,7 @@ def test_attention_backward_split_dkv_configs(ping_pong, block_q_dv, features):
 def test_attention_head_group(causal, features, persistent):
   """Blocks in groups of (batch row, head) pairs (`head_group`), the last group
   short: the forward (6 pairs in groups of 4; or persistent, the 18 tiles
-  dealt (`_Forward.deal`) to the interpreter's 2 "SMs" over 9 rounds), the dQ kernel (the
+  dealt by `_Forward.deal` to the interpreter's 2 "SMs"), the dQ kernel (the
   same) and the dK/dV kernel (3 key/value pairs in groups of 2), called with
   configs, against the XLA reference on float32 upcasts."""
   q, k, v = (_normal((3, 300, 2, 64), jnp.bfloat16), _normal((3, 300, 1, 64), jnp.bfloat16),
