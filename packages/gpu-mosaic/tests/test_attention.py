@@ -948,7 +948,12 @@ def test_configs_fit():
 
 @pytest.mark.parametrize("kw,persistent", [
     ({}, True),  # every query tile sees every key
-    ({"is_causal": True}, False),  # the tiles shorten: a block a tile
+    # Causal: the tiles shorten; persistent where it measured faster (H64, or
+    # up to 2048 keys), else a block a tile.
+    ({"is_causal": True}, True),
+    ({"is_causal": True, "h": 128}, True),
+    ({"is_causal": True, "h": 128, "t": 4096, "s": 4096}, False),
+    ({"is_causal": True, "t": 4096, "s": 4096}, True),
     ({"is_causal": True, "local_window_size": (64, 0)}, True),  # sliding window
     ({"local_window_size": (64, 32)}, True),
     ({"local_window_size": (None, 17)}, False),  # the tiles shorten
@@ -956,7 +961,7 @@ def test_configs_fit():
     ({"h": 256}, False),  # two Q buffers do not fit next to the key ring
     ({"t": 256, "s": 256, "n": 2, "k": 2}, False),  # 4 tiles: fewer than the SMs
 ])
-def test_heuristic_persistent_where_tiles_are_even(kw, persistent):
+def test_heuristic_persistent(kw, persistent):
   kw = {"t": 2048, "s": 2048, "n": 16, "k": 16, **kw}  # 256 tiles
   config = mat.MosaicGpuAttention().heuristic_config(_args(**kw))
   assert config.persistent == persistent, config

@@ -96,7 +96,8 @@ def _heuristic_tiles(args) -> AttentionConfig:
     config = AttentionConfig(block_kv=block_kv, num_stages=stages, overlap_qk=overlap)
     if _fits(config, h, itemsize, segments):
       persistent = dataclasses.replace(config, persistent=True)
-      if _even_tiles(args) and _fits(persistent, h, itemsize, segments):
+      if ((_even_tiles(args) or _short_causal_tiles(args))
+          and _fits(persistent, h, itemsize, segments)):
         return persistent
       return config
   return AttentionConfig(block_kv=64, num_stages=2)
@@ -120,6 +121,25 @@ def _even_tiles(args) -> bool:
   tiles = b * n * _common.cdiv(t, _CTA_ROWS)
   return ((left is None) == (right is None) and args.q_segment_ids is None
           and tiles > _common.num_sms())
+
+
+def _short_causal_tiles(args) -> bool:
+  """Whether persistent blocks pay under a plain causal mask (no other
+  dynamic feature), dealt by list scheduling (`attention_kernel_fwd._Forward.deal`):
+  at H64, and at other head dims up to 2048 keys, where a tile's own load,
+  pipeline fill and store weigh most against its key steps (persistent blocks
+  overlap them with the neighbouring tiles' work).
+
+  H200, bf16, forward, CUPTI, persistent against a block a tile, both in head
+  groups (notes/MEASUREMENTS.md session 33): H64 1.05-1.21x at every grid and
+  bench shape (T1024 to T16384, MHA and GQA); H128 at T1024 1.13-1.16x, at
+  T4096 0.98-1.02x, at T16384 0.96-0.97x. (With the snake deal before it,
+  persistent causal blocks lost up to 1.5x.)
+  """
+  b, t, n, h = args.query.shape
+  tiles = b * n * _common.cdiv(t, _CTA_ROWS)
+  return (args.is_causal and not _needs_dynamic(args) and tiles > _common.num_sms()
+          and (h == 64 or args.key.shape[1] <= 2048))
 
 
 def _features(args) -> akc.Features:
