@@ -954,6 +954,8 @@ def test_configs_fit():
     ({"is_causal": True, "h": 128}, True),
     ({"is_causal": True, "h": 128, "t": 4096, "s": 4096}, False),
     ({"is_causal": True, "t": 4096, "s": 4096}, True),
+    # Causal with key lengths: dynamic ranges, not measured persistent.
+    ({"is_causal": True, "key_value_seq_lengths": np.asarray([1000])}, False),
     ({"is_causal": True, "local_window_size": (64, 0)}, True),  # sliding window
     ({"local_window_size": (64, 32)}, True),
     ({"local_window_size": (None, 17)}, False),  # the tiles shorten
@@ -1903,23 +1905,31 @@ def test_backward_skips_key_tiles_of_padding_only():
     testing.assert_close(g, w, jnp.bfloat16, what=name, scale=2, gpu=True)
 
 
-@pytest.mark.parametrize("causal,group", [
+def _forward(causal=True, t=4096, s=None, n=16, b=4, window=None, **config):
+  s = t if s is None else s
+  return akf._Forward(
+      b=b, tp=-(-t // 128) * 128, n=n, h=128, group=1, sp=s, config=mat.AttentionConfig(
+          persistent=True, block_kv=64 if window else 128, **config),
+      causal=causal, s_true=s,
+      feat=akc.features(causal, window, None, False, False, False, False),
+      dtype=jnp.bfloat16, has_sinks=False, scale=0.1)
+
+
+@pytest.mark.parametrize("causal,head_group", [
     (False, 0), (False, 8), (True, 0), (True, 8), (True, 3)])
-def test_persistent_deal(causal, group):
+def test_persistent_deal(causal, head_group):
   """Which tiles each persistent block runs (`_Forward.deal`): every tile once,
   each SM's in run order; round-robin where the tiles are even; where they are
   not (causal: tile i of a head visits i + 1 key tiles), no SM's work above the
-  mean by more than one tile's, list scheduling's bound (with head groups the
-  longest tiles come back every group, which a fixed deal cannot follow)."""
+  mean by more than one tile's (list scheduling's bound), and at the
+  heuristic's power-of-two head group within 1% of it, where the snake deal
+  before it gave one SM 1.64x the mean."""
   b, n, t = 4, 16, 4096
   nq = t // 128
-  fwd = akf._Forward(
-      b=b, tp=t, n=n, h=128, group=1, sp=t,
-      config=mat.AttentionConfig(persistent=True, head_group=group), causal=causal,
-      s_true=t, feat=akc.features(causal, None, None, False, False, False, False),
-      dtype=jnp.bfloat16, has_sinks=False, scale=0.1)
+  fwd = _forward(causal, t, n=n, b=b, head_group=head_group)
   deal, total, sms = fwd.deal, b * n * nq, _common.num_sms()
   assert deal.shape[0] == sms
+  assert fwd.grid() == dict(grid=(sms,), grid_names=("sm",))
   assert sorted(deal[deal >= 0].tolist()) == list(range(total))
   for row in deal:
     mine = row[row >= 0]
@@ -1932,11 +1942,39 @@ def test_persistent_deal(causal, group):
   # The key tiles of the tile at each position: the run order goes longest
   # first, so position p along a head's tiles is tile nq - 1 - p.
   flat = jnp.arange(total)
-  pos = (akc.grouped_position(flat, nq, n, b, group)[0] if group
+  pos = (akc.grouped_position(flat, nq, n, b, head_group)[0] if head_group
          else flat % nq)
   cost = nq - np.asarray(pos) + 1  # its key tiles, plus one for load and store
   load = np.asarray([cost[row[row >= 0]].sum() for row in deal])
   assert load.max() - load.mean() <= cost.max(), (load.max(), load.mean())
+  if head_group == 8:
+    assert load.max() <= 1.01 * load.mean(), (load.max(), load.mean())
+
+
+@pytest.mark.parametrize("kw", [
+    dict(head_group=3, n=5, b=3, t=1000), dict(head_group=8, n=6, b=1, t=2048),
+    dict(head_group=0, n=4, b=2, t=640), dict(causal=False, head_group=4, n=3, b=3),
+    dict(window=(300, 0), t=1200, s=1500), dict(causal=False, window=(200, 50)),
+    dict(causal=False, window=(None, 70), t=900, s=700), dict(t=700, s=1300)])
+def test_persistent_deal_cost_follows_the_kernel(kw):
+  """The deal's NumPy view of the run order and of each tile's key steps is
+  the kernel's own: `akc.grouped_position` and `akc.key_range` (dynamic) or
+  `kv_end` (static), evaluated eagerly."""
+  fwd = _forward(**kw)
+  flat = jnp.arange(fwd.nq * fwd.n * fwd.b)
+  if fwd.config.head_group:
+    want = akc.grouped_position(flat, fwd.nq, fwd.n, fwd.b, fwd.config.head_group)[0]
+  else:
+    want = flat % fwd.nq
+  np.testing.assert_array_equal(fwd.position_tiles(), np.asarray(want))
+  r0 = jnp.arange(fwd.nq) * 128
+  if fwd.feat.dynamic:
+    lo, _, _, hi = akc.key_range(r0, 128, fwd.tp, fwd.s_true, 0, fwd.feat.left,
+                                 fwd.feat.right, fwd.bkv)
+    want = hi - lo
+  else:
+    want = jnp.broadcast_to(fwd.kv_end(r0 + 128), r0.shape)
+  np.testing.assert_array_equal(fwd.tile_steps(), np.asarray(want))
 
 
 @pytest.mark.parametrize("tiles,heads,batch,group", [

@@ -103,42 +103,48 @@ def _heuristic_tiles(args) -> AttentionConfig:
   return AttentionConfig(block_kv=64, num_stages=2)
 
 
+def _more_tiles_than_sms(args) -> bool:
+  """Whether the call has more query tiles than the device has SMs (else a
+  persistent block would run one tile anyway)."""
+  b, t, n, _ = args.query.shape
+  return b * n * _common.cdiv(t, _CTA_ROWS) > _common.num_sms()
+
+
 def _even_tiles(args) -> bool:
-  """Whether persistent blocks pay: more query tiles than SMs, each seeing
-  about as many keys as the others (no window side bounded alone, as causal
-  masking bounds the right; no segment ids).
+  """Whether persistent blocks pay where every query tile sees about as many
+  keys as the others (no window side bounded alone, as causal masking bounds
+  the right; no segment ids); plain causal calls: `_short_causal_tiles`.
 
   H200, bf16, forward, CUPTI (notes/MEASUREMENTS.md session 29, item 3: one
   run), persistent against a block a tile: B1 T16384 N32 K8 H128 causal with
   a (W, 0) window, W 512 / 1024 / 2048: 0.332 / 0.518 / 0.878 ms against
   0.384 / 0.564 / 0.908 (W 4096 even); B4 T4096 N16 H128 0.770 against
-  0.788, B2 T8192 N16 H64 1.163 against 1.191. Under a plain causal mask the
-  tiles shorten and a block a tile, launched longest first, won: T16384 3.295
-  against 3.044, GQA B2 T8192 N32 K8 1.726 against 1.613.
+  0.788, B2 T8192 N16 H64 1.163 against 1.191.
   """
   left, right = args.visible_window
-  b, t, n, _ = args.query.shape
-  tiles = b * n * _common.cdiv(t, _CTA_ROWS)
   return ((left is None) == (right is None) and args.q_segment_ids is None
-          and tiles > _common.num_sms())
+          and _more_tiles_than_sms(args))
 
 
 def _short_causal_tiles(args) -> bool:
   """Whether persistent blocks pay under a plain causal mask (no other
-  dynamic feature), dealt by list scheduling (`attention_kernel_fwd._Forward.deal`):
-  at H64, and at other head dims up to 2048 keys, where a tile's own load,
-  pipeline fill and store weigh most against its key steps (persistent blocks
-  overlap them with the neighbouring tiles' work).
+  dynamic feature), their tiles dealt by list scheduling
+  (`attention_kernel_fwd._Forward.deal`): at H64, and at H128 up to 2048 keys
+  (H256 does not fit two Q buffers), where a tile's own Q load, pipeline fill
+  and output store weigh most against its key steps; persistent blocks
+  overlap them with the neighbouring tiles' work.
 
   H200, bf16, forward, CUPTI, persistent against a block a tile, both in head
-  groups (notes/MEASUREMENTS.md session 33): H64 1.05-1.21x at every grid and
-  bench shape (T1024 to T16384, MHA and GQA); H128 at T1024 1.13-1.16x, at
-  T4096 0.98-1.02x, at T16384 0.96-0.97x. (With the snake deal before it,
-  persistent causal blocks lost up to 1.5x.)
+  groups (notes/MEASUREMENTS.md session 33), T = S: H64 1.05-1.21x at every
+  grid and bench shape (T1024 to T16384, MHA and GQA); H128 at T1024
+  1.13-1.16x, at T4096 0.98-1.02x, at T16384 0.96-0.97x. The line at 2048 keys
+  lies between measured points (T2048 and T != S not measured). Under a plain
+  causal mask a round-robin deal lost (the snake deal: up to 1.5x slower; a
+  block a tile, launched longest first, beat it in session 29 too: T16384
+  3.295 against 3.044 ms, GQA B2 T8192 N32 K8 1.726 against 1.613).
   """
-  b, t, n, h = args.query.shape
-  tiles = b * n * _common.cdiv(t, _CTA_ROWS)
-  return (args.is_causal and not _needs_dynamic(args) and tiles > _common.num_sms()
+  h = args.query.shape[-1]
+  return (args.is_causal and not _needs_dynamic(args) and _more_tiles_than_sms(args)
           and (h == 64 or args.key.shape[1] <= 2048))
 
 

@@ -176,6 +176,35 @@ def _softmax_update(s, m, l, acc, c: float, visible, soft_cap=None, guard=False)
   return p, m, l, acc * akc.bcast_rows(alpha, acc.shape)
 
 
+@functools.lru_cache(maxsize=32)
+def _list_schedule(work: tuple[int, ...], sms: int) -> np.ndarray:
+  """Which positions each of `sms` workers runs, int32 ``[sms, rounds]``, -1
+  past a worker's last: list scheduling, the positions in order, each to the
+  worker with the least `work` so far (ties: the lowest). That is what a work
+  queue would hand out if the work were exact (Pallas has no fetch-and-add to
+  build the queue in the kernel), and it keeps the workers' order: the blocks
+  running at once stay near each other in it (L2 locality). Equal work: plain
+  round-robin."""
+  total = len(work)
+  rounds = -(-total // sms)
+  if len(set(work)) <= 1:
+    table = np.arange(rounds * sms, dtype=np.int32).reshape(rounds, sms).T
+    table = np.where(table < total, table, -1).astype(np.int32)
+    table.setflags(write=False)
+    return table
+  load = [(0, worker) for worker in range(sms)]
+  dealt = [[] for _ in range(sms)]
+  for position, cost in enumerate(work):
+    done, worker = heapq.heappop(load)
+    dealt[worker].append(position)
+    heapq.heappush(load, (done + cost, worker))
+  table = np.full((sms, max(map(len, dealt))), -1, np.int32)
+  for worker, positions in enumerate(dealt):
+    table[worker, :len(positions)] = positions
+  table.setflags(write=False)  # cached: shared by every call of this shape
+  return table
+
+
 # ----------------------------------------------------------------------------
 # Refs and per-block state.
 
@@ -307,51 +336,49 @@ class _Forward:
   @functools.cached_property
   def deal(self) -> np.ndarray:
     """Persistent: which tiles each SM runs, int32 ``[SMs, rounds]``: positions
-    in the run order (`tile_of`), -1 past an SM's last.
+    in the run order (`tile_of`), -1 past an SM's last (`_list_schedule`, with
+    a tile's work its key steps by position plus one for its Q load and output
+    store).
 
-    List scheduling, as a work queue would hand the tiles out: in run order,
-    each tile to the SM with the least work so far (ties: the lowest SM),
-    counting a tile's key steps (`tile_steps`) plus one for its own Q load and
-    output store. Where the tiles are even this is round-robin. Where they
-    differ (causal: longest first) it keeps the SMs' totals close even where
-    the run order goes in short runs of falling length: head groups restart the
-    longest tiles every group, and a fixed round-robin deal (or a snake) then
-    gave some SMs a long tile every round (H200, B4 T4096 N16 H128 causal
+    Head groups restart the longest causal tiles every group; a fixed
+    round-robin deal (or a snake) then gave the same SMs a long tile every
+    round where a group spans about two rounds (H200, B4 T4096 N16 H128 causal
     forward 0.688 ms against 0.439 for a block a tile; notes/MEASUREMENTS.md
     session 33).
     """
-    total, sms = self.nq * self.n * self.b, _common.num_sms()
-    with jax.ensure_compile_time_eval():
-      flat = jnp.arange(total, dtype=jnp.int32)
-      if self.config.head_group:
-        pos = akc.grouped_position(flat, self.nq, self.n, self.b,
-                                   self.config.head_group)[0]
-      else:
-        pos = lax.rem(flat, self.nq)
-      cost = self.tile_steps()[np.asarray(self.run_tile(pos))] + 1
-    load = [(0, sm) for sm in range(sms)]
-    dealt = [[] for _ in range(sms)]
-    for position, work in enumerate(cost.tolist()):
-      total_work, sm = heapq.heappop(load)
-      dealt[sm].append(position)
-      heapq.heappush(load, (total_work + work, sm))
-    table = np.full((sms, max(map(len, dealt))), -1, np.int32)
-    for sm, positions in enumerate(dealt):
-      table[sm, :len(positions)] = positions
-    return table
+    work = self.tile_steps()[self.run_tile(self.position_tiles())] + 1
+    return _list_schedule(tuple(work.tolist()), _common.num_sms())
+
+  def position_tiles(self) -> np.ndarray:
+    """The tile along its head's run order at each position of the persistent
+    blocks' order: `akc.grouped_position`'s first result with `head_group`,
+    else the position modulo the tiles of a head (NumPy, at trace time)."""
+    total, tiles = self.nq * self.n * self.b, self.nq
+    flat = np.arange(total)
+    g = self.config.head_group
+    if not g:
+      return flat % tiles
+    pairs = self.n * self.b
+    g = min(g, pairs)
+    group = flat // (g * tiles)
+    size = np.minimum(g, pairs - group * g)  # a short last group
+    return (flat - group * g * tiles) // size
 
   def tile_steps(self) -> np.ndarray:
     """Key tiles each query tile visits by position alone (lengths, segment ids
-    and q_offset aside, which only the kernel knows), int ``[nq]``."""
-    with jax.ensure_compile_time_eval():
-      r0 = jnp.arange(self.nq, dtype=jnp.int32) * akc.CTA_ROWS
-      if self.feat.dynamic:
-        lo, _, _, hi = akc.key_range(r0, akc.CTA_ROWS, self.tp, self.s_true, 0,
-                                     self.feat.left, self.feat.right, self.bkv)
-        steps = hi - lo
-      else:
-        steps = self.kv_end(r0 + akc.CTA_ROWS) + 0 * r0
-      return np.asarray(steps)
+    and q_offset aside, which only the kernel knows), int ``[nq]``: the
+    bounds of `akc.key_range` (dynamic) or `kv_end` (static), in NumPy."""
+    r0 = np.arange(self.nq) * akc.CTA_ROWS
+    cdiv = lambda x, d: -(-x // d)
+    if not self.feat.dynamic:
+      return (np.minimum(cdiv(r0 + akc.CTA_ROWS, self.bkv), self.n_kv) if self.causal
+              else np.full(self.nq, self.n_kv))
+    left, right = self.feat.left, self.feat.right
+    lo = 0 if left is None else np.maximum(r0 - left, 0)
+    hi = (np.full(self.nq, self.s_true) if right is None
+          else np.minimum(self.s_true, r0 + akc.CTA_ROWS + right))
+    lo_t = lo // self.bkv
+    return np.maximum(cdiv(np.maximum(hi, 0), self.bkv), lo_t) - lo_t
 
   def run_tile(self, pos):
     """The query tile at `pos` along a head's run order: the longest first
@@ -362,7 +389,7 @@ class _Forward:
 
   def grid(self) -> dict:
     if self.config.persistent:
-      return dict(grid=(_common.num_sms(),), grid_names=("sm",))
+      return dict(grid=(self.deal.shape[0],), grid_names=("sm",))
     return akc.block_grid(self.q_blocks, self.n, self.b, "q",
                           akc.head_major(self.config.head_major, self.causal,
                                          self.feat), self.config.head_group)
