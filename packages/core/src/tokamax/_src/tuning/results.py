@@ -93,6 +93,12 @@ class Measurement:
   time_ms: float
 
 
+def step_sums(forward: dict[str, float], backward: dict[str, float]) -> dict[str, float]:
+  """``{implementation: forward ms + backward ms}`` for the implementations
+  timed both ways: what each costs a training step when its own backward runs."""
+  return {impl: forward[impl] + backward[impl] for impl in forward if impl in backward}
+
+
 class AutotuningResult:
   """Measured best implementations and configs, per op call.
 
@@ -177,7 +183,7 @@ class AutotuningResult:
     directions = ("forward", "backward")
     key = self._answering_key(op_name, directions, args_key(args), ())
     forward, backward = (self._times_at(op_name, d, key) for d in directions)
-    return {impl: forward[impl] + backward[impl] for impl in forward if impl in backward}
+    return step_sums(forward, backward)
 
   def _answering_key(self, op_name: str, directions: tuple[str, ...], key: str,
                      same_first: tuple) -> str:

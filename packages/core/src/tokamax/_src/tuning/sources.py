@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokamax._src.tuning import context
+from tokamax._src.tuning import results
 from tokamax._src.tuning import shipped
 
 
@@ -50,7 +51,7 @@ def step_times(op_name: str, args: Any) -> dict[str, float]:
     elif getattr(source, "measured_times", None) is not None:
       forward = source.measured_times(op_name, "forward", args)
       backward = source.measured_times(op_name, "backward", args)
-      times = {impl: forward[impl] + backward[impl] for impl in forward if impl in backward}
+      times = results.step_sums(forward, backward)
     else:
       times = {}
     if times:
