@@ -905,14 +905,22 @@ def test_backward_head_dim_256_configs():
     # Blocks in head groups (3 query heads a group in the dQ kernel, 3 key/value
     # heads in the dK/dV kernel: short last groups both).
     (128, 8, 4, 384, 640, mat.AttentionVjpConfig(64, 128, 2, head_group=3)),
+    # dQ in the dK/dV kernel (causal only: skipped below otherwise).
+    (64, 4, 2, 512, 512, mat.AttentionVjpConfig(128, 128, 2, ping_pong=True,
+                                                fuse_dq=True)),
+    (128, 8, 2, 700, 640, mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True)),
 ])
 def test_backward_lowers_for_cuda(causal, h, n, k, t, s, config):
   pytest.importorskip("absl")
   dtype = jnp.float16 if t == 1 else jnp.bfloat16
   args = _args(t=t, s=s, n=n, k=k, h=h, is_causal=causal, dtype=dtype)
   config = config or mat.MosaicGpuAttentionVjp().heuristic_config(args)
-  # Split below H256, and head groups not sized by `l2_head_group`: outside it.
-  if not (config.split_dkv and h < 256) and not config.head_group:
+  if config.fuse_dq and not causal:
+    pytest.skip("fuse_dq takes causal calls only (test_backward_fuse_dq_refusals)")
+  # Split below H256, head groups not sized by `l2_head_group`, and the fused
+  # dQ (not measured yet): outside it.
+  if (not (config.split_dkv and h < 256) and not config.head_group
+      and not config.fuse_dq):
     assert config in mat.MosaicGpuAttentionVjp().search_space(args)
   q, key = args.query, args.key
   sds = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt)
@@ -921,8 +929,9 @@ def test_backward_lowers_for_cuda(causal, h, n, k, t, s, config):
           q, key, v, o, do, lse, scale=0.125, causal=causal, config=config)),
       platforms=["cuda"])(sds(q.shape), sds(key.shape), sds(key.shape), sds(q.shape),
                           sds(q.shape), sds((1, n, t), jnp.float32))
-  # The dK/dV kernel (twice with split_dkv) and the dQ kernel.
-  assert _kernel_calls(exported) == (3 if config.split_dkv else 2)
+  # The dK/dV kernel (twice with split_dkv) and the dQ kernel (fused: one).
+  assert _kernel_calls(exported) == (1 if config.fuse_dq else
+                                     3 if config.split_dkv else 2)
   assert [(a.shape, a.dtype) for a in exported.out_avals] == [
       (q.shape, dtype), (key.shape, dtype), (key.shape, dtype)]
 
@@ -1199,6 +1208,56 @@ def _check_backward_config(b, t, s, n, k, h, causal, config, scale=None):
                         (up(q), up(key), up(v)), up(dout))
   for name, g, w in zip(("dq", "dk", "dv"), got, want):
     testing.assert_close(g, w, jnp.bfloat16, what=name, scale=2, gpu=True)
+
+
+def test_backward_fuse_dq_refusals():
+  with pytest.raises(ValueError, match="split_dkv"):
+    mat.AttentionVjpConfig(32, 32, 2, split_dkv=True, fuse_dq=True)
+  q, key, v = _qkv(1, 256, 200, 2, 2, 64, jnp.bfloat16)
+  lse = jnp.zeros((1, 2, 256), jnp.float32)
+  config = mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True)
+  for causal, kw, reason in (
+      (False, {}, "causal calls only"),
+      (True, dict(local_window=(64, 0)), "windows"),
+      (True, dict(key_value_seq_lengths=jnp.asarray([100], jnp.int32)), "lengths"),
+      (True, {}, r"T > S needs S a multiple of 128 .*got T=256, S=200")):
+    with pytest.raises(NotImplementedError, match=reason):
+      jax.eval_shape(functools.partial(mat.mosaic_attention_bwd, scale=0.125,
+                                       causal=causal, config=config, **kw),
+                     q, key, v, q, q, lse)
+
+
+@gpu
+@pytest.mark.parametrize("b,t,s,n,k,h,block_q,ping_pong", [
+    (2, 1024, 1024, 4, 4, 64, 128, False),
+    (2, 1024, 1024, 4, 4, 64, 64, True),
+    (1, 2048, 2048, 8, 2, 128, 64, False),  # GQA: 4 query heads a block
+    (1, 1000, 1100, 4, 2, 128, 64, True),  # T < S, neither a tile multiple
+    (2, 700, 512, 4, 1, 64, 128, False),  # MQA, T > S
+])
+def test_backward_fuse_dq(b, t, s, n, k, h, block_q, ping_pong):
+  config = mat.AttentionVjpConfig(block_q, 128, 2, ping_pong=ping_pong, fuse_dq=True)
+  _check_backward_config(b, t, s, n, k, h, True, config)
+
+
+@gpu
+def test_backward_fuse_dq_is_deterministic():
+  # Many blocks add into each query tile at once: the order of additions is
+  # fixed by rank, so two runs agree bit for bit.
+  b, t, n, k, h = 2, 4096, 16, 4, 128
+  q, key, v = _qkv(b, t, t, n, k, h, jnp.bfloat16)
+  dout = _cotangent((b, t, n, h), jnp.bfloat16)
+  scale = 1 / np.sqrt(h)
+  out = _reference(q, key, v, True, scale).astype(jnp.bfloat16)
+  lse = _reference_lse(q, key, True, scale)
+  bwd = jax.jit(functools.partial(
+      mat.mosaic_attention_bwd, scale=scale, causal=True,
+      config=mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True)))
+  first = bwd(q, key, v, out, dout, lse)
+  for _ in range(3):
+    again = bwd(q, key, v, out, dout, lse)
+    for name, x, y in zip(("dq", "dk", "dv"), first, again):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
 
 
 @gpu

@@ -160,6 +160,32 @@ def test_attention_backward_split_dkv_configs(ping_pong, block_q_dv, features):
     testing.assert_close(g, w, jnp.bfloat16, what=f"gradient {i}", scale=2.0)
 
 
+@pytest.mark.parametrize("h,n,k,t,s,block_q,ping_pong,soft_cap", [
+    # GQA, T and S not multiples of the tile (T < S), two query heads a step loop.
+    (64, 4, 2, 300, 330, 64, False, None),
+    # Ping-pong, a soft cap. (128-row steps, which the H200 runs, never finish
+    # in JAX 0.12's interpreter here, as other one-axis grids before:
+    # notes/MOSAIC_GPU.md, "an interpreter hang".)
+    (64, 2, 1, 256, 256, 64, True, 20.0),
+    (128, 2, 2, 200, 128, 64, False, None),  # T > S (S a tile multiple)
+], ids=["gqa-odd", "h64-ping-pong-cap", "h128-t-gt-s"])
+def test_attention_backward_fuse_dq(h, n, k, t, s, block_q, ping_pong, soft_cap):
+  """dQ from the dK/dV kernel (`fuse_dq`): each step's dQ tile added in rank
+  order (here by read, add, store: the interpreter runs the blocks one at a time
+  in grid order, which is the rank order), against the XLA reference's VJP."""
+  config = mat.AttentionVjpConfig(block_q, 128, 2, ping_pong=ping_pong, fuse_dq=True)
+  q, key, v = (_normal((2, t, n, h), jnp.bfloat16), _normal((2, s, k, h), jnp.bfloat16),
+               _normal((2, s, k, h), jnp.bfloat16))
+  kw = {} if soft_cap is None else dict(logits_soft_cap=soft_cap)
+  scale = h**-0.5
+  out, lse, dout, want = _reference_vjp(q, key, v, scale, True, **kw)
+  with tokamax.interpret():
+    got = mat.mosaic_attention_bwd(q, key, v, out.astype(jnp.bfloat16), dout, lse,
+                                   scale=scale, causal=True, config=config, **kw)
+  for i, (g, w) in enumerate(zip(got, want)):
+    testing.assert_close(g, w, jnp.bfloat16, what=f"gradient {i}", scale=2.0)
+
+
 @pytest.mark.parametrize("causal,features,persistent", [
     (True, False, False), (False, True, False), (True, False, True)],
     ids=["causal", "window-lengths", "causal-persistent"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -151,23 +152,35 @@ def store_unswizzled(ref, value) -> None:
     ref[...] = value
 
 
+@dataclasses.dataclass(frozen=True)
+class Transposed:
+  """An `accumulate` lhs read from shared memory transposed: a ``[k, m]`` tile
+  (swizzled as its rhs) as the ``[m, k]`` operand."""
+
+  ref: Any
+
+
 def accumulate(inits, terms, *, operand_dtype=None, after_issue=None):
   """``init + a @ b`` for each init and its ``(a, b)`` term, as WGMMAs into
   accumulators that start at `inits` (float32 register arrays; each `a` a
   register array, cast to `operand_dtype` if given inside the accumulation's
-  scope, where the kernels have always cast it; each `b` an SMEM ref).
-  `after_issue` runs once the WGMMAs are issued, while they run. Returns the
-  sums, a tuple like `inits`.
+  scope, where the kernels have always cast it, or a `Transposed` SMEM tile;
+  each `b` an SMEM ref). `after_issue` runs once the WGMMAs are issued, while
+  they run. Returns the sums, a tuple like `inits`.
 
   Natively this is ``pl.run_state`` over ``plgpu.ACC.init`` accumulators. JAX's
   Mosaic GPU interpreter has no rule for ``run_state`` nor a register operand
   for its wgmma, so when `interpreting()` the products are plain dots.
   """
   def operand(a):
+    if isinstance(a, Transposed):
+      return plgpu.transpose_ref(a.ref, (1, 0))
     return a if operand_dtype is None else a.astype(operand_dtype)
 
   if interpreting():
-    sums = tuple(init + jnp.dot(operand(a), b[...], preferred_element_type=jnp.float32)
+    def value(a):
+      return a.ref[...].T if isinstance(a, Transposed) else operand(a)
+    sums = tuple(init + jnp.dot(value(a), b[...], preferred_element_type=jnp.float32)
                  for init, (a, b) in zip(inits, terms, strict=True))
     if after_issue is not None:
       after_issue()

@@ -342,6 +342,9 @@ def bwd_smem_bytes(config: AttentionVjpConfig, head_dim: int, itemsize: int,
     ids = (_BWD_KEY_ROWS + config.num_stages * block_q) * 4 if segments else 0
     return resident_tiles * tile + streamed + ids + 3 * 1024
   dkv = dkv_pass(2, config.block_q)
+  if config.fuse_dq:
+    # Each consumer's dS^T tile and two float32 dQ tiles (`fuse_dq`).
+    dkv += 2 * _WG_ROWS * config.block_q * itemsize + 2 * config.block_q * head_dim * 4
   if config.split_dkv:
     dkv = max(dkv, dkv_pass(1, config.pass_block_q(("dv",))))
   dq = (2 * tile + config.num_stages * 2 * config.block_kv * head_dim * itemsize

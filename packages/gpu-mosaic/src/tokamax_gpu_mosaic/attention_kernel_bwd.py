@@ -105,6 +105,13 @@ class AttentionVjpConfig:
   # pass holds K alone (no V tile: dV is staged in K's), so at H256 it fits
   # 64-row steps, whose S^T matmul is twice as wide, where the dK pass needs 32.
   block_q_dv: int | None = None
+  # dQ in the dK/dV kernel (5 matmuls a step instead of the two kernels' 7):
+  # each step's dQ tile, ``dS K`` over the block's 128 keys, is added into a
+  # float32 dQ in global memory in a fixed order per query tile (the highest
+  # key block first, which a causal grid reaches first), so the result does not
+  # depend on timing. Causal calls without dynamic features only
+  # (`fused_dq_refusal`).
+  fuse_dq: bool = False
 
   def __post_init__(self):
     # A divisor of the 128-row padding; the P^T dO / dS K contractions run over
@@ -125,6 +132,9 @@ class AttentionVjpConfig:
         raise ValueError(f"block_q_dv must be 32, 64 or 128; got {self.block_q_dv}")
     if self.num_stages < 2:
       raise ValueError(f"num_stages must be >= 2; got {self.num_stages}")
+    if self.fuse_dq and self.split_dkv:
+      raise ValueError("fuse_dq computes dQ next to dK and dV in one pass; got "
+                       "split_dkv=True")
     akc.check_head_group(self.head_group, self.head_major)
 
   def pass_block_q(self, grads: tuple[str, ...]) -> int:
@@ -286,6 +296,7 @@ class _DkvRefs(NamedTuple):
   kv_seg: Any  # [B, Sp] int32
   dk: Any
   dv: Any
+  dq: Any  # [B, Tp, N, H] float32, unscaled (fuse_dq)
   k_smem: Any  # [2, 64, H]: each consumer's K tile, then its dK tile
   v_smem: Any  # [2, 64, H]: V, then dV (absent in a dV-only pass)
   q_smem: Any  # [stages, block_q, H]
@@ -299,6 +310,22 @@ class _DkvRefs(NamedTuple):
   turn: Any  # ping_pong: a two-party barrier
   kvseg_smem: Any  # [2, 64] int32: each consumer's key ids
   qseg_smem: Any  # [stages, block_q] int32: query ids, next to Q
+  # fuse_dq: each consumer's dS^T tile (the lhs of its dQ product), then the
+  # step's dQ tile in two buffers (steps alternate): consumer 0 stages its
+  # 64 keys' product ("part_ready"), consumer 1 adds its own ("dq_ready"), the
+  # producer adds the sum into `dq` ("dq_free"). The interpreter, which has no
+  # TMA reduction, reads the running sum back through `dq_old`.
+  dst_smem: Any  # [2, 64, block_q]
+  dq_smem: Any  # [2, block_q, H] float32
+  part_ready: Any
+  dq_ready: Any
+  dq_free: Any
+  dq_old: Any  # [block_q, H] float32 (interpreter)
+  dq_old_full: Any
+
+
+_FUSED_DQ_FIELDS = ("dq", "dst_smem", "dq_smem", "part_ready", "dq_ready", "dq_free",
+                    "dq_old", "dq_old_full")
 
 
 class _DkvBlock(NamedTuple):
@@ -333,10 +360,42 @@ class _DkvKernel(_Shape):
     """dK needs dS, so dP^T = V dO^T and delta; dV needs P^T alone."""
     return "dk" in self.grads
 
+  @property
+  def fused(self) -> bool:
+    return self.config.fuse_dq
+
   def absent(self):
     # A dV-only pass has no V tile (dV is staged in K's).
-    return (super().absent() | {g for g in ("dk", "dv") if g not in self.grads}
-            | (set() if self.needs_dp else {"v_smem"}))
+    absent = (super().absent() | {g for g in ("dk", "dv") if g not in self.grads}
+              | (set() if self.needs_dp else {"v_smem"}))
+    if not self.fused:
+      return absent | set(_FUSED_DQ_FIELDS)
+    if not _common.interpreting():
+      absent |= {"dq_old", "dq_old_full"}
+    return absent
+
+  @property
+  def nk(self):
+    return self.sp // KEY_ROWS
+
+  @property
+  def grid_group(self) -> int:
+    """`head_group` of the grid. With fuse_dq a block waits for the higher key
+    blocks of its (batch row, head) at each query tile; in groups (of one pair
+    at least) whose key blocks run highest first (`block`), each block's
+    predecessors start before it, and the longest blocks of one group overlap
+    the next group's short ones."""
+    if self.fused:
+      return max(self.config.head_group, 1)
+    return self.config.head_group
+
+  def dq_rank(self, ki, j):
+    """How many key blocks add to query tile `j` before block `ki`: the
+    visiting blocks run from the tile's highest (causal: the last key block
+    whose first key the tile's last query sees) down to 0, the order in which
+    the blocks, each starting at its diagonal, reach the tile."""
+    last = jnp.minimum(lax.div(j * self.bq + self.bq - 1, KEY_ROWS), self.nk - 1)
+    return last - ki
 
   @property
   def bq(self):
@@ -351,8 +410,10 @@ class _DkvKernel(_Shape):
     wg = lax.axis_index("wg")
     pass_turn = functools.partial(_pipeline.pass_turn,
                                   *(() if r.turn is None else (r.turn,)))
-    ki, kh, bi = akc.block_position(self.sp // KEY_ROWS, self.k_heads, self.b, "kv",
-                                    self.config.head_group)
+    ki, kh, bi = akc.block_position(self.nk, self.k_heads, self.b, "kv",
+                                    self.grid_group)
+    if self.fused:
+      ki = self.nk - 1 - ki  # the shortest first: see `grid_group`
     k0 = ki * KEY_ROWS
     j_fl = j_fh = j_hi = None
     limits = (None, None, None)
@@ -484,18 +545,52 @@ class _DkvKernel(_Shape):
       # Materialized before the turn, so that none of it sinks into the
       # partner's turn; then wait for the partner's scores matmuls.
       operands = lax.optimization_barrier(tuple(x.astype(self.dtype) for x in operands))
+    inits = tuple(carry[g] for g in names)
+    terms = tuple(zip(operands, (b[g] for g in names)))
+    if self.fused:
+      # dQ of this step over this warpgroup's keys: (dS^T)^T K, with dS^T
+      # staged in shared memory (a wgmma's lhs is its rows or shared memory).
+      dst = r.dst_smem.at[blk.wg]
+      dst[...] = operands[names.index("dk")].astype(self.dtype)
+      plgpu.commit_smem()
+      inits += (plgpu.layout_cast(jnp.zeros((self.bq, self.h), jnp.float32),
+                                  plgpu.Layout.WGMMA),)
+      terms += ((_common.Transposed(dst), k_tile),)
+    if self.ping_pong:
       blk.pass_turn()
     if not self.needs_dp:
       plgpu.barrier_wait(r.do_full.at[slot])  # dO lands while P^T is computed
 
-    sums = _common.accumulate(tuple(carry[g] for g in names),
-                              tuple(zip(operands, (b[g] for g in names))),
-                              operand_dtype=self.dtype)
+    sums = _common.accumulate(inits, terms, operand_dtype=self.dtype)
     plgpu.barrier_arrive(r.free.at[slot])
+    if self.fused:
+      self.hand_over_dq(r, blk, base + j, sums[-1])
+      sums = sums[:-1]
     return dict(zip(names, sums))
 
-  def producer(self, r: _DkvRefs, blk: _DkvBlock) -> None:
-    """Stream (head, query tile) steps: Q, lse [, query ids]; dO, delta."""
+  def hand_over_dq(self, r: _DkvRefs, blk: _DkvBlock, i, part) -> None:
+    """Stage step `i`'s dQ tile for the producer: consumer 0's product over its
+    64 keys, then consumer 1 adds its own (always in that order)."""
+    buf = lax.rem(i, 2)
+    tile = r.dq_smem.at[buf]
+
+    @pl.when(blk.wg == 0)
+    def _():
+      _pipeline.wait_when(i >= 2, r.dq_free.at[buf])  # the producer read it
+      tile[...] = part
+      plgpu.barrier_arrive(r.part_ready.at[buf])
+
+    @pl.when(blk.wg == 1)
+    def _():
+      plgpu.barrier_wait(r.part_ready.at[buf])
+      tile[...] = _common.load(tile, layout=plgpu.Layout.WGMMA) + part
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(r.dq_ready.at[buf])
+
+  def producer(self, r: _DkvRefs, blk: _DkvBlock, sem) -> None:
+    """Stream (head, query tile) steps: Q, lse [, query ids]; dO, delta. With
+    fuse_dq, also add each step's dQ tile into `dq` once the consumers staged it
+    (`stages` steps behind the loads: by then they have)."""
     bq, ring = self.bq, _pipeline.Ring(self.stages)
 
     def issue(i, _):
@@ -515,7 +610,45 @@ class _DkvKernel(_Shape):
       if self.needs_dp:
         plgpu.copy_gmem_to_smem(r.delta.at[stat], r.delta_smem.at[slot],
                                 r.do_full.at[slot])
+      if self.fused:
+        pl.when(i >= self.stages)(lambda: self.write_dq(r, blk, sem, i - self.stages))
     lax.fori_loop(0, blk.n_steps, issue, None)
+    if self.fused:
+      lax.fori_loop(jnp.maximum(blk.n_steps - self.stages, 0), blk.n_steps,
+                    lambda i, _: self.write_dq(r, blk, sem, i), None)
+
+  def write_dq(self, r: _DkvRefs, blk: _DkvBlock, sem, i) -> None:
+    """Add step `i`'s staged dQ tile into `dq` after the key blocks that come
+    before this one at its query tile (`dq_rank`; `sem` counts them per
+    (batch row, head, query tile)): the first stores, the others add."""
+    buf = lax.rem(i, 2)
+    g = lax.div(i, blk.n_j)
+    j = blk.j_lo + lax.rem(i, blk.n_j)
+    head = blk.head * self.group + g
+    src = r.dq_smem.at[buf]
+    dst = r.dq.at[blk.batch, pl.ds(j * self.bq, self.bq), head]
+    rank = self.dq_rank(blk.ki, j)
+    plgpu.barrier_wait(r.dq_ready.at[buf])
+    if _common.interpreting():
+      # No semaphores nor TMA reduction there; the blocks run one at a time in
+      # grid order, which is the rank order (`grid_group`): read, add, store.
+      @pl.when(rank > 0)
+      def _():
+        plgpu.copy_gmem_to_smem(dst, r.dq_old, r.dq_old_full)
+        plgpu.barrier_wait(r.dq_old_full)
+        src[...] = src[...] + r.dq_old[...]
+        plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(src, dst)
+      plgpu.wait_smem_to_gmem(0)
+    else:
+      counter = sem.at[(blk.batch * self.n + head) * self.nq + j]
+      plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")
+      pl.when(rank == 0)(lambda: plgpu.copy_smem_to_gmem(src, dst))
+      pl.when(rank > 0)(lambda: plgpu.copy_smem_to_gmem(src, dst, reduction_op="add"))
+      # The addition must have landed before the next block may add.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+      plgpu.semaphore_signal(counter, 1, memory_scope="gpu")
+    plgpu.barrier_arrive(r.dq_free.at[buf])
 
   def scratch(self):
     rows, bq, h, stages = akc.WG_ROWS, self.bq, self.h, self.stages
@@ -539,21 +672,42 @@ class _DkvKernel(_Shape):
         free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         turn=plgpu.Barrier(num_arrivals=2) if self.ping_pong else None,
         kvseg_smem=plgpu.SMEM((2, rows), jnp.int32) if segments else None,
-        qseg_smem=plgpu.SMEM((stages, bq), jnp.int32) if segments else None)
+        qseg_smem=plgpu.SMEM((stages, bq), jnp.int32) if segments else None,
+        **(self.fused_scratch(transforms) if self.fused else {}))
+
+  def fused_scratch(self, transforms) -> dict:
+    rows, bq, h = akc.WG_ROWS, self.bq, self.h
+    interpreting = _common.interpreting()
+    # Swizzled: the WGMMA layout's stores and loads are free of bank conflicts.
+    f32_tile = _common.swizzled(jnp.float32, h)
+    return dict(
+        dst_smem=plgpu.SMEM((2, rows, bq), self.dtype, transforms=transforms),
+        dq_smem=plgpu.SMEM((2, bq, h), jnp.float32, transforms=f32_tile),
+        part_ready=plgpu.Barrier(num_barriers=2),
+        dq_ready=plgpu.Barrier(num_barriers=2),
+        dq_free=plgpu.Barrier(num_barriers=2),
+        dq_old=(plgpu.SMEM((bq, h), jnp.float32, transforms=f32_tile) if interpreting
+                else None),
+        dq_old_full=plgpu.Barrier() if interpreting else None)
 
   def __call__(self, q, k, v, do, lse2, delta, *extras):
     def body(*refs):
       r = _pipeline.bind_refs(_DkvRefs, refs, self.absent())
       blk = self.block(r)
+      sem = None
+      if self.fused and not _common.interpreting():
+        # Additions done per (batch row, head, query tile); zeroed every launch.
+        sem = pl.get_global(plgpu.SemaphoreType.REGULAR((self.b * self.n * self.nq,)))
       _pipeline.split_warpgroups(blk.wg, lambda: self.consumer(r, blk),
-                                 lambda: self.producer(r, blk), self.registers)
+                                 lambda: self.producer(r, blk, sem), self.registers)
 
+    out_type = tuple(jax.ShapeDtypeStruct(k.shape, self.dtype) for _ in self.grads)
+    if self.fused:
+      out_type += (jax.ShapeDtypeStruct(q.shape, jnp.float32),)
     call = _pipeline.warpgroup_kernel(
-        body,
-        out_type=tuple(jax.ShapeDtypeStruct(k.shape, self.dtype) for _ in self.grads),
-        scratch_types=self.scratch(),
-        **akc.block_grid(self.sp // KEY_ROWS, self.k_heads, self.b, "kv",
-                         self.head_major, self.config.head_group))
+        body, out_type=out_type, scratch_types=self.scratch(),
+        **akc.block_grid(self.nk, self.k_heads, self.b, "kv", self.head_major,
+                         self.grid_group))
     return call(q, k, v, do, lse2, delta, *extras)
 
 
@@ -838,7 +992,8 @@ def flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
   keys, q_offset); with `feat.segments` also the query tile ranges per 64 keys
   ``[B, Sp // 64, 2]``, q ids ``[B, Tp]`` and kv ids ``[B, Sp]``. Key rows at or
   past the valid keys get zero dK/dV. `grads`: which of "dk" and "dv" to
-  compute; returned in that order (dK before dV)."""
+  compute; returned in that order (dK before dV), then with `config.fuse_dq`
+  dQ unscaled in float32 (``dS K``: times `scale` it is dQ)."""
   if not grads or not set(grads) <= {"dk", "dv"}:
     raise ValueError(f"grads must name 'dk', 'dv' or both; got {grads!r}")
   kernel = _DkvKernel(**_shape(q, k, scale=scale, causal=causal, config=config,
@@ -856,6 +1011,27 @@ def flash_dq(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
   kernel = _DqKernel(**_shape(q, k, scale=scale, causal=causal, config=config,
                               feat=feat), s_true=s_true)
   return kernel(q, k, v, do, lse2, delta, *extras)
+
+
+def fused_dq_refusal(t: int, s: int, causal: bool, feat: akc.Features) -> str | None:
+  """Why `AttentionVjpConfig.fuse_dq` cannot take a call (None: it can).
+
+  Its blocks add into a query tile in a fixed order, highest key block first:
+  the order in which causal blocks, each starting at its diagonal, reach the
+  tile, so that a block's waits are for blocks ahead of it. Without causal every
+  block starts at the first query tile and the order would make them wait in
+  turn. Every query row must be in some block's range (the first addition
+  stores): true of causal calls without windows or lengths. Padded keys
+  (S not a multiple of 128) are visible, unmasked, to queries past S."""
+  if not causal:
+    return ("dQ additions are ordered for causal calls only (every key block "
+            "reaches each query tile in turn)")
+  if feat.dynamic:
+    return "windows, sequence lengths, segment ids and q_offset are not supported"
+  if t > s and s % KEY_ROWS:
+    return (f"T > S needs S a multiple of {KEY_ROWS} (padded keys would be "
+            f"unmasked); got T={t}, S={s}")
+  return None
 
 
 def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
@@ -888,6 +1064,8 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
                       query_seq_lengths is not None,
                       key_value_seq_lengths is not None, segments,
                       q_offset is not None)
+  if config.fuse_dq and (why := fused_dq_refusal(t, s, causal, feat)):
+    raise NotImplementedError(f"fuse_dq: {why}")
   dtype = q.dtype
   dout = dout.astype(dtype)
   delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32),
@@ -928,10 +1106,14 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
                      causal=causal, config=config, feat=feat, grads=grads)
   if config.split_dkv:
     (dv,), (dk,) = dkv(("dv",)), dkv(("dk",))
+  elif config.fuse_dq:
+    dk, dv, dq = dkv(("dk", "dv"))
+    dq = (dq * scale).astype(dtype)
   else:
     dk, dv = dkv(("dk", "dv"))
-  dq = flash_dq(qp, kp, vp, dop, lse2, delta, *extras_dq, scale=scale,
-                causal=causal, s_true=s, config=config, feat=feat)
+  if not config.fuse_dq:
+    dq = flash_dq(qp, kp, vp, dop, lse2, delta, *extras_dq, scale=scale,
+                  causal=causal, s_true=s, config=config, feat=feat)
   if tp != t:
     dq = dq[:, :t]
   if sp != s:
