@@ -545,34 +545,48 @@ class _DkvKernel(_Shape):
       # Materialized before the turn, so that none of it sinks into the
       # partner's turn; then wait for the partner's scores matmuls.
       operands = lax.optimization_barrier(tuple(x.astype(self.dtype) for x in operands))
-    inits = tuple(carry[g] for g in names)
-    terms = tuple(zip(operands, (b[g] for g in names)))
     if self.fused:
-      # dQ of this step over this warpgroup's keys: (dS^T)^T K, with dS^T
+      # dQ of this step over this warpgroup's keys is (dS^T)^T K: dS^T is
       # staged in shared memory (a wgmma's lhs is its rows or shared memory).
       dst = r.dst_smem.at[blk.wg]
       dst[...] = operands[names.index("dk")].astype(self.dtype)
       plgpu.commit_smem()
-      inits += (plgpu.layout_cast(jnp.zeros((self.bq, self.h), jnp.float32),
-                                  plgpu.Layout.WGMMA),)
-      terms += ((_common.Transposed(dst), k_tile),)
     if self.ping_pong:
       blk.pass_turn()
     if not self.needs_dp:
       plgpu.barrier_wait(r.do_full.at[slot])  # dO lands while P^T is computed
 
-    sums = _common.accumulate(inits, terms, operand_dtype=self.dtype)
+    sums = _common.accumulate(tuple(carry[g] for g in names),
+                              tuple(zip(operands, (b[g] for g in names))),
+                              operand_dtype=self.dtype)
     plgpu.barrier_arrive(r.free.at[slot])
     if self.fused:
-      self.hand_over_dq(r, blk, base + j, sums[-1])
-      sums = sums[:-1]
+      # Issued after dK and dV's: their float32 operands are dead by then, so
+      # the dQ accumulator does not spill (issued with them it did: 37 M
+      # local-memory requests at H128, notes/MEASUREMENTS.md session 34).
+      i = base + j
+      tile = r.dq_smem.at[lax.rem(i, 2)]
+      (part,) = _common.accumulate((self.dq_start(r, blk, i, tile),),
+                                   ((_common.Transposed(dst), k_tile),))
+      self.hand_over_dq(r, blk, i, tile, part)
     return dict(zip(names, sums))
 
-  def hand_over_dq(self, r: _DkvRefs, blk: _DkvBlock, i, part) -> None:
-    """Stage step `i`'s dQ tile for the producer: consumer 0's product over its
-    64 keys, then consumer 1 adds its own (always in that order)."""
+  def dq_start(self, r: _DkvRefs, blk: _DkvBlock, i, tile):
+    """Where this consumer's dQ product of step `i` starts: zero (consumer 0),
+    or consumer 0's product staged in `tile` (consumer 1: the sum then needs
+    no second float32 tile in registers)."""
+    zeros = lambda: plgpu.layout_cast(jnp.zeros((self.bq, self.h), jnp.float32),
+                                      plgpu.Layout.WGMMA)
+
+    def staged():
+      plgpu.barrier_wait(r.part_ready.at[lax.rem(i, 2)])
+      return _common.load(tile, layout=plgpu.Layout.WGMMA)
+    return lax.cond(blk.wg == 1, staged, zeros)
+
+  def hand_over_dq(self, r: _DkvRefs, blk: _DkvBlock, i, tile, part) -> None:
+    """Stage step `i`'s dQ tile: consumer 0's product over its 64 keys for
+    consumer 1, then consumer 1's sum (`dq_start`) for the producer."""
     buf = lax.rem(i, 2)
-    tile = r.dq_smem.at[buf]
 
     @pl.when(blk.wg == 0)
     def _():
@@ -582,8 +596,7 @@ class _DkvKernel(_Shape):
 
     @pl.when(blk.wg == 1)
     def _():
-      plgpu.barrier_wait(r.part_ready.at[buf])
-      tile[...] = _common.load(tile, layout=plgpu.Layout.WGMMA) + part
+      tile[...] = part
       plgpu.commit_smem()
       plgpu.barrier_arrive(r.dq_ready.at[buf])
 
@@ -616,18 +629,28 @@ class _DkvKernel(_Shape):
     if self.fused:
       lax.fori_loop(jnp.maximum(blk.n_steps - self.stages, 0), blk.n_steps,
                     lambda i, _: self.write_dq(r, blk, sem, i), None)
+      if not _common.interpreting():
+        pl.when(blk.n_steps > 0)(
+            lambda: self.confirm_dq(r, blk, sem, blk.n_steps - 1, pending=0))
 
-  def write_dq(self, r: _DkvRefs, blk: _DkvBlock, sem, i) -> None:
-    """Add step `i`'s staged dQ tile into `dq` after the key blocks that come
-    before this one at its query tile (`dq_rank`; `sem` counts them per
-    (batch row, head, query tile)): the first stores, the others add."""
-    buf = lax.rem(i, 2)
+  def dq_target(self, r: _DkvRefs, blk: _DkvBlock, i):
+    """Step `i`'s dQ rows in `dq`, the index of their counter, and this block's
+    rank among the key blocks adding into them (`dq_rank`)."""
     g = lax.div(i, blk.n_j)
     j = blk.j_lo + lax.rem(i, blk.n_j)
     head = blk.head * self.group + g
-    src = r.dq_smem.at[buf]
     dst = r.dq.at[blk.batch, pl.ds(j * self.bq, self.bq), head]
-    rank = self.dq_rank(blk.ki, j)
+    return dst, (blk.batch * self.n + head) * self.nq + j, self.dq_rank(blk.ki, j)
+
+  def write_dq(self, r: _DkvRefs, blk: _DkvBlock, sem, i) -> None:
+    """Add step `i`'s staged dQ tile into `dq` after the key blocks that come
+    before this one at its query tile (`sem` counts them per (batch row, head,
+    query tile)): the first stores, the others add. Natively the addition is
+    left in flight: the next call confirms it (the last, the producer after its
+    loop)."""
+    buf = lax.rem(i, 2)
+    src = r.dq_smem.at[buf]
+    dst, counter, rank = self.dq_target(r, blk, i)
     plgpu.barrier_wait(r.dq_ready.at[buf])
     if _common.interpreting():
       # No semaphores nor TMA reduction there; the blocks run one at a time in
@@ -640,15 +663,21 @@ class _DkvKernel(_Shape):
         plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(src, dst)
       plgpu.wait_smem_to_gmem(0)
-    else:
-      counter = sem.at[(blk.batch * self.n + head) * self.nq + j]
-      plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")
-      pl.when(rank == 0)(lambda: plgpu.copy_smem_to_gmem(src, dst))
-      pl.when(rank > 0)(lambda: plgpu.copy_smem_to_gmem(src, dst, reduction_op="add"))
-      # The addition must have landed before the next block may add.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-      plgpu.semaphore_signal(counter, 1, memory_scope="gpu")
-    plgpu.barrier_arrive(r.dq_free.at[buf])
+      plgpu.barrier_arrive(r.dq_free.at[buf])
+      return
+    plgpu.semaphore_wait(sem.at[counter], rank, decrement=False, memory_scope="gpu")
+    pl.when(rank == 0)(lambda: plgpu.copy_smem_to_gmem(src, dst))
+    pl.when(rank > 0)(lambda: plgpu.copy_smem_to_gmem(src, dst, reduction_op="add"))
+    # While this addition flies, the previous one lands: pass it on.
+    pl.when(i > 0)(lambda: self.confirm_dq(r, blk, sem, i - 1, pending=1))
+
+  def confirm_dq(self, r: _DkvRefs, blk: _DkvBlock, sem, i, pending: int) -> None:
+    """Once step `i`'s addition has landed (at most `pending` later ones still
+    in flight), let the next key block add into its rows and free its buffer."""
+    plgpu.wait_smem_to_gmem(pending, wait_read_only=False)
+    _, counter, _ = self.dq_target(r, blk, i)
+    plgpu.semaphore_signal(sem.at[counter], 1, memory_scope="gpu")
+    plgpu.barrier_arrive(r.dq_free.at[lax.rem(i, 2)])
 
   def scratch(self):
     rows, bq, h, stages = akc.WG_ROWS, self.bq, self.h, self.stages
