@@ -1215,22 +1215,24 @@ def test_backward_fuse_dq_refusals():
     mat.AttentionVjpConfig(32, 32, 2, split_dkv=True, fuse_dq=True)
   q, key, v = _qkv(1, 256, 200, 2, 2, 64, jnp.bfloat16)
   lse = jnp.zeros((1, 2, 256), jnp.float32)
-  config = mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True)
+  config = mat.AttentionVjpConfig(128, 128, 2, fuse_dq=True)
   for causal, kw, reason in (
+      (True, dict(config=mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True)),
+       "must be 64 x 128 or 128 x 64; got 64 x 64"),
       (False, {}, "causal calls only"),
       (True, dict(local_window=(64, 0)), "windows"),
       (True, dict(key_value_seq_lengths=jnp.asarray([100], jnp.int32)), "lengths"),
       (True, {}, r"T > S needs S a multiple of 128 .*got T=256, S=200")):
     with pytest.raises(NotImplementedError, match=reason):
       jax.eval_shape(functools.partial(mat.mosaic_attention_bwd, scale=0.125,
-                                       causal=causal, config=config, **kw),
+                                       causal=causal, **{"config": config, **kw}),
                      q, key, v, q, q, lse)
 
 
 @gpu
 @pytest.mark.parametrize("b,t,s,n,k,h,block_q,ping_pong", [
     (2, 1024, 1024, 4, 4, 64, 128, False),
-    (2, 1024, 1024, 4, 4, 64, 64, True),
+    (2, 1024, 1024, 4, 4, 64, 128, True),  # ping-pong
     (1, 2048, 2048, 8, 2, 128, 64, False),  # GQA: 4 query heads a block
     (1, 1000, 1100, 4, 2, 128, 64, True),  # T < S, neither a tile multiple
     (2, 700, 512, 4, 1, 64, 128, False),  # MQA, T > S

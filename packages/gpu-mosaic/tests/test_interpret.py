@@ -162,13 +162,13 @@ def test_attention_backward_split_dkv_configs(ping_pong, block_q_dv, features):
 
 @pytest.mark.parametrize("h,n,k,t,s,block_q,ping_pong,soft_cap", [
     # GQA, T and S not multiples of the tile (T < S), two query heads a step loop.
-    (64, 4, 2, 300, 330, 64, False, None),
-    # Ping-pong, a soft cap. (128-row steps, which the H200 runs, never finish
-    # in JAX 0.12's interpreter here, as other one-axis grids before:
-    # notes/MOSAIC_GPU.md, "an interpreter hang".)
-    (64, 2, 1, 256, 256, 64, True, 20.0),
+    (128, 4, 2, 300, 330, 64, False, None),
+    # Ping-pong, a soft cap. (H64 takes 128-row steps, which never finish in
+    # JAX 0.12's interpreter here, as other one-axis grids before:
+    # notes/MOSAIC_GPU.md, "an interpreter hang"; the H200 runs them.)
+    (128, 2, 1, 384, 384, 64, True, 20.0),
     (128, 2, 2, 200, 128, 64, False, None),  # T > S (S a tile multiple)
-], ids=["gqa-odd", "h64-ping-pong-cap", "h128-t-gt-s"])
+], ids=["gqa-odd", "ping-pong-cap", "t-gt-s"])
 def test_attention_backward_fuse_dq(h, n, k, t, s, block_q, ping_pong, soft_cap):
   """dQ from the dK/dV kernel (`fuse_dq`): each step's dQ tile added in rank
   order (here by read, add, store: the interpreter runs the blocks one at a time

@@ -297,7 +297,7 @@ class _DkvRefs(NamedTuple):
   dk: Any
   dv: Any
   dq: Any  # [B, Tp, N, H] float32, unscaled (fuse_dq)
-  k_smem: Any  # [2, 64, H]: each consumer's K tile, then its dK tile
+  k_smem: Any  # [2, 64, H] ([128, H] with fuse_dq): each consumer's K tile, then its dK tile
   v_smem: Any  # [2, 64, H]: V, then dV (absent in a dV-only pass)
   q_smem: Any  # [stages, block_q, H]
   do_smem: Any
@@ -310,22 +310,24 @@ class _DkvRefs(NamedTuple):
   turn: Any  # ping_pong: a two-party barrier
   kvseg_smem: Any  # [2, 64] int32: each consumer's key ids
   qseg_smem: Any  # [stages, block_q] int32: query ids, next to Q
-  # fuse_dq: each consumer's dS^T tile (the lhs of its dQ product), then the
-  # step's dQ tile in two buffers (steps alternate): consumer 0 stages its
-  # 64 keys' product ("part_ready"), consumer 1 adds its own ("dq_ready"), the
-  # producer adds the sum into `dq` ("dq_free"). The interpreter, which has no
-  # TMA reduction, reads the running sum back through `dq_old`.
-  dst_smem: Any  # [2, 64, block_q]
+  # fuse_dq: both consumers' dS^T tiles, one above the other ("ds_ready" once
+  # both are in, "dst_free" once both products read them); each consumer
+  # multiplies them by all 128 keys of K into its half of the step's dQ tile
+  # (`dq_half`), in two buffers (steps alternate; "dq_ready" when both halves
+  # are in, "dq_free" when the producer has added the tile into `dq`). The
+  # interpreter, which has no TMA reduction, reads the sum back via `dq_old`.
+  dst_smem: Any  # [128, block_q]
   dq_smem: Any  # [2, block_q, H] float32
-  part_ready: Any
+  ds_ready: Any
+  dst_free: Any
   dq_ready: Any
   dq_free: Any
   dq_old: Any  # [block_q, H] float32 (interpreter)
   dq_old_full: Any
 
 
-_FUSED_DQ_FIELDS = ("dq", "dst_smem", "dq_smem", "part_ready", "dq_ready", "dq_free",
-                    "dq_old", "dq_old_full")
+_FUSED_DQ_FIELDS = ("dq", "dst_smem", "dq_smem", "ds_ready", "dst_free", "dq_ready",
+                    "dq_free", "dq_old", "dq_old_full")
 
 
 class _DkvBlock(NamedTuple):
@@ -389,6 +391,17 @@ class _DkvKernel(_Shape):
       return max(self.config.head_group, 1)
     return self.config.head_group
 
+  def dq_half(self, wg):
+    """This consumer's 64 x 64 share of a step's ``block_q x H`` dQ tile: its
+    query rows and head-dim columns (`fused_dq_refusal` allows 64 x 128 and
+    128 x 64 tiles, so that each share is a whole swizzle row wide)."""
+    rows, cols = pl.ds(0, self.bq), pl.ds(0, self.h)
+    if self.bq > akc.WG_ROWS:
+      rows = pl.ds(wg * akc.WG_ROWS, akc.WG_ROWS)
+    else:
+      cols = pl.ds(wg * (self.h // 2), self.h // 2)
+    return rows, cols
+
   def dq_rank(self, ki, j):
     """How many key blocks add to query tile `j` before block `ki`: the
     visiting blocks run from the tile's highest (causal: the last key block
@@ -437,7 +450,7 @@ class _DkvKernel(_Shape):
     """Load this warpgroup's K, V; accumulate dK, dV over every step; store."""
     wg, rows = blk.wg, akc.WG_ROWS
     r0 = blk.k0 + wg * rows
-    k_tile = r.k_smem.at[wg]
+    k_tile = r.k_smem.at[pl.ds(wg * rows, rows)] if self.fused else r.k_smem.at[wg]
     v_tile = None if r.v_smem is None else r.v_smem.at[wg]
     mine = (blk.batch, pl.ds(r0, rows), blk.head)
     plgpu.copy_gmem_to_smem(r.k.at[mine], k_tile, r.kv_full.at[wg])
@@ -469,6 +482,9 @@ class _DkvKernel(_Shape):
       kv_limit = blk.limits[1]
       key = _pipeline.wgmma_iota((rows, self.h), 0) + r0
       grads = {g: jnp.where(key < kv_limit, x, 0.0) for g, x in grads.items()}
+    if self.fused:
+      # The partner's last dQ product reads this warpgroup's K rows too.
+      _pipeline.wait_when(blk.n_steps > 0, r.dst_free)
     # K and V are no longer read (every wgmma was waited for): stage the
     # results there. dS was taken unscaled: scale dK once here.
     dv_tile = k_tile if v_tile is None else v_tile  # a dV-only pass has no V tile
@@ -545,12 +561,16 @@ class _DkvKernel(_Shape):
       # Materialized before the turn, so that none of it sinks into the
       # partner's turn; then wait for the partner's scores matmuls.
       operands = lax.optimization_barrier(tuple(x.astype(self.dtype) for x in operands))
+    i = base + j
     if self.fused:
-      # dQ of this step over this warpgroup's keys is (dS^T)^T K: dS^T is
-      # staged in shared memory (a wgmma's lhs is its rows or shared memory).
-      dst = r.dst_smem.at[blk.wg]
-      dst[...] = operands[names.index("dk")].astype(self.dtype)
+      # The step's dQ tile is dS K over the block's 128 keys: both consumers'
+      # dS^T tiles go to shared memory (a wgmma's lhs is registers or shared
+      # memory), once the partner's product of the previous step read them.
+      _pipeline.wait_when(i > 0, r.dst_free)
+      r.dst_smem.at[pl.ds(blk.wg * akc.WG_ROWS, akc.WG_ROWS)][...] = (
+          operands[names.index("dk")].astype(self.dtype))
       plgpu.commit_smem()
+      plgpu.barrier_arrive(r.ds_ready)
     if self.ping_pong:
       blk.pass_turn()
     if not self.needs_dp:
@@ -561,44 +581,26 @@ class _DkvKernel(_Shape):
                               operand_dtype=self.dtype)
     plgpu.barrier_arrive(r.free.at[slot])
     if self.fused:
-      # Issued after dK and dV's: their float32 operands are dead by then, so
-      # the dQ accumulator does not spill (issued with them it did: 37 M
-      # local-memory requests at H128, notes/MEASUREMENTS.md session 34).
-      i = base + j
-      tile = r.dq_smem.at[lax.rem(i, 2)]
-      (part,) = _common.accumulate((self.dq_start(r, blk, i, tile),),
-                                   ((_common.Transposed(dst), k_tile),))
-      self.hand_over_dq(r, blk, i, tile, part)
+      self.dq_step(r, blk, i)
     return dict(zip(names, sums))
 
-  def dq_start(self, r: _DkvRefs, blk: _DkvBlock, i, tile):
-    """Where this consumer's dQ product of step `i` starts: zero (consumer 0),
-    or consumer 0's product staged in `tile` (consumer 1: the sum then needs
-    no second float32 tile in registers)."""
-    zeros = lambda: plgpu.layout_cast(jnp.zeros((self.bq, self.h), jnp.float32),
-                                      plgpu.Layout.WGMMA)
-
-    def staged():
-      plgpu.barrier_wait(r.part_ready.at[lax.rem(i, 2)])
-      return _common.load(tile, layout=plgpu.Layout.WGMMA)
-    return lax.cond(blk.wg == 1, staged, zeros)
-
-  def hand_over_dq(self, r: _DkvRefs, blk: _DkvBlock, i, tile, part) -> None:
-    """Stage step `i`'s dQ tile: consumer 0's product over its 64 keys for
-    consumer 1, then consumer 1's sum (`dq_start`) for the producer."""
+  def dq_step(self, r: _DkvRefs, blk: _DkvBlock, i) -> None:
+    """This consumer's half of step `i`'s dQ tile, ``(dS^T)^T K`` over both
+    consumers' keys, staged for the producer. Issued after dK and dV's
+    products: issued with them, the float32 operands still live, it spilled
+    (notes/MEASUREMENTS.md session 34)."""
+    rows, cols = self.dq_half(blk.wg)
+    plgpu.barrier_wait(r.ds_ready)
+    zeros = plgpu.layout_cast(jnp.zeros((akc.WG_ROWS, akc.WG_ROWS), jnp.float32),
+                              plgpu.Layout.WGMMA)
+    (half,) = _common.accumulate(
+        (zeros,), ((_common.Transposed(r.dst_smem.at[:, rows]), r.k_smem.at[:, cols]),))
+    plgpu.barrier_arrive(r.dst_free)
     buf = lax.rem(i, 2)
-
-    @pl.when(blk.wg == 0)
-    def _():
-      _pipeline.wait_when(i >= 2, r.dq_free.at[buf])  # the producer read it
-      tile[...] = part
-      plgpu.barrier_arrive(r.part_ready.at[buf])
-
-    @pl.when(blk.wg == 1)
-    def _():
-      tile[...] = part
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(r.dq_ready.at[buf])
+    _pipeline.wait_when(i >= 2, r.dq_free.at[buf])  # the producer has read it
+    r.dq_smem.at[buf, rows, cols][...] = half
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(r.dq_ready.at[buf])
 
   def producer(self, r: _DkvRefs, blk: _DkvBlock, sem) -> None:
     """Stream (head, query tile) steps: Q, lse [, query ids]; dO, delta. With
@@ -690,7 +692,9 @@ class _DkvKernel(_Shape):
     ids, dp = int(segments), int(self.needs_dp)
     return _pipeline.in_field_order(
         _DkvRefs,
-        k_smem=tile(2, rows), v_smem=tile(2, rows) if self.needs_dp else None,
+        k_smem=(plgpu.SMEM((KEY_ROWS, h), self.dtype, transforms=transforms)
+                if self.fused else tile(2, rows)),
+        v_smem=tile(2, rows) if self.needs_dp else None,
         q_smem=tile(stages, bq),
         do_smem=tile(stages, bq),
         lse_smem=plgpu.SMEM((stages, bq), jnp.float32),
@@ -705,15 +709,16 @@ class _DkvKernel(_Shape):
         **(self.fused_scratch(transforms) if self.fused else {}))
 
   def fused_scratch(self, transforms) -> dict:
-    rows, bq, h = akc.WG_ROWS, self.bq, self.h
+    bq, h = self.bq, self.h
     interpreting = _common.interpreting()
     # Swizzled: the WGMMA layout's stores and loads are free of bank conflicts.
     f32_tile = _common.swizzled(jnp.float32, h)
     return dict(
-        dst_smem=plgpu.SMEM((2, rows, bq), self.dtype, transforms=transforms),
+        dst_smem=plgpu.SMEM((KEY_ROWS, bq), self.dtype, transforms=transforms),
         dq_smem=plgpu.SMEM((2, bq, h), jnp.float32, transforms=f32_tile),
-        part_ready=plgpu.Barrier(num_barriers=2),
-        dq_ready=plgpu.Barrier(num_barriers=2),
+        ds_ready=plgpu.Barrier(num_arrivals=2),
+        dst_free=plgpu.Barrier(num_arrivals=2),
+        dq_ready=plgpu.Barrier(num_arrivals=2, num_barriers=2),
         dq_free=plgpu.Barrier(num_barriers=2),
         dq_old=(plgpu.SMEM((bq, h), jnp.float32, transforms=f32_tile) if interpreting
                 else None),
@@ -1042,7 +1047,8 @@ def flash_dq(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
   return kernel(q, k, v, do, lse2, delta, *extras)
 
 
-def fused_dq_refusal(t: int, s: int, causal: bool, feat: akc.Features) -> str | None:
+def fused_dq_refusal(t: int, s: int, h: int, block_q: int, causal: bool,
+                     feat: akc.Features) -> str | None:
   """Why `AttentionVjpConfig.fuse_dq` cannot take a call (None: it can).
 
   Its blocks add into a query tile in a fixed order, highest key block first:
@@ -1051,7 +1057,12 @@ def fused_dq_refusal(t: int, s: int, causal: bool, feat: akc.Features) -> str | 
   block starts at the first query tile and the order would make them wait in
   turn. Every query row must be in some block's range (the first addition
   stores): true of causal calls without windows or lengths. Padded keys
-  (S not a multiple of 128) are visible, unmasked, to queries past S."""
+  (S not a multiple of 128) are visible, unmasked, to queries past S. Each
+  consumer computes a 64 x 64 half of a step's ``block_q x H`` dQ tile
+  (`_DkvKernel.dq_half`)."""
+  if (block_q, h) not in ((64, 128), (128, 64)):
+    return (f"a step's dQ tile (block_q x head dim) must be 64 x 128 or 128 x 64; "
+            f"got {block_q} x {h}")
   if not causal:
     return ("dQ additions are ordered for causal calls only (every key block "
             "reaches each query tile in turn)")
@@ -1093,7 +1104,8 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
                       query_seq_lengths is not None,
                       key_value_seq_lengths is not None, segments,
                       q_offset is not None)
-  if config.fuse_dq and (why := fused_dq_refusal(t, s, causal, feat)):
+  if config.fuse_dq and (why := fused_dq_refusal(t, s, q.shape[-1], config.block_q,
+                                                  causal, feat)):
     raise NotImplementedError(f"fuse_dq: {why}")
   dtype = q.dtype
   dout = dout.astype(dtype)
