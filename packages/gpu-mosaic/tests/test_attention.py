@@ -1219,14 +1219,41 @@ def test_backward_fuse_dq_refusals():
   for causal, kw, reason in (
       (True, dict(config=mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True)),
        "must be 64 x 128 or 128 x 64; got 64 x 64"),
-      (False, {}, "causal calls only"),
-      (True, dict(local_window=(64, 0)), "windows"),
-      (True, dict(key_value_seq_lengths=jnp.asarray([100], jnp.int32)), "lengths"),
+      (False, {}, "causal calls only.*got is_causal=False"),
+      (True, dict(local_window=(64, 0)), "got a local window"),
+      (True, dict(key_value_seq_lengths=jnp.asarray([100], jnp.int32)),
+       "got key/value lengths"),
+      (True, dict(q_offset=jnp.asarray([3], jnp.int32)), "got q_offset"),
+      (True, dict(q_segment_ids=jnp.zeros((1, 256), jnp.int32),
+                  kv_segment_ids=jnp.zeros((1, 200), jnp.int32)), "got segment ids"),
       (True, {}, r"T > S needs S a multiple of 128 .*got T=256, S=200")):
     with pytest.raises(NotImplementedError, match=reason):
       jax.eval_shape(functools.partial(mat.mosaic_attention_bwd, scale=0.125,
                                        causal=causal, **{"config": config, **kw}),
                      q, key, v, q, q, lse)
+
+
+def test_backward_fuse_dq_config_refusals():
+  with pytest.raises(ValueError, match="orders its blocks itself.*head_major=True"):
+    mat.AttentionVjpConfig(64, 128, 2, head_major=True, fuse_dq=True)
+
+
+@pytest.mark.parametrize("t,s,block_q", [
+    (1024, 1024, 64), (1000, 1100, 64), (700, 512, 128), (512, 512, 128),
+    (640, 384, 64)])
+def test_backward_fuse_dq_rank_order(t, s, block_q):
+  # The key blocks that add into a query tile (those with a key some query of
+  # the tile sees under the causal mask) take ranks 0, 1, ... from the highest
+  # down: the first stores, so each rank must occur once.
+  tp, sp = -(-t // 128) * 128, -(-s // 128) * 128
+  kernel = akb._DkvKernel(
+      b=1, tp=tp, n=1, h=8192 // block_q, group=1, sp=sp,
+      config=mat.AttentionVjpConfig(block_q, 128, 2, fuse_dq=True), causal=True,
+      feat=akc.PLAIN, dtype=jnp.bfloat16, scale=1.0)
+  for j in range(tp // block_q):
+    visitors = [kb for kb in range(sp // 128) if kb * 128 < (j + 1) * block_q]
+    ranks = [int(kernel.dq_rank(kb, j)) for kb in visitors]
+    assert ranks == list(range(len(visitors)))[::-1], j
 
 
 @gpu

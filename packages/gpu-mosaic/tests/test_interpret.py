@@ -186,6 +186,15 @@ def test_attention_backward_fuse_dq(h, n, k, t, s, block_q, ping_pong, soft_cap)
     testing.assert_close(g, w, jnp.bfloat16, what=f"gradient {i}", scale=2.0)
 
 
+def test_attention_backward_fuse_dq_refuses_128_row_steps():
+  """H64's 128-row steps never finish in the interpreter here: refused."""
+  q = _normal((1, 256, 2, 64), jnp.bfloat16)
+  lse = jnp.zeros((1, 2, 256), jnp.float32)
+  with tokamax.interpret(), pytest.raises(NotImplementedError, match="hangs there"):
+    mat.mosaic_attention_bwd(q, q, q, q, q, lse, scale=0.125, causal=True,
+                             config=mat.AttentionVjpConfig(128, 128, 2, fuse_dq=True))
+
+
 @pytest.mark.parametrize("causal,features,persistent", [
     (True, False, False), (False, True, False), (True, False, True)],
     ids=["causal", "window-lengths", "causal-persistent"])

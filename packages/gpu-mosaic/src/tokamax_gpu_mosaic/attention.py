@@ -479,7 +479,8 @@ def _check_backward_args(args) -> None:
 @dataclasses.dataclass(frozen=True)
 class MosaicGpuAttentionVjp(VjpOp):
   """FA3-style attention backward (`attention_kernel_bwd`): a dK/dV kernel and a
-  dQ kernel, from the forward's ``lse`` (any implementation's)."""
+  dQ kernel (or one kernel for all three with the opt-in `fuse_dq` config),
+  from the forward's ``lse`` (any implementation's)."""
 
   op_name = "dot_product_attention"
   name = "mosaic_gpu"

@@ -1,7 +1,9 @@
 """Attention backward kernels in Pallas Mosaic GPU (Hopper, sm_90), FA3 style.
 
 ``delta = rowsum(dO * O)`` in jnp, then two kernels, no atomics (deterministic),
-each with the forward's warpgroup layout (a producer, two 64-row consumers):
+each with the forward's warpgroup layout (a producer, two 64-row consumers)
+(`AttentionVjpConfig.fuse_dq`, opt-in: dQ from the dK/dV kernel too, its
+additions ordered per query tile; notes/MOSAIC_GPU.md session 34):
 
 - dK/dV (`_DkvKernel`): grid (key tiles of 128 rows, kv heads, batch). The
   producer streams, per step, one query tile of every query head of the kv
@@ -135,6 +137,10 @@ class AttentionVjpConfig:
     if self.fuse_dq and self.split_dkv:
       raise ValueError("fuse_dq computes dQ next to dK and dV in one pass; got "
                        "split_dkv=True")
+    if self.fuse_dq and self.head_major is not None:
+      raise ValueError("fuse_dq orders its blocks itself (groups of head_group "
+                       f"pairs, the highest key block first); got head_major="
+                       f"{self.head_major}")
     akc.check_head_group(self.head_group, self.head_major)
 
   def pass_block_q(self, grads: tuple[str, ...]) -> int:
@@ -348,8 +354,9 @@ class _DkvBlock(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class _DkvKernel(_Shape):
-  """dK, dV; its methods are the kernel's stages. `grads`: which of the two it
-  computes ("dk", "dv" or both: `AttentionVjpConfig.split_dkv`)."""
+  """dK, dV (and dQ with `AttentionVjpConfig.fuse_dq`); its methods are the
+  kernel's stages. `grads`: which of dK and dV it computes ("dk", "dv" or
+  both: `AttentionVjpConfig.split_dkv`)."""
 
   grads: tuple[str, ...] = ("dk", "dv")
 
@@ -604,8 +611,8 @@ class _DkvKernel(_Shape):
 
   def producer(self, r: _DkvRefs, blk: _DkvBlock, sem) -> None:
     """Stream (head, query tile) steps: Q, lse [, query ids]; dO, delta. With
-    fuse_dq, also add each step's dQ tile into `dq` once the consumers staged it
-    (`stages` steps behind the loads: by then they have)."""
+    fuse_dq, also add each step's dQ tile into `dq` (`write_dq`, `stages` steps
+    behind the loads, waiting for the consumers to stage it)."""
     bq, ring = self.bq, _pipeline.Ring(self.stages)
 
     def issue(i, _):
@@ -633,7 +640,7 @@ class _DkvKernel(_Shape):
                     lambda i, _: self.write_dq(r, blk, sem, i), None)
       if not _common.interpreting():
         pl.when(blk.n_steps > 0)(
-            lambda: self.confirm_dq(r, blk, sem, blk.n_steps - 1, pending=0))
+            lambda: self.confirm_dq(r, blk, sem, blk.n_steps - 1))
 
   def dq_target(self, r: _DkvRefs, blk: _DkvBlock, i):
     """Step `i`'s dQ rows in `dq`, the index of their counter, and this block's
@@ -654,6 +661,11 @@ class _DkvKernel(_Shape):
     src = r.dq_smem.at[buf]
     dst, counter, rank = self.dq_target(r, blk, i)
     plgpu.barrier_wait(r.dq_ready.at[buf])
+    if not _common.interpreting():
+      # The previous addition flew while the consumers staged this tile: pass
+      # it on before waiting for this tile's turn, so that the blocks after
+      # this one never wait on the ones before it.
+      pl.when(i > 0)(lambda: self.confirm_dq(r, blk, sem, i - 1))
     if _common.interpreting():
       # No semaphores nor TMA reduction there; the blocks run one at a time in
       # grid order, which is the rank order (`grid_group`): read, add, store.
@@ -670,13 +682,11 @@ class _DkvKernel(_Shape):
     plgpu.semaphore_wait(sem.at[counter], rank, decrement=False, memory_scope="gpu")
     pl.when(rank == 0)(lambda: plgpu.copy_smem_to_gmem(src, dst))
     pl.when(rank > 0)(lambda: plgpu.copy_smem_to_gmem(src, dst, reduction_op="add"))
-    # While this addition flies, the previous one lands: pass it on.
-    pl.when(i > 0)(lambda: self.confirm_dq(r, blk, sem, i - 1, pending=1))
 
-  def confirm_dq(self, r: _DkvRefs, blk: _DkvBlock, sem, i, pending: int) -> None:
-    """Once step `i`'s addition has landed (at most `pending` later ones still
-    in flight), let the next key block add into its rows and free its buffer."""
-    plgpu.wait_smem_to_gmem(pending, wait_read_only=False)
+  def confirm_dq(self, r: _DkvRefs, blk: _DkvBlock, sem, i) -> None:
+    """Once step `i`'s addition (the last issued) has landed, let the next key
+    block add into its rows and free its buffer."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
     _, counter, _ = self.dq_target(r, blk, i)
     plgpu.semaphore_signal(sem.at[counter], 1, memory_scope="gpu")
     plgpu.barrier_arrive(r.dq_free.at[lax.rem(i, 2)])
@@ -688,7 +698,8 @@ class _DkvKernel(_Shape):
     tile = lambda n, m: plgpu.SMEM((n, m, h), self.dtype, transforms=transforms)
     # Arrivals: one per TMA copy landing on the barrier (K [+ V] [+ kv ids];
     # Q + lse [+ q ids]; dO [+ delta]: V and delta only where dP^T is
-    # computed), one per consumer on "free".
+    # computed), one per consumer on "free". fuse_dq: one per consumer on
+    # "ds_ready", "dst_free" and "dq_ready", the producer's on "dq_free".
     ids, dp = int(segments), int(self.needs_dp)
     return _pipeline.in_field_order(
         _DkvRefs,
@@ -730,7 +741,9 @@ class _DkvKernel(_Shape):
       blk = self.block(r)
       sem = None
       if self.fused and not _common.interpreting():
-        # Additions done per (batch row, head, query tile); zeroed every launch.
+        # Additions done per (batch row, head, query tile). JAX zeroes GMEM
+        # scratch on every launch (its Mosaic GPU pallas_call lowering), which
+        # the ranks rely on.
         sem = pl.get_global(plgpu.SemaphoreType.REGULAR((self.b * self.n * self.nq,)))
       _pipeline.split_warpgroups(blk.wg, lambda: self.consumer(r, blk),
                                  lambda: self.producer(r, blk, sem), self.registers)
@@ -1030,6 +1043,11 @@ def flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
   dQ unscaled in float32 (``dS K``: times `scale` it is dQ)."""
   if not grads or not set(grads) <= {"dk", "dv"}:
     raise ValueError(f"grads must name 'dk', 'dv' or both; got {grads!r}")
+  if config.fuse_dq and (not causal or feat.dynamic or set(grads) != {"dk", "dv"}):
+    # A block outside a tile's causal range would wait for a negative rank.
+    raise NotImplementedError(
+        f"fuse_dq: causal calls without dynamic features computing dK and dV; got "
+        f"causal={causal}, {feat}, grads={grads!r} (`fused_dq_refusal`)")
   kernel = _DkvKernel(**_shape(q, k, scale=scale, causal=causal, config=config,
                                feat=feat), grads=tuple(g for g in ("dk", "dv") if g in grads))
   return kernel(q, k, v, do, lse2, delta, *extras)
@@ -1065,9 +1083,14 @@ def fused_dq_refusal(t: int, s: int, h: int, block_q: int, causal: bool,
             f"got {block_q} x {h}")
   if not causal:
     return ("dQ additions are ordered for causal calls only (every key block "
-            "reaches each query tile in turn)")
+            "reaches each query tile in turn); got is_causal=False")
   if feat.dynamic:
-    return "windows, sequence lengths, segment ids and q_offset are not supported"
+    given = [name for name, on in (
+        ("a local window", feat.window), ("query lengths", feat.q_len),
+        ("key/value lengths", feat.kv_len), ("q_offset", feat.offset),
+        ("segment ids", feat.segments)) if on]
+    return (f"windows, sequence lengths, segment ids and q_offset are not "
+            f"supported; got {', '.join(given)}")
   if t > s and s % KEY_ROWS:
     return (f"T > S needs S a multiple of {KEY_ROWS} (padded keys would be "
             f"unmasked); got T={t}, S={s}")
@@ -1107,6 +1130,12 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
   if config.fuse_dq and (why := fused_dq_refusal(t, s, q.shape[-1], config.block_q,
                                                   causal, feat)):
     raise NotImplementedError(f"fuse_dq: {why}")
+  if config.fuse_dq and config.block_q == 128 and _common.interpreting():
+    # As above: never finishes in JAX 0.12's interpreter (the H200 runs it;
+    # notes/MOSAIC_GPU.md session 34). Refused, not hung.
+    raise NotImplementedError(
+        "fuse_dq with 128-row query steps (head dim 64) in the Mosaic GPU "
+        "interpreter: it hangs there; use fuse_dq=False")
   dtype = q.dtype
   dout = dout.astype(dtype)
   delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32),
