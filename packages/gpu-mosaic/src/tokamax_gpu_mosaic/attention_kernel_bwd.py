@@ -661,11 +661,6 @@ class _DkvKernel(_Shape):
     src = r.dq_smem.at[buf]
     dst, counter, rank = self.dq_target(r, blk, i)
     plgpu.barrier_wait(r.dq_ready.at[buf])
-    if not _common.interpreting():
-      # The previous addition flew while the consumers staged this tile: pass
-      # it on before waiting for this tile's turn, so that the blocks after
-      # this one never wait on the ones before it.
-      pl.when(i > 0)(lambda: self.confirm_dq(r, blk, sem, i - 1))
     if _common.interpreting():
       # No semaphores nor TMA reduction there; the blocks run one at a time in
       # grid order, which is the rank order (`grid_group`): read, add, store.
@@ -679,6 +674,10 @@ class _DkvKernel(_Shape):
       plgpu.wait_smem_to_gmem(0)
       plgpu.barrier_arrive(r.dq_free.at[buf])
       return
+    # The previous addition flew while the consumers staged this tile: pass it
+    # on before waiting for this tile's turn, so that the blocks after this one
+    # never wait on the ones before it.
+    pl.when(i > 0)(lambda: self.confirm_dq(r, blk, sem, i - 1))
     plgpu.semaphore_wait(sem.at[counter], rank, decrement=False, memory_scope="gpu")
     pl.when(rank == 0)(lambda: plgpu.copy_smem_to_gmem(src, dst))
     pl.when(rank > 0)(lambda: plgpu.copy_smem_to_gmem(src, dst, reduction_op="add"))
