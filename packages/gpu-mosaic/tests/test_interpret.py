@@ -133,6 +133,19 @@ def _reference_vjp(q, k, v, scale, causal, **kw):
   return out, lse, dout, vjp((dout.astype(jnp.float32), jnp.zeros_like(lse)))
 
 
+def _check_causal_backward(q, k, v, config, **kw):
+  """`mosaic_attention_bwd` with `config` (causal, scale 1/sqrt(H)), interpreted,
+  against the XLA reference's VJP on float32 upcasts (`_reference_vjp`), fed
+  the reference's output and lse."""
+  scale = q.shape[-1]**-0.5
+  out, lse, dout, want = _reference_vjp(q, k, v, scale, True, **kw)
+  with tokamax.interpret():
+    got = mat.mosaic_attention_bwd(q, k, v, out.astype(jnp.bfloat16), dout, lse,
+                                   scale=scale, causal=True, config=config, **kw)
+  for i, (g, w) in enumerate(zip(got, want)):
+    testing.assert_close(g, w, jnp.bfloat16, what=f"gradient {i}", scale=2.0)
+
+
 @pytest.mark.parametrize("ping_pong,block_q_dv,features", [
     (False, None, False), (True, None, False), (False, 64, False), (True, 64, True),
 ], ids=["plain", "ping-pong", "dv-64", "ping-pong-dv-64-features"])
@@ -151,13 +164,7 @@ def test_attention_backward_split_dkv_configs(ping_pong, block_q_dv, features):
     ids = jnp.asarray([[1] * 128 + [2] * 72, [1] * 30 + [2] * 170], jnp.int32)
     kw = dict(local_window=(120, 0), q_segment_ids=ids, kv_segment_ids=ids,
               key_value_seq_lengths=jnp.asarray([200, 150], jnp.int32))
-  scale = 256**-0.5
-  out, lse, dout, want = _reference_vjp(q, k, v, scale, True, **kw)
-  with tokamax.interpret():
-    got = mat.mosaic_attention_bwd(q, k, v, out.astype(jnp.bfloat16), dout, lse,
-                                   scale=scale, causal=True, config=config, **kw)
-  for i, (g, w) in enumerate(zip(got, want)):
-    testing.assert_close(g, w, jnp.bfloat16, what=f"gradient {i}", scale=2.0)
+  _check_causal_backward(q, k, v, config, **kw)
 
 
 @pytest.mark.parametrize("h,n,k,t,s,block_q,ping_pong,soft_cap", [
@@ -177,13 +184,7 @@ def test_attention_backward_fuse_dq(h, n, k, t, s, block_q, ping_pong, soft_cap)
   q, key, v = (_normal((2, t, n, h), jnp.bfloat16), _normal((2, s, k, h), jnp.bfloat16),
                _normal((2, s, k, h), jnp.bfloat16))
   kw = {} if soft_cap is None else dict(logits_soft_cap=soft_cap)
-  scale = h**-0.5
-  out, lse, dout, want = _reference_vjp(q, key, v, scale, True, **kw)
-  with tokamax.interpret():
-    got = mat.mosaic_attention_bwd(q, key, v, out.astype(jnp.bfloat16), dout, lse,
-                                   scale=scale, causal=True, config=config, **kw)
-  for i, (g, w) in enumerate(zip(got, want)):
-    testing.assert_close(g, w, jnp.bfloat16, what=f"gradient {i}", scale=2.0)
+  _check_causal_backward(q, key, v, config, **kw)
 
 
 def test_attention_backward_fuse_dq_refuses_128_row_steps():

@@ -617,9 +617,8 @@ class _DkvKernel(_Shape):
 
     def issue(i, _):
       slot = ring.slot(i)
-      g = lax.div(i, blk.n_j)
-      t0 = (blk.j_lo + lax.rem(i, blk.n_j)) * bq
-      head = blk.head * self.group + g
+      head, j = self.step_tile(blk, i)
+      t0 = j * bq
       _pipeline.wait_when(ring.reuse(i), r.free.at[slot])
       tile = (blk.batch, pl.ds(t0, bq), head)
       stat = (blk.batch, head, pl.ds(t0, bq))
@@ -642,12 +641,15 @@ class _DkvKernel(_Shape):
         pl.when(blk.n_steps > 0)(
             lambda: self.confirm_dq(r, blk, sem, blk.n_steps - 1))
 
+  def step_tile(self, blk: _DkvBlock, i):
+    """Step `i`'s query head and query tile (steps run head-major)."""
+    g = lax.div(i, blk.n_j)
+    return blk.head * self.group + g, blk.j_lo + lax.rem(i, blk.n_j)
+
   def dq_target(self, r: _DkvRefs, blk: _DkvBlock, i):
     """Step `i`'s dQ rows in `dq`, the index of their counter, and this block's
     rank among the key blocks adding into them (`dq_rank`)."""
-    g = lax.div(i, blk.n_j)
-    j = blk.j_lo + lax.rem(i, blk.n_j)
-    head = blk.head * self.group + g
+    head, j = self.step_tile(blk, i)
     dst = r.dq.at[blk.batch, pl.ds(j * self.bq, self.bq), head]
     return dst, (blk.batch * self.n + head) * self.nq + j, self.dq_rank(blk.ki, j)
 
