@@ -568,7 +568,7 @@ class _DkvKernel(_Shape):
       # Materialized before the turn, so that none of it sinks into the
       # partner's turn; then wait for the partner's scores matmuls.
       operands = lax.optimization_barrier(tuple(x.astype(self.dtype) for x in operands))
-    i = base + j
+    i = base + j if self.fused else None
     if self.fused:
       # The step's dQ tile is dS K over the block's 128 keys: both consumers'
       # dS^T tiles go to shared memory (a wgmma's lhs is registers or shared
