@@ -59,6 +59,22 @@ def test_pytest_shard_runs_every_nth_collected_test(tmp_path, capfd):
   assert not any(f"RAN {i}" in out for i in (0, 2, 4))
 
 
+def test_pytest_shard_splits_only_the_selected_tests(tmp_path, capfd):
+  # Collected in the order kept0, drop0, kept1, drop1, ...: split before the
+  # selection, shard 0 would take every kept test and shard 1 none.
+  names = [f"{kind}{i}" for i in range(4) for kind in ("kept", "drop")]
+  (tmp_path / "test_eight.py").write_text(
+      f"import pytest\n\n@pytest.mark.parametrize('name', {names})\n"
+      "def test_name(name):\n  print('RAN', name)\n")
+  assert pytest_shard.selection(["-q", "-k", "kept", "-n", "8", "-m", "gpu"]) == [
+      "-k", "kept", "-m", "gpu"]
+  assert pytest_shard.main(["1/2", str(tmp_path), "--", "-q", "-s", "-k", "kept"]) == 0
+  out = capfd.readouterr().out
+  assert "shard 1/2: 2 tests" in out
+  assert "RAN kept1" in out and "RAN kept3" in out
+  assert "RAN kept0" not in out and "RAN drop" not in out
+
+
 @pytest.mark.parametrize("index, count", [(2, 2), (-1, 3), (0, 0)])
 def test_pytest_shard_refuses_a_shard_outside_its_count(index, count):
   with pytest.raises(ValueError, match=f"got {index}/{count}"):

@@ -5,12 +5,14 @@ takes about 25 minutes on an H200 with 8 workers, a call at most 10), and a run
 cut by its limit does not say which tests it reached. Shards of a fixed
 collection do:
 
-    python3 tools/pytest_shard.py 0/3 packages/gpu-mosaic/tests/test_attention.py -- -q -n 8
+    python3 tools/pytest_shard.py 0/3 packages/gpu-mosaic/tests/test_attention.py -- -q -n 8 -m gpu
     python3 tools/pytest_shard.py 1/3 ...   # the next call, and so on
 
+(`-m gpu`: the native tests only; the others, lowering and CPU checks, run in CI.)
 Test i of the collection (in pytest's order) belongs to shard ``i % N``, so each
 shard mixes the files' slow and fast tests alike. Arguments after ``--`` go to the
-pytest run (not to the collection). Exits with pytest's status.
+pytest run; its selection (``-m`` and ``-k``) applies to the collection too, so
+that the shards split the selected tests. Exits with pytest's status.
 """
 
 from __future__ import annotations
@@ -21,12 +23,21 @@ import subprocess
 import sys
 
 
-def collect(paths: list[str]) -> list[str]:
-  """The test IDs pytest collects from `paths`, in its order, as absolute paths
-  (collected with the file system's root as rootdir, so that the IDs name the
-  same tests from any directory)."""
+def selection(pytest_args: list[str]) -> list[str]:
+  """The ``-m``/``-k`` options (with their values) among `pytest_args`."""
+  picked = []
+  for i, arg in enumerate(pytest_args):
+    if arg in ("-m", "-k") and i + 1 < len(pytest_args):
+      picked += [arg, pytest_args[i + 1]]
+  return picked
+
+
+def collect(paths: list[str], select: list[str] = ()) -> list[str]:
+  """The test IDs pytest collects from `paths` (with the `select` options), in
+  its order, as absolute paths (collected with the file system's root as
+  rootdir, so that the IDs name the same tests from any directory)."""
   out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
-                        "no:randomly", "--rootdir", os.sep, *paths],
+                        "no:randomly", "--rootdir", os.sep, *select, *paths],
                        capture_output=True, text=True)
   ids = [os.sep + line for line in out.stdout.splitlines() if "::" in line]
   if out.returncode != 0 or not ids:
@@ -58,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     shard([], index, count)  # refused before the collection, not after
   except ValueError as e:
     parser.error(str(e))
-  ids = shard(collect(args.paths), index, count)
+  ids = shard(collect(args.paths, selection(pytest_args)), index, count)
   print(f"shard {index}/{count}: {len(ids)} tests", flush=True)
   # `-p no:randomly` keeps the shard's order as collected (the plugin is
   # installed on some machines).

@@ -25,7 +25,15 @@ from tokamax_gpu_mosaic import ragged_dot_kernel as rdk
 HIGHEST = jax.lax.Precision.HIGHEST
 _ON_HOPPER = (jax.default_backend() == "gpu"
               and getattr(jax.devices()[0], "compute_capability", "").startswith("9."))
-gpu = pytest.mark.skipif(not _ON_HOPPER, reason="needs an NVIDIA Hopper GPU")
+
+
+def gpu(test):
+  """A native test: skipped off a Hopper GPU, and marked `gpu` so that the
+  native run of README.md (`pytest -m gpu`) selects it."""
+  hopper_only = pytest.mark.skipif(not _ON_HOPPER, reason="needs an NVIDIA Hopper GPU")
+  return pytest.mark.gpu(hopper_only(test))
+
+
 _seed = iter(range(1_000_000))
 
 

@@ -16,7 +16,15 @@ from tokamax_gpu_mosaic import layer_norm as mln
 
 _ON_HOPPER = (jax.default_backend() == "gpu"
               and getattr(jax.devices()[0], "compute_capability", "").startswith("9."))
-gpu = pytest.mark.skipif(not _ON_HOPPER, reason="needs an NVIDIA Hopper GPU")
+
+
+def gpu(test):
+  """A native test: skipped off a Hopper GPU, and marked `gpu` so that the
+  native run of README.md (`pytest -m gpu`) selects it."""
+  hopper_only = pytest.mark.skipif(not _ON_HOPPER, reason="needs an NVIDIA Hopper GPU")
+  return pytest.mark.gpu(hopper_only(test))
+
+
 H200 = tokamax.DeviceInfo("gpu", "NVIDIA H200", compute_capability="9.0")
 _seed = iter(range(1_000_000))
 

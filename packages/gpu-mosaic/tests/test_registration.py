@@ -1,6 +1,8 @@
 """The package installs, registers through its entry point and is discovered."""
 
 import importlib.metadata
+import importlib.util
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -69,3 +71,29 @@ def test_a_hopper_gpu_under_interpret_mode_is_taken():
                             compute_capability="9.0")
   for op, args in _every_op():
     op.check_supported(args, h200)
+
+
+def _test_functions(path: pathlib.Path):
+  """The test functions of the test module at `path`, loaded afresh."""
+  spec = importlib.util.spec_from_file_location(f"_scanned_{path.stem}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return [(name, fn) for name, fn in vars(module).items()
+          if name.startswith("test") and callable(fn)]
+
+
+def test_native_tests_carry_the_gpu_marker():
+  """README.md's native run selects tests with `pytest -m gpu`: a test skipped
+  off a Hopper GPU without the marker would never run there (every native test
+  of this package lacked it until session 35)."""
+  native, unmarked = 0, []
+  for path in sorted(pathlib.Path(__file__).parent.glob("test_*.py")):
+    for name, fn in _test_functions(path):
+      marks = getattr(fn, "pytestmark", [])
+      hopper_only = any(m.name == "skipif" and m.kwargs.get("reason") ==
+                        "needs an NVIDIA Hopper GPU" for m in marks)
+      native += hopper_only
+      if hopper_only and not any(m.name == "gpu" for m in marks):
+        unmarked.append(f"{path.name}::{name}")
+  assert native >= 90, native  # the kernels' native tests were found
+  assert not unmarked, unmarked
