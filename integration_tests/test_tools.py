@@ -116,6 +116,18 @@ def test_tune_ab_replaces_fields_of_the_heuristic_config():
     tune._Replaced({"chain_items": tune._literal("false")}).lookup(_Op(), 128)
 
 
+def test_tune_profile_runs_calls_each_direction_untimed(capsys):
+  calls = []
+  builders = {"forward": lambda: (lambda x: calls.append(("f", x)) or x, (1,)),
+              "forward+backward": lambda: (lambda x: calls.append(("b", x)) or x, (2,))}
+  tune.profile_runs("op shape (impl)", builders, {}, 3)
+  assert calls == [("f", 1)] * 3 + [("b", 2)] * 3
+  assert "op shape (impl) forward: ran 3 times" in capsys.readouterr().out
+  # Fields no config took: refused, as in the A/B (a misspelt field).
+  with pytest.raises(SystemExit, match="no Op's config has these fields"):
+    tune.profile_runs("op", {"forward": builders["forward"]}, {"chain_item": "False"}, 1)
+
+
 def test_kernel_breakdown_keys_a_launch_by_its_name_not_its_position():
   """Kernels of several streams recorded in another order in one run: each launch
   still counts once (by position, a and b would each count twice)."""

@@ -9,6 +9,17 @@
 ``--match FIELD=VALUE`` keeps only configs whose field prints as VALUE (repeatable;
 the heuristic config is always timed, for reference).
 
+``--profile-runs N`` times nothing: it runs each selected problem's call N
+times (the heuristic configs, or with ``--ab``'s fields replaced, as the A/B's
+second side), for a profiler around the command, e.g. Nsight Compute:
+
+    ncu --kernel-name regex:mosaic --launch-skip 2 --launch-count 1 ... \
+        python tools/tune.py --op dot_product_attention --implementation mosaic_gpu \
+        --shape 'B2 T8192 N16 H64$' --direction forward --profile-runs 3
+
+(``--direction forward+backward`` runs the forward's kernels and the backward's
+each time: count them in ``--launch-skip``.)
+
 ``--ab FIELD=VALUE`` (repeatable) is an A/B of one change instead of a sweep:
 the heuristic configs against the same configs with the fields replaced, in
 the forward and the backward Op alike (wherever the config has the field),
@@ -142,6 +153,22 @@ def model_builders(model: str) -> tuple[str, dict]:
   return f"model {model} {size.describe()}", {"training step": step}
 
 
+def profile_runs(title: str, builders: dict, fields: dict[str, str], runs: int) -> None:
+  """Each direction's call `runs` times, untimed (`ab`'s builders; `fields`
+  replaced in the configs where given, else the heuristic's)."""
+  replaced = {key: _literal(value) for key, value in fields.items()}
+  source = _Replaced(replaced)
+  for direction, build in builders.items():
+    with tuning_context.use(source):
+      f, fargs = build()
+      for _ in range(runs):
+        jax.block_until_ready(f(*fargs))
+    if replaced and not source.applied:
+      raise SystemExit(f"--ab {replaced}: no Op's config has these fields")
+    print(f"## {title} {direction}: ran {runs} times"
+          f"{' with ' + str(replaced) if replaced else ''}", flush=True)
+
+
 def _matches(config, match: dict[str, str]) -> bool:
   fields = dataclasses.asdict(config)
   return all(str(fields[key]) == value for key, value in match.items())
@@ -228,6 +255,9 @@ def main():
                       type=_field_value,
                       help="A/B: the heuristic configs against them with FIELD "
                            "set to VALUE (repeatable), interleaved")
+  parser.add_argument("--profile-runs", type=int, metavar="N",
+                      help="run each selected call N times, untimed, for a "
+                           "profiler (with --ab: the replaced configs)")
   args = parser.parse_args()
   if not args.op and not (args.ab and args.model):
     parser.error("--op is required (or --model with --ab)")
@@ -239,7 +269,11 @@ def main():
   for problem in suite:
     if problem.op not in args.op or (args.shape and not re.search(args.shape, problem.name)):
       continue
-    if args.ab:
+    if args.profile_runs:
+      profile_runs(f"{problem.op} {problem.name} ({args.implementation})",
+                   problem_builders(problem, args.implementation, directions),
+                   dict(args.ab), args.profile_runs)
+    elif args.ab:
       ab(f"{problem.op} {problem.name} ({args.implementation})",
          problem_builders(problem, args.implementation, directions), dict(args.ab),
          args.iterations)
