@@ -68,11 +68,19 @@ def test_pytest_shard_splits_only_the_selected_tests(tmp_path, capfd):
       "def test_name(name):\n  print('RAN', name)\n")
   assert pytest_shard.selection(["-q", "-k", "kept", "-n", "8", "-m", "gpu"]) == [
       "-k", "kept", "-m", "gpu"]
+  assert pytest_shard.selection(["-mgpu", "-k=kept", "-q"]) == ["-m", "gpu", "-k", "kept"]
   assert pytest_shard.main(["1/2", str(tmp_path), "--", "-q", "-s", "-k", "kept"]) == 0
   out = capfd.readouterr().out
   assert "shard 1/2: 2 tests" in out
   assert "RAN kept1" in out and "RAN kept3" in out
   assert "RAN kept0" not in out and "RAN drop" not in out
+  # A shard past the selection's end runs nothing (pytest given no IDs would
+  # run every test under its directory).
+  assert pytest_shard.main(["5/6", str(tmp_path), "--", "-q", "-s", "-k", "kept"]) == 0
+  out = capfd.readouterr().out
+  assert "shard 5/6: 0 tests" in out and "RAN" not in out
+  with pytest.raises(SystemExit, match="no test of .* is selected by -k nothing"):
+    pytest_shard.collect([str(tmp_path)], ["-k", "nothing"])
 
 
 @pytest.mark.parametrize("index, count", [(2, 2), (-1, 3), (0, 0)])

@@ -24,11 +24,17 @@ import sys
 
 
 def selection(pytest_args: list[str]) -> list[str]:
-  """The ``-m``/``-k`` options (with their values) among `pytest_args`."""
+  """The ``-m``/``-k`` options among `pytest_args`, as ``[option, value, ...]``,
+  in any form pytest takes (``-m gpu``, ``-mgpu``, ``-m=gpu``)."""
   picked = []
   for i, arg in enumerate(pytest_args):
-    if arg in ("-m", "-k") and i + 1 < len(pytest_args):
-      picked += [arg, pytest_args[i + 1]]
+    option, attached = arg[:2], arg[2:]
+    if option not in ("-m", "-k"):
+      continue
+    if attached:
+      picked += [option, attached.removeprefix("=")]
+    elif i + 1 < len(pytest_args):
+      picked += [option, pytest_args[i + 1]]
   return picked
 
 
@@ -40,6 +46,8 @@ def collect(paths: list[str], select: list[str] = ()) -> list[str]:
                         "no:randomly", "--rootdir", os.sep, *select, *paths],
                        capture_output=True, text=True)
   ids = [os.sep + line for line in out.stdout.splitlines() if "::" in line]
+  if out.returncode == 5 and select:  # pytest's "no tests collected"
+    raise SystemExit(f"no test of {paths} is selected by {' '.join(select)}")
   if out.returncode != 0 or not ids:
     raise SystemExit(f"collection failed (exit {out.returncode}):\n{out.stdout[-2000:]}"
                      f"{out.stderr[-2000:]}")
@@ -71,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.error(str(e))
   ids = shard(collect(args.paths, selection(pytest_args)), index, count)
   print(f"shard {index}/{count}: {len(ids)} tests", flush=True)
+  if not ids:
+    return 0  # pytest given no IDs would run every test under the directory
   # `-p no:randomly` keeps the shard's order as collected (the plugin is
   # installed on some machines).
   return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:randomly",

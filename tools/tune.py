@@ -10,8 +10,9 @@
 the heuristic config is always timed, for reference).
 
 ``--profile-runs N`` times nothing: it runs each selected problem's call N
-times (the heuristic configs, or with ``--ab``'s fields replaced, as the A/B's
-second side), for a profiler around the command, e.g. Nsight Compute:
+times (at the heuristic configs, not tuned data's, or with ``--ab``'s fields
+replaced, as the A/B's second side), for a profiler around the command, e.g.
+Nsight Compute:
 
     ncu --kernel-name regex:mosaic --launch-skip 2 --launch-count 1 ... \
         python tools/tune.py --op dot_product_attention --implementation mosaic_gpu \
@@ -263,13 +264,19 @@ def main():
     parser.error("--op is required (or --model with --ab)")
   if args.model and not args.ab:
     parser.error("--model times a training step only in an A/B (--ab)")
+  if args.profile_runs is not None:
+    if args.profile_runs < 1:
+      parser.error(f"--profile-runs must be >= 1; got {args.profile_runs}")
+    if args.model or args.training or args.match:
+      parser.error("--profile-runs runs reference problems at the heuristic (or --ab) "
+                   "configs: not with --model, --training or --match")
   match = dict(args.match)
   directions = (args.direction,) if args.direction else ("forward", "forward+backward")
   suite = bench_suite.grid_suite() if args.grid else bench_suite.reference_suite()
   for problem in suite:
     if problem.op not in args.op or (args.shape and not re.search(args.shape, problem.name)):
       continue
-    if args.profile_runs:
+    if args.profile_runs is not None:
       profile_runs(f"{problem.op} {problem.name} ({args.implementation})",
                    problem_builders(problem, args.implementation, directions),
                    dict(args.ab), args.profile_runs)

@@ -3,6 +3,7 @@
 import importlib.metadata
 import importlib.util
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -77,7 +78,13 @@ def _test_functions(path: pathlib.Path):
   """The test functions of the test module at `path`, loaded afresh."""
   spec = importlib.util.spec_from_file_location(f"_scanned_{path.stem}", path)
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  # Registered while it runs, as an import would (dataclasses look their
+  # module up there).
+  sys.modules[spec.name] = module
+  try:
+    spec.loader.exec_module(module)
+  finally:
+    del sys.modules[spec.name]
   return [(name, fn) for name, fn in vars(module).items()
           if name.startswith("test") and callable(fn)]
 
