@@ -483,6 +483,48 @@ def test_layer_norm(r, d, subtract_mean, dtype, rows_per_block, vjp_config):
   _check(call, (x, scale, offset), dtype, implementation=op)
 
 
+def _layer_norm_backward_check(r, d, subtract_mean, config):
+  """The backward kernel alone (interpreted) against the XLA reference, on
+  inputs whose row means matter: a positive scale and a cotangent that follows
+  x with a nonzero mean (with a random-signed scale and a centred cotangent
+  both means are near zero, and a kernel that got them wrong, e.g. one
+  warpgroup's share only, passed at 1% error; these fail it at 57-88%)."""
+  x = _normal((r, d), jnp.bfloat16, 2.0) + jnp.asarray(1.0, jnp.bfloat16)
+  scale = 1.0 + _normal((d,), jnp.float32, 0.1)
+  offset = _normal((d,), jnp.bfloat16)
+  dy = (_normal((r, d), jnp.float32) + 0.5 * x.astype(jnp.float32) + 1.0).astype(
+      jnp.bfloat16)
+  args = tokamax.LayerNormArgs(x=x, scale=scale, offset=offset,
+                               subtract_mean=subtract_mean)
+  with tokamax.interpret():
+    _, res = mln.layer_norm_forward(args, mln.heuristic_config(args), with_stats=True)
+    grads = mln.layer_norm_backward(args, res["mean"], res["rstd"], dy, config)
+  upcast = [a.astype(jnp.float32) for a in (x, scale, offset)]
+  _, ref_vjp = jax.vjp(lambda *a: tokamax.layer_norm(
+      *a, subtract_mean=subtract_mean, implementation="xla"), *upcast)
+  for name, ref in zip(("x", "scale", "offset"), ref_vjp(dy.astype(jnp.float32))):
+    testing.assert_close(grads[name], ref, jnp.bfloat16, what=f"d{name}", scale=2.0)
+
+
+@pytest.mark.parametrize("r,d,subtract_mean,config", [
+    (9, 8192, True, mln.LayerNormVjpConfig(2, 2, warpgroups=2)),
+    (7, 2048, False, mln.LayerNormVjpConfig(1, 3, warpgroups=2)),
+    (5, 3072, True, mln.LayerNormVjpConfig(1, 2))])  # one warpgroup: the same check
+def test_layer_norm_backward_warpgroups(r, d, subtract_mean, config):
+  """Rows split over a block's warpgroups, their row sums added through shared
+  memory; blocks walk several rows (fewer than the slots, for one)."""
+  _layer_norm_backward_check(r, d, subtract_mean, config)
+
+
+def test_layer_norm_backward_four_warpgroups_are_refused_in_the_interpreter():
+  x = jnp.zeros((4, 4096), jnp.bfloat16)
+  args = tokamax.LayerNormArgs(x=x, scale=jnp.ones(4096), offset=None)
+  rows = jnp.zeros(4, jnp.float32)
+  with tokamax.interpret():
+    with pytest.raises(NotImplementedError, match="warpgroups=4 in the Mosaic GPU"):
+      mln.layer_norm_backward(args, rows, rows, x, mln.LayerNormVjpConfig(1, 2, 4))
+
+
 def test_overlap_qk_is_refused_in_the_interpreter():
   q = _normal((1, 128, 2, 128), jnp.bfloat16)
   config = mat.AttentionConfig(block_kv=128, num_stages=2, overlap_qk=True)

@@ -157,6 +157,32 @@ def test_offset_sums_in_shared_memory_above_8192_columns(d):
   assert mln.bwd_smem_bytes(both(d), config) <= _common.SMEM_LIMIT
 
 
+def test_backward_warpgroups():
+  """Several warpgroups a block: each keeps its columns' parameter sums in
+  registers (both sums of 16384 columns fit over two); they must divide the
+  row's 1024-column pieces; the search space holds them up to 8 warpgroups an
+  SM, the heuristic not (not measured yet)."""
+  vec = lambda d: jax.ShapeDtypeStruct((d,), jnp.bfloat16)
+  both = _args(4096, 16384, scale=vec(16384), offset=vec(16384))
+  assert mln._offset_sums_in_smem(both) and not mln._offset_sums_in_smem(both, 2)
+  assert mln.bwd_smem_bytes(both, mln.LayerNormVjpConfig(1, 2, 2)) == (
+      2 * 2 * 16384 * 2 + 4 * (2 * 2 * 2 + 4 * 2))
+  space = mln.vjp_search_space(both)
+  assert mln.LayerNormVjpConfig(1, 2, 4) in space
+  assert all(c.warpgroups == 1 or c.blocks_per_sm * c.warpgroups <= 8 for c in space)
+  assert mln.heuristic_vjp_config(both).warpgroups == 1
+  three_pieces = _args(8, 3072, scale=vec(3072))
+  assert {c.warpgroups for c in mln.vjp_search_space(three_pieces)} == {1}
+  vjp = mln.MosaicGpuLayerNormVjp()
+  x = jnp.zeros((8, 3072), jnp.bfloat16)
+  args = LayerNormArgs(x=x, scale=jnp.ones(3072))
+  residuals = {"mean": jnp.zeros(8), "rstd": jnp.ones(8)}
+  with pytest.raises(ValueError, match="warpgroups=2 must divide the row's 3 1024-column"):
+    vjp.backward(args, residuals, x, x, mln.LayerNormVjpConfig(1, 2, 2))
+  with pytest.raises(ValueError, match="warpgroups must be 1, 2 or 4; got 3"):
+    vjp.backward(args, residuals, x, x, mln.LayerNormVjpConfig(1, 2, 3))
+
+
 @pytest.mark.parametrize("r,d,rows", [(4096, 1024, 4), (4096, 2048, 4), (6, 1024, 2),
                                       (7, 1024, 1), (65536, 16384, 1)])
 def test_heuristic_divides_the_rows_and_fits_registers(r, d, rows):
@@ -188,14 +214,17 @@ def test_lowers_for_cuda(subtract_mean, with_stats):
   assert shapes == [(4096, 3072)] + [(4096,)] * (2 if with_stats else 0)
 
 
-@pytest.mark.parametrize("d,stages", [(2048, 2), (2048, 4), (16384, 2)])
+@pytest.mark.parametrize("d,stages,warpgroups", [(2048, 2, 1), (2048, 4, 1), (16384, 2, 1),
+                                                  (16384, 2, 4), (4096, 3, 2)])
 @pytest.mark.parametrize("scale,offset", [(True, True), (False, True), (False, False)])
-def test_backward_lowers_for_cuda(scale, offset, d, stages):
-  """At 16384 columns with both parameters the offset's sums are in shared memory."""
+def test_backward_lowers_for_cuda(scale, offset, d, stages, warpgroups):
+  """At 16384 columns with both parameters the offset's sums are in shared
+  memory (one warpgroup a block; in registers with four)."""
   vec = lambda: jax.ShapeDtypeStruct((d,), jnp.bfloat16)
   args = LayerNormArgs(x=jax.ShapeDtypeStruct((1031, d), jnp.bfloat16),
                        scale=vec() if scale else None, offset=vec() if offset else None)
-  config = mln.LayerNormVjpConfig(blocks_per_sm=3 if d <= 2048 else 1, num_stages=stages)
+  config = mln.LayerNormVjpConfig(blocks_per_sm=3 if d <= 2048 else 1, num_stages=stages,
+                                  warpgroups=warpgroups)
 
   def backward(x, dy, mean, rstd, *params):
     params = iter(params)
@@ -268,11 +297,19 @@ def test_forward_and_gradients(r, d, dtype, subtract_mean):
     (1031, 2048, mln.LayerNormVjpConfig(4, 4)),
     (70, 4096, mln.LayerNormVjpConfig(3, 3)),  # fewer rows than blocks
     (300, 2048, mln.LayerNormVjpConfig(1, 4)),  # 3 rows a block: fewer than stages
-    (20000, 8192, mln.LayerNormVjpConfig(2, 2))])
+    (20000, 8192, mln.LayerNormVjpConfig(2, 2)),
+    # Rows split over a block's warpgroups.
+    (8192, 16384, mln.LayerNormVjpConfig(1, 2, warpgroups=4)),
+    (1031, 12288, mln.LayerNormVjpConfig(1, 3, warpgroups=2)),
+    (70, 4096, mln.LayerNormVjpConfig(2, 3, warpgroups=4))])
 def test_backward_configs(r, d, config, subtract_mean):
+  # A positive scale and a cotangent that follows x with a nonzero mean, so
+  # that dx depends on the row means (test_interpret.py's
+  # `_layer_norm_backward_check` says why).
   x = _normal((r, d), jnp.bfloat16, 2.0, 0.5)
-  scale, offset = _normal((d,), jnp.float32), _normal((d,), jnp.bfloat16)
-  dy = _normal((r, d), jnp.bfloat16)
+  scale, offset = _normal((d,), jnp.float32, 0.1, 1.0), _normal((d,), jnp.bfloat16)
+  dy = (_normal((r, d), jnp.float32) + 0.5 * x.astype(jnp.float32) + 1.0).astype(
+      jnp.bfloat16)
   args = LayerNormArgs(x=x, scale=scale, offset=offset, subtract_mean=subtract_mean)
   _, residuals = jax.jit(lambda a: mln.layer_norm_forward(
       a, mln.heuristic_config(a), with_stats=True))(args)

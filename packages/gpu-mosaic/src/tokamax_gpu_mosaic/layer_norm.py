@@ -21,7 +21,8 @@ slots in shared memory (x and dy, one bulk copy each, ``num_stages - 1`` rows
 ahead), reads each row's pieces twice from there (the row sums, then dx) and
 keeps the sums of the scale's and offset's gradients over its rows in
 registers (the offset's in shared memory where both would not fit); XLA adds the
-blocks' sums. Blocks an SM and slots a block follow the row's width
+blocks' sums. With ``LayerNormVjpConfig.warpgroups`` > 1 a block's warpgroups
+split each row's columns and add their row sums through shared memory. Blocks an SM and slots a block follow the row's width
 (`heuristic_vjp_config`). Under `implementation=None` it declines where it
 measured slower (`MosaicGpuLayerNormVjp.declines`: LayerNorm above 12288 columns, a few
 narrow rows); dispatch then keeps this forward and runs another backward on
@@ -137,34 +138,100 @@ def layer_norm_forward(args: tokamax.LayerNormArgs, config: LayerNormConfig,
 class LayerNormVjpConfig:
   """The backward's persistent grid: ``blocks_per_sm`` blocks per SM, each
   walking a contiguous share of the rows through a ring of ``num_stages`` row
-  slots in shared memory (x and dy), ``num_stages - 1`` rows ahead."""
+  slots in shared memory (x and dy), ``num_stages - 1`` rows ahead.
+  ``warpgroups`` (1, 2 or 4) split each row's columns within a block: each
+  warpgroup copies, reads and sums its own columns (its share of the
+  parameters' sums in registers) and the row sums are added across them
+  through shared memory, so that a wide row, whose slots leave room for one
+  block an SM, still runs on several warpgroups."""
 
   blocks_per_sm: int = 2
   num_stages: int = 3
+  warpgroups: int = 1
+
+
+def _warpgroup_sum(x, scratch, vector: int) -> jax.Array:
+  """The sum of a strided ``[PIECE]`` float32 array over its warpgroup, in a
+  kernel of several warpgroups, through this warpgroup's own 4-float shared
+  `scratch`. Pallas' full reduction (`jnp.sum`) refuses such kernels: its
+  scratch buffer is one for all warpgroups. The interpreter takes `jnp.sum`."""
+  if _common.interpreting():
+    return jnp.sum(x)
+  layout = plgpu.Layout.WG_STRIDED((PIECE,), vec_size=vector)
+
+  @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType()),
+                     return_type=plgpu.ShapeDtypeStruct(
+                         (), jnp.float32, layout=plgpu.Layout.WG_SPLAT(())))
+  def total(ctx, x, scratch):
+    del ctx
+    return x.reduce("add", 0, scratch)
+  return total(x, scratch)
 
 
 def _bwd_kernel(*refs, d: int, per_block: int, rows: int, stages: int,
                 subtract_mean: bool, has_scale: bool, num_partials: int,
-                offset_in_smem: bool):
+                offset_in_smem: bool, warpgroups: int):
   refs = list(refs)
   x_ref = refs.pop(0)
   scale_ref = refs.pop(0) if has_scale else None
   dy_ref, mean_ref, rstd_ref, dx_ref = refs[:4]
   partial_refs = refs[4:4 + num_partials]
-  x_smem, dy_smem, landed, *offset_smem = refs[4 + num_partials:]
+  x_smem, dy_smem, landed, *rest = refs[4 + num_partials:]
+  if warpgroups > 1:
+    # Each warpgroup's partial row sums (two rows' worth), the barriers that
+    # say all are in, and each warpgroup's reduction scratch.
+    row_sums, summed, sum_scratch, *offset_smem = rest
+    wg = lax.axis_index("wg")
+  else:
+    offset_smem, wg = rest, 0
   block = lax.axis_index("blocks")
   vector = 16 // jnp.dtype(x_ref.dtype).itemsize
-  pieces = [pl.ds(p * PIECE, PIECE) for p in range(d // PIECE)]
+  width = d // warpgroups  # this warpgroup's columns: [col0, col0 + width)
+  col0 = wg * width
+  pieces = [pl.ds(col0 + p * PIECE, PIECE) for p in range(width // PIECE)]
   start = block * per_block
   stop = jnp.minimum(start + per_block, rows)
 
+  def mine(ref):
+    """This warpgroup's columns of a row ref (the whole row for one)."""
+    return ref if warpgroups == 1 else ref.at[pl.ds(col0, width)]
+
+  def landed_at(slot):
+    """The barrier of this warpgroup's copies into `slot`."""
+    return landed.at[slot] if warpgroups == 1 else landed.at[slot * warpgroups + wg]
+
   def issue(row):
-    """Row `row` of x and dy into its slot: contiguous in bounds, each a bulk
-    copy without a tensor map (whose boxes take at most 256 columns)."""
+    """This warpgroup's columns of row `row` of x and dy into its slot:
+    contiguous in bounds, each a bulk copy without a tensor map (whose boxes
+    take at most 256 columns), on the barrier of its (slot, warpgroup)."""
     slot = (row - start) % stages
     for ref, smem in ((x_ref, x_smem), (dy_ref, dy_smem)):
-      plgpu.copy_gmem_to_smem(ref.at[row], smem.at[slot], landed.at[slot],
+      plgpu.copy_gmem_to_smem(mine(ref.at[row]), mine(smem.at[slot]),
+                              landed_at(slot),
                               oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+
+  def row_mean(pieces_sum):
+    """This warpgroup's share of a row mean: the total of an element-wise sum
+    of its pieces, over the row's `d` columns."""
+    if warpgroups == 1:
+      return jnp.sum(pieces_sum) * (1.0 / d)
+    return _warpgroup_sum(pieces_sum, sum_scratch.at[wg], vector) * (1.0 / d)
+
+  def add_across(row, partials):
+    """The row's means from every warpgroup's shares, added in warpgroup
+    order (the same order every run). Two buffers by row parity: a
+    warpgroup writes row r + 2's only after passing row r + 1's barrier,
+    which all warpgroups reach only after reading row r's."""
+    if warpgroups == 1:
+      return partials
+    buf = lax.rem(row - start, 2)
+    for k, partial in enumerate(partials):
+      row_sums[buf, wg, k] = partial
+    plgpu.barrier_arrive(summed.at[buf])
+    plgpu.barrier_wait(summed.at[buf])
+    return [functools.reduce(operator.add,
+                             [row_sums[buf, w, k] for w in range(warpgroups)])
+            for k in range(len(partials))]
 
   def row_pieces(row, slot, cols):
     """x-hat, g = dy * scale and dy of one piece of `row`, from its slot."""
@@ -182,7 +249,7 @@ def _bwd_kernel(*refs, d: int, per_block: int, rows: int, stages: int,
 
   def body(row, accs):
     slot = (row - start) % stages
-    plgpu.barrier_wait(landed.at[slot])
+    plgpu.barrier_wait(landed_at(slot))
     # dx = rstd * (g - xhat * mean(g * xhat) - mean(g)); RMSNorm: no mean(g).
     # Both sums element-wise first, piece by piece, so that each piece dies as
     # it is added (kept for the second reduction, every piece's g would hold
@@ -192,17 +259,22 @@ def _bwd_kernel(*refs, d: int, per_block: int, rows: int, stages: int,
       xhat, g, _ = row_pieces(row, slot, cols)
       products = g * xhat if products is None else products + g * xhat
       g_sum = g if g_sum is None else g_sum + g
-    c1 = jnp.sum(products) * (1.0 / d)
-    # Every thread is past the reduction, so past its reads of the previous
-    # row's slot (at the first row: the slot no row has used yet): the row
-    # stages - 1 ahead goes there.
+    partials = [row_mean(products)]
+    # Every thread of the warpgroup is past the reduction, so past its reads
+    # of the previous row's slot (at the first row: the slot no row has used
+    # yet); each warpgroup refills only its own columns, so the others' reads
+    # need not be waited for: the row stages - 1 ahead goes there.
     ahead = row + stages - 1
 
     @pl.when(ahead < stop)
     def _refill():
       issue(ahead)
 
-    c2 = jnp.sum(g_sum) * (1.0 / d) if subtract_mean else None
+    if subtract_mean:
+      partials.append(row_mean(g_sum))
+    means = add_across(row, partials)
+    c1 = means[0]
+    c2 = means[1] if subtract_mean else None
     new_accs = []
     for cols in pieces:
       xhat, g, dy = row_pieces(row, slot, cols)  # again from the slot: registers
@@ -244,6 +316,15 @@ def layer_norm_backward(args: tokamax.LayerNormArgs, mean, rstd, dout,
   (a few MB: deterministic, no atomics)."""
   x = args.x
   r, d = x.shape
+  if why := _warpgroups_misfit(d, config.warpgroups):
+    raise ValueError(f"LayerNormVjpConfig.{why}")
+  if config.warpgroups > 2 and _common.interpreting():
+    # JAX 0.12's interpreter never finished 7 x 12288 with 4 warpgroups on a
+    # 2-core machine (two waiting at the row sums' barrier, two never reaching
+    # it; notes/MOSAIC_GPU.md session 35). Refused, not hung.
+    raise NotImplementedError(
+        f"warpgroups={config.warpgroups} in the Mosaic GPU interpreter: it can "
+        "hang there; use warpgroups <= 2 (the results do not depend on it)")
   has_scale = args.scale is not None
   want = [name for name, p in (("scale", args.scale), ("offset", args.offset))
           if p is not None]
@@ -252,19 +333,29 @@ def layer_norm_backward(args: tokamax.LayerNormArgs, mean, rstd, dout,
   blocks = _common.cdiv(r, per_block)  # none without rows
   out_type = [jax.ShapeDtypeStruct((r, d), x.dtype)]
   out_type += [jax.ShapeDtypeStruct((blocks, d), jnp.float32)] * len(want)
-  offset_in_smem = _offset_sums_in_smem(args)
+  nw = config.warpgroups
+  offset_in_smem = _offset_sums_in_smem(args, nw)
   kernel = functools.partial(
       _bwd_kernel, d=d, per_block=per_block, rows=r, stages=config.num_stages,
       subtract_mean=args.subtract_mean, has_scale=has_scale, num_partials=len(want),
-      offset_in_smem=offset_in_smem)
+      offset_in_smem=offset_in_smem, warpgroups=nw)
+  across = []  # the row sums' exchange between warpgroups (`_bwd_kernel`)
+  threads = {}
+  if nw > 1:
+    across = [plgpu.SMEM((2, nw, 2), jnp.float32),
+              plgpu.Barrier(num_arrivals=nw, num_barriers=2),
+              plgpu.SMEM((nw, 4), jnp.float32)]
+    threads = dict(num_threads=nw, thread_name="wg")
   call = _common.kernel(
       kernel, out_type=tuple(out_type), grid=(blocks,), grid_names=("blocks",),
       scratch_types=[plgpu.SMEM((config.num_stages, d), x.dtype),
                      plgpu.SMEM((config.num_stages, d), x.dtype),
-                     # Two copies (x, dy) arrive on each slot's barrier.
-                     plgpu.Barrier(num_arrivals=2, num_barriers=config.num_stages),
+                     # Two copies (x, dy) arrive on each (slot, warpgroup)'s
+                     # barrier.
+                     plgpu.Barrier(num_arrivals=2, num_barriers=config.num_stages * nw),
+                     *across,
                      *([plgpu.SMEM((d,), jnp.float32)] if offset_in_smem else [])],
-      compiler_params=_common.compiler_params())
+      compiler_params=_common.compiler_params(), **threads)
   dx, *partials = call(x, *([args.scale] if has_scale else []),
                        dout.astype(x.dtype), mean.astype(jnp.float32),
                        rstd.astype(jnp.float32))
@@ -281,13 +372,13 @@ def layer_norm_backward(args: tokamax.LayerNormArgs, mean, rstd, dout,
 _MAX_BWD_REGISTERS = 128
 
 
-def _offset_sums_in_smem(args: tokamax.LayerNormArgs) -> bool:
+def _offset_sums_in_smem(args: tokamax.LayerNormArgs, warpgroups: int = 1) -> bool:
   """Whether the offset's gradient sums live in shared memory (a float32 row a
   block) rather than registers: with the scale's as well they would take more
   than `_MAX_BWD_REGISTERS` a thread (a scale and an offset above 8192
-  columns)."""
+  columns a warpgroup)."""
   both = args.scale is not None and args.offset is not None
-  return both and 2 * args.x.shape[1] // 128 > _MAX_BWD_REGISTERS
+  return both and 2 * args.x.shape[1] // (128 * warpgroups) > _MAX_BWD_REGISTERS
 
 
 def _slot_bytes(args: tokamax.LayerNormArgs) -> int:
@@ -296,10 +387,13 @@ def _slot_bytes(args: tokamax.LayerNormArgs) -> int:
 
 
 def bwd_smem_bytes(args: tokamax.LayerNormArgs, config: LayerNormVjpConfig) -> int:
-  """A block's shared memory: its row slots, and the offset's gradient sums
-  where they are kept there."""
+  """A block's shared memory: its row slots, the offset's gradient sums where
+  they are kept there, and with several warpgroups their row sums' exchange."""
   slots = config.num_stages * _slot_bytes(args)
-  return slots + (4 * args.x.shape[1] if _offset_sums_in_smem(args) else 0)
+  nw = config.warpgroups
+  offset_sums = 4 * args.x.shape[1] if _offset_sums_in_smem(args, nw) else 0
+  exchange = 4 * (2 * nw * 2 + 4 * nw) if nw > 1 else 0
+  return slots + offset_sums + exchange
 
 
 def check_args(args: tokamax.LayerNormArgs) -> None:
@@ -363,10 +457,26 @@ def heuristic_vjp_config(args: tokamax.LayerNormArgs) -> LayerNormVjpConfig:
   return LayerNormVjpConfig(blocks_per_sm=1, num_stages=2)
 
 
+def _warpgroups_misfit(d: int, warpgroups: int) -> str | None:
+  """Why a row of `d` columns cannot be split over `warpgroups`, or None."""
+  if warpgroups not in (1, 2, 4):
+    return f"warpgroups must be 1, 2 or 4; got {warpgroups}"
+  if (d // PIECE) % warpgroups:
+    return (f"warpgroups={warpgroups} must divide the row's {d // PIECE} "
+            f"{PIECE}-column pieces ({d} columns)")
+  return None
+
+
 def vjp_search_space(args: tokamax.LayerNormArgs) -> tuple[LayerNormVjpConfig, ...]:
-  return tuple(c for blocks in (1, 2, 3, 4, 6, 8) for stages in (2, 3, 4)
-               if blocks * bwd_smem_bytes(args, c := LayerNormVjpConfig(blocks, stages))
-               <= _common.SMEM_LIMIT)
+  """Blocks an SM and slots a block; with several warpgroups a block, up to 8
+  warpgroups an SM (not measured yet: only the autotuner picks them)."""
+  d = args.x.shape[1]
+  return tuple(
+      c for nw in (1, 2, 4) if not _warpgroups_misfit(d, nw)
+      for blocks in (1, 2, 3, 4, 6, 8) if nw == 1 or blocks * nw <= 8
+      for stages in (2, 3, 4)
+      if blocks * bwd_smem_bytes(args, c := LayerNormVjpConfig(blocks, stages, nw))
+      <= _common.SMEM_LIMIT)
 
 
 def heuristic_config(args: tokamax.LayerNormArgs) -> LayerNormConfig:
