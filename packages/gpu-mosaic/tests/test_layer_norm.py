@@ -160,19 +160,15 @@ def test_offset_sums_in_shared_memory_above_8192_columns(d):
 def test_backward_warpgroups():
   """Several warpgroups a block: each keeps its columns' parameter sums in
   registers (both sums of 16384 columns fit over two); they must divide the
-  row's 1024-column pieces; the search space holds them up to 8 warpgroups an
-  SM, the heuristic not (not measured yet)."""
+  row's 1024-column pieces; neither the heuristic nor the search space takes
+  them before they have run on a GPU."""
   vec = lambda d: jax.ShapeDtypeStruct((d,), jnp.bfloat16)
   both = _args(4096, 16384, scale=vec(16384), offset=vec(16384))
   assert mln._offset_sums_in_smem(both) and not mln._offset_sums_in_smem(both, 2)
   assert mln.bwd_smem_bytes(both, mln.LayerNormVjpConfig(1, 2, 2)) == (
       2 * 2 * 16384 * 2 + 4 * (2 * 2 * 2 + 4 * 2))
-  space = mln.vjp_search_space(both)
-  assert mln.LayerNormVjpConfig(1, 2, 4) in space
-  assert all(c.warpgroups == 1 or c.blocks_per_sm * c.warpgroups <= 8 for c in space)
+  assert {c.warpgroups for c in mln.vjp_search_space(both)} == {1}
   assert mln.heuristic_vjp_config(both).warpgroups == 1
-  three_pieces = _args(8, 3072, scale=vec(3072))
-  assert {c.warpgroups for c in mln.vjp_search_space(three_pieces)} == {1}
   vjp = mln.MosaicGpuLayerNormVjp()
   x = jnp.zeros((8, 3072), jnp.bfloat16)
   args = LayerNormArgs(x=x, scale=jnp.ones(3072))
