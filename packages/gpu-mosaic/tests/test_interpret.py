@@ -485,15 +485,18 @@ def test_layer_norm(r, d, subtract_mean, dtype, rows_per_block, vjp_config):
 
 def _layer_norm_backward_check(r, d, subtract_mean, config):
   """The backward kernel alone (interpreted) against the XLA reference, on
-  inputs whose row means matter: a positive scale and a cotangent that follows
-  x with a nonzero mean (with a random-signed scale and a centred cotangent
-  both means are near zero, and a kernel that got them wrong, e.g. one
-  warpgroup's share only, passed at 1% error; these fail it at 57-88%)."""
+  inputs whose row means matter and differ by row and by column range: a
+  positive scale rising across the columns, and a cotangent that follows x
+  with a random mean per row. With a random-signed scale and a centred
+  cotangent both means are near zero: a kernel that used one warpgroup's
+  share of them passed at 1% error. Here it fails, and so does one that
+  takes its own share for every warpgroup's (passed at 3-4% on a constant
+  scale) or a row's means for another row."""
   x = _normal((r, d), jnp.bfloat16, 2.0) + jnp.asarray(1.0, jnp.bfloat16)
-  scale = 1.0 + _normal((d,), jnp.float32, 0.1)
+  scale = (1.0 + _normal((d,), jnp.float32, 0.1)) * jnp.linspace(0.2, 2.0, d)
   offset = _normal((d,), jnp.bfloat16)
-  dy = (_normal((r, d), jnp.float32) + 0.5 * x.astype(jnp.float32) + 1.0).astype(
-      jnp.bfloat16)
+  dy = (_normal((r, d), jnp.float32) + 0.5 * x.astype(jnp.float32)
+        + _normal((r, 1), jnp.float32, 3.0)).astype(jnp.bfloat16)
   args = tokamax.LayerNormArgs(x=x, scale=scale, offset=offset,
                                subtract_mean=subtract_mean)
   with tokamax.interpret():

@@ -165,8 +165,9 @@ def test_backward_warpgroups():
   vec = lambda d: jax.ShapeDtypeStruct((d,), jnp.bfloat16)
   both = _args(4096, 16384, scale=vec(16384), offset=vec(16384))
   assert mln._offset_sums_in_smem(both) and not mln._offset_sums_in_smem(both, 2)
+  # Two slots of x and dy rows, and the exchange's two buffers (1 KiB each).
   assert mln.bwd_smem_bytes(both, mln.LayerNormVjpConfig(1, 2, 2)) == (
-      2 * 2 * 16384 * 2 + 4 * (2 * 2 * 2 + 4 * 2))
+      2 * 2 * 16384 * 2 + 2 * 1024)
   assert {c.warpgroups for c in mln.vjp_search_space(both)} == {1}
   assert mln.heuristic_vjp_config(both).warpgroups == 1
   vjp = mln.MosaicGpuLayerNormVjp()
@@ -177,6 +178,10 @@ def test_backward_warpgroups():
     vjp.backward(args, residuals, x, x, mln.LayerNormVjpConfig(1, 2, 2))
   with pytest.raises(ValueError, match="warpgroups must be 1, 2 or 4; got 3"):
     vjp.backward(args, residuals, x, x, mln.LayerNormVjpConfig(1, 2, 3))
+  x = jnp.zeros((8, 4096), jnp.bfloat16)
+  args = LayerNormArgs(x=x, scale=jnp.ones(4096))
+  with pytest.raises(ValueError, match="at most 32 .a barrier each.; got 9 x 4"):
+    vjp.backward(args, residuals, x, x, mln.LayerNormVjpConfig(1, 9, 4))
 
 
 @pytest.mark.parametrize("r,d,rows", [(4096, 1024, 4), (4096, 2048, 4), (6, 1024, 2),
@@ -303,9 +308,10 @@ def test_backward_configs(r, d, config, subtract_mean):
   # that dx depends on the row means (test_interpret.py's
   # `_layer_norm_backward_check` says why).
   x = _normal((r, d), jnp.bfloat16, 2.0, 0.5)
-  scale, offset = _normal((d,), jnp.float32, 0.1, 1.0), _normal((d,), jnp.bfloat16)
-  dy = (_normal((r, d), jnp.float32) + 0.5 * x.astype(jnp.float32) + 1.0).astype(
-      jnp.bfloat16)
+  scale = _normal((d,), jnp.float32, 0.1, 1.0) * jnp.linspace(0.2, 2.0, d)
+  offset = _normal((d,), jnp.bfloat16)
+  dy = (_normal((r, d), jnp.float32) + 0.5 * x.astype(jnp.float32)
+        + _normal((r, 1), jnp.float32, 3.0)).astype(jnp.bfloat16)
   args = LayerNormArgs(x=x, scale=scale, offset=offset, subtract_mean=subtract_mean)
   _, residuals = jax.jit(lambda a: mln.layer_norm_forward(
       a, mln.heuristic_config(a), with_stats=True))(args)

@@ -22,8 +22,8 @@ ahead), reads each row's pieces twice from there (the row sums, then dx) and
 keeps the sums of the scale's and offset's gradients over its rows in
 registers (the offset's in shared memory where both would not fit); XLA adds the
 blocks' sums. With ``LayerNormVjpConfig.warpgroups`` > 1 a block's warpgroups
-split each row's columns and add their row sums through shared memory. Blocks an SM and slots a block follow the row's width
-(`heuristic_vjp_config`). Under `implementation=None` it declines where it
+split each row's columns and add their row sums through shared memory. Blocks
+an SM and slots a block follow the row's width (`heuristic_vjp_config`). Under `implementation=None` it declines where it
 measured slower (`MosaicGpuLayerNormVjp.declines`: LayerNorm above 12288 columns, a few
 narrow rows); dispatch then keeps this forward and runs another backward on
 its residuals.
@@ -316,7 +316,7 @@ def layer_norm_backward(args: tokamax.LayerNormArgs, mean, rstd, dout,
   (a few MB: deterministic, no atomics)."""
   x = args.x
   r, d = x.shape
-  if why := _warpgroups_misfit(d, config.warpgroups):
+  if why := _warpgroups_misfit(d, config):
     raise ValueError(f"LayerNormVjpConfig.{why}")
   if config.warpgroups > 2 and _common.interpreting():
     # JAX 0.12's interpreter never finished 7 x 12288 with 4 warpgroups on a
@@ -324,7 +324,7 @@ def layer_norm_backward(args: tokamax.LayerNormArgs, mean, rstd, dout,
     # it; notes/MOSAIC_GPU.md session 35). Refused, not hung.
     raise NotImplementedError(
         f"warpgroups={config.warpgroups} in the Mosaic GPU interpreter: it can "
-        "hang there; use warpgroups <= 2 (the results do not depend on it)")
+        "hang there; use warpgroups <= 2")
   has_scale = args.scale is not None
   want = [name for name, p in (("scale", args.scale), ("offset", args.offset))
           if p is not None]
@@ -392,7 +392,9 @@ def bwd_smem_bytes(args: tokamax.LayerNormArgs, config: LayerNormVjpConfig) -> i
   slots = config.num_stages * _slot_bytes(args)
   nw = config.warpgroups
   offset_sums = 4 * args.x.shape[1] if _offset_sums_in_smem(args, nw) else 0
-  exchange = 4 * (2 * nw * 2 + 4 * nw) if nw > 1 else 0
+  # The exchange's two small buffers (`layer_norm_backward`), each rounded up
+  # to 1024 bytes as Pallas places scratch buffers.
+  exchange = 2 * 1024 if nw > 1 else 0
   return slots + offset_sums + exchange
 
 
@@ -457,13 +459,18 @@ def heuristic_vjp_config(args: tokamax.LayerNormArgs) -> LayerNormVjpConfig:
   return LayerNormVjpConfig(blocks_per_sm=1, num_stages=2)
 
 
-def _warpgroups_misfit(d: int, warpgroups: int) -> str | None:
-  """Why a row of `d` columns cannot be split over `warpgroups`, or None."""
-  if warpgroups not in (1, 2, 4):
-    return f"warpgroups must be 1, 2 or 4; got {warpgroups}"
-  if (d // PIECE) % warpgroups:
-    return (f"warpgroups={warpgroups} must divide the row's {d // PIECE} "
+def _warpgroups_misfit(d: int, config: LayerNormVjpConfig) -> str | None:
+  """Why a row of `d` columns cannot be split over `config.warpgroups`, or None."""
+  nw = config.warpgroups
+  if nw not in (1, 2, 4):
+    return f"warpgroups must be 1, 2 or 4; got {nw}"
+  if (d // PIECE) % nw:
+    return (f"warpgroups={nw} must divide the row's {d // PIECE} "
             f"{PIECE}-column pieces ({d} columns)")
+  if config.num_stages * nw > 32:
+    # One barrier per (slot, warpgroup); Mosaic GPU allocates up to 32 a group.
+    return (f"num_stages x warpgroups must be at most 32 (a barrier each); got "
+            f"{config.num_stages} x {nw}")
   return None
 
 
