@@ -23,10 +23,11 @@ keeps the sums of the scale's and offset's gradients over its rows in
 registers (the offset's in shared memory where both would not fit); XLA adds the
 blocks' sums. With ``LayerNormVjpConfig.warpgroups`` > 1 a block's warpgroups
 split each row's columns and add their row sums through shared memory. Blocks
-an SM and slots a block follow the row's width (`heuristic_vjp_config`). Under `implementation=None` it declines where it
-measured slower (`MosaicGpuLayerNormVjp.declines`: LayerNorm above 12288 columns, a few
-narrow rows); dispatch then keeps this forward and runs another backward on
-its residuals.
+an SM and slots a block follow the row's width (`heuristic_vjp_config`). Under
+`implementation=None` it declines where it measured slower
+(`MosaicGpuLayerNormVjp.declines`: LayerNorm above 12288 columns, a few narrow
+rows); dispatch then keeps this forward and runs another backward on its
+residuals.
 """
 
 from __future__ import annotations
