@@ -98,6 +98,11 @@ def _literal(text: str):
     return text
 
 
+def _field_values(fields: dict[str, str]) -> dict[str, object]:
+  """``--ab``'s FIELD=VALUE pairs with each value as the literal it spells."""
+  return {key: _literal(value) for key, value in fields.items()}
+
+
 def ab(title: str, builders: dict, fields: dict[str, str], iterations: int) -> None:
   """The heuristic configs against them with `fields` replaced, interleaved.
 
@@ -105,7 +110,7 @@ def ab(title: str, builders: dict, fields: dict[str, str], iterations: int) -> N
   function (a jitted function traced once would keep the first side's
   configs), traced under the side's config source.
   """
-  replaced = {key: _literal(value) for key, value in fields.items()}
+  replaced = _field_values(fields)
   label = ", ".join(f"{k}={v!r}" for k, v in replaced.items())
   print(f"## {title}: heuristic vs {label}", flush=True)
   for direction, build in builders.items():
@@ -157,7 +162,7 @@ def model_builders(model: str) -> tuple[str, dict]:
 def profile_runs(title: str, builders: dict, fields: dict[str, str], runs: int) -> None:
   """Each direction's call `runs` times, untimed (`ab`'s builders; `fields`
   replaced in the configs where given, else the heuristic's)."""
-  replaced = {key: _literal(value) for key, value in fields.items()}
+  replaced = _field_values(fields)
   source = _Replaced(replaced)
   for direction, build in builders.items():
     with tuning_context.use(source):
