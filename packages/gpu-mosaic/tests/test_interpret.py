@@ -483,7 +483,7 @@ def test_layer_norm(r, d, subtract_mean, dtype, rows_per_block, vjp_config):
   _check(call, (x, scale, offset), dtype, implementation=op)
 
 
-def _layer_norm_backward_check(r, d, subtract_mean, config):
+def _layer_norm_backward_check(r, d, subtract_mean, config, dtype):
   """The backward kernel alone (interpreted) against the XLA reference, on
   inputs whose row means matter and differ by row and by column range: a
   positive scale rising across the columns, and a cotangent that follows x
@@ -492,11 +492,11 @@ def _layer_norm_backward_check(r, d, subtract_mean, config):
   share of them passed at 1% error. Here it fails, and so does one that
   takes its own share for every warpgroup's (passed at 3-4% on a constant
   scale) or a row's means for another row."""
-  x = _normal((r, d), jnp.bfloat16, 2.0) + jnp.asarray(1.0, jnp.bfloat16)
+  x = _normal((r, d), dtype, 2.0) + jnp.asarray(1.0, dtype)
   scale = (1.0 + _normal((d,), jnp.float32, 0.1)) * jnp.linspace(0.2, 2.0, d)
-  offset = _normal((d,), jnp.bfloat16)
+  offset = _normal((d,), dtype)
   dy = (_normal((r, d), jnp.float32) + 0.5 * x.astype(jnp.float32)
-        + _normal((r, 1), jnp.float32, 3.0)).astype(jnp.bfloat16)
+        + _normal((r, 1), jnp.float32, 3.0)).astype(dtype)
   args = tokamax.LayerNormArgs(x=x, scale=scale, offset=offset,
                                subtract_mean=subtract_mean)
   with tokamax.interpret():
@@ -506,17 +506,19 @@ def _layer_norm_backward_check(r, d, subtract_mean, config):
   _, ref_vjp = jax.vjp(lambda *a: tokamax.layer_norm(
       *a, subtract_mean=subtract_mean, implementation="xla"), *upcast)
   for name, ref in zip(("x", "scale", "offset"), ref_vjp(dy.astype(jnp.float32))):
-    testing.assert_close(grads[name], ref, jnp.bfloat16, what=f"d{name}", scale=2.0)
+    testing.assert_close(grads[name], ref, dtype, what=f"d{name}", scale=2.0)
 
 
-@pytest.mark.parametrize("r,d,subtract_mean,config", [
-    (9, 8192, True, mln.LayerNormVjpConfig(2, 2, warpgroups=2)),
-    (7, 2048, False, mln.LayerNormVjpConfig(1, 3, warpgroups=2)),
-    (5, 3072, True, mln.LayerNormVjpConfig(1, 2))])  # one warpgroup: the same check
-def test_layer_norm_backward_warpgroups(r, d, subtract_mean, config):
+@pytest.mark.parametrize("r,d,subtract_mean,config,dtype", [
+    (9, 8192, True, mln.LayerNormVjpConfig(2, 2, warpgroups=2), jnp.bfloat16),
+    (7, 2048, False, mln.LayerNormVjpConfig(1, 3, warpgroups=2), jnp.float32),
+    (6, 4096, True, mln.LayerNormVjpConfig(1, 2, warpgroups=2), jnp.float16),
+    # One warpgroup: the same check.
+    (5, 3072, True, mln.LayerNormVjpConfig(1, 2), jnp.bfloat16)])
+def test_layer_norm_backward_warpgroups(r, d, subtract_mean, config, dtype):
   """Rows split over a block's warpgroups, their row sums added through shared
   memory; blocks walk several rows (fewer than the slots, for one)."""
-  _layer_norm_backward_check(r, d, subtract_mean, config)
+  _layer_norm_backward_check(r, d, subtract_mean, config, dtype)
 
 
 def test_layer_norm_backward_four_warpgroups_are_refused_in_the_interpreter():

@@ -241,6 +241,24 @@ def test_backward_lowers_for_cuda(scale, offset, d, stages, warpgroups):
   assert len(exported.out_avals) == 1 + scale + offset
 
 
+def test_backward_warpgroups_lower_for_cuda_in_float32():
+  """A float32 x: the pieces (and the inline reduction's strided layout) take
+  4 elements a thread instead of 8."""
+  d = 4096
+  x = jax.ShapeDtypeStruct((1031, d), jnp.float32)
+  vec = jax.ShapeDtypeStruct((d,), jnp.float32)
+  row = jax.ShapeDtypeStruct((1031,), jnp.float32)
+
+  def backward(x, dy, mean, rstd, scale, offset):
+    a = LayerNormArgs(x=x, scale=scale, offset=offset)
+    return mln.layer_norm_backward(a, mean, rstd, dy, mln.LayerNormVjpConfig(1, 2, 2))
+
+  exported = jax.export.export(jax.jit(backward), platforms=["cuda"])(
+      x, x, row, row, vec, vec)
+  assert "mosaic_gpu" in exported.mlir_module()
+  assert len(exported.out_avals) == 3
+
+
 def _check(r, d, dtype, subtract_mean, *, scale=True, offset=True, config=None,
            lead=None):
   """Forward and gradients (random cotangent) against the float32 XLA reference;
