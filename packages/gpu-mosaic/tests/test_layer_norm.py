@@ -77,7 +77,10 @@ def test_backward_declines_only_where_it_measured_slower():
                _args(4096, 3072)):
     assert vjp.declines(args) is None, args.x.shape
   assert vjp.declines(with_params(10922, 12288)) is None
-  assert "LayerNorm at" in vjp.declines(with_params(8192, 16384))
+  # Split over two warpgroups: taken. On one (13 or 15 pieces): declined.
+  assert vjp.declines(with_params(8192, 16384)) is None
+  for d in (13312, 15360):
+    assert "LayerNorm at" in vjp.declines(with_params(8192, d))
   assert vjp.declines(_args(8192, 16384, subtract_mean=False)) is None
   for d in (1024, 2048):
     assert "too few rows" in vjp.declines(with_params(4096, d))
@@ -128,9 +131,11 @@ def test_backward_refusals():
     (4096, jnp.bfloat16, mln.LayerNormVjpConfig(3, 2)),
     (5120, jnp.bfloat16, mln.LayerNormVjpConfig(2, 3)),
     (8192, jnp.bfloat16, mln.LayerNormVjpConfig(2, 2)),  # 2 x 64 KiB
-    (12288, jnp.bfloat16, mln.LayerNormVjpConfig(1, 3)),  # 144 KiB
-    (8192, jnp.float32, mln.LayerNormVjpConfig(1, 2)),  # 128 KiB
-    (16384, jnp.bfloat16, mln.LayerNormVjpConfig(1, 2))])
+    # One block an SM: its rows split over two warpgroups.
+    (12288, jnp.bfloat16, mln.LayerNormVjpConfig(1, 3, 2)),  # 144 KiB
+    (8192, jnp.float32, mln.LayerNormVjpConfig(1, 2, 2)),  # 128 KiB
+    (16384, jnp.bfloat16, mln.LayerNormVjpConfig(1, 2, 2)),
+    (13312, jnp.bfloat16, mln.LayerNormVjpConfig(1, 2))])  # 13 pieces: one
 def test_backward_heuristic_fits_shared_memory(d, dtype, config):
   args = _args(4096, d, dtype, scale=jax.ShapeDtypeStruct((d,), jnp.bfloat16),
                subtract_mean=False)
@@ -141,35 +146,45 @@ def test_backward_heuristic_fits_shared_memory(d, dtype, config):
              for c in space)
 
 
-@pytest.mark.parametrize("d", [9216, 12288, 16384])
+@pytest.mark.parametrize("d", [9216, 12288, 13312, 16384])
 def test_offset_sums_in_shared_memory_above_8192_columns(d):
-  """With a scale and an offset: one block of two slots (the measured best at
-  12288), whatever the grid says for the width."""
+  """With a scale and an offset on one warpgroup a block: one block of two
+  slots (the measured best at 12288), whatever the grid says for the width;
+  split over two warpgroups where they divide the pieces, the sums in
+  registers."""
   vec = lambda d: jax.ShapeDtypeStruct((d,), jnp.bfloat16)
   both = lambda d: _args(4096, d, scale=vec(d), offset=vec(d))
   assert not mln._offset_sums_in_smem(both(8192))
   assert not mln._offset_sums_in_smem(_args(4096, d, scale=vec(d), subtract_mean=False))
   assert mln._offset_sums_in_smem(both(d))
-  config = mln.heuristic_vjp_config(both(d))
-  assert config == mln.LayerNormVjpConfig(1, 2)
+  one = mln.LayerNormVjpConfig(1, 2)
+  assert mln._one_warpgroup_config(both(d)) == one
   # The slots (x and dy rows of bf16) and one float32 row of sums.
-  assert mln.bwd_smem_bytes(both(d), config) == 2 * 2 * d * 2 + 4 * d
-  assert mln.bwd_smem_bytes(both(d), config) <= _common.SMEM_LIMIT
+  assert mln.bwd_smem_bytes(both(d), one) == 2 * 2 * d * 2 + 4 * d
+  assert mln.bwd_smem_bytes(both(d), one) <= _common.SMEM_LIMIT
+  split = (d // 1024) % 2 == 0
+  assert mln.heuristic_vjp_config(both(d)) == mln.LayerNormVjpConfig(
+      1, 2, 2 if split else 1)
+  assert not mln._offset_sums_in_smem(both(d), 2)  # two warpgroups' registers hold both
 
 
 def test_backward_warpgroups():
   """Several warpgroups a block: each keeps its columns' parameter sums in
   registers (both sums of 16384 columns fit over two); they must divide the
-  row's 1024-column pieces; neither the heuristic nor the search space takes
-  them before they have run on a GPU."""
+  row's 1024-column pieces; the heuristic takes two where one block an SM
+  fits, the search space two and four."""
   vec = lambda d: jax.ShapeDtypeStruct((d,), jnp.bfloat16)
   both = _args(4096, 16384, scale=vec(16384), offset=vec(16384))
   assert mln._offset_sums_in_smem(both) and not mln._offset_sums_in_smem(both, 2)
   # Two slots of x and dy rows, and the exchange's two buffers (1 KiB each).
   assert mln.bwd_smem_bytes(both, mln.LayerNormVjpConfig(1, 2, 2)) == (
       2 * 2 * 16384 * 2 + 2 * 1024)
-  assert {c.warpgroups for c in mln.vjp_search_space(both)} == {1}
-  assert mln.heuristic_vjp_config(both).warpgroups == 1
+  assert {c.warpgroups for c in mln.vjp_search_space(both)} == {1, 2, 4}
+  assert mln.heuristic_vjp_config(both) == mln.LayerNormVjpConfig(1, 2, 2)
+  # Two one-warpgroup blocks an SM at 8192 columns: not split (it measured
+  # slower).
+  assert mln.heuristic_vjp_config(_args(4096, 8192)).warpgroups == 1
+  assert {c.warpgroups for c in mln.vjp_search_space(_args(4096, 13312))} == {1}
   vjp = mln.MosaicGpuLayerNormVjp()
   x = jnp.zeros((8, 3072), jnp.bfloat16)
   args = LayerNormArgs(x=x, scale=jnp.ones(3072))
@@ -304,7 +319,8 @@ def _check(r, d, dtype, subtract_mean, *, scale=True, offset=True, config=None,
 @gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("subtract_mean", [True, False])
-@pytest.mark.parametrize("r,d", [(4096, 1024), (1031, 3072), (512, 7168), (96, 16384)])
+@pytest.mark.parametrize("r,d", [(4096, 1024), (1031, 3072), (512, 7168), (96, 16384),
+                                 (64, 8192), (40, 13312)])
 def test_forward_and_gradients(r, d, dtype, subtract_mean):
   _check(r, d, dtype, subtract_mean)
 

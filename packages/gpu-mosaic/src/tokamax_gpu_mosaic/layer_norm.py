@@ -23,11 +23,12 @@ keeps the sums of the scale's and offset's gradients over its rows in
 registers (the offset's in shared memory where both would not fit); XLA adds the
 blocks' sums. With ``LayerNormVjpConfig.warpgroups`` > 1 a block's warpgroups
 split each row's columns and add their row sums through shared memory. Blocks
-an SM and slots a block follow the row's width (`heuristic_vjp_config`). Under
-`implementation=None` it declines where it measured slower
-(`MosaicGpuLayerNormVjp.declines`: LayerNorm above 12288 columns, a few narrow
-rows); dispatch then keeps this forward and runs another backward on its
-residuals.
+an SM, slots a block and warpgroups a block follow the row's width
+(`heuristic_vjp_config`: two warpgroups where rows leave room for one block an
+SM). Under `implementation=None` it declines where it measured slower
+(`MosaicGpuLayerNormVjp.declines`: LayerNorm above 12288 columns that two
+warpgroups do not split, a few narrow rows); dispatch then keeps this forward
+and runs another backward on its residuals.
 """
 
 from __future__ import annotations
@@ -444,6 +445,30 @@ _VJP_GRID = ((4, 8, 3), (8, 4, 3), (12, 4, 2), (16, 3, 2), (24, 2, 3), (32, 2, 2
 
 
 def heuristic_vjp_config(args: tokamax.LayerNormArgs) -> LayerNormVjpConfig:
+  """`_one_warpgroup_config`, its rows split over two warpgroups where that
+  leaves one block an SM (a slot's x and dy rows above 32 KiB: 8192 bf16
+  columns; or both gradient sums over one warpgroup's register budget) and two
+  divide the row's pieces.
+
+  Measured on the H200 (bf16 forward+backward, `tools/tune.py --grid --ab
+  warpgroups=...`, notes/MEASUREMENTS.md session 36): at 16384 columns two
+  warpgroups took 32768 rows of LayerNorm from 2.32 to 1.38 ms (Triton's
+  backward: 2.09) and RMSNorm from 1.49 to 1.33; four were within 1.1% of
+  two, and three slots 6-13% slower than two. At 8192 columns, where the grid
+  runs two one-warpgroup blocks an SM, splitting both blocks was 3-13% slower
+  and one block of two warpgroups 2-17% slower. Float32 rows follow the same
+  rule by their bytes, not measured."""
+  config = _one_warpgroup_config(args)
+  if config.blocks_per_sm > 1:
+    return config
+  split = dataclasses.replace(config, warpgroups=2)
+  if (_warpgroups_misfit(args.x.shape[1], split)
+      or bwd_smem_bytes(args, split) > _common.SMEM_LIMIT):
+    return config
+  return split
+
+
+def _one_warpgroup_config(args: tokamax.LayerNormArgs) -> LayerNormVjpConfig:
   """The measured grid of `_VJP_GRID` for the row's width in bytes; wider rows
   than it lists: one block with two slots (`check_backward_args` refuses rows
   whose two slots do not fit). With the offset's sums in shared memory, one
@@ -476,11 +501,15 @@ def _warpgroups_misfit(d: int, config: LayerNormVjpConfig) -> str | None:
 
 
 def vjp_search_space(args: tokamax.LayerNormArgs) -> tuple[LayerNormVjpConfig, ...]:
-  """Blocks an SM and slots a block, one warpgroup a block: configs with more
-  have not run on a GPU yet, and an autotuning run must not be the first."""
-  return tuple(c for blocks in (1, 2, 3, 4, 6, 8) for stages in (2, 3, 4)
-               if blocks * bwd_smem_bytes(args, c := LayerNormVjpConfig(blocks, stages))
-               <= _common.SMEM_LIMIT)
+  """Blocks an SM and slots a block, one warpgroup a block; and one or two
+  blocks an SM of two or four warpgroups where they divide the row's pieces."""
+  d = args.x.shape[1]
+  candidates = [LayerNormVjpConfig(blocks, stages, warpgroups)
+                for warpgroups in (1, 2, 4)
+                for blocks in ((1, 2, 3, 4, 6, 8) if warpgroups == 1 else (1, 2))
+                for stages in (2, 3, 4)]
+  return tuple(c for c in candidates if not _warpgroups_misfit(d, c)
+               and c.blocks_per_sm * bwd_smem_bytes(args, c) <= _common.SMEM_LIMIT)
 
 
 def heuristic_config(args: tokamax.LayerNormArgs) -> LayerNormConfig:
@@ -557,15 +586,14 @@ class MosaicGpuLayerNormVjp(VjpOp):
 
   def declines(self, args):
     r, d = args.x.shape
-    if args.subtract_mean and d > 12288:
+    if args.subtract_mean and d > 12288 and heuristic_vjp_config(args).warpgroups == 1:
       # LayerNorm 8192 x 16384 on the H200 (forward+backward, scale and
-      # offset): 2.25 TB/s against 2.63 with Triton's backward (0.86x; 4096 x
-      # 16384, before the row sums' registers were cut: 0.77x). RMSNorm on the
-      # same one-block grid moves 3.43, so what LayerNorm adds (the offset's
-      # sums in shared memory, the second row sum) is the suspect; not
-      # profiled. Without an offset: not measured, declined alike.
-      return (f"LayerNorm at {d} > 12288 columns: Triton's backward is faster "
-              "(0.86x at 16384 on the H200)")
+      # offset) on one warpgroup a block: 2.25 TB/s against 2.63 with Triton's
+      # backward (0.86x). Split over two warpgroups it is 1.52x Triton's at
+      # 32768 x 16384 (`heuristic_vjp_config`); widths that two do not divide
+      # into pieces (13 or 15 pieces) stay on one, declined.
+      return (f"LayerNorm at {d} > 12288 columns on one warpgroup a block: "
+              "Triton's backward is faster (0.86x at 16384 on the H200)")
     # RMSNorm is not declined for its width: at 8192 x 16384 on the H200 the
     # Mosaic forward with this backward (1 x 2) ran forward+backward in 0.390
     # ms, with XLA's backward 0.460 (`tools/shape_sweep.py --op norms`, a
