@@ -11,6 +11,15 @@ API. On the oldest JAX the numbers of every installed kernel are still checked
 by integration_tests/test_conformance_installed.py.
 """
 
+import os
+
+# JAX's Mosaic GPU interpreter runs each warpgroup of a block as a computation
+# of XLA's CPU client, which must run them all at once (four warpgroups a block
+# at most here; `tokamax_gpu_mosaic._common.check_interpreter_threads`). XLA
+# sizes that pool by the CPUs (two on the CI machines) unless PJRT_NPROC says
+# otherwise, and reads it once, when JAX starts its CPU backend: before any test.
+os.environ.setdefault("PJRT_NPROC", str(max(4, len(os.sched_getaffinity(0)))))
+
 _BACKEND_TEST_DIRS = tuple(f"packages/{name}/tests/"
                            for name in ("gpu-triton", "gpu-mosaic", "tpu-mosaic"))
 

@@ -170,12 +170,12 @@ def test_attention_backward_split_dkv_configs(ping_pong, block_q_dv, features):
 @pytest.mark.parametrize("h,n,k,t,s,block_q,ping_pong,soft_cap", [
     # GQA, T and S not multiples of the tile (T < S), two query heads a step loop.
     (128, 4, 2, 300, 330, 64, False, None),
-    # Ping-pong, a soft cap. (H64 takes 128-row steps, which never finish in
-    # JAX 0.12's interpreter here, as other one-axis grids before:
-    # notes/MOSAIC_GPU.md, "an interpreter hang"; the H200 runs them.)
-    (128, 2, 1, 384, 384, 64, True, 20.0),
+    (128, 2, 1, 384, 384, 64, True, 20.0),  # ping-pong, a soft cap
     (128, 2, 2, 200, 128, 64, False, None),  # T > S (S a tile multiple)
-], ids=["gqa-odd", "ping-pong-cap", "t-gt-s"])
+    # H64's 128-row steps (they hung here before the test run's PJRT_NPROC:
+    # notes/MOSAIC_GPU.md, session 36).
+    (64, 2, 1, 256, 256, 128, False, None),
+], ids=["gqa-odd", "ping-pong-cap", "t-gt-s", "h64-128-row-steps"])
 def test_attention_backward_fuse_dq(h, n, k, t, s, block_q, ping_pong, soft_cap):
   """dQ from the dK/dV kernel (`fuse_dq`): each step's dQ tile added in rank
   order (here by read, add, store: the interpreter runs the blocks one at a time
@@ -187,13 +187,28 @@ def test_attention_backward_fuse_dq(h, n, k, t, s, block_q, ping_pong, soft_cap)
   _check_causal_backward(q, key, v, config, **kw)
 
 
-def test_attention_backward_fuse_dq_refuses_128_row_steps():
-  """H64's 128-row steps never finish in the interpreter here: refused."""
-  q = _normal((1, 256, 2, 64), jnp.bfloat16)
-  lse = jnp.zeros((1, 2, 256), jnp.float32)
-  with tokamax.interpret(), pytest.raises(NotImplementedError, match="hangs there"):
-    mat.mosaic_attention_bwd(q, q, q, q, q, lse, scale=0.125, causal=True,
-                             config=mat.AttentionVjpConfig(128, 128, 2, fuse_dq=True))
+def test_kernels_of_more_warpgroups_than_interpreter_threads_are_refused(monkeypatch):
+  """The interpreter runs a block's warpgroups as computations of XLA's CPU
+  client at once: with fewer threads it could hang, so it is refused, naming
+  PJRT_NPROC (which the client reads when JAX starts: here the check reads
+  the variable, the client keeps the test run's threads)."""
+  monkeypatch.setenv("PJRT_NPROC", "3")
+  assert _common.interpreter_threads() == 3
+  x = jnp.zeros((4, 4096), jnp.bfloat16)
+  args = tokamax.LayerNormArgs(x=x, scale=jnp.ones(4096), offset=None)
+  rows = jnp.zeros(4, jnp.float32)
+  with tokamax.interpret():
+    mln.layer_norm_backward(args, rows, rows, x, mln.LayerNormVjpConfig(1, 2, 2))
+    with pytest.raises(NotImplementedError, match="4 warpgroups a block .* PJRT_NPROC=4"):
+      mln.layer_norm_backward(args, rows, rows, x, mln.LayerNormVjpConfig(1, 2, 4))
+  monkeypatch.setenv("PJRT_NPROC", "2")
+  q = _normal((1, 128, 1, 64), jnp.bfloat16)
+  with tokamax.interpret(), pytest.raises(NotImplementedError, match="3 warpgroups"):
+    mat.mosaic_attention(q, q, q, scale=0.125, causal=False,
+                         config=mat.AttentionConfig())
+  monkeypatch.delenv("PJRT_NPROC")
+  monkeypatch.setenv("NPROC", "5")
+  assert _common.interpreter_threads() == 5
 
 
 @pytest.mark.parametrize("causal,features,persistent", [
@@ -513,21 +528,15 @@ def _layer_norm_backward_check(r, d, subtract_mean, config, dtype):
     (9, 8192, True, mln.LayerNormVjpConfig(2, 2, warpgroups=2), jnp.bfloat16),
     (7, 2048, False, mln.LayerNormVjpConfig(1, 3, warpgroups=2), jnp.float32),
     (6, 4096, True, mln.LayerNormVjpConfig(1, 2, warpgroups=2), jnp.float16),
+    # Four (it hung here before the test run's PJRT_NPROC: notes/MOSAIC_GPU.md,
+    # session 36).
+    (7, 12288, True, mln.LayerNormVjpConfig(1, 2, warpgroups=4), jnp.bfloat16),
     # One warpgroup: the same check.
     (5, 3072, True, mln.LayerNormVjpConfig(1, 2), jnp.bfloat16)])
 def test_layer_norm_backward_warpgroups(r, d, subtract_mean, config, dtype):
   """Rows split over a block's warpgroups, their row sums added through shared
   memory; blocks walk several rows (fewer than the slots, for one)."""
   _layer_norm_backward_check(r, d, subtract_mean, config, dtype)
-
-
-def test_layer_norm_backward_four_warpgroups_are_refused_in_the_interpreter():
-  x = jnp.zeros((4, 4096), jnp.bfloat16)
-  args = tokamax.LayerNormArgs(x=x, scale=jnp.ones(4096), offset=None)
-  rows = jnp.zeros(4, jnp.float32)
-  with tokamax.interpret():
-    with pytest.raises(NotImplementedError, match="warpgroups=4 in the Mosaic GPU"):
-      mln.layer_norm_backward(args, rows, rows, x, mln.LayerNormVjpConfig(1, 2, 4))
 
 
 def test_overlap_qk_is_refused_in_the_interpreter():
@@ -546,18 +555,17 @@ def test_interpreter_is_asked_for_only_under_interpret():
     assert _common.num_sms() == _common.INTERPRET_SMS
 
 
-def test_head_group_with_32_row_steps_and_segments_is_refused_in_the_interpreter():
-  """JAX 0.12's interpreter hangs on that dK pass (notes/MOSAIC_GPU.md): a clear
-  refusal instead, and the heuristic keeps the ungrouped order there."""
-  q = _normal((1, 256, 2, 256), jnp.bfloat16)
-  ids = jnp.ones((1, 256), jnp.int32)
-  lse = jnp.zeros((1, 2, 256), jnp.float32)
+def test_head_group_with_32_row_steps_and_segments():
+  """The split H256 backward in head groups (a one-axis grid) with segment ids,
+  against the reference. It hung here before the test run's PJRT_NPROC
+  (notes/MOSAIC_GPU.md, sessions 31 and 36): a refusal until then, and the
+  heuristic took no head groups in the interpreter; now it takes them as on a
+  GPU."""
+  q, k, v = (_normal((1, 256, 2, 256), jnp.bfloat16) for _ in range(3))
+  ids = jnp.asarray([[1] * 128 + [2] * 128], jnp.int32)
   config = mat.AttentionVjpConfig(32, 32, 2, split_dkv=True, head_group=1)
+  _check_causal_backward(q, k, v, config, q_segment_ids=ids, kv_segment_ids=ids)
+  args = attention_op.canonical_args(q, q, q, None, None, is_causal=True,
+                                     q_segment_ids=ids, kv_segment_ids=ids)[0]
   with tokamax.interpret():
-    with pytest.raises(NotImplementedError, match="head_group with 32-row"):
-      mat.mosaic_attention_bwd(q, q, q, q, q, lse, scale=0.1, causal=True,
-                               config=config, q_segment_ids=ids, kv_segment_ids=ids)
-    args = attention_op.canonical_args(q, q, q, None, None, is_causal=True,
-                                       q_segment_ids=ids, kv_segment_ids=ids)[0]
-    assert mat.MosaicGpuAttentionVjp().heuristic_config(args).head_group == 0
-  assert mat.MosaicGpuAttentionVjp().heuristic_config(args).head_group > 0
+    assert mat.MosaicGpuAttentionVjp().heuristic_config(args).head_group > 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import os
 from typing import Any
 
 import jax
@@ -113,10 +114,45 @@ def _kernel_params() -> frozenset[str]:
   return frozenset(inspect.signature(plgpu.kernel).parameters)
 
 
+def interpreter_threads() -> int:
+  """How many computations XLA's CPU client runs at once, by its own rule for
+  its thread pool: ``PJRT_NPROC`` or ``NPROC`` where set, else the CPUs this
+  process may run on. Read when asked; the client reads it once, when JAX
+  starts its CPU backend."""
+  for name in ("PJRT_NPROC", "NPROC"):
+    value = os.environ.get(name, "")
+    if value.isdigit():
+      return int(value)
+  if hasattr(os, "sched_getaffinity"):
+    return len(os.sched_getaffinity(0))
+  return os.cpu_count() or 1
+
+
+def check_interpreter_threads(warpgroups: int) -> None:
+  """NotImplementedError where JAX's Mosaic GPU interpreter could hang on a
+  kernel of `warpgroups` warpgroups a block.
+
+  The interpreter runs each warpgroup of a block as a computation of XLA's CPU
+  client, waiting for the others at barriers. With fewer threads than
+  warpgroups, whether the kernel finishes depends on which warpgroups get a
+  thread first: on a 2-core machine a 4-warpgroup norm backward hung with 2
+  or 3 threads and ran in 4 s with 4, and an attention backward of 3 hung
+  with 2 and ran with 3 (notes/MOSAIC_GPU.md, session 36)."""
+  threads = interpreter_threads()
+  if warpgroups > threads:
+    raise NotImplementedError(
+        f"a Mosaic GPU kernel of {warpgroups} warpgroups a block in the "
+        f"interpreter needs XLA's CPU client to run {warpgroups} threads; it runs "
+        f"{threads} (this machine's CPUs): set PJRT_NPROC={warpgroups} or more "
+        "before JAX starts")
+
+
 def kernel(body, *, out_type, scratch_types=None, **kwargs):
-  """`plgpu.kernel` with the output/scratch arguments named as this JAX wants."""
+  """`plgpu.kernel` with the output/scratch arguments named as this JAX wants;
+  in the interpreter, where XLA's CPU client runs enough threads for it."""
   params = _kernel_params()
   if interpreting():
+    check_interpreter_threads(kwargs.get("num_threads") or 1)
     kwargs["interpret"] = interpret_params()
   if scratch_types is not None:
     key = "scratch_types" if "scratch_types" in params else "scratch_shapes"

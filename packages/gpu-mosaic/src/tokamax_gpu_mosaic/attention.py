@@ -393,10 +393,8 @@ def _bwd_heuristic(args) -> AttentionVjpConfig:
   # where `_backward_head_group` gives groups of one or two pairs (the dK/dV
   # kernel reads every query head of its key/value head). Why those lose is not
   # profiled yet.
-  # Not in the interpreter, where the order means nothing and one case hangs
-  # (`mosaic_attention_bwd` refuses it).
   mha = args.query.shape[2] == args.key.shape[2]
-  if _grouped_by_default(args) and mha and not _common.interpreting():
+  if _grouped_by_default(args) and mha:
     config = dataclasses.replace(config, head_group=_backward_head_group(args))
   return config
 

@@ -1114,16 +1114,6 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
   tp = _common.cdiv(t, akc.CTA_ROWS) * akc.CTA_ROWS
   sp = _common.cdiv(s, KEY_ROWS) * KEY_ROWS
   segments = q_segment_ids is not None
-  if (_common.interpreting() and config.head_group and segments
-      and config.pass_block_q(("dk",)) == 32):
-    # JAX 0.12's interpreter never finishes the dK pass of 32-row query steps
-    # with segment ids on the one-axis grid of `head_group`; the same blocks on
-    # the three-axis grid finish, and so does the H200 (notes/MOSAIC_GPU.md,
-    # "an interpreter hang"). Refused, not hung.
-    raise NotImplementedError(
-        "head_group with 32-row query steps (block_q=32) and segment ids in the "
-        "Mosaic GPU interpreter: it hangs there; use head_group=0 (the block "
-        "order does not change the results)")
   feat = akc.features(causal, local_window, logits_soft_cap,
                       query_seq_lengths is not None,
                       key_value_seq_lengths is not None, segments,
@@ -1131,12 +1121,6 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
   if config.fuse_dq and (why := fused_dq_refusal(t, s, q.shape[-1], config.block_q,
                                                   causal, feat)):
     raise NotImplementedError(f"fuse_dq: {why}")
-  if config.fuse_dq and config.block_q == 128 and _common.interpreting():
-    # As above: never finishes in JAX 0.12's interpreter (the H200 runs it;
-    # notes/MOSAIC_GPU.md session 34). Refused, not hung.
-    raise NotImplementedError(
-        "fuse_dq with 128-row query steps (head dim 64) in the Mosaic GPU "
-        "interpreter: it hangs there; use fuse_dq=False")
   dtype = q.dtype
   dout = dout.astype(dtype)
   delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32),

@@ -320,13 +320,6 @@ def layer_norm_backward(args: tokamax.LayerNormArgs, mean, rstd, dout,
   r, d = x.shape
   if why := _warpgroups_misfit(d, config):
     raise ValueError(f"LayerNormVjpConfig.{why}")
-  if config.warpgroups > 2 and _common.interpreting():
-    # JAX 0.12's interpreter never finished 7 x 12288 with 4 warpgroups on a
-    # 2-core machine (two waiting at the row sums' barrier, two never reaching
-    # it; notes/MOSAIC_GPU.md session 35). Refused, not hung.
-    raise NotImplementedError(
-        f"warpgroups={config.warpgroups} in the Mosaic GPU interpreter: it can "
-        "hang there; use warpgroups <= 2")
   has_scale = args.scale is not None
   want = [name for name, p in (("scale", args.scale), ("offset", args.offset))
           if p is not None]
