@@ -447,7 +447,7 @@ def heuristic_vjp_config(args: tokamax.LayerNormArgs) -> LayerNormVjpConfig:
   warpgroups=...`, notes/MEASUREMENTS.md session 36): at 16384 columns two
   warpgroups took 32768 rows of LayerNorm from 2.32 to 1.38 ms (Triton's
   backward: 2.09) and RMSNorm from 1.49 to 1.33; four were within 1.1% of
-  two, and three slots 6-13% slower than two. At 8192 columns, where the grid
+  two, and three slots 4-13% slower than two. At 8192 columns, where the grid
   runs two one-warpgroup blocks an SM, splitting both blocks was 3-13% slower
   and one block of two warpgroups 2-17% slower. Float32 rows follow the same
   rule by their bytes, not measured."""
