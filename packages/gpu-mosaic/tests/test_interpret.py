@@ -532,7 +532,10 @@ def _layer_norm_backward_check(r, d, subtract_mean, config, dtype):
     # session 36).
     (7, 12288, True, mln.LayerNormVjpConfig(1, 2, warpgroups=4), jnp.bfloat16),
     # One warpgroup: the same check.
-    (5, 3072, True, mln.LayerNormVjpConfig(1, 2), jnp.bfloat16)])
+    (5, 3072, True, mln.LayerNormVjpConfig(1, 2), jnp.bfloat16),
+    # The scale read from the block's copy in shared memory.
+    (9, 4096, True, mln.LayerNormVjpConfig(1, 2, 2, scale_in_smem=True), jnp.bfloat16),
+    (5, 3072, False, mln.LayerNormVjpConfig(2, 3, scale_in_smem=True), jnp.float16)])
 def test_layer_norm_backward_warpgroups(r, d, subtract_mean, config, dtype):
   """Rows split over a block's warpgroups, their row sums added through shared
   memory; blocks walk several rows (fewer than the slots, for one)."""

@@ -230,17 +230,22 @@ def test_lowers_for_cuda(subtract_mean, with_stats):
   assert shapes == [(4096, 3072)] + [(4096,)] * (2 if with_stats else 0)
 
 
-@pytest.mark.parametrize("d,stages,warpgroups", [(2048, 2, 1), (2048, 4, 1), (16384, 2, 1),
-                                                  (16384, 2, 4), (4096, 3, 2)])
+@pytest.mark.parametrize("d,stages,warpgroups,scale_in_smem", [
+    (2048, 2, 1, False), (2048, 4, 1, False), (16384, 2, 1, False),
+    (16384, 2, 4, False), (4096, 3, 2, False), (16384, 2, 2, True), (2048, 3, 1, True)])
 @pytest.mark.parametrize("scale,offset", [(True, True), (False, True), (False, False)])
-def test_backward_lowers_for_cuda(scale, offset, d, stages, warpgroups):
+def test_backward_lowers_for_cuda(scale, offset, d, stages, warpgroups, scale_in_smem):
   """At 16384 columns with both parameters the offset's sums are in shared
-  memory (one warpgroup a block; in registers with four)."""
-  vec = lambda: jax.ShapeDtypeStruct((d,), jnp.bfloat16)
+  memory (one warpgroup a block; in registers with four). A float32 scale
+  for the scale's copy in shared memory (its pieces load 8 of its elements a
+  thread, as x's)."""
+  vec = lambda dtype: jax.ShapeDtypeStruct((d,), dtype)
   args = LayerNormArgs(x=jax.ShapeDtypeStruct((1031, d), jnp.bfloat16),
-                       scale=vec() if scale else None, offset=vec() if offset else None)
+                       scale=vec(jnp.float32 if scale_in_smem else jnp.bfloat16)
+                       if scale else None,
+                       offset=vec(jnp.bfloat16) if offset else None)
   config = mln.LayerNormVjpConfig(blocks_per_sm=3 if d <= 2048 else 1, num_stages=stages,
-                                  warpgroups=warpgroups)
+                                  warpgroups=warpgroups, scale_in_smem=scale_in_smem)
 
   def backward(x, dy, mean, rstd, *params):
     params = iter(params)
@@ -336,7 +341,10 @@ def test_forward_and_gradients(r, d, dtype, subtract_mean):
     # Rows split over a block's warpgroups.
     (8192, 16384, mln.LayerNormVjpConfig(1, 2, warpgroups=4)),
     (1031, 12288, mln.LayerNormVjpConfig(1, 3, warpgroups=2)),
-    (70, 4096, mln.LayerNormVjpConfig(2, 3, warpgroups=4))])
+    (70, 4096, mln.LayerNormVjpConfig(2, 3, warpgroups=4)),
+    # The scale (float32 here) from the block's copy in shared memory.
+    (8192, 16384, mln.LayerNormVjpConfig(1, 2, warpgroups=2, scale_in_smem=True)),
+    (1031, 2048, mln.LayerNormVjpConfig(4, 3, scale_in_smem=True))])
 def test_backward_configs(r, d, config, subtract_mean):
   # A positive scale and a cotangent that follows x with a nonzero mean, so
   # that dx depends on the row means (test_interpret.py's

@@ -145,11 +145,15 @@ class LayerNormVjpConfig:
   warpgroup copies, reads and sums its own columns (its share of the
   parameters' sums in registers) and the row sums are added across them
   through shared memory, so that a wide row, whose slots leave room for one
-  block an SM, still runs on several warpgroups."""
+  block an SM, still runs on several warpgroups.
+  ``scale_in_smem``: the scale is copied into shared memory once a block and
+  read from there (twice a row), not from device memory through L1, which the
+  slots leave too small for a wide row's scale."""
 
   blocks_per_sm: int = 2
   num_stages: int = 3
   warpgroups: int = 1
+  scale_in_smem: bool = False
 
 
 def _warpgroup_sum(x, scratch, vector: int) -> jax.Array:
@@ -172,13 +176,16 @@ def _warpgroup_sum(x, scratch, vector: int) -> jax.Array:
 
 def _bwd_kernel(*refs, d: int, per_block: int, rows: int, stages: int,
                 subtract_mean: bool, has_scale: bool, num_partials: int,
-                offset_in_smem: bool, warpgroups: int):
+                offset_in_smem: bool, warpgroups: int, scale_in_smem: bool):
   refs = list(refs)
   x_ref = refs.pop(0)
   scale_ref = refs.pop(0) if has_scale else None
   dy_ref, mean_ref, rstd_ref, dx_ref = refs[:4]
   partial_refs = refs[4:4 + num_partials]
   x_smem, dy_smem, landed, *rest = refs[4 + num_partials:]
+  if scale_in_smem:
+    # The block's copy of the scale and each warpgroup's barrier for its columns.
+    *rest, scale_smem, scale_landed = rest
   if warpgroups > 1:
     # Each warpgroup's partial row sums (two rows' worth), the barriers that
     # say all are in, and each warpgroup's reduction scratch.
@@ -242,12 +249,21 @@ def _bwd_kernel(*refs, d: int, per_block: int, rows: int, stages: int,
     if subtract_mean:
       x = x - mean_ref[row]
     xhat = x * rstd_ref[row]
-    return xhat, (dy * _load_piece(scale_ref.at[cols], vector) if has_scale else dy), dy
+    return xhat, (dy * _load_piece(scale_src.at[cols], vector) if has_scale else dy), dy
+
+  scale_src = scale_ref
+  if scale_in_smem:
+    scale_src = scale_smem
+    plgpu.copy_gmem_to_smem(mine(scale_ref), mine(scale_smem), scale_landed.at[wg],
+                            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
 
   for ahead in range(stages - 1):
     @pl.when(start + ahead < stop)
     def _prologue():
       issue(start + ahead)
+
+  if scale_in_smem:
+    plgpu.barrier_wait(scale_landed.at[wg])
 
   def body(row, accs):
     slot = (row - start) % stages
@@ -333,7 +349,8 @@ def layer_norm_backward(args: tokamax.LayerNormArgs, mean, rstd, dout,
   kernel = functools.partial(
       _bwd_kernel, d=d, per_block=per_block, rows=r, stages=config.num_stages,
       subtract_mean=args.subtract_mean, has_scale=has_scale, num_partials=len(want),
-      offset_in_smem=offset_in_smem, warpgroups=nw)
+      offset_in_smem=offset_in_smem, warpgroups=nw,
+      scale_in_smem=has_scale and config.scale_in_smem)
   across = []  # the row sums' exchange between warpgroups (`_bwd_kernel`)
   threads = {}
   if nw > 1:
@@ -349,7 +366,10 @@ def layer_norm_backward(args: tokamax.LayerNormArgs, mean, rstd, dout,
                      # barrier.
                      plgpu.Barrier(num_arrivals=2, num_barriers=config.num_stages * nw),
                      *across,
-                     *([plgpu.SMEM((d,), jnp.float32)] if offset_in_smem else [])],
+                     *([plgpu.SMEM((d,), jnp.float32)] if offset_in_smem else []),
+                     *([plgpu.SMEM((d,), args.scale.dtype),
+                        plgpu.Barrier(num_arrivals=1, num_barriers=nw)]
+                       if has_scale and config.scale_in_smem else [])],
       compiler_params=_common.compiler_params(), **threads)
   dx, *partials = call(x, *([args.scale] if has_scale else []),
                        dout.astype(x.dtype), mean.astype(jnp.float32),
@@ -383,14 +403,18 @@ def _slot_bytes(args: tokamax.LayerNormArgs) -> int:
 
 def bwd_smem_bytes(args: tokamax.LayerNormArgs, config: LayerNormVjpConfig) -> int:
   """A block's shared memory: its row slots, the offset's gradient sums where
-  they are kept there, and with several warpgroups their row sums' exchange."""
+  they are kept there, with several warpgroups their row sums' exchange, and
+  the scale where it is copied there."""
   slots = config.num_stages * _slot_bytes(args)
   nw = config.warpgroups
   offset_sums = 4 * args.x.shape[1] if _offset_sums_in_smem(args, nw) else 0
   # The exchange's two small buffers (`layer_norm_backward`), each rounded up
   # to 1024 bytes as Pallas places scratch buffers.
   exchange = 2 * 1024 if nw > 1 else 0
-  return slots + offset_sums + exchange
+  scale = 0
+  if config.scale_in_smem and args.scale is not None:
+    scale = args.x.shape[1] * jnp.dtype(args.scale.dtype).itemsize
+  return slots + offset_sums + exchange + scale
 
 
 def check_args(args: tokamax.LayerNormArgs) -> None:
