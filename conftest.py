@@ -18,7 +18,9 @@ import os
 # at most here; `tokamax_gpu_mosaic._common.check_interpreter_threads`). XLA
 # sizes that pool by the CPUs (two on the CI machines) unless PJRT_NPROC says
 # otherwise, and reads it once, when JAX starts its CPU backend: before any test.
-os.environ.setdefault("PJRT_NPROC", str(max(4, len(os.sched_getaffinity(0)))))
+_CPUS = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+         else os.cpu_count() or 1)
+os.environ.setdefault("PJRT_NPROC", str(max(4, _CPUS)))
 
 _BACKEND_TEST_DIRS = tuple(f"packages/{name}/tests/"
                            for name in ("gpu-triton", "gpu-mosaic", "tpu-mosaic"))

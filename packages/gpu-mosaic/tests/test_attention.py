@@ -509,8 +509,8 @@ def test_head_group(causal):
       mat.AttentionVjpConfig(32, 32, 2, split_dkv=True, block_q_dv=64,
                              head_group=3)))
   # Dynamic key ranges (window, key lengths) take the same order; packed
-  # segments in the split H256 passes (JAX 0.12's interpreter hangs on these
-  # with any one-axis grid, notes/MOSAIC_GPU.md session 31).
+  # segments in the split H256 passes (in the interpreter:
+  # test_interpret.py's `test_head_group_with_32_row_steps_and_segments`).
   _check_bwd_features_direct(2, 512, 512, 4, 2, 128, config=vjp, causal=True,
                              window=(200, 0), kv_len=[512, 300])
   ids = _packed(2, 512, [[100, 28, 300, 84], [7, 500]])

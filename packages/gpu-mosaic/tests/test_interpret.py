@@ -18,6 +18,7 @@ runs them.
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -193,22 +194,64 @@ def test_kernels_of_more_warpgroups_than_interpreter_threads_are_refused(monkeyp
   PJRT_NPROC (which the client reads when JAX starts: here the check reads
   the variable, the client keeps the test run's threads)."""
   monkeypatch.setenv("PJRT_NPROC", "3")
-  assert _common.interpreter_threads() == 3
   x = jnp.zeros((4, 4096), jnp.bfloat16)
   args = tokamax.LayerNormArgs(x=x, scale=jnp.ones(4096), offset=None)
   rows = jnp.zeros(4, jnp.float32)
   with tokamax.interpret():
     mln.layer_norm_backward(args, rows, rows, x, mln.LayerNormVjpConfig(1, 2, 2))
-    with pytest.raises(NotImplementedError, match="4 warpgroups a block .* PJRT_NPROC=4"):
+    with pytest.raises(NotImplementedError,
+                       match=r"4 warpgroups a block .* runs 3 \(PJRT_NPROC=3\): set "
+                             "PJRT_NPROC=4"):
       mln.layer_norm_backward(args, rows, rows, x, mln.LayerNormVjpConfig(1, 2, 4))
   monkeypatch.setenv("PJRT_NPROC", "2")
   q = _normal((1, 128, 1, 64), jnp.bfloat16)
   with tokamax.interpret(), pytest.raises(NotImplementedError, match="3 warpgroups"):
     mat.mosaic_attention(q, q, q, scale=0.125, causal=False,
                          config=mat.AttentionConfig())
-  monkeypatch.delenv("PJRT_NPROC")
+
+
+def test_interpreter_threads_are_read_as_xla_reads_them(monkeypatch):
+  """PJRT_NPROC, else NPROC (each an integer, blanks allowed, at least 0; an
+  unreadable one skipped), else the CPUs; a one-warpgroup kernel runs inline
+  and is never refused."""
+  monkeypatch.setenv("PJRT_NPROC", " 6 ")
   monkeypatch.setenv("NPROC", "5")
+  assert _common.interpreter_threads() == 6
+  monkeypatch.setenv("PJRT_NPROC", "many")
   assert _common.interpreter_threads() == 5
+  monkeypatch.setenv("PJRT_NPROC", "-2")
+  assert _common.interpreter_threads() == 0
+  _common.check_interpreter_threads(1)
+  with pytest.raises(NotImplementedError, match="runs 0"):
+    _common.check_interpreter_threads(2)
+  monkeypatch.delenv("PJRT_NPROC")
+  monkeypatch.delenv("NPROC")
+  assert _common.interpreter_threads() == len(os.sched_getaffinity(0))
+
+
+def test_too_few_interpreter_threads_let_dispatch_move_on(monkeypatch):
+  """Refused in `check_supported`, so that `implementation=None` (or a list)
+  runs another implementation; the norms' forward (one warpgroup) still runs
+  here, and their backward keeps one warpgroup a block (its split needs two
+  threads)."""
+  monkeypatch.setenv("PJRT_NPROC", "1")
+  q = _normal((1, 128, 2, 64), jnp.bfloat16)
+  with tokamax.interpret(), tokamax.record_dispatch() as records:
+    tokamax.dot_product_attention(q, q, q, implementation=["mosaic_gpu", "xla"])
+  assert {r.implementation for r in records} == {"xla"}
+  vec = jax.ShapeDtypeStruct((16384,), jnp.bfloat16)
+  wide = tokamax.LayerNormArgs(x=jax.ShapeDtypeStruct((64, 16384), jnp.bfloat16),
+                               scale=vec, offset=vec)
+  with tokamax.interpret():
+    assert mln.heuristic_vjp_config(wide).warpgroups == 1
+  monkeypatch.setenv("PJRT_NPROC", "2")
+  with tokamax.interpret():
+    assert mln.heuristic_vjp_config(wide).warpgroups == 2
+  monkeypatch.setenv("PJRT_NPROC", "1")
+  x = _normal((8, 1024), jnp.bfloat16)
+  with tokamax.interpret(), tokamax.record_dispatch() as records:
+    tokamax.layer_norm(x, None, None, implementation="mosaic_gpu")
+  assert {r.implementation for r in records} == {"mosaic_gpu"}
 
 
 @pytest.mark.parametrize("causal,features,persistent", [

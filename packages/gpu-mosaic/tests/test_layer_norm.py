@@ -176,9 +176,14 @@ def test_backward_warpgroups():
   vec = lambda d: jax.ShapeDtypeStruct((d,), jnp.bfloat16)
   both = _args(4096, 16384, scale=vec(16384), offset=vec(16384))
   assert mln._offset_sums_in_smem(both) and not mln._offset_sums_in_smem(both, 2)
-  # Two slots of x and dy rows, and the exchange's two buffers (1 KiB each).
+  # Two slots of x and dy rows, and the exchange's two buffers (1 KiB each);
+  # with the scale's copy, its bf16 row too.
   assert mln.bwd_smem_bytes(both, mln.LayerNormVjpConfig(1, 2, 2)) == (
       2 * 2 * 16384 * 2 + 2 * 1024)
+  assert mln.bwd_smem_bytes(both, mln.LayerNormVjpConfig(1, 2, 2, True)) == (
+      2 * 2 * 16384 * 2 + 2 * 1024 + 16384 * 2)
+  assert mln.bwd_smem_bytes(_args(4096, 16384), mln.LayerNormVjpConfig(1, 2, 2, True)) == (
+      2 * 2 * 16384 * 2 + 2 * 1024)  # no scale: no copy
   assert {c.warpgroups for c in mln.vjp_search_space(both)} == {1, 2, 4}
   assert mln.heuristic_vjp_config(both) == mln.LayerNormVjpConfig(1, 2, 2)
   # Two one-warpgroup blocks an SM at 8192 columns: not split (it measured
@@ -230,19 +235,21 @@ def test_lowers_for_cuda(subtract_mean, with_stats):
   assert shapes == [(4096, 3072)] + [(4096,)] * (2 if with_stats else 0)
 
 
-@pytest.mark.parametrize("d,stages,warpgroups,scale_in_smem", [
-    (2048, 2, 1, False), (2048, 4, 1, False), (16384, 2, 1, False),
-    (16384, 2, 4, False), (4096, 3, 2, False), (16384, 2, 2, True), (2048, 3, 1, True)])
+@pytest.mark.parametrize("d,stages,warpgroups,scale_in_smem,scale_dtype", [
+    (2048, 2, 1, False, jnp.bfloat16), (2048, 4, 1, False, jnp.bfloat16),
+    (16384, 2, 1, False, jnp.bfloat16), (16384, 2, 4, False, jnp.bfloat16),
+    (4096, 3, 2, False, jnp.bfloat16), (16384, 2, 2, True, jnp.float32),
+    (2048, 3, 1, True, jnp.float32), (8192, 2, 4, True, jnp.bfloat16)])
 @pytest.mark.parametrize("scale,offset", [(True, True), (False, True), (False, False)])
-def test_backward_lowers_for_cuda(scale, offset, d, stages, warpgroups, scale_in_smem):
+def test_backward_lowers_for_cuda(scale, offset, d, stages, warpgroups, scale_in_smem,
+                                  scale_dtype):
   """At 16384 columns with both parameters the offset's sums are in shared
-  memory (one warpgroup a block; in registers with four). A float32 scale
-  for the scale's copy in shared memory (its pieces load 8 of its elements a
-  thread, as x's)."""
+  memory (one warpgroup a block; in registers with four). The scale's copy in
+  shared memory in float32 (its pieces load 8 of its elements a thread, as
+  x's) and bfloat16."""
   vec = lambda dtype: jax.ShapeDtypeStruct((d,), dtype)
   args = LayerNormArgs(x=jax.ShapeDtypeStruct((1031, d), jnp.bfloat16),
-                       scale=vec(jnp.float32 if scale_in_smem else jnp.bfloat16)
-                       if scale else None,
+                       scale=vec(scale_dtype) if scale else None,
                        offset=vec(jnp.bfloat16) if offset else None)
   config = mln.LayerNormVjpConfig(blocks_per_sm=3 if d <= 2048 else 1, num_stages=stages,
                                   warpgroups=warpgroups, scale_in_smem=scale_in_smem)

@@ -51,11 +51,14 @@ def pad_axis(x, axis: int, size: int):
   return jnp.pad(x, pad)
 
 
-def check_hopper_device(device: DeviceInfo) -> None:
+def check_hopper_device(device: DeviceInfo, warpgroups: int = 3) -> None:
   """Raises NotImplementedError unless these kernels can run on `device`: natively
   on a Hopper GPU, or in interpret mode where JAX's Mosaic GPU interpreter runs
-  them (`interpreter_runs_these_kernels`)."""
+  them (`interpreter_runs_these_kernels`) with threads for the op's kernels of
+  `warpgroups` warpgroups a block (`check_interpreter_threads`), so that
+  dispatch moves on where they could hang."""
   if device.interpret and interpreter_runs_these_kernels():
+    check_interpreter_threads(warpgroups)
     return  # the interpreter runs them on any device
   cc = device.compute_capability
   if device.platform == "gpu" and cc is not None and cc.startswith("9."):
@@ -114,18 +117,27 @@ def _kernel_params() -> frozenset[str]:
   return frozenset(inspect.signature(plgpu.kernel).parameters)
 
 
+def _interpreter_threads_and_source() -> tuple[int, str]:
+  """`interpreter_threads` and where the number came from."""
+  for name in ("PJRT_NPROC", "NPROC"):
+    value = os.environ.get(name)
+    if value is None:
+      continue
+    try:  # as XLA parses it: an integer, surrounding blanks allowed, at least 0
+      return max(0, int(value.strip())), f"{name}={value.strip()}"
+    except ValueError:
+      continue  # XLA too goes on to the next name
+  if hasattr(os, "sched_getaffinity"):
+    return len(os.sched_getaffinity(0)), "this process's CPUs"
+  return os.cpu_count() or 1, "this machine's CPUs"
+
+
 def interpreter_threads() -> int:
   """How many computations XLA's CPU client runs at once, by its own rule for
   its thread pool: ``PJRT_NPROC`` or ``NPROC`` where set, else the CPUs this
   process may run on. Read when asked; the client reads it once, when JAX
   starts its CPU backend."""
-  for name in ("PJRT_NPROC", "NPROC"):
-    value = os.environ.get(name, "")
-    if value.isdigit():
-      return int(value)
-  if hasattr(os, "sched_getaffinity"):
-    return len(os.sched_getaffinity(0))
-  return os.cpu_count() or 1
+  return _interpreter_threads_and_source()[0]
 
 
 def check_interpreter_threads(warpgroups: int) -> None:
@@ -133,18 +145,21 @@ def check_interpreter_threads(warpgroups: int) -> None:
   kernel of `warpgroups` warpgroups a block.
 
   The interpreter runs each warpgroup of a block as a computation of XLA's CPU
-  client, waiting for the others at barriers. With fewer threads than
-  warpgroups, whether the kernel finishes depends on which warpgroups get a
-  thread first: on a 2-core machine a 4-warpgroup norm backward hung with 2
-  or 3 threads and ran in 4 s with 4, and an attention backward of 3 hung
-  with 2 and ran with 3 (notes/MOSAIC_GPU.md, session 36)."""
-  threads = interpreter_threads()
+  client, waiting for the others at barriers (one warpgroup runs inline).
+  With fewer threads than warpgroups, whether the kernel finishes depends on
+  which warpgroups get a thread first: on a 2-core machine a 4-warpgroup norm
+  backward hung with 2 or 3 threads and ran in 4 s with 4, and an attention
+  backward of 3 hung with 2 and ran with 3 (notes/MOSAIC_GPU.md, session 36).
+  """
+  if warpgroups <= 1:
+    return
+  threads, source = _interpreter_threads_and_source()
   if warpgroups > threads:
     raise NotImplementedError(
         f"a Mosaic GPU kernel of {warpgroups} warpgroups a block in the "
         f"interpreter needs XLA's CPU client to run {warpgroups} threads; it runs "
-        f"{threads} (this machine's CPUs): set PJRT_NPROC={warpgroups} or more "
-        "before JAX starts")
+        f"{threads} ({source}): set PJRT_NPROC={warpgroups} or more before JAX "
+        "starts")
 
 
 def kernel(body, *, out_type, scratch_types=None, **kwargs):

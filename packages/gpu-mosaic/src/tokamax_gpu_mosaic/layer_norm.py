@@ -25,7 +25,7 @@ blocks' sums. With ``LayerNormVjpConfig.warpgroups`` > 1 a block's warpgroups
 split each row's columns and add their row sums through shared memory. Blocks
 an SM, slots a block and warpgroups a block follow the row's width
 (`heuristic_vjp_config`: two warpgroups where rows leave room for one block an
-SM). Under `implementation=None` it declines where it measured slower
+SM and two divide the row's pieces). Under `implementation=None` it declines where it measured slower
 (`MosaicGpuLayerNormVjp.declines`: LayerNorm above 12288 columns that two
 warpgroups do not split, a few narrow rows); dispatch then keeps this forward
 and runs another backward on its residuals.
@@ -470,14 +470,18 @@ def heuristic_vjp_config(args: tokamax.LayerNormArgs) -> LayerNormVjpConfig:
   Measured on the H200 (bf16 forward+backward, `tools/tune.py --grid --ab
   warpgroups=...`, notes/MEASUREMENTS.md session 36): at 16384 columns two
   warpgroups took 32768 rows of LayerNorm from 2.32 to 1.38 ms (Triton's
-  backward: 2.09) and RMSNorm from 1.49 to 1.33; four were within 1.1% of
-  two, and three slots 4-13% slower than two. At 8192 columns, where the grid
-  runs two one-warpgroup blocks an SM, splitting both blocks was 3-13% slower
-  and one block of two warpgroups 2-17% slower. Float32 rows follow the same
-  rule by their bytes, not measured."""
+  kernels both ways: 2.09) and RMSNorm from 1.49 to 1.33; four were within
+  1.5% of two, and three slots 4-13% slower than two. At 8192 columns, where
+  the grid runs two one-warpgroup blocks an SM, splitting both blocks was up
+  to 15% slower (3% faster at one of eight calls) and one block of two
+  warpgroups 2-20% slower. Float32 rows follow the same rule by their bytes,
+  not measured. In the interpreter, only where it has two threads
+  (`_common.check_interpreter_threads`)."""
   config = _one_warpgroup_config(args)
   if config.blocks_per_sm > 1:
     return config
+  if _common.interpreting() and _common.interpreter_threads() < 2:
+    return config  # the interpreter could hang (`check_interpreter_threads`)
   split = dataclasses.replace(config, warpgroups=2)
   if (_warpgroups_misfit(args.x.shape[1], split)
       or bwd_smem_bytes(args, split) > _common.SMEM_LIMIT):
@@ -557,7 +561,7 @@ class MosaicGpuLayerNorm(Op):
   config_cls = LayerNormConfig
 
   def check_supported(self, args, device):
-    _common.check_hopper_device(device)
+    _common.check_hopper_device(device, warpgroups=1)
     check_args(args)
 
   def declines(self, args):
@@ -598,7 +602,10 @@ class MosaicGpuLayerNormVjp(VjpOp):
   config_cls = LayerNormVjpConfig
 
   def check_supported(self, args, device, residuals=None):
-    _common.check_hopper_device(device)
+    # One warpgroup a block at least (`heuristic_vjp_config` splits rows only
+    # where the interpreter has the threads; an explicit config with more is
+    # checked where its kernel is built).
+    _common.check_hopper_device(device, warpgroups=1)
     check_backward_args(args, residuals)
 
   def declines(self, args):
@@ -606,9 +613,10 @@ class MosaicGpuLayerNormVjp(VjpOp):
     if args.subtract_mean and d > 12288 and heuristic_vjp_config(args).warpgroups == 1:
       # LayerNorm 8192 x 16384 on the H200 (forward+backward, scale and
       # offset) on one warpgroup a block: 2.25 TB/s against 2.63 with Triton's
-      # backward (0.86x). Split over two warpgroups it is 1.52x Triton's at
-      # 32768 x 16384 (`heuristic_vjp_config`); widths that two do not divide
-      # into pieces (13 or 15 pieces) stay on one, declined.
+      # backward (0.86x). Split over two warpgroups, forward+backward is 1.52x
+      # Triton's kernels both ways at 32768 x 16384 (`heuristic_vjp_config`);
+      # widths that two do not divide into pieces (13 or 15 pieces) stay on
+      # one, declined.
       return (f"LayerNorm at {d} > 12288 columns on one warpgroup a block: "
               "Triton's backward is faster (0.86x at 16384 on the H200)")
     # RMSNorm is not declined for its width: at 8192 x 16384 on the H200 the
