@@ -215,14 +215,15 @@ def test_heuristic_divides_the_rows_and_fits_registers(r, d, rows):
              for c in mln.search_space(_args(r, d)))
 
 
+@pytest.mark.parametrize("auto_barriers", [True, False])
 @pytest.mark.parametrize("with_stats", [False, True])
 @pytest.mark.parametrize("subtract_mean", [True, False])
-def test_lowers_for_cuda(subtract_mean, with_stats):
+def test_lowers_for_cuda(subtract_mean, with_stats, auto_barriers):
   args = LayerNormArgs(x=jax.ShapeDtypeStruct((4096, 3072), jnp.bfloat16),
                        scale=jax.ShapeDtypeStruct((3072,), jnp.float32),
                        offset=jax.ShapeDtypeStruct((3072,), jnp.bfloat16),
                        subtract_mean=subtract_mean)
-  config = mln.LayerNormConfig(rows_per_block=4)
+  config = mln.LayerNormConfig(rows_per_block=4, auto_barriers=auto_barriers)
 
   def forward(x, scale, offset):
     a = LayerNormArgs(x=x, scale=scale, offset=offset, subtract_mean=subtract_mean)
@@ -239,7 +240,10 @@ def test_lowers_for_cuda(subtract_mean, with_stats):
     (2048, 2, 1, False, jnp.bfloat16), (2048, 4, 1, False, jnp.bfloat16),
     (16384, 2, 1, False, jnp.bfloat16), (16384, 2, 4, False, jnp.bfloat16),
     (4096, 3, 2, False, jnp.bfloat16), (16384, 2, 2, True, jnp.float32),
-    (2048, 3, 1, True, jnp.float32), (8192, 2, 4, True, jnp.bfloat16)])
+    (2048, 3, 1, True, jnp.float32), (8192, 2, 4, True, jnp.bfloat16),
+    # Without Pallas' auto barriers: one warpgroup (the offset's sums in shared
+    # memory at 16384), two (the row sums' exchange).
+    (16384, 2, 1, None, jnp.bfloat16), (4096, 3, 2, None, jnp.bfloat16)])
 @pytest.mark.parametrize("scale,offset", [(True, True), (False, True), (False, False)])
 def test_backward_lowers_for_cuda(scale, offset, d, stages, warpgroups, scale_in_smem,
                                   scale_dtype):
@@ -251,8 +255,10 @@ def test_backward_lowers_for_cuda(scale, offset, d, stages, warpgroups, scale_in
   args = LayerNormArgs(x=jax.ShapeDtypeStruct((1031, d), jnp.bfloat16),
                        scale=vec(scale_dtype) if scale else None,
                        offset=vec(jnp.bfloat16) if offset else None)
+  # scale_in_smem None: False, and no auto barriers.
   config = mln.LayerNormVjpConfig(blocks_per_sm=3 if d <= 2048 else 1, num_stages=stages,
-                                  warpgroups=warpgroups, scale_in_smem=scale_in_smem)
+                                  warpgroups=warpgroups, scale_in_smem=bool(scale_in_smem),
+                                  auto_barriers=scale_in_smem is not None)
 
   def backward(x, dy, mean, rstd, *params):
     params = iter(params)
@@ -351,7 +357,13 @@ def test_forward_and_gradients(r, d, dtype, subtract_mean):
     (70, 4096, mln.LayerNormVjpConfig(2, 3, warpgroups=4)),
     # The scale (float32 here) from the block's copy in shared memory.
     (8192, 16384, mln.LayerNormVjpConfig(1, 2, warpgroups=2, scale_in_smem=True)),
-    (1031, 2048, mln.LayerNormVjpConfig(4, 3, scale_in_smem=True))])
+    (1031, 2048, mln.LayerNormVjpConfig(4, 3, scale_in_smem=True)),
+    # Without Pallas' auto barriers: one warpgroup (the offset's sums in
+    # shared memory at 9216), two and four (the row sums' exchange).
+    (1031, 2048, mln.LayerNormVjpConfig(4, 3, auto_barriers=False)),
+    (3000, 9216, mln.LayerNormVjpConfig(1, 2, auto_barriers=False)),
+    (8192, 16384, mln.LayerNormVjpConfig(1, 2, warpgroups=2, auto_barriers=False)),
+    (1031, 12288, mln.LayerNormVjpConfig(1, 3, warpgroups=4, auto_barriers=False))])
 def test_backward_configs(r, d, config, subtract_mean):
   # A positive scale and a cotangent that follows x with a nonzero mean, so
   # that dx depends on the row means (test_interpret.py's
@@ -376,9 +388,11 @@ def test_backward_configs(r, d, config, subtract_mean):
 
 
 @gpu
-@pytest.mark.parametrize("rows_per_block", [1, 2, 4, 8])
-def test_configs(rows_per_block):
-  _check(520, 2048, jnp.bfloat16, True, config=mln.LayerNormConfig(rows_per_block))
+@pytest.mark.parametrize("rows_per_block,auto_barriers", [
+    (1, True), (2, True), (4, True), (8, True), (1, False), (4, False)])
+def test_configs(rows_per_block, auto_barriers):
+  _check(520, 2048, jnp.bfloat16, True,
+         config=mln.LayerNormConfig(rows_per_block, auto_barriers))
 
 
 @gpu

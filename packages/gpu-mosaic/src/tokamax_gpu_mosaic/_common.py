@@ -274,8 +274,14 @@ def swizzled(dtype, minor: int):
           plgpu.SwizzleTransform(swizzle))
 
 
-def compiler_params():
-  return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+def compiler_params(auto_barriers: bool = True):
+  """Lane semantics; `auto_barriers=False` drops the warpgroup barriers Pallas
+  puts before and after each store, before each copy into shared memory and
+  around each semaphore signal (``unsafe_no_auto_barriers``): only for a
+  kernel that orders its shared memory itself (its reductions' own barriers,
+  each thread's mbarrier arrival releasing its own stores)."""
+  return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
+                              unsafe_no_auto_barriers=not auto_barriers)
 
 
 @functools.cache

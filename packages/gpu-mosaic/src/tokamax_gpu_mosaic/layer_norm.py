@@ -61,9 +61,13 @@ _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float1
 
 @dataclasses.dataclass(frozen=True)
 class LayerNormConfig:
-  """``rows_per_block`` rows of x per block (a power of 2)."""
+  """``rows_per_block`` rows of x per block (a power of 2). ``auto_barriers``:
+  Pallas' warpgroup barriers around each store (two a piece of y); False
+  drops them (`_common.compiler_params`): the kernel's stores go to device
+  memory it never reads, and its reductions keep their own barriers."""
 
   rows_per_block: int = 1
+  auto_barriers: bool = True
 
 
 def _row_sum(pieces) -> jax.Array:
@@ -131,7 +135,7 @@ def layer_norm_forward(args: tokamax.LayerNormArgs, config: LayerNormConfig,
       has_offset=args.offset is not None, with_stats=with_stats)
   call = _common.kernel(kernel, out_type=tuple(out_type),
                         grid=(r // rows_per_block,), grid_names=("rows",),
-                        compiler_params=_common.compiler_params())
+                        compiler_params=_common.compiler_params(config.auto_barriers))
   y, *stats = call(x, *params)
   return y, (dict(zip(("mean", "rstd"), stats)) if with_stats else {})
 
@@ -148,12 +152,16 @@ class LayerNormVjpConfig:
   block an SM, still runs on several warpgroups.
   ``scale_in_smem``: the scale is copied into shared memory once a block and
   read from there (twice a row), not from device memory through L1, which the
-  slots leave too small for a wide row's scale."""
+  slots leave too small for a wide row's scale.
+  ``auto_barriers``: Pallas' warpgroup barriers around each store (two a
+  piece of dx) and before each copy; False drops them
+  (`_common.compiler_params`; the ordering that remains: `_bwd_kernel`)."""
 
   blocks_per_sm: int = 2
   num_stages: int = 3
   warpgroups: int = 1
   scale_in_smem: bool = False
+  auto_barriers: bool = True
 
 
 def _warpgroup_sum(x, scratch, vector: int) -> jax.Array:
@@ -177,6 +185,14 @@ def _warpgroup_sum(x, scratch, vector: int) -> jax.Array:
 def _bwd_kernel(*refs, d: int, per_block: int, rows: int, stages: int,
                 subtract_mean: bool, has_scale: bool, num_partials: int,
                 offset_in_smem: bool, warpgroups: int, scale_in_smem: bool):
+  """The backward's body. Its shared memory is ordered without Pallas' auto
+  barriers (`LayerNormVjpConfig.auto_barriers=False`): a slot is refilled only
+  after the warpgroup's next row reduction, whose barriers are its own; the
+  offset's sums in shared memory are each thread's own elements; each thread
+  of a warpgroup arrives on the row sums' barrier after its own store there
+  (Pallas' Lane barriers count every thread), and the arrival releases it.
+  Device memory is read (x, dy by copies; the statistics, the scale) or
+  written (dx, the sums), never both."""
   refs = list(refs)
   x_ref = refs.pop(0)
   scale_ref = refs.pop(0) if has_scale else None
@@ -370,7 +386,7 @@ def layer_norm_backward(args: tokamax.LayerNormArgs, mean, rstd, dout,
                      *([plgpu.SMEM((d,), args.scale.dtype),
                         plgpu.Barrier(num_arrivals=1, num_barriers=nw)]
                        if has_scale and config.scale_in_smem else [])],
-      compiler_params=_common.compiler_params(), **threads)
+      compiler_params=_common.compiler_params(config.auto_barriers), **threads)
   dx, *partials = call(x, *([args.scale] if has_scale else []),
                        dout.astype(x.dtype), mean.astype(jnp.float32),
                        rstd.astype(jnp.float32))
