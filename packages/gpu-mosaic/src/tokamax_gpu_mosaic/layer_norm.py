@@ -25,10 +25,10 @@ blocks' sums. With ``LayerNormVjpConfig.warpgroups`` > 1 a block's warpgroups
 split each row's columns and add their row sums through shared memory. Blocks
 an SM, slots a block and warpgroups a block follow the row's width
 (`heuristic_vjp_config`: two warpgroups where rows leave room for one block an
-SM and two divide the row's pieces). Under `implementation=None` it declines where it measured slower
-(`MosaicGpuLayerNormVjp.declines`: LayerNorm above 12288 columns that two
-warpgroups do not split, a few narrow rows); dispatch then keeps this forward
-and runs another backward on its residuals.
+SM and two divide the row's pieces). Under `implementation=None` it declines
+where it measured slower (`MosaicGpuLayerNormVjp.declines`: LayerNorm above
+12288 columns that two warpgroups do not split, a few narrow rows); dispatch
+then keeps this forward and runs another backward on its residuals.
 """
 
 from __future__ import annotations
