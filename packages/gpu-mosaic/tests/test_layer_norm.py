@@ -236,17 +236,20 @@ def test_lowers_for_cuda(subtract_mean, with_stats, auto_barriers):
   assert shapes == [(4096, 3072)] + [(4096,)] * (2 if with_stats else 0)
 
 
-@pytest.mark.parametrize("d,stages,warpgroups,scale_in_smem,scale_dtype", [
-    (2048, 2, 1, False, jnp.bfloat16), (2048, 4, 1, False, jnp.bfloat16),
-    (16384, 2, 1, False, jnp.bfloat16), (16384, 2, 4, False, jnp.bfloat16),
-    (4096, 3, 2, False, jnp.bfloat16), (16384, 2, 2, True, jnp.float32),
-    (2048, 3, 1, True, jnp.float32), (8192, 2, 4, True, jnp.bfloat16),
+_BF16, _F32 = jnp.bfloat16, jnp.float32
+
+
+@pytest.mark.parametrize("d,stages,warpgroups,scale_in_smem,scale_dtype,auto_barriers", [
+    (2048, 2, 1, False, _BF16, True), (2048, 4, 1, False, _BF16, True),
+    (16384, 2, 1, False, _BF16, True), (16384, 2, 4, False, _BF16, True),
+    (4096, 3, 2, False, _BF16, True), (16384, 2, 2, True, _F32, True),
+    (2048, 3, 1, True, _F32, True), (8192, 2, 4, True, _BF16, True),
     # Without Pallas' auto barriers: one warpgroup (the offset's sums in shared
     # memory at 16384), two (the row sums' exchange).
-    (16384, 2, 1, None, jnp.bfloat16), (4096, 3, 2, None, jnp.bfloat16)])
+    (16384, 2, 1, False, _BF16, False), (4096, 3, 2, False, _BF16, False)])
 @pytest.mark.parametrize("scale,offset", [(True, True), (False, True), (False, False)])
 def test_backward_lowers_for_cuda(scale, offset, d, stages, warpgroups, scale_in_smem,
-                                  scale_dtype):
+                                  scale_dtype, auto_barriers):
   """At 16384 columns with both parameters the offset's sums are in shared
   memory (one warpgroup a block; in registers with four). The scale's copy in
   shared memory in float32 (its pieces load 8 of its elements a thread, as
@@ -255,10 +258,9 @@ def test_backward_lowers_for_cuda(scale, offset, d, stages, warpgroups, scale_in
   args = LayerNormArgs(x=jax.ShapeDtypeStruct((1031, d), jnp.bfloat16),
                        scale=vec(scale_dtype) if scale else None,
                        offset=vec(jnp.bfloat16) if offset else None)
-  # scale_in_smem None: False, and no auto barriers.
   config = mln.LayerNormVjpConfig(blocks_per_sm=3 if d <= 2048 else 1, num_stages=stages,
-                                  warpgroups=warpgroups, scale_in_smem=bool(scale_in_smem),
-                                  auto_barriers=scale_in_smem is not None)
+                                  warpgroups=warpgroups, scale_in_smem=scale_in_smem,
+                                  auto_barriers=auto_barriers)
 
   def backward(x, dy, mean, rstd, *params):
     params = iter(params)
