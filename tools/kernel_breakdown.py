@@ -5,7 +5,8 @@
         [--grid] [--set head_group=8]
     python tools/kernel_breakdown.py --model dense [--size seq=2048] [--launches]
 
-``--grid``: the grid shapes (``autotune --grid``'s) instead. ``--set FIELD=VALUE``
+``--grid``: the grid shapes (``autotune --grid``'s) instead; ``--sweep norms``
+(or ``glu``): ``tools/shape_sweep.py``'s. ``--set FIELD=VALUE``
 (repeatable): tokamax's implementations run their heuristic configs with these
 fields replaced, as one side of ``tools/tune.py --ab`` (under Nsight Compute,
 the kernel of a config that is not the default).
@@ -30,6 +31,7 @@ from tokamax._src import bench_suite
 from tokamax._src import bench_models
 from tokamax._src.tuning import context as tuning_context
 
+import shape_sweep
 import tune
 
 
@@ -137,6 +139,8 @@ def main():
                       help="--model: each launch in order, not sums by kernel name")
   parser.add_argument("--grid", action="store_true",
                       help="the grid shapes instead of the reference shapes")
+  parser.add_argument("--sweep", choices=("norms", "glu"),
+                      help="tools/shape_sweep.py's shapes instead of the reference shapes")
   parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                       type=tune._field_value,
                       help="tokamax's heuristic configs with FIELD set to VALUE")
@@ -145,7 +149,11 @@ def main():
     model_breakdown(args.model, dict(kv.split("=", 1) for kv in args.size),
                     args.iterations, args.launches)
   fields = {key: tune._literal(value) for key, value in args.set}
-  for problem in bench_suite.grid_suite() if args.grid else bench_suite.reference_suite():
+  if args.sweep:
+    suite = shape_sweep.problems(args.sweep)
+  else:
+    suite = bench_suite.grid_suite() if args.grid else bench_suite.reference_suite()
+  for problem in suite:
     if problem.op not in args.op or (args.shape and args.shape not in problem.name):
       continue
     problem_breakdown(problem, args.implementation or ["auto"], args.direction,

@@ -579,9 +579,9 @@ def _layer_norm_backward_check(r, d, subtract_mean, config, dtype):
     # The scale read from the block's copy in shared memory.
     (9, 4096, True, mln.LayerNormVjpConfig(1, 2, 2, scale_in_smem=True), jnp.bfloat16),
     (5, 3072, False, mln.LayerNormVjpConfig(2, 3, scale_in_smem=True), jnp.float16),
-    # Without Pallas' auto barriers (the interpreter runs a warpgroup as one
-    # thread: this checks that it takes the flag, not the kernel's ordering).
-    (9, 4096, True, mln.LayerNormVjpConfig(1, 2, 2, auto_barriers=False), jnp.bfloat16)])
+    # With Pallas' auto barriers, opt-in (the interpreter runs a warpgroup as
+    # one thread: this checks that it takes the flag, not the kernel's ordering).
+    (9, 4096, True, mln.LayerNormVjpConfig(1, 2, 2, auto_barriers=True), jnp.bfloat16)])
 def test_layer_norm_backward_warpgroups(r, d, subtract_mean, config, dtype):
   """Rows split over a block's warpgroups, their row sums added through shared
   memory; blocks walk several rows (fewer than the slots, for one)."""

@@ -240,13 +240,13 @@ _BF16, _F32 = jnp.bfloat16, jnp.float32
 
 
 @pytest.mark.parametrize("d,stages,warpgroups,scale_in_smem,scale_dtype,auto_barriers", [
-    (2048, 2, 1, False, _BF16, True), (2048, 4, 1, False, _BF16, True),
-    (16384, 2, 1, False, _BF16, True), (16384, 2, 4, False, _BF16, True),
-    (4096, 3, 2, False, _BF16, True), (16384, 2, 2, True, _F32, True),
-    (2048, 3, 1, True, _F32, True), (8192, 2, 4, True, _BF16, True),
-    # Without Pallas' auto barriers: one warpgroup (the offset's sums in shared
-    # memory at 16384), two (the row sums' exchange).
-    (16384, 2, 1, False, _BF16, False), (4096, 3, 2, False, _BF16, False)])
+    (2048, 2, 1, False, _BF16, False), (2048, 4, 1, False, _BF16, False),
+    (16384, 2, 1, False, _BF16, False), (16384, 2, 4, False, _BF16, False),
+    (4096, 3, 2, False, _BF16, False), (16384, 2, 2, True, _F32, False),
+    (2048, 3, 1, True, _F32, False), (8192, 2, 4, True, _BF16, False),
+    # With Pallas' auto barriers (opt-in): one warpgroup (the offset's sums in
+    # shared memory at 16384), two (the row sums' exchange).
+    (16384, 2, 1, False, _BF16, True), (4096, 3, 2, False, _BF16, True)])
 @pytest.mark.parametrize("scale,offset", [(True, True), (False, True), (False, False)])
 def test_backward_lowers_for_cuda(scale, offset, d, stages, warpgroups, scale_in_smem,
                                   scale_dtype, auto_barriers):
@@ -360,12 +360,12 @@ def test_forward_and_gradients(r, d, dtype, subtract_mean):
     # The scale (float32 here) from the block's copy in shared memory.
     (8192, 16384, mln.LayerNormVjpConfig(1, 2, warpgroups=2, scale_in_smem=True)),
     (1031, 2048, mln.LayerNormVjpConfig(4, 3, scale_in_smem=True)),
-    # Without Pallas' auto barriers: one warpgroup (the offset's sums in
+    # With Pallas' auto barriers (opt-in): one warpgroup (the offset's sums in
     # shared memory at 9216), two and four (the row sums' exchange).
-    (1031, 2048, mln.LayerNormVjpConfig(4, 3, auto_barriers=False)),
-    (3000, 9216, mln.LayerNormVjpConfig(1, 2, auto_barriers=False)),
-    (8192, 16384, mln.LayerNormVjpConfig(1, 2, warpgroups=2, auto_barriers=False)),
-    (1031, 12288, mln.LayerNormVjpConfig(1, 3, warpgroups=4, auto_barriers=False))])
+    (1031, 2048, mln.LayerNormVjpConfig(4, 3, auto_barriers=True)),
+    (3000, 9216, mln.LayerNormVjpConfig(1, 2, auto_barriers=True)),
+    (8192, 16384, mln.LayerNormVjpConfig(1, 2, warpgroups=2, auto_barriers=True)),
+    (1031, 12288, mln.LayerNormVjpConfig(1, 3, warpgroups=4, auto_barriers=True))])
 def test_backward_configs(r, d, config, subtract_mean):
   # A positive scale and a cotangent that follows x with a nonzero mean, so
   # that dx depends on the row means (test_interpret.py's
@@ -391,7 +391,7 @@ def test_backward_configs(r, d, config, subtract_mean):
 
 @gpu
 @pytest.mark.parametrize("rows_per_block,auto_barriers", [
-    (1, True), (2, True), (4, True), (8, True), (1, False), (4, False)])
+    (1, False), (2, False), (4, False), (8, False), (1, True), (4, True)])
 def test_configs(rows_per_block, auto_barriers):
   _check(520, 2048, jnp.bfloat16, True,
          config=mln.LayerNormConfig(rows_per_block, auto_barriers))

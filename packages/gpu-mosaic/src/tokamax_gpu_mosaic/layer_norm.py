@@ -62,12 +62,14 @@ _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float1
 @dataclasses.dataclass(frozen=True)
 class LayerNormConfig:
   """``rows_per_block`` rows of x per block (a power of 2). ``auto_barriers``:
-  Pallas' warpgroup barriers around each store (two a piece of y); False
-  drops them (`_common.compiler_params`): the kernel's stores go to device
-  memory it never reads, and its reductions keep their own barriers."""
+  Pallas' warpgroup barriers around each store (two a piece of y). Off by
+  default (`_common.compiler_params`): the kernel's stores go to device memory
+  it never reads, and its reductions keep their own barriers. On the H200
+  (bf16, notes/MEASUREMENTS.md session 37) the forward without them was up to
+  4% faster at 4096 rows and within 2% at 32768."""
 
   rows_per_block: int = 1
-  auto_barriers: bool = True
+  auto_barriers: bool = False
 
 
 def _row_sum(pieces) -> jax.Array:
@@ -154,14 +156,18 @@ class LayerNormVjpConfig:
   read from there (twice a row), not from device memory through L1, which the
   slots leave too small for a wide row's scale.
   ``auto_barriers``: Pallas' warpgroup barriers around each store (two a
-  piece of dx) and before each copy; False drops them
-  (`_common.compiler_params`; the ordering that remains: `_bwd_kernel`)."""
+  piece of dx) and before each copy. Off by default
+  (`_common.compiler_params`; the ordering that remains: `_bwd_kernel`): on
+  the H200 (bf16 forward+backward, notes/MEASUREMENTS.md session 37) the
+  backward kernel without them took 0.820 ms against 0.846 at LayerNorm
+  32768 x 16384; forward+backward without them was 1-7% faster at 4096 rows
+  and from 0.7% slower to 1.8% faster at 32768."""
 
   blocks_per_sm: int = 2
   num_stages: int = 3
   warpgroups: int = 1
   scale_in_smem: bool = False
-  auto_barriers: bool = True
+  auto_barriers: bool = False
 
 
 def _warpgroup_sum(x, scratch, vector: int) -> jax.Array:
@@ -186,7 +192,7 @@ def _bwd_kernel(*refs, d: int, per_block: int, rows: int, stages: int,
                 subtract_mean: bool, has_scale: bool, num_partials: int,
                 offset_in_smem: bool, warpgroups: int, scale_in_smem: bool):
   """The backward's body. Its shared memory is ordered without Pallas' auto
-  barriers (`LayerNormVjpConfig.auto_barriers=False`): a slot is refilled only
+  barriers (`LayerNormVjpConfig.auto_barriers`, off by default): a slot is refilled only
   after the warpgroup's next row reduction, whose barriers are its own; the
   offset's sums in shared memory are each thread's own elements; each thread
   of a warpgroup arrives on the row sums' barrier after its own store there
