@@ -192,11 +192,12 @@ def _bwd_kernel(*refs, d: int, per_block: int, rows: int, stages: int,
                 subtract_mean: bool, has_scale: bool, num_partials: int,
                 offset_in_smem: bool, warpgroups: int, scale_in_smem: bool):
   """The backward's body. Its shared memory is ordered without Pallas' auto
-  barriers (`LayerNormVjpConfig.auto_barriers`, off by default): a slot is refilled only
-  after the warpgroup's next row reduction, whose barriers are its own; the
-  offset's sums in shared memory are each thread's own elements; each thread
-  of a warpgroup arrives on the row sums' barrier after its own store there
-  (Pallas' Lane barriers count every thread), and the arrival releases it.
+  barriers (`LayerNormVjpConfig.auto_barriers`, off by default): a slot is
+  refilled only after the warpgroup's next row reduction, whose barriers are
+  its own; the offset's sums in shared memory are each thread's own elements;
+  each thread of a warpgroup arrives on the row sums' barrier after its own
+  store there (Pallas' Lane barriers count every thread), and the arrival
+  releases it.
   Device memory is read (x, dy by copies; the statistics, the scale) or
   written (dx, the sums), never both."""
   refs = list(refs)
