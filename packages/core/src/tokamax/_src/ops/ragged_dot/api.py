@@ -105,7 +105,10 @@ def ragged_dot(
   Args:
     lhs: ``[M, K]``, rows sorted by group (or a quantized operand, above).
     rhs: ``[G_rhs, K, N]``, one weight matrix per group (or a quantized operand).
-    group_sizes: int ``[G]``, rows per group, summing to at most M.
+    group_sizes: int ``[G]``, rows per group, non-negative, summing to at
+      most M. Checked where the values are known (outside `jax.jit`); traced
+      values are not, and a negative one gives an undefined result (it
+      differs between implementations).
     precision: matmul precision, as `jax.lax.dot_general` takes it.
     preferred_element_type: output dtype (default: lhs dtype; for a quantized
       lhs, the dtype it stands for).
