@@ -22,6 +22,18 @@ _CPUS = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
          else os.cpu_count() or 1)
 os.environ.setdefault("PJRT_NPROC", str(max(4, _CPUS)))
 
+# The GPU tests' float32 references are XLA matmuls (precision HIGHEST) of a
+# new shape in nearly every case, and XLA autotunes each one's GEMM on a GPU
+# for seconds: on the H200 one case of test_attention.py's
+# test_tiles_per_block spent 61 of its 102 s compiling such einsums (30.6 s
+# without autotuning; notes/MEASUREMENTS.md, session 38). The tests check
+# numbers, not speed, and an untuned GEMM computes the same products to the
+# same precision. Read when JAX starts its GPU backend; an XLA_FLAGS that
+# sets the level wins.
+if "--xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_gpu_autotune_level=0").strip()
+
 _BACKEND_TEST_DIRS = tuple(f"packages/{name}/tests/"
                            for name in ("gpu-triton", "gpu-mosaic", "tpu-mosaic"))
 

@@ -86,11 +86,12 @@ def test_backward_declines_only_where_it_measured_slower():
     assert "too few rows" in vjp.declines(with_params(4096, d))
 
 
-def test_declines_only_the_measured_rms_loss():
+def test_forward_declines_nothing():
+  # Its RMSNorm decline at 4096 rows of >= 8192 columns went with the auto
+  # barriers (measured since: as fast or faster forward+backward).
   op = mln.MosaicGpuLayerNorm()
-  assert "Triton" in op.declines(_args(4096, 8192, subtract_mean=False))
-  for args in (_args(4096, 8192), _args(8192, 8192, subtract_mean=False),
-               _args(4096, 4096, subtract_mean=False)):
+  for args in (_args(4096, 8192), _args(4096, 8192, subtract_mean=False),
+               _args(4096, 16384, subtract_mean=False), _args(1024, 1024)):
     assert op.declines(args) is None
 
 

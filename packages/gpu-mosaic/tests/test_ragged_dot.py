@@ -782,7 +782,7 @@ def test_ws_drhs_refuses_tiles_it_cannot_hold(fields, match):
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 @pytest.mark.parametrize("g,block_m,order", [
-    (16, 128, "snake"),  # 256 rows per group: `heuristic`'s 3-stage snake order
+    (16, 128, "group"),  # 256 rows per group: `heuristic`'s 3 stages, group order
     (8, 256, "group"),  # 512 rows: 256-row items in the group order
     (4, 128, "group")])  # 1024 rows: 128-row items in the group order
 def test_forward_heuristic_lowers_for_cuda(transpose_rhs, g, block_m, order):
@@ -791,4 +791,5 @@ def test_forward_heuristic_lowers_for_cuda(transpose_rhs, g, block_m, order):
   m, k, n = 4096, 256, 512
   config = rd._forward_heuristic(m, k, n, g, 2, 2)
   assert (config.block_m, config.item_order) == (block_m, order)
+  assert config.num_stages == (3 if g == 16 else 4)
   _grouped_matmul_lowers(m, k, n, g, config, transpose_rhs)
