@@ -33,6 +33,11 @@ def test_run_problem_times_every_candidate_against_the_peer(tmp_path):
     assert r["ms"] > 0 and r["rate"] > 0
     assert r["method"] == benchmarking.default_method()
     assert r["vs_peer"] > 0
+  # `None`'s rows say what it ran (on a CPU: the XLA reference, both ways).
+  ran = {r["direction"]: r["dispatch"] for r in rows if r["implementation"] == "tokamax auto"}
+  assert ran == {"forward": {"forward": ["xla"]},
+                 "forward+backward": {"forward": ["xla"], "backward": ["xla"]}}
+  assert all("dispatch" not in r for r in rows if r["implementation"] != "tokamax auto")
   table = bench_suite.markdown_table(rows)
   assert table.count("\n") == len(rows) + 1
   pytest.importorskip("matplotlib")
@@ -66,7 +71,9 @@ def test_a_run_that_fails_when_its_output_is_read_is_a_failed_cell(monkeypatch):
 def test_auto_is_compared_with_the_fastest_named_implementation(capsys):
   row = lambda shape, impl, ms: dict(op="op", shape=shape, direction="forward",
                                      implementation=impl, ms=ms)
-  rows = [row("a", "tokamax auto", 1.10), row("a", "tokamax k1", 1.00),
+  rows = [dict(row("a", "tokamax auto", 1.10),
+               dispatch={"forward": ["k2"], "backward": ["k1"]}),
+          row("a", "tokamax k1", 1.00),
           row("a", "tokamax k2", 1.20), row("a", "peer", 0.50),
           row("b", "tokamax auto", 2.00), row("b", "tokamax k1", 2.02),
           row("c", "tokamax k1", 3.0),  # no auto row: nothing to compare
@@ -80,7 +87,31 @@ def test_auto_is_compared_with_the_fastest_named_implementation(capsys):
   bench_suite._print_auto_against_fastest(rows)
   out = capsys.readouterr().out
   assert "within 3% on 1 of 2 rows" in out and "op / a / forward" in out
+  assert "(None ran forward k2, backward k1)" in out
   assert "op / b /" not in out
+
+
+def test_grid_runs_the_tuning_grid(monkeypatch, capsys):
+  tiny, quick = _tiny_norm(), _tiny_norm()
+  quick.name = "quick 8x8"
+  for p in (tiny, quick):
+    p.reference, p.dtype = ("XLA (jnp)",), "float32"
+  monkeypatch.setattr(bench_suite, "grid_suite", lambda: [tiny])
+  monkeypatch.setattr(bench_suite, "quick_suite", lambda: [quick])
+  status = bench_suite.main(["layer_norm"], None, 1, [None, "xla"], grid=True)
+  out = capsys.readouterr().out
+  assert status == 0 and "the tuning grid" in out
+  assert "tiny 64x128" in out and "quick 8x8" not in out
+  assert "implementation=None against the fastest named implementation" in out
+  with pytest.raises(ValueError, match="neither sweep nor quick"):
+    bench_suite.main(["layer_norm"], None, 1, [None], grid=True, quick=True)
+
+
+def test_grid_suite_holds_every_op_s_grid():
+  names = {(p.op, p.name) for p in bench_suite.grid_suite()}
+  assert ("layer_norm", "rms_norm 4096x16384") in names
+  assert ("ragged_dot", "M16384 K4096 N4096 G64 random") in names
+  assert {op for op, _ in names} == {p.op for p in bench_suite.reference_suite()}
 
 
 def test_reference_suite_covers_the_benchmark_shapes():

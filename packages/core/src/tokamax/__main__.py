@@ -57,6 +57,7 @@ examples:
   python -m tokamax bench --model moe --size tokens=16384 --size experts=16
   python -m tokamax bench --model flax-dense     # the same layer in Flax NNX
   python -m tokamax bench --op all --model all --json run.json
+  python -m tokamax bench --grid --op layer_norm  # None against each implementation, tuning grid
   python -m tokamax bench --op all --model all --compare benchmarks/baselines/nvidia_h200.json
 """
 
@@ -93,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="small shapes (the default where the platform is not a GPU)")
   shapes.add_argument("--full", dest="quick", action="store_false",
                       help="the reference (GPU-sized) shapes, also off a GPU")
+  shapes.add_argument("--grid", action="store_true",
+                      help="the shapes tuned data is measured on (autotune --grid's: "
+                           "more sizes than the reference shapes), implementation=None "
+                           "beside every implementation")
   bench.add_argument("--iterations", type=int, default=10)
   bench.add_argument("--out", help="folder for bench.json, bench.md and PNG plots "
                                    "(plots need matplotlib: tokamax-core[plot])")
@@ -142,11 +147,14 @@ def main(argv: list[str] | None = None) -> int:
       sizes = dict(kv.split("=", 1) for kv in args.size)
     except ValueError:
       parser.error(f"--size takes KEY=VALUE; got {args.size}")
+    if args.grid and args.sweep:
+      parser.error("--grid and --sweep are two different sets of shapes: pick one")
     return bench_suite.main(args.op, args.out, args.iterations, impls, args.sweep,
                       models=args.model, quick=args.quick, sizes=sizes,
                       json_path=args.json_path, compare_path=args.compare,
                       from_json=args.from_json, threshold=args.threshold,
-                      error_growth=args.error_growth, shape=args.shape)
+                      error_growth=args.error_growth, shape=args.shape,
+                      grid=args.grid)
   return 0
 
 

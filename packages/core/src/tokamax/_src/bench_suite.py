@@ -94,6 +94,9 @@ def _pair_tolerance(dtype: str) -> float:
   return bench_models.pair_tolerance(dtype)
 
 
+AUTO_LABEL = "tokamax auto"  # the rows of implementation=None
+
+
 def run_problem(problem: Problem, implementations: list[str | None],
                 directions=("forward", "forward+backward"), iterations: int = 10) -> list[dict]:
   """One row per candidate and direction: time, rate, ratio to the first peer
@@ -101,7 +104,7 @@ def run_problem(problem: Problem, implementations: list[str | None],
   (``rel_err``, with ``tol``; outputs and gradients, the worst leaf)."""
   inputs = problem.make_inputs()
   rows = []
-  candidates = [(f"tokamax {i or 'auto'}", lambda a, i=i: problem.call(a, i))
+  candidates = [(f"tokamax {i}" if i else AUTO_LABEL, lambda a, i=i: problem.call(a, i))
                 for i in implementations]
   candidates += list(problem.peers.items())
   labels = [label for label, _ in candidates]
@@ -119,7 +122,12 @@ def run_problem(problem: Problem, implementations: list[str | None],
       row = dict(base, implementation=label)
       try:
         f, args = (jax.jit(fn), (inputs,)) if direction == "forward" else fwd_bwd(fn, inputs)
-        contenders[label] = benchmarking.prepare(f, *args)
+        with tokamax.record_dispatch() as records:
+          contenders[label] = benchmarking.prepare(f, *args)
+        if label == AUTO_LABEL:
+          # What `None` chose, forward and backward: the first thing to read
+          # where it trails a named implementation.
+          row["dispatch"] = bench_models.dispatch_summary(records).get(problem.op, {})
         out = contenders[label].output
         contenders[label].output = None  # freed once compared
         against = reference
@@ -382,20 +390,28 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
          implementations: list[str] | None, sweep: bool = False, *,
          models: list[str] | None = None, quick: bool | None = None,
          sizes: dict[str, str] | None = None, json_path: str | None = None,
-         shape: str | None = None,
+         shape: str | None = None, grid: bool = False,
          compare_path: str | None = None, from_json: str | None = None,
          threshold: float = DEFAULT_THRESHOLD,
          error_growth: float = DEFAULT_ERROR_GROWTH) -> int:
   """Runs (or loads, `from_json`) the rows; writes, plots and compares them.
 
+  `grid`: the shapes tuned data is measured on (`grid_suite`) instead of the
+  reference shapes; with `implementations` None, each row group has `None`
+  beside every usable implementation, so the closing summary says where
+  `None` trails one.
+
   Returns the exit status: 1 if `compare_path` found a regression or a model's
   numerics are beyond tolerance, else 0.
   """
+  if grid and (sweep or quick):
+    raise ValueError("grid takes neither sweep nor quick: the grid's shapes are "
+                     "its own (GPU-sized)")
   if from_json:
     all_rows, notes = load_rows(from_json)[1], []
   else:
     all_rows, notes = _run(ops, iterations, implementations, sweep, models, quick, sizes,
-                           shape, json_path)
+                           shape, json_path, grid)
   status = 0
   for r in all_rows:
     if r["op"].startswith("model ") and r.get("rel_err", 0) > r.get("tol", float("inf")):
@@ -405,7 +421,7 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
     print(f"wrote {json_path}")
   if out:
     os.makedirs(out, exist_ok=True)
-    name = "bench_sweep" if sweep else "bench"
+    name = "bench_sweep" if sweep else "bench_grid" if grid else "bench"
     with open(os.path.join(out, f"{name}.json"), "w") as f:
       json.dump(all_rows, f, indent=1)
     with open(os.path.join(out, f"{name}.md"), "w") as f:
@@ -426,20 +442,30 @@ def auto_against_fastest(rows: list[dict]) -> list[dict]:
   one named implementation: the fastest named one and ``ratio`` = auto's time
   / its time (above 1: `None` chose a slower one, or the run's spread)."""
   groups: dict[tuple, dict[str, float]] = {}
+  ran: dict[tuple, dict] = {}
   for r in rows:
     if "ms" in r and r["implementation"].startswith("tokamax"):
       key = (r["op"], r["shape"], r["direction"])
       groups.setdefault(key, {})[r["implementation"]] = r["ms"]
+      if r["implementation"] == AUTO_LABEL:
+        ran[key] = r.get("dispatch", {})
   out = []
-  for (op, shape, direction), times in groups.items():
-    auto = times.pop("tokamax auto", None)
+  for key, times in groups.items():
+    auto = times.pop(AUTO_LABEL, None)
     if auto is None or not times:
       continue
+    op, shape, direction = key
     fastest = min(times, key=times.get)
     out.append(dict(op=op, shape=shape, direction=direction, fastest=fastest,
                     auto_ms=auto, fastest_ms=times[fastest],
-                    ratio=auto / times[fastest]))
+                    ratio=auto / times[fastest], dispatch=ran[key]))
   return out
+
+
+def describe_dispatch(dispatch: dict[str, list[str]]) -> str:
+  """``"forward mosaic_gpu, backward triton"`` from a row's ``dispatch``."""
+  return ", ".join(f"{direction} {','.join(impls)}"
+                   for direction, impls in sorted(dispatch.items(), reverse=True))
 
 
 def _print_auto_against_fastest(rows: list[dict]) -> None:
@@ -451,17 +477,18 @@ def _print_auto_against_fastest(rows: list[dict]) -> None:
         f"run: within {AUTO_MARGIN:.0%} on {len(found) - len(slower)} of "
         f"{len(found)} rows")
   for f in slower:
+    ran = f" (None ran {describe_dispatch(f['dispatch'])})" if f["dispatch"] else ""
     print(f"  {f['op']} / {f['shape']} / {f['direction']}: auto {f['auto_ms']:.3f} "
-          f"ms, {f['fastest']} {f['fastest_ms']:.3f} ms ({f['ratio'] - 1:+.1%})")
+          f"ms, {f['fastest']} {f['fastest_ms']:.3f} ms ({f['ratio'] - 1:+.1%}){ran}")
 
 
 def _run(ops, iterations, implementations, sweep, models, quick, sizes, shape=None,
-         json_path=None):
+         json_path=None, grid=False):
   """The rows of every selected problem and model; with `json_path`, the rows so far
   are written after each one, so that a run cut short (a device call's time limit)
   keeps what it measured."""
-  quick = use_quick_shapes(quick)
-  suite = quick_suite() if quick else reference_suite()
+  quick = not grid and use_quick_shapes(quick)
+  suite = grid_suite() if grid else quick_suite() if quick else reference_suite()
   run_ops = ops is not None or not models
   problems = [p for p in suite if not ops or "all" in ops or p.op in ops] if run_ops else []
   if sweep:
@@ -472,7 +499,8 @@ def _run(ops, iterations, implementations, sweep, models, quick, sizes, shape=No
       m for name in (models or [])
       for m in (bench_models.MODELS if name == "all" else (name,))))
   print(f"tokamax bench on {jax.devices()[0].device_kind}, JAX {jax.__version__}"
-        f"{', quick shapes (--full for the reference shapes)' if quick and not sweep else ''}")
+        f"{', quick shapes (--full for the reference shapes)' if quick and not sweep else ''}"
+        f"{', the tuning grid' if grid else ''}")
   _print_gpu_state("at the start")
   print("\n".join(HEADER), flush=True)
   all_rows, notes = [], []
