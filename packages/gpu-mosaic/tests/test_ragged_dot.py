@@ -598,6 +598,17 @@ def test_heuristics_pick_pieces_only_for_this_module():
     assert (config.num_stages, config.out_pieces) == (4, 2), config
     assert rd.smem_bytes(config, 2, 2) <= rd._common.SMEM_LIMIT
   assert rd.MosaicGpuRaggedDotVjp().heuristic_config(args).drhs_kernel == "ws"
+
+
+@pytest.mark.parametrize("groups,order", [(64, "group"), (4, "snake"), (2, "snake")])
+def test_backward_heuristic_order_by_rows_per_group(groups, order):
+  """dlhs in the group order under 512 rows a group (measured faster there,
+  slower at 512), the snake order from 512."""
+  from tokamax._src.ops.ragged_dot import RaggedDotArgs
+  lhs, rhs = _inputs(2048, 128, 256, groups, jnp.bfloat16)
+  sizes = jnp.full((groups,), 2048 // groups, jnp.int32)
+  args = RaggedDotArgs(lhs=lhs, rhs=rhs, group_sizes=sizes)
+  assert rd.MosaicGpuRaggedDotVjp().heuristic_config(args).item_order == order
   # gated_linear_unit rebuilds configs from block_n/num_stages alone: the plain
   # heuristic must stay a whole-tile config that fits.
   plain = rd.heuristic(0, 0, 0, 1, 2, 2)

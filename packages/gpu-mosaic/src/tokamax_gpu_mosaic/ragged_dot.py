@@ -331,7 +331,18 @@ class MosaicGpuRaggedDotVjp(VjpOp):
   def heuristic_config(self, args):
     m, k, n, g, itemsize, _ = _problem(args)
     config = heuristic(m, n, k, g, itemsize, itemsize, pieces=True)
-    return dataclasses.replace(config, drhs_kernel=_HEURISTIC_DRHS_KERNEL)
+    config = dataclasses.replace(config, drhs_kernel=_HEURISTIC_DRHS_KERNEL)
+    if _few_rows_per_group(m, g):
+      # dlhs (the forward's kernel) in the group order under 512 rows a group,
+      # as the forward. H200 bf16, forward+backward with both in the group
+      # order against both in the snake order (notes/MEASUREMENTS.md session
+      # 38, item 5): M65536 K7168 N2048 G256 random 10.784 ms against 11.372
+      # (the forward alone gained 0.149 ms in its own A/B), M16384 K4096 N4096 G64
+      # random 3.016 against 3.118, M8192 K7168 N2048 G256 random 5.775
+      # against 5.830. At 512 rows a group (M65536 G128 random, three K/N) the
+      # group order's dlhs was 1-3% slower: the snake order stays there.
+      config = dataclasses.replace(config, item_order="group")
+    return config
 
   def search_space(self, args):
     m, k, n, g, itemsize, _ = _problem(args)
