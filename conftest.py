@@ -27,9 +27,9 @@ os.environ.setdefault("PJRT_NPROC", str(max(4, _CPUS)))
 # for seconds: on the H200 one case of test_attention.py's
 # test_tiles_per_block spent 61 of its 102 s compiling such einsums (30.6 s
 # without autotuning; notes/MEASUREMENTS.md, session 38). The tests check
-# numbers, not speed, and an untuned GEMM computes the same products to the
-# same precision. Read when JAX starts its GPU backend; an XLA_FLAGS that
-# sets the level wins.
+# numbers, not speed, and an untuned GEMM's results are as precise (it may sum
+# in another order). Read when JAX starts its GPU backend; an XLA_FLAGS that
+# sets the level wins (integration_tests/test_gpu_determinism.py says when to).
 if "--xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_gpu_autotune_level=0").strip()

@@ -29,6 +29,11 @@ output must still be bitwise equal. Run both::
         XLA_PYTHON_CLIENT_PREALLOCATE=false python -m pytest -m gpu -n 4 \\
         integration_tests/test_gpu_determinism.py -rsx -k "cudnn or auto"
 
+The root conftest.py turns XLA's GEMM autotuning off for test runs (compile
+time), so the second compilation then picks the same untuned XLA matmuls. To
+compile as a user's program does, with autotuning, add
+``--xla_gpu_autotune_level=4`` (XLA's default) to XLA_FLAGS.
+
 Without a GPU the `gpu` tests skip; the harness tests run anywhere.
 """
 

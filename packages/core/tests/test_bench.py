@@ -103,8 +103,9 @@ def test_grid_runs_the_tuning_grid(monkeypatch, capsys):
   assert status == 0 and "the tuning grid" in out
   assert "tiny 64x128" in out and "quick 8x8" not in out
   assert "implementation=None against the fastest named implementation" in out
-  with pytest.raises(ValueError, match="neither sweep nor quick"):
-    bench_suite.main(["layer_norm"], None, 1, [None], grid=True, quick=True)
+  for other in (dict(quick=True), dict(sweep=True), dict(models=["dense"])):
+    with pytest.raises(ValueError, match="grid takes neither"):
+      bench_suite.main(["layer_norm"], None, 1, [None], grid=True, **other)
 
 
 def test_grid_suite_holds_every_op_s_grid():

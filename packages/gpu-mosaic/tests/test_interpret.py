@@ -345,8 +345,8 @@ def test_ragged_dot():
                          item_order="group", out_pieces=2), 256, 2),
     # 2 K steps under 3 stages: the ring shrinks to the loop's 2.
     (rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=64, num_stages=3), 128, 0),
-    # 128-row items in the group order: the heuristics' choice, forward and
-    # dlhs, under 512 rows a group.
+    # 128-row items in the group order (the heuristics' item order and rows
+    # under 512 rows a group), forward and dlhs.
     (rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=64, num_stages=2,
                          item_order="group", grid_tile_width=2), 256, 1),
 ], ids=["wide", "tall-offset", "short-k", "wide-group"])

@@ -598,6 +598,11 @@ def test_heuristics_pick_pieces_only_for_this_module():
     assert (config.num_stages, config.out_pieces) == (4, 2), config
     assert rd.smem_bytes(config, 2, 2) <= rd._common.SMEM_LIMIT
   assert rd.MosaicGpuRaggedDotVjp().heuristic_config(args).drhs_kernel == "ws"
+  # gated_linear_unit rebuilds configs from block_n/num_stages alone: the plain
+  # heuristic must stay a whole-tile config that fits.
+  plain = rd.heuristic(0, 0, 0, 1, 2, 2)
+  assert (plain.block_n, plain.num_stages, plain.out_pieces) == (128, 3, 1)
+  assert rd.smem_bytes(plain, 2, 2) <= rd._common.SMEM_LIMIT
 
 
 @pytest.mark.parametrize("groups,order", [(64, "group"), (4, "snake"), (2, "snake")])
@@ -609,11 +614,6 @@ def test_backward_heuristic_order_by_rows_per_group(groups, order):
   sizes = jnp.full((groups,), 2048 // groups, jnp.int32)
   args = RaggedDotArgs(lhs=lhs, rhs=rhs, group_sizes=sizes)
   assert rd.MosaicGpuRaggedDotVjp().heuristic_config(args).item_order == order
-  # gated_linear_unit rebuilds configs from block_n/num_stages alone: the plain
-  # heuristic must stay a whole-tile config that fits.
-  plain = rd.heuristic(0, 0, 0, 1, 2, 2)
-  assert (plain.block_n, plain.num_stages, plain.out_pieces) == (128, 3, 1)
-  assert rd.smem_bytes(plain, 2, 2) <= rd._common.SMEM_LIMIT
 
 
 def test_search_space_has_piece_variants():

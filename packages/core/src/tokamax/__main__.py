@@ -96,11 +96,12 @@ def main(argv: list[str] | None = None) -> int:
                       help="the reference (GPU-sized) shapes, also off a GPU")
   shapes.add_argument("--grid", action="store_true",
                       help="the shapes tuned data is measured on (autotune --grid's: "
-                           "more sizes than the reference shapes), implementation=None "
-                           "beside every implementation")
+                           "more sizes than the reference shapes; per-op rows only, "
+                           "not with --model)")
   bench.add_argument("--iterations", type=int, default=10)
   bench.add_argument("--out", help="folder for bench.json, bench.md and PNG plots "
-                                   "(plots need matplotlib: tokamax-core[plot])")
+                                   "(bench_grid.* with --grid; plots need matplotlib: "
+                                   "tokamax-core[plot])")
   bench.add_argument("--json", dest="json_path", metavar="PATH",
                      help="write every row (time, rate, ratio, rel. error) and the "
                           "device, JAX and tokamax versions to PATH")
@@ -147,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
       sizes = dict(kv.split("=", 1) for kv in args.size)
     except ValueError:
       parser.error(f"--size takes KEY=VALUE; got {args.size}")
-    if args.grid and args.sweep:
-      parser.error("--grid and --sweep are two different sets of shapes: pick one")
+    if args.grid and (args.sweep or args.model):
+      parser.error("--grid times per-op rows at the tuning grid's shapes: not with "
+                   "--sweep (another set of shapes) or --model")
     return bench_suite.main(args.op, args.out, args.iterations, impls, args.sweep,
                       models=args.model, quick=args.quick, sizes=sizes,
                       json_path=args.json_path, compare_path=args.compare,

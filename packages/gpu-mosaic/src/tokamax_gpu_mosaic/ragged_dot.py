@@ -86,9 +86,10 @@ def heuristic(m: int, k: int, n: int, num_groups: int, itemsize: int,
 
 
 def _forward_heuristic(m, k, n, num_groups, itemsize, out_itemsize):
-  """The forward's default: `heuristic` in the group order, with 256-row items
-  for groups of 512-1023 rows on average (its 4-stage, two-piece choice) and
-  128-row items elsewhere.
+  """The forward's default: `heuristic` in the group order where groups hold
+  fewer than 512 rows on average (128-row items), and where they span many row
+  tiles and `heuristic` picks its 4-stage, two-piece config (256-row items for
+  groups of 512-1023 rows on average, 128-row items from 1024).
 
   H200 bf16, CUPTI (notes/MEASUREMENTS.md): at M16384 K2048 N16384 G16 256-row
   items in the group order ran 1.472 ms against 1.549 for 128-row items in the
@@ -97,17 +98,18 @@ def _forward_heuristic(m, k, n, num_groups, itemsize, out_itemsize):
   uneven split (M16384 K4096 N28672 G8 random, sizes 561-3501) 5.485 against
   5.741 (session 23): less padding in a group's last row tile. At 512 rows per
   group (G64 K2048 N1408 random) 256-row items are 15% faster, at G128 random
-  9-17% slower. Groups under 512 rows keep 128-row items (M65536 K7168 N2048
-  G256 random: 256-row items 5.7 ms against 3.4) in the group order too
-  (session 38, against the snake order: M16384 K4096 N4096 G64 random 0.953
-  against 1.008 ms, M65536 K7168 N2048 G256 random 3.354 against 3.503, M8192
-  K7168 N2048 G256 random 1.723 against 1.737)."""
+  9-17% slower. Under 512 rows 256-row items are slower (M65536 K7168 N2048
+  G256 random: 5.7 ms against 3.4) and the group order faster than the snake
+  order (session 38: M16384 K4096 N4096 G64 random 0.953 against 1.008 ms,
+  M65536 K7168 N2048 G256 random 3.354 against 3.503, M8192 K7168 N2048 G256
+  random 1.723 against 1.737)."""
   config = heuristic(m, k, n, num_groups, itemsize, out_itemsize, pieces=True)
-  if not _few_rows_per_group(m, num_groups) and (
-      config.num_stages, config.out_pieces, config.block_n) == (4, 2, 128):
+  if _few_rows_per_group(m, num_groups):
+    return dataclasses.replace(config, item_order="group")
+  if (config.num_stages, config.out_pieces, config.block_n) == (4, 2, 128):
     block_m = 128 if m >= 1024 * max(num_groups, 1) else 256
-    config = dataclasses.replace(config, block_m=block_m)
-  return dataclasses.replace(config, item_order="group")
+    config = dataclasses.replace(config, block_m=block_m, item_order="group")
+  return config
 
 
 def _fits(config, itemsize, out_itemsize) -> bool:

@@ -404,9 +404,9 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
   Returns the exit status: 1 if `compare_path` found a regression or a model's
   numerics are beyond tolerance, else 0.
   """
-  if grid and (sweep or quick):
-    raise ValueError("grid takes neither sweep nor quick: the grid's shapes are "
-                     "its own (GPU-sized)")
+  if grid and (sweep or quick or models):
+    raise ValueError("grid takes neither sweep, quick nor models: per-op rows at "
+                     "the tuning grid's own (GPU-sized) shapes")
   if from_json:
     all_rows, notes = load_rows(from_json)[1], []
   else:
