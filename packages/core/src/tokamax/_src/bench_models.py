@@ -375,6 +375,12 @@ def dispatch_summary(records) -> dict[str, dict[str, list[str]]]:
   return summary
 
 
+def describe_dispatch(dispatch: dict[str, list[str]]) -> str:
+  """``"forward mosaic_gpu, backward triton"`` from one op's `dispatch_summary`."""
+  return ", ".join(f"{direction} {','.join(impls)}"
+                   for direction, impls in sorted(dispatch.items(), reverse=True))
+
+
 def run_model(model: str, size, iterations: int = 10) -> tuple[list[dict], str]:
   """Times the tokamax and plain training steps; returns (rows, dispatch text).
 
@@ -425,9 +431,7 @@ def run_model(model: str, size, iterations: int = 10) -> tuple[list[dict], str]:
       worst = max(errors, key=errors.get)
       r.update(rel_err=errors[worst], worst_leaf=worst, errors=errors, tol=tol)
   text = f"{model} ({size.describe()}): tokamax ran " + ("; ".join(
-      f"{op} forward {','.join(d.get('forward', ['-']))}, "
-      f"backward {','.join(d.get('backward', ['-']))}"
-      for op, d in sorted(summary.items())) or "no op")
+      f"{op} {describe_dispatch(d)}" for op, d in sorted(summary.items())) or "no op")
   tok = next((r for r in rows if r["implementation"] == "tokamax auto" and "rel_err" in r),
              None)
   if tok is not None:

@@ -462,12 +462,6 @@ def auto_against_fastest(rows: list[dict]) -> list[dict]:
   return out
 
 
-def describe_dispatch(dispatch: dict[str, list[str]]) -> str:
-  """``"forward mosaic_gpu, backward triton"`` from a row's ``dispatch``."""
-  return ", ".join(f"{direction} {','.join(impls)}"
-                   for direction, impls in sorted(dispatch.items(), reverse=True))
-
-
 def _print_auto_against_fastest(rows: list[dict]) -> None:
   found = auto_against_fastest(rows)
   slower = [f for f in found if f["ratio"] > 1 + AUTO_MARGIN]
@@ -477,7 +471,8 @@ def _print_auto_against_fastest(rows: list[dict]) -> None:
         f"run: within {AUTO_MARGIN:.0%} on {len(found) - len(slower)} of "
         f"{len(found)} rows")
   for f in slower:
-    ran = f" (None ran {describe_dispatch(f['dispatch'])})" if f["dispatch"] else ""
+    ran = (f" (None ran {bench_models.describe_dispatch(f['dispatch'])})"
+           if f["dispatch"] else "")
     print(f"  {f['op']} / {f['shape']} / {f['direction']}: auto {f['auto_ms']:.3f} "
           f"ms, {f['fastest']} {f['fastest_ms']:.3f} ms ({f['ratio'] - 1:+.1%}){ran}")
 
