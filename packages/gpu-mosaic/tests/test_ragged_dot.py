@@ -792,14 +792,15 @@ def test_ws_drhs_refuses_tiles_it_cannot_hold(fields, match):
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
-@pytest.mark.parametrize("g,block_m,order", [
-    (16, 128, "group"),  # 256 rows per group: `heuristic`'s 3 stages, group order
-    (8, 256, "group"),  # 512 rows: 256-row items in the group order
-    (4, 128, "group")])  # 1024 rows: 128-row items in the group order
-def test_forward_heuristic_lowers_for_cuda(transpose_rhs, g, block_m, order):
-  """The forward's default by rows per group, lowered."""
+@pytest.mark.parametrize("g,n,block_m,order", [
+    (16, 512, 128, "group"),  # 256 rows per group: `heuristic`'s 3 stages
+    (8, 640, 256, "group"),  # 512 rows, 128-row items would pad N to 768
+    (8, 512, 128, "group"),  # 512 rows, N a multiple of 256: 128-row items
+    (4, 640, 128, "group")])  # 1024 rows: 128-row items
+def test_forward_heuristic_lowers_for_cuda(transpose_rhs, g, n, block_m, order):
+  """The forward's default by rows per group and N, lowered."""
   pytest.importorskip("absl")
-  m, k, n = 4096, 256, 512
+  m, k = 4096, 256
   config = rd._forward_heuristic(m, k, n, g, 2, 2)
   assert (config.block_m, config.item_order) == (block_m, order)
   assert config.num_stages == (3 if g == 16 else 4)

@@ -8,10 +8,11 @@ dout[rows_g]``, the ragged contraction) and `ragged_dot_kernel_fp8` (the forward
 on float8 operands with block scales); each module's docstring describes its
 algorithm.
 
-Weight reuse (the forward's default for groups of >= 512 rows on average; in the
-search space otherwise): ``block_m=256`` items, each compute warpgroup 128 rows,
-so a group of up to ~256 rows streams each weight tile once, in the "group"
-item order (a group's row tiles of one column tile on neighbouring SMs).
+Weight reuse (the forward's default for groups of 512-1023 rows on average
+where N is not a multiple of 256; in the search space otherwise):
+``block_m=256`` items, each compute warpgroup 128 rows, so a group of up to
+~256 rows streams each weight tile once, in the "group" item order (a group's
+row tiles of one column tile on neighbouring SMs).
 """
 
 from __future__ import annotations
@@ -88,8 +89,10 @@ def heuristic(m: int, k: int, n: int, num_groups: int, itemsize: int,
 def _forward_heuristic(m, k, n, num_groups, itemsize, out_itemsize):
   """The forward's default: `heuristic` in the group order where groups hold
   fewer than 512 rows on average (128-row items), and where they span many row
-  tiles and `heuristic` picks its 4-stage, two-piece config (256-row items for
-  groups of 512-1023 rows on average, 128-row items from 1024).
+  tiles and `heuristic` picks its 4-stage, two-piece config (128-row items;
+  256-row items for groups of 512-1023 rows on average where N is not a
+  multiple of the 128-row items' 256 columns and is of the tall items' 128:
+  there they also cut the last column tile's padding).
 
   H200 bf16, CUPTI (notes/MEASUREMENTS.md): at M16384 K2048 N16384 G16 256-row
   items in the group order ran 1.472 ms against 1.549 for 128-row items in the
@@ -97,19 +100,28 @@ def _forward_heuristic(m, k, n, num_groups, itemsize, out_itemsize):
   (session 21), at G8 K4096 N14336 2.399 against 2.430, and at a router-like
   uneven split (M16384 K4096 N28672 G8 random, sizes 561-3501) 5.485 against
   5.741 (session 23): less padding in a group's last row tile. At 512 rows per
-  group (G64 K2048 N1408 random) 256-row items are 15% faster, at G128 random
-  9-17% slower. Under 512 rows 256-row items are slower (M65536 K7168 N2048
-  G256 random: 5.7 ms against 3.4) and the group order faster than the snake
-  order (session 38: M16384 K4096 N4096 G64 random 0.953 against 1.008 ms,
-  M65536 K7168 N2048 G256 random 3.354 against 3.503, M8192 K7168 N2048 G256
-  random 1.723 against 1.737)."""
+  group (G64 K2048 N1408 random) 256-row items are 15% faster (0.359 against
+  0.424 ms; 128-row items compute 1536 columns there), at G128 random, N768,
+  N1536 and N2048, 9-17% slower (session 21, item 8: 0.429 / 1.725 / 0.444
+  against 0.384 / 1.475 / 0.406). Under 512 rows 256-row items are slower
+  (M65536 K7168 N2048 G256 random: 5.7 ms against 3.4) and the group order
+  faster than the snake order (session 38: M16384 K4096 N4096 G64 random 0.953
+  against 1.008 ms, M65536 K7168 N2048 G256 random 3.354 against 3.503, M8192
+  K7168 N2048 G256 random 1.723 against 1.737)."""
   config = heuristic(m, k, n, num_groups, itemsize, out_itemsize, pieces=True)
   if _few_rows_per_group(m, num_groups):
     return dataclasses.replace(config, item_order="group")
   if (config.num_stages, config.out_pieces, config.block_n) == (4, 2, 128):
-    block_m = 128 if m >= 1024 * max(num_groups, 1) else 256
-    config = dataclasses.replace(config, block_m=block_m, item_order="group")
+    tall = (m < 1024 * max(num_groups, 1)
+            and _padded(n, config.block_n) < _padded(n, 2 * config.block_n))
+    config = dataclasses.replace(config, block_m=256 if tall else 128,
+                                 item_order="group")
   return config
+
+
+def _padded(n: int, tile: int) -> int:
+  """Columns computed in tiles of `tile` columns."""
+  return -(-n // tile) * tile
 
 
 def _fits(config, itemsize, out_itemsize) -> bool:
