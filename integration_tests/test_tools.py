@@ -179,6 +179,17 @@ def test_kernel_breakdown_sets_fields_of_tokamax_configs(monkeypatch, capsys):
   assert "no config of it has ['chunk_size']" in capsys.readouterr().out
 
 
+def test_tune_equal_groups_rebuilds_only_random_ragged_dot_problems():
+  from tokamax._src.ops.ragged_dot import problems
+  random = problems.problem(512, 64, 128, 4, True)
+  equal = tune._with_equal_groups(random)
+  assert equal.name == "M512 K64 N128 G4"
+  assert list(equal.make_inputs()[2]) == [128] * 4
+  assert list(random.make_inputs()[2]) != [128] * 4
+  already_equal = problems.problem(512, 64, 128, 4, False)
+  assert tune._with_equal_groups(already_equal) is already_equal
+
+
 def test_kernel_breakdown_without_set_leaves_the_tuned_configs(monkeypatch):
   # No --set: no config source is entered, so tuned configs run as in dispatch
   # (an empty replacement would force every heuristic config).

@@ -48,6 +48,7 @@ import jax
 from tokamax._src import bench_models
 from tokamax._src import bench_suite
 from tokamax._src import benchmarking
+from tokamax._src.ops.ragged_dot import problems as ragged_dot_problems
 from tokamax._src.problem import Problem
 from tokamax._src.tuning import context as tuning_context
 from tokamax._src import registry
@@ -237,6 +238,16 @@ def tune(problem: Problem, implementation: str, iterations: int,
               flush=True)
 
 
+def _with_equal_groups(problem: Problem) -> Problem:
+  """A random-size ragged_dot problem rebuilt with equal group sizes; others as
+  they are."""
+  found = re.fullmatch(r"M(\d+) K(\d+) N(\d+) G(\d+) random", problem.name)
+  if problem.op != "ragged_dot" or not found:
+    return problem
+  m, k, n, g = map(int, found.groups())
+  return ragged_dot_problems.problem(m, k, n, g, random_sizes=False)
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--op", action="append", default=[])
@@ -261,6 +272,10 @@ def main():
                       type=_field_value,
                       help="A/B: the heuristic configs against them with FIELD "
                            "set to VALUE (repeatable), interleaved")
+  parser.add_argument("--equal-groups", action="store_true",
+                      help="ragged_dot: each selected random-size problem with equal "
+                           "group sizes instead (the same M, K, N and G), e.g. to "
+                           "tell what the sizes' spread costs in a profile")
   parser.add_argument("--profile-runs", type=int, metavar="N",
                       help="run each selected call N times, untimed, for a "
                            "profiler (with --ab: the replaced configs)")
@@ -281,6 +296,8 @@ def main():
   for problem in suite:
     if problem.op not in args.op or (args.shape and not re.search(args.shape, problem.name)):
       continue
+    if args.equal_groups:
+      problem = _with_equal_groups(problem)
     if args.profile_runs is not None:
       profile_runs(f"{problem.op} {problem.name} ({args.implementation})",
                    problem_builders(problem, args.implementation, directions),
