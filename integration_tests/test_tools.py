@@ -8,9 +8,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 import dataclasses  # noqa: E402
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 import pytest  # noqa: E402
 import kernel_breakdown  # noqa: E402
+import l2_model  # noqa: E402
 import none_check  # noqa: E402
 import pytest_shard  # noqa: E402
 import trace_summary  # noqa: E402
@@ -188,6 +190,40 @@ def test_tune_equal_groups_rebuilds_only_random_ragged_dot_problems():
   assert list(random.make_inputs()[2]) != [128] * 4
   already_equal = problems.problem(512, 64, 128, 4, False)
   assert tune._with_equal_groups(already_equal) is already_equal
+
+
+def _l2_case(schedule, jitter, l2_bytes, sms=8):
+  m, k, n, g, bm, cta_n = 4096, 512, 1024, 16, 128, 256
+  sizes = l2_model.group_sizes(m, g, equal=False)
+  rows = l2_model.item_rows(sizes, m, n, bm, cta_n, "group", 4)
+  times = l2_model.start_times(rows, sms, schedule, jitter, 0.0)
+  return sizes, l2_model.l2_traffic(rows, times, k, bm, cta_n, l2_bytes)
+
+
+def test_l2_model_counts_each_slice_once_in_an_unbounded_cache():
+  sizes, t = _l2_case("static", 0.0, float("inf"))
+  k, n, bm = 512, 1024, 128
+  weights = np.count_nonzero(sizes) * k * n * 2
+  # lhs: each group's row tiles from its start rounded down to 8 rows.
+  starts = np.cumsum(sizes) - sizes
+  rows = set()
+  for s, size in zip(starts, sizes):
+    if size:
+      first = s - s % 8
+      tiles = -(-(s + size - first) // bm)
+      rows |= set(range(first, min(first + tiles * bm, 4096 + bm)))
+  assert t.dram == weights + len(rows) * k * 2
+  assert t.requested > t.dram
+
+
+def test_l2_model_drift_misses_and_meeting_sharers_recovers():
+  l2 = 1e6  # a few weight slices: readers share one only close in time
+  lockstep = _l2_case("static", 0.0, l2)[1]
+  drifting = _l2_case("static", 0.2, l2)[1]
+  met = _l2_case("sharer_sync", 0.2, l2)[1]
+  assert drifting.dram > 1.2 * lockstep.dram
+  assert met.dram < 1.05 * lockstep.dram
+  assert met.makespan > lockstep.makespan  # the meetings wait for the slowest
 
 
 def test_kernel_breakdown_without_set_leaves_the_tuned_configs(monkeypatch):

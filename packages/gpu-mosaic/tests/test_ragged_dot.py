@@ -335,7 +335,7 @@ def test_drhs_ws_through_vjp(config):
 
 def _wid(c):
   return (f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.num_stages}p{c.out_pieces}"
-          f"w{c.grid_tile_width}{c.item_order}")
+          f"w{c.grid_tile_width}{c.item_order}{'-sync' if c.sync_sharers else ''}")
 
 
 _REUSE = [
@@ -405,6 +405,37 @@ def test_reuse_order_tall_many_random_groups(config):
 def test_reuse_order_tall_dlhs_and_vjp(config):
   """The transposed-rhs kernel (dlhs) with the variant, and the whole backward
   through dispatch with the variant as the backward config."""
+  _check_dlhs(900, 256, 392, [300, 0, 201, 5, 394], config, f"dlhs {config}")
+  _check(1000, 512, 392, [100, 0, 333, 1, 0, 466, 100],
+         bwd_config=dataclasses.replace(config, drhs_kernel="ws"))
+
+
+_SYNC = [
+    rd.RaggedDotConfig(num_stages=4, out_pieces=2, item_order="group",
+                       grid_tile_width=2, sync_sharers=True),
+    rd.RaggedDotConfig(block_m=256, num_stages=4, out_pieces=2, item_order="group",
+                       sync_sharers=True),
+]
+
+
+@gpu
+@pytest.mark.parametrize("config", _SYNC, ids=_wid)
+def test_sync_sharers_forward_dlhs_and_vjp(config):
+  """Blocks meeting their weight tile's other readers (device-memory
+  semaphores) compute what the plain group order does; three calls in a row,
+  so a semaphore left off zero by one call would show as a hang or a wrong
+  later result."""
+  rng = _rng()
+  cuts = np.sort(rng.integers(0, 4000, 63))
+  sizes = np.diff(np.concatenate([[0], cuts, [4000]])).tolist()
+  lhs, rhs = _inputs(4096, 512, 512, len(sizes), jnp.bfloat16)
+  call = jax.jit(lambda l, r, g: tokamax.ragged_dot(
+      l, r, g, implementation=rd.MosaicGpuRaggedDot(config)))
+  ref = _lax_reference(lhs, rhs, sizes)
+  for _ in range(3):
+    out = call(lhs, rhs, jnp.asarray(sizes, jnp.int32))
+    testing.assert_close(out, ref, jnp.bfloat16, what=f"forward {config}", gpu=True)
+  _check(1500, 640, 704, [400, 3, 0, 600, 1, 130, 200], config=config, grads=False)
   _check_dlhs(900, 256, 392, [300, 0, 201, 5, 394], config, f"dlhs {config}")
   _check(1000, 512, 392, [100, 0, 333, 1, 0, 466, 100],
          bwd_config=dataclasses.replace(config, drhs_kernel="ws"))
@@ -686,6 +717,61 @@ def test_ordered_items_table(sizes, m, held, offset, bm, n_tiles, width):
       cols = [r[0, 4] for r in runs[b * n_tiles:(b + 1) * n_tiles]]
       assert sorted(cols) == list(range(n_tiles))
       assert cols == sorted(cols, reverse=b % 2 == 1)  # snaking between bands
+
+
+@pytest.mark.parametrize("sizes,m,held,offset", [
+    ([100, 0, 333, 1, 0, 466, 100], 1100, 7, 0),
+    ([100, 200, 0, 150, 300], 800, 2, 2),
+    ([2000, 24, 900], 3000, 3, 0),
+])
+@pytest.mark.parametrize("bm,n_tiles,width,sms", [(128, 5, 2, 7), (256, 3, 4, 5),
+                                                 (128, 1, 8, 132)])
+def test_ordered_items_sharer_blocks(sizes, m, held, offset, bm, n_tiles, width, sms):
+  """`sync_sharers`' columns: each row's block is the run of consecutive rows
+  holding its band's row tiles of its column tile; and the semaphore counts a
+  deal of the indices round robin over `sms` blocks makes balance (each block
+  receives as many signals as it waits for), so they return to zero."""
+  starts, ends = tokamax.plugin.held_row_ranges(jnp.asarray(sizes, jnp.int32), offset, held, m)
+  items = jnp.asarray(rdk.work_items(starts, ends, m, bm))
+  plain = np.asarray(rdk.ordered_items(items, n_tiles, width))
+  table = np.asarray(rdk.ordered_items(items, n_tiles, width, sharers=True))
+  assert table.shape == (plain.shape[0], 7)
+  np.testing.assert_array_equal(table[:, :5], plain)
+  signals, waits = np.zeros(sms, np.int64), np.zeros(sms, np.int64)
+  for L, row in enumerate(table):
+    first, count = row[rdk._FIRST], row[rdk._SHARERS]
+    assert first <= L < first + count and 1 <= count <= width
+    block = table[first:first + count]
+    # One group and column tile, consecutive row tiles, the same block.
+    assert np.all(block[:, 1] == row[1]) and np.all(block[:, 4] == row[4])
+    assert np.all(block[:, 5:] == row[5:])
+    assert np.all(np.diff(block[:, 0]) == bm)
+    if row[1] < 0:
+      assert count == 1  # zero and past-the-end items meet nobody
+    if count > 1:
+      waits[L % sms] += count - 1
+      for other in range(first, first + count):
+        if other != L:
+          signals[other % sms] += 1
+  np.testing.assert_array_equal(signals, waits)
+  # Where a group has several row tiles (and bands may hold several), they meet.
+  groups = np.asarray(items)[:, 1]
+  multi = any(np.count_nonzero(groups == g) > 1 for g in range(held))
+  assert (table[:, rdk._SHARERS] > 1).any() == (multi and width > 1)
+
+
+def test_sync_sharers_needs_the_group_order():
+  with pytest.raises(ValueError, match="sync_sharers=True needs item_order='group'"):
+    rd.RaggedDotConfig(sync_sharers=True)
+  rd.RaggedDotConfig(item_order="group", sync_sharers=True)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_sync_sharers_lowers_for_cuda(transpose_rhs):
+  pytest.importorskip("absl")
+  config = rd.RaggedDotConfig(block_n=64, num_stages=2, item_order="group",
+                              grid_tile_width=3, sync_sharers=True)
+  _grouped_matmul_lowers(700, 128, 200, 3, config, transpose_rhs)
 
 
 def _snake_or_table(config, items, n_tiles):

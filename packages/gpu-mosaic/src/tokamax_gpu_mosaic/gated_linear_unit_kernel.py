@@ -611,8 +611,7 @@ def grouped_glu(x, weights, starts, ends, activation,
   items = rdk.work_items(starts, ends, m, bm)
   num_items = items.shape[0]
   n_tiles = n // bn
-  if config.item_order == "group":
-    items = rdk.ordered_items(items, n_tiles, config.grid_tile_width)
+  items = rdk.item_table(items, n_tiles, config)
   k_steps = pl.cdiv(k, bk)
   depth = (_pipeline.ChainedPipeline.ring_depth(k_steps, config.num_stages)
            if config.chain_items else None)

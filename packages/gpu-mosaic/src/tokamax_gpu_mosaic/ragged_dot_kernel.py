@@ -82,6 +82,13 @@ class RaggedDotConfig:
   tile are consecutive linear indices (neighbouring SMs run them together and
   share the weight tile's k-slices through L2), column tiles snaking between
   bands.
+  ``sync_sharers`` (group order): before each item's loads, the memory
+  warpgroup meets the other SMs whose items read the same weight tile (the
+  band's row tiles of one column tile) through device-memory semaphores, so
+  that their reads of each k-slice stay close enough in time to hit in L2.
+  Without it the blocks, dealt their items round robin, drift apart over the
+  waves of items (an L2 model in notes/MEASUREMENTS.md, session 39). Not run
+  by the JAX interpreter (its semaphores are global arrays).
   """
 
   block_m: int = 128
@@ -94,6 +101,7 @@ class RaggedDotConfig:
   drhs_kernel: str = "ring"
   item_order: str = "snake"
   chain_items: bool = True
+  sync_sharers: bool = False
 
   def __post_init__(self):
     if self.block_m % WGMMA_M or self.block_m > 256:
@@ -118,6 +126,9 @@ class RaggedDotConfig:
       raise ValueError(f"item_order must be 'snake' or 'group'; got {self.item_order}")
     if self.item_order == "group" and self.row_tiling != "group":
       raise ValueError("item_order='group' needs row_tiling='group'")
+    if self.sync_sharers and self.item_order != "group":
+      raise ValueError("sync_sharers=True needs item_order='group' (the order "
+                       "that puts a weight tile's readers on neighbouring SMs)")
     if self.out_pieces not in (1, 2):
       raise ValueError(f"out_pieces must be 1 or 2; got {self.out_pieces}")
     if self.out_pieces == 2 and self.row_tiling != "group":
@@ -257,10 +268,23 @@ def work_items(starts, ends, m: int, block_m: int):
 
 
 _NI = 4  # Column of `ordered_items`: the item's column tile.
+# Columns of `ordered_items(..., sharers=True)`: the first linear index of the
+# item's sharer block (the band's row tiles of its column tile) and their count.
+_FIRST, _SHARERS = 5, 6
 
 
-def ordered_items(items, n_tiles: int, width: int):
-  """`work_items` x column tiles in "group" order, int32 ``[items * n_tiles, 5]``.
+def item_table(items, n_tiles: int, config: RaggedDotConfig):
+  """The work-item table a kernel reads for `config`: `work_items` as they are
+  (the snake order computes its order), or `ordered_items`."""
+  if config.item_order != "group":
+    return items
+  return ordered_items(items, n_tiles, config.grid_tile_width,
+                       sharers=config.sync_sharers)
+
+
+def ordered_items(items, n_tiles: int, width: int, sharers: bool = False):
+  """`work_items` x column tiles in "group" order, int32 ``[items * n_tiles, 5]``
+  (``7`` with `sharers`: each row's sharer block, `_FIRST` and `_SHARERS`).
 
   Row ``L`` of the result is the work item the kernel's linear index ``L`` runs
   (the `work_items` columns, then the column tile). A run is the row tiles of
@@ -289,11 +313,15 @@ def ordered_items(items, n_tiles: int, width: int):
   linear = (band_start[:, None] * n_tiles + j * band_len[:, None]
             + (i - band_start)[:, None])
   ni = jnp.where(band[:, None] % 2 == 1, n_tiles - 1 - j, j)
-  rows = jnp.concatenate(
-      [jnp.broadcast_to(items[:, None, :], (num, n_tiles, 4)), ni[..., None]],
-      axis=2)
-  table = jnp.zeros((num * n_tiles, 5), jnp.int32)
-  return table.at[linear.reshape(-1)].set(rows.reshape(-1, 5),
+  columns = [jnp.broadcast_to(items[:, None, :], (num, n_tiles, 4)), ni[..., None]]
+  if sharers:
+    # The band's row tiles of column position j: indices [first, first + len).
+    first = band_start[:, None] * n_tiles + j * band_len[:, None]
+    columns += [first[..., None],
+                jnp.broadcast_to(band_len[:, None, None], (num, n_tiles, 1))]
+  rows = jnp.concatenate(columns, axis=2)
+  table = jnp.zeros((num * n_tiles, rows.shape[2]), jnp.int32)
+  return table.at[linear.reshape(-1)].set(rows.reshape(num * n_tiles, -1),
                                           unique_indices=True)
 
 
@@ -392,6 +420,9 @@ class _Item(NamedTuple):
   whi: Any
   dst_row: Any  # its first output row
   matmul: Any  # whether the item runs a K loop
+  index: Any = None  # the linear index (with ``sync_sharers``)
+  first: Any = None  # its sharer block: indices [first, first + sharers)
+  sharers: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -497,7 +528,12 @@ class _GroupTiles:
     wlo = jnp.clip(lo - cwg * half, 0, half)
     whi = jnp.clip(hi - cwg * half, 0, half)
     dst_row = row0 + cwg * half
-    return _Item(wg, cwg, row0, group, lo, hi, n0, wlo, whi, dst_row, matmul)
+    sync = {}
+    if self.config.sync_sharers:
+      sync = dict(index=index, first=items_ref[ii, _FIRST],
+                  sharers=items_ref[ii, _SHARERS])
+    return _Item(wg, cwg, row0, group, lo, hi, n0, wlo, whi, dst_row, matmul,
+                 **sync)
 
   def operand_blocks(self, item: _Item, operands):
     """The item's views of the streamed operands: its lhs rows and rhs columns."""
@@ -516,6 +552,8 @@ class _GroupTiles:
   def run_item(self, item: _Item, operands, out_ref, out_smem, allocs, started):
     """The item's K pipeline and store, or its zeros (rows no group owns).
     `started`: whether this block ran a K pipeline before (int32)."""
+    if self.config.sync_sharers:
+      self.meet_sharers(item)
     context = functools.partial(self.context, item, out_ref, out_smem, allocs)
     if not self.chained:
       @pl.when(self.has_matmul(item))
@@ -541,6 +579,35 @@ class _GroupTiles:
     @pl.when((item.group < 0) & (item.hi > item.lo) & (item.wg < 2))
     def _zeros():
       self.store_zeros(item, out_ref, out_smem)
+
+  def meet_sharers(self, item: _Item):
+    """Memory warpgroup, before the item's loads: signal each other block of
+    the item's sharer block, then wait for as many signals (`sync_sharers`).
+
+    One semaphore a block, in device memory, kept across calls: every block
+    signals before it waits, and the signals and waits of a block balance
+    over the call, so the counts return to zero. A block whose sharers run a
+    wave later (a band across the deal's wrap-around) waits for them; a
+    signal that arrives early for a later item only ends an earlier wait
+    sooner (timing, never results)."""
+    num_sms = _common.num_sms()
+    if self.config.grid_tile_width >= num_sms:
+      # Two row tiles of one band on one block: the earlier would wait for
+      # the later, which that block runs after it.
+      raise ValueError(f"sync_sharers needs grid_tile_width < the {num_sms} "
+                       f"SMs; got {self.config.grid_tile_width}")
+    sems = pl.get_global(plgpu.SemaphoreType.REGULAR((num_sms,)))
+
+    @pl.when((item.wg == 2) & item.matmul & (item.sharers > 1))
+    def _meet():
+      for j in range(self.config.grid_tile_width):  # a band's row tiles at most
+        other = item.first + j
+
+        @pl.when((j < item.sharers) & (other != item.index))
+        def _signal():
+          pl.semaphore_signal(sems.at[lax.rem(other, num_sms)], 1)
+      plgpu.semaphore_wait(sems.at[lax.rem(item.index, num_sms)],
+                           item.sharers - 1, memory_scope="gpu")
 
   def store_zeros(self, item: _Item, out_ref, out_smem):
     """A zero item's rows (no held group owns them)."""
@@ -646,8 +713,7 @@ def _group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool, out_dtype,
   items = work_items(starts, ends, m, config.block_m)
   num_items = items.shape[0]
   n_tiles = pl.cdiv(n, cta_n(config))
-  if config.item_order == "group":
-    items = ordered_items(items, n_tiles, config.grid_tile_width)
+  items = item_table(items, n_tiles, config)
   k_steps = pl.cdiv(k, config.block_k)
   depth = (_pipeline.ChainedPipeline.ring_depth(k_steps, config.num_stages)
            if config.chain_items else None)

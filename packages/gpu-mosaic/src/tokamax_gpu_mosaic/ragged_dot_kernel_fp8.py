@@ -244,8 +244,7 @@ def grouped_matmul_fp8(lhs, lhs_scales, rhs, rhs_scales, starts, ends, *, out_dt
   items = rdk.work_items(starts, ends, m, config.block_m)
   num_items = items.shape[0]
   n_tiles = pl.cdiv(n, n_cta)
-  if config.item_order == "group":
-    items = rdk.ordered_items(items, n_tiles, config.grid_tile_width)
+  items = rdk.item_table(items, n_tiles, config)
   tiles = _ScaledGroupTiles(
       config=config, transpose_rhs=True, out_dtype=out_dtype, num_items=num_items,
       n_tiles=n_tiles, k_steps=steps, col_block=col_block,
