@@ -600,7 +600,10 @@ class _GroupTiles:
 
     @pl.when((item.wg == 2) & item.matmul & (item.sharers > 1))
     def _meet():
-      for j in range(self.config.grid_tile_width):  # a band's row tiles at most
+      # A band holds grid_tile_width row tiles at most. (One fence for all
+      # the signals, `plgpu.semaphore_signal_parallel`, refused these
+      # data-dependent increments when lowered with JAX 0.10.2.)
+      for j in range(self.config.grid_tile_width):
         other = item.first + j
 
         @pl.when((j < item.sharers) & (other != item.index))
