@@ -30,7 +30,7 @@ behind), L2's partitions and hashing, writes, the fill of a block's first
 item. It says what the order and the schedule let L2 share, not how fast the
 kernel runs. H200 (notes/MEASUREMENTS.md, session 39): Nsight Compute counted
 12.9 GB of DRAM traffic at M65536 K7168 N2048 G256 random; this model gives
-8.7 GB of reads in lockstep and 13.6 GB with 3% noise per item.
+8.73 GB of reads in lockstep and 13.65 GB with 3% noise per item.
 """
 
 from __future__ import annotations
@@ -121,9 +121,10 @@ class Traffic(NamedTuple):
   makespan: float  # in items
 
 
-def l2_traffic(rows: list[Row], times, k: int, block_m: int, cta_n: int,
+def l2_traffic(rows: list[Row], times, m: int, k: int, block_m: int, cta_n: int,
                l2_bytes: float, itemsize: int = 2) -> Traffic:
-  """Replays every k-slice read in time order through an LRU cache."""
+  """Replays every k-slice read in time order through an LRU cache (lhs rows
+  from `m` on are TMA's zero fill: no read)."""
   steps = -(-k // BLOCK_K)
   reads = []
   for row, (start, duration) in zip(rows, times):
@@ -136,7 +137,8 @@ def l2_traffic(rows: list[Row], times, k: int, block_m: int, cta_n: int,
   cache, used, requested, missed = collections.OrderedDict(), 0, 0, 0
   for _, row0, group, col, j in reads:
     keys = [(("B", group, col, j), b_slice)]
-    keys += [(("A", u, j), a_unit) for u in range(row0 // A_ROWS, (row0 + block_m) // A_ROWS)]
+    last = min(row0 + block_m, m)
+    keys += [(("A", u, j), a_unit) for u in range(row0 // A_ROWS, -(-last // A_ROWS))]
     for key, size in keys:
       requested += size
       if key in cache:
@@ -175,7 +177,7 @@ def main(argv=None):
   sizes = group_sizes(a.m, a.g, a.equal)
   rows = item_rows(sizes, a.m, a.n, a.block_m, a.cta_n, a.order, a.width)
   times = start_times(rows, a.sms, a.schedule, a.jitter, a.sm_bias)
-  t = l2_traffic(rows, times, a.k, a.block_m, a.cta_n, a.l2_mb * 1e6)
+  t = l2_traffic(rows, times, a.m, a.k, a.block_m, a.cta_n, a.l2_mb * 1e6)
   weights = a.g * a.k * a.n * 2
   print(f"{a.schedule} {a.order} block_m={a.block_m} cta_n={a.cta_n} "
         f"jitter={a.jitter} sm_bias={a.sm_bias} L2={a.l2_mb} MB "

@@ -273,9 +273,10 @@ def main():
                       help="A/B: the heuristic configs against them with FIELD "
                            "set to VALUE (repeatable), interleaved")
   parser.add_argument("--equal-groups", action="store_true",
-                      help="ragged_dot: each selected random-size problem with equal "
-                           "group sizes instead (the same M, K, N and G), e.g. to "
-                           "tell what the sizes' spread costs in a profile")
+                      help="ragged_dot: each selected bf16 random-size problem "
+                           "('... random') with equal group sizes instead (the same "
+                           "M, K, N and G), e.g. to tell what the sizes' spread "
+                           "costs in a profile; other problems run as they are")
   parser.add_argument("--profile-runs", type=int, metavar="N",
                       help="run each selected call N times, untimed, for a "
                            "profiler (with --ab: the replaced configs)")

@@ -422,19 +422,17 @@ _SYNC = [
 @pytest.mark.parametrize("config", _SYNC, ids=_wid)
 def test_sync_sharers_forward_dlhs_and_vjp(config):
   """Blocks meeting their weight tile's other readers (device-memory
-  semaphores) compute what the plain group order does; three calls in a row,
-  so a semaphore left off zero by one call would show as a hang or a wrong
-  later result."""
+  semaphores) compute what the plain group order does, and finish (a
+  protocol mistake hangs: run it under a timeout)."""
   rng = _rng()
   cuts = np.sort(rng.integers(0, 4000, 63))
   sizes = np.diff(np.concatenate([[0], cuts, [4000]])).tolist()
   lhs, rhs = _inputs(4096, 512, 512, len(sizes), jnp.bfloat16)
-  call = jax.jit(lambda l, r, g: tokamax.ragged_dot(
-      l, r, g, implementation=rd.MosaicGpuRaggedDot(config)))
-  ref = _lax_reference(lhs, rhs, sizes)
-  for _ in range(3):
-    out = call(lhs, rhs, jnp.asarray(sizes, jnp.int32))
-    testing.assert_close(out, ref, jnp.bfloat16, what=f"forward {config}", gpu=True)
+  out = jax.jit(lambda l, r, g: tokamax.ragged_dot(
+      l, r, g, implementation=rd.MosaicGpuRaggedDot(config)))(
+          lhs, rhs, jnp.asarray(sizes, jnp.int32))
+  testing.assert_close(out, _lax_reference(lhs, rhs, sizes), jnp.bfloat16,
+                       what=f"forward {config}", gpu=True)
   _check(1500, 640, 704, [400, 3, 0, 600, 1, 130, 200], config=config, grads=False)
   _check_dlhs(900, 256, 392, [300, 0, 201, 5, 394], config, f"dlhs {config}")
   _check(1000, 512, 392, [100, 0, 333, 1, 0, 466, 100],
@@ -728,16 +726,15 @@ def test_ordered_items_table(sizes, m, held, offset, bm, n_tiles, width):
                                                  (128, 1, 8, 132)])
 def test_ordered_items_sharer_blocks(sizes, m, held, offset, bm, n_tiles, width, sms):
   """`sync_sharers`' columns: each row's block is the run of consecutive rows
-  holding its band's row tiles of its column tile; and the semaphore counts a
-  deal of the indices round robin over `sms` blocks makes balance (each block
-  receives as many signals as it waits for), so they return to zero."""
+  holding its band's row tiles of its column tile; and `meet_sharers`'
+  protocol over them (indices dealt round robin to `sms` blocks, all
+  resident) finishes in any interleaving with every semaphore back at zero."""
   starts, ends = tokamax.plugin.held_row_ranges(jnp.asarray(sizes, jnp.int32), offset, held, m)
   items = jnp.asarray(rdk.work_items(starts, ends, m, bm))
   plain = np.asarray(rdk.ordered_items(items, n_tiles, width))
   table = np.asarray(rdk.ordered_items(items, n_tiles, width, sharers=True))
   assert table.shape == (plain.shape[0], 7)
   np.testing.assert_array_equal(table[:, :5], plain)
-  signals, waits = np.zeros(sms, np.int64), np.zeros(sms, np.int64)
   for L, row in enumerate(table):
     first, count = row[rdk._FIRST], row[rdk._SHARERS]
     assert first <= L < first + count and 1 <= count <= width
@@ -748,22 +745,64 @@ def test_ordered_items_sharer_blocks(sizes, m, held, offset, bm, n_tiles, width,
     assert np.all(np.diff(block[:, 0]) == bm)
     if row[1] < 0:
       assert count == 1  # zero and past-the-end items meet nobody
-    if count > 1:
-      waits[L % sms] += count - 1
-      for other in range(first, first + count):
-        if other != L:
-          signals[other % sms] += 1
-  np.testing.assert_array_equal(signals, waits)
+  for seed in range(5):
+    assert _replay_meetings(table, sms, np.random.default_rng(seed)) == [0] * sms
   # Where a group has several row tiles (and bands may hold several), they meet.
   groups = np.asarray(items)[:, 1]
   multi = any(np.count_nonzero(groups == g) > 1 for g in range(held))
   assert (table[:, rdk._SHARERS] > 1).any() == (multi and width > 1)
 
 
+def _replay_meetings(table, sms, rng):
+  """`_GroupTiles.meet_sharers` over a table: block b runs indices b, b + sms,
+  ...; before a meeting item it signals the semaphore of each other member's
+  block, then waits for (and takes) count - 1 on its own. Blocks step in a
+  random order; returns the semaphores at the end, None on a deadlock."""
+  todo = [list(range(b, table.shape[0], sms)) for b in range(sms)]
+  sems, signalled = [0] * sms, [False] * sms
+  while any(todo):
+    progressed = False
+    for b in rng.permutation(sms):
+      if not todo[b]:
+        continue
+      L = todo[b][0]
+      first, count = table[L, rdk._FIRST], table[L, rdk._SHARERS]
+      if table[L, 1] < 0 or table[L, 3] <= table[L, 2] or count == 1:
+        todo[b].pop(0)
+        progressed = True
+        continue
+      if not signalled[b]:
+        for other in range(first, first + count):
+          if other != L:
+            sems[other % sms] += 1
+        signalled[b] = progressed = True
+      if sems[b] >= count - 1:
+        sems[b] -= count - 1
+        signalled[b] = False
+        todo[b].pop(0)
+        progressed = True
+    if not progressed:
+      return None
+  return sems
+
+
 def test_sync_sharers_needs_the_group_order():
   with pytest.raises(ValueError, match="sync_sharers=True needs item_order='group'"):
     rd.RaggedDotConfig(sync_sharers=True)
   rd.RaggedDotConfig(item_order="group", sync_sharers=True)
+
+
+def test_sync_sharers_refused_by_the_interpreter():
+  if not rd._common.interpreter_runs_these_kernels():
+    pytest.skip("JAX's Mosaic GPU interpreter does not run these kernels here")
+  config = rd.RaggedDotConfig(item_order="group", grid_tile_width=1,
+                              sync_sharers=True)
+  lhs, rhs = _inputs(256, 64, 128, 2, jnp.bfloat16)
+  starts = jnp.asarray([0, 100], jnp.int32)
+  ends = jnp.asarray([100, 256], jnp.int32)
+  with tokamax.interpret(), pytest.raises(NotImplementedError, match="interpreter"):
+    rd.grouped_matmul(lhs, rhs, starts, ends, transpose_rhs=False,
+                      out_dtype=jnp.bfloat16, config=config)
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])

@@ -9,7 +9,7 @@ on float8 operands with block scales); each module's docstring describes its
 algorithm.
 
 Weight reuse (the forward's default for groups of 512-1023 rows on average
-where N is not a multiple of 256; in the search space otherwise):
+where ceil(N / 128) is odd; in the search space otherwise):
 ``block_m=256`` items, each compute warpgroup 128 rows, so a group of up to
 ~256 rows streams each weight tile once, in the "group" item order (a group's
 row tiles of one column tile on neighbouring SMs).
@@ -90,9 +90,9 @@ def _forward_heuristic(m, k, n, num_groups, itemsize, out_itemsize):
   """The forward's default: `heuristic` in the group order where groups hold
   fewer than 512 rows on average (128-row items), and where they span many row
   tiles and `heuristic` picks its 4-stage, two-piece config (128-row items;
-  256-row items for groups of 512-1023 rows on average where N is not a
-  multiple of the 128-row items' 256 columns and is of the tall items' 128:
-  there they also cut the last column tile's padding).
+  256-row items for groups of 512-1023 rows on average where their 128-column
+  tiles compute fewer columns than the 128-row items' 256-column ones, i.e.
+  ceil(N / 128) odd).
 
   H200 bf16, CUPTI (notes/MEASUREMENTS.md): at M16384 K2048 N16384 G16 256-row
   items in the group order ran 1.472 ms against 1.549 for 128-row items in the

@@ -87,8 +87,9 @@ class RaggedDotConfig:
   band's row tiles of one column tile) through device-memory semaphores, so
   that their reads of each k-slice stay close enough in time to hit in L2.
   Without it the blocks, dealt their items round robin, drift apart over the
-  waves of items (an L2 model in notes/MEASUREMENTS.md, session 39). Not run
-  by the JAX interpreter (its semaphores are global arrays).
+  waves of items (`tools/l2_model.py`; notes/MEASUREMENTS.md, session 39).
+  Needs every block of the grid resident at once (`_GroupTiles.meet_sharers`);
+  not run by the JAX interpreter.
   """
 
   block_m: int = 128
@@ -587,9 +588,19 @@ class _GroupTiles:
     One semaphore a block, in device memory, kept across calls: every block
     signals before it waits, and the signals and waits of a block balance
     over the call, so the counts return to zero. A block whose sharers run a
-    wave later (a band across the deal's wrap-around) waits for them; a
-    signal that arrives early for a later item only ends an earlier wait
-    sooner (timing, never results)."""
+    wave later (a band across the deal's wrap-around) waits for them; the
+    counts are anonymous, so a signal that arrives early for a later item
+    ends an earlier wait sooner (timing, never results).
+
+    It needs every block of the grid on an SM at once (one a SM, as the
+    persistent grid is sized): a block waiting for a sharer that cannot be
+    scheduled until it exits would hang (an MPS limit on SMs, green
+    contexts, or kernels of other streams holding SMs). That is why it is
+    opt-in and in no heuristic."""
+    if _common.interpreting():
+      raise NotImplementedError(
+          "sync_sharers: the JAX interpreter cannot run device-memory "
+          "semaphores (pl.get_global); use a config without it")
     num_sms = _common.num_sms()
     if self.config.grid_tile_width >= num_sms:
       # Two row tiles of one band on one block: the earlier would wait for
@@ -608,7 +619,8 @@ class _GroupTiles:
 
         @pl.when((j < item.sharers) & (other != item.index))
         def _signal():
-          pl.semaphore_signal(sems.at[lax.rem(other, num_sms)], 1)
+          plgpu.semaphore_signal(sems.at[lax.rem(other, num_sms)], 1,
+                                 memory_scope="gpu")
       plgpu.semaphore_wait(sems.at[lax.rem(item.index, num_sms)],
                            item.sharers - 1, memory_scope="gpu")
 
