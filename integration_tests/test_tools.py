@@ -216,6 +216,18 @@ def test_l2_model_counts_each_slice_once_in_an_unbounded_cache():
   assert t.requested > t.dram
 
 
+def test_l2_model_row_padding():
+  m, bm = 4096, 128
+  equal = l2_model.item_rows(l2_model.group_sizes(m, 16, equal=True), m, 512, bm,
+                             256, "group", 4)
+  assert l2_model.row_padding(equal, m, bm) == (1.0, 1.0)  # 256-row groups
+  # Groups of 100 and 3996 rows: one tile [0, 128), both halves with rows;
+  # then 32 tiles from row 96 (100 rounded down to 8), the last [4064, 4192)
+  # holding rows in its first half only.
+  split = l2_model.item_rows([100, 3996], m, 512, bm, 256, "group", 4)
+  assert l2_model.row_padding(split, m, bm) == (33 * bm / m, (2 + 2 * 32 - 1) * 64 / m)
+
+
 def test_l2_model_drift_misses_and_meeting_sharers_recovers():
   l2 = 1e6  # a few weight slices: readers share one only close in time
   lockstep = _l2_case("static", 0.0, l2)[1]

@@ -56,6 +56,8 @@ class Row(NamedTuple):
   col: int  # column tile
   first: int = 0  # group order: its sharer block, indices [first, first + sharers)
   sharers: int = 1
+  lo: int = 0  # rows [lo, hi) of the tile belong to its group
+  hi: int = 0
 
 
 def group_sizes(m: int, g: int, equal: bool) -> np.ndarray:
@@ -78,14 +80,16 @@ def item_rows(sizes, m: int, n: int, block_m: int, cta_n: int, order: str,
   if order == "group":
     table = np.asarray(rdk.ordered_items(items, n_tiles, width, sharers=True))
     return [Row(int(r[0]), int(r[1]), bool(r[1] >= 0 and r[3] > r[2]), int(r[4]),
-                int(r[rdk._FIRST]), int(r[rdk._SHARERS])) for r in table]
+                int(r[rdk._FIRST]), int(r[rdk._SHARERS]), int(r[2]), int(r[3]))
+            for r in table]
   items = np.asarray(items)
   rows = []
   for index in range(items.shape[0] * n_tiles):
     ii, col = rdk.plgpu.planar_snake(jnp.int32(index), (items.shape[0], n_tiles), 1,
                                      width)
     r = items[int(ii)]
-    rows.append(Row(int(r[0]), int(r[1]), bool(r[1] >= 0 and r[3] > r[2]), int(col)))
+    rows.append(Row(int(r[0]), int(r[1]), bool(r[1] >= 0 and r[3] > r[2]), int(col),
+                    lo=int(r[2]), hi=int(r[3])))
   return rows
 
 
@@ -113,6 +117,17 @@ def start_times(rows: list[Row], sms: int, schedule: str, jitter: float,
     if schedule == "dynamic":
       heapq.heappush(free, (clock[sm], sm))
   return out
+
+
+def row_padding(rows: list[Row], m: int, block_m: int) -> tuple[float, float]:
+  """(rows loaded, rows multiplied) / M over the matmul row tiles: whole tiles
+  load; a compute warpgroup skips a 64-row half (128 of a 256-row tile) that
+  holds no row of the item's group."""
+  tiles = {(r.row0, r.group): (r.lo, r.hi) for r in rows if r.matmul}
+  half = block_m // 2
+  halves = sum(min(hi, half * (h + 1)) > max(lo, half * h)
+               for lo, hi in tiles.values() for h in range(2))
+  return len(tiles) * block_m / m, halves * half / m
 
 
 class Traffic(NamedTuple):
@@ -179,11 +194,13 @@ def main(argv=None):
   times = start_times(rows, a.sms, a.schedule, a.jitter, a.sm_bias)
   t = l2_traffic(rows, times, a.m, a.k, a.block_m, a.cta_n, a.l2_mb * 1e6)
   weights = a.g * a.k * a.n * 2
+  loaded, multiplied = row_padding(rows, a.m, a.block_m)
   print(f"{a.schedule} {a.order} block_m={a.block_m} cta_n={a.cta_n} "
         f"jitter={a.jitter} sm_bias={a.sm_bias} L2={a.l2_mb} MB "
         f"{'equal' if a.equal else 'random'} groups: requested {t.requested / 1e9:.2f} GB, "
         f"DRAM reads {t.dram / 1e9:.2f} GB (distinct: weights {weights / 1e9:.2f}, "
-        f"lhs {a.m * a.k * 2 / 1e9:.2f}), makespan {t.makespan:.1f} items")
+        f"lhs {a.m * a.k * 2 / 1e9:.2f}), makespan {t.makespan:.1f} items; "
+        f"rows loaded {loaded:.3f} x M, multiplied {multiplied:.3f} x M")
 
 
 if __name__ == "__main__":
