@@ -112,16 +112,12 @@ def _forward_heuristic(m, k, n, num_groups, itemsize, out_itemsize):
   if _few_rows_per_group(m, num_groups):
     return dataclasses.replace(config, item_order="group")
   if (config.num_stages, config.out_pieces, config.block_n) == (4, 2, 128):
+    bn = config.block_n  # columns computed: N in tiles of bn (tall) or 2 bn
     tall = (m < 1024 * max(num_groups, 1)
-            and _padded(n, config.block_n) < _padded(n, 2 * config.block_n))
+            and _common.round_up(n, bn, bn) < _common.round_up(n, 2 * bn, 2 * bn))
     config = dataclasses.replace(config, block_m=256 if tall else 128,
                                  item_order="group")
   return config
-
-
-def _padded(n: int, tile: int) -> int:
-  """Columns computed in tiles of `tile` columns."""
-  return -(-n // tile) * tile
 
 
 def _fits(config, itemsize, out_itemsize) -> bool:
