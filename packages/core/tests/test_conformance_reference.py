@@ -32,12 +32,11 @@ def test_xla_chunked_attention_cases(case, dtype):
   testing.check_case(case, op, dtype)
 
 
-# The composed grouped GLU (ragged_dot's dispatch inside): its grouped cases. In
-# float16 on a CPU, as the xla implementation's (its projections come back from
-# ragged_dot in the input dtype: 16-bit roundings the float32 reference lacks).
+# The composed GLU (the plain program; ragged_dot's dispatch inside for grouped
+# calls): every GLU case. In float16 on a CPU (its projections come in the input
+# dtype: 16-bit roundings the float32 reference lacks).
 @pytest.mark.parametrize("dtype", ["float16"] if jax.default_backend() == "cpu"
                          else list(testing.TOLERANCES))
-@pytest.mark.parametrize("case", [c for c in testing.all_cases("gated_linear_unit")
-                                  if "grouped" in str(c)], ids=str)
-def test_composed_grouped_glu_cases(case, dtype):
+@pytest.mark.parametrize("case", testing.all_cases("gated_linear_unit"), ids=str)
+def test_composed_glu_cases(case, dtype):
   testing.check_case(case, "composed", dtype)

@@ -128,10 +128,8 @@ def test_only_implementations_that_declare_groups_are_given_them():
     assert ragged == {("forward", "xla"), ("backward", "xla")}
 
 
-def test_the_composed_implementation_takes_grouped_calls_only():
+def test_the_composed_implementation_recomputes_missing_projections():
   x, w, gs = _inputs(30, 8, 16, (10, 20))
-  with pytest.raises(NotImplementedError, match="grouped calls only"):
-    tokamax.gated_linear_unit(x, w[0], implementation="composed")
   # Without residuals (a backward chosen apart from the forward) it recomputes
   # the projections.
   dy = jnp.asarray(np.random.default_rng(next(_seed)).standard_normal((30, 16)), jnp.float32)

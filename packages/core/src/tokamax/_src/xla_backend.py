@@ -1,5 +1,6 @@
-"""The built-in backend: the XLA reference implementations as `Op`s, and the
-grouped GLU composed of `tokamax.ragged_dot` (``ops/gated_linear_unit/composed.py``).
+"""The built-in backend: the XLA reference implementations as `Op`s, and the GLU
+as the plain program (``ops/gated_linear_unit/composed.py``: XLA's matmul, or
+`tokamax.ragged_dot` for grouped calls).
 
 The functions live in the tokamax-xla-reference distribution (which does not
 depend on core); each op's folder adapts them to the `Op` interface
@@ -37,8 +38,8 @@ BACKEND = plugin.Backend(
         _impl("layer_norm", "layer_norm", "xla", "XlaLayerNorm", "XlaLayerNormVjp", 0),
         _impl("gated_linear_unit", "gated_linear_unit", "xla", "XlaGatedLinearUnit",
               "XlaGatedLinearUnitVjp", 0),
-        # Grouped calls only: after the kernels, ahead of the reference's one
-        # matmul per group (see the module).
+        # After the kernels, ahead of the reference: the plain program's speed
+        # where no kernel takes the call (see the module).
         plugin.Implementation(
             op="gated_linear_unit", name="composed",
             forward="tokamax._src.ops.gated_linear_unit.composed:ComposedGatedLinearUnit",
