@@ -14,7 +14,6 @@ Needs a GPU.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 from tokamax._src import bench_suite
@@ -53,7 +52,7 @@ def main() -> int:
             else default_problems())
   worst = 0.0
   for p in chosen:
-    p = dataclasses.replace(p, peers={}, reference=())
+    p = bench_suite.select_peers(p, [])
     rows = bench_suite.run_problem(p, [None, *named], iterations=args.iterations)
     found = bench_suite.auto_against_fastest(rows)
     if len(found) < len(p.directions):  # None or every named one failed

@@ -108,6 +108,28 @@ def test_grid_runs_the_tuning_grid(monkeypatch, capsys):
       bench_suite.main(["layer_norm"], None, 1, [None], grid=True, **other)
 
 
+def test_peer_runs_only_the_named_peers(monkeypatch, capsys):
+  tiny = _tiny_norm()
+  tiny.reference, tiny.dtype = ("XLA (jnp)",), "float32"
+  tiny.peers = dict(tiny.peers, **{"slow peer": tiny.peers["XLA (jnp)"]})
+  assert bench_suite.select_peers(tiny, None) is tiny
+  kept = bench_suite.select_peers(tiny, ["SLOW"])
+  assert list(kept.peers) == ["slow peer"] and kept.reference == ()
+  assert bench_suite.select_peers(tiny, ["none"]).peers == {}
+  assert bench_suite.select_peers(tiny, ["jnp"]).reference == ("XLA (jnp)",)
+  # From the command line: the rows of the peers left out are not run, and
+  # without the reference peer no row has an error.
+  monkeypatch.setattr(bench_suite, "grid_suite", lambda: [tiny])
+  from tokamax import __main__ as cli
+  assert cli.main(["bench", "--grid", "--op", "layer_norm", "--implementation", "auto",
+                   "--implementation", "xla", "--peer", "slow", "--iterations", "1"]) == 0
+  table = [line for line in capsys.readouterr().out.splitlines()
+           if line.startswith("| layer_norm")]
+  assert {line.split(" | ")[3] for line in table} == {"tokamax auto", "tokamax xla",
+                                                       "slow peer"}
+  assert all(line.split("|")[-2].strip() == "" for line in table), table  # rel. error
+
+
 def test_grid_suite_holds_every_op_s_grid():
   names = {(p.op, p.name) for p in bench_suite.grid_suite()}
   assert ("layer_norm", "rms_norm 4096x16384") in names

@@ -79,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="only this implementation (repeatable; 'auto' for None)")
   bench.add_argument("--shape", help="only problems whose name contains this "
                                      "(e.g. 'window', 'sinks', 'B4 T4096')")
+  bench.add_argument("--peer", action="append", metavar="NAME",
+                     help="only the peers whose label contains NAME (repeatable; "
+                          "'none' for none), e.g. --peer cudnn; without the "
+                          "reference peer the rows have no error column")
   bench.add_argument("--model", action="append",
                      choices=["dense", "moe", "flax-dense", "all"],
                      help="time a training step of this model, tokamax vs plain JAX "
@@ -156,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                       json_path=args.json_path, compare_path=args.compare,
                       from_json=args.from_json, threshold=args.threshold,
                       error_growth=args.error_growth, shape=args.shape,
-                      grid=args.grid)
+                      grid=args.grid, peers=args.peer)
   return 0
 
 

@@ -9,6 +9,7 @@ wall clock elsewhere.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib.metadata
 import json
@@ -95,6 +96,24 @@ def _pair_tolerance(dtype: str) -> float:
 
 
 AUTO_LABEL = "tokamax auto"  # the rows of implementation=None
+
+
+def select_peers(problem: Problem, names: list[str] | None) -> Problem:
+  """`problem` with only the peers whose label contains one of `names` (case
+  apart; ``[]`` or ``["none"]``: no peers); None keeps them all. A reference
+  peer left out takes the error column with it: the rows then have no error.
+
+  The peers can cost more than everything else at GPU sizes (at M65536,
+  `lax.ragged_dot` runs 100 times the kernels' time and its backward fails to
+  allocate 64 GiB), where a run only asks `None` against the implementations
+  (`--grid`)."""
+  if names is None:
+    return problem
+  wanted = [n.lower() for n in names if n.lower() != "none"]
+  peers = {label: fn for label, fn in problem.peers.items()
+           if any(n in label.lower() for n in wanted)}
+  return dataclasses.replace(problem, peers=peers, reference=tuple(
+      r for r in problem.reference if r in peers))
 
 
 def run_problem(problem: Problem, implementations: list[str | None],
@@ -393,13 +412,14 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
          shape: str | None = None, grid: bool = False,
          compare_path: str | None = None, from_json: str | None = None,
          threshold: float = DEFAULT_THRESHOLD,
-         error_growth: float = DEFAULT_ERROR_GROWTH) -> int:
+         error_growth: float = DEFAULT_ERROR_GROWTH,
+         peers: list[str] | None = None) -> int:
   """Runs (or loads, `from_json`) the rows; writes, plots and compares them.
 
   `grid`: the shapes tuned data is measured on (`grid_suite`) instead of the
   reference shapes; with `implementations` None, each row group has `None`
   beside every usable implementation, so the closing summary says where
-  `None` trails one.
+  `None` trails one. `peers`: only these peers (`select_peers`).
 
   Returns the exit status: 1 if `compare_path` found a regression or a model's
   numerics are beyond tolerance, else 0.
@@ -411,7 +431,7 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
     all_rows, notes = load_rows(from_json)[1], []
   else:
     all_rows, notes = _run(ops, iterations, implementations, sweep, models, quick, sizes,
-                           shape, json_path, grid)
+                           shape, json_path, grid, peers)
   status = 0
   for r in all_rows:
     if r["op"].startswith("model ") and r.get("rel_err", 0) > r.get("tol", float("inf")):
@@ -478,7 +498,7 @@ def _print_auto_against_fastest(rows: list[dict]) -> None:
 
 
 def _run(ops, iterations, implementations, sweep, models, quick, sizes, shape=None,
-         json_path=None, grid=False):
+         json_path=None, grid=False, peers=None):
   """The rows of every selected problem and model; with `json_path`, the rows so far
   are written after each one, so that a run cut short (a device call's time limit)
   keeps what it measured."""
@@ -502,7 +522,7 @@ def _run(ops, iterations, implementations, sweep, models, quick, sizes, shape=No
   for p in problems:
     usable = [s.name for s in introspection.implementations(p.op) if s.usable]
     impls = implementations or [None] + [n for n in usable if n != "xla_chunked"]
-    rows = run_problem(p, impls, iterations=iterations)
+    rows = run_problem(select_peers(p, peers), impls, iterations=iterations)
     if sweep:
       for r in rows:
         r.update(sweep=True, seq=int(p.name.split(" T")[1].split()[0]))
