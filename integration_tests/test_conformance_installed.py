@@ -17,7 +17,7 @@ import tokamax
 from tokamax import testing
 
 _ON_CPU = jax.default_backend() == "cpu"
-_REFERENCE = {"xla", "cudnn", "xla_chunked", "example_rms"}  # tested elsewhere
+_REFERENCE = {"xla", "cudnn", "xla_chunked", "composed", "example_rms"}  # tested elsewhere
 
 
 def _kernel_implementations():

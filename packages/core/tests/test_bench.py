@@ -1,5 +1,6 @@
 """The benchmark suite runner on a tiny problem (the reference shapes need a GPU)."""
 
+import dataclasses
 import subprocess
 
 import jax
@@ -117,6 +118,9 @@ def test_peer_runs_only_the_named_peers(monkeypatch, capsys):
   assert list(kept.peers) == ["slow peer"] and kept.reference == ()
   assert bench_suite.select_peers(tiny, ["none"]).peers == {}
   assert bench_suite.select_peers(tiny, ["jnp"]).reference == ("XLA (jnp)",)
+  # A reference that is an implementation's row, not a peer, stays.
+  tiny_xla = dataclasses.replace(tiny, reference=("XLA (jnp)", "tokamax xla"))
+  assert bench_suite.select_peers(tiny_xla, ["none"]).reference == ("tokamax xla",)
   # From the command line: the rows of the peers left out are not run, and
   # without the reference peer no row has an error.
   monkeypatch.setattr(bench_suite, "grid_suite", lambda: [tiny])

@@ -128,13 +128,18 @@ def test_only_implementations_that_declare_groups_are_given_them():
     assert ragged == {("forward", "xla"), ("backward", "xla")}
 
 
-def test_the_composed_implementation_recomputes_missing_projections():
-  x, w, gs = _inputs(30, 8, 16, (10, 20))
+@pytest.mark.parametrize("grouped", [True, False])
+def test_the_composed_implementation_recomputes_missing_projections(grouped):
   # Without residuals (a backward chosen apart from the forward) it recomputes
-  # the projections.
+  # the projections; a dense call (one group of every row here) by one matmul.
+  x, w, gs = _inputs(30, 8, 16, (10, 20) if grouped else (30,))
   dy = jnp.asarray(np.random.default_rng(next(_seed)).standard_normal((30, 16)), jnp.float32)
-  args = tokamax.GatedLinearUnitArgs(x=x, weights=w, activation=jax.nn.silu, group_sizes=gs)
+  args = (tokamax.GatedLinearUnitArgs(x=x, weights=w, activation=jax.nn.silu, group_sizes=gs)
+          if grouped else
+          tokamax.GatedLinearUnitArgs(x=x, weights=w[0], activation=jax.nn.silu))
   grads = composed.ComposedGatedLinearUnitVjp().backward(args, {}, None, dy, None)
+  if not grouped:
+    grads["weights"] = grads["weights"][None]
   want = jax.grad(lambda x, w: jnp.sum(_per_group(x, w, gs, jax.nn.silu) * dy),
                   argnums=(0, 1))(x, w)
   testing.assert_close(grads["x"], want[0], jnp.float32, what="dx", scale=2.0, gpu=ON_GPU)
@@ -147,6 +152,8 @@ def test_dense_only_helpers_refuse_grouped_args():
   args = tokamax.GatedLinearUnitArgs(x=x, weights=w, group_sizes=gs)
   with pytest.raises(ValueError, match="forward_with_projections takes dense weights"):
     args.forward_with_projections()
+  with pytest.raises(ValueError, match="dense_projections takes dense weights"):
+    args.dense_projections()
   with pytest.raises(ValueError, match="backward_from_dh takes dense weights"):
     args.backward_from_dh(jnp.zeros((30, 32)))
 

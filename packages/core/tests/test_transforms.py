@@ -25,8 +25,12 @@ def _calls():
       "layer_norm": (lambda x, s, o: tokamax.layer_norm(x, s, o),
                      (_rand(3, 5, 16), _rand(16), _rand(16))),
       "rms_norm": (lambda x, s: tokamax.rms_norm(x, s), (_rand(3, 16), _rand(16))),
+      # `None` on a CPU: the composed plain program; and the reference.
       "glu": (lambda x, w: tokamax.gated_linear_unit(x, w, activation=jax.nn.silu),
               (_rand(5, 16), _rand(16, 2, 8))),
+      "glu_xla": (lambda x, w: tokamax.gated_linear_unit(
+          x, w, activation=jax.nn.silu, implementation="xla"),
+                  (_rand(5, 16), _rand(16, 2, 8))),
       "ragged_dot": (lambda lhs, rhs: tokamax.ragged_dot(lhs, rhs, sizes),
                      (_rand(9, 16), _rand(3, 16, 8))),
       # Grouped: the composed implementation dispatches ragged_dot inside.

@@ -81,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
                                      "(e.g. 'window', 'sinks', 'B4 T4096')")
   bench.add_argument("--peer", action="append", metavar="NAME",
                      help="only the peers whose label contains NAME (repeatable; "
-                          "'none' for none), e.g. --peer cudnn; without the "
-                          "reference peer the rows have no error column")
+                          "'none' for none), e.g. --peer dense; a reference "
+                          "peer left out leaves the error column to the next "
+                          "reference that runs (e.g. 'tokamax xla'), if any")
   bench.add_argument("--model", action="append",
                      choices=["dense", "moe", "flax-dense", "all"],
                      help="time a training step of this model, tokamax vs plain JAX "

@@ -273,10 +273,13 @@ def test_norm_layouts(shape, layout, rms):
 # ---------------------------------------------------------- gated_linear_unit
 
 
+# `None` on a CPU runs the composed plain program; the reference too.
+@pytest.mark.parametrize("implementation", [None, "xla"])
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_gated_linear_unit_rows_and_tensor_parallel(shape):
+def test_gated_linear_unit_rows_and_tensor_parallel(shape, implementation):
   mesh = _mesh(shape)
-  fn = lambda x, w: tokamax.gated_linear_unit(x, w, activation=jax.nn.silu)
+  fn = lambda x, w: tokamax.gated_linear_unit(x, w, activation=jax.nn.silu,
+                                              implementation=implementation)
   _check(mesh, fn, (_rand(16, 32), _rand(32, 2, 16)), (P("a"), P(None, None, "b")),
          out_spec=P("a", "b"))
 
@@ -387,11 +390,13 @@ def test_norm_over_a_middle_axis_with_sharded_rows():
          out_spec=P("a", None, "b"))
 
 
+@pytest.mark.parametrize("implementation", [None, "xla"])
 @pytest.mark.parametrize("layout", LEADING_LAYOUTS)
-def test_gated_linear_unit_with_a_sharded_non_leading_row_dim(layout):
+def test_gated_linear_unit_with_a_sharded_non_leading_row_dim(layout, implementation):
   mesh = _mesh((2, HALF))
   spec = LEADING_LAYOUTS[layout]
-  fn = lambda x, w: tokamax.gated_linear_unit(x, w, activation=jax.nn.silu)
+  fn = lambda x, w: tokamax.gated_linear_unit(x, w, activation=jax.nn.silu,
+                                              implementation=implementation)
   _check(mesh, fn, (_rand(2, 4 * HALF, 32), _rand(32, 2, 16)), (spec, P()),
          out_spec=P(*spec, None))
 

@@ -101,7 +101,9 @@ AUTO_LABEL = "tokamax auto"  # the rows of implementation=None
 def select_peers(problem: Problem, names: list[str] | None) -> Problem:
   """`problem` with only the peers whose label contains one of `names` (case
   apart; ``[]`` or ``["none"]``: no peers); None keeps them all. A reference
-  peer left out takes the error column with it: the rows then have no error.
+  that is a peer left out is dropped from `problem.reference`, which names the
+  rows' error yardsticks in order: the next one (e.g. ragged_dot's ``tokamax
+  xla``) serves where it runs, else the rows have no error.
 
   The peers can cost more than everything else at GPU sizes (at M65536,
   `lax.ragged_dot` runs 100 times the kernels' time and its backward fails to
@@ -113,7 +115,7 @@ def select_peers(problem: Problem, names: list[str] | None) -> Problem:
   peers = {label: fn for label, fn in problem.peers.items()
            if any(n in label.lower() for n in wanted)}
   return dataclasses.replace(problem, peers=peers, reference=tuple(
-      r for r in problem.reference if r in peers))
+      r for r in problem.reference if r in peers or r not in problem.peers))
 
 
 def run_problem(problem: Problem, implementations: list[str | None],

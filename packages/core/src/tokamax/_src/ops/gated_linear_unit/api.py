@@ -64,17 +64,27 @@ class GatedLinearUnitArgs:
                        f"{tuple(self.weights.shape)})")
 
   def forward_with_projections(self) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """``(out, {"projections": [M, 2, N]})`` by the plain-JAX program: one matmul
-    with the fused weight in x's dtype (XLA: cuBLAS on NVIDIA), then the
-    activation on those rounded projections (float32 inside), as
-    `backward_from_projections` expects them. Dense weights only."""
+    """``(out, {"projections": [M, 2, N]})`` by the plain-JAX program:
+    `dense_projections`, then the activation on those rounded projections
+    (float32 inside), as `backward_from_projections` expects them. Dense weights
+    only."""
     self._check_dense("forward_with_projections")
+    projections = self.dense_projections()
+    m, _, n = projections.shape
+    return (self.output_from_projections(projections.reshape(m, 2 * n)),
+            {"projections": projections})
+
+  def dense_projections(self) -> jax.Array:
+    """``x @ weights`` as ``[M, 2, N]`` in x's dtype: one matmul with the fused
+    ``[K, 2N]`` weight (XLA: cuBLAS on NVIDIA), float32 accumulation. Dense
+    weights only."""
+    self._check_dense("dense_projections")
     m, k = self.x.shape
     n = self.weights.shape[2]
     h = jax.lax.dot_general(self.x, self.weights.reshape(k, 2 * n),
                             (((1,), (0,)), ((), ())), precision=self.precision,
                             preferred_element_type=self.x.dtype)
-    return self.output_from_projections(h), {"projections": h.reshape(m, 2, n)}
+    return h.reshape(m, 2, n)
 
   def output_from_projections(self, h: jax.Array) -> jax.Array:
     """``activation(gate) * up`` in x's dtype (float32 inside) from the projections

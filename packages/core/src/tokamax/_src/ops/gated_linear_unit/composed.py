@@ -34,20 +34,14 @@ def _fused_weight(args) -> jax.Array:
   return args.weights.reshape(g, k, 2 * n)
 
 
-def _grouped_projections(args) -> jax.Array:
-  """``h = x @ w[g]`` per group, ``[M, 2N]`` (gate columns, then up) in x's dtype,
-  0 past the groups."""
-  return ragged_dot_api.ragged_dot(args.x, _fused_weight(args), args.group_sizes,
-                                   precision=args.precision)
-
-
 def _projections(args) -> jax.Array:
-  """``[M, 2, N]`` pre-activations in x's dtype, as the forward keeps them (for a
-  backward whose forward kept none)."""
+  """``[M, 2, N]`` pre-activations in x's dtype, as the forward keeps them: one
+  matmul (dense), or ``x @ w[g]`` per group by ragged_dot, 0 past the groups."""
   if args.group_sizes is None:
-    return args.forward_with_projections()[1]["projections"]
-  m, n = args.x.shape[0], args.weights.shape[3]
-  return _grouped_projections(args).reshape(m, 2, n)
+    return args.dense_projections()
+  h = ragged_dot_api.ragged_dot(args.x, _fused_weight(args), args.group_sizes,
+                                precision=args.precision)
+  return h.reshape(args.x.shape[0], 2, args.weights.shape[3])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,13 +54,10 @@ class ComposedGatedLinearUnit(Op):
   supported_features = ("group_sizes",)
 
   def forward(self, args, config):
-    if args.group_sizes is None:
-      out, residuals = args.forward_with_projections()
-    else:
-      h = _grouped_projections(args)
-      out = args.output_from_projections(h)
-      residuals = {"projections": h.reshape(args.x.shape[0], 2, args.weights.shape[3])}
-    return out, residuals if self.residuals_wanted() else {}
+    projections = _projections(args)
+    m, _, n = projections.shape
+    out = args.output_from_projections(projections.reshape(m, 2 * n))
+    return out, ({"projections": projections} if self.residuals_wanted() else {})
 
 
 @dataclasses.dataclass(frozen=True)
