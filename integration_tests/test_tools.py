@@ -195,8 +195,7 @@ def test_tune_equal_groups_rebuilds_only_random_ragged_dot_problems():
 def _l2_case(schedule, jitter, l2_bytes, sms=8):
   m, k, n, g, bm, cta_n = 4096, 512, 1024, 16, 128, 256
   sizes = l2_model.group_sizes(m, g, equal=False)
-  rows = l2_model.item_rows(sizes, m, n, bm, cta_n, "group", 4,
-                            pairs=schedule == "cluster_pairs")
+  rows = l2_model.item_rows(sizes, m, n, bm, cta_n, "group", 4)
   times = l2_model.start_times(rows, sms, schedule, jitter, 0.0)
   return sizes, l2_model.l2_traffic(rows, times, m, k, bm, cta_n, l2_bytes)
 
@@ -236,23 +235,6 @@ def test_l2_model_drift_misses_and_meeting_sharers_recovers():
   met = _l2_case("sharer_sync", 0.2, l2)[1]
   assert drifting.dram > 1.2 * lockstep.dram
   assert met.dram < 1.05 * lockstep.dram
-
-
-def test_l2_model_cluster_pairs():
-  """Pairs read what the deal reads, each weight slice once per pair (one
-  request for two items), and a pair's items start together; their empty
-  partners load nothing the model counts as multiplied."""
-  _, single = _l2_case("static", 0.0, float("inf"))
-  _, paired = _l2_case("cluster_pairs", 0.0, float("inf"))
-  assert paired.dram == single.dram and paired.requested < single.requested
-  sizes = l2_model.group_sizes(4096, 16, equal=False)
-  rows = l2_model.item_rows(sizes, 4096, 1024, 128, 256, "group", 4, pairs=True)
-  assert l2_model.row_padding(rows, 4096, 128) == l2_model.row_padding(
-      l2_model.item_rows(sizes, 4096, 1024, 128, 256, "group", 4), 4096, 128)
-  times = l2_model.start_times(rows, 8, "cluster_pairs", 0.2, 0.0)
-  assert all(times[i] == times[i + 1] for i in range(0, len(times), 2))
-  # Drift cannot part a pair: fewer misses than the drifting deal.
-  assert _l2_case("cluster_pairs", 0.2, 1e6)[1].dram < _l2_case("static", 0.2, 1e6)[1].dram
 
 
 def test_kernel_breakdown_without_set_leaves_the_tuned_configs(monkeypatch):

@@ -2,7 +2,7 @@
 
     python tools/l2_model.py [--m 65536 --k 7168 --n 2048 --g 256] [--equal]
         [--block-m 128] [--cta-n 256] [--order group|snake] [--width 8]
-        [--schedule static|dynamic|wave_barrier|sharer_sync|cluster_pairs]
+        [--schedule static|dynamic|wave_barrier|sharer_sync]
         [--jitter 0.03] [--sm-bias 0.0] [--l2-mb 50] [--sms 132]
 
 The kernel (`tokamax_gpu_mosaic.ragged_dot_kernel`) deals its work items (a row
@@ -23,12 +23,7 @@ block, then noise per item); zero items take a hundredth. Schedules:
 - ``wave_barrier``: the deal, all blocks waiting for the slowest between waves;
 - ``sharer_sync``: the deal, each sharer block of the table (a band's row
   tiles of one column tile, `RaggedDotConfig.sync_sharers`) starting
-  together, when the last of its blocks is free;
-- ``cluster_pairs`` (`RaggedDotConfig.cluster_pairs`): the table of
-  `pair_items`, dealt round robin to ``sms / 2`` clusters; a pair's two items
-  start together and end with the slower (their loads are coupled), an empty
-  partner taking as long; the pair reads each weight k-slice from L2 once
-  (multicast).
+  together, when the last of its blocks is free.
 
 Not modelled: bandwidth (a miss costs no time, so blocks that miss do not fall
 behind), L2's partitions and hashing, writes, the fill of a block's first
@@ -63,7 +58,6 @@ class Row(NamedTuple):
   sharers: int = 1
   lo: int = 0  # rows [lo, hi) of the tile belong to its group
   hi: int = 0
-  reads_b: bool = True  # False: a pair's second item (the weights come multicast)
 
 
 def group_sizes(m: int, g: int, equal: bool) -> np.ndarray:
@@ -75,25 +69,14 @@ def group_sizes(m: int, g: int, equal: bool) -> np.ndarray:
 
 
 def item_rows(sizes, m: int, n: int, block_m: int, cta_n: int, order: str,
-              width: int, pairs: bool = False) -> list[Row]:
-  """The kernel's linear indices, in order, from its own table functions (with
-  `pairs`: two rows per index, a pair's items)."""
+              width: int) -> list[Row]:
+  """The kernel's linear indices, in order, from its own table functions."""
   from tokamax_gpu_mosaic import ragged_dot_kernel as rdk
   ends = np.cumsum(sizes)
   starts = ends - sizes
   items = rdk.work_items(jnp.asarray(starts, jnp.int32), jnp.asarray(ends, jnp.int32),
                          m, block_m)
   n_tiles = -(-n // cta_n)
-  if pairs:
-    table = np.asarray(rdk.ordered_items(rdk.pair_items(items), n_tiles,
-                                         max(1, width // 2)))
-    rows = []
-    for r in table:
-      matmul = bool(r[1] >= 0 and (r[3] > r[2] or r[7] > r[6]))
-      rows += [Row(int(r[0]), int(r[1]), matmul, int(r[8]), lo=int(r[2]), hi=int(r[3])),
-               Row(int(r[4]), int(r[5]), matmul, int(r[8]), lo=int(r[6]), hi=int(r[7]),
-                   reads_b=False)]
-    return rows
   if order == "group":
     table = np.asarray(rdk.ordered_items(items, n_tiles, width, sharers=True))
     return [Row(int(r[0]), int(r[1]), bool(r[1] >= 0 and r[3] > r[2]), int(r[4]),
@@ -118,15 +101,6 @@ def start_times(rows: list[Row], sms: int, schedule: str, jitter: float,
   clock = np.zeros(sms)
   free = [(0.0, s) for s in range(sms)]
   out = []
-  if schedule == "cluster_pairs":
-    for index in range(0, len(rows), 2):
-      cluster = (index // 2) % (sms // 2)
-      blocks = [2 * cluster, 2 * cluster + 1]
-      duration = (max(bias[b] * (1 + jitter * rng.standard_normal()) for b in blocks)
-                  if rows[index].matmul else 0.01)
-      out += [(clock[blocks[0]], duration)] * 2
-      clock[blocks] += duration
-    return out
   for index, row in enumerate(rows):
     if schedule == "dynamic":
       _, sm = heapq.heappop(free)
@@ -149,7 +123,7 @@ def row_padding(rows: list[Row], m: int, block_m: int) -> tuple[float, float]:
   """(rows loaded, rows multiplied) / M over the matmul row tiles: whole tiles
   load; a compute warpgroup skips a 64-row half (128 of a 256-row tile) that
   holds no row of the item's group."""
-  tiles = {(r.row0, r.group): (r.lo, r.hi) for r in rows if r.matmul and r.hi > r.lo}
+  tiles = {(r.row0, r.group): (r.lo, r.hi) for r in rows if r.matmul}
   half = block_m // 2
   halves = sum(min(hi, half * (h + 1)) > max(lo, half * h)
                for lo, hi in tiles.values() for h in range(2))
@@ -170,14 +144,14 @@ def l2_traffic(rows: list[Row], times, m: int, k: int, block_m: int, cta_n: int,
   reads = []
   for row, (start, duration) in zip(rows, times):
     if row.matmul:
-      reads += [(start + duration * j / steps, row.row0, row.group, row.col, j,
-                 row.reads_b) for j in range(steps)]
+      reads += [(start + duration * j / steps, row.row0, row.group, row.col, j)
+                for j in range(steps)]
   reads.sort()
   a_unit = A_ROWS * BLOCK_K * itemsize
   b_slice = BLOCK_K * cta_n * itemsize
   cache, used, requested, missed = collections.OrderedDict(), 0, 0, 0
-  for _, row0, group, col, j, reads_b in reads:
-    keys = [(("B", group, col, j), b_slice)] if reads_b else []
+  for _, row0, group, col, j in reads:
+    keys = [(("B", group, col, j), b_slice)]
     last = min(row0 + block_m, m)
     keys += [(("A", u, j), a_unit) for u in range(row0 // A_ROWS, -(-last // A_ROWS))]
     for key, size in keys:
@@ -207,18 +181,16 @@ def main(argv=None):
   p.add_argument("--order", choices=("group", "snake"), default="group")
   p.add_argument("--width", type=int, default=8, help="grid_tile_width")
   p.add_argument("--schedule", default="static",
-                 choices=("static", "dynamic", "wave_barrier", "sharer_sync",
-                          "cluster_pairs"))
+                 choices=("static", "dynamic", "wave_barrier", "sharer_sync"))
   p.add_argument("--jitter", type=float, default=0.0, help="noise per item (std)")
   p.add_argument("--sm-bias", type=float, default=0.0, help="fixed speed spread per block")
   p.add_argument("--l2-mb", type=float, default=50.0)
   p.add_argument("--sms", type=int, default=132)
   a = p.parse_args(argv)
-  if a.schedule in ("sharer_sync", "cluster_pairs") and a.order != "group":
-    p.error(f"--schedule {a.schedule} needs --order group (as the config does)")
+  if a.schedule == "sharer_sync" and a.order != "group":
+    p.error("--schedule sharer_sync needs --order group (as sync_sharers does)")
   sizes = group_sizes(a.m, a.g, a.equal)
-  rows = item_rows(sizes, a.m, a.n, a.block_m, a.cta_n, a.order, a.width,
-                   pairs=a.schedule == "cluster_pairs")
+  rows = item_rows(sizes, a.m, a.n, a.block_m, a.cta_n, a.order, a.width)
   times = start_times(rows, a.sms, a.schedule, a.jitter, a.sm_bias)
   t = l2_traffic(rows, times, a.m, a.k, a.block_m, a.cta_n, a.l2_mb * 1e6)
   weights = a.g * a.k * a.n * 2

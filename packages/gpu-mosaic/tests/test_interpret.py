@@ -358,18 +358,6 @@ def test_ragged_dot_chained_items(config, k, offset, transpose_rhs):
   _check_grouped_matmul(config, k, offset, transpose_rhs, "chained output")
 
 
-@pytest.mark.parametrize("offset", [0, 1])
-def test_ragged_dot_cluster_pairs(offset):
-  """`cluster_pairs`: the two blocks of a cluster run a band's row tiles two by
-  two, each loading half of every rhs k-slice for both (multicast); a group of
-  an odd number of row tiles (and each zero item) ends with an empty partner,
-  against the reference."""
-  config = rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=64, num_stages=2,
-                               item_order="group", grid_tile_width=4,
-                               chain_items=False, cluster_pairs=True)
-  _check_grouped_matmul(config, 256, offset, False, "cluster pairs output")
-
-
 def _check_grouped_matmul(config, k, offset, transpose_rhs, what):
   """`rdk.grouped_matmul` in the interpreter at M420 N256 (groups 60, 0, 150, 37,
   0, 120, 3; those from `offset` held) against the float32 reference."""

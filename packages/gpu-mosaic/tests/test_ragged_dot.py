@@ -18,9 +18,7 @@ import tokamax
 from tokamax import testing
 from tokamax._src.tuning import context as tuning_context
 from tokamax_gpu_mosaic import ragged_dot as rd
-from tokamax_gpu_mosaic import gated_linear_unit_kernel as glk
 from tokamax_gpu_mosaic import ragged_dot_kernel as rdk
-from tokamax_gpu_mosaic import ragged_dot_kernel_fp8 as rd_fp8
 from tokamax_gpu_mosaic import ragged_dot_kernel_drhs as rdd
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -337,8 +335,7 @@ def test_drhs_ws_through_vjp(config):
 
 def _wid(c):
   return (f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.num_stages}p{c.out_pieces}"
-          f"w{c.grid_tile_width}{c.item_order}{'-sync' if c.sync_sharers else ''}"
-          f"{'-pairs' if c.cluster_pairs else ''}")
+          f"w{c.grid_tile_width}{c.item_order}{'-sync' if c.sync_sharers else ''}")
 
 
 _REUSE = [
@@ -360,23 +357,13 @@ _SYNC = [
 ]
 
 
-# `cluster_pairs` (forward only): clusters of two blocks sharing each weight
-# k-slice by TMA multicast.
-_PAIRS = [
-    rd.RaggedDotConfig(num_stages=4, out_pieces=2, item_order="group",
-                       chain_items=False, cluster_pairs=True),
-    rd.RaggedDotConfig(num_stages=3, item_order="group", grid_tile_width=2,
-                       chain_items=False, cluster_pairs=True),
-]
-
-
 def _lax_reference(lhs, rhs, sizes):
   return jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32),
                             jnp.asarray(sizes, jnp.int32), precision=HIGHEST)
 
 
 @gpu
-@pytest.mark.parametrize("config", _REUSE + _SYNC + _PAIRS, ids=_wid)
+@pytest.mark.parametrize("config", _REUSE + _SYNC, ids=_wid)
 def test_reuse_order_tall_forward(config):
   # Empty groups, 1- and 3-row groups, starts off the 8-row grid, a group
   # whose rows fill one 64-row half of a tall item and spill into the next,
@@ -662,58 +649,6 @@ def test_weight_reuse_lowers_for_cuda(transpose_rhs, config):
   pytest.importorskip("absl")
   m, k, n, g = 700, 128, 200, 3
   _grouped_matmul_lowers(m, k, n, g, config, transpose_rhs)
-
-
-@pytest.mark.parametrize("config", _PAIRS, ids=_wid)
-def test_cluster_pairs_lower_for_cuda(config):
-  pytest.importorskip("absl")
-  _grouped_matmul_lowers(700, 128, 200, 3, config, False)
-
-
-def test_cluster_pairs_are_refused_where_no_kernel_runs_them():
-  config = _PAIRS[0]
-  lhs, rhs = _inputs(300, 128, 128, 2, jnp.bfloat16)
-  starts, ends = tokamax.plugin.held_row_ranges(jnp.asarray([100, 200], jnp.int32),
-                                                None, 2, 300)
-  with pytest.raises(NotImplementedError, match="cluster_pairs: the dlhs"):
-    rd.grouped_matmul(lhs, jnp.swapaxes(rhs, 1, 2), starts, ends, transpose_rhs=True,
-                      out_dtype=jnp.bfloat16, config=config)
-  with pytest.raises(ValueError, match="cluster_pairs=True needs"):
-    rd.RaggedDotConfig(item_order="group", cluster_pairs=True)  # chained items
-  with pytest.raises(ValueError, match="does not run cluster_pairs"):
-    rd_fp8.check_config(dataclasses.replace(config, block_n=64, block_k=rd_fp8.SCALE_K))
-  # The grouped GLU, which runs ragged_dot's configs, runs its own items.
-  assert not glk.grouped_glu_config(config, 2).cluster_pairs
-
-
-@pytest.mark.parametrize("sizes,m,held,offset", [
-    ([100, 0, 333, 1, 0, 466, 100], 1100, 7, 0),
-    ([100, 200, 0, 150, 300], 800, 2, 2),
-    ([2000, 24, 900], 3000, 3, 0),
-])
-def test_pair_items_table(sizes, m, held, offset):
-  """`pair_items`: every work item once, in the slot order of its run (a
-  group's row tiles two by two, each zero item alone); both items of a pair
-  share the group; a run of odd length ends with an empty partner at its last
-  item's row; then past-the-end pairs."""
-  starts, ends = tokamax.plugin.held_row_ranges(jnp.asarray(sizes, jnp.int32), offset, held, m)
-  items = np.asarray(rdk.work_items(starts, ends, m, 128))
-  pairs = np.asarray(rdk.pair_items(jnp.asarray(items)))
-  assert pairs.shape == (items.shape[0], 8)
-  slots = [tuple(s) for p in pairs for s in (p[:4], p[4:])]
-  owning = [s for s in slots if s[3] > s[2]]
-  assert owning == [tuple(it) for it in items if it[3] > it[2]]  # once each, in order
-  for p in pairs:
-    assert p[1] == p[5]
-    if p[7] <= p[6]:  # an empty partner
-      assert p[4] == p[0] and p[6] == p[7] == 0
-  # A group's run pairs up: ceil(tiles / 2) pairs, the partner empty iff odd.
-  for g in range(held):
-    tiles = int(np.sum(items[:, 1] == g))
-    mine = pairs[pairs[:, 1] == g]
-    assert len(mine) == -(-tiles // 2)
-    if tiles:
-      assert (mine[-1, 7] <= mine[-1, 6]) == (tiles % 2 == 1)
 
 
 def test_weight_reuse_f32_out_lowers_for_cuda():

@@ -179,16 +179,13 @@ def warpgroup_kernel(body, *, out_type, scratch_types, grid, grid_names):
 # `emit_pipeline_warp_specialized` on a persistent grid.
 
 
-def tma_spec(block_shape, index_map, dtype, minor: int, delay_release: int = 1,
-             collective_axes: tuple = ()):
+def tma_spec(block_shape, index_map, dtype, minor: int, delay_release: int = 1):
   """A swizzled TMA block whose buffer is released one step late (the wgmma of
   step s may still read it while step s+1 is issued); ``delay_release=0`` for a
-  `ChainedPipeline`, whose body releases the slots itself. `collective_axes`
-  (``("cluster",)``): the blocks of a cluster load the block together, each a
-  part, multicast to all of them."""
+  `ChainedPipeline`, whose body releases the slots itself."""
   return plgpu.BlockSpec(block_shape, index_map,
                          transforms=_common.swizzled(dtype, minor),
-                         delay_release=delay_release, collective_axes=collective_axes)
+                         delay_release=delay_release)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,15 +278,11 @@ class ChainedPipeline(WarpSpecializedPipeline):
 
 
 def persistent_kernel(kernel, *, out_type, scratch_types=None,
-                      warp_specialized: bool = True, cluster: int = 1):
+                      warp_specialized: bool = True):
   """A kernel of one block per SM (`kernel` walks its work items), with a memory
-  and two compute warpgroups where `warp_specialized`. With ``cluster > 1`` the
-  grid ("sm") runs clusters of that many blocks (axis "cluster"), which share
-  the grid's index: each cluster walks the work items as one."""
+  and two compute warpgroups where `warp_specialized`."""
   threads = dict(num_threads=3, thread_name="wg") if warp_specialized else {}
-  if cluster > 1:
-    threads.update(cluster=(cluster,), cluster_names=("cluster",))
   return _common.kernel(
       kernel, out_type=out_type, scratch_types=scratch_types,
-      grid=(_common.num_sms() // cluster,), grid_names=("sm",),
+      grid=(_common.num_sms(),), grid_names=("sm",),
       compiler_params=_common.compiler_params(), **threads)

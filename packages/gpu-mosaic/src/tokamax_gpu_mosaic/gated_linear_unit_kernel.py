@@ -485,14 +485,13 @@ def grouped_glu_config(config: ragged_dot_kernel.RaggedDotConfig, itemsize: int
   block_n]`` float32 accumulators per warpgroup take the registers of
   ragged_dot's ``[64, 2 block_n]``; 256-row items would need twice that) and
   one ``[128, block_n]`` output staging tile (``out_pieces=2``'s bytes), with
-  fewer stages where a 64-row fixed tiling's ring does not fit 128 rows; each
-  block runs its own items (no ``cluster_pairs``: this kernel has no pairs)."""
+  fewer stages where a 64-row fixed tiling's ring does not fit 128 rows."""
   # block_n up to 128: two [64, block_n] float32 accumulators per thread's
   # registers. out_pieces=2: ragged_dot's shared-memory formula then counts one
   # [128, block_n] staging tile, what this kernel stages (`_GroupGluTiles`).
   config = dataclasses.replace(config, block_m=128, block_n=min(config.block_n, 128),
                                row_tiling="group", out_pieces=2,
-                               drhs_kernel="ring", cluster_pairs=False)
+                               drhs_kernel="ring")
   while (ragged_dot_kernel.smem_bytes(config, itemsize, itemsize) > _common.SMEM_LIMIT
          and config.num_stages > 2):
     config = dataclasses.replace(config, num_stages=config.num_stages - 1)

@@ -90,15 +90,6 @@ class RaggedDotConfig:
   waves of items (`tools/l2_model.py`; notes/MEASUREMENTS.md, session 39).
   Needs every block of the grid resident at once (`_GroupTiles.meet_sharers`);
   not run by the JAX interpreter.
-  ``cluster_pairs`` (forward, group order, 128-row items, unchained): the
-  persistent grid runs clusters of two blocks, and a band's row tiles go in
-  pairs, one to each block of a cluster, which loads half of each weight
-  k-slice and multicasts it to both (TMA multicast). The hardware schedules a
-  cluster's blocks together, so the two readers of a weight tile cannot drift
-  apart (as `sync_sharers` makes them meet, but with no wait that could hang),
-  and each k-slice leaves L2 once for two blocks. A group of an odd number of
-  row tiles pairs its last with an empty partner that loads its half and
-  multiplies nothing (`pair_items`).
   """
 
   block_m: int = 128
@@ -112,7 +103,6 @@ class RaggedDotConfig:
   item_order: str = "snake"
   chain_items: bool = True
   sync_sharers: bool = False
-  cluster_pairs: bool = False
 
   def __post_init__(self):
     if self.block_m % WGMMA_M or self.block_m > 256:
@@ -140,13 +130,6 @@ class RaggedDotConfig:
     if self.sync_sharers and self.item_order != "group":
       raise ValueError("sync_sharers=True needs item_order='group' (the order "
                        "that puts a weight tile's readers on neighbouring SMs)")
-    if self.cluster_pairs and (self.item_order != "group" or self.block_m != 128
-                               or self.chain_items or self.sync_sharers):
-      raise ValueError("cluster_pairs=True needs item_order='group', block_m=128, "
-                       "chain_items=False and sync_sharers=False; got "
-                       f"item_order={self.item_order!r}, block_m={self.block_m}, "
-                       f"chain_items={self.chain_items}, "
-                       f"sync_sharers={self.sync_sharers}")
     if self.out_pieces not in (1, 2):
       raise ValueError(f"out_pieces must be 1 or 2; got {self.out_pieces}")
     if self.out_pieces == 2 and self.row_tiling != "group":
@@ -293,45 +276,11 @@ _FIRST, _SHARERS = 5, 6
 
 def item_table(items, n_tiles: int, config: RaggedDotConfig):
   """The work-item table a kernel reads for `config`: `work_items` as they are
-  (the snake order computes its order), or `ordered_items` (of `pair_items`
-  with ``cluster_pairs``: bands of ``grid_tile_width // 2`` pairs)."""
+  (the snake order computes its order), or `ordered_items`."""
   if config.item_order != "group":
     return items
-  if config.cluster_pairs:
-    return ordered_items(pair_items(items), n_tiles,
-                         max(1, config.grid_tile_width // 2))
   return ordered_items(items, n_tiles, config.grid_tile_width,
                        sharers=config.sync_sharers)
-
-
-_PAIR_NI = 8  # Column of `ordered_items(pair_items(...))`: the column tile.
-
-
-def pair_items(items):
-  """`work_items` two by two for ``cluster_pairs``, int32 ``[num, 8]``: row
-  ``p`` holds the items a cluster's two blocks run together (block 0's four
-  columns, then block 1's).
-
-  A run (a group's row tiles; each zero or past-the-end item alone) is cut into
-  consecutive pairs; a run of odd length ends with an empty partner: the same
-  first row and group, no rows (``lo = hi = 0``), so that it loads what the
-  pair's multicast needs from it and multiplies and stores nothing. Rows past
-  the pairs are past-the-end pairs (group -1, no rows).
-  """
-  num = items.shape[0]
-  i = jnp.arange(num, dtype=jnp.int32)
-  group = items[:, _GROUP]
-  prev = jnp.concatenate([jnp.full((1,), -2, jnp.int32), group[:-1]])
-  new_run = (group != prev) | (group < 0)
-  position = i - lax.cummax(jnp.where(new_run, i, 0))
-  pair = jnp.cumsum(position % 2 == 0) - 1
-  first = position % 2 == 0
-  empty_partner = items.at[:, _LO].set(0).at[:, _HI].set(0)
-  table = jnp.zeros((num, 8), jnp.int32).at[:, _GROUP].set(-1).at[:, 4 + _GROUP].set(-1)
-  # Each pair's first item with an empty partner, then the partners that exist.
-  table = table.at[jnp.where(first, pair, num)].set(
-      jnp.concatenate([items, empty_partner], axis=1), mode="drop")
-  return table.at[jnp.where(first, num, pair), 4:].set(items, mode="drop")
 
 
 def ordered_items(items, n_tiles: int, width: int, sharers: bool = False):
@@ -365,8 +314,7 @@ def ordered_items(items, n_tiles: int, width: int, sharers: bool = False):
   linear = (band_start[:, None] * n_tiles + j * band_len[:, None]
             + (i - band_start)[:, None])
   ni = jnp.where(band[:, None] % 2 == 1, n_tiles - 1 - j, j)
-  columns = [jnp.broadcast_to(items[:, None, :], (num, n_tiles, items.shape[1])),
-             ni[..., None]]
+  columns = [jnp.broadcast_to(items[:, None, :], (num, n_tiles, 4)), ni[..., None]]
   if sharers:
     # The band's row tiles of column position j: indices [first, first + len).
     first = band_start[:, None] * n_tiles + j * band_len[:, None]
@@ -410,21 +358,18 @@ def _pad_operands(lhs, rhs, transpose_rhs: bool, config: RaggedDotConfig):
 
 
 def _operand_pipeline(dtype, block_m: int, block_k: int, n: int,
-                      transpose_rhs: bool, stages: int, chained: bool = False,
-                      multicast_rhs: bool = False):
+                      transpose_rhs: bool, stages: int, chained: bool = False):
   """The K loop over an lhs row tile and an rhs column tile of `n` columns
-  (`chained`: a `_pipeline.ChainedPipeline` across work items; `multicast_rhs`:
-  the rhs tile shared by the blocks of a cluster, ``cluster_pairs``)."""
+  (`chained`: a `_pipeline.ChainedPipeline` across work items)."""
   delay = 0 if chained else 1
   lhs_spec = _pipeline.tma_spec((block_m, block_k), lambda ki: (0, ki), dtype, block_k,
                                 delay)
-  shared = ("cluster",) if multicast_rhs else ()
   if transpose_rhs:
     rhs_spec = _pipeline.tma_spec((n, block_k), lambda ki: (0, ki), dtype, block_k,
-                                  delay, collective_axes=shared)
+                                  delay)
   else:
     rhs_spec = _pipeline.tma_spec((block_k, n), lambda ki: (ki, 0), dtype, block_k,
-                                  delay, collective_axes=shared)
+                                  delay)
   cls = _pipeline.ChainedPipeline if chained else _pipeline.WarpSpecializedPipeline
   return cls((lhs_spec, rhs_spec), stages)
 
@@ -568,26 +513,17 @@ class _GroupTiles:
 
   def item(self, items_ref, wg, cwg, index) -> _Item:
     """Work item `index` (the table's row, and its column tile)."""
-    pairs = self.config.cluster_pairs
     if self.config.item_order == "group":
       ii = index
-      ni = items_ref[ii, _PAIR_NI if pairs else _NI]
+      ni = items_ref[ii, _NI]
     else:
       ii, ni = plgpu.planar_snake(index, (self.num_items, self.n_tiles), 1,
                                   self.config.grid_tile_width)
-    # With `cluster_pairs` this block's item of the pair (`pair_items`).
-    mine = lax.axis_index("cluster") * 4 if pairs else 0
-    row0 = items_ref[ii, mine + _ROW0]
+    row0 = items_ref[ii, _ROW0]
     group = items_ref[ii, _GROUP]
-    lo = items_ref[ii, mine + _LO]
-    hi = items_ref[ii, mine + _HI]
-    rows = hi > lo
-    if pairs:
-      # Both blocks run the pair's K loop (each loads half of the shared rhs
-      # tile); an empty partner multiplies and stores nothing (no rows).
-      rows = ((items_ref[ii, _HI] > items_ref[ii, _LO])
-              | (items_ref[ii, 4 + _HI] > items_ref[ii, 4 + _LO]))
-    matmul = (group >= 0) & rows
+    lo = items_ref[ii, _LO]
+    hi = items_ref[ii, _HI]
+    matmul = (group >= 0) & (hi > lo)
     n0 = ni * self.cta_n
     half = self.half
     wlo = jnp.clip(lo - cwg * half, 0, half)
@@ -786,10 +722,6 @@ def _group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool, out_dtype,
   n_orig = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   check_fits(config, lhs.dtype.itemsize, jnp.dtype(out_dtype).itemsize,
              "ragged_dot grouped_matmul")
-  if transpose_rhs and config.cluster_pairs:
-    raise NotImplementedError(
-        "cluster_pairs: the dlhs (transposed rhs) kernel does not run pairs of "
-        "work items (the forward does); use a config without it")
   lhs, rhs = _pad_operands(lhs, rhs, transpose_rhs, config)
   m, k = lhs.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -806,8 +738,7 @@ def _group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool, out_dtype,
       num_items=num_items, n_tiles=n_tiles, k_steps=k_steps,
       pipeline=_operand_pipeline(lhs.dtype, config.block_m, config.block_k,
                                  cta_n(config), transpose_rhs,
-                                 depth if chained else config.num_stages, chained,
-                                 multicast_rhs=config.cluster_pairs))
+                                 depth if chained else config.num_stages, chained))
 
   def kernel(items_ref, lhs_ref, rhs_ref, out_ref):
     tiles.kernel(items_ref, lhs_ref, rhs_ref, out_ref)
@@ -817,8 +748,7 @@ def _group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool, out_dtype,
   # H200 but wrapped into the next row's first columns (notes/MOSAIC_GPU.md).
   n_out = n_tiles * cta_n(config)
   call = _pipeline.persistent_kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((m, n_out), out_dtype),
-      cluster=2 if config.cluster_pairs else 1)
+      kernel, out_type=jax.ShapeDtypeStruct((m, n_out), out_dtype))
   out = call(items, lhs, rhs)
   if (m, n_out) != (m_orig, n_orig):
     out = out[:m_orig, :n_orig]

@@ -65,9 +65,6 @@ def check_config(config: rdk.RaggedDotConfig) -> None:
   if config.block_n > 64:
     raise ValueError("the fp8 kernel takes block_n <= 64 (three float32 tiles of a "
                      f"warpgroup's 64 x 2 block_n in registers); got {config.block_n}")
-  if config.cluster_pairs:
-    raise ValueError("the fp8 kernel does not run cluster_pairs (the bf16 forward "
-                     "does)")
 
 
 def smem_bytes(config: rdk.RaggedDotConfig, out_itemsize: int) -> int:
