@@ -3,6 +3,7 @@ a training step, and `backward_from_projections` (the backward of the kernels th
 keep it) matches JAX autodiff of the reference, which it shares no code with."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -146,11 +147,10 @@ def test_projections_under_leading_dims_and_vmap():
 def _dot_operand_types(fn, *args) -> set[str]:
   """The element types of every dot_general operand in `fn`'s StableHLO."""
   text = jax.jit(fn).lower(*args).as_text()
-  lines = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
-  assert lines, "no dot_general in the program"
-  return {t.rsplit("x", 1)[-1] for line in lines
-          for t in line.split(": (")[1].split(") ->")[0].replace("tensor<", "")
-          .replace(">", "").split(", ")}
+  # `stablehlo.dot_general %a, %b, ... : (tensor<64x32xbf16>, tensor<...>) -> ...`
+  operands = re.findall(r"stablehlo\.dot_general .*: \((.*)\) ->", text)
+  assert operands, "no dot_general in the program"
+  return {t for types in operands for t in re.findall(r"x([a-z]\w*)>", types)}
 
 
 def test_the_composed_glu_trains_with_matmuls_in_the_inputs_dtype():
