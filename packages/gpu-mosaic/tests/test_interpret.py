@@ -349,7 +349,15 @@ def test_ragged_dot():
     # under 512 rows a group), forward and dlhs.
     (rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=64, num_stages=2,
                          item_order="group", grid_tile_width=2), 256, 1),
-], ids=["wide", "tall-offset", "short-k", "wide-group"])
+    # Items claimed through the slots and barriers of `claimed_loop` (here in
+    # the round-robin deal's order), 128-row and tall items, forward and dlhs.
+    (rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=64, num_stages=2,
+                         item_order="group", grid_tile_width=2,
+                         claim_items=True), 256, 1),
+    (rdk.RaggedDotConfig(block_m=256, block_n=128, block_k=64, num_stages=4,
+                         out_pieces=2, claim_items=True), 256, 0),
+], ids=["wide", "tall-offset", "short-k", "wide-group", "claimed",
+        "claimed-tall"])
 def test_ragged_dot_chained_items(config, k, offset, transpose_rhs):
   """Work items chained in one ring (`_pipeline.ChainedPipeline`): each of the
   2 interpreted SMs runs many items (zero items, empty groups, warpgroups

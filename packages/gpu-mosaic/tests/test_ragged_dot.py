@@ -335,7 +335,8 @@ def test_drhs_ws_through_vjp(config):
 
 def _wid(c):
   return (f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.num_stages}p{c.out_pieces}"
-          f"w{c.grid_tile_width}{c.item_order}{'-sync' if c.sync_sharers else ''}")
+          f"w{c.grid_tile_width}{c.item_order}{'-sync' if c.sync_sharers else ''}"
+          f"{'-claim' if c.claim_items else ''}")
 
 
 _REUSE = [
@@ -357,13 +358,25 @@ _SYNC = [
 ]
 
 
+# `claim_items` (blocks claim items from a device-memory counter): the same
+# results as the round-robin deal, whichever block claims what; a protocol
+# mistake hangs, hence the timeout on native runs.
+_CLAIM = [
+    rd.RaggedDotConfig(num_stages=4, out_pieces=2, item_order="group",
+                       claim_items=True),
+    rd.RaggedDotConfig(block_m=256, num_stages=4, out_pieces=2, item_order="group",
+                       claim_items=True),
+    rd.RaggedDotConfig(num_stages=3, claim_items=True),  # snake order
+]
+
+
 def _lax_reference(lhs, rhs, sizes):
   return jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32),
                             jnp.asarray(sizes, jnp.int32), precision=HIGHEST)
 
 
 @gpu
-@pytest.mark.parametrize("config", _REUSE + _SYNC, ids=_wid)
+@pytest.mark.parametrize("config", _REUSE + _SYNC + _CLAIM, ids=_wid)
 def test_reuse_order_tall_forward(config):
   # Empty groups, 1- and 3-row groups, starts off the 8-row grid, a group
   # whose rows fill one 64-row half of a tall item and spill into the next,
@@ -397,7 +410,7 @@ def test_reuse_order_tall_group_offset_and_f32_out(config):
 
 
 @gpu
-@pytest.mark.parametrize("config", _REUSE + _SYNC, ids=_wid)
+@pytest.mark.parametrize("config", _REUSE + _SYNC + _CLAIM, ids=_wid)
 def test_reuse_order_tall_many_random_groups(config):
   rng = _rng()
   cuts = np.sort(rng.integers(0, 4000, 63))
@@ -412,7 +425,7 @@ def test_reuse_order_tall_many_random_groups(config):
 
 
 @gpu
-@pytest.mark.parametrize("config", _REUSE[:3] + _SYNC, ids=_wid)
+@pytest.mark.parametrize("config", _REUSE[:3] + _SYNC + _CLAIM[:2], ids=_wid)
 def test_reuse_order_tall_dlhs_and_vjp(config):
   """The transposed-rhs kernel (dlhs) with the variant, and the whole backward
   through dispatch with the variant as the backward config."""
@@ -792,6 +805,26 @@ def test_sync_sharers_lowers_for_cuda(transpose_rhs):
   pytest.importorskip("absl")
   config = rd.RaggedDotConfig(block_n=64, num_stages=2, item_order="group",
                               grid_tile_width=3, sync_sharers=True)
+  _grouped_matmul_lowers(700, 128, 200, 3, config, transpose_rhs)
+
+
+def test_claim_items_validation():
+  with pytest.raises(ValueError, match="claim_items=True needs row_tiling='group'"):
+    rd.RaggedDotConfig(block_m=64, row_tiling="fixed", claim_items=True)
+  with pytest.raises(ValueError, match="exclude each other"):
+    rd.RaggedDotConfig(item_order="group", sync_sharers=True, claim_items=True)
+  rd.RaggedDotConfig(item_order="group", claim_items=True)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("block_m,order", [(128, "group"), (256, "snake")])
+def test_claim_items_lowers_for_cuda(transpose_rhs, block_m, order):
+  """The claimed item loop (the inlined atomic add, the slots' barriers)
+  traces and lowers to Mosaic GPU for "cuda"."""
+  pytest.importorskip("absl")
+  config = rd.RaggedDotConfig(block_m=block_m, block_n=64, num_stages=2,
+                              item_order=order, grid_tile_width=3,
+                              claim_items=True)
   _grouped_matmul_lowers(700, 128, 200, 3, config, transpose_rhs)
 
 

@@ -107,8 +107,15 @@ def _forward_heuristic(m, k, n, num_groups, itemsize, out_itemsize):
   (M65536 K7168 N2048 G256 random: 5.7 ms against 3.4) and the group order
   faster than the snake order (session 38: M16384 K4096 N4096 G64 random 0.953
   against 1.008 ms, M65536 K7168 N2048 G256 random 3.354 against 3.503, M8192
-  K7168 N2048 G256 random 1.723 against 1.737)."""
+  K7168 N2048 G256 random 1.723 against 1.737).
+
+  The blocks claim their items (`RaggedDotConfig.claim_items`) everywhere:
+  H200 bf16 forward against the round-robin deal (session 41): M65536 G128
+  random K2048 N768 0.368 against 0.388 ms, K4096 N1536 1.325 against 1.555,
+  K768 N2048 0.385 against 0.413; M65536 K7168 N2048 G256 random 3.514
+  against 3.781; within 1.1% at G64, G16, G8 and M8192 G256."""
   config = heuristic(m, k, n, num_groups, itemsize, out_itemsize, pieces=True)
+  config = dataclasses.replace(config, claim_items=True)
   if _few_rows_per_group(m, num_groups):
     return dataclasses.replace(config, item_order="group")
   if (config.num_stages, config.out_pieces, config.block_n) == (4, 2, 128):
@@ -341,7 +348,12 @@ class MosaicGpuRaggedDotVjp(VjpOp):
   def heuristic_config(self, args):
     m, k, n, g, itemsize, _ = _problem(args)
     config = heuristic(m, n, k, g, itemsize, itemsize, pieces=True)
-    config = dataclasses.replace(config, drhs_kernel=_HEURISTIC_DRHS_KERNEL)
+    # dlhs claims its items as the forward does (`_forward_heuristic`): H200
+    # bf16 forward+backward with both claiming against neither (session 41):
+    # M65536 K4096 N1536 G128 random 4.135 ms against 4.433, M65536 K7168
+    # N2048 G256 random 11.402 against 11.478, G16 and G8 within 0.1%.
+    config = dataclasses.replace(config, drhs_kernel=_HEURISTIC_DRHS_KERNEL,
+                                 claim_items=True)
     if _few_rows_per_group(m, g):
       # dlhs (the forward's kernel) in the group order under 512 rows a group,
       # as the forward. H200 bf16, forward+backward with both in the group

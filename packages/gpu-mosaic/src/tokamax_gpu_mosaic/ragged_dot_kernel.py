@@ -5,7 +5,8 @@ forward) or the transpose (dlhs, reading rhs tiles as ``[n, k]``: wgmma takes
 the transposed shared-memory operand).
 
 A persistent grid (one block per SM) walks work items (a row tile x ``2 *
-block_n`` columns) in a planar-snake order. Each block has a memory warpgroup
+block_n`` columns) in a planar-snake or the group order, dealt round robin or
+claimed by the blocks in index order (``claim_items``, the heuristics'). Each block has a memory warpgroup
 that streams the lhs and rhs tiles through a ``num_stages``-deep ring of
 swizzled shared memory (TMA), and two compute warpgroups that issue wgmma into
 float32 accumulators (`plgpu.emit_pipeline_warp_specialized`).
@@ -90,6 +91,15 @@ class RaggedDotConfig:
   waves of items (`tools/l2_model.py`; notes/MEASUREMENTS.md, session 39).
   Needs every block of the grid resident at once (`_GroupTiles.meet_sharers`);
   not run by the JAX interpreter.
+  ``claim_items`` (``row_tiling="group"``): the blocks claim the table's items
+  in index order from a device-memory counter (`_GroupTiles.claimed_loop`)
+  instead of taking every ``num_sms``-th one, so that neighbouring indices
+  start together however far the blocks' clocks have drifted apart: a group's
+  row tiles then read each weight k-slice within a fraction of an item of
+  each other (L2 hits), and a block that finishes early takes the next item
+  (no tail of one block's leftover items). Each output tile is still computed
+  by one block from the same operands: results do not depend on who claims
+  what. In the interpreter the claims follow the round-robin deal.
   """
 
   block_m: int = 128
@@ -103,6 +113,7 @@ class RaggedDotConfig:
   item_order: str = "snake"
   chain_items: bool = True
   sync_sharers: bool = False
+  claim_items: bool = False
 
   def __post_init__(self):
     if self.block_m % WGMMA_M or self.block_m > 256:
@@ -130,6 +141,13 @@ class RaggedDotConfig:
     if self.sync_sharers and self.item_order != "group":
       raise ValueError("sync_sharers=True needs item_order='group' (the order "
                        "that puts a weight tile's readers on neighbouring SMs)")
+    if self.claim_items and self.row_tiling != "group":
+      raise ValueError("claim_items=True needs row_tiling='group'")
+    if self.claim_items and self.sync_sharers:
+      # The sharer blocks are found by index modulo the SMs: the static deal.
+      raise ValueError("claim_items=True and sync_sharers=True exclude each "
+                       "other (sync_sharers meets the blocks of the round-robin "
+                       "deal)")
     if self.out_pieces not in (1, 2):
       raise ValueError(f"out_pieces must be 1 or 2; got {self.out_pieces}")
     if self.out_pieces == 2 and self.row_tiling != "group":
@@ -407,6 +425,90 @@ def _store_rows(y, lo, hi, dst_row, swizzled_smem, linear_smem, out_ref, cols):
       size //= 2
 
 
+# `claimed_loop`'s shared memory: two claimed indices, a barrier per slot that
+# the memory warpgroup arrives on once it wrote the slot, and one per slot that
+# all three warpgroups arrive on once they read it.
+_CLAIM_TYPES = (plgpu.SMEM((2,), jnp.int32),
+                plgpu.Barrier(num_arrivals=1, num_barriers=2),
+                plgpu.Barrier(num_arrivals=3, num_barriers=2))
+
+
+def _thread_0_of_warpgroup():
+  """Mosaic GPU IR (inside `plgpu.inline_mgpu`): an i1, whether this thread is
+  thread 0 of its warpgroup. Used as a predicate of single PTX instructions,
+  never as a branch: a branch around the claim's store (``mgpu.utils.when``)
+  made ptxas serialize the compute warpgroups' wgmma ("compiler-inserted WG.AR
+  in divergent path"), and the forward ran 11-17% slower than without claims
+  on the H200 (notes/MEASUREMENTS.md, session 41)."""
+  # Lazy: Mosaic GPU's MLIR helpers, needed only when a kernel lowers.
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith
+  i32 = ir.IntegerType.get_signless(32)
+  lane = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(mgpu_utils.WARPGROUP_SIZE, i32))
+  return arith.cmpi(arith.CmpIPredicate.eq, lane, mgpu_utils.c(0, i32))
+
+
+_SCALAR = plgpu.Layout.WG_SPLAT(())
+
+
+def _claim_index(counter, is_memory, j):
+  """Thread 0 of the memory warpgroup (`is_memory`): ``counter[0]++``, the old
+  value (an atomic add that returns it: Pallas has none, so it is inlined
+  PTX); 0 on every other thread. The value lands in a register later: only
+  `_store_claim` reads it, so the thread goes on issuing loads meanwhile.
+
+  The interpreter has no device-memory counter (`counter` None): there claim
+  `j` of block ``sm`` is ``j * SMs + sm``, the round-robin deal, so the
+  protocol around the claims still runs there."""
+  if counter is None:
+    return j * _common.num_sms() + lax.axis_index("sm")
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SCALAR),
+                     return_type=plgpu.ShapeDtypeStruct((), jnp.int32,
+                                                        layout=_SCALAR))
+  def fetch_add(ctx, counter_ref, is_memory):
+    del ctx
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    i1 = ir.IntegerType.get_signless(1)
+    claims = arith.andi(_thread_0_of_warpgroup(),
+                        arith.trunci(i1, is_memory.registers.flat[0]))
+    old = llvm.inline_asm(
+        ir.IntegerType.get_signless(32),
+        [mgpu_utils.memref_ptr(counter_ref), claims],
+        "mov.u32 $0, 0;\n@$2 atom.global.add.u32 $0, [$1], 1;", "=r,l,b",
+        has_side_effects=True)
+    return mgpu.FragmentedArray.splat(old, (), is_signed=True)
+
+  return fetch_add(counter, is_memory.astype(jnp.int32))
+
+
+def _store_claim(claimed_index, ticket) -> None:
+  """``ticket[0] = claimed_index`` from thread 0 of the memory warpgroup, the
+  thread whose register holds the claim (`_claim_index`). Its arrival on the
+  slot's barrier, with the warpgroup's other threads, releases the store."""
+  if _common.interpreting():
+    ticket[0] = claimed_index
+    return
+
+  @plgpu.inline_mgpu(arg_types=(_SCALAR, plgpu.RefType()))
+  def store(ctx, value, ticket_ref):
+    del ctx
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+    llvm.inline_asm(
+        ir.Type.parse("!llvm.void"),
+        [mgpu_utils.memref_ptr(ticket_ref), value.registers.flat[0],
+         _thread_0_of_warpgroup()],
+        "@$2 st.shared.u32 [$0], $1;", "r,r,b", has_side_effects=True)
+
+  store(claimed_index, ticket)
+
+
 class _Item(NamedTuple):
   """One work item as a compute warpgroup sees it."""
 
@@ -496,20 +598,82 @@ class _GroupTiles:
     out_ref = outs[0] if self.num_outputs == 1 else outs
     allocs = self.pipeline.allocations(*operands, steps=self.k_steps)
 
+    claims = _CLAIM_TYPES if self.config.claim_items else None
+
     @functools.partial(pl.run_scoped, allocs=allocs, out_smem=self.out_smem_types(),
-                       collective_axes="wg")
-    def _scope(allocs, out_smem):
+                       claims=claims, collective_axes="wg")
+    def _scope(allocs, out_smem, claims):
       wg = lax.axis_index("wg")
       cwg = jnp.minimum(wg, 1)
 
-      @plgpu.nd_loop((self.num_items * self.n_tiles,), collective_axes="sm",
-                     init_carry=jnp.int32(0))
-      def _item_loop(info, carry):
-        item = self.item(items_ref, wg, cwg, info.index[0])
-        self.run_item(item, operands, out_ref, out_smem, allocs, started=carry)
-        return carry | self.has_matmul(item).astype(jnp.int32)
+      def run(index, started):
+        """Runs item `index`; `started`: whether this block ran a K loop."""
+        item = self.item(items_ref, wg, cwg, index)
+        self.run_item(item, operands, out_ref, out_smem, allocs, started=started)
+        return started | self.has_matmul(item).astype(jnp.int32)
+
+      if claims is not None:
+        self.claimed_loop(run, wg, *claims)
+      else:
+        @plgpu.nd_loop((self.num_items * self.n_tiles,), collective_axes="sm",
+                       init_carry=jnp.int32(0))
+        def _item_loop(info, carry):
+          return run(info.index[0], carry)
 
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  def claimed_loop(self, run, wg, tickets, claimed, read):
+    """The block's items as it claims them (`RaggedDotConfig.claim_items`).
+
+    Thread 0 of the memory warpgroup claims the index of the block's next item
+    from a counter in device memory (zeroed by each launch) as the warpgroup
+    starts streaming the current item, and writes it to one of two
+    shared-memory `tickets` once that item's loads are issued, so that the
+    claim's round trip overlaps the loads (nothing reads the claimed value
+    before the store). The memory warpgroup then arrives on the slot's
+    `claimed` barrier; all three warpgroups wait there, read the index and
+    arrive on `read` (the memory warpgroup refills a slot after all three
+    have read it, two claims later). The compute warpgroups thus run exactly
+    the indices the memory warpgroup streams. A block stops at its first
+    index past the table: every block claims one such, and then the counter
+    is never touched again."""
+    total = self.num_items * self.n_tiles
+    counter = (None if _common.interpreting()
+               else pl.get_global(plgpu.SemaphoreType.REGULAR((1,))))
+    is_memory = wg == 2
+
+    def publish(j, claimed_index):
+      """Memory warpgroup: ``tickets[j % 2] = claimed_index``, then arrive."""
+      slot = lax.rem(j, 2)
+
+      @pl.when(is_memory)
+      def _publish():
+        _pipeline.wait_when(j >= 2, read.at[slot])
+        for s in range(2):  # static slots: one memref store each
+          @pl.when(slot == s)
+          def _store():
+            _store_claim(claimed_index, tickets.at[pl.ds(s, 1)])
+        plgpu.barrier_arrive(claimed.at[slot])
+
+    def take(j):
+      """All warpgroups: the index claimed for the block's item `j`."""
+      slot = lax.rem(j, 2)
+      plgpu.barrier_wait(claimed.at[slot])
+      index = tickets[slot]
+      plgpu.barrier_arrive(read.at[slot])
+      return index
+
+    def body(carry):
+      j, index, started = carry
+      claimed_index = _claim_index(counter, is_memory, j + 1)
+      started = run(index, started)
+      publish(j + 1, claimed_index)
+      return j + 1, take(j + 1), started
+
+    first = jnp.int32(0)
+    publish(first, _claim_index(counter, is_memory, first))
+    lax.while_loop(lambda carry: carry[1] < total, body,
+                   (first, take(first), jnp.int32(0)))
 
   def item(self, items_ref, wg, cwg, index) -> _Item:
     """Work item `index` (the table's row, and its column tile)."""
@@ -585,9 +749,9 @@ class _GroupTiles:
     """Memory warpgroup, before the item's loads: signal each other block of
     the item's sharer block, then wait for as many signals (`sync_sharers`).
 
-    One semaphore a block, in device memory, kept across calls: every block
-    signals before it waits, and the signals and waits of a block balance
-    over the call, so the counts return to zero. A block whose sharers run a
+    One semaphore a block, in device memory (zeroed by each launch: Pallas
+    allocates it with the call): every block signals before it waits, and
+    the signals and waits of a block balance over the call. A block whose sharers run a
     wave later (a band across the deal's wrap-around) waits for them; the
     counts are anonymous, so a signal that arrives early for a later item
     ends an earlier wait sooner (timing, never results).
