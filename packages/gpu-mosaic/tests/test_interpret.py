@@ -33,6 +33,7 @@ from tokamax_gpu_mosaic import _pipeline
 from tokamax_gpu_mosaic import attention as mat
 from tokamax_gpu_mosaic import gated_linear_unit_kernel as glk
 from tokamax_gpu_mosaic import layer_norm as mln
+from tokamax_gpu_mosaic import ragged_dot as mosaic_ragged_dot
 from tokamax_gpu_mosaic import ragged_dot_kernel as rdk
 from tokamax_gpu_mosaic import ragged_dot_kernel_drhs as rdd
 
@@ -415,7 +416,14 @@ def test_ragged_dot_drhs_chained_items(stages, block_n, sizes, m, offset):
   testing.assert_close(out, want, jnp.bfloat16, what="chained drhs")
 
 
-def test_fp8_ragged_dot():
+@pytest.mark.parametrize("config", [
+    None,  # the heuristic's
+    # Claimed items in the group order: the loop the kernel inherits from
+    # `rdk._GroupTiles`.
+    rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=128, num_stages=3,
+                        item_order="group", claim_items=True)],
+    ids=["heuristic", "claimed"])
+def test_fp8_ragged_dot(config):
   """The fp8 kernel (forward) against the reference on the same quantized
   inputs: rows and weight blocks of different magnitudes, so wrong scales show."""
   lhs = _normal((300, 256), jnp.float32) * jax.random.uniform(
@@ -424,8 +432,10 @@ def test_fp8_ragged_dot():
   lq = tokamax.quantize(lhs.astype(jnp.bfloat16), (1, 128), jnp.float8_e4m3fn)
   rq = tokamax.quantize(rhs.astype(jnp.bfloat16), (1, 128, 128), jnp.float8_e4m3fn)
   sizes = jnp.asarray([100, 0, 150], jnp.int32)
+  implementation = ("mosaic_gpu" if config is None
+                    else mosaic_ragged_dot.MosaicGpuRaggedDot(config))
   with tokamax.interpret(), tokamax.record_dispatch() as records:
-    out = tokamax.ragged_dot(lq, rq, sizes, implementation="mosaic_gpu")
+    out = tokamax.ragged_dot(lq, rq, sizes, implementation=implementation)
   assert [(r.direction, r.implementation) for r in records] == [
       ("forward", "mosaic_gpu")]
   want = tokamax.ragged_dot(lq, rq, sizes, implementation="xla")
@@ -476,7 +486,11 @@ def test_grouped_gated_linear_unit():
     (rdk.RaggedDotConfig(block_n=128, num_stages=2, item_order="group"), True, 0),
     # 64-column tiles, held groups from the third (zero items before them); 4 K
     # steps under 3 stages: each item fills the ring anew.
-    (rdk.RaggedDotConfig(block_n=64, num_stages=3), False, 2)])
+    (rdk.RaggedDotConfig(block_n=64, num_stages=3), False, 2),
+    # Claimed items (`claim_items`): the loop the kernel inherits from
+    # `rdk._GroupTiles`.
+    (rdk.RaggedDotConfig(block_n=128, num_stages=2, item_order="group",
+                         claim_items=True), True, 1)])
 def test_grouped_glu_kernel(config, keep_projections, offset):
   """The grouped forward kernel (activation in the epilogue): empty groups, a
   group ending mid-tile, rows past the last group, against the float32
