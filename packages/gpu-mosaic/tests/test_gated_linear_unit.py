@@ -301,6 +301,13 @@ def _exact_gelu(v):
   return jax.nn.gelu(v, approximate=False)
 
 
+def test_grouped_glu_deals_round_robin():
+  # ragged_dot's heuristics claim items; the grouped GLU kernel's claims have
+  # not run on a GPU yet, so its config turns them off.
+  config = rdk.RaggedDotConfig(item_order="group", claim_items=True)
+  assert not glk.grouped_glu_config(config, 2).claim_items
+
+
 def test_which_activations_the_grouped_epilogue_takes():
   assert glu._activation_in_epilogue(jax.nn.silu)
   assert glu._activation_in_epilogue(None)

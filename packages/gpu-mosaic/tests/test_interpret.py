@@ -486,11 +486,7 @@ def test_grouped_gated_linear_unit():
     (rdk.RaggedDotConfig(block_n=128, num_stages=2, item_order="group"), True, 0),
     # 64-column tiles, held groups from the third (zero items before them); 4 K
     # steps under 3 stages: each item fills the ring anew.
-    (rdk.RaggedDotConfig(block_n=64, num_stages=3), False, 2),
-    # Claimed items (`claim_items`): the loop the kernel inherits from
-    # `rdk._GroupTiles`.
-    (rdk.RaggedDotConfig(block_n=128, num_stages=2, item_order="group",
-                         claim_items=True), True, 1)])
+    (rdk.RaggedDotConfig(block_n=64, num_stages=3), False, 2)])
 def test_grouped_glu_kernel(config, keep_projections, offset):
   """The grouped forward kernel (activation in the epilogue): empty groups, a
   group ending mid-tile, rows past the last group, against the float32

@@ -360,7 +360,8 @@ _SYNC = [
 
 # `claim_items` (blocks claim items from a device-memory counter): the same
 # results as the round-robin deal, whichever block claims what; a protocol
-# mistake hangs, hence the timeout on native runs.
+# mistake hangs, so run the native tests under a time limit
+# (tools/h200_steps.sh).
 _CLAIM = [
     rd.RaggedDotConfig(num_stages=4, out_pieces=2, item_order="group",
                        claim_items=True),
@@ -826,6 +827,35 @@ def test_claim_items_lowers_for_cuda(transpose_rhs, block_m, order):
                               item_order=order, grid_tile_width=3,
                               claim_items=True)
   _grouped_matmul_lowers(700, 128, 200, 3, config, transpose_rhs)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_claim_items_vmapped_deals_round_robin(transpose_rhs):
+  """Pallas batches a vmapped kernel into one launch, whose batch instances
+  would share the claims' one counter (each running only the items its own
+  blocks claimed): a vmapped call must lower to the round-robin deal (no
+  atomic add), the plain call to claims."""
+  pytest.importorskip("absl")
+  m, k, n, g = 700, 128, 200, 3
+  config = rd.RaggedDotConfig(block_n=64, num_stages=2, item_order="group",
+                              claim_items=True)
+
+  def f(lhs, rhs, sizes):
+    starts, ends = tokamax.plugin.held_row_ranges(sizes, None, g, m)
+    return rd.grouped_matmul(lhs, rhs, starts, ends, transpose_rhs=transpose_rhs,
+                             out_dtype=jnp.bfloat16, config=config)
+  rhs = jax.ShapeDtypeStruct((g, n, k) if transpose_rhs else (g, k, n), jnp.bfloat16)
+  sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
+
+  def module(fn, lhs_shape):
+    return jax.export.export(jax.jit(fn), platforms=["cuda"])(
+        jax.ShapeDtypeStruct(lhs_shape, jnp.bfloat16), rhs, sizes).mlir_module()
+  assert "atom.global.add" in module(f, (m, k))
+  batched = module(jax.vmap(f, in_axes=(0, None, None)), (2, m, k))
+  assert "mosaic_gpu" in batched and "atom.global.add" not in batched
+  nested = module(jax.vmap(jax.vmap(f, in_axes=(0, None, None)),
+                           in_axes=(0, None, None)), (2, 2, m, k))
+  assert "mosaic_gpu" in nested and "atom.global.add" not in nested
 
 
 def _snake_or_table(config, items, n_tiles):

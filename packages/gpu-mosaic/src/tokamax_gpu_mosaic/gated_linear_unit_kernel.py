@@ -485,13 +485,16 @@ def grouped_glu_config(config: ragged_dot_kernel.RaggedDotConfig, itemsize: int
   block_n]`` float32 accumulators per warpgroup take the registers of
   ragged_dot's ``[64, 2 block_n]``; 256-row items would need twice that) and
   one ``[128, block_n]`` output staging tile (``out_pieces=2``'s bytes), with
-  fewer stages where a 64-row fixed tiling's ring does not fit 128 rows."""
+  fewer stages where a 64-row fixed tiling's ring does not fit 128 rows.
+  Items are dealt round robin (``claim_items=False``, whatever ragged_dot's
+  config says): this kernel's claims have run only in the interpreter, not
+  yet on a GPU (notes/MEASUREMENTS.md, session 41)."""
   # block_n up to 128: two [64, block_n] float32 accumulators per thread's
   # registers. out_pieces=2: ragged_dot's shared-memory formula then counts one
   # [128, block_n] staging tile, what this kernel stages (`_GroupGluTiles`).
   config = dataclasses.replace(config, block_m=128, block_n=min(config.block_n, 128),
                                row_tiling="group", out_pieces=2,
-                               drhs_kernel="ring")
+                               drhs_kernel="ring", claim_items=False)
   while (ragged_dot_kernel.smem_bytes(config, itemsize, itemsize) > _common.SMEM_LIMIT
          and config.num_stages > 2):
     config = dataclasses.replace(config, num_stages=config.num_stages - 1)
@@ -628,13 +631,15 @@ def grouped_glu(x, weights, starts, ends, activation,
       activation=_common.inline_elementwise(activation), up_offset=n,
       keep_projections=keep_projections)
 
-  def kernel(items_ref, x_ref, w_ref, *out_refs):
-    tiles.kernel(items_ref, x_ref, w_ref, w_ref, *out_refs)
+  def body(tiles):
+    def kernel(items_ref, x_ref, w_ref, *out_refs):
+      tiles.kernel(items_ref, x_ref, w_ref, w_ref, *out_refs)
+    return kernel
 
   out_type = [jax.ShapeDtypeStruct((m, n), x.dtype)]
   if keep_projections:
     out_type.append(jax.ShapeDtypeStruct((m, 2 * n), x.dtype))
-  call = _pipeline.persistent_kernel(kernel, out_type=tuple(out_type))
+  call = tiles.persistent_call(body, out_type=tuple(out_type))
   out, *h = call(items, x, w2)
   out = out[:m_orig, :n_orig]
   if not keep_projections:

@@ -425,6 +425,24 @@ def _store_rows(y, lo, hi, dst_row, swizzled_smem, linear_smem, out_ref, cols):
       size //= 2
 
 
+def _unbatched_only(call, batched_call):
+  """`call`, except under ``jax.vmap``, where `batched_call` (computing the
+  same) is batched instead."""
+
+  @jax.custom_batching.custom_vmap
+  def run(*args):
+    return call(*args)
+
+  @run.def_vmap
+  def _batched(axis_size, in_batched, *args):
+    del axis_size
+    in_axes = tuple(0 if batched else None for batched in in_batched)
+    out = jax.vmap(batched_call, in_axes=in_axes)(*args)
+    return out, jax.tree.map(lambda _: True, out)
+
+  return run
+
+
 # `claimed_loop`'s shared memory: two claimed indices, a barrier per slot that
 # the memory warpgroup arrives on once it wrote the slot, and one per slot that
 # all three warpgroups arrive on once they read it.
@@ -438,8 +456,8 @@ def _thread_0_of_warpgroup():
   thread 0 of its warpgroup. Used as a predicate of single PTX instructions,
   never as a branch: a branch around the claim's store (``mgpu.utils.when``)
   made ptxas serialize the compute warpgroups' wgmma ("compiler-inserted WG.AR
-  in divergent path"), and the forward ran 11-17% slower than without claims
-  on the H200 (notes/MEASUREMENTS.md, session 41)."""
+  in divergent path"), and the forward took 13-21% longer than without
+  claims on the H200 (notes/MEASUREMENTS.md, session 41)."""
   # Lazy: Mosaic GPU's MLIR helpers, needed only when a kernel lowers.
   from jax.experimental.mosaic.gpu import utils as mgpu_utils
   from jax._src.lib.mlir import ir
@@ -455,8 +473,10 @@ _SCALAR = plgpu.Layout.WG_SPLAT(())
 def _claim_index(counter, is_memory, j):
   """Thread 0 of the memory warpgroup (`is_memory`): ``counter[0]++``, the old
   value (an atomic add that returns it: Pallas has none, so it is inlined
-  PTX); 0 on every other thread. The value lands in a register later: only
-  `_store_claim` reads it, so the thread goes on issuing loads meanwhile.
+  PTX); 0 on every other thread. So the result is not uniform over the
+  warpgroup: it must go to `_store_claim` only, never into control flow. The
+  value lands in a register later: only `_store_claim` reads it, so the
+  thread goes on issuing loads meanwhile.
 
   The interpreter has no device-memory counter (`counter` None): there claim
   `j` of block ``sm`` is ``j * SMs + sm``, the round-robin deal, so the
@@ -621,6 +641,22 @@ class _GroupTiles:
           return run(info.index[0], carry)
 
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  def persistent_call(self, body, out_type):
+    """The persistent kernel of ``body(tiles)`` (the kernel body with `tiles`
+    bound), as a function of the kernel's arrays.
+
+    With claims, a batched call (``jax.vmap``, which sharding also uses) runs
+    the round-robin deal instead: Pallas batches a kernel into one launch
+    whose batch instances would share the one counter of `claimed_loop`, so
+    each instance would run only the items its own blocks happened to claim."""
+    call = _pipeline.persistent_kernel(body(self), out_type=out_type)
+    if not self.config.claim_items:
+      return call
+    dealt = dataclasses.replace(
+        self, config=dataclasses.replace(self.config, claim_items=False))
+    return _unbatched_only(
+        call, _pipeline.persistent_kernel(body(dealt), out_type=out_type))
 
   def claimed_loop(self, run, wg, tickets, claimed, read):
     """The block's items as it claims them (`RaggedDotConfig.claim_items`).
@@ -904,15 +940,12 @@ def _group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool, out_dtype,
                                  cta_n(config), transpose_rhs,
                                  depth if chained else config.num_stages, chained))
 
-  def kernel(items_ref, lhs_ref, rhs_ref, out_ref):
-    tiles.kernel(items_ref, lhs_ref, rhs_ref, out_ref)
-
   # The output gets whole column tiles: a TMA store from plain (unswizzled)
   # shared memory whose box crossed the last column did not clip there on the
   # H200 but wrapped into the next row's first columns (notes/MOSAIC_GPU.md).
   n_out = n_tiles * cta_n(config)
-  call = _pipeline.persistent_kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((m, n_out), out_dtype))
+  call = tiles.persistent_call(
+      lambda t: t.kernel, out_type=jax.ShapeDtypeStruct((m, n_out), out_dtype))
   out = call(items, lhs, rhs)
   if (m, n_out) != (m_orig, n_orig):
     out = out[:m_orig, :n_orig]

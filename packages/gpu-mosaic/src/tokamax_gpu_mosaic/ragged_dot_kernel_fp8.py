@@ -250,7 +250,7 @@ def grouped_matmul_fp8(lhs, lhs_scales, rhs, rhs_scales, starts, ends, *, out_dt
       n_tiles=n_tiles, k_steps=steps, col_block=col_block,
       pipeline=_pipeline_of(config, lhs.dtype, col_block))
   n_out = n_tiles * n_cta  # whole column tiles (see `rdk._group_tiles`)
-  call = _pipeline.persistent_kernel(
-      tiles.kernel, out_type=jax.ShapeDtypeStruct((m, n_out), out_dtype))
+  call = tiles.persistent_call(
+      lambda t: t.kernel, out_type=jax.ShapeDtypeStruct((m, n_out), out_dtype))
   out = call(items, lhs, rhs_t, lhs_scales_t, rhs_scales)
   return out[:m_orig, :n_orig]
