@@ -126,6 +126,25 @@ def test_tune_ab_replaces_fields_of_the_heuristic_config():
     tune._Replaced({"chain_items": tune._literal("false")}).lookup(_Op(), 128)
 
 
+class _BackwardOp(tune.VjpOp):
+  def heuristic_config(self, args):
+    return _Config(block=args)
+
+  def backward(self, args, residuals, out, dout, config):
+    raise AssertionError("not called")
+
+
+def test_tune_ab_side_replaces_one_ops_fields():
+  backward_only = tune._Replaced({"chain_items": False}, side="backward")
+  assert backward_only.lookup(_Op(), 128) == _Config(block=128)
+  assert not backward_only.applied
+  assert backward_only.lookup(_BackwardOp(), 64) == _Config(block=64, chain_items=False)
+  assert backward_only.applied
+  forward_only = tune._Replaced({"chain_items": False}, side="forward")
+  assert forward_only.lookup(_BackwardOp(), 64) == _Config(block=64)
+  assert forward_only.lookup(_Op(), 128) == _Config(block=128, chain_items=False)
+
+
 def test_tune_profile_runs_calls_each_direction_untimed(capsys):
   calls = []
   builders = {"forward": lambda: (lambda x: calls.append(("f", x)) or x, (1,)),

@@ -23,7 +23,8 @@ each time: count them in ``--launch-skip``.)
 
 ``--ab FIELD=VALUE`` (repeatable) is an A/B of one change instead of a sweep:
 the heuristic configs against the same configs with the fields replaced, in
-the forward and the backward Op alike (wherever the config has the field),
+the forward and the backward Op alike (wherever the config has the field; in
+one of them with ``--ab-side forward`` or ``backward``),
 timed in alternation (`benchmarking.time_interleaved`), forward and
 forward+backward; it prints both medians and their ratio. With ``--model``
 (dense, moe, ...), the same for the tokamax training step of `python -m tokamax
@@ -49,6 +50,7 @@ from tokamax._src import bench_models
 from tokamax._src import bench_suite
 from tokamax._src import benchmarking
 from tokamax._src.ops.ragged_dot import problems as ragged_dot_problems
+from tokamax._src.op import VjpOp
 from tokamax._src.problem import Problem
 from tokamax._src.tuning import context as tuning_context
 from tokamax._src import registry
@@ -71,11 +73,14 @@ class _Replaced:
   ``applied``: whether any lookup replaced them (else the A/B compares a
   config with itself: a misspelt field)."""
 
-  def __init__(self, fields: dict[str, object]):
+  def __init__(self, fields: dict[str, object], side: str = "both"):
     self.fields = fields
+    self.side = side  # "both", or only the "forward" or "backward" Op's config
     self.applied = False
 
   def lookup(self, op, args):
+    if self.side != "both" and isinstance(op, VjpOp) != (self.side == "backward"):
+      return op.heuristic_config(args)
     config = op.heuristic_config(args)
     if not dataclasses.is_dataclass(config):
       return None
@@ -104,8 +109,10 @@ def _field_values(fields: dict[str, str]) -> dict[str, object]:
   return {key: _literal(value) for key, value in fields.items()}
 
 
-def ab(title: str, builders: dict, fields: dict[str, str], iterations: int) -> None:
-  """The heuristic configs against them with `fields` replaced, interleaved.
+def ab(title: str, builders: dict, fields: dict[str, str], iterations: int,
+       side: str = "both") -> None:
+  """The heuristic configs against them with `fields` replaced (in the
+  `side` Op's config: "both", "forward" or "backward"), interleaved.
 
   `builders`: per direction, ``() -> (jitted function, args)``, each call a new
   function (a jitted function traced once would keep the first side's
@@ -116,7 +123,7 @@ def ab(title: str, builders: dict, fields: dict[str, str], iterations: int) -> N
   print(f"## {title}: heuristic vs {label}", flush=True)
   for direction, build in builders.items():
     contenders = {}
-    changed = _Replaced(replaced)
+    changed = _Replaced(replaced, side)
     try:
       for name, source in (("heuristic", _Replaced({})), (label, changed)):
         with tuning_context.use(source):
@@ -272,6 +279,12 @@ def main():
                       type=_field_value,
                       help="A/B: the heuristic configs against them with FIELD "
                            "set to VALUE (repeatable), interleaved")
+  parser.add_argument("--ab-side", choices=("both", "forward", "backward"),
+                      default="both",
+                      help="with --ab: replace the fields in both Ops' configs "
+                           "(the default) or only the forward's or the backward's "
+                           "(e.g. a backward kernel alone, timed in "
+                           "forward+backward)")
   parser.add_argument("--equal-groups", action="store_true",
                       help="ragged_dot: each selected bf16 random-size problem "
                            "('... random') with equal group sizes instead (the same "
@@ -306,12 +319,12 @@ def main():
     elif args.ab:
       ab(f"{problem.op} {problem.name} ({args.implementation})",
          problem_builders(problem, args.implementation, directions), dict(args.ab),
-         args.iterations)
+         args.iterations, args.ab_side)
     else:
       tune(problem, args.implementation, args.iterations, directions, match,
            args.training)
   for model in args.model:
-    ab(*model_builders(model), dict(args.ab), args.iterations)
+    ab(*model_builders(model), dict(args.ab), args.iterations, args.ab_side)
 
 
 if __name__ == "__main__":
