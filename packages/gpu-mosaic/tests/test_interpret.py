@@ -22,6 +22,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 
@@ -365,6 +366,27 @@ def test_ragged_dot_chained_items(config, k, offset, transpose_rhs):
   without rows among them) through one ring, against the reference."""
   assert _pipeline.ChainedPipeline.ring_depth(k // config.block_k, config.num_stages)
   _check_grouped_matmul(config, k, offset, transpose_rhs, "chained output")
+
+
+_CLAIM_ORDERS = {
+    # Block 0 claims every item (one ring runs them all); the others claim
+    # past the table at once and run none.
+    "one-block": lambda j, sm, num_sms: jnp.where(sm == 0, j, 1 << 30),
+    # Each wave of claims rotated over the blocks.
+    "rotated": lambda j, sm, num_sms: j * num_sms + lax.rem(sm + j, num_sms),
+}
+
+
+@pytest.mark.parametrize("order", sorted(_CLAIM_ORDERS))
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["forward", "dlhs"])
+def test_ragged_dot_claim_orders(order, transpose_rhs, monkeypatch):
+  """Whichever block claims which item, the output is the reference's (the
+  interpreter's claims replaced by other orders than the round-robin one)."""
+  monkeypatch.setattr(rdk, "_interpreted_claim", _CLAIM_ORDERS[order])
+  config = rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=64, num_stages=2,
+                               item_order="group", grid_tile_width=2,
+                               claim_items=True)
+  _check_grouped_matmul(config, 256, 1, transpose_rhs, f"claims {order}")
 
 
 def _check_grouped_matmul(config, k, offset, transpose_rhs, what):

@@ -6,10 +6,11 @@ the transposed shared-memory operand).
 
 A persistent grid (one block per SM) walks work items (a row tile x ``2 *
 block_n`` columns) in a planar-snake or the group order, dealt round robin or
-claimed by the blocks in index order (``claim_items``, the heuristics'). Each block has a memory warpgroup
-that streams the lhs and rhs tiles through a ``num_stages``-deep ring of
-swizzled shared memory (TMA), and two compute warpgroups that issue wgmma into
-float32 accumulators (`plgpu.emit_pipeline_warp_specialized`).
+claimed by the blocks in index order (``claim_items``, the heuristics'). Each
+block has a memory warpgroup that streams the lhs and rhs tiles through a
+``num_stages``-deep ring of swizzled shared memory (TMA), and two compute
+warpgroups that issue wgmma into float32 accumulators
+(`plgpu.emit_pipeline_warp_specialized`).
 
 Groups (``row_tiling="group"``, `_GroupTiles`): row tiles follow the groups. A
 table computed with jnp outside the kernel (`work_items`) cuts each held group's
@@ -479,10 +480,10 @@ def _claim_index(counter, is_memory, j):
   thread goes on issuing loads meanwhile.
 
   The interpreter has no device-memory counter (`counter` None): there claim
-  `j` of block ``sm`` is ``j * SMs + sm``, the round-robin deal, so the
-  protocol around the claims still runs there."""
+  `j` of block ``sm`` is `_interpreted_claim`'s, so the protocol around the
+  claims still runs there."""
   if counter is None:
-    return j * _common.num_sms() + lax.axis_index("sm")
+    return _interpreted_claim(j, lax.axis_index("sm"), _common.num_sms())
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SCALAR),
                      return_type=plgpu.ShapeDtypeStruct((), jnp.int32,
@@ -504,6 +505,13 @@ def _claim_index(counter, is_memory, j):
     return mgpu.FragmentedArray.splat(old, (), is_signed=True)
 
   return fetch_add(counter, is_memory.astype(jnp.int32))
+
+
+def _interpreted_claim(j, sm, num_sms):
+  """What the interpreter's block `sm` claims as its `j`-th item: the
+  round-robin deal, ``j * num_sms + sm`` (every index once). Tests replace it
+  with other orders (all to one block, say): results must not change."""
+  return j * num_sms + sm
 
 
 def _store_claim(claimed_index, ticket) -> None:
@@ -646,10 +654,10 @@ class _GroupTiles:
     """The persistent kernel of ``body(tiles)`` (the kernel body with `tiles`
     bound), as a function of the kernel's arrays.
 
-    With claims, a batched call (``jax.vmap``, which sharding also uses) runs
-    the round-robin deal instead: Pallas batches a kernel into one launch
-    whose batch instances would share the one counter of `claimed_loop`, so
-    each instance would run only the items its own blocks happened to claim."""
+    With claims, a batched call (``jax.vmap``) runs the round-robin deal
+    instead: Pallas batches a kernel into one launch whose batch instances
+    would share the one counter of `claimed_loop`, so each instance would run
+    only the items its own blocks happened to claim."""
     call = _pipeline.persistent_kernel(body(self), out_type=out_type)
     if not self.config.claim_items:
       return call
@@ -787,10 +795,10 @@ class _GroupTiles:
 
     One semaphore a block, in device memory (zeroed by each launch: Pallas
     allocates it with the call): every block signals before it waits, and
-    the signals and waits of a block balance over the call. A block whose sharers run a
-    wave later (a band across the deal's wrap-around) waits for them; the
-    counts are anonymous, so a signal that arrives early for a later item
-    ends an earlier wait sooner (timing, never results).
+    the signals and waits of a block balance over the call. A block whose
+    sharers run a wave later (a band across the deal's wrap-around) waits for
+    them; the counts are anonymous, so a signal that arrives early for a later
+    item ends an earlier wait sooner (timing, never results).
 
     It needs every block of the grid on an SM at once (one a SM, as the
     persistent grid is sized): a block waiting for a sharer that cannot be
