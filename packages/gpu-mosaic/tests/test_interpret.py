@@ -379,14 +379,17 @@ _CLAIM_ORDERS = {
 
 @pytest.mark.parametrize("order", sorted(_CLAIM_ORDERS))
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["forward", "dlhs"])
-def test_ragged_dot_claim_orders(order, transpose_rhs, monkeypatch):
+@pytest.mark.parametrize("k", [256, 320], ids=["chained", "ring-per-item"])
+def test_ragged_dot_claim_orders(order, transpose_rhs, k, monkeypatch):
   """Whichever block claims which item, the output is the reference's (the
-  interpreter's claims replaced by other orders than the round-robin one)."""
+  interpreter's claims replaced by other orders than the round-robin one),
+  with the items chained in one ring (4 K steps, 2 stages) or each filling the
+  ring anew (5 K steps)."""
   monkeypatch.setattr(rdk, "_interpreted_claim", _CLAIM_ORDERS[order])
   config = rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=64, num_stages=2,
                                item_order="group", grid_tile_width=2,
                                claim_items=True)
-  _check_grouped_matmul(config, 256, 1, transpose_rhs, f"claims {order}")
+  _check_grouped_matmul(config, k, 1, transpose_rhs, f"claims {order}")
 
 
 def _check_grouped_matmul(config, k, offset, transpose_rhs, what):
