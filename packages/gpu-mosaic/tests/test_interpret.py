@@ -368,23 +368,6 @@ def test_ragged_dot_chained_items(config, k, offset, transpose_rhs):
   _check_grouped_matmul(config, k, offset, transpose_rhs, "chained output")
 
 
-@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["forward", "dlhs"])
-@pytest.mark.parametrize("config", [
-    # Tails of 16-64 rows over 128-column items (one 64-row MMA a warpgroup).
-    rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=64, num_stages=2,
-                        item_order="group", grid_tile_width=2, transposed_tails=16),
-    # 256-column items (two MMAs a warpgroup), staged in pieces, claimed.
-    rdk.RaggedDotConfig(block_m=128, block_n=128, block_k=64, num_stages=2,
-                        out_pieces=2, claim_items=True, transposed_tails=32),
-], ids=["n128-step16", "n256-step32"])
-def test_ragged_dot_transposed_tails(config, transpose_rhs):
-  """`transposed_tails`: groups' last row tiles computed as ``out^T`` (rows
-  of 3 to 120, starts off the 8-row grid, tails wider than 64 rows stored in
-  two 64-row parts), against the float32 reference."""
-  _check_grouped_matmul(config, 256, 0, transpose_rhs, "transposed tails",
-                        sizes=[90, 0, 150, 37, 0, 120, 3])
-
-
 _CLAIM_ORDERS = {
     # Block 0 claims every item (one ring runs them all); the others claim
     # past the table at once and run none.
@@ -409,14 +392,12 @@ def test_ragged_dot_claim_orders(order, transpose_rhs, k, monkeypatch):
   _check_grouped_matmul(config, k, 1, transpose_rhs, f"claims {order}")
 
 
-def _check_grouped_matmul(config, k, offset, transpose_rhs, what,
-                          sizes=(60, 0, 150, 37, 0, 120, 3)):
-  """`rdk.grouped_matmul` in the interpreter at M420 N256 (7 groups, by default
-  of 60, 0, 150, 37, 0, 120, 3 rows; those from `offset` held) against the
-  float32 reference."""
+def _check_grouped_matmul(config, k, offset, transpose_rhs, what):
+  """`rdk.grouped_matmul` in the interpreter at M420 N256 (groups 60, 0, 150, 37,
+  0, 120, 3; those from `offset` held) against the float32 reference."""
   m, n = 420, 256
-  held = len(sizes) - offset
-  sizes = jnp.asarray(sizes, jnp.int32)
+  sizes = jnp.asarray([60, 0, 150, 37, 0, 120, 3], jnp.int32)
+  held = 7 - offset
   lhs = _normal((m, k), jnp.bfloat16)
   rhs_shape = (held, n, k) if transpose_rhs else (held, k, n)
   rhs = _normal(rhs_shape, jnp.bfloat16, k**-0.5)

@@ -336,8 +336,7 @@ def test_drhs_ws_through_vjp(config):
 def _wid(c):
   return (f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.num_stages}p{c.out_pieces}"
           f"w{c.grid_tile_width}{c.item_order}{'-sync' if c.sync_sharers else ''}"
-          f"{'-claim' if c.claim_items else ''}"
-          f"{f'-tails{c.transposed_tails}' if c.transposed_tails else ''}")
+          f"{'-claim' if c.claim_items else ''}")
 
 
 _REUSE = [
@@ -372,24 +371,13 @@ _CLAIM = [
 ]
 
 
-# `transposed_tails` (a group's last row tile computed as out^T at N = its rows
-# rounded up to the step): widths 16-128 over 128- and 256-column tiles,
-# claimed and dealt, whole and pieced staging.
-_TAILS = [
-    rd.RaggedDotConfig(num_stages=4, out_pieces=2, item_order="group",
-                       claim_items=True, transposed_tails=16),
-    rd.RaggedDotConfig(num_stages=3, item_order="group", transposed_tails=32),
-    rd.RaggedDotConfig(block_n=64, num_stages=4, transposed_tails=64),
-]
-
-
 def _lax_reference(lhs, rhs, sizes):
   return jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32),
                             jnp.asarray(sizes, jnp.int32), precision=HIGHEST)
 
 
 @gpu
-@pytest.mark.parametrize("config", _REUSE + _SYNC + _CLAIM + _TAILS, ids=_wid)
+@pytest.mark.parametrize("config", _REUSE + _SYNC + _CLAIM, ids=_wid)
 def test_reuse_order_tall_forward(config):
   # Empty groups, 1- and 3-row groups, starts off the 8-row grid, a group
   # whose rows fill one 64-row half of a tall item and spill into the next,
@@ -423,7 +411,7 @@ def test_reuse_order_tall_group_offset_and_f32_out(config):
 
 
 @gpu
-@pytest.mark.parametrize("config", _REUSE + _SYNC + _CLAIM + _TAILS, ids=_wid)
+@pytest.mark.parametrize("config", _REUSE + _SYNC + _CLAIM, ids=_wid)
 def test_reuse_order_tall_many_random_groups(config):
   rng = _rng()
   cuts = np.sort(rng.integers(0, 4000, 63))
@@ -839,31 +827,6 @@ def test_claim_items_lowers_for_cuda(transpose_rhs, block_m, order):
                               item_order=order, grid_tile_width=3,
                               claim_items=True)
   _grouped_matmul_lowers(700, 128, 200, 3, config, transpose_rhs)
-
-
-def test_transposed_tails_validation():
-  with pytest.raises(ValueError, match="transposed_tails must be 0"):
-    rd.RaggedDotConfig(transposed_tails=48)
-  with pytest.raises(ValueError, match="needs row_tiling='group' and block_m=128"):
-    rd.RaggedDotConfig(block_m=256, transposed_tails=32)
-  rd.RaggedDotConfig(transposed_tails=16)
-
-
-@pytest.mark.parametrize("transpose_rhs", [False, True])
-@pytest.mark.parametrize("block_n,step", [(64, 16), (128, 32)])
-def test_transposed_tails_lower_for_cuda(transpose_rhs, block_n, step):
-  """The transposed K step (the rhs tile as wgmma's transposed or plain lhs)
-  and the transposed store lower to Mosaic GPU for "cuda"; where this JAX's
-  Mosaic GPU cannot store a tile transposed, the kernel refuses the config."""
-  pytest.importorskip("absl")
-  config = rd.RaggedDotConfig(block_n=block_n, num_stages=2, item_order="group",
-                              out_pieces=2 if block_n == 128 else 1,
-                              transposed_tails=step)
-  if rd._common.transposed_stores_lower():
-    _grouped_matmul_lowers(700, 128, 200, 3, config, transpose_rhs)
-  else:
-    with pytest.raises(NotImplementedError, match="transposed_tails needs JAX >= 0.11"):
-      _grouped_matmul_lowers(700, 128, 200, 3, config, transpose_rhs)
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])

@@ -203,14 +203,6 @@ def store_unswizzled(ref, value) -> None:
     ref[...] = value
 
 
-def transposed_stores_lower() -> bool:
-  """Whether registers in the WGMMA layout can be stored into a transposed
-  view of plain shared memory: JAX 0.10's Mosaic GPU refuses it ("Tiled
-  strides must be a multiple of the vector length"); 0.11.2 and 0.12 lower
-  it."""
-  return jax.__version_info__ >= (0, 11)
-
-
 @dataclasses.dataclass(frozen=True)
 class Transposed:
   """An `accumulate` lhs read from shared memory transposed: a ``[k, m]`` tile

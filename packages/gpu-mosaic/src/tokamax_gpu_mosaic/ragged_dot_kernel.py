@@ -101,14 +101,6 @@ class RaggedDotConfig:
   (no tail of one block's leftover items). Each output tile is still computed
   by one block from the same operands: results do not depend on who claims
   what. In the interpreter the claims follow the round-robin deal.
-  ``transposed_tails`` (``row_tiling="group"``, ``block_m=128``; 0: off): an
-  item whose rows end short of a 64-row multiple (a group's last tile) is
-  computed transposed, ``out^T = op(rhs)^T lhs^T``: the tile's rows become
-  wgmma's N dimension, issued in multiples of ``transposed_tails`` rows (16, 32
-  or 64) instead of 64-row M halves, and each compute warpgroup takes half the
-  columns (`_GroupTiles.tail_mma`). A group of random size then wastes about
-  ``transposed_tails / 2`` rows of work instead of 32. Each width is another
-  copy of the K loop in the kernel.
   """
 
   block_m: int = 128
@@ -123,7 +115,6 @@ class RaggedDotConfig:
   chain_items: bool = True
   sync_sharers: bool = False
   claim_items: bool = False
-  transposed_tails: int = 0
 
   def __post_init__(self):
     if self.block_m % WGMMA_M or self.block_m > 256:
@@ -158,13 +149,6 @@ class RaggedDotConfig:
       raise ValueError("claim_items=True and sync_sharers=True exclude each "
                        "other (sync_sharers meets the blocks of the round-robin "
                        "deal)")
-    if self.transposed_tails not in (0, 16, 32, 64):
-      raise ValueError("transposed_tails must be 0 (off), 16, 32 or 64; got "
-                       f"{self.transposed_tails}")
-    if self.transposed_tails and (self.row_tiling != "group" or self.block_m != 128):
-      # 256-row tails would need [block_n, 256] float32 accumulators.
-      raise ValueError("transposed_tails needs row_tiling='group' and block_m=128; "
-                       f"got row_tiling={self.row_tiling!r}, block_m={self.block_m}")
     if self.out_pieces not in (1, 2):
       raise ValueError(f"out_pieces must be 1 or 2; got {self.out_pieces}")
     if self.out_pieces == 2 and self.row_tiling != "group":
@@ -426,27 +410,20 @@ def _store_rows(y, lo, hi, dst_row, swizzled_smem, linear_smem, out_ref, cols):
     _pipeline.store_tile(swizzled_smem, y, out_ref.at[pl.ds(dst_row, rows), cols])
 
   @pl.when(~full & (hi > lo))
-  def _partial():  # A whole tile at an unaligned row also goes this way.
+  def _partial():
     _common.store_unswizzled(linear_smem, y)
     plgpu.commit_smem()
-    _copy_rows(linear_smem, lo, hi, dst_row, out_ref, cols)
+    count = hi - lo
+    size = rows  # A whole tile at an unaligned row also goes this way.
+    while size >= 1:
+      offset = lo + (count & ~(2 * size - 1))
 
-
-def _copy_rows(linear_smem, lo, hi, dst_row, out_ref, cols):
-  """TMA-stores rows ``[lo, hi)`` of the staged (unswizzled) `linear_smem` to
-  ``out_ref``'s rows from ``dst_row + lo`` on, in power-of-two row chunks (TMA
-  boxes have static shapes)."""
-  count = hi - lo
-  size = 1 << (linear_smem.shape[0].bit_length() - 1)  # covers any count < 2 * size
-  while size >= 1:
-    offset = lo + (count & ~(2 * size - 1))
-
-    @pl.when((count & size) != 0)
-    def _chunk():
-      plgpu.copy_smem_to_gmem(
-          linear_smem.at[pl.ds(offset, size)],
-          out_ref.at[pl.ds(dst_row + offset, size), cols])
-    size //= 2
+      @pl.when((count & size) != 0)
+      def _chunk():
+        plgpu.copy_smem_to_gmem(
+            linear_smem.at[pl.ds(offset, size)],
+            out_ref.at[pl.ds(dst_row + offset, size), cols])
+      size //= 2
 
 
 def _unbatched_only(call, batched_call):
@@ -600,9 +577,6 @@ class _GroupTiles:
 
   # The kernel's outputs after the streamed operands (a subclass may write more).
   num_outputs = 1
-  # Whether the kernel computes `RaggedDotConfig.transposed_tails` (a subclass
-  # with its own K step or epilogue does not).
-  transposes_tails = True
 
   @property
   def bm(self):
@@ -632,26 +606,18 @@ class _GroupTiles:
   def piece_n(self):
     return self.cta_n // self.pieces
 
-  @property
-  def tail_widths(self):
-    """The row counts a transposed tail item may be computed at (ascending;
-    empty without `RaggedDotConfig.transposed_tails`)."""
-    step = self.config.transposed_tails
-    return tuple(range(step, self.bm + 1, step)) if step else ()
-
   def out_smem_types(self):
     """Per compute warpgroup, its output tile (or one column piece) as swizzled
-    (whole tiles) or plain (partial tiles) shared memory over the same bytes,
-    and with transposed tails a plain ``[64, cta_n / 2]`` tile (64 rows of
-    its columns; no more bytes than the others). One union per warpgroup: with
-    one union of [2, ...] views, one warpgroup's plain writes corrupted the
-    other's swizzled tile on the H200 (notes/MOSAIC_GPU.md)."""
-    views = [plgpu.SMEM((self.half, self.piece_n), self.out_dtype,
-                        transforms=_common.swizzled(self.out_dtype, self.piece_n)),
-             plgpu.SMEM((self.half, self.piece_n), self.out_dtype)]
-    if self.tail_widths:
-      views.append(plgpu.SMEM((WGMMA_M, self.cta_n // 2), self.out_dtype))
-    return [plgpu.RefUnion(*views) for _ in range(2)]
+    (whole tiles) or plain (partial tiles) shared memory over the same bytes.
+    One union per warpgroup: with one union of [2, ...] views, one warpgroup's
+    plain writes corrupted the other's swizzled tile on the H200
+    (notes/MOSAIC_GPU.md)."""
+    return [
+        plgpu.RefUnion(
+            plgpu.SMEM((self.half, self.piece_n), self.out_dtype,
+                       transforms=_common.swizzled(self.out_dtype, self.piece_n)),
+            plgpu.SMEM((self.half, self.piece_n), self.out_dtype))
+        for _ in range(2)]
 
   def kernel(self, items_ref, *refs):
     """`refs`: the operands the pipeline streams (lhs, rhs), then the output
@@ -797,45 +763,15 @@ class _GroupTiles:
     `started`: whether this block ran a K pipeline before (int32)."""
     if self.config.sync_sharers:
       self.meet_sharers(item)
-    matmul = self.has_matmul(item)
-    if not self.tail_widths:
-      self.run_pipeline(item, operands, out_ref, out_smem, allocs, started,
-                        self.mma, self.context, matmul)
-    else:
-      if not self.transposes_tails:
-        raise NotImplementedError(
-            f"{type(self).__name__} does not compute transposed tails; run it "
-            "with RaggedDotConfig(transposed_tails=0)")
-      if not _common.transposed_stores_lower():
-        raise NotImplementedError(
-            f"transposed_tails needs JAX >= 0.11 (this is {jax.__version__}: its "
-            "Mosaic GPU cannot store a tile transposed); run it with "
-            "RaggedDotConfig(transposed_tails=0)")
-      width = self.tail_width(item)
-      self.run_pipeline(item, operands, out_ref, out_smem, allocs, started,
-                        self.mma, self.context, matmul & (width == 0))
-      for w in self.tail_widths:
-        self.run_pipeline(item, operands, out_ref, out_smem, allocs, started,
-                          functools.partial(self.tail_mma, width=w),
-                          functools.partial(self.tail_context, width=w),
-                          matmul & (width == w))
-
-    @pl.when((item.group < 0) & (item.hi > item.lo) & (item.wg < 2))
-    def _zeros():
-      self.store_zeros(item, out_ref, out_smem)
-
-  def run_pipeline(self, item: _Item, operands, out_ref, out_smem, allocs, started,
-                   mma, context, runs):
-    """Where `runs`: the item's K pipeline of ``mma(item, ...)`` steps inside
-    ``context(item, ...)`` (the accumulator, then the store)."""
-    context = functools.partial(context, item, out_ref, out_smem, allocs)
+    context = functools.partial(self.context, item, out_ref, out_smem, allocs)
     if not self.chained:
-      @pl.when(runs)
+      @pl.when(self.has_matmul(item))
       def _matmul():
-        self.pipeline(functools.partial(mma, item), context, self.k_steps)(
+        mma = functools.partial(self.mma, item)
+        self.pipeline(mma, context, self.k_steps)(
             *self.operand_blocks(item, operands), allocations=allocs)
     else:
-      mma = self.pipeline.releasing(functools.partial(mma, item), allocs)
+      mma = self.pipeline.releasing(functools.partial(self.mma, item), allocs)
       first = started == 0
       # Two copies of the pipeline (code size and compile time): its START
       # state (the ring's prologue) is static in
@@ -844,10 +780,14 @@ class _GroupTiles:
       # slots' releases) guards a reuse of the ring, and the ring's scope
       # ends with the kernel, every fetch consumed by the compute warpgroups.
       for first_item, when in ((True, first), (False, ~first)):
-        @pl.when(runs & when)
+        @pl.when(self.has_matmul(item) & when)
         def _matmul():
           self.pipeline(mma, context, self.k_steps, first_item=first_item)(
               *self.operand_blocks(item, operands), allocations=allocs)
+
+    @pl.when((item.group < 0) & (item.hi > item.lo) & (item.wg < 2))
+    def _zeros():
+      self.store_zeros(item, out_ref, out_smem)
 
   def meet_sharers(self, item: _Item):
     """Memory warpgroup, before the item's loads: signal each other block of
@@ -969,10 +909,9 @@ class _GroupTiles:
                           self.out_dtype))
 
   def store_rows(self, item: _Item, out_ref, out_smem, y, cols):
-    for w, views in enumerate(out_smem):
+    for w, (swizzled_smem, linear_smem) in enumerate(out_smem):
       @pl.when(item.wg == w)
       def _store():
-        swizzled_smem, linear_smem = views[0], views[1]
         _store_rows(y, item.wlo, item.whi, item.dst_row, swizzled_smem, linear_smem,
                     out_ref, cols)
 
@@ -983,69 +922,6 @@ class _GroupTiles:
     for p in range(self.pieces):
       self.store_rows(item, out_ref, out_smem, piece_of(p),
                       pl.ds(item.n0 + p * self.piece_n, self.piece_n))
-
-
-  # Transposed tails (`RaggedDotConfig.transposed_tails`).
-
-  def tail_width(self, item: _Item):
-    """The row count the item is computed at transposed, or 0: it runs as is
-    (every row tile but a group's last; a last one whose rows end on a 64-row
-    multiple, where the transposed form would issue as many rows)."""
-    step = self.config.transposed_tails
-    width = (item.hi + step - 1) // step * step
-    as_is = (item.hi + WGMMA_M - 1) // WGMMA_M * WGMMA_M
-    return jnp.where(width < as_is, width, 0)
-
-  def tail_mma(self, item: _Item, _, a_smem, b_smem, acc_ref, *, width: int):
-    """One K step of a transposed item: ``acc[c, r] += op(rhs)[k, c] lhs[r, k]``
-    over the tile's first `width` rows, each compute warpgroup for its half
-    of the columns (wgmma's M: ``cta_n / 2``, two or four 64-row MMAs)."""
-    rows = a_smem.at[pl.ds(0, width)].transpose((1, 0))  # [block_k, width]
-    half_n = self.cta_n // 2
-    for w in range(2):  # static column slices of the swizzled rhs tile
-      @pl.when(item.cwg == w)
-      def _issue():
-        if self.transpose_rhs:
-          cols = b_smem.at[pl.ds(w * half_n, half_n)]  # [half_n, block_k]
-        else:
-          cols = b_smem.at[:, pl.ds(w * half_n, half_n)].transpose((1, 0))
-        plgpu.wgmma(acc_ref, cols, rows)
-    plgpu.wgmma_wait(1)
-    return acc_ref
-
-  def tail_context(self, item: _Item, out_ref, out_smem, allocs, eval_pipeline, *,
-                   width: int):
-    """A transposed item's ``[cta_n / 2, width]`` accumulator around its K
-    loop, then its store."""
-
-    @functools.partial(pl.run_scoped,
-                       acc_ref=plgpu.ACC((self.cta_n // 2, width), jnp.float32))
-    def _acc_scope(acc_ref):
-      eval_pipeline(acc_ref)
-      self.finish_loop(allocs)
-      self.store_transposed(item, out_ref, out_smem, acc_ref[...])
-
-  def store_transposed(self, item: _Item, out_ref, out_smem, acc):
-    """Stores rows ``[lo, hi)`` of a transposed item from `acc` (``[cta_n /
-    2, width]``: this warpgroup's columns by the tile's rows), 64 rows at a
-    time through the plain ``[64, cta_n / 2]`` view, written transposed."""
-    half_n = self.cta_n // 2
-    y = acc.astype(self.out_dtype)
-    cols = pl.ds(item.n0 + item.cwg * half_n, half_n)
-    width = y.shape[1]
-    for r0 in range(0, width, WGMMA_M):
-      rows = min(WGMMA_M, width - r0)
-      part = y[:, r0:r0 + rows]  # static: the tile's rows [r0, r0 + rows)
-      lo = jnp.clip(item.lo - r0, 0, rows)
-      hi = jnp.clip(item.hi - r0, 0, rows)
-      for w, views in enumerate(out_smem):
-        @pl.when((item.wg == w) & (hi > lo))
-        def _store():
-          staging = views[2].at[pl.ds(0, rows)]
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # its last store read it
-          _common.store_unswizzled(staging.transpose((1, 0)), part)
-          plgpu.commit_smem()
-          _copy_rows(staging, lo, hi, item.row0 + r0, out_ref, cols)
 
 
 def _group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool, out_dtype,
