@@ -330,8 +330,28 @@ def test_shape_selects_problems_by_name(monkeypatch):
   for p in (tiny, other):
     p.reference, p.dtype = ("XLA (jnp)",), "float32"
   monkeypatch.setattr(bench_suite, "quick_suite", lambda: [tiny, other])
-  rows, _ = bench_suite._run(["layer_norm"], 1, [None], False, None, True, None, "64x128")
+  rows, _ = bench_suite._run(["layer_norm"], 1, [None], False, None, True, None,
+                             ["64x128"])
   assert rows and {r["shape"] for r in rows} == {"tiny 64x128"}
+  # Several names: the problems matching any of them.
+  rows, _ = bench_suite._run(["layer_norm"], 1, [None], False, None, True, None,
+                             ["64x128", "other"])
+  assert {r["shape"] for r in rows} == {"tiny 64x128", "other 8x8"}
+
+
+def test_shape_that_matches_nothing_names_the_problems(monkeypatch, capsys):
+  tiny = _tiny_norm()
+  monkeypatch.setattr(bench_suite, "quick_suite", lambda: [tiny])
+  with pytest.raises(bench_suite.NoMatchingShape, match="tiny 64x128"):
+    bench_suite._run(["layer_norm"], 1, [None], False, None, True, None, ["G128"])
+  # The command line: a usage error (exit status 2) that says so, no table.
+  from tokamax import __main__ as cli
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(["bench", "--quick", "--op", "layer_norm", "--shape", "G128"])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert "--shape: no problem's name contains any of ['G128']" in err
+  assert "tiny 64x128" in err
 
 
 def test_json_keeps_the_rows_of_a_run_cut_short(monkeypatch, tmp_path):

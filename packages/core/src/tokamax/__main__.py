@@ -77,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="only this op (repeatable; 'all' for every op, e.g. with --model)")
   bench.add_argument("--implementation", action="append",
                      help="only this implementation (repeatable; 'auto' for None)")
-  bench.add_argument("--shape", help="only problems whose name contains this "
-                                     "(e.g. 'window', 'sinks', 'B4 T4096')")
+  bench.add_argument("--shape", action="append",
+                     help="only problems whose name contains this (repeatable: any "
+                          "of them; e.g. 'window', 'sinks', 'B4 T4096')")
   bench.add_argument("--peer", action="append", metavar="NAME",
                      help="only the peers whose label contains NAME (repeatable; "
                           "'none' for none), e.g. --peer dense; a reference "
@@ -139,6 +140,13 @@ def main(argv: list[str] | None = None) -> int:
   tune.add_argument("--skip", action="append", default=[], metavar="IMPLEMENTATION",
                     help="do not measure this implementation (repeatable)")
   args = parser.parse_args(argv)
+  try:
+    return _run_command(parser, args)
+  except bench_suite.NoMatchingShape as e:
+    parser.error(f"--shape: {e}")
+
+
+def _run_command(parser, args) -> int:
   if args.command == "info":
     info()
   elif args.command == "demo":
@@ -160,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                       models=args.model, quick=args.quick, sizes=sizes,
                       json_path=args.json_path, compare_path=args.compare,
                       from_json=args.from_json, threshold=args.threshold,
-                      error_growth=args.error_growth, shape=args.shape,
+                      error_growth=args.error_growth, shapes=args.shape,
                       grid=args.grid, peers=args.peer)
   return 0
 

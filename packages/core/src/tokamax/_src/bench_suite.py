@@ -411,13 +411,14 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
          implementations: list[str] | None, sweep: bool = False, *,
          models: list[str] | None = None, quick: bool | None = None,
          sizes: dict[str, str] | None = None, json_path: str | None = None,
-         shape: str | None = None, grid: bool = False,
+         shapes: list[str] | None = None, grid: bool = False,
          compare_path: str | None = None, from_json: str | None = None,
          threshold: float = DEFAULT_THRESHOLD,
          error_growth: float = DEFAULT_ERROR_GROWTH,
          peers: list[str] | None = None) -> int:
   """Runs (or loads, `from_json`) the rows; writes, plots and compares them.
 
+  `shapes`: only problems whose name contains one of these (`select_shapes`).
   `grid`: the shapes tuned data is measured on (`grid_suite`) instead of the
   reference shapes; with `implementations` None, each row group has `None`
   beside every usable implementation, so the closing summary says where
@@ -433,7 +434,7 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
     all_rows, notes = load_rows(from_json)[1], []
   else:
     all_rows, notes = _run(ops, iterations, implementations, sweep, models, quick, sizes,
-                           shape, json_path, grid, peers)
+                           shapes, json_path, grid, peers)
   status = 0
   for r in all_rows:
     if r["op"].startswith("model ") and r.get("rel_err", 0) > r.get("tol", float("inf")):
@@ -499,7 +500,7 @@ def _print_auto_against_fastest(rows: list[dict]) -> None:
           f"ms, {f['fastest']} {f['fastest_ms']:.3f} ms ({f['ratio'] - 1:+.1%}){ran}")
 
 
-def _run(ops, iterations, implementations, sweep, models, quick, sizes, shape=None,
+def _run(ops, iterations, implementations, sweep, models, quick, sizes, shapes=None,
          json_path=None, grid=False, peers=None):
   """The rows of every selected problem and model; with `json_path`, the rows so far
   are written after each one, so that a run cut short (a device call's time limit)
@@ -510,8 +511,8 @@ def _run(ops, iterations, implementations, sweep, models, quick, sizes, shape=No
   problems = [p for p in suite if not ops or "all" in ops or p.op in ops] if run_ops else []
   if sweep:
     problems = sequence_sweep()
-  if shape:
-    problems = [p for p in problems if shape in p.name]
+  if shapes and problems:
+    problems = select_shapes(problems, shapes)
   models = list(dict.fromkeys(  # "all": the plain-JAX models, then any other named
       m for name in (models or [])
       for m in (bench_models.MODELS if name == "all" else (name,))))
@@ -585,6 +586,23 @@ def _first_party_only(result):
                                      versions=versions, failures=failures)
 
 
+class NoMatchingShape(ValueError):
+  """`--shape` names no problem of the selected suite."""
+
+
+def select_shapes(problems: list[Problem], shapes: list[str]) -> list[Problem]:
+  """The `problems` whose name contains any of `shapes` (substrings, e.g.
+  ``["G128", "G256"]``); a ValueError naming the problems there are where none
+  matches (`NoMatchingShape`), so that a mistyped name does not print an
+  empty table."""
+  chosen = [p for p in problems if any(s in p.name for s in shapes)]
+  if not chosen:
+    names = sorted({p.name for p in problems})
+    raise NoMatchingShape(f"no problem's name contains any of {shapes}; the selected "
+                     f"suite's problems are: {', '.join(names)}")
+  return chosen
+
+
 def autotune_suite(ops: list[str] | None, shapes: list[str] | None, out: str,
                    iterations: int, timeout_s: float | None, grid: bool = False,
                    skip: tuple[str, ...] = ()) -> None:
@@ -607,9 +625,11 @@ def autotune_suite(ops: list[str] | None, shapes: list[str] | None, out: str,
   # its traceback every frame that was running, with their arrays.
   registry.get()
   result = autotuning.AutotuningResult()
-  for p in grid_suite() if grid else reference_suite():
-    if (ops and p.op not in ops) or (shapes and not any(s in p.name for s in shapes)):
-      continue
+  problems = [p for p in (grid_suite() if grid else reference_suite())
+              if not ops or p.op in ops]
+  if shapes and problems:
+    problems = select_shapes(problems, shapes)
+  for p in problems:
     inputs = p.make_inputs()
     integer_inputs = p.integer_inputs and p.integer_inputs(inputs)
     # autotune times inputs of its own (random floats, these integer values): of
