@@ -426,6 +426,56 @@ def test_reuse_order_tall_many_random_groups(config):
 
 
 @gpu
+def test_claim_items_many_items_a_block():
+  """Claims over about 18 items a block (M65536 in 128 random groups, two
+  empty, rows past the last; 4 column tiles of 256): the forward, dlhs, and
+  the gradients through dispatch (whose backward heuristic claims too). The
+  tests above give a block about 2 items."""
+  rng = _rng()
+  cuts = np.sort(rng.integers(0, 60000, 127))
+  sizes = np.diff(np.concatenate([[0], cuts, [60000]]))
+  sizes[[3, 50]] = 0
+  sizes = sizes.tolist()
+  _check(65536, 128, 1024, sizes, config=_CLAIM[0])
+  _check_dlhs(65536, 128, 1024, sizes, _CLAIM[0], "dlhs, many items a block")
+
+
+@gpu
+def test_claim_items_under_vmap():
+  """`jax.vmap` of a claiming ragged_dot, forward and gradients: Pallas runs
+  the batch as one launch, whose instances would share the claims' counter,
+  so the vmapped kernels deal round robin (`_GroupTiles.persistent_call`).
+  Each batch element against the float32 reference."""
+  m, k, n, sizes = 1000, 256, 392, [300, 0, 201, 5, 394]
+  lhs = jnp.stack([_inputs(m, k, n, len(sizes), jnp.bfloat16)[0] for _ in range(2)])
+  rhs = _inputs(m, k, n, len(sizes), jnp.bfloat16)[1]
+  group_sizes = jnp.asarray(sizes, jnp.int32)
+  impl = rd.MosaicGpuRaggedDot(_CLAIM[0])
+
+  def batched(l, r, implementation):
+    return jax.vmap(lambda x: tokamax.ragged_dot(
+        x, r, group_sizes, implementation=implementation))(l)
+  with tokamax.record_dispatch() as records:
+    out = jax.jit(batched, static_argnums=2)(lhs, rhs, impl)
+  assert any(r.implementation == "mosaic_gpu" for r in records), records
+  for b in range(2):
+    testing.assert_close(out[b], _lax_reference(lhs[b], rhs, sizes), jnp.bfloat16,
+                         what=f"vmapped forward, element {b}", gpu=True)
+  cot = jnp.asarray(_rng().standard_normal(out.shape), jnp.float32)
+
+  def loss(l, r, implementation):
+    return jnp.sum(batched(l, r, implementation).astype(jnp.float32) * cot)
+  with tokamax.record_dispatch() as records:
+    dl, dr = jax.grad(loss, argnums=(0, 1))(lhs, rhs, impl)
+  assert any(r.implementation == "mosaic_gpu" and r.direction == "backward"
+             for r in records), records
+  rl, rr = jax.grad(loss, argnums=(0, 1))(lhs.astype(jnp.float32),
+                                          rhs.astype(jnp.float32), "xla")
+  testing.assert_close(dl, rl, jnp.bfloat16, what="vmapped dlhs", scale=2, gpu=True)
+  testing.assert_close(dr, rr, jnp.bfloat16, what="vmapped drhs", scale=2, gpu=True)
+
+
+@gpu
 @pytest.mark.parametrize("config", _REUSE[:3] + _SYNC + _CLAIM[:2], ids=_wid)
 def test_reuse_order_tall_dlhs_and_vjp(config):
   """The transposed-rhs kernel (dlhs) with the variant, and the whole backward
