@@ -427,10 +427,11 @@ def test_reuse_order_tall_many_random_groups(config):
 
 @gpu
 def test_claim_items_many_items_a_block():
-  """Claims over about 18 items a block (M65536 in 128 random groups, two
-  empty, rows past the last; 4 column tiles of 256): the forward, dlhs, and
-  the gradients through dispatch (whose backward heuristic claims too). The
-  tests above give a block about 2 items."""
+  """Claims over many items a block (M65536 in 128 random groups, two empty,
+  rows past the last): the forward (4 column tiles of 256: about 18 items a
+  block) and the gradients through dispatch (whose backward heuristic claims
+  too), and dlhs alone (128 output columns: about 5). The tests above give a
+  block about 2 items."""
   rng = _rng()
   cuts = np.sort(rng.integers(0, 60000, 127))
   sizes = np.diff(np.concatenate([[0], cuts, [60000]]))

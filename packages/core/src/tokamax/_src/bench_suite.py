@@ -592,14 +592,14 @@ class NoMatchingShape(ValueError):
 
 def select_shapes(problems: list[Problem], shapes: list[str]) -> list[Problem]:
   """The `problems` whose name contains any of `shapes` (substrings, e.g.
-  ``["G128", "G256"]``); a ValueError naming the problems there are where none
-  matches (`NoMatchingShape`), so that a mistyped name does not print an
-  empty table."""
+  ``["G128", "G256"]``); `NoMatchingShape` naming the problems there are
+  where none matches, so that a mistyped name does not print an empty
+  table."""
   chosen = [p for p in problems if any(s in p.name for s in shapes)]
   if not chosen:
     names = sorted({p.name for p in problems})
-    raise NoMatchingShape(f"no problem's name contains any of {shapes}; the selected "
-                     f"suite's problems are: {', '.join(names)}")
+    raise NoMatchingShape(f"no problem's name contains any of {shapes}; the "
+                          f"selected suite's problems are: {', '.join(names)}")
   return chosen
 
 
