@@ -15,6 +15,7 @@ import kernel_breakdown  # noqa: E402
 import l2_model  # noqa: E402
 import none_check  # noqa: E402
 import pytest_shard  # noqa: E402
+import sass_stalls  # noqa: E402
 import trace_summary  # noqa: E402
 import tune  # noqa: E402
 
@@ -299,3 +300,36 @@ def test_none_check_fails_past_the_margin(monkeypatch, capsys, auto_ms, status):
   assert none_check.main() == status
   printed = capsys.readouterr().out
   assert f"| forward | auto {auto_ms:.3f} | mosaic_gpu 1.000 | triton 1.100 |" in printed
+
+
+def test_sass_stalls_splits_samples_by_instruction_count_and_range(tmp_path):
+  # An `ncu --page source --csv --print-source sass` export, cut to the columns
+  # the tool reads (the real one has about 70): a loop body executed 400 times,
+  # an epilogue 10 times, setup once.
+  header = ["Address", "Source", "Warp Stall Sampling (All Samples)",
+            "Warp Stall Sampling (Not-issued Samples)", "Instructions Executed",
+            "stall_barrier", "stall_long_sb", "stall_long_sb (Not Issued)"]
+  body = [("0x0", "  MOV R1, c[0x0][0x28]", 2, 1, 1, 0, 0, 0),
+          ("0x10", "  HGMMA.64x256x16.F32.BF16 R24", 30, 20, 400, 0, 5, 5),
+          ("0x20", "  @!P0 BRA 0x10", 50, 50, 400, 0, 48, 48),
+          ("0x30", "  WARPGROUP.DEPBAR.LE gsb0, 0x0", 12, 12, 10, 12, 0, 0),
+          ("0x40", "  STSM.16.M88.4 [R5], R20", 6, 6, 10, 0, 1, 1)]
+  path = tmp_path / "prof.csv"
+  with open(path, "w") as f:
+    f.write('"Kernel Name","kernel_mosaic_gpu_kernel",\n')
+    f.write(",".join(f'"{h}"' for h in header) + "\n")
+    for row in body:
+      f.write(",".join(f'"{v}"' for v in row) + "\n")
+  rows = sass_stalls.load(str(path))
+  assert len(rows) == 5 and rows[2]["samples"] == 50 and rows[2]["executed"] == 400
+  assert rows[2]["stalls"] == {"barrier": 0, "long_sb": 48}
+  assert [i for i, _ in sass_stalls.top_instructions(rows, 2)] == [2, 1]
+  assert sass_stalls.by_execution_count(rows) == [(400, 2, 80), (10, 2, 18), (1, 1, 2)]
+  assert sass_stalls.by_region(rows, 2) == [(0, 1, 32), (2, 3, 62), (4, 4, 6)]
+  text = sass_stalls.summarize(rows, top=3, region=2)
+  assert "5 instructions, 100 stall samples" in text
+  assert "x400" in text and "80  80.0%" in text
+  with open(tmp_path / "other.csv", "w") as f:
+    f.write('"Address","Source"\n"0x0","MOV"\n')
+  with pytest.raises(ValueError, match="no 'Warp Stall Sampling"):
+    sass_stalls.load(str(tmp_path / "other.csv"))
