@@ -101,6 +101,13 @@ class RaggedDotConfig:
   (no tail of one block's leftover items). Each output tile is still computed
   by one block from the same operands: results do not depend on who claims
   what. In the interpreter the claims follow the round-robin deal.
+  ``l2_prefetch`` (``row_tiling="group"``; 0: off): at each K step the compute
+  warpgroups ask L2 for the lhs and rhs tiles of the step ``l2_prefetch``
+  steps further on (TMA prefetches, no shared memory: `_GroupTiles.prefetch`),
+  so that a tile's read from DRAM starts before the ring's turn to load it.
+  Within an item only (the next item is not known before a claim is read).
+  A hint: results do not depend on it. Needs JAX >= 0.11 (a prefetch with a
+  predicate).
   """
 
   block_m: int = 128
@@ -115,6 +122,7 @@ class RaggedDotConfig:
   chain_items: bool = True
   sync_sharers: bool = False
   claim_items: bool = False
+  l2_prefetch: int = 0
 
   def __post_init__(self):
     if self.block_m % WGMMA_M or self.block_m > 256:
@@ -149,6 +157,11 @@ class RaggedDotConfig:
       raise ValueError("claim_items=True and sync_sharers=True exclude each "
                        "other (sync_sharers meets the blocks of the round-robin "
                        "deal)")
+    if not 0 <= self.l2_prefetch <= 16:
+      raise ValueError(f"l2_prefetch must be 0 (off) to 16 K steps; got "
+                       f"{self.l2_prefetch}")
+    if self.l2_prefetch and self.row_tiling != "group":
+      raise ValueError("l2_prefetch needs row_tiling='group'")
     if self.out_pieces not in (1, 2):
       raise ValueError(f"out_pieces must be 1 or 2; got {self.out_pieces}")
     if self.out_pieces == 2 and self.row_tiling != "group":
@@ -577,6 +590,9 @@ class _GroupTiles:
 
   # The kernel's outputs after the streamed operands (a subclass may write more).
   num_outputs = 1
+  # Whether `prefetch` knows the kernel's operands (`RaggedDotConfig.l2_prefetch`;
+  # a subclass streaming other operands does not).
+  prefetches = True
 
   @property
   def bm(self):
@@ -767,11 +783,12 @@ class _GroupTiles:
     if not self.chained:
       @pl.when(self.has_matmul(item))
       def _matmul():
-        mma = functools.partial(self.mma, item)
+        mma = self.prefetching(functools.partial(self.mma, item), item, operands)
         self.pipeline(mma, context, self.k_steps)(
             *self.operand_blocks(item, operands), allocations=allocs)
     else:
-      mma = self.pipeline.releasing(functools.partial(self.mma, item), allocs)
+      mma = self.pipeline.releasing(
+          self.prefetching(functools.partial(self.mma, item), item, operands), allocs)
       first = started == 0
       # Two copies of the pipeline (code size and compile time): its START
       # state (the ring's prologue) is static in
@@ -788,6 +805,38 @@ class _GroupTiles:
     @pl.when((item.group < 0) & (item.hi > item.lo) & (item.wg < 2))
     def _zeros():
       self.store_zeros(item, out_ref, out_smem)
+
+  def prefetching(self, mma, item: _Item, operands):
+    """The pipeline body `mma` (``mma(indices, ...)``), preceded by the L2
+    prefetch of the step `RaggedDotConfig.l2_prefetch` steps on."""
+    ahead = self.config.l2_prefetch
+    if not ahead:
+      return mma
+    if not self.prefetches:
+      raise NotImplementedError(
+          f"{type(self).__name__} does not prefetch its operands; run it with "
+          "RaggedDotConfig(l2_prefetch=0)")
+    if jax.__version_info__ < (0, 11):
+      raise NotImplementedError(
+          f"l2_prefetch needs JAX >= 0.11 (this is {jax.__version__}: its "
+          "prefetch takes no predicate); run it with RaggedDotConfig(l2_prefetch=0)")
+    blocks = self.operand_blocks(item, operands)
+
+    def body(indices, *args):
+      self.prefetch(item, *blocks, indices[0] + ahead)
+      return mma(indices, *args)
+    return body
+
+  def prefetch(self, item: _Item, a_ref, b_ref, step):
+    """Compute warpgroups: one thread of warpgroup 0 asks L2 for K step
+    `step`'s lhs tile, one of warpgroup 1 for its rhs tile (none past the
+    item's last step)."""
+    bk = self.config.block_k
+    ks = pl.ds(jnp.minimum(step, self.k_steps - 1) * bk, bk)
+    inside = step < self.k_steps
+    rhs_tile = b_ref.at[:, ks] if self.transpose_rhs else b_ref.at[ks, :]
+    plgpu.async_prefetch(a_ref.at[:, ks], predicate=inside & (item.cwg == 0))
+    plgpu.async_prefetch(rhs_tile, predicate=inside & (item.cwg == 1))
 
   def meet_sharers(self, item: _Item):
     """Memory warpgroup, before the item's loads: signal each other block of
