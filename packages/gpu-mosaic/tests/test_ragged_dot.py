@@ -374,10 +374,12 @@ _CLAIM = [
 
 
 # `l2_prefetch` (TMA prefetches to L2 a few K steps ahead): a hint, so the same
-# results; chained items and items each filling the ring.
+# results, and no fault where a prefetched box runs past the arrays; chained
+# items and items each filling the ring, leads short enough to be active at
+# the tests' K of 256 and more (4+ steps of 64).
 _PREFETCH = [
     rd.RaggedDotConfig(num_stages=4, out_pieces=2, item_order="group",
-                       claim_items=True, l2_prefetch=6),
+                       claim_items=True, l2_prefetch=3),
     rd.RaggedDotConfig(num_stages=3, l2_prefetch=2, chain_items=False),
 ]
 
@@ -907,12 +909,14 @@ def test_l2_prefetch_lowers_for_cuda(transpose_rhs, chain):
   the kernel, in chained and per-item rings; a JAX whose prefetch takes no
   predicate is refused."""
   pytest.importorskip("absl")
-  m, k, n, g = 700, 192, 200, 3
+  m, k, n, g = 700, 640, 200, 3  # 10 K steps: a lead of 4 prefetches 6
   shapes = [((m, k), jnp.bfloat16), ((g, n, k) if transpose_rhs else (g, k, n),
                                      jnp.bfloat16), ((g,), jnp.int32)]
 
   def module(ahead):
-    config = rd.RaggedDotConfig(block_n=64, num_stages=3, item_order="group",
+    # 10 K steps in a 2-deep ring: one ring for the block's items with
+    # chain_items (10 is a multiple of 2), else a ring filled per item.
+    config = rd.RaggedDotConfig(block_n=64, num_stages=2, item_order="group",
                                 chain_items=chain, l2_prefetch=ahead)
 
     def f(lhs, rhs, sizes):
@@ -925,7 +929,11 @@ def test_l2_prefetch_lowers_for_cuda(transpose_rhs, chain):
     with pytest.raises(NotImplementedError, match="l2_prefetch needs JAX >= 0.11"):
       module(4)
     return
-  assert "cp.async.bulk.prefetch.tensor" in module(4)
+  text = module(4)
+  # The lhs tile (a 2-d box) and the rhs tile (3-d: group, rows, columns),
+  # each under a predicate.
+  assert "@$0 cp.async.bulk.prefetch.tensor.2d.L2" in text
+  assert "@$0 cp.async.bulk.prefetch.tensor.3d.L2" in text
   assert "cp.async.bulk.prefetch.tensor" not in module(0)
 
 

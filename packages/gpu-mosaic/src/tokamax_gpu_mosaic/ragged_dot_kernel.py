@@ -104,10 +104,13 @@ class RaggedDotConfig:
   ``l2_prefetch`` (``row_tiling="group"``; 0: off): at each K step the compute
   warpgroups ask L2 for the lhs and rhs tiles of the step ``l2_prefetch``
   steps further on (TMA prefetches, no shared memory: `_GroupTiles.prefetch`),
-  so that a tile's read from DRAM starts before the ring's turn to load it.
-  Within an item only (the next item is not known before a claim is read).
-  A hint: results do not depend on it. Needs JAX >= 0.11 (a prefetch with a
-  predicate).
+  so that a tile's read from DRAM starts before the ring's turn to load it:
+  a lead of ``num_stages - 1`` or less asks for tiles the ring is already
+  loading. Within an item only (the next item is not known before a claim is
+  read), so an item of fewer K steps than the lead gets none. A hint:
+  results do not depend on it. The forward and dlhs kernels prefetch; the
+  drhs kernels (`ragged_dot_kernel_drhs`) do not read the field. Needs JAX >=
+  0.11 (a prefetch with a predicate).
   """
 
   block_m: int = 128
