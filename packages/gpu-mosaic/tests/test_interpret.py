@@ -358,8 +358,9 @@ def test_ragged_dot():
                          claim_items=True), 256, 1),
     (rdk.RaggedDotConfig(block_m=256, block_n=128, block_k=64, num_stages=4,
                          out_pieces=2, claim_items=True), 256, 0),
-    # L2 prefetches two steps ahead (no-ops in the interpreter: this checks
-    # that the prefetching body passes the pipeline's arguments through).
+    # L2 prefetches two steps ahead, and of a claimed item's first two steps
+    # (no-ops in the interpreter: this checks that the prefetching body and
+    # the publication pass their arguments through).
     (rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=64, num_stages=2,
                          item_order="group", claim_items=True, l2_prefetch=2),
      256, 1),

@@ -904,20 +904,23 @@ def test_l2_prefetch_validation():
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 @pytest.mark.parametrize("chain", [True, False])
-def test_l2_prefetch_lowers_for_cuda(transpose_rhs, chain):
+@pytest.mark.parametrize("claim", [False, True])
+def test_l2_prefetch_lowers_for_cuda(transpose_rhs, chain, claim, monkeypatch):
   """The prefetches (predicated TMA prefetches of the lhs and rhs tiles) are in
-  the kernel, in chained and per-item rings; a JAX whose prefetch takes no
-  predicate is refused."""
+  the kernel, in chained and per-item rings, and with claims also where the
+  memory warpgroup publishes a claim (an item's first steps); a JAX whose
+  prefetch takes no predicate is refused."""
   pytest.importorskip("absl")
   m, k, n, g = 700, 640, 200, 3  # 10 K steps: a lead of 4 prefetches 6
   shapes = [((m, k), jnp.bfloat16), ((g, n, k) if transpose_rhs else (g, k, n),
                                      jnp.bfloat16), ((g,), jnp.int32)]
 
-  def module(ahead):
+  def module(ahead, claim=claim):
     # 10 K steps in a 2-deep ring: one ring for the block's items with
     # chain_items (10 is a multiple of 2), else a ring filled per item.
     config = rd.RaggedDotConfig(block_n=64, num_stages=2, item_order="group",
-                                chain_items=chain, l2_prefetch=ahead)
+                                chain_items=chain, claim_items=claim,
+                                l2_prefetch=ahead)
 
     def f(lhs, rhs, sizes):
       starts, ends = tokamax.plugin.held_row_ranges(sizes, None, g, m)
@@ -935,6 +938,15 @@ def test_l2_prefetch_lowers_for_cuda(transpose_rhs, chain):
   assert "@$0 cp.async.bulk.prefetch.tensor.2d.L2" in text
   assert "@$0 cp.async.bulk.prefetch.tensor.3d.L2" in text
   assert "cp.async.bulk.prefetch.tensor" not in module(0)
+  # With claims the memory warpgroup also prefetches each claimed item's
+  # first steps where it publishes the claim (traced at the loop's two
+  # publications: the first claim's and the loop body's).
+  published = []
+  first_steps = rdk._GroupTiles.prefetch_first_steps
+  monkeypatch.setattr(rdk._GroupTiles, "prefetch_first_steps",
+                      lambda self, *a: published.append(1) or first_steps(self, *a))
+  module(3)
+  assert len(published) == (2 if claim else 0)
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])

@@ -106,8 +106,10 @@ class RaggedDotConfig:
   steps further on (TMA prefetches, no shared memory: `_GroupTiles.prefetch`),
   so that a tile's read from DRAM starts before the ring's turn to load it:
   a lead of ``num_stages - 1`` or less asks for tiles the ring is already
-  loading. Within an item only (the next item is not known before a claim is
-  read), so an item of fewer K steps than the lead gets none. A hint:
+  loading. With ``claim_items`` the memory warpgroup also prefetches a
+  claimed item's first ``l2_prefetch`` steps when it publishes the claim
+  (after streaming the current item's last loads), so every step of an item
+  is asked for ahead; without claims an item's first steps are not. A hint:
   results do not depend on it. The forward and dlhs kernels prefetch; the
   drhs kernels (`ragged_dot_kernel_drhs`) do not read the field. Needs JAX >=
   0.11 (a prefetch with a predicate).
@@ -659,8 +661,16 @@ class _GroupTiles:
         self.run_item(item, operands, out_ref, out_smem, allocs, started=started)
         return started | self.has_matmul(item).astype(jnp.int32)
 
+      def prefetch_start(index):
+        """Memory warpgroup, having claimed item `index`: its first K steps
+        to L2 (`RaggedDotConfig.l2_prefetch`)."""
+        item = self.item(items_ref, wg, cwg,
+                         jnp.minimum(index, self.num_items * self.n_tiles - 1))
+        self.prefetch_first_steps(item, operands, index < self.num_items * self.n_tiles)
+
       if claims is not None:
-        self.claimed_loop(run, wg, *claims)
+        self.claimed_loop(run, wg, *claims,
+                          on_claim=prefetch_start if self.config.l2_prefetch else None)
       else:
         @plgpu.nd_loop((self.num_items * self.n_tiles,), collective_axes="sm",
                        init_carry=jnp.int32(0))
@@ -685,7 +695,7 @@ class _GroupTiles:
     return _unbatched_only(
         call, _pipeline.persistent_kernel(body(dealt), out_type=out_type))
 
-  def claimed_loop(self, run, wg, tickets, claimed, read):
+  def claimed_loop(self, run, wg, tickets, claimed, read, on_claim=None):
     """The block's items as it claims them (`RaggedDotConfig.claim_items`).
 
     Thread 0 of the memory warpgroup claims the index of the block's next item
@@ -699,7 +709,8 @@ class _GroupTiles:
     have read it, two claims later). The compute warpgroups thus run exactly
     the indices the memory warpgroup streams. A block stops at its first
     index past the table: every block claims one such, and then the counter
-    is never touched again."""
+    is never touched again. `on_claim(index)`, if given, runs in the memory
+    warpgroup after each publication (the index may be past the table)."""
     total = self.num_items * self.n_tiles
     counter = (None if _common.interpreting()
                else pl.get_global(plgpu.SemaphoreType.REGULAR((1,))))
@@ -717,6 +728,8 @@ class _GroupTiles:
           def _store():
             _store_claim(claimed_index, tickets.at[pl.ds(s, 1)])
         plgpu.barrier_arrive(claimed.at[slot])
+        if on_claim is not None:
+          on_claim(claimed_index)
 
     def take(j):
       """All warpgroups: the index claimed for the block's item `j`."""
@@ -815,6 +828,17 @@ class _GroupTiles:
     ahead = self.config.l2_prefetch
     if not ahead:
       return mma
+    self.check_prefetches()
+    blocks = self.operand_blocks(item, operands)
+
+    def body(indices, *args):
+      self.prefetch(item, *blocks, indices[0] + ahead)
+      return mma(indices, *args)
+    return body
+
+  def check_prefetches(self):
+    """Raises NotImplementedError where `RaggedDotConfig.l2_prefetch` cannot
+    be honoured (it is never ignored)."""
     if not self.prefetches:
       raise NotImplementedError(
           f"{type(self).__name__} does not prefetch its operands; run it with "
@@ -823,23 +847,35 @@ class _GroupTiles:
       raise NotImplementedError(
           f"l2_prefetch needs JAX >= 0.11 (this is {jax.__version__}: its "
           "prefetch takes no predicate); run it with RaggedDotConfig(l2_prefetch=0)")
-    blocks = self.operand_blocks(item, operands)
-
-    def body(indices, *args):
-      self.prefetch(item, *blocks, indices[0] + ahead)
-      return mma(indices, *args)
-    return body
 
   def prefetch(self, item: _Item, a_ref, b_ref, step):
     """Compute warpgroups: one thread of warpgroup 0 asks L2 for K step
     `step`'s lhs tile, one of warpgroup 1 for its rhs tile (none past the
     item's last step)."""
-    bk = self.config.block_k
-    ks = pl.ds(jnp.minimum(step, self.k_steps - 1) * bk, bk)
     inside = step < self.k_steps
+    self.prefetch_tiles(a_ref, b_ref, jnp.minimum(step, self.k_steps - 1),
+                        inside & (item.cwg == 0), inside & (item.cwg == 1))
+
+  def prefetch_first_steps(self, item: _Item, operands, valid):
+    """Memory warpgroup: one thread asks L2 for the lhs and rhs tiles of the
+    item's first `RaggedDotConfig.l2_prefetch` K steps (where `valid` and
+    the item runs a K loop)."""
+    self.check_prefetches()
+    # A zero item's group is -1: any group's tiles, never prefetched.
+    item = item._replace(group=jnp.maximum(item.group, 0))
+    a_ref, b_ref = self.operand_blocks(item, operands)
+    wanted = valid & item.matmul
+    for step in range(min(self.config.l2_prefetch, self.k_steps)):
+      self.prefetch_tiles(a_ref, b_ref, step, wanted, wanted)
+
+  def prefetch_tiles(self, a_ref, b_ref, step, lhs_when, rhs_when):
+    """K step `step`'s lhs tile (where `lhs_when`) and rhs tile (where
+    `rhs_when`) to L2, each by one thread of the calling warpgroup."""
+    bk = self.config.block_k
+    ks = pl.ds(step * bk, bk)
     rhs_tile = b_ref.at[:, ks] if self.transpose_rhs else b_ref.at[ks, :]
-    plgpu.async_prefetch(a_ref.at[:, ks], predicate=inside & (item.cwg == 0))
-    plgpu.async_prefetch(rhs_tile, predicate=inside & (item.cwg == 1))
+    plgpu.async_prefetch(a_ref.at[:, ks], predicate=lhs_when)
+    plgpu.async_prefetch(rhs_tile, predicate=rhs_when)
 
   def meet_sharers(self, item: _Item):
     """Memory warpgroup, before the item's loads: signal each other block of
