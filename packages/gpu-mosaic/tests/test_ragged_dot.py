@@ -939,14 +939,19 @@ def test_l2_prefetch_lowers_for_cuda(transpose_rhs, chain, claim, monkeypatch):
   assert "@$0 cp.async.bulk.prefetch.tensor.3d.L2" in text
   assert "cp.async.bulk.prefetch.tensor" not in module(0)
   # With claims the memory warpgroup also prefetches each claimed item's
-  # first steps where it publishes the claim (traced at the loop's two
-  # publications: the first claim's and the loop body's).
-  published = []
-  first_steps = rdk._GroupTiles.prefetch_first_steps
-  monkeypatch.setattr(rdk._GroupTiles, "prefetch_first_steps",
-                      lambda self, *a: published.append(1) or first_steps(self, *a))
+  # first 3 steps once it publishes the claim: traced at the loop's two
+  # reads of a claim (the first's and the loop body's), each step's two tiles
+  # at a static step (the compute warpgroups' prefetches take a traced one).
+  static_steps = []
+  tiles = rdk._GroupTiles.prefetch_tiles
+
+  def recording(self, a_ref, b_ref, step, *when):
+    if isinstance(step, int):
+      static_steps.append(step)
+    return tiles(self, a_ref, b_ref, step, *when)
+  monkeypatch.setattr(rdk._GroupTiles, "prefetch_tiles", recording)
   module(3)
-  assert len(published) == (2 if claim else 0)
+  assert sorted(static_steps) == ([0, 0, 1, 1, 2, 2] if claim else [])
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])

@@ -107,7 +107,7 @@ class RaggedDotConfig:
   so that a tile's read from DRAM starts before the ring's turn to load it:
   a lead of ``num_stages - 1`` or less asks for tiles the ring is already
   loading. With ``claim_items`` the memory warpgroup also prefetches a
-  claimed item's first ``l2_prefetch`` steps when it publishes the claim
+  claimed item's first ``l2_prefetch`` steps once it publishes the claim
   (after streaming the current item's last loads), so every step of an item
   is asked for ahead; without claims an item's first steps are not. A hint:
   results do not depend on it. The forward and dlhs kernels prefetch; the
@@ -710,7 +710,10 @@ class _GroupTiles:
     the indices the memory warpgroup streams. A block stops at its first
     index past the table: every block claims one such, and then the counter
     is never touched again. `on_claim(index)`, if given, runs in the memory
-    warpgroup after each publication (the index may be past the table)."""
+    warpgroup once it has read back each index it published (the index may be
+    past the table). Read back, not the claim's result: that is held by
+    thread 0 alone (`_claim_index`), and which thread a one-thread operation
+    elects is not necessarily thread 0."""
     total = self.num_items * self.n_tiles
     counter = (None if _common.interpreting()
                else pl.get_global(plgpu.SemaphoreType.REGULAR((1,))))
@@ -728,8 +731,6 @@ class _GroupTiles:
           def _store():
             _store_claim(claimed_index, tickets.at[pl.ds(s, 1)])
         plgpu.barrier_arrive(claimed.at[slot])
-        if on_claim is not None:
-          on_claim(claimed_index)
 
     def take(j):
       """All warpgroups: the index claimed for the block's item `j`."""
@@ -737,6 +738,10 @@ class _GroupTiles:
       plgpu.barrier_wait(claimed.at[slot])
       index = tickets[slot]
       plgpu.barrier_arrive(read.at[slot])
+      if on_claim is not None:
+        @pl.when(is_memory)
+        def _announce():
+          on_claim(index)
       return index
 
     def body(carry):
