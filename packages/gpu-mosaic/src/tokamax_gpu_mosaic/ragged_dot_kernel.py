@@ -733,7 +733,8 @@ class _GroupTiles:
         plgpu.barrier_arrive(claimed.at[slot])
 
     def take(j):
-      """All warpgroups: the index claimed for the block's item `j`."""
+      """All warpgroups: the index claimed for the block's item `j` (then the
+      memory warpgroup runs `on_claim` on it)."""
       slot = lax.rem(j, 2)
       plgpu.barrier_wait(claimed.at[slot])
       index = tickets[slot]
