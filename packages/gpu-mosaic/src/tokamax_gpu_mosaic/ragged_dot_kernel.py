@@ -662,11 +662,11 @@ class _GroupTiles:
         return started | self.has_matmul(item).astype(jnp.int32)
 
       def prefetch_start(index):
-        """Memory warpgroup, having claimed item `index`: its first K steps
-        to L2 (`RaggedDotConfig.l2_prefetch`)."""
-        item = self.item(items_ref, wg, cwg,
-                         jnp.minimum(index, self.num_items * self.n_tiles - 1))
-        self.prefetch_first_steps(item, operands, index < self.num_items * self.n_tiles)
+        """Memory warpgroup, having claimed item `index` (past the table for
+        its last claim): its first K steps to L2 (`RaggedDotConfig.l2_prefetch`)."""
+        total = self.num_items * self.n_tiles
+        item = self.item(items_ref, wg, cwg, jnp.minimum(index, total - 1))
+        self.prefetch_first_steps(item, operands, index < total)
 
       if claims is not None:
         self.claimed_loop(run, wg, *claims,
