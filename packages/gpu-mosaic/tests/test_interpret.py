@@ -358,14 +358,8 @@ def test_ragged_dot():
                          claim_items=True), 256, 1),
     (rdk.RaggedDotConfig(block_m=256, block_n=128, block_k=64, num_stages=4,
                          out_pieces=2, claim_items=True), 256, 0),
-    # L2 prefetches two steps ahead, and of a claimed item's first two steps
-    # (no-ops in the interpreter: this checks that the prefetching body and
-    # the publication pass their arguments through).
-    (rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=64, num_stages=2,
-                         item_order="group", claim_items=True, l2_prefetch=2),
-     256, 1),
 ], ids=["wide", "tall-offset", "short-k", "wide-group", "claimed",
-        "claimed-tall", "prefetch"])
+        "claimed-tall"])
 def test_ragged_dot_chained_items(config, k, offset, transpose_rhs):
   """Work items chained in one ring (`_pipeline.ChainedPipeline`): each of the
   2 interpreted SMs runs many items (zero items, empty groups, warpgroups

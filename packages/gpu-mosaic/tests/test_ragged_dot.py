@@ -336,9 +336,7 @@ def test_drhs_ws_through_vjp(config):
 def _wid(c):
   return (f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.num_stages}p{c.out_pieces}"
           f"w{c.grid_tile_width}{c.item_order}{'-sync' if c.sync_sharers else ''}"
-          f"{'-claim' if c.claim_items else ''}"
-          f"{f'-prefetch{c.l2_prefetch}' if c.l2_prefetch else ''}"
-          f"{'' if c.chain_items else '-unchained'}")
+          f"{'-claim' if c.claim_items else ''}")
 
 
 _REUSE = [
@@ -373,24 +371,13 @@ _CLAIM = [
 ]
 
 
-# `l2_prefetch` (TMA prefetches to L2 a few K steps ahead): a hint, so the same
-# results, and no fault where a prefetched box runs past the arrays; chained
-# items and items each filling the ring, leads short enough to be active at
-# the tests' K of 256 and more (4+ steps of 64).
-_PREFETCH = [
-    rd.RaggedDotConfig(num_stages=4, out_pieces=2, item_order="group",
-                       claim_items=True, l2_prefetch=3),
-    rd.RaggedDotConfig(num_stages=3, l2_prefetch=2, chain_items=False),
-]
-
-
 def _lax_reference(lhs, rhs, sizes):
   return jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32),
                             jnp.asarray(sizes, jnp.int32), precision=HIGHEST)
 
 
 @gpu
-@pytest.mark.parametrize("config", _REUSE + _SYNC + _CLAIM + _PREFETCH, ids=_wid)
+@pytest.mark.parametrize("config", _REUSE + _SYNC + _CLAIM, ids=_wid)
 def test_reuse_order_tall_forward(config):
   # Empty groups, 1- and 3-row groups, starts off the 8-row grid, a group
   # whose rows fill one 64-row half of a tall item and spill into the next,
@@ -490,8 +477,7 @@ def test_claim_items_under_vmap():
 
 
 @gpu
-@pytest.mark.parametrize("config", _REUSE[:3] + _SYNC + _CLAIM[:2] + _PREFETCH,
-                         ids=_wid)
+@pytest.mark.parametrize("config", _REUSE[:3] + _SYNC + _CLAIM[:2], ids=_wid)
 def test_reuse_order_tall_dlhs_and_vjp(config):
   """The transposed-rhs kernel (dlhs) with the variant, and the whole backward
   through dispatch with the variant as the backward config."""
@@ -892,66 +878,6 @@ def test_claim_items_lowers_for_cuda(transpose_rhs, block_m, order):
                               item_order=order, grid_tile_width=3,
                               claim_items=True)
   _grouped_matmul_lowers(700, 128, 200, 3, config, transpose_rhs)
-
-
-def test_l2_prefetch_validation():
-  with pytest.raises(ValueError, match="l2_prefetch must be 0"):
-    rd.RaggedDotConfig(l2_prefetch=17)
-  with pytest.raises(ValueError, match="l2_prefetch needs row_tiling='group'"):
-    rd.RaggedDotConfig(block_m=64, row_tiling="fixed", l2_prefetch=4)
-  rd.RaggedDotConfig(l2_prefetch=8)
-
-
-@pytest.mark.parametrize("transpose_rhs", [False, True])
-@pytest.mark.parametrize("chain", [True, False])
-@pytest.mark.parametrize("claim", [False, True])
-def test_l2_prefetch_lowers_for_cuda(transpose_rhs, chain, claim, monkeypatch):
-  """The prefetches (predicated TMA prefetches of the lhs and rhs tiles) are in
-  the kernel, in chained and per-item rings, and with claims also where the
-  memory warpgroup publishes a claim (an item's first steps); a JAX whose
-  prefetch takes no predicate is refused."""
-  pytest.importorskip("absl")
-  m, k, n, g = 700, 640, 200, 3  # 10 K steps: a lead of 4 prefetches 6
-  shapes = [((m, k), jnp.bfloat16), ((g, n, k) if transpose_rhs else (g, k, n),
-                                     jnp.bfloat16), ((g,), jnp.int32)]
-
-  def module(ahead, claim=claim):
-    # 10 K steps in a 2-deep ring: one ring for the block's items with
-    # chain_items (10 is a multiple of 2), else a ring filled per item.
-    config = rd.RaggedDotConfig(block_n=64, num_stages=2, item_order="group",
-                                chain_items=chain, claim_items=claim,
-                                l2_prefetch=ahead)
-
-    def f(lhs, rhs, sizes):
-      starts, ends = tokamax.plugin.held_row_ranges(sizes, None, g, m)
-      return rd.grouped_matmul(lhs, rhs, starts, ends, transpose_rhs=transpose_rhs,
-                               out_dtype=jnp.bfloat16, config=config)
-    return jax.export.export(jax.jit(f), platforms=["cuda"])(
-        *(jax.ShapeDtypeStruct(s, d) for s, d in shapes)).mlir_module()
-  if jax.__version_info__ < (0, 11):
-    with pytest.raises(NotImplementedError, match="l2_prefetch needs JAX >= 0.11"):
-      module(4)
-    return
-  text = module(4)
-  # The lhs tile (a 2-d box) and the rhs tile (3-d: group, rows, columns),
-  # each under a predicate.
-  assert "@$0 cp.async.bulk.prefetch.tensor.2d.L2" in text
-  assert "@$0 cp.async.bulk.prefetch.tensor.3d.L2" in text
-  assert "cp.async.bulk.prefetch.tensor" not in module(0)
-  # With claims the memory warpgroup also prefetches each claimed item's
-  # first 3 steps once it publishes the claim: traced at the loop's two
-  # reads of a claim (the first's and the loop body's), each step's two tiles
-  # at a static step (the compute warpgroups' prefetches take a traced one).
-  static_steps = []
-  tiles = rdk._GroupTiles.prefetch_tiles
-
-  def recording(self, a_ref, b_ref, step, *when):
-    if isinstance(step, int):
-      static_steps.append(step)
-    return tiles(self, a_ref, b_ref, step, *when)
-  monkeypatch.setattr(rdk._GroupTiles, "prefetch_tiles", recording)
-  module(3)
-  assert sorted(static_steps) == ([0, 0, 1, 1, 2, 2] if claim else [])
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])

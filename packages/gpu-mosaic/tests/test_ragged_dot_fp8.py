@@ -267,26 +267,6 @@ def test_lowers_for_cuda(dtype, out_dtype, config, n, rhs_tile_n):
   assert "mosaic_gpu" in exported.mlir_module()
 
 
-def test_l2_prefetch_is_refused():
-  """The fp8 kernel streams scales beside the operands; its prefetch is not
-  written, so a config asking for it is refused, not ignored."""
-  pytest.importorskip("absl")
-  m, k, n, g = 300, 256, 256, 3
-  config = rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=128, num_stages=3,
-                               l2_prefetch=4)
-
-  def f(lhs, lhs_scales, rhs, rhs_scales, sizes):
-    starts, ends = tokamax.plugin.held_row_ranges(sizes, None, g, m)
-    return fp8.grouped_matmul_fp8(lhs, lhs_scales, rhs, rhs_scales, starts, ends,
-                                  out_dtype=jnp.bfloat16, config=config)
-  shapes = (((m, k), jnp.float8_e4m3fn), ((m, k // 128), jnp.float32),
-            ((g, k, n), jnp.float8_e4m3fn), ((g, k // 128, n // 128), jnp.float32),
-            ((g,), jnp.int32))
-  with pytest.raises(NotImplementedError, match="does not prefetch"):
-    jax.export.export(jax.jit(f), platforms=["cuda"])(
-        *(jax.ShapeDtypeStruct(s, d) for s, d in shapes))
-
-
 def test_takes_fp8_operands_with_scales():
   lq, rq = _quantized(64, 256, 128, 2)
   rd.MosaicGpuRaggedDot().check_supported(_args(lq, rq, [30, 34]), _H200)

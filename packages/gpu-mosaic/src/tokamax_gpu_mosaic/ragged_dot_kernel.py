@@ -101,18 +101,6 @@ class RaggedDotConfig:
   (no tail of one block's leftover items). Each output tile is still computed
   by one block from the same operands: results do not depend on who claims
   what. In the interpreter the claims follow the round-robin deal.
-  ``l2_prefetch`` (``row_tiling="group"``; 0: off): at each K step the compute
-  warpgroups ask L2 for the lhs and rhs tiles of the step ``l2_prefetch``
-  steps further on (TMA prefetches, no shared memory: `_GroupTiles.prefetch`),
-  so that a tile's read from DRAM starts before the ring's turn to load it:
-  a lead of ``num_stages - 1`` or less asks for tiles the ring is already
-  loading. With ``claim_items`` the memory warpgroup also prefetches a
-  claimed item's first ``l2_prefetch`` steps once it publishes the claim
-  (after streaming the current item's last loads), so every step of an item
-  is asked for ahead; without claims an item's first steps are not. A hint:
-  results do not depend on it. The forward and dlhs kernels prefetch; the
-  drhs kernels (`ragged_dot_kernel_drhs`) do not read the field. Needs JAX >=
-  0.11 (a prefetch with a predicate).
   """
 
   block_m: int = 128
@@ -127,7 +115,6 @@ class RaggedDotConfig:
   chain_items: bool = True
   sync_sharers: bool = False
   claim_items: bool = False
-  l2_prefetch: int = 0
 
   def __post_init__(self):
     if self.block_m % WGMMA_M or self.block_m > 256:
@@ -162,11 +149,6 @@ class RaggedDotConfig:
       raise ValueError("claim_items=True and sync_sharers=True exclude each "
                        "other (sync_sharers meets the blocks of the round-robin "
                        "deal)")
-    if not 0 <= self.l2_prefetch <= 16:
-      raise ValueError(f"l2_prefetch must be 0 (off) to 16 K steps; got "
-                       f"{self.l2_prefetch}")
-    if self.l2_prefetch and self.row_tiling != "group":
-      raise ValueError("l2_prefetch needs row_tiling='group'")
     if self.out_pieces not in (1, 2):
       raise ValueError(f"out_pieces must be 1 or 2; got {self.out_pieces}")
     if self.out_pieces == 2 and self.row_tiling != "group":
@@ -595,9 +577,6 @@ class _GroupTiles:
 
   # The kernel's outputs after the streamed operands (a subclass may write more).
   num_outputs = 1
-  # Whether `prefetch` knows the kernel's operands (`RaggedDotConfig.l2_prefetch`;
-  # a subclass streaming other operands does not).
-  prefetches = True
 
   @property
   def bm(self):
@@ -661,16 +640,8 @@ class _GroupTiles:
         self.run_item(item, operands, out_ref, out_smem, allocs, started=started)
         return started | self.has_matmul(item).astype(jnp.int32)
 
-      def prefetch_start(index):
-        """Memory warpgroup, having claimed item `index` (past the table for
-        its last claim): its first K steps to L2 (`RaggedDotConfig.l2_prefetch`)."""
-        total = self.num_items * self.n_tiles
-        item = self.item(items_ref, wg, cwg, jnp.minimum(index, total - 1))
-        self.prefetch_first_steps(item, operands, index < total)
-
       if claims is not None:
-        self.claimed_loop(run, wg, *claims,
-                          on_claim=prefetch_start if self.config.l2_prefetch else None)
+        self.claimed_loop(run, wg, *claims)
       else:
         @plgpu.nd_loop((self.num_items * self.n_tiles,), collective_axes="sm",
                        init_carry=jnp.int32(0))
@@ -695,7 +666,7 @@ class _GroupTiles:
     return _unbatched_only(
         call, _pipeline.persistent_kernel(body(dealt), out_type=out_type))
 
-  def claimed_loop(self, run, wg, tickets, claimed, read, on_claim=None):
+  def claimed_loop(self, run, wg, tickets, claimed, read):
     """The block's items as it claims them (`RaggedDotConfig.claim_items`).
 
     Thread 0 of the memory warpgroup claims the index of the block's next item
@@ -709,11 +680,7 @@ class _GroupTiles:
     have read it, two claims later). The compute warpgroups thus run exactly
     the indices the memory warpgroup streams. A block stops at its first
     index past the table: every block claims one such, and then the counter
-    is never touched again. `on_claim(index)`, if given, runs in the memory
-    warpgroup once it has read back each index it published (the index may be
-    past the table). Read back, not the claim's result: that is held by
-    thread 0 alone (`_claim_index`), and which thread a one-thread operation
-    elects is not necessarily thread 0."""
+    is never touched again."""
     total = self.num_items * self.n_tiles
     counter = (None if _common.interpreting()
                else pl.get_global(plgpu.SemaphoreType.REGULAR((1,))))
@@ -733,16 +700,11 @@ class _GroupTiles:
         plgpu.barrier_arrive(claimed.at[slot])
 
     def take(j):
-      """All warpgroups: the index claimed for the block's item `j` (then the
-      memory warpgroup runs `on_claim` on it)."""
+      """All warpgroups: the index claimed for the block's item `j`."""
       slot = lax.rem(j, 2)
       plgpu.barrier_wait(claimed.at[slot])
       index = tickets[slot]
       plgpu.barrier_arrive(read.at[slot])
-      if on_claim is not None:
-        @pl.when(is_memory)
-        def _announce():
-          on_claim(index)
       return index
 
     def body(carry):
@@ -805,12 +767,11 @@ class _GroupTiles:
     if not self.chained:
       @pl.when(self.has_matmul(item))
       def _matmul():
-        mma = self.prefetching(functools.partial(self.mma, item), item, operands)
+        mma = functools.partial(self.mma, item)
         self.pipeline(mma, context, self.k_steps)(
             *self.operand_blocks(item, operands), allocations=allocs)
     else:
-      mma = self.pipeline.releasing(
-          self.prefetching(functools.partial(self.mma, item), item, operands), allocs)
+      mma = self.pipeline.releasing(functools.partial(self.mma, item), allocs)
       first = started == 0
       # Two copies of the pipeline (code size and compile time): its START
       # state (the ring's prologue) is static in
@@ -827,61 +788,6 @@ class _GroupTiles:
     @pl.when((item.group < 0) & (item.hi > item.lo) & (item.wg < 2))
     def _zeros():
       self.store_zeros(item, out_ref, out_smem)
-
-  def prefetching(self, mma, item: _Item, operands):
-    """The pipeline body `mma` (``mma(indices, ...)``), preceded by the L2
-    prefetch of the step `RaggedDotConfig.l2_prefetch` steps on."""
-    ahead = self.config.l2_prefetch
-    if not ahead:
-      return mma
-    self.check_prefetches()
-    blocks = self.operand_blocks(item, operands)
-
-    def body(indices, *args):
-      self.prefetch(item, *blocks, indices[0] + ahead)
-      return mma(indices, *args)
-    return body
-
-  def check_prefetches(self):
-    """Raises NotImplementedError where `RaggedDotConfig.l2_prefetch` cannot
-    be honoured (it is never ignored)."""
-    if not self.prefetches:
-      raise NotImplementedError(
-          f"{type(self).__name__} does not prefetch its operands; run it with "
-          "RaggedDotConfig(l2_prefetch=0)")
-    if jax.__version_info__ < (0, 11):
-      raise NotImplementedError(
-          f"l2_prefetch needs JAX >= 0.11 (this is {jax.__version__}: its "
-          "prefetch takes no predicate); run it with RaggedDotConfig(l2_prefetch=0)")
-
-  def prefetch(self, item: _Item, a_ref, b_ref, step):
-    """Compute warpgroups: one thread of warpgroup 0 asks L2 for K step
-    `step`'s lhs tile, one of warpgroup 1 for its rhs tile (none past the
-    item's last step)."""
-    inside = step < self.k_steps
-    self.prefetch_tiles(a_ref, b_ref, jnp.minimum(step, self.k_steps - 1),
-                        inside & (item.cwg == 0), inside & (item.cwg == 1))
-
-  def prefetch_first_steps(self, item: _Item, operands, valid):
-    """Memory warpgroup: one thread asks L2 for the lhs and rhs tiles of the
-    item's first `RaggedDotConfig.l2_prefetch` K steps (where `valid` and
-    the item runs a K loop)."""
-    self.check_prefetches()
-    # A zero item's group is -1: any group's tiles, never prefetched.
-    item = item._replace(group=jnp.maximum(item.group, 0))
-    a_ref, b_ref = self.operand_blocks(item, operands)
-    wanted = valid & item.matmul
-    for step in range(min(self.config.l2_prefetch, self.k_steps)):
-      self.prefetch_tiles(a_ref, b_ref, step, wanted, wanted)
-
-  def prefetch_tiles(self, a_ref, b_ref, step, lhs_when, rhs_when):
-    """K step `step`'s lhs tile (where `lhs_when`) and rhs tile (where
-    `rhs_when`) to L2, each by one thread of the calling warpgroup."""
-    bk = self.config.block_k
-    ks = pl.ds(step * bk, bk)
-    rhs_tile = b_ref.at[:, ks] if self.transpose_rhs else b_ref.at[ks, :]
-    plgpu.async_prefetch(a_ref.at[:, ks], predicate=lhs_when)
-    plgpu.async_prefetch(rhs_tile, predicate=rhs_when)
 
   def meet_sharers(self, item: _Item):
     """Memory warpgroup, before the item's loads: signal each other block of

@@ -129,7 +129,6 @@ class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
   """
 
   col_block: bool
-  prefetches = False  # its operands include the scales' blocks
 
   def operand_blocks(self, item, operands):
     lhs_ref, rhs_ref, lhs_scales_ref, rhs_scales_ref = operands
