@@ -358,8 +358,13 @@ def test_ragged_dot():
                          claim_items=True), 256, 1),
     (rdk.RaggedDotConfig(block_m=256, block_n=128, block_k=64, num_stages=4,
                          out_pieces=2, claim_items=True), 256, 0),
+    # Half-depth K steps in an 8-deep ring (the same shared memory as 4 full
+    # ones), claimed, output in two pieces.
+    (rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=32, num_stages=8,
+                         out_pieces=2, item_order="group", claim_items=True),
+     256, 1),
 ], ids=["wide", "tall-offset", "short-k", "wide-group", "claimed",
-        "claimed-tall"])
+        "claimed-tall", "claimed-k32"])
 def test_ragged_dot_chained_items(config, k, offset, transpose_rhs):
   """Work items chained in one ring (`_pipeline.ChainedPipeline`): each of the
   2 interpreted SMs runs many items (zero items, empty groups, warpgroups
