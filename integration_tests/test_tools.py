@@ -326,9 +326,15 @@ def test_sass_stalls_splits_samples_by_instruction_count_and_range(tmp_path):
   assert [i for i, _ in sass_stalls.top_instructions(rows, 2)] == [2, 1]
   assert sass_stalls.by_execution_count(rows) == [(400, 2, 80), (10, 2, 18), (1, 1, 2)]
   assert sass_stalls.by_region(rows, 2) == [(0, 1, 32), (2, 3, 62), (4, 4, 6)]
-  text = sass_stalls.summarize(rows, top=3, region=2)
+  assert sass_stalls.by_block(rows) == [(0, 0, 1, 2), (1, 2, 400, 80), (3, 4, 10, 18)]
+  assert sass_stalls.executions(rows, "HGMMA") == (1, 400)
+  assert sass_stalls.executions(rows, "BRA") == (1, 400)  # after its predicate
+  assert sass_stalls.executions(rows, "FENCE") == (0, 0)
+  text = sass_stalls.summarize(rows, top=3, region=2, count=("HGMMA",))
   assert "5 instructions, 100 stall samples" in text
   assert "x400" in text and "80  80.0%" in text
+  assert "    1-2     x400            80  80.0%" in text  # the loop's block
+  assert "HGMMA: 1 instructions, executed 400 times" in text
   with open(tmp_path / "other.csv", "w") as f:
     f.write('"Address","Source"\n"0x0","MOV"\n')
   with pytest.raises(ValueError, match="no 'Warp Stall Sampling"):

@@ -17,7 +17,12 @@ Samples)"):
   step for each compute warp, once an item...), so the sums split the time
   between the warpgroups' loops without reading the SASS;
 - the samples of consecutive instruction ranges (the K loop, the epilogue and
-  the item's setup are contiguous in the SASS).
+  the item's setup are contiguous in the SASS);
+- the samples of each block: a run of consecutive instructions with one
+  execution count (a loop body, an item's epilogue between two branches).
+
+`--count OPCODE` (repeatable) adds how often each opcode ran, e.g. `--count
+HGMMA` to check that two builds of a kernel issue the same wgmmas.
 
 notes/MEASUREMENTS.md, session 42 item 3, is such a reading.
 """
@@ -89,10 +94,37 @@ def by_region(rows: list[dict], size: int) -> list[tuple[int, int, int]]:
           for start in range(0, len(rows), size)]
 
 
+def by_block(rows: list[dict]) -> list[tuple[int, int, int, int]]:
+  """(first index, last index, execution count, samples) of each run of
+  consecutive instructions with the same execution count."""
+  blocks = []
+  for i, row in enumerate(rows):
+    if blocks and blocks[-1][2] == row["executed"]:
+      first, _, executed, samples = blocks[-1]
+      blocks[-1] = (first, i, executed, samples + row["samples"])
+    else:
+      blocks.append((i, i, row["executed"], row["samples"]))
+  return blocks
+
+
+def executions(rows: list[dict], opcode: str) -> tuple[int, int]:
+  """(instructions, total executions) of the instructions whose opcode (after
+  any predicate) starts with `opcode`."""
+  matching = [r for r in rows if _opcode(r["source"]).startswith(opcode)]
+  return len(matching), sum(r["executed"] for r in matching)
+
+
+def _opcode(source: str) -> str:
+  words = source.split()
+  if words and words[0].startswith("@"):
+    words = words[1:]
+  return words[0] if words else ""
+
+
 def summarize(rows: list[dict], top: int = 25, region: int = 40,
-              min_share: float = 0.005) -> str:
-  """The three views as text (ranges and counts under `min_share` of the
-  samples left out)."""
+              min_share: float = 0.005, count: tuple[str, ...] = ()) -> str:
+  """The views as text (ranges, counts and blocks under `min_share` of the
+  samples left out), then the executions of each opcode in `count`."""
   total = sum(r["samples"] for r in rows) or 1
   out = [f"{len(rows)} instructions, {total} stall samples"]
   out.append(f"\nthe {top} instructions with the most samples:")
@@ -111,6 +143,14 @@ def summarize(rows: list[dict], top: int = 25, region: int = 40,
       busiest = max(rows[first:last + 1], key=lambda r: r["samples"])
       out.append(f"  {first:5d}-{last:<5d} {s:7d} {s / total:6.1%}  "
                  f"(most: {busiest['source'][:48]})")
+  out.append("\nsamples by block (consecutive instructions of one execution count):")
+  for first, last, executed, s in by_block(rows):
+    if s / total >= min_share:
+      out.append(f"  {first:5d}-{last:<5d} x{executed:<9d} {s:7d} {s / total:6.1%}  "
+                 f"{rows[first]['source'][:32]} .. {rows[last]['source'][:32]}")
+  for opcode in count:
+    n, executed = executions(rows, opcode)
+    out.append(f"\n{opcode}: {n} instructions, executed {executed} times")
   return "\n".join(out)
 
 
@@ -120,8 +160,11 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--top", type=int, default=25)
   parser.add_argument("--region", type=int, default=40,
                       help="instructions per range in the third view")
+  parser.add_argument("--count", action="append", default=[], metavar="OPCODE",
+                      help="also print how often the instructions of this opcode "
+                           "prefix ran (repeatable), e.g. HGMMA")
   args = parser.parse_args(argv)
-  print(summarize(load(args.csv), args.top, args.region))
+  print(summarize(load(args.csv), args.top, args.region, count=tuple(args.count)))
 
 
 if __name__ == "__main__":
