@@ -368,10 +368,11 @@ _CLAIM = [
     rd.RaggedDotConfig(block_m=256, num_stages=4, out_pieces=2, item_order="group",
                        claim_items=True),
     rd.RaggedDotConfig(num_stages=3, claim_items=True),  # snake order
-    # Half-depth K steps, an 8-deep ring in the shared memory of 4 full ones.
-    rd.RaggedDotConfig(block_k=32, num_stages=8, out_pieces=2, item_order="group",
-                       claim_items=True),
 ]
+# Half-depth K steps, an 8-deep ring in the shared memory of 4 full ones.
+_CLAIM_K32 = rd.RaggedDotConfig(block_k=32, num_stages=8, out_pieces=2,
+                                item_order="group", claim_items=True)
+_CLAIM.append(_CLAIM_K32)
 
 
 def _lax_reference(lhs, rhs, sizes):
@@ -480,7 +481,8 @@ def test_claim_items_under_vmap():
 
 
 @gpu
-@pytest.mark.parametrize("config", _REUSE[:3] + _SYNC + _CLAIM[:2] + _CLAIM[3:], ids=_wid)
+@pytest.mark.parametrize("config", _REUSE[:3] + _SYNC + _CLAIM[:2] + [_CLAIM_K32],
+                         ids=_wid)
 def test_reuse_order_tall_dlhs_and_vjp(config):
   """The transposed-rhs kernel (dlhs) with the variant, and the whole backward
   through dispatch with the variant as the backward config."""
