@@ -78,3 +78,32 @@ def test_attention_layout_and_checks():
     plugin.check_attention_shapes(empty, 16)
   out = jnp.ones((2, 8, 4, 16), jnp.bfloat16)
   assert plugin.attention_delta(out, out).shape == (2, 4, 8)
+
+
+def test_vmap_fallback_batches_the_stand_in_only_under_vmap():
+  """Unbatched, `call` runs; under vmap (nested too), `batched_call` runs over
+  the batched arguments, the others broadcast, every output batched. (Here the
+  two differ by a marker, 100 added, to tell which one ran; a real stand-in
+  computes the same.)"""
+
+  def call(x, y):
+    return {"sum": x + y, "x": x * 2}
+
+  def batched_call(x, y):
+    return {"sum": x + y + 100, "x": x * 2 + 100}
+
+  run = plugin.vmap_fallback(call, batched_call)
+  x = jnp.arange(6.0).reshape(2, 3)
+  y = jnp.ones(3)
+
+  out = run(x[0], y)
+  assert jnp.array_equal(out["sum"], x[0] + y)
+  assert jnp.array_equal(jax.jit(run)(x[0], y)["x"], 2 * x[0])
+
+  out = jax.vmap(run, in_axes=(0, None))(x, y)
+  assert jnp.array_equal(out["sum"], x + y + 100)
+  assert jnp.array_equal(out["x"], 2 * x + 100)
+
+  xx = jnp.stack([x, x + 10])
+  out = jax.jit(jax.vmap(jax.vmap(run, in_axes=(0, None)), in_axes=(0, None)))(xx, y)
+  assert jnp.array_equal(out["sum"], xx + y + 100)

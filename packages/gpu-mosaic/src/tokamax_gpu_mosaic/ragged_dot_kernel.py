@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+import tokamax
 
 from tokamax_gpu_mosaic import _common
 from tokamax_gpu_mosaic import _pipeline
@@ -426,24 +427,6 @@ def _store_rows(y, lo, hi, dst_row, swizzled_smem, linear_smem, out_ref, cols):
       size //= 2
 
 
-def _unbatched_only(call, batched_call):
-  """`call`, except under ``jax.vmap``, where `batched_call` (computing the
-  same) is batched instead."""
-
-  @jax.custom_batching.custom_vmap
-  def run(*args):
-    return call(*args)
-
-  @run.def_vmap
-  def _batched(axis_size, in_batched, *args):
-    del axis_size
-    in_axes = tuple(0 if batched else None for batched in in_batched)
-    out = jax.vmap(batched_call, in_axes=in_axes)(*args)
-    return out, jax.tree.map(lambda _: True, out)
-
-  return run
-
-
 # `claimed_loop`'s shared memory: two claimed indices, a barrier per slot that
 # the memory warpgroup arrives on once it wrote the slot, and one per slot that
 # all three warpgroups arrive on once they read it.
@@ -663,7 +646,7 @@ class _GroupTiles:
       return call
     dealt = dataclasses.replace(
         self, config=dataclasses.replace(self.config, claim_items=False))
-    return _unbatched_only(
+    return tokamax.plugin.vmap_fallback(
         call, _pipeline.persistent_kernel(body(dealt), out_type=out_type))
 
   def claimed_loop(self, run, wg, tickets, claimed, read):

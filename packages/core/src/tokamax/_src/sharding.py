@@ -49,6 +49,7 @@ from jax.experimental.custom_partitioning import (ArrayMapping, SdyShardingRule,
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tokamax._src import batching
 from tokamax._src.op import OpDefinition
 
 _enabled: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -474,16 +475,8 @@ def _partitioned(call: _Call, operands):
   cp.def_partition(partition, infer_sharding_from_operands=infer,
                    sharding_rule=lambda *_: rule)
 
-  @jax.custom_batching.custom_vmap
-  def run(*ls):
-    return cp(*ls)
-
-  @run.def_vmap
-  def _(axis_size, in_batched, *ls):  # under vmap: unpartitioned
-    del axis_size
-    out = jax.vmap(flat_fn, in_axes=[0 if b else None for b in in_batched])(*ls)
-    return out, (True,) * len(out)  # the same structure as `out` (a tuple)
-
+  # vmap has no rule for custom_partitioning: under vmap, unpartitioned.
+  run = batching.vmap_fallback(cp, flat_fn)
   return jax.tree.unflatten(out_treedef, list(run(*leaves)))
 
 

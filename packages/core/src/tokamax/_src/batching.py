@@ -1,0 +1,38 @@
+"""A computation that `jax.vmap` cannot batch as it is, and what to batch instead.
+
+Some calls lower to something that batching would break: a `custom_partitioning`
+call (vmap has no rule for it), or a persistent kernel whose blocks claim work
+from one device-memory counter (Pallas batches a kernel into one launch whose
+batch instances would share that counter). `vmap_fallback` runs such a call as
+it is, and under `jax.vmap` batches another function that computes the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+
+def vmap_fallback(call: Callable, batched_call: Callable) -> Callable:
+  """`call`, except under `jax.vmap`, where ``jax.vmap(batched_call)`` runs in
+  its place (over the batched positional arguments; every output batched).
+
+  `batched_call` must compute what `call` computes, on the same positional
+  arguments, and be batchable itself. Example, in a backend's kernel wrapper::
+
+      run = tokamax.plugin.vmap_fallback(claiming_kernel, round_robin_kernel)
+  """
+
+  @jax.custom_batching.custom_vmap
+  def run(*args):
+    return call(*args)
+
+  @run.def_vmap
+  def _batched(axis_size, in_batched, *args):
+    del axis_size
+    in_axes = tuple(0 if batched else None for batched in in_batched)
+    out = jax.vmap(batched_call, in_axes=in_axes)(*args)
+    return out, jax.tree.map(lambda _: True, out)
+
+  return run
