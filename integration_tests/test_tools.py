@@ -201,6 +201,26 @@ def test_kernel_breakdown_sets_fields_of_tokamax_configs(monkeypatch, capsys):
   assert "no config of it has ['chunk_size']" in capsys.readouterr().out
 
 
+def test_kernel_breakdown_shape_is_a_regex_and_a_miss_is_an_error(monkeypatch, capsys):
+  """`--shape` selects as tools/tune.py's does (a regular expression, so two
+  shapes in one call), and one that matches nothing is a usage error naming the
+  suite's problems, not a run that prints nothing."""
+  chosen = []
+  monkeypatch.setattr(kernel_breakdown, "problem_breakdown",
+                      lambda problem, *_: chosen.append(problem.name))
+  argv = ["kernel_breakdown.py", "--op", "ragged_dot", "--grid", "--shape",
+          "M65536 K7168 N2048 G256|K768 N2048 G128"]
+  monkeypatch.setattr(sys, "argv", argv)
+  kernel_breakdown.main()
+  assert sorted(chosen) == ["M65536 K7168 N2048 G256 random", "M65536 K768 N2048 G128 random"]
+  monkeypatch.setattr(sys, "argv", argv[:-1] + ["G999"])
+  with pytest.raises(SystemExit) as exit_info:
+    kernel_breakdown.main()
+  assert exit_info.value.code == 2
+  error = capsys.readouterr().err
+  assert "match no problem" in error and "M65536 K7168 N2048 G256 random" in error
+
+
 def test_tune_equal_groups_rebuilds_only_random_ragged_dot_problems():
   from tokamax._src.ops.ragged_dot import problems
   random = problems.problem(512, 64, 128, 4, True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import re
 import statistics
 import sys
 
@@ -130,7 +131,8 @@ def main():
   parser.add_argument("--size", action="append", default=[], help="KEY=VALUE")
   parser.add_argument("--op", action="append", default=[])
   parser.add_argument("--implementation", action="append", default=[])
-  parser.add_argument("--shape", help="substring of the problem name")
+  parser.add_argument("--shape", help="a regular expression searched in the problem "
+                      "name (as tools/tune.py's)")
   parser.add_argument("--direction", choices=("forward", "forward+backward"),
                       default="forward+backward")
   parser.add_argument("--peers", action="store_true")
@@ -153,9 +155,13 @@ def main():
     suite = shape_sweep.problems(args.sweep)
   else:
     suite = bench_suite.grid_suite() if args.grid else bench_suite.reference_suite()
-  for problem in suite:
-    if problem.op not in args.op or (args.shape and args.shape not in problem.name):
-      continue
+  chosen = [problem for problem in suite if problem.op in args.op
+            and (not args.shape or re.search(args.shape, problem.name))]
+  if args.op and not chosen:
+    names = sorted({f"{p.op} {p.name}" for p in suite if p.op in args.op})
+    parser.error(f"--op {args.op} --shape {args.shape!r} match no problem of this "
+                 f"suite; its problems: {'; '.join(names) or 'none of these ops'}")
+  for problem in chosen:
     problem_breakdown(problem, args.implementation or ["auto"], args.direction,
                       args.peers, args.iterations, fields)
 
