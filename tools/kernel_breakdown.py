@@ -155,12 +155,17 @@ def main():
     suite = shape_sweep.problems(args.sweep)
   else:
     suite = bench_suite.grid_suite() if args.grid else bench_suite.reference_suite()
-  chosen = [problem for problem in suite if problem.op in args.op
-            and (not args.shape or re.search(args.shape, problem.name))]
+  try:
+    shape = re.compile(args.shape or "")
+  except re.error as e:
+    parser.error(f"--shape {args.shape!r} is not a regular expression: {e}")
+  chosen = [problem for problem in suite
+            if problem.op in args.op and shape.search(problem.name)]
   if args.op and not chosen:
     names = sorted({f"{p.op} {p.name}" for p in suite if p.op in args.op})
-    parser.error(f"--op {args.op} --shape {args.shape!r} match no problem of this "
-                 f"suite; its problems: {'; '.join(names) or 'none of these ops'}")
+    parser.error(f"--op {', '.join(args.op)} --shape {args.shape!r} match no "
+                 f"problem of this suite; its problems: "
+                 f"{'; '.join(names) or 'none of these ops'}")
   for problem in chosen:
     problem_breakdown(problem, args.implementation or ["auto"], args.direction,
                       args.peers, args.iterations, fields)

@@ -107,3 +107,15 @@ def test_vmap_fallback_batches_the_stand_in_only_under_vmap():
   xx = jnp.stack([x, x + 10])
   out = jax.jit(jax.vmap(jax.vmap(run, in_axes=(0, None)), in_axes=(0, None)))(xx, y)
   assert jnp.array_equal(out["sum"], xx + y + 100)
+  assert jnp.array_equal(out["x"], 2 * xx + 100)
+
+
+def test_vmap_fallback_batches_pytree_arguments_leaf_by_leaf():
+  """A pytree argument with one batched and one unbatched leaf: each leaf gets
+  its own axis (a flag per leaf, not one per argument)."""
+  run = plugin.vmap_fallback(lambda p: p["w"] * p["v"],
+                             lambda p: p["w"] * p["v"] + 100)
+  w = jnp.arange(6.0).reshape(2, 3)
+  v = jnp.arange(3.0)
+  out = jax.vmap(run, in_axes=({"w": 0, "v": None},))({"w": w, "v": v})
+  assert jnp.array_equal(out, w * v + 100)

@@ -46,8 +46,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-import tokamax
 
+import tokamax
 from tokamax_gpu_mosaic import _common
 from tokamax_gpu_mosaic import _pipeline
 

@@ -16,10 +16,12 @@ import jax
 
 def vmap_fallback(call: Callable, batched_call: Callable) -> Callable:
   """`call`, except under `jax.vmap`, where ``jax.vmap(batched_call)`` runs in
-  its place (over the batched positional arguments; every output batched).
+  its place (over the batched leaves of the positional arguments, which may be
+  pytrees; every output batched).
 
   `batched_call` must compute what `call` computes, on the same positional
-  arguments, and be batchable itself. Example, in a backend's kernel wrapper::
+  arguments, with outputs of the same structure, and be batchable itself.
+  Example, in a backend's kernel wrapper::
 
       run = tokamax.plugin.vmap_fallback(claiming_kernel, round_robin_kernel)
   """
@@ -31,7 +33,8 @@ def vmap_fallback(call: Callable, batched_call: Callable) -> Callable:
   @run.def_vmap
   def _batched(axis_size, in_batched, *args):
     del axis_size
-    in_axes = tuple(0 if batched else None for batched in in_batched)
+    # `in_batched` mirrors the arguments: a pytree of flags per pytree argument.
+    in_axes = jax.tree.map(lambda batched: 0 if batched else None, tuple(in_batched))
     out = jax.vmap(batched_call, in_axes=in_axes)(*args)
     return out, jax.tree.map(lambda _: True, out)
 
