@@ -221,6 +221,20 @@ def test_kernel_breakdown_shape_is_a_regex_and_a_miss_is_an_error(monkeypatch, c
   assert "match no problem" in error and "M65536 K7168 N2048 G256 random" in error
 
 
+def test_tune_shape_miss_is_a_usage_error(monkeypatch, capsys):
+  """tune.py and kernel_breakdown.py select problems alike
+  (`tune.select_problems`): a `--shape` that matches nothing, or is no regular
+  expression, stops with a usage error before anything runs."""
+  for shape, message in (("G999", "match no problem"),
+                         ("(", "is not a regular expression")):
+    monkeypatch.setattr(sys, "argv", ["tune.py", "--op", "ragged_dot", "--grid",
+                                      "--shape", shape, "--ab", "block_k=32"])
+    with pytest.raises(SystemExit) as exit_info:
+      tune.main()
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_tune_equal_groups_rebuilds_only_random_ragged_dot_problems():
   from tokamax._src.ops.ragged_dot import problems
   random = problems.problem(512, 64, 128, 4, True)

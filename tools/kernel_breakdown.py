@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import re
 import statistics
 import sys
 
@@ -155,18 +154,7 @@ def main():
     suite = shape_sweep.problems(args.sweep)
   else:
     suite = bench_suite.grid_suite() if args.grid else bench_suite.reference_suite()
-  try:
-    shape = re.compile(args.shape or "")
-  except re.error as e:
-    parser.error(f"--shape {args.shape!r} is not a regular expression: {e}")
-  chosen = [problem for problem in suite
-            if problem.op in args.op and shape.search(problem.name)]
-  if args.op and not chosen:
-    names = sorted({f"{p.op} {p.name}" for p in suite if p.op in args.op})
-    parser.error(f"--op {', '.join(args.op)} --shape {args.shape!r} match no "
-                 f"problem of this suite; its problems: "
-                 f"{'; '.join(names) or 'none of these ops'}")
-  for problem in chosen:
+  for problem in tune.select_problems(parser, suite, args.op, args.shape):
     problem_breakdown(problem, args.implementation or ["auto"], args.direction,
                       args.peers, args.iterations, fields)
 

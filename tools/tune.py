@@ -167,6 +167,22 @@ def model_builders(model: str) -> tuple[str, dict]:
   return f"model {model} {size.describe()}", {"training step": step}
 
 
+def select_problems(parser, suite, ops, shape: str | None) -> list:
+  """The problems of `suite` of the `ops` whose name `shape` (a regular
+  expression) matches; a usage error (`parser.error`) for a bad expression or
+  when the ops have problems but none matches, which names them."""
+  try:
+    pattern = re.compile(shape or "")
+  except re.error as e:
+    parser.error(f"--shape {shape!r} is not a regular expression: {e}")
+  chosen = [p for p in suite if p.op in ops and pattern.search(p.name)]
+  if ops and not chosen:
+    names = sorted({f"{p.op} {p.name}" for p in suite if p.op in ops})
+    parser.error(f"--op {', '.join(ops)} --shape {shape!r} match no problem of this "
+                 f"suite; its problems: {'; '.join(names) or 'none of these ops'}")
+  return chosen
+
+
 def profile_runs(title: str, builders: dict, fields: dict[str, str], runs: int) -> None:
   """Each direction's call `runs` times, untimed (`ab`'s builders; `fields`
   replaced in the configs where given, else the heuristic's)."""
@@ -307,9 +323,7 @@ def main():
   match = dict(args.match)
   directions = (args.direction,) if args.direction else ("forward", "forward+backward")
   suite = bench_suite.grid_suite() if args.grid else bench_suite.reference_suite()
-  for problem in suite:
-    if problem.op not in args.op or (args.shape and not re.search(args.shape, problem.name)):
-      continue
+  for problem in select_problems(parser, suite, args.op, args.shape):
     if args.equal_groups:
       problem = _with_equal_groups(problem)
     if args.profile_runs is not None:
