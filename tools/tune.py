@@ -169,18 +169,17 @@ def model_builders(model: str) -> tuple[str, dict]:
 
 def select_problems(parser, suite, ops, shape: str | None) -> list:
   """The problems of `suite` of the `ops` whose name `shape` (a regular
-  expression) matches; a usage error (`parser.error`) for a bad expression or
-  when the ops have problems but none matches, which names them."""
+  expression) matches (`bench_suite.select_shapes`); a usage error for a bad
+  expression or a shape that matches none of the ops' problems."""
+  problems = [p for p in suite if p.op in ops]
+  if not problems or not shape:
+    return problems
   try:
-    pattern = re.compile(shape or "")
+    return bench_suite.select_shapes(problems, [shape], regex=True)
   except re.error as e:
     parser.error(f"--shape {shape!r} is not a regular expression: {e}")
-  chosen = [p for p in suite if p.op in ops and pattern.search(p.name)]
-  if ops and not chosen:
-    names = sorted({f"{p.op} {p.name}" for p in suite if p.op in ops})
-    parser.error(f"--op {', '.join(ops)} --shape {shape!r} match no problem of this "
-                 f"suite; its problems: {'; '.join(names) or 'none of these ops'}")
-  return chosen
+  except bench_suite.NoMatchingShape as e:
+    parser.error(f"--op {', '.join(ops)} --shape {shape!r} match no problem: {e}")
 
 
 def profile_runs(title: str, builders: dict, fields: dict[str, str], runs: int) -> None:

@@ -590,15 +590,22 @@ class NoMatchingShape(ValueError):
   """`--shape` names no problem of the selected suite."""
 
 
-def select_shapes(problems: list[Problem], shapes: list[str]) -> list[Problem]:
+def select_shapes(problems: list[Problem], shapes: list[str],
+                  regex: bool = False) -> list[Problem]:
   """The `problems` whose name contains any of `shapes` (substrings, e.g.
-  ``["G128", "G256"]``); `NoMatchingShape` naming the problems there are
-  where none matches, so that a mistyped name does not print an empty
-  table."""
-  chosen = [p for p in problems if any(s in p.name for s in shapes)]
+  ``["G128", "G256"]``, or with `regex` regular expressions searched in it,
+  as the tools' ``--shape`` takes them); `NoMatchingShape` naming the problems
+  there are where none matches, so that a mistyped name does not print an
+  empty table."""
+  if regex:
+    patterns = [re.compile(s) for s in shapes]
+    chosen = [p for p in problems if any(r.search(p.name) for r in patterns)]
+  else:
+    chosen = [p for p in problems if any(s in p.name for s in shapes)]
   if not chosen:
     names = sorted({p.name for p in problems})
-    raise NoMatchingShape(f"no problem's name contains any of {shapes}; the "
+    what = "matches" if regex else "contains any of"
+    raise NoMatchingShape(f"no problem's name {what} {shapes}; the "
                           f"selected suite's problems are: {', '.join(names)}")
   return chosen
 
