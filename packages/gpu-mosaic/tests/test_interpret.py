@@ -363,8 +363,9 @@ def test_ragged_dot():
     (rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=32, num_stages=8,
                          out_pieces=2, item_order="group", claim_items=True),
      256, 1),
-    # 192-row items over three compute warpgroups, claimed, output in pieces.
-    (rdk.RaggedDotConfig(block_m=192, block_n=64, block_k=64, num_stages=2,
+    # 192-row items over three compute warpgroups, each with two 128-column
+    # accumulators (one an output piece), claimed.
+    (rdk.RaggedDotConfig(block_m=192, block_n=128, block_k=64, num_stages=2,
                          out_pieces=2, item_order="group", claim_items=True),
      256, 1),
 ], ids=["wide", "tall-offset", "short-k", "wide-group", "claimed",
@@ -406,9 +407,9 @@ def test_ragged_dot_claim_orders(order, transpose_rhs, k, monkeypatch):
     # Each item fills the 3-deep ring anew (5 K steps), dealt in the snake
     # order, the output tile whole.
     (rdk.RaggedDotConfig(block_m=192, block_n=64, block_k=64, num_stages=3), None),
-    # Claimed in rotated waves, chained (10 K steps of 32 in a 5-deep ring),
-    # output in two pieces.
-    (rdk.RaggedDotConfig(block_m=192, block_n=64, block_k=32, num_stages=5,
+    # Two 128-column accumulators a warpgroup, claimed in rotated waves,
+    # chained (10 K steps of 32 in a 5-deep ring).
+    (rdk.RaggedDotConfig(block_m=192, block_n=128, block_k=32, num_stages=5,
                          out_pieces=2, claim_items=True), "rotated"),
 ], ids=["ring-per-item", "claimed-rotated"])
 def test_ragged_dot_three_compute_warpgroups(config, order, transpose_rhs,

@@ -584,7 +584,10 @@ def test_three_compute_warpgroups_lower_for_cuda(m, k, n, g, transpose_rhs):
 
 def test_block_m_192_refuses_wide_tiles():
   with pytest.raises(ValueError, match="block_m=192 takes block_n <= 128"):
-    rd.RaggedDotConfig(block_m=192, block_n=192)
+    rd.RaggedDotConfig(block_m=192, block_n=192, out_pieces=2)
+  with pytest.raises(ValueError, match="block_n=128 needs out_pieces=2; got 1"):
+    rd.RaggedDotConfig(block_m=192, block_n=128)
+  rd.RaggedDotConfig(block_m=192, block_n=64)  # one accumulator, any pieces
 
 
 @pytest.mark.parametrize("sizes,m,held,offset", [

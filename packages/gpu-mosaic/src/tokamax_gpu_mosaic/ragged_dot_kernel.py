@@ -83,8 +83,12 @@ class RaggedDotConfig:
   rows each share a ``192 x 2 block_n`` item (a block of four warpgroups), so
   each K step's rhs tile serves 1.5x the rows of a 128-row item: fewer bytes
   from the L2 per FLOP (the bound of many-group shapes at long K,
-  notes/MOSAIC_GPU.md), at 152 registers a compute thread for its 128-register
-  accumulator.
+  notes/MOSAIC_GPU.md). A block of 512 threads starts at 128 registers a
+  thread, and ptxas fits each instruction's registers into that count
+  whatever ``setmaxnreg`` raises the compute warpgroups to (152), so a
+  warpgroup's 256 columns are two 128-column accumulators, each its own
+  wgmma (`_GroupTiles.acc_splits`), and are stored as two pieces
+  (``out_pieces=2``).
   ``item_order``: "snake" walks (row tile, column tile) with `plgpu.planar_snake`;
   "group" writes the order into the work-item table: per group, bands of
   ``grid_tile_width`` row tiles, and within a band the row tiles of one column
@@ -142,10 +146,15 @@ class RaggedDotConfig:
       # Each warpgroup's [128, block_n] f32 accumulator: block_n registers per
       # thread (of 232 for the compute warpgroups).
       raise ValueError(f"block_m=256 takes block_n <= 128; got {self.block_n}")
-    if self.row_tiling == "group" and self.block_m == 192 and self.block_n > 128:
-      # Each warpgroup's [64, 2 block_n] f32 accumulator: block_n registers
-      # per thread, of the 152 that three compute warpgroups get.
-      raise ValueError(f"block_m=192 takes block_n <= 128; got {self.block_n}")
+    if self.row_tiling == "group" and self.block_m == 192:
+      # Each warpgroup's [64, 2 block_n] f32 tile: block_n registers per
+      # thread, of the 152 that three compute warpgroups get.
+      if self.block_n > 128:
+        raise ValueError(f"block_m=192 takes block_n <= 128; got {self.block_n}")
+      if self.block_n > 64 and self.out_pieces != 2:
+        # Its two 128-column accumulators go out as the two pieces.
+        raise ValueError(f"block_m=192 with block_n={self.block_n} needs "
+                         f"out_pieces=2; got {self.out_pieces}")
     if self.item_order not in ("snake", "group"):
       raise ValueError(f"item_order must be 'snake' or 'group'; got {self.item_order}")
     if self.item_order == "group" and self.row_tiling != "group":
@@ -593,6 +602,16 @@ class _GroupTiles:
     return compute_wgs(self.config)
 
   @property
+  def acc_splits(self):
+    """Accumulators of a compute warpgroup, each of ``cta_n / acc_splits``
+    columns and its own wgmma: two where four warpgroups share the SM's
+    registers and a warpgroup's tile is wider than 128 columns (ptxas fits
+    one wgmma's 64 x 256 float32 operands, about 154 registers, into the
+    block's 128 a thread at entry, not into what ``setmaxnreg`` raises them
+    to)."""
+    return 2 if self.compute_wgs == 3 and self.subs == 1 and self.cta_n > 128 else 1
+
+  @property
   def half(self):  # a compute warpgroup's rows: 64, or 128 in two wgmma halves
     return self.bm // self.compute_wgs
 
@@ -850,20 +869,33 @@ class _GroupTiles:
     if self.chained:
       self.pipeline.finish_loop(allocs, self.k_steps)
 
-  def mma(self, item: _Item, _, a_smem, b_smem, acc_ref):
-    """One K step: this warpgroup's rows of the lhs tile times the rhs tile."""
+  def rhs_columns(self, b_smem, split: int):
+    """The rhs tile's columns of accumulator `split` (static: a swizzled tile
+    sliced at a dynamic offset issued slower, notes/MOSAIC_GPU.md), as wgmma's
+    ``[block_k, columns]`` operand."""
+    width = self.cta_n // self.acc_splits
+    cols = pl.ds(split * width, width)
     if self.transpose_rhs:
-      b = b_smem.transpose((1, 0))
-    else:
-      b = b_smem
+      b = b_smem if self.acc_splits == 1 else b_smem.at[cols]
+      return b.transpose((1, 0))
+    return b_smem if self.acc_splits == 1 else b_smem.at[:, cols]
+
+  def mma(self, item: _Item, _, a_smem, b_smem, acc):
+    """One K step: this warpgroup's rows of the lhs tile times the rhs tile
+    (`acc`: the accumulator ref, a tuple of `acc_splits` where more than one)."""
     if self.subs == 1:
+      accs = acc if self.acc_splits > 1 else (acc,)
+
       @pl.when(item.whi > item.wlo)
       def _issue():
-        plgpu.wgmma(acc_ref, a_smem.at[pl.ds(item.cwg * self.half, self.half)], b)
-      plgpu.wgmma_wait(1)
-      return acc_ref
-    self.issue_halves(item, a_smem, b, acc_ref)
-    return acc_ref
+        a = a_smem.at[pl.ds(item.cwg * self.half, self.half)]
+        for split, acc_ref in enumerate(accs):
+          plgpu.wgmma(acc_ref, a, self.rhs_columns(b_smem, split))
+      # Each wgmma call is one commit group: leave only this step's pending.
+      plgpu.wgmma_wait(len(accs))
+      return acc
+    self.issue_halves(item, a_smem, self.rhs_columns(b_smem, 0), acc)
+    return acc
 
   def issue_halves(self, item: _Item, a_smem, b, acc_ref):
     """Tall items: the wgmma of each 64-row half of this warpgroup's 128 rows
@@ -895,12 +927,18 @@ class _GroupTiles:
     """The accumulator around the K loop, then the store of this warpgroup's
     rows."""
 
+    shape = (self.half, self.cta_n // self.acc_splits)
+
     @functools.partial(pl.run_scoped,
-                       acc_ref=plgpu.ACC((self.half, self.cta_n), jnp.float32))
-    def _acc_scope(acc_ref):
-      eval_pipeline(acc_ref)
+                       accs=[plgpu.ACC(shape, jnp.float32)] * self.acc_splits)
+    def _acc_scope(accs):
+      eval_pipeline(accs[0] if self.acc_splits == 1 else tuple(accs))
       self.finish_loop(allocs)
-      self.store_acc(item, out_ref, out_smem, acc_ref[...])
+      if self.acc_splits == 1:
+        self.store_acc(item, out_ref, out_smem, accs[0][...])
+      else:  # one piece an accumulator (`RaggedDotConfig` checks the pieces)
+        self.store_tile(item, out_ref, out_smem,
+                        lambda p: accs[p][...].astype(self.out_dtype))
 
   def store_acc(self, item: _Item, out_ref, out_smem, acc):
     """Stores this warpgroup's rows of the float32 tile `acc`."""
