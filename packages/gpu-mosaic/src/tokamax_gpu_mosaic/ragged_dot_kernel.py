@@ -85,7 +85,7 @@ class RaggedDotConfig:
   from the L2 per FLOP (the bound of many-group shapes at long K,
   notes/MOSAIC_GPU.md). A block of 512 threads starts at 128 registers a
   thread, and ptxas fits each instruction's registers into that count
-  whatever ``setmaxnreg`` raises the compute warpgroups to (152), so a
+  whatever ``setmaxnreg`` raises the compute warpgroups to (160), so a
   warpgroup's 256 columns are two 128-column accumulators, each its own
   wgmma (`_GroupTiles.acc_splits`), and are stored as two pieces
   (``out_pieces=2``).
@@ -148,7 +148,7 @@ class RaggedDotConfig:
       raise ValueError(f"block_m=256 takes block_n <= 128; got {self.block_n}")
     if self.row_tiling == "group" and self.block_m == 192:
       # Each warpgroup's [64, 2 block_n] f32 tile: block_n registers per
-      # thread, of the 152 that three compute warpgroups get.
+      # thread, of the 160 that three compute warpgroups get.
       if self.block_n > 128:
         raise ValueError(f"block_m=192 takes block_n <= 128; got {self.block_n}")
       if self.block_n > 64 and self.out_pieces != 2:
