@@ -363,13 +363,8 @@ def test_ragged_dot():
     (rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=32, num_stages=8,
                          out_pieces=2, item_order="group", claim_items=True),
      256, 1),
-    # 192-row items over three compute warpgroups, each with two 128-column
-    # accumulators (one an output piece), claimed.
-    (rdk.RaggedDotConfig(block_m=192, block_n=128, block_k=64, num_stages=2,
-                         out_pieces=2, item_order="group", claim_items=True),
-     256, 1),
 ], ids=["wide", "tall-offset", "short-k", "wide-group", "claimed",
-        "claimed-tall", "claimed-k32", "claimed-192"])
+        "claimed-tall", "claimed-k32"])
 def test_ragged_dot_chained_items(config, k, offset, transpose_rhs):
   """Work items chained in one ring (`_pipeline.ChainedPipeline`): each of the
   2 interpreted SMs runs many items (zero items, empty groups, warpgroups
@@ -400,26 +395,6 @@ def test_ragged_dot_claim_orders(order, transpose_rhs, k, monkeypatch):
                                item_order="group", grid_tile_width=2,
                                claim_items=True)
   _check_grouped_matmul(config, k, 1, transpose_rhs, f"claims {order}")
-
-
-@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["forward", "dlhs"])
-@pytest.mark.parametrize("config,order", [
-    # Each item fills the 3-deep ring anew (5 K steps), dealt in the snake
-    # order, the output tile whole.
-    (rdk.RaggedDotConfig(block_m=192, block_n=64, block_k=64, num_stages=3), None),
-    # Two 128-column accumulators a warpgroup, claimed in rotated waves,
-    # chained (10 K steps of 32 in a 5-deep ring).
-    (rdk.RaggedDotConfig(block_m=192, block_n=128, block_k=32, num_stages=5,
-                         out_pieces=2, claim_items=True), "rotated"),
-], ids=["ring-per-item", "claimed-rotated"])
-def test_ragged_dot_three_compute_warpgroups(config, order, transpose_rhs,
-                                             monkeypatch):
-  """192-row items (`RaggedDotConfig(block_m=192)`): three compute warpgroups
-  of 64 rows each, so a warpgroup's rows can lie in a group, across its end,
-  or past it, and the claims' barriers count four warpgroups."""
-  if order is not None:
-    monkeypatch.setattr(rdk, "_interpreted_claim", _CLAIM_ORDERS[order])
-  _check_grouped_matmul(config, 320, 1, transpose_rhs, "three compute warpgroups")
 
 
 def _check_grouped_matmul(config, k, offset, transpose_rhs, what):

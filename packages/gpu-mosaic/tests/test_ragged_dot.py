@@ -373,10 +373,6 @@ _CLAIM = [
 _CLAIM_K32 = rd.RaggedDotConfig(block_k=32, num_stages=8, out_pieces=2,
                                 item_order="group", claim_items=True)
 _CLAIM.append(_CLAIM_K32)
-# 192-row items over three compute warpgroups (a block of four warpgroups).
-_CLAIM_192 = rd.RaggedDotConfig(block_m=192, num_stages=3, out_pieces=2,
-                                item_order="group", claim_items=True)
-_CLAIM.append(_CLAIM_192)
 
 
 def _lax_reference(lhs, rhs, sizes):
@@ -485,8 +481,8 @@ def test_claim_items_under_vmap():
 
 
 @gpu
-@pytest.mark.parametrize("config", _REUSE[:3] + _SYNC + _CLAIM[:2]
-                         + [_CLAIM_K32, _CLAIM_192], ids=_wid)
+@pytest.mark.parametrize("config", _REUSE[:3] + _SYNC + _CLAIM[:2] + [_CLAIM_K32],
+                         ids=_wid)
 def test_reuse_order_tall_dlhs_and_vjp(config):
   """The transposed-rhs kernel (dlhs) with the variant, and the whole backward
   through dispatch with the variant as the backward config."""
@@ -570,24 +566,6 @@ def test_lowers_for_cuda(transpose_rhs, tiling, pieces):
                               block_n=64, block_k=64, num_stages=2,
                               row_tiling=tiling, out_pieces=pieces)
   _grouped_matmul_lowers(m, k, n, g, config, transpose_rhs)
-
-
-@pytest.mark.parametrize("transpose_rhs", [False, True])
-@pytest.mark.parametrize("m,k,n,g", [(65536, 768, 2048, 128),
-                                     (65536, 7168, 2048, 256)])
-def test_three_compute_warpgroups_lower_for_cuda(m, k, n, g, transpose_rhs):
-  """192-row items (four warpgroups a block, the shared memory of 3 stages
-  and two output pieces near the limit) lower at MoE sizes."""
-  pytest.importorskip("absl")
-  _grouped_matmul_lowers(m, k, n, g, _CLAIM_192, transpose_rhs)
-
-
-def test_block_m_192_refuses_wide_tiles():
-  with pytest.raises(ValueError, match="block_m=192 takes block_n <= 128"):
-    rd.RaggedDotConfig(block_m=192, block_n=192, out_pieces=2)
-  with pytest.raises(ValueError, match="block_n=128 needs out_pieces=2; got 1"):
-    rd.RaggedDotConfig(block_m=192, block_n=128)
-  rd.RaggedDotConfig(block_m=192, block_n=64)  # one accumulator, any pieces
 
 
 @pytest.mark.parametrize("sizes,m,held,offset", [

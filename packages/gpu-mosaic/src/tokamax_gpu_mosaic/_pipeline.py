@@ -33,11 +33,6 @@ PRODUCER_REGS = 40
 # at 232 (the attention backward at H128) and costs where the producer's
 # address arithmetic needs more than 24 (H64: it issues twice the tiles).
 WIDE_CONSUMER_REGS = (240, 24)
-# The memory warpgroup's registers beside three compute warpgroups, which then
-# get (512 - 24) / 3 -> 160 a thread: ragged_dot's 192-row items spill 800
-# bytes and serialize their wgmmas at the 152 that 40 would leave (ptxas'
-# report for the H200, notes/MOSAIC_GPU.md "Session 45"), none at 160.
-THREE_CONSUMER_PRODUCER_REGS = 24
 
 
 # ----------------------------------------------------------------------------
@@ -195,22 +190,14 @@ def tma_spec(block_shape, index_map, dtype, minor: int, delay_release: int = 1):
 
 @dataclasses.dataclass(frozen=True)
 class WarpSpecializedPipeline:
-  """A memory warpgroup streams `in_specs` through a `stages`-deep ring;
-  `compute_wgs` compute warpgroups (two, or three for ragged_dot's 192-row
-  items) run the body on each step. The compute warpgroups share what the
-  memory warpgroup leaves of the SM's registers: 232 a thread for two, 160 for
-  three (`emit_pipeline_warp_specialized` rounds down to a multiple of 8)."""
+  """A memory warpgroup streams `in_specs` through a `stages`-deep ring; two
+  compute warpgroups run the body on each step."""
 
   in_specs: tuple
   stages: int
-  compute_wgs: int = 2
 
   def __call__(self, body, context, steps):
     return self._emit(body, context, steps)
-
-  @property
-  def memory_registers(self) -> int:
-    return PRODUCER_REGS if self.compute_wgs == 2 else THREE_CONSUMER_PRODUCER_REGS
 
   def allocations(self, *refs, steps):
     """The ring's shared memory for operands like `refs` (allocated once for all
@@ -221,9 +208,8 @@ class WarpSpecializedPipeline:
 
   def _emit(self, body, context, steps, **options):
     return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(steps,), memory_registers=self.memory_registers,
-        in_specs=list(self.in_specs), wg_axis="wg",
-        num_compute_wgs=self.compute_wgs,
+        body, grid=(steps,), memory_registers=PRODUCER_REGS,
+        in_specs=list(self.in_specs), wg_axis="wg", num_compute_wgs=2,
         max_concurrent_steps=self.stages, compute_context=context, **options)
 
   def _options(self, first_item: bool) -> dict:
@@ -292,12 +278,10 @@ class ChainedPipeline(WarpSpecializedPipeline):
 
 
 def persistent_kernel(kernel, *, out_type, scratch_types=None,
-                      warp_specialized: bool = True, compute_wgs: int = 2):
-  """A kernel of one block per SM (`kernel` walks its work items), with
-  `compute_wgs` compute warpgroups and a memory warpgroup (the last) where
-  `warp_specialized`."""
-  threads = (dict(num_threads=compute_wgs + 1, thread_name="wg")
-             if warp_specialized else {})
+                      warp_specialized: bool = True):
+  """A kernel of one block per SM (`kernel` walks its work items), with a memory
+  and two compute warpgroups where `warp_specialized`."""
+  threads = dict(num_threads=3, thread_name="wg") if warp_specialized else {}
   return _common.kernel(
       kernel, out_type=out_type, scratch_types=scratch_types,
       grid=(_common.num_sms(),), grid_names=("sm",),

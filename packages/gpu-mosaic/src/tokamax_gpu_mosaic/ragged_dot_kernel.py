@@ -79,16 +79,6 @@ class RaggedDotConfig:
   in two 64-row wgmma halves into one ``[128, block_n]`` accumulator, a half
   skipped when its rows lie outside the group; a group of up to ~256 rows then
   streams each weight tile once instead of 2-3 times.
-  ``row_tiling="group"`` with ``block_m=192``: three compute warpgroups of 64
-  rows each share a ``192 x 2 block_n`` item (a block of four warpgroups), so
-  each K step's rhs tile serves 1.5x the rows of a 128-row item: fewer bytes
-  from the L2 per FLOP (the bound of many-group shapes at long K,
-  notes/MOSAIC_GPU.md). A block of 512 threads starts at 128 registers a
-  thread, and ptxas fits each instruction's registers into that count
-  whatever ``setmaxnreg`` raises the compute warpgroups to (160), so a
-  warpgroup's 256 columns are two 128-column accumulators, each its own
-  wgmma (`_GroupTiles.acc_splits`), and are stored as two pieces
-  (``out_pieces=2``).
   ``item_order``: "snake" walks (row tile, column tile) with `plgpu.planar_snake`;
   "group" writes the order into the work-item table: per group, bands of
   ``grid_tile_width`` row tiles, and within a band the row tiles of one column
@@ -138,23 +128,14 @@ class RaggedDotConfig:
       raise ValueError(f"num_stages >= 2 and grid_tile_width >= 1: {self}")
     if self.row_tiling not in ("group", "fixed"):
       raise ValueError(f"row_tiling must be 'group' or 'fixed'; got {self.row_tiling}")
-    if self.row_tiling == "group" and self.block_m not in (128, 192, 256):
+    if self.row_tiling == "group" and self.block_m not in (128, 256):
       raise ValueError("row_tiling='group' takes block_m=128 (64 rows per "
-                       "compute warpgroup), 192 (three compute warpgroups of 64 "
-                       f"rows) or 256 (128 rows per warpgroup); got {self.block_m}")
+                       "compute warpgroup) or 256 (128 rows per warpgroup); "
+                       f"got {self.block_m}")
     if self.row_tiling == "group" and self.block_m == 256 and self.block_n > 128:
       # Each warpgroup's [128, block_n] f32 accumulator: block_n registers per
       # thread (of 232 for the compute warpgroups).
       raise ValueError(f"block_m=256 takes block_n <= 128; got {self.block_n}")
-    if self.row_tiling == "group" and self.block_m == 192:
-      # Each warpgroup's [64, 2 block_n] f32 tile: block_n registers per
-      # thread, of the 160 that three compute warpgroups get.
-      if self.block_n > 128:
-        raise ValueError(f"block_m=192 takes block_n <= 128; got {self.block_n}")
-      if self.block_n > 64 and self.out_pieces != 2:
-        # Its two 128-column accumulators go out as the two pieces.
-        raise ValueError(f"block_m=192 with block_n={self.block_n} needs "
-                         f"out_pieces=2; got {self.out_pieces}")
     if self.item_order not in ("snake", "group"):
       raise ValueError(f"item_order must be 'snake' or 'group'; got {self.item_order}")
     if self.item_order == "group" and self.row_tiling != "group":
@@ -194,11 +175,6 @@ class RaggedDotConfig:
 
 WGMMA_M = 64  # wgmma's row granularity per warpgroup.
 COLS = 64  # Minor dimensions are padded to this (the 128-byte swizzle's width).
-
-
-def compute_wgs(config: RaggedDotConfig) -> int:
-  """Compute warpgroups of a block: three for 192-row group items, else two."""
-  return 3 if config.row_tiling == "group" and config.block_m == 192 else 2
 
 
 def cta_n(config: RaggedDotConfig) -> int:
@@ -402,11 +378,9 @@ def _pad_operands(lhs, rhs, transpose_rhs: bool, config: RaggedDotConfig):
 
 
 def _operand_pipeline(dtype, block_m: int, block_k: int, n: int,
-                      transpose_rhs: bool, stages: int, chained: bool = False,
-                      compute_wgs: int = 2):
+                      transpose_rhs: bool, stages: int, chained: bool = False):
   """The K loop over an lhs row tile and an rhs column tile of `n` columns
-  (`chained`: a `_pipeline.ChainedPipeline` across work items) for
-  `compute_wgs` compute warpgroups."""
+  (`chained`: a `_pipeline.ChainedPipeline` across work items)."""
   delay = 0 if chained else 1
   lhs_spec = _pipeline.tma_spec((block_m, block_k), lambda ki: (0, ki), dtype, block_k,
                                 delay)
@@ -417,7 +391,7 @@ def _operand_pipeline(dtype, block_m: int, block_k: int, n: int,
     rhs_spec = _pipeline.tma_spec((block_k, n), lambda ki: (ki, 0), dtype, block_k,
                                   delay)
   cls = _pipeline.ChainedPipeline if chained else _pipeline.WarpSpecializedPipeline
-  return cls((lhs_spec, rhs_spec), stages, compute_wgs)
+  return cls((lhs_spec, rhs_spec), stages)
 
 
 def _store_rows(y, lo, hi, dst_row, swizzled_smem, linear_smem, out_ref, cols):
@@ -453,13 +427,12 @@ def _store_rows(y, lo, hi, dst_row, swizzled_smem, linear_smem, out_ref, cols):
       size //= 2
 
 
-def _claim_types(warpgroups: int):
-  """`claimed_loop`'s shared memory: two claimed indices, a barrier per slot
-  that the memory warpgroup arrives on once it wrote the slot, and one per
-  slot that all the block's `warpgroups` arrive on once they read it."""
-  return (plgpu.SMEM((2,), jnp.int32),
-          plgpu.Barrier(num_arrivals=1, num_barriers=2),
-          plgpu.Barrier(num_arrivals=warpgroups, num_barriers=2))
+# `claimed_loop`'s shared memory: two claimed indices, a barrier per slot that
+# the memory warpgroup arrives on once it wrote the slot, and one per slot that
+# all three warpgroups arrive on once they read it.
+_CLAIM_TYPES = (plgpu.SMEM((2,), jnp.int32),
+                plgpu.Barrier(num_arrivals=1, num_barriers=2),
+                plgpu.Barrier(num_arrivals=3, num_barriers=2))
 
 
 def _thread_0_of_warpgroup():
@@ -551,7 +524,7 @@ class _Item(NamedTuple):
   """One work item as a compute warpgroup sees it."""
 
   wg: Any
-  cwg: Any  # compute warpgroup (from 0; the memory warpgroup counts as the last)
+  cwg: Any  # compute warpgroup (0 or 1; the memory warpgroup counts as 1)
   row0: Any  # first row of the tile
   group: Any  # rhs group (-1: zeros)
   lo: Any  # rows [lo, hi) of the tile belong to the item
@@ -570,9 +543,8 @@ class _Item(NamedTuple):
 class _GroupTiles:
   """`grouped_matmul` on row tiles that follow the groups (`work_items`).
 
-  The compute warpgroups split the tile's rows (two of 64 each, three of 64
-  for ``block_m=192``, or two of 128 for ``block_m=256`` in two wgmma halves)
-  and share the rhs tile. With a
+  The two compute warpgroups split the tile's rows (64 each, or 128 for
+  ``block_m=256`` in two wgmma halves) and share the rhs tile. With a
   `_pipeline.ChainedPipeline` the block's items share one ring: the item loop
   carries whether this block has run a K loop yet (its first one starts the
   ring).
@@ -598,22 +570,8 @@ class _GroupTiles:
     return isinstance(self.pipeline, _pipeline.ChainedPipeline)
 
   @property
-  def compute_wgs(self):
-    return compute_wgs(self.config)
-
-  @property
-  def acc_splits(self):
-    """Accumulators of a compute warpgroup, each of ``cta_n / acc_splits``
-    columns and its own wgmma: two where four warpgroups share the SM's
-    registers and a warpgroup's tile is wider than 128 columns (ptxas fits
-    one wgmma's 64 x 256 float32 operands, about 154 registers, into the
-    block's 128 a thread at entry, not into what ``setmaxnreg`` raises them
-    to)."""
-    return 2 if self.compute_wgs == 3 and self.subs == 1 and self.cta_n > 128 else 1
-
-  @property
   def half(self):  # a compute warpgroup's rows: 64, or 128 in two wgmma halves
-    return self.bm // self.compute_wgs
+    return self.bm // 2
 
   @property
   def subs(self):
@@ -642,7 +600,7 @@ class _GroupTiles:
             plgpu.SMEM((self.half, self.piece_n), self.out_dtype,
                        transforms=_common.swizzled(self.out_dtype, self.piece_n)),
             plgpu.SMEM((self.half, self.piece_n), self.out_dtype))
-        for _ in range(self.compute_wgs)]
+        for _ in range(2)]
 
   def kernel(self, items_ref, *refs):
     """`refs`: the operands the pipeline streams (lhs, rhs), then the output
@@ -651,14 +609,13 @@ class _GroupTiles:
     out_ref = outs[0] if self.num_outputs == 1 else outs
     allocs = self.pipeline.allocations(*operands, steps=self.k_steps)
 
-    claims = (_claim_types(self.compute_wgs + 1) if self.config.claim_items
-              else None)
+    claims = _CLAIM_TYPES if self.config.claim_items else None
 
     @functools.partial(pl.run_scoped, allocs=allocs, out_smem=self.out_smem_types(),
                        claims=claims, collective_axes="wg")
     def _scope(allocs, out_smem, claims):
       wg = lax.axis_index("wg")
-      cwg = jnp.minimum(wg, self.compute_wgs - 1)
+      cwg = jnp.minimum(wg, 1)
 
       def run(index, started):
         """Runs item `index`; `started`: whether this block ran a K loop."""
@@ -684,14 +641,13 @@ class _GroupTiles:
     instead: Pallas batches a kernel into one launch whose batch instances
     would share the one counter of `claimed_loop`, so each instance would run
     only the items its own blocks happened to claim."""
-    kernel = functools.partial(_pipeline.persistent_kernel, out_type=out_type,
-                               compute_wgs=self.compute_wgs)
-    call = kernel(body(self))
+    call = _pipeline.persistent_kernel(body(self), out_type=out_type)
     if not self.config.claim_items:
       return call
     dealt = dataclasses.replace(
         self, config=dataclasses.replace(self.config, claim_items=False))
-    return tokamax.plugin.vmap_fallback(call, kernel(body(dealt)))
+    return tokamax.plugin.vmap_fallback(
+        call, _pipeline.persistent_kernel(body(dealt), out_type=out_type))
 
   def claimed_loop(self, run, wg, tickets, claimed, read):
     """The block's items as it claims them (`RaggedDotConfig.claim_items`).
@@ -702,16 +658,16 @@ class _GroupTiles:
     shared-memory `tickets` once that item's loads are issued, so that the
     claim's round trip overlaps the loads (nothing reads the claimed value
     before the store). The memory warpgroup then arrives on the slot's
-    `claimed` barrier; all the block's warpgroups wait there, read the index
-    and arrive on `read` (the memory warpgroup refills a slot after all of
-    them have read it, two claims later). The compute warpgroups thus run exactly
+    `claimed` barrier; all three warpgroups wait there, read the index and
+    arrive on `read` (the memory warpgroup refills a slot after all three
+    have read it, two claims later). The compute warpgroups thus run exactly
     the indices the memory warpgroup streams. A block stops at its first
     index past the table: every block claims one such, and then the counter
     is never touched again."""
     total = self.num_items * self.n_tiles
     counter = (None if _common.interpreting()
                else pl.get_global(plgpu.SemaphoreType.REGULAR((1,))))
-    is_memory = wg == self.compute_wgs
+    is_memory = wg == 2
 
     def publish(j, claimed_index):
       """Memory warpgroup: ``tickets[j % 2] = claimed_index``, then arrive."""
@@ -812,7 +768,7 @@ class _GroupTiles:
           self.pipeline(mma, context, self.k_steps, first_item=first_item)(
               *self.operand_blocks(item, operands), allocations=allocs)
 
-    @pl.when((item.group < 0) & (item.hi > item.lo) & (item.wg < self.compute_wgs))
+    @pl.when((item.group < 0) & (item.hi > item.lo) & (item.wg < 2))
     def _zeros():
       self.store_zeros(item, out_ref, out_smem)
 
@@ -844,7 +800,7 @@ class _GroupTiles:
                        f"SMs; got {self.config.grid_tile_width}")
     sems = pl.get_global(plgpu.SemaphoreType.REGULAR((num_sms,)))
 
-    @pl.when((item.wg == self.compute_wgs) & item.matmul & (item.sharers > 1))
+    @pl.when((item.wg == 2) & item.matmul & (item.sharers > 1))
     def _meet():
       # A band holds grid_tile_width row tiles at most. (One fence for all
       # the signals, `plgpu.semaphore_signal_parallel`, refused these
@@ -869,33 +825,20 @@ class _GroupTiles:
     if self.chained:
       self.pipeline.finish_loop(allocs, self.k_steps)
 
-  def rhs_columns(self, b_smem, split: int):
-    """The rhs tile's columns of accumulator `split` (static: a swizzled tile
-    sliced at a dynamic offset issued slower, notes/MOSAIC_GPU.md), as wgmma's
-    ``[block_k, columns]`` operand."""
-    width = self.cta_n // self.acc_splits
-    cols = pl.ds(split * width, width)
+  def mma(self, item: _Item, _, a_smem, b_smem, acc_ref):
+    """One K step: this warpgroup's rows of the lhs tile times the rhs tile."""
     if self.transpose_rhs:
-      b = b_smem if self.acc_splits == 1 else b_smem.at[cols]
-      return b.transpose((1, 0))
-    return b_smem if self.acc_splits == 1 else b_smem.at[:, cols]
-
-  def mma(self, item: _Item, _, a_smem, b_smem, acc):
-    """One K step: this warpgroup's rows of the lhs tile times the rhs tile
-    (`acc`: the accumulator ref, a tuple of `acc_splits` where more than one)."""
+      b = b_smem.transpose((1, 0))
+    else:
+      b = b_smem
     if self.subs == 1:
-      accs = acc if self.acc_splits > 1 else (acc,)
-
       @pl.when(item.whi > item.wlo)
       def _issue():
-        a = a_smem.at[pl.ds(item.cwg * self.half, self.half)]
-        for split, acc_ref in enumerate(accs):
-          plgpu.wgmma(acc_ref, a, self.rhs_columns(b_smem, split))
-      # Each wgmma call is one commit group: leave only this step's pending.
-      plgpu.wgmma_wait(len(accs))
-      return acc
-    self.issue_halves(item, a_smem, self.rhs_columns(b_smem, 0), acc)
-    return acc
+        plgpu.wgmma(acc_ref, a_smem.at[pl.ds(item.cwg * self.half, self.half)], b)
+      plgpu.wgmma_wait(1)
+      return acc_ref
+    self.issue_halves(item, a_smem, b, acc_ref)
+    return acc_ref
 
   def issue_halves(self, item: _Item, a_smem, b, acc_ref):
     """Tall items: the wgmma of each 64-row half of this warpgroup's 128 rows
@@ -927,18 +870,12 @@ class _GroupTiles:
     """The accumulator around the K loop, then the store of this warpgroup's
     rows."""
 
-    shape = (self.half, self.cta_n // self.acc_splits)
-
     @functools.partial(pl.run_scoped,
-                       accs=[plgpu.ACC(shape, jnp.float32)] * self.acc_splits)
-    def _acc_scope(accs):
-      eval_pipeline(accs[0] if self.acc_splits == 1 else tuple(accs))
+                       acc_ref=plgpu.ACC((self.half, self.cta_n), jnp.float32))
+    def _acc_scope(acc_ref):
+      eval_pipeline(acc_ref)
       self.finish_loop(allocs)
-      if self.acc_splits == 1:
-        self.store_acc(item, out_ref, out_smem, accs[0][...])
-      else:  # one piece an accumulator (`RaggedDotConfig` checks the pieces)
-        self.store_tile(item, out_ref, out_smem,
-                        lambda p: accs[p][...].astype(self.out_dtype))
+      self.store_acc(item, out_ref, out_smem, acc_ref[...])
 
   def store_acc(self, item: _Item, out_ref, out_smem, acc):
     """Stores this warpgroup's rows of the float32 tile `acc`."""
@@ -992,8 +929,7 @@ def _group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool, out_dtype,
       num_items=num_items, n_tiles=n_tiles, k_steps=k_steps,
       pipeline=_operand_pipeline(lhs.dtype, config.block_m, config.block_k,
                                  cta_n(config), transpose_rhs,
-                                 depth if chained else config.num_stages, chained,
-                                 compute_wgs(config)))
+                                 depth if chained else config.num_stages, chained))
 
   # The output gets whole column tiles: a TMA store from plain (unswizzled)
   # shared memory whose box crossed the last column did not clip there on the
