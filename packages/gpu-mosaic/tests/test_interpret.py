@@ -397,33 +397,6 @@ def test_ragged_dot_claim_orders(order, transpose_rhs, k, monkeypatch):
   _check_grouped_matmul(config, k, 1, transpose_rhs, f"claims {order}")
 
 
-@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["forward", "dlhs"])
-@pytest.mark.parametrize("config,k,claims", [
-    # Dealt round robin, 5 K steps in a 3-deep ring (items start at every
-    # slot), whole tiles.
-    (rdk.RaggedDotConfig(block_n=64, num_stages=3, defer_store=True), 320, None),
-    # Claimed in falling index order (each block's last item has rows: its
-    # tile is stored after the item loop), output in two pieces.
-    (rdk.RaggedDotConfig(block_n=64, num_stages=2, out_pieces=2, item_order="group",
-                         claim_items=True, defer_store=True), 256, "reversed"),
-], ids=["dealt-3-stages", "claimed-reversed-pieces"])
-def test_ragged_dot_deferred_store(config, k, claims, transpose_rhs, monkeypatch):
-  """`RaggedDotConfig.defer_store`: each tile stored under the next item's first
-  K steps (zero items and empty groups between), the last after the loop."""
-  if claims == "reversed":
-    # `_check_grouped_matmul`'s table: M420 (padded to 424) in 128-row items
-    # over 6 held groups, two column tiles of 128.
-    starts, ends = tokamax.plugin.held_row_ranges(
-        jnp.asarray([60, 0, 150, 37, 0, 120, 3], jnp.int32), jnp.int32(1), 6, 420)
-    total = rdk.work_items(starts, ends, 424, 128).shape[0] * 2
-
-    def falling(j, sm, num_sms):
-      i = j * num_sms + sm
-      return jnp.where(i < total, total - 1 - i, total)
-    monkeypatch.setattr(rdk, "_interpreted_claim", falling)
-  _check_grouped_matmul(config, k, 1, transpose_rhs, "deferred stores")
-
-
 def _check_grouped_matmul(config, k, offset, transpose_rhs, what):
   """`rdk.grouped_matmul` in the interpreter at M420 N256 (groups 60, 0, 150, 37,
   0, 120, 3; those from `offset` held) against the float32 reference."""

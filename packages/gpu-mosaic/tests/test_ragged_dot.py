@@ -20,7 +20,6 @@ from tokamax._src.tuning import context as tuning_context
 from tokamax_gpu_mosaic import ragged_dot as rd
 from tokamax_gpu_mosaic import ragged_dot_kernel as rdk
 from tokamax_gpu_mosaic import ragged_dot_kernel_drhs as rdd
-from tokamax_gpu_mosaic import ragged_dot_kernel_fp8 as fp8_kernel
 
 HIGHEST = jax.lax.Precision.HIGHEST
 _ON_HOPPER = (jax.default_backend() == "gpu"
@@ -337,7 +336,7 @@ def test_drhs_ws_through_vjp(config):
 def _wid(c):
   return (f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.num_stages}p{c.out_pieces}"
           f"w{c.grid_tile_width}{c.item_order}{'-sync' if c.sync_sharers else ''}"
-          f"{'-claim' if c.claim_items else ''}{'-defer' if c.defer_store else ''}")
+          f"{'-claim' if c.claim_items else ''}")
 
 
 _REUSE = [
@@ -374,14 +373,6 @@ _CLAIM = [
 _CLAIM_K32 = rd.RaggedDotConfig(block_k=32, num_stages=8, out_pieces=2,
                                 item_order="group", claim_items=True)
 _CLAIM.append(_CLAIM_K32)
-# Each tile stored under the next item's first K steps (`defer_store`), with
-# the heuristics' claims: two pieces at 4 stages, a whole tile at 3.
-_DEFER = [
-    rd.RaggedDotConfig(num_stages=4, out_pieces=2, item_order="group",
-                       claim_items=True, defer_store=True),
-    rd.RaggedDotConfig(num_stages=3, item_order="group", claim_items=True,
-                       defer_store=True),
-]
 
 
 def _lax_reference(lhs, rhs, sizes):
@@ -390,7 +381,7 @@ def _lax_reference(lhs, rhs, sizes):
 
 
 @gpu
-@pytest.mark.parametrize("config", _REUSE + _SYNC + _CLAIM + _DEFER, ids=_wid)
+@pytest.mark.parametrize("config", _REUSE + _SYNC + _CLAIM, ids=_wid)
 def test_reuse_order_tall_forward(config):
   # Empty groups, 1- and 3-row groups, starts off the 8-row grid, a group
   # whose rows fill one 64-row half of a tall item and spill into the next,
@@ -424,7 +415,7 @@ def test_reuse_order_tall_group_offset_and_f32_out(config):
 
 
 @gpu
-@pytest.mark.parametrize("config", _REUSE + _SYNC + _CLAIM + _DEFER, ids=_wid)
+@pytest.mark.parametrize("config", _REUSE + _SYNC + _CLAIM, ids=_wid)
 def test_reuse_order_tall_many_random_groups(config):
   rng = _rng()
   cuts = np.sort(rng.integers(0, 4000, 63))
@@ -490,8 +481,8 @@ def test_claim_items_under_vmap():
 
 
 @gpu
-@pytest.mark.parametrize("config", _REUSE[:3] + _SYNC + _CLAIM[:2] + [_CLAIM_K32]
-                         + _DEFER, ids=_wid)
+@pytest.mark.parametrize("config", _REUSE[:3] + _SYNC + _CLAIM[:2] + [_CLAIM_K32],
+                         ids=_wid)
 def test_reuse_order_tall_dlhs_and_vjp(config):
   """The transposed-rhs kernel (dlhs) with the variant, and the whole backward
   through dispatch with the variant as the backward config."""
@@ -575,28 +566,6 @@ def test_lowers_for_cuda(transpose_rhs, tiling, pieces):
                               block_n=64, block_k=64, num_stages=2,
                               row_tiling=tiling, out_pieces=pieces)
   _grouped_matmul_lowers(m, k, n, g, config, transpose_rhs)
-
-
-@pytest.mark.parametrize("transpose_rhs", [False, True])
-@pytest.mark.parametrize("config", _DEFER, ids=_wid)
-def test_deferred_store_lowers_for_cuda(config, transpose_rhs):
-  """The deferred-store kernel lowers at an MoE size (M65536 K768 N2048 G128)."""
-  pytest.importorskip("absl")
-  _grouped_matmul_lowers(65536, 768, 2048, 128, config, transpose_rhs)
-
-
-def test_deferred_store_refusals():
-  with pytest.raises(ValueError, match="defer_store=True needs row_tiling='group', "
-                                       "block_m=128"):
-    rd.RaggedDotConfig(block_m=256, defer_store=True)
-  # A float32 tile of 256 columns: 128 registers a thread.
-  with pytest.raises(ValueError, match="in 128 registers a thread; at most 64"):
-    rdk.check_deferred(_DEFER[0], jnp.float32)
-  rdk.check_deferred(_DEFER[0], jnp.bfloat16)
-  rdk.check_deferred(rd.RaggedDotConfig(block_n=64, defer_store=True), jnp.float32)
-  with pytest.raises(ValueError, match="the fp8 kernel takes defer_store=False"):
-    fp8_kernel.check_config(rd.RaggedDotConfig(block_n=64, block_k=128,
-                                               defer_store=True))
 
 
 @pytest.mark.parametrize("sizes,m,held,offset", [

@@ -488,15 +488,13 @@ def grouped_glu_config(config: ragged_dot_kernel.RaggedDotConfig, itemsize: int
   fewer stages where a 64-row fixed tiling's ring does not fit 128 rows.
   Items are dealt round robin (``claim_items=False``, whatever ragged_dot's
   config says): this kernel's claims have run only in the interpreter, not
-  yet on a GPU (notes/MEASUREMENTS.md, session 41). Its epilogue is its own
-  (``defer_store=False``)."""
+  yet on a GPU (notes/MEASUREMENTS.md, session 41)."""
   # block_n up to 128: two [64, block_n] float32 accumulators per thread's
   # registers. out_pieces=2: ragged_dot's shared-memory formula then counts one
   # [128, block_n] staging tile, what this kernel stages (`_GroupGluTiles`).
   config = dataclasses.replace(config, block_m=128, block_n=min(config.block_n, 128),
                                row_tiling="group", out_pieces=2,
-                               drhs_kernel="ring", claim_items=False,
-                               defer_store=False)
+                               drhs_kernel="ring", claim_items=False)
   while (ragged_dot_kernel.smem_bytes(config, itemsize, itemsize) > _common.SMEM_LIMIT
          and config.num_stages > 2):
     config = dataclasses.replace(config, num_stages=config.num_stages - 1)

@@ -102,13 +102,6 @@ class RaggedDotConfig:
   (no tail of one block's leftover items). Each output tile is still computed
   by one block from the same operands: results do not depend on who claims
   what. In the interpreter the claims follow the round-robin deal.
-  ``defer_store`` (``row_tiling="group"``, 128-row items): each compute
-  warpgroup converts its finished tile to the output dtype and keeps it in
-  registers, issues the next item's first wgmma, and stores the tile (one
-  column piece under each of the next item's first K steps) while that wgmma
-  runs, instead of idling the tensor cores through the store
-  (`_DeferredStoreTiles`: a hand-rolled ring with one item loop per
-  warpgroup role, so that only the compute warpgroups carry the tile).
   """
 
   block_m: int = 128
@@ -123,7 +116,6 @@ class RaggedDotConfig:
   chain_items: bool = True
   sync_sharers: bool = False
   claim_items: bool = False
-  defer_store: bool = False
 
   def __post_init__(self):
     if self.block_m % WGMMA_M or self.block_m > 256:
@@ -158,10 +150,6 @@ class RaggedDotConfig:
       raise ValueError("claim_items=True and sync_sharers=True exclude each "
                        "other (sync_sharers meets the blocks of the round-robin "
                        "deal)")
-    if self.defer_store and (self.row_tiling != "group" or self.block_m != 128
-                             or self.sync_sharers):
-      raise ValueError("defer_store=True needs row_tiling='group', block_m=128 "
-                       "and no sync_sharers")
     if self.out_pieces not in (1, 2):
       raise ValueError(f"out_pieces must be 1 or 2; got {self.out_pieces}")
     if self.out_pieces == 2 and self.row_tiling != "group":
@@ -661,7 +649,7 @@ class _GroupTiles:
     return tokamax.plugin.vmap_fallback(
         call, _pipeline.persistent_kernel(body(dealt), out_type=out_type))
 
-  def claimed_loop(self, run, wg, tickets, claimed, read, init=None):
+  def claimed_loop(self, run, wg, tickets, claimed, read):
     """The block's items as it claims them (`RaggedDotConfig.claim_items`).
 
     Thread 0 of the memory warpgroup claims the index of the block's next item
@@ -675,12 +663,7 @@ class _GroupTiles:
     have read it, two claims later). The compute warpgroups thus run exactly
     the indices the memory warpgroup streams. A block stops at its first
     index past the table: every block claims one such, and then the counter
-    is never touched again.
-
-    ``run(index, carry) -> carry`` from `init` (None: int32 0); returns the
-    last carry. The warpgroup roles may each run their own loop (with their
-    own `run` and carry): the claims' barriers count every warpgroup's take
-    either way."""
+    is never touched again."""
     total = self.num_items * self.n_tiles
     counter = (None if _common.interpreting()
                else pl.get_global(plgpu.SemaphoreType.REGULAR((1,))))
@@ -707,18 +690,17 @@ class _GroupTiles:
       plgpu.barrier_arrive(read.at[slot])
       return index
 
-    def body(loop_carry):
-      j, index, carry = loop_carry
+    def body(carry):
+      j, index, started = carry
       claimed_index = _claim_index(counter, is_memory, j + 1)
-      carry = run(index, carry)
+      started = run(index, started)
       publish(j + 1, claimed_index)
-      return j + 1, take(j + 1), carry
+      return j + 1, take(j + 1), started
 
     first = jnp.int32(0)
     publish(first, _claim_index(counter, is_memory, first))
-    init = jnp.int32(0) if init is None else init
-    return lax.while_loop(lambda loop_carry: loop_carry[1] < total, body,
-                          (first, take(first), init))[2]
+    lax.while_loop(lambda carry: carry[1] < total, body,
+                   (first, take(first), jnp.int32(0)))
 
   def item(self, items_ref, wg, cwg, index) -> _Item:
     """Work item `index` (the table's row, and its column tile)."""
@@ -925,194 +907,6 @@ class _GroupTiles:
                       pl.ds(item.n0 + p * self.piece_n, self.piece_n))
 
 
-class _Pending(NamedTuple):
-  """A compute warpgroup's finished tile not yet stored (`_DeferredStoreTiles`):
-  its column pieces in the output dtype and where they go."""
-
-  valid: Any  # int32: whether there is one (a loop carry: no booleans)
-  wlo: Any  # the warpgroup's rows [wlo, whi) of it
-  whi: Any
-  dst_row: Any
-  n0: Any
-  pieces: tuple
-
-
-@dataclasses.dataclass(frozen=True)
-class _DeferredStoreTiles(_GroupTiles):
-  """`_GroupTiles` whose compute warpgroups store each tile under the next
-  item's first K steps (``RaggedDotConfig.defer_store``).
-
-  A measured 14% of the M65536 K768 N2048 G128 forward on the H200 was the
-  epilogue, both compute warpgroups converting and staging their tiles while
-  the tensor cores idled (notes/MOSAIC_GPU.md, session 44). Here a warpgroup
-  converts its tile at the item's end (64 registers a thread for 64 x 256
-  bf16), issues the next item's first wgmma, stages and stores piece 0 while
-  it runs, piece 1 under step 1's, and stores the block's last tile after its
-  item loop. The tile must reach the next item in registers, so the ring is
-  hand-rolled (`emit_pipeline_warp_specialized` keeps its compute values to
-  itself), each role with its own item loop: the memory warpgroup's carry
-  stays a step count, and its 40 registers never hold the tile. The ring runs
-  the block's items back to back at any step count: step ``s`` of the block
-  uses slot ``s % num_stages``; each slot has a "full" barrier (the two TMA
-  copies) and a "free" one (both compute warpgroups, once their wgmma of the
-  step is done).
-  """
-
-  def kernel(self, items_ref, lhs_ref, rhs_ref, out_ref):
-    stages, bk = self.config.num_stages, self.config.block_k
-    dtype = lhs_ref.dtype
-    b_shape = (self.cta_n, bk) if self.transpose_rhs else (bk, self.cta_n)
-    scratch = dict(
-        a_smem=plgpu.SMEM((stages, self.bm, bk), dtype,
-                          transforms=_common.swizzled(dtype, bk)),
-        b_smem=plgpu.SMEM((stages, *b_shape), dtype,
-                          transforms=_common.swizzled(dtype, bk)),
-        out_smem=self.out_smem_types(),
-        full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        claims=_CLAIM_TYPES if self.config.claim_items else None)
-
-    @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-    def _scope(a_smem, b_smem, out_smem, full, free, claims):
-      wg = lax.axis_index("wg")
-      cwg = jnp.minimum(wg, 1)
-      ring = _pipeline.Ring(stages)
-      smem = (a_smem, b_smem, full, free)
-
-      def producer():
-        def run(index, step):
-          item = self.item(items_ref, wg, cwg, index)
-          self.load_item(item, (lhs_ref, rhs_ref), smem, ring, step)
-          return step + jnp.where(item.matmul, self.k_steps, 0)
-        self.item_loop(run, wg, claims, jnp.int32(0))
-
-      def consumer():
-        def run(index, carry):
-          step, pending = carry
-          item = self.item(items_ref, wg, cwg, index)
-          pending = self.compute_item(item, out_ref, out_smem, smem, ring, step,
-                                      pending)
-          return step + jnp.where(item.matmul, self.k_steps, 0), pending
-
-        nothing = _Pending(
-            *(jnp.int32(0),) * 5,
-            (_pipeline.zeros_tile((self.half, self.piece_n), self.out_dtype),)
-            * self.pieces)
-        _, last = self.item_loop(run, wg, claims, (jnp.int32(0), nothing))
-        self.store_pending(wg, out_ref, out_smem, last, range(self.pieces))
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-      _pipeline.split_warpgroups(wg, consumer, producer)
-
-  def item_loop(self, run, wg, claims, init):
-    """``run(index, carry)`` over the block's items (claimed or dealt); the
-    last carry."""
-    if claims is not None:
-      return self.claimed_loop(run, wg, *claims, init=init)
-
-    @plgpu.nd_loop((self.num_items * self.n_tiles,), collective_axes="sm",
-                   init_carry=init)
-    def last(info, carry):
-      return run(info.index[0], carry)
-    return last
-
-  def load_item(self, item: _Item, operands, smem, ring, step):
-    """Memory warpgroup: the item's K steps into the ring from slot ``step``."""
-    a_smem, b_smem, full, free = smem
-    a_ref, b_ref = self.operand_blocks(item, operands)
-    bk = self.config.block_k
-
-    @pl.when(item.matmul)
-    def _load():
-      @pl.loop(0, self.k_steps)
-      def _step(c):
-        slot = ring.slot(step + c)
-        ks = pl.ds(c * bk, bk)
-        b_step = b_ref.at[:, ks] if self.transpose_rhs else b_ref.at[ks, :]
-        _pipeline.wait_when(ring.reuse(step + c), free.at[slot])
-        plgpu.copy_gmem_to_smem(a_ref.at[:, ks], a_smem.at[slot], full.at[slot])
-        plgpu.copy_gmem_to_smem(b_step, b_smem.at[slot], full.at[slot])
-
-  def compute_item(self, item: _Item, out_ref, out_smem, smem, ring, step,
-                   pending: _Pending) -> _Pending:
-    """Compute warpgroup: the item's K loop (storing `pending` under its first
-    steps) or its zeros; returns its tile, converted, as the new pending one."""
-    a_smem, b_smem, full, free = smem
-    steps = jnp.where(item.matmul, self.k_steps, 0)
-
-    @pl.when(~item.matmul)
-    def _no_loop():  # nothing to hide the pending store under
-      self.store_pending(item.wg, out_ref, out_smem, pending, range(self.pieces))
-
-    def k_step(c, acc_ref):
-      slot = ring.slot(step + c)
-      plgpu.barrier_wait(full.at[slot])
-      b = b_smem.at[slot]
-      b = b.transpose((1, 0)) if self.transpose_rhs else b
-
-      @pl.when(item.whi > item.wlo)
-      def _issue():
-        plgpu.wgmma(acc_ref, a_smem.at[slot].at[pl.ds(item.cwg * self.half, self.half)],
-                    b)
-      for p in range(self.pieces):  # piece p under step p's wgmma
-        @pl.when(c == p)
-        def _store():
-          self.store_pending(item.wg, out_ref, out_smem, pending, (p,))
-      plgpu.wgmma_wait(1)  # the previous step's wgmma is done: free its slot
-
-      @pl.when(c > 0)
-      def _release_previous():
-        plgpu.barrier_arrive(free.at[ring.slot(step + c - 1)])
-      return acc_ref
-
-    def contract(acc_ref):
-      lax.fori_loop(0, steps, k_step, acc_ref)
-      plgpu.wgmma_wait(0)
-
-      @pl.when(steps > 0)
-      def _release_last():
-        plgpu.barrier_arrive(free.at[ring.slot(step + steps - 1)])
-      return acc_ref[...]
-    acc = pl.run_scoped(contract, plgpu.ACC((self.half, self.cta_n), jnp.float32))
-
-    @pl.when((item.group < 0) & (item.hi > item.lo))
-    def _zeros():
-      self.store_zeros(item, out_ref, out_smem)
-    piece_n = self.piece_n
-    return _Pending(
-        item.matmul.astype(jnp.int32), item.wlo, item.whi, item.dst_row, item.n0,
-        tuple(acc[:, p * piece_n:(p + 1) * piece_n].astype(self.out_dtype)
-              for p in range(self.pieces)))
-
-  def store_pending(self, wg, out_ref, out_smem, pending: _Pending, pieces):
-    """Stores `pieces` of the pending tile, where there is one."""
-    item = _Item(wg=wg, cwg=None, row0=None, group=None, lo=None, hi=None,
-                 n0=pending.n0, wlo=pending.wlo, whi=pending.whi,
-                 dst_row=pending.dst_row, matmul=None)
-    for p in pieces:
-      @pl.when(pending.valid != 0)
-      def _store():
-        self.store_rows(item, out_ref, out_smem, pending.pieces[p],
-                        pl.ds(pending.n0 + p * self.piece_n, self.piece_n))
-
-
-# A compute warpgroup's registers for the pending tile, beside the next item's
-# 128-register accumulator, within the 232 it gets.
-_PENDING_REGISTERS = 64
-
-
-def check_deferred(config: RaggedDotConfig, out_dtype) -> None:
-  """`RaggedDotConfig.defer_store`'s pending tile must fit its registers."""
-  registers = (WGMMA_M * cta_n(config) * jnp.dtype(out_dtype).itemsize
-               // (4 * 128))  # 4-byte registers of a warpgroup's 128 threads
-  if registers > _PENDING_REGISTERS:
-    raise ValueError(
-        f"defer_store=True keeps a warpgroup's 64 x {cta_n(config)} "
-        f"{jnp.dtype(out_dtype).name} tile in {registers} registers a thread; "
-        f"at most {_PENDING_REGISTERS} fit beside the accumulator (a narrower "
-        "block_n, or a 16-bit output)")
-
-
 def _group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool, out_dtype,
                  config: RaggedDotConfig) -> jax.Array:
   m_orig = lhs.shape[0]
@@ -1130,15 +924,12 @@ def _group_tiles(lhs, rhs, starts, ends, *, transpose_rhs: bool, out_dtype,
   depth = (_pipeline.ChainedPipeline.ring_depth(k_steps, config.num_stages)
            if config.chain_items else None)
   chained = depth is not None
-  fields = dict(config=config, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
-                num_items=num_items, n_tiles=n_tiles, k_steps=k_steps)
-  if config.defer_store:
-    check_deferred(config, out_dtype)
-    tiles = _DeferredStoreTiles(**fields, pipeline=None)
-  else:
-    tiles = _GroupTiles(**fields, pipeline=_operand_pipeline(
-        lhs.dtype, config.block_m, config.block_k, cta_n(config), transpose_rhs,
-        depth if chained else config.num_stages, chained))
+  tiles = _GroupTiles(
+      config=config, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
+      num_items=num_items, n_tiles=n_tiles, k_steps=k_steps,
+      pipeline=_operand_pipeline(lhs.dtype, config.block_m, config.block_k,
+                                 cta_n(config), transpose_rhs,
+                                 depth if chained else config.num_stages, chained))
 
   # The output gets whole column tiles: a TMA store from plain (unswizzled)
   # shared memory whose box crossed the last column did not clip there on the

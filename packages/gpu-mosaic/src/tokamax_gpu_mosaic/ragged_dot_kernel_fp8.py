@@ -62,10 +62,6 @@ def check_config(config: rdk.RaggedDotConfig) -> None:
   if config.row_tiling != "group" or config.block_m != 128:
     raise ValueError("the fp8 kernel takes row_tiling='group' and block_m=128; got "
                      f"{config.row_tiling!r}, {config.block_m}")
-  if config.defer_store:
-    # Its total, the step's product and the pending tile would not fit.
-    raise ValueError("the fp8 kernel takes defer_store=False (its registers "
-                     "hold two float32 tiles beside the step's product)")
   if config.block_n > 64:
     raise ValueError("the fp8 kernel takes block_n <= 64 (three float32 tiles of a "
                      f"warpgroup's 64 x 2 block_n in registers); got {config.block_n}")
