@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 import kernel_breakdown  # noqa: E402
 import l2_model  # noqa: E402
 import none_check  # noqa: E402
+import ptxas_registers  # noqa: E402
 import pytest_shard  # noqa: E402
 import sass_stalls  # noqa: E402
 import trace_summary  # noqa: E402
@@ -369,7 +370,84 @@ def test_sass_stalls_splits_samples_by_instruction_count_and_range(tmp_path):
   assert "x400" in text and "80  80.0%" in text
   assert "    1-2     x400            80  80.0%" in text  # the loop's block
   assert "HGMMA: 1 instructions, executed 400 times" in text
+  assert "shared-memory wavefronts" not in text  # no Source Counters columns
   with open(tmp_path / "other.csv", "w") as f:
     f.write('"Address","Source"\n"0x0","MOV"\n')
   with pytest.raises(ValueError, match="no 'Warp Stall Sampling"):
     sass_stalls.load(str(tmp_path / "other.csv"))
+
+
+def test_sass_stalls_shared_memory_wavefronts_by_opcode_and_count(tmp_path):
+  # Source Counters' columns: a loop's wgmmas (ideal), a whole tile's stmatrix
+  # (ideal) and a partial tile's copy of it conflicting 8 ways; a global load
+  # has no shared wavefronts.
+  header = ["Address", "Source", "Warp Stall Sampling (All Samples)",
+            "Instructions Executed", "L1 Wavefronts Shared",
+            "L1 Wavefronts Shared Ideal"]
+  body = [("0x0", "  HGMMA.64x256x16.F32.BF16 R24", 5, 400, 8000, 8000),
+          ("0x10", "  STSM.16.M88.4 [R4+0x400], R24", 1, 30, 120, 120),
+          ("0x20", "  STSM.16.M88.4 [R4+0x440], R28", 1, 30, 120, 120),
+          ("0x30", "  STSM.16.M88.4 [R4+0x400], R24", 1, 10, 320, 40),
+          ("0x40", "  @P0 LDG.E R2, [R4]", 1, 10, 0, 0)]
+  path = tmp_path / "prof.csv"
+  with open(path, "w") as f:
+    f.write('"Kernel Name","kernel_mosaic_gpu_kernel",\n')
+    f.write(",".join(f'"{h}"' for h in header) + "\n")
+    for row in body:
+      f.write(",".join(f'"{v}"' for v in row) + "\n")
+  rows = sass_stalls.load(str(path))
+  assert rows[3]["shared"] == 320 and rows[3]["shared_ideal"] == 40
+  # Most excess first; the two whole-tile stmatrix rows are one group.
+  assert sass_stalls.shared_wavefronts(rows) == [
+      ("STSM.16.M88.4", 10, 1, 320, 40), ("HGMMA.64x256x16.F32.BF16", 400, 1, 8000, 8000),
+      ("STSM.16.M88.4", 30, 2, 240, 240)]
+  text = sass_stalls.summarize(rows)
+  assert "shared-memory wavefronts: 8560, of which 280 over ncu's ideal" in text
+  assert "ideal 40 (8.0x)" in text
+
+
+_PTX = """.visible .entry kernel_mosaic_gpu_kernel(
+.maxntid 384, 1, 1
+.minnctapersm 1
+{
+\tsetmaxnreg.dec.sync.aligned.u32 40;
+\tsetmaxnreg.inc.sync.aligned.u32 232;
+\tsetmaxnreg.inc.sync.aligned.u32 232;
+}
+"""
+
+
+def test_ptxas_registers_rewrites_the_split_and_reads_the_report():
+  assert ptxas_registers.counts(_PTX) == ptxas_registers.Split(232, 40, 384)
+  split = ptxas_registers.Split(consumer=160, producer=24, threads=512)
+  rewritten = ptxas_registers.variant(_PTX, split)
+  assert ptxas_registers.counts(rewritten) == split
+  assert rewritten.count("setmaxnreg.inc.sync.aligned.u32 160;") == 2
+  # None keeps what the PTX has.
+  assert ptxas_registers.counts(ptxas_registers.variant(
+      _PTX, ptxas_registers.Split(consumer=240))) == ptxas_registers.Split(240, 40, 384)
+  with pytest.raises(ValueError, match="no setmaxnreg.dec"):
+    ptxas_registers.variant(".maxntid 384, 1, 1\n", ptxas_registers.Split(producer=24))
+  with pytest.raises(ValueError, match=r"several setmaxnreg.inc counts: \[152, 232\]"):
+    ptxas_registers.counts(_PTX + "setmaxnreg.inc.sync.aligned.u32 152;")
+  # Three compute warpgroups at 160 and a memory one at 24 fit 64K registers;
+  # at 40 they would not; two at 232 and one at 40 fit.
+  assert not ptxas_registers.over_register_file(split)
+  assert ptxas_registers.over_register_file(ptxas_registers.Split(160, 40, 512))
+  assert not ptxas_registers.over_register_file(ptxas_registers.Split(232, 40, 384))
+
+  # ptxas -v's words, as session 45 read them.
+  spilled = ptxas_registers.parse(
+      "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async "
+      "instructions are serialized due to insufficient register resources\n"
+      "    272 bytes stack frame, 800 bytes spill stores, 800 bytes spill loads\n"
+      "ptxas info    : Used 128 registers, used 16 barriers\n")
+  assert spilled == ptxas_registers.Report(128, 800, 800, True, None)
+  fatal = ptxas_registers.parse(
+      "ptxas fatal   : (C7602) Insufficient registers (128) to compile instruction "
+      "at line 643\nptxas fatal   : Ptx assembly aborted due to errors\n")
+  assert fatal.fatal.endswith("Insufficient registers (128) to compile instruction at "
+                              "line 643") and fatal.registers is None
+  text = ptxas_registers.describe(ptxas_registers.Split(160, 40, 512), spilled)
+  assert "over the register file" in text and "spills 800 B stored" in text
+  assert "wgmmas serialized (C7512)" in text

@@ -24,7 +24,14 @@ Samples)"):
 `--count OPCODE` (repeatable) adds how often each opcode ran, e.g. `--count
 HGMMA` to check that two builds of a kernel issue the same wgmmas.
 
-notes/MEASUREMENTS.md, session 42 item 3, is such a reading.
+Where the profile has the Source Counters section (`--set full`, or `--section
+SourceCounters`), a last view adds the shared-memory wavefronts of each opcode
+and execution count against ncu's ideal: the excess is bank conflicts (an
+`HGMMA`'s operand reads count there too, 20 wavefronts a warp for a
+`64x256x16`).
+
+notes/MEASUREMENTS.md, session 42 item 3, is such a reading; session 45 item 8
+reads the shared-memory view.
 """
 
 from __future__ import annotations
@@ -35,13 +42,16 @@ import csv
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
+SHARED = "L1 Wavefronts Shared"
+SHARED_IDEAL = "L1 Wavefronts Shared Ideal"
 
 
 def load(path: str) -> list[dict]:
   """The instruction rows of `ncu --page source --csv --print-source sass`:
-  each a dict with "source" (the SASS text), "samples", "executed" and
-  "stalls" (reason -> samples). The CSV's first line names the kernel; the
-  second is the header."""
+  each a dict with "source" (the SASS text), "samples", "executed", "stalls"
+  (reason -> samples) and "shared" / "shared_ideal" (shared-memory
+  wavefronts, 0 where the profile lacks them). The CSV's first line names the
+  kernel; the second is the header."""
   with open(path, newline="") as f:
     lines = list(csv.reader(f))
   header = next((i for i, line in enumerate(lines) if SAMPLES in line), None)
@@ -59,7 +69,9 @@ def load(path: str) -> list[dict]:
     rows.append(dict(
         source=row["Source"].strip(), samples=_int(row[SAMPLES]),
         executed=_int(row.get(EXECUTED, "")),
-        stalls={r[len("stall_"):]: _int(row[r]) for r in reasons}))
+        stalls={r[len("stall_"):]: _int(row[r]) for r in reasons},
+        shared=_int(row.get(SHARED, "")),
+        shared_ideal=_int(row.get(SHARED_IDEAL, ""))))
   return rows
 
 
@@ -114,6 +126,24 @@ def executions(rows: list[dict], opcode: str) -> tuple[int, int]:
   return len(matching), sum(r["executed"] for r in matching)
 
 
+def shared_wavefronts(rows: list[dict]) -> list[tuple[str, int, int, int, int]]:
+  """(opcode, execution count, instructions, wavefronts, ideal wavefronts) of
+  the instructions that touch shared memory, grouped by opcode and execution
+  count (the same instruction in another copy of the code, e.g. a partial
+  tile's path, is a group of its own where its count differs), most excess
+  first."""
+  groups = collections.defaultdict(lambda: [0, 0, 0])
+  for row in rows:
+    if row["shared"]:
+      group = groups[_opcode(row["source"]), row["executed"]]
+      group[0] += 1
+      group[1] += row["shared"]
+      group[2] += row["shared_ideal"]
+  return sorted(((op, executed, n, wavefronts, ideal)
+                 for (op, executed), (n, wavefronts, ideal) in groups.items()),
+                key=lambda t: (t[4] - t[3], -t[3]))
+
+
 def _opcode(source: str) -> str:
   words = source.split()
   if words and words[0].startswith("@"):
@@ -151,6 +181,17 @@ def summarize(rows: list[dict], top: int = 25, region: int = 40,
   for opcode in count:
     n, executed = executions(rows, opcode)
     out.append(f"\n{opcode}: {n} instructions, executed {executed} times")
+  shared = shared_wavefronts(rows)
+  if shared:
+    total_shared = sum(t[3] for t in shared)
+    excess = sum(t[3] - t[4] for t in shared)
+    out.append(f"\nshared-memory wavefronts: {total_shared}, of which {excess} "
+               "over ncu's ideal (bank conflicts), by opcode and execution count:")
+    for op, executed, n, wavefronts, ideal in shared:
+      if wavefronts / total_shared >= min_share:
+        out.append(f"  {op:24s} x{executed:<9d} {n:4d} instructions {wavefronts:10d} "
+                   f"wavefronts {wavefronts / total_shared:6.1%}, ideal {ideal} "
+                   f"({wavefronts / max(ideal, 1):.1f}x)")
   return "\n".join(out)
 
 
