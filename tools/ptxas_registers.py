@@ -19,8 +19,8 @@ compute branch gets what `setmaxnreg.inc` raised it to. The report's "Used N
 registers" is the start count. A split whose warpgroups ask for more than the
 SM's 64K registers would hang at `setmaxnreg`: such variants are marked.
 
-On the H200's dumps of session 45 this machine's ptxas (CUDA 13.0) reported
-the same spills as the GPU machine's.
+On the H200's dumps of session 45, the ptxas of a CPU machine (CUDA 13.0)
+reported the same spills as the GPU machine's.
 """
 
 from __future__ import annotations
