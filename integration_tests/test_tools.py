@@ -337,6 +337,18 @@ def test_none_check_fails_past_the_margin(monkeypatch, capsys, auto_ms, status):
   assert f"| forward | auto {auto_ms:.3f} | mosaic_gpu 1.000 | triton 1.100 |" in printed
 
 
+def _ncu_sass_csv(tmp_path, header, body) -> str:
+  """An `ncu --page source --csv --print-source sass` export of `body`'s rows
+  under `header` (the kernel's name line first), as a file path."""
+  path = tmp_path / "prof.csv"
+  with open(path, "w") as f:
+    f.write('"Kernel Name","kernel_mosaic_gpu_kernel",\n')
+    f.write(",".join(f'"{h}"' for h in header) + "\n")
+    for row in body:
+      f.write(",".join(f'"{v}"' for v in row) + "\n")
+  return str(path)
+
+
 def test_sass_stalls_splits_samples_by_instruction_count_and_range(tmp_path):
   # An `ncu --page source --csv --print-source sass` export, cut to the columns
   # the tool reads (the real one has about 70): a loop body executed 400 times,
@@ -349,13 +361,7 @@ def test_sass_stalls_splits_samples_by_instruction_count_and_range(tmp_path):
           ("0x20", "  @!P0 BRA 0x10", 50, 50, 400, 0, 48, 48),
           ("0x30", "  WARPGROUP.DEPBAR.LE gsb0, 0x0", 12, 12, 10, 12, 0, 0),
           ("0x40", "  STSM.16.M88.4 [R5], R20", 6, 6, 10, 0, 1, 1)]
-  path = tmp_path / "prof.csv"
-  with open(path, "w") as f:
-    f.write('"Kernel Name","kernel_mosaic_gpu_kernel",\n')
-    f.write(",".join(f'"{h}"' for h in header) + "\n")
-    for row in body:
-      f.write(",".join(f'"{v}"' for v in row) + "\n")
-  rows = sass_stalls.load(str(path))
+  rows = sass_stalls.load(_ncu_sass_csv(tmp_path, header, body))
   assert len(rows) == 5 and rows[2]["samples"] == 50 and rows[2]["executed"] == 400
   assert rows[2]["stalls"] == {"barrier": 0, "long_sb": 48}
   assert [i for i, _ in sass_stalls.top_instructions(rows, 2)] == [2, 1]
@@ -389,13 +395,7 @@ def test_sass_stalls_shared_memory_wavefronts_by_opcode_and_count(tmp_path):
           ("0x20", "  STSM.16.M88.4 [R4+0x440], R28", 1, 30, 120, 120),
           ("0x30", "  STSM.16.M88.4 [R4+0x400], R24", 1, 10, 320, 40),
           ("0x40", "  @P0 LDG.E R2, [R4]", 1, 10, 0, 0)]
-  path = tmp_path / "prof.csv"
-  with open(path, "w") as f:
-    f.write('"Kernel Name","kernel_mosaic_gpu_kernel",\n')
-    f.write(",".join(f'"{h}"' for h in header) + "\n")
-    for row in body:
-      f.write(",".join(f'"{v}"' for v in row) + "\n")
-  rows = sass_stalls.load(str(path))
+  rows = sass_stalls.load(_ncu_sass_csv(tmp_path, header, body))
   assert rows[3]["shared"] == 320 and rows[3]["shared_ideal"] == 40
   # Most excess first; the two whole-tile stmatrix rows are one group.
   assert sass_stalls.shared_wavefronts(rows) == [
