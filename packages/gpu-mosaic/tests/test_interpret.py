@@ -363,8 +363,12 @@ def test_ragged_dot():
     (rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=32, num_stages=8,
                          out_pieces=2, item_order="group", claim_items=True),
      256, 1),
+    # Partial tiles staged in plain shared memory, not in swizzled strips.
+    (rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=64, num_stages=2,
+                         item_order="group", claim_items=True, strip_staging=False),
+     256, 1),
 ], ids=["wide", "tall-offset", "short-k", "wide-group", "claimed",
-        "claimed-tall", "claimed-k32"])
+        "claimed-tall", "claimed-k32", "claimed-plain"])
 def test_ragged_dot_chained_items(config, k, offset, transpose_rhs):
   """Work items chained in one ring (`_pipeline.ChainedPipeline`): each of the
   2 interpreted SMs runs many items (zero items, empty groups, warpgroups

@@ -336,7 +336,8 @@ def test_drhs_ws_through_vjp(config):
 def _wid(c):
   return (f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.num_stages}p{c.out_pieces}"
           f"w{c.grid_tile_width}{c.item_order}{'-sync' if c.sync_sharers else ''}"
-          f"{'-claim' if c.claim_items else ''}")
+          f"{'-claim' if c.claim_items else ''}"
+          f"{'' if c.strip_staging else '-plain'}")
 
 
 _REUSE = [
@@ -373,6 +374,9 @@ _CLAIM = [
 _CLAIM_K32 = rd.RaggedDotConfig(block_k=32, num_stages=8, out_pieces=2,
                                 item_order="group", claim_items=True)
 _CLAIM.append(_CLAIM_K32)
+# Partial tiles staged in plain shared memory (the path before strips).
+_CLAIM.append(rd.RaggedDotConfig(num_stages=4, out_pieces=2, item_order="group",
+                                 claim_items=True, strip_staging=False))
 
 
 def _lax_reference(lhs, rhs, sizes):

@@ -102,6 +102,10 @@ class RaggedDotConfig:
   (no tail of one block's leftover items). Each output tile is still computed
   by one block from the same operands: results do not depend on who claims
   what. In the interpreter the claims follow the round-robin deal.
+  ``strip_staging`` (``row_tiling="group"``): a partial tile (rows of other
+  items, a group's first or last row tile) is staged in swizzled column
+  strips that TMA stores row chunks of (`_store_rows`), instead of in plain
+  shared memory, where its stmatrix conflicted 8 ways.
   """
 
   block_m: int = 128
@@ -116,6 +120,7 @@ class RaggedDotConfig:
   chain_items: bool = True
   sync_sharers: bool = False
   claim_items: bool = False
+  strip_staging: bool = True
 
   def __post_init__(self):
     if self.block_m % WGMMA_M or self.block_m > 256:
@@ -394,37 +399,70 @@ def _operand_pipeline(dtype, block_m: int, block_k: int, n: int,
   return cls((lhs_spec, rhs_spec), stages)
 
 
-def _store_rows(y, lo, hi, dst_row, swizzled_smem, linear_smem, out_ref, cols):
+_STRIP_BYTES = 128  # a partial tile's staging strips: the widest swizzle
+
+
+class _Staging(NamedTuple):
+  """A compute warpgroup's output staging, views of the same bytes
+  (`_GroupTiles.out_smem_types`)."""
+
+  tile: Any  # [rows, piece] swizzled: whole tiles
+  plain: Any  # [rows, piece] unswizzled: partial tiles (``strip_staging=False``)
+  strips: Any  # [piece / w, rows, w] swizzled, tiled by single rows: w
+  # columns of 128 bytes (the swizzle's width), partial tiles
+
+
+def _store_rows(y, lo, hi, dst_row, staging: _Staging, out_ref, cols,
+                strips: bool):
   """Writes rows ``[lo, hi)`` of a warpgroup's ``[64 or 128, n]`` tile to ``out_ref``.
 
-  A whole 8-row-aligned tile goes out in one TMA store from swizzled shared
-  memory; a partial one through unswizzled shared memory in power-of-two row
-  chunks (TMA boxes have static shapes; unswizzled, any row offset works), so
-  rows other items own are never touched.
+  A whole 8-row-aligned tile goes out in one TMA store from `staging.tile`. A
+  partial one goes out in power-of-two row chunks (TMA boxes have static
+  shapes), so rows other items own are never touched. With `strips` it is
+  staged in column strips 128 bytes wide, each swizzled with rows 128 bytes
+  apart (stmatrix writes them without bank conflicts) and tiled by single
+  rows, so that a chunk's box may start at any row. Otherwise it is staged
+  unswizzled, rows 256 bytes apart or more, where each stmatrix took 32
+  shared-memory wavefronts instead of 4 (notes/MEASUREMENTS.md, session 45,
+  item 8).
   """
-  rows = y.shape[0]
+  rows, _ = y.shape
   full = (lo == 0) & (hi == rows) & (dst_row % 8 == 0)
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   @pl.when(full)
   def _full():
-    _pipeline.store_tile(swizzled_smem, y, out_ref.at[pl.ds(dst_row, rows), cols])
+    _pipeline.store_tile(staging.tile, y, out_ref.at[pl.ds(dst_row, rows), cols])
 
   @pl.when(~full & (hi > lo))
   def _partial():
-    _common.store_unswizzled(linear_smem, y)
+    if not strips:
+      _common.store_unswizzled(staging.plain, y)
+      plgpu.commit_smem()
+      _store_chunks(staging.plain, lo, hi, dst_row, out_ref, cols)
+      return
+    num_strips, _, width = staging.strips.shape
+    for q in range(num_strips):
+      staging.strips.at[q][...] = y[:, q * width:(q + 1) * width]
     plgpu.commit_smem()
-    count = hi - lo
-    size = rows  # A whole tile at an unaligned row also goes this way.
-    while size >= 1:
-      offset = lo + (count & ~(2 * size - 1))
+    for q in range(num_strips):
+      _store_chunks(staging.strips.at[q], lo, hi, dst_row, out_ref,
+                    pl.ds(cols.start + q * width, width))
 
-      @pl.when((count & size) != 0)
-      def _chunk():
-        plgpu.copy_smem_to_gmem(
-            linear_smem.at[pl.ds(offset, size)],
-            out_ref.at[pl.ds(dst_row + offset, size), cols])
-      size //= 2
+
+def _store_chunks(smem, lo, hi, dst_row, out_ref, cols):
+  """TMA stores of rows ``[lo, hi)`` of `smem` in power-of-two row chunks."""
+  rows = smem.shape[0]
+  count = hi - lo
+  size = rows  # A whole tile at an unaligned row also goes this way.
+  while size >= 1:
+    offset = lo + (count & ~(2 * size - 1))
+
+    @pl.when((count & size) != 0)
+    def _chunk():
+      plgpu.copy_smem_to_gmem(smem.at[pl.ds(offset, size)],
+                              out_ref.at[pl.ds(dst_row + offset, size), cols])
+    size //= 2
 
 
 # `claimed_loop`'s shared memory: two claimed indices, a barrier per slot that
@@ -590,16 +628,22 @@ class _GroupTiles:
     return self.cta_n // self.pieces
 
   def out_smem_types(self):
-    """Per compute warpgroup, its output tile (or one column piece) as swizzled
-    (whole tiles) or plain (partial tiles) shared memory over the same bytes.
-    One union per warpgroup: with one union of [2, ...] views, one warpgroup's
-    plain writes corrupted the other's swizzled tile on the H200
-    (notes/MOSAIC_GPU.md)."""
+    """Per compute warpgroup, its `_Staging`: the output tile (or one column
+    piece) swizzled, and over the same bytes the same unswizzled and its
+    column strips of 128 bytes swizzled and tiled by single rows (partial
+    tiles, `_store_rows`). One union per warpgroup: with
+    one union of [2, ...] views, one warpgroup's writes corrupted the other's
+    tile on the H200 (notes/MOSAIC_GPU.md)."""
+    width = _STRIP_BYTES // jnp.dtype(self.out_dtype).itemsize
+    row_tiled = (plgpu.TilingTransform((1, width)),
+                 plgpu.SwizzleTransform(_STRIP_BYTES))
     return [
         plgpu.RefUnion(
             plgpu.SMEM((self.half, self.piece_n), self.out_dtype,
                        transforms=_common.swizzled(self.out_dtype, self.piece_n)),
-            plgpu.SMEM((self.half, self.piece_n), self.out_dtype))
+            plgpu.SMEM((self.half, self.piece_n), self.out_dtype),
+            plgpu.SMEM((self.piece_n // width, self.half, width), self.out_dtype,
+                       transforms=row_tiled))
         for _ in range(2)]
 
   def kernel(self, items_ref, *refs):
@@ -892,11 +936,11 @@ class _GroupTiles:
                           self.out_dtype))
 
   def store_rows(self, item: _Item, out_ref, out_smem, y, cols):
-    for w, (swizzled_smem, linear_smem) in enumerate(out_smem):
+    for w, views in enumerate(out_smem):
       @pl.when(item.wg == w)
       def _store():
-        _store_rows(y, item.wlo, item.whi, item.dst_row, swizzled_smem, linear_smem,
-                    out_ref, cols)
+        _store_rows(y, item.wlo, item.whi, item.dst_row, _Staging(*views), out_ref,
+                    cols, self.config.strip_staging)
 
   def store_tile(self, item: _Item, out_ref, out_smem, piece_of):
     """Stores the warpgroup's ``[half, cta_n]`` tile, `pieces` column pieces one
