@@ -455,8 +455,11 @@ def test_ragged_dot_drhs_chained_items(stages, block_n, sizes, m, offset):
     # Claimed items in the group order: the loop the kernel inherits from
     # `rdk._GroupTiles`.
     rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=128, num_stages=3,
-                        item_order="group", claim_items=True)],
-    ids=["heuristic", "claimed"])
+                        item_order="group", claim_items=True),
+    # 256-column tiles: two wgmma halves a step, each with its own total.
+    rdk.RaggedDotConfig(block_m=128, block_n=128, block_k=128, num_stages=3,
+                        out_pieces=2, item_order="group", claim_items=True)],
+    ids=["heuristic", "claimed", "wide"])
 def test_fp8_ragged_dot(config):
   """The fp8 kernel (forward) against the reference on the same quantized
   inputs: rows and weight blocks of different magnitudes, so wrong scales show."""

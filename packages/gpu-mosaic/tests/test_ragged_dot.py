@@ -337,7 +337,7 @@ def _wid(c):
   return (f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.num_stages}p{c.out_pieces}"
           f"w{c.grid_tile_width}{c.item_order}{'-sync' if c.sync_sharers else ''}"
           f"{'-claim' if c.claim_items else ''}"
-          f"{'' if c.strip_staging else '-plain'}")
+          f"{ {None: '', True: '-strips', False: '-plain'}[c.strip_staging]}")
 
 
 _REUSE = [
@@ -374,9 +374,13 @@ _CLAIM = [
 _CLAIM_K32 = rd.RaggedDotConfig(block_k=32, num_stages=8, out_pieces=2,
                                 item_order="group", claim_items=True)
 _CLAIM.append(_CLAIM_K32)
-# Partial tiles staged in plain shared memory (the path before strips).
+# Partial tiles staged against `uses_strips`' choice: plain where it takes
+# strips (two per 128-column piece), strips where it stages plainly (four per
+# 256-column tile).
 _CLAIM.append(rd.RaggedDotConfig(num_stages=4, out_pieces=2, item_order="group",
                                  claim_items=True, strip_staging=False))
+_CLAIM.append(rd.RaggedDotConfig(num_stages=3, item_order="group", claim_items=True,
+                                 strip_staging=True))
 
 
 def _lax_reference(lhs, rhs, sizes):
@@ -671,6 +675,24 @@ def test_config_validation():
   fitted = rd.drhs_ws_config(dataclasses.replace(big, block_k=32, num_stages=6),
                              2, 2)
   assert (fitted.block_k, fitted.num_stages, fitted.out_pieces) == (64, 3, 1)
+
+
+@pytest.mark.parametrize("block_m,pieces,out_itemsize,strips", [
+    (128, 2, 2, True),  # two 64-column strips per 128-column piece
+    (128, 1, 2, False),  # four per 256-column tile
+    (256, 1, 2, True),  # tall items: 128 columns
+    (128, 2, 4, False),  # float32: four 32-column strips per piece
+])
+def test_strips_where_a_piece_is_at_most_two_wide(block_m, pieces, out_itemsize,
+                                                  strips):
+  """`strip_staging=None` takes the strips where they measured faster (pieces
+  of two), the plain staging where it did (four); True/False overrule it."""
+  config = rdk.RaggedDotConfig(block_m=block_m, out_pieces=pieces)
+  piece_n = rdk.cta_n(config) // pieces
+  assert rdk.uses_strips(config, piece_n, out_itemsize) is strips
+  for forced in (True, False):
+    forced_config = dataclasses.replace(config, strip_staging=forced)
+    assert rdk.uses_strips(forced_config, piece_n, out_itemsize) is forced
 
 
 def test_heuristics_pick_pieces_only_for_this_module():

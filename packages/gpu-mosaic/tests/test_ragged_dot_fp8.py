@@ -37,6 +37,12 @@ _H200 = tokamax.DeviceInfo("gpu", "NVIDIA H200", compute_capability="9.0")
 _seed = iter(range(1_000_000))
 
 
+# 256-column tiles (two wgmma halves a step, each promoted into its own total),
+# claimed in the group order.
+_WIDE = rdk.RaggedDotConfig(block_m=128, block_n=128, block_k=128, num_stages=3,
+                            out_pieces=2, item_order="group", claim_items=True)
+
+
 def _quantized(m, k, n, num_held, dtype=jnp.float8_e4m3fn, lhs_tile=(1, 128),
                rhs_tile=(1, 128, 128)):
   rng = np.random.default_rng(next(_seed))
@@ -99,10 +105,12 @@ def test_many_random_groups():
 
 
 @gpu
-def test_per_channel_and_wide_k_tiles():
+@pytest.mark.parametrize("wide", [False, True])
+def test_per_channel_and_wide_k_tiles(wide):
   # rhs scales per column (tile N of 1), lhs scales per 256 columns: both
   # expanded to one scale per 128-deep step and column / row.
-  _check(640, 768, 256, [100, 400, 140], rhs_tile=(1, 128, 1), lhs_tile=(1, 256))
+  _check(640, 768, 256, [100, 400, 140], rhs_tile=(1, 128, 1), lhs_tile=(1, 256),
+         config=_WIDE if wide else None)
 
 
 @gpu
@@ -110,7 +118,9 @@ def test_per_channel_and_wide_k_tiles():
     rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=128, num_stages=3),
     rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=128, num_stages=6,
                         out_pieces=2, item_order="group"),
-], ids=["3stages", "6stages_pieces_group"])
+    # 256-column tiles: two wgmma halves a step, each promoted into its total.
+    _WIDE,
+], ids=["3stages", "6stages_pieces_group", "wide"])
 def test_configs(config):
   _check(1500, 1024, 640, [700, 0, 50, 750], config=config)
 
@@ -246,6 +256,8 @@ def _args(lq, rq, sizes):
     (jnp.float8_e4m3fn, jnp.bfloat16, rdk.RaggedDotConfig(
         block_m=128, block_n=64, block_k=128, num_stages=6, out_pieces=2,
         item_order="group")),
+    (jnp.float8_e4m3fn, jnp.bfloat16, _WIDE),
+    (jnp.float8_e5m2, jnp.float32, _WIDE),
 ])
 @pytest.mark.parametrize("n,rhs_tile_n", [(200, 1), (256, 128), (512, 256)],
                          ids=["per_column", "block128", "block256"])
@@ -331,7 +343,9 @@ def test_column_scales_as_streamed(tile_n, col_block):
 def test_config_checks():
   with pytest.raises(ValueError, match="block_k=128"):
     fp8.check_config(rdk.RaggedDotConfig(block_n=64, block_k=64))
-  with pytest.raises(ValueError, match="block_n <= 64"):
+  with pytest.raises(ValueError, match="block_n 64 or 128"):
+    fp8.check_config(rdk.RaggedDotConfig(block_n=192, block_k=128))
+  with pytest.raises(ValueError, match="256-column tiles take out_pieces=2"):
     fp8.check_config(rdk.RaggedDotConfig(block_n=128, block_k=128))
   with pytest.raises(ValueError, match="block_m=128"):
     fp8.check_config(rdk.RaggedDotConfig(block_m=256, block_n=64, block_k=128))

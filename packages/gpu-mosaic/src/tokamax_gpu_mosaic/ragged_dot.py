@@ -250,9 +250,23 @@ def _fp8_scales(args):
           fp8.scales_per_step(args.rhs_scales, args.rhs.shape, 1, "rhs", keep_axis=2))
 
 
+# The fp8 kernel's 256-column tiles, claimed in the group order. H200 forward,
+# 1x128/128x128 scales, against 128-column tiles at 6 stages in the snake order
+# (notes/MEASUREMENTS.md, session 46, two runs): M16384 K2048 N16384 G16
+# 1.488 against 1.558 ms (weights K-major 1.142 against 1.215), M65536 K7168
+# N2048 G256 random 4.367 against 4.543 (K-major 2.474 against 2.652). In the
+# snake order without claims the same tiles ran 2.2-2.6x slower, and claims
+# alone on 128-column tiles 0.98-1.02x.
+_FP8_WIDE = RaggedDotConfig(block_m=128, block_n=128, block_k=fp8.SCALE_K,
+                            num_stages=3, out_pieces=2, item_order="group",
+                            claim_items=True)
+
+
 def _fp8_heuristic(out_itemsize) -> RaggedDotConfig:
-  """128 x 128 tiles (the widest whose float32 tiles fit in registers), the most
-  stages that fit (H200: 6 stages and 4 within 2% at G16 and G256, session 11)."""
+  """`_FP8_WIDE` where it fits, else 128 x 128 tiles with the most stages that
+  fit (H200: 6 stages and 4 within 2% at G16 and G256, session 11)."""
+  if fp8.fits(_FP8_WIDE, out_itemsize):
+    return _FP8_WIDE
   for stages, pieces in ((6, 2), (5, 1), (4, 1)):
     config = RaggedDotConfig(block_m=128, block_n=64, block_k=fp8.SCALE_K,
                              num_stages=stages, out_pieces=pieces)
@@ -262,7 +276,8 @@ def _fp8_heuristic(out_itemsize) -> RaggedDotConfig:
 
 
 def _fp8_search_space(out_itemsize):
-  """128 x 128 tiles, the stages that fit, both item orders."""
+  """128 x 128 tiles, the stages that fit, both item orders; 128 x 256 tiles
+  claimed in the group order (`_FP8_WIDE`'s, with 2 or 3 stages)."""
   configs = []
   for stages in (2, 3, 4, 5, 6):
     for pieces in (1, 2):
@@ -273,6 +288,10 @@ def _fp8_search_space(out_itemsize):
                               grid_tile_width=width, item_order=order)
           if fp8.fits(c, out_itemsize):
             configs.append(c)
+  for stages in (2, 3):
+    c = dataclasses.replace(_FP8_WIDE, num_stages=stages)
+    if fp8.fits(c, out_itemsize):
+      configs.append(c)
   return tuple(configs)
 
 

@@ -104,8 +104,10 @@ class RaggedDotConfig:
   what. In the interpreter the claims follow the round-robin deal.
   ``strip_staging`` (``row_tiling="group"``): a partial tile (rows of other
   items, a group's first or last row tile) is staged in swizzled column
-  strips that TMA stores row chunks of (`_store_rows`), instead of in plain
-  shared memory, where its stmatrix conflicted 8 ways.
+  strips 128 bytes wide that TMA stores row chunks of (`_store_rows`), True,
+  or in plain shared memory, where its stmatrix conflicts 8 ways, False.
+  None (the default) takes the strips where a staged piece is at most two
+  strips wide (`uses_strips`).
   """
 
   block_m: int = 128
@@ -120,7 +122,7 @@ class RaggedDotConfig:
   chain_items: bool = True
   sync_sharers: bool = False
   claim_items: bool = False
-  strip_staging: bool = True
+  strip_staging: bool | None = None
 
   def __post_init__(self):
     if self.block_m % WGMMA_M or self.block_m > 256:
@@ -402,6 +404,22 @@ def _operand_pipeline(dtype, block_m: int, block_k: int, n: int,
 _STRIP_BYTES = 128  # a partial tile's staging strips: the widest swizzle
 
 
+def uses_strips(config: RaggedDotConfig, piece_n: int, out_itemsize: int) -> bool:
+  """Whether partial tiles go through the strips (``config.strip_staging``).
+
+  Each strip of a partial tile is its own TMA store per row chunk, so the
+  strips trade the plain staging's bank conflicts for more stores. H200 bf16
+  forward, strips / plain (notes/MEASUREMENTS.md, session 46): pieces of two
+  strips (128 columns) 0.974-0.986 at M65536 G128 random (K768 N2048, K2048
+  N768, K4096 N1536) and 0.976 at M32768 K2048 N1408 G64 random, 1.002 at
+  M16384 K2048 N16384 G16; pieces of four strips (256 columns) 1.014-1.018 at
+  M65536 and M8192 K7168 N2048 G256 random and M16384 K4096 N4096 G64
+  random."""
+  if config.strip_staging is not None:
+    return config.strip_staging
+  return piece_n * out_itemsize <= 2 * _STRIP_BYTES
+
+
 class _Staging(NamedTuple):
   """A compute warpgroup's output staging, views of the same bytes
   (`_GroupTiles.out_smem_types`)."""
@@ -626,6 +644,10 @@ class _GroupTiles:
   @property
   def piece_n(self):
     return self.cta_n // self.pieces
+
+  @property
+  def strips(self):
+    return uses_strips(self.config, self.piece_n, jnp.dtype(self.out_dtype).itemsize)
 
   def out_smem_types(self):
     """Per compute warpgroup, its `_Staging`: the output tile (or one column
@@ -940,7 +962,7 @@ class _GroupTiles:
       @pl.when(item.wg == w)
       def _store():
         _store_rows(y, item.wlo, item.whi, item.dst_row, _Staging(*views), out_ref,
-                    cols, self.config.strip_staging)
+                    cols, self.strips)
 
   def store_tile(self, item: _Item, out_ref, out_smem, piece_of):
     """Stores the warpgroup's ``[half, cta_n]`` tile, `pieces` column pieces one

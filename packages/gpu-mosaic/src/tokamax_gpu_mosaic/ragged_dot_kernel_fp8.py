@@ -24,10 +24,17 @@ warpgroups of 64 rows each), with two changes that fp8 imposes:
   ``[K/128, M]`` rows, rhs scales as rows of ``[G, K/128, N]`` or of one
   scale per 128-column block) and are read while the step's wgmma runs.
 
-A block's tile is ``128 x 2 block_n`` with ``block_n <= 64`` (128 output
-columns): ptxas gives this kernel 168 registers a thread, and wider tiles (a
-warpgroup's float32 total of 64 x 256 and a 64-column chunk in flight)
-spilled and ran 2.3-3.0x slower on the H200 (notes/MEASUREMENTS.md, session 12).
+A block's tile is ``128 x 2 block_n``: 128 output columns (``block_n=64``)
+or 256 (``block_n=128``, wide). A compute warpgroup's wgmma covers at most
+`HALF_N` columns: a wide tile runs two per step, one per 128-column half, each
+into the same ``64 x 128`` float32 accumulator, promoted into its half of the
+total before the next is issued. So a warpgroup holds the total (128
+registers a thread at 256 columns) and one accumulator (64), within the 232
+that ptxas gives a compute warpgroup between instructions
+(notes/MOSAIC_GPU.md, session 45). (Session 12's wide tiles, one accumulator
+of all 256 columns next to the total, spilled and ran 2.3-3.0x slower on the
+H200.) A wide tile reads 48 KiB from L2 per 8.4 MFLOP step against the narrow
+tile's 32 KiB per 4.2.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from tokamax_gpu_mosaic import _pipeline
 from tokamax_gpu_mosaic import ragged_dot_kernel as rdk
 
 SCALE_K = 128  # K per pipeline step: one scale per row and per column covers it
+HALF_N = 128  # columns of one wgmma (and of one streamed column-block scale)
 # A step's rhs scale of a 128-column block, streamed repeated to 128 bytes: a
 # pipeline copy moves a multiple of the warpgroup's 128 threads in bytes.
 BLOCK_SCALE_WIDTH = 32
@@ -62,14 +70,18 @@ def check_config(config: rdk.RaggedDotConfig) -> None:
   if config.row_tiling != "group" or config.block_m != 128:
     raise ValueError("the fp8 kernel takes row_tiling='group' and block_m=128; got "
                      f"{config.row_tiling!r}, {config.block_m}")
-  if config.block_n > 64:
-    raise ValueError("the fp8 kernel takes block_n <= 64 (three float32 tiles of a "
-                     f"warpgroup's 64 x 2 block_n in registers); got {config.block_n}")
+  if config.block_n not in (64, 128):
+    raise ValueError("the fp8 kernel takes block_n 64 or 128 (tiles of 128 or 256 "
+                     f"columns); got {config.block_n}")
+  if config.block_n == 128 and config.out_pieces != 2:
+    raise ValueError("the fp8 kernel's 256-column tiles take out_pieces=2 (each "
+                     "128-column half stored from its own total); got "
+                     f"out_pieces={config.out_pieces}")
 
 
 def smem_bytes(config: rdk.RaggedDotConfig, out_itemsize: int) -> int:
-  """Shared memory: the operand ring (1-byte values), the scales' ring, the
-  staged output."""
+  """Shared memory: the operand ring (1-byte values), the scales' ring (per
+  column, the most it streams), the staged output."""
   n = rdk.cta_n(config)
   scales = config.num_stages * (config.block_m + n) * 4
   return rdk.smem_bytes(config, 1, out_itemsize) + scales
@@ -99,14 +111,14 @@ def scales_per_step(scales, shape, k_axis: int, what: str, keep_axis=None):
   return scales.astype(jnp.float32)
 
 
-def _column_scales(rhs_scales, n: int, n_cta: int):
+def _column_scales(rhs_scales, n: int, block: int):
   """rhs scales ``[G, steps, N / tile_n]`` as the kernel streams them, and
-  whether one covers a tile's columns (``col_block``): per 128-column block,
-  repeated to `BLOCK_SCALE_WIDTH`, where ``tile_n`` is a multiple of the tile's
-  width; else per column."""
+  whether one covers each `block` columns a wgmma computes (``col_block``):
+  per `block`-column block, repeated to `BLOCK_SCALE_WIDTH`, where ``tile_n``
+  is a multiple of `block`; else per column."""
   tile_n = n // rhs_scales.shape[2]
-  if tile_n % n_cta == 0:
-    per_block = jnp.repeat(rhs_scales, tile_n // n_cta, axis=2)
+  if tile_n % block == 0:
+    per_block = jnp.repeat(rhs_scales, tile_n // block, axis=2)
     return jnp.repeat(per_block, BLOCK_SCALE_WIDTH, axis=2), True
   return jnp.repeat(rhs_scales, tile_n, axis=2), False
 
@@ -114,14 +126,15 @@ def _column_scales(rhs_scales, n: int, n_cta: int):
 @dataclasses.dataclass(frozen=True)
 class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
   """`rdk._GroupTiles` streaming the step's scales with the operand tiles and
-  promoting every K step's wgmma result into a float32 total.
+  promoting every K step's wgmma results into float32 totals.
 
-  Each step issues its wgmma into a fresh accumulator, reads the step's scales
-  while it runs, waits for it and adds the product times the scales to the
-  total. ``col_block``: one rhs scale per step covers the tile's 128 columns
-  (rhs scales over blocks of a multiple of 128 columns, DeepSeek-V3's 128x128),
-  so a row's scale is the product of two scalars; otherwise (narrower rhs
-  blocks, e.g. per channel) each column has its own.
+  Each step issues, for each 128-column half of the tile (`halves`: one or
+  two), its wgmma into a fresh accumulator, reads the scales while it runs,
+  waits for it and adds the product times the scales to the half's total.
+  ``col_block``: one rhs scale per step covers a half's 128 columns (rhs
+  scales over blocks of a multiple of 128 columns, DeepSeek-V3's 128x128), so
+  a row's scale is the product of two scalars; otherwise (narrower rhs blocks,
+  e.g. per channel) each column has its own.
 
   (Promoting the previous step's product under this step's wgmma instead needs
   a third float32 tile and a copy of the accumulator per step: 1.17x slower at
@@ -130,30 +143,58 @@ class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
 
   col_block: bool
 
+  @property
+  def halves(self):
+    return self.cta_n // HALF_N
+
   def operand_blocks(self, item, operands):
     lhs_ref, rhs_ref, lhs_scales_ref, rhs_scales_ref = operands
     a, b = super().operand_blocks(item, (lhs_ref, rhs_ref))
     if self.col_block:
-      cols = pl.ds(item.n0 // self.cta_n * BLOCK_SCALE_WIDTH, BLOCK_SCALE_WIDTH)
+      cols = pl.ds(item.n0 // HALF_N * BLOCK_SCALE_WIDTH,
+                   self.halves * BLOCK_SCALE_WIDTH)
     else:
       cols = pl.ds(item.n0, self.cta_n)
     return (a, b, lhs_scales_ref.at[:, pl.ds(item.row0, self.bm)],
             rhs_scales_ref.at[item.group, :, cols])
 
   def wgmma_step(self, item, a_smem, b_smem, while_running):
-    """This step's product in a fresh accumulator, and `while_running()` traced
-    between the wgmma's issue and the wait for it."""
+    """The product of this warpgroup's rows and the ``[128, K step]`` rhs
+    half `b_smem` in a fresh accumulator, and `while_running()` traced between
+    the wgmma's issue and the wait for it."""
     rows = self.half
 
-    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((rows, self.cta_n), jnp.float32))
+    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((rows, HALF_N), jnp.float32))
     def step(acc_ref):
-      @pl.when(item.whi > item.wlo)
-      def _issue():
-        plgpu.wgmma(acc_ref, a_smem.at[pl.ds(item.cwg * rows, rows)],
-                    b_smem.transpose((1, 0)))
+      self.issue(item, acc_ref, a_smem, b_smem)
       overlapped = while_running()
       return overlapped, acc_ref[...]  # the load waits for the wgmma
     return step
+
+  def wgmma_after(self, item, a_smem, b_smem, after):
+    """`wgmma_step`'s product, issued only once `after` is computed.
+
+    The second half passes the first half's new total. Otherwise the compiler
+    sinks that promotion below the second wgmma, four 64 x 128 float32 tiles
+    are live at once (256 registers a thread) and ptxas spills (352 bytes;
+    2.2-2.6x slower on the H200, notes/MEASUREMENTS.md, session 46). The
+    accumulator starts at zeros the compiler cannot fold: ``where(n0 < 0,
+    after, 0)``, n0 never negative but read from the work-item table. (The
+    interpreter has no rule for ``run_state`` and no order to keep.)"""
+    if _common.interpreting():
+      return self.wgmma_step(item, a_smem, b_smem, lambda: None)[1]
+    zeros = jnp.where(item.n0 < 0, after, jnp.zeros_like(after))
+    return pl.run_state(lambda acc_ref: self.issue(item, acc_ref, a_smem, b_smem))(
+        plgpu.ACC.init(zeros))
+
+  def issue(self, item, acc_ref, a_smem, b_smem):
+    """This warpgroup's wgmma of the step (none without rows)."""
+    rows = self.half
+
+    @pl.when(item.whi > item.wlo)
+    def _issue():
+      plgpu.wgmma(acc_ref, a_smem.at[pl.ds(item.cwg * rows, rows)],
+                  b_smem.transpose((1, 0)))
 
   def row_scales(self, item, a_scales):
     """This warpgroup's 64 row scales of the step, read with static offsets (one
@@ -164,27 +205,46 @@ class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
         _common.load(a_scales.at[0, pl.ds(0, rows)], layout=layout),
         _common.load(a_scales.at[0, pl.ds(rows, rows)], layout=layout))
 
-  def step_scales(self, item, a_scales, b_scales):
-    """The step's scales: per row (times the column block's), and per column
-    unless ``col_block``."""
-    rows = self.row_scales(item, a_scales)
+  def column_scales(self, b_scales, h):
+    """Half `h`'s rhs scales of the step: its column block's (a scalar,
+    ``col_block``) or one per column."""
     if self.col_block:
-      return (rows * b_scales[0, 0],)
-    return rows, _common.load(b_scales.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
+      return b_scales[0, h * BLOCK_SCALE_WIDTH]
+    return _common.load(b_scales.at[0, pl.ds(h * HALF_N, HALF_N)],
+                        layout=plgpu.Layout.WGMMA.reduce(0))
 
-  def mma(self, item, _, a_smem, b_smem, a_scales, b_scales, total):
-    shape = (self.half, self.cta_n)
-    scales, acc = self.wgmma_step(
-        item, a_smem, b_smem, lambda: self.step_scales(item, a_scales, b_scales))
-    product = acc * lax.broadcast_in_dim(scales[0], shape, [0])
-    if not self.col_block:
-      product = product * lax.broadcast_in_dim(scales[1], shape, [1])
-    return total + product
+  def mma(self, item, _, a_smem, b_smem, a_scales, b_scales, totals):
+    """One K step: `totals` (one per half) plus the step's scaled products.
+    The row scales and the first half's column scales are read while the
+    first wgmma runs; the second half's before its wgmma (`wgmma_after`)."""
+    shape = (self.half, HALF_N)
+    (rows, cols), acc = self.wgmma_step(
+        item, a_smem, b_smem.at[pl.ds(0, HALF_N)],
+        lambda: (self.row_scales(item, a_scales), self.column_scales(b_scales, 0)))
+    new_totals = []
+    for h in range(self.halves):
+      if h:
+        cols = self.column_scales(b_scales, h)
+        acc = self.wgmma_after(item, a_smem, b_smem.at[pl.ds(h * HALF_N, HALF_N)],
+                               after=new_totals[-1])
+      if self.col_block:
+        product = acc * lax.broadcast_in_dim(rows * cols, shape, [0])
+      else:
+        product = (acc * lax.broadcast_in_dim(rows, shape, [0])
+                   * lax.broadcast_in_dim(cols, shape, [1]))
+      new_totals.append(totals[h] + product)
+    return tuple(new_totals)
 
   def context(self, item, out_ref, out_smem, allocs, eval_pipeline):
-    total = eval_pipeline(_pipeline.zeros_tile((self.half, self.cta_n), jnp.float32))
+    zeros = _pipeline.zeros_tile((self.half, HALF_N), jnp.float32)
+    totals = eval_pipeline((zeros,) * self.halves)
     self.finish_loop(allocs)  # nothing while this kernel's ring is unchained
-    self.store_acc(item, out_ref, out_smem, total)
+    if self.halves == 1:
+      self.store_acc(item, out_ref, out_smem, totals[0])
+    else:
+      # One piece per half (`check_config`): each converted from its total.
+      self.store_tile(item, out_ref, out_smem,
+                      lambda p: totals[p].astype(self.out_dtype))
 
 
 def _pipeline_of(config: rdk.RaggedDotConfig, dtype, col_block: bool):
@@ -192,7 +252,7 @@ def _pipeline_of(config: rdk.RaggedDotConfig, dtype, col_block: bool):
   (swizzled), and the step's lhs scales and rhs scales (one per column, or
   the column block's, repeated)."""
   bm, n = config.block_m, rdk.cta_n(config)
-  n_scales = BLOCK_SCALE_WIDTH if col_block else n
+  n_scales = n // HALF_N * BLOCK_SCALE_WIDTH if col_block else n
   step = lambda ki: (0, ki)
   specs = (
       _pipeline.tma_spec((bm, SCALE_K), step, dtype, SCALE_K),
@@ -237,10 +297,10 @@ def grouped_matmul_fp8(lhs, lhs_scales, rhs, rhs_scales, starts, ends, *, out_dt
   steps = k_pad // SCALE_K
   lhs_scales_t = _common.pad_axis(
       _common.pad_axis(lhs_scales.T, 0, steps), 1, m)  # [steps, M]
-  rhs_scales, col_block = _column_scales(rhs_scales, n_orig, n_cta)
+  rhs_scales, col_block = _column_scales(rhs_scales, n_orig, HALF_N)
   rhs_scales = _common.pad_axis(rhs_scales, 1, steps)
   rhs_scales = _common.pad_axis(
-      rhs_scales, 2, pl.cdiv(n, n_cta) * BLOCK_SCALE_WIDTH if col_block else n)
+      rhs_scales, 2, n // HALF_N * BLOCK_SCALE_WIDTH if col_block else n)
   items = rdk.work_items(starts, ends, m, config.block_m)
   num_items = items.shape[0]
   n_tiles = pl.cdiv(n, n_cta)
