@@ -411,10 +411,10 @@ def uses_strips(config: RaggedDotConfig, piece_n: int, out_itemsize: int) -> boo
   strips trade the plain staging's bank conflicts for more stores. H200 bf16
   forward, strips / plain (notes/MEASUREMENTS.md, session 46): pieces of two
   strips (128 columns) 0.974-0.986 at M65536 G128 random (K768 N2048, K2048
-  N768, K4096 N1536) and 0.976 at M32768 K2048 N1408 G64 random, 1.002 at
-  M16384 K2048 N16384 G16; pieces of four strips (256 columns) 1.014-1.018 at
-  M65536 and M8192 K7168 N2048 G256 random and M16384 K4096 N4096 G64
-  random."""
+  N768, K4096 N1536), 1.002 at M16384 K2048 N16384 G16; of one (the tall
+  items' 64-column pieces) 0.976 at M32768 K2048 N1408 G64 random; of four
+  (256 columns) 1.014-1.018 at M65536 and M8192 K7168 N2048 G256 random and
+  M16384 K4096 N4096 G64 random."""
   if config.strip_staging is not None:
     return config.strip_staging
   return piece_n * out_itemsize <= 2 * _STRIP_BYTES
