@@ -17,6 +17,7 @@ import none_check  # noqa: E402
 import ptxas_registers  # noqa: E402
 import pytest_shard  # noqa: E402
 import sass_stalls  # noqa: E402
+import sm90_compile  # noqa: E402
 import trace_summary  # noqa: E402
 import tune  # noqa: E402
 
@@ -451,3 +452,23 @@ def test_ptxas_registers_rewrites_the_split_and_reads_the_report():
   text = ptxas_registers.describe(ptxas_registers.Split(160, 40, 512), spilled)
   assert "over the register file" in text and "spills 800 B stored" in text
   assert "wgmmas serialized (C7512)" in text
+
+
+def test_sm90_compile_summarizes_each_kernel():
+  """One line per kernel from its dumped PTX and ptxas report: the split, the
+  spills; kernels without warp roles (no setmaxnreg) too."""
+  ptx = (".maxntid 384, 1, 1\nsetmaxnreg.dec.sync.aligned.u32 40;\n"
+         "setmaxnreg.inc.sync.aligned.u32 232;\n")
+  report = ("ptxas warning : Registers are spilled to local memory in function 'k', "
+            "44 bytes spill stores, 128 bytes spill loads\n"
+            "    16 bytes stack frame, 44 bytes spill stores, 128 bytes spill loads\n"
+            "ptxas info    : Used 168 registers, used 16 barriers\n")
+  assert sm90_compile.kernel_summary(ptx, report) == (
+      "threads  384  compute 232  memory  40: spills 44 B stored / 128 B loaded, "
+      "168 registers at start")
+  plain = sm90_compile.kernel_summary(
+      ".maxntid 128, 1, 1\n", "ptxas info    : Used 40 registers, used 1 barriers\n")
+  assert plain == ("threads 128  (no setmaxnreg): spills 0 B stored / 0 B loaded, "
+                   "40 registers at start")
+  assert sm90_compile.folder_name("ragged_dot M16384 G16 fp8 1x128/128x128") == (
+      "ragged_dot_M16384_G16_fp8_1x128_128x128")

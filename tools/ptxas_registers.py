@@ -118,9 +118,13 @@ def run_ptxas(ptxas: str, ptx: str) -> Report:
 
 
 def describe(split: Split, report: Report) -> str:
-  over = " (over the register file: setmaxnreg would hang)" if over_register_file(split) else ""
-  head = (f"threads {split.threads:4d}  compute {split.consumer:3d}  "
-          f"memory {split.producer:3d}{over}:")
+  if None in (split.threads, split.consumer, split.producer):  # no warp roles
+    head = f"threads {split.threads}  (no setmaxnreg):"
+  else:
+    over = (" (over the register file: setmaxnreg would hang)"
+            if over_register_file(split) else "")
+    head = (f"threads {split.threads:4d}  compute {split.consumer:3d}  "
+            f"memory {split.producer:3d}{over}:")
   if report.fatal:
     return f"{head} {report.fatal}"
   serialized = ", wgmmas serialized (C7512)" if report.serialized else ""

@@ -27,8 +27,8 @@ warpgroups of 64 rows each), with two changes that fp8 imposes:
 A block's tile is ``128 x 2 block_n``: 128 output columns (``block_n=64``)
 or 256 (``block_n=128``, wide). A compute warpgroup's wgmma covers at most
 `HALF_N` columns: a wide tile runs two per step, one per 128-column half, each
-into the same ``64 x 128`` float32 accumulator, promoted into its half of the
-total before the next is issued. So a warpgroup holds the total (128
+into a fresh ``64 x 128`` float32 accumulator, promoted into its half of the
+total before the next is issued (`_ScaledGroupTiles.wgmma_after`). So a warpgroup holds the total (128
 registers a thread at 256 columns) and one accumulator (64), within the 232
 that ptxas gives a compute warpgroup between instructions
 (notes/MOSAIC_GPU.md, session 45). (Session 12's wide tiles, one accumulator
@@ -176,11 +176,14 @@ class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
 
     The second half passes the first half's new total. Otherwise the compiler
     sinks that promotion below the second wgmma, four 64 x 128 float32 tiles
-    are live at once (256 registers a thread) and ptxas spills (352 bytes;
-    2.2-2.6x slower on the H200, notes/MEASUREMENTS.md, session 46). The
-    accumulator starts at zeros the compiler cannot fold: ``where(n0 < 0,
-    after, 0)``, n0 never negative but read from the work-item table. (The
-    interpreter has no rule for ``run_state`` and no order to keep.)"""
+    are live at once (256 registers a thread) and ptxas spills: 388 bytes
+    against 44 with it, claimed in the group order (tools/sm90_compile.py,
+    notes/MEASUREMENTS.md, session 46). (The snake order's loop spills about
+    350 bytes either way and ran 2.2-2.6x slower on the H200: the fp8
+    defaults claim.) The accumulator starts at zeros the compiler cannot
+    fold: ``where(n0 < 0, after, 0)``, n0 never negative but read from the
+    work-item table. (The interpreter has no rule for ``run_state`` and no
+    order to keep.)"""
     if _common.interpreting():
       return self.wgmma_step(item, a_smem, b_smem, lambda: None)[1]
     zeros = jnp.where(item.n0 < 0, after, jnp.zeros_like(after))

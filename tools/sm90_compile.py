@@ -1,0 +1,188 @@
+"""Compiles tokamax's calls for a Hopper GPU on a machine without one, so that
+Mosaic GPU's PTX and ptxas' report (registers, spills, wgmma serialization) of
+every kernel can be read without device time.
+
+    python tools/sm90_compile.py --op ragged_dot --implementation mosaic_gpu \
+        --shape 'fp8 1x128/128x128 K-major' --direction forward \
+        [--ab block_n=128 --ab num_stages=3] [--grid] --out DIR
+
+The problems are tools/tune.py's (`--shape` a regular expression over the
+benchmark suite's names, `--ab FIELD=VALUE` replacing fields of the heuristic
+configs). Each problem is lowered and compiled by XLA for a deviceless CUDA
+target (tools/sm90_target.txtpb, an H100 SXM's limits; Mosaic GPU compiles
+for sm_90a on any of them) with dispatch told it runs on an H200, so it picks
+what it picks there (that device kind's tuned data, else the heuristics).
+Mosaic GPU then writes ``DIR/<problem>/<direction>/kernel_N.{ptx,ptxas}``;
+this tool prints each kernel's ptxas summary. ptxas here is the one inside
+the CUDA plugin, the device's own: session 46 compiled a kernel both ways
+and read the same 368 bytes of spills (notes/MEASUREMENTS.md).
+
+Needs the CUDA plugin of the installed JAX, with its CUDA libraries
+(``pip install "jax-cuda12-plugin[with-cuda]==$(python -c 'import jax;
+print(jax.__version__)')"``, about 3 GB); no GPU or driver. For the SASS of a
+kernel: ``ptxas -arch=sm_90a -o k.cubin kernel_N.ptx && nvdisasm -c k.cubin``
+(CUDA 13 tools; the ``nvidia-cuda-nvdisasm`` wheel has nvdisasm), where
+``(*"SpillRefill"*)`` marks spill code.
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":
+  # Before JAX starts: CPU as the default backend, and no CUDA driver check
+  # (the plugin's version check calls cuInit, which fails without a driver).
+  # Only when run: a test importing this module keeps its environment.
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import pathlib  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ptxas_registers  # noqa: E402
+import tune  # noqa: E402  (tools/tune.py: problems and config replacement)
+
+from tokamax._src import bench_suite  # noqa: E402
+from tokamax._src import op as op_module  # noqa: E402
+from tokamax._src.tuning import context as tuning_context  # noqa: E402
+
+TARGET = pathlib.Path(__file__).with_name("sm90_target.txtpb")
+# What dispatch is told it runs on: the device the kernels are tuned for.
+DEVICE = op_module.DeviceInfo("gpu", "NVIDIA H200", compute_capability="9.0")
+_DUMP_ENV = ("MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_TO")
+
+
+def cuda_sharding() -> NamedSharding:
+  """A sharding on one device of a deviceless CUDA topology."""
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  try:
+    topology = topologies.get_topology_desc(
+        platform="cuda", topology_name="1x1x1", topology="1x1x1",
+        target_config=TARGET.read_text())
+  except Exception as e:
+    raise SystemExit(
+        f"no deviceless CUDA target ({type(e).__name__}: {e}); install the CUDA "
+        "plugin of this JAX with its libraries: pip install "
+        f"'jax-cuda12-plugin[with-cuda]=={jax.__version__}'") from e
+  mesh = topologies.make_mesh(topology, (1,), ("x",))
+  return NamedSharding(mesh, PartitionSpec())
+
+
+@contextlib.contextmanager
+def on_hopper():
+  """Dispatch decides as on an H200 (traced arrays name no device)."""
+  original = op_module.DeviceInfo.__dict__["of"]
+  op_module.DeviceInfo.of = classmethod(lambda cls, arrays=(): DEVICE)
+  try:
+    yield
+  finally:
+    op_module.DeviceInfo.of = original
+
+
+@contextlib.contextmanager
+def dumping_to(folder: pathlib.Path):
+  """Mosaic GPU's PTX and ptxas report of each kernel compiled inside, in
+  `folder` (read when a kernel is compiled)."""
+  folder.mkdir(parents=True, exist_ok=True)
+  saved = {k: os.environ.get(k) for k in _DUMP_ENV}
+  os.environ.update({"MOSAIC_GPU_DUMP_PTX": "1", "MOSAIC_GPU_DUMP_PTXAS": "1",
+                     "MOSAIC_GPU_DUMP_TO": str(folder)})
+  try:
+    yield
+  finally:
+    for key, value in saved.items():
+      if value is None:
+        os.environ.pop(key, None)
+      else:
+        os.environ[key] = value
+
+
+def abstract_step(problem, implementation: str, direction: str, sharding):
+  """`problem`'s call (forward, or forward and float inputs' cotangents for a
+  cotangent of the output's shape), and abstract arguments on `sharding`."""
+  def spec(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+  inputs = jax.tree.map(spec, jax.eval_shape(problem.make_inputs))
+  call = lambda a: problem.call(a, implementation)
+  if direction == "forward":
+    return call, (inputs,)
+
+  def step(inputs, dy):
+    floats = [i for i, x in enumerate(inputs) if jnp.issubdtype(x.dtype, jnp.floating)]
+
+    def with_floats(values):
+      full = list(inputs)
+      for i, x in zip(floats, values):
+        full[i] = x
+      return call(tuple(full))
+    out, vjp = jax.vjp(with_floats, [inputs[i] for i in floats])
+    return out, vjp(dy)
+  return step, (inputs, spec(jax.eval_shape(call, inputs)))
+
+
+def kernel_summary(ptx: str, report: str) -> str:
+  """A kernel's register split (from its PTX) and ptxas' report, on one line."""
+  return ptxas_registers.describe(ptxas_registers.counts(ptx),
+                                  ptxas_registers.parse(report))
+
+
+def folder_name(text: str) -> str:
+  return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")
+
+
+def compile_problem(problem, implementation: str, direction: str, fields: dict,
+                    sharding, out: pathlib.Path) -> list[str]:
+  """Compiles one problem's direction with dumps into its folder of `out`;
+  returns a summary line per kernel."""
+  folder = out / folder_name(f"{problem.op} {problem.name}") / folder_name(direction)
+  source = tune._Replaced(tune._field_values(fields))  # pylint: disable=protected-access
+  with on_hopper(), dumping_to(folder), tuning_context.use(source):
+    fn, args = abstract_step(problem, implementation, direction, sharding)
+    jax.jit(fn).lower(*args).compile()
+  if fields and not source.applied:
+    raise SystemExit(f"--ab {fields}: no Op's config has these fields")
+  lines = []
+  for report in sorted(folder.glob("*.ptxas")):
+    ptx = report.with_suffix(".ptx").read_text()
+    lines.append(f"  {report.stem}: {kernel_summary(ptx, report.read_text())}")
+  for log in folder.glob("*.mlir-passes.log"):
+    log.unlink()  # tens of MB each; the PTX and report are what is read
+  return lines or ["  (no Mosaic GPU kernel)"]
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--op", action="append", default=[], required=True)
+  parser.add_argument("--implementation", default=None,
+                      help="a registered implementation (default: dispatch's choice)")
+  parser.add_argument("--shape", help="a regular expression over problem names")
+  parser.add_argument("--grid", action="store_true", help="the tuning grid's shapes")
+  parser.add_argument("--direction", choices=("forward", "forward+backward"),
+                      action="append")
+  parser.add_argument("--ab", action="append", default=[], type=tune._field_value,  # pylint: disable=protected-access
+                      metavar="FIELD=VALUE", help="replace a field of the heuristic configs")
+  parser.add_argument("--out", required=True, type=pathlib.Path)
+  args = parser.parse_args()
+  suite = bench_suite.grid_suite() if args.grid else bench_suite.reference_suite()
+  sharding = cuda_sharding()
+  for problem in tune.select_problems(parser, suite, args.op, args.shape):
+    for direction in args.direction or ("forward", "forward+backward"):
+      print(f"## {problem.op} {problem.name} {direction}", flush=True)
+      try:
+        lines = compile_problem(problem, args.implementation, direction,
+                                dict(args.ab), sharding, args.out)
+      except Exception as e:  # one that fails is reported, the others go on
+        lines = [f"  failed: {type(e).__name__}: {str(e)[:300]}"]
+      print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+  main()
