@@ -6,6 +6,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 
 import dataclasses  # noqa: E402
+import pathlib  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -472,3 +473,6 @@ def test_sm90_compile_summarizes_each_kernel():
                    "40 registers at start")
   assert sm90_compile.folder_name("ragged_dot M16384 G16 fp8 1x128/128x128") == (
       "ragged_dot_M16384_G16_fp8_1x128_128x128")
+  names = ["kernel_10.ptxas", "kernel_2.ptxas", "body_1.ptxas", "kernel_0.ptxas"]
+  ordered = sorted((pathlib.Path(n) for n in names), key=sm90_compile.kernel_order)
+  assert [p.stem for p in ordered] == ["body_1", "kernel_0", "kernel_2", "kernel_10"]

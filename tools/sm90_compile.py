@@ -22,7 +22,9 @@ Needs the CUDA plugin of the installed JAX, with its CUDA libraries
 print(jax.__version__)')"``, about 3 GB); no GPU or driver. For the SASS of a
 kernel: ``ptxas -arch=sm_90a -o k.cubin kernel_N.ptx && nvdisasm -c k.cubin``
 (CUDA 13 tools; the ``nvidia-cuda-nvdisasm`` wheel has nvdisasm), where
-``(*"SpillRefill"*)`` marks spill code.
+``(*"SpillRefill"*)`` marks spill code. (Each kernel also logs "nvdisasm
+invocation failed" to stderr: Mosaic GPU looks for nvdisasm under the CUDA
+root; harmless.)
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import pathlib  # noqa: E402
 import re  # noqa: E402
+import shutil  # noqa: E402
 import sys  # noqa: E402
 
 import jax  # noqa: E402
@@ -125,7 +128,7 @@ def abstract_step(problem, implementation: str, direction: str, sharding):
       return call(tuple(full))
     out, vjp = jax.vjp(with_floats, [inputs[i] for i in floats])
     return out, vjp(dy)
-  return step, (inputs, spec(jax.eval_shape(call, inputs)))
+  return step, (inputs, jax.tree.map(spec, jax.eval_shape(call, inputs)))
 
 
 def kernel_summary(ptx: str, report: str) -> str:
@@ -138,19 +141,33 @@ def folder_name(text: str) -> str:
   return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")
 
 
+def kernel_order(path: pathlib.Path):
+  """``kernel_2`` before ``kernel_10`` (Mosaic GPU numbers a process's kernels)."""
+  number = re.search(r"(\d+)$", path.stem)
+  return (path.stem[:number.start()] if number else path.stem,
+          int(number.group(1)) if number else -1)
+
+
 def compile_problem(problem, implementation: str, direction: str, fields: dict,
                     sharding, out: pathlib.Path) -> list[str]:
   """Compiles one problem's direction with dumps into its folder of `out`;
   returns a summary line per kernel."""
   folder = out / folder_name(f"{problem.op} {problem.name}") / folder_name(direction)
-  source = tune._Replaced(tune._field_values(fields))  # pylint: disable=protected-access
-  with on_hopper(), dumping_to(folder), tuning_context.use(source):
+  shutil.rmtree(folder, ignore_errors=True)  # no kernels of an earlier run
+  # With --ab, the heuristic configs with the fields replaced; else what
+  # dispatch picks (tuned data, then heuristics).
+  source = tune._Replaced(tune._field_values(fields)) if fields else None  # pylint: disable=protected-access
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(on_hopper())
+    stack.enter_context(dumping_to(folder))
+    if source is not None:
+      stack.enter_context(tuning_context.use(source))
     fn, args = abstract_step(problem, implementation, direction, sharding)
     jax.jit(fn).lower(*args).compile()
-  if fields and not source.applied:
+  if source is not None and not source.applied:
     raise SystemExit(f"--ab {fields}: no Op's config has these fields")
   lines = []
-  for report in sorted(folder.glob("*.ptxas")):
+  for report in sorted(folder.glob("*.ptxas"), key=kernel_order):
     ptx = report.with_suffix(".ptx").read_text()
     lines.append(f"  {report.stem}: {kernel_summary(ptx, report.read_text())}")
   for log in folder.glob("*.mlir-passes.log"):

@@ -349,9 +349,20 @@ def test_config_checks():
     fp8.check_config(rdk.RaggedDotConfig(block_n=128, block_k=128))
   with pytest.raises(ValueError, match="block_m=128"):
     fp8.check_config(rdk.RaggedDotConfig(block_m=256, block_n=64, block_k=128))
-  for c in rd._fp8_search_space(2) + (rd._fp8_heuristic(2),):
-    fp8.check_config(c)
-    assert fp8.fits(c, 2)
+  for out_itemsize in (2, 4):
+    heuristics = tuple(rd._fp8_heuristic(n, out_itemsize) for n in (128, 640, 2048))
+    for c in rd._fp8_search_space(out_itemsize) + heuristics:
+      fp8.check_config(c)
+      assert fp8.fits(c, out_itemsize)
+
+
+@pytest.mark.parametrize("n,wide", [(2048, True), (16384, True), (200, True),
+                                    (448, True), (384, False), (640, False),
+                                    (128, False)])
+def test_heuristic_takes_wide_tiles_without_extra_columns(n, wide):
+  """256-column tiles where they compute no more columns than 128-column ones
+  (N in whole 256-column tiles, or a last tile of over 128 columns)."""
+  assert (rd._fp8_heuristic(n, 2).block_n == 128) == wide
 
 
 @gpu

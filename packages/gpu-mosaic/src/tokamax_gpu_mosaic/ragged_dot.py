@@ -255,17 +255,21 @@ def _fp8_scales(args):
 # (notes/MEASUREMENTS.md, session 46, two runs): M16384 K2048 N16384 G16
 # 1.488 against 1.558 ms (weights K-major 1.142 against 1.215), M65536 K7168
 # N2048 G256 random 4.367 against 4.543 (K-major 2.474 against 2.652). In the
-# snake order without claims the same tiles ran 2.2-2.6x slower, and claims
+# snake order without claims the same tiles ran 1.9-2.7x slower, and claims
 # alone on 128-column tiles 0.98-1.02x.
 _FP8_WIDE = RaggedDotConfig(block_m=128, block_n=128, block_k=fp8.SCALE_K,
                             num_stages=3, out_pieces=2, item_order="group",
                             claim_items=True)
 
 
-def _fp8_heuristic(out_itemsize) -> RaggedDotConfig:
-  """`_FP8_WIDE` where it fits, else 128 x 128 tiles with the most stages that
-  fit (H200: 6 stages and 4 within 2% at G16 and G256, session 11)."""
-  if fp8.fits(_FP8_WIDE, out_itemsize):
+def _fp8_heuristic(n: int, out_itemsize: int) -> RaggedDotConfig:
+  """`_FP8_WIDE` where it fits and computes no more columns than 128-column
+  tiles would (N in whole 256-column tiles, up to a last one of over 128),
+  else 128 x 128 tiles with the most stages that fit (H200: 6 stages and 4
+  within 2% at G16 and G256, session 11)."""
+  wide_n = 2 * _FP8_WIDE.block_n  # its output columns
+  if (fp8.fits(_FP8_WIDE, out_itemsize)
+      and _common.round_up(n, wide_n, wide_n) == _common.round_up(n, 128, 128)):
     return _FP8_WIDE
   for stages, pieces in ((6, 2), (5, 1), (4, 1)):
     config = RaggedDotConfig(block_m=128, block_n=64, block_k=fp8.SCALE_K,
@@ -323,7 +327,8 @@ class MosaicGpuRaggedDot(Op):
 
   def heuristic_config(self, args):
     if _quantized(args):
-      return _fp8_heuristic(_problem(args)[-1])
+      _, _, n, _, _, out_itemsize = _problem(args)
+      return _fp8_heuristic(n, out_itemsize)
     return _forward_heuristic(*_problem(args))
 
   def search_space(self, args):

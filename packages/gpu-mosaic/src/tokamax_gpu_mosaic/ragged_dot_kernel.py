@@ -19,8 +19,8 @@ rows into tiles of ``block_m`` rows from the group's first row rounded down to 8
 The two compute warpgroups own 64 rows each (128 in two wgmma halves for
 ``block_m=256``); one whose rows all lie outside the group skips its wgmma. Each
 writes only the rows it owns: a whole aligned tile with one TMA store from
-swizzled shared memory, a partial one from unswizzled shared memory in
-power-of-two row chunks (`_store_rows`). Rows no held group owns get zero-only
+swizzled shared memory, a partial one in power-of-two row chunks from swizzled
+column strips or unswizzled shared memory (`_store_rows`, `uses_strips`). Rows no held group owns get zero-only
 items, so every output row is written exactly once: no atomics.
 ``item_order="group"`` writes the (row tile, column tile) order into the table
 (`ordered_items`): a group's row tiles of one column tile run on neighbouring
@@ -410,8 +410,9 @@ def uses_strips(config: RaggedDotConfig, piece_n: int, out_itemsize: int) -> boo
   Each strip of a partial tile is its own TMA store per row chunk, so the
   strips trade the plain staging's bank conflicts for more stores. H200 bf16
   forward, strips / plain (notes/MEASUREMENTS.md, session 46): pieces of two
-  strips (128 columns) 0.974-0.986 at M65536 G128 random (K768 N2048, K2048
-  N768, K4096 N1536), 1.002 at M16384 K2048 N16384 G16; of one (the tall
+  strips (128 columns) 0.974-0.994 at M65536 G128 random (K768 N2048, K2048
+  N768, K4096 N1536), 1.002 at M16384 K2048 N16384 G16 (equal groups, few
+  partial tiles); of one (the tall
   items' 64-column pieces) 0.976 at M32768 K2048 N1408 G64 random; of four
   (256 columns) 1.014-1.018 at M65536 and M8192 K7168 N2048 G256 random and
   M16384 K4096 N4096 G64 random."""
@@ -440,7 +441,7 @@ def _store_rows(y, lo, hi, dst_row, staging: _Staging, out_ref, cols,
   staged in column strips 128 bytes wide, each swizzled with rows 128 bytes
   apart (stmatrix writes them without bank conflicts) and tiled by single
   rows, so that a chunk's box may start at any row. Otherwise it is staged
-  unswizzled, rows 256 bytes apart or more, where each stmatrix took 32
+  unswizzled, where at rows 256 bytes apart each stmatrix took 32
   shared-memory wavefronts instead of 4 (notes/MEASUREMENTS.md, session 45,
   item 8).
   """

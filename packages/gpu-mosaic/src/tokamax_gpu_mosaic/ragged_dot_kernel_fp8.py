@@ -179,7 +179,7 @@ class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
     are live at once (256 registers a thread) and ptxas spills: 388 bytes
     against 44 with it, claimed in the group order (tools/sm90_compile.py,
     notes/MEASUREMENTS.md, session 46). (The snake order's loop spills about
-    350 bytes either way and ran 2.2-2.6x slower on the H200: the fp8
+    350 bytes either way and ran 1.9-2.7x slower on the H200: the fp8
     defaults claim.) The accumulator starts at zeros the compiler cannot
     fold: ``where(n0 < 0, after, 0)``, n0 never negative but read from the
     work-item table. (The interpreter has no rule for ``run_state`` and no
@@ -300,13 +300,14 @@ def grouped_matmul_fp8(lhs, lhs_scales, rhs, rhs_scales, starts, ends, *, out_dt
   steps = k_pad // SCALE_K
   lhs_scales_t = _common.pad_axis(
       _common.pad_axis(lhs_scales.T, 0, steps), 1, m)  # [steps, M]
+  n_tiles = pl.cdiv(n, n_cta)
   rhs_scales, col_block = _column_scales(rhs_scales, n_orig, HALF_N)
   rhs_scales = _common.pad_axis(rhs_scales, 1, steps)
-  rhs_scales = _common.pad_axis(
-      rhs_scales, 2, n // HALF_N * BLOCK_SCALE_WIDTH if col_block else n)
+  # Whole column tiles of scales (the last tile's columns may pass N).
+  per_tile = n_cta // HALF_N * BLOCK_SCALE_WIDTH if col_block else n_cta
+  rhs_scales = _common.pad_axis(rhs_scales, 2, n_tiles * per_tile)
   items = rdk.work_items(starts, ends, m, config.block_m)
   num_items = items.shape[0]
-  n_tiles = pl.cdiv(n, n_cta)
   items = rdk.item_table(items, n_tiles, config)
   tiles = _ScaledGroupTiles(
       config=config, transpose_rhs=True, out_dtype=out_dtype, num_items=num_items,
