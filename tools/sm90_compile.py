@@ -13,13 +13,14 @@ target (tools/sm90_target.txtpb, an H100 SXM's limits; Mosaic GPU compiles
 for sm_90a on any of them) with dispatch told it runs on an H200, so it picks
 what it picks there (that device kind's tuned data, else the heuristics).
 Mosaic GPU then writes ``DIR/<problem>/<direction>/kernel_N.{ptx,ptxas}``;
-this tool prints each kernel's ptxas summary. ptxas here is the one inside
-the CUDA plugin, the device's own: session 46 compiled a kernel both ways
-and read the same 368 bytes of spills (notes/MEASUREMENTS.md).
+this tool prints each kernel's ptxas summary. XLA finds ptxas as on a GPU
+machine; the PTX needs one of CUDA 13 (/usr/local/cuda on the project's CPU
+machines): session 46 compiled a kernel here and on the H200 and read the
+same 368 bytes of spills (notes/MEASUREMENTS.md).
 
 Needs the CUDA plugin of the installed JAX, with its CUDA libraries
 (``pip install "jax-cuda12-plugin[with-cuda]==$(python -c 'import jax;
-print(jax.__version__)')"``, about 3 GB); no GPU or driver. For the SASS of a
+print(jax.__version__)')"``, about 3 GB), and that ptxas; no GPU or driver. For the SASS of a
 kernel: ``ptxas -arch=sm_90a -o k.cubin kernel_N.ptx && nvdisasm -c k.cubin``
 (CUDA 13 tools; the ``nvidia-cuda-nvdisasm`` wheel has nvdisasm), where
 ``(*"SpillRefill"*)`` marks spill code. (Each kernel also logs "nvdisasm
