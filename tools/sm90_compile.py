@@ -47,7 +47,6 @@ import shutil  # noqa: E402
 import sys  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -119,16 +118,7 @@ def abstract_step(problem, implementation: str, direction: str, sharding):
   if direction == "forward":
     return call, (inputs,)
 
-  def step(inputs, dy):
-    floats = [i for i, x in enumerate(inputs) if jnp.issubdtype(x.dtype, jnp.floating)]
-
-    def with_floats(values):
-      full = list(inputs)
-      for i, x in zip(floats, values):
-        full[i] = x
-      return call(tuple(full))
-    out, vjp = jax.vjp(with_floats, [inputs[i] for i in floats])
-    return out, vjp(dy)
+  step = lambda inputs, dy: bench_suite.float_vjp(call, inputs, dy)
   return step, (inputs, jax.tree.map(spec, jax.eval_shape(call, inputs)))
 
 

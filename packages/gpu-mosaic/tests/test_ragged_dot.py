@@ -695,6 +695,16 @@ def test_strips_where_a_piece_is_at_most_two_wide(block_m, pieces, out_itemsize,
     assert rdk.uses_strips(forced_config, piece_n, out_itemsize) is forced
 
 
+def test_strips_need_whole_strips():
+  """A piece under one 128-byte strip (64 one-byte columns) is staged plainly,
+  and forcing strips on it is refused by name."""
+  config = rdk.RaggedDotConfig(block_m=256, out_pieces=2)  # 64-column pieces
+  assert not rdk.uses_strips(config, 64, 1)
+  with pytest.raises(ValueError, match="strip_staging=True needs output pieces of "
+                     "whole 128-byte strips; got 64 columns of 1 bytes"):
+    rdk.uses_strips(dataclasses.replace(config, strip_staging=True), 64, 1)
+
+
 def test_heuristics_pick_pieces_only_for_this_module():
   from tokamax._src.ops.ragged_dot import RaggedDotArgs
   lhs, rhs = _inputs(2048, 128, 256, 2, jnp.bfloat16)  # groups of 1024 rows

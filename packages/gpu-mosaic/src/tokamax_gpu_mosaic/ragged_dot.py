@@ -269,7 +269,8 @@ def _fp8_heuristic(n: int, out_itemsize: int) -> RaggedDotConfig:
   within 2% at G16 and G256, session 11)."""
   wide_n = 2 * _FP8_WIDE.block_n  # its output columns
   if (fp8.fits(_FP8_WIDE, out_itemsize)
-      and _common.round_up(n, wide_n, wide_n) == _common.round_up(n, 128, 128)):
+      and _common.round_up(n, wide_n, wide_n)
+      == _common.round_up(n, fp8.HALF_N, fp8.HALF_N)):
     return _FP8_WIDE
   for stages, pieces in ((6, 2), (5, 1), (4, 1)):
     config = RaggedDotConfig(block_m=128, block_n=64, block_k=fp8.SCALE_K,

@@ -20,8 +20,9 @@ The two compute warpgroups own 64 rows each (128 in two wgmma halves for
 ``block_m=256``); one whose rows all lie outside the group skips its wgmma. Each
 writes only the rows it owns: a whole aligned tile with one TMA store from
 swizzled shared memory, a partial one in power-of-two row chunks from swizzled
-column strips or unswizzled shared memory (`_store_rows`, `uses_strips`). Rows no held group owns get zero-only
-items, so every output row is written exactly once: no atomics.
+column strips or unswizzled shared memory (`_store_rows`, `uses_strips`). Rows
+no held group owns get zero-only items, so every output row is written exactly
+once: no atomics.
 ``item_order="group"`` writes the (row tile, column tile) order into the table
 (`ordered_items`): a group's row tiles of one column tile run on neighbouring
 SMs together (L2 sharing of the weights). The output tile is staged whole or in
@@ -412,13 +413,19 @@ def uses_strips(config: RaggedDotConfig, piece_n: int, out_itemsize: int) -> boo
   forward, strips / plain (notes/MEASUREMENTS.md, session 46): pieces of two
   strips (128 columns) 0.974-0.994 at M65536 G128 random (K768 N2048, K2048
   N768, K4096 N1536), 1.002 at M16384 K2048 N16384 G16 (equal groups, few
-  partial tiles); of one (the tall
-  items' 64-column pieces) 0.976 at M32768 K2048 N1408 G64 random; of four
-  (256 columns) 1.014-1.018 at M65536 and M8192 K7168 N2048 G256 random and
-  M16384 K4096 N4096 G64 random."""
+  partial tiles); of one (the tall items' 64-column pieces) 0.976 at M32768
+  K2048 N1408 G64 random; of four (256 columns) 1.014-1.018 at M65536 and
+  M8192 K7168 N2048 G256 random and M16384 K4096 N4096 G64 random. A piece
+  that is not whole strips (under 128 bytes a row) is staged plainly."""
+  row_bytes = piece_n * out_itemsize
+  whole_strips = row_bytes >= _STRIP_BYTES and row_bytes % _STRIP_BYTES == 0
+  if config.strip_staging and not whole_strips:
+    raise ValueError(f"strip_staging=True needs output pieces of whole "
+                     f"{_STRIP_BYTES}-byte strips; got {piece_n} columns of "
+                     f"{out_itemsize} bytes")
   if config.strip_staging is not None:
     return config.strip_staging
-  return piece_n * out_itemsize <= 2 * _STRIP_BYTES
+  return whole_strips and row_bytes <= 2 * _STRIP_BYTES
 
 
 class _Staging(NamedTuple):

@@ -75,20 +75,34 @@ def fwd_bwd(fn: Callable, inputs: tuple) -> tuple[Callable, tuple]:
   (ragged_dot), whose gradient alone does not need it; ``dy`` keeps the output
   dtype so that the backward matmuls run in it, as in training.
   """
-  float_idx = [i for i, x in enumerate(inputs) if jnp.issubdtype(x.dtype, jnp.floating)]
+  float_idx = _float_indices(inputs)
   out_shape = jax.eval_shape(fn, inputs)
   dy = rand(jax.random.key(7), out_shape.shape, out_shape.dtype)
+
+  def step(floats, dy):
+    full = list(inputs)
+    for i, x in zip(float_idx, floats):
+      full[i] = x
+    return float_vjp(fn, tuple(full), dy)
+  return jax.jit(step), ([inputs[i] for i in float_idx], dy)
+
+
+def _float_indices(inputs: tuple) -> list[int]:
+  return [i for i, x in enumerate(inputs) if jnp.issubdtype(x.dtype, jnp.floating)]
+
+
+def float_vjp(fn: Callable, inputs: tuple, dy) -> tuple:
+  """``fn(inputs)`` and the cotangents of `inputs`' float entries (a list, in
+  their order) for the output cotangent `dy`."""
+  float_idx = _float_indices(inputs)
 
   def with_floats(floats):
     full = list(inputs)
     for i, x in zip(float_idx, floats):
       full[i] = x
     return fn(tuple(full))
-
-  def step(floats, dy):
-    out, vjp = jax.vjp(with_floats, floats)
-    return out, vjp(dy)
-  return jax.jit(step), ([inputs[i] for i in float_idx], dy)
+  out, vjp = jax.vjp(with_floats, [inputs[i] for i in float_idx])
+  return out, vjp(dy)
 
 
 def _pair_tolerance(dtype: str) -> float:
