@@ -938,14 +938,18 @@ class _DqKernel(_Shape):
 
     def visible():
       # Queries past the valid ones have lse2 = +inf (P = 0): no mask.
-      query = _pipeline.wgmma_iota(s.shape, 0) + tile.r0
-      key = _pipeline.wgmma_iota(s.shape, 1) + i * self.bkv
-
       def segment_match():
         slot = blk.ring.slot(i)
         plgpu.barrier_wait(r.seg_full.at[slot])
         return akc.same_segment(tile.q_ids, r.kvseg_smem.at[slot], s.shape)
       _, kv_limit, off = blk.limits
+      if self.feat.dynamic:
+        return akc.visible_by_query_rows(
+            tile.r0, i * self.bkv, s.shape, self.feat,
+            kv_limit=kv_limit if self.pad_keys or self.feat.kv_len else None,
+            off=off, segment_match=segment_match)
+      query = _pipeline.wgmma_iota(s.shape, 0) + tile.r0
+      key = _pipeline.wgmma_iota(s.shape, 1) + i * self.bkv
       return akc.visible(
           query, key, self.feat, dynamic=self.feat.dynamic, causal=self.causal,
           s_true=self.s_true if self.pad_keys else None,

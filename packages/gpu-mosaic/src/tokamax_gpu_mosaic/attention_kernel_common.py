@@ -373,6 +373,38 @@ def visible(query, key, feat: Features, *, dynamic: bool, causal: bool = False,
   return functools.reduce(operator.and_, keep)
 
 
+def visible_by_query_rows(q0, k0, shape, feat: Features, *, kv_limit=None, off=None,
+                          segment_match=None):
+  """`visible`'s dynamic path for a tile whose rows are the queries from `q0`
+  and whose columns are the keys from `k0`, with the position bounds taken as
+  bounds per row on the column index: ``lo[row] <= column <= hi[row]``.
+
+  The same entries as `visible(query, key, feat, dynamic=True, ...)`. The key
+  of every entry (a column index in the wgmma layout, 32 values a thread at
+  128 columns) is never offset by `k0`: offset, the loop-invariant indices
+  were kept live across a kernel's whole key loop and spilled (the dQ
+  kernel's window steps: 400 bytes, against 64 this way; notes/MEASUREMENTS.md,
+  session 46).
+  """
+  col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+  keep = []
+  if kv_limit is not None:
+    keep.append(col < kv_limit - k0)
+  if feat.left is not None or feat.right is not None:
+    rows = plgpu.broadcasted_iota(jnp.int32, shape[:1], 0,
+                                  layout=plgpu.Layout.WGMMA.reduce(1)) + (q0 - k0)
+    pos = rows + off if feat.offset else rows  # query position - k0, a row
+    if feat.left is not None:
+      keep.append(col >= bcast_rows(pos - feat.left, shape))
+    if feat.right is not None:
+      keep.append(col <= bcast_rows(pos + feat.right, shape))
+  if feat.segments:
+    keep.append(segment_match())
+  if not keep:
+    return None
+  return functools.reduce(operator.and_, keep)
+
+
 def same_segment(row_ids, col_ids_ref, shape):
   """Whether each entry's row and column segment ids match: `row_ids` are in
   registers, the column ids are loaded from `col_ids_ref` (shared memory)."""
