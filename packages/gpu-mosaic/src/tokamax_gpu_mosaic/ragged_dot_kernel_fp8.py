@@ -180,13 +180,16 @@ class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
     against 44 with it, claimed in the group order (tools/sm90_compile.py,
     notes/MEASUREMENTS.md, session 46). (The snake order's loop spills about
     350 bytes either way and ran 1.9-2.7x slower on the H200: the fp8
-    defaults claim.) The accumulator starts at zeros the compiler cannot
-    fold: ``where(n0 < 0, after, 0)``, n0 never negative but read from the
-    work-item table. (The interpreter has no rule for ``run_state`` and no
-    order to keep.)"""
+    defaults claim.) The accumulator's zeros leave an optimization barrier
+    together with `after`, so they exist only once it does, and cost 32
+    register-pair zeroings a step. (Session 46's ``where(n0 < 0, after, 0)``
+    on a run-time value cost 64 selects a step and ran 2.4-3.6% slower on
+    the H200, session 47.) (The interpreter has no rule for ``run_state``
+    and no order to keep.)"""
     if _common.interpreting():
       return self.wgmma_step(item, a_smem, b_smem, lambda: None)[1]
-    zeros = jnp.where(item.n0 < 0, after, jnp.zeros_like(after))
+    zeros = plgpu.layout_cast(jnp.zeros_like(after), plgpu.Layout.WGMMA)
+    _, zeros = lax.optimization_barrier((after, zeros))
     return pl.run_state(lambda acc_ref: self.issue(item, acc_ref, a_smem, b_smem))(
         plgpu.ACC.init(zeros))
 
