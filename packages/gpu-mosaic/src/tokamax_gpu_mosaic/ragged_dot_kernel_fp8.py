@@ -166,7 +166,7 @@ class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
 
     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((rows, HALF_N), jnp.float32))
     def step(acc_ref):
-      self.issue(item, acc_ref, a_smem, b_smem)
+      self.issue(item, acc_ref, a_smem, b_smem, always=True)
       overlapped = while_running()
       return overlapped, acc_ref[...]  # the load waits for the wgmma
     return step
@@ -193,14 +193,27 @@ class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
     return pl.run_state(lambda acc_ref: self.issue(item, acc_ref, a_smem, b_smem))(
         plgpu.ACC.init(zeros))
 
-  def issue(self, item, acc_ref, a_smem, b_smem):
-    """This warpgroup's wgmma of the step (none without rows)."""
+  def issue(self, item, acc_ref, a_smem, b_smem, always=False):
+    """This warpgroup's wgmma of the step: unless `always`, none without rows.
+
+    `always` (the first half): ptxas then sees the fresh accumulator's zeros
+    reach the wgmma on every path and issues its first MMA without reading
+    the accumulator (``RZ, !UPT``), so no zeros are written a step (31
+    register-pair zeroings a warp fewer; 1.8-2.6% faster on the H200,
+    notes/MEASUREMENTS.md, session 47). A warpgroup without rows multiplies
+    rows it never stores. The second half keeps the condition: its zeros
+    must stay opaque to keep `wgmma_after`'s order (issued always, ptxas
+    folded them too, hoisted the wgmma into the first half's promotion and
+    spilled 436 bytes)."""
     rows = self.half
 
-    @pl.when(item.whi > item.wlo)
     def _issue():
       plgpu.wgmma(acc_ref, a_smem.at[pl.ds(item.cwg * rows, rows)],
                   b_smem.transpose((1, 0)))
+    if always:
+      _issue()
+    else:
+      pl.when(item.whi > item.wlo)(_issue)
 
   def row_scales(self, item, a_scales):
     """This warpgroup's 64 row scales of the step, read with static offsets (one
