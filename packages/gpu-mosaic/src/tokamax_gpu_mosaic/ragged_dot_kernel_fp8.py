@@ -161,59 +161,50 @@ class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
   def wgmma_step(self, item, a_smem, b_smem, while_running):
     """The product of this warpgroup's rows and the ``[128, K step]`` rhs
     half `b_smem` in a fresh accumulator, and `while_running()` traced between
-    the wgmma's issue and the wait for it."""
+    the wgmma's issue and the wait for it.
+
+    The wgmma is issued whether or not the warpgroup has rows in the item
+    (one without multiplies rows it never stores): with the accumulator's
+    zeros reaching the wgmma on every path, ptxas issues its first MMA without
+    reading the accumulator (``RZ, !UPT``) and writes no zeros a step (31
+    register-pair zeroings a warp fewer: 1.8-2.6% faster on the H200,
+    notes/MEASUREMENTS.md, session 47)."""
     rows = self.half
 
     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((rows, HALF_N), jnp.float32))
     def step(acc_ref):
-      self.issue(item, acc_ref, a_smem, b_smem, always=True)
+      plgpu.wgmma(acc_ref, a_smem.at[pl.ds(item.cwg * rows, rows)],
+                  b_smem.transpose((1, 0)))
       overlapped = while_running()
       return overlapped, acc_ref[...]  # the load waits for the wgmma
     return step
 
-  def wgmma_after(self, item, a_smem, b_smem, after):
-    """`wgmma_step`'s product, issued only once `after` is computed.
+  def wgmma_after(self, item, a_smem, b_smem, after, stand_in):
+    """`wgmma_step`'s product, issued only once `after` is computed; a
+    warpgroup without rows takes `stand_in` instead (it stores nothing).
 
-    The second half passes the first half's new total. Otherwise the compiler
-    sinks that promotion below the second wgmma, four 64 x 128 float32 tiles
-    are live at once (256 registers a thread) and ptxas spills: 388 bytes
-    against 44 with it, claimed in the group order (tools/sm90_compile.py,
-    notes/MEASUREMENTS.md, session 46). (The snake order's loop spills about
-    350 bytes either way and ran 1.9-2.7x slower on the H200: the fp8
-    defaults claim.) The accumulator's zeros leave an optimization barrier
-    together with `after`, so they exist only once it does, and cost 32
-    register-pair zeroings a step. (Session 46's ``where(n0 < 0, after, 0)``
-    on a run-time value cost 64 selects a step and ran 2.4-3.6% slower on
-    the H200, session 47.) (The interpreter has no rule for ``run_state``
-    and no order to keep.)"""
+    The second half passes the first half's new total and its product as the
+    stand-in. Otherwise the compiler sinks that promotion below the second
+    wgmma, four 64 x 128 float32 tiles are live at once (256 registers a
+    thread) and ptxas spills (388-436 bytes; 20 with it, claimed in the group
+    order: tools/sm90_compile.py, notes/MEASUREMENTS.md, sessions 46-47).
+    (The snake order's loop spills about 350 bytes and ran 1.9-2.7x slower on
+    the H200: the fp8 defaults claim.) The order is a branch: whether the
+    warpgroup has rows leaves an optimization barrier together with `after`,
+    so LLVM computes `after` before branching, and ptxas does not hoist a
+    wgmma out of a conditional block. The stand-in, registers already
+    written, gives the other path nothing to compute: with zeros there, ptxas
+    wrote them before the branch on both paths. (Before: zeros made opaque by
+    a select on a run-time value, 64 selects a step, then by an optimization
+    barrier, 32 register-pair zeroings: 2.4-3.6% and 3.2-5.2% slower on the
+    H200, session 47.) (The interpreter has no order to keep.)"""
     if _common.interpreting():
       return self.wgmma_step(item, a_smem, b_smem, lambda: None)[1]
-    zeros = plgpu.layout_cast(jnp.zeros_like(after), plgpu.Layout.WGMMA)
-    _, zeros = lax.optimization_barrier((after, zeros))
-    return pl.run_state(lambda acc_ref: self.issue(item, acc_ref, a_smem, b_smem))(
-        plgpu.ACC.init(zeros))
-
-  def issue(self, item, acc_ref, a_smem, b_smem, always=False):
-    """This warpgroup's wgmma of the step: unless `always`, none without rows.
-
-    `always` (the first half): ptxas then sees the fresh accumulator's zeros
-    reach the wgmma on every path and issues its first MMA without reading
-    the accumulator (``RZ, !UPT``), so no zeros are written a step (31
-    register-pair zeroings a warp fewer; 1.8-2.6% faster on the H200,
-    notes/MEASUREMENTS.md, session 47). A warpgroup without rows multiplies
-    rows it never stores. The second half keeps the condition: its zeros
-    must stay opaque to keep `wgmma_after`'s order (issued always, ptxas
-    folded them too, hoisted the wgmma into the first half's promotion and
-    spilled 436 bytes)."""
-    rows = self.half
-
-    def _issue():
-      plgpu.wgmma(acc_ref, a_smem.at[pl.ds(item.cwg * rows, rows)],
-                  b_smem.transpose((1, 0)))
-    if always:
-      _issue()
-    else:
-      pl.when(item.whi > item.wlo)(_issue)
+    _, has_rows = lax.optimization_barrier(
+        (after, (item.whi > item.wlo).astype(jnp.int32)))
+    return lax.cond(has_rows > 0,
+                    lambda: self.wgmma_step(item, a_smem, b_smem, lambda: None)[1],
+                    lambda: stand_in)
 
   def row_scales(self, item, a_scales):
     """This warpgroup's 64 row scales of the step, read with static offsets (one
@@ -245,7 +236,7 @@ class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
       if h:
         cols = self.column_scales(b_scales, h)
         acc = self.wgmma_after(item, a_smem, b_smem.at[pl.ds(h * HALF_N, HALF_N)],
-                               after=new_totals[-1])
+                               after=new_totals[-1], stand_in=acc)
       if self.col_block:
         product = acc * lax.broadcast_in_dim(rows * cols, shape, [0])
       else:
