@@ -255,8 +255,12 @@ def _fp8_scales(args):
 # (notes/MEASUREMENTS.md, session 46, two runs): M16384 K2048 N16384 G16
 # 1.488 against 1.558 ms (weights K-major 1.142 against 1.215), M65536 K7168
 # N2048 G256 random 4.367 against 4.543 (K-major 2.474 against 2.652). In the
-# snake order without claims the same tiles ran 1.9-2.7x slower, and claims
-# alone on 128-column tiles 0.98-1.02x.
+# snake order without claims the same tiles then spilled and ran 1.9-2.7x
+# slower, and claims alone on 128-column tiles 0.98-1.02x. Session 47's kernel
+# (no accumulator zeroing, slots released at the step's end) spills 20 bytes
+# in either order. This default's time over the other's, K-major G16 / G256:
+# against the snake order 1.004 / 0.998, against dealt items 0.978 / 1.004;
+# so it stays.
 _FP8_WIDE = RaggedDotConfig(block_m=128, block_n=128, block_k=fp8.SCALE_K,
                             num_stages=3, out_pieces=2, item_order="group",
                             claim_items=True)
