@@ -182,7 +182,9 @@ def warpgroup_kernel(body, *, out_type, scratch_types, grid, grid_names):
 def tma_spec(block_shape, index_map, dtype, minor: int, delay_release: int = 1):
   """A swizzled TMA block whose buffer is released one step late (the wgmma of
   step s may still read it while step s+1 is issued); ``delay_release=0`` for a
-  `ChainedPipeline`, whose body releases the slots itself."""
+  `ChainedPipeline`, whose body releases the slots itself, or for a body that
+  waits for its own wgmmas (the fp8 kernel's), whose slot is free when the
+  step ends."""
   return plgpu.BlockSpec(block_shape, index_map,
                          transforms=_common.swizzled(dtype, minor),
                          delay_release=delay_release)
