@@ -164,17 +164,15 @@ def _scores_pair(shape, a0, b0, second_full, a1, b1, pass_turn=None):
   for its operand's slot to land. `pass_turn`: the ping-pong pass right after
   issuing both (the partner's dS is done: the tensor cores are ours next)."""
 
-  def scores(s_acc):
+  def scores(s_acc, dp_acc):
     plgpu.wgmma(s_acc, a0, b0.T)
     plgpu.barrier_wait(second_full)
-
-    def second(dp_acc):
-      plgpu.wgmma(dp_acc, a1, b1.T)
-      if pass_turn is not None:
-        pass_turn()
-      return s_acc[...], dp_acc[...]
-    return pl.run_scoped(second, plgpu.ACC(shape, jnp.float32))
-  return pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
+    plgpu.wgmma(dp_acc, a1, b1.T)
+    if pass_turn is not None:
+      pass_turn()
+    return s_acc[...], dp_acc[...]
+  return pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32),
+                       plgpu.ACC(shape, jnp.float32))
 
 
 def _scores(shape, a, b, pass_turn=None):
