@@ -161,6 +161,40 @@ def test_tune_profile_runs_calls_each_direction_untimed(capsys):
     tune.profile_runs("op", {"forward": builders["forward"]}, {"chain_item": "False"}, 1)
 
 
+def _env_builders(variable: str):
+  """`tune.ab` builders whose traced function reads `variable` (a code change
+  behind a switch): doubled where it is "1"."""
+  def build():
+    def f(x):
+      return x * 2.0 if os.environ.get(variable) == "1" else x + 1.0
+    return jax.jit(f), (jax.numpy.ones((8, 8)),)
+  return {"forward": build}
+
+
+def test_tune_ab_env_traces_the_second_side_with_the_variable(capsys):
+  os.environ.pop("TOKAMAX_TEST_SWITCH", None)
+  tune.ab("op shape (impl)", _env_builders("TOKAMAX_TEST_SWITCH"), {}, 2,
+          env={"TOKAMAX_TEST_SWITCH": "1"})
+  out = capsys.readouterr().out
+  assert "heuristic vs $TOKAMAX_TEST_SWITCH=1" in out
+  assert "heuristic / other" in out
+  assert "TOKAMAX_TEST_SWITCH" not in os.environ  # restored after the side
+  # A switch nothing reads compiles both sides alike: refused, not timed.
+  with pytest.raises(SystemExit, match="same program"):
+    tune.ab("op", _env_builders("TOKAMAX_TEST_SWITCH"), {}, 2,
+            env={"TOKAMAX_TEST_OTHER": "1"})
+
+
+def test_tune_environment_restores_a_set_variable():
+  os.environ["TOKAMAX_TEST_SWITCH"] = "a"
+  try:
+    with tune._environment({"TOKAMAX_TEST_SWITCH": "b"}):
+      assert os.environ["TOKAMAX_TEST_SWITCH"] == "b"
+    assert os.environ["TOKAMAX_TEST_SWITCH"] == "a"
+  finally:
+    os.environ.pop("TOKAMAX_TEST_SWITCH", None)
+
+
 def test_kernel_breakdown_keys_a_launch_by_its_name_not_its_position():
   """Kernels of several streams recorded in another order in one run: each launch
   still counts once (by position, a and b would each count twice)."""

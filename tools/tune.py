@@ -26,7 +26,12 @@ the heuristic configs against the same configs with the fields replaced, in
 the forward and the backward Op alike (wherever the config has the field; in
 one of them with ``--ab-side forward`` or ``backward``),
 timed in alternation (`benchmarking.time_interleaved`), forward and
-forward+backward; it prints both medians and their ratio. With ``--model``
+forward+backward; it prints both medians and their ratio. ``--ab-env
+NAME=VALUE`` (repeatable, alone or with ``--ab``) is the A/B of a code change
+behind an environment variable the code reads while tracing (a temporary
+switch, taken out before the change lands): the second side is traced with
+NAME=VALUE set; an A/B whose two sides compile to the same program stops
+with an error (the switch is read nowhere, or not while tracing). With ``--model``
 (dense, moe, ...), the same for the tokamax training step of `python -m tokamax
 bench --model` (``implementation=None``: dispatch picks the implementations as
 it would; both sides run their heuristic configs, not tuned data's).
@@ -41,7 +46,9 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
+import os
 import re
 
 import jax
@@ -109,31 +116,53 @@ def _field_values(fields: dict[str, str]) -> dict[str, object]:
   return {key: _literal(value) for key, value in fields.items()}
 
 
+@contextlib.contextmanager
+def _environment(variables: dict[str, str]):
+  """`variables` set in os.environ inside the block, restored after it."""
+  saved = {name: os.environ.get(name) for name in variables}
+  os.environ.update(variables)
+  try:
+    yield
+  finally:
+    for name, value in saved.items():
+      if value is None:
+        os.environ.pop(name, None)
+      else:
+        os.environ[name] = value
+
+
 def ab(title: str, builders: dict, fields: dict[str, str], iterations: int,
-       side: str = "both") -> None:
+       side: str = "both", env: dict[str, str] | None = None) -> None:
   """The heuristic configs against them with `fields` replaced (in the
-  `side` Op's config: "both", "forward" or "backward"), interleaved.
+  `side` Op's config: "both", "forward" or "backward") and the environment
+  variables `env` set while tracing, interleaved.
 
   `builders`: per direction, ``() -> (jitted function, args)``, each call a new
   function (a jitted function traced once would keep the first side's
   configs), traced under the side's config source.
   """
+  env = env or {}
   replaced = _field_values(fields)
-  label = ", ".join(f"{k}={v!r}" for k, v in replaced.items())
+  label = ", ".join([f"{k}={v!r}" for k, v in replaced.items()]
+                    + [f"${k}={v}" for k, v in env.items()])
   print(f"## {title}: heuristic vs {label}", flush=True)
   for direction, build in builders.items():
     contenders = {}
     changed = _Replaced(replaced, side)
     try:
-      for name, source in (("heuristic", _Replaced({})), (label, changed)):
-        with tuning_context.use(source):
+      for name, source, variables in (("heuristic", _Replaced({}), {}),
+                                      (label, changed, env)):
+        with tuning_context.use(source), _environment(variables):
           f, fargs = build()
           contenders[name] = benchmarking.prepare(f, *fargs)
     except Exception as e:  # a config that fails is reported, the others go on
       print(f"  {direction:<17} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
       continue
-    if not changed.applied:
+    if replaced and not changed.applied:
       raise SystemExit(f"--ab {label}: no Op's config has these fields")
+    if env and _same_program(*contenders.values()):
+      raise SystemExit(f"--ab-env {label}: both sides compiled to the same program "
+                       "(nothing read the variables while tracing)")
     results = benchmarking.time_interleaved(contenders, iterations)
     base, other = (results[name] for name in contenders)
     if isinstance(base, Exception) or isinstance(other, Exception):
@@ -144,6 +173,10 @@ def ab(title: str, builders: dict, fields: dict[str, str], iterations: int,
     print(f"  {direction:<17} heuristic {a:8.3f} ms, {label} {b:8.3f} ms "
           f"(heuristic / other {a / b:.3f}, {base.method}, {iterations} rounds)",
           flush=True)
+
+
+def _same_program(a: benchmarking.Contender, b: benchmarking.Contender) -> bool:
+  return a.run.compiled.as_text() == b.run.compiled.as_text()
 
 
 def problem_builders(problem: Problem, implementation: str, directions) -> dict:
@@ -294,6 +327,11 @@ def main():
                       type=_field_value,
                       help="A/B: the heuristic configs against them with FIELD "
                            "set to VALUE (repeatable), interleaved")
+  parser.add_argument("--ab-env", action="append", default=[], metavar="NAME=VALUE",
+                      type=_field_value,
+                      help="A/B: the second side traced with the environment "
+                           "variable NAME set to VALUE (repeatable; a code "
+                           "change behind a temporary switch)")
   parser.add_argument("--ab-side", choices=("both", "forward", "backward"),
                       default="both",
                       help="with --ab: replace the fields in both Ops' configs "
@@ -309,10 +347,14 @@ def main():
                       help="run each selected call N times, untimed, for a "
                            "profiler (with --ab: the replaced configs)")
   args = parser.parse_args()
-  if not args.op and not (args.ab and args.model):
+  is_ab = bool(args.ab or args.ab_env)
+  if not args.op and not (is_ab and args.model):
     parser.error("--op is required (or --model with --ab)")
-  if args.model and not args.ab:
+  if args.model and not is_ab:
     parser.error("--model times a training step only in an A/B (--ab)")
+  if args.ab_env and args.profile_runs is not None:
+    parser.error("--profile-runs with --ab-env: set the variable on the command "
+                 "line instead")
   if args.profile_runs is not None:
     if args.profile_runs < 1:
       parser.error(f"--profile-runs must be >= 1; got {args.profile_runs}")
@@ -329,15 +371,16 @@ def main():
       profile_runs(f"{problem.op} {problem.name} ({args.implementation})",
                    problem_builders(problem, args.implementation, directions),
                    dict(args.ab), args.profile_runs)
-    elif args.ab:
+    elif is_ab:
       ab(f"{problem.op} {problem.name} ({args.implementation})",
          problem_builders(problem, args.implementation, directions), dict(args.ab),
-         args.iterations, args.ab_side)
+         args.iterations, args.ab_side, dict(args.ab_env))
     else:
       tune(problem, args.implementation, args.iterations, directions, match,
            args.training)
   for model in args.model:
-    ab(*model_builders(model), dict(args.ab), args.iterations, args.ab_side)
+    ab(*model_builders(model), dict(args.ab), args.iterations, args.ab_side,
+       dict(args.ab_env))
 
 
 if __name__ == "__main__":
