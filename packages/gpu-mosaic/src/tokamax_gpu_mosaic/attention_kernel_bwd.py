@@ -950,11 +950,8 @@ class _DqKernel(_Shape):
             off=off, segment_match=segment_match)
       query = _pipeline.wgmma_iota(s.shape, 0) + tile.r0
       key = _pipeline.wgmma_iota(s.shape, 1) + i * self.bkv
-      return akc.visible(
-          query, key, self.feat, dynamic=self.feat.dynamic, causal=self.causal,
-          s_true=self.s_true if self.pad_keys else None,
-          kv_limit=kv_limit if self.pad_keys or self.feat.kv_len else None,
-          off=off, segment_match=segment_match)
+      return akc.visible(query, key, self.feat, dynamic=False, causal=self.causal,
+                         s_true=self.s_true if self.pad_keys else None)
     _, ds = _probs_and_ds(s, dp, self.c, self.feat.soft_cap,
                           lambda: akc.bcast_rows(tile.lse_row, s.shape),
                           lambda: akc.bcast_rows(tile.delta_row, dp.shape),

@@ -259,8 +259,8 @@ def _fp8_scales(args):
 # slower, and claims alone on 128-column tiles 0.98-1.02x. Session 47's kernel
 # (no accumulator zeroing, slots released at the step's end) spills 20 bytes
 # in either order. This default's time over the other's, K-major G16 / G256:
-# against the snake order 1.004 / 0.998, against dealt items 0.978 / 1.004;
-# so it stays.
+# against the snake order 1.004 / 0.998 (within noise), against dealt items
+# 0.978 / 1.004 (dealt 2.2% slower at G16); so it stays.
 _FP8_WIDE = RaggedDotConfig(block_m=128, block_n=128, block_k=fp8.SCALE_K,
                             num_stages=3, out_pieces=2, item_order="group",
                             claim_items=True)

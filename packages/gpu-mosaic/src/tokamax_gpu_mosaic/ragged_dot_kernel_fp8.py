@@ -130,7 +130,9 @@ class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
 
   Each step issues, for each 128-column half of the tile (`halves`: one or
   two), its wgmma into a fresh accumulator, reads the scales while it runs,
-  waits for it and adds the product times the scales to the half's total.
+  waits for it and adds the product times the scales to the half's total (a
+  warpgroup without rows in the item skips the second half's wgmma and adds
+  a stand-in: it stores nothing, `wgmma_after`).
   ``col_block``: one rhs scale per step covers a half's 128 columns (rhs
   scales over blocks of a multiple of 128 columns, DeepSeek-V3's 128x128), so
   a row's scale is the product of two scalars; otherwise (narrower rhs blocks,
@@ -186,10 +188,9 @@ class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
     The second half passes the first half's new total and its product as the
     stand-in. Otherwise the compiler sinks that promotion below the second
     wgmma, four 64 x 128 float32 tiles are live at once (256 registers a
-    thread) and ptxas spills (388-436 bytes; 20 with it, claimed in the group
-    order: tools/sm90_compile.py, notes/MEASUREMENTS.md, sessions 46-47).
-    (The snake order's loop spills about 350 bytes and ran 1.9-2.7x slower on
-    the H200: the fp8 defaults claim.) The order is a branch: whether the
+    thread) and ptxas spills (388-400 bytes; 20 with the order kept, in the
+    group and the snake order alike: tools/sm90_compile.py,
+    notes/MEASUREMENTS.md, sessions 46-47). The order is a branch: whether the
     warpgroup has rows leaves an optimization barrier together with `after`,
     so LLVM computes `after` before branching, and ptxas does not hoist a
     wgmma out of a conditional block. The stand-in, registers already
