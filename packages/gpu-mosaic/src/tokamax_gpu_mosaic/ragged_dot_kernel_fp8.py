@@ -196,9 +196,10 @@ class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
     wgmma out of a conditional block. The stand-in, registers already
     written, gives the other path nothing to compute: with zeros there, ptxas
     wrote them before the branch on both paths. (Before: zeros made opaque by
-    a select on a run-time value, 64 selects a step, then by an optimization
-    barrier, 32 register-pair zeroings: 2.4-3.6% and 3.2-5.2% slower on the
-    H200, session 47.) (The interpreter has no order to keep.)"""
+    a select on a run-time value, 64 selects a step, 2.4-3.6% slower on the
+    H200 than by an optimization barrier, 32 register-pair zeroings, which
+    was 3.2-5.2% slower than this branch; session 47.) (The interpreter has no
+    order to keep.)"""
     if _common.interpreting():
       return self.wgmma_step(item, a_smem, b_smem, lambda: None)[1]
     _, has_rows = lax.optimization_barrier(
