@@ -152,6 +152,8 @@ def ab(title: str, builders: dict, fields: dict[str, str], iterations: int,
     try:
       for name, source, variables in (("heuristic", _Replaced({}), {}),
                                       (label, changed, env)):
+        if variables:
+          jax.clear_caches()  # nothing traced under the first side's environment
         with tuning_context.use(source), _environment(variables):
           f, fargs = build()
           contenders[name] = benchmarking.prepare(f, *fargs)
@@ -162,7 +164,8 @@ def ab(title: str, builders: dict, fields: dict[str, str], iterations: int,
       raise SystemExit(f"--ab {label}: no Op's config has these fields")
     if env and _same_program(*contenders.values()):
       raise SystemExit(f"--ab-env {label}: both sides compiled to the same program "
-                       "(nothing read the variables while tracing)")
+                       "(nothing read the variables while tracing, or a cache "
+                       "outside JAX's kept the first side's code)")
     results = benchmarking.time_interleaved(contenders, iterations)
     base, other = (results[name] for name in contenders)
     if isinstance(base, Exception) or isinstance(other, Exception):
