@@ -152,8 +152,8 @@ def ab(title: str, builders: dict, fields: dict[str, str], iterations: int,
     try:
       for name, source, variables in (("heuristic", _Replaced({}), {}),
                                       (label, changed, env)):
-        if variables:
-          jax.clear_caches()  # nothing traced under the first side's environment
+        if env:
+          jax.clear_caches()  # no trace made under the other side's environment
         with tuning_context.use(source), _environment(variables):
           f, fargs = build()
           contenders[name] = benchmarking.prepare(f, *fargs)
