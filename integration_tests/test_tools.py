@@ -161,6 +161,20 @@ def test_tune_profile_runs_calls_each_direction_untimed(capsys):
     tune.profile_runs("op", {"forward": builders["forward"]}, {"chain_item": "False"}, 1)
 
 
+def test_sm90_compile_sass_counts_fresh_accumulators_and_zeroings():
+  # nvdisasm's text: a wgmma chain on a fresh accumulator ptxas folded (RZ),
+  # one on zeros it wrote (two CS2R pairs), a CS2R that is no zeroing.
+  sass = """
+        /*3050*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR28], RZ, !UPT ;
+        /*30f0*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR16], R24, gsb0 ;
+        /*3100*/                   CS2R R88, SRZ ;
+        /*3110*/                   CS2R R90, SRZ ;
+        /*3120*/                   CS2R R4, SR_CLOCKLO ;
+        /*3130*/                   HGMMA.64x128x16.F32.BF16 R88, gdesc[UR8], R88, gsb0 ;
+  """
+  assert sm90_compile.sass_counts(sass) == {"wgmma": 3, "fresh": 1, "zeroings": 2}
+
+
 def _env_builders(variable: str):
   """`tune.ab` builders whose traced function reads `variable` (a code change
   behind a switch): doubled where it is "1"."""

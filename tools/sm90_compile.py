@@ -23,9 +23,13 @@ Needs the CUDA plugin of the installed JAX, with its CUDA libraries
 print(jax.__version__)')"``, about 3 GB), and that ptxas; no GPU or driver. For the SASS of a
 kernel: ``ptxas -arch=sm_90a -o k.cubin kernel_N.ptx && nvdisasm -c k.cubin``
 (CUDA 13 tools; the ``nvidia-cuda-nvdisasm`` wheel has nvdisasm), where
-``(*"SpillRefill"*)`` marks spill code. (Each kernel also logs "nvdisasm
-invocation failed" to stderr: Mosaic GPU looks for nvdisasm under the CUDA
-root; harmless.)
+``(*"SpillRefill"*)`` marks spill code; ``--sass`` does that for every kernel
+(``kernel_N.sass``) and adds static counts to its line: its wgmma
+instructions, how many of them start a fresh accumulator without reading it
+(``RZ, !UPT``: ptxas folded its zeros) and the register-pair zeroings (CS2R)
+that a fresh accumulator costs where ptxas could not (notes/MOSAIC_GPU.md,
+session 47). (Each kernel also logs "nvdisasm invocation failed" to stderr:
+Mosaic GPU looks for nvdisasm under the CUDA root; harmless.)
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import contextlib  # noqa: E402
 import pathlib  # noqa: E402
 import re  # noqa: E402
 import shutil  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 import jax  # noqa: E402
@@ -128,6 +133,27 @@ def kernel_summary(ptx: str, report: str) -> str:
                                   ptxas_registers.parse(report))
 
 
+def sass_counts(sass: str) -> dict[str, int]:
+  """Static counts in a kernel's SASS (nvdisasm's text): wgmma instructions
+  (``HGMMA``, ``QGMMA``, ...), those of them that do not read their
+  accumulator (``RZ, !UPT``) and the CS2R register-pair zeroings."""
+  mma = re.findall(r"\b[A-Z]GMMA\.[^;]*;", sass)
+  return {"wgmma": len(mma), "fresh": sum("RZ, !UPT" in m for m in mma),
+          "zeroings": len(re.findall(r"\bCS2R R\d+, SRZ", sass))}
+
+
+def disassemble(ptx: pathlib.Path, ptxas: str, nvdisasm: str) -> str:
+  """The SASS of a kernel's PTX (assembled for sm_90a), also written beside it."""
+  cubin = ptx.with_suffix(".cubin")
+  subprocess.run([ptxas, "-arch=sm_90a", "-o", str(cubin), str(ptx)], check=True,
+                 capture_output=True)
+  sass = subprocess.run([nvdisasm, "-c", str(cubin)], check=True, capture_output=True,
+                        text=True).stdout
+  cubin.unlink()
+  ptx.with_suffix(".sass").write_text(sass)
+  return sass
+
+
 def folder_name(text: str) -> str:
   return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")
 
@@ -140,9 +166,10 @@ def kernel_order(path: pathlib.Path):
 
 
 def compile_problem(problem, implementation: str, direction: str, fields: dict,
-                    sharding, out: pathlib.Path) -> list[str]:
+                    sharding, out: pathlib.Path, tools=None) -> list[str]:
   """Compiles one problem's direction with dumps into its folder of `out`;
-  returns a summary line per kernel."""
+  returns a summary line per kernel (with `tools`, ``(ptxas, nvdisasm)``: and
+  its SASS counts)."""
   folder = out / folder_name(f"{problem.op} {problem.name}") / folder_name(direction)
   shutil.rmtree(folder, ignore_errors=True)  # no kernels of an earlier run
   # With --ab, the heuristic configs with the fields replaced; else what
@@ -160,7 +187,12 @@ def compile_problem(problem, implementation: str, direction: str, fields: dict,
   lines = []
   for report in sorted(folder.glob("*.ptxas"), key=kernel_order):
     ptx = report.with_suffix(".ptx").read_text()
-    lines.append(f"  {report.stem}: {kernel_summary(ptx, report.read_text())}")
+    line = f"  {report.stem}: {kernel_summary(ptx, report.read_text())}"
+    if tools:
+      counts = sass_counts(disassemble(report.with_suffix(".ptx"), *tools))
+      line += (f"; {counts['wgmma']} wgmma, {counts['fresh']} fresh (RZ), "
+               f"{counts['zeroings']} CS2R")
+    lines.append(line)
   for log in folder.glob("*.mlir-passes.log"):
     log.unlink()  # tens of MB each; the PTX and report are what is read
   return lines or ["  (no Mosaic GPU kernel)"]
@@ -178,7 +210,21 @@ def main():
   parser.add_argument("--ab", action="append", default=[], type=tune._field_value,  # pylint: disable=protected-access
                       metavar="FIELD=VALUE", help="replace a field of the heuristic configs")
   parser.add_argument("--out", required=True, type=pathlib.Path)
+  parser.add_argument("--sass", action="store_true",
+                      help="disassemble each kernel (kernel_N.sass) and count its "
+                           "wgmmas, fresh accumulators and zeroings")
+  parser.add_argument("--ptxas", default=shutil.which("ptxas"),
+                      help="with --sass: a CUDA 13 ptxas (default: on PATH)")
+  parser.add_argument("--nvdisasm", default=shutil.which("nvdisasm"),
+                      help="with --sass: nvdisasm (default: on PATH; the "
+                           "nvidia-cuda-nvdisasm wheel has one)")
   args = parser.parse_args()
+  tools = None
+  if args.sass:
+    if not args.ptxas or not args.nvdisasm:
+      parser.error(f"--sass needs ptxas and nvdisasm; got --ptxas {args.ptxas}, "
+                   f"--nvdisasm {args.nvdisasm}")
+    tools = (args.ptxas, args.nvdisasm)
   suite = bench_suite.grid_suite() if args.grid else bench_suite.reference_suite()
   sharding = cuda_sharding()
   for problem in tune.select_problems(parser, suite, args.op, args.shape):
@@ -186,7 +232,7 @@ def main():
       print(f"## {problem.op} {problem.name} {direction}", flush=True)
       try:
         lines = compile_problem(problem, args.implementation, direction,
-                                dict(args.ab), sharding, args.out)
+                                dict(args.ab), sharding, args.out, tools)
       except Exception as e:  # one that fails is reported, the others go on
         lines = [f"  failed: {type(e).__name__}: {str(e)[:300]}"]
       print("\n".join(lines), flush=True)
