@@ -202,7 +202,7 @@ def test_tune_ab_env_traces_the_second_side_with_the_variable(capsys):
 def test_tune_environment_restores_a_set_variable():
   os.environ["TOKAMAX_TEST_SWITCH"] = "a"
   try:
-    with tune._environment({"TOKAMAX_TEST_SWITCH": "b"}):
+    with tune.environment({"TOKAMAX_TEST_SWITCH": "b"}):
       assert os.environ["TOKAMAX_TEST_SWITCH"] == "b"
     assert os.environ["TOKAMAX_TEST_SWITCH"] == "a"
   finally:

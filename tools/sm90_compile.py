@@ -65,7 +65,6 @@ from tokamax._src.tuning import context as tuning_context  # noqa: E402
 TARGET = pathlib.Path(__file__).with_name("sm90_target.txtpb")
 # What dispatch is told it runs on: the device the kernels are tuned for.
 DEVICE = op_module.DeviceInfo("gpu", "NVIDIA H200", compute_capability="9.0")
-_DUMP_ENV = ("MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_TO")
 
 
 def cuda_sharding() -> NamedSharding:
@@ -100,17 +99,9 @@ def dumping_to(folder: pathlib.Path):
   """Mosaic GPU's PTX and ptxas report of each kernel compiled inside, in
   `folder` (read when a kernel is compiled)."""
   folder.mkdir(parents=True, exist_ok=True)
-  saved = {k: os.environ.get(k) for k in _DUMP_ENV}
-  os.environ.update({"MOSAIC_GPU_DUMP_PTX": "1", "MOSAIC_GPU_DUMP_PTXAS": "1",
-                     "MOSAIC_GPU_DUMP_TO": str(folder)})
-  try:
+  with tune.environment({"MOSAIC_GPU_DUMP_PTX": "1", "MOSAIC_GPU_DUMP_PTXAS": "1",
+                         "MOSAIC_GPU_DUMP_TO": str(folder)}):
     yield
-  finally:
-    for key, value in saved.items():
-      if value is None:
-        os.environ.pop(key, None)
-      else:
-        os.environ[key] = value
 
 
 def abstract_step(problem, implementation: str, direction: str, sharding):

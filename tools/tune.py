@@ -117,7 +117,7 @@ def _field_values(fields: dict[str, str]) -> dict[str, object]:
 
 
 @contextlib.contextmanager
-def _environment(variables: dict[str, str]):
+def environment(variables: dict[str, str]):
   """`variables` set in os.environ inside the block, restored after it."""
   saved = {name: os.environ.get(name) for name in variables}
   os.environ.update(variables)
@@ -154,7 +154,7 @@ def ab(title: str, builders: dict, fields: dict[str, str], iterations: int,
                                       (label, changed, env)):
         if env:
           jax.clear_caches()  # no trace made under the other side's environment
-        with tuning_context.use(source), _environment(variables):
+        with tuning_context.use(source), environment(variables):
           f, fargs = build()
           contenders[name] = benchmarking.prepare(f, *fargs)
     except Exception as e:  # a config that fails is reported, the others go on
