@@ -230,15 +230,11 @@ class ChainedPipeline(WarpSpecializedPipeline):
   Built on `emit_pipeline_warp_specialized`'s ``pipeline_state`` (START for the
   block's first item, STEADY after), which needs the step count a multiple of
   `stages` (every item then starts at slot 0) and specs without
-  ``delay_release``. The slots are released by hand: a body that leaves its
-  step's wgmma running (``release_lag=1``) has `releasing` release the
-  previous step's slot after it (its wgmma wait left only this step's
-  pending), and `finish_loop` the item's last slot once every wgmma is done;
-  a body that waits for its own wgmmas (``release_lag=0``, the fp8 kernel's)
-  has its own step's slot released after it.
+  ``delay_release``. The body leaves its step's wgmma running, so the slots
+  are released by hand: `releasing` wraps the body to release the previous
+  step's slot after it (its wgmma wait left only this step's pending), and
+  `finish_loop` releases the item's last slot once every wgmma is done.
   """
-
-  release_lag: int = 1
 
   @staticmethod
   def ring_depth(steps: int, stages: int) -> int | None:
@@ -264,19 +260,14 @@ class ChainedPipeline(WarpSpecializedPipeline):
       # After the operand refs come their consumed barriers (one per operand,
       # at this step's slot), then the carry.
       carry = body(indices, *args[:count], *args[2 * count:])
-      if self.release_lag:
-        self._release_previous(allocations, indices[0])
-      else:
-        self._release(allocations, lax.rem(indices[0], self.stages))
+      self._release_previous(allocations, indices[0])
       return carry
     return wrapped
 
   def finish_loop(self, allocations, steps) -> None:
-    """Compute warpgroup, after an item's K loop: release its last slot (where
-    the body left it held)."""
+    """Compute warpgroup, after an item's K loop: release its last slot."""
     plgpu.wgmma_wait(0)
-    if self.release_lag:
-      self._release(allocations, (steps - 1) % self.stages)
+    self._release(allocations, (steps - 1) % self.stages)
 
   def _release_previous(self, allocations, step) -> None:
     @pl.when(step > 0)

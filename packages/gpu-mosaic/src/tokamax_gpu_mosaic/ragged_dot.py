@@ -263,7 +263,7 @@ def _fp8_scales(args):
 # 0.978 / 1.004 (dealt 2.2% slower at G16); so it stays.
 _FP8_WIDE = RaggedDotConfig(block_m=128, block_n=128, block_k=fp8.SCALE_K,
                             num_stages=3, out_pieces=2, item_order="group",
-                            claim_items=True, chain_items=False)
+                            claim_items=True)
 
 
 def _fp8_heuristic(n: int, out_itemsize: int) -> RaggedDotConfig:
@@ -278,11 +278,10 @@ def _fp8_heuristic(n: int, out_itemsize: int) -> RaggedDotConfig:
     return _FP8_WIDE
   for stages, pieces in ((6, 2), (5, 1), (4, 1)):
     config = RaggedDotConfig(block_m=128, block_n=64, block_k=fp8.SCALE_K,
-                             num_stages=stages, out_pieces=pieces, chain_items=False)
+                             num_stages=stages, out_pieces=pieces)
     if fp8.fits(config, out_itemsize):
       return config
-  return RaggedDotConfig(block_m=128, block_n=64, block_k=fp8.SCALE_K, num_stages=3,
-                         chain_items=False)
+  return RaggedDotConfig(block_m=128, block_n=64, block_k=fp8.SCALE_K, num_stages=3)
 
 
 def _fp8_search_space(out_itemsize):
@@ -295,8 +294,7 @@ def _fp8_search_space(out_itemsize):
         for width in (4, 8, 16):
           c = RaggedDotConfig(block_m=128, block_n=64, block_k=fp8.SCALE_K,
                               num_stages=stages, out_pieces=pieces,
-                              grid_tile_width=width, item_order=order,
-                              chain_items=False)
+                              grid_tile_width=width, item_order=order)
           if fp8.fits(c, out_itemsize):
             configs.append(c)
   for stages in (2, 3):

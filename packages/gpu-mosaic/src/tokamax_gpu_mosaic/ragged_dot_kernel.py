@@ -62,8 +62,7 @@ class RaggedDotConfig:
   pipeline step, with ``num_stages`` steps in flight. ``grid_tile_width``: how
   many column tiles a band of the snake order spans (L2 reuse of lhs rows).
   ``out_pieces``: the output tile is staged in shared memory whole (1) or in
-  two or four column pieces (2 or 4, a half or a quarter of the staging
-  memory; ``row_tiling="group"``).
+  two column pieces (2, half the staging memory; ``row_tiling="group"``).
   ``drhs_kernel`` (backward only): "ring" or "ws", see
   `grouped_transposed_matmul`; "ws" runs ``block_k=64`` and the stages that fit
   (`drhs_ws_config`).
@@ -159,17 +158,16 @@ class RaggedDotConfig:
       raise ValueError("claim_items=True and sync_sharers=True exclude each "
                        "other (sync_sharers meets the blocks of the round-robin "
                        "deal)")
-    if self.out_pieces not in (1, 2, 4):
-      raise ValueError(f"out_pieces must be 1, 2 or 4; got {self.out_pieces}")
-    if self.out_pieces > 1 and self.row_tiling != "group":
-      raise ValueError(f"out_pieces={self.out_pieces} needs row_tiling='group'")
+    if self.out_pieces not in (1, 2):
+      raise ValueError(f"out_pieces must be 1 or 2; got {self.out_pieces}")
+    if self.out_pieces == 2 and self.row_tiling != "group":
+      raise ValueError("out_pieces=2 needs row_tiling='group'")
     tile_n = cta_n(self)
-    if self.out_pieces > 1 and tile_n // self.out_pieces < 64:
+    if self.out_pieces == 2 and tile_n // 2 < 64:
       # A piece narrower than the 128-byte swizzle: the H200 run of such a
       # config (256 x 64 items) failed with a misaligned address.
-      raise ValueError(f"out_pieces={self.out_pieces} needs output pieces of >= 64 "
-                       f"columns; items of {tile_n} columns make "
-                       f"{tile_n // self.out_pieces}")
+      raise ValueError(f"out_pieces=2 needs output pieces of >= 64 columns; "
+                       f"items of {tile_n} columns make {tile_n // 2}")
     if self.drhs_kernel not in ("ring", "ws"):
       raise ValueError(f"drhs_kernel must be 'ring' or 'ws'; got {self.drhs_kernel}")
     if self.drhs_kernel == "ws":

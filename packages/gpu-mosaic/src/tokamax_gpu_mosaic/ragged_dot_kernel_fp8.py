@@ -73,9 +73,9 @@ def check_config(config: rdk.RaggedDotConfig) -> None:
   if config.block_n not in (64, 128):
     raise ValueError("the fp8 kernel takes block_n 64 or 128 (tiles of 128 or 256 "
                      f"columns); got {config.block_n}")
-  if config.block_n == 128 and config.out_pieces not in (2, 4):
-    raise ValueError("the fp8 kernel's 256-column tiles take out_pieces 2 or 4 "
-                     "(each 128-column half stored from its own total); got "
+  if config.block_n == 128 and config.out_pieces != 2:
+    raise ValueError("the fp8 kernel's 256-column tiles take out_pieces=2 (each "
+                     "128-column half stored from its own total); got "
                      f"out_pieces={config.out_pieces}")
 
 
@@ -250,24 +250,19 @@ class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
   def context(self, item, out_ref, out_smem, allocs, eval_pipeline):
     zeros = _pipeline.zeros_tile((self.half, HALF_N), jnp.float32)
     totals = eval_pipeline((zeros,) * self.halves)
-    self.finish_loop(allocs)
+    self.finish_loop(allocs)  # nothing while this kernel's ring is unchained
     if self.halves == 1:
       self.store_acc(item, out_ref, out_smem, totals[0])
     else:
-      # One or two pieces per half (`check_config`): each converted from its
-      # half's total.
-      per_half, n = self.pieces // self.halves, self.piece_n
-      self.store_tile(
-          item, out_ref, out_smem,
-          lambda p: totals[p // per_half][:, p % per_half * n:(p % per_half + 1) * n]
-          .astype(self.out_dtype))
+      # One piece per half (`check_config`): each converted from its total.
+      self.store_tile(item, out_ref, out_smem,
+                      lambda p: totals[p].astype(self.out_dtype))
 
 
-def _pipeline_of(config: rdk.RaggedDotConfig, dtype, col_block: bool, steps: int):
+def _pipeline_of(config: rdk.RaggedDotConfig, dtype, col_block: bool):
   """The K loop: lhs ``[block_m, 128]`` and rhs ``[cta_n, 128]`` fp8 tiles
   (swizzled), and the step's lhs scales and rhs scales (one per column, or
-  the column block's, repeated); one ring for a block's items where
-  ``chain_items`` and the steps allow (`_pipeline.ChainedPipeline`)."""
+  the column block's, repeated)."""
   bm, n = config.block_m, rdk.cta_n(config)
   n_scales = n // HALF_N * BLOCK_SCALE_WIDTH if col_block else n
   step = lambda ki: (0, ki)
@@ -281,10 +276,6 @@ def _pipeline_of(config: rdk.RaggedDotConfig, dtype, col_block: bool, steps: int
       plgpu.BlockSpec((1, bm), lambda ki: (ki, 0)),
       plgpu.BlockSpec((1, n_scales), lambda ki: (ki, 0)),
   )
-  depth = (_pipeline.ChainedPipeline.ring_depth(steps, config.num_stages)
-           if config.chain_items else None)
-  if depth is not None:
-    return _pipeline.ChainedPipeline(specs, depth, release_lag=0)
   return _pipeline.WarpSpecializedPipeline(specs, config.num_stages)
 
 
@@ -334,7 +325,7 @@ def grouped_matmul_fp8(lhs, lhs_scales, rhs, rhs_scales, starts, ends, *, out_dt
   tiles = _ScaledGroupTiles(
       config=config, transpose_rhs=True, out_dtype=out_dtype, num_items=num_items,
       n_tiles=n_tiles, k_steps=steps, col_block=col_block,
-      pipeline=_pipeline_of(config, lhs.dtype, col_block, steps))
+      pipeline=_pipeline_of(config, lhs.dtype, col_block))
   n_out = n_tiles * n_cta  # whole column tiles (see `rdk._group_tiles`)
   call = tiles.persistent_call(
       lambda t: t.kernel, out_type=jax.ShapeDtypeStruct((m, n_out), out_dtype))
