@@ -126,27 +126,6 @@ def test_configs(config):
 
 
 @gpu
-@pytest.mark.parametrize("config", [
-    rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=128, num_stages=6,
-                        out_pieces=2, chain_items=False),
-    rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=128, num_stages=4,
-                        item_order="group", claim_items=True, chain_items=False),
-    rdk.RaggedDotConfig(block_m=128, block_n=128, block_k=128, num_stages=3,
-                        out_pieces=2, item_order="group", chain_items=False),
-    rdk.RaggedDotConfig(block_m=128, block_n=128, block_k=128, num_stages=3,
-                        out_pieces=2, chain_items=False),
-    _WIDE,
-], ids=["narrow_dealt", "narrow_claimed", "wide_group_dealt", "wide_snake_dealt",
-        "wide_claimed"])
-def test_several_items_a_block(config):
-  # 2-4 items a block of 132, 40 random groups (some empty) and rows past the
-  # groups: each block's later items stream into slots its earlier items used.
-  rng = np.random.default_rng(11)
-  sizes = rng.multinomial(16000, rng.dirichlet(np.ones(40) * 0.5))
-  _check(16384, 1024, 512, sizes.tolist(), config=config)
-
-
-@gpu
 def test_k_major_weights_are_read_without_a_transpose():
   """Weights quantized with ``minor_axis=1`` (stored [G, N, K]) give the same
   result, and the compiled call moves no weights: XLA cancels the transpose of

@@ -439,7 +439,7 @@ class _Staging(NamedTuple):
 
 
 def _store_rows(y, lo, hi, dst_row, staging: _Staging, out_ref, cols,
-                strips: bool, wait: bool = True):
+                strips: bool):
   """Writes rows ``[lo, hi)`` of a warpgroup's ``[64 or 128, n]`` tile to ``out_ref``.
 
   A whole 8-row-aligned tile goes out in one TMA store from `staging.tile`. A
@@ -451,14 +451,10 @@ def _store_rows(y, lo, hi, dst_row, staging: _Staging, out_ref, cols,
   unswizzled, where at rows 256 bytes apart each stmatrix took 32
   shared-memory wavefronts instead of 4 (notes/MEASUREMENTS.md, session 45,
   item 8).
-
-  `wait`: first wait until every earlier TMA store has read its shared memory
-  (False where the caller did, and no store since used `staging`).
   """
   rows, _ = y.shape
   full = (lo == 0) & (hi == rows) & (dst_row % 8 == 0)
-  if wait:
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   @pl.when(full)
   def _full():
@@ -969,12 +965,12 @@ class _GroupTiles:
                       lambda p: acc[:, p * piece_n:(p + 1) * piece_n].astype(
                           self.out_dtype))
 
-  def store_rows(self, item: _Item, out_ref, out_smem, y, cols, wait=True):
+  def store_rows(self, item: _Item, out_ref, out_smem, y, cols):
     for w, views in enumerate(out_smem):
       @pl.when(item.wg == w)
       def _store():
         _store_rows(y, item.wlo, item.whi, item.dst_row, _Staging(*views), out_ref,
-                    cols, self.strips, wait)
+                    cols, self.strips)
 
   def store_tile(self, item: _Item, out_ref, out_smem, piece_of):
     """Stores the warpgroup's ``[half, cta_n]`` tile, `pieces` column pieces one

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -85,14 +84,7 @@ def smem_bytes(config: rdk.RaggedDotConfig, out_itemsize: int) -> int:
   column, the most it streams), the staged output."""
   n = rdk.cta_n(config)
   scales = config.num_stages * (config.block_m + n) * 4
-  if n > HALF_N and _staging_per_piece():
-    config = dataclasses.replace(config, out_pieces=1)  # every piece's bytes
   return rdk.smem_bytes(config, 1, out_itemsize) + scales
-
-
-def _staging_per_piece():  # TEMPORARY A/B switch (session 48)
-  import os
-  return os.environ.get("TOKAMAX_FP8_STAGING") == "1"
 
 
 def fits(config: rdk.RaggedDotConfig, out_itemsize: int) -> bool:
@@ -233,13 +225,10 @@ class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
     return _common.load(b_scales.at[0, pl.ds(h * HALF_N, HALF_N)],
                         layout=plgpu.Layout.WGMMA.reduce(0))
 
-  def mma(self, item, _, a_smem, b_smem, a_scales, b_scales, totals,
-          after_reads=None):
+  def mma(self, item, _, a_smem, b_smem, a_scales, b_scales, totals):
     """One K step: `totals` (one per half) plus the step's scaled products.
     The row scales and the first half's column scales are read while the
-    first wgmma runs; the second half's before its wgmma (`wgmma_after`).
-    `after_reads()` (None: nothing) is traced once the last wgmma is done, the
-    step's shared memory read, before its product is promoted."""
+    first wgmma runs; the second half's before its wgmma (`wgmma_after`)."""
     shape = (self.half, HALF_N)
     (rows, cols), acc = self.wgmma_step(
         item, a_smem, b_smem.at[pl.ds(0, HALF_N)],
@@ -250,8 +239,6 @@ class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
         cols = self.column_scales(b_scales, h)
         acc = self.wgmma_after(item, a_smem, b_smem.at[pl.ds(h * HALF_N, HALF_N)],
                                after=new_totals[-1], stand_in=acc)
-      if h == self.halves - 1 and after_reads is not None:
-        after_reads()
       if self.col_block:
         product = acc * lax.broadcast_in_dim(rows * cols, shape, [0])
       else:
@@ -260,165 +247,16 @@ class _ScaledGroupTiles(rdk._GroupTiles):  # pylint: disable=protected-access
       new_totals.append(totals[h] + product)
     return tuple(new_totals)
 
-  def out_smem_types(self):
-    """With the switch, a wide tile's warpgroups stage each piece (half) in a
-    buffer of its own (`store_tile`)."""
-    if self.halves == 1 or not _staging_per_piece():
-      return super().out_smem_types()
-    return [t for _ in range(self.pieces) for t in super().out_smem_types()]
-
-  def store_tile(self, item, out_ref, out_smem, piece_of):
-    """With the switch: the pieces each through their own buffer, one wait for
-    the earlier stores (the previous item's) to have read theirs, none between
-    the pieces."""
-    if self.halves == 1 or not _staging_per_piece():
-      return super().store_tile(item, out_ref, out_smem, piece_of)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    n = self.piece_n
-    for p in range(self.pieces):
-      self.store_rows(item, out_ref, out_smem[2 * p:2 * p + 2], piece_of(p),
-                      pl.ds(item.n0 + p * n, n), wait=False)
-
   def context(self, item, out_ref, out_smem, allocs, eval_pipeline):
     zeros = _pipeline.zeros_tile((self.half, HALF_N), jnp.float32)
     totals = eval_pipeline((zeros,) * self.halves)
     self.finish_loop(allocs)  # nothing while this kernel's ring is unchained
-    self.store_totals(item, out_ref, out_smem, totals)
-
-  def store_totals(self, item, out_ref, out_smem, totals):
-    """Stores this warpgroup's rows of the item from its float32 totals."""
     if self.halves == 1:
       self.store_acc(item, out_ref, out_smem, totals[0])
     else:
       # One piece per half (`check_config`): each converted from its total.
       self.store_tile(item, out_ref, out_smem,
                       lambda p: totals[p].astype(self.out_dtype))
-
-
-class _Ring(NamedTuple):
-  """`_RingTiles`' shared memory: per slot the step's lhs and rhs tiles and
-  scales, one "full" barrier (all four copies) and one "free" barrier (both
-  compute warpgroups)."""
-
-  a: Any
-  b: Any
-  a_scales: Any
-  b_scales: Any
-  full: Any
-  free: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class _RingTiles(_ScaledGroupTiles):
-  """`_ScaledGroupTiles` with a hand-rolled producer and consumers instead of
-  `emit_pipeline_warp_specialized`: one ring of `num_stages` slots runs all of
-  a block's items back to back (step s of the block, counted over its items,
-  uses slot s mod stages), so the memory warpgroup streams the next item's
-  first steps as soon as slots free up, without waiting at an item's end for
-  the ring to drain, and without the pipeline's rule that chaining needs the
-  steps to be a multiple of the stages (notes/MEASUREMENTS.md, session 48)."""
-
-  def ring_types(self, dtype):
-    stages, n = self.config.num_stages, self.cta_n
-    n_scales = self.halves * BLOCK_SCALE_WIDTH if self.col_block else n
-    swizzled = _common.swizzled(dtype, SCALE_K)
-    return _Ring(
-        a=plgpu.SMEM((stages, self.bm, SCALE_K), dtype, transforms=swizzled),
-        b=plgpu.SMEM((stages, n, SCALE_K), dtype, transforms=swizzled),
-        a_scales=plgpu.SMEM((stages, 1, self.bm), jnp.float32),
-        b_scales=plgpu.SMEM((stages, 1, n_scales), jnp.float32),
-        full=plgpu.Barrier(num_arrivals=4, num_barriers=stages),  # a copy each
-        free=plgpu.Barrier(num_arrivals=2, num_barriers=stages))
-
-  def kernel(self, items_ref, *refs):
-    if self.config.sync_sharers:
-      raise NotImplementedError("the fp8 ring kernel does not meet sharer blocks "
-                                "(sync_sharers=True); use a config without it")
-    operands, out_ref = refs[:-1], refs[-1]
-    claims = rdk._CLAIM_TYPES if self.config.claim_items else None  # pylint: disable=protected-access
-
-    @functools.partial(pl.run_scoped, ring=self.ring_types(operands[0].dtype),
-                       out_smem=self.out_smem_types(), claims=claims,
-                       collective_axes="wg")
-    def _scope(ring, out_smem, claims):
-      wg = lax.axis_index("wg")
-      cwg = jnp.minimum(wg, 1)
-
-      def run(index, streamed):
-        """Runs item `index`; `streamed`: the block's steps before it."""
-        item = self.item(items_ref, wg, cwg, index)
-        self.run_ring_item(item, operands, out_ref, out_smem,
-                           _pipeline.Ring(self.config.num_stages, streamed=streamed),
-                           ring)
-        return streamed + jnp.where(item.matmul, self.k_steps, 0)
-
-      if claims is not None:
-        self.claimed_loop(run, wg, *claims)
-      else:
-        @plgpu.nd_loop((self.num_items * self.n_tiles,), collective_axes="sm",
-                       init_carry=jnp.int32(0))
-        def _item_loop(info, carry):
-          return run(info.index[0], carry)
-
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-  def run_ring_item(self, item, operands, out_ref, out_smem, ring, r: _Ring):
-    a, b, a_scales, b_scales = self.operand_blocks(item, operands)
-
-    # Registers are set at the top of each warpgroup's branch, item by item,
-    # as `emit_pipeline_warp_specialized` does: ptxas then allocates each
-    # branch under its own limit.
-    @pl.when(item.matmul & (item.wg == 2))
-    def _produce():
-      plgpu.set_max_registers(_pipeline.PRODUCER_REGS, action="decrease")
-
-      def issue(i, _):
-        slot = ring.slot(i)
-        _pipeline.wait_when(ring.reuse(i), r.free.at[slot])
-        k = pl.ds(i * SCALE_K, SCALE_K)
-        plgpu.copy_gmem_to_smem(a.at[:, k], r.a.at[slot], r.full.at[slot])
-        plgpu.copy_gmem_to_smem(b.at[:, k], r.b.at[slot], r.full.at[slot])
-        plgpu.copy_gmem_to_smem(a_scales.at[pl.ds(i, 1)], r.a_scales.at[slot],
-                                r.full.at[slot])
-        plgpu.copy_gmem_to_smem(b_scales.at[pl.ds(i, 1)], r.b_scales.at[slot],
-                                r.full.at[slot])
-      lax.fori_loop(0, self.k_steps, issue, None)
-
-    @pl.when(item.matmul & (item.wg < 2))
-    def _consume():
-      plgpu.set_max_registers(_pipeline.CONSUMER_REGS, action="increase")
-
-      # Variant 2: the slot released once the last wgmma is done, before
-      # its product is promoted (not after).
-      early = _ring_variant() == 2
-
-      def step(i, totals):
-        slot = ring.slot(i)
-        plgpu.barrier_wait(r.full.at[slot])
-        release = lambda: plgpu.barrier_arrive(r.free.at[slot])
-        totals = self.mma(item, None, r.a.at[slot], r.b.at[slot],
-                          r.a_scales.at[slot], r.b_scales.at[slot], totals,
-                          after_reads=release if early else None)
-        if not early:
-          # mma waited for its wgmmas and read the scales: the slot is free.
-          release()
-        return totals
-      zeros = _pipeline.zeros_tile((self.half, HALF_N), jnp.float32)
-      totals = lax.fori_loop(0, self.k_steps, step, (zeros,) * self.halves)
-      self.store_totals(item, out_ref, out_smem, totals)
-
-    @pl.when((item.group < 0) & (item.hi > item.lo) & (item.wg < 2))
-    def _zeros():
-      self.store_zeros(item, out_ref, out_smem)
-
-
-def _ring_variant():  # TEMPORARY A/B switch (session 48): 0 (off), 1 or 2
-  import os
-  return int(os.environ.get("TOKAMAX_FP8_RING", "0"))
-
-
-def _ring_on():
-  return _ring_variant() > 0
 
 
 def _pipeline_of(config: rdk.RaggedDotConfig, dtype, col_block: bool):
@@ -484,8 +322,7 @@ def grouped_matmul_fp8(lhs, lhs_scales, rhs, rhs_scales, starts, ends, *, out_dt
   items = rdk.work_items(starts, ends, m, config.block_m)
   num_items = items.shape[0]
   items = rdk.item_table(items, n_tiles, config)
-  tiles_cls = _RingTiles if _ring_on() else _ScaledGroupTiles
-  tiles = tiles_cls(
+  tiles = _ScaledGroupTiles(
       config=config, transpose_rhs=True, out_dtype=out_dtype, num_items=num_items,
       n_tiles=n_tiles, k_steps=steps, col_block=col_block,
       pipeline=_pipeline_of(config, lhs.dtype, col_block))
