@@ -203,6 +203,25 @@ def store_unswizzled(ref, value) -> None:
     ref[...] = value
 
 
+def loop_zero(step):
+  """0 for a loop's step index `step` (int32, 0 <= step < 2**30), in a form the
+  compiler cannot fold (LLVM folds ``step >> 31`` where it knows step >= 0, but
+  cannot bound a step index below 2**30). An SMEM tile resident across the loop,
+  offset by it inside the loop (`in_loop`), gets its wgmma descriptors built in
+  the loop, a few uniform adds a step, instead of hoisted before it, where each
+  64-bit descriptor (one per 16-wide K step) holds registers across the whole
+  loop: in the attention backward with dQ fused into the dK/dV kernel that
+  spilled and serialized every wgmma (notes/MOSAIC_GPU.md, session 49)."""
+  return lax.shift_right_logical(step, 30)
+
+
+def in_loop(ref, step):
+  """`ref` (an SMEM tile resident across a loop) as step `step` sees it: the
+  same rows, offset by `loop_zero(step)`."""
+  rows = ref.shape[0]
+  return ref.at[pl.ds(pl.multiple_of(loop_zero(step) * rows, rows), rows)]
+
+
 @dataclasses.dataclass(frozen=True)
 class Transposed:
   """An `accumulate` lhs read from shared memory transposed: a ``[k, m]`` tile

@@ -457,8 +457,7 @@ class _DkvKernel(_Shape):
     """Load this warpgroup's K, V; accumulate dK, dV over every step; store."""
     wg, rows = blk.wg, akc.WG_ROWS
     r0 = blk.k0 + wg * rows
-    k_tile = r.k_smem.at[pl.ds(wg * rows, rows)] if self.fused else r.k_smem.at[wg]
-    v_tile = None if r.v_smem is None else r.v_smem.at[wg]
+    k_tile, v_tile = self.kv_tiles(r, wg)
     mine = (blk.batch, pl.ds(r0, rows), blk.head)
     plgpu.copy_gmem_to_smem(r.k.at[mine], k_tile, r.kv_full.at[wg])
     if self.needs_dp:
@@ -478,8 +477,7 @@ class _DkvKernel(_Shape):
     kv_ids = None
     if self.feat.segments:
       kv_ids = _common.load(r.kvseg_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-    head = functools.partial(self.head_steps, r, blk, r0, k_tile, v_tile, j_clear,
-                             kv_ids)
+    head = functools.partial(self.head_steps, r, blk, r0, j_clear, kv_ids)
     # Both consumers take the same steps (two passes each per step).
     grads = _turn_passes(wg, self.ping_pong, blk.pass_turn,
                          lambda: lax.fori_loop(0, self.group, head, zeros))
@@ -507,11 +505,24 @@ class _DkvKernel(_Shape):
     plgpu.commit_smem_to_gmem_group()
     plgpu.wait_smem_to_gmem(0)
 
-  def head_steps(self, r, blk: _DkvBlock, r0, k_tile, v_tile, j_clear, kv_ids, g,
-                 carry):
+  def kv_tiles(self, r: _DkvRefs, wg, step=None):
+    """Consumer `wg`'s K and V tiles (V None in a dV-only pass). With `fuse_dq`,
+    inside the step loop, as step `step` sees them (`_common.loop_zero`):
+    without, the kernel hoists the wgmma descriptors of K, V and the dQ product's
+    operands out of the loop, spills and serializes every wgmma. The two-kernel
+    path keeps them hoisted: in the loop they measured 2-3% slower at causal
+    shapes (notes/MEASUREMENTS.md, session 49)."""
+    rows = akc.WG_ROWS
+    if step is not None and self.fused:
+      wg = wg + _common.loop_zero(step)
+    k_tile = (r.k_smem.at[pl.ds(pl.multiple_of(wg * rows, rows), rows)] if self.fused
+              else r.k_smem.at[wg])
+    return k_tile, None if r.v_smem is None else r.v_smem.at[wg]
+
+  def head_steps(self, r, blk: _DkvBlock, r0, j_clear, kv_ids, g, carry):
     """The steps of query head `g` of the group: masked where needed."""
     base = g * blk.n_j - blk.j_lo  # step index of (g, j) is base + j
-    step = functools.partial(self.step, r, blk, r0, k_tile, v_tile, kv_ids)
+    step = functools.partial(self.step, r, blk, r0, kv_ids)
     if self.feat.dynamic:
       masked = functools.partial(step, base=base, masked=True)
       carry = lax.fori_loop(blk.j_lo, blk.j_fl, masked, carry)
@@ -526,11 +537,12 @@ class _DkvKernel(_Shape):
     return lax.fori_loop(0, self.nq, functools.partial(step, base=base, masked=False),
                          carry)
 
-  def step(self, r: _DkvRefs, blk: _DkvBlock, r0, k_tile, v_tile, kv_ids, j, carry,
-           base, masked: bool):
+  def step(self, r: _DkvRefs, blk: _DkvBlock, r0, kv_ids, j, carry, base,
+           masked: bool):
     """Query tile `j` of one head: S^T, dP^T, then dV += P^T dO, dK += dS^T Q
     (of `grads`: dV alone needs S^T alone)."""
     slot = lax.rem(base + j, self.stages)
+    k_tile, v_tile = self.kv_tiles(r, blk.wg, base + j)
     plgpu.barrier_wait(r.q_full.at[slot])
     shape = (akc.WG_ROWS, self.bq)
     if self.needs_dp:
@@ -601,7 +613,8 @@ class _DkvKernel(_Shape):
     zeros = plgpu.layout_cast(jnp.zeros((akc.WG_ROWS, akc.WG_ROWS), jnp.float32),
                               plgpu.Layout.WGMMA)
     (half,) = _common.accumulate(
-        (zeros,), ((_common.Transposed(r.dst_smem.at[:, rows]), r.k_smem.at[:, cols]),))
+        (zeros,), ((_common.Transposed(_common.in_loop(r.dst_smem, i).at[:, rows]),
+                    _common.in_loop(r.k_smem, i).at[:, cols]),))
     plgpu.barrier_arrive(r.dst_free)
     buf = lax.rem(i, 2)
     _pipeline.wait_when(i >= 2, r.dq_free.at[buf])  # the producer has read it
