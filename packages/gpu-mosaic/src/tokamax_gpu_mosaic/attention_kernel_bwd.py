@@ -513,8 +513,7 @@ class _DkvKernel(_Shape):
     path keeps them hoisted: in the loop they measured 2-3% slower at causal
     shapes (notes/MEASUREMENTS.md, session 49)."""
     rows = akc.WG_ROWS
-    import os  # EXPERIMENT SWITCH (trace time), not for a release
-    if step is not None and (self.fused or os.environ.get("TOKAMAX_LZ_DKV") == "1"):
+    if step is not None and self.fused:
       wg = wg + _common.loop_zero(step)
     k_tile = (r.k_smem.at[pl.ds(pl.multiple_of(wg * rows, rows), rows)] if self.fused
               else r.k_smem.at[wg])
@@ -945,12 +944,8 @@ class _DqKernel(_Shape):
     """Key tile `i`: S, dP, then dQ += dS K."""
     slot = blk.ring.slot(i)
     plgpu.barrier_wait(r.k_full.at[slot])
-    import os  # EXPERIMENT SWITCH (trace time), not for a release
-    q_tile, do_tile = tile.q_tile, tile.do_tile
-    if os.environ.get("TOKAMAX_LZ_DQ") == "1":
-      q_tile, do_tile = _common.in_loop(q_tile, i), _common.in_loop(do_tile, i)
-    s, dp = _scores_pair((akc.WG_ROWS, self.bkv), q_tile, r.k_smem.at[slot],
-                         r.v_full.at[slot], do_tile, r.v_smem.at[slot],
+    s, dp = _scores_pair((akc.WG_ROWS, self.bkv), tile.q_tile, r.k_smem.at[slot],
+                         r.v_full.at[slot], tile.do_tile, r.v_smem.at[slot],
                          blk.pass_turn if self.ping_pong else None)
     plgpu.barrier_arrive(r.v_free.at[slot])
 
