@@ -322,8 +322,8 @@ class _DkvRefs(NamedTuple):
   # (`dq_half`), in two buffers (steps alternate; "dq_ready" when both halves
   # are in, "dq_free" when the producer has added the tile into `dq`). The
   # interpreter, which has no TMA reduction, reads the sum back via `dq_old`.
-  dst_smem: Any  # [dst_bufs, 128, block_q]
-  dq_smem: Any  # [dq_bufs, block_q, H] float32
+  dst_smem: Any  # [128, block_q]
+  dq_smem: Any  # [2, block_q, H] float32
   ds_ready: Any
   dst_free: Any
   dq_ready: Any
@@ -372,24 +372,6 @@ class _DkvKernel(_Shape):
   @property
   def fused(self) -> bool:
     return self.config.fuse_dq
-
-  @property
-  def dq_lag(self) -> bool:
-    """fuse_dq: each consumer computes step i's dQ half after step i + 1's
-    dK and dV products (not after step i's), so that the two consumers meet
-    at a dS^T tile staged a step earlier instead of in every step. It costs a
-    second dS^T buffer, paid for by a single dQ staging buffer (the producer
-    confirms each addition before the next tile is staged)."""
-    import os  # EXPERIMENT SWITCH (trace time), not for a release
-    return self.fused and os.environ.get("TOKAMAX_DQ_LAG") == "1"
-
-  @property
-  def dst_bufs(self) -> int:
-    return 2 if self.dq_lag else 1
-
-  @property
-  def dq_bufs(self) -> int:
-    return 1 if self.dq_lag else 2
 
   def absent(self):
     # A dV-only pass has no V tile (dV is staged in K's).
@@ -506,11 +488,8 @@ class _DkvKernel(_Shape):
       key = _pipeline.wgmma_iota((rows, self.h), 0) + r0
       grads = {g: jnp.where(key < kv_limit, x, 0.0) for g, x in grads.items()}
     if self.fused:
-      last = blk.n_steps - 1
-      if self.dq_lag:
-        pl.when(blk.n_steps > 0)(lambda: self.dq_step(r, blk, last))
       # The partner's last dQ product reads this warpgroup's K rows too.
-      _pipeline.wait_when(blk.n_steps > 0, r.dst_free.at[lax.rem(last, self.dst_bufs)])
+      _pipeline.wait_when(blk.n_steps > 0, r.dst_free)
     # K and V are no longer read (every wgmma was waited for): stage the
     # results there. dS was taken unscaled: scale dK once here.
     dv_tile = k_tile if v_tile is None else v_tile  # a dV-only pass has no V tile
@@ -606,12 +585,11 @@ class _DkvKernel(_Shape):
       # The step's dQ tile is dS K over the block's 128 keys: both consumers'
       # dS^T tiles go to shared memory (a wgmma's lhs is registers or shared
       # memory), once the partner's product of the previous step read them.
-      dst = lax.rem(i, self.dst_bufs)
-      _pipeline.wait_when(i >= self.dst_bufs, r.dst_free.at[dst])
-      r.dst_smem.at[dst, pl.ds(blk.wg * akc.WG_ROWS, akc.WG_ROWS)][...] = (
+      _pipeline.wait_when(i > 0, r.dst_free)
+      r.dst_smem.at[pl.ds(blk.wg * akc.WG_ROWS, akc.WG_ROWS)][...] = (
           operands[names.index("dk")].astype(self.dtype))
       plgpu.commit_smem()
-      plgpu.barrier_arrive(r.ds_ready.at[dst])
+      plgpu.barrier_arrive(r.ds_ready)
     if self.ping_pong:
       blk.pass_turn()
     if not self.needs_dp:
@@ -621,9 +599,7 @@ class _DkvKernel(_Shape):
                               tuple(zip(operands, (b[g] for g in names))),
                               operand_dtype=self.dtype)
     plgpu.barrier_arrive(r.free.at[slot])
-    if self.dq_lag:
-      pl.when(i > 0)(lambda: self.dq_step(r, blk, i - 1))
-    elif self.fused:
+    if self.fused:
       self.dq_step(r, blk, i)
     return dict(zip(names, sums))
 
@@ -633,17 +609,15 @@ class _DkvKernel(_Shape):
     products: issued with them, the float32 operands still live, it spilled
     (notes/MEASUREMENTS.md session 34)."""
     rows, cols = self.dq_half(blk.wg)
-    dst = lax.rem(i, self.dst_bufs)
-    plgpu.barrier_wait(r.ds_ready.at[dst])
+    plgpu.barrier_wait(r.ds_ready)
     zeros = plgpu.layout_cast(jnp.zeros((akc.WG_ROWS, akc.WG_ROWS), jnp.float32),
                               plgpu.Layout.WGMMA)
     (half,) = _common.accumulate(
-        (zeros,), ((_common.Transposed(_common.in_loop(r.dst_smem.at[dst], i).at[:, rows]),
+        (zeros,), ((_common.Transposed(_common.in_loop(r.dst_smem, i).at[:, rows]),
                     _common.in_loop(r.k_smem, i).at[:, cols]),))
-    plgpu.barrier_arrive(r.dst_free.at[dst])
-    buf = lax.rem(i, self.dq_bufs)
-    # The producer has added the buffer's previous tile.
-    _pipeline.wait_when(i >= self.dq_bufs, r.dq_free.at[buf])
+    plgpu.barrier_arrive(r.dst_free)
+    buf = lax.rem(i, 2)
+    _pipeline.wait_when(i >= 2, r.dq_free.at[buf])  # the producer has read it
     r.dq_smem.at[buf, rows, cols][...] = half
     plgpu.commit_smem()
     plgpu.barrier_arrive(r.dq_ready.at[buf])
@@ -653,10 +627,6 @@ class _DkvKernel(_Shape):
     fuse_dq, also add each step's dQ tile into `dq` (`write_dq`, `stages` steps
     behind the loads, waiting for the consumers to stage it)."""
     bq, ring = self.bq, _pipeline.Ring(self.stages)
-    # Steps between a step's loads and its dQ addition: the consumers stage
-    # step i's dQ tile in step i (i + 1 with `dq_lag`), so that waiting for it
-    # never holds back the loads of the step after next.
-    behind = self.stages + int(self.dq_lag)
 
     def issue(i, _):
       slot = ring.slot(i)
@@ -675,10 +645,10 @@ class _DkvKernel(_Shape):
         plgpu.copy_gmem_to_smem(r.delta.at[stat], r.delta_smem.at[slot],
                                 r.do_full.at[slot])
       if self.fused:
-        pl.when(i >= behind)(lambda: self.write_dq(r, blk, sem, i - behind))
+        pl.when(i >= self.stages)(lambda: self.write_dq(r, blk, sem, i - self.stages))
     lax.fori_loop(0, blk.n_steps, issue, None)
     if self.fused:
-      lax.fori_loop(jnp.maximum(blk.n_steps - behind, 0), blk.n_steps,
+      lax.fori_loop(jnp.maximum(blk.n_steps - self.stages, 0), blk.n_steps,
                     lambda i, _: self.write_dq(r, blk, sem, i), None)
       if not _common.interpreting():
         pl.when(blk.n_steps > 0)(
@@ -702,13 +672,9 @@ class _DkvKernel(_Shape):
     query tile)): the first stores, the others add. Natively the addition is
     left in flight: the next call confirms it (the last, the producer after its
     loop)."""
-    buf = lax.rem(i, self.dq_bufs)
+    buf = lax.rem(i, 2)
     src = r.dq_smem.at[buf]
     dst, counter, rank = self.dq_target(r, blk, i)
-    if self.dq_bufs == 1 and not _common.interpreting():
-      # One staging buffer: the consumers stage this tile once the previous
-      # addition has landed.
-      pl.when(i > 0)(lambda: self.confirm_dq(r, blk, sem, i - 1))
     plgpu.barrier_wait(r.dq_ready.at[buf])
     if _common.interpreting():
       # No semaphores nor TMA reduction there; the blocks run one at a time in
@@ -726,8 +692,7 @@ class _DkvKernel(_Shape):
     # The previous addition flew while the consumers staged this tile: pass it
     # on before waiting for this tile's turn, so that the blocks after this one
     # never wait on the ones before it.
-    if self.dq_bufs > 1:
-      pl.when(i > 0)(lambda: self.confirm_dq(r, blk, sem, i - 1))
+    pl.when(i > 0)(lambda: self.confirm_dq(r, blk, sem, i - 1))
     plgpu.semaphore_wait(sem.at[counter], rank, decrement=False, memory_scope="gpu")
     pl.when(rank == 0)(lambda: plgpu.copy_smem_to_gmem(src, dst))
     pl.when(rank > 0)(lambda: plgpu.copy_smem_to_gmem(src, dst, reduction_op="add"))
@@ -738,7 +703,7 @@ class _DkvKernel(_Shape):
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
     _, counter, _ = self.dq_target(r, blk, i)
     plgpu.semaphore_signal(sem.at[counter], 1, memory_scope="gpu")
-    plgpu.barrier_arrive(r.dq_free.at[lax.rem(i, self.dq_bufs)])
+    plgpu.barrier_arrive(r.dq_free.at[lax.rem(i, 2)])
 
   def scratch(self):
     rows, bq, h, stages = akc.WG_ROWS, self.bq, self.h, self.stages
@@ -774,13 +739,12 @@ class _DkvKernel(_Shape):
     # Swizzled: the WGMMA layout's stores and loads are free of bank conflicts.
     f32_tile = _common.swizzled(jnp.float32, h)
     return dict(
-        dst_smem=plgpu.SMEM((self.dst_bufs, KEY_ROWS, bq), self.dtype,
-                            transforms=transforms),
-        dq_smem=plgpu.SMEM((self.dq_bufs, bq, h), jnp.float32, transforms=f32_tile),
-        ds_ready=plgpu.Barrier(num_arrivals=2, num_barriers=self.dst_bufs),
-        dst_free=plgpu.Barrier(num_arrivals=2, num_barriers=self.dst_bufs),
-        dq_ready=plgpu.Barrier(num_arrivals=2, num_barriers=self.dq_bufs),
-        dq_free=plgpu.Barrier(num_barriers=self.dq_bufs),
+        dst_smem=plgpu.SMEM((KEY_ROWS, bq), self.dtype, transforms=transforms),
+        dq_smem=plgpu.SMEM((2, bq, h), jnp.float32, transforms=f32_tile),
+        ds_ready=plgpu.Barrier(num_arrivals=2),
+        dst_free=plgpu.Barrier(num_arrivals=2),
+        dq_ready=plgpu.Barrier(num_arrivals=2, num_barriers=2),
+        dq_free=plgpu.Barrier(num_barriers=2),
         dq_old=(plgpu.SMEM((bq, h), jnp.float32, transforms=f32_tile) if interpreting
                 else None),
         dq_old_full=plgpu.Barrier() if interpreting else None)
