@@ -394,11 +394,6 @@ class _DkvKernel(_Shape):
     at least) whose key blocks run highest first (`block`), each block's
     predecessors start before it, and the longest blocks of one group overlap
     the next group's short ones."""
-    if self.fused and not self.causal:
-      # Each block waits, in turn, for every other key block of its pair
-      # (`dq_rank`): one pair at a time, all of whose blocks fit on the GPU
-      # at once (`fused_dq_refusal`).
-      return 1
     if self.fused:
       return max(self.config.head_group, 1)
     return self.config.head_group
@@ -415,27 +410,12 @@ class _DkvKernel(_Shape):
     return rows, cols
 
   def dq_rank(self, ki, j):
-    """How many key blocks add to query tile `j` before block `ki`.
-
-    Causal: the visiting blocks run from the tile's highest (the last key block
+    """How many key blocks add to query tile `j` before block `ki`: the
+    visiting blocks run from the tile's highest (causal: the last key block
     whose first key the tile's last query sees) down to 0, the order in which
-    the blocks, each starting at its diagonal, reach the tile. Otherwise every
-    block visits every tile, starting at its own (`first_tile`) and running on
-    cyclically: the tile's first visitor is the last block that starts at or
-    before it, then the blocks below it, then around from the highest.
-    """
-    if not self.causal:
-      last = lax.div((j + 1) * self.nk + self.nq - 1, self.nq) - 1
-      return lax.rem(last - ki + self.nk, self.nk)
+    the blocks, each starting at its diagonal, reach the tile."""
     last = jnp.minimum(lax.div(j * self.bq + self.bq - 1, KEY_ROWS), self.nk - 1)
     return last - ki
-
-  def first_tile(self, ki):
-    """fuse_dq without causal: the query tile key block `ki` starts at. Spread
-    evenly (`fused_dq_refusal` asks for at least as many query tiles as key
-    blocks), so that the blocks of a pair, started together, reach each tile
-    at different steps and seldom wait for their turn."""
-    return lax.div(ki * self.nq, self.nk)
 
   @property
   def bq(self):
@@ -677,10 +657,7 @@ class _DkvKernel(_Shape):
   def step_tile(self, blk: _DkvBlock, i):
     """Step `i`'s query head and query tile (steps run head-major)."""
     g = lax.div(i, blk.n_j)
-    j = blk.j_lo + lax.rem(i, blk.n_j)
-    if self.fused and not self.causal:
-      j = lax.rem(j + self.first_tile(blk.ki), self.nq)
-    return blk.head * self.group + g, j
+    return blk.head * self.group + g, blk.j_lo + lax.rem(i, blk.n_j)
 
   def dq_target(self, r: _DkvRefs, blk: _DkvBlock, i):
     """Step `i`'s dQ rows in `dq`, the index of their counter, and this block's
@@ -701,10 +678,7 @@ class _DkvKernel(_Shape):
     plgpu.barrier_wait(r.dq_ready.at[buf])
     if _common.interpreting():
       # No semaphores nor TMA reduction there; the blocks run one at a time in
-      # grid order (`grid_group`): read, add, store. Causal, that is the rank
-      # order; otherwise the highest key block (`block`) runs first.
-      if not self.causal:
-        rank = self.nk - 1 - blk.ki
+      # grid order, which is the rank order (`grid_group`): read, add, store.
       @pl.when(rank > 0)
       def _():
         plgpu.copy_gmem_to_smem(dst, r.dq_old, r.dq_old_full)
@@ -1084,11 +1058,11 @@ def flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
   dQ unscaled in float32 (``dS K``: times `scale` it is dQ)."""
   if not grads or not set(grads) <= {"dk", "dv"}:
     raise ValueError(f"grads must name 'dk', 'dv' or both; got {grads!r}")
-  if config.fuse_dq and (feat.dynamic or set(grads) != {"dk", "dv"}):
+  if config.fuse_dq and (not causal or feat.dynamic or set(grads) != {"dk", "dv"}):
     # A block outside a tile's causal range would wait for a negative rank.
     raise NotImplementedError(
-        f"fuse_dq: calls without dynamic features computing dK and dV; got "
-        f"{feat}, grads={grads!r} (`fused_dq_refusal`)")
+        f"fuse_dq: causal calls without dynamic features computing dK and dV; got "
+        f"causal={causal}, {feat}, grads={grads!r} (`fused_dq_refusal`)")
   kernel = _DkvKernel(**_shape(q, k, scale=scale, causal=causal, config=config,
                                feat=feat), grads=tuple(g for g in ("dk", "dv") if g in grads))
   return kernel(q, k, v, do, lse2, delta, *extras)
@@ -1110,33 +1084,21 @@ def fused_dq_refusal(t: int, s: int, h: int, block_q: int, causal: bool,
                      feat: akc.Features) -> str | None:
   """Why `AttentionVjpConfig.fuse_dq` cannot take a call (None: it can).
 
-  Its blocks add into a query tile in a fixed order (`_DkvKernel.dq_rank`):
-  causal, highest key block first, the order in which blocks, each starting at
-  its diagonal, reach the tile, so that a block's waits are for blocks ahead of
-  it. Without causal each block starts at a tile of its own and runs on
-  cyclically, so it waits for every other block of its (batch row, head) in
-  turn: all of them must be on the GPU at once (one a SM), and there must be a
-  start tile for each. Every query row must be in some block's range (the
-  first addition stores): true without windows or lengths. Padded keys (S not
-  a multiple of 128) are visible, unmasked, to queries past S (causal) or to
-  every query (not causal). Each consumer computes a 64 x 64 half of a step's
-  ``block_q x H`` dQ tile (`_DkvKernel.dq_half`)."""
+  Its blocks add into a query tile in a fixed order, highest key block first:
+  the order in which causal blocks, each starting at its diagonal, reach the
+  tile, so that a block's waits are for blocks ahead of it. Without causal every
+  block starts at the first query tile and the order would make them wait in
+  turn. Every query row must be in some block's range (the first addition
+  stores): true of causal calls without windows or lengths. Padded keys
+  (S not a multiple of 128) are visible, unmasked, to queries past S. Each
+  consumer computes a 64 x 64 half of a step's ``block_q x H`` dQ tile
+  (`_DkvKernel.dq_half`)."""
   if (block_q, h) not in ((64, 128), (128, 64)):
     return (f"a step's dQ tile (block_q x head dim) must be 64 x 128 or 128 x 64; "
             f"got {block_q} x {h}")
   if not causal:
-    key_blocks = _common.cdiv(s, KEY_ROWS)
-    query_tiles = _common.cdiv(t, akc.CTA_ROWS) * akc.CTA_ROWS // block_q
-    sms = None if _common.interpreting() else _common.num_sms()
-    if s % KEY_ROWS:
-      return (f"is_causal=False needs S a multiple of {KEY_ROWS} (padded keys "
-              f"would be unmasked); got S={s}")
-    if key_blocks > query_tiles:
-      return (f"is_causal=False needs at least as many query tiles ({block_q} "
-              f"rows) as key blocks ({KEY_ROWS} rows); got T={t}, S={s}")
-    if sms is not None and key_blocks > sms:
-      return (f"is_causal=False needs every key block of a head on the GPU at "
-              f"once: at most {sms} blocks of {KEY_ROWS} keys; got S={s}")
+    return ("dQ additions are ordered for causal calls only (every key block "
+            "reaches each query tile in turn); got is_causal=False")
   if feat.dynamic:
     given = [name for name, on in (
         ("a local window", feat.window), ("query lengths", feat.q_len),
