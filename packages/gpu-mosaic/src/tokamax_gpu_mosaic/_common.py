@@ -205,8 +205,9 @@ def store_unswizzled(ref, value) -> None:
 
 def loop_zero(step):
   """0 for a loop's step index `step` (int32, 0 <= step < 2**30), in a form the
-  compiler cannot fold (LLVM folds ``step >> 31`` where it knows step >= 0, but
-  cannot bound a step index below 2**30). An SMEM tile resident across the loop,
+  compiler cannot fold where the loop's bounds are dynamic (LLVM folds ``step >>
+  31`` where it knows step >= 0, and ``step >> 30`` too in a loop of static
+  length). An SMEM tile resident across the loop,
   offset by it inside the loop (`in_loop`), gets its wgmma descriptors built in
   the loop, a few uniform adds a step, instead of hoisted before it, where each
   64-bit descriptor (one per 16-wide K step) holds registers across the whole
