@@ -207,12 +207,14 @@ def loop_zero(step):
   """0 for a loop's step index `step` (int32, 0 <= step < 2**30), in a form the
   compiler cannot fold where the loop's bounds are dynamic (LLVM folds ``step >>
   31`` where it knows step >= 0, and ``step >> 30`` too in a loop of static
-  length). An SMEM tile resident across the loop,
-  offset by it inside the loop (`in_loop`), gets its wgmma descriptors built in
-  the loop, a few uniform adds a step, instead of hoisted before it, where each
-  64-bit descriptor (one per 16-wide K step) holds registers across the whole
-  loop: in the attention backward with dQ fused into the dK/dV kernel that
-  spilled and serialized every wgmma (notes/MOSAIC_GPU.md, session 49)."""
+  length).
+
+  An SMEM tile resident across the loop, offset by it inside the loop
+  (`in_loop`), gets its wgmma descriptors built in the loop, a few uniform adds
+  a step, instead of hoisted before it, where each 64-bit descriptor (one per
+  16-wide K step) holds registers across the whole loop: in the attention
+  backward with dQ fused into the dK/dV kernel that spilled and serialized
+  every wgmma (notes/MOSAIC_GPU.md, session 49)."""
   return lax.shift_right_logical(step, 30)
 
 

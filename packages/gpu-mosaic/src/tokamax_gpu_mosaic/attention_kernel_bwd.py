@@ -514,6 +514,8 @@ class _DkvKernel(_Shape):
     shapes (notes/MEASUREMENTS.md, session 49)."""
     rows = akc.WG_ROWS
     if step is not None and self.fused:
+      # The zero goes into the tile index, not `_common.in_loop`'s slice of
+      # the slice: written that way ptxas serialized the wgmmas again.
       wg = wg + _common.loop_zero(step)
     k_tile = (r.k_smem.at[pl.ds(pl.multiple_of(wg * rows, rows), rows)] if self.fused
               else r.k_smem.at[wg])
