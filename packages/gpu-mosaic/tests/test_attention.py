@@ -1264,6 +1264,35 @@ def test_backward_fuse_dq_rank_order(t, s, block_q):
     assert ranks == list(range(len(visitors)))[::-1], j
 
 
+@pytest.mark.parametrize("kw,fused", [
+    (dict(n=4, k=4, is_causal=True), True),
+    (dict(n=4, k=4, is_causal=True, dtype=jnp.float16), True),
+    (dict(n=4, k=4, t=1000, s=1100, is_causal=True), True),  # T < S, padded
+    (dict(n=8, k=2, is_causal=True), False),  # GQA: measured slower
+    (dict(n=4, k=1, is_causal=True), False),  # MQA
+    (dict(n=4, k=4), False),  # not causal: refused
+    (dict(n=4, k=4, is_causal=True, local_window_size=(64, 0)), False),  # refused
+    (dict(n=4, k=4, t=256, s=200, is_causal=True), False),  # T > S, S % 128: refused
+    (dict(n=4, k=4, is_causal=True, logits_soft_cap=5.0), False),  # not run natively
+    (dict(n=4, k=4, is_causal=True, h=64), False),  # H64: not measured
+])
+def test_backward_heuristic_fuses_dq_where_measured(kw, fused):
+  args = _args(**{"h": 128, **kw})
+  op = mat.MosaicGpuAttentionVjp()
+  config = op.heuristic_config(args)
+  assert config.fuse_dq == fused, config
+  # The search space holds the one-kernel backward exactly where it takes the
+  # call (H64 included), with no ping-pong and the default dQ step.
+  space_fused = [c for c in op.search_space(args) if c.fuse_dq]
+  takes = akb.fused_dq_refusal(args.query.shape[1], args.key.shape[1],
+                               args.query.shape[-1], config.block_q, args.is_causal,
+                               mat._features(args)) is None
+  assert bool(space_fused) == (takes and args.logits_soft_cap is None)
+  assert all(not c.ping_pong and c.block_kv == 128 for c in space_fused)
+  if fused:
+    assert config in op.search_space(args)
+
+
 @gpu
 @pytest.mark.parametrize("b,t,s,n,k,h,block_q,ping_pong", [
     (2, 1024, 1024, 4, 4, 64, 128, False),
@@ -1275,6 +1304,17 @@ def test_backward_fuse_dq_rank_order(t, s, block_q):
 def test_backward_fuse_dq(b, t, s, n, k, h, block_q, ping_pong):
   config = mat.AttentionVjpConfig(block_q, 128, 2, ping_pong=ping_pong, fuse_dq=True)
   _check_backward_config(b, t, s, n, k, h, True, config)
+
+
+@gpu
+@pytest.mark.parametrize("t", [4096, 3000])
+def test_backward_heuristic_fused_at_length(t):
+  # The heuristic's one-kernel backward (head groups included) at a realistic
+  # length, and one that is not a multiple of the tiles.
+  args = _args(t=t, s=t, n=8, k=8, h=128, is_causal=True)
+  config = mat.MosaicGpuAttentionVjp().heuristic_config(args)
+  assert config.fuse_dq and config.head_group, config
+  _check_backward_config(1, t, t, 8, 8, 128, True, config)
 
 
 @gpu

@@ -166,13 +166,16 @@ def store_tile(smem, value, dst) -> None:
   plgpu.copy_smem_to_gmem(smem, dst)
 
 
-def warpgroup_kernel(body, *, out_type, scratch_types, grid, grid_names):
-  """A kernel of one producer and two consumer warpgroups (approximate math)."""
+def warpgroup_kernel(body, *, out_type, scratch_types, grid, grid_names,
+                     auto_barriers: bool = True):
+  """A kernel of one producer and two consumer warpgroups (approximate math).
+  `auto_barriers`: `_common.compiler_params`'."""
   return _common.kernel(
       body, out_type=out_type, scratch_types=scratch_types, grid=grid,
       grid_names=grid_names, num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
-          approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane))
+          approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane,
+          unsafe_no_auto_barriers=not auto_barriers))
 
 
 # ----------------------------------------------------------------------------

@@ -25,7 +25,8 @@ from tokamax import Op, VjpOp
 from tokamax_gpu_mosaic import _common
 from tokamax_gpu_mosaic import attention_kernel_common as akc
 from tokamax_gpu_mosaic.attention_kernel_bwd import KEY_ROWS as _BWD_KEY_ROWS
-from tokamax_gpu_mosaic.attention_kernel_bwd import AttentionVjpConfig, mosaic_attention_bwd
+from tokamax_gpu_mosaic.attention_kernel_bwd import AttentionVjpConfig, fused_dq_refusal
+from tokamax_gpu_mosaic.attention_kernel_bwd import mosaic_attention_bwd
 from tokamax_gpu_mosaic.attention_kernel_fwd import AttentionConfig, mosaic_attention
 
 __all__ = ["AttentionConfig", "AttentionVjpConfig", "MosaicGpuAttention",
@@ -396,7 +397,36 @@ def _bwd_heuristic(args) -> AttentionVjpConfig:
   mha = args.query.shape[2] == args.key.shape[2]
   if _grouped_by_default(args) and mha:
     config = dataclasses.replace(config, head_group=_backward_head_group(args))
+  if _fuses_dq_by_default(args, config):
+    config = dataclasses.replace(config, fuse_dq=True)
   return config
+
+
+def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
+  """Whether the backward heuristic takes the one-kernel backward (`fuse_dq`):
+  causal MHA at H128, where the kernel takes the call.
+
+  H200, tools/tune.py --ab fuse_dq=True against the two kernels, forward+
+  backward (notes/MEASUREMENTS.md, session 50): MHA causal H128 1.016-1.039x
+  (B4 T4096 N16 bf16 and f16; the grid's B32 T1024, B8 T4096 and B2 T16384
+  N16); GQA (N32 K8) 0.64-0.79x, where a block's dQ additions for its several
+  query heads wait in turn. Non-causal calls are refused (`fused_dq_refusal`);
+  H64 (128-row steps) is not measured.
+  """
+  q, k = args.query, args.key
+  if q.shape[2] != k.shape[2] or q.shape[-1] != 128:
+    return False
+  return _fused_dq_takes(args, config)
+
+
+def _fused_dq_takes(args, config: AttentionVjpConfig) -> bool:
+  """Whether `config` with `fuse_dq` takes the call (`fused_dq_refusal`), soft
+  caps left out: the kernel computes them, but no native test has run one."""
+  q, k = args.query, args.key
+  if args.logits_soft_cap is not None:
+    return False
+  return fused_dq_refusal(q.shape[1], k.shape[1], q.shape[-1], config.block_q,
+                          args.is_causal, _features(args)) is None
 
 
 def _bwd_heuristic_tiles(args) -> AttentionVjpConfig:
@@ -444,6 +474,14 @@ def _bwd_search_space(args):
   out += [dataclasses.replace(config, ping_pong=dkv, ping_pong_dq=dq)
           for dkv, dq in ((True, False), (False, True), (True, True))
           for config in tuple(out)]
+  # The one-kernel backward where it takes the call: one schedule (with
+  # ping-pong it measured 0.54x the two kernels, notes/MEASUREMENTS.md session
+  # 49) and the dQ kernel's block_kv left at its default (no dQ kernel runs).
+  fused = (dataclasses.replace(c, fuse_dq=True) for c in tuple(out)
+           if c.block_kv == AttentionVjpConfig.block_kv
+           and not (c.ping_pong or c.ping_pong_dq or c.split_dkv))
+  out += [c for c in fused
+          if _bwd_fits(c, h, itemsize, segments) and _fused_dq_takes(args, c)]
   if _ordered_by_head_group(args):
     # Every config again in L2-sized head groups.
     g = _backward_head_group(args)
@@ -477,8 +515,9 @@ def _check_backward_args(args) -> None:
 @dataclasses.dataclass(frozen=True)
 class MosaicGpuAttentionVjp(VjpOp):
   """FA3-style attention backward (`attention_kernel_bwd`): a dK/dV kernel and a
-  dQ kernel (or one kernel for all three with the opt-in `fuse_dq` config),
-  from the forward's ``lse`` (any implementation's)."""
+  dQ kernel (or one kernel for all three with `fuse_dq`, which the heuristic
+  takes at causal MHA H128: `_fuses_dq_by_default`), from the forward's
+  ``lse`` (any implementation's)."""
 
   op_name = "dot_product_attention"
   name = "mosaic_gpu"

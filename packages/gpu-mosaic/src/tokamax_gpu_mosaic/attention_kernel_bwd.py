@@ -2,8 +2,9 @@
 
 ``delta = rowsum(dO * O)`` in jnp, then two kernels, no atomics (deterministic),
 each with the forward's warpgroup layout (a producer, two 64-row consumers)
-(`AttentionVjpConfig.fuse_dq`, opt-in: dQ from the dK/dV kernel too, its
-additions ordered per query tile; notes/MOSAIC_GPU.md session 34):
+(or one, `AttentionVjpConfig.fuse_dq`: dQ from the dK/dV kernel too, its
+additions ordered per query tile; the heuristic's at causal MHA H128,
+notes/MOSAIC_GPU.md sessions 34 and 50):
 
 - dK/dV (`_DkvKernel`): grid (key tiles of 128 rows, kv heads, batch). The
   producer streams, per step, one query tile of every query head of the kv
@@ -112,7 +113,8 @@ class AttentionVjpConfig:
   # float32 dQ in global memory in a fixed order per query tile (the highest
   # key block first, which a causal grid reaches first), so the result does not
   # depend on timing. Causal calls without dynamic features only
-  # (`fused_dq_refusal`).
+  # (`fused_dq_refusal`); the heuristic's at causal MHA H128
+  # (`attention._fuses_dq_by_default`).
   fuse_dq: bool = False
 
   def __post_init__(self):
@@ -770,7 +772,16 @@ class _DkvKernel(_Shape):
     call = _pipeline.warpgroup_kernel(
         body, out_type=out_type, scratch_types=self.scratch(),
         **akc.block_grid(self.nk, self.k_heads, self.b, "kv", self.head_major,
-                         self.grid_group))
+                         self.grid_group),
+        # The fused kernel orders its shared memory itself: every thread's
+        # mbarrier arrival (ds_ready, dst_free, dq_ready) releases its own
+        # stores, and `commit_smem` and the TMA waits hold a warpgroup barrier.
+        # Without Pallas' barriers before and after each store (4 a step a
+        # consumer) it ran about 2.5% faster forward+backward under MHA, and
+        # under GQA 24% slower (B2 T8192 N32 K8: 0.85x -> 0.64x the two
+        # kernels; not profiled). The two-kernel path stores only in its
+        # epilogues: no measurable change. notes/MEASUREMENTS.md, session 50.
+        auto_barriers=not (self.fused and self.group == 1))
     return call(q, k, v, do, lse2, delta, *extras)
 
 
