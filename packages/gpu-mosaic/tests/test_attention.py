@@ -926,7 +926,7 @@ def test_backward_lowers_for_cuda(causal, h, n, k, t, s, config):
   if config.fuse_dq and not causal:
     pytest.skip("fuse_dq takes causal calls only (test_backward_fuse_dq_refusals)")
   # Split below H256, head groups not sized by `l2_head_group`, and the fused
-  # dQ (not measured yet): outside it.
+  # dQ with ping-pong: outside it.
   if (not (config.split_dkv and h < 256) and not config.head_group
       and not config.fuse_dq):
     assert config in mat.MosaicGpuAttentionVjp().search_space(args)
@@ -1241,6 +1241,27 @@ def test_backward_fuse_dq_refusals():
                      q, key, v, q, q, lse)
 
 
+def test_fused_kernel_drops_pallas_store_barriers_under_mha_only(monkeypatch):
+  # The fused kernel under MHA orders its shared memory itself; every other
+  # backward kernel keeps Pallas' automatic barriers (`_DkvKernel.__call__`).
+  seen = []
+  build = akb._pipeline.warpgroup_kernel
+
+  def recording(*a, auto_barriers=True, **kw):
+    seen.append(auto_barriers)
+    return build(*a, auto_barriers=auto_barriers, **kw)
+  monkeypatch.setattr(akb._pipeline, "warpgroup_kernel", recording)
+  for k, fuse_dq, want in ((4, True, [False]), (2, True, [True]),
+                           (4, False, [True, True])):
+    seen.clear()
+    q, key, v = _qkv(1, 256, 256, 4, k, 128, jnp.bfloat16)
+    jax.eval_shape(functools.partial(
+        mat.mosaic_attention_bwd, scale=0.125, causal=True,
+        config=mat.AttentionVjpConfig(64, 128, 2, fuse_dq=fuse_dq)),
+        q, key, v, q, q, jnp.zeros((1, 4, 256), jnp.float32))
+    assert seen == want, (k, fuse_dq, seen)
+
+
 def test_backward_fuse_dq_config_refusals():
   with pytest.raises(ValueError, match="orders its blocks itself.*head_major=True"):
     mat.AttentionVjpConfig(64, 128, 2, head_major=True, fuse_dq=True)
@@ -1300,6 +1321,9 @@ def test_backward_heuristic_fuses_dq_where_measured(kw, fused):
     (1, 2048, 2048, 8, 2, 128, 64, False),  # GQA: 4 query heads a block
     (1, 1000, 1100, 4, 2, 128, 64, True),  # T < S, neither a tile multiple
     (2, 700, 512, 4, 1, 64, 128, False),  # MQA, T > S
+    # MHA at H128: the kernel without Pallas' store barriers (`_DkvKernel`).
+    (1, 1000, 1100, 4, 4, 128, 64, False),  # T < S
+    (2, 640, 256, 4, 4, 128, 64, False),  # T > S
 ])
 def test_backward_fuse_dq(b, t, s, n, k, h, block_q, ping_pong):
   config = mat.AttentionVjpConfig(block_q, 128, 2, ping_pong=ping_pong, fuse_dq=True)
@@ -1318,10 +1342,11 @@ def test_backward_heuristic_fused_at_length(t):
 
 
 @gpu
-def test_backward_fuse_dq_is_deterministic():
+@pytest.mark.parametrize("k", [4, 16])  # GQA; MHA (no Pallas store barriers)
+def test_backward_fuse_dq_is_deterministic(k):
   # Many blocks add into each query tile at once: the order of additions is
   # fixed by rank, so two runs agree bit for bit.
-  b, t, n, k, h = 2, 4096, 16, 4, 128
+  b, t, n, h = 2, 4096, 16, 128
   q, key, v = _qkv(b, t, t, n, k, h, jnp.bfloat16)
   dout = _cotangent((b, t, n, h), jnp.bfloat16)
   scale = 1 / np.sqrt(h)

@@ -299,7 +299,7 @@ def swizzled(dtype, minor: int):
 def compiler_params(auto_barriers: bool = True):
   """Lane semantics; `auto_barriers=False` drops the warpgroup barriers Pallas
   puts before and after each store, before each copy into shared memory and
-  around each semaphore signal (``unsafe_no_auto_barriers``): only for a
+  before each semaphore signal (``unsafe_no_auto_barriers``): only for a
   kernel that orders its shared memory itself (its reductions' own barriers,
   each thread's mbarrier arrival releasing its own stores)."""
   return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,

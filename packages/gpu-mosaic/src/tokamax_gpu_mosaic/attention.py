@@ -409,8 +409,10 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   H200, tools/tune.py --ab fuse_dq=True against the two kernels, forward+
   backward (notes/MEASUREMENTS.md, session 50): MHA causal H128 1.016-1.039x
   (B4 T4096 N16 bf16 and f16; the grid's B32 T1024, B8 T4096 and B2 T16384
-  N16); GQA (N32 K8) 0.64-0.79x, where a block's dQ additions for its several
-  query heads wait in turn. Non-causal calls are refused (`fused_dq_refusal`);
+  N16); GQA (N32 K8) 0.85x at B2 T8192 (0.64-0.79x at the bench and grid
+  shapes without Pallas' store barriers, which it keeps: `_DkvKernel`), a
+  block's dQ additions for its several query heads leaving a tail. Non-causal
+  calls are refused (`fused_dq_refusal`);
   H64 (128-row steps) is not measured.
   """
   q, k = args.query, args.key
