@@ -592,7 +592,7 @@ class _DkvKernel(_Shape):
       _pipeline.wait_when(i > 0, r.dst_free)
       r.dst_smem.at[pl.ds(blk.wg * akc.WG_ROWS, akc.WG_ROWS)][...] = (
           operands[names.index("dk")].astype(self.dtype))
-      self.publish_smem()
+      plgpu.commit_smem()
       plgpu.barrier_arrive(r.ds_ready)
     if self.ping_pong:
       blk.pass_turn()
@@ -623,25 +623,8 @@ class _DkvKernel(_Shape):
     buf = lax.rem(i, 2)
     _pipeline.wait_when(i >= 2, r.dq_free.at[buf])  # the producer has read it
     r.dq_smem.at[buf, rows, cols][...] = half
-    self.publish_smem()
+    plgpu.commit_smem()
     plgpu.barrier_arrive(r.dq_ready.at[buf])
-
-  @property
-  def auto_barriers(self) -> bool:
-    """Whether Pallas puts its warpgroup barriers around this kernel's stores
-    (see `__call__`)."""
-    return not (self.fused and self.group == 1)
-
-  def publish_smem(self) -> None:
-    """A consumer's dS^T or dQ tile, just stored, made visible to the wgmmas
-    and the TMA that read it: each of its readers waits on an mbarrier every
-    thread arrives on next (ds_ready, dq_ready), so without the auto barriers
-    the fence alone does (`_common.publish_smem`)."""
-    import os  # EXPERIMENT SWITCH (trace time), not for a release
-    if self.auto_barriers or os.environ.get("TOKAMAX_FENCE_ONLY") != "1":
-      plgpu.commit_smem()
-    else:
-      _common.publish_smem()
 
   def producer(self, r: _DkvRefs, blk: _DkvBlock, sem) -> None:
     """Stream (head, query tile) steps: Q, lse [, query ids]; dO, delta. With
@@ -801,7 +784,7 @@ class _DkvKernel(_Shape):
         # kernels), where ptxas then spills 140 B and serializes every wgmma
         # (C7512). The two-kernel path stores only in its epilogues: no
         # measurable change. notes/MEASUREMENTS.md, session 50.
-        auto_barriers=self.auto_barriers)
+        auto_barriers=not (self.fused and self.group == 1))
     return call(q, k, v, do, lse2, delta, *extras)
 
 
