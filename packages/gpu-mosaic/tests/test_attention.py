@@ -1241,9 +1241,10 @@ def test_backward_fuse_dq_refusals():
                      q, key, v, q, q, lse)
 
 
-def test_fused_kernel_drops_pallas_store_barriers_under_mha_only(monkeypatch):
-  # The fused kernel under MHA orders its shared memory itself; every other
-  # backward kernel keeps Pallas' automatic barriers (`_DkvKernel.__call__`).
+def test_fused_kernel_drops_pallas_store_barriers_at_mha_h128_only(monkeypatch):
+  # The fused kernel under MHA at H128 orders its shared memory itself; every
+  # other backward kernel keeps Pallas' automatic barriers
+  # (`_DkvKernel.__call__`).
   seen = []
   build = akb._pipeline.warpgroup_kernel
 
@@ -1251,15 +1252,15 @@ def test_fused_kernel_drops_pallas_store_barriers_under_mha_only(monkeypatch):
     seen.append(auto_barriers)
     return build(*a, auto_barriers=auto_barriers, **kw)
   monkeypatch.setattr(akb._pipeline, "warpgroup_kernel", recording)
-  for k, fuse_dq, want in ((4, True, [False]), (2, True, [True]),
-                           (4, False, [True, True])):
+  for k, h, fuse_dq, want in ((4, 128, True, [False]), (2, 128, True, [True]),
+                              (4, 64, True, [True]), (4, 128, False, [True, True])):
     seen.clear()
-    q, key, v = _qkv(1, 256, 256, 4, k, 128, jnp.bfloat16)
+    q, key, v = _qkv(1, 256, 256, 4, k, h, jnp.bfloat16)
     jax.eval_shape(functools.partial(
         mat.mosaic_attention_bwd, scale=0.125, causal=True,
-        config=mat.AttentionVjpConfig(64, 128, 2, fuse_dq=fuse_dq)),
+        config=mat.AttentionVjpConfig(8192 // h, 128, 2, fuse_dq=fuse_dq)),
         q, key, v, q, q, jnp.zeros((1, 4, 256), jnp.float32))
-    assert seen == want, (k, fuse_dq, seen)
+    assert seen == want, (k, h, fuse_dq, seen)
 
 
 def test_backward_fuse_dq_config_refusals():
@@ -1302,13 +1303,14 @@ def test_backward_heuristic_fuses_dq_where_measured(kw, fused):
   op = mat.MosaicGpuAttentionVjp()
   config = op.heuristic_config(args)
   assert config.fuse_dq == fused, config
-  # The search space holds the one-kernel backward exactly where it takes the
-  # call (H64 included), with no ping-pong and the default dQ step.
+  # The search space holds the one-kernel backward at H128 exactly where it
+  # takes the call, with no ping-pong and the default dQ step.
   space_fused = [c for c in op.search_space(args) if c.fuse_dq]
   takes = akb.fused_dq_refusal(args.query.shape[1], args.key.shape[1],
                                args.query.shape[-1], config.block_q, args.is_causal,
                                mat._features(args)) is None
-  assert bool(space_fused) == (takes and args.logits_soft_cap is None)
+  assert bool(space_fused) == (takes and args.logits_soft_cap is None
+                               and args.query.shape[-1] == 128)
   assert all(not c.ping_pong and c.block_kv == 128 for c in space_fused)
   if fused:
     assert config in op.search_space(args)

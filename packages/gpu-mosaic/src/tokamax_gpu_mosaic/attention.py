@@ -475,11 +475,13 @@ def _bwd_search_space(args):
   out += [dataclasses.replace(config, ping_pong=dkv, ping_pong_dq=dq)
           for dkv, dq in ((True, False), (False, True), (True, True))
           for config in tuple(out)]
-  # The one-kernel backward where it takes the call: one schedule (with
-  # ping-pong it measured 0.54x the two kernels, notes/MEASUREMENTS.md session
-  # 49) and the dQ kernel's block_kv left at its default (no dQ kernel runs).
+  # The one-kernel backward at H128 where it takes the call (at H64 its
+  # 128-row steps spill and were measured slower, notes/MOSAIC_GPU.md sessions
+  # 35 and 50): one schedule (with ping-pong it measured 0.54x the two
+  # kernels, notes/MEASUREMENTS.md session 49) and the dQ kernel's block_kv
+  # left at its default (no dQ kernel runs).
   fused = (dataclasses.replace(c, fuse_dq=True) for c in tuple(out)
-           if c.block_kv == AttentionVjpConfig.block_kv
+           if h == 128 and c.block_kv == AttentionVjpConfig.block_kv
            and not (c.ping_pong or c.ping_pong_dq or c.split_dkv))
   out += [c for c in fused
           if _bwd_fits(c, h, itemsize, segments) and _fused_dq_takes(args, c)]
