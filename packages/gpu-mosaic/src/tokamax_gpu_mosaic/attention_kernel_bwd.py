@@ -779,12 +779,13 @@ class _DkvKernel(_Shape):
         # thread's mbarrier arrival (ds_ready, dq_ready); the TMA waits hold
         # a warpgroup barrier too.
         # Without Pallas' barriers before and after each store (4 a step a
-        # consumer) it ran about 2.5% faster forward+backward under MHA, and
-        # under GQA 24% slower (B2 T8192 N32 K8: 0.85x -> 0.64x the two
-        # kernels), where ptxas then spills 140 B and serializes every wgmma
-        # (C7512), as it does at H64 (128-row steps: 512 B, against 244 B and
-        # no serialization with them). The two-kernel path stores only in its
-        # epilogues: no measurable change. notes/MEASUREMENTS.md, session 50.
+        # consumer) it ran about 2.5% faster forward+backward under MHA at
+        # H128, and under GQA 24% slower (B2 T8192 N32 K8: 0.85x -> 0.64x the
+        # two kernels), where ptxas then spills 140 B and serializes every
+        # wgmma (C7512), as it does at H64 (128-row steps: 512 B, against 244
+        # B and no serialization with them). The two-kernel path stores only
+        # in its epilogues: no measurable change. notes/MEASUREMENTS.md,
+        # session 50.
         auto_barriers=not (self.fused and self.group == 1 and self.h == 128))
     return call(q, k, v, do, lse2, delta, *extras)
 
