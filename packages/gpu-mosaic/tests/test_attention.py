@@ -1283,10 +1283,7 @@ def test_backward_fuse_dq_rank_order(t, s, block_q):
   for j in range(tp // block_q):
     visitors = [kb for kb in range(sp // 128) if kb * 128 < (j + 1) * block_q]
     ranks = [int(kernel.dq_rank(kb, j)) for kb in visitors]
-    # Descending (the blocks run their tiles from the last one down): block 0
-    # reaches every tile first.
-    order = list(range(len(visitors)))
-    assert ranks == (order if kernel.descending else order[::-1]), j
+    assert ranks == list(range(len(visitors)))[::-1], j
 
 
 @pytest.mark.parametrize("kw,fused", [

@@ -400,16 +400,6 @@ class _DkvKernel(_Shape):
       return max(self.config.head_group, 1)
     return self.config.head_group
 
-  @property
-  def descending(self) -> bool:
-    """fuse_dq, causal: each block runs its query tiles from the last down to
-    its diagonal, key block 0 adding first at every tile (`dq_rank`), so the
-    blocks launch longest first (`block`) and no long block is left for the
-    end. EXPERIMENT SWITCH (trace time): TOKAMAX_DQ_DESC=1."""
-    import os
-    return (self.fused and self.causal and not self.feat.dynamic
-            and os.environ.get("TOKAMAX_DQ_DESC") == "1")
-
   def dq_half(self, wg):
     """This consumer's 64 x 64 share of a step's ``block_q x H`` dQ tile: its
     query rows and head-dim columns (`fused_dq_refusal` allows 64 x 128 and
@@ -425,10 +415,7 @@ class _DkvKernel(_Shape):
     """How many key blocks add to query tile `j` before block `ki`: the
     visiting blocks run from the tile's highest (causal: the last key block
     whose first key the tile's last query sees) down to 0, the order in which
-    the blocks, each starting at its diagonal, reach the tile. `descending`:
-    block 0 first, every block reaching the tile in key-block order."""
-    if self.descending:
-      return ki
+    the blocks, each starting at its diagonal, reach the tile."""
     last = jnp.minimum(lax.div(j * self.bq + self.bq - 1, KEY_ROWS), self.nk - 1)
     return last - ki
 
@@ -447,7 +434,7 @@ class _DkvKernel(_Shape):
                                   *(() if r.turn is None else (r.turn,)))
     ki, kh, bi = akc.block_position(self.nk, self.k_heads, self.b, "kv",
                                     self.grid_group)
-    if self.fused and not self.descending:
+    if self.fused:
       ki = self.nk - 1 - ki  # the shortest first: see `grid_group`
     k0 = ki * KEY_ROWS
     j_fl = j_fh = j_hi = None
@@ -546,30 +533,6 @@ class _DkvKernel(_Shape):
       carry = lax.fori_loop(blk.j_fl, blk.j_fh,
                             functools.partial(step, base=base, masked=False), carry)
       return lax.fori_loop(blk.j_fh, blk.j_hi, masked, carry)
-    if self.descending:
-      # Tile j is step g * n_j + nq - 1 - j: the unmasked tiles, then the
-      # masked ones down to the diagonal. ptxas is at the edge of its
-      # registers here, and which of two equivalent loop forms it compiles
-      # without spilling and serializing the wgmmas differs (offline, H128
-      # causal): loops counting t over [lo, hi) under MHA, loops counting
-      # the step index under GQA (each serialized in the other case).
-      top = g * blk.n_j + self.nq - 1  # the step index of tile j is top - j
-      if self.group > 1:
-        def by_index(index, carry, masked):
-          return step(top - index, carry, base=0, masked=masked, index=index)
-        carry = lax.fori_loop(g * blk.n_j, top + 1 - j_clear,
-                              functools.partial(by_index, masked=False), carry)
-        return lax.fori_loop(top + 1 - j_clear, top + 1 - blk.j_lo,
-                             functools.partial(by_index, masked=True), carry)
-
-      def down(t, carry, lo, hi, masked):
-        # j = hi - 1 - (t - lo); its step g * n_j + nq - 1 - j.
-        flip = hi - 1 + lo
-        return step(flip - t, carry, base=top - flip, masked=masked, index=t)
-      carry = lax.fori_loop(j_clear, self.nq, functools.partial(
-          down, lo=j_clear, hi=self.nq, masked=False), carry)
-      return lax.fori_loop(blk.j_lo, j_clear, functools.partial(
-          down, lo=blk.j_lo, hi=j_clear, masked=True), carry)
     if self.causal:
       carry = lax.fori_loop(blk.j_lo, j_clear,
                             functools.partial(step, base=base, masked=True), carry)
@@ -579,13 +542,11 @@ class _DkvKernel(_Shape):
                          carry)
 
   def step(self, r: _DkvRefs, blk: _DkvBlock, r0, kv_ids, j, carry, base,
-           masked: bool, index=None):
-    """Query tile `j` of one head, step ``base + j`` (``base + index`` where
-    the loop counts `index`, not `j`): S^T, dP^T, then dV += P^T dO, dK +=
-    dS^T Q (of `grads`: dV alone needs S^T alone)."""
-    index = base + (j if index is None else index)
-    slot = lax.rem(index, self.stages)
-    k_tile, v_tile = self.kv_tiles(r, blk.wg, index)
+           masked: bool):
+    """Query tile `j` of one head: S^T, dP^T, then dV += P^T dO, dK += dS^T Q
+    (of `grads`: dV alone needs S^T alone)."""
+    slot = lax.rem(base + j, self.stages)
+    k_tile, v_tile = self.kv_tiles(r, blk.wg, base + j)
     plgpu.barrier_wait(r.q_full.at[slot])
     shape = (akc.WG_ROWS, self.bq)
     if self.needs_dp:
@@ -623,7 +584,7 @@ class _DkvKernel(_Shape):
       # Materialized before the turn, so that none of it sinks into the
       # partner's turn; then wait for the partner's scores matmuls.
       operands = lax.optimization_barrier(tuple(x.astype(self.dtype) for x in operands))
-    i = index if self.fused else None
+    i = base + j if self.fused else None
     if self.fused:
       # The step's dQ tile is dS K over the block's 128 keys: both consumers'
       # dS^T tiles go to shared memory (a wgmma's lhs is registers or shared
@@ -700,8 +661,6 @@ class _DkvKernel(_Shape):
   def step_tile(self, blk: _DkvBlock, i):
     """Step `i`'s query head and query tile (steps run head-major)."""
     g = lax.div(i, blk.n_j)
-    if self.descending:
-      return blk.head * self.group + g, self.nq - 1 - lax.rem(i, blk.n_j)
     return blk.head * self.group + g, blk.j_lo + lax.rem(i, blk.n_j)
 
   def dq_target(self, r: _DkvRefs, blk: _DkvBlock, i):
