@@ -190,6 +190,18 @@ def test_attention_backward_fuse_dq(h, n, k, t, s, block_q, ping_pong, soft_cap)
   _check_causal_backward(q, key, v, config, **kw)
 
 
+def test_attention_backward_heuristic_fused():
+  """The backward heuristic's config at causal MHA H128 (the one-kernel
+  backward in head groups: `attention._fuses_dq_by_default`), with three key
+  blocks a head adding into each query tile, against the XLA reference's VJP."""
+  q, k, v = (_normal((2, 384, 2, 128), jnp.bfloat16) for _ in range(3))
+  args = attention_op.canonical_args(q, k, v, None, None, is_causal=True)[0]
+  with tokamax.interpret():
+    config = mat.MosaicGpuAttentionVjp().heuristic_config(args)
+  assert config.fuse_dq and config.head_group, config
+  _check_causal_backward(q, k, v, config)
+
+
 def test_kernels_of_more_warpgroups_than_interpreter_threads_are_refused(monkeypatch):
   """The interpreter runs a block's warpgroups as computations of XLA's CPU
   client at once: with fewer threads it could hang, so it is refused, naming

@@ -296,13 +296,15 @@ def swizzled(dtype, minor: int):
           plgpu.SwizzleTransform(swizzle))
 
 
-def compiler_params(auto_barriers: bool = True):
-  """Lane semantics; `auto_barriers=False` drops the warpgroup barriers Pallas
-  puts before and after each store, before each copy into shared memory and
-  before each semaphore signal (``unsafe_no_auto_barriers``): only for a
+def compiler_params(auto_barriers: bool = True, approx_math: bool = False):
+  """Lane semantics (`approx_math`: the compiler may use approximate math);
+  `auto_barriers=False` drops the warpgroup barriers Pallas puts before and
+  after each store, before each copy into shared memory and before each
+  semaphore signal (``unsafe_no_auto_barriers``): only for a
   kernel that orders its shared memory itself (its reductions' own barriers,
   each thread's mbarrier arrival releasing its own stores)."""
-  return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
+  return plgpu.CompilerParams(approx_math=approx_math,
+                              lowering_semantics=plgpu.LoweringSemantics.Lane,
                               unsafe_no_auto_barriers=not auto_barriers)
 
 

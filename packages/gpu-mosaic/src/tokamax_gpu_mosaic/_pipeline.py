@@ -168,14 +168,12 @@ def store_tile(smem, value, dst) -> None:
 
 def warpgroup_kernel(body, *, out_type, scratch_types, grid, grid_names,
                      auto_barriers: bool = True):
-  """A kernel of one producer and two consumer warpgroups (approximate math).
-  `auto_barriers`: `_common.compiler_params`'."""
+  """A kernel of one producer and two consumer warpgroups (approximate math;
+  `auto_barriers`: `_common.compiler_params`')."""
   return _common.kernel(
       body, out_type=out_type, scratch_types=scratch_types, grid=grid,
       grid_names=grid_names, num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(
-          approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane,
-          unsafe_no_auto_barriers=not auto_barriers))
+      compiler_params=_common.compiler_params(auto_barriers, approx_math=True))
 
 
 # ----------------------------------------------------------------------------

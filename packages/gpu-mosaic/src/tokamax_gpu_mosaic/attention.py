@@ -412,7 +412,8 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   N16); GQA (N32 K8) 0.85x at B2 T8192 (0.64-0.79x at the bench and grid
   shapes without Pallas' store barriers, which it keeps: `_DkvKernel`), a
   block's dQ additions for its several query heads leaving a tail. Non-causal
-  calls are refused (`fused_dq_refusal`); H64 (128-row steps) is not measured.
+  calls are refused (`fused_dq_refusal`); at H64 its 128-row steps spill
+  (`_bwd_search_space`).
   """
   q, k = args.query, args.key
   if q.shape[2] != k.shape[2] or q.shape[-1] != 128:
