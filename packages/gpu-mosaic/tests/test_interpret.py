@@ -136,15 +136,15 @@ def _reference_vjp(q, k, v, scale, causal, **kw):
   return out, lse, dout, vjp((dout.astype(jnp.float32), jnp.zeros_like(lse)))
 
 
-def _check_causal_backward(q, k, v, config, causal=True, **kw):
-  """`mosaic_attention_bwd` with `config` (causal unless told, scale
-  1/sqrt(H)), interpreted, against the XLA reference's VJP on float32 upcasts
-  (`_reference_vjp`), fed the reference's output and lse."""
+def _check_causal_backward(q, k, v, config, **kw):
+  """`mosaic_attention_bwd` with `config` (causal, scale 1/sqrt(H)), interpreted,
+  against the XLA reference's VJP on float32 upcasts (`_reference_vjp`), fed
+  the reference's output and lse."""
   scale = q.shape[-1]**-0.5
-  out, lse, dout, want = _reference_vjp(q, k, v, scale, causal, **kw)
+  out, lse, dout, want = _reference_vjp(q, k, v, scale, True, **kw)
   with tokamax.interpret():
     got = mat.mosaic_attention_bwd(q, k, v, out.astype(jnp.bfloat16), dout, lse,
-                                   scale=scale, causal=causal, config=config, **kw)
+                                   scale=scale, causal=True, config=config, **kw)
   for i, (g, w) in enumerate(zip(got, want)):
     testing.assert_close(g, w, jnp.bfloat16, what=f"gradient {i}", scale=2.0)
 
@@ -170,21 +170,16 @@ def test_attention_backward_split_dkv_configs(ping_pong, block_q_dv, features):
   _check_causal_backward(q, k, v, config, **kw)
 
 
-@pytest.mark.parametrize("h,n,k,t,s,block_q,ping_pong,soft_cap,causal", [
+@pytest.mark.parametrize("h,n,k,t,s,block_q,ping_pong,soft_cap", [
     # GQA, T and S not multiples of the tile (T < S), two query heads a step loop.
-    (128, 4, 2, 300, 330, 64, False, None, True),
-    (128, 2, 1, 384, 384, 64, True, 20.0, True),  # ping-pong, a soft cap
-    (128, 2, 2, 200, 128, 64, False, None, True),  # T > S (S a tile multiple)
+    (128, 4, 2, 300, 330, 64, False, None),
+    (128, 2, 1, 384, 384, 64, True, 20.0),  # ping-pong, a soft cap
+    (128, 2, 2, 200, 128, 64, False, None),  # T > S (S a tile multiple)
     # H64's 128-row steps (they hung here before the test run's PJRT_NPROC:
     # notes/MOSAIC_GPU.md, session 36).
-    (64, 2, 1, 256, 256, 128, False, None, True),
-    # Not causal: every key block from the first query tile, block 0 first.
-    (128, 4, 2, 300, 256, 64, False, None, False),
-    (128, 2, 1, 384, 384, 64, True, 20.0, False),
-], ids=["gqa-odd", "ping-pong-cap", "t-gt-s", "h64-128-row-steps",
-        "not-causal-gqa-odd-t", "not-causal-ping-pong-cap"])
-def test_attention_backward_fuse_dq(h, n, k, t, s, block_q, ping_pong, soft_cap,
-                                    causal):
+    (64, 2, 1, 256, 256, 128, False, None),
+], ids=["gqa-odd", "ping-pong-cap", "t-gt-s", "h64-128-row-steps"])
+def test_attention_backward_fuse_dq(h, n, k, t, s, block_q, ping_pong, soft_cap):
   """dQ from the dK/dV kernel (`fuse_dq`): each step's dQ tile added in rank
   order (here by read, add, store: the interpreter runs the blocks one at a time
   in grid order, which is the rank order), against the XLA reference's VJP."""
@@ -192,7 +187,7 @@ def test_attention_backward_fuse_dq(h, n, k, t, s, block_q, ping_pong, soft_cap,
   q, key, v = (_normal((2, t, n, h), jnp.bfloat16), _normal((2, s, k, h), jnp.bfloat16),
                _normal((2, s, k, h), jnp.bfloat16))
   kw = {} if soft_cap is None else dict(logits_soft_cap=soft_cap)
-  _check_causal_backward(q, key, v, config, causal=causal, **kw)
+  _check_causal_backward(q, key, v, config, **kw)
 
 
 def test_attention_backward_heuristic_fused():

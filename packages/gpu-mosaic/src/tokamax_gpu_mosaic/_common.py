@@ -296,25 +296,6 @@ def swizzled(dtype, minor: int):
           plgpu.SwizzleTransform(swizzle))
 
 
-def publish_smem() -> None:
-  """This thread's shared-memory stores made visible to the async proxy
-  (wgmma, TMA): `plgpu.commit_smem`'s fence without its warpgroup barrier.
-  Only for a kernel without Pallas' auto barriers (`compiler_params`) whose
-  readers wait on an mbarrier that every writing thread arrives on after this
-  call: the arrival (release) and the wait (acquire) order the threads, as the
-  barrier would. In the interpreter: `plgpu.commit_smem`."""
-  if interpreting():
-    plgpu.commit_smem()
-    return
-
-  @plgpu.inline_mgpu()
-  def fence(ctx):
-    del ctx
-    from jax._src.lib.mlir.dialects import nvvm  # lazy: only when a kernel lowers
-    nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
-  fence()
-
-
 def compiler_params(auto_barriers: bool = True, approx_math: bool = False):
   """Lane semantics (`approx_math`: the compiler may use approximate math);
   `auto_barriers=False` drops the warpgroup barriers Pallas puts before and

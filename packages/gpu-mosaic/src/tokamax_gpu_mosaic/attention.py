@@ -425,7 +425,7 @@ def _fused_dq_takes(args, config: AttentionVjpConfig) -> bool:
   """Whether `config` with `fuse_dq` takes the call (`fused_dq_refusal`), soft
   caps left out: the kernel computes them, but no native test has run one."""
   q, k = args.query, args.key
-  if args.logits_soft_cap is not None or not args.is_causal:  # EXPERIMENT: non-causal unmeasured
+  if args.logits_soft_cap is not None:
     return False
   return fused_dq_refusal(q.shape[1], k.shape[1], q.shape[-1], config.block_q,
                           args.is_causal, _features(args)) is None

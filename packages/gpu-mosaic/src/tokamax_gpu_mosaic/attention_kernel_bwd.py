@@ -112,7 +112,7 @@ class AttentionVjpConfig:
   # each step's dQ tile, ``dS K`` over the block's 128 keys, is added into a
   # float32 dQ in global memory in a fixed order per query tile (the highest
   # key block first, which a causal grid reaches first), so the result does not
-  # depend on timing. Calls without dynamic features only
+  # depend on timing. Causal calls without dynamic features only
   # (`fused_dq_refusal`); the heuristic's at causal MHA H128
   # (`attention._fuses_dq_by_default`).
   fuse_dq: bool = False
@@ -391,11 +391,11 @@ class _DkvKernel(_Shape):
 
   @property
   def grid_group(self) -> int:
-    """`head_group` of the grid. With fuse_dq a block waits at each query tile
-    for the key blocks of its (batch row, head) ranked before it (`dq_rank`);
-    in groups (of one pair at least) whose key blocks start in rank order
-    (`block`), each block's predecessors start before it, and (causal) the
-    longest blocks of one group overlap the next group's short ones."""
+    """`head_group` of the grid. With fuse_dq a block waits for the higher key
+    blocks of its (batch row, head) at each query tile; in groups (of one pair
+    at least) whose key blocks run highest first (`block`), each block's
+    predecessors start before it, and the longest blocks of one group overlap
+    the next group's short ones."""
     if self.fused:
       return max(self.config.head_group, 1)
     return self.config.head_group
@@ -412,14 +412,10 @@ class _DkvKernel(_Shape):
     return rows, cols
 
   def dq_rank(self, ki, j):
-    """How many key blocks add to query tile `j` before block `ki`. Causal: the
-    visiting blocks run from the tile's highest (the last key block whose first
-    key the tile's last query sees) down to 0, the order in which the blocks,
-    each starting at its diagonal, reach the tile. Otherwise every block visits
-    every tile from the first on, in key-block order: block `ki` trails block
-    ``ki - 1`` by a step, started a step later (`block`) or waiting once."""
-    if not self.causal:
-      return ki
+    """How many key blocks add to query tile `j` before block `ki`: the
+    visiting blocks run from the tile's highest (causal: the last key block
+    whose first key the tile's last query sees) down to 0, the order in which
+    the blocks, each starting at its diagonal, reach the tile."""
     last = jnp.minimum(lax.div(j * self.bq + self.bq - 1, KEY_ROWS), self.nk - 1)
     return last - ki
 
@@ -438,7 +434,7 @@ class _DkvKernel(_Shape):
                                   *(() if r.turn is None else (r.turn,)))
     ki, kh, bi = akc.block_position(self.nk, self.k_heads, self.b, "kv",
                                     self.grid_group)
-    if self.fused and self.causal:
+    if self.fused:
       ki = self.nk - 1 - ki  # the shortest first: see `grid_group`
     k0 = ki * KEY_ROWS
     j_fl = j_fh = j_hi = None
@@ -596,7 +592,7 @@ class _DkvKernel(_Shape):
       _pipeline.wait_when(i > 0, r.dst_free)
       r.dst_smem.at[pl.ds(blk.wg * akc.WG_ROWS, akc.WG_ROWS)][...] = (
           operands[names.index("dk")].astype(self.dtype))
-      self.publish_smem()
+      plgpu.commit_smem()
       plgpu.barrier_arrive(r.ds_ready)
     if self.ping_pong:
       blk.pass_turn()
@@ -627,25 +623,8 @@ class _DkvKernel(_Shape):
     buf = lax.rem(i, 2)
     _pipeline.wait_when(i >= 2, r.dq_free.at[buf])  # the producer has read it
     r.dq_smem.at[buf, rows, cols][...] = half
-    self.publish_smem()
+    plgpu.commit_smem()
     plgpu.barrier_arrive(r.dq_ready.at[buf])
-
-  @property
-  def auto_barriers(self) -> bool:
-    """Whether Pallas puts its warpgroup barriers around this kernel's stores
-    (see `__call__`)."""
-    return not (self.fused and self.group == 1 and self.h == 128)
-
-  def publish_smem(self) -> None:
-    """A consumer's dS^T or dQ tile, just stored, made visible to the wgmmas
-    and the TMA that read it: each of its readers waits on an mbarrier every
-    thread arrives on next (ds_ready, dq_ready), so without the auto barriers
-    the fence alone does (`_common.publish_smem`)."""
-    import os  # EXPERIMENT SWITCH (trace time), not for a release
-    if self.auto_barriers or os.environ.get("TOKAMAX_FENCE_ONLY") != "1":
-      plgpu.commit_smem()
-    else:
-      _common.publish_smem()
 
   def producer(self, r: _DkvRefs, blk: _DkvBlock, sem) -> None:
     """Stream (head, query tile) steps: Q, lse [, query ids]; dO, delta. With
@@ -703,7 +682,7 @@ class _DkvKernel(_Shape):
     plgpu.barrier_wait(r.dq_ready.at[buf])
     if _common.interpreting():
       # No semaphores nor TMA reduction there; the blocks run one at a time in
-      # grid order, which is the rank order (`block`): read, add, store.
+      # grid order, which is the rank order (`grid_group`): read, add, store.
       @pl.when(rank > 0)
       def _():
         plgpu.copy_gmem_to_smem(dst, r.dq_old, r.dq_old_full)
@@ -807,7 +786,7 @@ class _DkvKernel(_Shape):
         # B and no serialization with them). The two-kernel path stores only
         # in its epilogues: no measurable change. notes/MEASUREMENTS.md,
         # session 50.
-        auto_barriers=self.auto_barriers)
+        auto_barriers=not (self.fused and self.group == 1 and self.h == 128))
     return call(q, k, v, do, lse2, delta, *extras)
 
 
@@ -1097,11 +1076,11 @@ def flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
   dQ unscaled in float32 (``dS K``: times `scale` it is dQ)."""
   if not grads or not set(grads) <= {"dk", "dv"}:
     raise ValueError(f"grads must name 'dk', 'dv' or both; got {grads!r}")
-  if config.fuse_dq and (feat.dynamic or set(grads) != {"dk", "dv"}):
+  if config.fuse_dq and (not causal or feat.dynamic or set(grads) != {"dk", "dv"}):
     # A block outside a tile's causal range would wait for a negative rank.
     raise NotImplementedError(
-        f"fuse_dq: calls without dynamic features computing dK and dV; got "
-        f"{feat}, grads={grads!r} (`fused_dq_refusal`)")
+        f"fuse_dq: causal calls without dynamic features computing dK and dV; got "
+        f"causal={causal}, {feat}, grads={grads!r} (`fused_dq_refusal`)")
   kernel = _DkvKernel(**_shape(q, k, scale=scale, causal=causal, config=config,
                                feat=feat), grads=tuple(g for g in ("dk", "dv") if g in grads))
   return kernel(q, k, v, do, lse2, delta, *extras)
@@ -1123,21 +1102,21 @@ def fused_dq_refusal(t: int, s: int, h: int, block_q: int, causal: bool,
                      feat: akc.Features) -> str | None:
   """Why `AttentionVjpConfig.fuse_dq` cannot take a call (None: it can).
 
-  Its blocks add into a query tile in a fixed order (`_DkvKernel.dq_rank`),
-  so that a block waits only for blocks that started before it: causal, the
-  highest key block first, the order in which blocks, each starting at its
-  diagonal, reach the tile; otherwise key block 0 first, every block running
-  from the first tile. Every query row must be in some block's range (the
-  first addition stores): true without windows or lengths. Padded keys (S not
-  a multiple of 128) are visible, unmasked, to queries past S (causal) or to
-  every query (not causal). Each consumer computes a 64 x 64 half of a step's
-  ``block_q x H`` dQ tile (`_DkvKernel.dq_half`)."""
+  Its blocks add into a query tile in a fixed order, highest key block first:
+  the order in which causal blocks, each starting at its diagonal, reach the
+  tile, so that a block's waits are for blocks ahead of it. Without causal every
+  block starts at the first query tile and the order would make them wait in
+  turn. Every query row must be in some block's range (the first addition
+  stores): true of causal calls without windows or lengths. Padded keys
+  (S not a multiple of 128) are visible, unmasked, to queries past S. Each
+  consumer computes a 64 x 64 half of a step's ``block_q x H`` dQ tile
+  (`_DkvKernel.dq_half`)."""
   if (block_q, h) not in ((64, 128), (128, 64)):
     return (f"a step's dQ tile (block_q x head dim) must be 64 x 128 or 128 x 64; "
             f"got {block_q} x {h}")
-  if not causal and s % KEY_ROWS:
-    return (f"is_causal=False needs S a multiple of {KEY_ROWS} (padded keys "
-            f"would be unmasked); got S={s}")
+  if not causal:
+    return ("dQ additions are ordered for causal calls only (every key block "
+            "reaches each query tile in turn); got is_causal=False")
   if feat.dynamic:
     given = [name for name, on in (
         ("a local window", feat.window), ("query lengths", feat.q_len),
