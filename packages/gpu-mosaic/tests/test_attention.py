@@ -1263,6 +1263,29 @@ def test_fused_kernel_drops_pallas_store_barriers_at_mha_h128_only(monkeypatch):
     assert seen == want, (k, h, fuse_dq, seen)
 
 
+def test_fused_kernel_overlaps_dq_additions_under_gqa_at_h128_only(monkeypatch):
+  # Under GQA at H128 the producer frees a staged dQ tile once its copy has
+  # read it and confirms each addition with the next one in flight
+  # (`_DkvKernel.overlaps_dq_adds`); elsewhere it waits for each addition to
+  # land before the next (under MHA, ptxas spills otherwise).
+  waits = []
+  wait = akb.plgpu.wait_smem_to_gmem
+
+  def recording(n, wait_read_only=False):
+    waits.append((n, wait_read_only))
+    return wait(n, wait_read_only=wait_read_only)
+  monkeypatch.setattr(akb.plgpu, "wait_smem_to_gmem", recording)
+  for k, h, overlaps in ((2, 128, True), (4, 128, False), (2, 64, False)):
+    waits.clear()
+    q, key, v = _qkv(1, 256, 256, 4, k, h, jnp.bfloat16)
+    jax.eval_shape(functools.partial(
+        mat.mosaic_attention_bwd, scale=0.125, causal=True,
+        config=mat.AttentionVjpConfig(8192 // h, 128, 2, fuse_dq=True)),
+        q, key, v, q, q, jnp.zeros((1, 4, 256), jnp.float32))
+    want = {(0, False)} | ({(0, True), (1, False)} if overlaps else set())
+    assert set(waits) == want, (k, h, waits)
+
+
 def test_backward_fuse_dq_config_refusals():
   with pytest.raises(ValueError, match="orders its blocks itself.*head_major=True"):
     mat.AttentionVjpConfig(64, 128, 2, head_major=True, fuse_dq=True)

@@ -386,6 +386,23 @@ class _DkvKernel(_Shape):
     return absent
 
   @property
+  def bare_stores(self) -> bool:
+    """Whether the fused kernel runs without Pallas' barriers around its
+    shared-memory stores (`__call__`): under MHA at H128."""
+    return self.fused and self.group == 1 and self.h == 128
+
+  @property
+  def overlaps_dq_adds(self) -> bool:
+    """Whether the producer issues a step's dQ addition before the previous one
+    has landed (and frees its buffer once the copy has read it): under GQA at
+    H128, where the blocks' dQ rows outgrow L2 and the additions wait on DRAM;
+    B2 T8192 N32 K8 H128 causal forward+backward 0.849x -> 0.922x the two
+    kernels (notes/MEASUREMENTS.md, session 51). Under MHA, ptxas then spills
+    56 B in the consumers and serializes their wgmmas (so does every other
+    order of the same waits tried), as at H64 (244 -> 512 B)."""
+    return self.fused and self.group > 1 and self.h == 128
+
+  @property
   def nk(self):
     return self.sp // KEY_ROWS
 
@@ -693,21 +710,37 @@ class _DkvKernel(_Shape):
       plgpu.wait_smem_to_gmem(0)
       plgpu.barrier_arrive(r.dq_free.at[buf])
       return
+
+    def add():
+      plgpu.semaphore_wait(sem.at[counter], rank, decrement=False, memory_scope="gpu")
+      pl.when(rank == 0)(lambda: plgpu.copy_smem_to_gmem(src, dst))
+      pl.when(rank > 0)(lambda: plgpu.copy_smem_to_gmem(src, dst, reduction_op="add"))
+
+    if self.overlaps_dq_adds:
+      add()
+      # The previous addition is confirmed with this one in flight; this
+      # tile's buffer is free once the copy has read it. Taking this tile's
+      # turn before passing on the previous one's cannot deadlock: the ranks
+      # order a head's key blocks the same way at every tile (`dq_rank`).
+      pl.when(i > 0)(lambda: self.confirm_dq(r, blk, sem, i - 1, in_flight=1))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      plgpu.barrier_arrive(r.dq_free.at[buf])
+      return
     # The previous addition flew while the consumers staged this tile: pass it
     # on before waiting for this tile's turn, so that the blocks after this one
     # never wait on the ones before it.
     pl.when(i > 0)(lambda: self.confirm_dq(r, blk, sem, i - 1))
-    plgpu.semaphore_wait(sem.at[counter], rank, decrement=False, memory_scope="gpu")
-    pl.when(rank == 0)(lambda: plgpu.copy_smem_to_gmem(src, dst))
-    pl.when(rank > 0)(lambda: plgpu.copy_smem_to_gmem(src, dst, reduction_op="add"))
+    add()
 
-  def confirm_dq(self, r: _DkvRefs, blk: _DkvBlock, sem, i) -> None:
-    """Once step `i`'s addition (the last issued) has landed, let the next key
-    block add into its rows and free its buffer."""
-    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+  def confirm_dq(self, r: _DkvRefs, blk: _DkvBlock, sem, i, in_flight: int = 0) -> None:
+    """Once step `i`'s addition has landed (`in_flight` later ones may not have),
+    let the next key block add into its rows, and free its buffer unless
+    `overlaps_dq_adds` freed it already."""
+    plgpu.wait_smem_to_gmem(in_flight, wait_read_only=False)
     _, counter, _ = self.dq_target(r, blk, i)
     plgpu.semaphore_signal(sem.at[counter], 1, memory_scope="gpu")
-    plgpu.barrier_arrive(r.dq_free.at[lax.rem(i, 2)])
+    if not self.overlaps_dq_adds:
+      plgpu.barrier_arrive(r.dq_free.at[lax.rem(i, 2)])
 
   def scratch(self):
     rows, bq, h, stages = akc.WG_ROWS, self.bq, self.h, self.stages
@@ -786,7 +819,7 @@ class _DkvKernel(_Shape):
         # B and no serialization with them). The two-kernel path stores only
         # in its epilogues: no measurable change. notes/MEASUREMENTS.md,
         # session 50.
-        auto_barriers=not (self.fused and self.group == 1 and self.h == 128))
+        auto_barriers=not self.bare_stores)
     return call(q, k, v, do, lse2, delta, *extras)
 
 
