@@ -68,6 +68,8 @@ from tokamax_gpu_mosaic import _common
 from tokamax_gpu_mosaic import _pipeline
 from tokamax_gpu_mosaic import attention_kernel_common as akc
 
+import os
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionVjpConfig:
@@ -616,19 +618,29 @@ class _DkvKernel(_Shape):
     if not self.needs_dp:
       plgpu.barrier_wait(r.do_full.at[slot])  # dO lands while P^T is computed
 
-    sums = _common.accumulate(tuple(carry[g] for g in names),
-                              tuple(zip(operands, (b[g] for g in names))),
-                              operand_dtype=self.dtype)
+    overlap = self.bare_stores and os.environ.get("TOKAMAX_DQ_OVERLAP") == "1"
+    inits = tuple(carry[g] for g in names)
+    terms = tuple(zip(operands, (b[g] for g in names)))
+    if overlap:
+      rows, cols = self.dq_half(blk.wg)
+      zeros = plgpu.layout_cast(jnp.zeros((akc.WG_ROWS, akc.WG_ROWS), jnp.float32),
+                                plgpu.Layout.WGMMA)
+      dq_term = (_common.Transposed(_common.in_loop(r.dst_smem, i).at[:, rows]),
+                 _common.in_loop(r.k_smem, i).at[:, cols])
+      *sums, half = _common.accumulate(
+          inits + (zeros,), terms + (dq_term,), operand_dtype=self.dtype,
+          after_issue=lambda: plgpu.barrier_wait(r.ds_ready), late=1)
+      plgpu.barrier_arrive(r.dst_free)
+      plgpu.barrier_arrive(r.free.at[slot])
+      self.dq_step(r, blk, i, half)
+      return dict(zip(names, sums))
+    sums = _common.accumulate(inits, terms, operand_dtype=self.dtype)
     plgpu.barrier_arrive(r.free.at[slot])
     if self.fused:
       self.dq_step(r, blk, i)
     return dict(zip(names, sums))
 
-  def dq_step(self, r: _DkvRefs, blk: _DkvBlock, i) -> None:
-    """This consumer's half of step `i`'s dQ tile, ``(dS^T)^T K`` over both
-    consumers' keys, staged for the producer. Issued after dK and dV's
-    products: issued with them, the float32 operands still live, it spilled
-    (notes/MEASUREMENTS.md session 34)."""
+  def dq_product(self, r: _DkvRefs, blk: _DkvBlock, i):
     rows, cols = self.dq_half(blk.wg)
     plgpu.barrier_wait(r.ds_ready)
     zeros = plgpu.layout_cast(jnp.zeros((akc.WG_ROWS, akc.WG_ROWS), jnp.float32),
@@ -637,6 +649,16 @@ class _DkvKernel(_Shape):
         (zeros,), ((_common.Transposed(_common.in_loop(r.dst_smem, i).at[:, rows]),
                     _common.in_loop(r.k_smem, i).at[:, cols]),))
     plgpu.barrier_arrive(r.dst_free)
+    return half
+
+  def dq_step(self, r: _DkvRefs, blk: _DkvBlock, i, half=None) -> None:
+    """This consumer's half of step `i`'s dQ tile, ``(dS^T)^T K`` over both
+    consumers' keys, staged for the producer. Issued after dK and dV's
+    products: issued with them, the float32 operands still live, it spilled
+    (notes/MEASUREMENTS.md session 34)."""
+    rows, cols = self.dq_half(blk.wg)
+    if half is None:
+      half = self.dq_product(r, blk, i)
     buf = lax.rem(i, 2)
     _pipeline.wait_when(i >= 2, r.dq_free.at[buf])  # the producer has read it
     r.dq_smem.at[buf, rows, cols][...] = half
