@@ -600,7 +600,8 @@ class _DkvKernel(_Shape):
           segment_match=lambda: akc.same_segment(kv_ids, r.qseg_smem.at[slot],
                                                  shape))
 
-    if self.bare_stores and os.environ.get("TOKAMAX_EARLY_P") == "1":
+    if (self.bare_stores and not self.ping_pong
+        and os.environ.get("TOKAMAX_EARLY_P") == "1"):
       def probs(s):
         lse_col = _common.load(r.lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
         return _probs(s, self.c, self.feat.soft_cap,
@@ -645,7 +646,8 @@ class _DkvKernel(_Shape):
     if not self.needs_dp:
       plgpu.barrier_wait(r.do_full.at[slot])  # dO lands while P^T is computed
 
-    overlap = self.bare_stores and os.environ.get("TOKAMAX_DQ_OVERLAP") == "1"
+    overlap = (self.bare_stores and not self.ping_pong
+               and os.environ.get("TOKAMAX_DQ_OVERLAP") == "1")
     inits = tuple(carry[g] for g in names)
     terms = tuple(zip(operands, (b[g] for g in names)))
     if overlap:
