@@ -396,7 +396,7 @@ class _DkvKernel(_Shape):
     """Whether the producer issues a step's dQ addition before the previous one
     has landed (and frees its buffer once the copy has read it): under GQA at
     H128, where the blocks' dQ rows outgrow L2 and the additions wait on DRAM;
-    B2 T8192 N32 K8 H128 causal forward+backward 0.849x -> 0.922x the two
+    B2 T8192 N32 K8 H128 causal forward+backward 0.849x -> 0.925x the two
     kernels (notes/MEASUREMENTS.md, session 51). Under MHA, ptxas then spills
     56 B in the consumers and serializes their wgmmas (so does every other
     order of the same waits tried), as at H64 (244 -> 512 B)."""
