@@ -720,8 +720,9 @@ class _DkvKernel(_Shape):
       add()
       # The previous addition is confirmed with this one in flight; this
       # tile's buffer is free once the copy has read it. Taking this tile's
-      # turn before passing on the previous one's cannot deadlock: the ranks
-      # order a head's key blocks the same way at every tile (`dq_rank`).
+      # turn before passing on the previous one's cannot deadlock: a block
+      # waits only for higher key blocks of its head, at every tile
+      # (`dq_rank`), and the grid launches those first (`block`).
       pl.when(i > 0)(lambda: self.confirm_dq(r, blk, sem, i - 1, in_flight=1))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       plgpu.barrier_arrive(r.dq_free.at[buf])
@@ -733,9 +734,10 @@ class _DkvKernel(_Shape):
     add()
 
   def confirm_dq(self, r: _DkvRefs, blk: _DkvBlock, sem, i, in_flight: int = 0) -> None:
-    """Once step `i`'s addition has landed (`in_flight` later ones may not have),
-    let the next key block add into its rows, and free its buffer unless
-    `overlaps_dq_adds` freed it already."""
+    """Once step `i`'s addition has landed (`in_flight` later ones may not have:
+    the producer's bulk groups are its additions, one each, as `write_dq`
+    commits them), let the next key block add into its rows, and free its
+    buffer unless `overlaps_dq_adds` freed it already."""
     plgpu.wait_smem_to_gmem(in_flight, wait_read_only=False)
     _, counter, _ = self.dq_target(r, blk, i)
     plgpu.semaphore_signal(sem.at[counter], 1, memory_scope="gpu")
