@@ -233,7 +233,7 @@ class Transposed:
   ref: Any
 
 
-def accumulate(inits, terms, *, operand_dtype=None, after_issue=None):
+def accumulate(inits, terms, *, operand_dtype=None, after_issue=None, late=0):
   """``init + a @ b`` for each init and its ``(a, b)`` term, as WGMMAs into
   accumulators that start at `inits` (float32 register arrays; each `a` a
   register array, cast to `operand_dtype` if given inside the accumulation's
@@ -253,17 +253,23 @@ def accumulate(inits, terms, *, operand_dtype=None, after_issue=None):
   if interpreting():
     def value(a):
       return a.ref[...].T if isinstance(a, Transposed) else operand(a)
-    sums = tuple(init + jnp.dot(value(a), b[...], preferred_element_type=jnp.float32)
-                 for init, (a, b) in zip(inits, terms, strict=True))
+    def product(init, term):
+      a, b = term
+      return init + jnp.dot(value(a), b[...], preferred_element_type=jnp.float32)
+    early = len(terms) - late
+    sums = tuple(map(product, inits[:early], terms[:early]))
     if after_issue is not None:
       after_issue()
-    return sums
+    return sums + tuple(map(product, inits[early:], terms[early:]))
 
   def issue(accs):
-    for acc, (a, b) in zip(accs, terms, strict=True):
+    early = len(terms) - late
+    for acc, (a, b) in zip(accs[:early], terms[:early], strict=True):
       plgpu.wgmma(acc, operand(a), b)
     if after_issue is not None:
       after_issue()
+    for acc, (a, b) in zip(accs[early:], terms[early:], strict=True):
+      plgpu.wgmma(acc, operand(a), b)
   return pl.run_state(issue)(tuple(plgpu.ACC.init(x) for x in inits))
 
 
