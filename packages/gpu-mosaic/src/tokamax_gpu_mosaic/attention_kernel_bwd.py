@@ -600,7 +600,7 @@ class _DkvKernel(_Shape):
           segment_match=lambda: akc.same_segment(kv_ids, r.qseg_smem.at[slot],
                                                  shape))
 
-    if (self.bare_stores and not self.ping_pong
+    if (self.needs_dp and not self.ping_pong
         and os.environ.get("TOKAMAX_EARLY_P") == "1"):
       def probs(s):
         lse_col = _common.load(r.lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
@@ -1048,31 +1048,42 @@ class _DqKernel(_Shape):
     """Key tile `i`: S, dP, then dQ += dS K."""
     slot = blk.ring.slot(i)
     plgpu.barrier_wait(r.k_full.at[slot])
-    s, dp = _scores_pair((akc.WG_ROWS, self.bkv), tile.q_tile, r.k_smem.at[slot],
-                         r.v_full.at[slot], tile.do_tile, r.v_smem.at[slot],
-                         blk.pass_turn if self.ping_pong else None)
-    plgpu.barrier_arrive(r.v_free.at[slot])
+    shape = (akc.WG_ROWS, self.bkv)
 
     def visible():
       # Queries past the valid ones have lse2 = +inf (P = 0): no mask.
       def segment_match():
         slot = blk.ring.slot(i)
         plgpu.barrier_wait(r.seg_full.at[slot])
-        return akc.same_segment(tile.q_ids, r.kvseg_smem.at[slot], s.shape)
+        return akc.same_segment(tile.q_ids, r.kvseg_smem.at[slot], shape)
       _, kv_limit, off = blk.limits
       if self.feat.dynamic:
         return akc.visible_by_query_rows(
-            tile.r0, i * self.bkv, s.shape, self.feat,
+            tile.r0, i * self.bkv, shape, self.feat,
             kv_limit=kv_limit if self.pad_keys or self.feat.kv_len else None,
             off=off, segment_match=segment_match)
-      query = _pipeline.wgmma_iota(s.shape, 0) + tile.r0
-      key = _pipeline.wgmma_iota(s.shape, 1) + i * self.bkv
+      query = _pipeline.wgmma_iota(shape, 0) + tile.r0
+      key = _pipeline.wgmma_iota(shape, 1) + i * self.bkv
       return akc.visible(query, key, self.feat, dynamic=False, causal=self.causal,
                          s_true=self.s_true if self.pad_keys else None)
-    _, ds = _probs_and_ds(s, dp, self.c, self.feat.soft_cap,
-                          lambda: akc.bcast_rows(tile.lse_row, s.shape),
-                          lambda: akc.bcast_rows(tile.delta_row, dp.shape),
-                          visible if masked else None)
+
+    lse_b = lambda: akc.bcast_rows(tile.lse_row, shape)
+    delta_b = lambda: akc.bcast_rows(tile.delta_row, shape)
+    if not self.ping_pong and os.environ.get("TOKAMAX_EARLY_P") == "1":
+      def probs(s):
+        return _probs(s, self.c, self.feat.soft_cap, lse_b, visible if masked else None)
+      (p, th), dp = _scores_pair(shape, tile.q_tile, r.k_smem.at[slot],
+                                 r.v_full.at[slot], tile.do_tile, r.v_smem.at[slot],
+                                 None, between=probs)
+      plgpu.barrier_arrive(r.v_free.at[slot])
+      ds = _ds(p, dp, th, delta_b)
+    else:
+      s, dp = _scores_pair(shape, tile.q_tile, r.k_smem.at[slot],
+                           r.v_full.at[slot], tile.do_tile, r.v_smem.at[slot],
+                           blk.pass_turn if self.ping_pong else None)
+      plgpu.barrier_arrive(r.v_free.at[slot])
+      _, ds = _probs_and_ds(s, dp, self.c, self.feat.soft_cap, lse_b, delta_b,
+                            visible if masked else None)
     if self.ping_pong:
       # Materialized before the turn (see `_DkvKernel.step`).
       ds = lax.optimization_barrier(ds.astype(self.dtype))
