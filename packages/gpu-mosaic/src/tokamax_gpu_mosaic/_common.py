@@ -233,7 +233,7 @@ class Transposed:
   ref: Any
 
 
-def accumulate(inits, terms, *, operand_dtype=None, after_issue=None, late=0):
+def accumulate(inits, terms, *, operand_dtype=None, after_issue=None):
   """``init + a @ b`` for each init and its ``(a, b)`` term, as WGMMAs into
   accumulators that start at `inits` (float32 register arrays; each `a` a
   register array, cast to `operand_dtype` if given inside the accumulation's
@@ -253,23 +253,17 @@ def accumulate(inits, terms, *, operand_dtype=None, after_issue=None, late=0):
   if interpreting():
     def value(a):
       return a.ref[...].T if isinstance(a, Transposed) else operand(a)
-    def product(init, term):
-      a, b = term
-      return init + jnp.dot(value(a), b[...], preferred_element_type=jnp.float32)
-    early = len(terms) - late
-    sums = tuple(map(product, inits[:early], terms[:early]))
+    sums = tuple(init + jnp.dot(value(a), b[...], preferred_element_type=jnp.float32)
+                 for init, (a, b) in zip(inits, terms, strict=True))
     if after_issue is not None:
       after_issue()
-    return sums + tuple(map(product, inits[early:], terms[early:]))
+    return sums
 
   def issue(accs):
-    early = len(terms) - late
-    for acc, (a, b) in zip(accs[:early], terms[:early], strict=True):
+    for acc, (a, b) in zip(accs, terms, strict=True):
       plgpu.wgmma(acc, operand(a), b)
     if after_issue is not None:
       after_issue()
-    for acc, (a, b) in zip(accs[early:], terms[early:], strict=True):
-      plgpu.wgmma(acc, operand(a), b)
   return pl.run_state(issue)(tuple(plgpu.ACC.init(x) for x in inits))
 
 
