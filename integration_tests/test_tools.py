@@ -7,11 +7,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 
 import dataclasses  # noqa: E402
 import pathlib  # noqa: E402
+import subprocess  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pytest  # noqa: E402
+import experiment_overlay  # noqa: E402
 import kernel_breakdown  # noqa: E402
 import l2_model  # noqa: E402
 import none_check  # noqa: E402
@@ -524,3 +526,45 @@ def test_sm90_compile_summarizes_each_kernel():
   names = ["kernel_10.ptxas", "kernel_2.ptxas", "body_1.ptxas", "kernel_0.ptxas"]
   ordered = sorted((pathlib.Path(n) for n in names), key=sm90_compile.kernel_order)
   assert [p.stem for p in ordered] == ["body_1", "kernel_0", "kernel_2", "kernel_10"]
+
+
+def test_experiment_overlay_parts_keeps_package_sources_and_tests():
+  parts = experiment_overlay.overlay_parts([
+      "packages/gpu-mosaic/src/tokamax_gpu_mosaic/attention_kernel_bwd.py",
+      "packages/gpu-mosaic/src/tokamax_gpu_mosaic/_common.py",
+      "packages/gpu-mosaic/tests/test_attention.py",
+      "packages/gpu-mosaic/CHANGELOG.md", "notes/MEASUREMENTS.md"])
+  assert parts == ({"packages/gpu-mosaic/src/tokamax_gpu_mosaic"},
+                   {"packages/gpu-mosaic/tests/test_attention.py"})
+
+
+def test_experiment_overlay_restores_what_a_commit_took_out(tmp_path):
+  # A repository where an experiment went in and was taken out again: the
+  # overlay holds the experiment's package (all of it) and its test, and the
+  # repository's files are as they were.
+  repo = tmp_path / "repo"
+  src = repo / "packages" / "p" / "src" / "pkg"
+  src.mkdir(parents=True)
+  (repo / "packages" / "p" / "tests").mkdir()
+  git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True,
+                                  capture_output=True)
+  git("init", "-q")
+  git("config", "user.email", "t@example.com")
+  git("config", "user.name", "t")
+  (src / "kernel.py").write_text("MAIN = True\n")
+  (src / "other.py").write_text("OTHER = 1\n")
+  (repo / "packages" / "p" / "tests" / "test_k.py").write_text("# main\n")
+  git("add", "-A")
+  git("commit", "-qm", "main")
+  (src / "kernel.py").write_text("MAIN = False\n")
+  (repo / "packages" / "p" / "tests" / "test_k.py").write_text("# experiment\n")
+  git("commit", "-qam", "experiment")
+  git("revert", "--no-edit", "HEAD")
+  out = experiment_overlay.build("exp", "HEAD", tmp_path / "out", root=repo)
+  assert (out / "pkg" / "kernel.py").read_text() == "MAIN = False\n"
+  assert (out / "pkg" / "other.py").read_text() == "OTHER = 1\n"
+  assert (out / "tests" / "test_k.py").read_text() == "# experiment\n"
+  assert (src / "kernel.py").read_text() == "MAIN = True\n"
+  listed = subprocess.run(["git", "-C", str(repo), "worktree", "list"], check=True,
+                          capture_output=True, text=True).stdout
+  assert len(listed.splitlines()) == 1
