@@ -3,10 +3,11 @@
     python tools/experiment_overlay.py NAME COMMIT [--out .whl/exp]
 
 An experiment lands as a commit that adds it and a commit that takes it out
-(`git revert` of the second restores it). This script restores COMMIT's
-reverse in a throwaway worktree of HEAD (`git revert --no-commit COMMIT`) and
-copies each package whose source that changes (``packages/*/src/<package>``)
-to ``OUT/NAME/<package>``, and each changed test file to ``OUT/NAME/tests/``.
+(`git revert` of the second restores it). This script applies the reverse of
+COMMIT, the commit that took the experiment out, to a throwaway worktree of
+HEAD (`git revert --no-commit COMMIT`) and copies each package whose source
+that changes (``packages/*/src/<package>``, whole) to ``OUT/NAME/<package>``,
+and each changed test file to ``OUT/NAME/tests/``.
 Under ``.whl/`` the overlay travels with the device call's carried wheels; a
 step then runs the experiment ahead of the installed packages:
 
