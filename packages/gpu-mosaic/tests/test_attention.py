@@ -1255,12 +1255,18 @@ def test_fused_kernel_drops_pallas_store_barriers_at_mha_h128_only(monkeypatch):
   for k, h, fuse_dq, want in ((4, 128, True, [False]), (2, 128, True, [True]),
                               (4, 64, True, [True]), (4, 128, False, [True, True])):
     seen.clear()
-    q, key, v = _qkv(1, 256, 256, 4, k, h, jnp.bfloat16)
-    jax.eval_shape(functools.partial(
-        mat.mosaic_attention_bwd, scale=0.125, causal=True,
-        config=mat.AttentionVjpConfig(8192 // h, 128, 2, fuse_dq=fuse_dq)),
-        q, key, v, q, q, jnp.zeros((1, 4, 256), jnp.float32))
+    _trace_causal_backward(k, h, fuse_dq)
     assert seen == want, (k, h, fuse_dq, seen)
+
+
+def _trace_causal_backward(k: int, h: int, fuse_dq: bool) -> None:
+  """Traces the backward kernels of a small causal call (4 query heads, `k`
+  key/value heads, head dim `h`) without running them."""
+  q, key, v = _qkv(1, 256, 256, 4, k, h, jnp.bfloat16)
+  jax.eval_shape(functools.partial(
+      mat.mosaic_attention_bwd, scale=0.125, causal=True,
+      config=mat.AttentionVjpConfig(8192 // h, 128, 2, fuse_dq=fuse_dq)),
+      q, key, v, q, q, jnp.zeros((1, 4, 256), jnp.float32))
 
 
 def test_fused_kernel_overlaps_dq_additions_under_gqa_at_h128_only(monkeypatch):
@@ -1277,11 +1283,7 @@ def test_fused_kernel_overlaps_dq_additions_under_gqa_at_h128_only(monkeypatch):
   monkeypatch.setattr(akb.plgpu, "wait_smem_to_gmem", recording)
   for k, h, overlaps in ((2, 128, True), (4, 128, False), (2, 64, False)):
     waits.clear()
-    q, key, v = _qkv(1, 256, 256, 4, k, h, jnp.bfloat16)
-    jax.eval_shape(functools.partial(
-        mat.mosaic_attention_bwd, scale=0.125, causal=True,
-        config=mat.AttentionVjpConfig(8192 // h, 128, 2, fuse_dq=True)),
-        q, key, v, q, q, jnp.zeros((1, 4, 256), jnp.float32))
+    _trace_causal_backward(k, h, fuse_dq=True)
     want = {(0, False)} | ({(0, True), (1, False)} if overlaps else set())
     assert set(waits) == want, (k, h, waits)
 
