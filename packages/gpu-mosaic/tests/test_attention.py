@@ -1288,6 +1288,27 @@ def test_fused_kernel_overlaps_dq_additions_under_gqa_at_h128_only(monkeypatch):
     assert set(waits) == want, (k, h, waits)
 
 
+def test_backward_computes_probs_early_at_h64_only(monkeypatch):
+  # At H64 every backward kernel computes P from its first score product while
+  # the second's wgmma runs (`_Shape.early_probs`: one accumulator read with a
+  # wgmma still in flight); at H128 it waits for both (measured slower there).
+  early_reads = []
+  load = akb.plgpu.wgmma_accumulator_load
+
+  def recording(acc, wait_n=0):
+    early_reads.append(wait_n)
+    return load(acc, wait_n=wait_n)
+  monkeypatch.setattr(akb.plgpu, "wgmma_accumulator_load", recording)
+  # (key/value heads, head dim, fused dQ, kernels reading early): each such
+  # kernel traces its step twice, with and without the causal mask.
+  for k, h, fuse_dq, kernels in ((4, 64, False, 2), (2, 64, False, 2),
+                                 (4, 64, True, 1), (4, 128, False, 0),
+                                 (2, 128, True, 0)):
+    early_reads.clear()
+    _trace_causal_backward(k, h, fuse_dq)
+    assert early_reads == [1] * 2 * kernels, (k, h, fuse_dq, early_reads)
+
+
 def test_backward_fuse_dq_config_refusals():
   with pytest.raises(ValueError, match="orders its blocks itself.*head_major=True"):
     mat.AttentionVjpConfig(64, 128, 2, head_major=True, fuse_dq=True)

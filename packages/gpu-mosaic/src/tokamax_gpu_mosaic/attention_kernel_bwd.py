@@ -161,10 +161,12 @@ _SEGMENT_FIELDS = ("seg_range", "q_seg", "kv_seg", "qseg_smem", "kvseg_smem",
 # Shared by both kernels.
 
 
-def _scores_pair(shape, a0, b0, second_full, a1, b1, pass_turn=None):
+def _scores_pair(shape, a0, b0, second_full, a1, b1, pass_turn=None, between=None):
   """``a0 b0^T`` and ``a1 b1^T`` (float32 tiles of `shape`); the second waits
   for its operand's slot to land. `pass_turn`: the ping-pong pass right after
-  issuing both (the partner's dS is done: the tensor cores are ours next)."""
+  issuing both (the partner's dS is done: the tensor cores are ours next).
+  `between`: applied to the first product as soon as it is done, while the
+  second runs (its result returned in the first's place)."""
 
   def scores(s_acc, dp_acc):
     plgpu.wgmma(s_acc, a0, b0.T)
@@ -172,6 +174,9 @@ def _scores_pair(shape, a0, b0, second_full, a1, b1, pass_turn=None):
     plgpu.wgmma(dp_acc, a1, b1.T)
     if pass_turn is not None:
       pass_turn()
+    if between is not None:
+      first = between(plgpu.wgmma_accumulator_load(s_acc, wait_n=1))
+      return first, dp_acc[...]
     return s_acc[...], dp_acc[...]
   return pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32),
                        plgpu.ACC(shape, jnp.float32))
@@ -196,6 +201,15 @@ def _probs_and_ds(s, dp, c: float, soft_cap, lse_b, delta_b, visible=None):
   `lse_b`, `delta_b`: called for the broadcast lse2 and delta tiles at the
   point each is needed; `visible`: None (no mask) or called for the mask.
   """
+  p, th = _probs(s, c, soft_cap, lse_b, visible)
+  if dp is None:
+    return p, None
+  return p, _ds(p, dp, th, delta_b)
+
+
+def _probs(s, c: float, soft_cap, lse_b, visible=None):
+  """`_probs_and_ds`'s P, and the soft cap's tanh (None without one)."""
+  th = None
   if soft_cap is None:
     z = s * c - lse_b()
   else:
@@ -205,13 +219,15 @@ def _probs_and_ds(s, dp, c: float, soft_cap, lse_b, delta_b, visible=None):
     keep = visible()
     if keep is not None:
       z = jnp.where(keep, z, -jnp.inf)
-  p = jnp.exp2(z)
-  if dp is None:
-    return p, None
+  return jnp.exp2(z), th
+
+
+def _ds(p, dp, th, delta_b):
+  """`_probs_and_ds`'s dS from P, dP and `_probs`' tanh."""
   ds = p * (dp - delta_b())
-  if soft_cap is not None:
+  if th is not None:
     ds = ds * (1.0 - th * th)  # d(cap tanh(x / cap)) / dx
-  return p, ds
+  return ds
 
 
 def _turn_passes(wg, ping_pong: bool, pass_turn, run):
@@ -267,6 +283,16 @@ class _Shape:
     1.062, GQA B2 T8192 N32 K8 unchanged. At H64 it lost (dQ 1.43 -> 1.56 ms).
     """
     return _pipeline.WIDE_CONSUMER_REGS if self.h >= 128 else None
+
+  @property
+  def early_probs(self) -> bool:
+    """Whether a step computes P from its first score product while the
+    second's wgmma still runs (`_scores_pair`'s `between`), rather than after
+    both are done. Measured against P after both (notes/MEASUREMENTS.md,
+    session 52): at H64 1.000-1.048x forward+backward over the 14 H64 grid and
+    bench shapes; at H128 0.987-1.009x, so H128 keeps the later P. Not with
+    ping-pong, whose turn passes between the two products."""
+    return self.h <= 64 and not self.ping_pong
 
   def transforms(self, step_rows: int):
     """SMEM transforms of every tile of a kernel whose accumulating matmuls
@@ -566,32 +592,43 @@ class _DkvKernel(_Shape):
     k_tile, v_tile = self.kv_tiles(r, blk.wg, base + j)
     plgpu.barrier_wait(r.q_full.at[slot])
     shape = (akc.WG_ROWS, self.bq)
-    if self.needs_dp:
-      s, dp = _scores_pair(shape, k_tile, r.q_smem.at[slot], r.do_full.at[slot],
-                           v_tile, r.do_smem.at[slot],
-                           blk.pass_turn if self.ping_pong else None)
-    else:
-      s, dp = _scores(shape, k_tile, r.q_smem.at[slot],
-                      blk.pass_turn if self.ping_pong else None), None
-    lse_col = _common.load(r.lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
 
     def delta_b():
       delta_col = _common.load(r.delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-      return akc.bcast_cols(delta_col, dp.shape)
+      return akc.bcast_cols(delta_col, shape)
 
     def visible():
       # Keys past the valid ones are not masked here: their dK/dV rows are
       # zeroed at the end. Queries past the valid ones have lse2 = +inf.
-      key = _pipeline.wgmma_iota(s.shape, 0) + r0
-      query = _pipeline.wgmma_iota(s.shape, 1) + j * self.bq
+      key = _pipeline.wgmma_iota(shape, 0) + r0
+      query = _pipeline.wgmma_iota(shape, 1) + j * self.bq
       return akc.visible(
           query, key, self.feat, dynamic=self.feat.dynamic, causal=True,
           off=blk.limits[2],
           segment_match=lambda: akc.same_segment(kv_ids, r.qseg_smem.at[slot],
-                                                 s.shape))
-    p, ds = _probs_and_ds(s, dp, self.c, self.feat.soft_cap,
-                          lambda: akc.bcast_cols(lse_col, s.shape), delta_b,
-                          visible if masked else None)
+                                                 shape))
+
+    if self.needs_dp and self.early_probs:
+      def probs(s):
+        lse_col = _common.load(r.lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+        return _probs(s, self.c, self.feat.soft_cap,
+                      lambda: akc.bcast_cols(lse_col, shape),
+                      visible if masked else None)
+      (p, th), dp = _scores_pair(shape, k_tile, r.q_smem.at[slot], r.do_full.at[slot],
+                                 v_tile, r.do_smem.at[slot], None, between=probs)
+      ds = _ds(p, dp, th, delta_b)
+    else:
+      if self.needs_dp:
+        s, dp = _scores_pair(shape, k_tile, r.q_smem.at[slot], r.do_full.at[slot],
+                             v_tile, r.do_smem.at[slot],
+                             blk.pass_turn if self.ping_pong else None)
+      else:
+        s, dp = _scores(shape, k_tile, r.q_smem.at[slot],
+                        blk.pass_turn if self.ping_pong else None), None
+      lse_col = _common.load(r.lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+      p, ds = _probs_and_ds(s, dp, self.c, self.feat.soft_cap,
+                            lambda: akc.bcast_cols(lse_col, shape), delta_b,
+                            visible if masked else None)
     # dV += P^T dO first (P^T is ready first), then dK += dS^T Q.
     names = tuple(g for g in ("dv", "dk") if g in carry)
     a = {"dv": p, "dk": ds}
@@ -997,31 +1034,42 @@ class _DqKernel(_Shape):
     """Key tile `i`: S, dP, then dQ += dS K."""
     slot = blk.ring.slot(i)
     plgpu.barrier_wait(r.k_full.at[slot])
-    s, dp = _scores_pair((akc.WG_ROWS, self.bkv), tile.q_tile, r.k_smem.at[slot],
-                         r.v_full.at[slot], tile.do_tile, r.v_smem.at[slot],
-                         blk.pass_turn if self.ping_pong else None)
-    plgpu.barrier_arrive(r.v_free.at[slot])
+    shape = (akc.WG_ROWS, self.bkv)
 
     def visible():
       # Queries past the valid ones have lse2 = +inf (P = 0): no mask.
       def segment_match():
         slot = blk.ring.slot(i)
         plgpu.barrier_wait(r.seg_full.at[slot])
-        return akc.same_segment(tile.q_ids, r.kvseg_smem.at[slot], s.shape)
+        return akc.same_segment(tile.q_ids, r.kvseg_smem.at[slot], shape)
       _, kv_limit, off = blk.limits
       if self.feat.dynamic:
         return akc.visible_by_query_rows(
-            tile.r0, i * self.bkv, s.shape, self.feat,
+            tile.r0, i * self.bkv, shape, self.feat,
             kv_limit=kv_limit if self.pad_keys or self.feat.kv_len else None,
             off=off, segment_match=segment_match)
-      query = _pipeline.wgmma_iota(s.shape, 0) + tile.r0
-      key = _pipeline.wgmma_iota(s.shape, 1) + i * self.bkv
+      query = _pipeline.wgmma_iota(shape, 0) + tile.r0
+      key = _pipeline.wgmma_iota(shape, 1) + i * self.bkv
       return akc.visible(query, key, self.feat, dynamic=False, causal=self.causal,
                          s_true=self.s_true if self.pad_keys else None)
-    _, ds = _probs_and_ds(s, dp, self.c, self.feat.soft_cap,
-                          lambda: akc.bcast_rows(tile.lse_row, s.shape),
-                          lambda: akc.bcast_rows(tile.delta_row, dp.shape),
-                          visible if masked else None)
+
+    lse_b = lambda: akc.bcast_rows(tile.lse_row, shape)
+    delta_b = lambda: akc.bcast_rows(tile.delta_row, shape)
+    if self.early_probs:
+      def probs(s):
+        return _probs(s, self.c, self.feat.soft_cap, lse_b, visible if masked else None)
+      (p, th), dp = _scores_pair(shape, tile.q_tile, r.k_smem.at[slot],
+                                 r.v_full.at[slot], tile.do_tile, r.v_smem.at[slot],
+                                 None, between=probs)
+      plgpu.barrier_arrive(r.v_free.at[slot])
+      ds = _ds(p, dp, th, delta_b)
+    else:
+      s, dp = _scores_pair(shape, tile.q_tile, r.k_smem.at[slot],
+                           r.v_full.at[slot], tile.do_tile, r.v_smem.at[slot],
+                           blk.pass_turn if self.ping_pong else None)
+      plgpu.barrier_arrive(r.v_free.at[slot])
+      _, ds = _probs_and_ds(s, dp, self.c, self.feat.soft_cap, lse_b, delta_b,
+                            visible if masked else None)
     if self.ping_pong:
       # Materialized before the turn (see `_DkvKernel.step`).
       ds = lax.optimization_barrier(ds.astype(self.dtype))
