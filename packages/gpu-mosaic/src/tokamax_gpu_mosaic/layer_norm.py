@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-import os
 
 import jax
 import jax.numpy as jnp
@@ -78,13 +77,12 @@ def _row_sum(pieces) -> jax.Array:
   return jnp.sum(functools.reduce(operator.add, pieces))
 
 
-def _load_piece(ref, vector: int, keep_dtype: bool = False) -> jax.Array:
+def _load_piece(ref, vector: int) -> jax.Array:
   """One ``[PIECE]`` piece in float32, in the strided layout of `vector`
   elements a thread (x's 16 bytes): the layout every piece shares, whatever
   the dtype it was loaded from (a float32 scale for a bfloat16 x)."""
   layout = plgpu.Layout.WG_STRIDED((PIECE,), vec_size=vector)
-  piece = _common.load(ref, layout=layout)
-  return piece if keep_dtype else piece.astype(jnp.float32)
+  return _common.load(ref, layout=layout).astype(jnp.float32)
 
 
 def _kernel(*refs, rows_per_block: int, d: int, epsilon: float,
@@ -98,27 +96,16 @@ def _kernel(*refs, rows_per_block: int, d: int, epsilon: float,
   first_row = lax.axis_index("rows") * rows_per_block
   pieces = [pl.ds(p * PIECE, PIECE) for p in range(d // PIECE)]
   vector = 16 // jnp.dtype(x_ref.dtype).itemsize
-  packed = os.environ.get("TOKAMAX_NORM_PACKED") == "1"
-  rows = [[_load_piece(x_ref.at[first_row + r, cols], vector, keep_dtype=packed)
-           for cols in pieces] for r in range(rows_per_block)]
+  rows = [[_load_piece(x_ref.at[first_row + r, cols], vector) for cols in pieces]
+          for r in range(rows_per_block)]
   for r, x in enumerate(rows):
-    def widened(x=x):
-      if not packed:
-        return x
-      x = lax.optimization_barrier(x)
-      return [xp.astype(jnp.float32) for xp in x]
     if subtract_mean:
-      mean = _row_sum(widened()) * (1.0 / d)
-      if packed:
-        centered = lambda: [xp - mean for xp in widened()]
-      else:
-        x = [xp - mean for xp in x]
-        centered = lambda x=x: x
+      mean = _row_sum(x) * (1.0 / d)
+      x = [xp - mean for xp in x]
     else:
       mean = jnp.float32(0.0)
-      centered = widened
-    rstd = lax.rsqrt(_row_sum([xp * xp for xp in centered()]) * (1.0 / d) + epsilon)
-    for cols, xp in zip(pieces, centered()):
+    rstd = lax.rsqrt(_row_sum([xp * xp for xp in x]) * (1.0 / d) + epsilon)
+    for cols, xp in zip(pieces, x):
       y = xp * rstd
       if has_scale:
         y = y * _load_piece(scale_ref.at[cols], vector)
