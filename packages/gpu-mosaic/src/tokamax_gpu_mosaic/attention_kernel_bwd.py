@@ -17,6 +17,10 @@ notes/MOSAIC_GPU.md sessions 34 and 50):
   layout: the producer streams K and V tiles; per key tile ``S = Q K^T`` and
   ``dP = dO V^T``, P, dS, then ``dQ += dS K``.
 
+In both, at H64 P is computed from the first score product while the second's
+wgmma still runs (`_Shape.early_probs`); at H128 after both (measured slower
+early there).
+
 Registers per consumer thread (an f32 64 x n tile takes n/2): dK/dV holds dK
 and dV (H) plus S^T and dP^T (block_q); dQ holds dQ (H/2) plus S and dP. At
 H256 dK and dV do not fit together (256 registers): `split_dkv` runs the dK/dV
