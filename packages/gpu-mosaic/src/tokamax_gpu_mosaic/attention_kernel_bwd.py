@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any, NamedTuple
 
 import jax
@@ -297,8 +296,7 @@ class _Shape:
     session 52): at H64 1.000-1.048x forward+backward over the 14 H64 grid and
     bench shapes; at H128 0.987-1.009x, so H128 keeps the later P. Not with
     ping-pong, whose turn passes between the two products."""
-    wide = os.environ.get("TOKAMAX_EARLY_P_H128") == "1" and self.h == 128
-    return (self.h <= 64 or wide) and not self.ping_pong
+    return self.h <= 64 and not self.ping_pong
 
   def transforms(self, step_rows: int):
     """SMEM transforms of every tile of a kernel whose accumulating matmuls
