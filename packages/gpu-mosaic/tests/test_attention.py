@@ -1259,13 +1259,14 @@ def test_fused_kernel_drops_pallas_store_barriers_at_mha_h128_only(monkeypatch):
     assert seen == want, (k, h, fuse_dq, seen)
 
 
-def _trace_causal_backward(k: int, h: int, fuse_dq: bool) -> None:
+def _trace_causal_backward(k: int, h: int, fuse_dq: bool, ping_pong: bool = False) -> None:
   """Traces the backward kernels of a small causal call (4 query heads, `k`
   key/value heads, head dim `h`) without running them."""
   q, key, v = _qkv(1, 256, 256, 4, k, h, jnp.bfloat16)
+  config = mat.AttentionVjpConfig(8192 // h, 128, 2, fuse_dq=fuse_dq, ping_pong=ping_pong,
+                                  ping_pong_dq=ping_pong)
   jax.eval_shape(functools.partial(
-      mat.mosaic_attention_bwd, scale=0.125, causal=True,
-      config=mat.AttentionVjpConfig(8192 // h, 128, 2, fuse_dq=fuse_dq)),
+      mat.mosaic_attention_bwd, scale=0.125, causal=True, config=config),
       q, key, v, q, q, jnp.zeros((1, 4, 256), jnp.float32))
 
 
@@ -1291,7 +1292,8 @@ def test_fused_kernel_overlaps_dq_additions_under_gqa_at_h128_only(monkeypatch):
 def test_backward_computes_probs_early_at_h64_only(monkeypatch):
   # At H64 every backward kernel computes P from its first score product while
   # the second's wgmma runs (`_Shape.early_probs`: one accumulator read with a
-  # wgmma still in flight); at H128 it waits for both (measured slower there).
+  # wgmma still in flight); at H128 it waits for both (measured slower there),
+  # and so does ping-pong (whose turn the early path does not pass).
   early_reads = []
   load = akb.plgpu.wgmma_accumulator_load
 
@@ -1299,14 +1301,14 @@ def test_backward_computes_probs_early_at_h64_only(monkeypatch):
     early_reads.append(wait_n)
     return load(acc, wait_n=wait_n)
   monkeypatch.setattr(akb.plgpu, "wgmma_accumulator_load", recording)
-  # (key/value heads, head dim, fused dQ, kernels reading early): each such
-  # kernel traces its step twice, with and without the causal mask.
-  for k, h, fuse_dq, kernels in ((4, 64, False, 2), (2, 64, False, 2),
-                                 (4, 64, True, 1), (4, 128, False, 0),
-                                 (2, 128, True, 0)):
+  # (key/value heads, head dim, fused dQ, ping-pong, kernels reading early):
+  # each such kernel traces its step twice, with and without the causal mask.
+  for k, h, fuse_dq, ping_pong, kernels in (
+      (4, 64, False, False, 2), (2, 64, False, False, 2), (4, 64, True, False, 1),
+      (4, 64, False, True, 0), (4, 128, False, False, 0), (2, 128, True, False, 0)):
     early_reads.clear()
-    _trace_causal_backward(k, h, fuse_dq)
-    assert early_reads == [1] * 2 * kernels, (k, h, fuse_dq, early_reads)
+    _trace_causal_backward(k, h, fuse_dq, ping_pong)
+    assert early_reads == [1] * 2 * kernels, (k, h, fuse_dq, ping_pong, early_reads)
 
 
 def test_backward_fuse_dq_config_refusals():

@@ -295,7 +295,8 @@ class _Shape:
     both are done. Measured against P after both (notes/MEASUREMENTS.md,
     session 52): at H64 1.000-1.048x forward+backward over the 14 H64 grid and
     bench shapes; at H128 0.987-1.009x, so H128 keeps the later P. Not with
-    ping-pong, whose turn passes between the two products."""
+    ping-pong: the early path passes no turn (it would hang), and that
+    schedule was not measured."""
     return self.h <= 64 and not self.ping_pong
 
   def transforms(self, step_rows: int):
@@ -619,7 +620,7 @@ class _DkvKernel(_Shape):
                       lambda: akc.bcast_cols(lse_col, shape),
                       visible if masked else None)
       (p, th), dp = _scores_pair(shape, k_tile, r.q_smem.at[slot], r.do_full.at[slot],
-                                 v_tile, r.do_smem.at[slot], None, between=probs)
+                                 v_tile, r.do_smem.at[slot], between=probs)
       ds = _ds(p, dp, th, delta_b)
     else:
       if self.needs_dp:
@@ -1064,7 +1065,7 @@ class _DqKernel(_Shape):
         return _probs(s, self.c, self.feat.soft_cap, lse_b, visible if masked else None)
       (p, th), dp = _scores_pair(shape, tile.q_tile, r.k_smem.at[slot],
                                  r.v_full.at[slot], tile.do_tile, r.v_smem.at[slot],
-                                 None, between=probs)
+                                 between=probs)
       plgpu.barrier_arrive(r.v_free.at[slot])
       ds = _ds(p, dp, th, delta_b)
     else:
