@@ -14,6 +14,7 @@ from jax import export
 import tokamax
 from tokamax._src import registry
 from tokamax._src import dispatch
+from tokamax._src import op as op_module
 from tokamax._src.dispatch.candidates import tuned_order
 from tokamax._src.tuning import results
 from tokamax._src.tuning import shipped
@@ -313,6 +314,27 @@ def test_shipped_tuned_data_drives_none(fresh_registry, tmp_path):
     tokamax.dot_product_attention(q, q, q)
   assert records[0].implementation == "xla_chunked"
   assert records[0].config == attention_xla.ChunkConfig(16)
+
+
+def test_tuned_data_applies_on_the_device_dispatch_decides_for(fresh_registry, tmp_path):
+  """Shipped and in-context tuned data apply on the device kind `DeviceInfo.of`
+  names, the one dispatch decides for: tools/sm90_compile.py names an H200 there
+  to compile on a CPU machine as dispatch would on an H200."""
+  q = _rand(1, 48, 2, 8)
+  args = _canonical_attention(q)
+  text = _result_text(q, 16, device_kind="NVIDIA H200")
+  _shipped_setup(fresh_registry, tmp_path, {}, "tuned_h200")
+  (tmp_path / "tuned_h200" / "nvidia_h200").mkdir()
+  (tmp_path / "tuned_h200" / "nvidia_h200" / "dot_product_attention.json").write_text(text)
+  in_context = results.AutotuningResult.loads(text)
+  times = lambda: shipped.shipped().measured_times("dot_product_attention", "forward", args)
+  assert times() == {}  # on this CPU: no data for it
+  h200 = op_module.DeviceInfo("gpu", "NVIDIA H200", compute_capability="9.0")
+  fresh_registry.setattr(op_module.DeviceInfo, "of", classmethod(lambda cls, arrays=(): h200))
+  shipped.shipped().reset()
+  assert times() == {"xla_chunked": 1.0, "xla": 5.0}
+  assert in_context.measured_times("dot_product_attention", "forward", args) == {
+      "xla_chunked": 1.0, "xla": 5.0}
 
 
 @pytest.mark.parametrize("problem,text_fn,match", [

@@ -15,10 +15,9 @@ import warnings
 from collections.abc import Iterable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
-from tokamax._src.op import Op, VjpOp
+from tokamax._src.op import DeviceInfo, Op, VjpOp
 from tokamax._src.tuning import context
 from tokamax._src.tuning import nearest
 
@@ -135,7 +134,10 @@ class AutotuningResult:
   def _applies_here(self) -> bool:
     if self.device_kind is None:
       return True
-    here = jax.devices()[0].device_kind
+    # The device dispatch decides for (`DeviceInfo.of`), not jax.devices()
+    # directly: tools/sm90_compile.py compiles for an H200 on a CPU machine by
+    # overriding that, and must see the H200's data as dispatch on one would.
+    here = DeviceInfo.of().device_kind
     if here != self.device_kind:
       if "device" not in self._warned:
         self._warned.add("device")

@@ -18,6 +18,7 @@ import warnings
 import jax
 
 from tokamax._src import registry
+from tokamax._src.op import DeviceInfo
 from tokamax._src.tuning.results import AutotuningResult
 
 
@@ -87,7 +88,7 @@ class _Shipped:
     self._by_device: dict[str, object] = {}
 
   def _result(self):
-    kind = jax.devices()[0].device_kind
+    kind = DeviceInfo.of().device_kind  # as `AutotuningResult._applies_here`
     found = registry.get()
     with self._lock:
       # `registry.reset()` (a plugin installed in-process) makes a new
