@@ -293,7 +293,7 @@ class _Shape:
     """Whether a step computes P from its first score product while the
     second's wgmma still runs (`_scores_pair`'s `between`), rather than after
     both are done. Measured against P after both (notes/MEASUREMENTS.md,
-    session 52): at H64 1.000-1.048x forward+backward over the 14 H64 grid and
+    session 52): at H64 0.998-1.048x forward+backward over the 14 H64 grid and
     bench shapes; at H128 0.987-1.009x, so H128 keeps the later P. Not with
     ping-pong: the early path passes no turn (it would hang), and that
     schedule was not measured."""
