@@ -598,6 +598,10 @@ class _DkvKernel(_Shape):
     plgpu.barrier_wait(r.q_full.at[slot])
     shape = (akc.WG_ROWS, self.bq)
 
+    def lse_b():
+      lse_col = _common.load(r.lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+      return akc.bcast_cols(lse_col, shape)
+
     def delta_b():
       delta_col = _common.load(r.delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
       return akc.bcast_cols(delta_col, shape)
@@ -613,26 +617,20 @@ class _DkvKernel(_Shape):
           segment_match=lambda: akc.same_segment(kv_ids, r.qseg_smem.at[slot],
                                                  shape))
 
+    turn = blk.pass_turn if self.ping_pong else None
     if self.needs_dp and self.early_probs:
-      def probs(s):
-        lse_col = _common.load(r.lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-        return _probs(s, self.c, self.feat.soft_cap,
-                      lambda: akc.bcast_cols(lse_col, shape),
-                      visible if masked else None)
+      probs = lambda s: _probs(s, self.c, self.feat.soft_cap, lse_b,
+                               visible if masked else None)
       (p, th), dp = _scores_pair(shape, k_tile, r.q_smem.at[slot], r.do_full.at[slot],
                                  v_tile, r.do_smem.at[slot], between=probs)
       ds = _ds(p, dp, th, delta_b)
     else:
       if self.needs_dp:
         s, dp = _scores_pair(shape, k_tile, r.q_smem.at[slot], r.do_full.at[slot],
-                             v_tile, r.do_smem.at[slot],
-                             blk.pass_turn if self.ping_pong else None)
+                             v_tile, r.do_smem.at[slot], turn)
       else:
-        s, dp = _scores(shape, k_tile, r.q_smem.at[slot],
-                        blk.pass_turn if self.ping_pong else None), None
-      lse_col = _common.load(r.lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-      p, ds = _probs_and_ds(s, dp, self.c, self.feat.soft_cap,
-                            lambda: akc.bcast_cols(lse_col, shape), delta_b,
+        s, dp = _scores(shape, k_tile, r.q_smem.at[slot], turn), None
+      p, ds = _probs_and_ds(s, dp, self.c, self.feat.soft_cap, lse_b, delta_b,
                             visible if masked else None)
     # dV += P^T dO first (P^T is ready first), then dK += dS^T Q.
     names = tuple(g for g in ("dv", "dk") if g in carry)
