@@ -963,6 +963,20 @@ def test_configs_fit():
       mat.AttentionConfig(block_kv=128, num_stages=2))
 
 
+@pytest.mark.parametrize("h,overlap", [(64, False), (128, True), (256, True)])
+def test_heuristic_overlaps_where_measured_faster(h, overlap):
+  # The forward's intra-warpgroup overlap measured faster on the H200 at H128
+  # and H256 and slower at H64 (`attention._heuristic_tiles`); in the
+  # interpreter, which cannot run it, the plain schedule at every head dim.
+  op = mat.MosaicGpuAttention()
+  for causal in (False, True):
+    args = _args(h=h, t=4096, s=4096, is_causal=causal)
+    assert op.heuristic_config(args).overlap_qk == overlap
+    with tokamax.interpret():
+      if _common.interpreter_runs_these_kernels():
+        assert not op.heuristic_config(args).overlap_qk
+
+
 @pytest.mark.parametrize("kw,persistent", [
     ({}, True),  # every query tile sees every key
     # Causal: the tiles shorten; persistent where it measured faster (H64, or

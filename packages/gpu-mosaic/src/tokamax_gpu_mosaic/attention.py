@@ -81,11 +81,12 @@ def _heuristic_tiles(args) -> AttentionConfig:
   # Measured on the H200 (tools/tune.py): block_kv 128 beats 64 by 10-15%; at
   # H64 two stages beat three (1.185-1.215 vs 1.209 ms; causal 0.607 vs 0.619).
   # overlap_qk pays at H128 (B4 T4096: 0.968 -> 0.900 ms, causal 0.500 -> 0.480,
-  # GQA 1.731 -> 1.623) and loses at H64 (1.211 -> 1.245, causal 0.602 -> 0.671);
-  # H256 is not measured: the plain schedule.
+  # GQA 1.731 -> 1.623) and at H256 (B8 T4096 N32 K8: 6.156 -> 5.640 ms, causal
+  # 3.297 -> 3.047; B2 T16384 N16 causal 6.132 -> 5.637: notes/MEASUREMENTS.md
+  # session 53, item 5), and loses at H64 (1.211 -> 1.245, causal 0.602 -> 0.671).
   preferred = {64: ((128, 2, False),),
                128: ((128, 2, True), (128, 2, False), (64, 3, False)),
-               256: ((64, 2, False),)}[h]
+               256: ((64, 2, True), (64, 2, False))}[h]
   # overlap_qk: static features only. With sliding windows (in the search space:
   # `_overlap_takes`) it measured even on the H200 (0.992x W1024, 1.003x W4096:
   # notes/MEASUREMENTS.md session 32, item 3).
