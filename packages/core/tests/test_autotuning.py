@@ -316,6 +316,28 @@ def test_shipped_tuned_data_drives_none(fresh_registry, tmp_path):
   assert records[0].config == attention_xla.ChunkConfig(16)
 
 
+def test_a_grid_file_ranks_but_its_configs_do_not_run(fresh_registry, tmp_path):
+  """A grid file records each implementation's heuristic config of the day it
+  was measured: its times rank the implementations, and the call runs today's
+  heuristic (a heuristic change reaches the grid points too); a per-call file's
+  config runs, also where a grid measured the same call."""
+  q = _rand(1, 48, 2, 8)
+  heuristic = attention_xla.XlaChunkedAttention().heuristic_config(_canonical_attention(q))
+  assert heuristic != attention_xla.ChunkConfig(16)
+  _shipped_setup(fresh_registry, tmp_path,
+                 {"dot_product_attention_grid.json": _result_text(q, 16)}, "tuned_grid")
+  with tokamax.record_dispatch() as records:
+    tokamax.dot_product_attention(q, q, q)
+  assert records[0].implementation == "xla_chunked"  # ranked first by the grid
+  assert records[0].config == heuristic
+  (tmp_path / "tuned_grid" / "cpu" / "dot_product_attention.json").write_text(
+      _result_text(q, 8))
+  shipped.shipped().reset()
+  with tokamax.record_dispatch() as records:
+    tokamax.dot_product_attention(q, q, q)
+  assert records[0].config == attention_xla.ChunkConfig(8)
+
+
 def test_tuned_data_applies_on_the_device_dispatch_decides_for(fresh_registry, tmp_path):
   """Shipped and in-context tuned data apply on the device kind `DeviceInfo.of`
   names, the one dispatch decides for: tools/sm90_compile.py names an H200 there

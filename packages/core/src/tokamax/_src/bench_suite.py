@@ -668,7 +668,7 @@ def autotune_suite(ops: list[str] | None, shapes: list[str] | None, out: str,
         integer_inputs=integer_inputs))
     if grid:
       _write_per_op(_with_earlier_grid(_first_party_only(result), folder, p.op, skip),
-                    folder, "_grid", only=p.op)
+                    folder, shipped.GRID_SUFFIX, only=p.op)
   if not grid:
     _write_per_op(_first_party_only(result), folder, "")
 
@@ -681,7 +681,7 @@ def _with_earlier_grid(result, folder: str, op: str, skip: tuple[str, ...] = ())
   records the earlier file's versions updated with this run's (a skipped
   implementation's package stays named): kept entries are comparable only where
   the earlier runs used the same JAX and packages."""
-  path = os.path.join(folder, f"{op}_grid.json")
+  path = os.path.join(folder, shipped.grid_file(op))
   if not os.path.exists(path):
     return result
   with open(path) as f:
