@@ -138,6 +138,9 @@ def test_grid_suite_holds_every_op_s_grid():
   names = {(p.op, p.name) for p in bench_suite.grid_suite()}
   assert ("layer_norm", "rms_norm 4096x16384") in names
   assert ("ragged_dot", "M16384 K4096 N4096 G64 random") in names
+  # Attention at 8192 tokens too, the dense model's block among them.
+  assert ("dot_product_attention", "B2 T4096 N32 K8 H128 causal") in names
+  assert ("dot_product_attention", "B8 T1024 N16 H256") in names
   assert {op for op, _ in names} == {p.op for p in bench_suite.reference_suite()}
 
 

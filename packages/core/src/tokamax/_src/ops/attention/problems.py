@@ -84,12 +84,19 @@ def grid_problems() -> list[Problem]:
   """The shapes tuned data is measured on (`autotune --grid`): sequence lengths
   4x apart at 32768 tokens, head dims 64-256, MHA and GQA (each head dim: the two
   rank differently, notes/MEASUREMENTS.md, session 13, item 5), causal or not, and
-  sliding windows; calls between them take the nearest one's ranking."""
+  sliding windows; calls between them take the nearest one's ranking.
+
+  And the same at 8192 tokens (T1024 and T4096), a quarter of the work: there
+  the rankings can turn (H200, session 53, item 6-7: B2 T4096 N16 K8 H256 causal
+  ran 1.15x cuDNN's forward where B8 T4096 N32 K8, its nearest point at 32768
+  tokens, ran 0.96x), and the end-to-end benchmark's dense block (B2 T4096 N32
+  K8 H128 causal) is one of them."""
   shapes = []
-  for t in (1024, 4096, 16384):
-    for h in (64, 128, 256):
-      for n, k in ((16, 16), (32, 8)):
-        shapes += [(32768 // t, t, n, k, h, c) for c in (False, True)]
+  for tokens, lengths in ((32768, (1024, 4096, 16384)), (8192, (1024, 4096))):
+    for t in lengths:
+      for h in (64, 128, 256):
+        for n, k in ((16, 16), (32, 8)):
+          shapes += [(tokens // t, t, n, k, h, c) for c in (False, True)]
   return ([problem(*s) for s in shapes] +
           [problem(32768 // t, t, 32, 8, 128, True, window=w)
            for t, w in ((8192, 1024), (16384, 4096))])
