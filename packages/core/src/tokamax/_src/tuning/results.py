@@ -217,6 +217,14 @@ class AutotuningResult:
   def __exit__(self, *exc):
     return self._context.__exit__(*exc)
 
+  def without_configs(self) -> AutotuningResult:
+    """The same times with no configs: where one of them is an implementation's
+    fastest at a call, the call runs the implementation's heuristic (a tuning
+    grid's, whose configs were the heuristics of the day it was measured)."""
+    return AutotuningResult([dataclasses.replace(m, config=None) for m in self.measurements],
+                            device_kind=self.device_kind, versions=self.versions,
+                            failures=self.failures)
+
   def merge(self, other: AutotuningResult) -> AutotuningResult:
     """A result holding both; where both measured a call, the faster wins."""
     if (self.device_kind and other.device_kind and

@@ -7,15 +7,17 @@ used only on the device kind it was measured on and with the package versions
 it records; a corrupt, foreign or mismatched file gives a warning and is ignored
 (dispatch then uses heuristics). Loading never imports or runs code.
 
-Two kinds of file, read differently. ``<op>.json`` (`autotune`) holds the best
-config found at each call it measured: dispatch runs those configs there.
-``<op>_grid.json`` (`autotune --grid`) holds each implementation's time at its
-heuristic config over a grid of shapes: it ranks the implementations (there and,
-by `tuning.nearest`, between grid points) and gives no config, so that a grid
-point runs today's heuristic like any other call. Otherwise every heuristic
-change would skip the grid points until the grid was measured again (session 53
-found 18 of 132 H200 grid entries pinning an older config: ragged_dot at G8/G16
-without the claimed items, the H256 attention forward without `overlap_qk`).
+Two kinds of file. ``<op>.json`` (`autotune`) holds the best config found at
+each call it measured. ``<op>_grid.json`` (`autotune --grid`) holds each
+implementation's time at its heuristic config over a grid of shapes: it ranks the
+implementations (there and, by `tuning.nearest`, between grid points), and its
+entries are read without their configs, so that where a grid time is an
+implementation's fastest at a call, the call runs today's heuristic, like any
+other call. Otherwise every heuristic change would skip the grid points until
+the grid was measured again (session 53 found 18 of 266 H200 grid entries
+pinning an older config: ragged_dot at G8/G16 without the claimed items, the
+H256 attention forward without `overlap_qk`). Where a per-call file measured the
+same call faster, its config runs.
 """
 
 from __future__ import annotations
@@ -70,18 +72,19 @@ def is_grid_file(name: str) -> bool:
   return name.endswith(f"{GRID_SUFFIX}.json")
 
 
-def load_backend_files(package: str, device_kind: str,
-                       shipped_by: tuple[str, str | None] | None = None
-                       ) -> list[tuple[str, AutotuningResult]]:
-  """(file name, result) of every valid tuned-data file of `package` for
-  `device_kind`, by name. `shipped_by` is the (distribution, version) that ships
-  `package`, when known."""
+def load_backend_data(package: str, device_kind: str,
+                      shipped_by: tuple[str, str | None] | None = None):
+  """Every valid tuned-data file of `package` for `device_kind`, merged (or None),
+  a grid file's without its configs (module docstring).
+
+  `shipped_by` is the (distribution, version) that ships `package`, when known.
+  """
+  merged = None
   try:
     folder = importlib.resources.files(package) / device_slug(device_kind)
     files = [f for f in folder.iterdir() if f.name.endswith(".json")] if folder.is_dir() else []
   except (ModuleNotFoundError, FileNotFoundError, NotADirectoryError, TypeError):
-    return []
-  found = []
+    return None
   for file in sorted(files, key=lambda f: f.name):
     source = f"tuned data {package}/{device_slug(device_kind)}/{file.name}"
     try:
@@ -97,29 +100,21 @@ def load_backend_files(package: str, device_kind: str,
     if mismatch:
       warnings.warn(f"tokamax: {mismatch}; ignored", stacklevel=2)
       continue
-    found.append((file.name, result))
-  return found
-
-
-def _merge(results):
-  merged = None
-  for result in results:
+    if is_grid_file(file.name):
+      result = result.without_configs()
     merged = result if merged is None else merged.merge(result)
   return merged
 
 
 class _Shipped:
-  """The config source of all backends' tuned data for the current device kind:
-  times from every file, configs from the per-call files alone (module
-  docstring)."""
+  """The config source of all backends' tuned data for the current device kind."""
 
   def __init__(self):
     self._lock = threading.Lock()
     self._registry = None  # the discovery the cache below was read for
-    # device kind -> (every file merged, the files without the grids merged)
-    self._by_device: dict[str, tuple[object, object]] = {}
+    self._by_device: dict[str, object] = {}
 
-  def _results(self):
+  def _result(self):
     kind = DeviceInfo.of().device_kind  # as `AutotuningResult._applies_here`
     found = registry.get()
     with self._lock:
@@ -129,25 +124,26 @@ class _Shipped:
         self._registry = found
         self._by_device.clear()
       if kind not in self._by_device:
-        files = [f for package, distribution, version in found.tuned_packages
-                 for f in load_backend_files(
-                     package, kind, None if distribution is None else (distribution, version))]
-        self._by_device[kind] = (_merge(result for _, result in files),
-                                 _merge(result for name, result in files
-                                        if not is_grid_file(name)))
+        merged = None
+        for package, distribution, version in found.tuned_packages:
+          shipped_by = None if distribution is None else (distribution, version)
+          data = load_backend_data(package, kind, shipped_by)
+          if data is not None:
+            merged = data if merged is None else merged.merge(data)
+        self._by_device[kind] = merged
       return self._by_device[kind]
 
   def lookup(self, op, args):
-    _, configs = self._results()
-    return None if configs is None else configs.lookup(op, args)
+    result = self._result()
+    return None if result is None else result.lookup(op, args)
 
   def measured_times(self, op_name, direction, args):
-    times, _ = self._results()
-    return {} if times is None else times.measured_times(op_name, direction, args)
+    result = self._result()
+    return {} if result is None else result.measured_times(op_name, direction, args)
 
   def step_times(self, op_name, args):
-    times, _ = self._results()
-    return {} if times is None else times.step_times(op_name, args)
+    result = self._result()
+    return {} if result is None else result.step_times(op_name, args)
 
   def reset(self):
     with self._lock:
