@@ -83,7 +83,7 @@ def _heuristic_tiles(args) -> AttentionConfig:
   # overlap_qk pays at H128 (B4 T4096: 0.968 -> 0.900 ms, causal 0.500 -> 0.480,
   # GQA 1.731 -> 1.623) and at H256 (B8 T4096 N32 K8: 6.156 -> 5.640 ms, causal
   # 3.297 -> 3.048; B2 T16384 N16 causal 6.132 -> 5.637: notes/MEASUREMENTS.md
-  # session 53, item 5), and loses at H64 (1.211 -> 1.245, causal 0.602 -> 0.671).
+  # session 53, item 8), and loses at H64 (1.211 -> 1.245, causal 0.602 -> 0.671).
   preferred = {64: ((128, 2, False),),
                128: ((128, 2, True), (128, 2, False), (64, 3, False)),
                256: ((64, 2, True), (64, 2, False))}[h]
