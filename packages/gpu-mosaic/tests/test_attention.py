@@ -253,20 +253,6 @@ def test_overlap_long_causal(config):
 
 
 @gpu
-@pytest.mark.parametrize("h,config", [(64, None), (128, None), (128, _OVERLAP_64),
-                                      (256, None)])
-@pytest.mark.parametrize("causal", [False, True])
-def test_lazy_row_sum(monkeypatch, h, config, causal):
-  # Experiment (TOKAMAX_LAZY_ROW_SUM): the row sums kept per thread and
-  # 8-column group, reduced once after the last key tile. S = 7 * 64 + 30:
-  # a padded last key tile; windows and soft cap take the masked path.
-  monkeypatch.setattr(akf, "LAZY_ROW_SUM", True)
-  _check(1, 640, 478, 4, 2, h, causal, config=config, grads=False)
-  _check_features(1, 300, 300, 2, 2, h, config=config, window=(100, 0), soft_cap=20.0,
-                  causal=True)
-
-
-@gpu
 def test_overlap_scale():
   _check(1, 256, 256, 2, 2, 64, True, scale=0.37, config=_OVERLAP, grads=False)
   _check(1, 256, 256, 2, 2, 64, False, scale=-0.2, config=_OVERLAP, grads=False)

@@ -103,22 +103,6 @@ def test_attention(b, t, s, n, k, h, dtype, options):
   _check(_attention(**options), operands, dtype)
 
 
-@pytest.mark.parametrize("b,t,s,n,k,h,dtype,options", [
-    (1, 200, 333, 4, 2, 64, jnp.bfloat16, dict(is_causal=True)),
-    (1, 256, 256, 2, 2, 128, jnp.float16, dict(logits_soft_cap=20.0)),
-    (2, 256, 320, 2, 1, 64, jnp.bfloat16,
-     dict(local_window_size=(96, 32), key_value_seq_lengths=(320, 40))),
-], ids=["causal-odd", "h128-f16-softcap", "window-lengths"])
-def test_attention_lazy_row_sum(monkeypatch, b, t, s, n, k, h, dtype, options):
-  # Experiment (TOKAMAX_LAZY_ROW_SUM): row sums reduced once, after the last key.
-  from tokamax_gpu_mosaic import attention_kernel_fwd as akf
-  monkeypatch.setattr(akf, "LAZY_ROW_SUM", True)
-  options = _as_arrays(options)
-  operands = (_normal((b, t, n, h), dtype), _normal((b, s, k, h), dtype),
-              _normal((b, s, k, h), dtype))
-  _check(_attention(**options), operands, dtype)
-
-
 @pytest.mark.parametrize("t,s,options", [
     (200, 333, dict(is_causal=True)),
     # Gemma-like: a sliding window, a soft cap, key lengths.

@@ -52,7 +52,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
-import os
 from typing import Any, NamedTuple
 
 import jax
@@ -131,34 +130,6 @@ class AttentionConfig:
 # The online softmax.
 
 
-# Experiment (session 53, not measured): the row sums kept per thread.
-LAZY_ROW_SUM = os.environ.get("TOKAMAX_LAZY_ROW_SUM") == "1"
-_GROUP = 8  # columns of a WGMMA tile's base tile: a thread holds two of each row's
-
-
-def row_sum_init():
-  """The running row sums' start: per row, or (`LAZY_ROW_SUM`) per row and
-  8-column group, each thread's own columns summed without the shuffles that a
-  row's sum across its four threads takes, done once in `row_sums`."""
-  if not LAZY_ROW_SUM:
-    return akc.row_vector(0.0)
-  return plgpu.layout_cast(jnp.zeros((akc.WG_ROWS, _GROUP), jnp.float32),
-                           plgpu.Layout.WGMMA)
-
-
-def _column_groups(p):
-  """``p``'s 8-column groups summed (a tree of elementwise adds, in-thread)."""
-  parts = [p[:, g:g + _GROUP] for g in range(0, p.shape[1], _GROUP)]
-  while len(parts) > 1:
-    parts = [a + b for a, b in zip(parts[::2], parts[1::2])] + parts[len(parts) & ~1:]
-  return parts[0]
-
-
-def row_sums(l):
-  """The rows' sums of a running sum started by `row_sum_init`."""
-  return l.sum(axis=1) if l.ndim == 2 else l
-
-
 def online_softmax(s, m, l, c: float, visible, soft_cap: float | None = None,
                    guard: bool = False):
   """One online-softmax step on raw scores ``s``; returns (p, m, l, alpha).
@@ -195,10 +166,7 @@ def online_softmax(s, m, l, c: float, visible, soft_cap: float | None = None,
   if soft_cap is not None or visible is not None or c <= 0 or guard:
     p = jnp.exp2(z - akc.bcast_rows(m_safe, s.shape))
   alpha = jnp.exp2(m - m_safe)
-  if l.ndim == 2:
-    l = l * akc.bcast_rows(alpha, l.shape) + _column_groups(p)
-  else:
-    l = l * alpha + p.sum(axis=1)
+  l = l * alpha + p.sum(axis=1)
   return p, m_new, l, alpha
 
 
@@ -546,7 +514,7 @@ class _Forward:
                                                 layout=plgpu.Layout.WGMMA.reduce(1)))
     carry = (plgpu.layout_cast(jnp.zeros((bq, self.h), jnp.float32),
                                plgpu.Layout.WGMMA),
-             akc.row_vector(-jnp.inf), row_sum_init())
+             akc.row_vector(-jnp.inf), akc.row_vector(0.0))
     plgpu.barrier_wait(q_full)
     schedule = self.overlapped if self.config.overlap_qk else self.pingpong
     carry = schedule(r, blk, tiles, carry)
@@ -841,7 +809,6 @@ class _Forward:
   def epilogue(self, r: _Refs, blk: _Block, tiles: _Tiles, carry) -> None:
     """O / l and the natural lse (sinks joined), staged in Q's shared memory."""
     acc, m, l = carry
-    l = row_sums(l)
     bq, r0 = self.bq, tiles.r0
     lse_tile = r.lse_smem.at[blk.wg]
     valid = None
