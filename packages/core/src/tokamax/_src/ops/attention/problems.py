@@ -87,10 +87,11 @@ def grid_problems() -> list[Problem]:
   sliding windows; calls between them take the nearest one's ranking.
 
   And the same at 8192 tokens (T1024 and T4096), a quarter of the work: there
-  the rankings can turn (H200, session 53, item 6-7: B2 T4096 N16 K8 H256 causal
-  ran 1.15x cuDNN's forward where B8 T4096 N32 K8, its nearest point at 32768
-  tokens, ran 0.96x), and the end-to-end benchmark's dense block (B2 T4096 N32
-  K8 H128 causal) is one of them."""
+  the rankings can turn (H200, notes/MEASUREMENTS.md session 53, items 5-6:
+  mosaic_gpu's forward at its heuristic config ran 1.05x cuDNN's at B2 T4096
+  N16 K8 H256 causal and 0.96x at B8 T4096 N32 K8 H256 causal, its nearest
+  point at 32768 tokens), and the end-to-end benchmark's dense block (B2 T4096
+  N32 K8 H128 causal) is one of them."""
   shapes = []
   for tokens, lengths in ((32768, (1024, 4096, 16384)), (8192, (1024, 4096))):
     for t in lengths:
