@@ -80,14 +80,19 @@ def _registry_first(op: str, times: dict) -> str | None:
 
 
 def _grid_times(op: str, key: str, others: list[str], by: dict, direction: str):
-  """(the times dispatch sees for `key` in `direction`, the grid point they come
+  """(the times dispatch sees for `key` in `direction`, the grid points they come
   from), as `AutotuningResult.measured_times` and `.step_times` find them
-  ("step": one point measured both ways, with no size first); (None, None)
-  where no grid point is within the radius."""
+  ("step": points measured both ways, with no size first; equally near points
+  blended, `nearest.blend`); (None, None) where no grid point is within the
+  radius."""
   measured = [k for k in others if by[(op, k)][direction]]
   same_first = () if direction == "step" else nearest.same_size_first(op, direction)
-  near = nearest.nearest(key, measured, nearest.radius_for(op), same_first)
-  return (None, None) if near is None else (by[(op, near)][direction], near)
+  near = nearest.nearest_keys(key, measured, nearest.radius_for(op), same_first)
+  if not near:
+    return None, None
+  # Several points: named by their first field (the query's shape) to stay short.
+  source = near[0] if len(near) == 1 else " + ".join(k.split(" ")[0] for k in near)
+  return nearest.blend([by[(op, k)][direction] for k in near]), source
 
 
 def _choice(op: str, key: str, others: list[str], by: dict, direction: str,

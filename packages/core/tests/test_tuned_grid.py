@@ -79,6 +79,58 @@ def test_nearest_ties_do_not_depend_on_order():
   assert nearest.nearest(_attn(8, 4096), [a, b]) == nearest.nearest(_attn(8, 4096), [b, a])
 
 
+def test_a_call_halfway_between_grid_points_takes_both():
+  """B2 T8192 is one octave from B2 T4096 and from B2 T16384: equally near up
+  to the +1 in the distance, so both answer, nearest first."""
+  grid = [_attn(2, 16384), _attn(2, 4096), _attn(8, 4096)]
+  assert nearest.nearest_keys(_attn(2, 8192), grid) == [_attn(2, 4096), _attn(2, 16384)]
+  assert nearest.nearest(_attn(2, 8192), grid) == _attn(2, 4096)
+  # Nearer to one by more than `nearest.TIE`: that one alone.
+  assert nearest.nearest_keys(_attn(2, 6144), grid) == [_attn(2, 4096)]
+  assert nearest.nearest_keys(_attn(2, 4096), grid) == [_attn(2, 4096)]
+  assert nearest.nearest_keys(_attn(2, 128), grid) == []
+
+
+def test_blend_is_the_geometric_mean_of_what_every_point_measured():
+  blended = nearest.blend([{"cudnn": 1.0, "mosaic_gpu": 0.5, "triton": 2.0},
+                           {"cudnn": 16.0, "mosaic_gpu": 32.0}])
+  assert blended == pytest.approx({"cudnn": 4.0, "mosaic_gpu": 4.0})  # no triton
+  assert nearest.blend([{"xla": 1.0, "cudnn": float("inf")},
+                        {"xla": 4.0, "cudnn": 1.0}]) == {"xla": 2.0, "cudnn": float("inf")}
+  assert nearest.blend([{"xla": 3.0}]) == {"xla": 3.0}
+
+
+def test_a_call_between_grid_points_ranks_by_both():
+  """mosaic_gpu is 1% faster at B2 T4096, cuDNN 11% faster at B2 T16384 (the H200
+  backward, notes/MEASUREMENTS.md session 54): at B2 T8192 between them, the
+  blend ranks cuDNN first where the nearer point alone ranked mosaic_gpu."""
+  m = results.Measurement
+  near, far = _attn(2, 4096), _attn(2, 16384)
+  result = results.AutotuningResult(
+      [m("dot_product_attention", "forward", near, "cudnn", None, 0.48),
+       m("dot_product_attention", "forward", near, "mosaic_gpu", None, 0.44),
+       m("dot_product_attention", "backward", near, "cudnn", None, 1.46),
+       m("dot_product_attention", "backward", near, "mosaic_gpu", None, 1.45),
+       m("dot_product_attention", "forward", far, "cudnn", None, 6.5),
+       m("dot_product_attention", "forward", far, "mosaic_gpu", None, 6.3),
+       m("dot_product_attention", "backward", far, "cudnn", None, 20.9),
+       m("dot_product_attention", "backward", far, "mosaic_gpu", None, 23.5)],
+      device_kind="cpu")
+  s = jax.ShapeDtypeStruct
+  call = tokamax.AttentionArgs(*(s((2, 8192, 16, 128), jnp.bfloat16) for _ in range(3)),
+                               scale=0.088, is_causal=True)
+  backward = result.measured_times("dot_product_attention", "backward", call)
+  assert backward == pytest.approx({"cudnn": (1.46 * 20.9) ** 0.5,
+                                    "mosaic_gpu": (1.45 * 23.5) ** 0.5})
+  assert min(backward, key=backward.get) == "cudnn"
+  step = result.step_times("dot_product_attention", call)
+  assert step == pytest.approx({"cudnn": ((0.48 + 1.46) * (6.5 + 20.9)) ** 0.5,
+                                "mosaic_gpu": ((0.44 + 1.45) * (6.3 + 23.5)) ** 0.5})
+  assert min(step, key=step.get) == "cudnn"
+  forward = result.measured_times("dot_product_attention", "forward", call)
+  assert min(forward, key=forward.get) == "mosaic_gpu"
+
+
 def test_the_attention_forward_takes_data_of_its_own_head_dim_first():
   """Its ranking follows the head dim (`nearest.SAME_SIZE_FIRST`): a grid point
   of the call's head dim if one is within the radius, else the nearest of any;

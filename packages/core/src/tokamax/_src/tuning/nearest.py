@@ -19,7 +19,11 @@ nearest measured call *of the same kind*:
   call, and the registry's order stands;
 - where an op's direction ranks its implementations by a size more than by the
   others (`SAME_SIZE_FIRST`: the attention forward by the head dim), a call of
-  that size first; only where none is within the radius, one of any size.
+  that size first; only where none is within the radius, one of any size;
+- a call about as near to several measured calls as to the nearest (their
+  largest distance within `TIE` octaves of the nearest one's) takes all of
+  them, each implementation's time the geometric mean of its times there
+  (`blend`), for the implementations measured at every one of them.
 
 How well this transfers is measured, not assumed: notes/MEASUREMENTS.md
 (session 13) compares the choice it makes at shapes off the grid with the fastest
@@ -42,6 +46,21 @@ RADIUS = 2.0
 # at radius 2, 1.07x and 1.02x at 0.5 (the one miss a grid point, which its own
 # data covers).
 RADIUS_BY_OP = {"ragged_dot": 0.5}
+
+
+# Measured calls whose largest distance from a call is within TIE octaves of the
+# nearest one's all answer for it (`nearest_keys`, `blend`). The nearest alone
+# decides between two grid points by the +1 in the distance where the call is
+# halfway between them, and rankings drift between grid points. Measured on the
+# H200 data (notes/MEASUREMENTS.md, session 54, items 5 and 9): the bench row B2
+# T8192 N32 K8 H128 causal sits one octave from B2 T4096 (mosaic_gpu's backward
+# 0.7% faster) and from B2 T16384 (cuDNN's 11% faster); the nearest alone ran
+# mosaic_gpu, 3.3% slower than cuDNN there, the blend picks cuDNN. Attention
+# leave-one-out (`tools/grid_check.py`, 63 calls), within 3% of the fastest:
+# nearest alone forward 57, backward 54, step 56; TIE 0.1: 57, 55, 57; 0.25: 60,
+# 55, 57; 0.5: 61 (worst 11.8% -> 5.7%), 55, 57; 1.0: 61, 53, 58. The other
+# ops' scores are the same at each.
+TIE = 0.5
 
 
 def radius_for(op_name: str) -> float:
@@ -148,32 +167,58 @@ def _sizes_at(key: str, axes: tuple[tuple[str, int], ...]) -> tuple:
 
 def nearest(key: str, measured: Iterable[str], radius: float = RADIUS,
             same_first: tuple[tuple[str, int], ...] = ()) -> str | None:
-  """The measured key of `key`'s kind nearest to it within `radius`, or None.
+  """The measured key of `key`'s kind nearest to it within `radius`, or None:
+  the first of `nearest_keys`."""
+  keys = nearest_keys(key, measured, radius, same_first)
+  return keys[0] if keys else None
+
+
+def nearest_keys(key: str, measured: Iterable[str], radius: float = RADIUS,
+                 same_first: tuple[tuple[str, int], ...] = ()) -> list[str]:
+  """The measured keys of `key`'s kind within `radius` whose largest distance is
+  within `TIE` of the nearest one's, nearest first (then in sorted order, so that the answer does not
+  depend on the order the data was loaded in); [] where none is within `radius`.
 
   `same_first`: (array field, axis) pairs (`same_size_first`): the nearest of the
-  keys of `key`'s sizes there if one is within `radius`, else of any. Ties go to
-  the first in sorted order, so the answer does not depend on the order the data
-  was loaded in.
+  keys of `key`'s sizes there if one is within `radius`, else of any.
   """
   measured = sorted(set(measured))
   if same_first:
     own = _sizes_at(key, same_first)
     same = [k for k in measured if _sizes_at(k, same_first) == own]
     found = _nearest(key, same, radius)
-    if found is not None:
+    if found:
       return found
   return _nearest(key, measured, radius)
 
 
-def _nearest(key: str, measured: list[str], radius: float) -> str | None:
-  """The key of `measured` (sorted) of `key`'s kind nearest to it within `radius`."""
+def _nearest(key: str, measured: list[str], radius: float) -> list[str]:
+  """The keys of `measured` (sorted) of `key`'s kind nearest to it within
+  `radius`, those within `TIE` of the nearest included, nearest first."""
   kind, numbers = parse(key)
-  best = None
+  near = []
   for other in measured:
     other_kind, other_numbers = parse(other)
     if other_kind != kind:
       continue
     d = distance(numbers, other_numbers)
-    if d[0] <= radius and (best is None or d < best[0]):
-      best = (d, other)
-  return None if best is None else best[1]
+    if d[0] <= radius:
+      near.append((d, other))
+  if not near:
+    return []
+  near.sort()
+  (largest, _), _ = near[0]
+  return [k for (d, _), k in near if d - largest <= TIE]
+
+
+def blend(times: list[dict[str, float]]) -> dict[str, float]:
+  """``{implementation: ms}`` for a call between the measured calls whose
+  `times` these are: the geometric mean of each implementation's times, for the
+  implementations measured at every one of them (+inf where one failed at any).
+  The geometric mean ranks as the mean of the log-time ratios does, so a call
+  halfway between two points takes each implementation's lead halfway too."""
+  if len(times) == 1:
+    return dict(times[0])
+  common = set.intersection(*(set(t) for t in times)) if times else set()
+  return {impl: math.prod(t[impl] for t in times) ** (1 / len(times))
+          for impl in sorted(common)}

@@ -165,39 +165,41 @@ class AutotuningResult:
 
   def measured_times(self, op_name: str, direction: str, args: Any) -> dict[str, float]:
     """``{implementation: ms}`` for every implementation measured on this call
-    (or, if it was not measured, on the nearest measured call of its kind:
-    `tuning.nearest`); +inf for one whose every tried config failed there (not
-    merely skipped for time), so that dispatch tries it last."""
+    (or, if it was not measured, on the nearest measured calls of its kind,
+    blended: `tuning.nearest`); +inf for one whose every tried config failed
+    there (not merely skipped for time), so that dispatch tries it last."""
     if not self._applies_here():
       return {}
-    key = self._answering_key(op_name, (direction,), args_key(args),
-                              nearest.same_size_first(op_name, direction))
-    return self._times_at(op_name, direction, key)
+    keys = self._answering_keys(op_name, (direction,), args_key(args),
+                                nearest.same_size_first(op_name, direction))
+    return nearest.blend([self._times_at(op_name, direction, k) for k in keys])
 
   def step_times(self, op_name: str, args: Any) -> dict[str, float]:
     """``{implementation: forward ms + backward ms}`` for the implementations
     whose forward and backward were both measured on this call, or on the
-    nearest call measured both ways: one point for both directions, not each
-    direction's own nearest (nor the forward's head-dim-first rule,
-    `nearest.SAME_SIZE_FIRST`: the step's ranking follows the backward's)."""
+    nearest calls measured both ways (blended: `nearest.blend`): the same
+    points for both directions, not each direction's own nearest (nor the
+    forward's head-dim-first rule, `nearest.SAME_SIZE_FIRST`: the step's
+    ranking follows the backward's)."""
     if not self._applies_here():
       return {}
     directions = ("forward", "backward")
-    key = self._answering_key(op_name, directions, args_key(args), ())
-    forward, backward = (self._times_at(op_name, d, key) for d in directions)
-    return step_sums(forward, backward)
+    keys = self._answering_keys(op_name, directions, args_key(args), ())
+    return nearest.blend([
+        step_sums(*(self._times_at(op_name, d, k) for d in directions)) for k in keys])
 
-  def _answering_key(self, op_name: str, directions: tuple[str, ...], key: str,
-                     same_first: tuple) -> str:
-    """`key` where it was measured in every one of `directions`; else the nearest
-    key so measured (`nearest.nearest`), or `key` (which then finds no times)."""
+  def _answering_keys(self, op_name: str, directions: tuple[str, ...], key: str,
+                      same_first: tuple) -> list[str]:
+    """[`key`] where it was measured in every one of `directions`; else the
+    nearest keys so measured (`nearest.nearest_keys`), or [`key`] (which then
+    finds no times)."""
     measured = [{k for o, d, k, _ in self._by_impl if (o, d) == (op_name, direction)}
                 for direction in directions]
     everywhere = set.intersection(*measured)
     if key in everywhere:
-      return key
-    return nearest.nearest(key, everywhere, nearest.radius_for(op_name),
-                           same_first) or key
+      return [key]
+    return nearest.nearest_keys(key, everywhere, nearest.radius_for(op_name),
+                                same_first) or [key]
 
   def _times_at(self, op_name: str, direction: str, key: str) -> dict[str, float]:
     times = {impl: m.time_ms for (o, d, k, impl), m in self._by_impl.items()
