@@ -57,6 +57,9 @@ def _times(result: AutotuningResult) -> dict:
   by = collections.defaultdict(lambda: collections.defaultdict(dict))
   for m in result.measurements:
     by[(m.op, m.key)][m.direction][m.implementation] = m.time_ms
+  for f in result.failures:  # as dispatch sees them: tried last
+    if (f.get("op"), f.get("key")) in by and not str(f.get("error", "")).startswith("skipped"):
+      by[(f["op"], f["key"])][f["direction"]].setdefault(f["implementation"], float("inf"))
   for times in by.values():
     fwd, bwd = times.get("forward", {}), times.get("backward", {})
     times["step"] = {i: fwd[i] + bwd[i] for i in fwd if i in bwd}

@@ -89,15 +89,28 @@ def test_a_call_halfway_between_grid_points_takes_both():
   assert nearest.nearest_keys(_attn(2, 6144), grid) == [_attn(2, 4096)]
   assert nearest.nearest_keys(_attn(2, 4096), grid) == [_attn(2, 4096)]
   assert nearest.nearest_keys(_attn(2, 128), grid) == []
+  # One octave in the head dim is as far as one in T by the largest distance,
+  # but three times as far in total (query, key and value): not a tie.
+  h64 = _attn(2, 4096).replace(",128]", ",64]")
+  assert nearest.nearest_keys(_attn(2, 8192), grid + [h64]) == [_attn(2, 4096),
+                                                               _attn(2, 16384)]
 
 
 def test_blend_is_the_geometric_mean_of_what_every_point_measured():
   blended = nearest.blend([{"cudnn": 1.0, "mosaic_gpu": 0.5, "triton": 2.0},
                            {"cudnn": 16.0, "mosaic_gpu": 32.0}])
   assert blended == pytest.approx({"cudnn": 4.0, "mosaic_gpu": 4.0})  # no triton
-  assert nearest.blend([{"xla": 1.0, "cudnn": float("inf")},
-                        {"xla": 4.0, "cudnn": 1.0}]) == {"xla": 2.0, "cudnn": float("inf")}
+  inf = float("inf")
+  assert nearest.blend([{"xla": 1.0, "cudnn": inf},
+                        {"xla": 4.0, "cudnn": 1.0}]) == {"xla": 2.0, "cudnn": inf}
+  # Failed at one point and not measured at the other: still tried last.
+  assert nearest.blend([{"mosaic_gpu": 1.0, "cudnn": inf},
+                        {"mosaic_gpu": 4.0, "triton": 5.0}]) == {"mosaic_gpu": 2.0,
+                                                                 "cudnn": inf}
+  # Nothing measured at every point: the nearest point's times.
+  assert nearest.blend([{"xla": 3.0}, {"cudnn": 1.0}]) == {"xla": 3.0}
   assert nearest.blend([{"xla": 3.0}]) == {"xla": 3.0}
+  assert nearest.blend([]) == {}
 
 
 def test_a_call_between_grid_points_ranks_by_both():
@@ -127,8 +140,6 @@ def test_a_call_between_grid_points_ranks_by_both():
   assert step == pytest.approx({"cudnn": ((0.48 + 1.46) * (6.5 + 20.9)) ** 0.5,
                                 "mosaic_gpu": ((0.44 + 1.45) * (6.3 + 23.5)) ** 0.5})
   assert min(step, key=step.get) == "cudnn"
-  forward = result.measured_times("dot_product_attention", "forward", call)
-  assert min(forward, key=forward.get) == "mosaic_gpu"
 
 
 def test_the_attention_forward_takes_data_of_its_own_head_dim_first():

@@ -631,7 +631,7 @@ def autotune_suite(ops: list[str] | None, shapes: list[str] | None, out: str,
 
   With `grid`: the grid problems instead, each implementation at its heuristic
   config only (which implementation wins where, for `implementation=None`; calls
-  between grid points take the nearest one's: `tuning.nearest`), written to
+  between grid points take the nearest ones': `tuning.nearest`), written to
   ``<op>_grid.json`` after each problem, so that a run cut short keeps its data;
   calls an existing file holds and this run does not measure are kept, so that a
   grid can be measured in several runs (``--shape``). `skip`: implementations

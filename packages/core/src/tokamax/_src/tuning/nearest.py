@@ -20,10 +20,10 @@ nearest measured call *of the same kind*:
 - where an op's direction ranks its implementations by a size more than by the
   others (`SAME_SIZE_FIRST`: the attention forward by the head dim), a call of
   that size first; only where none is within the radius, one of any size;
-- a call about as near to several measured calls as to the nearest (their
-  largest distance within `TIE` octaves of the nearest one's) takes all of
-  them, each implementation's time the geometric mean of its times there
-  (`blend`), for the implementations measured at every one of them.
+- a call about as near to several measured calls as to the nearest (within
+  `TIE` octaves of the nearest one's distance, the largest and the total: a
+  call halfway between grid points along the same sizes) takes all of them,
+  each implementation's time the geometric mean of its times there (`blend`).
 
 How well this transfers is measured, not assumed: notes/MEASUREMENTS.md
 (session 13) compares the choice it makes at shapes off the grid with the fastest
@@ -48,18 +48,20 @@ RADIUS = 2.0
 RADIUS_BY_OP = {"ragged_dot": 0.5}
 
 
-# Measured calls whose largest distance from a call is within TIE octaves of the
-# nearest one's all answer for it (`nearest_keys`, `blend`). The nearest alone
-# decides between two grid points by the +1 in the distance where the call is
-# halfway between them, and rankings drift between grid points. Measured on the
-# H200 data (notes/MEASUREMENTS.md, session 54, items 5 and 9): the bench row B2
-# T8192 N32 K8 H128 causal sits one octave from B2 T4096 (mosaic_gpu's backward
-# 0.7% faster) and from B2 T16384 (cuDNN's 11% faster); the nearest alone ran
-# mosaic_gpu, 3.3% slower than cuDNN there, the blend picks cuDNN. Attention
-# leave-one-out (`tools/grid_check.py`, 63 calls), within 3% of the fastest:
-# nearest alone forward 57, backward 54, step 56; TIE 0.1: 57, 55, 57; 0.25: 60,
-# 55, 57; 0.5: 61 (worst 11.8% -> 5.7%), 55, 57; 1.0: 61, 53, 58. The other
-# ops' scores are the same at each.
+# Measured calls within TIE octaves of the nearest one's distance from a call,
+# both the largest and the total, all answer for it (`nearest_keys`, `blend`).
+# The nearest alone decides between two grid points by the +1 in the distance
+# where the call is halfway between them, and rankings drift between grid
+# points. Measured on the H200 data (notes/MEASUREMENTS.md, session 54, items 5,
+# 9 and 16): the bench row B2 T8192 N32 K8 H128 causal sits one octave (3 in
+# total: T in query, key and value) from B2 T4096 (mosaic_gpu's backward 0.7%
+# faster) and from B2 T16384 (cuDNN's 11% faster); the nearest alone ran
+# mosaic_gpu, 3.3% slower than cuDNN there, the blend of the two picks cuDNN.
+# Attention leave-one-out (`tools/grid_check.py`, 63 calls), within 3% of the
+# fastest, forward / backward / step: nearest alone 57 / 54 / 56; TIE 0.1: 57 /
+# 55 / 56; 0.5: 59 / 55 / 56. (A tie on the largest distance alone scored 61 /
+# 55 / 57, but blends calls of other head dims and head counts, one octave in
+# H or N being as near as one in T.) The other ops score the same.
 TIE = 0.5
 
 
@@ -175,8 +177,8 @@ def nearest(key: str, measured: Iterable[str], radius: float = RADIUS,
 
 def nearest_keys(key: str, measured: Iterable[str], radius: float = RADIUS,
                  same_first: tuple[tuple[str, int], ...] = ()) -> list[str]:
-  """The measured keys of `key`'s kind within `radius` whose largest distance is
-  within `TIE` of the nearest one's, nearest first (then in sorted order, so that the answer does not
+  """The measured keys of `key`'s kind within `radius` and within `TIE` of the
+  nearest one's distance (largest and total), nearest first (then in sorted order, so that the answer does not
   depend on the order the data was loaded in); [] where none is within `radius`.
 
   `same_first`: (array field, axis) pairs (`same_size_first`): the nearest of the
@@ -207,18 +209,25 @@ def _nearest(key: str, measured: list[str], radius: float) -> list[str]:
   if not near:
     return []
   near.sort()
-  (largest, _), _ = near[0]
-  return [k for (d, _), k in near if d - largest <= TIE]
+  (largest, total), _ = near[0]
+  return [k for (l, t), k in near if l - largest <= TIE and t - total <= TIE]
 
 
 def blend(times: list[dict[str, float]]) -> dict[str, float]:
   """``{implementation: ms}`` for a call between the measured calls whose
-  `times` these are: the geometric mean of each implementation's times, for the
-  implementations measured at every one of them (+inf where one failed at any).
+  `times` these are (nearest first): the geometric mean of each
+  implementation's times, for the implementations measured at every one of
+  them; +inf for one that failed at any (so that dispatch still tries it last).
   The geometric mean ranks as the mean of the log-time ratios does, so a call
-  halfway between two points takes each implementation's lead halfway too."""
-  if len(times) == 1:
+  halfway between two points takes each implementation's lead halfway too.
+  Where no implementation was measured at all of them, the nearest one's."""
+  if len(times) <= 1:
+    return dict(times[0]) if times else {}
+  common = set.intersection(*(set(t) for t in times))
+  if not common:
     return dict(times[0])
-  common = set.intersection(*(set(t) for t in times)) if times else set()
-  return {impl: math.prod(t[impl] for t in times) ** (1 / len(times))
-          for impl in sorted(common)}
+  blended = {impl: math.prod(t[impl] for t in times) ** (1 / len(times))
+             for impl in sorted(common)}
+  for t in times:
+    blended.update({impl: math.inf for impl, ms in t.items() if ms == math.inf})
+  return blended

@@ -40,7 +40,7 @@ def measured_times(op_name: str, direction: str, args: Any) -> dict[str, float]:
 
 def step_times(op_name: str, args: Any) -> dict[str, float]:
   """``{implementation: forward ms + backward ms}`` for the implementations whose
-  forward and backward were both measured on this call (or its nearest call
+  forward and backward were both measured on this call (or its nearest calls
   measured both ways), by the innermost source that has any: what each costs a
   training step when its own backward runs. A source without ``step_times``
   answers with its two directions' `measured_times`."""

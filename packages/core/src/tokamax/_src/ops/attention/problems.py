@@ -84,7 +84,8 @@ def grid_problems() -> list[Problem]:
   """The shapes tuned data is measured on (`autotune --grid`): sequence lengths
   4x apart at 32768 tokens, head dims 64-256, MHA and GQA (each head dim: the two
   rank differently, notes/MEASUREMENTS.md, session 13, item 5), causal or not, and
-  sliding windows; calls between them take the nearest one's ranking.
+  sliding windows; calls between them take the nearest ones' ranking
+  (`tuning.nearest`).
 
   And the same at 8192 tokens (T1024 and T4096), a quarter of the work: there
   the rankings can turn (H200, notes/MEASUREMENTS.md session 53, items 5-6:
