@@ -178,8 +178,9 @@ def nearest(key: str, measured: Iterable[str], radius: float = RADIUS,
 def nearest_keys(key: str, measured: Iterable[str], radius: float = RADIUS,
                  same_first: tuple[tuple[str, int], ...] = ()) -> list[str]:
   """The measured keys of `key`'s kind within `radius` and within `TIE` of the
-  nearest one's distance (largest and total), nearest first (then in sorted order, so that the answer does not
-  depend on the order the data was loaded in); [] where none is within `radius`.
+  nearest one's distance (largest and total), nearest first (then in sorted
+  order, so that the answer does not depend on the order the data was loaded
+  in); [] where none is within `radius`.
 
   `same_first`: (array field, axis) pairs (`same_size_first`): the nearest of the
   keys of `key`'s sizes there if one is within `radius`, else of any.
