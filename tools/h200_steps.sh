@@ -9,7 +9,9 @@ source tools/h200_install.sh
 for step in "$@"; do
   IFS='|' read -r name seconds command <<< "$step"
   echo "=== $name ($seconds s): $command"
+  start=$SECONDS
   timeout "$seconds" bash -c "$command" > "$OUT/$name.txt" 2>&1
-  echo "exit $?"; grep -E "passed|failed|error" "$OUT/$name.txt" | tail -3
+  # The elapsed time sizes the next call's limits (124: the limit cut it).
+  echo "exit $? after $((SECONDS - start)) s"; grep -E "passed|failed|error" "$OUT/$name.txt" | tail -3
   grep "^| " "$OUT/$name.txt" | grep -v "^|---" | tail -40
 done
