@@ -375,6 +375,38 @@ def test_none_check_reads_shapes():
       none_check.parse_shape(bad)
 
 
+def test_none_check_reads_attention_shapes():
+  assert none_check.parse_attention_shape("4,8192,32,8,128,causal") == (
+      4, 8192, 32, 8, 128, True)
+  assert none_check.parse_attention_shape("4,3000,16,16,128") == (
+      4, 3000, 16, 16, 128, False)
+  for bad in ("4,8192,32,8", "4,8192,32,8,128,window"):
+    with pytest.raises(Exception, match="B,T,N,K,H"):
+      none_check.parse_attention_shape(bad)
+
+
+def test_none_check_attention_times_none_against_mosaic_and_cudnn(monkeypatch, capsys):
+  seen = []
+
+  def rows(problem, implementations, iterations):
+    seen.append((problem.name, tuple(implementations)))
+    return [dict(op=problem.op, shape=problem.name, direction=d, implementation=i, ms=ms)
+            for d in problem.directions
+            for i, ms in (("tokamax auto", 1.05), ("tokamax mosaic_gpu", 1.0),
+                          ("tokamax cudnn", 1.2))]
+  monkeypatch.setattr(none_check.bench_suite, "run_problem", rows)
+  monkeypatch.setattr(sys, "argv", ["none_check", "--op", "dot_product_attention",
+                                    "--shape", "2,512,4,2,64,causal"])
+  assert none_check.main() == 1  # 5% over the fastest
+  assert seen == [("B2 T512 N4 K2 H64 causal", (None, "mosaic_gpu", "cudnn"))]
+  assert "| B2 T512 N4 K2 H64 causal | forward | auto 1.050 |" in capsys.readouterr().out
+  # Its default shapes are none of the grid's.
+  grid = {p.name for p in none_check.attention_problems.grid_problems()}
+  defaults = [none_check.attention_problems.problem(*s).name
+              for s in none_check.OFF_GRID_ATTENTION]
+  assert len(defaults) == 8 and not grid & set(defaults)
+
+
 @pytest.mark.parametrize("auto_ms,status", [(1.02, 0), (1.05, 1)])
 def test_none_check_fails_past_the_margin(monkeypatch, capsys, auto_ms, status):
   def rows(problem, implementations, iterations):

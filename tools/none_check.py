@@ -1,23 +1,28 @@
-"""`implementation=None` against every implementation of ragged_dot, one run per shape.
+"""`implementation=None` against every named implementation, one run per shape.
 
     python tools/none_check.py [--shape M,K,N,G[,random]] ... [--iterations 10]
+    python tools/none_check.py --op dot_product_attention [--shape B,T,N,K,H[,causal]] ...
 
-For each shape (default: the H200 grid's random-split shapes and six it was never
-tuned at), times `None` and each named implementation, forward and forward+backward,
-interleaved (`bench_suite.run_problem`, no peers), and prints every time and None's
-over the fastest named one's (`bench_suite.auto_against_fastest`). Exit status 1 if any is
-more than `bench_suite.AUTO_MARGIN` (3%) slower: the check that the tuned data, and
-the rule carrying it between grid points, pick well at router-like group sizes.
-Needs a GPU.
+For each shape (ragged_dot's default: the H200 grid's random-split shapes and six
+it was never tuned at; dot_product_attention's: eight calls between or beyond its
+grid points, `bench --grid` covering the points themselves), times `None` and each
+named implementation, forward and forward+backward, interleaved
+(`bench_suite.run_problem`, no peers), and prints every time and None's over the
+fastest named one's (`bench_suite.auto_against_fastest`). Exit status 1 if any is
+more than `bench_suite.AUTO_MARGIN` (3%) slower: the check that the tuned data,
+and the rule carrying it between grid points (`tuning.nearest`), pick well where
+nothing was measured. Needs a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Callable, NamedTuple
 
 from tokamax._src import bench_suite
-from tokamax._src.ops.ragged_dot import problems
+from tokamax._src.ops.attention import problems as attention_problems
+from tokamax._src.ops.ragged_dot import problems as ragged_dot_problems
 
 # Never tuned at: other group counts, K and N between the grid's.
 OFF_GRID_SHAPES = [
@@ -25,12 +30,21 @@ OFF_GRID_SHAPES = [
     (16384, 2048, 4096, 16, True), (40960, 5120, 1536, 160, True),
     (24576, 2048, 1408, 64, True), (16384, 4096, 14336, 8, True),
 ]
+# (B, T, N, K, H, causal), bf16, never tuned at: token counts between the grid's
+# 8192 and 32768 or beyond them, batch and length between grid points, 8 query
+# heads a kv head, a length that is no multiple of the tiles.
+OFF_GRID_ATTENTION = [
+    (4, 8192, 32, 8, 128, True), (1, 8192, 16, 16, 128, False),
+    (16, 2048, 16, 16, 64, True), (2, 8192, 64, 8, 128, True),
+    (8, 2048, 32, 8, 256, False), (1, 32768, 32, 8, 128, True),
+    (4, 3000, 16, 16, 128, False), (2, 6144, 32, 8, 64, True),
+]
 
 
 def default_problems() -> list:
-  """The grid's random-split problems, then the off-grid shapes."""
-  grid = [p for p in problems.grid_problems() if p.name.endswith(" random")]
-  return grid + [problems.problem(*s) for s in OFF_GRID_SHAPES]
+  """ragged_dot's: the grid's random-split problems, then the off-grid shapes."""
+  grid = [p for p in ragged_dot_problems.grid_problems() if p.name.endswith(" random")]
+  return grid + [ragged_dot_problems.problem(*s) for s in OFF_GRID_SHAPES]
 
 
 def parse_shape(text: str) -> tuple:
@@ -40,16 +54,49 @@ def parse_shape(text: str) -> tuple:
   return (*map(int, parts[:4]), len(parts) == 5)
 
 
+def parse_attention_shape(text: str) -> tuple:
+  parts = text.split(",")
+  if len(parts) not in (5, 6) or (len(parts) == 6 and parts[5] != "causal"):
+    raise argparse.ArgumentTypeError(
+        f"--shape wants B,T,N,K,H[,causal] for dot_product_attention, got {text!r}")
+  return (*map(int, parts[:5]), len(parts) == 6)
+
+
+class _Op(NamedTuple):
+  parse: Callable[[str], tuple]
+  problem: Callable[..., object]
+  defaults: Callable[[], list]
+  implementations: tuple[str, ...]
+
+
+OPS = {
+    "ragged_dot": _Op(parse_shape, ragged_dot_problems.problem, default_problems,
+                      ("mosaic_gpu", "triton")),
+    "dot_product_attention": _Op(
+        parse_attention_shape, attention_problems.problem,
+        lambda: [attention_problems.problem(*s) for s in OFF_GRID_ATTENTION],
+        ("mosaic_gpu", "cudnn")),
+}
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--shape", type=parse_shape, action="append")
-  parser.add_argument("--implementation", action="append",
-                      default=None, help="default: mosaic_gpu and triton")
+  parser.add_argument("--op", choices=sorted(OPS), default="ragged_dot")
+  parser.add_argument("--shape", action="append",
+                      help="ragged_dot: M,K,N,G[,random]; dot_product_attention: "
+                           "B,T,N,K,H[,causal] (bf16)")
+  parser.add_argument("--implementation", action="append", default=None,
+                      help="default: mosaic_gpu and triton (ragged_dot), mosaic_gpu "
+                           "and cudnn (dot_product_attention)")
   parser.add_argument("--iterations", type=int, default=10)
   args = parser.parse_args()
-  named = args.implementation or ["mosaic_gpu", "triton"]
-  chosen = ([problems.problem(*s) for s in args.shape] if args.shape
-            else default_problems())
+  op = OPS[args.op]
+  try:
+    shapes = [op.parse(text) for text in args.shape or ()]
+  except argparse.ArgumentTypeError as e:
+    parser.error(str(e))
+  named = args.implementation or list(op.implementations)
+  chosen = [op.problem(*s) for s in shapes] if shapes else op.defaults()
   worst = 0.0
   for p in chosen:
     p = bench_suite.select_peers(p, [])
