@@ -93,8 +93,8 @@ def main() -> int:
   op = OPS[args.op]
   try:
     shapes = [op.parse(text) for text in args.shape or ()]
-  except argparse.ArgumentTypeError as e:
-    parser.error(str(e))
+  except (argparse.ArgumentTypeError, ValueError) as e:  # ValueError: not an integer
+    parser.error(f"--shape for {args.op}: {e}")
   named = args.implementation or list(op.implementations)
   chosen = [op.problem(*s) for s in shapes] if shapes else op.defaults()
   worst = 0.0
