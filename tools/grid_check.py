@@ -37,7 +37,7 @@ import tokamax
 from tokamax._src import bench_suite
 from tokamax._src import dispatch
 from tokamax._src.tuning import nearest
-from tokamax._src.tuning.results import AutotuningResult, args_key
+from tokamax._src.tuning.results import AutotuningResult, args_key, failed_outright
 
 _DIRECTIONS = ("forward", "backward", "step")
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,7 +58,7 @@ def _times(result: AutotuningResult) -> dict:
   for m in result.measurements:
     by[(m.op, m.key)][m.direction][m.implementation] = m.time_ms
   for f in result.failures:  # as dispatch sees them: tried last
-    if (f.get("op"), f.get("key")) in by and not str(f.get("error", "")).startswith("skipped"):
+    if (f.get("op"), f.get("key")) in by and failed_outright(f):
       by[(f["op"], f["key"])][f["direction"]].setdefault(f["implementation"], float("inf"))
   for times in by.values():
     fwd, bwd = times.get("forward", {}), times.get("backward", {})

@@ -26,6 +26,15 @@ def _attn(b=8, t=4096, c=True, dtype="bfloat16"):
   return _ATTN.format(b=b, t=t, c=c).replace("bfloat16", dtype)
 
 
+def _attention_times(times: dict) -> results.AutotuningResult:
+  """An attention result from ``{key: {direction: {implementation: ms}}}``."""
+  return results.AutotuningResult(
+      [results.Measurement("dot_product_attention", direction, key, impl, None, ms)
+       for key, by_direction in times.items()
+       for direction, by_impl in by_direction.items()
+       for impl, ms in by_impl.items()], device_kind="cpu")
+
+
 def test_parse_separates_what_must_match_from_the_sizes():
   kind, numbers = nearest.parse(
       _attn(2, 8192) + " local_window=(1024, 0)")
@@ -117,18 +126,12 @@ def test_a_call_between_grid_points_ranks_by_both():
   """mosaic_gpu is 1% faster at B2 T4096, cuDNN 11% faster at B2 T16384 (the H200
   backward, notes/MEASUREMENTS.md session 54): at B2 T8192 between them, the
   blend ranks cuDNN first where the nearer point alone ranked mosaic_gpu."""
-  m = results.Measurement
   near, far = _attn(2, 4096), _attn(2, 16384)
-  result = results.AutotuningResult(
-      [m("dot_product_attention", "forward", near, "cudnn", None, 0.48),
-       m("dot_product_attention", "forward", near, "mosaic_gpu", None, 0.44),
-       m("dot_product_attention", "backward", near, "cudnn", None, 1.46),
-       m("dot_product_attention", "backward", near, "mosaic_gpu", None, 1.45),
-       m("dot_product_attention", "forward", far, "cudnn", None, 6.5),
-       m("dot_product_attention", "forward", far, "mosaic_gpu", None, 6.3),
-       m("dot_product_attention", "backward", far, "cudnn", None, 20.9),
-       m("dot_product_attention", "backward", far, "mosaic_gpu", None, 23.5)],
-      device_kind="cpu")
+  result = _attention_times({
+      near: {"forward": {"cudnn": 0.48, "mosaic_gpu": 0.44},
+             "backward": {"cudnn": 1.46, "mosaic_gpu": 1.45}},
+      far: {"forward": {"cudnn": 6.5, "mosaic_gpu": 6.3},
+            "backward": {"cudnn": 20.9, "mosaic_gpu": 23.5}}})
   s = jax.ShapeDtypeStruct
   call = tokamax.AttentionArgs(*(s((2, 8192, 16, 128), jnp.bfloat16) for _ in range(3)),
                                scale=0.088, is_causal=True)
@@ -168,17 +171,11 @@ def test_step_times_come_from_one_point_measured_both_ways():
   """Off the grid, the forward's nearest point (of the call's head dim) and the
   step's (of any) differ: the step adds one point's forward and backward."""
   h64, h128 = _attn(8, 4096).replace(",128]", ",64]"), _attn(2, 16384)
-  m = results.Measurement
-  result = results.AutotuningResult(
-      [m("dot_product_attention", "forward", h64, "cudnn", None, 1.0),
-       m("dot_product_attention", "forward", h64, "mosaic_gpu", None, 2.0),
-       m("dot_product_attention", "backward", h64, "cudnn", None, 4.0),
-       m("dot_product_attention", "backward", h64, "mosaic_gpu", None, 2.0),
-       m("dot_product_attention", "forward", h128, "cudnn", None, 9.0),
-       m("dot_product_attention", "forward", h128, "mosaic_gpu", None, 8.0),
-       m("dot_product_attention", "backward", h128, "cudnn", None, 1.0),
-       m("dot_product_attention", "backward", h128, "mosaic_gpu", None, 9.0)],
-      device_kind="cpu")
+  result = _attention_times({
+      h64: {"forward": {"cudnn": 1.0, "mosaic_gpu": 2.0},
+            "backward": {"cudnn": 4.0, "mosaic_gpu": 2.0}},
+      h128: {"forward": {"cudnn": 9.0, "mosaic_gpu": 8.0},
+             "backward": {"cudnn": 1.0, "mosaic_gpu": 9.0}}})
   s = jax.ShapeDtypeStruct
   args = lambda b, t: tokamax.AttentionArgs(
       *(s((b, t, 16, 128), jnp.bfloat16) for _ in range(3)), scale=0.088,

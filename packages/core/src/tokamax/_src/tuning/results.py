@@ -92,6 +92,13 @@ class Measurement:
   time_ms: float
 
 
+def failed_outright(failure: dict) -> bool:
+  """Whether a recorded failure (`AutotuningResult.failures`) means the
+  implementation cannot run the call (every config it tried failed), not that
+  it was skipped for time: dispatch then tries it last (+inf)."""
+  return not str(failure.get("error", "")).startswith("skipped")
+
+
 def step_sums(forward: dict[str, float], backward: dict[str, float]) -> dict[str, float]:
   """``{implementation: forward ms + backward ms}`` for the implementations
   timed both ways: what each costs a training step when its own backward runs."""
@@ -206,7 +213,7 @@ class AutotuningResult:
              if (o, d, k) == (op_name, direction, key)}
     for f in self.failures:
       if ((f.get("op"), f.get("direction"), f.get("key")) == (op_name, direction, key)
-          and not str(f.get("error", "")).startswith("skipped")):
+          and failed_outright(f)):
         times.setdefault(f.get("implementation"), float("inf"))
     return times
 
