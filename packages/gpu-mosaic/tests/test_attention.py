@@ -147,6 +147,61 @@ def test_t_ne_s_and_padding(causal, t, s):
   _check(1, t, s, 2, 1, 64, causal, grads=t != 1)
 
 
+@pytest.mark.parametrize("rows,tile,padded_to", [
+    (3000, 128, None),  # a multiple of TMA's 8-row tile: read as it is
+    (200, 128, None),
+    (3001, 128, 3072),  # its tiled view would not divide
+    (77, 128, 128),     # shorter than one block
+    (120, 128, 128),
+])
+def test_pad_rows_for_tma(rows, tile, padded_to):
+  x = _cotangent((2, rows, 3, 64), jnp.bfloat16)
+  got = _common.pad_rows_for_tma(x, 1, tile)
+  if padded_to is None:
+    assert got is x
+  else:
+    assert got.shape == (2, padded_to, 3, 64)
+    np.testing.assert_array_equal(np.asarray(got[:, :rows]), np.asarray(x))
+    assert not np.asarray(got[:, rows:]).any()
+
+
+def test_pad_rows_for_tma_pads_in_the_interpreter():
+  # The interpreter's slices clamp where TMA would read zeros: it gets padding.
+  x = _cotangent((1, 256 + 8, 2, 64), jnp.bfloat16)
+  with tokamax.interpret():
+    got = _common.pad_rows_for_tma(x, 1, 128)
+  if _common.interpreter_runs_these_kernels():
+    assert got.shape[1] == 384
+  else:
+    assert got is x  # no interpreter runs the kernels: nothing is traced there
+
+
+@pytest.mark.parametrize("t,s,q_rows,kv_rows", [
+    (3000, 1000, 3000, 1000),  # odd block counts, TMA's zeros: no copy
+    (3001, 1000, 3072, 1000),
+    (200, 77, 200, 128),
+])
+def test_forward_wrapper_pads_only_what_tma_cannot_read(t, s, q_rows, kv_rows,
+                                                         monkeypatch):
+  # `mosaic_attention` with the kernel replaced: the rows each operand reaches
+  # the kernel with, and the shapes returned (lse sliced from whole blocks).
+  seen = {}
+
+  def kernel(q, k, v, *extras, **kw):
+    seen.update(q=q.shape[1], k=k.shape[1], v=v.shape[1])
+    tp = -(-q.shape[1] // 128) * 128
+    return (jnp.zeros(q.shape, q.dtype),
+            jnp.zeros((q.shape[0], q.shape[2], tp), jnp.float32))
+  monkeypatch.setattr(akf, "flash_forward", kernel)
+  q = jnp.zeros((2, t, 4, 64), jnp.bfloat16)
+  k = jnp.zeros((2, s, 2, 64), jnp.bfloat16)
+  out, lse = akf.mosaic_attention(q, k, k, scale=0.125, causal=False,
+                                  config=mat.AttentionConfig(block_kv=128,
+                                                             num_stages=2))
+  assert seen == dict(q=q_rows, k=kv_rows, v=kv_rows)
+  assert out.shape == (2, t, 4, 64) and lse.shape == (2, 4, t)
+
+
 @gpu
 def test_single_key_step():
   # One key tile per block (the producer streams a single step).
@@ -1657,10 +1712,24 @@ def _model_scores(s, dp, lse_b, delta_b, c, cap, visible):
   return p, ds
 
 
+def _tma_rows(x, rows):
+  """What the kernels' TMA copies read of `x` [B, T, ...]: zeros past T, up to
+  `rows` (T rounded up to whole blocks)."""
+  return np.pad(x, [(0, 0), (0, rows - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+
+def _block_rows(x):
+  return -(-x.shape[1] // 128) * 128
+
+
 def _model_dkv(q, k, v, do, lse2, delta, *extras, scale, causal, config, feat,
                grads=("dk", "dv")):
-  """The dK/dV kernel's loops (ranges, masks, steps) in NumPy; returns `grads`."""
+  """The dK/dV kernel's loops (ranges, masks, steps) in NumPy; returns `grads`
+  (rows past S dropped, as TMA drops those stores)."""
   q, k, v, do, lse2, delta = (_np(x) for x in (q, k, v, do, lse2, delta))
+  s = k.shape[1]
+  q, do = (_tma_rows(x, _block_rows(q)) for x in (q, do))
+  k, v = (_tma_rows(x, _block_rows(k)) for x in (k, v))
   b, tp, n, h = q.shape
   sp, nk = k.shape[1], k.shape[2]
   group, bq, rows = n // nk, config.pass_block_q(grads), 64
@@ -1723,14 +1792,18 @@ def _model_dkv(q, k, v, do, lse2, delta, *extras, scale, causal, config, feat,
             keep = (np.arange(r0, r0 + rows) < kv_limit)[:, None]
             dk[bi, r0:r0 + rows, kh] = np.where(keep, dk[bi, r0:r0 + rows, kh], 0)
             dv[bi, r0:r0 + rows, kh] = np.where(keep, dv[bi, r0:r0 + rows, kh], 0)
-  out = {"dk": jnp.asarray(dk * scale, jnp.float32), "dv": jnp.asarray(dv, jnp.float32)}
+  out = {"dk": jnp.asarray(dk[:, :s] * scale, jnp.float32),
+         "dv": jnp.asarray(dv[:, :s], jnp.float32)}
   return tuple(out[g] for g in grads)
 
 
 def _model_dq(q, k, v, do, lse2, delta, *extras, scale, causal, s_true, config,
               feat):
-  """The dQ kernel's loops in NumPy."""
+  """The dQ kernel's loops in NumPy (reads and stores as `_model_dkv`'s)."""
   q, k, v, do, lse2, delta = (_np(x) for x in (q, k, v, do, lse2, delta))
+  t = q.shape[1]
+  q, do = (_tma_rows(x, _block_rows(q)) for x in (q, do))
+  k, v = (_tma_rows(x, _block_rows(k)) for x in (k, v))
   b, tp, n, h = q.shape
   sp, nk = k.shape[1], k.shape[2]
   group, bkv, rows = n // nk, config.block_kv, 64
@@ -1792,7 +1865,7 @@ def _model_dq(q, k, v, do, lse2, delta, *extras, scale, causal, s_true, config,
                                   delta[bi, head, tq][:, None], c, feat.soft_cap,
                                   visible)
             dq[bi, tq, head] += ds @ kt
-  return jnp.asarray(dq * scale, jnp.float32)
+  return jnp.asarray(dq[:, :t] * scale, jnp.float32)
 
 
 _BWD_MODEL_CASES = [

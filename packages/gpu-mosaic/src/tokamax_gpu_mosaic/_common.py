@@ -51,6 +51,25 @@ def pad_axis(x, axis: int, size: int):
   return jnp.pad(x, pad)
 
 
+# Rows of a TMA box's tile in shared memory (16-bit and 8-bit types alike): a
+# sequence axis of a multiple of this needs no padding to be read in whole tiles.
+TMA_TILE_ROWS = 8
+
+
+def pad_rows_for_tma(x, axis: int, tile: int):
+  """`x` ready for TMA copies of `tile` rows along `axis`, padded only when needed.
+
+  TMA reads zeros past the end of an axis and drops stores there, which is what
+  zero padding to a whole number of tiles gives, without the copy: so `x` is
+  padded only when its length is not a multiple of `TMA_TILE_ROWS` (its tiled
+  view must divide), is shorter than one tile, or kernels run in the interpreter
+  (whose slices clamp instead)."""
+  n = x.shape[axis]
+  if n % TMA_TILE_ROWS or n < tile or interpreting():
+    return pad_axis(x, axis, cdiv(n, tile) * tile)
+  return x
+
+
 def check_hopper_device(device: DeviceInfo, warpgroups: int = 3) -> None:
   """Raises NotImplementedError unless these kernels can run on `device`: natively
   on a Hopper GPU, or in interpret mode where JAX's Mosaic GPU interpreter runs

@@ -30,7 +30,9 @@ with 32-row steps in both kernels (K and V, or Q and dO, take 128 KiB of shared
 memory resident). A 32-row contraction takes the 64-byte swizzle, so every tile
 of that kernel does (`_Shape.transforms`).
 
-Padding: T and S are padded to multiples of 128. Padded query rows get
+Padding: the kernels run T and S rounded up to multiples of 128; the rows past
+the ends read as zeros (TMA's fill, or a padding copy where
+`_common.pad_rows_for_tma` needs one) and are never stored. Padded query rows get
 lse = +inf and dO = 0, so P = dS = 0 there: no mask. Padded key rows only make
 dK/dV rows that are sliced off; in dQ they are masked (exp2 of a padded key's
 score can overflow when lse is very negative: inf * 0 = NaN).
@@ -1143,16 +1145,21 @@ class _DqKernel(_Shape):
 
 
 def _shape(q, k, *, scale, causal, config, feat) -> dict:
-  b, tp, n, h = q.shape
-  return dict(b=b, tp=tp, n=n, h=h, group=n // k.shape[2], sp=k.shape[1],
+  """The kernels' sizes: T and S rounded up to whole blocks (the rows past the
+  ends are TMA's zeros or padding, see `mosaic_attention_bwd`)."""
+  b, t, n, h = q.shape
+  tp = _common.cdiv(t, akc.CTA_ROWS) * akc.CTA_ROWS
+  sp = _common.cdiv(k.shape[1], KEY_ROWS) * KEY_ROWS
+  return dict(b=b, tp=tp, n=n, h=h, group=n // k.shape[2], sp=sp,
               config=config, causal=causal, feat=feat, dtype=q.dtype, scale=scale)
 
 
 def flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
               config: AttentionVjpConfig, feat: akc.Features = akc.PLAIN,
               grads: tuple[str, ...] = ("dk", "dv")):
-  """dK, dV on padded inputs: q/do [B, Tp, N, H], k/v [B, Sp, K, H] (Tp and Sp
-  multiples of 128); lse2 (base-2 lse, +inf on padded rows), delta [B, N, Tp].
+  """dK, dV on q/do [B, T, N, H], k/v [B, S, K, H] as `_common.pad_rows_for_tma`
+  leaves them (the kernel runs T and S rounded up to 128 rows); lse2 (base-2
+  lse, +inf on rows past T), delta [B, N, Tp].
 
   `extras` (int32): with `feat.dynamic`, ``lims [B, 3]`` (valid queries, valid
   keys, q_offset); with `feat.segments` also the query tile ranges per 64 keys
@@ -1174,7 +1181,7 @@ def flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
 
 def flash_dq(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
              s_true: int, config: AttentionVjpConfig, feat: akc.Features = akc.PLAIN):
-  """dQ on padded inputs (as `flash_dkv`); keys at or past `s_true` are masked.
+  """dQ on inputs as `flash_dkv`'s; keys at or past `s_true` are masked.
 
   `extras` (int32): with `feat.dynamic`, ``lims [B, 3]``; with `feat.segments`
   also the key tile ranges per 64 query rows ``[B, Tp // 64, 2]`` (the
@@ -1271,8 +1278,9 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
                     + ids for bq in steps}
       extras_dq += (akc.segment_tile_range(q_ids, kv_ids, t, s, tp, sp,
                                            config.block_kv),) + ids
-  qp, dop = _common.pad_axis(q, 1, tp), _common.pad_axis(dout, 1, tp)
-  kp, vp = _common.pad_axis(k, 1, sp), _common.pad_axis(v, 1, sp)
+  # Rows past T and S: TMA's zeros (padding only where it needs it), as padding.
+  qp, dop = (_common.pad_rows_for_tma(x, 1, akc.CTA_ROWS) for x in (q, dout))
+  kp, vp = (_common.pad_rows_for_tma(x, 1, KEY_ROWS) for x in (k, v))
   def dkv(grads):
     return flash_dkv(qp, kp, vp, dop, lse2, delta,
                      *extras_dkv.get(config.pass_block_q(grads), ()), scale=scale,
@@ -1287,8 +1295,4 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
   if not config.fuse_dq:
     dq = flash_dq(qp, kp, vp, dop, lse2, delta, *extras_dq, scale=scale,
                   causal=causal, s_true=s, config=config, feat=feat)
-  if tp != t:
-    dq = dq[:, :t]
-  if sp != s:
-    dk, dv = dk[:, :s], dv[:, :s]
-  return dq, dk, dv
+  return dq[:, :t], dk[:, :s], dv[:, :s]

@@ -894,8 +894,9 @@ class _Forward:
 
 def flash_forward(q, k, v, *extras, scale: float, causal: bool, s_true: int,
                   config: AttentionConfig, feat: akc.Features = akc.PLAIN, sinks=None):
-  """The kernel on padded inputs: q [B, Tp, N, H] (Tp % 128 == 0), k/v
-  [B, Sp, K, H] (Sp % block_kv == 0); keys at or past `s_true` are masked.
+  """The kernel on q [B, T, N, H], k/v [B, S, K, H] as `_common.pad_rows_for_tma`
+  leaves them; it runs ``Tp`` = T rounded up to 128 query rows and ``Sp`` = S to
+  ``block_kv`` keys; keys at or past `s_true` are masked.
 
   `extras` (int32): with `feat.dynamic`, ``lims [B, 3]`` = (valid queries,
   valid keys, q_offset) per batch element; with `feat.segments` also the
@@ -903,14 +904,16 @@ def flash_forward(q, k, v, *extras, scale: float, causal: bool, s_true: int,
   ``[B, Sp]``. `sinks`: None or float32 ``[N]``, one logit per head joining
   each row's denominator in the epilogue (it takes no value).
 
-  Returns (out [B, Tp, N, H] in q's dtype, lse [B, N, Tp] float32, natural log).
+  Returns (out [B, T, N, H] in q's dtype, lse [B, N, Tp] float32, natural log).
   """
-  b, tp, n, h = q.shape
+  b, t, n, h = q.shape
+  tp = _common.cdiv(t, akc.CTA_ROWS) * akc.CTA_ROWS
+  sp = _common.cdiv(k.shape[1], config.block_kv) * config.block_kv
   if config.overlap_qk and _common.interpreting():
     raise NotImplementedError(
         "overlap_qk in the Mosaic GPU interpreter: it has no rule for a store "
         "into a WGMMA accumulator; use the plain schedule (overlap_qk=False)")
-  fwd = _Forward(b=b, tp=tp, n=n, h=h, group=n // k.shape[2], sp=k.shape[1],
+  fwd = _Forward(b=b, tp=tp, n=n, h=h, group=n // k.shape[2], sp=sp,
                  config=config, causal=causal, s_true=s_true, feat=feat,
                  dtype=q.dtype, has_sinks=sinks is not None, scale=scale)
 
@@ -922,7 +925,7 @@ def flash_forward(q, k, v, *extras, scale: float, causal: bool, s_true: int,
 
   call = _pipeline.warpgroup_kernel(
       body,
-      out_type=(jax.ShapeDtypeStruct((b, tp, n, h), q.dtype),
+      out_type=(jax.ShapeDtypeStruct((b, t, n, h), q.dtype),
                 jax.ShapeDtypeStruct((b, n, tp), jnp.float32)),
       scratch_types=fwd.scratch(),
       **fwd.grid())
@@ -941,8 +944,10 @@ def mosaic_attention(q, k, v, *, scale: float, causal: bool,
   The optional arguments mean what `AttentionArgs`' fields of the same names
   mean (lengths int32 [B], segment ids int32 [B, T] / [B, S], q_offset an int32
   scalar, sinks float [N]); each one off costs nothing (static switches).
-  T is padded to a multiple of 128 and S of ``block_kv`` (a copy, only then):
-  padded keys are masked in the last key tile, padded query rows sliced off.
+  The kernel runs T rounded up to 128 rows and S to ``block_kv``; the rows past
+  the ends are zeros that TMA reads (a padding copy only where
+  `_common.pad_rows_for_tma` needs one): such keys are masked in the last key
+  tile, such query rows are neither stored nor returned.
 
   Returns (out [B, T, N, H], lse [B, N, T] float32).
   """
@@ -969,11 +974,10 @@ def mosaic_attention(q, k, v, *, scale: float, causal: bool,
       kv_ids = kv_segment_ids.astype(jnp.int32)
       extras += (akc.segment_tile_range(q_ids, kv_ids, t, s, tp, sp, config.block_kv),
                  _common.pad_axis(q_ids, 1, tp), _common.pad_axis(kv_ids, 1, sp))
-  pad = _common.pad_axis
-  out, lse = flash_forward(pad(q, 1, tp), pad(k, 1, sp), pad(v, 1, sp), *extras,
+  q_rows = _common.pad_rows_for_tma(q, 1, akc.CTA_ROWS)
+  k_rows, v_rows = (_common.pad_rows_for_tma(x, 1, config.block_kv) for x in (k, v))
+  out, lse = flash_forward(q_rows, k_rows, v_rows, *extras,
                            scale=scale, causal=causal, s_true=s, config=config,
                            feat=feat,
                            sinks=None if sinks is None else sinks.astype(jnp.float32))
-  if tp != t:
-    out, lse = out[:, :t], lse[:, :, :t]
-  return out, lse
+  return out[:, :t], lse[:, :, :t]
