@@ -407,6 +407,43 @@ def test_none_check_attention_times_none_against_mosaic_and_cudnn(monkeypatch, c
   assert len(defaults) == 8 and not grid & set(defaults)
 
 
+def test_none_check_reads_glu_and_norm_shapes():
+  assert none_check.parse_glu_shape("12000,4096,11008") == (12000, 4096, 11008)
+  assert none_check.parse_norm_shape("8192,5120,rms") == (8192, 5120, True)
+  assert none_check.parse_norm_shape("12000,4096") == (12000, 4096, False)
+  for parse, bad, usage in ((none_check.parse_glu_shape, "1,2", "M,K,N"),
+                            (none_check.parse_norm_shape, "1,2,layer", "ROWS,D")):
+    with pytest.raises(Exception, match=usage):
+      parse(bad)
+
+
+@pytest.mark.parametrize("op,grid,off_grid,named", [
+    ("gated_linear_unit", "glu_problems", "OFF_GRID_GLU",
+     ("mosaic_gpu", "triton", "composed", "xla")),
+    ("layer_norm", "norm_problems", "OFF_GRID_NORM", ("mosaic_gpu", "triton", "xla")),
+])
+def test_none_check_glu_and_norms_default_off_the_grid(monkeypatch, op, grid, off_grid,
+                                                       named):
+  # None against every named implementation, XLA's included, at shapes no grid
+  # point has; a None 4% over the XLA one fails.
+  seen = []
+
+  def rows(problem, implementations, iterations):
+    seen.append((problem.name, tuple(implementations)))
+    return [dict(op=problem.op, shape=problem.name, direction=d, implementation=i, ms=ms)
+            for d in problem.directions
+            for i, ms in (("tokamax auto", 1.04), ("tokamax mosaic_gpu", 1.1),
+                          ("tokamax triton", 1.2), ("tokamax xla", 1.0))]
+  monkeypatch.setattr(none_check.bench_suite, "run_problem", rows)
+  monkeypatch.setattr(sys, "argv", ["none_check", "--op", op, "--iterations", "1"])
+  assert none_check.main() == 1
+  module = getattr(none_check, grid)
+  defaults = [module.problem(*s).name for s in getattr(none_check, off_grid)]
+  assert [name for name, _ in seen] == defaults
+  assert {impls for _, impls in seen} == {(None, *named)}
+  assert not {p.name for p in module.grid_problems()} & set(defaults)
+
+
 @pytest.mark.parametrize("auto_ms,status", [(1.02, 0), (1.05, 1)])
 def test_none_check_fails_past_the_margin(monkeypatch, capsys, auto_ms, status):
   def rows(problem, implementations, iterations):

@@ -2,11 +2,14 @@
 
     python tools/none_check.py [--shape M,K,N,G[,random]] ... [--iterations 10]
     python tools/none_check.py --op dot_product_attention [--shape B,T,N,K,H[,causal]] ...
+    python tools/none_check.py --op gated_linear_unit [--shape M,K,N] ...
+    python tools/none_check.py --op layer_norm [--shape ROWS,D[,rms]] ...
 
 For each shape (ragged_dot's default: the H200 grid's random-split shapes and six
-it was never tuned at; dot_product_attention's: eight calls between or beyond its
-grid points, `bench --grid` covering the points themselves), times `None` and each
-named implementation, forward and forward+backward, interleaved
+it was never tuned at; the other ops': calls between or beyond their grid points,
+`bench --grid` covering the points themselves), times `None` and each named
+implementation (the XLA one included for GLU and the norms: `None` must not lose
+to it either), forward and forward+backward, interleaved
 (`bench_suite.run_problem`, no peers), and prints every time and None's over the
 fastest named one's (`bench_suite.auto_against_fastest`). Exit status 1 if any is
 more than `bench_suite.AUTO_MARGIN` (3%) slower: the check that the tuned data,
@@ -22,6 +25,8 @@ from typing import Callable, NamedTuple
 
 from tokamax._src import bench_suite
 from tokamax._src.ops.attention import problems as attention_problems
+from tokamax._src.ops.gated_linear_unit import problems as glu_problems
+from tokamax._src.ops.layer_norm import problems as norm_problems
 from tokamax._src.ops.ragged_dot import problems as ragged_dot_problems
 
 # Never tuned at: other group counts, K and N between the grid's.
@@ -38,6 +43,19 @@ OFF_GRID_ATTENTION = [
     (16, 2048, 16, 16, 64, True), (2, 8192, 64, 8, 128, True),
     (8, 2048, 32, 8, 256, False), (1, 32768, 32, 8, 128, True),
     (4, 3000, 16, 16, 128, False), (2, 6144, 32, 8, 64, True),
+]
+
+# (M, K, N), bf16 SwiGLU, never tuned at: other model widths (5120/13824,
+# 3072/8192), a short M, an M that is no multiple of the tiles.
+OFF_GRID_GLU = [
+    (8192, 5120, 13824), (32768, 3072, 8192), (1024, 4096, 14336),
+    (12000, 4096, 11008), (16384, 2048, 8192),
+]
+# (rows, D, rms), bf16, never tuned at: widths between the grid's 1024-16384,
+# row counts between 4096 and 32768 or past them, rows no power of two.
+OFF_GRID_NORM = [
+    (8192, 5120, False), (8192, 5120, True), (16384, 2048, True),
+    (65536, 3072, True), (12000, 4096, False), (2048, 12288, True),
 ]
 
 
@@ -62,6 +80,22 @@ def parse_attention_shape(text: str) -> tuple:
   return (*map(int, parts[:5]), len(parts) == 6)
 
 
+def parse_glu_shape(text: str) -> tuple:
+  parts = text.split(",")
+  if len(parts) != 3:
+    raise argparse.ArgumentTypeError(
+        f"--shape wants M,K,N for gated_linear_unit, got {text!r}")
+  return tuple(map(int, parts))
+
+
+def parse_norm_shape(text: str) -> tuple:
+  parts = text.split(",")
+  if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "rms"):
+    raise argparse.ArgumentTypeError(
+        f"--shape wants ROWS,D[,rms] for layer_norm, got {text!r}")
+  return (*map(int, parts[:2]), len(parts) == 3)
+
+
 class _Op(NamedTuple):
   parse: Callable[[str], tuple]
   problem: Callable[..., object]
@@ -76,6 +110,14 @@ OPS = {
         parse_attention_shape, attention_problems.problem,
         lambda: [attention_problems.problem(*s) for s in OFF_GRID_ATTENTION],
         ("mosaic_gpu", "cudnn")),
+    "gated_linear_unit": _Op(
+        parse_glu_shape, glu_problems.problem,
+        lambda: [glu_problems.problem(*s) for s in OFF_GRID_GLU],
+        ("mosaic_gpu", "triton", "composed", "xla")),
+    "layer_norm": _Op(
+        parse_norm_shape, norm_problems.problem,
+        lambda: [norm_problems.problem(*s) for s in OFF_GRID_NORM],
+        ("mosaic_gpu", "triton", "xla")),
 }
 
 
@@ -84,10 +126,13 @@ def main() -> int:
   parser.add_argument("--op", choices=sorted(OPS), default="ragged_dot")
   parser.add_argument("--shape", action="append",
                       help="ragged_dot: M,K,N,G[,random]; dot_product_attention: "
-                           "B,T,N,K,H[,causal] (bf16)")
+                           "B,T,N,K,H[,causal]; gated_linear_unit: M,K,N; "
+                           "layer_norm: ROWS,D[,rms] (bf16)")
   parser.add_argument("--implementation", action="append", default=None,
                       help="default: mosaic_gpu and triton (ragged_dot), mosaic_gpu "
-                           "and cudnn (dot_product_attention)")
+                           "and cudnn (dot_product_attention), mosaic_gpu, triton, "
+                           "composed and xla (gated_linear_unit), mosaic_gpu, "
+                           "triton and xla (layer_norm)")
   parser.add_argument("--iterations", type=int, default=10)
   args = parser.parse_args()
   op = OPS[args.op]
