@@ -202,6 +202,68 @@ def test_forward_wrapper_pads_only_what_tma_cannot_read(t, s, q_rows, kv_rows,
   assert out.shape == (2, t, 4, 64) and lse.shape == (2, 4, t)
 
 
+def test_backward_wrapper_pads_only_what_tma_cannot_read(monkeypatch):
+  # `mosaic_attention_bwd` with both kernels replaced: the rows q, dO (T) and
+  # k, v (S) reach them with; lse and delta always in whole 128-row blocks.
+  seen = []
+
+  def kernel(name):
+    def run(q, k, v, do, lse2, delta, *extras, **kw):
+      seen.append((name, q.shape[1], do.shape[1], k.shape[1], v.shape[1],
+                   lse2.shape[2], delta.shape[2]))
+      grads = kw.get("grads", ("dq",))
+      return tuple(jnp.zeros(k.shape if g != "dq" else q.shape, jnp.float32)
+                   for g in grads) if name == "dkv" else jnp.zeros(q.shape, q.dtype)
+    return run
+  monkeypatch.setattr(akb, "flash_dkv", kernel("dkv"))
+  monkeypatch.setattr(akb, "flash_dq", kernel("dq"))
+  for t, s, rows in ((3000, 1000, (3000, 1000)), (3001, 1000, (3072, 1000)),
+                     (200, 77, (200, 128))):
+    seen.clear()
+    q = jnp.zeros((1, t, 2, 64), jnp.bfloat16)
+    k = jnp.zeros((1, s, 2, 64), jnp.bfloat16)
+    lse = jnp.zeros((1, 2, t), jnp.float32)
+    dq, dk, dv = akb.mosaic_attention_bwd(q, k, k, q, q, lse, scale=0.125, causal=False,
+                                          config=mat.AttentionVjpConfig(128, 128, 2))
+    tp = -(-t // 128) * 128
+    assert seen == [(n, rows[0], rows[0], rows[1], rows[1], tp, tp)
+                    for n in ("dkv", "dq")], (t, s, seen)
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
+
+
+@gpu
+@pytest.mark.parametrize("t,s,causal,fuse_dq", [
+    (3000, 3000, False, False),
+    (136, 1000, False, False),  # a 64-row query box wholly past T
+    (1000, 1000, True, True),  # the fused dQ's additions past T
+    (3000, 3000, True, False),
+])
+def test_rows_past_the_end_read_as_zeros(t, s, causal, fuse_dq):
+  # The wrappers hand lengths that are no multiple of the blocks to the kernels
+  # unpadded (`_common.pad_rows_for_tma`): TMA must read zeros past T and S and
+  # drop stores there. Batch row 1 holds NaNs: rows read from it instead (a V
+  # row past S times P = 0, a dO row past T) would turn batch row 0 to NaN.
+  h, scale = 128, 128**-0.5
+  q, key, v = _qkv(2, t, s, 4, 2, h, jnp.bfloat16)
+  dout = _cotangent((2, t, 4, h), jnp.bfloat16)
+  nan = lambda x: x.at[1].set(jnp.nan)
+  first = lambda x: x[:1]
+  fwd = jax.jit(functools.partial(mat.mosaic_attention, scale=scale, causal=causal,
+                                  config=mat.AttentionConfig()))
+  out, lse = fwd(*map(nan, (q, key, v)))
+  want = _reference(first(q), first(key), first(v), causal, scale)
+  testing.assert_close(first(out), want, jnp.bfloat16, what="out", gpu=True)
+  bwd = jax.jit(functools.partial(
+      mat.mosaic_attention_bwd, scale=scale, causal=causal,
+      config=mat.AttentionVjpConfig(64, 128, 2, fuse_dq=fuse_dq)))
+  grads = bwd(*map(nan, (q, key, v)), out, nan(dout), lse)
+  up = lambda x: first(x).astype(jnp.float32)
+  wants = _reference_vjp(lambda q, key, v: _reference(q, key, v, causal, scale),
+                         (up(q), up(key), up(v)), up(dout))
+  for name, g, w in zip(("dq", "dk", "dv"), grads, wants):
+    testing.assert_close(first(g), w, jnp.bfloat16, what=name, scale=2, gpu=True)
+
+
 @gpu
 def test_single_key_step():
   # One key tile per block (the producer streams a single step).
