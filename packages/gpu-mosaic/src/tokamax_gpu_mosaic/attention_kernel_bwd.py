@@ -34,7 +34,7 @@ Padding: the kernels run T and S rounded up to multiples of 128; the rows past
 the ends read as zeros (TMA's fill, or a padding copy where
 `_common.pad_rows_for_tma` needs one) and are never stored. Padded query rows get
 lse = +inf and dO = 0, so P = dS = 0 there: no mask. Padded key rows only make
-dK/dV rows that are sliced off; in dQ they are masked (exp2 of a padded key's
+dK/dV rows that are dropped; in dQ they are masked (exp2 of a padded key's
 score can overflow when lse is very negative: inf * 0 = NaN).
 
 Causal: dK/dV visits only the query tiles at or after the key tile (per head),
