@@ -385,16 +385,22 @@ def test_none_check_reads_attention_shapes():
       none_check.parse_attention_shape(bad)
 
 
+def _timed_rows(times: dict, seen: list | None = None):
+  """A stand-in for `bench_suite.run_problem`: every implementation of `times`
+  (row name -> ms) at its time in each direction; each call's problem name and
+  implementations go to `seen`."""
+  def rows(problem, implementations, iterations):
+    if seen is not None:
+      seen.append((problem.name, tuple(implementations)))
+    return [dict(op=problem.op, shape=problem.name, direction=d, implementation=i, ms=ms)
+            for d in problem.directions for i, ms in times.items()]
+  return rows
+
+
 def test_none_check_attention_times_none_against_mosaic_and_cudnn(monkeypatch, capsys):
   seen = []
-
-  def rows(problem, implementations, iterations):
-    seen.append((problem.name, tuple(implementations)))
-    return [dict(op=problem.op, shape=problem.name, direction=d, implementation=i, ms=ms)
-            for d in problem.directions
-            for i, ms in (("tokamax auto", 1.05), ("tokamax mosaic_gpu", 1.0),
-                          ("tokamax cudnn", 1.2))]
-  monkeypatch.setattr(none_check.bench_suite, "run_problem", rows)
+  monkeypatch.setattr(none_check.bench_suite, "run_problem", _timed_rows(
+      {"tokamax auto": 1.05, "tokamax mosaic_gpu": 1.0, "tokamax cudnn": 1.2}, seen))
   monkeypatch.setattr(sys, "argv", ["none_check", "--op", "dot_product_attention",
                                     "--shape", "2,512,4,2,64,causal"])
   assert none_check.main() == 1  # 5% over the fastest
@@ -427,14 +433,9 @@ def test_none_check_glu_and_norms_default_off_the_grid(monkeypatch, op, grid, of
   # None against every named implementation, XLA's included, at shapes no grid
   # point has; a None 4% over the XLA one fails.
   seen = []
-
-  def rows(problem, implementations, iterations):
-    seen.append((problem.name, tuple(implementations)))
-    return [dict(op=problem.op, shape=problem.name, direction=d, implementation=i, ms=ms)
-            for d in problem.directions
-            for i, ms in (("tokamax auto", 1.04), ("tokamax mosaic_gpu", 1.1),
-                          ("tokamax triton", 1.2), ("tokamax xla", 1.0))]
-  monkeypatch.setattr(none_check.bench_suite, "run_problem", rows)
+  monkeypatch.setattr(none_check.bench_suite, "run_problem", _timed_rows(
+      {"tokamax auto": 1.04, "tokamax mosaic_gpu": 1.1, "tokamax triton": 1.2,
+       "tokamax xla": 1.0}, seen))
   monkeypatch.setattr(sys, "argv", ["none_check", "--op", op, "--iterations", "1"])
   assert none_check.main() == 1
   module = getattr(none_check, grid)
@@ -446,12 +447,8 @@ def test_none_check_glu_and_norms_default_off_the_grid(monkeypatch, op, grid, of
 
 @pytest.mark.parametrize("auto_ms,status", [(1.02, 0), (1.05, 1)])
 def test_none_check_fails_past_the_margin(monkeypatch, capsys, auto_ms, status):
-  def rows(problem, implementations, iterations):
-    return [dict(op="ragged_dot", shape=problem.name, direction=d, implementation=i, ms=ms)
-            for d in problem.directions
-            for i, ms in (("tokamax auto", auto_ms), ("tokamax mosaic_gpu", 1.0),
-                          ("tokamax triton", 1.1))]
-  monkeypatch.setattr(none_check.bench_suite, "run_problem", rows)
+  monkeypatch.setattr(none_check.bench_suite, "run_problem", _timed_rows(
+      {"tokamax auto": auto_ms, "tokamax mosaic_gpu": 1.0, "tokamax triton": 1.1}))
   monkeypatch.setattr(sys, "argv", ["none_check", "--shape", "512,256,512,4,random"])
   assert none_check.main() == status
   printed = capsys.readouterr().out

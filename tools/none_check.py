@@ -65,35 +65,24 @@ def default_problems() -> list:
   return grid + [ragged_dot_problems.problem(*s) for s in OFF_GRID_SHAPES]
 
 
-def parse_shape(text: str) -> tuple:
-  parts = text.split(",")
-  if len(parts) not in (4, 5) or (len(parts) == 5 and parts[4] != "random"):
-    raise argparse.ArgumentTypeError(f"--shape wants M,K,N,G[,random], got {text!r}")
-  return (*map(int, parts[:4]), len(parts) == 5)
+def shape_parser(usage: str, sizes: int, flag: str | None = None):
+  """A `--shape` parser: `sizes` comma-separated integers, then optionally the
+  word `flag` (its presence returned as a last bool); `usage` names the form."""
+  def parse(text: str) -> tuple:
+    parts = text.split(",")
+    flagged = flag is not None and len(parts) == sizes + 1 and parts[-1] == flag
+    if len(parts) != sizes and not flagged:
+      raise argparse.ArgumentTypeError(f"--shape wants {usage}, got {text!r}")
+    values = tuple(map(int, parts[:sizes]))  # ValueError: not an integer
+    return values if flag is None else (*values, flagged)
+  return parse
 
 
-def parse_attention_shape(text: str) -> tuple:
-  parts = text.split(",")
-  if len(parts) not in (5, 6) or (len(parts) == 6 and parts[5] != "causal"):
-    raise argparse.ArgumentTypeError(
-        f"--shape wants B,T,N,K,H[,causal] for dot_product_attention, got {text!r}")
-  return (*map(int, parts[:5]), len(parts) == 6)
-
-
-def parse_glu_shape(text: str) -> tuple:
-  parts = text.split(",")
-  if len(parts) != 3:
-    raise argparse.ArgumentTypeError(
-        f"--shape wants M,K,N for gated_linear_unit, got {text!r}")
-  return tuple(map(int, parts))
-
-
-def parse_norm_shape(text: str) -> tuple:
-  parts = text.split(",")
-  if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "rms"):
-    raise argparse.ArgumentTypeError(
-        f"--shape wants ROWS,D[,rms] for layer_norm, got {text!r}")
-  return (*map(int, parts[:2]), len(parts) == 3)
+parse_shape = shape_parser("M,K,N,G[,random]", 4, "random")
+parse_attention_shape = shape_parser(
+    "B,T,N,K,H[,causal] for dot_product_attention", 5, "causal")
+parse_glu_shape = shape_parser("M,K,N for gated_linear_unit", 3)
+parse_norm_shape = shape_parser("ROWS,D[,rms] for layer_norm", 2, "rms")
 
 
 class _Op(NamedTuple):
