@@ -2,6 +2,7 @@
 
 import dataclasses
 import subprocess
+import types
 
 import jax
 import jax.numpy as jnp
@@ -340,6 +341,17 @@ def test_shape_selects_problems_by_name(monkeypatch):
   rows, _ = bench_suite._run(["layer_norm"], 1, [None], False, None, True, None,
                              ["64x128", "other"])
   assert {r["shape"] for r in rows} == {"tiny 64x128", "other 8x8"}
+
+
+def test_shape_ending_in_a_dollar_must_end_the_name():
+  names = ["B8 T4096 N16 H128", "B8 T4096 N16 H128 causal", "B2 T4096 N16 H128"]
+  problems = [types.SimpleNamespace(name=n) for n in names]
+  chosen = lambda shapes: [p.name for p in bench_suite.select_shapes(problems, shapes)]
+  assert chosen(["N16 H128"]) == names
+  assert chosen(["N16 H128$"]) == [names[0], names[2]]
+  assert chosen(["B8 T4096 N16 H128$", "causal"]) == names[:2]
+  with pytest.raises(bench_suite.NoMatchingShape):
+    chosen(["T4096$"])
 
 
 def test_shape_that_matches_nothing_names_the_problems(monkeypatch, capsys):

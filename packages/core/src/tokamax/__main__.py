@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="only this implementation (repeatable; 'auto' for None)")
   bench.add_argument("--shape", action="append",
                      help="only problems whose name contains this (repeatable: any "
-                          "of them; e.g. 'window', 'sinks', 'B4 T4096')")
+                          "of them; e.g. 'window', 'sinks', 'B4 T4096'; a trailing $ "
+                          "ends the name: 'H128$' leaves out 'H128 causal')")
   bench.add_argument("--peer", action="append", metavar="NAME",
                      help="only the peers whose label contains NAME (repeatable; "
                           "'none' for none), e.g. --peer dense; a reference "
@@ -127,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
   tune = sub.add_parser("autotune", help="autotune the reference shapes; write tuned data")
   tune.add_argument("--op", action="append", help="only this op (repeatable)")
   tune.add_argument("--shape", action="append",
-                    help="only problems whose name contains this (repeatable: any of them)")
+                    help="only problems whose name contains this (repeatable: any of "
+                         "them; a trailing $ ends the name: 'H128$' leaves out "
+                         "'H128 causal')")
   tune.add_argument("--out", required=True,
                     help="folder to write <device_kind_slug>/<op>.json into (e.g. a "
                          "backend package's tuned-data folder)")

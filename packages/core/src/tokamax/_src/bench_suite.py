@@ -607,15 +607,18 @@ class NoMatchingShape(ValueError):
 def select_shapes(problems: list[Problem], shapes: list[str],
                   regex: bool = False) -> list[Problem]:
   """The `problems` whose name contains any of `shapes` (substrings, e.g.
-  ``["G128", "G256"]``, or with `regex` regular expressions searched in it,
-  as the tools' ``--shape`` takes them); `NoMatchingShape` naming the problems
-  there are where none matches, so that a mistyped name does not print an
-  empty table."""
+  ``["G128", "G256"]``; one ending in ``$`` must end the name, so that
+  ``"N16 H128$"`` leaves out ``"... N16 H128 causal"``), or with `regex` regular
+  expressions searched in it, as the tools' ``--shape`` takes them;
+  `NoMatchingShape` naming the problems there are where none matches, so that a
+  mistyped name does not print an empty table."""
   if regex:
     patterns = [re.compile(s) for s in shapes]
     chosen = [p for p in problems if any(r.search(p.name) for r in patterns)]
   else:
-    chosen = [p for p in problems if any(s in p.name for s in shapes)]
+    def names(shape: str, name: str) -> bool:
+      return name.endswith(shape[:-1]) if shape.endswith("$") else shape in name
+    chosen = [p for p in problems if any(names(s, p.name) for s in shapes)]
   if not chosen:
     names = sorted({p.name for p in problems})
     what = "matches" if regex else "contains any of"
