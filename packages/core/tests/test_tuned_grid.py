@@ -26,6 +26,12 @@ def _attn(b=8, t=4096, c=True, dtype="bfloat16"):
   return _ATTN.format(b=b, t=t, c=c).replace("bfloat16", dtype)
 
 
+def _attention_call(b: int, t: int) -> tokamax.AttentionArgs:
+  """The call whose key is `_attn(b, t)` (bf16, 16 heads of 128, causal)."""
+  q = jax.ShapeDtypeStruct((b, t, 16, 128), jnp.bfloat16)
+  return tokamax.AttentionArgs(q, q, q, scale=0.088, is_causal=True)
+
+
 def _attention_times(times: dict) -> results.AutotuningResult:
   """An attention result from ``{key: {direction: {implementation: ms}}}``."""
   return results.AutotuningResult(
@@ -132,9 +138,7 @@ def test_a_call_between_grid_points_ranks_by_both():
              "backward": {"cudnn": 1.46, "mosaic_gpu": 1.45}},
       far: {"forward": {"cudnn": 6.5, "mosaic_gpu": 6.3},
             "backward": {"cudnn": 20.9, "mosaic_gpu": 23.5}}})
-  s = jax.ShapeDtypeStruct
-  call = tokamax.AttentionArgs(*(s((2, 8192, 16, 128), jnp.bfloat16) for _ in range(3)),
-                               scale=0.088, is_causal=True)
+  call = _attention_call(2, 8192)
   backward = result.measured_times("dot_product_attention", "backward", call)
   assert backward == pytest.approx({"cudnn": (1.46 * 20.9) ** 0.5,
                                     "mosaic_gpu": (1.45 * 23.5) ** 0.5})
@@ -176,11 +180,7 @@ def test_step_times_come_from_one_point_measured_both_ways():
             "backward": {"cudnn": 4.0, "mosaic_gpu": 2.0}},
       h128: {"forward": {"cudnn": 9.0, "mosaic_gpu": 8.0},
              "backward": {"cudnn": 1.0, "mosaic_gpu": 9.0}}})
-  s = jax.ShapeDtypeStruct
-  args = lambda b, t: tokamax.AttentionArgs(
-      *(s((b, t, 16, 128), jnp.bfloat16) for _ in range(3)), scale=0.088,
-      is_causal=True)
-  call = args(8, 4096)  # the H64 point's sizes at H128
+  call = _attention_call(8, 4096)  # the H64 point's sizes at H128
   assert results.args_key(call) == _attn(8, 4096)
   assert result.measured_times("dot_product_attention", "forward", call) == {
       "cudnn": 9.0, "mosaic_gpu": 8.0}  # H128's (2 octaves away), not H64's
