@@ -956,15 +956,19 @@ def test_backward_configs_fit():
   # H128: dK and dV leave room for 64 query rows per dK/dV step only.
   assert {c.block_q for c in mat.MosaicGpuAttentionVjp().search_space(
       _args(h=128))} == {64}
-  # Every tiling comes in all four schedules; the heuristic stays unchanged.
+  # Every tiling comes in all four schedules (the fused kernel, at H128, in
+  # one); the heuristic stays unchanged.
   for h in (64, 128):
     op = mat.MosaicGpuAttentionVjp()
     space = op.search_space(_args(h=h))
     assert len(set(space)) == len(space)
     assert {(c.ping_pong, c.ping_pong_dq) for c in space} == {
         (False, False), (True, False), (False, True), (True, True)}
-    plain = {c for c in space if not (c.ping_pong or c.ping_pong_dq)}
-    assert len(space) == 4 * len(plain)
+    fused = {c for c in space if c.fuse_dq}
+    assert all(not (c.ping_pong or c.ping_pong_dq) for c in fused)
+    assert bool(fused) == (h == 128)
+    plain = {c for c in space if not (c.ping_pong or c.ping_pong_dq or c.fuse_dq)}
+    assert len(space) == 4 * len(plain) + len(fused)
     config = op.heuristic_config(_args(h=h))
     assert not (config.ping_pong or config.ping_pong_dq)
 
@@ -1030,7 +1034,7 @@ def test_backward_head_dim_256_configs():
     # Blocks in head groups (3 query heads a group in the dQ kernel, 3 key/value
     # heads in the dK/dV kernel: short last groups both).
     (128, 8, 4, 384, 640, mat.AttentionVjpConfig(64, 128, 2, head_group=3)),
-    # dQ in the dK/dV kernel (causal only: skipped below otherwise).
+    # dQ in the dK/dV kernel (without causal: its blocks' rotated order).
     (64, 4, 2, 512, 512, mat.AttentionVjpConfig(128, 128, 2, ping_pong=True,
                                                 fuse_dq=True)),
     (128, 8, 2, 700, 640, mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True)),
@@ -1040,8 +1044,6 @@ def test_backward_lowers_for_cuda(causal, h, n, k, t, s, config):
   dtype = jnp.float16 if t == 1 else jnp.bfloat16
   args = _args(t=t, s=s, n=n, k=k, h=h, is_causal=causal, dtype=dtype)
   config = config or mat.MosaicGpuAttentionVjp().heuristic_config(args)
-  if config.fuse_dq and not causal:
-    pytest.skip("fuse_dq takes causal calls only (test_backward_fuse_dq_refusals)")
   # Split below H256, head groups not sized by `l2_head_group`, and the fused
   # dQ with ping-pong: outside it.
   if (not (config.split_dkv and h < 256) and not config.head_group
@@ -1349,7 +1351,7 @@ def _check_backward_config(b, t, s, n, k, h, causal, config, scale=None):
     testing.assert_close(g, w, jnp.bfloat16, what=name, scale=2, gpu=True)
 
 
-def test_backward_fuse_dq_refusals():
+def test_backward_fuse_dq_refusals(monkeypatch):
   with pytest.raises(ValueError, match="split_dkv"):
     mat.AttentionVjpConfig(32, 32, 2, split_dkv=True, fuse_dq=True)
   q, key, v = _qkv(1, 256, 200, 2, 2, 64, jnp.bfloat16)
@@ -1358,7 +1360,7 @@ def test_backward_fuse_dq_refusals():
   for causal, kw, reason in (
       (True, dict(config=mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True)),
        "must be 64 x 128 or 128 x 64; got 64 x 64"),
-      (False, {}, "causal calls only.*got is_causal=False"),
+      (False, {}, r"without causal needs S a multiple of 128 .*got T=256, S=200"),
       (True, dict(local_window=(64, 0)), "got a local window"),
       (True, dict(key_value_seq_lengths=jnp.asarray([100], jnp.int32)),
        "got key/value lengths"),
@@ -1370,6 +1372,19 @@ def test_backward_fuse_dq_refusals():
       jax.eval_shape(functools.partial(mat.mosaic_attention_bwd, scale=0.125,
                                        causal=causal, **{"config": config, **kw}),
                      q, key, v, q, q, lse)
+  # Without causal: the diagonals must be query tiles, and all of a head
+  # group's key blocks resident at once.
+  plain = functools.partial(akb.fused_dq_refusal, h=128, block_q=64, causal=False,
+                            feat=akc.PLAIN)
+  monkeypatch.setattr(akb._common, "num_sms", lambda: 132)  # an H100/H200 SXM
+  assert plain(1024, 1024) is None and plain(16896, 16896) is None
+  assert plain(1024, 512) is None  # T > S
+  assert "S <= T" in plain(512, 1024)
+  assert "at most 132 key blocks" in plain(17024, 17024)
+  assert plain(4096, 4096, head_group=4) is None
+  assert "groups of 5" in plain(4096, 4096, head_group=5)
+  monkeypatch.setattr(akb._common, "num_sms", lambda: 78)  # fewer SMs, fewer blocks
+  assert "at most 78 key blocks" in plain(16384, 16384)
 
 
 def test_fused_kernel_drops_pallas_store_barriers_at_mha_h128_only(monkeypatch):
@@ -1448,6 +1463,34 @@ def test_backward_fuse_dq_config_refusals():
 
 
 @pytest.mark.parametrize("t,s,block_q", [
+    (1024, 1024, 64), (1000, 896, 64), (700, 512, 128), (512, 512, 128),
+    (640, 384, 64), (1024, 384, 128)])
+def test_backward_fuse_dq_rotated_rank_order(t, s, block_q):
+  # Without causal each key block visits every query tile from its diagonal on,
+  # wrapping around: at each tile the ranks must be the blocks' order of arrival
+  # (simulated here step by step), and no two blocks arrive at one step.
+  tp, sp = -(-t // 128) * 128, -(-s // 128) * 128
+  nq, nk = tp // block_q, sp // 128
+  kernel = akb._DkvKernel(
+      b=1, tp=tp, n=1, h=8192 // block_q, group=1, sp=sp,
+      config=mat.AttentionVjpConfig(block_q, 128, 2, fuse_dq=True), causal=False,
+      feat=akc.PLAIN, dtype=jnp.bfloat16, scale=1.0)
+  assert kernel.rotated
+  blk = akb._DkvBlock(wg=0, ki=0, head=0, batch=0, k0=0, j_lo=0, j_fl=None, j_fh=None,
+                      j_hi=None, n_j=nq, n_steps=nq, limits=None, pass_turn=None)
+  arrival = {}  # (tile, block) -> step
+  for kb in range(nk):
+    blk = blk._replace(ki=kb, j_lo=kb * 128 // block_q)
+    for step in range(nq):
+      arrival[int(kernel.step_tile(blk, step)[1]), kb] = step
+  assert len(arrival) == nq * nk  # every block visits every tile once
+  for j in range(nq):
+    order = sorted(range(nk), key=lambda kb: arrival[j, kb])
+    assert len({arrival[j, kb] for kb in order}) == nk, j
+    assert [int(kernel.dq_rank(kb, j)) for kb in order] == list(range(nk)), j
+
+
+@pytest.mark.parametrize("t,s,block_q", [
     (1024, 1024, 64), (1000, 1100, 64), (700, 512, 128), (512, 512, 128),
     (640, 384, 64)])
 def test_backward_fuse_dq_rank_order(t, s, block_q):
@@ -1471,7 +1514,7 @@ def test_backward_fuse_dq_rank_order(t, s, block_q):
     (dict(n=4, k=4, t=1000, s=1100, is_causal=True), True),  # T < S, padded
     (dict(n=8, k=2, is_causal=True), False),  # GQA: measured slower
     (dict(n=4, k=1, is_causal=True), False),  # MQA
-    (dict(n=4, k=4), False),  # not causal: refused
+    (dict(n=4, k=4), False),  # not causal: not measured (autotuning may take it)
     (dict(n=4, k=4, is_causal=True, local_window_size=(64, 0)), False),  # refused
     (dict(n=4, k=4, t=256, s=200, is_causal=True), False),  # T > S, S % 128: refused
     (dict(n=4, k=4, is_causal=True, logits_soft_cap=5.0), False),  # not run natively
@@ -1512,6 +1555,21 @@ def test_backward_fuse_dq(b, t, s, n, k, h, block_q, ping_pong):
 
 
 @gpu
+@pytest.mark.parametrize("b,t,s,n,k,h,block_q", [
+    (2, 1024, 1024, 4, 4, 128, 64),  # MHA at H128: no Pallas store barriers
+    (1, 2048, 2048, 8, 2, 128, 64),  # GQA: 4 query heads a block
+    (2, 1000, 896, 4, 4, 128, 64),  # T > S, T no multiple of the tile
+    (2, 1024, 1024, 4, 1, 64, 128),  # H64's 128-row steps, MQA
+    (1, 8192, 8192, 2, 2, 128, 64),  # 64 key blocks a head, all resident
+])
+def test_backward_fuse_dq_without_causal(b, t, s, n, k, h, block_q):
+  # Each key block visits every query tile from its diagonal on, wrapping
+  # around (`_DkvKernel.rotated`); block nk - 1 waits for block 0 at the wrap.
+  config = mat.AttentionVjpConfig(block_q, 128, 2, fuse_dq=True)
+  _check_backward_config(b, t, s, n, k, h, False, config)
+
+
+@gpu
 @pytest.mark.parametrize("t", [4096, 3000])
 def test_backward_heuristic_fused_at_length(t):
   # The heuristic's one-kernel backward (head groups included) at a realistic
@@ -1523,18 +1581,19 @@ def test_backward_heuristic_fused_at_length(t):
 
 
 @gpu
+@pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("k", [4, 16])  # GQA; MHA (no Pallas store barriers)
-def test_backward_fuse_dq_is_deterministic(k):
+def test_backward_fuse_dq_is_deterministic(k, causal):
   # Many blocks add into each query tile at once: the order of additions is
   # fixed by rank, so two runs agree bit for bit.
   b, t, n, h = 2, 4096, 16, 128
   q, key, v = _qkv(b, t, t, n, k, h, jnp.bfloat16)
   dout = _cotangent((b, t, n, h), jnp.bfloat16)
   scale = 1 / np.sqrt(h)
-  out = _reference(q, key, v, True, scale).astype(jnp.bfloat16)
-  lse = _reference_lse(q, key, True, scale)
+  out = _reference(q, key, v, causal, scale).astype(jnp.bfloat16)
+  lse = _reference_lse(q, key, causal, scale)
   bwd = jax.jit(functools.partial(
-      mat.mosaic_attention_bwd, scale=scale, causal=True,
+      mat.mosaic_attention_bwd, scale=scale, causal=causal,
       config=mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True)))
   first = bwd(q, key, v, out, dout, lse)
   for _ in range(3):

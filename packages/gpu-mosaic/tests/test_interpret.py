@@ -136,15 +136,15 @@ def _reference_vjp(q, k, v, scale, causal, **kw):
   return out, lse, dout, vjp((dout.astype(jnp.float32), jnp.zeros_like(lse)))
 
 
-def _check_causal_backward(q, k, v, config, **kw):
-  """`mosaic_attention_bwd` with `config` (causal, scale 1/sqrt(H)), interpreted,
+def _check_backward(q, k, v, config, causal=True, **kw):
+  """`mosaic_attention_bwd` with `config` (scale 1/sqrt(H)), interpreted,
   against the XLA reference's VJP on float32 upcasts (`_reference_vjp`), fed
   the reference's output and lse."""
   scale = q.shape[-1]**-0.5
-  out, lse, dout, want = _reference_vjp(q, k, v, scale, True, **kw)
+  out, lse, dout, want = _reference_vjp(q, k, v, scale, causal, **kw)
   with tokamax.interpret():
     got = mat.mosaic_attention_bwd(q, k, v, out.astype(jnp.bfloat16), dout, lse,
-                                   scale=scale, causal=True, config=config, **kw)
+                                   scale=scale, causal=causal, config=config, **kw)
   for i, (g, w) in enumerate(zip(got, want)):
     testing.assert_close(g, w, jnp.bfloat16, what=f"gradient {i}", scale=2.0)
 
@@ -167,7 +167,7 @@ def test_attention_backward_split_dkv_configs(ping_pong, block_q_dv, features):
     ids = jnp.asarray([[1] * 128 + [2] * 72, [1] * 30 + [2] * 170], jnp.int32)
     kw = dict(local_window=(120, 0), q_segment_ids=ids, kv_segment_ids=ids,
               key_value_seq_lengths=jnp.asarray([200, 150], jnp.int32))
-  _check_causal_backward(q, k, v, config, **kw)
+  _check_backward(q, k, v, config, **kw)
 
 
 @pytest.mark.parametrize("h,n,k,t,s,block_q,ping_pong,soft_cap", [
@@ -187,7 +187,23 @@ def test_attention_backward_fuse_dq(h, n, k, t, s, block_q, ping_pong, soft_cap)
   q, key, v = (_normal((2, t, n, h), jnp.bfloat16), _normal((2, s, k, h), jnp.bfloat16),
                _normal((2, s, k, h), jnp.bfloat16))
   kw = {} if soft_cap is None else dict(logits_soft_cap=soft_cap)
-  _check_causal_backward(q, key, v, config, **kw)
+  _check_backward(q, key, v, config, **kw)
+
+
+@pytest.mark.parametrize("h,n,k,t,s,block_q", [
+    (128, 2, 2, 384, 384, 64),  # MHA: three key blocks, each wrapping around
+    (128, 4, 2, 300, 256, 64),  # GQA, T > S, T not a multiple of the tile
+    (64, 2, 1, 256, 256, 128),  # H64's 128-row steps, MQA
+], ids=["mha", "gqa-t-gt-s", "h64-mqa"])
+def test_attention_backward_fuse_dq_without_causal(h, n, k, t, s, block_q):
+  """The fused backward without causal (`_DkvKernel.rotated`: each key block
+  visits every query tile from its diagonal on, wrapping around; here the
+  blocks run one at a time, the first of each tile storing), against the XLA
+  reference's VJP."""
+  config = mat.AttentionVjpConfig(block_q, 128, 2, fuse_dq=True)
+  q, key, v = (_normal((2, t, n, h), jnp.bfloat16), _normal((2, s, k, h), jnp.bfloat16),
+               _normal((2, s, k, h), jnp.bfloat16))
+  _check_backward(q, key, v, config, causal=False)
 
 
 def test_attention_backward_heuristic_fused():
@@ -199,7 +215,7 @@ def test_attention_backward_heuristic_fused():
   with tokamax.interpret():
     config = mat.MosaicGpuAttentionVjp().heuristic_config(args)
   assert config.fuse_dq and config.head_group, config
-  _check_causal_backward(q, k, v, config)
+  _check_backward(q, k, v, config)
 
 
 def test_kernels_of_more_warpgroups_than_interpreter_threads_are_refused(monkeypatch):
@@ -686,7 +702,7 @@ def test_head_group_with_32_row_steps_and_segments():
   q, k, v = (_normal((1, 256, 2, 256), jnp.bfloat16) for _ in range(3))
   ids = jnp.asarray([[1] * 128 + [2] * 128], jnp.int32)
   config = mat.AttentionVjpConfig(32, 32, 2, split_dkv=True, head_group=1)
-  _check_causal_backward(q, k, v, config, q_segment_ids=ids, kv_segment_ids=ids)
+  _check_backward(q, k, v, config, q_segment_ids=ids, kv_segment_ids=ids)
   args = attention_op.canonical_args(q, q, q, None, None, is_causal=True,
                                      q_segment_ids=ids, kv_segment_ids=ids)[0]
   with tokamax.interpret():

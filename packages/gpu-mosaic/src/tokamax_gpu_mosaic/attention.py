@@ -412,12 +412,13 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   (B4 T4096 N16 bf16 and f16; the grid's B32 T1024, B8 T4096 and B2 T16384
   N16); GQA (N32 K8) 0.85x at B2 T8192 (0.64-0.79x at the bench and grid
   shapes without Pallas' store barriers, which it keeps: `_DkvKernel`), a
-  block's dQ additions for its several query heads leaving a tail. Non-causal
-  calls are refused (`fused_dq_refusal`); at H64 its 128-row steps spill
+  block's dQ additions for its several query heads leaving a tail. Without
+  causal (the blocks' rotated order) not measured yet: autotuning may take it
+  (`_bwd_search_space`), the heuristic does not; at H64 its 128-row steps spill
   (`_bwd_search_space`).
   """
   q, k = args.query, args.key
-  if q.shape[2] != k.shape[2] or q.shape[-1] != 128:
+  if not args.is_causal or q.shape[2] != k.shape[2] or q.shape[-1] != 128:
     return False
   return _fused_dq_takes(args, config)
 
@@ -429,7 +430,7 @@ def _fused_dq_takes(args, config: AttentionVjpConfig) -> bool:
   if args.logits_soft_cap is not None:
     return False
   return fused_dq_refusal(q.shape[1], k.shape[1], q.shape[-1], config.block_q,
-                          args.is_causal, _features(args)) is None
+                          args.is_causal, _features(args), config.head_group) is None
 
 
 def _bwd_heuristic_tiles(args) -> AttentionVjpConfig:
@@ -488,9 +489,11 @@ def _bwd_search_space(args):
   out += [c for c in fused
           if _bwd_fits(c, h, itemsize, segments) and _fused_dq_takes(args, c)]
   if _ordered_by_head_group(args):
-    # Every config again in L2-sized head groups.
+    # Every config again in L2-sized head groups (the fused ones where the
+    # kernel takes the group: without causal its blocks must fit at once).
     g = _backward_head_group(args)
-    out += [dataclasses.replace(c, head_group=g) for c in tuple(out)]
+    grouped = (dataclasses.replace(c, head_group=g) for c in tuple(out))
+    out += [c for c in grouped if not c.fuse_dq or _fused_dq_takes(args, c)]
   return tuple(out)
 
 

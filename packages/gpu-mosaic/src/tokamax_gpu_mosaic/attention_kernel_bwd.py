@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -159,6 +160,13 @@ class AttentionVjpConfig:
 
 
 KEY_ROWS = 2 * akc.WG_ROWS  # key rows per dK/dV block (2 consumers x 64)
+
+
+def resident_blocks() -> int:
+  """How many dK/dV blocks run at once (one an SM): the rotated fused
+  backward's key blocks of a head group must (`fused_dq_refusal`). The
+  interpreter runs blocks one at a time to completion, none waiting: no limit."""
+  return sys.maxsize if _common.interpreting() else _common.num_sms()
 _SEGMENT_FIELDS = ("seg_range", "q_seg", "kv_seg", "qseg_smem", "kvseg_smem",
                    "seg_full")
 
@@ -408,6 +416,13 @@ class _DkvKernel(_Shape):
   def fused(self) -> bool:
     return self.config.fuse_dq
 
+  @property
+  def rotated(self) -> bool:
+    """Whether each block visits every query tile, starting at its diagonal and
+    wrapping around (`fuse_dq` without causal): at every tile the blocks then
+    arrive one by one in a fixed order, as the causal blocks do (`dq_rank`)."""
+    return self.fused and not self.causal
+
   def absent(self):
     # A dV-only pass has no V tile (dV is staged in K's).
     absent = (super().absent() | {g for g in ("dk", "dv") if g not in self.grads}
@@ -462,12 +477,16 @@ class _DkvKernel(_Shape):
     return rows, cols
 
   def dq_rank(self, ki, j):
-    """How many key blocks add to query tile `j` before block `ki`: the
-    visiting blocks run from the tile's highest (causal: the last key block
-    whose first key the tile's last query sees) down to 0, the order in which
-    the blocks, each starting at its diagonal, reach the tile."""
+    """How many key blocks add to query tile `j` before block `ki`: the order
+    in which the blocks, each starting at its diagonal, reach the tile. First
+    the tile's own diagonal block (the last key block whose first key the
+    tile's last query sees), then the lower ones down to 0; without causal
+    (`rotated`) then the higher ones from nk - 1 down, which reach the tile
+    after wrapping around."""
     last = jnp.minimum(lax.div(j * self.bq + self.bq - 1, KEY_ROWS), self.nk - 1)
-    return last - ki
+    if not self.rotated:
+      return last - ki  # (a remainder here too made ptxas spill the causal kernel)
+    return lax.rem(last - ki + self.nk, self.nk)
 
   @property
   def bq(self):
@@ -498,8 +517,9 @@ class _DkvKernel(_Shape):
       n_j = j_hi - j_lo
     else:
       # Causal: query tiles before j_lo see none of this block's keys (k0 is a
-      # multiple of bq). Steps run head-major: (head g, query tile j).
-      j_lo = lax.div(k0, self.bq) if self.causal else 0
+      # multiple of bq). Rotated: every tile, from j_lo on, wrapping around.
+      # Steps run head-major: (head g, query tile j).
+      j_lo = lax.div(k0, self.bq) if self.causal or self.rotated else 0
       n_j = jnp.maximum(self.nq - j_lo, 0) if self.causal else self.nq
     n_steps = self.group * n_j
     return _DkvBlock(wg, ki, kh, bi, k0, j_lo, j_fl, j_fh, j_hi, n_j, n_steps, limits,
@@ -588,6 +608,13 @@ class _DkvKernel(_Shape):
                             functools.partial(step, base=base, masked=True), carry)
       return lax.fori_loop(j_clear, self.nq,
                            functools.partial(step, base=base, masked=False), carry)
+    if self.rotated:
+      # Tiles j_lo..nq - 1, then 0..j_lo - 1 (steps nq - j_lo on).
+      carry = lax.fori_loop(blk.j_lo, self.nq,
+                            functools.partial(step, base=base, masked=False), carry)
+      return lax.fori_loop(0, blk.j_lo,
+                           functools.partial(step, base=base + self.nq, masked=False),
+                           carry)
     return lax.fori_loop(0, self.nq, functools.partial(step, base=base, masked=False),
                          carry)
 
@@ -720,7 +747,8 @@ class _DkvKernel(_Shape):
   def step_tile(self, blk: _DkvBlock, i):
     """Step `i`'s query head and query tile (steps run head-major)."""
     g = lax.div(i, blk.n_j)
-    return blk.head * self.group + g, blk.j_lo + lax.rem(i, blk.n_j)
+    j = blk.j_lo + lax.rem(i, blk.n_j)
+    return blk.head * self.group + g, lax.rem(j, self.nq) if self.rotated else j
 
   def dq_target(self, r: _DkvRefs, blk: _DkvBlock, i):
     """Step `i`'s dQ rows in `dq`, the index of their counter, and this block's
@@ -741,8 +769,12 @@ class _DkvKernel(_Shape):
     plgpu.barrier_wait(r.dq_ready.at[buf])
     if _common.interpreting():
       # No semaphores nor TMA reduction there; the blocks run one at a time in
-      # grid order, which is the rank order (`grid_group`): read, add, store.
-      @pl.when(rank > 0)
+      # grid order, highest key block first (`block`): read, add, store. That
+      # is the rank order, but for the rotated kernel's wrapped tiles, where
+      # the sum's order differs (rounding only) and the first block stores.
+      first = blk.ki == self.nk - 1 if self.rotated else rank == 0
+
+      @pl.when(jnp.logical_not(first))
       def _():
         plgpu.copy_gmem_to_smem(dst, r.dq_old, r.dq_old_full)
         plgpu.barrier_wait(r.dq_old_full)
@@ -764,7 +796,9 @@ class _DkvKernel(_Shape):
       # tile's buffer is free once the copy has read it. Taking this tile's
       # turn before passing on the previous one's cannot deadlock: a block
       # waits only for higher key blocks of its head, at every tile
-      # (`dq_rank`), and the grid launches those first (`block`).
+      # (`dq_rank`), and the grid launches those first (`block`); rotated,
+      # block nk - 1 waits for block 0 too, which `fused_dq_refusal` keeps
+      # resident with it.
       pl.when(i > 0)(lambda: self.confirm_dq(r, blk, sem, i - 1, in_flight=1))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       plgpu.barrier_arrive(r.dq_free.at[buf])
@@ -1169,11 +1203,11 @@ def flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
   dQ unscaled in float32 (``dS K``: times `scale` it is dQ)."""
   if not grads or not set(grads) <= {"dk", "dv"}:
     raise ValueError(f"grads must name 'dk', 'dv' or both; got {grads!r}")
-  if config.fuse_dq and (not causal or feat.dynamic or set(grads) != {"dk", "dv"}):
-    # A block outside a tile's causal range would wait for a negative rank.
+  if config.fuse_dq and (feat.dynamic or set(grads) != {"dk", "dv"}):
+    # A block outside a tile's range would wait for a rank that never comes.
     raise NotImplementedError(
-        f"fuse_dq: causal calls without dynamic features computing dK and dV; got "
-        f"causal={causal}, {feat}, grads={grads!r} (`fused_dq_refusal`)")
+        f"fuse_dq: calls without dynamic features computing dK and dV; got "
+        f"{feat}, grads={grads!r} (`fused_dq_refusal`)")
   kernel = _DkvKernel(**_shape(q, k, scale=scale, causal=causal, config=config,
                                feat=feat), grads=tuple(g for g in ("dk", "dv") if g in grads))
   return kernel(q, k, v, do, lse2, delta, *extras)
@@ -1192,24 +1226,26 @@ def flash_dq(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
 
 
 def fused_dq_refusal(t: int, s: int, h: int, block_q: int, causal: bool,
-                     feat: akc.Features) -> str | None:
+                     feat: akc.Features, head_group: int = 0) -> str | None:
   """Why `AttentionVjpConfig.fuse_dq` cannot take a call (None: it can).
 
   Its blocks add into a query tile in a fixed order, highest key block first:
-  the order in which causal blocks, each starting at its diagonal, reach the
-  tile, so that a block's waits are for blocks ahead of it. Without causal every
-  block starts at the first query tile and the order would make them wait in
-  turn. Every query row must be in some block's range (the first addition
-  stores): true of causal calls without windows or lengths. Padded keys
-  (S not a multiple of 128) are visible, unmasked, to queries past S. Each
-  consumer computes a 64 x 64 half of a step's ``block_q x H`` dQ tile
+  the order in which the blocks, each starting at its diagonal, reach the
+  tile, so that a block's waits are for blocks ahead of it. Without causal each
+  block visits every query tile from its diagonal on and wraps around
+  (`_DkvKernel.rotated`): the diagonals must be query tiles (S <= T), and
+  block nk - 1 then waits for block 0, the last of its (batch row, head) to
+  launch, so that all of them must be resident at once: at most
+  `resident_blocks()` (the device's SMs) key blocks in a group of `head_group`
+  pairs (the grid launches a group's blocks interleaved, `akc.block_position`). Every query row must be in some block's
+  range (the first addition stores): true of causal and plain calls without
+  windows or lengths. Padded keys (S not a multiple of 128) are visible,
+  unmasked, to queries past S (to every query without causal). Each consumer
+  computes a 64 x 64 half of a step's ``block_q x H`` dQ tile
   (`_DkvKernel.dq_half`)."""
   if (block_q, h) not in ((64, 128), (128, 64)):
     return (f"a step's dQ tile (block_q x head dim) must be 64 x 128 or 128 x 64; "
             f"got {block_q} x {h}")
-  if not causal:
-    return ("dQ additions are ordered for causal calls only (every key block "
-            "reaches each query tile in turn); got is_causal=False")
   if feat.dynamic:
     given = [name for name, on in (
         ("a local window", feat.window), ("query lengths", feat.q_len),
@@ -1217,9 +1253,17 @@ def fused_dq_refusal(t: int, s: int, h: int, block_q: int, causal: bool,
         ("segment ids", feat.segments)) if on]
     return (f"windows, sequence lengths, segment ids and q_offset are not "
             f"supported; got {', '.join(given)}")
-  if t > s and s % KEY_ROWS:
-    return (f"T > S needs S a multiple of {KEY_ROWS} (padded keys would be "
-            f"unmasked); got T={t}, S={s}")
+  if (t > s or not causal) and s % KEY_ROWS:
+    return (f"{'T > S' if causal else 'without causal'} needs S a multiple of "
+            f"{KEY_ROWS} (padded keys would be unmasked); got T={t}, S={s}")
+  if not causal and s > t:
+    return (f"without causal, S <= T (each key block starts at its diagonal "
+            f"query tile); got T={t}, S={s}")
+  pairs, resident = max(head_group, 1), resident_blocks()
+  if not causal and pairs * _common.cdiv(s, KEY_ROWS) > resident:
+    return (f"without causal, at most {resident} key blocks of {KEY_ROWS} rows "
+            f"in a head group (all resident at once, one an SM); got S={s} in "
+            f"groups of {pairs} (batch row, head) pairs")
   return None
 
 
@@ -1244,7 +1288,7 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
                       key_value_seq_lengths is not None, segments,
                       q_offset is not None)
   if config.fuse_dq and (why := fused_dq_refusal(t, s, q.shape[-1], config.block_q,
-                                                  causal, feat)):
+                                                  causal, feat, config.head_group)):
     raise NotImplementedError(f"fuse_dq: {why}")
   dtype = q.dtype
   dout = dout.astype(dtype)
