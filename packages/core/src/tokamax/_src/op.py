@@ -238,6 +238,13 @@ class VjpOp(Op):
   entries mean zero).
   """
 
+  # True for a backward that, given another implementation's forward (whose
+  # residuals it cannot use), runs its own forward again: its measured time
+  # (taken after its own forward) then misses that forward, which dispatch adds
+  # when it ranks this backward behind another forward (cuDNN's, whose own
+  # residuals are jax.vjp's opaque ones).
+  reruns_forward_without_own_residuals: bool = False
+
   def check_supported(self, args: Any, device: DeviceInfo,
                       residuals: Mapping[str, jax.Array] | None = None) -> None:
     del args, device, residuals

@@ -262,9 +262,10 @@ def _backward_candidates(op_name: str, args: Any, device: DeviceInfo,
   # No backward of its own, or its own refuses under automatic choice: the best
   # usable backward (the XLA reference accepts any residuals), the one measured
   # fastest first.
+  entries = [e for e in registry.entries(op_name)
+             if e.spec.backward is not None and platform_matches(e, device)]
   auto = [backward_of(e.name, lambda e=e: registry.backward_class(e)(), False)
-          for e in registry.entries(op_name)
-          if e.spec.backward is not None and platform_matches(e, device)]
+          for e in entries]
   if implementation is None:
     if own is not None:
       # Its own first, where the registry has it: then only a backward that
@@ -272,9 +273,33 @@ def _backward_candidates(op_name: str, args: Any, device: DeviceInfo,
       options = []
       auto = [backward_of(forward.label, lambda: own, False)] + [
           a for a in auto if a.label != forward.label]
-    times = sources.measured_times(op_name, "backward", args)
+    others = [e for e in entries if e.name != forward.label]
+    times = _backward_times_after(op_name, args, others)
     auto = tuned_order(auto, [a.label for a in auto], times)
   return options + auto
+
+
+def _backward_times_after(op_name: str, args: Any, others: list[registry.Entry]
+                          ) -> dict[str, float]:
+  """The tuned backward times as a step pays them after another implementation's
+  forward: a backward of `others` that then runs its own forward again
+  (`VjpOp.reruns_forward_without_own_residuals`) costs that forward's time too
+  (+inf where it was not measured: it then goes after the measured ones)."""
+  times = dict(sources.measured_times(op_name, "backward", args))
+  rerun = [e.name for e in others if e.name in times and _reruns_forward(e)]
+  if rerun:
+    forward = sources.measured_times(op_name, "forward", args)
+    for label in rerun:
+      times[label] += forward.get(label, float("inf"))
+  return times
+
+
+def _reruns_forward(entry: registry.Entry) -> bool:
+  try:
+    vjp = registry.backward_class(entry)
+  except ImportError:  # `select` reports it as a refusal, if it gets there
+    return False
+  return vjp.reruns_forward_without_own_residuals
 
 
 def choose_backward(op_name: str, args: Any, residuals: Any, device: DeviceInfo,

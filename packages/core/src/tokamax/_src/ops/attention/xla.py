@@ -172,10 +172,12 @@ class CudnnAttention(Op):
 @dataclasses.dataclass(frozen=True)
 class CudnnAttentionVjp(VjpOp):
   """cuDNN's own backward: jax.vjp's, from the forward's residuals where it left
-  them (else it reruns the cuDNN forward: a partitioned call)."""
+  them (else it reruns the cuDNN forward: a partitioned call, or another
+  implementation's forward)."""
 
   op_name = "dot_product_attention"
   name = "cudnn"
+  reruns_forward_without_own_residuals = True
 
   def check_supported(self, args, device, residuals=None):
     _cudnn_check(args, device, backward=True)
