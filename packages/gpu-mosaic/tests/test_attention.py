@@ -1514,25 +1514,28 @@ def test_backward_fuse_dq_rank_order(t, s, block_q):
     (dict(n=4, k=4, t=1000, s=1100, is_causal=True), True),  # T < S, padded
     (dict(n=8, k=2, is_causal=True), False),  # GQA: measured slower
     (dict(n=4, k=1, is_causal=True), False),  # MQA
-    (dict(n=4, k=4), False),  # not causal: not measured (autotuning may take it)
+    (dict(n=4, k=4), True),  # not causal: measured faster (MHA and GQA at H128)
+    (dict(n=8, k=2), True),
+    (dict(n=4, k=4, h=64), True),  # not causal, MHA H64: measured faster
+    (dict(n=8, k=2, h=64), False),  # not causal, GQA H64: measured slower
+    (dict(n=4, k=4, t=256, s=512), False),  # not causal, S > T: refused
     (dict(n=4, k=4, is_causal=True, local_window_size=(64, 0)), False),  # refused
     (dict(n=4, k=4, t=256, s=200, is_causal=True), False),  # T > S, S % 128: refused
     (dict(n=4, k=4, is_causal=True, logits_soft_cap=5.0), False),  # not run natively
-    (dict(n=4, k=4, is_causal=True, h=64), False),  # H64: not measured
+    (dict(n=4, k=4, is_causal=True, h=64), False),  # causal H64: 0.98-1.05x
 ])
 def test_backward_heuristic_fuses_dq_where_measured(kw, fused):
   args = _args(**{"h": 128, **kw})
   op = mat.MosaicGpuAttentionVjp()
   config = op.heuristic_config(args)
   assert config.fuse_dq == fused, config
-  # The search space holds the one-kernel backward at H128 exactly where it
-  # takes the call, with no ping-pong and the default dQ step.
+  # The search space holds the one-kernel backward exactly where it takes the
+  # call, with no ping-pong and the default dQ step.
   space_fused = [c for c in op.search_space(args) if c.fuse_dq]
   takes = akb.fused_dq_refusal(args.query.shape[1], args.key.shape[1],
                                args.query.shape[-1], config.block_q, args.is_causal,
                                mat._features(args)) is None
-  assert bool(space_fused) == (takes and args.logits_soft_cap is None
-                               and args.query.shape[-1] == 128)
+  assert bool(space_fused) == (takes and args.logits_soft_cap is None)
   assert all(not c.ping_pong and c.block_kv == 128 for c in space_fused)
   if fused:
     assert config in op.search_space(args)
@@ -1570,14 +1573,21 @@ def test_backward_fuse_dq_without_causal(b, t, s, n, k, h, block_q):
 
 
 @gpu
-@pytest.mark.parametrize("t", [4096, 3000])
-def test_backward_heuristic_fused_at_length(t):
-  # The heuristic's one-kernel backward (head groups included) at a realistic
-  # length, and one that is not a multiple of the tiles.
-  args = _args(t=t, s=t, n=8, k=8, h=128, is_causal=True)
+@pytest.mark.parametrize("t,k,h,causal", [
+    (4096, 8, 128, True),
+    (3000, 8, 128, True),  # not a multiple of the tiles
+    (4096, 8, 128, False),  # without causal: each block wraps around
+    (4096, 2, 128, False),  # GQA without causal
+    (4096, 8, 64, False),  # H64 without causal: 128-row steps
+    (16384, 8, 64, False),  # 128 key blocks a head, all resident at once
+])
+def test_backward_heuristic_fused_at_length(t, k, h, causal):
+  # The heuristic's one-kernel backward at realistic lengths (causal MHA in
+  # head groups).
+  args = _args(t=t, s=t, n=8, k=k, h=h, is_causal=causal)
   config = mat.MosaicGpuAttentionVjp().heuristic_config(args)
-  assert config.fuse_dq and config.head_group, config
-  _check_backward_config(1, t, t, 8, 8, 128, True, config)
+  assert config.fuse_dq and (config.head_group or not causal), config
+  _check_backward_config(1, t, t, 8, k, h, causal, config)
 
 
 @gpu

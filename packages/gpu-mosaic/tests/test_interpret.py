@@ -206,16 +206,18 @@ def test_attention_backward_fuse_dq_without_causal(h, n, k, t, s, block_q):
   _check_backward(q, key, v, config, causal=False)
 
 
-def test_attention_backward_heuristic_fused():
-  """The backward heuristic's config at causal MHA H128 (the one-kernel
-  backward in head groups: `attention._fuses_dq_by_default`), with three key
-  blocks a head adding into each query tile, against the XLA reference's VJP."""
-  q, k, v = (_normal((2, 384, 2, 128), jnp.bfloat16) for _ in range(3))
-  args = attention_op.canonical_args(q, k, v, None, None, is_causal=True)[0]
+@pytest.mark.parametrize("causal,h", [(True, 128), (False, 128), (False, 64)])
+def test_attention_backward_heuristic_fused(causal, h):
+  """The backward heuristic's config at MHA H128 (the one-kernel backward;
+  causal in head groups: `attention._fuses_dq_by_default`) and at MHA H64
+  without causal, with three key blocks a head adding into each query tile,
+  against the XLA reference's VJP."""
+  q, k, v = (_normal((2, 384, 2, h), jnp.bfloat16) for _ in range(3))
+  args = attention_op.canonical_args(q, k, v, None, None, is_causal=causal)[0]
   with tokamax.interpret():
     config = mat.MosaicGpuAttentionVjp().heuristic_config(args)
-  assert config.fuse_dq and config.head_group, config
-  _check_backward(q, k, v, config)
+  assert config.fuse_dq and (config.head_group or not causal), config
+  _check_backward(q, k, v, config, causal=causal)
 
 
 def test_kernels_of_more_warpgroups_than_interpreter_threads_are_refused(monkeypatch):

@@ -405,22 +405,26 @@ def _bwd_heuristic(args) -> AttentionVjpConfig:
 
 def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   """Whether the backward heuristic takes the one-kernel backward (`fuse_dq`):
-  causal MHA at H128, where the kernel takes the call.
+  where it measured faster than the two kernels and the kernel takes the call.
 
   H200, tools/tune.py --ab fuse_dq=True against the two kernels, forward+
-  backward (notes/MEASUREMENTS.md, session 50): MHA causal H128 1.016-1.039x
+  backward. Causal (notes/MEASUREMENTS.md, session 50): MHA H128 1.016-1.039x
   (B4 T4096 N16 bf16 and f16; the grid's B32 T1024, B8 T4096 and B2 T16384
   N16); GQA (N32 K8) 0.85x at B2 T8192 (0.64-0.79x at the bench and grid
   shapes without Pallas' store barriers, which it keeps: `_DkvKernel`), a
-  block's dQ additions for its several query heads leaving a tail. Without
-  causal (the blocks' rotated order) not measured yet: autotuning may take it
-  (`_bwd_search_space`), the heuristic does not; at H64 its 128-row steps spill
-  (`_bwd_search_space`).
+  block's dQ additions for its several query heads leaving a tail; H64 MHA
+  0.98-1.05x (session 56), so not taken. Without causal (each key block from its
+  diagonal query tile, wrapping around; session 56, every grid shape of
+  T1024-T16384 and the bench rows): H128 MHA 1.043-1.113x, H128 GQA (N32 K8)
+  1.040-1.083x, H64 MHA 1.074-1.128x; H64 GQA 0.84-0.88x, not taken.
   """
   q, k = args.query, args.key
-  if not args.is_causal or q.shape[2] != k.shape[2] or q.shape[-1] != 128:
-    return False
-  return _fused_dq_takes(args, config)
+  h, mha = q.shape[-1], q.shape[2] == k.shape[2]
+  if args.is_causal:
+    measured_faster = mha and h == 128
+  else:
+    measured_faster = h == 128 or (mha and h == 64)
+  return measured_faster and _fused_dq_takes(args, config)
 
 
 def _fused_dq_takes(args, config: AttentionVjpConfig) -> bool:
@@ -478,13 +482,12 @@ def _bwd_search_space(args):
   out += [dataclasses.replace(config, ping_pong=dkv, ping_pong_dq=dq)
           for dkv, dq in ((True, False), (False, True), (True, True))
           for config in tuple(out)]
-  # The one-kernel backward at H128 where it takes the call (at H64 its
-  # 128-row steps spill and were measured slower, notes/MOSAIC_GPU.md sessions
-  # 35 and 50): one schedule (with ping-pong it measured 0.54x the two
-  # kernels, notes/MEASUREMENTS.md session 49) and the dQ kernel's block_kv
-  # left at its default (no dQ kernel runs).
+  # The one-kernel backward where it takes the call (a step's dQ tile 64 x 128
+  # or 128 x 64: H128 and H64): one schedule (with ping-pong it measured 0.54x
+  # the two kernels, notes/MEASUREMENTS.md session 49) and the dQ kernel's
+  # block_kv left at its default (no dQ kernel runs).
   fused = (dataclasses.replace(c, fuse_dq=True) for c in tuple(out)
-           if h == 128 and c.block_kv == AttentionVjpConfig.block_kv
+           if h in (64, 128) and c.block_kv == AttentionVjpConfig.block_kv
            and not (c.ping_pong or c.ping_pong_dq or c.split_dkv))
   out += [c for c in fused
           if _bwd_fits(c, h, itemsize, segments) and _fused_dq_takes(args, c)]
