@@ -399,10 +399,9 @@ class _DkvBlock(NamedTuple):
 class _DkvKernel(_Shape):
   """dK, dV (and dQ with `AttentionVjpConfig.fuse_dq`); its methods are the
   kernel's stages. `grads`: which of dK and dV it computes ("dk", "dv" or
-  both: `AttentionVjpConfig.split_dkv`); `s_true`: the valid keys."""
+  both: `AttentionVjpConfig.split_dkv`)."""
 
   grads: tuple[str, ...] = ("dk", "dv")
-  s_true: int = 0
 
   @property
   def ping_pong(self):
@@ -423,16 +422,6 @@ class _DkvKernel(_Shape):
     wrapping around (`fuse_dq` without causal): at every tile the blocks then
     arrive one by one in a fixed order, as the causal blocks do (`dq_rank`)."""
     return self.fused and not self.causal
-
-  @property
-  def masks_padded_keys(self) -> bool:
-    """Whether the rotated kernel's steps mask the keys past `s_true` (S no
-    multiple of 128): every query sees the last block's padded keys there, and
-    their scores (0: TMA reads zero rows) give P = exp2(-lse2), which overflows
-    where every valid score is far below 0 (inf * 0 = NaN in the dQ product).
-    Every block's steps take the mask (a static choice: the last block is only
-    known at run time)."""
-    return self.rotated and self.s_true % KEY_ROWS != 0
 
   def absent(self):
     # A dV-only pass has no V tile (dV is staged in K's).
@@ -621,11 +610,10 @@ class _DkvKernel(_Shape):
                            functools.partial(step, base=base, masked=False), carry)
     if self.rotated:
       # Tiles j_lo..nq - 1, then 0..j_lo - 1 (steps nq - j_lo on).
-      masked = self.masks_padded_keys
       carry = lax.fori_loop(blk.j_lo, self.nq,
-                            functools.partial(step, base=base, masked=masked), carry)
+                            functools.partial(step, base=base, masked=False), carry)
       return lax.fori_loop(0, blk.j_lo,
-                           functools.partial(step, base=base + self.nq, masked=masked),
+                           functools.partial(step, base=base + self.nq, masked=False),
                            carry)
     return lax.fori_loop(0, self.nq, functools.partial(step, base=base, masked=False),
                          carry)
@@ -650,10 +638,7 @@ class _DkvKernel(_Shape):
     def visible():
       # Keys past the valid ones are not masked here: their dK/dV rows are
       # zeroed at the end. Queries past the valid ones have lse2 = +inf.
-      # Rotated, the keys past S are the only mask (`masks_padded_keys`).
       key = _pipeline.wgmma_iota(shape, 0) + r0
-      if self.rotated:
-        return key < self.s_true
       query = _pipeline.wgmma_iota(shape, 1) + j * self.bq
       return akc.visible(
           query, key, self.feat, dynamic=self.feat.dynamic, causal=True,
@@ -1205,7 +1190,7 @@ def _shape(q, k, *, scale, causal, config, feat) -> dict:
 
 def flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
               config: AttentionVjpConfig, feat: akc.Features = akc.PLAIN,
-              grads: tuple[str, ...] = ("dk", "dv"), s_true: int | None = None):
+              grads: tuple[str, ...] = ("dk", "dv")):
   """dK, dV on q/do [B, T, N, H], k/v [B, S, K, H] as `_common.pad_rows_for_tma`
   leaves them (the kernel runs T and S rounded up to 128 rows); lse2 (base-2
   lse, +inf on rows past T), delta [B, N, Tp].
@@ -1215,8 +1200,7 @@ def flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
   ``[B, Sp // 64, 2]``, q ids ``[B, Tp]`` and kv ids ``[B, Sp]``. Key rows at or
   past the valid keys get zero dK/dV. `grads`: which of "dk" and "dv" to
   compute; returned in that order (dK before dV), then with `config.fuse_dq`
-  dQ unscaled in float32 (``dS K``: times `scale` it is dQ). `s_true`: the
-  valid keys where k was padded (default: all of k's rows)."""
+  dQ unscaled in float32 (``dS K``: times `scale` it is dQ)."""
   if not grads or not set(grads) <= {"dk", "dv"}:
     raise ValueError(f"grads must name 'dk', 'dv' or both; got {grads!r}")
   if config.fuse_dq and (feat.dynamic or set(grads) != {"dk", "dv"}):
@@ -1225,8 +1209,7 @@ def flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
         f"fuse_dq: calls without dynamic features computing dK and dV; got "
         f"{feat}, grads={grads!r} (`fused_dq_refusal`)")
   kernel = _DkvKernel(**_shape(q, k, scale=scale, causal=causal, config=config,
-                               feat=feat), grads=tuple(g for g in ("dk", "dv") if g in grads),
-                      s_true=k.shape[1] if s_true is None else s_true)
+                               feat=feat), grads=tuple(g for g in ("dk", "dv") if g in grads))
   return kernel(q, k, v, do, lse2, delta, *extras)
 
 
@@ -1256,9 +1239,8 @@ def fused_dq_refusal(t: int, s: int, h: int, block_q: int, causal: bool,
   `resident_blocks()` (the device's SMs) key blocks in a group of `head_group`
   pairs (the grid launches a group's blocks interleaved, `akc.block_position`). Every query row must be in some block's
   range (the first addition stores): true of causal and plain calls without
-  windows or lengths. Causal, padded keys (S not a multiple of 128) are
-  visible, unmasked, to queries past S (T > S); without causal, every step
-  masks them (`_DkvKernel.masks_padded_keys`). Each consumer
+  windows or lengths. Padded keys (S not a multiple of 128) are visible,
+  unmasked, to queries past S (to every query without causal). Each consumer
   computes a 64 x 64 half of a step's ``block_q x H`` dQ tile
   (`_DkvKernel.dq_half`)."""
   if (block_q, h) not in ((64, 128), (128, 64)):
@@ -1271,9 +1253,9 @@ def fused_dq_refusal(t: int, s: int, h: int, block_q: int, causal: bool,
         ("segment ids", feat.segments)) if on]
     return (f"windows, sequence lengths, segment ids and q_offset are not "
             f"supported; got {', '.join(given)}")
-  if causal and t > s and s % KEY_ROWS:
-    return (f"T > S needs S a multiple of {KEY_ROWS} (padded keys would be "
-            f"unmasked); got T={t}, S={s}")
+  if (t > s or not causal) and s % KEY_ROWS:
+    return (f"{'T > S' if causal else 'without causal'} needs S a multiple of "
+            f"{KEY_ROWS} (padded keys would be unmasked); got T={t}, S={s}")
   if not causal and s > t:
     return (f"without causal, S <= T (each key block starts at its diagonal "
             f"query tile); got T={t}, S={s}")
@@ -1346,7 +1328,7 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
   def dkv(grads):
     return flash_dkv(qp, kp, vp, dop, lse2, delta,
                      *extras_dkv.get(config.pass_block_q(grads), ()), scale=scale,
-                     causal=causal, config=config, feat=feat, grads=grads, s_true=s)
+                     causal=causal, config=config, feat=feat, grads=grads)
   if config.split_dkv:
     (dv,), (dk,) = dkv(("dv",)), dkv(("dk",))
   elif config.fuse_dq:
