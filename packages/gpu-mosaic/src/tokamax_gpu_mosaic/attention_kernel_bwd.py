@@ -167,6 +167,8 @@ def resident_blocks() -> int:
   backward's key blocks of a head group must (`fused_dq_refusal`). The
   interpreter runs blocks one at a time to completion, none waiting: no limit."""
   return sys.maxsize if _common.interpreting() else _common.num_sms()
+
+
 _SEGMENT_FIELDS = ("seg_range", "q_seg", "kv_seg", "qseg_smem", "kvseg_smem",
                    "seg_full")
 
