@@ -416,14 +416,21 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   0.98-1.05x (session 56), so not taken. Without causal (each key block from its
   diagonal query tile, wrapping around; session 56, every grid shape of
   T1024-T16384 and the bench rows): H128 MHA 1.043-1.113x, H128 GQA (N32 K8)
-  1.040-1.083x, H64 MHA 1.074-1.128x; H64 GQA 0.84-0.88x, not taken.
+  1.040-1.083x, H64 MHA 1.074-1.128x; H64 GQA 0.84-0.88x, not taken. All of
+  those have a power of two of key blocks; at other counts ptxas' allocation of
+  the rotated kernel varies (offline, `tools/sm90_compile.py`'s compile: MHA
+  H128 at T3072, T6144 and T12288 spills nothing; GQA H128 at T3072 and T6144,
+  and MHA H64 at T3072 and T12288, spill 140-512 B and serialize the wgmmas),
+  so GQA H128 and H64 take it only at a power of two.
   """
   q, k = args.query, args.key
   h, mha = q.shape[-1], q.shape[2] == k.shape[2]
   if args.is_causal:
     measured_faster = mha and h == 128
   else:
-    measured_faster = h == 128 or (mha and h == 64)
+    key_blocks = _common.cdiv(k.shape[1], _BWD_KEY_ROWS)
+    compiles_clean = (mha and h == 128) or key_blocks & (key_blocks - 1) == 0
+    measured_faster = (h == 128 or (mha and h == 64)) and compiles_clean
   return measured_faster and _fused_dq_takes(args, config)
 
 
