@@ -206,13 +206,14 @@ def test_attention_backward_fuse_dq_without_causal(h, n, k, t, s, block_q):
   _check_backward(q, key, v, config, causal=False)
 
 
-@pytest.mark.parametrize("causal,h", [(True, 128), (False, 128), (False, 64)])
-def test_attention_backward_heuristic_fused(causal, h):
+@pytest.mark.parametrize("causal,h,t", [(True, 128, 384), (False, 128, 384),
+                                         (False, 64, 512)])
+def test_attention_backward_heuristic_fused(causal, h, t):
   """The backward heuristic's config at MHA H128 (the one-kernel backward;
   causal in head groups: `attention._fuses_dq_by_default`) and at MHA H64
-  without causal, with three key blocks a head adding into each query tile,
-  against the XLA reference's VJP."""
-  q, k, v = (_normal((2, 384, 2, h), jnp.bfloat16) for _ in range(3))
+  without causal (at a power of two of key blocks), with three or four key
+  blocks a head adding into each query tile, against the XLA reference's VJP."""
+  q, k, v = (_normal((2, t, 2, h), jnp.bfloat16) for _ in range(3))
   args = attention_op.canonical_args(q, k, v, None, None, is_causal=causal)[0]
   with tokamax.interpret():
     config = mat.MosaicGpuAttentionVjp().heuristic_config(args)
