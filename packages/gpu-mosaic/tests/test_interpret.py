@@ -194,8 +194,7 @@ def test_attention_backward_fuse_dq(h, n, k, t, s, block_q, ping_pong, soft_cap)
     (128, 2, 2, 384, 384, 64),  # MHA: three key blocks, each wrapping around
     (128, 4, 2, 300, 256, 64),  # GQA, T > S, T not a multiple of the tile
     (64, 2, 1, 256, 256, 128),  # H64's 128-row steps, MQA
-    (128, 2, 2, 384, 300, 64),  # S no multiple of 128: padded keys unmasked
-], ids=["mha", "gqa-t-gt-s", "h64-mqa", "s-padded"])
+], ids=["mha", "gqa-t-gt-s", "h64-mqa"])
 def test_attention_backward_fuse_dq_without_causal(h, n, k, t, s, block_q):
   """The fused backward without causal (`_DkvKernel.rotated`: each key block
   visits every query tile from its diagonal on, wrapping around; here the
@@ -205,22 +204,6 @@ def test_attention_backward_fuse_dq_without_causal(h, n, k, t, s, block_q):
   q, key, v = (_normal((2, t, n, h), jnp.bfloat16), _normal((2, s, k, h), jnp.bfloat16),
                _normal((2, s, k, h), jnp.bfloat16))
   _check_backward(q, key, v, config, causal=False)
-
-
-def test_attention_backward_fuse_dq_padded_keys_without_causal_overflow():
-  """Every logit near -150: lse2 is then about -216, and a padded key's score
-  of 0 would give P = 2^216 = inf, inf * 0 = NaN in the fused kernel's dQ
-  product: the two kernels run instead (`padded_keys_stay_finite`)."""
-  t, s, h = 256, 200, 128
-  u = jnp.ones((h,), jnp.float32) / np.sqrt(h)
-  a = np.sqrt(150 * np.sqrt(h))  # logits -a^2 / sqrt(h) = -150, +-4 by the noise
-  # Unit noise: dQ = scale * sum_j dS_j k_j, where the -a u of every k_j cancels
-  # (sum_j dS_j = 0); smaller noise leaves dQ within bfloat16 dS's rounding.
-  q = (a * u + _normal((1, t, 2, h), jnp.float32)).astype(jnp.bfloat16)
-  key = (-a * u + _normal((1, s, 2, h), jnp.float32)).astype(jnp.bfloat16)
-  v = _normal((1, s, 2, h), jnp.bfloat16)
-  _check_backward(q, key, v, mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True),
-                  causal=False)
 
 
 @pytest.mark.parametrize("causal,h,t", [(True, 128, 384), (False, 128, 384),

@@ -1242,9 +1242,7 @@ def fused_dq_refusal(t: int, s: int, h: int, block_q: int, causal: bool,
   pairs (the grid launches a group's blocks interleaved, `akc.block_position`). Every query row must be in some block's
   range (the first addition stores): true of causal and plain calls without
   windows or lengths. Padded keys (S not a multiple of 128) are visible,
-  unmasked, to queries past S (to every query without causal, where
-  `mosaic_attention_bwd` runs the two kernels instead if they could overflow:
-  `padded_keys_stay_finite`). Each consumer
+  unmasked, to queries past S (to every query without causal). Each consumer
   computes a 64 x 64 half of a step's ``block_q x H`` dQ tile
   (`_DkvKernel.dq_half`)."""
   if (block_q, h) not in ((64, 128), (128, 64)):
@@ -1257,9 +1255,9 @@ def fused_dq_refusal(t: int, s: int, h: int, block_q: int, causal: bool,
         ("segment ids", feat.segments)) if on]
     return (f"windows, sequence lengths, segment ids and q_offset are not "
             f"supported; got {', '.join(given)}")
-  if causal and t > s and s % KEY_ROWS:
-    return (f"T > S needs S a multiple of {KEY_ROWS} (padded keys would be "
-            f"unmasked); got T={t}, S={s}")
+  if (t > s or not causal) and s % KEY_ROWS:
+    return (f"{'T > S' if causal else 'without causal'} needs S a multiple of "
+            f"{KEY_ROWS} (padded keys would be unmasked); got T={t}, S={s}")
   if not causal and s > t:
     return (f"without causal, S <= T (each key block starts at its diagonal "
             f"query tile); got T={t}, S={s}")
@@ -1329,42 +1327,18 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
   # Rows past T and S: TMA's zeros (padding only where it needs it), as padding.
   qp, dop = (_common.pad_rows_for_tma(x, 1, akc.CTA_ROWS) for x in (q, dout))
   kp, vp = (_common.pad_rows_for_tma(x, 1, KEY_ROWS) for x in (k, v))
-
-  def kernels(config):
-    def dkv(grads):
-      return flash_dkv(qp, kp, vp, dop, lse2, delta,
-                       *extras_dkv.get(config.pass_block_q(grads), ()), scale=scale,
-                       causal=causal, config=config, feat=feat, grads=grads)
-    if config.split_dkv:
-      (dv,), (dk,) = dkv(("dv",)), dkv(("dk",))
-    elif config.fuse_dq:
-      dk, dv, dq = dkv(("dk", "dv"))
-      dq = (dq * scale).astype(dtype)
-    else:
-      dk, dv = dkv(("dk", "dv"))
-    if not config.fuse_dq:
-      dq = flash_dq(qp, kp, vp, dop, lse2, delta, *extras_dq, scale=scale,
-                    causal=causal, s_true=s, config=config, feat=feat)
-    return dq[:, :t], dk[:, :s], dv[:, :s]
-
-  if config.fuse_dq and not causal and s % KEY_ROWS:
-    # The rotated kernel's padded keys: see `padded_keys_stay_finite`.
-    two_kernels = dataclasses.replace(config, fuse_dq=False)
-    return lax.cond(padded_keys_stay_finite(lse2, delta),
-                    lambda: kernels(config), lambda: kernels(two_kernels))
-  return kernels(config)
-
-
-def padded_keys_stay_finite(lse2, delta):
-  """Whether the fused backward without causal may run at S no multiple of 128.
-
-  Every query sees the last key block's padded keys there, unmasked (a mask in
-  every step made ptxas spill and serialize the wgmmas at H128), and their K
-  and V rows read as zeros: a score of 0, P = exp2(-lse2), dS = -P delta. The
-  dQ product then adds dS * 0 = 0, and their dK/dV rows are dropped, where
-  those are finite; an overflow (every valid logit of a row far below zero)
-  would make it inf * 0 = NaN. So: every row's P and P delta of a padded key
-  well inside float32 (and bfloat16, dS's dtype), else the two kernels run,
-  which mask the padded keys. Rows past T have lse2 = +inf: P = 0."""
-  p = jnp.exp2(jnp.minimum(-lse2, 127.0))
-  return jnp.all(p * (1.0 + jnp.abs(delta)) < 2.0**100)
+  def dkv(grads):
+    return flash_dkv(qp, kp, vp, dop, lse2, delta,
+                     *extras_dkv.get(config.pass_block_q(grads), ()), scale=scale,
+                     causal=causal, config=config, feat=feat, grads=grads)
+  if config.split_dkv:
+    (dv,), (dk,) = dkv(("dv",)), dkv(("dk",))
+  elif config.fuse_dq:
+    dk, dv, dq = dkv(("dk", "dv"))
+    dq = (dq * scale).astype(dtype)
+  else:
+    dk, dv = dkv(("dk", "dv"))
+  if not config.fuse_dq:
+    dq = flash_dq(qp, kp, vp, dop, lse2, delta, *extras_dq, scale=scale,
+                  causal=causal, s_true=s, config=config, feat=feat)
+  return dq[:, :t], dk[:, :s], dv[:, :s]
