@@ -238,11 +238,12 @@ class VjpOp(Op):
   entries mean zero).
   """
 
-  # True for a backward that, given another implementation's forward (whose
-  # residuals it cannot use), runs its own forward again: its measured time
-  # (taken after its own forward) then misses that forward, which dispatch adds
-  # when it ranks this backward behind another forward (cuDNN's, whose own
-  # residuals are jax.vjp's opaque ones).
+  # True for a backward that always runs its own forward again when its own
+  # forward's opaque residuals are missing, as behind another implementation's
+  # forward: its measured time (taken after its own forward) then misses that
+  # forward, which dispatch adds when it ranks this backward behind another
+  # forward (cuDNN's, whose own residuals are jax.vjp's). Not for a backward
+  # whose rerun depends on which documented residuals it is given.
   reruns_forward_without_own_residuals: bool = False
 
   def check_supported(self, args: Any, device: DeviceInfo,

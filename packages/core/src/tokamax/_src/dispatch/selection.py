@@ -269,7 +269,8 @@ def _backward_candidates(op_name: str, args: Any, device: DeviceInfo,
   if implementation is None:
     if own is not None:
       # Its own first, where the registry has it: then only a backward that
-      # tuned data measured faster (and that is here) goes ahead of it.
+      # tuned data measured faster (and that is here) goes ahead of it, a
+      # forward it would rerun counted in (`_backward_times_after`).
       options = []
       auto = [backward_of(forward.label, lambda: own, False)] + [
           a for a in auto if a.label != forward.label]
