@@ -429,7 +429,7 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
     measured_faster = mha and h == 128
   else:
     key_blocks = _common.cdiv(k.shape[1], _BWD_KEY_ROWS)
-    compiles_clean = (mha and h == 128) or key_blocks & (key_blocks - 1) == 0
+    compiles_clean = (mha and h == 128) or (key_blocks & (key_blocks - 1)) == 0
     measured_faster = (h == 128 or (mha and h == 64)) and compiles_clean
   return measured_faster and _fused_dq_takes(args, config)
 
