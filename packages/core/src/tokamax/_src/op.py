@@ -244,7 +244,7 @@ class VjpOp(Op):
   # forward, which dispatch adds when it ranks this backward behind another
   # forward (cuDNN's, whose own residuals are jax.vjp's). Not for a backward
   # whose rerun depends on which documented residuals it is given.
-  reruns_forward_without_own_residuals: bool = False
+  reruns_forward_without_own_residuals: ClassVar[bool] = False
 
   def check_supported(self, args: Any, device: DeviceInfo,
                       residuals: Mapping[str, jax.Array] | None = None) -> None:

@@ -120,6 +120,12 @@ class _Dispatch:
       return self.inference
     name, candidates, inference = self.definition.name, self.candidates, self.inference
     step = sources.step_times(name, self.merged) if self.implementation is None else {}
+    if step and sharding.active(jax.tree_util.tree_leaves(self.merged)):
+      # Partitioned, a forward leaves no opaque residuals (`forward`): a backward
+      # that reruns its forward without them (cuDNN's) pays it after its own.
+      rerunning = [c.label for c in candidates if c.label in step
+                   and c.backward is not None and selection.reruns_forward(c.backward)]
+      step = selection.with_forward_reruns(name, self.merged, step, rerunning)
     if step:
       # A training step runs the forward and then (first choice) its own backward:
       # order by their measured sum, not by the forward's time alone (mosaic_gpu's

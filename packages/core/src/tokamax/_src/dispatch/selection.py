@@ -274,33 +274,39 @@ def _backward_candidates(op_name: str, args: Any, device: DeviceInfo,
       options = []
       auto = [backward_of(forward.label, lambda: own, False)] + [
           a for a in auto if a.label != forward.label]
-    others = [e for e in entries if e.name != forward.label]
-    times = _backward_times_after(op_name, args, others)
+    # Behind another implementation's forward, a backward that reruns its own
+    # (`VjpOp.reruns_forward_without_own_residuals`) costs that forward too.
+    times = sources.measured_times(op_name, "backward", args)
+    rerunning = [e.name for e in entries if e.name != forward.label and e.name in times
+                 and reruns_forward(lambda e=e: registry.backward_class(e))]
+    times = with_forward_reruns(op_name, args, times, rerunning)
     auto = tuned_order(auto, [a.label for a in auto], times)
   return options + auto
 
 
-def _backward_times_after(op_name: str, args: Any, others: list[registry.Entry]
-                          ) -> dict[str, float]:
-  """The tuned backward times as a step pays them after another implementation's
-  forward: a backward of `others` that then runs its own forward again
-  (`VjpOp.reruns_forward_without_own_residuals`) costs that forward's time too
-  (+inf where it was not measured: it then goes after the measured ones)."""
-  times = dict(sources.measured_times(op_name, "backward", args))
-  rerun = [e.name for e in others if e.name in times and _reruns_forward(e)]
-  if rerun:
+def with_forward_reruns(op_name: str, args: Any, times: dict[str, float],
+                        rerunning: Sequence[str]) -> dict[str, float]:
+  """`times` (a step's or a backward's, by implementation) with the tuned
+  forward time added for each implementation in `rerunning`, whose backward
+  runs its forward again there (+inf where the forward was not measured: it
+  then goes after the measured ones)."""
+  times = dict(times)
+  if rerunning:
     forward = sources.measured_times(op_name, "forward", args)
-    for label in rerun:
+    for label in rerunning:
       times[label] += forward.get(label, float("inf"))
   return times
 
 
-def _reruns_forward(entry: registry.Entry) -> bool:
+def reruns_forward(backward: Callable[[], Any]) -> bool:
+  """Whether the backward op (or class) `backward()` makes reruns its forward
+  without its own forward's opaque residuals; False where there is none or
+  it fails to import (`select` reports that as a refusal, if it gets there)."""
   try:
-    vjp = registry.backward_class(entry)
-  except ImportError:  # `select` reports it as a refusal, if it gets there
+    vjp = backward()
+  except ImportError:
     return False
-  return vjp.reruns_forward_without_own_residuals
+  return bool(getattr(vjp, "reruns_forward_without_own_residuals", False))
 
 
 def choose_backward(op_name: str, args: Any, residuals: Any, device: DeviceInfo,
