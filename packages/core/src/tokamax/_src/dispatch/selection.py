@@ -269,8 +269,7 @@ def _backward_candidates(op_name: str, args: Any, device: DeviceInfo,
   if implementation is None:
     if own is not None:
       # Its own first, where the registry has it: then only a backward that
-      # tuned data measured faster (and that is here) goes ahead of it, a
-      # forward it would rerun counted in (`_backward_times_after`).
+      # tuned data measured faster (and that is here) goes ahead of it.
       options = []
       auto = [backward_of(forward.label, lambda: own, False)] + [
           a for a in auto if a.label != forward.label]
@@ -299,9 +298,10 @@ def with_forward_reruns(op_name: str, args: Any, times: dict[str, float],
 
 
 def reruns_forward(backward: Callable[[], Any]) -> bool:
-  """Whether the backward op (or class) `backward()` makes reruns its forward
-  without its own forward's opaque residuals; False where there is none or
-  it fails to import (`select` reports that as a refusal, if it gets there)."""
+  """Whether the backward that `backward()` returns (an op or its class) reruns
+  its forward without its own forward's opaque residuals; False where there is
+  none or it fails to import (`select` reports that as a refusal, if it gets
+  there)."""
   try:
     vjp = backward()
   except ImportError:
