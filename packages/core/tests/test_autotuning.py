@@ -518,7 +518,8 @@ def test_backward_keeps_its_own_unless_one_here_was_measured_faster():
   assert backward_ran({"not_installed": 0.5, "xla": 2.0}) == ["xla"]
 
 
-def test_a_backward_that_reruns_its_forward_pays_it_behind_another(monkeypatch):
+def test_a_backward_that_reruns_its_forward_pays_it_behind_another(
+    monkeypatch, attention_step_dispatch):
   """A backward that runs its own forward again when given another forward's
   residuals (cuDNN's: `VjpOp.reruns_forward_without_own_residuals`) is ranked
   behind that forward by its backward time plus its forward's: measured a
@@ -526,23 +527,13 @@ def test_a_backward_that_reruns_its_forward_pays_it_behind_another(monkeypatch):
   (H200, B1 T8192 N16 H128: mosaic_gpu's forward then cuDNN's forward and
   backward cost 3.845 ms where mosaic_gpu's own pair took 3.064)."""
   q = _rand(1, 48, 2, 8)
-  key = results.args_key(_canonical_attention(q))
   # xla_chunked's step (4.0) beats xla's (4.4): it runs the forward; xla's
   # backward alone (2.9) beats xla_chunked's (3.0).
   times = {("forward", "xla_chunked"): 1.0, ("forward", "xla"): 1.5,
            ("backward", "xla_chunked"): 3.0, ("backward", "xla"): 2.9}
-  result = results.AutotuningResult(
-      [results.Measurement("dot_product_attention", d, key, impl, None, t)
-       for (d, impl), t in times.items()], device_kind="cpu")
-
-  def ran():
-    loss = lambda q: jnp.sum(tokamax.dot_product_attention(q, q, q,
-                                                           implementation=None))
-    with result, tokamax.record_dispatch() as records:
-      jax.grad(loss)(q)
-    return [(r.direction, r.implementation) for r in records]
-
-  assert ran() == [("forward", "xla_chunked"), ("backward", "xla")]
+  assert attention_step_dispatch(q, times) == [("forward", "xla_chunked"),
+                                               ("backward", "xla")]
   monkeypatch.setattr(attention_xla.XlaAttentionVjp,
                       "reruns_forward_without_own_residuals", True)
-  assert ran() == [("forward", "xla_chunked"), ("backward", "xla_chunked")]
+  assert attention_step_dispatch(q, times) == [("forward", "xla_chunked"),
+                                               ("backward", "xla_chunked")]

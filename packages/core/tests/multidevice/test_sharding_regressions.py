@@ -77,32 +77,20 @@ def test_gqa_kv_heads_stay_split_over_a_prefix_of_the_head_axes():
   assert "all-gather" not in hlo
 
 
-def test_partitioned_step_pays_the_forward_a_backward_reruns(monkeypatch):
+def test_partitioned_step_pays_the_forward_a_backward_reruns(
+    monkeypatch, attention_step_dispatch):
   """On several devices a forward leaves no opaque residuals (sharding.active),
   so a backward that reruns its forward without them (cuDNN's:
   `VjpOp.reruns_forward_without_own_residuals`) costs its own forward twice:
   dispatch adds it to that implementation's step. Here xla_chunked's step
   (1 + 3 ms) beats xla's (1.5 + 3.1) until its backward reruns its forward."""
-  from tokamax._src.ops.attention import api as attention_api
   from tokamax._src.ops.attention import xla as attention_xla
-  from tokamax._src.tuning import results
   q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 48, 2, 8)), jnp.float32)
-  key = results.args_key(attention_api.canonical_args(q, q, q, None, None)[0])
   times = {("forward", "xla_chunked"): 1.0, ("forward", "xla"): 1.5,
            ("backward", "xla_chunked"): 3.0, ("backward", "xla"): 3.1}
-  result = results.AutotuningResult(
-      [results.Measurement("dot_product_attention", d, key, impl, None, t)
-       for (d, impl), t in times.items()], device_kind="cpu")
-
-  def ran():
-    loss = lambda q: jnp.sum(tokamax.dot_product_attention(q, q, q,
-                                                           implementation=None))
-    with result, tokamax.record_dispatch() as records:
-      jax.grad(loss)(q)
-    return [(r.direction, r.implementation) for r in records]
-
   assert jax.device_count() > 1
-  assert ran() == [("forward", "xla_chunked"), ("backward", "xla_chunked")]
+  assert attention_step_dispatch(q, times) == [("forward", "xla_chunked"),
+                                               ("backward", "xla_chunked")]
   monkeypatch.setattr(attention_xla.XlaChunkedAttentionVjp,
                       "reruns_forward_without_own_residuals", True)
-  assert ran() == [("forward", "xla"), ("backward", "xla")]
+  assert attention_step_dispatch(q, times) == [("forward", "xla"), ("backward", "xla")]
