@@ -185,6 +185,71 @@ def test_gpu_methods_raise_with_a_reason_on_cpu(method):
     run(args, method=method)
 
 
+def _branching(x):
+  # A predicate of the data: XLA keeps the conditional.
+  return jax.lax.cond(x.sum() > 0, lambda y: jnp.sin(y) @ y, lambda y: y * 2.0, x)
+
+
+def test_xla_conditionals_are_found_and_pallas_free_programs_have_none():
+  x = jnp.ones((64, 64))
+  branching = benchmarking.compile_benchmark(*benchmarking.standardize_function(_branching, x))
+  plain = benchmarking.compile_benchmark(*benchmarking.standardize_function(jnp.sin, x))
+  # A loop is no conditional (its trip test is part of the while op).
+  looping = benchmarking.compile_benchmark(*benchmarking.standardize_function(
+      lambda y: jax.lax.fori_loop(0, 3, lambda i, z: jnp.sin(z) @ z, y), x))
+  assert branching.has_conditional
+  assert not plain.has_conditional and not looping.has_conditional
+  assert impl.has_xla_conditional(branching.compiled)
+
+
+def test_cupti_refuses_a_program_with_a_conditional():
+  f_std, args = benchmarking.standardize_function(_branching, jnp.ones((64, 64)))
+  run = benchmarking.compile_benchmark(f_std, args)
+  # Refused for the program itself, on any device, before any device check.
+  with pytest.raises(RuntimeError, match=r"method='cupti' cannot time this program: it "
+                     r"holds an XLA conditional.*method='cuda_events'"):
+    run(args, method="cupti")
+
+
+def test_default_method_takes_cuda_events_for_conditionals_on_nvidia_gpus(monkeypatch):
+  monkeypatch.setattr(impl, "is_nvidia_gpu", lambda device: True)
+  assert impl.default_method(jax.devices()[0]) == "cupti"
+  assert impl.default_method(jax.devices()[0], has_conditional=True) == "cuda_events"
+  monkeypatch.setattr(impl, "is_nvidia_gpu", lambda device: False)
+  assert impl.default_method(jax.devices()[0], has_conditional=True) == "wallclock"
+
+
+def test_time_interleaved_times_every_contender_by_one_method(monkeypatch):
+  """Where one contender holds a conditional, all are timed by CUDA events on an
+  NVIDIA GPU (CUPTI cannot time that one, and a comparison needs one method)."""
+  monkeypatch.setattr(impl, "is_nvidia_gpu", lambda device: True)
+  asked = []
+
+  class _Run:
+    lowering_time_ms = compile_time_ms = 0.0
+    device = jax.devices()[0]
+
+    def __init__(self, has_conditional):
+      self.has_conditional = has_conditional
+
+    def __call__(self, args, method=None, iterations=10, warmup=1):
+      asked.append(method)
+      return impl.BenchmarkData(method, 0.0, 0.0, (1.0,))
+
+  for conditionals, want in (((False, False), "cupti"), ((False, True), "cuda_events")):
+    asked.clear()
+    contenders = {str(i): impl.Contender(_Run(c), (), None)
+                  for i, c in enumerate(conditionals)}
+    results = impl.time_interleaved(contenders, iterations=2)
+    assert asked == [want] * 4, (conditionals, asked)
+    assert {r.method for r in results.values()} == {want}
+  # An explicit method is passed on as it is.
+  asked.clear()
+  impl.time_interleaved({"a": impl.Contender(_Run(True), (), None)}, iterations=1,
+                        method="wallclock")
+  assert asked == ["wallclock"]
+
+
 def test_tokamax_layer_norm_benchmarked():
   x = jax.ShapeDtypeStruct((128, 256), jnp.float32)
   scale = jax.ShapeDtypeStruct((256,), jnp.float32)
@@ -361,6 +426,15 @@ def test_gpu_default_method_is_cupti():
 
 @pytest.mark.gpu
 @nvidia_gpu_only
+def test_gpu_default_method_times_a_conditional_by_cuda_events():
+  x = jax.random.normal(jax.random.key(0), (2048, 2048), jnp.float32)
+  data = tokamax.benchmark(_branching, [x], iterations=3)
+  assert data.method == "cuda_events" and len(data.evaluation_times_ms) == 3
+  assert all(t > 0 for t in data.evaluation_times_ms)
+
+
+@pytest.mark.gpu
+@nvidia_gpu_only
 def test_gpu_cuda_events_documented_usage_agrees_with_cupti():
   x = jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16)
   scale = 2.0
@@ -398,6 +472,7 @@ def test_time_interleaved_rotates_contenders_and_drops_a_failing_one():
   class _Run:  # a CompiledBenchmark stand-in that logs each timed evaluation
     lowering_time_ms = compile_time_ms = 0.0
     device = jax.devices()[0]
+    has_conditional = False
 
     def __init__(self, label, fails_at=None):
       self.label, self.fails_at = label, fails_at

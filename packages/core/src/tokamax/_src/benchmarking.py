@@ -17,7 +17,9 @@ Methods:
 * ``"cuda_events"``: time between two CUDA events recorded on the stream the kernels
   run on, by a small XLA FFI custom call (``cuda_events.cc``, built at first use).
 * ``"wallclock"``: host time around `jax.block_until_ready` (includes dispatch).
-* ``None``: ``"cupti"`` on NVIDIA GPUs, ``"wallclock"`` elsewhere.
+* ``None``: ``"cupti"`` on NVIDIA GPUs (``"cuda_events"`` for a program with an
+  XLA conditional, which CUPTI cannot time: `has_xla_conditional`), ``"wallclock"``
+  elsewhere.
 
 A method that cannot run here raises `RuntimeError` saying why; there is no silent
 fallback to another method.
@@ -223,10 +225,37 @@ def _peak_memory_bytes(device: jax.Device) -> int | None:
   return int(stats["peak_bytes_in_use"])
 
 
-def default_method(device: jax.Device | None = None) -> str:
-  """The method ``method=None`` picks: "cupti" on NVIDIA GPUs, else "wallclock"."""
+def default_method(device: jax.Device | None = None, has_conditional: bool = False) -> str:
+  """The method ``method=None`` picks: "cupti" on NVIDIA GPUs, "cuda_events" there
+  for a program with an XLA conditional (`has_conditional`, see
+  `has_xla_conditional`), else "wallclock"."""
   device = jax.devices()[0] if device is None else device
-  return "cupti" if is_nvidia_gpu(device) else "wallclock"
+  if not is_nvidia_gpu(device):
+    return "wallclock"
+  return "cuda_events" if has_conditional else "cupti"
+
+
+def has_xla_conditional(compiled) -> bool:
+  """Whether a compiled program holds an XLA conditional (``lax.cond``,
+  ``lax.switch`` on a traced predicate), which CUPTI cannot time.
+
+  XLA runs a conditional's branches inside a CUDA graph (a conditional node,
+  with command buffers on, its default), and CUPTI reports their kernels in some
+  calls and not in others: on an H200, the training step of an attention
+  backward under `lax.cond` (B4 T3000 N16 H128) read 0.495 ms against 1.91 ms
+  by CUDA events, and a second CUPTI run of it raised "Kernel names are not
+  consistent across iterations" (notes/MEASUREMENTS.md, session 57, item 2).
+  Conditionals inside a Pallas kernel are the kernel's own code: not these.
+  """
+  return " conditional(" in compiled.as_text()
+
+
+_CUPTI_CONDITIONAL = (
+    "method='cupti' cannot time this program: it holds an XLA conditional "
+    "(lax.cond or lax.switch on a traced value), whose branches' kernels XLA runs "
+    "in a CUDA graph's conditional node, which CUPTI reports in some calls and not "
+    "in others (a short time, silently). Use method='cuda_events' (what "
+    "method=None picks for it on NVIDIA GPUs).")
 
 
 # ---------------------------------------------------------------------- wallclock
@@ -613,6 +642,7 @@ class CompiledBenchmark:
     self.compile_time_ms = (time.perf_counter() - lowered_at) * 1e3
     self._args = args
     self._instrumented = None  # Compiled `_with_cuda_events(f_std)`, made on first use.
+    self.has_conditional = has_xla_conditional(self.compiled)
 
   def _cuda_events_compiled(self, token):
     if self._instrumented is None:
@@ -645,7 +675,9 @@ class CompiledBenchmark:
     args = tuple(args)
     device = _device_of(args) if args else self.device
     if method is None:
-      method = default_method(device)
+      method = default_method(device, self.has_conditional)
+    if method == "cupti" and self.has_conditional:
+      raise RuntimeError(_CUPTI_CONDITIONAL)
     if method == "wallclock":
       times = _measure_wallclock(self.compiled, args, iterations, warmup)
     elif method == "cupti":
@@ -743,12 +775,19 @@ def time_interleaved(contenders: dict[str, Contender], iterations: int = 10,
   order, `None` timed first read 4.6-6.4% slower than the same kernels timed
   second (ragged_dot G256 on an H200).
 
+  Every contender is timed the same way: `method`, or for None the default of
+  the first one's device (`default_method`), CUDA events for all where any holds
+  an XLA conditional (which CUPTI cannot time).
+
   Returns:
     Per label, its `BenchmarkData` (one time per round), or the exception that
     stopped it (it is then left out of the later rounds).
   """
   if iterations < 1:
     raise ValueError(f"iterations must be positive, got {iterations}")
+  if method is None and contenders:
+    method = default_method(next(iter(contenders.values())).run.device,
+                            any(c.run.has_conditional for c in contenders.values()))
   times: dict[str, list[float]] = {label: [] for label in contenders}
   results: dict[str, BenchmarkData | Exception] = {}
   labels = list(contenders)
@@ -764,7 +803,6 @@ def time_interleaved(contenders: dict[str, Contender], iterations: int = 10,
         results[label] = e
         continue
       times[label].extend(data.evaluation_times_ms)
-      method = data.method  # every contender the same way
   for label, c in contenders.items():
     if label not in results:
       results[label] = BenchmarkData(
