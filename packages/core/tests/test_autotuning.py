@@ -20,6 +20,8 @@ from tokamax._src.tuning import results
 from tokamax._src.tuning import shipped
 from tokamax._src.tuning import trials
 from tokamax._src.ops.attention import xla as attention_xla
+from tokamax._src.ops.gated_linear_unit import api as glu_api
+from tokamax._src.ops.gated_linear_unit import composed as glu_composed
 from tokamax._src.ops.layer_norm import xla as layer_norm_xla
 
 
@@ -537,3 +539,35 @@ def test_a_backward_that_reruns_its_forward_pays_it_behind_another(
                       "reruns_forward_without_own_residuals", True)
   assert attention_step_dispatch(q, times) == [("forward", "xla_chunked"),
                                                ("backward", "xla_chunked")]
+
+
+def test_a_backward_that_recomputes_a_missing_residual_pays_its_forward(monkeypatch):
+  """A backward that recomputes what a residual would have given it where the
+  forward left it out (the composed GLU backward's projections, which XLA's
+  forward keeps none of: `VjpOp.recomputes_without`) is ranked behind that
+  forward by its backward time plus its forward's, its measured time having been
+  taken with the projections in hand."""
+  x, w = _rand(16, 8), _rand(8, 2, 12)
+  args = glu_api.GatedLinearUnitArgs(x=x, weights=w, activation=jax.nn.silu,
+                                     precision=None, group_sizes=None)
+  key = results.args_key(args)
+  # XLA's step (4.0) beats composed's (5.1): XLA runs the forward; composed's
+  # backward alone (2.5) beats XLA's (3.0), but behind XLA's forward it first
+  # recomputes the projections (composed's forward, 2.6): 5.1.
+  times = {("forward", "xla"): 1.0, ("forward", "composed"): 2.6,
+           ("backward", "xla"): 3.0, ("backward", "composed"): 2.5}
+  result = results.AutotuningResult(
+      [results.Measurement("gated_linear_unit", d, key, impl, None, t)
+       for (d, impl), t in times.items()], device_kind="cpu")
+
+  def ran():
+    loss = lambda x: jnp.sum(tokamax.gated_linear_unit(x, w, activation=jax.nn.silu,
+                                                       implementation=None))
+    with result, tokamax.record_dispatch() as records:
+      jax.grad(loss)(x)
+    return [(r.direction, r.implementation) for r in records]
+
+  assert ran() == [("forward", "xla"), ("backward", "xla")]
+  monkeypatch.setattr(glu_composed.ComposedGatedLinearUnitVjp, "recomputes_without",
+                      frozenset())
+  assert ran() == [("forward", "xla"), ("backward", "composed")]

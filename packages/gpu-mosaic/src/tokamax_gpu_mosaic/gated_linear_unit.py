@@ -210,6 +210,7 @@ class MosaicGpuGatedLinearUnitVjp(VjpOp):
   name = "mosaic_gpu"
   config_cls = GatedLinearUnitVjpConfig
   supported_features = ("group_sizes",)
+  recomputes_without = frozenset({"projections"})
 
   def check_supported(self, args, device, residuals=None):
     del residuals  # Recomputes the projections where the forward kept none.

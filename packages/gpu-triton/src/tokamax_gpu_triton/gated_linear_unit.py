@@ -491,6 +491,8 @@ class TritonGatedLinearUnitVjp(_GluFunctions, tokamax.VjpOp):
   """GLU backward: from the forward's projections where it kept them, else a fused
   recompute + activation derivative kernel; XLA matmuls."""
 
+  recomputes_without = frozenset({"projections"})
+
   def backward(self, args, residuals, out, dout, config):
     del out
     if "projections" in residuals:

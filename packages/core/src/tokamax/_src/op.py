@@ -242,9 +242,16 @@ class VjpOp(Op):
   # forward's opaque residuals are missing, as behind another implementation's
   # forward: its measured time (taken after its own forward) then misses that
   # forward, which dispatch adds when it ranks this backward behind another
-  # forward (cuDNN's, whose own residuals are jax.vjp's). Not for a backward
-  # whose rerun depends on which documented residuals it is given.
+  # forward (cuDNN's, whose own residuals are jax.vjp's). A backward whose
+  # rerun depends on which documented residuals it is given: `recomputes_without`.
   reruns_forward_without_own_residuals: ClassVar[bool] = False
+  # The op's documented residuals without which this backward runs its
+  # forward's work again (the GLU backwards recompute the projections ``x @ w``
+  # where a forward kept none, as XLA's and Mosaic TPU's keep none): its
+  # measured time (taken after its own forward, which kept them) then misses
+  # that work, and dispatch adds this implementation's forward time when it
+  # ranks it behind a forward that left one of them out.
+  recomputes_without: ClassVar[frozenset[str]] = frozenset()
 
   def check_supported(self, args: Any, device: DeviceInfo,
                       residuals: Mapping[str, jax.Array] | None = None) -> None:

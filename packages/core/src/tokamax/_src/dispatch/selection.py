@@ -18,7 +18,7 @@ takes the call. Each kind of choice is that loop with its own acceptance test:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -179,7 +179,7 @@ def _other_backward_for(op_name: str, args: Any, device: DeviceInfo,
   forward's own backward declines the call: the first other one that takes the
   forward's residuals and does not decline (None: there is none)."""
   residuals = _forward_residuals(forward, args, training=True)
-  others = [c for c in _backward_candidates(op_name, args, device, cand, None)
+  others = [c for c in _backward_candidates(op_name, args, device, cand, None, residuals)
             if c.label != cand.label]
   try:
     choice = select(others, args, device, part=_backward_part, residuals=(residuals,),
@@ -247,9 +247,10 @@ def training_choice(op_name: str, args: Any, device: DeviceInfo,
 
 
 def _backward_candidates(op_name: str, args: Any, device: DeviceInfo,
-                         forward: Candidate,
-                         implementation: Implementation) -> list[Candidate]:
-  """The backwards to try after `forward`, in order."""
+                         forward: Candidate, implementation: Implementation,
+                         residuals: Mapping[str, Any]) -> list[Candidate]:
+  """The backwards to try after `forward`, whose residuals are `residuals`, in
+  order."""
   own = forward.backward()
 
   def backward_of(label, make, explicit):
@@ -274,10 +275,12 @@ def _backward_candidates(op_name: str, args: Any, device: DeviceInfo,
       auto = [backward_of(forward.label, lambda: own, False)] + [
           a for a in auto if a.label != forward.label]
     # Behind another implementation's forward, a backward that reruns its own
-    # (`VjpOp.reruns_forward_without_own_residuals`) costs that forward too.
+    # there (`VjpOp.reruns_forward_without_own_residuals`, or its
+    # `recomputes_without` a residual this forward left out) costs that forward
+    # too.
     times = sources.measured_times(op_name, "backward", args)
     rerunning = [e.name for e in entries if e.name != forward.label and e.name in times
-                 and reruns_forward(lambda e=e: registry.backward_class(e))]
+                 and reruns_forward(lambda e=e: registry.backward_class(e), residuals)]
     times = with_forward_reruns(op_name, args, times, rerunning)
     auto = tuned_order(auto, [a.label for a in auto], times)
   return options + auto
@@ -297,22 +300,28 @@ def with_forward_reruns(op_name: str, args: Any, times: dict[str, float],
   return times
 
 
-def reruns_forward(backward: Callable[[], Any]) -> bool:
+def reruns_forward(backward: Callable[[], Any],
+                   residuals: Mapping[str, Any] | None = None) -> bool:
   """Whether the backward that `backward()` returns (an op or its class) reruns
-  its forward without its own forward's opaque residuals; False where there is
-  none or it fails to import (`select` reports that as a refusal, if it gets
-  there)."""
+  its forward without its own forward's opaque residuals, or (given another
+  forward's `residuals`) without one of them it recomputes from
+  (`VjpOp.recomputes_without`); False where there is none or it fails to import
+  (`select` reports that as a refusal, if it gets there)."""
   try:
     vjp = backward()
   except ImportError:
     return False
-  return bool(getattr(vjp, "reruns_forward_without_own_residuals", False))
+  if getattr(vjp, "reruns_forward_without_own_residuals", False):
+    return True
+  needed = getattr(vjp, "recomputes_without", frozenset())
+  return residuals is not None and any(name not in residuals for name in needed)
 
 
 def choose_backward(op_name: str, args: Any, residuals: Any, device: DeviceInfo,
                     forward: Candidate, implementation: Implementation) -> VjpOp:
   """The backward of a call whose forward was `forward`."""
-  candidates = _backward_candidates(op_name, args, device, forward, implementation)
+  candidates = _backward_candidates(op_name, args, device, forward, implementation,
+                                    residuals)
 
   def named(cand):  # a backward the user named refuses: say so, do not fall back
     return cand.explicit and implementation is not None

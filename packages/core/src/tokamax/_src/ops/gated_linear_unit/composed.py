@@ -71,6 +71,7 @@ class ComposedGatedLinearUnitVjp(VjpOp):
   op_name = "gated_linear_unit"
   name = "composed"
   supported_features = ("group_sizes",)
+  recomputes_without = frozenset({"projections"})
 
   def backward(self, args, residuals, out, dout, config):
     del out
