@@ -241,10 +241,11 @@ def has_xla_conditional(compiled) -> bool:
 
   XLA runs a conditional's branches inside a CUDA graph (a conditional node,
   with command buffers on, its default), and CUPTI reports their kernels in some
-  calls and not in others: on an H200, the training step of an attention
-  backward under `lax.cond` (B4 T3000 N16 H128) read 0.495 ms against 1.91 ms
-  by CUDA events, and a second CUPTI run of it raised "Kernel names are not
-  consistent across iterations" (notes/MEASUREMENTS.md, session 57, item 2).
+  calls and not in others: on an H200, an attention forward+backward whose
+  backward ran under `lax.cond` (B4 T3000 N16 H128) read 0.495 ms by CUPTI
+  against 1.92 ms by CUDA events, and another CUPTI run of it raised "Kernel
+  names are not consistent across iterations" (notes/MEASUREMENTS.md, session
+  57, items 1-2).
   Conditionals inside a Pallas kernel are the kernel's own code: not these.
   """
   return " conditional(" in compiled.as_text()
