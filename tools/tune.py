@@ -39,7 +39,8 @@ it would; both sides run their heuristic configs, not tuned data's).
 Forward configs are timed on the forward (with ``--training``: on forward+backward,
 where the forward keeps the residuals a training step asks of it, e.g. the GLU's
 projections); backward configs on forward+backward with the forward at its
-heuristic config. CUPTI kernel time on GPUs.
+heuristic config. Kernel time by `benchmarking.default_method` (CUPTI on NVIDIA GPUs;
+CUDA events there for a program with an XLA conditional).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import tokamax
 from tokamax._src import registry
 from tokamax._src import dispatch
 from tokamax._src import op as op_module
+from tokamax._src.dispatch import selection
 from tokamax._src.dispatch.candidates import tuned_order
 from tokamax._src.tuning import results
 from tokamax._src.tuning import shipped
@@ -571,3 +572,11 @@ def test_a_backward_that_recomputes_a_missing_residual_pays_its_forward(monkeypa
   monkeypatch.setattr(glu_composed.ComposedGatedLinearUnitVjp, "recomputes_without",
                       frozenset())
   assert ran() == [("forward", "xla"), ("backward", "composed")]
+
+
+def test_recomputes_without_reads_a_bare_name_as_one_name():
+  class _Vjp:
+    recomputes_without = "projections"  # not frozenset({"projections"})
+  assert not selection.reruns_forward(lambda: _Vjp, {"projections": None})
+  assert selection.reruns_forward(lambda: _Vjp, {})
+  assert not selection.reruns_forward(lambda: _Vjp)  # no residuals to go by

@@ -194,7 +194,8 @@ def test_xla_conditionals_are_found_in_compiled_programs():
   x = jnp.ones((64, 64))
   branching = benchmarking.compile_benchmark(*benchmarking.standardize_function(_branching, x))
   plain = benchmarking.compile_benchmark(*benchmarking.standardize_function(jnp.sin, x))
-  # A loop is no conditional (its trip test is part of the while op).
+  # A while loop is not flagged (its trip test is part of the while op; whether
+  # CUPTI sees the kernels of a loop run as a CUDA graph was not measured).
   looping = benchmarking.compile_benchmark(*benchmarking.standardize_function(
       lambda y: jax.lax.fori_loop(0, 3, lambda i, z: jnp.sin(z) @ z, y), x))
   assert branching.has_conditional
@@ -217,6 +218,22 @@ def test_default_method_takes_cuda_events_for_conditionals_on_nvidia_gpus(monkey
   assert impl.default_method(jax.devices()[0], has_conditional=True) == "cuda_events"
   monkeypatch.setattr(impl, "is_nvidia_gpu", lambda device: False)
   assert impl.default_method(jax.devices()[0], has_conditional=True) == "wallclock"
+
+
+def test_a_defaulted_cuda_events_failure_says_why_it_was_chosen(monkeypatch):
+  monkeypatch.setattr(impl, "is_nvidia_gpu", lambda device: True)
+
+  def fails(*args):
+    raise RuntimeError("method='cuda_events': no C++ compiler")
+  monkeypatch.setattr(impl, "_measure_cuda_events", fails)
+  f_std, args = benchmarking.standardize_function(_branching, jnp.ones((64, 64)))
+  run = benchmarking.compile_benchmark(f_std, args)
+  with pytest.raises(RuntimeError, match=r"no C\+\+ compiler \(method=None took "
+                     r"'cuda_events' because the program holds an XLA conditional"):
+    run(args)
+  # Asked for by name, its error is its own.
+  with pytest.raises(RuntimeError, match=r"no C\+\+ compiler$"):
+    run(args, method="cuda_events")
 
 
 def test_time_interleaved_times_every_contender_by_one_method(monkeypatch):
@@ -248,6 +265,7 @@ def test_time_interleaved_times_every_contender_by_one_method(monkeypatch):
   impl.time_interleaved({"a": impl.Contender(_Run(True), (), None)}, iterations=1,
                         method="wallclock")
   assert asked == ["wallclock"]
+  assert impl.time_interleaved({}, iterations=3) == {}
 
 
 def test_tokamax_layer_norm_benchmarked():
@@ -427,10 +445,15 @@ def test_gpu_default_method_is_cupti():
 @pytest.mark.gpu
 @nvidia_gpu_only
 def test_gpu_default_method_times_a_conditional_by_cuda_events():
-  x = jax.random.normal(jax.random.key(0), (2048, 2048), jnp.float32)
-  data = tokamax.benchmark(_branching, [x], iterations=3)
-  assert data.method == "cuda_events" and len(data.evaluation_times_ms) == 3
-  assert all(t > 0 for t in data.evaluation_times_ms)
+  # Positive entries: the predicate holds and the matmul branch runs.
+  x = jnp.abs(jax.random.normal(jax.random.key(0), (4096, 4096), jnp.float32))
+  data = tokamax.benchmark(_branching, [x], iterations=5)
+  assert data.method == "cuda_events" and len(data.evaluation_times_ms) == 5
+  # The branch's kernels are in the time: not below that branch run alone.
+  branch = tokamax.benchmark(lambda y: jnp.sin(y) @ y, [x], iterations=5)
+  assert branch.method == "cupti"
+  assert data.median_evaluation_time_ms > 0.9 * branch.median_evaluation_time_ms, (
+      str(data), str(branch))
 
 
 @pytest.mark.gpu

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import hashlib
 import importlib.metadata
 import os
@@ -247,8 +248,10 @@ def has_xla_conditional(compiled) -> bool:
   names are not consistent across iterations" (notes/MEASUREMENTS.md, session
   57, items 1-2).
   Conditionals inside a Pallas kernel are the kernel's own code: not these.
+  False where the backend gives no text for the program (nothing to go by).
   """
-  return " conditional(" in compiled.as_text()
+  text = compiled.as_text()
+  return text is not None and " conditional(" in text
 
 
 _CUPTI_CONDITIONAL = (
@@ -257,6 +260,9 @@ _CUPTI_CONDITIONAL = (
     "in a CUDA graph's conditional node, which CUPTI reports in some calls and not "
     "in others (a short time, silently). Use method='cuda_events' (what "
     "method=None picks for it on NVIDIA GPUs).")
+_CUDA_EVENTS_FOR_CONDITIONAL = (
+    " (method=None took 'cuda_events' because the program holds an XLA "
+    "conditional, which CUPTI cannot time: see `has_xla_conditional`)")
 
 
 # ---------------------------------------------------------------------- wallclock
@@ -643,7 +649,12 @@ class CompiledBenchmark:
     self.compile_time_ms = (time.perf_counter() - lowered_at) * 1e3
     self._args = args
     self._instrumented = None  # Compiled `_with_cuda_events(f_std)`, made on first use.
-    self.has_conditional = has_xla_conditional(self.compiled)
+
+  @functools.cached_property
+  def has_conditional(self) -> bool:
+    """Whether the program holds an XLA conditional (`has_xla_conditional`):
+    read from its HLO text when a method is to be picked or CUPTI asked for."""
+    return has_xla_conditional(self.compiled)
 
   def _cuda_events_compiled(self, token):
     if self._instrumented is None:
@@ -658,7 +669,8 @@ class CompiledBenchmark:
     Args:
       args: The arrays to call it with (the ``flat_args`` of `standardize_function`).
       method: "cupti", "cuda_events", "wallclock", or None for the default
-        ("cupti" on NVIDIA GPUs, "wallclock" elsewhere).
+        (`default_method`: "cupti" on NVIDIA GPUs, "cuda_events" there for a
+        program with an XLA conditional, "wallclock" elsewhere).
       iterations: How many timed evaluations.
       warmup: How many untimed evaluations first.
 
@@ -675,7 +687,8 @@ class CompiledBenchmark:
       raise ValueError(f"warmup must be non-negative, got {warmup}")
     args = tuple(args)
     device = _device_of(args) if args else self.device
-    if method is None:
+    defaulted = method is None
+    if defaulted:
       method = default_method(device, self.has_conditional)
     if method == "cupti" and self.has_conditional:
       raise RuntimeError(_CUPTI_CONDITIONAL)
@@ -687,7 +700,13 @@ class CompiledBenchmark:
       if not is_nvidia_gpu(device):
         raise RuntimeError(f"method='cuda_events' needs an NVIDIA GPU (it records CUDA events "
                            f"on the XLA stream), but the benchmark runs on a {_describe(device)}.")
-      times = _measure_cuda_events(self._cuda_events_compiled, args, iterations, warmup, device)
+      try:
+        times = _measure_cuda_events(self._cuda_events_compiled, args, iterations, warmup,
+                                     device)
+      except RuntimeError as e:
+        if not defaulted:
+          raise
+        raise RuntimeError(f"{e}{_CUDA_EVENTS_FOR_CONDITIONAL}") from e
     else:
       raise ValueError(f"unknown benchmark method {method!r}; expected one of {METHODS} or None")
     return BenchmarkData(method=method, lowering_time_ms=self.lowering_time_ms,
@@ -725,7 +744,8 @@ def benchmark(f: Callable[..., Any], args: Sequence[Any], method: str | None = N
     f: The function to time.
     args: Its positional arguments (arrays, or pytrees; see `standardize_function`).
     method: "cupti", "cuda_events", "wallclock", or None for the default
-      ("cupti" on NVIDIA GPUs, "wallclock" elsewhere).
+      (`default_method`: "cupti" on NVIDIA GPUs, "cuda_events" there for a
+      program with an XLA conditional, "wallclock" elsewhere).
     iterations: How many timed evaluations.
     warmup: How many untimed evaluations first.
 
@@ -786,9 +806,12 @@ def time_interleaved(contenders: dict[str, Contender], iterations: int = 10,
   """
   if iterations < 1:
     raise ValueError(f"iterations must be positive, got {iterations}")
-  if method is None and contenders:
-    method = default_method(next(iter(contenders.values())).run.device,
-                            any(c.run.has_conditional for c in contenders.values()))
+  if not contenders:
+    return {}
+  if method is None:
+    first = next(iter(contenders.values()))
+    device = _device_of(first.flat_args) if first.flat_args else first.run.device
+    method = default_method(device, any(c.run.has_conditional for c in contenders.values()))
   times: dict[str, list[float]] = {label: [] for label in contenders}
   results: dict[str, BenchmarkData | Exception] = {}
   labels = list(contenders)
@@ -815,7 +838,9 @@ def time_interleaved(contenders: dict[str, Contender], iterations: int = 10,
 
 
 def kernel_time_ms(f: Callable, *args, iterations: int = 10) -> tuple[float, str]:
-  """Median time of ``f(*args)`` and the method: CUPTI kernel time on NVIDIA GPUs, else wall clock.
+  """Median time of ``f(*args)`` and the method (`default_method`'s: CUPTI kernel
+  time on NVIDIA GPUs, CUDA events there for a program with an XLA conditional,
+  else wall clock).
 
   A thin wrapper of `benchmark`, the one timing implementation.
   """

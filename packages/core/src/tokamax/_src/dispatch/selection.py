@@ -314,6 +314,8 @@ def reruns_forward(backward: Callable[[], Any],
   if getattr(vjp, "reruns_forward_without_own_residuals", False):
     return True
   needed = getattr(vjp, "recomputes_without", frozenset())
+  if isinstance(needed, str):  # one name written bare: not its characters
+    needed = (needed,)
   return residuals is not None and any(name not in residuals for name in needed)
 
 
