@@ -542,7 +542,8 @@ def test_a_backward_that_reruns_its_forward_pays_it_behind_another(
                                                ("backward", "xla_chunked")]
 
 
-def test_a_backward_that_recomputes_a_missing_residual_pays_its_forward(monkeypatch):
+def test_a_backward_that_recomputes_a_missing_residual_pays_its_forward(
+    monkeypatch, tuned_step_dispatch):
   """A backward that recomputes what a residual would have given it where the
   forward left it out (the composed GLU backward's projections, which XLA's
   forward keeps none of: `VjpOp.recomputes_without`) is ranked behind that
@@ -557,16 +558,9 @@ def test_a_backward_that_recomputes_a_missing_residual_pays_its_forward(monkeypa
   # recomputes the projections (composed's forward, 2.6): 5.1.
   times = {("forward", "xla"): 1.0, ("forward", "composed"): 2.6,
            ("backward", "xla"): 3.0, ("backward", "composed"): 2.5}
-  result = results.AutotuningResult(
-      [results.Measurement("gated_linear_unit", d, key, impl, None, t)
-       for (d, impl), t in times.items()], device_kind="cpu")
-
-  def ran():
-    loss = lambda x: jnp.sum(tokamax.gated_linear_unit(x, w, activation=jax.nn.silu,
-                                                       implementation=None))
-    with result, tokamax.record_dispatch() as records:
-      jax.grad(loss)(x)
-    return [(r.direction, r.implementation) for r in records]
+  loss = lambda x: jnp.sum(tokamax.gated_linear_unit(x, w, activation=jax.nn.silu,
+                                                     implementation=None))
+  ran = lambda: tuned_step_dispatch("gated_linear_unit", key, times, loss, x)
 
   assert ran() == [("forward", "xla"), ("backward", "xla")]
   monkeypatch.setattr(glu_composed.ComposedGatedLinearUnitVjp, "recomputes_without",
