@@ -1096,6 +1096,32 @@ def test_heuristic_overlaps_where_measured_faster(h, overlap):
         assert not op.heuristic_config(args).overlap_qk
 
 
+@pytest.mark.parametrize("kw,wide", [
+    ({}, True),
+    ({"t": 1000, "s": 9000, "n": 4, "k": 1}, True),  # T != S, GQA, S no multiple of 192
+    ({"s": 4096, "t": 4096}, False),  # 0.97-0.98x at 4096 keys
+    ({"is_causal": True}, False),  # persistent causal tiles instead
+    ({"local_window_size": (4096, 4096)}, False),  # dynamic key ranges: not measured
+    ({"logits_soft_cap": 30.0}, False),
+    ({"h": 128}, False),
+])
+def test_heuristic_takes_wide_key_steps_at_long_h64(kw, wide):
+  # H64 without causal masking from 8192 keys: 192-key steps, a block a query
+  # tile (`attention._long_plain_h64`: measured 1.013-1.054x on the H200).
+  kw = {"t": 8192, "s": 8192, "n": 2, "k": 2, "h": 64, **kw}
+  config = mat.MosaicGpuAttention().heuristic_config(_args(**kw))
+  assert (config.block_kv == 192 and not config.persistent) == wide, config
+
+
+@gpu
+def test_wide_key_steps_at_long_h64():
+  # The heuristic's config where it takes 192-key steps (S % 192 = 128: the last
+  # key tile is partly padding), forward and gradients against the reference.
+  config = mat.MosaicGpuAttention().heuristic_config(_args(t=1000, s=8192, n=4, k=2))
+  assert config.block_kv == 192, config
+  _check(1, 1000, 8192, 4, 2, 64, False, grads=True)
+
+
 @pytest.mark.parametrize("kw,persistent", [
     ({}, True),  # every query tile sees every key
     # Causal: the tiles shorten; persistent where it measured faster (H64, or
