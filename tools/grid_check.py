@@ -90,7 +90,8 @@ def _grid_times(op: str, key: str, others: list[str], by: dict, direction: str):
   radius."""
   measured = [k for k in others if by[(op, k)][direction]]
   same_first = () if direction == "step" else nearest.same_size_first(op, direction)
-  near = nearest.nearest_keys(key, measured, nearest.radius_for(op), same_first)
+  near = nearest.nearest_keys(key, measured, nearest.radius_for(op), same_first,
+                              nearest.tile_aligned(op))
   if not near:
     return None, None
   # Several points: named by their first field (the query's shape) to stay short.

@@ -37,12 +37,15 @@ OFF_GRID_SHAPES = [
 ]
 # (B, T, N, K, H, causal), bf16, never tuned at: token counts between the grid's
 # 8192 and 32768 or beyond them, batch and length between grid points, 8 query
-# heads a kv head, a length that is no multiple of the tiles.
+# heads a kv head, lengths that are no multiple of the tiles (between the
+# grid's T1000, T4000 and T15000).
 OFF_GRID_ATTENTION = [
     (4, 8192, 32, 8, 128, True), (1, 8192, 16, 16, 128, False),
     (16, 2048, 16, 16, 64, True), (2, 8192, 64, 8, 128, True),
     (8, 2048, 32, 8, 256, False), (1, 32768, 32, 8, 128, True),
     (4, 3000, 16, 16, 128, False), (2, 6144, 32, 8, 64, True),
+    (1, 3000, 16, 16, 64, False), (2, 6000, 32, 8, 128, True),
+    (16, 1500, 16, 16, 64, True), (1, 10000, 16, 16, 128, False),
 ]
 
 # (M, K, N), bf16 SwiGLU, never tuned at: other model widths (5120/13824,

@@ -277,6 +277,33 @@ def test_ragged_dot_data_transfers_half_an_octave():
   assert result.measured_times("ragged_dot", "forward", args(40960, 5120, 1536, 160)) == {}
 
 
+def test_attention_lengths_no_multiple_of_128_take_only_their_own_kind():
+  """Mosaic GPU runs other kernels where T or S is no multiple of 128, and
+  copies its inputs padded where they are no multiple of 8
+  (`nearest.TILE_ALIGNED`): calls of these kinds do not answer for each other,
+  however near."""
+  aligned = nearest.tile_aligned("dot_product_attention")
+  grid = [_attn(8, 4096), _attn(8, 2000)]
+  assert nearest.nearest(_attn(8, 4000), grid) == _attn(8, 4096)  # without the rule
+  assert nearest.nearest(_attn(8, 4000), grid, aligned=aligned) == _attn(8, 2000)
+  assert nearest.nearest(_attn(8, 3968), grid, aligned=aligned) == _attn(8, 4096)
+  assert nearest.nearest(_attn(8, 4000), grid[:1], aligned=aligned) is None
+  result = _attention_times({
+      _attn(8, 4096): {"forward": {"mosaic_gpu": 1.0, "cudnn": 1.1}},
+      _attn(8, 2000): {"forward": {"mosaic_gpu": 0.6, "cudnn": 0.5}}})
+  times = result.measured_times("dot_product_attention", "forward",
+                                _attention_call(8, 3000))
+  assert times == {"mosaic_gpu": 0.6, "cudnn": 0.5}
+  assert result.measured_times("dot_product_attention", "forward",
+                               _attention_call(8, 3968)) == {"mosaic_gpu": 1.0, "cudnn": 1.1}
+  # A length no multiple of 8 (Mosaic GPU copies its inputs padded) is a third
+  # kind: no data here, so dispatch keeps the registry's order.
+  assert nearest.nearest(_attn(8, 2004), grid, aligned=aligned) is None
+  assert result.measured_times("dot_product_attention", "forward",
+                               _attention_call(8, 2004)) == {}
+  assert nearest.tile_aligned("ragged_dot") is None
+
+
 def test_exact_data_wins_over_nearer_kinds_of_data():
   near = _result(_q(48), {("forward", "xla_chunked"): 1.0, ("forward", "xla"): 5.0})
   exact = _result(_q(64), {("forward", "xla_chunked"): 9.0, ("forward", "xla"): 5.0})

@@ -8,7 +8,9 @@ nearest measured call *of the same kind*:
   kernels and their ranking are the same), the same ranks, equal non-numeric
   options (``is_causal``, the activation, ...), and, for arrays of one rank, the
   same axes of equal size (attention's query and key: MHA or GQA, self- or
-  cross-attention);
+  cross-attention), and, where an op's kernels take another path at sizes
+  that are no multiple of a tile (`TILE_ALIGNED`: attention's lengths at 128
+  and 8), the same largest tile dividing those sizes;
 - among those, the nearest by the largest ``|log2((a + 1) / (b + 1))|`` over
   the integers of the key (array dimensions, integer options such as a window
   size), then by their sum; float options (``scale``, ``epsilon``) are ignored.
@@ -77,6 +79,28 @@ def radius_for(op_name: str) -> float:
 # with the head dim first against 19/38 without; the backward 23/38 with it
 # against 34/38 without. So the forward alone.
 SAME_SIZE_FIRST = {("dot_product_attention", "forward"): (("query", -1),)}
+
+
+# Sizes where being a multiple of a tile or not changes which kernel runs, per
+# op: ((array field, axis), ...), (tile, ...), largest first. A call's kind
+# then includes, for each such size, the largest of the tiles it is a multiple
+# of (1 for none), so that calls of one kind do not answer for another.
+# Attention's query and key lengths, at 128 and 8 (H200, notes/MEASUREMENTS.md
+# session 58): Mosaic GPU's one-kernel backward takes only key lengths that
+# are multiples of 128 without causal masking, and a forward whose last tile is
+# partly padding masks it (forward+backward at B4 T3000 N16 H128 1.044x
+# cuDNN's where the aligned grid points had it 1-4% ahead; the T1000, T4000 and
+# T15000 grid points rank cuDNN's backward ahead at H128 in 7 of 8); and it
+# copies its inputs padded where a length is no multiple of 8 (TMA's tiles of 8
+# rows: `_common.pad_rows_for_tma`): its forward at B16 T1500 N16 H64 causal
+# took 0.342 ms against 0.212 at T1536 and cuDNN's 0.210. Lengths of that kind
+# have no grid points: `None` takes the registry's order there (cuDNN first).
+TILE_ALIGNED = {"dot_product_attention": ((("query", 1), ("key", 1)), (128, 8))}
+
+
+def tile_aligned(op_name: str) -> tuple | None:
+  """`TILE_ALIGNED`'s (axes, tiles) for an op, or None."""
+  return TILE_ALIGNED.get(op_name)
 
 
 def same_size_first(op_name: str, direction: str) -> tuple[tuple[str, int], ...]:
@@ -168,15 +192,17 @@ def _sizes_at(key: str, axes: tuple[tuple[str, int], ...]) -> tuple:
 
 
 def nearest(key: str, measured: Iterable[str], radius: float = RADIUS,
-            same_first: tuple[tuple[str, int], ...] = ()) -> str | None:
+            same_first: tuple[tuple[str, int], ...] = (),
+            aligned: tuple | None = None) -> str | None:
   """The measured key of `key`'s kind nearest to it within `radius`, or None:
   the first of `nearest_keys`."""
-  keys = nearest_keys(key, measured, radius, same_first)
+  keys = nearest_keys(key, measured, radius, same_first, aligned)
   return keys[0] if keys else None
 
 
 def nearest_keys(key: str, measured: Iterable[str], radius: float = RADIUS,
-                 same_first: tuple[tuple[str, int], ...] = ()) -> list[str]:
+                 same_first: tuple[tuple[str, int], ...] = (),
+                 aligned: tuple | None = None) -> list[str]:
   """The measured keys of `key`'s kind within `radius` and within `TIE` of the
   nearest one's distance (largest and total), nearest first (then in sorted
   order, so that the answer does not depend on the order the data was loaded
@@ -184,26 +210,42 @@ def nearest_keys(key: str, measured: Iterable[str], radius: float = RADIUS,
 
   `same_first`: (array field, axis) pairs (`same_size_first`): the nearest of the
   keys of `key`'s sizes there if one is within `radius`, else of any.
+  `aligned`: (axes, tiles) (`tile_aligned`): only keys whose sizes there are
+  multiples of the same largest tile as `key`'s.
   """
   measured = sorted(set(measured))
   if same_first:
     own = _sizes_at(key, same_first)
     same = [k for k in measured if _sizes_at(k, same_first) == own]
-    found = _nearest(key, same, radius)
+    found = _nearest(key, same, radius, aligned)
     if found:
       return found
-  return _nearest(key, measured, radius)
+  return _nearest(key, measured, radius, aligned)
 
 
-def _nearest(key: str, measured: list[str], radius: float) -> list[str]:
+def _kind(key: str, aligned: tuple | None) -> tuple:
+  """What a measured key must share with a call: `parse`'s kind, and the
+  largest of the `aligned` tiles its sizes at the `aligned` axes are
+  multiples of."""
+  kind = parse(key)[0]
+  if aligned is None:
+    return kind
+  axes, tiles = aligned
+  return kind + (("multiples of", tuple(
+      next((t for t in tiles if s is not None and s % t == 0), 1)
+      for s in _sizes_at(key, axes))),)
+
+
+def _nearest(key: str, measured: list[str], radius: float,
+             aligned: tuple | None = None) -> list[str]:
   """The keys of `measured` (sorted) of `key`'s kind nearest to it within
   `radius`, those within `TIE` of the nearest included, nearest first."""
-  kind, numbers = parse(key)
+  kind, numbers = _kind(key, aligned), parse(key)[1]
   near = []
   for other in measured:
-    other_kind, other_numbers = parse(other)
-    if other_kind != kind:
+    if _kind(other, aligned) != kind:
       continue
+    other_numbers = parse(other)[1]
     d = distance(numbers, other_numbers)
     if d[0] <= radius:
       near.append((d, other))

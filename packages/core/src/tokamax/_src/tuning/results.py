@@ -206,7 +206,7 @@ class AutotuningResult:
     if key in everywhere:
       return [key]
     return nearest.nearest_keys(key, everywhere, nearest.radius_for(op_name),
-                                same_first) or [key]
+                                same_first, nearest.tile_aligned(op_name)) or [key]
 
   def _times_at(self, op_name: str, direction: str, key: str) -> dict[str, float]:
     times = {impl: m.time_ms for (o, d, k, impl), m in self._by_impl.items()

@@ -92,9 +92,14 @@ def grid_problems() -> list[Problem]:
   mosaic_gpu's forward at its heuristic config ran 1.05x cuDNN's at B2 T4096
   N16 K8 H256 causal and 0.96x at B8 T4096 N32 K8 H256 causal, its nearest
   point at 32768 tokens), and the end-to-end benchmark's dense block (B2 T4096
-  N32 K8 H128 causal) is one of them."""
+  N32 K8 H128 causal) is one of them.
+
+  And lengths no multiple of 128 (T1000, T4000, T15000 at about 32768 tokens):
+  calls of such lengths take only their data (`nearest.TILE_ALIGNED`: Mosaic
+  GPU runs other kernels there)."""
   shapes = []
-  for tokens, lengths in ((32768, (1024, 4096, 16384)), (8192, (1024, 4096))):
+  for tokens, lengths in ((32768, (1024, 4096, 16384)), (8192, (1024, 4096)),
+                          (32768, (1000, 4000, 15000))):
     for t in lengths:
       for h in (64, 128, 256):
         for n, k in ((16, 16), (32, 8)):
