@@ -1,5 +1,6 @@
 """The repository's measuring tools that need no GPU: their pure parts."""
 
+import argparse
 import os
 import sys
 
@@ -282,6 +283,25 @@ def test_tune_shape_miss_is_a_usage_error(monkeypatch, capsys):
                          ("(", "is not a regular expression")):
     monkeypatch.setattr(sys, "argv", ["tune.py", "--op", "ragged_dot", "--grid",
                                       "--shape", shape, "--ab", "block_k=32"])
+    with pytest.raises(SystemExit) as exit_info:
+      tune.main()
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tune_call_builds_problems_off_the_suites(monkeypatch, capsys):
+  """`--call` takes none_check's --shape forms for the one --op; beside --shape,
+  --grid or several ops, or in a bad form, it is a usage error."""
+  parser = argparse.ArgumentParser()
+  problems = tune.call_problems(parser, ["dot_product_attention"],
+                                ["1,32768,16,16,64", "2,1500,16,16,64,causal"], False)
+  assert [p.name for p in problems] == ["B1 T32768 N16 H64", "B2 T1500 N16 H64 causal"]
+  for argv, message in (
+      (["--op", "dot_product_attention", "--call", "1,2,3"], "--shape wants B,T,N,K,H"),
+      (["--op", "dot_product_attention", "--call", "1,256,2,2,64", "--grid"],
+       "no --shape or --grid"),
+      (["--op", "ragged_dot", "--op", "layer_norm", "--call", "1,2"], "one --op")):
+    monkeypatch.setattr(sys, "argv", ["tune.py", *argv, "--ab", "block_k=32"])
     with pytest.raises(SystemExit) as exit_info:
       tune.main()
     assert exit_info.value.code == 2

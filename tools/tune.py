@@ -6,6 +6,10 @@
         --ab chain_items=False [--iterations 20]
     python tools/tune.py --model moe --ab chain_items=False
 
+``--call SIZES`` (repeatable, one ``--op``) takes calls off the suites instead,
+in tools/none_check.py's ``--shape`` forms (``--call 1,32768,16,16,64`` for
+attention B1 T32768 N16 H64).
+
 ``--match FIELD=VALUE`` keeps only configs whose field prints as VALUE (repeatable;
 the heuristic config is always timed, for reference).
 
@@ -62,6 +66,8 @@ from tokamax._src.op import VjpOp
 from tokamax._src.problem import Problem
 from tokamax._src.tuning import context as tuning_context
 from tokamax._src import registry
+
+import none_check  # tools/none_check.py: the --shape forms of calls off the suite
 
 
 class _Fixed:
@@ -219,6 +225,19 @@ def select_problems(parser, suite, ops, shape: str | None) -> list:
     parser.error(f"--op {', '.join(ops)} --shape {shape!r} match no problem: {e}")
 
 
+def call_problems(parser, ops, calls: list[str], suite_chosen) -> list:
+  """The problems of `calls` (tools/none_check.py's --shape forms) of the one op
+  in `ops`; a usage error beside --shape or --grid, or for a bad form."""
+  if len(ops) != 1 or ops[0] not in none_check.OPS or suite_chosen:
+    parser.error(f"--call takes one --op of {sorted(none_check.OPS)} and no "
+                 "--shape or --grid")
+  op = none_check.OPS[ops[0]]
+  try:
+    return [op.problem(*op.parse(text)) for text in calls]
+  except (argparse.ArgumentTypeError, ValueError) as e:  # ValueError: not an integer
+    parser.error(f"--call for {ops[0]}: {e}")
+
+
 def profile_runs(title: str, builders: dict, fields: dict[str, str], runs: int) -> None:
   """Each direction's call `runs` times, untimed (`ab`'s builders; `fields`
   replaced in the configs where given, else the heuristic's)."""
@@ -316,6 +335,11 @@ def main():
   parser.add_argument("--implementation", default="triton")
   parser.add_argument("--shape", help="a regular expression searched in the problem "
                                       "name (a plain substring; 'G16$' for the name's end)")
+  parser.add_argument("--call", action="append", default=[], metavar="SIZES",
+                      help="a call off the suites instead (repeatable), in "
+                           "tools/none_check.py's --shape form for the one --op, "
+                           "e.g. 1,32768,16,16,64 (dot_product_attention: "
+                           "B,T,N,K,H[,causal])")
   parser.add_argument("--iterations", type=int, default=5)
   parser.add_argument("--direction", choices=("forward", "forward+backward"),
                       help="tune only the forward or only the backward configs")
@@ -367,8 +391,12 @@ def main():
                    "configs: not with --model, --training or --match")
   match = dict(args.match)
   directions = (args.direction,) if args.direction else ("forward", "forward+backward")
-  suite = bench_suite.grid_suite() if args.grid else bench_suite.reference_suite()
-  for problem in select_problems(parser, suite, args.op, args.shape):
+  if args.call:
+    problems = call_problems(parser, args.op, args.call, args.shape or args.grid)
+  else:
+    suite = bench_suite.grid_suite() if args.grid else bench_suite.reference_suite()
+    problems = select_problems(parser, suite, args.op, args.shape)
+  for problem in problems:
     if args.equal_groups:
       problem = _with_equal_groups(problem)
     if args.profile_runs is not None:
