@@ -296,6 +296,14 @@ def test_tune_call_builds_problems_off_the_suites(monkeypatch, capsys):
   problems = tune.call_problems(parser, ["dot_product_attention"],
                                 ["1,32768,16,16,64", "2,1500,16,16,64,causal"], False)
   assert [p.name for p in problems] == ["B1 T32768 N16 H64", "B2 T1500 N16 H64 causal"]
+  titles = []
+  monkeypatch.setattr(tune, "problem_builders", lambda *a: {})
+  monkeypatch.setattr(tune, "ab", lambda title, *a: titles.append(title))
+  monkeypatch.setattr(sys, "argv", ["tune.py", "--op", "dot_product_attention",
+                                    "--implementation", "mosaic_gpu", "--call",
+                                    "1,32768,16,16,64", "--ab", "block_kv=192"])
+  tune.main()
+  assert titles == ["dot_product_attention B1 T32768 N16 H64 (mosaic_gpu)"]
   for argv, message in (
       (["--op", "dot_product_attention", "--call", "1,2,3"], "--shape wants B,T,N,K,H"),
       (["--op", "dot_product_attention", "--call", "1,256,2,2,64", "--grid"],
@@ -430,7 +438,7 @@ def test_none_check_attention_times_none_against_mosaic_and_cudnn(monkeypatch, c
   grid = {p.name for p in none_check.attention_problems.grid_problems()}
   defaults = [none_check.attention_problems.problem(*s).name
               for s in none_check.OFF_GRID_ATTENTION]
-  assert len(defaults) == 8 and not grid & set(defaults)
+  assert len(defaults) == len(set(defaults)) == 12 and not grid & set(defaults)
 
 
 def test_none_check_reads_glu_and_norm_shapes():

@@ -9,9 +9,10 @@ no residuals, as ragged_dot; "step" = forward + own backward, what a training st
 pays where a forward's residuals tie it to its backward):
 
 - leave-one-out: each grid call's implementation as predicted from the *other*
-  grid calls (`tuning.nearest`, within the op's radius, a direction's own size
-  first where `nearest.SAME_SIZE_FIRST` names one; beyond the radius the
-  registry's first measured implementation, as dispatch falls back), against
+  grid calls (`tuning.nearest`, of its kind (`nearest.TILE_ALIGNED` too),
+  within the op's radius, a direction's own size first where
+  `nearest.SAME_SIZE_FIRST` names one; beyond the radius the registry's first
+  measured implementation, as dispatch falls back), against
   the fastest measured at that call. The nearest other point is at least one
   grid step away, farther than a call between grid points is from its nearest:
   a pessimistic test of the rule.
@@ -90,8 +91,7 @@ def _grid_times(op: str, key: str, others: list[str], by: dict, direction: str):
   radius."""
   measured = [k for k in others if by[(op, k)][direction]]
   same_first = () if direction == "step" else nearest.same_size_first(op, direction)
-  near = nearest.nearest_keys(key, measured, nearest.radius_for(op), same_first,
-                              nearest.tile_aligned(op))
+  near = nearest.op_nearest_keys(op, key, measured, same_first)
   if not near:
     return None, None
   # Several points: named by their first field (the query's shape) to stay short.
@@ -104,7 +104,7 @@ def _choice(op: str, key: str, others: list[str], by: dict, direction: str,
   """(chosen implementation, where the choice came from)."""
   grid, near = _grid_times(op, key, others, by, direction)
   if grid is None:
-    return _registry_first(op, times), "registry order: no grid point within the radius"
+    return _registry_first(op, times), "registry order: no grid point of its kind within the radius"
   return (_pick(grid) if grid else None), near
 
 

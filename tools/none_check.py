@@ -37,8 +37,9 @@ OFF_GRID_SHAPES = [
 ]
 # (B, T, N, K, H, causal), bf16, never tuned at: token counts between the grid's
 # 8192 and 32768 or beyond them, batch and length between grid points, 8 query
-# heads a kv head, lengths that are no multiple of the tiles (between the
-# grid's T1000, T4000 and T15000).
+# heads a kv head, lengths that are no multiple of 128 (near the grid's T1000,
+# T4000 and T15000 points, or a batch beyond their radius: B1 T3000) or of 8
+# (T1500: no grid points of that kind).
 OFF_GRID_ATTENTION = [
     (4, 8192, 32, 8, 128, True), (1, 8192, 16, 16, 128, False),
     (16, 2048, 16, 16, 64, True), (2, 8192, 64, 8, 128, True),
@@ -113,6 +114,16 @@ OPS = {
 }
 
 
+def problems_from(parser, op_name: str, texts: list[str]) -> list:
+  """The problems of `texts` in `op_name`'s --shape form; a usage error of
+  `parser` for a bad form."""
+  op = OPS[op_name]
+  try:
+    return [op.problem(*op.parse(text)) for text in texts]
+  except (argparse.ArgumentTypeError, ValueError) as e:  # ValueError: not an integer
+    parser.error(f"--shape for {op_name}: {e}")
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--op", choices=sorted(OPS), default="ragged_dot")
@@ -128,12 +139,8 @@ def main() -> int:
   parser.add_argument("--iterations", type=int, default=10)
   args = parser.parse_args()
   op = OPS[args.op]
-  try:
-    shapes = [op.parse(text) for text in args.shape or ()]
-  except (argparse.ArgumentTypeError, ValueError) as e:  # ValueError: not an integer
-    parser.error(f"--shape for {args.op}: {e}")
   named = args.implementation or list(op.implementations)
-  chosen = [op.problem(*s) for s in shapes] if shapes else op.defaults()
+  chosen = problems_from(parser, args.op, args.shape) if args.shape else op.defaults()
   worst = 0.0
   for p in chosen:
     p = bench_suite.select_peers(p, [])

@@ -231,11 +231,7 @@ def call_problems(parser, ops, calls: list[str], suite_chosen) -> list:
   if len(ops) != 1 or ops[0] not in none_check.OPS or suite_chosen:
     parser.error(f"--call takes one --op of {sorted(none_check.OPS)} and no "
                  "--shape or --grid")
-  op = none_check.OPS[ops[0]]
-  try:
-    return [op.problem(*op.parse(text)) for text in calls]
-  except (argparse.ArgumentTypeError, ValueError) as e:  # ValueError: not an integer
-    parser.error(f"--call for {ops[0]}: {e}")
+  return none_check.problems_from(parser, ops[0], calls)
 
 
 def profile_runs(title: str, builders: dict, fields: dict[str, str], runs: int) -> None:

@@ -301,6 +301,14 @@ def test_attention_lengths_no_multiple_of_128_take_only_their_own_kind():
   assert nearest.nearest(_attn(8, 2004), grid, aligned=aligned) is None
   assert result.measured_times("dot_product_attention", "forward",
                                _attention_call(8, 2004)) == {}
+  # Cross-attention with only the key length unaligned is a kind of its own.
+  def cross(s):
+    return _attn(8, 4096).replace("key=bfloat16[8,4096,", f"key=bfloat16[8,{s},").replace(
+        "value=bfloat16[8,4096,", f"value=bfloat16[8,{s},")
+  assert nearest.nearest(cross(4000), [cross(8192)]) == cross(8192)  # without the rule
+  assert nearest.nearest(cross(4000), [cross(8192)], aligned=aligned) is None
+  assert nearest.nearest(cross(4000), [cross(8192), cross(2000)],
+                         aligned=aligned) == cross(2000)
   assert nearest.tile_aligned("ragged_dot") is None
 
 

@@ -1098,7 +1098,8 @@ def test_heuristic_overlaps_where_measured_faster(h, overlap):
 
 @pytest.mark.parametrize("kw,wide", [
     ({}, True),
-    ({"t": 1000, "s": 9000, "n": 4, "k": 1}, True),  # T != S, GQA, S no multiple of 192
+    ({"t": 9000, "s": 9000, "n": 8, "k": 2}, True),  # GQA, S no multiple of 192
+    ({"t": 1000, "s": 9000}, False),  # T != S: not measured
     ({"s": 4096, "t": 4096}, False),  # 0.97-0.98x at 4096 keys
     ({"is_causal": True}, False),  # persistent causal tiles instead
     ({"local_window_size": (4096, 4096)}, False),  # dynamic key ranges: not measured
@@ -1107,19 +1108,21 @@ def test_heuristic_overlaps_where_measured_faster(h, overlap):
 ])
 def test_heuristic_takes_wide_key_steps_at_long_h64(kw, wide):
   # H64 without causal masking from 8192 keys: 192-key steps, a block a query
-  # tile (`attention._long_plain_h64`: measured 1.013-1.054x on the H200).
-  kw = {"t": 8192, "s": 8192, "n": 2, "k": 2, "h": 64, **kw}
+  # tile (`attention._long_plain_h64`: measured 1.013-1.054x on the H200),
+  # where 256 query tiles would otherwise run in persistent blocks.
+  kw = {"t": 8192, "s": 8192, "n": 4, "k": 4, "h": 64, **kw}
   config = mat.MosaicGpuAttention().heuristic_config(_args(**kw))
   assert (config.block_kv == 192 and not config.persistent) == wide, config
 
 
 @gpu
 def test_wide_key_steps_at_long_h64():
-  # The heuristic's config where it takes 192-key steps (S % 192 = 128: the last
-  # key tile is partly padding), forward and gradients against the reference.
-  config = mat.MosaicGpuAttention().heuristic_config(_args(t=1000, s=8192, n=4, k=2))
+  # The heuristic's config where it takes 192-key steps (S % 192 = 136: the last
+  # key tile is partly padding, and so is the last query tile), forward and
+  # gradients against the reference.
+  config = mat.MosaicGpuAttention().heuristic_config(_args(t=8200, s=8200, n=4, k=2))
   assert config.block_kv == 192, config
-  _check(1, 1000, 8192, 4, 2, 64, False, grads=True)
+  _check(1, 8200, 8200, 4, 2, 64, False, grads=True)
 
 
 @pytest.mark.parametrize("kw,persistent", [

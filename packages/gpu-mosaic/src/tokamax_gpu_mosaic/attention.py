@@ -76,6 +76,8 @@ def _heuristic(args) -> AttentionConfig:
 
 
 def _heuristic_tiles(args) -> AttentionConfig:
+  if _long_plain_h64(args):
+    return AttentionConfig(block_kv=192, num_stages=2)
   h = args.query.shape[-1]
   itemsize = jnp.dtype(args.query.dtype).itemsize
   # Measured on the H200 (tools/tune.py): block_kv 128 beats 64 by 10-15%; at
@@ -92,8 +94,6 @@ def _heuristic_tiles(args) -> AttentionConfig:
   # notes/MEASUREMENTS.md session 32, item 3).
   no_overlap = _needs_dynamic(args) or not _overlap_takes(args)
   segments = args.q_segment_ids is not None
-  if _long_plain_h64(args):
-    return AttentionConfig(block_kv=192, num_stages=2)
   for block_kv, stages, overlap in preferred:
     if overlap and no_overlap:
       continue
@@ -109,18 +109,20 @@ def _heuristic_tiles(args) -> AttentionConfig:
 
 def _long_plain_h64(args) -> bool:
   """Whether wider key steps (192 rows, a block a query tile) pay: H64 without
-  causal masking, a dynamic key range or a soft cap, from 8192 keys.
+  causal masking, a dynamic key range or a soft cap, from 8192 queries and
+  keys (measured at T = S only; within 176 of the 200 registers
+  `_fits_registers` allows, and in shared memory at every 16-bit dtype).
 
   H200, bf16, forward, CUPTI, 5 interleaved rounds (`tools/tune.py --ab
   block_kv=192 --ab persistent=False`, notes/MEASUREMENTS.md session 57 item 8
   and session 58 item 1), the 128-key persistent heuristic / this: B2 T16384
-  N16 1.054x, B2 T16384 N32 K8 1.054x, B2 T8192 N16 1.013x; at 4096 keys
+  N16 1.054x, B2 T16384 N32 K8 1.054x, B2 T8192 N16 1.013x and 1.015x; at 4096 keys
   0.97-0.98x (B2 and B8, MHA and GQA), at 1024 keys 0.78-0.79x. Under causal
   masking (persistent, `_short_causal_tiles`) B2 T16384 N32 K8 measured 1.012x:
   not taken."""
   return (args.query.shape[-1] == 64 and not args.is_causal
           and not _needs_dynamic(args) and args.logits_soft_cap is None
-          and args.key.shape[1] >= 8192)
+          and min(args.query.shape[1], args.key.shape[1]) >= 8192)
 
 
 def _more_tiles_than_sms(args) -> bool:

@@ -18,7 +18,8 @@ nearest measured call *of the same kind*:
   and value) counts once;
 - within `radius_for(op)` octaves on every integer (`RADIUS`, 4x either way,
   unless the op's measurements say less): farther data says nothing about the
-  call, and the registry's order stands;
+  call, and the registry's order stands (as where no call of its kind was
+  measured);
 - where an op's direction ranks its implementations by a size more than by the
   others (`SAME_SIZE_FIRST`: the attention forward by the head dim), a call of
   that size first; only where none is within the radius, one of any size;
@@ -92,7 +93,8 @@ SAME_SIZE_FIRST = {("dot_product_attention", "forward"): (("query", -1),)}
 # cuDNN's where the aligned grid points had it 1-4% ahead; the T1000, T4000 and
 # T15000 grid points rank cuDNN's backward ahead at H128 in 7 of 8); and it
 # copies its inputs padded where a length is no multiple of 8 (TMA's tiles of 8
-# rows: `_common.pad_rows_for_tma`): its forward at B16 T1500 N16 H64 causal
+# rows; tokamax_gpu_mosaic's `_common.TMA_TILE_ROWS` and `KEY_ROWS`, the 128-key
+# blocks of its backward): its forward at B16 T1500 N16 H64 causal
 # took 0.342 ms against 0.212 at T1536 and cuDNN's 0.210. Lengths of that kind
 # have no grid points: `None` takes the registry's order there (cuDNN first).
 TILE_ALIGNED = {"dot_product_attention": ((("query", 1), ("key", 1)), (128, 8))}
@@ -129,8 +131,9 @@ def _fields(key: str) -> list[tuple[str, str]]:
 
 @functools.lru_cache(maxsize=4096)
 def parse(key: str) -> tuple[tuple, tuple[int, ...]]:
-  """``(kind, numbers)`` of an args key: what must match, and the integers to
-  measure the distance on (in field order, so equal kinds align them)."""
+  """``(kind, numbers)`` of an args key: what must match (with an op's tile
+  kinds besides: `_kind`), and the integers to measure the distance on (in
+  field order, so equal kinds align them)."""
   kind, numbers, arrays = [], [], []
   for name, value in _fields(key):
     array = _ARRAY.match(value)
@@ -223,6 +226,19 @@ def nearest_keys(key: str, measured: Iterable[str], radius: float = RADIUS,
   return _nearest(key, measured, radius, aligned)
 
 
+def op_nearest_keys(op_name: str, key: str, measured: Iterable[str],
+                    same_first: tuple[tuple[str, int], ...] = ()) -> list[str]:
+  """`nearest_keys` under `op_name`'s rules: its radius (`radius_for`) and
+  its tile kinds (`tile_aligned`)."""
+  return nearest_keys(key, measured, radius_for(op_name), same_first,
+                      tile_aligned(op_name))
+
+
+def _largest_tile(size: int | None, tiles: tuple[int, ...]) -> int:
+  """The first (largest) of `tiles` that divides `size`; 1 for none."""
+  return next((t for t in tiles if size is not None and size % t == 0), 1)
+
+
 def _kind(key: str, aligned: tuple | None) -> tuple:
   """What a measured key must share with a call: `parse`'s kind, and the
   largest of the `aligned` tiles its sizes at the `aligned` axes are
@@ -231,9 +247,8 @@ def _kind(key: str, aligned: tuple | None) -> tuple:
   if aligned is None:
     return kind
   axes, tiles = aligned
-  return kind + (("multiples of", tuple(
-      next((t for t in tiles if s is not None and s % t == 0), 1)
-      for s in _sizes_at(key, axes))),)
+  return kind + (("multiples of", tuple(_largest_tile(s, tiles)
+                                        for s in _sizes_at(key, axes))),)
 
 
 def _nearest(key: str, measured: list[str], radius: float,

@@ -198,15 +198,14 @@ class AutotuningResult:
   def _answering_keys(self, op_name: str, directions: tuple[str, ...], key: str,
                       same_first: tuple) -> list[str]:
     """[`key`] where it was measured in every one of `directions`; else the
-    nearest keys so measured (`nearest.nearest_keys`), or [`key`] (which then
+    nearest keys so measured (`nearest.op_nearest_keys`), or [`key`] (which then
     finds no times)."""
     measured = [{k for o, d, k, _ in self._by_impl if (o, d) == (op_name, direction)}
                 for direction in directions]
     everywhere = set.intersection(*measured)
     if key in everywhere:
       return [key]
-    return nearest.nearest_keys(key, everywhere, nearest.radius_for(op_name),
-                                same_first, nearest.tile_aligned(op_name)) or [key]
+    return nearest.op_nearest_keys(op_name, key, everywhere, same_first) or [key]
 
   def _times_at(self, op_name: str, direction: str, key: str) -> dict[str, float]:
     times = {impl: m.time_ms for (o, d, k, impl), m in self._by_impl.items()

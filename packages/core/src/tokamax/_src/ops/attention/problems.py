@@ -95,8 +95,9 @@ def grid_problems() -> list[Problem]:
   N32 K8 H128 causal) is one of them.
 
   And lengths no multiple of 128 (T1000, T4000, T15000 at about 32768 tokens):
-  calls of such lengths take only their data (`nearest.TILE_ALIGNED`: Mosaic
-  GPU runs other kernels there)."""
+  calls at lengths no multiple of 128 take only their data, calls at lengths
+  no multiple of 8 none (`nearest.TILE_ALIGNED`: Mosaic GPU runs other
+  kernels there)."""
   shapes = []
   for tokens, lengths in ((32768, (1024, 4096, 16384)), (8192, (1024, 4096)),
                           (32768, (1000, 4000, 15000))):
