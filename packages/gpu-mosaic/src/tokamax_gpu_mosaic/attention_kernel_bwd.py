@@ -673,8 +673,6 @@ class _DkvKernel(_Shape):
       # partner's turn; then wait for the partner's scores matmuls.
       operands = lax.optimization_barrier(tuple(x.astype(self.dtype) for x in operands))
     i = base + j if self.fused else None
-    if self.fa3_order and not self.ping_pong:
-      return self.fa3_products(r, blk, i, slot, carry, p, ds)
     if self.fused:
       # The step's dQ tile is dS K over the block's 128 keys: both consumers'
       # dS^T tiles go to shared memory (a wgmma's lhs is registers or shared
@@ -696,49 +694,6 @@ class _DkvKernel(_Shape):
     if self.fused:
       self.dq_step(r, blk, i)
     return dict(zip(names, sums))
-
-  @property
-  def fa3_order(self) -> bool:
-    """EXPERIMENT (TKX_FA3=1): the fused kernel's products in FlashAttention-3's
-    order, MHA H128 without causal (causal spills 56 B), natively: dV issued first, dS^T staged while it runs, then
-    the dQ half and dK; dQ staged while dK runs."""
-    import os  # pylint: disable=g-import-not-at-top
-    return (self.rotated and self.group == 1 and self.h == 128
-            and self.grads == ("dk", "dv") and not _common.interpreting()
-            and os.environ.get("TKX_FA3") == "1")
-
-  def fa3_products(self, r: _DkvRefs, blk: _DkvBlock, i, slot, carry, p, ds):
-    rows, cols = self.dq_half(blk.wg)
-    zeros = plgpu.layout_cast(jnp.zeros((akc.WG_ROWS, akc.WG_ROWS), jnp.float32),
-                              plgpu.Layout.WGMMA)
-
-    def issue(accs):
-      dv_acc, dq_acc, dk_acc = accs
-      p16, ds16 = p.astype(self.dtype), ds.astype(self.dtype)
-      plgpu.wgmma(dv_acc, p16, r.do_smem.at[slot])
-      # While dV runs: this consumer's dS^T rows to shared memory, once the
-      # partner's dQ product of the previous step has read them.
-      _pipeline.wait_when(i > 0, r.dst_free)
-      r.dst_smem.at[pl.ds(blk.wg * akc.WG_ROWS, akc.WG_ROWS)][...] = ds16
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(r.ds_ready)
-      plgpu.barrier_wait(r.ds_ready)
-      plgpu.wgmma(dq_acc,
-                  plgpu.transpose_ref(_common.in_loop(r.dst_smem, i).at[:, rows], (1, 0)),
-                  _common.in_loop(r.k_smem, i).at[:, cols])
-      plgpu.wgmma(dk_acc, ds16, r.q_smem.at[slot])
-      half = plgpu.wgmma_accumulator_load(dq_acc, wait_n=1)  # dV and dQ done
-      plgpu.barrier_arrive(r.dst_free)
-      buf = lax.rem(i, 2)
-      _pipeline.wait_when(i >= 2, r.dq_free.at[buf])  # the producer has read it
-      r.dq_smem.at[buf, rows, cols][...] = half
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(r.dq_ready.at[buf])
-
-    dv, _, dk = pl.run_state(issue)((plgpu.ACC.init(carry["dv"]), plgpu.ACC.init(zeros),
-                                     plgpu.ACC.init(carry["dk"])))
-    plgpu.barrier_arrive(r.free.at[slot])
-    return {"dv": dv, "dk": dk}
 
   def dq_step(self, r: _DkvRefs, blk: _DkvBlock, i) -> None:
     """This consumer's half of step `i`'s dQ tile, ``(dS^T)^T K`` over both
