@@ -86,17 +86,18 @@ SAME_SIZE_FIRST = {("dot_product_attention", "forward"): (("query", -1),)}
 # op: ((array field, axis), ...), (tile, ...), largest first. A call's kind
 # then includes, for each such size, the largest of the tiles it is a multiple
 # of (1 for none), so that calls of one kind do not answer for another.
-# Attention's query and key lengths, at 128 and 8 (H200, notes/MEASUREMENTS.md
-# session 58): Mosaic GPU's one-kernel backward takes only key lengths that
-# are multiples of 128 without causal masking, and a forward whose last tile is
-# partly padding masks it (forward+backward at B4 T3000 N16 H128 1.044x
-# cuDNN's where the aligned grid points had it 1-4% ahead; the T1000, T4000 and
-# T15000 grid points rank cuDNN's backward ahead at H128 in 7 of 8); and it
-# copies its inputs padded where a length is no multiple of 8 (TMA's tiles of 8
-# rows; tokamax_gpu_mosaic's `_common.TMA_TILE_ROWS` and `KEY_ROWS`, the 128-key
-# blocks of its backward): its forward at B16 T1500 N16 H64 causal
-# took 0.342 ms against 0.212 at T1536 and cuDNN's 0.210. Lengths of that kind
-# have no grid points: `None` takes the registry's order there (cuDNN first).
+#
+# Attention's query and key lengths (H200, notes/MEASUREMENTS.md session 58):
+# - at 128 (tokamax_gpu_mosaic's key blocks, `KEY_ROWS`): Mosaic GPU's
+#   one-kernel backward takes only key lengths that are multiples of 128
+#   without causal masking, and a forward whose last tile is partly padding
+#   masks it. Forward+backward at B4 T3000 N16 H128 ran 1.044x cuDNN's where
+#   the aligned grid points had it 1-4% ahead; the T1000, T4000 and T15000
+#   grid points rank cuDNN's backward ahead at H128 in 7 of 8.
+# - at 8 (TMA's row tiles, its `_common.TMA_TILE_ROWS`): it copies its inputs
+#   padded. Its forward at B16 T1500 N16 H64 causal took 0.342 ms against
+#   0.212 at T1536 and cuDNN's 0.210. Lengths of that kind have no grid
+#   points: `None` takes the registry's order there (cuDNN first).
 TILE_ALIGNED = {"dot_product_attention": ((("query", 1), ("key", 1)), (128, 8))}
 
 
