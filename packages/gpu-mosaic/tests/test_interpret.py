@@ -84,6 +84,24 @@ def _attention(**options):
   return call
 
 
+def test_attention_wide_key_steps():
+  """The H64 heuristic's config from 8192 keys (`attention._long_plain_h64`):
+  192-key steps, a block a query tile; here S % 192 = 16 (the last key tile
+  mostly padding) and T no multiple of 128, GQA."""
+  config = mat.AttentionConfig(block_kv=192, num_stages=2)
+  args = attention_op.canonical_args(*(jax.ShapeDtypeStruct((1, 8192, 2, 64), jnp.bfloat16)
+                                       for _ in range(3)), None, None)[0]
+  assert mat.MosaicGpuAttention().heuristic_config(args) == config
+
+  def call(implementation):
+    if implementation == "mosaic_gpu":
+      implementation = mat.MosaicGpuAttention(config)
+    return _attention()(implementation)
+  operands = (_normal((1, 300, 2, 64), jnp.bfloat16), _normal((1, 400, 1, 64), jnp.bfloat16),
+              _normal((1, 400, 1, 64), jnp.bfloat16))
+  _check(call, operands, jnp.bfloat16)
+
+
 @pytest.mark.parametrize("b,t,s,n,k,h,dtype,options", [
     # GQA, causal, lengths that are not tile multiples, T > S. (One batch row and
     # one KV head: the interpreter's time grows with both, and the window case
