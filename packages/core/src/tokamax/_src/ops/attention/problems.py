@@ -94,13 +94,14 @@ def grid_problems() -> list[Problem]:
   point at 32768 tokens), and the end-to-end benchmark's dense block (B2 T4096
   N32 K8 H128 causal) is one of them.
 
-  And lengths no multiple of 128 (T1000, T4000, T15000 at about 32768 tokens):
+  And lengths no multiple of 128 (T1000, T4000, T15000 at about 32768 tokens,
+  T1000 and T4000 at about 8192):
   calls at lengths no multiple of 128 take only their data, calls at lengths
   no multiple of 8 none (`nearest.TILE_ALIGNED`: Mosaic GPU runs other
   kernels there)."""
   shapes = []
   for tokens, lengths in ((32768, (1024, 4096, 16384)), (8192, (1024, 4096)),
-                          (32768, (1000, 4000, 15000))):
+                          (32768, (1000, 4000, 15000)), (8192, (1000, 4000))):
     for t in lengths:
       for h in (64, 128, 256):
         for n, k in ((16, 16), (32, 8)):

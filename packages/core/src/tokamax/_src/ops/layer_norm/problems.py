@@ -55,8 +55,8 @@ def reference_problems() -> list[Problem]:
 
 def grid_problems() -> list[Problem]:
   """The shapes tuned data is measured on (`autotune --grid`): widths 1024-16384
-  at 4096 and 32768 rows, layer and RMS norm."""
-  return [problem(rows, d, rms) for rms in (False, True) for rows in (4096, 32768)
+  at 2048, 4096 and 32768 rows, layer and RMS norm."""
+  return [problem(rows, d, rms) for rms in (False, True) for rows in (2048, 4096, 32768)
           for d in (1024, 4096, 8192, 16384)]
 
 
