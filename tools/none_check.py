@@ -56,10 +56,13 @@ OFF_GRID_GLU = [
     (12000, 4096, 11008), (16384, 2048, 8192),
 ]
 # (rows, D, rms), bf16, never tuned at: widths between the grid's 1024-16384,
-# row counts between 4096 and 32768 or past them, rows no power of two.
+# row counts between the grid's 2048, 4096 and 32768 or past them, rows no
+# power of two. At 3072 rows the grid's neighbours rank the backwards
+# differently (Triton's at 2048 rows, Mosaic GPU's at 4096; session 59).
 OFF_GRID_NORM = [
     (8192, 5120, False), (8192, 5120, True), (16384, 2048, True),
     (65536, 3072, True), (12000, 4096, False), (2048, 12288, True),
+    (3072, 4096, False), (3072, 1024, True),
 ]
 
 
