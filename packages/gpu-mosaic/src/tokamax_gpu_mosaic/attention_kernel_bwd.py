@@ -787,20 +787,7 @@ class _DkvKernel(_Shape):
       plgpu.barrier_arrive(r.dq_free.at[buf])
       return
 
-    # EXPERIMENT (timing only, wrong dQ): TKX_DQ_NOWAIT=1 adds without waiting
-    # for the key blocks before this one (no order: every block adds);
-    # TKX_DQ_NOSTORE=1 neither waits nor stores. What the ordered reduction
-    # costs the fused step.
-    import os  # pylint: disable=g-import-not-at-top
-    no_store = os.environ.get("TKX_DQ_NOSTORE") == "1"
-    no_wait = no_store or os.environ.get("TKX_DQ_NOWAIT") == "1"
-
     def add():
-      if no_store:
-        return
-      if no_wait:
-        plgpu.copy_smem_to_gmem(src, dst, reduction_op="add")
-        return
       plgpu.semaphore_wait(sem.at[counter], rank, decrement=False, memory_scope="gpu")
       pl.when(rank == 0)(lambda: plgpu.copy_smem_to_gmem(src, dst))
       pl.when(rank > 0)(lambda: plgpu.copy_smem_to_gmem(src, dst, reduction_op="add"))
