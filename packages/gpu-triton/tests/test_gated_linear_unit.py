@@ -47,6 +47,9 @@ def _custom_vjp_silu_bwd(g, ct):
 
 
 _custom_vjp_silu.defvjp(_custom_vjp_silu_fwd, _custom_vjp_silu_bwd)
+# A scalar JAX array the activation closes over: the kernel inlines it as a
+# literal (`pallas_call` refuses captured arrays).
+_CLOSED_SCALE = jnp.float32(1.7)
 
 _ACTIVATIONS = {
     "none": None,
@@ -58,6 +61,7 @@ _ACTIVATIONS = {
     "quick_gelu": lambda g: g * jax.nn.sigmoid(1.702 * g),
     "leaky_relu": lambda g: jnp.where(g > 0, g, 0.1 * g),
     "custom_vjp": _custom_vjp_silu,
+    "scalar_closure": lambda g: jnp.tanh(g) * _CLOSED_SCALE,
 }
 _seed = iter(range(10_000))
 

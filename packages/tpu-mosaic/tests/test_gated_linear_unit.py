@@ -107,6 +107,33 @@ def test_check_supported_refuses():
         x, w, activation=jax.nn.softmax, implementation="mosaic_tpu"))(x, w)
 
 
+_CLOSED_SCALE = jnp.float32(1.7)  # a JAX array an activation below closes over
+
+
+@pytest.mark.parametrize("activation,reason", [
+    (lambda g: jnp.tanh(g) * _CLOSED_SCALE, "closes over arrays"),
+    (lambda g: g > 0, "float result"),
+    (lambda g: (g > 0).astype(jnp.int32), "float result"),
+])
+def test_refuses_what_the_kernel_body_cannot_take(activation, reason):
+  """A closed-over array (`pallas_call` refuses captured arrays, scalars too) and a
+  non-float activation (float0 derivative) are refused, and `None` falls back to
+  a right answer."""
+  k1, k2 = jax.random.split(_key())
+  x = jax.random.normal(k1, (16, 128))
+  w = jax.random.normal(k2, (128, 2, 128)) / 128 ** 0.5
+  args = tokamax.GatedLinearUnitArgs(x, w, activation)
+  interp = tokamax.DeviceInfo(platform="cpu", device_kind="cpu", interpret=True)
+  for op in (glu.MosaicTpuGatedLinearUnit(), glu.MosaicTpuGatedLinearUnitVjp()):
+    with pytest.raises(NotImplementedError, match=reason):
+      op.check_supported(args, interp)
+  with tokamax.interpret(True), tokamax.record_dispatch() as records:
+    got = tokamax.gated_linear_unit(x, w, activation=activation)
+  assert all(r.implementation != "mosaic_tpu" for r in records)
+  want = xla_ref.gated_linear_unit(x, w, activation=activation, precision=HIGHEST)
+  testing.assert_close(got, want, jnp.float32, what="out")
+
+
 def test_configs():
   args = tokamax.GatedLinearUnitArgs(
       jax.ShapeDtypeStruct((16384, 4096), jnp.bfloat16),

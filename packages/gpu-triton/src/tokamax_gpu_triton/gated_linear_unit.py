@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.extend import core as jex_core
 
@@ -166,7 +167,15 @@ def _value_and_derivative(activation):
 def _in_kernel(fn, x):
   """Applies `fn` (f32 tile -> tuple of f32 tiles) to `x` in a kernel body."""
   closed = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(x.shape, jnp.float32))
-  return _eval_jaxpr(closed.jaxpr, closed.consts, x)
+  return _eval_jaxpr(closed.jaxpr, [_as_literal(c) for c in closed.consts], x)
+
+
+def _as_literal(const):
+  """A scalar the activation closed over (``c = jnp.float32(1.7)``), as a NumPy
+  scalar of its dtype: the kernel's trace inlines that as a literal, where it
+  would capture a JAX array, which `pallas_call` refuses. `_check_activation`
+  refuses every other constant."""
+  return np.asarray(const)[()]
 
 
 def _walk(jaxpr):
@@ -193,9 +202,9 @@ def _check_activation(activation: Callable | None) -> None:
     if out.shape != shape:
       raise NotImplementedError(f"activation {activation!r} is not elementwise "
                                 f"(f32{list(shape)} -> {out.shape})")
-  if any(getattr(c, "shape", ()) != () for c in closed.consts):
-    raise NotImplementedError(f"activation {activation!r} closes over non-scalar "
-                              "arrays, which a kernel cannot capture")
+  if any(isinstance(c, jax.core.Tracer) or np.shape(c) != () for c in closed.consts):
+    raise NotImplementedError(f"activation {activation!r} closes over non-scalar or "
+                              "traced arrays, which a kernel cannot capture")
   for eqn in _walk(closed.jaxpr):
     name = eqn.primitive.name
     shapes = {getattr(v.aval, "shape", ()) for v in (*eqn.invars, *eqn.outvars)}

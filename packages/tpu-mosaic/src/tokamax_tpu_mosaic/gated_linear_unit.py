@@ -97,16 +97,27 @@ def _search_space(args, backward: bool):
 
 def _check_activation(activation) -> None:
   """Refuses activations that are not elementwise float32 -> float32 maps (the
-  kernels apply them to tiles), or whose derivative does not trace by jvp."""
+  kernels apply them to tiles), whose derivative does not trace by jvp, or that
+  close over arrays (the kernels trace them in their bodies, and `pallas_call`
+  refuses captured arrays, scalars included)."""
   tokamax.plugin.check_elementwise_activation(activation)
   if activation is None:
     return
   try:
     x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
-    jax.eval_shape(lambda g: jax.jvp(activation, (g,), (g,)), x)
+    closed = jax.make_jaxpr(lambda g: jax.jvp(activation, (g,), (g,)))(x)
   except Exception as e:  # any failure: the kernel cannot apply it, so refuse it
     raise NotImplementedError(f"activation {activation!r}: its derivative does not "
                               f"trace by jvp: {type(e).__name__}: {e}") from e
+  value = closed.out_avals[0]
+  if not jnp.issubdtype(value.dtype, jnp.floating):
+    raise NotImplementedError(f"activation {activation!r} maps float32 to "
+                              f"{value.dtype}; the kernels need a float result "
+                              "(its derivative is float0 otherwise)")
+  if closed.consts:
+    raise NotImplementedError(f"activation {activation!r} closes over arrays "
+                              f"({', '.join(str(jnp.shape(c)) for c in closed.consts)}), "
+                              "which a kernel body cannot capture")
 
 
 def _act_and_grad(activation, g):
