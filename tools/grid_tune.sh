@@ -7,6 +7,7 @@
 # soon as it is measured, so a part cut short keeps what it measured.
 #
 #   bash tools/grid_tune.sh [part ...]    parts: attn-short attn-long attn-8k attn-unaligned
+#                                         attn-unaligned-8k
 #                                         norms glu ragged,
 #                                         or shapes:<seconds>:<op>:<name>[,<name>...][:<impl>]
 #                                         (only grid shapes whose name contains one;
@@ -16,8 +17,10 @@
 #
 # attn-long skips the dense XLA attentions (out of memory or 8-30x slower than the
 # kernels at T >= 4096 on the H200 and H100: notes/MEASUREMENTS.md, session 13);
-# attn-8k (the grid's 8192-token calls: B8 T1024, B2 T4096) and attn-unaligned (its
-# lengths no multiple of 128: T1000, T4000, T15000) skip them for time.
+# attn-8k (the grid's 8192-token calls at aligned lengths: B8 T1024, B2 T4096),
+# attn-unaligned (its lengths no multiple of 128 at 32768 tokens: T1000, T4000,
+# T15000) and attn-unaligned-8k (at 8192: B8 T1000, B2 T4000; about 340 s on the
+# H200, session 59) skip them for time.
 set -uo pipefail
 OUT=${OUT:-grid_out}; mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -32,7 +35,8 @@ declare -A PART=(
   [attn-short]="300|$G --op dot_product_attention --shape 'B32 T1024'"
   [attn-long]="560|$G --op dot_product_attention --shape 'B8 T4096' --shape T8192 --shape T16384 --skip xla --skip xla_chunked"
   [attn-8k]="400|$G --op dot_product_attention --shape 'B8 T1024' --shape 'B2 T4096' --skip xla --skip xla_chunked"
-  [attn-unaligned]="560|$G --op dot_product_attention --shape 'T1000 ' --shape 'T4000 ' --shape 'T15000 ' --skip xla --skip xla_chunked"
+  [attn-unaligned]="560|$G --op dot_product_attention --shape 'B32 T1000 ' --shape 'B8 T4000 ' --shape 'B2 T15000 ' --skip xla --skip xla_chunked"
+  [attn-unaligned-8k]="400|$G --op dot_product_attention --shape 'B8 T1000 ' --shape 'B2 T4000 ' --skip xla --skip xla_chunked"
   [norms]="200|$G --op layer_norm"
   [glu]="200|$G --op gated_linear_unit"
   [ragged]="420|$G --op ragged_dot --skip xla"

@@ -38,8 +38,7 @@ OFF_GRID_SHAPES = [
 # (B, T, N, K, H, causal), bf16, never tuned at: token counts between the grid's
 # 8192 and 32768 or beyond them, batch and length between grid points, 8 query
 # heads a kv head, lengths that are no multiple of 128 (near the grid's T1000,
-# T4000 and T15000 points, or a batch beyond their radius: B1 T3000) or of 8
-# (T1500: no grid points of that kind).
+# T4000 and T15000 points) or of 8 (T1500: no grid points of that kind).
 OFF_GRID_ATTENTION = [
     (4, 8192, 32, 8, 128, True), (1, 8192, 16, 16, 128, False),
     (16, 2048, 16, 16, 64, True), (2, 8192, 64, 8, 128, True),

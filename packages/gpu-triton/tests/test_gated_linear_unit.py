@@ -62,6 +62,8 @@ _ACTIVATIONS = {
     "leaky_relu": lambda g: jnp.where(g > 0, g, 0.1 * g),
     "custom_vjp": _custom_vjp_silu,
     "scalar_closure": lambda g: jnp.tanh(g) * _CLOSED_SCALE,
+    # The same inside `jax.jit`, whose jaxpr holds the constant.
+    "jit_scalar_closure": jax.jit(lambda g: jnp.tanh(g) * _CLOSED_SCALE),
 }
 _seed = iter(range(10_000))
 
@@ -281,7 +283,8 @@ def test_training_forward_keeps_projections_and_backward_skips_the_recompute():
       ("forward", "triton"), ("backward", "triton")}
 
 
-@pytest.mark.parametrize("activation", ["silu", "none", "gelu_exact"])
+@pytest.mark.parametrize("activation", ["silu", "none", "gelu_exact",
+                                        "jit_scalar_closure"])
 def test_backward_without_projections_recomputes_them(activation):
   # The recompute kernel: what a forward that kept no projections gets.
   activation = _ACTIVATIONS[activation]

@@ -112,13 +112,14 @@ _CLOSED_SCALE = jnp.float32(1.7)  # a JAX array an activation below closes over
 
 @pytest.mark.parametrize("activation,reason", [
     (lambda g: jnp.tanh(g) * _CLOSED_SCALE, "closes over arrays"),
+    (jax.jit(lambda g: jnp.tanh(g) * _CLOSED_SCALE), "closes over arrays"),
     (lambda g: g > 0, "float result"),
     (lambda g: (g > 0).astype(jnp.int32), "float result"),
 ])
 def test_refuses_what_the_kernel_body_cannot_take(activation, reason):
-  """A closed-over array (`pallas_call` refuses captured arrays, scalars too) and a
-  non-float activation (float0 derivative) are refused, and `None` falls back to
-  a right answer."""
+  """A closed-over array (`pallas_call` refuses captured arrays, scalars too,
+  and the Mosaic TPU lowering a jaxpr with constants) and a non-float activation
+  (float0 derivative) are refused; `None` then gives a right answer."""
   k1, k2 = jax.random.split(_key())
   x = jax.random.normal(k1, (16, 128))
   w = jax.random.normal(k2, (128, 2, 128)) / 128 ** 0.5

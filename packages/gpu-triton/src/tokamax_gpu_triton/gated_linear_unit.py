@@ -132,7 +132,7 @@ def _eval_jaxpr(jaxpr, consts, *args):
   def read(v):
     return v.val if isinstance(v, jex_core.Literal) else env[v]
 
-  env.update(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.constvars, map(_as_literal, consts)))
   env.update(zip(jaxpr.invars, args))
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
@@ -167,7 +167,7 @@ def _value_and_derivative(activation):
 def _in_kernel(fn, x):
   """Applies `fn` (f32 tile -> tuple of f32 tiles) to `x` in a kernel body."""
   closed = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(x.shape, jnp.float32))
-  return _eval_jaxpr(closed.jaxpr, [_as_literal(c) for c in closed.consts], x)
+  return _eval_jaxpr(closed.jaxpr, closed.consts, x)
 
 
 def _as_literal(const):
@@ -176,6 +176,12 @@ def _as_literal(const):
   would capture a JAX array, which `pallas_call` refuses. `_check_activation`
   refuses every other constant."""
   return np.asarray(const)[()]
+
+
+def _in_kernel_functions(activation):
+  """What the kernels trace of `activation` (`_in_kernel`'s functions)."""
+  return (lambda g: (activation(g).astype(jnp.float32),),
+          _value_and_derivative(activation))
 
 
 def _walk(jaxpr):
@@ -192,8 +198,8 @@ def _check_activation(activation: Callable | None) -> None:
   # And what the kernel itself needs: a traceable derivative, no captured arrays.
   shape = (3, 5)
   try:
-    closed = jax.make_jaxpr(_value_and_derivative(activation))(
-        jax.ShapeDtypeStruct(shape, jnp.float32))
+    forward, closed = (jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(shape, jnp.float32))
+                       for fn in _in_kernel_functions(activation))
   except Exception as e:  # any failure: the kernel cannot apply it, so refuse it
     raise NotImplementedError(
         f"activation {activation!r} cannot be traced and differentiated on a "
@@ -202,7 +208,8 @@ def _check_activation(activation: Callable | None) -> None:
     if out.shape != shape:
       raise NotImplementedError(f"activation {activation!r} is not elementwise "
                                 f"(f32{list(shape)} -> {out.shape})")
-  if any(isinstance(c, jax.core.Tracer) or np.shape(c) != () for c in closed.consts):
+  captured = [*plugin.closed_over_arrays(forward), *plugin.closed_over_arrays(closed)]
+  if any(isinstance(c, jax.core.Tracer) or np.shape(c) != () for c in captured):
     raise NotImplementedError(f"activation {activation!r} closes over non-scalar or "
                               "traced arrays, which a kernel cannot capture")
   for eqn in _walk(closed.jaxpr):
@@ -325,7 +332,7 @@ def _fwd_kernel(x_ref, w_ref, o_ref, *h_ref, activation, block_n, **tiling):
       _common.store(h_ref[0].at[rows, pl.ds(col0, block_n)], val, mask)
     gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
   if activation is not None:
-    (gate,) = _in_kernel(lambda g: (activation(g).astype(jnp.float32),), gate)
+    (gate,) = _in_kernel(_in_kernel_functions(activation)[0], gate)
   out = (gate * up).astype(o_ref.dtype)
   _common.store(o_ref.at[rows, pl.ds(n0, block_n)], out, mask)
 
@@ -337,7 +344,7 @@ def _bwd_kernel(x_ref, w_ref, dout_ref, dgu_ref, *, activation, block_n, **tilin
   if activation is None:
     act, d_act = gate, None
   else:
-    act, d_act = _in_kernel(_value_and_derivative(activation), gate)
+    act, d_act = _in_kernel(_in_kernel_functions(activation)[1], gate)
   d_gate = dout * up if d_act is None else dout * up * d_act
   d_up = dout * act
   for col0, val in ((n0, d_gate), (n + n0, d_up)):

@@ -114,9 +114,10 @@ def _check_activation(activation) -> None:
     raise NotImplementedError(f"activation {activation!r} maps float32 to "
                               f"{value.dtype}; the kernels need a float result "
                               "(its derivative is float0 otherwise)")
-  if closed.consts:
+  captured = tokamax.plugin.closed_over_arrays(closed)
+  if captured:
     raise NotImplementedError(f"activation {activation!r} closes over arrays "
-                              f"({', '.join(str(jnp.shape(c)) for c in closed.consts)}), "
+                              f"({', '.join(str(jnp.shape(c)) for c in captured)}), "
                               "which a kernel body cannot capture")
 
 

@@ -6,6 +6,7 @@ import concurrent.futures
 from collections.abc import Callable
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -54,3 +55,26 @@ def _check_concretely(activation) -> None:
     raise NotImplementedError(f"activation {activation!r} is not elementwise: its "
                               "value at an element depends on other elements")
 
+
+
+def closed_over_arrays(closed: jax.extend.core.ClosedJaxpr) -> list:
+  """Every array `closed` captures, its nested jaxprs' included (a `jax.jit` or
+  custom-derivative wrapper inside an activation keeps its constants in its own
+  jaxpr). A kernel that traces an activation in its body captures these, and
+  `pallas_call` refuses captured arrays: a backend refuses such activations, or
+  inlines the 0-d ones as literals."""
+  found = list(closed.consts)
+
+  def visit(value):
+    if isinstance(value, jax.extend.core.ClosedJaxpr):
+      found.extend(value.consts)
+      visit(value.jaxpr)
+    elif isinstance(value, jax.extend.core.Jaxpr):
+      for eqn in value.eqns:
+        for param in eqn.params.values():
+          visit(param)
+    elif isinstance(value, (tuple, list)):
+      for item in value:
+        visit(item)
+  visit(closed.jaxpr)
+  return found

@@ -52,6 +52,7 @@ from jax import lax
 
 # Helpers for backends' kernels, re-exported here as tokamax.plugin.*.
 from tokamax._src.activation import check_elementwise_activation  # noqa: F401
+from tokamax._src.activation import closed_over_arrays  # noqa: F401
 from tokamax._src.batching import vmap_fallback  # noqa: F401
 from tokamax._src.groups import held_row_ranges  # noqa: F401
 from tokamax._src.op import VjpOp
