@@ -63,18 +63,18 @@ def closed_over_arrays(closed: jax.extend.core.ClosedJaxpr) -> list:
   jaxpr). A kernel that traces an activation in its body captures these, and
   `pallas_call` refuses captured arrays: a backend refuses such activations, or
   inlines the 0-d ones as literals."""
-  found = list(closed.consts)
+  found = []
 
   def visit(value):
-    if isinstance(value, jax.extend.core.ClosedJaxpr):
-      found.extend(value.consts)
-      visit(value.jaxpr)
-    elif isinstance(value, jax.extend.core.Jaxpr):
-      for eqn in value.eqns:
+    if isinstance(value, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
+      # JAX 0.12 has one class for both (a jaxpr holds its constants and is
+      # its own `.jaxpr`); older JAX, an open Jaxpr inside a ClosedJaxpr.
+      found.extend(getattr(value, "consts", ()))
+      for eqn in getattr(value, "jaxpr", value).eqns:
         for param in eqn.params.values():
           visit(param)
     elif isinstance(value, (tuple, list)):
       for item in value:
         visit(item)
-  visit(closed.jaxpr)
+  visit(closed)
   return found
