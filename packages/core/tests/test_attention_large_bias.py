@@ -1,11 +1,13 @@
 """A query row whose every key carries a large finite negative bias (the "-1e9
 additive mask" of older code): the forward gives the row uniform weights over
 its keys (the softmax of equal logits), and the gradients must follow from
-those weights. The XLA reference does (autodiff); the chunked backward does
-not yet: it recomputes the weights as exp(s - lse) from the forward's float32
-lse, and -1e9 + log(S) rounds to -1e9 there, so each weight comes out 1, not
-1 / S (found by an outside fuzz, session 59). Strict xfail: the test fails
-once the backward is fixed, so that the mark comes off with the fix."""
+those weights. The XLA reference does (autodiff); the chunked and Triton
+backwards do not yet: they recompute the weights as exp(s - lse) from the
+forward's float32 lse, and -1e9 + log(S) rounds to -1e9 there, so each weight
+comes out 1 (chunked) or the row's gradients 0 (Triton), not 1 / S (found by
+an outside fuzz, session 59). Strict xfail: the test fails once a backward is
+fixed, so that the mark comes off with the fix. Triton runs in interpret mode
+on the CPU only: natively its numbers are not yet checked."""
 
 import jax
 import jax.numpy as jnp
@@ -39,10 +41,16 @@ def _row_zero_masked_call():
 
 def _out_and_dv(implementation):
   q, k, v, bias, ct = _row_zero_masked_call()
-  out, vjp = jax.vjp(lambda v: tokamax.dot_product_attention(
-      q, k, v, bias, implementation=implementation), v)
-  (dv,) = vjp(ct)
+  with tokamax.interpret(implementation == "triton"):
+    out, vjp = jax.vjp(lambda v: tokamax.dot_product_attention(
+        q, k, v, bias, implementation=implementation), v)
+    (dv,) = vjp(ct)
   return v, ct, out, dv
+
+
+_TRITON_HERE = (jax.default_backend() == "cpu"
+                and any(i.name == "triton"
+                        for i in tokamax.implementations("dot_product_attention")))
 
 
 @pytest.mark.parametrize("implementation", [
@@ -50,6 +58,12 @@ def _out_and_dv(implementation):
     pytest.param("xla_chunked", marks=pytest.mark.xfail(
         strict=True, reason="the chunked backward's weights from a float32 lse "
         "that lost log(S) next to -1e9: S times the gradient")),
+    pytest.param("triton", marks=[
+        pytest.mark.skipif(not _TRITON_HERE, reason="Triton in interpret mode on "
+                           "the CPU only (natively not yet measured)"),
+        pytest.mark.xfail(strict=True, reason="the Triton backward's weights from "
+                          "a float32 lse that lost log(S) next to -1e9: the row's "
+                          "gradients come out 0")]),
 ])
 def test_row_masked_by_large_bias(implementation):
   v, ct, out, dv = _out_and_dv(implementation)

@@ -178,10 +178,9 @@ def _as_literal(const):
   return np.asarray(const)[()]
 
 
-def _in_kernel_functions(activation):
-  """What the kernels trace of `activation` (`_in_kernel`'s functions)."""
-  return (lambda g: (activation(g).astype(jnp.float32),),
-          _value_and_derivative(activation))
+def _value_only(activation):
+  """``x -> (act(x),)`` in float32: what the forward kernel traces of it."""
+  return lambda g: (activation(g).astype(jnp.float32),)
 
 
 def _walk(jaxpr):
@@ -199,7 +198,8 @@ def _check_activation(activation: Callable | None) -> None:
   shape = (3, 5)
   try:
     forward, closed = (jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(shape, jnp.float32))
-                       for fn in _in_kernel_functions(activation))
+                       for fn in (_value_only(activation),
+                                  _value_and_derivative(activation)))
   except Exception as e:  # any failure: the kernel cannot apply it, so refuse it
     raise NotImplementedError(
         f"activation {activation!r} cannot be traced and differentiated on a "
@@ -332,7 +332,7 @@ def _fwd_kernel(x_ref, w_ref, o_ref, *h_ref, activation, block_n, **tiling):
       _common.store(h_ref[0].at[rows, pl.ds(col0, block_n)], val, mask)
     gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
   if activation is not None:
-    (gate,) = _in_kernel(_in_kernel_functions(activation)[0], gate)
+    (gate,) = _in_kernel(_value_only(activation), gate)
   out = (gate * up).astype(o_ref.dtype)
   _common.store(o_ref.at[rows, pl.ds(n0, block_n)], out, mask)
 
@@ -344,7 +344,7 @@ def _bwd_kernel(x_ref, w_ref, dout_ref, dgu_ref, *, activation, block_n, **tilin
   if activation is None:
     act, d_act = gate, None
   else:
-    act, d_act = _in_kernel(_in_kernel_functions(activation)[1], gate)
+    act, d_act = _in_kernel(_value_and_derivative(activation), gate)
   d_gate = dout * up if d_act is None else dout * up * d_act
   d_up = dout * act
   for col0, val in ((n0, d_gate), (n + n0, d_up)):

@@ -56,7 +56,6 @@ def _check_concretely(activation) -> None:
                               "value at an element depends on other elements")
 
 
-
 def closed_over_arrays(closed: jax.extend.core.ClosedJaxpr) -> list:
   """Every array `closed` captures, its nested jaxprs' included (a `jax.jit` or
   custom-derivative wrapper inside an activation keeps its constants in its own
