@@ -18,6 +18,9 @@ from tokamax._src.ops.gated_linear_unit import GatedLinearUnitArgs
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
+# float32 checks against a definition: a GPU's default float32 matmul is TF32.
+pytestmark = pytest.mark.usefixtures("highest_matmul_precision")
+
 
 def _inputs(m, k, n, dtype, seed=0):
   rng = np.random.default_rng(seed)

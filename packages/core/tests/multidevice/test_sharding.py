@@ -284,6 +284,29 @@ def test_gated_linear_unit_rows_and_tensor_parallel(shape, implementation):
          out_spec=P("a", "b"))
 
 
+@pytest.mark.parametrize("implementation", [None, "xla"])
+def test_gated_linear_unit_with_a_learned_activation_parameter(implementation):
+  """An activation closing over a traced per-channel beta runs whole (it was
+  traced at the call's whole shape), and beta's gradient is the single-device
+  one, not a sum over replicas. (`_check`'s unsharded call closes over a
+  concrete beta instead: a function with constants, which `custom_partitioning`
+  refused with an AssertionError before it ran such calls unpartitioned.)"""
+  mesh = _mesh((2, HALF))
+  fn = lambda x, w, beta: tokamax.gated_linear_unit(
+      x, w, activation=lambda g: g * jax.nn.sigmoid(beta * g),
+      implementation=implementation)
+  _check(mesh, fn, (_rand(16, 32), _rand(32, 2, 16), _rand(16)),
+         (P("a"), P(None, None, "b"), P()), no_gather=False)
+
+
+def test_gated_linear_unit_closing_over_a_concrete_array():
+  mesh = _mesh((2, HALF))
+  scale = np.linspace(0.5, 1.5, 16, dtype=np.float32)
+  fn = lambda x, w: tokamax.gated_linear_unit(x, w, activation=lambda g: jnp.tanh(g) * scale)
+  _check(mesh, fn, (_rand(16, 32), _rand(32, 2, 16)), (P("a"), P(None, None, "b")),
+         no_gather=False)
+
+
 # ----------------------------------------------------------------- ragged_dot
 
 SIZES = jnp.asarray([3, 0, 5, 4, 6, 2, 7, 3], jnp.int32)  # 30 of 32 rows, one empty

@@ -443,7 +443,12 @@ def _partitioned(call: _Call, operands):
   def flat_fn(*ls):
     return tuple(jax.tree.leaves(call.fn(*jax.tree.unflatten(treedef, ls))))
 
-  out_shape = jax.eval_shape(call.fn, *_plain(operands))
+  traced, out_shape = jax.make_jaxpr(call.fn, return_shape=True)(*_plain(operands))
+  if traced.consts:
+    # `custom_partitioning` takes no function that closes over arrays (a GLU
+    # activation closing over a concrete array): such a call runs unpartitioned,
+    # placed by XLA's sharding propagation.
+    return call.fn(*operands)
   out_treedef = jax.tree.structure(out_shape)
 
   def decide(mesh, arg_shapes):

@@ -174,8 +174,12 @@ def check_opt_in(op: Op, args: Any) -> None:
   args use (e.g. attention's ``q_offset``): such a field would be ignored."""
   missing = _opt_in_features(args) - frozenset(getattr(op, "supported_features", ()))
   if missing:
+    # What a feature means to a user, where the args say (a field's name alone
+    # may not tell them what in their call it is).
+    meanings = getattr(args, "OPT_IN_MEANINGS", {})
+    named = [f"{f} ({meanings[f]})" if f in meanings else f for f in sorted(missing)]
     raise NotImplementedError(
-        f"does not support {', '.join(sorted(missing))} (add it to the Op's "
+        f"does not support {', '.join(named)} (add it to the Op's "
         f"supported_features once handled)")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +29,9 @@ class GatedLinearUnitArgs:
     (``weights[:, :, 0]``) is the gate projection, ``weights[:, 1]`` the up
     projection. Same dtype as x.
   - activation: None (identity, bilinear GLU) or a JAX callable applied
-    elementwise to the gate projection, in float32.
+    elementwise to the gate projection, in float32. With activation_params it
+    takes them too: ``activation(gate, activation_params)``; `activation_fn`
+    gives the one-argument form either way.
   - precision: for the matmuls.
   - group_sizes: None, or int32 ``[G]`` (grouped, as an MoE layer's experts):
     weights is then ``[G, K, 2, N]`` and x's rows are grouped consecutively as
@@ -37,6 +39,12 @@ class GatedLinearUnitArgs:
     sum(group_sizes[:g+1]))`` and multiplies ``weights[g]``); rows past
     ``sum(group_sizes)`` give 0. An opt-in feature ("group_sizes"): only
     implementations that declare it see such calls.
+  - activation_params: None, or a 1-D float array: the traced values the user's
+    activation closes over (a learned parameter, a value of an enclosing
+    `jax.jit` or `jax.grad`), hoisted out of it by `hoist_traced_closure` and
+    differentiated like x and the weights. An opt-in feature
+    ("activation_params"): a kernel that lowers the activation itself cannot
+    take a value known only at run time, nor return its gradient.
 
   ``out = activation(x @ w_gate) * (x @ w_up)``, accumulated in float32, in x's
   dtype. Residuals: ``{}``, or, optionally, ``{"projections": [M, 2, N]}``: the
@@ -51,11 +59,24 @@ class GatedLinearUnitArgs:
       default=None, metadata=dict(static=True))
   precision: Any = dataclasses.field(default=None, metadata=dict(static=True))
   group_sizes: jax.Array | None = None
+  activation_params: jax.Array | None = None
+
+  OPT_IN_MEANINGS: ClassVar[dict[str, str]] = {
+      "activation_params": "an activation that closes over traced values, such as "
+                           "a parameter being differentiated"}
 
   def opt_in_features(self) -> tuple[str, ...]:
     """Fields an implementation must declare in ``supported_features`` to be
-    given this call: one that ignored the groups would return a wrong result."""
-    return ("group_sizes",) if self.group_sizes is not None else ()
+    given this call: one that ignored the groups would return a wrong result, one
+    that ignored the activation's params would leak JAX tracers."""
+    return tuple(name for name in ("group_sizes", "activation_params")
+                 if getattr(self, name) is not None)
+
+  def activation_fn(self) -> Callable[[jax.Array], jax.Array] | None:
+    """The activation as a callable of the gate alone (its params bound), or None."""
+    if self.activation is None or self.activation_params is None:
+      return self.activation
+    return lambda gate: self.activation(gate, self.activation_params)
 
   def _check_dense(self, method: str) -> None:
     if self.group_sizes is not None:
@@ -90,30 +111,44 @@ class GatedLinearUnitArgs:
     """``activation(gate) * up`` in x's dtype (float32 inside) from the projections
     ``h [M, 2N]`` (gate columns, then up; grouped or not)."""
     n = self.weights.shape[-1]
-    activation = self.activation or (lambda gate: gate)
+    activation = self.activation_fn() or (lambda gate: gate)
     gate, up = h[:, :n].astype(jnp.float32), h[:, n:].astype(jnp.float32)
     return (activation(gate) * up).astype(self.x.dtype)
 
   def backward_from_projections(self, projections: jax.Array,
                                 dout: jax.Array) -> dict[str, jax.Array]:
-    """``{"x": dx, "weights": dw}`` from the forward's projections residual:
-    `projection_gradient` then `backward_from_dh`, the work of the plain-JAX
-    backward."""
-    return self.backward_from_dh(self.projection_gradient(projections, dout))
+    """``{"x": dx, "weights": dw}`` (and ``"activation_params"`` where the call
+    has them) from the forward's projections residual: `projection_gradients`
+    then `backward_from_dh`, the work of the plain-JAX backward."""
+    dh, dparams = self.projection_gradients(projections, dout)
+    grads = self.backward_from_dh(dh)
+    if dparams is not None:
+      grads["activation_params"] = dparams
+    return grads
 
   def projection_gradient(self, projections: jax.Array, dout: jax.Array) -> jax.Array:
     """``dh = [dout * up * act'(gate), dout * act(gate)]`` as ``[M, 2N]`` in x's
     dtype (XLA, float32 inside), from the ``[M, 2, N]`` projections residual
     (grouped or not)."""
+    return self.projection_gradients(projections, dout)[0]
+
+  def projection_gradients(self, projections: jax.Array,
+                           dout: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """``(dh, d activation_params)``: `projection_gradient`'s dh and, where the
+    call has activation params, their cotangent (float32; None without), from one
+    VJP of the epilogue."""
     m = self.x.shape[0]
     n = self.weights.shape[-1]
-    activation = self.activation or (lambda gate: gate)
+    activation = self.activation or (lambda gate, *params: gate)
 
-    def epilogue(h):  # [M, 2N] (gate | up) -> [M, N], in float32
-      return activation(h[:, :n]) * h[:, n:]
-    _, epilogue_vjp = jax.vjp(epilogue, projections.reshape(m, 2 * n).astype(jnp.float32))
-    (dh,) = epilogue_vjp(dout.astype(jnp.float32))
-    return dh.astype(self.x.dtype)
+    def epilogue(h, params):  # [M, 2N] (gate | up) -> [M, N], in float32
+      gate = h[:, :n]
+      act = activation(gate) if params is None else activation(gate, params)
+      return act * h[:, n:]
+    _, epilogue_vjp = jax.vjp(epilogue, projections.reshape(m, 2 * n).astype(jnp.float32),
+                              self.activation_params)
+    dh, dparams = epilogue_vjp(dout.astype(jnp.float32))
+    return dh.astype(self.x.dtype), dparams
 
   def backward_from_dh(self, dh: jax.Array) -> dict[str, jax.Array]:
     """``{"x": dh @ w^T, "weights": x^T @ dh}`` from ``dh [M, 2N]`` (gate columns,
@@ -133,7 +168,7 @@ class GatedLinearUnitArgs:
     return {"x": dx, "weights": dw.reshape(k, 2, n)}
 
 
-DIFF_FIELDS = ("x", "weights")
+DIFF_FIELDS = ("x", "weights", "activation_params")
 
 # Everything generic code (dispatch, sharding) knows of this op. The labels name
 # each dim of the operands and results for the Shardy sharding rule (operands
@@ -144,7 +179,7 @@ DEFINITION = OpDefinition(
     diff_fields=DIFF_FIELDS,
     # Grouped weights ([G, K, 2, N]) match no label (fresh dims, replicated by
     # the plan).
-    arg_labels=dict(x="mk", weights="kpn", group_sizes="G"),
+    arg_labels=dict(x="mk", weights="kpn", group_sizes="G"),  # params: replicated
     result_labels=dict(out="mn", projections="mpn"),
     leading_label="m",
     plan=gated_linear_unit_plan,
@@ -172,6 +207,45 @@ def _check_activation(activation: Any, gate_shape: tuple[int, ...]) -> None:
            if isinstance(out, jax.ShapeDtypeStruct) else f"{type(out).__name__}")
     raise ValueError(f"activation {activation!r} must map the float32 gate projection "
                      f"of shape {gate_shape} to a real array of the same shape; got {got}")
+
+
+def hoist_traced_closure(activation: Callable[[jax.Array], jax.Array],
+                         gate_shape: tuple[int, ...]):
+  """``(activation, params)``: the traced values `activation` closes over
+  (`jax.closure_convert` finds those JAX may differentiate: tracers of float
+  dtype) packed into one 1-D array, and the activation as a function of
+  ``(gate, params)``; ``(activation, None)`` as given where it closes over none.
+
+  Why: the op runs under `jax.custom_vjp`, whose functions may not close over
+  the tracers of an enclosing transformation (a `jax.grad` with respect to a
+  parameter inside the activation failed with UnexpectedTracerError); as an
+  argument the values are traced properly and get their cotangent. Concrete
+  arrays stay closed over (kernels may inline them).
+  """
+  converted, consts = jax.closure_convert(activation,
+                                          jax.ShapeDtypeStruct(gate_shape, jnp.float32))
+  if not consts:
+    return activation, None
+  for c in consts:
+    if not jnp.issubdtype(c.dtype, jnp.floating):
+      raise TypeError(f"activation {activation!r} closes over a traced value of "
+                      f"dtype {jnp.dtype(c.dtype).name}; only real floating values "
+                      "can be differentiated through it")
+  dtype = jnp.result_type(*consts)
+  shapes = [(tuple(c.shape), c.dtype) for c in consts]
+  sizes = [math.prod(shape) for shape, _ in shapes]
+  params = jnp.concatenate([jnp.ravel(c).astype(dtype) for c in consts])
+
+  def with_params(gate, params):
+    parts, start = [], 0
+    for (shape, c_dtype), size in zip(shapes, sizes):
+      parts.append(params[start:start + size].reshape(shape).astype(c_dtype))
+      start += size
+    return converted(gate, *parts)
+
+  # The traced jaxpr holds the call's whole gate shape: a shard of it cannot take
+  # it, so the sharding plan keeps such calls whole.
+  return with_params, params
 
 
 def _check_group_sizes(group_sizes: Any, num_groups: int, m: int) -> jax.Array:
@@ -262,13 +336,17 @@ def gated_linear_unit(
   _checks.check_same_dtype(("x", "weights"), (x, weights))
   if grouped:
     group_sizes = _check_group_sizes(group_sizes, weights.shape[0], x.shape[0])
+  activation_params = None
   if activation is not None:
-    _check_activation(activation, (math.prod(x.shape[:-1]), weights.shape[-1]))
+    gate_shape = (math.prod(x.shape[:-1]), weights.shape[-1])
+    _check_activation(activation, gate_shape)
+    activation, activation_params = hoist_traced_closure(activation, gate_shape)
 
   # The row dims stay separate here: dispatch merges them into M (after
   # partitioning, so that a sharded non-leading row dim stays split).
   args = GatedLinearUnitArgs(
       x=x, weights=weights, activation=activation,
-      precision=_checks.canonical_precision(precision), group_sizes=group_sizes)
+      precision=_checks.canonical_precision(precision), group_sizes=group_sizes,
+      activation_params=activation_params)
   return dispatch.call(DEFINITION, args, implementation, lead_dims=x.ndim - 1)
 

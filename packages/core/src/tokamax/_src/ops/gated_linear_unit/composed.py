@@ -14,6 +14,9 @@ activation in XLA, the projections kept for the backward.
   whose own dispatch picks the platform's grouped-matmul kernel; otherwise
   `None` would reach the reference, which runs one masked matmul per group (G
   times the FLOPs).
+- An activation with traced params (a learned parameter inside it): the
+  activation runs in XLA here, so the params come with the epilogue's VJP; the
+  kernels, which lower the activation themselves, refuse such calls.
 
 The reference (priority 0) comes after it: it stays the oracle, autodiff of
 float32 projections.
@@ -51,7 +54,7 @@ class ComposedGatedLinearUnit(Op):
 
   op_name = "gated_linear_unit"
   name = "composed"
-  supported_features = ("group_sizes",)
+  supported_features = ("group_sizes", "activation_params")
 
   def forward(self, args, config):
     projections = _projections(args)
@@ -70,7 +73,7 @@ class ComposedGatedLinearUnitVjp(VjpOp):
 
   op_name = "gated_linear_unit"
   name = "composed"
-  supported_features = ("group_sizes",)
+  supported_features = ("group_sizes", "activation_params")
   recomputes_without = frozenset({"projections"})
 
   def backward(self, args, residuals, out, dout, config):
@@ -80,10 +83,13 @@ class ComposedGatedLinearUnitVjp(VjpOp):
       projections = _projections(args)
     if args.group_sizes is None:
       return args.backward_from_projections(projections, dout)
-    dh = args.projection_gradient(projections, dout)
+    dh, dparams = args.projection_gradients(projections, dout)
     _, ragged_vjp = jax.vjp(
         lambda x, w: ragged_dot_api.ragged_dot(x, w, args.group_sizes,
                                                precision=args.precision),
         args.x, _fused_weight(args))
     dx, dw = ragged_vjp(dh)
-    return {"x": dx, "weights": dw.reshape(args.weights.shape)}
+    grads = {"x": dx, "weights": dw.reshape(args.weights.shape)}
+    if dparams is not None:
+      grads["activation_params"] = dparams
+    return grads

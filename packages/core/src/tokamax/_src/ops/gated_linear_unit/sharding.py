@@ -14,14 +14,23 @@ def gated_linear_unit_plan(mesh, shapes, specs, supports) -> sharding.Plan:
   """GLU: each row dim of x split; weights split on N (tensor parallel: the
   output is split on N). The contraction dim K is never split (replicated)."""
   del supports
+  params = None if shapes.activation_params is None else P(None)
   if shapes.group_sizes is not None:
     # Grouped (MoE experts): replicated. Expert parallelism runs the op inside
     # `shard_map`, where it sees each device's own experts and rows.
     return sharding.Plan(
         args=dataclasses.replace(shapes, x=P(None, None), weights=P(None, None, None, None),
-                                 group_sizes=P(None)),
+                                 group_sizes=P(None), activation_params=params),
         out=P(None, None), residuals={"projections": P(None, None, None)})
   *rows, _ = shapes.x.shape
+  if params is not None:
+    # An activation with traced params was traced at the whole call's gate shape
+    # (`api.hoist_traced_closure`): it runs on whole arrays, replicated.
+    whole = (None,) * len(rows)
+    return sharding.Plan(
+        args=dataclasses.replace(shapes, x=P(*whole, None), weights=P(None, None, None),
+                                 activation_params=params),
+        out=P(*whole, None), residuals={"projections": P(*whole, None, None)})
   n = shapes.weights.shape[2]
   mx = sharding.fit_each(mesh, specs.x[:-1], rows)
   nx = sharding.fit(mesh, specs.weights[2], n, sharding.joined(mx))
@@ -29,7 +38,8 @@ def gated_linear_unit_plan(mesh, shapes, specs, supports) -> sharding.Plan:
     nx = ()  # an activation that mixes a row's N columns needs whole rows
   M = tuple(sharding.entry(axes) for axes in mx)
   N = sharding.entry(nx)
-  arg_specs = dataclasses.replace(shapes, x=P(*M, None), weights=P(None, None, N))
+  arg_specs = dataclasses.replace(shapes, x=P(*M, None), weights=P(None, None, N),
+                                  activation_params=None)
   return sharding.Plan(args=arg_specs, out=P(*M, N), residuals={"projections": P(*M, None, N)})
 
 

@@ -10,12 +10,17 @@ import tokamax_xla_reference as xla_ref
 
 from tokamax._src.op import Op, VjpOp
 from tokamax._src.ops import _autodiff
+from tokamax._src.ops.gated_linear_unit.api import DIFF_FIELDS
+
+# The features the plain-JAX program takes as it is: the groups, and an
+# activation's traced params (autodiff gives their cotangent with the others').
+_FEATURES = ("group_sizes", "activation_params")
 
 
 def _glu(args):
   if args.group_sizes is not None:
     return _grouped_glu(args)
-  return xla_ref.gated_linear_unit(args.x, args.weights, activation=args.activation,
+  return xla_ref.gated_linear_unit(args.x, args.weights, activation=args.activation_fn(),
                                   precision=args.precision)
 
 
@@ -27,7 +32,7 @@ def _grouped_glu(args):
                          precision=args.precision, preferred_element_type=jnp.float32)
   gate, up = h[:, :n], h[:, n:]
   if args.activation is not None:
-    gate = args.activation(gate)
+    gate = args.activation_fn()(gate)
   return (gate * up).astype(args.x.dtype)
 
 
@@ -35,7 +40,7 @@ def _grouped_glu(args):
 class XlaGatedLinearUnit(Op):
   op_name = "gated_linear_unit"
   name = "xla"
-  supported_features = ("group_sizes",)
+  supported_features = _FEATURES
 
   def forward(self, args, config):
     return _glu(args), {}
@@ -50,7 +55,7 @@ class XlaGatedLinearUnitVjp(VjpOp):
 
   op_name = "gated_linear_unit"
   name = "xla"
-  supported_features = ("group_sizes",)
+  supported_features = _FEATURES
 
   def backward(self, args, residuals, out, dout, config):
-    return _autodiff.backward(_glu, args, ("x", "weights"), dout)
+    return _autodiff.backward(_glu, args, DIFF_FIELDS, dout)
