@@ -122,15 +122,28 @@ def test_only_traced_floating_values_are_hoisted():
   it is. Hoisted values of several dtypes pack into one array of their common
   dtype."""
   shape = (4, N)
-  silu = jax.nn.silu
-  assert glu_api.hoist_traced_closure(silu, shape) == (silu, None)
+  assert glu_api.hoist_traced_closure(jax.nn.silu, shape) == (None, None)
   concrete = lambda g: g * jnp.float32(1.5)
-  assert glu_api.hoist_traced_closure(concrete, shape) == (concrete, None)
+  assert glu_api.hoist_traced_closure(concrete, shape) == (None, None)
 
   def params(n, v, t):
     return glu_api.hoist_traced_closure(lambda g: g * n * v[0] * t, shape)[1]
   packed = jax.eval_shape(params, 3, jnp.ones(5, jnp.bfloat16), jnp.float32(2))
   assert (packed.shape, packed.dtype) == ((6,), jnp.float32)
+  # A weak-typed Python float packs at float32 next to a bfloat16 value (packing
+  # at their promotion, bfloat16, rounded 1.001 to 1.0).
+  packed = jax.jit(params)(3, jnp.ones(5, jnp.bfloat16), 1.001)
+  assert packed.dtype == jnp.float32 and float(packed[-1]) == np.float32(1.001)
+
+
+def test_a_complex_closure_works_as_before():
+  """A traced complex value is not hoisted (not differentiable through the
+  packed params): the call computes as before the hoisting existed."""
+  x, w, _, _, _ = _inputs("float32", lead=(4,))
+  act = lambda c: (lambda g: jnp.real(g * c))
+  out = jax.jit(lambda c: tokamax.gated_linear_unit(x, w, activation=act(c)))(1 + 2j)
+  h = jnp.einsum("mk,kpn->mpn", x, w, precision=HIGHEST)
+  testing.assert_close(out, h[:, 0] * h[:, 1], "float32")
 
   x, w, _, _, _ = _inputs("float32", lead=(4,))
   out = jax.jit(lambda n: tokamax.gated_linear_unit(x, w, activation=lambda g: g * n))(3)
@@ -151,11 +164,14 @@ def test_an_implementation_without_the_feature_refuses_with_the_reason():
   x, w, _, beta, scale = _inputs("float32", lead=(4,))
 
   def check(beta):
-    act, params = glu_api.hoist_traced_closure(_swish(beta, scale), (4, N))
-    args = glu_api.GatedLinearUnitArgs(x=x, weights=w, activation=act,
-                                       activation_params=params)
+    activation = _swish(beta, scale)
+    with_params, params = glu_api.hoist_traced_closure(activation, (4, N))
+    args = glu_api.GatedLinearUnitArgs(x=x, weights=w, activation=activation,
+                                       activation_params=params,
+                                       activation_with_params=with_params)
     candidates.check_opt_in(LowersTheActivation(), args)
     return params
   with pytest.raises(NotImplementedError,
-                     match=r"activation_params \(an activation that closes over traced"):
+                     match=r"activation_params \(an activation that closes over traced"
+                     r".*implementation=None runs one that does"):
     jax.jit(check)(beta)

@@ -299,6 +299,51 @@ def test_gated_linear_unit_with_a_learned_activation_parameter(implementation):
          (P("a"), P(None, None, "b"), P()), no_gather=False)
 
 
+def _learned_swish_glu(x, w, beta):
+  return tokamax.gated_linear_unit(x, w, activation=lambda g: g * jax.nn.sigmoid(beta * g))
+
+
+def _plain_learned_swish_glu(x, w, beta):
+  h = jnp.einsum("mk,kpn->mpn", x, w, precision=jax.lax.Precision.HIGHEST)
+  return h[:, 0] * jax.nn.sigmoid(beta * h[:, 0]) * h[:, 1]
+
+
+def test_gated_linear_unit_with_a_learned_activation_parameter_inside_shard_map():
+  """Rows split by shard_map (check_vma on, its default): the activation is
+  traced with a gate that varies over the manual axes as x does (traced without
+  them, its recorded multiply refused the varying gate)."""
+  mesh = _mesh((2, HALF))
+  x, w, beta = _rand(16, 32), _rand(32, 2, 16), _rand(16)
+  local = jax.shard_map(_learned_swish_glu, mesh=mesh, in_specs=(P(("a", "b")), P(), P()),
+                        out_specs=P(("a", "b")))
+  loss = lambda f: (lambda *a: jnp.sum(jnp.sin(f(*a))))
+  got = jax.jit(jax.value_and_grad(loss(local), (0, 1, 2)))(x, w, beta)
+  want = jax.value_and_grad(loss(_plain_learned_swish_glu), (0, 1, 2))(x, w, beta)
+  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert _rel(g, r) < 1e-5 * TOL_SCALE
+
+
+def test_explicit_axes_mesh_with_a_learned_activation_parameter():
+  """A call whose plan splits nothing runs whole in the mesh's own context (its
+  activation was traced there), and each cotangent comes back in its primal's
+  sharding."""
+  mesh = _mesh((2, HALF), explicit=True)
+  with jax.set_mesh(mesh):
+    _check(mesh, _learned_swish_glu, (_rand(16, 32), _rand(32, 2, 16), _rand(16)),
+           (P("a"), P(None, None, "b"), P()), no_gather=False)
+
+
+def test_explicit_axes_mesh_grouped_gated_linear_unit_gradients():
+  """The grouped plan replicates x; x's cotangent must still come back split as
+  x is (custom_vjp requires the primal's type)."""
+  mesh = _mesh((2, HALF), explicit=True)
+  sizes = jnp.asarray([5, 3, 6], jnp.int32)
+  fn = lambda x, w: tokamax.gated_linear_unit(x, w, activation=jax.nn.silu,
+                                              group_sizes=sizes)
+  with jax.set_mesh(mesh):
+    _check(mesh, fn, (_rand(16, 32), _rand(3, 32, 2, 16)), (P("a"), P()), no_gather=False)
+
+
 def test_gated_linear_unit_closing_over_a_concrete_array():
   mesh = _mesh((2, HALF))
   scale = np.linspace(0.5, 1.5, 16, dtype=np.float32)

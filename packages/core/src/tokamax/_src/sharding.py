@@ -486,14 +486,34 @@ def _partitioned(call: _Call, operands):
 
 
 def _shard_mapped(call: _Call, mesh, operands):
-  """Explicit-axes mesh: the plan from the typed shardings, then shard_map."""
+  """Explicit-axes mesh: the plan from the typed shardings, then shard_map (or,
+  for a plan that splits nothing, the whole call on the operands brought whole:
+  a function traced in this mesh's context, such as a GLU activation with
+  params, cannot run in shard_map's manual one)."""
+  args = operands[0]
   plan = call.plan(mesh, _typed(operands)[0])
   out_shape = jax.eval_shape(call.fn, *_plain(operands))
   in_specs, out_specs = call.specs(plan, out_shape)
   operands = jax.tree.map(lambda x, s: jax.sharding.reshard(x, NamedSharding(mesh, s)),
                           operands, in_specs)
-  return jax.shard_map(call.local(plan, mesh), mesh=mesh, in_specs=in_specs,
-                       out_specs=out_specs, check_vma=False)(*operands)
+  if plan.axes():
+    results = jax.shard_map(call.local(plan, mesh), mesh=mesh, in_specs=in_specs,
+                            out_specs=out_specs, check_vma=False)(*operands)
+  else:
+    results = call.fn(*operands)
+  if not call.backward:
+    return results
+  # Each cotangent in its primal's sharding, which `custom_vjp` requires of its
+  # type: the plan may have brought an operand whole (a replicated weight).
+  return {k: _like(g, getattr(args, k)) for k, g in results.items()}
+
+
+def _like(g, primal):
+  """Cotangent `g` in `primal`'s typed sharding, where it has one."""
+  sharding = jax.typeof(primal).sharding
+  if g is None or not getattr(sharding.mesh, "axis_names", ()):
+    return g
+  return jax.sharding.reshard(g, sharding)
 
 
 def wanted_features(definition: OpDefinition, args: Any) -> frozenset[str]:

@@ -179,8 +179,8 @@ def check_opt_in(op: Op, args: Any) -> None:
     meanings = getattr(args, "OPT_IN_MEANINGS", {})
     named = [f"{f} ({meanings[f]})" if f in meanings else f for f in sorted(missing)]
     raise NotImplementedError(
-        f"does not support {', '.join(named)} (add it to the Op's "
-        f"supported_features once handled)")
+        f"does not support {', '.join(named)}; implementation=None runs one that "
+        f"does (an Op takes a feature by listing it in its supported_features)")
 
 
 def build_checked(make: Callable[[], Any], raise_import: bool, args: Any,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -12,11 +13,14 @@ import jax.numpy as jnp
 
 from tokamax._src import dispatch
 from tokamax._src import quantization
+from tokamax._src import vma
 from tokamax._src.op import OpDefinition
 from tokamax._src.ops import _checks
 from tokamax._src.ops.gated_linear_unit.sharding import gated_linear_unit_plan
 
 OP_NAME = "gated_linear_unit"
+# The opt-in features (`GatedLinearUnitArgs.opt_in_features`).
+FEATURES = ("group_sizes", "activation_params")
 
 
 @jax.tree_util.register_dataclass
@@ -29,9 +33,9 @@ class GatedLinearUnitArgs:
     (``weights[:, :, 0]``) is the gate projection, ``weights[:, 1]`` the up
     projection. Same dtype as x.
   - activation: None (identity, bilinear GLU) or a JAX callable applied
-    elementwise to the gate projection, in float32. With activation_params it
-    takes them too: ``activation(gate, activation_params)``; `activation_fn`
-    gives the one-argument form either way.
+    elementwise to the gate projection, in float32: the user's. With
+    activation_params it closes over values of an enclosing trace and must not
+    be called; `activation_fn` gives the callable to apply either way.
   - precision: for the matmuls.
   - group_sizes: None, or int32 ``[G]`` (grouped, as an MoE layer's experts):
     weights is then ``[G, K, 2, N]`` and x's rows are grouped consecutively as
@@ -39,10 +43,11 @@ class GatedLinearUnitArgs:
     sum(group_sizes[:g+1]))`` and multiplies ``weights[g]``); rows past
     ``sum(group_sizes)`` give 0. An opt-in feature ("group_sizes"): only
     implementations that declare it see such calls.
-  - activation_params: None, or a 1-D float array: the traced values the user's
-    activation closes over (a learned parameter, a value of an enclosing
+  - activation_params: None, or a 1-D float array: the traced real values the
+    user's activation closes over (a learned parameter, a value of an enclosing
     `jax.jit` or `jax.grad`), hoisted out of it by `hoist_traced_closure` and
-    differentiated like x and the weights. An opt-in feature
+    differentiated like x and the weights; ``activation_with_params(gate,
+    activation_params)`` is then the activation. An opt-in feature
     ("activation_params"): a kernel that lowers the activation itself cannot
     take a value known only at run time, nor return its gradient.
 
@@ -60,6 +65,8 @@ class GatedLinearUnitArgs:
   precision: Any = dataclasses.field(default=None, metadata=dict(static=True))
   group_sizes: jax.Array | None = None
   activation_params: jax.Array | None = None
+  activation_with_params: Callable[[jax.Array, jax.Array], jax.Array] | None = (
+      dataclasses.field(default=None, metadata=dict(static=True)))
 
   OPT_IN_MEANINGS: ClassVar[dict[str, str]] = {
       "activation_params": "an activation that closes over traced values, such as "
@@ -69,14 +76,13 @@ class GatedLinearUnitArgs:
     """Fields an implementation must declare in ``supported_features`` to be
     given this call: one that ignored the groups would return a wrong result, one
     that ignored the activation's params would leak JAX tracers."""
-    return tuple(name for name in ("group_sizes", "activation_params")
-                 if getattr(self, name) is not None)
+    return tuple(name for name in FEATURES if getattr(self, name) is not None)
 
   def activation_fn(self) -> Callable[[jax.Array], jax.Array] | None:
     """The activation as a callable of the gate alone (its params bound), or None."""
-    if self.activation is None or self.activation_params is None:
+    if self.activation_params is None:
       return self.activation
-    return lambda gate: self.activation(gate, self.activation_params)
+    return lambda gate: self.activation_with_params(gate, self.activation_params)
 
   def _check_dense(self, method: str) -> None:
     if self.group_sizes is not None:
@@ -118,9 +124,9 @@ class GatedLinearUnitArgs:
   def backward_from_projections(self, projections: jax.Array,
                                 dout: jax.Array) -> dict[str, jax.Array]:
     """``{"x": dx, "weights": dw}`` (and ``"activation_params"`` where the call
-    has them) from the forward's projections residual: `projection_gradients`
+    has them) from the forward's projections residual: `epilogue_gradients`
     then `backward_from_dh`, the work of the plain-JAX backward."""
-    dh, dparams = self.projection_gradients(projections, dout)
+    dh, dparams = self.epilogue_gradients(projections, dout)
     grads = self.backward_from_dh(dh)
     if dparams is not None:
       grads["activation_params"] = dparams
@@ -129,22 +135,27 @@ class GatedLinearUnitArgs:
   def projection_gradient(self, projections: jax.Array, dout: jax.Array) -> jax.Array:
     """``dh = [dout * up * act'(gate), dout * act(gate)]`` as ``[M, 2N]`` in x's
     dtype (XLA, float32 inside), from the ``[M, 2, N]`` projections residual
-    (grouped or not)."""
-    return self.projection_gradients(projections, dout)[0]
+    (grouped or not); a call with activation params has their cotangent too
+    (`epilogue_gradients`)."""
+    dh, dparams = self.epilogue_gradients(projections, dout)
+    if dparams is not None:
+      raise ValueError("this call's activation has params: their cotangent comes "
+                       "from epilogue_gradients, not projection_gradient")
+    return dh
 
-  def projection_gradients(self, projections: jax.Array,
-                           dout: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+  def epilogue_gradients(self, projections: jax.Array,
+                         dout: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     """``(dh, d activation_params)``: `projection_gradient`'s dh and, where the
     call has activation params, their cotangent (float32; None without), from one
-    VJP of the epilogue."""
+    VJP of the epilogue ``activation(gate) * up``."""
     m = self.x.shape[0]
     n = self.weights.shape[-1]
-    activation = self.activation or (lambda gate, *params: gate)
 
     def epilogue(h, params):  # [M, 2N] (gate | up) -> [M, N], in float32
-      gate = h[:, :n]
-      act = activation(gate) if params is None else activation(gate, params)
-      return act * h[:, n:]
+      gate, up = h[:, :n], h[:, n:]
+      if params is not None:
+        return self.activation_with_params(gate, params) * up
+      return (gate if self.activation is None else self.activation(gate)) * up
     _, epilogue_vjp = jax.vjp(epilogue, projections.reshape(m, 2 * n).astype(jnp.float32),
                               self.activation_params)
     dh, dparams = epilogue_vjp(dout.astype(jnp.float32))
@@ -210,41 +221,48 @@ def _check_activation(activation: Any, gate_shape: tuple[int, ...]) -> None:
 
 
 def hoist_traced_closure(activation: Callable[[jax.Array], jax.Array],
-                         gate_shape: tuple[int, ...]):
-  """``(activation, params)``: the traced values `activation` closes over
-  (`jax.closure_convert` finds those JAX may differentiate: tracers of float
-  dtype) packed into one 1-D array, and the activation as a function of
-  ``(gate, params)``; ``(activation, None)`` as given where it closes over none.
+                         gate_shape: tuple[int, ...], varying: frozenset = frozenset()):
+  """``(activation_with_params, params)``: the traced real values `activation`
+  closes over (those `jax.closure_convert` finds JAX may differentiate, float
+  ones) packed into one 1-D array of at least float32, and the activation as a
+  function of ``(gate, params)``; ``(None, None)`` where it closes over none.
 
   Why: the op runs under `jax.custom_vjp`, whose functions may not close over
   the tracers of an enclosing transformation (a `jax.grad` with respect to a
   parameter inside the activation failed with UnexpectedTracerError); as an
   argument the values are traced properly and get their cotangent. Concrete
-  arrays stay closed over (kernels may inline them).
+  arrays stay closed over (kernels may inline them), and so do values of other
+  dtypes (complex ones: the call works as before, without their gradient).
+
+  The activation is traced at the call's whole gate shape, varying over the
+  manual mesh axes `varying` (inside `shard_map`: those of x and the weights),
+  and replayed at that shape only, so the sharding plan keeps such calls whole.
   """
-  converted, consts = jax.closure_convert(activation,
-                                          jax.ShapeDtypeStruct(gate_shape, jnp.float32))
-  if not consts:
-    return activation, None
-  for c in consts:
-    if not jnp.issubdtype(c.dtype, jnp.floating):
-      raise TypeError(f"activation {activation!r} closes over a traced value of "
-                      f"dtype {jnp.dtype(c.dtype).name}; only real floating values "
-                      "can be differentiated through it")
-  dtype = jnp.result_type(*consts)
-  shapes = [(tuple(c.shape), c.dtype) for c in consts]
-  sizes = [math.prod(shape) for shape, _ in shapes]
-  params = jnp.concatenate([jnp.ravel(c).astype(dtype) for c in consts])
+  example = jax.ShapeDtypeStruct(gate_shape, jnp.float32)
+  if varying:
+    # `closure_convert` takes no ShapeDtypeStruct typed with manual axes; inside
+    # shard_map this is a traced broadcast, not memory.
+    example = vma.match_varying(jnp.zeros(gate_shape, jnp.float32), varying)
+  converted, consts = jax.closure_convert(activation, example)
+  real = [jnp.issubdtype(c.dtype, jnp.floating) for c in consts]
+  if not any(real):
+    return None, None
+  hoisted = [c for c, r in zip(consts, real) if r]
+  # Weak-typed values (a Python float under jit) keep float32: packing by the
+  # values' own promotion would round them to a bfloat16 neighbour.
+  dtype = functools.reduce(jnp.promote_types, [c.dtype for c in hoisted], jnp.float32)
+  layout = [(tuple(c.shape), c.dtype) for c in hoisted]
+  params = jnp.concatenate([jnp.ravel(c).astype(dtype) for c in hoisted])
 
   def with_params(gate, params):
-    parts, start = [], 0
-    for (shape, c_dtype), size in zip(shapes, sizes):
-      parts.append(params[start:start + size].reshape(shape).astype(c_dtype))
+    unpacked, start = [], 0
+    for shape, c_dtype in layout:
+      size = math.prod(shape)
+      unpacked.append(params[start:start + size].reshape(shape).astype(c_dtype))
       start += size
-    return converted(gate, *parts)
+    values = iter(unpacked)
+    return converted(gate, *(next(values) if r else c for c, r in zip(consts, real)))
 
-  # The traced jaxpr holds the call's whole gate shape: a shard of it cannot take
-  # it, so the sharding plan keeps such calls whole.
   return with_params, params
 
 
@@ -336,17 +354,18 @@ def gated_linear_unit(
   _checks.check_same_dtype(("x", "weights"), (x, weights))
   if grouped:
     group_sizes = _check_group_sizes(group_sizes, weights.shape[0], x.shape[0])
-  activation_params = None
+  with_params, activation_params = None, None
   if activation is not None:
     gate_shape = (math.prod(x.shape[:-1]), weights.shape[-1])
     _check_activation(activation, gate_shape)
-    activation, activation_params = hoist_traced_closure(activation, gate_shape)
+    with_params, activation_params = hoist_traced_closure(
+        activation, gate_shape, vma.varying_axes((x, weights)))
 
   # The row dims stay separate here: dispatch merges them into M (after
   # partitioning, so that a sharded non-leading row dim stays split).
   args = GatedLinearUnitArgs(
       x=x, weights=weights, activation=activation,
       precision=_checks.canonical_precision(precision), group_sizes=group_sizes,
-      activation_params=activation_params)
+      activation_params=activation_params, activation_with_params=with_params)
   return dispatch.call(DEFINITION, args, implementation, lead_dims=x.ndim - 1)
 

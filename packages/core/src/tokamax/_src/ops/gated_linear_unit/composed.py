@@ -29,6 +29,7 @@ import dataclasses
 import jax
 
 from tokamax._src.op import Op, VjpOp
+from tokamax._src.ops.gated_linear_unit.api import FEATURES
 from tokamax._src.ops.ragged_dot import api as ragged_dot_api
 
 
@@ -54,7 +55,7 @@ class ComposedGatedLinearUnit(Op):
 
   op_name = "gated_linear_unit"
   name = "composed"
-  supported_features = ("group_sizes", "activation_params")
+  supported_features = FEATURES
 
   def forward(self, args, config):
     projections = _projections(args)
@@ -73,7 +74,7 @@ class ComposedGatedLinearUnitVjp(VjpOp):
 
   op_name = "gated_linear_unit"
   name = "composed"
-  supported_features = ("group_sizes", "activation_params")
+  supported_features = FEATURES
   recomputes_without = frozenset({"projections"})
 
   def backward(self, args, residuals, out, dout, config):
@@ -83,7 +84,7 @@ class ComposedGatedLinearUnitVjp(VjpOp):
       projections = _projections(args)
     if args.group_sizes is None:
       return args.backward_from_projections(projections, dout)
-    dh, dparams = args.projection_gradients(projections, dout)
+    dh, dparams = args.epilogue_gradients(projections, dout)
     _, ragged_vjp = jax.vjp(
         lambda x, w: ragged_dot_api.ragged_dot(x, w, args.group_sizes,
                                                precision=args.precision),

@@ -10,11 +10,7 @@ import tokamax_xla_reference as xla_ref
 
 from tokamax._src.op import Op, VjpOp
 from tokamax._src.ops import _autodiff
-from tokamax._src.ops.gated_linear_unit.api import DIFF_FIELDS
-
-# The features the plain-JAX program takes as it is: the groups, and an
-# activation's traced params (autodiff gives their cotangent with the others').
-_FEATURES = ("group_sizes", "activation_params")
+from tokamax._src.ops.gated_linear_unit.api import DIFF_FIELDS, FEATURES
 
 
 def _glu(args):
@@ -40,7 +36,7 @@ def _grouped_glu(args):
 class XlaGatedLinearUnit(Op):
   op_name = "gated_linear_unit"
   name = "xla"
-  supported_features = _FEATURES
+  supported_features = FEATURES  # autodiff covers the params too
 
   def forward(self, args, config):
     return _glu(args), {}
@@ -55,7 +51,7 @@ class XlaGatedLinearUnitVjp(VjpOp):
 
   op_name = "gated_linear_unit"
   name = "xla"
-  supported_features = _FEATURES
+  supported_features = FEATURES  # autodiff covers the params too
 
   def backward(self, args, residuals, out, dout, config):
     return _autodiff.backward(_glu, args, DIFF_FIELDS, dout)
