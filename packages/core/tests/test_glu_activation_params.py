@@ -18,6 +18,7 @@ from tokamax import testing
 from tokamax._src.dispatch import candidates
 from tokamax._src.op import Op
 from tokamax._src.ops.gated_linear_unit import api as glu_api
+from tokamax._src.ops.gated_linear_unit import closure as glu_closure
 
 HIGHEST = jax.lax.Precision.HIGHEST
 K, N = 16, 12
@@ -122,18 +123,46 @@ def test_only_traced_floating_values_are_hoisted():
   it is. Hoisted values of several dtypes pack into one array of their common
   dtype."""
   shape = (4, N)
-  assert glu_api.hoist_traced_closure(jax.nn.silu, shape) == (None, None)
+  assert glu_closure.hoist_traced_closure(jax.nn.silu, shape) == (None, None)
   concrete = lambda g: g * jnp.float32(1.5)
-  assert glu_api.hoist_traced_closure(concrete, shape) == (None, None)
+  assert glu_closure.hoist_traced_closure(concrete, shape) == (None, None)
 
   def params(n, v, t):
-    return glu_api.hoist_traced_closure(lambda g: g * n * v[0] * t, shape)[1]
+    return glu_closure.hoist_traced_closure(lambda g: g * n * v[0] * t, shape)[1]
   packed = jax.eval_shape(params, 3, jnp.ones(5, jnp.bfloat16), jnp.float32(2))
   assert (packed.shape, packed.dtype) == ((6,), jnp.float32)
   # A weak-typed Python float packs at float32 next to a bfloat16 value (packing
   # at their promotion, bfloat16, rounded 1.001 to 1.0).
   packed = jax.jit(params)(3, jnp.ones(5, jnp.bfloat16), 1.001)
   assert packed.dtype == jnp.float32 and float(packed[-1]) == np.float32(1.001)
+
+
+def test_rows_independent_only_where_shown():
+  """The one-row trace serves other row counts (a shard's) only where a random
+  four-row check shows each row computing alone."""
+  shape = (6, N)
+  key = jax.random.key(0)
+
+  def hoisted(activation_of, *values):
+    return jax.jit(lambda *v: glu_closure.hoist_traced_closure(
+        activation_of(*v), shape)[0].rows_independent)(*values)
+  beta = jnp.linspace(0.5, 1.5, N)
+  assert hoisted(_swish, beta, jnp.float32(0.8))
+  mixes_rows = lambda s: (lambda g: s * (g - jnp.mean(g, axis=0)))
+  assert not hoisted(mixes_rows, jnp.float32(2))
+  # A mask drawn at the gate's shape: one row at a time would repeat one row's.
+  # (With a concrete key the numeric check decides; a traced key cannot be
+  # drawn at random, so no check is made.)
+  dropout = lambda s, k: (lambda g: s * g * jax.random.bernoulli(k, 0.5, g.shape))
+  assert not hoisted(lambda s: dropout(s, key), jnp.float32(2))
+  assert not hoisted(dropout, jnp.float32(2), key)
+
+  def rows_apart(beta):
+    with_params, params = glu_closure.hoist_traced_closure(_swish(beta, 1.0), shape)
+    gate = jnp.linspace(-3, 3, 3 * N, dtype=jnp.float32).reshape(3, N)
+    return with_params(gate, params), _swish(beta, 1.0)(gate)
+  got, want = jax.jit(rows_apart)(beta)
+  testing.assert_close(got, want, "float32", what="three rows of a six-row trace")
 
 
 def test_a_complex_closure_works_as_before():
@@ -165,7 +194,7 @@ def test_an_implementation_without_the_feature_refuses_with_the_reason():
 
   def check(beta):
     activation = _swish(beta, scale)
-    with_params, params = glu_api.hoist_traced_closure(activation, (4, N))
+    with_params, params = glu_closure.hoist_traced_closure(activation, (4, N))
     args = glu_api.GatedLinearUnitArgs(x=x, weights=w, activation=activation,
                                        activation_params=params,
                                        activation_with_params=with_params)

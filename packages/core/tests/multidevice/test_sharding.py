@@ -286,17 +286,29 @@ def test_gated_linear_unit_rows_and_tensor_parallel(shape, implementation):
 
 @pytest.mark.parametrize("implementation", [None, "xla"])
 def test_gated_linear_unit_with_a_learned_activation_parameter(implementation):
-  """An activation closing over a traced per-channel beta runs whole (it was
-  traced at the call's whole shape), and beta's gradient is the single-device
-  one, not a sum over replicas. (`_check`'s unsharded call closes over a
-  concrete beta instead: a function with constants, which `custom_partitioning`
-  refused with an AssertionError before it ran such calls unpartitioned.)"""
+  """An activation closing over a traced per-channel beta: its rows compute
+  apart, so the rows stay split (N whole: beta spans it); beta's gradient is
+  the single-device one, not a sum over replicas. (`_check`'s unsharded call
+  closes over a concrete beta instead: a function with constants, which
+  `custom_partitioning` refused with an AssertionError before such calls ran
+  unpartitioned.)"""
   mesh = _mesh((2, HALF))
   fn = lambda x, w, beta: tokamax.gated_linear_unit(
       x, w, activation=lambda g: g * jax.nn.sigmoid(beta * g),
       implementation=implementation)
+  args = (_rand(16, 32), _rand(32, 2, 16), _rand(16))
+  _check(mesh, fn, args, (P(("a", "b")), P(), P()), out_spec=P(("a", "b")))
+  _check(mesh, fn, args, (P("a"), P(None, None, "b"), P()), no_gather=False)
+
+
+def test_gated_linear_unit_with_a_parameter_and_rows_that_mix():
+  """An activation with a traced parameter that mixes rows (a column mean) runs
+  whole: each device computes every row, and the result is the one-device one."""
+  mesh = _mesh((2, HALF))
+  fn = lambda x, w, s: tokamax.gated_linear_unit(
+      x, w, activation=lambda g: s * (g - jnp.mean(g, axis=0)))
   _check(mesh, fn, (_rand(16, 32), _rand(32, 2, 16), _rand(16)),
-         (P("a"), P(None, None, "b"), P()), no_gather=False)
+         (P(("a", "b")), P(), P()), no_gather=False)
 
 
 def _learned_swish_glu(x, w, beta):

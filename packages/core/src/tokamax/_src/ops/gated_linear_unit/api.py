@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -16,6 +15,8 @@ from tokamax._src import quantization
 from tokamax._src import vma
 from tokamax._src.op import OpDefinition
 from tokamax._src.ops import _checks
+from tokamax._src.ops.gated_linear_unit.closure import (ActivationWithParams,
+                                                        hoist_traced_closure)
 from tokamax._src.ops.gated_linear_unit.sharding import gated_linear_unit_plan
 
 OP_NAME = "gated_linear_unit"
@@ -45,8 +46,8 @@ class GatedLinearUnitArgs:
     implementations that declare it see such calls.
   - activation_params: None, or a 1-D float array: the traced real values the
     user's activation closes over (a learned parameter, a value of an enclosing
-    `jax.jit` or `jax.grad`), hoisted out of it by `hoist_traced_closure` and
-    differentiated like x and the weights; ``activation_with_params(gate,
+    `jax.jit` or `jax.grad`), hoisted out of it by `closure.hoist_traced_closure`
+    and differentiated like x and the weights; ``activation_with_params(gate,
     activation_params)`` is then the activation. An opt-in feature
     ("activation_params"): a kernel that lowers the activation itself cannot
     take a value known only at run time, nor return its gradient.
@@ -65,8 +66,8 @@ class GatedLinearUnitArgs:
   precision: Any = dataclasses.field(default=None, metadata=dict(static=True))
   group_sizes: jax.Array | None = None
   activation_params: jax.Array | None = None
-  activation_with_params: Callable[[jax.Array, jax.Array], jax.Array] | None = (
-      dataclasses.field(default=None, metadata=dict(static=True)))
+  activation_with_params: ActivationWithParams | None = dataclasses.field(
+      default=None, metadata=dict(static=True))
 
   OPT_IN_MEANINGS: ClassVar[dict[str, str]] = {
       "activation_params": "an activation that closes over traced values, such as "
@@ -218,52 +219,6 @@ def _check_activation(activation: Any, gate_shape: tuple[int, ...]) -> None:
            if isinstance(out, jax.ShapeDtypeStruct) else f"{type(out).__name__}")
     raise ValueError(f"activation {activation!r} must map the float32 gate projection "
                      f"of shape {gate_shape} to a real array of the same shape; got {got}")
-
-
-def hoist_traced_closure(activation: Callable[[jax.Array], jax.Array],
-                         gate_shape: tuple[int, ...], varying: frozenset = frozenset()):
-  """``(activation_with_params, params)``: the traced real values `activation`
-  closes over (those `jax.closure_convert` finds JAX may differentiate, float
-  ones) packed into one 1-D array of at least float32, and the activation as a
-  function of ``(gate, params)``; ``(None, None)`` where it closes over none.
-
-  Why: the op runs under `jax.custom_vjp`, whose functions may not close over
-  the tracers of an enclosing transformation (a `jax.grad` with respect to a
-  parameter inside the activation failed with UnexpectedTracerError); as an
-  argument the values are traced properly and get their cotangent. Concrete
-  arrays stay closed over (kernels may inline them), and so do values of other
-  dtypes (complex ones: the call works as before, without their gradient).
-
-  The activation is traced at the call's whole gate shape, varying over the
-  manual mesh axes `varying` (inside `shard_map`: those of x and the weights),
-  and replayed at that shape only, so the sharding plan keeps such calls whole.
-  """
-  example = jax.ShapeDtypeStruct(gate_shape, jnp.float32)
-  if varying:
-    # `closure_convert` takes no ShapeDtypeStruct typed with manual axes; inside
-    # shard_map this is a traced broadcast, not memory.
-    example = vma.match_varying(jnp.zeros(gate_shape, jnp.float32), varying)
-  converted, consts = jax.closure_convert(activation, example)
-  real = [jnp.issubdtype(c.dtype, jnp.floating) for c in consts]
-  if not any(real):
-    return None, None
-  hoisted = [c for c, r in zip(consts, real) if r]
-  # Weak-typed values (a Python float under jit) keep float32: packing by the
-  # values' own promotion would round them to a bfloat16 neighbour.
-  dtype = functools.reduce(jnp.promote_types, [c.dtype for c in hoisted], jnp.float32)
-  layout = [(tuple(c.shape), c.dtype) for c in hoisted]
-  params = jnp.concatenate([jnp.ravel(c).astype(dtype) for c in hoisted])
-
-  def with_params(gate, params):
-    unpacked, start = [], 0
-    for shape, c_dtype in layout:
-      size = math.prod(shape)
-      unpacked.append(params[start:start + size].reshape(shape).astype(c_dtype))
-      start += size
-    values = iter(unpacked)
-    return converted(gate, *(next(values) if r else c for c, r in zip(consts, real)))
-
-  return with_params, params
 
 
 def _check_group_sizes(group_sizes: Any, num_groups: int, m: int) -> jax.Array:

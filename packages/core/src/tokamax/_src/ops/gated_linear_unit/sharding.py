@@ -23,23 +23,21 @@ def gated_linear_unit_plan(mesh, shapes, specs, supports) -> sharding.Plan:
                                  group_sizes=P(None), activation_params=params),
         out=P(None, None), residuals={"projections": P(None, None, None)})
   *rows, _ = shapes.x.shape
-  if params is not None:
-    # An activation with traced params was traced at the whole call's gate shape
-    # (`api.hoist_traced_closure`): it runs on whole arrays, replicated.
-    whole = (None,) * len(rows)
-    return sharding.Plan(
-        args=dataclasses.replace(shapes, x=P(*whole, None), weights=P(None, None, None),
-                                 activation_params=params),
-        out=P(*whole, None), residuals={"projections": P(*whole, None, None)})
   n = shapes.weights.shape[2]
   mx = sharding.fit_each(mesh, specs.x[:-1], rows)
+  if params is not None and not shapes.activation_with_params.rows_independent:
+    # Traced at the call's whole gate shape, and not shown to compute row by row
+    # (`closure.hoist_traced_closure`): it runs whole, replicated.
+    mx = tuple(() for _ in rows)
   nx = sharding.fit(mesh, specs.weights[2], n, sharding.joined(mx))
-  if nx and not _elementwise(shapes.activation):
-    nx = ()  # an activation that mixes a row's N columns needs whole rows
+  if nx and (params is not None or not _elementwise(shapes.activation)):
+    # An activation that mixes a row's N columns needs whole rows, and so does
+    # one with traced params (traced at whole rows).
+    nx = ()
   M = tuple(sharding.entry(axes) for axes in mx)
   N = sharding.entry(nx)
   arg_specs = dataclasses.replace(shapes, x=P(*M, None), weights=P(None, None, N),
-                                  activation_params=None)
+                                  activation_params=params)
   return sharding.Plan(args=arg_specs, out=P(*M, N), residuals={"projections": P(*M, None, N)})
 
 

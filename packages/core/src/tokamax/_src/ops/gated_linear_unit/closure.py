@@ -1,0 +1,147 @@
+"""A GLU activation that closes over traced values (a learned parameter inside
+it, a value of an enclosing `jax.jit`): those values as an argument.
+
+The op runs under `jax.custom_vjp`, whose functions may not close over the
+tracers of an enclosing transformation (a `jax.grad` with respect to a parameter
+inside the activation failed with UnexpectedTracerError). `hoist_traced_closure`
+takes them out of the activation with `jax.closure_convert`, so that they reach
+the op as an operand (`GatedLinearUnitArgs.activation_params`), are traced
+properly and get their cotangent.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tokamax._src import vma
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ActivationWithParams:
+  """The user's activation as ``self(gate, params)``, ``params`` the packed 1-D
+  array of the traced real values it closes over.
+
+  Replayed from its trace at the call's gate shape (`whole`). Where its rows
+  were shown independent (`row` is not None: each row of the gate computes what
+  one row alone does), a gate of another row count, a shard of the call's rows,
+  runs the one-row trace over its rows; otherwise only the whole shape runs, and
+  the sharding plan keeps such calls whole.
+  """
+
+  whole: Callable[..., jax.Array]  # traced at gate_shape
+  row: Callable[..., jax.Array] | None  # traced at one row, or None
+  gate_shape: tuple[int, ...]
+  consts: tuple[Any, ...]  # every value it closes over, in `whole`'s order
+  hoisted: tuple[bool, ...]  # which of them travel in params
+  layout: tuple[tuple[tuple[int, ...], Any], ...]  # (shape, dtype) of each hoisted
+
+  @property
+  def rows_independent(self) -> bool:
+    return self.row is not None
+
+  def __call__(self, gate: jax.Array, params: jax.Array) -> jax.Array:
+    values = self._values(params)
+    if tuple(gate.shape) == self.gate_shape:
+      return self.whole(gate, *values)
+    if self.row is None:
+      raise ValueError(f"this activation runs on gates of shape {self.gate_shape} "
+                       f"only (its rows were not shown independent); got {gate.shape}")
+    return jax.vmap(lambda r: self.row(r[None], *values)[0])(gate)
+
+  def _values(self, params: jax.Array) -> list:
+    """The closed-over values, the hoisted ones from `params`."""
+    unpacked, start = [], 0
+    for shape, dtype in self.layout:
+      size = math.prod(shape)
+      unpacked.append(params[start:start + size].reshape(shape).astype(dtype))
+      start += size
+    from_params = iter(unpacked)
+    return [next(from_params) if h else c for c, h in zip(self.consts, self.hoisted)]
+
+
+def hoist_traced_closure(activation: Callable[[jax.Array], jax.Array],
+                         gate_shape: tuple[int, ...], varying: frozenset = frozenset()
+                         ) -> tuple[ActivationWithParams | None, jax.Array | None]:
+  """``(activation_with_params, params)``: the traced real values `activation`
+  closes over (those `jax.closure_convert` finds JAX may differentiate, float
+  ones) packed into one 1-D array of at least float32; ``(None, None)`` where it
+  closes over none. Concrete arrays stay closed over (kernels may inline them),
+  and so do traced values of other dtypes (complex ones: the call works as
+  before, without their gradient).
+
+  `varying`: the manual mesh axes the gate varies over (inside `shard_map`:
+  those of x and the weights), which the traced gate must carry.
+  """
+  example = jax.ShapeDtypeStruct(gate_shape, jnp.float32)
+  if varying:
+    # `closure_convert` takes no ShapeDtypeStruct typed with manual axes; inside
+    # shard_map this is a traced broadcast, not memory.
+    example = vma.match_varying(jnp.zeros(gate_shape, jnp.float32), varying)
+  whole, consts = jax.closure_convert(activation, example)
+  hoisted = tuple(jnp.issubdtype(c.dtype, jnp.floating) for c in consts)
+  if not any(hoisted):
+    return None, None
+  values = [c for c, h in zip(consts, hoisted) if h]
+  # Weak-typed values (a Python float under jit) keep float32: packing by the
+  # values' own promotion would round them to a bfloat16 neighbour.
+  dtype = functools.reduce(jnp.promote_types, [c.dtype for c in values], jnp.float32)
+  params = jnp.concatenate([jnp.ravel(c).astype(dtype) for c in values])
+  # Inside shard_map nothing splits the call further: the one-row trace is of no use.
+  row = None if varying else _row_if_independent(activation, consts, gate_shape[-1])
+  return ActivationWithParams(
+      whole=whole, row=row, gate_shape=tuple(gate_shape), consts=tuple(consts),
+      hoisted=hoisted, layout=tuple((tuple(c.shape), c.dtype) for c in values)), params
+
+
+def _row_if_independent(activation, consts, n: int):
+  """The activation traced at one row ``[1, N]`` if each row of a gate computes
+  what that row alone does, else None.
+
+  Shown numerically, as kernels check elementwise activations
+  (`tokamax._src.activation`): on a random ``[4, N]`` gate with random values
+  for the traced ones it closes over, the four-row trace must equal the one-row
+  trace run over the rows. A function of the gate's shape (a dropout mask drawn
+  at ``g.shape``) fails it, and a trace that closes over other values than the
+  whole call's (or a traced value that cannot be drawn at random: an integer, a
+  key) gives None without a check.
+  """
+  traces = [jax.closure_convert(activation, jax.ShapeDtypeStruct((rows, n), jnp.float32))
+            for rows in (1, 4)]
+  for _, found in traces:
+    if len(found) != len(consts) or any(a is not b for a, b in zip(found, consts)):
+      return None
+  (row, _), (four_rows, _) = traces
+  with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+    same = pool.submit(_same_by_rows, row, four_rows, consts, n).result()
+  return row if same else None
+
+
+def _same_by_rows(row, four_rows, consts, n: int) -> bool:
+  """Runs on concrete arrays in a thread of its own (the caller may be inside a
+  trace or a mesh context, which a concrete evaluation may not see)."""
+  rng = np.random.default_rng(0)
+  values = []
+  for c in consts:
+    if isinstance(c, jax.core.Tracer):
+      if not jnp.issubdtype(c.dtype, jnp.floating):
+        return False
+      c = rng.normal(size=c.shape).astype(c.dtype)
+    values.append(c)
+  try:
+    with jax.ensure_compile_time_eval():
+      gate = jnp.asarray(rng.normal(size=(4, n)), jnp.float32)
+      together = np.asarray(four_rows(gate, *values), np.float32)
+      apart = np.asarray(jax.vmap(lambda r: row(r[None], *values)[0])(gate), np.float32)
+  except Exception:  # a value this check cannot stand in for: assume dependence
+    return False
+  return together.shape == apart.shape and np.allclose(
+      together, apart, rtol=1e-5, atol=1e-6, equal_nan=True)
