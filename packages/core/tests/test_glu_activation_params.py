@@ -150,6 +150,8 @@ def test_rows_independent_only_where_shown():
   assert hoisted(_swish, beta, jnp.float32(0.8))
   mixes_rows = lambda s: (lambda g: s * (g - jnp.mean(g, axis=0)))
   assert not hoisted(mixes_rows, jnp.float32(2))
+  # A traced value per element: no trace at another row count takes it.
+  assert not hoisted(lambda m: (lambda g: g * m), jnp.ones(shape))
   # A mask drawn at the gate's shape: one row at a time would repeat one row's.
   # (With a concrete key the numeric check decides; a traced key cannot be
   # drawn at random, so no check is made.)

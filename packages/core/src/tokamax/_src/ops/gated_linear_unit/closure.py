@@ -114,8 +114,11 @@ def _row_if_independent(activation, consts, n: int):
   whole call's (or a traced value that cannot be drawn at random: an integer, a
   key) gives None without a check.
   """
-  traces = [jax.closure_convert(activation, jax.ShapeDtypeStruct((rows, n), jnp.float32))
-            for rows in (1, 4)]
+  try:
+    traces = [jax.closure_convert(activation, jax.ShapeDtypeStruct((rows, n), jnp.float32))
+              for rows in (1, 4)]
+  except Exception:  # e.g. a closed-over [M, N] array, which no other row count takes
+    return None
   for _, found in traces:
     if len(found) != len(consts) or any(a is not b for a, b in zip(found, consts)):
       return None
