@@ -145,11 +145,15 @@ def test_rows_independent_only_where_shown():
 
   def hoisted(activation_of, *values):
     return jax.jit(lambda *v: glu_closure.hoist_traced_closure(
-        activation_of(*v), shape)[0].rows_independent)(*values)
+        activation_of(*v), shape, rows_may_split=True)[0].rows_independent)(*values)
   beta = jnp.linspace(0.5, 1.5, N)
   assert hoisted(_swish, beta, jnp.float32(0.8))
   mixes_rows = lambda s: (lambda g: s * (g - jnp.mean(g, axis=0)))
   assert not hoisted(mixes_rows, jnp.float32(2))
+  # Rows that mix behind values a normal draw would make NaN (rsqrt of a
+  # negative variance): NaN outputs prove nothing, and positive draws show it.
+  normalized = lambda gamma, var: (lambda g: (g - g.mean(0)) * gamma * jax.lax.rsqrt(var))
+  assert not hoisted(normalized, jnp.float32(1.2), jnp.float32(0.7))
   # A traced value per element: no trace at another row count takes it.
   assert not hoisted(lambda m: (lambda g: g * m), jnp.ones(shape))
   # A mask drawn at the gate's shape: one row at a time would repeat one row's.
@@ -160,7 +164,8 @@ def test_rows_independent_only_where_shown():
   assert not hoisted(dropout, jnp.float32(2), key)
 
   def rows_apart(beta):
-    with_params, params = glu_closure.hoist_traced_closure(_swish(beta, 1.0), shape)
+    with_params, params = glu_closure.hoist_traced_closure(_swish(beta, 1.0), shape,
+                                                           rows_may_split=True)
     gate = jnp.linspace(-3, 3, 3 * N, dtype=jnp.float32).reshape(3, N)
     return with_params(gate, params), _swish(beta, 1.0)(gate)
   got, want = jax.jit(rows_apart)(beta)
@@ -197,9 +202,8 @@ def test_an_implementation_without_the_feature_refuses_with_the_reason():
   def check(beta):
     activation = _swish(beta, scale)
     with_params, params = glu_closure.hoist_traced_closure(activation, (4, N))
-    args = glu_api.GatedLinearUnitArgs(x=x, weights=w, activation=activation,
-                                       activation_params=params,
-                                       activation_with_params=with_params)
+    args = glu_api.GatedLinearUnitArgs(x=x, weights=w, activation=with_params,
+                                       activation_params=params)
     candidates.check_opt_in(LowersTheActivation(), args)
     return params
   with pytest.raises(NotImplementedError,

@@ -356,6 +356,19 @@ def test_explicit_axes_mesh_grouped_gated_linear_unit_gradients():
     _check(mesh, fn, (_rand(16, 32), _rand(3, 32, 2, 16)), (P("a"), P()), no_gather=False)
 
 
+def test_cotangents_of_absent_operands_stay_none_under_an_explicit_mesh():
+  """`_like` (each cotangent in its primal's sharding) passes an absent
+  operand's None through."""
+  from tokamax._src import sharding as sharding_lib
+  mesh = _mesh((2, HALF), explicit=True)
+  with jax.set_mesh(mesh):
+    x = jax.device_put(_rand(16, 32), NamedSharding(mesh, P("a")))
+    assert sharding_lib._like(None, None) is None
+    assert sharding_lib._like(None, x) is None
+    g = sharding_lib._like(jnp.ones((16, 32)), x)
+    assert _strip(jax.typeof(g).sharding.spec, mesh) == _strip(P("a"), mesh)
+
+
 def test_gated_linear_unit_closing_over_a_concrete_array():
   mesh = _mesh((2, HALF))
   scale = np.linspace(0.5, 1.5, 16, dtype=np.float32)

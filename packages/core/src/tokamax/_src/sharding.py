@@ -158,6 +158,11 @@ class Plan:
     backward: optional ``(mesh, local_args, residuals, out, dout, run) -> grads``
       replacing ``run(...)``; grads are psum'd afterwards over the plan's axes
       each operand is not split over.
+    whole: the call runs unsplit on the operands brought whole, and under a
+      mesh with explicit axes outside `shard_map` too: for a computation traced
+      in the mesh's own context (a GLU activation with traced params), which
+      shard_map's manual context would refuse. Every spec must then be
+      replicated.
   """
 
   args: Any
@@ -166,6 +171,7 @@ class Plan:
   localize: Callable | None = None
   forward: Callable | None = None
   backward: Callable | None = None
+  whole: bool = False
 
   def axes(self) -> set[str]:
     used = set()
@@ -310,7 +316,8 @@ def _manual_context() -> bool:
   return bool(getattr(mesh, "manual_axes", ()))
 
 
-def _explicit_mesh(leaves):
+def explicit_mesh(leaves):
+  """The mesh with explicit axes that some of `leaves` is typed with, or None."""
   for x in leaves:
     sharding = getattr(jax.typeof(x), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
@@ -436,19 +443,20 @@ def _typed(tree):
 def _partitioned(call: _Call, operands):
   leaves, treedef = jax.tree.flatten(operands)
   call._operands_shape = _plain(operands)
-  mesh = _explicit_mesh(leaves)
+  traced, out_shape = jax.make_jaxpr(call.fn, return_shape=True)(*_plain(operands))
+  if traced.consts:
+    # Neither `custom_partitioning` nor, for arrays typed with explicit axes,
+    # `shard_map` takes a function that closes over arrays (a GLU activation
+    # closing over a concrete array): such a call runs unpartitioned, placed by
+    # XLA's sharding propagation.
+    return call.fn(*operands)
+  mesh = explicit_mesh(leaves)
   if mesh is not None:
     return _shard_mapped(call, mesh, operands)
 
   def flat_fn(*ls):
     return tuple(jax.tree.leaves(call.fn(*jax.tree.unflatten(treedef, ls))))
 
-  traced, out_shape = jax.make_jaxpr(call.fn, return_shape=True)(*_plain(operands))
-  if traced.consts:
-    # `custom_partitioning` takes no function that closes over arrays (a GLU
-    # activation closing over a concrete array): such a call runs unpartitioned,
-    # placed by XLA's sharding propagation.
-    return call.fn(*operands)
   out_treedef = jax.tree.structure(out_shape)
 
   def decide(mesh, arg_shapes):
@@ -487,20 +495,19 @@ def _partitioned(call: _Call, operands):
 
 def _shard_mapped(call: _Call, mesh, operands):
   """Explicit-axes mesh: the plan from the typed shardings, then shard_map (or,
-  for a plan that splits nothing, the whole call on the operands brought whole:
-  a function traced in this mesh's context, such as a GLU activation with
-  params, cannot run in shard_map's manual one)."""
+  for a plan that asks to run whole, the call on the operands brought whole: a
+  function traced in this mesh's context cannot run in shard_map's manual one)."""
   args = operands[0]
   plan = call.plan(mesh, _typed(operands)[0])
   out_shape = jax.eval_shape(call.fn, *_plain(operands))
   in_specs, out_specs = call.specs(plan, out_shape)
   operands = jax.tree.map(lambda x, s: jax.sharding.reshard(x, NamedSharding(mesh, s)),
                           operands, in_specs)
-  if plan.axes():
+  if plan.whole:
+    results = call.fn(*operands)
+  else:
     results = jax.shard_map(call.local(plan, mesh), mesh=mesh, in_specs=in_specs,
                             out_specs=out_specs, check_vma=False)(*operands)
-  else:
-    results = call.fn(*operands)
   if not call.backward:
     return results
   # Each cotangent in its primal's sharding, which `custom_vjp` requires of its
@@ -510,8 +517,10 @@ def _shard_mapped(call: _Call, mesh, operands):
 
 def _like(g, primal):
   """Cotangent `g` in `primal`'s typed sharding, where it has one."""
+  if g is None or primal is None:
+    return g
   sharding = jax.typeof(primal).sharding
-  if g is None or not getattr(sharding.mesh, "axis_names", ()):
+  if not getattr(sharding.mesh, "axis_names", ()):
     return g
   return jax.sharding.reshard(g, sharding)
 
@@ -528,7 +537,7 @@ def wanted_features(definition: OpDefinition, args: Any) -> frozenset[str]:
   leaves = jax.tree.leaves(args)
   if not active(leaves):
     return frozenset()
-  mesh = _explicit_mesh(leaves)
+  mesh = explicit_mesh(leaves)
   if mesh is None:
     return frozenset()
   asked = set()

@@ -12,11 +12,11 @@ import jax.numpy as jnp
 
 from tokamax._src import dispatch
 from tokamax._src import quantization
+from tokamax._src import sharding
 from tokamax._src import vma
 from tokamax._src.op import OpDefinition
 from tokamax._src.ops import _checks
-from tokamax._src.ops.gated_linear_unit.closure import (ActivationWithParams,
-                                                        hoist_traced_closure)
+from tokamax._src.ops.gated_linear_unit.closure import hoist_traced_closure
 from tokamax._src.ops.gated_linear_unit.sharding import gated_linear_unit_plan
 
 OP_NAME = "gated_linear_unit"
@@ -34,9 +34,11 @@ class GatedLinearUnitArgs:
     (``weights[:, :, 0]``) is the gate projection, ``weights[:, 1]`` the up
     projection. Same dtype as x.
   - activation: None (identity, bilinear GLU) or a JAX callable applied
-    elementwise to the gate projection, in float32: the user's. With
-    activation_params it closes over values of an enclosing trace and must not
-    be called; `activation_fn` gives the callable to apply either way.
+    elementwise to the gate projection, in float32. With activation_params, the
+    user's activation without the traced values it closed over (which this
+    static field must not hold): a `closure.ActivationWithParams`, called as
+    ``activation(gate, activation_params)``. `activation_fn` gives the callable
+    of the gate alone in either case.
   - precision: for the matmuls.
   - group_sizes: None, or int32 ``[G]`` (grouped, as an MoE layer's experts):
     weights is then ``[G, K, 2, N]`` and x's rows are grouped consecutively as
@@ -47,8 +49,7 @@ class GatedLinearUnitArgs:
   - activation_params: None, or a 1-D float array: the traced real values the
     user's activation closes over (a learned parameter, a value of an enclosing
     `jax.jit` or `jax.grad`), hoisted out of it by `closure.hoist_traced_closure`
-    and differentiated like x and the weights; ``activation_with_params(gate,
-    activation_params)`` is then the activation. An opt-in feature
+    and differentiated like x and the weights. An opt-in feature
     ("activation_params"): a kernel that lowers the activation itself cannot
     take a value known only at run time, nor return its gradient.
 
@@ -66,8 +67,6 @@ class GatedLinearUnitArgs:
   precision: Any = dataclasses.field(default=None, metadata=dict(static=True))
   group_sizes: jax.Array | None = None
   activation_params: jax.Array | None = None
-  activation_with_params: ActivationWithParams | None = dataclasses.field(
-      default=None, metadata=dict(static=True))
 
   OPT_IN_MEANINGS: ClassVar[dict[str, str]] = {
       "activation_params": "an activation that closes over traced values, such as "
@@ -83,7 +82,7 @@ class GatedLinearUnitArgs:
     """The activation as a callable of the gate alone (its params bound), or None."""
     if self.activation_params is None:
       return self.activation
-    return lambda gate: self.activation_with_params(gate, self.activation_params)
+    return lambda gate: self.activation(gate, self.activation_params)
 
   def _check_dense(self, method: str) -> None:
     if self.group_sizes is not None:
@@ -155,7 +154,7 @@ class GatedLinearUnitArgs:
     def epilogue(h, params):  # [M, 2N] (gate | up) -> [M, N], in float32
       gate, up = h[:, :n], h[:, n:]
       if params is not None:
-        return self.activation_with_params(gate, params) * up
+        return self.activation(gate, params) * up
       return (gate if self.activation is None else self.activation(gate)) * up
     _, epilogue_vjp = jax.vjp(epilogue, projections.reshape(m, 2 * n).astype(jnp.float32),
                               self.activation_params)
@@ -313,14 +312,17 @@ def gated_linear_unit(
   if activation is not None:
     gate_shape = (math.prod(x.shape[:-1]), weights.shape[-1])
     _check_activation(activation, gate_shape)
+    leaves = (x, weights)
     with_params, activation_params = hoist_traced_closure(
-        activation, gate_shape, vma.varying_axes((x, weights)))
+        activation, gate_shape, vma.varying_axes(leaves),
+        rows_may_split=(sharding.active(leaves) and sharding.explicit_mesh(leaves) is None))
+    activation = with_params or activation
 
   # The row dims stay separate here: dispatch merges them into M (after
   # partitioning, so that a sharded non-leading row dim stays split).
   args = GatedLinearUnitArgs(
       x=x, weights=weights, activation=activation,
       precision=_checks.canonical_precision(precision), group_sizes=group_sizes,
-      activation_params=activation_params, activation_with_params=with_params)
+      activation_params=activation_params)
   return dispatch.call(DEFINITION, args, implementation, lead_dims=x.ndim - 1)
 

@@ -21,11 +21,13 @@ def gated_linear_unit_plan(mesh, shapes, specs, supports) -> sharding.Plan:
     return sharding.Plan(
         args=dataclasses.replace(shapes, x=P(None, None), weights=P(None, None, None, None),
                                  group_sizes=P(None), activation_params=params),
-        out=P(None, None), residuals={"projections": P(None, None, None)})
+        out=P(None, None), residuals={"projections": P(None, None, None)},
+        whole=params is not None)
   *rows, _ = shapes.x.shape
   n = shapes.weights.shape[2]
   mx = sharding.fit_each(mesh, specs.x[:-1], rows)
-  if params is not None and not shapes.activation_with_params.rows_independent:
+  whole = params is not None and not shapes.activation.rows_independent
+  if whole:
     # Traced at the call's whole gate shape, and not shown to compute row by row
     # (`closure.hoist_traced_closure`): it runs whole, replicated.
     mx = tuple(() for _ in rows)
@@ -38,7 +40,8 @@ def gated_linear_unit_plan(mesh, shapes, specs, supports) -> sharding.Plan:
   N = sharding.entry(nx)
   arg_specs = dataclasses.replace(shapes, x=P(*M, None), weights=P(None, None, N),
                                   activation_params=params)
-  return sharding.Plan(args=arg_specs, out=P(*M, N), residuals={"projections": P(*M, None, N)})
+  return sharding.Plan(args=arg_specs, out=P(*M, N), residuals={"projections": P(*M, None, N)},
+                       whole=whole)
 
 
 def _elementwise(activation) -> bool:
