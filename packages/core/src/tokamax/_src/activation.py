@@ -29,8 +29,23 @@ def check_elementwise_activation(activation: Callable[[jax.Array], jax.Array] | 
   """
   if activation is None:
     return
+  run_concretely(_check_concretely, activation)
+
+
+def run_concretely(fn: Callable, *args):
+  """``fn(*args)`` in a thread of its own, for checks that evaluate a traced
+  function on concrete arrays at trace time: the caller may be inside a trace, a
+  `shard_map` body or a mesh context (`jax.set_mesh`), none of which a concrete
+  evaluation may see (JAX's contexts are per thread)."""
   with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-    pool.submit(_check_concretely, activation).result()
+    return pool.submit(fn, *args).result()
+
+
+def same_values(a, b, equal_nan: bool = False) -> bool:
+  """Whether two evaluations of one float32 function agree, up to the
+  reassociation that batching (`jax.vmap`) may bring."""
+  return a.shape == b.shape and bool(np.allclose(a, b, rtol=1e-5, atol=1e-6,
+                                                 equal_nan=equal_nan))
 
 
 def _check_concretely(activation) -> None:
@@ -51,7 +66,7 @@ def _check_concretely(activation) -> None:
                               f"{shape} -> {getattr(whole, 'shape', None)})")
   whole = np.asarray(whole, np.float32)
   each = np.asarray(each, np.float32).reshape(shape)
-  if not np.allclose(whole, each, rtol=1e-5, atol=1e-6, equal_nan=True):
+  if not same_values(whole, each, equal_nan=True):
     raise NotImplementedError(f"activation {activation!r} is not elementwise: its "
                               "value at an element depends on other elements")
 

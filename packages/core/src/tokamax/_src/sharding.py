@@ -452,7 +452,7 @@ def _partitioned(call: _Call, operands):
     return call.fn(*operands)
   mesh = explicit_mesh(leaves)
   if mesh is not None:
-    return _shard_mapped(call, mesh, operands)
+    return _shard_mapped(call, mesh, operands, out_shape)
 
   def flat_fn(*ls):
     return tuple(jax.tree.leaves(call.fn(*jax.tree.unflatten(treedef, ls))))
@@ -493,13 +493,13 @@ def _partitioned(call: _Call, operands):
   return jax.tree.unflatten(out_treedef, list(run(*leaves)))
 
 
-def _shard_mapped(call: _Call, mesh, operands):
+def _shard_mapped(call: _Call, mesh, operands, out_shape):
   """Explicit-axes mesh: the plan from the typed shardings, then shard_map (or,
   for a plan that asks to run whole, the call on the operands brought whole: a
-  function traced in this mesh's context cannot run in shard_map's manual one)."""
+  function traced in this mesh's context cannot run in shard_map's manual one).
+  `out_shape`: `call.fn`'s on the operands' shapes."""
   args = operands[0]
   plan = call.plan(mesh, _typed(operands)[0])
-  out_shape = jax.eval_shape(call.fn, *_plain(operands))
   in_specs, out_specs = call.specs(plan, out_shape)
   operands = jax.tree.map(lambda x, s: jax.sharding.reshard(x, NamedSharding(mesh, s)),
                           operands, in_specs)

@@ -11,7 +11,6 @@ properly and get their cotangent.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -22,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tokamax._src import activation as activation_lib
 from tokamax._src import vma
 
 
@@ -123,7 +123,7 @@ def _row_if_independent(activation, consts, n: int):
   what that row alone does, else None.
 
   Shown numerically, as kernels check elementwise activations
-  (`tokamax._src.activation`): on a random ``[4, N]`` gate with random values
+  (`activation_lib.check_elementwise_activation`): on a random ``[4, N]`` gate with random values
   in [0.5, 1.5] for the traced ones it closes over, the four-row trace must
   equal the one-row trace run over the rows, every value finite. A function of
   the gate's shape (a dropout mask drawn at ``g.shape``) fails it, and a trace
@@ -142,14 +142,13 @@ def _row_if_independent(activation, consts, n: int):
     if len(found) != len(consts) or any(a is not b for a, b in zip(found, consts)):
       return None
   (row, _), (four_rows, _) = traces
-  with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-    same = pool.submit(_same_by_rows, row, four_rows, consts, n).result()
+  same = activation_lib.run_concretely(_same_by_rows, row, four_rows, consts, n)
   return row if same else None
 
 
 def _same_by_rows(row, four_rows, consts, n: int) -> bool:
-  """Runs on concrete arrays in a thread of its own (the caller may be inside a
-  trace or a mesh context, which a concrete evaluation may not see)."""
+  """The four-row trace against the one-row trace over the rows, on concrete
+  arrays (`activation_lib.run_concretely`)."""
   rng = np.random.default_rng(0)
   values = []
   for c in consts:
@@ -166,5 +165,4 @@ def _same_by_rows(row, four_rows, consts, n: int) -> bool:
   except Exception:  # a value this check cannot stand in for: assume dependence
     return False
   # Non-finite values prove nothing (NaN equals NaN nowhere here).
-  return (together.shape == apart.shape and bool(np.isfinite(together).all())
-          and np.allclose(together, apart, rtol=1e-5, atol=1e-6))
+  return bool(np.isfinite(together).all()) and activation_lib.same_values(together, apart)
