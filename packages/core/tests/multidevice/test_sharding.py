@@ -779,3 +779,24 @@ def test_glu_with_a_row_wise_activation_keeps_rows_whole_across_n_shards():
          lambda x, w: tokamax.gated_linear_unit(x, w, activation=centering),
          [_rand(8, 16), _rand(16, 2, 32)], [P("a"), P(None, None, "b")],
          no_gather=False)
+
+
+@pytest.mark.parametrize("implementation", [None, "xla"])
+def test_glu_with_an_activation_that_mixes_rows_keeps_rows_whole(implementation):
+  # Centering over the rows (a column mean) mixes rows: splitting x's rows would
+  # center each shard's rows alone (a silently wrong result). No traced params
+  # here, so this is the activation itself, checked when the plan splits rows.
+  centering = lambda g: g - jnp.mean(g, axis=0, keepdims=True)
+  _check(_mesh((2, HALF)),
+         lambda x, w: tokamax.gated_linear_unit(x, w, activation=centering,
+                                                implementation=implementation),
+         [_rand(16, 32), _rand(32, 2, 16)], [P(("a", "b")), P()], no_gather=False)
+
+
+def test_glu_with_a_row_wise_activation_keeps_its_rows_split():
+  # Centering over N is not elementwise, but each row computes alone: the rows
+  # stay split (data parallelism), N whole.
+  centering = lambda g: g - jnp.mean(g, axis=-1, keepdims=True)
+  _check(_mesh((2, HALF)),
+         lambda x, w: tokamax.gated_linear_unit(x, w, activation=centering),
+         [_rand(16, 32), _rand(32, 2, 16)], [P(("a", "b")), P()], out_spec=P(("a", "b")))

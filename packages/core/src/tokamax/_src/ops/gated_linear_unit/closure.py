@@ -130,8 +130,8 @@ def _row_if_independent(activation, consts, n: int):
   that closes over other values than the whole call's (or a traced value that
   cannot be drawn at random: an integer, a key) gives None without a check. A
   dependence the random values do not show (a branch on a large outlier) is not
-  caught: the activation is documented elementwise, which a row split assumes
-  of every activation.
+  caught, as in `activation.rows_independent`, the same check for activations
+  without traced params.
   """
   try:
     traces = [jax.closure_convert(activation, jax.ShapeDtypeStruct((rows, n), jnp.float32))

@@ -12,7 +12,12 @@ from tokamax._src import activation as activation_lib
 
 def gated_linear_unit_plan(mesh, shapes, specs, supports) -> sharding.Plan:
   """GLU: each row dim of x split; weights split on N (tensor parallel: the
-  output is split on N). The contraction dim K is never split (replicated)."""
+  output is split on N). The contraction dim K is never split (replicated).
+
+  The activation decides what may split: rows where each row computes alone
+  (elementwise, or shown by `activation.rows_independent`; with traced params,
+  by `closure.hoist_traced_closure`'s one-row trace), N where it is elementwise.
+  Otherwise those dims stay whole: a split would silently change the result."""
   del supports
   params = None if shapes.activation_params is None else P(None)
   if shapes.group_sizes is not None:
@@ -26,13 +31,20 @@ def gated_linear_unit_plan(mesh, shapes, specs, supports) -> sharding.Plan:
   *rows, _ = shapes.x.shape
   n = shapes.weights.shape[2]
   mx = sharding.fit_each(mesh, specs.x[:-1], rows)
+  # (With traced params the activation takes them too: no plain elementwise map.)
+  elementwise = params is None and _elementwise(shapes.activation)
   whole = params is not None and not shapes.activation.rows_independent
   if whole:
     # Traced at the call's whole gate shape, and not shown to compute row by row
     # (`closure.hoist_traced_closure`): it runs whole, replicated.
     mx = tuple(() for _ in rows)
+  elif (params is None and any(mx) and not elementwise
+        and not activation_lib.rows_independent(shapes.activation, n)):
+    # An activation that mixes rows (a column mean) sees all of them: a shard of
+    # the rows would get another result (replicated rows instead).
+    mx = tuple(() for _ in rows)
   nx = sharding.fit(mesh, specs.weights[2], n, sharding.joined(mx))
-  if nx and (params is not None or not _elementwise(shapes.activation)):
+  if nx and not elementwise:
     # An activation that mixes a row's N columns needs whole rows, and so does
     # one with traced params (traced at whole rows).
     nx = ()
