@@ -579,6 +579,43 @@ def test_activation_check_works_inside_shard_map_under_an_explicit_mesh():
   assert seen
 
 
+def test_every_op_under_vmap_on_an_explicit_axes_mesh():
+  # Under jax.vmap the call was not partitioned, so with explicit axes an
+  # implementation got operands typed as split and failed (the GLU's fused
+  # weight reshape of [K, 2, N@b]). shard_map has a batching rule: it runs there.
+  mesh = _mesh((2, HALF), explicit=True)
+  q, k = _rand(3, 2, 8, 4, 8), _rand(2, 8, 4, 8)
+  x, w = _rand(3, 16, 32), _rand(32, 2, 16)
+  lhs, rhs = _rand(3, 16, 16), _rand(4, 16, 8)
+  sizes = jnp.asarray([5, 0, 7, 4], jnp.int32)
+  cases = [  # (fn of the vmapped operand and the shared one, their specs)
+      (lambda x, w: tokamax.gated_linear_unit(x, w, activation=jax.nn.silu), x, w,
+       P(None, "a"), P(None, None, "b")),
+      (lambda x, s: tokamax.rms_norm(x, s), x, _rand(32), P(None, "a"), P()),
+      (lambda q, k: tokamax.dot_product_attention(q, k, k, is_causal=True), q, k,
+       P(None, "a", None, "b"), P("a", None, "b")),
+      (lambda a, b: tokamax.ragged_dot(a, b, sizes), lhs, rhs, P(), P(None, None, "b")),
+  ]
+  for fn, batched, shared, batched_spec, shared_spec in cases:
+    loss = lambda a, b: jnp.sum(jnp.sin(fn(a, b).astype(jnp.float32)))
+    run = jax.jit(jax.vmap(jax.value_and_grad(loss, (0, 1)), in_axes=(0, None)))
+    with tokamax.spmd_partitioning(False):
+      want = run(batched, shared)
+    with jax.set_mesh(mesh):
+      got = run(jax.device_put(batched, NamedSharding(mesh, batched_spec)),
+                jax.device_put(shared, NamedSharding(mesh, shared_spec)))
+    # (float32 sums over shards, in another order: the weights' gradient.)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert _rel(g, r) < 5e-5 * TOL_SCALE
+  # And it runs split: the GLU's rows on a, N on b, nothing gathered.
+  glu = jax.jit(jax.vmap(cases[0][0], in_axes=(0, None)))
+  with jax.set_mesh(mesh):
+    xs, ws = (jax.device_put(x, NamedSharding(mesh, P(None, "a"))),
+              jax.device_put(w, NamedSharding(mesh, P(None, None, "b"))))
+    assert _strip(glu(xs, ws).sharding.spec, mesh) == _strip(P(None, "a", "b"), mesh)
+    assert "all-gather" not in glu.lower(xs, ws).compile().as_text()
+
+
 def test_vmap_on_many_devices_is_not_partitioned():
   x = _rand(3, 16, 32)
   fn = jax.jit(jax.vmap(lambda x: tokamax.rms_norm(x, None)))

@@ -330,7 +330,13 @@ def active(leaves) -> bool:
   """Whether an op call on `leaves` is partitioned by the rules here."""
   if not _enabled.get() or jax.device_count() == 1 or _manual_context():
     return False
-  return not any(type(x).__name__ == "BatchTracer" for x in leaves)
+  if any(type(x).__name__ == "BatchTracer" for x in leaves):
+    # Under `jax.vmap`: `custom_partitioning` (auto axes) has no batching rule,
+    # `shard_map` (explicit axes) has. Unpartitioned under explicit axes, an
+    # implementation would get operands typed as split (a reshape of the GLU's
+    # weights split on N failed).
+    return explicit_mesh(leaves) is not None
+  return True
 
 
 def _plain(tree):
