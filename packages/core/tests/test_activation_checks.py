@@ -29,8 +29,10 @@ def test_rows_that_compute_alone(fn):
     lambda g: jnp.cumsum(g, axis=0),
     lambda g: g * _WHOLE_GATE_ARRAY,  # runs on 64 rows only
     lambda g: jnp.log(g),  # NaN on the random gate: proves nothing
+    # Shows only past 5 rows (a check of 4 rows passed it).
+    lambda g: jnp.where(jnp.arange(g.shape[0])[:, None] < 5, g, 0.0),
 ], ids=["column_mean", "mask_at_gate_shape", "cumsum_over_rows", "whole_gate_array",
-        "non_finite"])
+        "non_finite", "first_five_rows"])
 def test_rows_that_mix_or_cannot_be_shown(fn):
   assert not activation.rows_independent(fn, N)
 

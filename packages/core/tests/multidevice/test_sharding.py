@@ -616,6 +616,23 @@ def test_every_op_under_vmap_on_an_explicit_axes_mesh():
     assert "all-gather" not in glu.lower(xs, ws).compile().as_text()
 
 
+def test_vmap_over_a_split_dim_on_an_explicit_axes_mesh_gathers_nothing():
+  # The vmapped dim itself split (data parallel over examples): before JAX 0.11
+  # shard_map's batching rule gathered such an operand, so there the call stays
+  # unpartitioned (XLA places it); from 0.11 it runs under shard_map.
+  mesh = _mesh((2, HALF), explicit=True)
+  x, w, scale = _rand(4, 16, 32), _rand(32, 2, 16), _rand(32)
+  for fn, shared in ((lambda x, w: tokamax.gated_linear_unit(x, w, activation=jax.nn.silu), w),
+                     (lambda x, s: tokamax.rms_norm(x, s), scale)):
+    run = jax.jit(jax.vmap(fn, in_axes=(0, None)))
+    with tokamax.spmd_partitioning(False):
+      want = run(x, shared)
+    with jax.set_mesh(mesh):
+      xs = jax.device_put(x, NamedSharding(mesh, P("a")))
+      assert _rel(run(xs, shared), want) < 1e-5 * TOL_SCALE
+      assert "all-gather" not in run.lower(xs, shared).compile().as_text()
+
+
 def test_vmap_on_many_devices_is_not_partitioned():
   x = _rand(3, 16, 32)
   fn = jax.jit(jax.vmap(lambda x: tokamax.rms_norm(x, None)))

@@ -71,15 +71,20 @@ def _check_concretely(activation) -> None:
                               "value at an element depends on other elements")
 
 
+# Rows of the random gate the row checks compare (`rows_independent` and the GLU's
+# check with traced params): a dependence that shows only past them is not seen.
+ROWS_CHECKED = 8
+
+
 def rows_independent(activation: Callable[[jax.Array], jax.Array], n: int) -> bool:
   """Whether each row of an ``[M, n]`` gate gets what that row alone gets: the
   condition for applying `activation` to a shard of the rows (data
   parallelism). An elementwise activation is; one that centres each column (a
   mean over the rows) or draws a mask at the gate's shape is not.
 
-  Checked numerically, as `check_elementwise_activation` is: on a random ``[4,
-  n]`` gate, the activation must equal itself applied to each row alone, every
-  value finite. An activation that cannot run on one row (it closes over an
+  Checked numerically, as `check_elementwise_activation` is: on a random
+  ``[ROWS_CHECKED, n]`` gate, the activation must equal itself applied to each
+  row alone, every value finite. An activation that cannot run on one row (it closes over an
   array of the call's row count) is not. (`run_concretely`: callable inside a
   trace.)
   """
@@ -89,7 +94,8 @@ def rows_independent(activation: Callable[[jax.Array], jax.Array], n: int) -> bo
 def _rows_independent_concretely(activation, n: int) -> bool:
   try:
     with jax.ensure_compile_time_eval():
-      gate = jnp.asarray(np.random.default_rng(0).normal(size=(4, n)), jnp.float32)
+      gate = jnp.asarray(np.random.default_rng(0).normal(size=(ROWS_CHECKED, n)),
+                         jnp.float32)
       together = np.asarray(activation(gate), np.float32)
       apart = np.concatenate([np.asarray(activation(gate[i:i + 1]), np.float32)
                               for i in range(gate.shape[0])])

@@ -334,9 +334,27 @@ def active(leaves) -> bool:
     # Under `jax.vmap`: `custom_partitioning` (auto axes) has no batching rule,
     # `shard_map` (explicit axes) has. Unpartitioned under explicit axes, an
     # implementation would get operands typed as split (a reshape of the GLU's
-    # weights split on N failed).
-    return explicit_mesh(leaves) is not None
+    # weights split on N failed). Before JAX 0.11 shard_map's batching takes a
+    # split vmapped dim's mesh axes out of its manual ones, and XLA then gathers
+    # the operand along them: there such calls stay unpartitioned.
+    if explicit_mesh(leaves) is None:
+      return False
+    return not (_SHARD_MAP_GATHERS_SPLIT_BATCH_DIMS
+                and any(_batch_dim_is_split(x) for x in leaves))
   return True
+
+
+_SHARD_MAP_GATHERS_SPLIT_BATCH_DIMS = jax.__version_info__ < (0, 11)
+
+
+def _batch_dim_is_split(x) -> bool:
+  """Whether `x`, a `jax.vmap` tracer, carries its vmapped dim split over a mesh
+  axis."""
+  dim = getattr(x, "batch_dim", None)
+  if not isinstance(dim, int):
+    return False
+  spec = getattr(getattr(jax.typeof(x.val), "sharding", None), "spec", ())
+  return dim < len(spec) and spec[dim] is not None
 
 
 def _plain(tree):

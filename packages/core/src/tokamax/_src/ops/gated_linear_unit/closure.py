@@ -123,9 +123,10 @@ def _row_if_independent(activation, consts, n: int):
   what that row alone does, else None.
 
   Shown numerically, as kernels check elementwise activations
-  (`activation_lib.check_elementwise_activation`): on a random ``[4, N]`` gate with random values
-  in [0.5, 1.5] for the traced ones it closes over, the four-row trace must
-  equal the one-row trace run over the rows, every value finite. A function of
+  (`activation_lib.check_elementwise_activation`): on a random
+  ``[ROWS_CHECKED, N]`` gate with random values in [0.5, 1.5] for the traced
+  ones it closes over, the many-row trace must equal the one-row trace run
+  over the rows, every value finite. A function of
   the gate's shape (a dropout mask drawn at ``g.shape``) fails it, and a trace
   that closes over other values than the whole call's (or a traced value that
   cannot be drawn at random: an integer, a key) gives None without a check. A
@@ -135,19 +136,19 @@ def _row_if_independent(activation, consts, n: int):
   """
   try:
     traces = [jax.closure_convert(activation, jax.ShapeDtypeStruct((rows, n), jnp.float32))
-              for rows in (1, 4)]
+              for rows in (1, activation_lib.ROWS_CHECKED)]
   except Exception:  # e.g. a closed-over [M, N] array, which no other row count takes
     return None
   for _, found in traces:
     if len(found) != len(consts) or any(a is not b for a, b in zip(found, consts)):
       return None
-  (row, _), (four_rows, _) = traces
-  same = activation_lib.run_concretely(_same_by_rows, row, four_rows, consts, n)
+  (row, _), (many_rows, _) = traces
+  same = activation_lib.run_concretely(_same_by_rows, row, many_rows, consts, n)
   return row if same else None
 
 
-def _same_by_rows(row, four_rows, consts, n: int) -> bool:
-  """The four-row trace against the one-row trace over the rows, on concrete
+def _same_by_rows(row, many_rows, consts, n: int) -> bool:
+  """The many-row trace against the one-row trace over the rows, on concrete
   arrays (`activation_lib.run_concretely`)."""
   rng = np.random.default_rng(0)
   values = []
@@ -159,8 +160,8 @@ def _same_by_rows(row, four_rows, consts, n: int) -> bool:
     values.append(c)
   try:
     with jax.ensure_compile_time_eval():
-      gate = jnp.asarray(rng.normal(size=(4, n)), jnp.float32)
-      together = np.asarray(four_rows(gate, *values), np.float32)
+      gate = jnp.asarray(rng.normal(size=(activation_lib.ROWS_CHECKED, n)), jnp.float32)
+      together = np.asarray(many_rows(gate, *values), np.float32)
       apart = np.asarray(jax.vmap(lambda r: row(r[None], *values)[0])(gate), np.float32)
   except Exception:  # a value this check cannot stand in for: assume dependence
     return False
