@@ -618,8 +618,9 @@ def test_every_op_under_vmap_on_an_explicit_axes_mesh():
 
 def test_vmap_over_a_split_dim_on_an_explicit_axes_mesh_gathers_nothing():
   # The vmapped dim itself split (data parallel over examples): before JAX 0.11
-  # shard_map's batching rule gathered such an operand, so there the call stays
-  # unpartitioned (XLA places it); from 0.11 it runs under shard_map.
+  # shard_map's batching rule gathered such an operand, so there a call split
+  # on nothing else stays unpartitioned (XLA places it); from 0.11 it runs
+  # under shard_map.
   mesh = _mesh((2, HALF), explicit=True)
   x, w, scale = _rand(4, 16, 32), _rand(32, 2, 16), _rand(32)
   for fn, shared in ((lambda x, w: tokamax.gated_linear_unit(x, w, activation=jax.nn.silu), w),
@@ -631,6 +632,16 @@ def test_vmap_over_a_split_dim_on_an_explicit_axes_mesh_gathers_nothing():
       xs = jax.device_put(x, NamedSharding(mesh, P("a")))
       assert _rel(run(xs, shared), want) < 1e-5 * TOL_SCALE
       assert "all-gather" not in run.lower(xs, shared).compile().as_text()
+  # With the weights split on N too the call is partitioned (on JAX before 0.11
+  # with that gather): unpartitioned, the GLU's weight reshape failed there.
+  glu = jax.jit(jax.vmap(lambda x, w: tokamax.gated_linear_unit(x, w, activation=jax.nn.silu),
+                         in_axes=(0, None)))
+  with tokamax.spmd_partitioning(False):
+    want = glu(x, w)
+  with jax.set_mesh(mesh):
+    got = glu(jax.device_put(x, NamedSharding(mesh, P("a"))),
+              jax.device_put(w, NamedSharding(mesh, P(None, None, "b"))))
+  assert _rel(got, want) < 1e-5 * TOL_SCALE
 
 
 def test_vmap_on_many_devices_is_not_partitioned():

@@ -336,15 +336,24 @@ def active(leaves) -> bool:
     # implementation would get operands typed as split (a reshape of the GLU's
     # weights split on N failed). Before JAX 0.11 shard_map's batching takes a
     # split vmapped dim's mesh axes out of its manual ones, and XLA then gathers
-    # the operand along them: there such calls stay unpartitioned.
+    # the operand along them: there a call whose only split dims are vmapped
+    # ones stays unpartitioned (its implementation sees no split dim); one with
+    # other split dims is partitioned all the same (correct, with that gather).
     if explicit_mesh(leaves) is None:
       return False
-    return not (_SHARD_MAP_GATHERS_SPLIT_BATCH_DIMS
-                and any(_batch_dim_is_split(x) for x in leaves))
+    if _SHARD_MAP_GATHERS_SPLIT_BATCH_DIMS and any(_batch_dim_is_split(x) for x in leaves):
+      return any(_is_split(jax.typeof(x)) for x in leaves)
+    return True
   return True
 
 
 _SHARD_MAP_GATHERS_SPLIT_BATCH_DIMS = jax.__version_info__ < (0, 11)
+
+
+def _is_split(aval) -> bool:
+  """Whether a (per-example) type carries a dim split over a mesh axis."""
+  spec = getattr(getattr(aval, "sharding", None), "spec", ())
+  return any(e is not None for e in spec)
 
 
 def _batch_dim_is_split(x) -> bool:
