@@ -616,24 +616,29 @@ def test_every_op_under_vmap_on_an_explicit_axes_mesh():
     assert "all-gather" not in glu.lower(xs, ws).compile().as_text()
 
 
-def test_vmap_over_a_split_dim_on_an_explicit_axes_mesh_gathers_nothing():
-  # The vmapped dim itself split (data parallel over examples): before JAX 0.11
-  # shard_map's batching rule gathered such an operand, so there a call split
-  # on nothing else stays unpartitioned (XLA places it); from 0.11 it runs
-  # under shard_map.
+def test_vmap_over_a_split_dim_on_an_explicit_axes_mesh():
+  # The vmapped dim itself split (data parallel over examples), nothing else:
+  # the call stays unpartitioned (its implementation sees operands split on
+  # nothing). Through shard_map, JAX 0.10's batching gathered the operand and
+  # JAX 0.12 failed under jax.grad of the vmap.
   mesh = _mesh((2, HALF), explicit=True)
   x, w, scale = _rand(4, 16, 32), _rand(32, 2, 16), _rand(32)
   for fn, shared in ((lambda x, w: tokamax.gated_linear_unit(x, w, activation=jax.nn.silu), w),
                      (lambda x, s: tokamax.rms_norm(x, s), scale)):
+    loss = lambda a, b: jnp.sum(jnp.sin(fn(a, b)))
     run = jax.jit(jax.vmap(fn, in_axes=(0, None)))
+    grad = jax.jit(jax.grad(lambda a, b: jnp.sum(jax.vmap(loss, in_axes=(0, None))(a, b)),
+                            (0, 1)))
     with tokamax.spmd_partitioning(False):
-      want = run(x, shared)
+      want, want_grads = run(x, shared), grad(x, shared)
     with jax.set_mesh(mesh):
       xs = jax.device_put(x, NamedSharding(mesh, P("a")))
       assert _rel(run(xs, shared), want) < 1e-5 * TOL_SCALE
       assert "all-gather" not in run.lower(xs, shared).compile().as_text()
-  # With the weights split on N too the call is partitioned (on JAX before 0.11
-  # with that gather): unpartitioned, the GLU's weight reshape failed there.
+      for g, r in zip(grad(xs, shared), want_grads):
+        assert _rel(g, r) < 5e-5 * TOL_SCALE
+  # With the weights split on N too the call is partitioned (on JAX 0.10 with
+  # that gather): unpartitioned, the GLU's weight reshape failed.
   glu = jax.jit(jax.vmap(lambda x, w: tokamax.gated_linear_unit(x, w, activation=jax.nn.silu),
                          in_axes=(0, None)))
   with tokamax.spmd_partitioning(False):

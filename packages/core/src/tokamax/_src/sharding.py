@@ -331,39 +331,29 @@ def active(leaves) -> bool:
   if not _enabled.get() or jax.device_count() == 1 or _manual_context():
     return False
   if any(type(x).__name__ == "BatchTracer" for x in leaves):
-    # Under `jax.vmap`: `custom_partitioning` (auto axes) has no batching rule,
-    # `shard_map` (explicit axes) has. Unpartitioned under explicit axes, an
-    # implementation would get operands typed as split (a reshape of the GLU's
-    # weights split on N failed). Before JAX 0.11 shard_map's batching takes a
-    # split vmapped dim's mesh axes out of its manual ones, and XLA then gathers
-    # the operand along them: there a call whose only split dims are vmapped
-    # ones stays unpartitioned (its implementation sees no split dim); one with
-    # other split dims is partitioned all the same (correct, with that gather).
-    if explicit_mesh(leaves) is None:
-      return False
-    if _SHARD_MAP_GATHERS_SPLIT_BATCH_DIMS and any(_batch_dim_is_split(x) for x in leaves):
-      return any(_is_split(jax.typeof(x)) for x in leaves)
-    return True
+    return _partitioned_under_vmap(leaves)
   return True
 
 
-_SHARD_MAP_GATHERS_SPLIT_BATCH_DIMS = jax.__version_info__ < (0, 11)
+def _partitioned_under_vmap(leaves) -> bool:
+  """Under `jax.vmap` a call is partitioned on a mesh with explicit axes
+  (`custom_partitioning`, for auto axes, has no batching rule; `shard_map` has)
+  where some operand is split on a dim vmap does not map: unpartitioned, its
+  implementation would get that operand typed as split (the GLU's weight
+  reshape failed). A call split on its vmapped dims alone stays unpartitioned:
+  its implementation sees operands split on nothing, and JAX's batching of
+  shard_map would gather such an operand (JAX 0.10) or fail under `jax.grad`
+  (0.12)."""
+  if explicit_mesh(leaves) is None:
+    return False
+  # A vmap tracer's type is one example's: its vmapped dims are not in it.
+  return any(_is_split(jax.typeof(x)) for x in leaves)
 
 
 def _is_split(aval) -> bool:
-  """Whether a (per-example) type carries a dim split over a mesh axis."""
+  """Whether a type has a dim split over a mesh axis."""
   spec = getattr(getattr(aval, "sharding", None), "spec", ())
   return any(e is not None for e in spec)
-
-
-def _batch_dim_is_split(x) -> bool:
-  """Whether `x`, a `jax.vmap` tracer, carries its vmapped dim split over a mesh
-  axis."""
-  dim = getattr(x, "batch_dim", None)
-  if not isinstance(dim, int):
-    return False
-  spec = getattr(getattr(jax.typeof(x.val), "sharding", None), "spec", ())
-  return dim < len(spec) and spec[dim] is not None
 
 
 def _plain(tree):
