@@ -84,9 +84,9 @@ def rows_independent(activation: Callable[[jax.Array], jax.Array], n: int) -> bo
 
   Checked numerically, as `check_elementwise_activation` is: on a random
   ``[ROWS_CHECKED, n]`` gate, the activation must equal itself applied to each
-  row alone, every value finite. An activation that cannot run on one row (it closes over an
-  array of the call's row count) is not. (`run_concretely`: callable inside a
-  trace.)
+  row alone, every value finite. An activation that cannot run on one row (it
+  closes over an array of the call's row count) is not. (`run_concretely`:
+  callable inside a trace.)
   """
   return run_concretely(_rows_independent_concretely, activation, n)
 
