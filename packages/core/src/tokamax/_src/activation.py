@@ -88,18 +88,22 @@ def rows_independent(activation: Callable[[jax.Array], jax.Array], n: int) -> bo
   closes over an array of the call's row count) is not. (`run_concretely`:
   callable inside a trace.)
   """
-  return run_concretely(_rows_independent_concretely, activation, n)
+  return run_concretely(rows_agree, activation, activation, n)
 
 
-def _rows_independent_concretely(activation, n: int) -> bool:
+def rows_agree(many_rows: Callable[[jax.Array], jax.Array],
+               one_row: Callable[[jax.Array], jax.Array], n: int) -> bool:
+  """The row check on concrete arrays (call it through `run_concretely`):
+  `many_rows` on a random ``[ROWS_CHECKED, n]`` gate equals `one_row` on each
+  of its rows, every value finite; False where either cannot run on them."""
   try:
     with jax.ensure_compile_time_eval():
       gate = jnp.asarray(np.random.default_rng(0).normal(size=(ROWS_CHECKED, n)),
                          jnp.float32)
-      together = np.asarray(activation(gate), np.float32)
-      apart = np.concatenate([np.asarray(activation(gate[i:i + 1]), np.float32)
-                              for i in range(gate.shape[0])])
-  except Exception:  # it cannot run on one row: its rows are not its own
+      together = np.asarray(many_rows(gate), np.float32)
+      apart = np.concatenate([np.asarray(one_row(gate[i:i + 1]), np.float32)
+                              for i in range(ROWS_CHECKED)])
+  except Exception:  # it cannot run on these rows: its rows are not its own
     return False
   # Non-finite values prove nothing (NaN equals NaN nowhere here).
   return bool(np.isfinite(together).all()) and same_values(together, apart)

@@ -347,13 +347,7 @@ def _partitioned_under_vmap(leaves) -> bool:
   if explicit_mesh(leaves) is None:
     return False
   # A vmap tracer's type is one example's: its vmapped dims are not in it.
-  return any(_is_split(jax.typeof(x)) for x in leaves)
-
-
-def _is_split(aval) -> bool:
-  """Whether a type has a dim split over a mesh axis."""
-  spec = getattr(getattr(aval, "sharding", None), "spec", ())
-  return any(e is not None for e in spec)
+  return any(any(_spec(t, t.ndim)) for t in map(jax.typeof, leaves))
 
 
 def _plain(tree):
