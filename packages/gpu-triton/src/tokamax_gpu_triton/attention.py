@@ -860,8 +860,12 @@ class TritonAttentionVjp(_AttentionFunctions, tokamax.VjpOp):
     return tuple(dict.fromkeys(configs))
 
   def backward(self, args, residuals, out, dout, config):
-    return _backward(args, residuals["lse"], out, dout,
-                     config or self.heuristic_config(args))
+    config = config or self.heuristic_config(args)
+    # The kernels recompute the weights from the float32 lse: wrong for rows a
+    # huge bias masks whole, which the guard sends to an exact backward.
+    lse = residuals["lse"]
+    return plugin.guard_large_logits(
+        args, dout, lambda: _backward(args, lse, out, dout, config), lse)
 
 
 # An explicitly constructed forward op uses this backward.

@@ -176,17 +176,36 @@ def _chunk_visibility(chunk, q_pos, k_pos, s, kw):
   return vis & (k_pos < s)[None, None, None, :]
 
 
+def _two_sum(a, b):
+  """``(fl(a + b), the rounding error)``: ``a + b == hi + lo`` exactly (Knuth's
+  TwoSum; float arithmetic is not reassociated by XLA)."""
+  hi = a + b
+  b_part = hi - a
+  lo = (a - (hi - b_part)) + (b - b_part)
+  return hi, lo
+
+
 def attention_chunked(q, k, v, bias=None, mask=None, *, scale, is_causal=False,
                       local_window=None, logits_soft_cap=None, query_seq_lengths=None,
                       key_value_seq_lengths=None, q_segment_ids=None,
                       kv_segment_ids=None, precision=None, chunk_size=512,
-                      q_offset=None, sinks=None):
+                      q_offset=None, sinks=None, lse_tail=False):
   """Attention over key chunks with an online softmax: memory O(T * chunk_size).
 
   Same contract as :func:`attention`; the sinks join each row's sum after the
   last chunk. Differentiate it with
   :func:`attention_chunked_backward` (autodiff through the scan would store every
   chunk's probabilities, O(T * S) again).
+
+  `lse_tail`: also return the rounding error of each row's lse (float32 ``[B, N,
+  T]``, 0 for rows without a visible key): ``lse + tail`` is the row's
+  log-sum-exp to about twice float32's precision. The backward needs it where
+  the logits are huge: next to a bias of -1e9 the lse rounds away the log of
+  the row's sum (the ulp there is 64), and weights recomputed from the lse
+  alone come out up to S times too large.
+
+  Returns:
+    ``(out, lse)``, or ``(out, lse, tail)`` with `lse_tail`.
   """
   b, t, n, _ = q.shape
   s, num_kv, hv = k.shape[1], k.shape[2], v.shape[-1]
@@ -225,27 +244,35 @@ def attention_chunked(q, k, v, bias=None, mask=None, *, scale, is_causal=False,
   nonempty = row_sum > 0
   denom = jnp.where(nonempty, row_sum, 1.0)
   out = acc / denom[..., None]
-  lse = jnp.where(nonempty, row_max + jnp.log(denom), jnp.inf)
+  lse, tail = _two_sum(jnp.where(nonempty, row_max, 0.0), jnp.log(denom))
   if sinks is not None:
     # The sink's share: row weights times sum / (sum + exp(sink)), in float32
     # before the output is rounded.
     sink = _grouped_sinks(sinks, num_kv)
-    lse_keys = jnp.where(nonempty, lse, 0.0)
-    out = out * jax.nn.sigmoid(lse_keys - sink)[..., None]
-    lse = jnp.where(nonempty, jnp.logaddexp(lse_keys, sink), jnp.inf)
-  out = jnp.moveaxis(out, 3, 1).reshape(b, t, n, hv)
-  return out.astype(q.dtype), lse.reshape(b, n, t)
+    share = jax.nn.sigmoid(lse - sink)
+    out = out * share[..., None]
+    # d logaddexp(lse, sink) / d lse = share: the tail carries through (exactly
+    # where the keys' lse dominates, the only place it is not negligible).
+    lse, tail = jnp.logaddexp(lse, sink), tail * share
+  lse = jnp.where(nonempty, lse, jnp.inf)
+  tail = jnp.where(nonempty, tail, 0.0)
+  out = jnp.moveaxis(out, 3, 1).reshape(b, t, n, hv).astype(q.dtype)
+  if lse_tail:
+    return out, lse.reshape(b, n, t), tail.reshape(b, n, t)
+  return out, lse.reshape(b, n, t)
 
 
 def attention_chunked_backward(q, k, v, bias, mask, out, lse, dout, *, scale,
                                is_causal=False, local_window=None, logits_soft_cap=None,
                                query_seq_lengths=None, key_value_seq_lengths=None,
                                q_segment_ids=None, kv_segment_ids=None, precision=None,
-                               chunk_size=512, q_offset=None):
+                               chunk_size=512, q_offset=None, lse_tail=None):
   """Gradients of attention from the saved log-sum-exp, one key chunk at a time.
 
   With sinks, `lse` and `out` are the forward's (sinks included) and this is
   unchanged; the sinks' own gradient is `AttentionArgs.sinks_cotangent`'s.
+  `lse_tail`: the lse's rounding error, as :func:`attention_chunked` returns it
+  (None: taken as 0, which is exact unless the logits are huge).
 
   Returns:
     ``(dq, dk, dv, dbias)`` (dbias None without bias), float32, memory
@@ -263,6 +290,8 @@ def attention_chunked_backward(q, k, v, bias, mask, out, lse, dout, *, scale,
   qg = q.reshape(b, t, num_kv, g, h)
   do = dout.astype(jnp.float32).reshape(b, t, num_kv, g, hv)
   lse_g = lse.reshape(b, num_kv, g, t)
+  tail_g = (jnp.zeros_like(lse_g) if lse_tail is None
+            else lse_tail.astype(jnp.float32).reshape(b, num_kv, g, t))
   # delta = rowsum(dout * out): the softmax Jacobian's correction term.
   delta = jnp.einsum("btkgh,btkgh->bkgt", do,
                      out.astype(jnp.float32).reshape(b, t, num_kv, g, hv))
@@ -278,7 +307,9 @@ def attention_chunked_backward(q, k, v, bias, mask, out, lse, dout, *, scale,
     if logits_soft_cap is not None:
       logits = logits_soft_cap * jnp.tanh(raw / logits_soft_cap)
     vis = _group_heads(_chunk_visibility(chunk, q_pos, k_pos, s, kw), num_kv)
-    p = jnp.where(vis, jnp.exp(logits - lse_g[..., None]), 0.0)
+    # Logits minus lse first: both huge next to a bias of -1e9, their difference
+    # is exact (then the tail, the part of the lse they would round away).
+    p = jnp.where(vis, jnp.exp((logits - lse_g[..., None]) - tail_g[..., None]), 0.0)
     dv = jnp.einsum("bkgts,btkgh->bskh", p, do, precision=precision)
     dp = jnp.einsum("btkgh,bskh->bkgts", do, chunk["v"].astype(jnp.float32),
                     precision=precision)

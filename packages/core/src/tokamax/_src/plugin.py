@@ -299,3 +299,14 @@ def attention_delta(out, dout):
   correction term, from ``[B, T, N, Hv]`` outputs and their cotangents."""
   return jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32),
                     out.astype(jnp.float32))
+
+
+def guard_large_logits(args, dout, backward, lse=None):
+  """``backward()``, an attention backward that recomputes its weights as
+  ``exp(logit - lse)`` from a float32 lse, where that is right; where some query
+  row's logits are huge (a bias of -1e9 masking the whole row, whose lse
+  float32 rounds), the XLA chunked backward, which is exact there. Decided at
+  run time from `lse` (the forward's ``[B, N, T]``, free to read) where given,
+  else from the bias (one read of it); both branches compiled, one runs."""
+  from tokamax._src.ops.attention import large_logits  # pylint: disable=g-import-not-at-top
+  return large_logits.guard(args, dout, backward, lse)

@@ -73,7 +73,11 @@ class AttentionArgs:
   or ``{}`` if the forward has none. With sinks the lse so defined makes
   ``exp(logit - lse)`` the probabilities and ``rowsum(dout * out)`` the softmax
   correction term as without: a backward written for that lse and output needs
-  only `sinks_cotangent` besides.
+  only `sinks_cotangent` besides. A forward may add ``"lse_tail"`` (float32
+  ``[B, N, T]``, 0 where the lse is infinite): the lse's rounding error, so that
+  ``exp((logit - lse) - lse_tail)`` stays right where the logits are huge (a
+  bias of -1e9 masking a whole row, where float32's lse rounds away the log of
+  the row's sum); a backward that reads it must also run without it.
   """
 
   query: jax.Array
@@ -148,7 +152,7 @@ DEFINITION = OpDefinition(
     arg_labels=dict(query="btnh", key="bskh", value="bskd", bias="bnts", mask="bnts",
                     query_seq_lengths="b", key_value_seq_lengths="b", q_segment_ids="bt",
                     kv_segment_ids="bs", q_offset="", sinks="n"),
-    result_labels=dict(out="btnd", lse="bnt"),
+    result_labels=dict(out="btnd", lse="bnt", lse_tail="bnt"),
     leading_label="b",
     plan=attention_plan,
 )

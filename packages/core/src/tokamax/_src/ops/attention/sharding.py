@@ -105,5 +105,7 @@ def attention_plan(mesh, shapes, specs, supports) -> sharding.Plan:
         grads[name] = jax.lax.dynamic_update_slice_in_dim(full, g, head, axis=2)
     return grads
 
-  return sharding.Plan(args=arg_specs, out=P(*B, T, N, None), residuals={"lse": P(*B, N, T)},
-              localize=localize, backward=backward if slice_kv else None)
+  row_stat = P(*B, N, T)
+  return sharding.Plan(args=arg_specs, out=P(*B, T, N, None),
+                       residuals={"lse": row_stat, "lse_tail": row_stat},
+                       localize=localize, backward=backward if slice_kv else None)

@@ -12,6 +12,7 @@ import tokamax_xla_reference as xla_ref
 
 from tokamax._src.op import Op, VjpOp, opaque_residuals_allowed
 from tokamax._src.ops import _autodiff
+from tokamax._src.ops.attention import large_logits
 
 
 def _attention_kwargs(args):
@@ -87,15 +88,16 @@ class XlaChunkedAttention(_Chunked, Op):
     return fitting or (self.heuristic_config(args),)
 
   def forward(self, args, config):
-    out, lse = xla_ref.attention_chunked(
+    out, lse, tail = xla_ref.attention_chunked(
         args.query, args.key, args.value, args.bias, args.mask,
-        chunk_size=config.chunk_size, **_attention_kwargs_with_sinks(args))
-    return out, {"lse": lse}
+        chunk_size=config.chunk_size, lse_tail=True, **_attention_kwargs_with_sinks(args))
+    return out, {"lse": lse, "lse_tail": tail}
 
 
 @dataclasses.dataclass(frozen=True)
 class XlaChunkedAttentionVjp(_Chunked, VjpOp):
-  """The chunked backward: recomputes each chunk's scores from the forward's lse."""
+  """The chunked backward: recomputes each chunk's scores from the forward's lse
+  (and its tail, where the forward gave one)."""
 
   def check_supported(self, args, device, residuals=None):
     if residuals is not None and "lse" not in residuals:
@@ -104,7 +106,8 @@ class XlaChunkedAttentionVjp(_Chunked, VjpOp):
   def backward(self, args, residuals, out, dout, config):
     dq, dk, dv, dbias = xla_ref.attention_chunked_backward(
         args.query, args.key, args.value, args.bias, args.mask, out,
-        residuals["lse"], dout, chunk_size=config.chunk_size, **_attention_kwargs(args))
+        residuals["lse"], dout, chunk_size=config.chunk_size,
+        lse_tail=residuals.get("lse_tail"), **_attention_kwargs(args))
     return {"query": dq, "key": dk, "value": dv, "bias": dbias,
             "sinks": args.sinks_cotangent(residuals["lse"], out, dout)}
 
@@ -184,6 +187,11 @@ class CudnnAttentionVjp(VjpOp):
 
   def backward(self, args, residuals, out, dout, config):
     vjp = (residuals or {}).get(_CUDNN_VJP)
-    if vjp is not None:
-      return _autodiff.apply_vjp(vjp, out.dtype, dout)
-    return _autodiff.backward(_cudnn_forward, args, _ATTENTION_GRAD_FIELDS, dout)
+
+    def cudnn():
+      if vjp is not None:
+        return _autodiff.apply_vjp(vjp, out.dtype, dout)
+      return _autodiff.backward(_cudnn_forward, args, _ATTENTION_GRAD_FIELDS, dout)
+    # cuDNN recomputes the weights from a float32 lse: wrong for rows a huge bias
+    # masks whole (`large_logits`), which no check at trace time can see.
+    return large_logits.guard(args, dout, cudnn)

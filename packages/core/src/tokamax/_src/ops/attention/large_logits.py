@@ -1,0 +1,98 @@
+"""Backwards that recompute the softmax weights as ``exp(logit - lse)`` from a
+float32 lse, and the calls where that is wrong.
+
+Where a row's visible logits are huge (a bias of -1e9 masking every key of a
+query row, the "additive mask" of older code), float32 cannot hold the lse to
+within the log of the row's sum: next to -1e9 its ulp is 64, so ``log(S)`` is
+rounded away and each recomputed weight comes out 1 instead of 1 / S. The
+forward is right there (its row max and sum are exact), the gradients of those
+rows S times too large. cuDNN's backward (through jax.nn) and the Triton one do
+this (measured on an H200: 200x the reference's gradient norm at S=1024, bf16,
+`None` picking cuDNN). Whether a call has such a row depends on the bias's
+values, so no implementation can refuse it when traced: `guard` checks the
+values (the forward's lse where the backward has it, else the bias) and, where
+some row needs it, runs the XLA chunked backward instead, whose lse carries its
+rounding error (``lse_tail``) and is exact there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import tokamax_xla_reference as xla_ref
+
+# A row whose largest visible bias is this large in magnitude may lose its
+# weights to the lse's rounding: float32's ulp at 2**14 is 2**-9, a relative
+# error of about 1e-3 in every weight, half a bf16 ulp.
+LARGE_LOGIT = 2.0**14
+
+
+def has_large_logit_rows(args, lse: jax.Array | None = None) -> jax.Array | None:
+  """Whether some query row has visible logits of magnitude `LARGE_LOGIT` or more
+  (a bool scalar), or None where no row can (no bias and no lse given).
+
+  From the forward's `lse` where one is given (``[B, N, T]``, about the row's
+  largest logit: reading it costs nothing next to the attention); else from the
+  bias, whose largest visible entry per row stands for it (one read of the
+  bias). Under `jax.vmap` the answer covers every example of the batch
+  (`_any_over_vmap`), so that `guard`'s `lax.cond` stays a branch rather than
+  running both sides."""
+  if lse is not None:
+    lse = lse.astype(jnp.float32)
+    large = jnp.isfinite(lse) & (jnp.abs(lse) >= LARGE_LOGIT)
+    return _any_over_vmap(jnp.any(large))
+  if args.bias is None:
+    return None
+  t, s = args.query.shape[1], args.key.shape[1]
+  visible = xla_ref.visibility(
+      jnp.arange(t), jnp.arange(s), is_causal=args.is_causal,
+      local_window=args.local_window, mask=args.mask,
+      query_seq_lengths=args.query_seq_lengths,
+      key_value_seq_lengths=args.key_value_seq_lengths,
+      q_segment_ids=args.q_segment_ids, kv_segment_ids=args.kv_segment_ids,
+      q_offset=args.q_offset)
+  row_max = jnp.max(jnp.where(visible, args.bias.astype(jnp.float32), -jnp.inf), axis=-1)
+  large = jnp.isfinite(row_max) & (jnp.abs(row_max) >= LARGE_LOGIT)
+  return _any_over_vmap(jnp.any(large))
+
+
+@jax.custom_batching.custom_vmap
+def _any_over_vmap(flag):
+  return flag
+
+
+@_any_over_vmap.def_vmap
+def _any_over_vmap_rule(axis_size, in_batched, flag):
+  del axis_size
+  (batched,) = in_batched
+  return (_any_over_vmap(jnp.any(flag)) if batched else flag), False
+
+
+def guard(args, dout: jax.Array, backward: Callable[[], dict],
+          lse: jax.Array | None = None) -> dict:
+  """``backward()`` (a dict of cotangents, as `VjpOp.backward` returns it),
+  except where `has_large_logit_rows` (from the forward's `lse` where given):
+  then the XLA chunked forward and backward on `dout`, in the same dtypes.
+  Both are compiled; one runs."""
+  needed = has_large_logit_rows(args, lse)
+  if needed is None:
+    return backward()
+  expected = jax.eval_shape(backward)
+
+  def exact():
+    grads = _chunked_grads(args, dout)
+    return {k: None if want is None else grads[k].astype(want.dtype)
+            for k, want in expected.items()}
+
+  return jax.lax.cond(needed, exact, backward)
+
+
+def _chunked_grads(args, dout) -> dict:
+  # Here, not at the top: xla.py's cuDNN backward imports this module.
+  from tokamax._src.ops.attention import xla  # pylint: disable=g-import-not-at-top
+  forward, backward = xla.XlaChunkedAttention(), xla.XlaChunkedAttentionVjp()
+  config = forward.heuristic_config(args)
+  out, residuals = forward.forward(args, config)
+  return backward.backward(args, residuals, out, dout, config)
