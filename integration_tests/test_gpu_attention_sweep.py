@@ -19,7 +19,8 @@ forward's, as the conformance suite does). A wrong result is a failure. Dispatch
 records show that the named implementation ran the forward; the backward that ran
 is recorded (it may be another implementation's).
 
-Run it on a GPU (5 minutes on one H200: 158 tests, 307 s; --dist loadgroup keeps
+Run it on a GPU (5 minutes on one H200 before the two bias_masks_rows cases: 158
+tests, 307 s; --dist loadgroup keeps
 each case's reference on one worker, computed once)::
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python -m pytest -n 4 --dist loadgroup \\
@@ -94,6 +95,10 @@ class SweepCase:
   kv_lengths: tuple[float, ...] | None = None
   segments: bool = False
   bias: str | None = None  # which dims are full: "BNTS", "1NTS", "B1TS"
+  # -1e9 on every key of the first query rows and on the last keys (padding):
+  # the additive mask of older code. Those rows' weights are uniform; a
+  # backward that recomputes them from a float32 lse loses log(S) there.
+  bias_masks_rows: bool = False
   mask: str | None = None
   soft_cap: float | None = None
   sinks: bool = False  # one random logit per query head
@@ -135,6 +140,7 @@ FEATURES = {
     "segments_causal": dict(segments=True, is_causal=True),
     "bias": dict(bias="1NTS"),
     "bias_causal": dict(bias="B1TS", is_causal=True),
+    "bias_masks_rows": dict(bias="B1TS", bias_masks_rows=True),
     "mask": dict(mask="B1TS"),
     "mask_bias_window": dict(mask="1NTS", bias="B1TS", window=(300, 300)),
     "soft_cap": dict(soft_cap=2.0),
@@ -157,10 +163,11 @@ _FEATURES_PER_SIZE = {
     "t16384": ("causal", "win_L0_large", "win_LR", "lengths_window"),
     "t4097s3001": ("base", "causal", "win_L0_large", "win_L0_small", "win_0R",
                    "win_LR", "win_L0_causal", "win_LR_causal", "win_0R_causal",
-                   "lengths", "lengths_window", "bias", "mask", "mask_bias_window",
+                   "lengths", "lengths_window", "bias", "bias_masks_rows", "mask",
+                   "mask_bias_window",
                    "combined", "combined_no_segments", "sinks",
                    "sinks_window_lengths"),
-    "t1023s4097": ("win_L0_large", "segments_causal", "bias_causal",
+    "t1023s4097": ("win_L0_large", "segments_causal", "bias_causal", "bias_masks_rows",
                    "soft_cap_causal_window", "sinks_causal"),
 }
 # Dtypes and head dims crossed over a few features: (size, feature, dtype, h).
@@ -247,6 +254,11 @@ def make_inputs(case: SweepCase, scale: float) -> Inputs:
   full = dict(B=b, N=n, T=t, S=s)
   if case.bias:
     floats["bias"] = normal(tuple(full.get(d, 1) for d in case.bias))
+    if case.bias_masks_rows:
+      bias = floats["bias"].copy()
+      bias[..., :3, :] = -1e9
+      bias[..., s - s // 5:] = -1e9
+      floats["bias"] = bias
   if case.sinks:
     # Spread so that some sinks outweigh a row's keys and some do not.
     floats["sinks"] = normal((n,)) * 3
@@ -598,7 +610,8 @@ def test_harness_smoke():
   cases = [_make_case("t4097s3001", "win_L0_large"),
            _make_case("t1023s4097", "combined", "float16", 64),
            _make_case("t4097s3001", "mask_bias_window"),
-           _make_case("t4097s3001", "sinks_window_lengths")]
+           _make_case("t4097s3001", "sinks_window_lengths"),
+           _make_case("t1023s4097", "bias_masks_rows")]
   for case in cases:
     record = run_case(case, "xla_chunked", _SMOKE_SCALE)
     assert record["status"] == "passed" and record["forward"] == ["xla_chunked"]
