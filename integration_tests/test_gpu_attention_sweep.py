@@ -19,9 +19,9 @@ forward's, as the conformance suite does). A wrong result is a failure. Dispatch
 records show that the named implementation ran the forward; the backward that ran
 is recorded (it may be another implementation's).
 
-Run it on a GPU (5 minutes on one H200 before the two bias_masks_rows cases: 158
-tests, 307 s; --dist loadgroup keeps
-each case's reference on one worker, computed once)::
+Run it on a GPU (5 minutes on one H200 before the two bias_masks_rows cases:
+158 tests, 307 s; --dist loadgroup keeps each case's reference on one worker,
+computed once)::
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python -m pytest -n 4 --dist loadgroup \\
         -m gpu integration_tests/test_gpu_attention_sweep.py -rs
