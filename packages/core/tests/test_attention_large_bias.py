@@ -111,13 +111,15 @@ def test_the_guard_sees_whole_rows_only():
 
 def test_the_guard_reads_the_forward_lse_where_given():
   """From the lse, a backward's own residual: the same answer without reading
-  the bias (here none is passed at all)."""
+  the bias (the bias given here is all zeros, so it cannot be what answers).
+  Without a bias there is no check (ring attention's blocks pass a global lse)."""
   q, k, v, padded, _ = _call(1, 8, 8, 1, 16, whole_rows=0)
   _, _, _, whole, _ = _call(1, 8, 8, 1, 16, whole_rows=2)
-  no_bias = _canonical(q, k, v, None)
+  zero_bias = _canonical(q, k, v, jnp.zeros_like(padded))
   for bias, expected in ((padded, False), (whole, True)):
     _, lse = xla_ref.attention(q, k, v, bias, scale=16**-0.5)
-    assert bool(large_logits.has_large_logit_rows(no_bias, lse)) == expected
+    assert bool(large_logits.has_large_logit_rows(zero_bias, lse)) == expected
+    assert large_logits.has_large_logit_rows(_canonical(q, k, v, None), lse) is None
 
 
 def test_the_guard_stays_a_branch_under_vmap():

@@ -31,20 +31,25 @@ LARGE_LOGIT = 2.0**14
 
 def has_large_logit_rows(args, lse: jax.Array | None = None) -> jax.Array | None:
   """Whether some query row has visible logits of magnitude `LARGE_LOGIT` or more
-  (a bool scalar), or None where no row can (no bias and no lse given).
+  (a bool scalar); None for a call without a bias, which is not checked.
 
   From the forward's `lse` where one is given (``[B, N, T]``, about the row's
   largest logit: reading it costs nothing next to the attention); else from the
   bias, whose largest visible entry per row stands for it (one read of the
   bias). Under `jax.vmap` the answer covers every example of the batch
   (`_any_over_vmap`), so that `guard`'s `lax.cond` stays a branch rather than
-  running both sides."""
+  running both sides.
+
+  Only calls with a bias: without one, logits that large would take queries and
+  keys of norms far beyond a trained model's, and a call whose lse another
+  computation combines (ring attention's blocks: a global lse, no bias) must not
+  be sent to a backward that computes its own."""
+  if args.bias is None:
+    return None
   if lse is not None:
     lse = lse.astype(jnp.float32)
     large = jnp.isfinite(lse) & (jnp.abs(lse) >= LARGE_LOGIT)
     return _any_over_vmap(jnp.any(large))
-  if args.bias is None:
-    return None
   t, s = args.query.shape[1], args.key.shape[1]
   visible = xla_ref.visibility(
       jnp.arange(t), jnp.arange(s), is_causal=args.is_causal,
