@@ -19,6 +19,7 @@ import tokamax
 import tokamax_xla_reference as xla_ref
 from tokamax._src.ops.attention import api as attention_api
 from tokamax._src.ops.attention import large_logits
+from tokamax._src.ops.attention import xla as attention_xla
 
 _ON_GPU = jax.default_backend() == "gpu"
 
@@ -96,30 +97,50 @@ def test_realistic_rows_masked_by_large_bias(implementation):
 def test_the_guard_sees_whole_rows_only():
   """Key padding by -1e9 leaves every row a visible key of ordinary size: no
   guard. A row whose visible keys all carry -1e9 needs it, also when causal
-  masking is what hides its other keys."""
-  q, k, v, bias, _ = _call(1, 8, 8, 1, 16, whole_rows=0)
-  assert not bool(large_logits.has_large_logit_rows(_canonical(q, k, v, bias)))
+  masking is what hides its other keys; not where its cotangent is zero (a
+  padded query whose loss is masked: no gradient to get wrong), nor under a
+  soft cap that bounds the logits, nor without a bias."""
+  q, k, v, bias, ct = _call(1, 8, 8, 1, 16, whole_rows=0)
+  check = large_logits.has_large_logit_rows
+  assert not bool(check(_canonical(q, k, v, bias), ct))
   _, _, _, whole, _ = _call(1, 8, 8, 1, 16, whole_rows=2)
-  assert bool(large_logits.has_large_logit_rows(_canonical(q, k, v, whole)))
+  assert bool(check(_canonical(q, k, v, whole), ct))
+  assert not bool(check(_canonical(q, k, v, whole), ct.at[:, :2].set(0)))
+  assert bool(check(_canonical(q, k, v, whole), ct.at[:, :1].set(0)))
   # Causal: row 0 sees key 0 only; a bias of -1e9 there alone masks it whole.
   first_key = np.zeros((1, 1, 8, 8), np.float32)
   first_key[..., 0] = -1e9
-  causal = _canonical(q, k, v, jnp.asarray(first_key), is_causal=True)
-  assert bool(large_logits.has_large_logit_rows(causal))
-  assert large_logits.has_large_logit_rows(_canonical(q, k, v, None)) is None
+  assert bool(check(_canonical(q, k, v, jnp.asarray(first_key), is_causal=True), ct))
+  assert check(_canonical(q, k, v, whole, soft_cap=30.0), ct) is None
+  assert check(_canonical(q, k, v, None), ct) is None
 
 
 def test_the_guard_reads_the_forward_lse_where_given():
   """From the lse, a backward's own residual: the same answer without reading
   the bias (the bias given here is all zeros, so it cannot be what answers).
   Without a bias there is no check (ring attention's blocks pass a global lse)."""
-  q, k, v, padded, _ = _call(1, 8, 8, 1, 16, whole_rows=0)
+  q, k, v, padded, ct = _call(1, 8, 8, 1, 16, whole_rows=0)
   _, _, _, whole, _ = _call(1, 8, 8, 1, 16, whole_rows=2)
   zero_bias = _canonical(q, k, v, jnp.zeros_like(padded))
   for bias, expected in ((padded, False), (whole, True)):
     _, lse = xla_ref.attention(q, k, v, bias, scale=16**-0.5)
-    assert bool(large_logits.has_large_logit_rows(zero_bias, lse)) == expected
-    assert large_logits.has_large_logit_rows(_canonical(q, k, v, None), lse) is None
+    assert bool(large_logits.has_large_logit_rows(zero_bias, ct, lse)) == expected
+    assert large_logits.has_large_logit_rows(_canonical(q, k, v, None), ct, lse) is None
+
+
+def test_the_chunked_backward_from_an_lse_without_its_tail():
+  """Another forward's lse (no ``lse_tail``): the chunked backward goes through
+  the guard, and is right for rows masked whole."""
+  q, k, v, bias, ct = _call(1, 16, 24, 2, 16, whole_rows=3)
+  args = _canonical(q, k, v, bias)
+  out, lse = xla_ref.attention(q, k, v, bias, scale=args.scale)
+  backward = attention_xla.XlaChunkedAttentionVjp()
+  grads = backward.backward(args, {"lse": lse}, out, ct,
+                            backward.heuristic_config(args))
+  _, want_dq, want_dk, want_dv, _ = _grads("xla", q, k, v, bias, ct)
+  for name, g, w in (("dq", grads["query"], want_dq), ("dk", grads["key"], want_dk),
+                     ("dv", grads["value"], want_dv)):
+    assert _relative(g, w) < 1e-5, (name, _relative(g, w))
 
 
 def test_the_guard_stays_a_branch_under_vmap():
@@ -137,5 +158,6 @@ def test_the_guard_stays_a_branch_under_vmap():
   assert "cond[" in str(jaxpr)
 
 
-def _canonical(q, k, v, bias, is_causal=False):
-  return attention_api.canonical_args(q, k, v, bias, is_causal=is_causal)[0]
+def _canonical(q, k, v, bias, is_causal=False, soft_cap=None):
+  return attention_api.canonical_args(q, k, v, bias, is_causal=is_causal,
+                                      logits_soft_cap=soft_cap)[0]

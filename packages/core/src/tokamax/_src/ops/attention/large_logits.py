@@ -23,44 +23,50 @@ import jax
 import jax.numpy as jnp
 import tokamax_xla_reference as xla_ref
 
-# A row whose largest visible bias is this large in magnitude may lose its
-# weights to the lse's rounding: float32's ulp at 2**14 is 2**-9, a relative
-# error of about 1e-3 in every weight, half a bf16 ulp.
+# A row whose largest visible logit is this large in magnitude may lose its
+# weights to the lse's rounding: float32's ulp at 2**14 is 2**-9, so each
+# weight is off by up to 2**-10 relative, below bf16's own rounding (2**-8).
+# (The "-10000" mask of some older code stays below it: about 5e-4 there.)
 LARGE_LOGIT = 2.0**14
 
 
-def has_large_logit_rows(args, lse: jax.Array | None = None) -> jax.Array | None:
-  """Whether some query row has visible logits of magnitude `LARGE_LOGIT` or more
-  (a bool scalar); None for a call without a bias, which is not checked.
+def has_large_logit_rows(args, dout: jax.Array,
+                         lse: jax.Array | None = None) -> jax.Array | None:
+  """Whether some query row with a nonzero cotangent has visible logits of
+  magnitude `LARGE_LOGIT` or more (a bool scalar); None for a call that cannot
+  have one (no bias, or a soft cap below `LARGE_LOGIT`), which is not checked.
 
-  From the forward's `lse` where one is given (``[B, N, T]``, about the row's
-  largest logit: reading it costs nothing next to the attention); else from the
-  bias, whose largest visible entry per row stands for it (one read of the
-  bias). Under `jax.vmap` the answer covers every example of the batch
-  (`_any_over_vmap`), so that `guard`'s `lax.cond` stays a branch rather than
-  running both sides.
+  The logits' size comes from the forward's `lse` where one is given (``[B, N,
+  T]``, about the row's largest logit: reading it costs nothing next to the
+  attention), else from the bias, whose largest visible entry per row stands
+  for it (one read of the bias). A row whose cotangent is zero (a padded query
+  whose loss is masked: the usual reason a whole row is masked) adds nothing to
+  any gradient, whatever its weights, so it needs no check. Under `jax.vmap` the
+  answer covers every example of the batch (`_any_over_vmap`), so that
+  `guard`'s `lax.cond` stays a branch rather than running both sides.
 
   Only calls with a bias: without one, logits that large would take queries and
   keys of norms far beyond a trained model's, and a call whose lse another
   computation combines (ring attention's blocks: a global lse, no bias) must not
   be sent to a backward that computes its own."""
-  if args.bias is None:
+  cap = args.logits_soft_cap
+  if args.bias is None or (cap is not None and abs(cap) < LARGE_LOGIT):
     return None
   if lse is not None:
-    lse = lse.astype(jnp.float32)
-    large = jnp.isfinite(lse) & (jnp.abs(lse) >= LARGE_LOGIT)
-    return _any_over_vmap(jnp.any(large))
-  t, s = args.query.shape[1], args.key.shape[1]
-  visible = xla_ref.visibility(
-      jnp.arange(t), jnp.arange(s), is_causal=args.is_causal,
-      local_window=args.local_window, mask=args.mask,
-      query_seq_lengths=args.query_seq_lengths,
-      key_value_seq_lengths=args.key_value_seq_lengths,
-      q_segment_ids=args.q_segment_ids, kv_segment_ids=args.kv_segment_ids,
-      q_offset=args.q_offset)
-  row_max = jnp.max(jnp.where(visible, args.bias.astype(jnp.float32), -jnp.inf), axis=-1)
-  large = jnp.isfinite(row_max) & (jnp.abs(row_max) >= LARGE_LOGIT)
-  return _any_over_vmap(jnp.any(large))
+    size = lse.astype(jnp.float32)
+  else:
+    t, s = args.query.shape[1], args.key.shape[1]
+    visible = xla_ref.visibility(
+        jnp.arange(t), jnp.arange(s), is_causal=args.is_causal,
+        local_window=args.local_window, mask=args.mask,
+        query_seq_lengths=args.query_seq_lengths,
+        key_value_seq_lengths=args.key_value_seq_lengths,
+        q_segment_ids=args.q_segment_ids, kv_segment_ids=args.kv_segment_ids,
+        q_offset=args.q_offset)
+    size = jnp.max(jnp.where(visible, args.bias.astype(jnp.float32), -jnp.inf), axis=-1)
+  large = jnp.isfinite(size) & (jnp.abs(size) >= LARGE_LOGIT)  # [B|1, N|1, T|1]
+  needs_gradient = jnp.moveaxis(jnp.any(dout != 0, axis=-1), 1, 2)  # [B, N, T]
+  return _any_over_vmap(jnp.any(large & needs_gradient))
 
 
 @jax.custom_batching.custom_vmap
@@ -80,10 +86,17 @@ def guard(args, dout: jax.Array, backward: Callable[[], dict],
   """``backward()`` (a dict of cotangents, as `VjpOp.backward` returns it),
   except where `has_large_logit_rows` (from the forward's `lse` where given):
   then the XLA chunked forward and backward on `dout`, in the same dtypes.
-  Both are compiled; one runs."""
-  needed = has_large_logit_rows(args, lse)
+  Both are compiled; one runs.
+
+  The exact path computes its own forward on `args`: for backwards whose lse
+  and output are those of `args`' own forward (not a block's share of a
+  combined softmax, as ring attention's: those calls have no bias and are not
+  checked)."""
+  needed = has_large_logit_rows(args, dout, lse)
   if needed is None:
     return backward()
+  # The exact branch must return the same types; tracing `backward` for them
+  # costs a second trace (compile time only).
   expected = jax.eval_shape(backward)
 
   def exact():

@@ -104,12 +104,18 @@ class XlaChunkedAttentionVjp(_Chunked, VjpOp):
       raise NotImplementedError("needs the forward's log-sum-exp residual")
 
   def backward(self, args, residuals, out, dout, config):
-    dq, dk, dv, dbias = xla_ref.attention_chunked_backward(
-        args.query, args.key, args.value, args.bias, args.mask, out,
-        residuals["lse"], dout, chunk_size=config.chunk_size,
-        lse_tail=residuals.get("lse_tail"), **_attention_kwargs(args))
-    return {"query": dq, "key": dk, "value": dv, "bias": dbias,
-            "sinks": args.sinks_cotangent(residuals["lse"], out, dout)}
+    def chunked():
+      dq, dk, dv, dbias = xla_ref.attention_chunked_backward(
+          args.query, args.key, args.value, args.bias, args.mask, out,
+          residuals["lse"], dout, chunk_size=config.chunk_size,
+          lse_tail=residuals.get("lse_tail"), **_attention_kwargs(args))
+      return {"query": dq, "key": dk, "value": dv, "bias": dbias,
+              "sinks": args.sinks_cotangent(residuals["lse"], out, dout)}
+    if "lse_tail" in residuals:
+      return chunked()
+    # Another forward's lse, without its rounding error: exact only where the
+    # logits are not huge (`large_logits`).
+    return large_logits.guard(args, dout, chunked, residuals["lse"])
 
 
 _ATTENTION_GRAD_FIELDS = ("query", "key", "value", "bias")
