@@ -26,7 +26,7 @@ import tokamax_xla_reference as xla_ref
 # A row whose largest visible logit is this large in magnitude may lose its
 # weights to the lse's rounding: float32's ulp at 2**14 is 2**-9, so each
 # weight is off by up to 2**-10 relative, below bf16's own rounding (2**-8).
-# (The "-10000" mask of some older code stays below it: about 5e-4 there.)
+# (The "-10000" mask of some older code stays below it: up to 5e-4 there.)
 LARGE_LOGIT = 2.0**14
 
 
