@@ -138,9 +138,41 @@ def test_the_chunked_backward_from_an_lse_without_its_tail():
   backward = attention_xla.XlaChunkedAttentionVjp()
   grads = backward.backward(args, {"lse": lse}, out, ct,
                             backward.heuristic_config(args))
-  _, want_dq, want_dk, want_dv, _ = _grads("xla", q, k, v, bias, ct)
+  _, want_dq, want_dk, want_dv, want_dbias = _grads("xla", q, k, v, bias, ct)
   for name, g, w in (("dq", grads["query"], want_dq), ("dk", grads["key"], want_dk),
-                     ("dv", grads["value"], want_dv)):
+                     ("dv", grads["value"], want_dv), ("dbias", grads["bias"], want_dbias)):
+    assert _relative(g, w) < 1e-5, (name, _relative(g, w))
+
+
+@pytest.mark.parametrize("implementation", _implementations(cudnn=False))
+def test_masked_rows_with_a_zero_cotangent(implementation):
+  """Padded queries whose loss is masked: the guard does not fire, and the
+  gradients are still the reference's (those rows add nothing)."""
+  q, k, v, bias, ct = _call(1, 64, 96, 2, 16, whole_rows=8)
+  ct = ct.at[:, :8].set(0)
+  args = _canonical(q, k, v, bias)
+  assert not bool(large_logits.has_large_logit_rows(args, ct))
+  want = _grads("xla", q, k, v, bias, ct)
+  got = _grads(implementation, q, k, v, bias, ct)
+  for name, g, w in zip(("out", "dq", "dk", "dv", "dbias"), got, want):
+    assert _relative(g, w) < 1e-5, (name, _relative(g, w))
+
+
+def test_the_chunked_weights_never_exceed_one():
+  """An lse 128 below a masked row's logits (what a base-2 forward's lse can
+  come to after conversion, next to -1.55e9) with that row's cotangent zero:
+  finite gradients, the reference's."""
+  q, k, v, bias, ct = _call(1, 16, 24, 1, 16, whole_rows=3)
+  bias = jnp.where(bias < 0, -1.55e9, 0.0).astype(jnp.float32)
+  ct = ct.at[:, :3].set(0)
+  args = _canonical(q, k, v, bias)
+  out, lse = xla_ref.attention(q, k, v, bias, scale=args.scale)
+  lse = lse.at[:, :, :3].add(-128.0)
+  dq, dk, dv, _ = xla_ref.attention_chunked_backward(
+      q, k, v, bias, None, out, lse, ct, scale=args.scale)
+  _, want_dq, want_dk, want_dv, _ = _grads("xla", q, k, v, bias, ct)
+  for name, g, w in (("dq", dq, want_dq), ("dk", dk, want_dk), ("dv", dv, want_dv)):
+    assert np.all(np.isfinite(g)), name
     assert _relative(g, w) < 1e-5, (name, _relative(g, w))
 
 

@@ -308,8 +308,12 @@ def attention_chunked_backward(q, k, v, bias, mask, out, lse, dout, *, scale,
       logits = logits_soft_cap * jnp.tanh(raw / logits_soft_cap)
     vis = _group_heads(_chunk_visibility(chunk, q_pos, k_pos, s, kw), num_kv)
     # Logits minus lse first: both huge next to a bias of -1e9, their difference
-    # is exact (then the tail, the part of the lse they would round away).
-    p = jnp.where(vis, jnp.exp((logits - lse_g[..., None]) - tail_g[..., None]), 0.0)
+    # is exact (then the tail, the part of the lse they would round away). At
+    # most 0, as a weight is at most 1: another forward's lse, converted between
+    # bases, can sit 128 below such logits, and exp would give inf (then NaN
+    # even where the cotangent is 0).
+    z = jnp.minimum((logits - lse_g[..., None]) - tail_g[..., None], 0.0)
+    p = jnp.where(vis, jnp.exp(z), 0.0)
     dv = jnp.einsum("bkgts,btkgh->bskh", p, do, precision=precision)
     dp = jnp.einsum("btkgh,bskh->bkgts", do, chunk["v"].astype(jnp.float32),
                     precision=precision)

@@ -307,7 +307,8 @@ def guard_large_logits(args, dout, backward, lse=None):
   row's logits are huge (a bias of -1e9 masking the whole row, whose lse
   float32 rounds), the XLA chunked backward, which is exact there. Decided at
   run time from `lse` (the forward's ``[B, N, T]``, free to read) where given,
-  else from the bias (one read of it); both branches compiled, one runs. Calls
-  without a bias run `backward()` unchecked."""
+  else from the bias (one read of it); both branches compiled, one runs. Rows
+  whose cotangent is zero need nothing (they add no gradient); calls without a
+  bias, or with a soft cap below 2**14, run `backward()` unchecked."""
   from tokamax._src.ops.attention import large_logits  # pylint: disable=g-import-not-at-top
   return large_logits.guard(args, dout, backward, lse)
