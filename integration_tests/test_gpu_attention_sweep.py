@@ -95,10 +95,12 @@ class SweepCase:
   kv_lengths: tuple[float, ...] | None = None
   segments: bool = False
   bias: str | None = None  # which dims are full: "BNTS", "1NTS", "B1TS"
-  # -1e9 on every key of the first query rows and on the last keys (padding):
-  # the additive mask of older code. Those rows' weights are uniform; a
-  # backward that recomputes them from a float32 lse loses log(S) there.
-  bias_masks_rows: bool = False
+  # A large negative bias on every key of the first query rows and on the last
+  # keys (padding): the additive mask of older code, "-1e9", or "min" (the
+  # dtype's minimum, as Hugging Face's Flax models build it). Those rows'
+  # weights are uniform; a backward that recomputes them from a float32 lse
+  # loses log(S) there, and "min" overflows to -inf when scaled to base 2.
+  bias_masks_rows: str | None = None
   mask: str | None = None
   soft_cap: float | None = None
   sinks: bool = False  # one random logit per query head
@@ -140,7 +142,8 @@ FEATURES = {
     "segments_causal": dict(segments=True, is_causal=True),
     "bias": dict(bias="1NTS"),
     "bias_causal": dict(bias="B1TS", is_causal=True),
-    "bias_masks_rows": dict(bias="B1TS", bias_masks_rows=True),
+    "bias_masks_rows": dict(bias="B1TS", bias_masks_rows="-1e9"),
+    "bias_min_masks_rows": dict(bias="B1TS", bias_masks_rows="min"),
     "mask": dict(mask="B1TS"),
     "mask_bias_window": dict(mask="1NTS", bias="B1TS", window=(300, 300)),
     "soft_cap": dict(soft_cap=2.0),
@@ -163,7 +166,8 @@ _FEATURES_PER_SIZE = {
     "t16384": ("causal", "win_L0_large", "win_LR", "lengths_window"),
     "t4097s3001": ("base", "causal", "win_L0_large", "win_L0_small", "win_0R",
                    "win_LR", "win_L0_causal", "win_LR_causal", "win_0R_causal",
-                   "lengths", "lengths_window", "bias", "bias_masks_rows", "mask",
+                   "lengths", "lengths_window", "bias", "bias_masks_rows",
+                   "bias_min_masks_rows", "mask",
                    "mask_bias_window",
                    "combined", "combined_no_segments", "sinks",
                    "sinks_window_lengths"),
@@ -256,8 +260,10 @@ def make_inputs(case: SweepCase, scale: float) -> Inputs:
     floats["bias"] = normal(tuple(full.get(d, 1) for d in case.bias))
     if case.bias_masks_rows:
       bias = floats["bias"].copy()
-      bias[..., :3, :] = -1e9
-      bias[..., s - s // 5:] = -1e9
+      large = (float(jnp.finfo(dtype).min) if case.bias_masks_rows == "min"
+               else float(case.bias_masks_rows))
+      bias[..., :3, :] = large
+      bias[..., s - s // 5:] = large
       floats["bias"] = bias
   if case.sinks:
     # Spread so that some sinks outweigh a row's keys and some do not.
@@ -611,7 +617,8 @@ def test_harness_smoke():
            _make_case("t1023s4097", "combined", "float16", 64),
            _make_case("t4097s3001", "mask_bias_window"),
            _make_case("t4097s3001", "sinks_window_lengths"),
-           _make_case("t1023s4097", "bias_masks_rows")]
+           _make_case("t1023s4097", "bias_masks_rows"),
+           _make_case("t4097s3001", "bias_min_masks_rows")]
   for case in cases:
     record = run_case(case, "xla_chunked", _SMOKE_SCALE)
     assert record["status"] == "passed" and record["forward"] == ["xla_chunked"]

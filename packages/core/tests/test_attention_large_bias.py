@@ -158,6 +158,37 @@ def test_masked_rows_with_a_zero_cotangent(implementation):
     assert _relative(g, w) < 1e-5, (name, _relative(g, w))
 
 
+@pytest.mark.parametrize("value", [-1e10, float(np.finfo(np.float32).min), -np.inf],
+                         ids=["-1e10", "f32_min", "-inf"])
+@pytest.mark.parametrize("zero_masked_cotangent", [False, True])
+@pytest.mark.parametrize("implementation", _implementations(cudnn=False))
+def test_rows_masked_by_extreme_biases(implementation, zero_masked_cotangent, value):
+  """Beyond -1e9: -1e10, float32's minimum (which overflows to -inf once a
+  kernel scales logits to base 2) and -inf (keys not visible: the row outputs
+  0), with and without a cotangent on those rows: finite, and the reference's
+  output and gradients."""
+  q, k, v, bias, ct = _call(1, 64, 96, 2, 16, whole_rows=8)
+  bias = jnp.where(bias < 0, value, 0.0).astype(jnp.float32)
+  if zero_masked_cotangent:
+    ct = ct.at[:, :8].set(0)
+  want = _grads("xla", q, k, v, bias, ct)
+  got = _grads(implementation, q, k, v, bias, ct)
+  for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+    assert np.all(np.isfinite(g)), name
+    assert _relative(g, w) < 1e-5, (name, _relative(g, w))
+
+
+def test_the_guard_skips_rows_without_a_visible_key():
+  """A row the mask hides whole has no logits, so no gradient, whatever lse a
+  forward reports for it (cuDNN's is finite there): no guard."""
+  q, k, v, _, ct = _call(1, 8, 8, 1, 16, whole_rows=0)
+  mask = jnp.ones((1, 1, 8, 8), bool).at[..., :2, :].set(False)
+  args = attention_api.canonical_args(q, k, v, jnp.zeros((1, 1, 8, 8)), mask)[0]
+  lse = jnp.zeros((1, 1, 8)).at[..., :2].set(-3e38)
+  assert not bool(large_logits.has_large_logit_rows(args, ct, lse))
+  assert bool(large_logits.has_large_logit_rows(args, ct, lse.at[..., 2].set(-1e9)))
+
+
 def test_the_chunked_weights_never_exceed_one():
   """An lse 128 below a masked row's logits (what a base-2 forward's lse can
   come to after conversion, next to -1.55e9) with that row's cotangent zero:

@@ -49,6 +49,7 @@ from tokamax_gpu_triton import _common
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
+_F32_MAX = float(jnp.finfo(jnp.float32).max)
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _MAX_HEAD_DIM = 256
 
@@ -172,7 +173,13 @@ def _logits2(qk, bias, lay: _Layout):
   if lay.soft_cap is None:
     z = qk * (lay.scale * _LOG2E)
     if bias is not None:
-      z = z + bias.astype(jnp.float32) * _LOG2E
+      bias = bias.astype(jnp.float32)
+      z = z + bias * _LOG2E
+      # A finite bias below -F32_MAX / log2(e) (float32's minimum, a common
+      # "masked" value) overflows to -inf in base 2, which would hide a key the
+      # softmax sees (a row masked whole by it takes the mean of its values):
+      # saturate there. A bias of -inf hides its key, and stays -inf.
+      z = jnp.where(bias == -jnp.inf, -jnp.inf, jnp.maximum(z, -_F32_MAX))
     return z, None
   x = qk * (lay.scale / lay.soft_cap)
   if bias is not None:

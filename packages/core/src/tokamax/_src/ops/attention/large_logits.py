@@ -52,17 +52,20 @@ def has_large_logit_rows(args, dout: jax.Array,
   cap = args.logits_soft_cap
   if args.bias is None or (cap is not None and abs(cap) < LARGE_LOGIT):
     return None
+  t, s = args.query.shape[1], args.key.shape[1]
+  visible = xla_ref.visibility(
+      jnp.arange(t), jnp.arange(s), is_causal=args.is_causal,
+      local_window=args.local_window, mask=args.mask,
+      query_seq_lengths=args.query_seq_lengths,
+      key_value_seq_lengths=args.key_value_seq_lengths,
+      q_segment_ids=args.q_segment_ids, kv_segment_ids=args.kv_segment_ids,
+      q_offset=args.q_offset)
   if lse is not None:
-    size = lse.astype(jnp.float32)
+    # A row with no visible key has no logits to lose (its output is 0 and so
+    # are its gradients), whatever its lse: cuDNN's is finite there (-2.2e12
+    # for rows a mask hides, measured on the H200).
+    size = jnp.where(jnp.any(visible, axis=-1), lse.astype(jnp.float32), jnp.inf)
   else:
-    t, s = args.query.shape[1], args.key.shape[1]
-    visible = xla_ref.visibility(
-        jnp.arange(t), jnp.arange(s), is_causal=args.is_causal,
-        local_window=args.local_window, mask=args.mask,
-        query_seq_lengths=args.query_seq_lengths,
-        key_value_seq_lengths=args.key_value_seq_lengths,
-        q_segment_ids=args.q_segment_ids, kv_segment_ids=args.kv_segment_ids,
-        q_offset=args.q_offset)
     size = jnp.max(jnp.where(visible, args.bias.astype(jnp.float32), -jnp.inf), axis=-1)
   large = jnp.isfinite(size) & (jnp.abs(size) >= LARGE_LOGIT)  # [B|1, N|1, T|1]
   needs_gradient = jnp.moveaxis(jnp.any(dout != 0, axis=-1), 1, 2)  # [B, N, T]

@@ -199,5 +199,21 @@ class CudnnAttentionVjp(VjpOp):
         return _autodiff.apply_vjp(vjp, out.dtype, dout)
       return _autodiff.backward(_cudnn_forward, args, _ATTENTION_GRAD_FIELDS, dout)
     # cuDNN recomputes the weights from a float32 lse: wrong for rows a huge bias
-    # masks whole (`large_logits`), which no check at trace time can see.
-    return large_logits.guard(args, dout, cudnn)
+    # masks whole (`large_logits`), which no check at trace time can see. Its
+    # own lse, where the forward left it, makes the check free; else the check
+    # reads the bias.
+    lse = None if vjp is None else _cudnn_lse(vjp, args)
+    return large_logits.guard(args, dout, cudnn, lse)
+
+
+def _cudnn_lse(vjp, args) -> jax.Array | None:
+  """cuDNN's softmax statistics among the residuals of jax.nn's cuDNN vjp: the
+  natural lse of each row's scaled, biased logits, float32 ``[B, N, T]`` (the
+  only float32 residual of that shape: the others are the bf16/f16 operands,
+  bias and output; measured on the H200, JAX 0.11.2, equal to the reference's
+  lse within 2e-6). None where no single residual has that shape and dtype
+  (another JAX version may keep them otherwise): the caller then reads the bias."""
+  b, t, n = args.query.shape[:3]
+  stats = [x for x in jax.tree_util.tree_leaves(vjp)
+           if getattr(x, "dtype", None) == jnp.float32 and x.shape == (b, n, t)]
+  return stats[0] if len(stats) == 1 else None
