@@ -17,6 +17,7 @@ import pytest
 
 import tokamax
 import tokamax_xla_reference as xla_ref
+from tokamax._src import op as op_base
 from tokamax._src.ops.attention import api as attention_api
 from tokamax._src.ops.attention import large_logits
 from tokamax._src.ops.attention import xla as attention_xla
@@ -158,35 +159,95 @@ def test_masked_rows_with_a_zero_cotangent(implementation):
     assert _relative(g, w) < 1e-5, (name, _relative(g, w))
 
 
-@pytest.mark.parametrize("value", [-1e10, float(np.finfo(np.float32).min), -np.inf],
-                         ids=["-1e10", "f32_min", "-inf"])
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _extreme_bias(bias, kind):
+  """`bias` (-1e9 where `_call` masks) with the masked entries set by `kind`."""
+  masked = bias < 0
+  if kind == "mixed":
+    # jax.nn's own mask value on the first half of the keys, float32's minimum
+    # on the rest: the first half takes all the weight.
+    half = jnp.arange(bias.shape[-1]) < bias.shape[-1] // 2
+    return jnp.where(masked, jnp.where(half, -0.7 * _F32_MAX, -_F32_MAX), 0.0)
+  if kind == "positive":
+    # Three keys of every row far above the rest: they take all the weight.
+    return jnp.where(jnp.arange(bias.shape[-1]) < 3, 3e38, 0.0) + 0 * bias
+  return jnp.where(masked, float(kind), 0.0)
+
+
+@pytest.mark.parametrize("kind", ["-1e10", str(-_F32_MAX), "-inf", "mixed", "positive"],
+                         ids=["-1e10", "f32_min", "-inf", "mixed", "positive"])
 @pytest.mark.parametrize("zero_masked_cotangent", [False, True])
 @pytest.mark.parametrize("implementation", _implementations(cudnn=False))
-def test_rows_masked_by_extreme_biases(implementation, zero_masked_cotangent, value):
+def test_rows_masked_by_extreme_biases(implementation, zero_masked_cotangent, kind):
   """Beyond -1e9: -1e10, float32's minimum (which overflows to -inf once a
-  kernel scales logits to base 2) and -inf (keys not visible: the row outputs
-  0), with and without a cotangent on those rows: finite, and the reference's
-  output and gradients."""
+  kernel scales logits to base 2), -inf (keys not visible: the row outputs 0),
+  rows mixing two such values, and a bias of +3e38 on a few keys; with and
+  without a cotangent on the masked rows: finite, and the reference's output
+  and gradients."""
   q, k, v, bias, ct = _call(1, 64, 96, 2, 16, whole_rows=8)
-  bias = jnp.where(bias < 0, value, 0.0).astype(jnp.float32)
+  bias = _extreme_bias(bias, kind).astype(jnp.float32)
   if zero_masked_cotangent:
     ct = ct.at[:, :8].set(0)
   want = _grads("xla", q, k, v, bias, ct)
   got = _grads(implementation, q, k, v, bias, ct)
-  for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+  for name, g, w in zip(("out", "dq", "dk", "dv", "dbias"), got, want, strict=True):
     assert np.all(np.isfinite(g)), name
     assert _relative(g, w) < 1e-5, (name, _relative(g, w))
 
 
-def test_the_guard_skips_rows_without_a_visible_key():
-  """A row the mask hides whole has no logits, so no gradient, whatever lse a
-  forward reports for it (cuDNN's is finite there): no guard."""
+def test_an_lse_finite_on_rows_without_a_visible_key():
+  """cuDNN's lse is finite on rows a mask hides whole (-2.2e12 on an H200),
+  where ours is +inf; such a row has no gradient, so it must not look like one
+  of huge logits: `lse_with_empty_rows` sets it to +inf, and the guard then
+  stays off, though not for a row with a key."""
   q, k, v, _, ct = _call(1, 8, 8, 1, 16, whole_rows=0)
   mask = jnp.ones((1, 1, 8, 8), bool).at[..., :2, :].set(False)
   args = attention_api.canonical_args(q, k, v, jnp.zeros((1, 1, 8, 8)), mask)[0]
-  lse = jnp.zeros((1, 1, 8)).at[..., :2].set(-3e38)
+  stats = jnp.zeros((1, 1, 8)).at[..., :2].set(-2.2e12)
+  lse = large_logits.lse_with_empty_rows(args, stats)
+  np.testing.assert_array_equal(lse[..., :2], np.inf)
+  np.testing.assert_array_equal(lse[..., 2:], 0.0)
+  assert bool(large_logits.has_large_logit_rows(args, ct, stats))
   assert not bool(large_logits.has_large_logit_rows(args, ct, lse))
-  assert bool(large_logits.has_large_logit_rows(args, ct, lse.at[..., 2].set(-1e9)))
+  big_row = large_logits.lse_with_empty_rows(args, stats.at[..., 2].set(-1e9))
+  assert bool(large_logits.has_large_logit_rows(args, ct, big_row))
+
+
+def test_the_cudnn_statistics_are_the_one_float32_bnt_residual():
+  """`_cudnn_lse` takes the single float32 ``[B, N, T]`` leaf of the vjp's
+  residuals (rows without a key set to +inf), and None (so the bias is read)
+  where there is none or more than one: a future JAX keeping its residuals
+  otherwise must fall back, not pick a wrong array."""
+  q, k, v, bias, _ = _call(2, 8, 8, 3, 16, whole_rows=0)
+  args = _canonical(q, k, v, bias)
+  stats = jnp.arange(2 * 3 * 8, dtype=jnp.float32).reshape(2, 3, 8)
+  others = (q.astype(jnp.bfloat16), bias.astype(jnp.bfloat16), jnp.zeros((0,)),
+            jnp.zeros((2, 8, 3), jnp.float32), jnp.zeros((2,), jnp.int32))
+  vjp = jax.tree_util.Partial(lambda *a: None, *others, stats)
+  np.testing.assert_array_equal(attention_xla._cudnn_lse(vjp, args), stats)
+  assert attention_xla._cudnn_lse(jax.tree_util.Partial(lambda *a: None, *others),
+                                  args) is None
+  assert attention_xla._cudnn_lse(
+      jax.tree_util.Partial(lambda *a: None, stats, stats + 1), args) is None
+
+
+@pytest.mark.skipif(not _ON_GPU, reason="cuDNN runs on NVIDIA GPUs only")
+def test_the_cudnn_forward_leaves_its_statistics():
+  """On a GPU, with the JAX installed: the cuDNN forward's residuals hold the
+  statistics `_cudnn_lse` looks for, and they are the reference's lse (were
+  they not found, the backward would read the bias: right, but slower)."""
+  q, k, v, bias, _ = _call(2, 256, 256, 2, 64, whole_rows=8, dtype=jnp.bfloat16)
+  args = _canonical(q, k, v, bias)
+  with op_base.allow_opaque_residuals():
+    _, residuals = attention_xla.CudnnAttention().forward(args, None)
+  assert attention_xla._CUDNN_VJP in residuals, "no cuDNN vjp among the residuals"
+  lse = attention_xla._cudnn_lse(residuals[attention_xla._CUDNN_VJP], args)
+  assert lse is not None, "cuDNN's statistics not found among the vjp's residuals"
+  _, want = xla_ref.attention(*(x.astype(jnp.float32) for x in (q, k, v, bias)),
+                              scale=args.scale)
+  np.testing.assert_allclose(lse, want, rtol=1e-5, atol=1e-3)
 
 
 def test_the_chunked_weights_never_exceed_one():

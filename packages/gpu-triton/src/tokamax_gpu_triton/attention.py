@@ -49,7 +49,9 @@ from tokamax_gpu_triton import _common
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
-_F32_MAX = float(jnp.finfo(jnp.float32).max)
+# Beyond this magnitude a natural logit times log2(e) may overflow float32: see
+# `_base2`.
+_EXTREME_LOGIT = 1e38
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _MAX_HEAD_DIM = 256
 
@@ -171,21 +173,44 @@ def _dot(a, b, precision, trans_b=False):
 def _logits2(qk, bias, lay: _Layout):
   """Base-2 logits ``log2(e) * soft_cap(scale * qk + bias)`` and the tanh (or None)."""
   if lay.soft_cap is None:
-    z = qk * (lay.scale * _LOG2E)
-    if bias is not None:
-      bias = bias.astype(jnp.float32)
-      z = z + bias * _LOG2E
-      # A finite bias below -F32_MAX / log2(e) (float32's minimum, a common
-      # "masked" value) overflows to -inf in base 2, which would hide a key the
-      # softmax sees (a row masked whole by it takes the mean of its values):
-      # saturate there. A bias of -inf hides its key, and stays -inf.
-      z = jnp.where(bias == -jnp.inf, -jnp.inf, jnp.maximum(z, -_F32_MAX))
-    return z, None
+    if bias is None:
+      return qk * (lay.scale * _LOG2E), None
+    return _base2(qk * lay.scale + bias.astype(jnp.float32)), None
   x = qk * (lay.scale / lay.soft_cap)
   if bias is not None:
     x = x + bias.astype(jnp.float32) * (1.0 / lay.soft_cap)
   th = jnp.tanh(x)
   return th * (lay.soft_cap * _LOG2E), th
+
+
+def _base2(x):
+  """Natural logits `x` in base 2: ``x * log2(e)`` up to magnitude
+  `_EXTREME_LOGIT`, beyond it a line of slope 1/2, continuous and increasing.
+
+  A bias near float32's extremes (``finfo(float32).min``, as Hugging Face's Flax
+  models mask with) would overflow to -inf times log2(e) and hide a key the
+  softmax sees: a row masked whole by it takes the mean of its values. The line
+  keeps every finite logit finite and in order, and softmax weights exact: two
+  distinct logits out there differ by at least float32's ulp (about 1e31), so
+  the smaller one's weight is 0 in either scale, and equal ones stay equal.
+  ±inf stay ±inf. (The lse of such a row, in this scale times ln 2, is then not
+  its natural lse; only this kernel's backward and the large-logit guard, which
+  reads its magnitude, take it.)"""
+  offset = _EXTREME_LOGIT * (_LOG2E - 0.5)
+  line = x * 0.5 + jnp.where(x < 0, -offset, offset)
+  return jnp.where(jnp.abs(x) <= _EXTREME_LOGIT, x * _LOG2E, line)
+
+
+def _weight_exponent(z_minus_lse2, lay: _Layout):
+  """The backward's ``log2`` of a weight. With a bias it is clamped at 0 (weights
+  at most 1): a row whose logits are huge gets an lse rounded by up to half its
+  ulp (1e31 at `_EXTREME_LOGIT`), and one above its logits would make an inf
+  weight and, times a zero cotangent, NaN gradients. (Its weights are wrong
+  either way; such rows with a cotangent go to the exact backward by
+  `plugin.guard_large_logits`.)"""
+  if lay.bias_shape is None:
+    return z_minus_lse2
+  return jnp.minimum(z_minus_lse2, 0.0)
 
 
 def _positional(lay: _Layout, rows, cols, kv_limit, bk, rows_first=True):
@@ -467,7 +492,7 @@ def _dq_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: b
     k, v, bias, vis = _key_block(lay, refs, j, bk, masked, q0, bq, rows, row_in, q_seg,
                                  limits)
     z, th = _logits2(_dot(q, k, lay.precision, trans_b=True), bias, lay)
-    p = jnp.exp2(z - lse2[:, None])
+    p = jnp.exp2(_weight_exponent(z - lse2[:, None], lay))
     if vis is not None:
       p = jnp.where(vis, p, 0.0)
     dp = _dot(do, v, lay.precision, trans_b=True)
@@ -518,7 +543,7 @@ def _dkdv_kernel(*refs, names, lay: _Layout, bq: int, bk: int):
                                     rows_first=False))
       # Transposed tiles [bk, bq]: dK and dV come out without transposing p or ds.
       z, th = _logits2(_dot(k, q, lay.precision, trans_b=True), bias, lay)
-      p = jnp.exp2(z - lse2[None, :])
+      p = jnp.exp2(_weight_exponent(z - lse2[None, :], lay))
       if vis is not None:
         p = jnp.where(vis, p, 0.0)
       dv = dv + _dot(p.astype(do.dtype), do, lay.precision)

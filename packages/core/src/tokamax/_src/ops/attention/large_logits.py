@@ -37,8 +37,9 @@ def has_large_logit_rows(args, dout: jax.Array,
   have one (no bias, or a soft cap below `LARGE_LOGIT`), which is not checked.
 
   The logits' size comes from the forward's `lse` where one is given (``[B, N,
-  T]``, about the row's largest logit: reading it costs nothing next to the
-  attention), else from the bias, whose largest visible entry per row stands
+  T]``, about the row's largest logit, +inf on rows that see no key as
+  `AttentionArgs` defines it (`lse_with_empty_rows` for a forward whose lse is
+  not): reading it costs nothing next to the attention), else from the bias, whose largest visible entry per row stands
   for it (one read of the bias). A row whose cotangent is zero (a padded query
   whose loss is masked: the usual reason a whole row is masked) adds nothing to
   any gradient, whatever its weights, so it needs no check. Under `jax.vmap` the
@@ -52,24 +53,37 @@ def has_large_logit_rows(args, dout: jax.Array,
   cap = args.logits_soft_cap
   if args.bias is None or (cap is not None and abs(cap) < LARGE_LOGIT):
     return None
+  if lse is not None:
+    size = lse.astype(jnp.float32)
+  else:
+    size = jnp.max(jnp.where(_visible(args), args.bias.astype(jnp.float32), -jnp.inf),
+                   axis=-1)
+  large = jnp.isfinite(size) & (jnp.abs(size) >= LARGE_LOGIT)  # [B|1, N|1, T|1]
+  needs_gradient = jnp.moveaxis(jnp.any(dout != 0, axis=-1), 1, 2)  # [B, N, T]
+  return _any_over_vmap(jnp.any(large & needs_gradient))
+
+
+def lse_with_empty_rows(args, lse: jax.Array) -> jax.Array:
+  """`lse` ``[B, N, T]`` with +inf on the rows that see no key, as
+  `AttentionArgs` defines the residual, for a forward whose lse is finite there
+  (cuDNN's: -2.2e12 for rows a mask hides, measured on the H200): such a row
+  has no logits to lose (its output is 0 and so are its gradients), and a
+  finite lse there would look like a row of huge logits. From positions,
+  lengths and segments (no memory read), and the mask where one is given."""
+  has_key = jnp.any(_visible(args), axis=-1)  # [B|1, N|1, T]
+  return jnp.where(has_key, lse, jnp.inf)
+
+
+def _visible(args) -> jax.Array:
+  """Which keys each query row sees, bool ``[B|1, N|1, T, S]``."""
   t, s = args.query.shape[1], args.key.shape[1]
-  visible = xla_ref.visibility(
+  return xla_ref.visibility(
       jnp.arange(t), jnp.arange(s), is_causal=args.is_causal,
       local_window=args.local_window, mask=args.mask,
       query_seq_lengths=args.query_seq_lengths,
       key_value_seq_lengths=args.key_value_seq_lengths,
       q_segment_ids=args.q_segment_ids, kv_segment_ids=args.kv_segment_ids,
       q_offset=args.q_offset)
-  if lse is not None:
-    # A row with no visible key has no logits to lose (its output is 0 and so
-    # are its gradients), whatever its lse: cuDNN's is finite there (-2.2e12
-    # for rows a mask hides, measured on the H200).
-    size = jnp.where(jnp.any(visible, axis=-1), lse.astype(jnp.float32), jnp.inf)
-  else:
-    size = jnp.max(jnp.where(visible, args.bias.astype(jnp.float32), -jnp.inf), axis=-1)
-  large = jnp.isfinite(size) & (jnp.abs(size) >= LARGE_LOGIT)  # [B|1, N|1, T|1]
-  needs_gradient = jnp.moveaxis(jnp.any(dout != 0, axis=-1), 1, 2)  # [B, N, T]
-  return _any_over_vmap(jnp.any(large & needs_gradient))
 
 
 @jax.custom_batching.custom_vmap

@@ -210,10 +210,13 @@ def _cudnn_lse(vjp, args) -> jax.Array | None:
   """cuDNN's softmax statistics among the residuals of jax.nn's cuDNN vjp: the
   natural lse of each row's scaled, biased logits, float32 ``[B, N, T]`` (the
   only float32 residual of that shape: the others are the bf16/f16 operands,
-  bias and output; measured on the H200, JAX 0.11.2, equal to the reference's
-  lse within 2e-6). None where no single residual has that shape and dtype
+  bias and output, lengths, placeholders; measured on the H200, JAX 0.11.2,
+  equal to the reference's lse within 2e-6), with +inf on rows that see no key
+  as our lse has it. None where no single residual has that shape and dtype
   (another JAX version may keep them otherwise): the caller then reads the bias."""
   b, t, n = args.query.shape[:3]
   stats = [x for x in jax.tree_util.tree_leaves(vjp)
            if getattr(x, "dtype", None) == jnp.float32 and x.shape == (b, n, t)]
-  return stats[0] if len(stats) == 1 else None
+  if len(stats) != 1:
+    return None
+  return large_logits.lse_with_empty_rows(args, stats[0])
