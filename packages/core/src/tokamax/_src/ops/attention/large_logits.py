@@ -38,9 +38,10 @@ def has_large_logit_rows(args, dout: jax.Array,
 
   The logits' size comes from the forward's `lse` where one is given (``[B, N,
   T]``, about the row's largest logit, +inf on rows that see no key as
-  `AttentionArgs` defines it (`lse_with_empty_rows` for a forward whose lse is
-  not): reading it costs nothing next to the attention), else from the bias, whose largest visible entry per row stands
-  for it (one read of the bias). A row whose cotangent is zero (a padded query
+  `AttentionArgs` defines it; `lse_with_empty_rows` makes it so for a forward
+  whose lse is not: reading it costs nothing next to the attention), else from
+  the bias, whose largest visible entry per row stands for it (one read of the
+  bias). A row whose cotangent is zero (a padded query
   whose loss is masked: the usual reason a whole row is masked) adds nothing to
   any gradient, whatever its weights, so it needs no check. Under `jax.vmap` the
   answer covers every example of the batch (`_any_over_vmap`), so that
