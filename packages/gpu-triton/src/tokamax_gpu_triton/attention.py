@@ -190,12 +190,15 @@ def _base2(x):
   A bias near float32's extremes (``finfo(float32).min``, as Hugging Face's Flax
   models mask with) would overflow to -inf times log2(e) and hide a key the
   softmax sees: a row masked whole by it takes the mean of its values. The line
-  keeps every finite logit finite and in order, and softmax weights exact: two
-  distinct logits out there differ by at least float32's ulp (about 1e31), so
-  the smaller one's weight is 0 in either scale, and equal ones stay equal.
-  ±inf stay ±inf. (The lse of such a row, in this scale times ln 2, is then not
-  its natural lse; only this kernel's backward and the large-logit guard, which
-  reads its magnitude, take it.)"""
+  keeps every finite logit finite and never reverses two of them; logits out
+  there that differ by more than a few of float32's ulps (about 1e31 each) keep
+  their exact weights (the smaller one's is 0 in either scale), while
+  neighbours an ulp apart may tie (float32 has fewer values in the line's
+  range than in its domain). ±inf stay ±inf. The sinks are still scaled by
+  log2(e) alone: a sink beyond 1e38 in magnitude is not ordered against such
+  keys. (The lse of such a row, in this scale times ln 2, is not its natural
+  lse; only this kernel's backward and the large-logit guard, which reads its
+  magnitude, take it.)"""
   offset = _EXTREME_LOGIT * (_LOG2E - 0.5)
   line = x * 0.5 + jnp.where(x < 0, -offset, offset)
   return jnp.where(jnp.abs(x) <= _EXTREME_LOGIT, x * _LOG2E, line)
