@@ -172,7 +172,8 @@ def _extreme_bias(bias, kind):
     return jnp.where(masked, jnp.where(half, -0.7 * _F32_MAX, -_F32_MAX), 0.0)
   if kind == "positive":
     # Three keys of every row far above the rest: they take all the weight.
-    return jnp.where(jnp.arange(bias.shape[-1]) < 3, 3e38, 0.0) + 0 * bias
+    return jnp.broadcast_to(jnp.where(jnp.arange(bias.shape[-1]) < 3, 3e38, 0.0),
+                            bias.shape)
   return jnp.where(masked, float(kind), 0.0)
 
 
