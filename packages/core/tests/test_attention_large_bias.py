@@ -198,6 +198,36 @@ def test_rows_masked_by_extreme_biases(implementation, zero_masked_cotangent, ki
     assert _relative(g, w) < 1e-5, (name, _relative(g, w))
 
 
+@pytest.mark.parametrize("cotangent", ["random", "zero"])
+@pytest.mark.parametrize("implementation", _implementations(cudnn=False))
+def test_sinks_against_extreme_logits(implementation, cotangent):
+  """Sinks and keys both beyond 1e38: head 0's sink (2.5e38) lies above three
+  keys at 2e38 and takes every row's weight (out 0); head 1's (1.5e38) lies
+  below them and takes none (out the mean of their values). A kernel that maps
+  keys and sinks to base 2 differently reverses head 1's order. With a zero
+  cotangent (the kernel's own backward runs: no row needs the exact one) every
+  gradient is finite, and 0."""
+  q, k, v, bias, ct = _call(1, 32, 48, 2, 16, whole_rows=0)
+  bias = jnp.broadcast_to(jnp.where(jnp.arange(48) < 3, 2e38, 0.0), bias.shape)
+  sinks = jnp.array([2.5e38, 1.5e38], jnp.float32)
+  if cotangent == "zero":
+    ct = jnp.zeros_like(ct)
+
+  def grads(name):
+    with tokamax.interpret(name == "triton" and not _ON_GPU):
+      out, vjp = jax.vjp(lambda q, k, v, bias, sinks: tokamax.dot_product_attention(
+          q, k, v, bias, sinks=sinks, implementation=name), q, k, v, bias, sinks)
+      return (out, *vjp(ct))
+
+  want, got = grads("xla"), grads(implementation)
+  np.testing.assert_array_equal(want[0][:, :, 0], 0.0)
+  np.testing.assert_allclose(want[0][:, :, 1], jnp.broadcast_to(
+      jnp.mean(v[:, :3, 1], axis=1, keepdims=True), want[0][:, :, 1].shape), rtol=1e-6)
+  for name, g, w in zip(("out", "dq", "dk", "dv", "dbias", "dsinks"), got, want, strict=True):
+    assert np.all(np.isfinite(g)), name
+    assert _relative(g, w) < 1e-5, (name, _relative(g, w))
+
+
 def test_an_lse_finite_on_rows_without_a_visible_key():
   """cuDNN's lse is finite on rows a mask hides whole (-2.2e12 on an H200),
   where ours is +inf; such a row has no gradient, so it must not look like one

@@ -194,11 +194,10 @@ def _base2(x):
   there that differ by more than a few of float32's ulps (about 1e31 each) keep
   their exact weights (the smaller one's is 0 in either scale), while
   neighbours an ulp apart may tie (float32 has fewer values in the line's
-  range than in its domain). ±inf stay ±inf. The sinks are still scaled by
-  log2(e) alone: a sink beyond 1e38 in magnitude is not ordered against such
-  keys. (The lse of such a row, in this scale times ln 2, is not its natural
-  lse; only this kernel's backward and the large-logit guard, which reads its
-  magnitude, take it.)"""
+  range than in its domain). ±inf stay ±inf. The sinks take the same map, so a
+  sink out there keeps its order against such keys. (The lse of such a row, in
+  this scale times ln 2, is not its natural lse; only this kernel's backward and
+  the large-logit guard, which reads its magnitude, take it.)"""
   offset = _EXTREME_LOGIT * (_LOG2E - 0.5)
   line = x * 0.5 + jnp.where(x < 0, -offset, offset)
   return jnp.where(jnp.abs(x) <= _EXTREME_LOGIT, x * _LOG2E, line)
@@ -465,7 +464,7 @@ def _fwd_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: 
   if lay.has_sinks:
     # The sink joins the denominator: weights shrink by 1 / (1 + 2^(sink2 -
     # lse2)), and the lse takes it in (a base-2 logaddexp, stable either way).
-    sink2 = refs["sinks"][...] * _LOG2E
+    sink2 = _base2(refs["sinks"][...])  # in the keys' scale, extreme ones too
     top = jnp.maximum(lse2, sink2)
     lse2 = top + jnp.log2(jnp.exp2(lse2 - top) + jnp.exp2(sink2 - top))
     inv_l = inv_l * jnp.exp2(m + jnp.log2(l_safe) - lse2)
