@@ -170,6 +170,11 @@ def _extreme_bias(bias, kind):
     # on the rest: the first half takes all the weight.
     half = jnp.arange(bias.shape[-1]) < bias.shape[-1] // 2
     return jnp.where(masked, jnp.where(half, -0.7 * _F32_MAX, -_F32_MAX), 0.0)
+  if kind == "adjacent":
+    # -3e38 on every masked key but the first two, one ulp above it: those two
+    # take all the weight (a base-2 map of logits this large may merge them).
+    near = np.nextafter(np.float32(-3e38), np.float32(0))
+    return jnp.where(masked, jnp.where(jnp.arange(bias.shape[-1]) < 2, near, -3e38), 0.0)
   if kind == "positive":
     # Three keys of every row far above the rest: they take all the weight.
     return jnp.broadcast_to(jnp.where(jnp.arange(bias.shape[-1]) < 3, 3e38, 0.0),
@@ -177,16 +182,17 @@ def _extreme_bias(bias, kind):
   return jnp.where(masked, float(kind), 0.0)
 
 
-@pytest.mark.parametrize("kind", ["-1e10", str(-_F32_MAX), "-inf", "mixed", "positive"],
-                         ids=["-1e10", "f32_min", "-inf", "mixed", "positive"])
+@pytest.mark.parametrize("kind", ["-1e10", str(-_F32_MAX), "-inf", "mixed", "adjacent",
+                                  "positive"],
+                         ids=["-1e10", "f32_min", "-inf", "mixed", "adjacent", "positive"])
 @pytest.mark.parametrize("zero_masked_cotangent", [False, True])
 @pytest.mark.parametrize("implementation", _implementations(cudnn=False))
 def test_rows_masked_by_extreme_biases(implementation, zero_masked_cotangent, kind):
   """Beyond -1e9: -1e10, float32's minimum (which overflows to -inf once a
   kernel scales logits to base 2), -inf (keys not visible: the row outputs 0),
-  rows mixing two such values, and a bias of +3e38 on a few keys; with and
-  without a cotangent on the masked rows: finite, and the reference's output
-  and gradients."""
+  rows mixing two such values or keys one ulp apart at -3e38, and a bias of
+  +3e38 on a few keys; with and without a cotangent on the masked rows:
+  finite, and the reference's output and gradients."""
   q, k, v, bias, ct = _call(1, 64, 96, 2, 16, whole_rows=8)
   bias = _extreme_bias(bias, kind).astype(jnp.float32)
   if zero_masked_cotangent:

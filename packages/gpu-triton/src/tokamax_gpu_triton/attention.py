@@ -4,7 +4,8 @@ Forward (grid: query blocks x batch*heads). Each program holds one ``[block_q, H
 query tile and walks the key/value blocks that can be visible to it, keeping the
 online-softmax state (row max ``m``, row sum ``l``, unnormalized output ``acc``) in
 float32. Logits live in the base-2 domain (``log2(e)`` folded into the scale) so the
-exponentials are ``exp2``. The T x S score matrix never leaves registers. The
+exponentials are ``exp2``, except with a bias (`_Layout.natural_logits`). The T x S
+score matrix never leaves registers. The
 residual is the natural log-sum-exp per row, +inf for rows that see no key.
 Attention sinks join the denominator in the epilogue (the lse takes them in), so
 the backward kernels are the same with or without them; the sinks' own gradient
@@ -49,9 +50,7 @@ from tokamax_gpu_triton import _common
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
-# Beyond this magnitude a natural logit times log2(e) may overflow float32: see
-# `_base2`.
-_EXTREME_LOGIT = 1e38
+_F32_MAX = float(jnp.finfo(jnp.float32).max)
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _MAX_HEAD_DIM = 256
 
@@ -107,6 +106,17 @@ class _Layout(plugin.AttentionLayout):
     # Without bias or soft cap, logits are qk * c with c > 0: the row max can be
     # taken on qk and the scaling fused into the exp2 argument (one FMA).
     return self.bias_shape is None and self.soft_cap is None and self.scale > 0
+
+  @property
+  def natural_logits(self) -> bool:
+    # A bias may hold any float32 (a mask of finfo(float32).min, as Hugging Face's
+    # Flax models build; a few keys at +3e38), and such a logit times log2(e)
+    # overflows: a row masked whole by the minimum would look empty (out 0, not
+    # the mean of its values). So with a bias (and no soft cap, which bounds
+    # the logits) the kernels keep logits, row maxes and the lse in natural
+    # units and scale only differences to base 2 (`_exp`): exact for every
+    # finite logit, one multiply per weight more than a base-2 logit costs.
+    return self.bias_shape is not None and self.soft_cap is None
 
 
 def _layout(args) -> _Layout:
@@ -170,12 +180,13 @@ def _dot(a, b, precision, trans_b=False):
   return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _logits2(qk, bias, lay: _Layout):
-  """Base-2 logits ``log2(e) * soft_cap(scale * qk + bias)`` and the tanh (or None)."""
+def _logits(qk, bias, lay: _Layout):
+  """The logits ``soft_cap(scale * qk + bias)`` in the kernel's unit (natural with
+  `lay.natural_logits`, else base 2) and the tanh (or None)."""
   if lay.soft_cap is None:
     if bias is None:
       return qk * (lay.scale * _LOG2E), None
-    return _base2(qk * lay.scale + bias.astype(jnp.float32)), None
+    return qk * lay.scale + bias.astype(jnp.float32), None
   x = qk * (lay.scale / lay.soft_cap)
   if bias is not None:
     x = x + bias.astype(jnp.float32) * (1.0 / lay.soft_cap)
@@ -183,36 +194,37 @@ def _logits2(qk, bias, lay: _Layout):
   return th * (lay.soft_cap * _LOG2E), th
 
 
-def _base2(x):
-  """Natural logits `x` in base 2: ``x * log2(e)`` up to magnitude
-  `_EXTREME_LOGIT`, beyond it a line of slope 1/2, continuous and increasing.
-
-  A bias near float32's extremes (``finfo(float32).min``, as Hugging Face's Flax
-  models mask with) would overflow to -inf times log2(e) and hide a key the
-  softmax sees: a row masked whole by it takes the mean of its values. The line
-  keeps every finite logit finite and never reverses two of them; logits out
-  there that differ by more than a few of float32's ulps (about 1e31 each) keep
-  their exact weights (the smaller one's is 0 in either scale), while
-  neighbours an ulp apart may tie (float32 has fewer values in the line's
-  range than in its domain). ±inf stay ±inf. The sinks take the same map, so a
-  sink out there keeps its order against such keys. (The lse of such a row, in
-  this scale times ln 2, is not its natural lse; only this kernel's backward and
-  the large-logit guard, which reads its magnitude, take it.)"""
-  offset = _EXTREME_LOGIT * (_LOG2E - 0.5)
-  line = x * 0.5 + jnp.where(x < 0, -offset, offset)
-  return jnp.where(jnp.abs(x) <= _EXTREME_LOGIT, x * _LOG2E, line)
+def _in_unit(x, lay: _Layout):
+  """Natural logits (a sink, an lse) in the kernel's unit."""
+  return x if lay.natural_logits else x * _LOG2E
 
 
-def _weight_exponent(z_minus_lse2, lay: _Layout):
-  """The backward's ``log2`` of a weight. With a bias it is clamped at 0 (weights
-  at most 1): a row whose logits are huge gets an lse rounded by up to half its
-  ulp (1e31 at `_EXTREME_LOGIT`), and one above its logits would make an inf
+def _to_natural(x, lay: _Layout):
+  return x if lay.natural_logits else x * _LN2
+
+
+def _exp(x, lay: _Layout):
+  """The weight of a logit difference `x` (<= 0 where it matters) in the kernel's
+  unit: ``2**x``, or ``e**x`` for natural logits (a difference of two finite
+  float32 overflows only to -inf, whose weight 0 is right)."""
+  return jnp.exp2(x * _LOG2E) if lay.natural_logits else jnp.exp2(x)
+
+
+def _log(x, lay: _Layout):
+  return jnp.log2(x) * _LN2 if lay.natural_logits else jnp.log2(x)
+
+
+def _weight(z_minus_lse, lay: _Layout):
+  """The backward's weight of a logit, from its difference to the row's lse (in
+  the kernel's unit). With a bias the difference is clamped at 0 (weights at
+  most 1): a row whose logits are huge gets an lse rounded by up to half its ulp
+  (1e31 near float32's maximum), and one below its logits would make an inf
   weight and, times a zero cotangent, NaN gradients. (Its weights are wrong
   either way; such rows with a cotangent go to the exact backward by
   `plugin.guard_large_logits`.)"""
-  if lay.bias_shape is None:
-    return z_minus_lse2
-  return jnp.minimum(z_minus_lse2, 0.0)
+  if lay.bias_shape is not None:
+    z_minus_lse = jnp.minimum(z_minus_lse, 0.0)
+  return _exp(z_minus_lse, lay)
 
 
 def _positional(lay: _Layout, rows, cols, kv_limit, bk, rows_first=True):
@@ -428,7 +440,7 @@ def _fwd_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: 
     if lay.direct_scale:
       z, c = qk, lay.scale * _LOG2E
     else:
-      z, c = _logits2(qk, bias, lay)[0], None
+      z, c = _logits(qk, bias, lay)[0], None
     if vis is not None:
       z = jnp.where(vis, z, -jnp.inf)
     row_max = jnp.max(z, axis=1)
@@ -441,8 +453,8 @@ def _fwd_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: 
     else:
       # A row with nothing visible yet keeps max -inf; exponentiate against 0 then.
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp2(m - m_safe)
-    p = jnp.exp2((z * c if c is not None else z) - m_safe[:, None])
+    alpha = _exp(m - m_safe, lay)
+    p = _exp((z * c if c is not None else z) - m_safe[:, None], lay)
     l = l * alpha + jnp.sum(p, axis=1)
     acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, lay.precision)
     return acc, m_new, l
@@ -459,17 +471,22 @@ def _fwd_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: 
   if lay.has_q_len:
     valid &= rows < q_limit
   l_safe = jnp.where(valid, l, 1.0)
-  lse2 = jnp.where(valid, m + jnp.log2(l_safe), 0.0)  # base 2, keys only
+  keys_lse = jnp.where(valid, m + _log(l_safe, lay), 0.0)  # the kernel's unit
+  lse = keys_lse
   inv_l = 1.0 / l_safe
   if lay.has_sinks:
-    # The sink joins the denominator: weights shrink by 1 / (1 + 2^(sink2 -
-    # lse2)), and the lse takes it in (a base-2 logaddexp, stable either way).
-    sink2 = _base2(refs["sinks"][...])  # in the keys' scale, extreme ones too
-    top = jnp.maximum(lse2, sink2)
-    lse2 = top + jnp.log2(jnp.exp2(lse2 - top) + jnp.exp2(sink2 - top))
-    inv_l = inv_l * jnp.exp2(m + jnp.log2(l_safe) - lse2)
+    # The sink joins the denominator: weights shrink by 1 / (1 + exp(sink -
+    # keys_lse)), and the lse takes it in (a logaddexp, stable either way). In
+    # base 2 a sink beyond float32's range saturates: the keys' logits there are
+    # bounded (no bias), so it keeps its order against them.
+    sink = _in_unit(refs["sinks"][...], lay)
+    if not lay.natural_logits:
+      sink = jnp.clip(sink, -_F32_MAX, _F32_MAX)
+    top = jnp.maximum(lse, sink)
+    lse = top + _log(_exp(lse - top, lay) + _exp(sink - top, lay), lay)
+    inv_l = inv_l * _exp(keys_lse - lse, lay)
   out = jnp.where(valid[:, None], acc * inv_l[:, None], 0.0)
-  lse = jnp.where(valid, lse2 * _LN2, jnp.inf)
+  lse = jnp.where(valid, _to_natural(lse, lay), jnp.inf)
   _store_rows(refs["out"], q0, bq, out, row_in, lay.hvp, lay.hv)
   plgpu.store(refs["lse"].at[pl.ds(q0, bq)], lse, mask=row_in)
 
@@ -486,15 +503,15 @@ def _dq_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: b
   do = _load_rows(refs["do"], None, q0, bq, row_in, lay.hvp, lay.hv)
   # Rows past the query length (or past T) get lse = +inf: p = 0, no gradient.
   lse_ok = rows < q_limit if (lay.has_q_len or lay.t % bq) else None
-  lse2 = _load_vec(refs["lse"], (), q0, bq, lse_ok, jnp.inf) * _LOG2E
+  lse = _in_unit(_load_vec(refs["lse"], (), q0, bq, lse_ok, jnp.inf), lay)
   delta = _load_vec(refs["delta"], (), q0, bq, row_in, 0.0)
   q_seg = _load_seg(lay, refs, "q_seg", q0, bq, row_in)
 
   def body(j, dq, masked):
     k, v, bias, vis = _key_block(lay, refs, j, bk, masked, q0, bq, rows, row_in, q_seg,
                                  limits)
-    z, th = _logits2(_dot(q, k, lay.precision, trans_b=True), bias, lay)
-    p = jnp.exp2(_weight_exponent(z - lse2[:, None], lay))
+    z, th = _logits(_dot(q, k, lay.precision, trans_b=True), bias, lay)
+    p = _weight(z - lse[:, None], lay)
     if vis is not None:
       p = jnp.where(vis, p, 0.0)
     dp = _dot(do, v, lay.precision, trans_b=True)
@@ -534,7 +551,7 @@ def _dkdv_kernel(*refs, names, lay: _Layout, bq: int, bk: int):
       q = _load_rows(refs["q"], g, q0, bq, row_in, lay.hp, lay.h)
       do = _load_rows(refs["do"], g, q0, bq, row_in, lay.hvp, lay.hv)
       lse_ok = rows < q_limit if (lay.has_q_len or lay.t % bq) else None
-      lse2 = _load_vec(refs["lse"], (g,), q0, bq, lse_ok, jnp.inf) * _LOG2E
+      lse = _in_unit(_load_vec(refs["lse"], (g,), q0, bq, lse_ok, jnp.inf), lay)
       delta = _load_vec(refs["delta"], (g,), q0, bq, row_in, 0.0)
       q_seg = _load_seg(lay, refs, "q_seg", q0, bq, row_in)
       bias, vis = _content(lay, refs, (g,) if per_head_bias else (),
@@ -544,8 +561,8 @@ def _dkdv_kernel(*refs, names, lay: _Layout, bq: int, bk: int):
         vis = _common.and_masks(vis, _positional(lay, rows + off, cols, kv_limit, bk,
                                     rows_first=False))
       # Transposed tiles [bk, bq]: dK and dV come out without transposing p or ds.
-      z, th = _logits2(_dot(k, q, lay.precision, trans_b=True), bias, lay)
-      p = jnp.exp2(_weight_exponent(z - lse2[None, :], lay))
+      z, th = _logits(_dot(k, q, lay.precision, trans_b=True), bias, lay)
+      p = _weight(z - lse[None, :], lay)
       if vis is not None:
         p = jnp.where(vis, p, 0.0)
       dv = dv + _dot(p.astype(do.dtype), do, lay.precision)
