@@ -9,8 +9,8 @@ forward+backward (random cotangent, key-padding bias) three ways:
 - `bypassed`: the guard replaced by its backward alone (what the call cost before
   the check existed);
 - `guarded`: as shipped;
-- `unrolled`: as shipped, with the exact branch's chunk scans unrolled (a branch
-  without while loops can be captured in a CUDA graph).
+- `rolled`: as shipped, but with the exact branch's loops over key chunks kept
+  as while loops (`large_logits.UNROLLED_CHUNKS` 0), as before they were unrolled.
 
 It checks that the three give the same gradients and that only the guarded ones
 hold a conditional, then prints each time and bypassed / variant (below 1: the
@@ -45,15 +45,8 @@ def _variant(name):
   if name == "bypassed":
     with mock.patch.object(large_logits, "guard", _bypass):
       yield
-  elif name == "unrolled":
-    chunked_grads = large_logits._chunked_grads  # pylint: disable=protected-access
-    scan = jax.lax.scan
-
-    def unrolled_grads(args, dout):
-      with mock.patch.object(jax.lax, "scan", lambda *a, **k: scan(*a, **{**k, "unroll": True})):
-        return chunked_grads(args, dout)
-
-    with mock.patch.object(large_logits, "_chunked_grads", unrolled_grads):
+  elif name == "rolled":
+    with mock.patch.object(large_logits, "UNROLLED_CHUNKS", 0):
       yield
   else:
     yield
@@ -120,7 +113,7 @@ def main():
                       help="cudnn, triton (repeat; default both)")
   parser.add_argument("--shape", default="2,4096,16,128", help="B,T,N,H (T = S)")
   parser.add_argument("--variant", action="append",
-                      help="bypassed, guarded, unrolled (repeat; default all)")
+                      help="bypassed, guarded, rolled (repeat; default all)")
   parser.add_argument("--grad-bias", action="store_true", help="the bias's gradient too")
   parser.add_argument("--rounds", type=int, default=10)
   parser.add_argument("--method", default="cuda_events",
@@ -130,7 +123,7 @@ def main():
   parser.add_argument("--loop", type=int, default=20)
   opts = parser.parse_args()
   batch, seq, heads, head_dim = map(int, opts.shape.split(","))
-  variants = opts.variant or ["bypassed", "guarded", "unrolled"]
+  variants = opts.variant or ["bypassed", "guarded", "rolled"]
   print(f"devices {jax.devices()}; JAX {jax.__version__}; B{batch} T{seq} N{heads} "
         f"H{head_dim} bf16, grad_bias={opts.grad_bias}")
   for implementation in opts.implementation or ["cudnn", "triton"]:

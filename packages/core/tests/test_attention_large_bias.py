@@ -323,3 +323,16 @@ def test_the_guard_stays_a_branch_under_vmap():
 def _canonical(q, k, v, bias, is_causal=False, soft_cap=None):
   return attention_api.canonical_args(q, k, v, bias, is_causal=is_causal,
                                       logits_soft_cap=soft_cap)[0]
+
+
+@pytest.mark.parametrize("keys, loops", [(16 * 512, False), (16 * 512 + 1, True)])
+def test_the_exact_branch_unrolls_its_chunk_loops_up_to_a_bound(keys, loops):
+  """Up to `UNROLLED_CHUNKS` key chunks the exact branch holds no loop (so XLA
+  can keep the conditional on the GPU); beyond, its loops stay loops (the
+  unrolled program would grow with the keys)."""
+  q, k, v, bias, ct = _call(1, 8, keys, 1, 16, whole_rows=0)
+  args = _canonical(q, k, v, bias)
+  lowered = jax.jit(lambda ct: large_logits.guard(args, ct, lambda: {"query": q})).lower(ct)
+  text = lowered.as_text()
+  assert "stablehlo.case" in text
+  assert ("stablehlo.while" in text) == loops

@@ -189,7 +189,7 @@ def attention_chunked(q, k, v, bias=None, mask=None, *, scale, is_causal=False,
                       local_window=None, logits_soft_cap=None, query_seq_lengths=None,
                       key_value_seq_lengths=None, q_segment_ids=None,
                       kv_segment_ids=None, precision=None, chunk_size=512,
-                      q_offset=None, sinks=None, lse_tail=False):
+                      q_offset=None, sinks=None, lse_tail=False, unroll=1):
   """Attention over key chunks with an online softmax: memory O(T * chunk_size).
 
   Same contract as :func:`attention`; the sinks join each row's sum after the
@@ -203,6 +203,10 @@ def attention_chunked(q, k, v, bias=None, mask=None, *, scale, is_causal=False,
   the logits are huge: next to a bias of -1e9 the lse rounds away the log of
   the row's sum (the ulp there is 64), and weights recomputed from the lse
   alone come out up to S times too large.
+
+  `unroll`: chunks per iteration of the loop over them (`jax.lax.scan`'s);
+  True unrolls it whole, so the program holds no while loop for it (on a GPU,
+  XLA can then capture a conditional around it in a CUDA graph).
 
   Returns:
     ``(out, lse)``, or ``(out, lse, tail)`` with `lse_tail`.
@@ -240,7 +244,8 @@ def attention_chunked(q, k, v, bias=None, mask=None, *, scale, is_causal=False,
   init = (jnp.zeros((b, num_kv, g, t, hv), jnp.float32) + zero,
           jnp.full((b, num_kv, g, t), -jnp.inf, jnp.float32) + zero,
           jnp.zeros((b, num_kv, g, t), jnp.float32) + zero)
-  (acc, row_max, row_sum), _ = jax.lax.scan(step, init, (jnp.arange(num_chunks), chunks))
+  (acc, row_max, row_sum), _ = jax.lax.scan(step, init, (jnp.arange(num_chunks), chunks),
+                                            unroll=unroll)
   nonempty = row_sum > 0
   denom = jnp.where(nonempty, row_sum, 1.0)
   out = acc / denom[..., None]
@@ -266,13 +271,14 @@ def attention_chunked_backward(q, k, v, bias, mask, out, lse, dout, *, scale,
                                is_causal=False, local_window=None, logits_soft_cap=None,
                                query_seq_lengths=None, key_value_seq_lengths=None,
                                q_segment_ids=None, kv_segment_ids=None, precision=None,
-                               chunk_size=512, q_offset=None, lse_tail=None):
+                               chunk_size=512, q_offset=None, lse_tail=None, unroll=1):
   """Gradients of attention from the saved log-sum-exp, one key chunk at a time.
 
   With sinks, `lse` and `out` are the forward's (sinks included) and this is
   unchanged; the sinks' own gradient is `AttentionArgs.sinks_cotangent`'s.
   `lse_tail`: the lse's rounding error, as :func:`attention_chunked` returns it
-  (None: taken as 0, which is exact unless the logits are huge).
+  (None: taken as 0, which is exact unless the logits are huge). `unroll`: as
+  :func:`attention_chunked`'s.
 
   Returns:
     ``(dq, dk, dv, dbias)`` (dbias None without bias), float32, memory
@@ -332,7 +338,8 @@ def attention_chunked_backward(q, k, v, bias, mask, out, lse, dout, *, scale,
   dq0 = jnp.zeros((b, t, num_kv, g, h), jnp.float32) + _zero_from(
       q, k, v, bias, mask, out, lse, dout, query_seq_lengths, key_value_seq_lengths,
       q_segment_ids, kv_segment_ids, q_offset)
-  dq, (dk, dv, dbias) = jax.lax.scan(step, dq0, (jnp.arange(num_chunks), chunks))
+  dq, (dk, dv, dbias) = jax.lax.scan(step, dq0, (jnp.arange(num_chunks), chunks),
+                                     unroll=unroll)
 
   def unsplit(x):  # [C, B, chunk, ...] -> [B, S, ...]
     x = jnp.moveaxis(x, 0, 1)

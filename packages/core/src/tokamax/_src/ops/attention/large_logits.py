@@ -17,6 +17,7 @@ rounding error (``lse_tail``) and is exact there.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -28,6 +29,13 @@ import tokamax_xla_reference as xla_ref
 # weight is off by up to 2**-10 relative, below bf16's own rounding (2**-8).
 # (The "-10000" mask of some older code stays below it: up to 5e-4 there.)
 LARGE_LOGIT = 2.0**14
+# The exact branch's loops over key chunks are unrolled up to this many chunks
+# (keys up to 8192 at 512 a chunk): a branch without while loops lets XLA keep
+# the conditional on the GPU (a CUDA graph's conditional node) instead of
+# reading its predicate on the host between kernels. On an H200 that took the
+# check's cost on a cuDNN backward from 1.4-2.0% to none (notes/MEASUREMENTS.md,
+# session 64). Longer keys keep the loops: the unrolled program grows with them.
+UNROLLED_CHUNKS = 16
 
 
 def has_large_logit_rows(args, dout: jax.Array,
@@ -130,5 +138,7 @@ def _chunked_grads(args, dout) -> dict:
   from tokamax._src.ops.attention import xla  # pylint: disable=g-import-not-at-top
   forward, backward = xla.XlaChunkedAttention(), xla.XlaChunkedAttentionVjp()
   config = forward.heuristic_config(args)
+  if -(-args.key.shape[1] // config.chunk_size) <= UNROLLED_CHUNKS:
+    config = dataclasses.replace(config, unroll=True)
   out, residuals = forward.forward(args, config)
   return backward.backward(args, residuals, out, dout, config)

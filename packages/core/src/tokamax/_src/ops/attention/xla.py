@@ -59,6 +59,9 @@ class XlaAttentionVjp(VjpOp):
 @dataclasses.dataclass(frozen=True)
 class ChunkConfig:
   chunk_size: int = 512
+  # Chunks per iteration of the loops over them (True: no loop; see
+  # `xla_ref.attention_chunked`).
+  unroll: int | bool = 1
 
 
 def _chunk_heuristic(args) -> ChunkConfig:
@@ -90,7 +93,8 @@ class XlaChunkedAttention(_Chunked, Op):
   def forward(self, args, config):
     out, lse, tail = xla_ref.attention_chunked(
         args.query, args.key, args.value, args.bias, args.mask,
-        chunk_size=config.chunk_size, lse_tail=True, **_attention_kwargs_with_sinks(args))
+        chunk_size=config.chunk_size, lse_tail=True, unroll=config.unroll,
+        **_attention_kwargs_with_sinks(args))
     return out, {"lse": lse, "lse_tail": tail}
 
 
@@ -108,7 +112,7 @@ class XlaChunkedAttentionVjp(_Chunked, VjpOp):
       dq, dk, dv, dbias = xla_ref.attention_chunked_backward(
           args.query, args.key, args.value, args.bias, args.mask, out,
           residuals["lse"], dout, chunk_size=config.chunk_size,
-          lse_tail=residuals.get("lse_tail"), **_attention_kwargs(args))
+          lse_tail=residuals.get("lse_tail"), unroll=config.unroll, **_attention_kwargs(args))
       return {"query": dq, "key": dk, "value": dv, "bias": dbias,
               "sinks": args.sinks_cotangent(residuals["lse"], out, dout)}
     if "lse_tail" in residuals:
