@@ -184,9 +184,9 @@ def sinks_cotangent(sinks: jax.Array, lse: jax.Array, out: jax.Array,
   A sink's weight in row t is ``p_t = exp(sink - lse_t)``; it takes no value, so
   its logit's gradient is ``-p_t * rowsum(dout * out)_t``, summed over the rows
   of its head (0 for rows with no visible key: lse +-inf there, out 0).
-  ``p_t`` is clamped at 1, as a weight is: a kernel's lse of logits beyond 1e38
-  (Triton's, in its own scale there) may lie below the sink, and an inf weight
-  would make NaN of a zero cotangent.
+  ``p_t`` is clamped at 1, as a weight is: a float32 lse of logits near 1e38 may
+  round below the sink by its ulp there (about 1e31), and the inf weight that
+  gives would make NaN of a zero cotangent.
   """
   delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32),
                      out.astype(jnp.float32))
