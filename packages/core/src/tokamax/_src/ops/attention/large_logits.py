@@ -17,7 +17,6 @@ rounding error (``lse_tail``) and is exact there.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -136,9 +135,9 @@ def guard(args, dout: jax.Array, backward: Callable[[], dict],
 def _chunked_grads(args, dout) -> dict:
   # Here, not at the top: xla.py's cuDNN backward imports this module.
   from tokamax._src.ops.attention import xla  # pylint: disable=g-import-not-at-top
-  forward, backward = xla.XlaChunkedAttention(), xla.XlaChunkedAttentionVjp()
-  config = forward.heuristic_config(args)
-  if -(-args.key.shape[1] // config.chunk_size) <= UNROLLED_CHUNKS:
-    config = dataclasses.replace(config, unroll=True)
+  config = xla.XlaChunkedAttention().heuristic_config(args)
+  unroll = -(-args.key.shape[1] // config.chunk_size) <= UNROLLED_CHUNKS
+  forward = xla.XlaChunkedAttention(unroll=unroll)
+  backward = xla.XlaChunkedAttentionVjp(unroll=unroll)
   out, residuals = forward.forward(args, config)
   return backward.backward(args, residuals, out, dout, config)

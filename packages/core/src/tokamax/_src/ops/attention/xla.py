@@ -59,9 +59,6 @@ class XlaAttentionVjp(VjpOp):
 @dataclasses.dataclass(frozen=True)
 class ChunkConfig:
   chunk_size: int = 512
-  # Chunks per iteration of the loops over them (True: no loop; see
-  # `xla_ref.attention_chunked`).
-  unroll: int | bool = 1
 
 
 def _chunk_heuristic(args) -> ChunkConfig:
@@ -84,7 +81,12 @@ class _Chunked:
 
 @dataclasses.dataclass(frozen=True)
 class XlaChunkedAttention(_Chunked, Op):
-  """Attention over key chunks with an online softmax: O(T * chunk) memory."""
+  """Attention over key chunks with an online softmax: O(T * chunk) memory.
+
+  `unroll`: run the loop over chunks unrolled (no while loop in the program; the
+  large-logit check's exact branch asks for it, `large_logits`)."""
+
+  unroll: bool = False
 
   def search_space(self, args):
     fitting = tuple(ChunkConfig(c) for c in (128, 256, 512, 1024) if c <= args.key.shape[1])
@@ -93,7 +95,7 @@ class XlaChunkedAttention(_Chunked, Op):
   def forward(self, args, config):
     out, lse, tail = xla_ref.attention_chunked(
         args.query, args.key, args.value, args.bias, args.mask,
-        chunk_size=config.chunk_size, lse_tail=True, unroll=config.unroll,
+        chunk_size=config.chunk_size, lse_tail=True, unroll=self.unroll,
         **_attention_kwargs_with_sinks(args))
     return out, {"lse": lse, "lse_tail": tail}
 
@@ -101,7 +103,9 @@ class XlaChunkedAttention(_Chunked, Op):
 @dataclasses.dataclass(frozen=True)
 class XlaChunkedAttentionVjp(_Chunked, VjpOp):
   """The chunked backward: recomputes each chunk's scores from the forward's lse
-  (and its tail, where the forward gave one)."""
+  (and its tail, where the forward gave one). `unroll`: as the forward's."""
+
+  unroll: bool = False
 
   def check_supported(self, args, device, residuals=None):
     if residuals is not None and "lse" not in residuals:
@@ -112,7 +116,7 @@ class XlaChunkedAttentionVjp(_Chunked, VjpOp):
       dq, dk, dv, dbias = xla_ref.attention_chunked_backward(
           args.query, args.key, args.value, args.bias, args.mask, out,
           residuals["lse"], dout, chunk_size=config.chunk_size,
-          lse_tail=residuals.get("lse_tail"), unroll=config.unroll, **_attention_kwargs(args))
+          lse_tail=residuals.get("lse_tail"), unroll=self.unroll, **_attention_kwargs(args))
       return {"query": dq, "key": dk, "value": dv, "bias": dbias,
               "sinks": args.sinks_cotangent(residuals["lse"], out, dout)}
     if "lse_tail" in residuals:
