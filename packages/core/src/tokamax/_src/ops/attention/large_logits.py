@@ -31,9 +31,12 @@ LARGE_LOGIT = 2.0**14
 # The exact branch's loops over key chunks are unrolled up to this many chunks
 # (keys up to 8192 at 512 a chunk): a branch without while loops lets XLA keep
 # the conditional on the GPU (a CUDA graph's conditional node) instead of
-# reading its predicate on the host between kernels. On an H200 that took the
-# check's cost on a cuDNN backward from 1.4-2.0% to none (notes/MEASUREMENTS.md,
-# session 64). Longer keys keep the loops: the unrolled program grows with them.
+# reading its predicate on the host between kernels. On an H200 (calls issued
+# back to back, B2 T4096 N16 H128) that took the check's cost from 1.8-2.6% to
+# 1.1-1.2% on the Triton backward, and made the cuDNN one 7-11% faster than
+# without a check (cuDNN's kernels then run inside a CUDA graph: with XLA's
+# minimum graph size at 1, 1.8% slower). notes/MEASUREMENTS.md, session 64.
+# Longer keys keep the loops: the unrolled program grows with them.
 UNROLLED_CHUNKS = 16
 
 
