@@ -15,6 +15,7 @@ import numpy as np  # noqa: E402
 
 import pytest  # noqa: E402
 import experiment_overlay  # noqa: E402
+import guard_cost  # noqa: E402
 import kernel_breakdown  # noqa: E402
 import l2_model  # noqa: E402
 import none_check  # noqa: E402
@@ -662,3 +663,22 @@ def test_experiment_overlay_restores_what_a_commit_took_out(tmp_path):
   listed = subprocess.run(["git", "-C", str(repo), "worktree", "list"], check=True,
                           capture_output=True, text=True).stdout
   assert len(listed.splitlines()) == 1
+
+
+def test_guard_cost_variants_patch_what_they_say():
+  from tokamax._src.ops.attention import large_logits  # pylint: disable=g-import-not-at-top
+  unrolled = large_logits.UNROLLED_CHUNKS
+  with guard_cost._variant("bypassed"):
+    assert large_logits.guard(None, None, lambda: "backward alone") == "backward alone"
+  with guard_cost._variant("rolled"):
+    assert large_logits.UNROLLED_CHUNKS == 0
+  assert large_logits.UNROLLED_CHUNKS == unrolled
+  assert large_logits.guard is not guard_cost._bypass
+
+
+def test_guard_cost_refuses_variants_whose_gradients_differ():
+  def contender(scale):
+    return argparse.Namespace(output={"query": np.ones(8) * scale})
+  guard_cost._check_same({"bypassed": contender(1.0), "guarded": contender(1.0 + 1e-5)})
+  with pytest.raises(SystemExit, match="guarded differs from bypassed"):
+    guard_cost._check_same({"bypassed": contender(1.0), "guarded": contender(1.1)})

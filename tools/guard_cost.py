@@ -2,8 +2,7 @@
 
 The backwards of cuDNN and Triton run under `large_logits.guard`: a predicate on
 the forward's lse and a `lax.cond` that sends calls with huge logits to the XLA
-chunked backward. This times, in one process and interleaved (CUDA events: the
-guarded program holds a conditional, which CUPTI cannot time), the same
+chunked backward. This times, in one process and interleaved, the same
 forward+backward (random cotangent, key-padding bias) three ways:
 
 - `bypassed`: the guard replaced by its backward alone (what the call cost before
@@ -14,9 +13,13 @@ forward+backward (random cotangent, key-padding bias) three ways:
 
 It checks that the three give the same gradients and that only the guarded ones
 hold a conditional, then prints each time and bypassed / variant (below 1: the
-variant is slower). Run on an NVIDIA GPU from the repository's root:
+variant is slower). `--method cuda_events` (the default; CUPTI cannot time a
+conditional) times each call's device time between events inside the program;
+`--method loop` the wall time per call of calls issued back to back, which
+also sees the GPU wait while the host reads a conditional's predicate (what a
+training loop pays). Run on an NVIDIA GPU from the repository's root:
 
-    python tools/guard_cost.py --implementation cudnn --implementation triton
+    python tools/guard_cost.py --method loop
 """
 
 from __future__ import annotations

@@ -32,10 +32,11 @@ LARGE_LOGIT = 2.0**14
 # (keys up to 8192 at 512 a chunk): a branch without while loops lets XLA keep
 # the conditional on the GPU (a CUDA graph's conditional node) instead of
 # reading its predicate on the host between kernels. On an H200 (calls issued
-# back to back, B2 T4096 N16 H128) that took the check's cost from 1.8-2.6% to
-# 1.1-1.2% on the Triton backward, and made the cuDNN one 7-11% faster than
-# without a check (cuDNN's kernels then run inside a CUDA graph: with XLA's
-# minimum graph size at 1, 1.8% slower). notes/MEASUREMENTS.md, session 64.
+# back to back, B2 T4096 N16 H128, tools/guard_cost.py) the check cost the
+# Triton forward+backward 1.1-1.2% unrolled against 2.2-2.5% with the loops,
+# and the cuDNN one ran 7-11% faster than without a check (its kernels then
+# run inside a CUDA graph; 1.8% slower than an unchecked call XLA is told to
+# capture too). notes/MEASUREMENTS.md, session 64, item 4.
 # Longer keys keep the loops: the unrolled program grows with them.
 UNROLLED_CHUNKS = 16
 
