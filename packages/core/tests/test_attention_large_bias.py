@@ -234,6 +234,55 @@ def test_sinks_against_extreme_logits(implementation, cotangent):
     assert _relative(g, w) < 1e-5, (name, _relative(g, w))
 
 
+@pytest.mark.parametrize("big", [1e9, 2e38])
+@pytest.mark.parametrize("implementation", _implementations(cudnn=False))
+def test_a_sink_tied_with_huge_logits(implementation, big):
+  """Three keys and the sink at the same huge logit: each takes a quarter of the
+  weight (out 3/4 of the keys' mean value), though the keys' lse alone rounds
+  their log-sum away there; and the gradients, the sink's included, are the
+  reference's (the guard's exact backward reads the lse's rounding error)."""
+  q, k, v, bias, ct = _call(1, 8, 16, 1, 16, whole_rows=0)
+  bias = jnp.broadcast_to(jnp.where(jnp.arange(16) < 3, big, 0.0), bias.shape)
+  sinks = jnp.array([big], jnp.float32)
+
+  def grads(name):
+    with tokamax.interpret(name == "triton" and not _ON_GPU):
+      out, vjp = jax.vjp(lambda q, k, v, bias, sinks: tokamax.dot_product_attention(
+          q, k, v, bias, sinks=sinks, implementation=name), q, k, v, bias, sinks)
+      return (out, *vjp(ct))
+
+  want, got = grads("xla"), grads(implementation)
+  np.testing.assert_allclose(want[0], jnp.broadcast_to(
+      0.75 * jnp.mean(v[:, :3], axis=1, keepdims=True), want[0].shape), rtol=1e-5)
+  for name, g, w in zip(("out", "dq", "dk", "dv", "dbias", "dsinks"), got, want, strict=True):
+    assert np.all(np.isfinite(g)), name
+    assert _relative(g, w) < 1e-5, (name, _relative(g, w))
+
+
+@pytest.mark.parametrize("implementation", _implementations(cudnn=False))
+def test_an_infinite_sink_takes_every_weight(implementation):
+  """A sink of +inf (head 0) with a bias: that head's rows output 0 and pass no
+  gradient, finite everywhere (inf - inf made NaN of them in Triton); head 1's
+  ordinary sink is unaffected. (The dense reference's own dsinks is NaN for the
+  infinite sink, so only head 1's is compared.)"""
+  q, k, v, bias, ct = _call(1, 16, 24, 2, 16, whole_rows=0)
+  sinks = jnp.array([jnp.inf, 0.5], jnp.float32)
+
+  def grads(name):
+    with tokamax.interpret(name == "triton" and not _ON_GPU):
+      out, vjp = jax.vjp(lambda q, k, v, bias, sinks: tokamax.dot_product_attention(
+          q, k, v, bias, sinks=sinks, implementation=name), q, k, v, bias, sinks)
+      return (out, *vjp(ct))
+
+  want, got = grads("xla"), grads(implementation)
+  np.testing.assert_array_equal(got[0][:, :, 0], 0.0)
+  for name, g, w in zip(("out", "dq", "dk", "dv", "dbias"), got, want):
+    assert np.all(np.isfinite(g)), name
+    assert _relative(g, w) < 1e-5, (name, _relative(g, w))
+  assert np.isfinite(got[5][0])
+  assert _relative(got[5][1], want[5][1]) < 1e-5
+
+
 def test_an_lse_finite_on_rows_without_a_visible_key():
   """cuDNN's lse is finite on rows a mask hides whole (-2.2e12 on an H200),
   where ours is +inf; such a row has no gradient, so it must not look like one

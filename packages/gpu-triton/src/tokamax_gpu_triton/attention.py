@@ -4,9 +4,10 @@ Forward (grid: query blocks x batch*heads). Each program holds one ``[block_q, H
 query tile and walks the key/value blocks that can be visible to it, keeping the
 online-softmax state (row max ``m``, row sum ``l``, unnormalized output ``acc``) in
 float32. Logits live in the base-2 domain (``log2(e)`` folded into the scale) so the
-exponentials are ``exp2``, except with a bias (`_Layout.natural_logits`). The T x S
-score matrix never leaves registers. The
-residual is the natural log-sum-exp per row, +inf for rows that see no key.
+exponentials are ``exp2`` of them; with a bias and no soft cap they stay natural and
+only their differences are scaled (`_Layout.natural_logits`). The T x S score
+matrix never leaves registers. The residual is the natural log-sum-exp per row,
++inf for rows that see no key.
 Attention sinks join the denominator in the epilogue (the lse takes them in), so
 the backward kernels are the same with or without them; the sinks' own gradient
 is `AttentionArgs.sinks_cotangent`'s (a row reduction in jnp).
@@ -217,11 +218,11 @@ def _log(x, lay: _Layout):
 def _weight(z_minus_lse, lay: _Layout):
   """The backward's weight of a logit, from its difference to the row's lse (in
   the kernel's unit). With a bias the difference is clamped at 0 (weights at
-  most 1): a row whose logits are huge gets an lse rounded by up to half its ulp
-  (1e31 near float32's maximum), and one below its logits would make an inf
-  weight and, times a zero cotangent, NaN gradients. (Its weights are wrong
-  either way; such rows with a cotangent go to the exact backward by
-  `plugin.guard_large_logits`.)"""
+  most 1): next to huge logits the recomputed logit and the lse round apart by
+  up to their ulp (1e31 near float32's maximum), and a logit above the lse
+  would make an inf weight and, times a zero cotangent, NaN gradients. (Such
+  rows' weights are wrong either way; those with a cotangent go to the exact
+  backward by `plugin.guard_large_logits`.)"""
   if lay.bias_shape is not None:
     z_minus_lse = jnp.minimum(z_minus_lse, 0.0)
   return _exp(z_minus_lse, lay)
@@ -471,20 +472,23 @@ def _fwd_kernel(*refs, names, lay: _Layout, bq: int, bk: int, nq: int, reverse: 
   if lay.has_q_len:
     valid &= rows < q_limit
   l_safe = jnp.where(valid, l, 1.0)
-  keys_lse = jnp.where(valid, m + _log(l_safe, lay), 0.0)  # the kernel's unit
-  lse = keys_lse
-  inv_l = 1.0 / l_safe
   if lay.has_sinks:
-    # The sink joins the denominator: weights shrink by 1 / (1 + exp(sink -
-    # keys_lse)), and the lse takes it in (a logaddexp, stable either way). In
-    # base 2 a sink beyond float32's range saturates: the keys' logits there are
-    # bounded (no bias), so it keeps its order against them.
-    sink = _in_unit(refs["sinks"][...], lay)
-    if not lay.natural_logits:
-      sink = jnp.clip(sink, -_F32_MAX, _F32_MAX)
-    top = jnp.maximum(lse, sink)
-    lse = top + _log(_exp(lse - top, lay) + _exp(sink - top, lay), lay)
-    inv_l = inv_l * _exp(keys_lse - lse, lay)
+    # The sink joins the denominator: sum l e^m + e^sink, both terms taken
+    # relative to the larger exponent (from m and l, not from a keys' lse
+    # m + log(l), whose log(l) rounds away next to huge logits: a sink tied with
+    # them would lose its share). A sink of +inf, or beyond float32's range in
+    # base 2, saturates at float32's maximum: it still outweighs every key whose
+    # logit is below that (in base 2 the keys' logits are bounded: no bias, or
+    # a soft cap), and takes no NaN from inf - inf.
+    sink = jnp.minimum(_in_unit(refs["sinks"][...], lay), _F32_MAX)
+    top = jnp.maximum(m, sink)
+    keys = _exp(m - top, lay)
+    denom = l_safe * keys + _exp(sink - top, lay)
+    lse = top + _log(denom, lay)  # the kernel's unit
+    inv_l = keys / denom
+  else:
+    lse = m + _log(l_safe, lay)
+    inv_l = 1.0 / l_safe
   out = jnp.where(valid[:, None], acc * inv_l[:, None], 0.0)
   lse = jnp.where(valid, _to_natural(lse, lay), jnp.inf)
   _store_rows(refs["out"], q0, bq, out, row_in, lay.hvp, lay.hv)

@@ -252,13 +252,16 @@ def attention_chunked(q, k, v, bias=None, mask=None, *, scale, is_causal=False,
   lse, tail = _two_sum(jnp.where(nonempty, row_max, 0.0), jnp.log(denom))
   if sinks is not None:
     # The sink's share: row weights times sum / (sum + exp(sink)), in float32
-    # before the output is rounded.
-    sink = _grouped_sinks(sinks, num_kv)
-    share = jax.nn.sigmoid(lse - sink)
-    out = out * share[..., None]
-    # d logaddexp(lse, sink) / d lse = share: the tail carries through (exactly
-    # where the keys' lse dominates, the only place it is not negligible).
-    lse, tail = jnp.logaddexp(lse, sink), tail * share
+    # before the output is rounded. Both terms relative to the larger exponent,
+    # the keys' with their tail: next to huge logits the tail is the keys' whole
+    # log-sum, and a sink tied with them keeps its share. A sink of +inf
+    # saturates at float32's maximum (its share 1, no NaN from inf - inf).
+    sink = jnp.minimum(_grouped_sinks(sinks, num_kv), jnp.finfo(jnp.float32).max)
+    top = jnp.maximum(lse, sink)
+    keys = jnp.exp((lse - top) + tail)
+    denom = keys + jnp.exp(sink - top)
+    out = out * (keys / denom)[..., None]
+    lse, tail = _two_sum(top, jnp.log(denom))
   lse = jnp.where(nonempty, lse, jnp.inf)
   tail = jnp.where(nonempty, tail, 0.0)
   out = jnp.moveaxis(out, 3, 1).reshape(b, t, n, hv).astype(q.dtype)

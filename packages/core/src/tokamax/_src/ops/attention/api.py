@@ -109,10 +109,12 @@ class AttentionArgs:
     kernel."""
     return (out, lse) if self.sinks is None else apply_sinks(self.sinks, out, lse)
 
-  def sinks_cotangent(self, lse: jax.Array, out: jax.Array,
-                      dout: jax.Array) -> jax.Array | None:
+  def sinks_cotangent(self, lse: jax.Array, out: jax.Array, dout: jax.Array,
+                      lse_tail: jax.Array | None = None) -> jax.Array | None:
     """The sinks' gradient ``[N]`` (None without sinks); see `sinks_cotangent`."""
-    return None if self.sinks is None else sinks_cotangent(self.sinks, lse, out, dout)
+    if self.sinks is None:
+      return None
+    return sinks_cotangent(self.sinks, lse, out, dout, lse_tail)
 
   @property
   def batch(self) -> int:
@@ -177,22 +179,26 @@ def apply_sinks(sinks: jax.Array, out: jax.Array,
 
 
 def sinks_cotangent(sinks: jax.Array, lse: jax.Array, out: jax.Array,
-                    dout: jax.Array) -> jax.Array:
+                    dout: jax.Array, lse_tail: jax.Array | None = None) -> jax.Array:
   """The gradient ``[N]`` of `sinks`, from the lse (sinks included) a forward
   returned, its output and the output's cotangent.
 
   A sink's weight in row t is ``p_t = exp(sink - lse_t)``; it takes no value, so
   its logit's gradient is ``-p_t * rowsum(dout * out)_t``, summed over the rows
   of its head (0 for rows with no visible key: lse +-inf there, out 0).
-  ``p_t`` is clamped at 1, as a weight is: a float32 lse of logits near 1e38 may
-  round below the sink by its ulp there (about 1e31), and the inf weight that
-  gives would make NaN of a zero cotangent.
+  `lse_tail`: the lse's rounding error where the forward gave it (the chunked
+  one): next to huge logits the lse alone rounds away the row's log-sum, and a
+  sink near them would get weight 1. ``p_t`` is clamped at 1, as a weight is: a
+  kernel's lse may lie below the sink (rounded, or the sink saturated at
+  float32's maximum), and an inf weight would make NaN of a zero cotangent.
   """
   delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32),
                      out.astype(jnp.float32))
   lse = lse.astype(jnp.float32)
-  p_sink = jnp.where(jnp.isinf(lse), 0.0,
-                     jnp.exp(jnp.minimum(sinks.astype(jnp.float32)[None, :, None] - lse, 0.0)))
+  z = sinks.astype(jnp.float32)[None, :, None] - lse
+  if lse_tail is not None:
+    z = z - lse_tail.astype(jnp.float32)
+  p_sink = jnp.where(jnp.isinf(lse), 0.0, jnp.exp(jnp.minimum(z, 0.0)))
   return (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
 
 

@@ -118,7 +118,8 @@ class XlaChunkedAttentionVjp(_Chunked, VjpOp):
           residuals["lse"], dout, chunk_size=config.chunk_size,
           lse_tail=residuals.get("lse_tail"), unroll=self.unroll, **_attention_kwargs(args))
       return {"query": dq, "key": dk, "value": dv, "bias": dbias,
-              "sinks": args.sinks_cotangent(residuals["lse"], out, dout)}
+              "sinks": args.sinks_cotangent(residuals["lse"], out, dout,
+                                            residuals.get("lse_tail"))}
     if "lse_tail" in residuals:
       return chunked()
     # Another forward's lse, without its rounding error: exact only where the
