@@ -45,10 +45,14 @@ def _call(b, t, s, n, h, whole_rows, dtype=jnp.float32, seed=0):
   return q, k, v, jnp.asarray(bias, dtype), ct
 
 
-def _grads(implementation, q, k, v, bias, ct):
+def _grads(implementation, q, k, v, bias, ct, sinks=None):
+  """The output and the gradients of q, k, v, the bias (and the sinks, if given)."""
+  def attend(q, k, v, bias, *sinks):
+    return tokamax.dot_product_attention(q, k, v, bias, sinks=sinks[0] if sinks else None,
+                                         implementation=implementation)
   with tokamax.interpret(implementation == "triton" and not _ON_GPU):
-    out, vjp = jax.vjp(lambda q, k, v, bias: tokamax.dot_product_attention(
-        q, k, v, bias, implementation=implementation), q, k, v, bias)
+    primals = (q, k, v, bias) if sinks is None else (q, k, v, bias, sinks)
+    out, vjp = jax.vjp(attend, *primals)
     return (out, *vjp(ct))
 
 
@@ -219,13 +223,8 @@ def test_sinks_against_extreme_logits(implementation, cotangent):
   if cotangent == "zero":
     ct = jnp.zeros_like(ct)
 
-  def grads(name):
-    with tokamax.interpret(name == "triton" and not _ON_GPU):
-      out, vjp = jax.vjp(lambda q, k, v, bias, sinks: tokamax.dot_product_attention(
-          q, k, v, bias, sinks=sinks, implementation=name), q, k, v, bias, sinks)
-      return (out, *vjp(ct))
-
-  want, got = grads("xla"), grads(implementation)
+  want = _grads("xla", q, k, v, bias, ct, sinks)
+  got = _grads(implementation, q, k, v, bias, ct, sinks)
   np.testing.assert_array_equal(want[0][:, :, 0], 0.0)
   np.testing.assert_allclose(want[0][:, :, 1], jnp.broadcast_to(
       jnp.mean(v[:, :3, 1], axis=1, keepdims=True), want[0][:, :, 1].shape), rtol=1e-6)
@@ -245,13 +244,8 @@ def test_a_sink_tied_with_huge_logits(implementation, big):
   bias = jnp.broadcast_to(jnp.where(jnp.arange(16) < 3, big, 0.0), bias.shape)
   sinks = jnp.array([big], jnp.float32)
 
-  def grads(name):
-    with tokamax.interpret(name == "triton" and not _ON_GPU):
-      out, vjp = jax.vjp(lambda q, k, v, bias, sinks: tokamax.dot_product_attention(
-          q, k, v, bias, sinks=sinks, implementation=name), q, k, v, bias, sinks)
-      return (out, *vjp(ct))
-
-  want, got = grads("xla"), grads(implementation)
+  want = _grads("xla", q, k, v, bias, ct, sinks)
+  got = _grads(implementation, q, k, v, bias, ct, sinks)
   np.testing.assert_allclose(want[0], jnp.broadcast_to(
       0.75 * jnp.mean(v[:, :3], axis=1, keepdims=True), want[0].shape), rtol=1e-5)
   for name, g, w in zip(("out", "dq", "dk", "dv", "dbias", "dsinks"), got, want, strict=True):
@@ -268,13 +262,8 @@ def test_an_infinite_sink_takes_every_weight(implementation):
   q, k, v, bias, ct = _call(1, 16, 24, 2, 16, whole_rows=0)
   sinks = jnp.array([jnp.inf, 0.5], jnp.float32)
 
-  def grads(name):
-    with tokamax.interpret(name == "triton" and not _ON_GPU):
-      out, vjp = jax.vjp(lambda q, k, v, bias, sinks: tokamax.dot_product_attention(
-          q, k, v, bias, sinks=sinks, implementation=name), q, k, v, bias, sinks)
-      return (out, *vjp(ct))
-
-  want, got = grads("xla"), grads(implementation)
+  want = _grads("xla", q, k, v, bias, ct, sinks)
+  got = _grads(implementation, q, k, v, bias, ct, sinks)
   np.testing.assert_array_equal(got[0][:, :, 0], 0.0)
   for name, g, w in zip(("out", "dq", "dk", "dv", "dbias"), got, want):
     assert np.all(np.isfinite(g)), name
