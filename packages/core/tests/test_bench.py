@@ -222,6 +222,18 @@ def test_model_training_step_tokamax_against_plain(model, size):
   assert "ok" in text and "BEYOND" not in text
 
 
+def test_model_steps_timed_as_a_training_loop_from_the_command_line(tmp_path):
+  from tokamax import __main__ as cli
+  path = tmp_path / "rows.json"
+  sizes = [f"--size={kv}" for kv in ("dim=64", "heads=4", "kv_heads=2", "head_dim=16",
+                                      "ffn=128", "batch=1", "seq=32")]
+  assert cli.main(["bench", "--model", "dense", *sizes, "--iterations", "1",
+                   "--method", "loop", "--json", str(path)]) == 0
+  rows = bench_suite.load_rows(str(path))[1]
+  assert {r["implementation"] for r in rows} == {"plain JAX", "tokamax auto"}
+  assert all(r["method"] == "loop" and r["ms"] > 0 for r in rows), rows
+
+
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason=(
     "float32 steps: the plain step's cuDNN attention takes only 16-bit inputs on GPUs"))
 def test_model_steps_compute_the_same_function():
@@ -295,6 +307,21 @@ def test_compare_flags_a_slower_row_and_changed_numerics():
   failed = [dict(_row("tokamax auto", 0), error="boom")]
   failed[0].pop("ms")
   assert bench_suite.compare(failed, baseline[:1])[1]
+
+
+def test_compare_leaves_rows_timed_another_way_out_of_the_speed_check():
+  # A step's wall time per call ("loop") is longer than its kernel time
+  # ("cupti") by the gaps between kernels: that is no regression; the numerics
+  # of such a row are still checked.
+  base = [dict(_row("tokamax auto", 10.0, 0.005), method="cupti")]
+  loop = [dict(_row("tokamax auto", 12.0, 0.005), method="loop")]
+  report, failures = bench_suite.compare(loop, base)
+  assert not failures and "timed by loop, the baseline by cupti" in report[0]
+  wrong = [dict(_row("tokamax auto", 12.0, 0.5), method="loop")]
+  assert any("NUMERICS" in f for f in bench_suite.compare(wrong, base)[1])
+  # The same method on both sides (or rows that do not say) are compared.
+  assert bench_suite.compare([dict(loop[0], method="cupti")], base)[1]
+  assert bench_suite.compare([_row("tokamax auto", 12.0, 0.005)], base)[1]
 
 
 def test_json_and_compare_from_the_command_line(tmp_path, capsys):

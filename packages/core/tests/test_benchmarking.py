@@ -1,6 +1,7 @@
 """Tests of tokamax.benchmarking (CPU; the GPU-only methods are marked `gpu`)."""
 
 import shutil
+import time
 
 import jax
 import jax.numpy as jnp
@@ -136,6 +137,35 @@ def test_iterations_and_warmup_counts():
     run(args, method="wallclock", iterations=0)
   with pytest.raises(ValueError, match="unknown benchmark method 'bogus'"):
     run(args, method="bogus")
+
+
+def test_loop_times_calls_issued_back_to_back():
+  # Each evaluation of "loop" issues LOOP_CALLS calls and reports the time per
+  # call; warm-up calls run once each, outside the timing.
+  calls = []
+
+  def f(x):
+    jax.debug.callback(lambda: calls.append(1))
+    return x + 1
+
+  f_std, args = benchmarking.standardize_function(f, jnp.ones(4))
+  run = benchmarking.compile_benchmark(f_std, args)
+  data = run(args, method="loop", iterations=2, warmup=1)
+  jax.effects_barrier()
+  assert data.method == "loop" and len(data.evaluation_times_ms) == 2
+  assert len(calls) == 1 + 2 * benchmarking.LOOP_CALLS
+  assert all(t > 0 for t in data.evaluation_times_ms)
+  assert "loop" in benchmarking.METHODS
+
+
+def test_loop_time_is_per_call():
+  # A call that sleeps 20 ms on the host (inside the program) reads about 20 ms
+  # per call, not LOOP_CALLS times that.
+  def f(x):
+    return jax.pure_callback(lambda a: (time.sleep(0.02), a)[1], x, x)
+
+  data = tokamax.benchmark(f, [jnp.ones(4)], method="loop", iterations=1)
+  assert 18 <= data.median_evaluation_time_ms < 60, data
 
 
 class _Device:

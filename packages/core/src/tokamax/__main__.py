@@ -9,6 +9,7 @@ import jax
 
 import tokamax
 from tokamax._src import bench_suite
+from tokamax._src import benchmarking
 from tokamax._src import demo
 
 
@@ -106,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
                            "more sizes than the reference shapes; per-op rows only, "
                            "not with --model)")
   bench.add_argument("--iterations", type=int, default=10)
+  bench.add_argument("--method", choices=benchmarking.METHODS,
+                     help="how to time (default: kernel time by CUPTI on NVIDIA GPUs, "
+                          "wall clock elsewhere); 'loop': the wall time per call of "
+                          f"{benchmarking.LOOP_CALLS} calls issued back to back, what "
+                          "a training loop sees, gaps between kernels included")
   bench.add_argument("--out", help="folder for bench.json, bench.md and PNG plots "
                                    "(bench_grid.* with --grid; plots need matplotlib: "
                                    "tokamax-core[plot])")
@@ -172,7 +178,7 @@ def _run_command(parser, args) -> int:
                       json_path=args.json_path, compare_path=args.compare,
                       from_json=args.from_json, threshold=args.threshold,
                       error_growth=args.error_growth, shapes=args.shape,
-                      grid=args.grid, peers=args.peer)
+                      grid=args.grid, peers=args.peer, method=args.method)
   return 0
 
 

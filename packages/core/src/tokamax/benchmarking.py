@@ -13,6 +13,7 @@ Example:
   True
 """
 
+from tokamax._src.benchmarking import LOOP_CALLS
 from tokamax._src.benchmarking import METHODS
 from tokamax._src.benchmarking import BenchmarkData
 from tokamax._src.benchmarking import CompiledBenchmark
@@ -22,6 +23,7 @@ from tokamax._src.benchmarking import default_method
 from tokamax._src.benchmarking import standardize_function
 
 __all__ = [
+    "LOOP_CALLS",
     "METHODS",
     "BenchmarkData",
     "CompiledBenchmark",

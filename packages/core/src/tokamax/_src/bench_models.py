@@ -382,8 +382,13 @@ def describe_dispatch(dispatch: dict[str, list[str]]) -> str:
                    for direction, impls in sorted(dispatch.items(), reverse=True))
 
 
-def run_model(model: str, size, iterations: int = 10) -> tuple[list[dict], str]:
+def run_model(model: str, size, iterations: int = 10,
+              method: str | None = None) -> tuple[list[dict], str]:
   """Times the tokamax and plain training steps; returns (rows, dispatch text).
+
+  `method`: how to time (`benchmarking.METHODS`; None: the device's default).
+  "loop" gives the wall time per step of steps issued back to back, what a
+  training loop sees, where kernel time leaves out the gaps between kernels.
 
   Rows follow `bench.run_problem`'s format; the tokamax row carries ``rel_err``
   (the worst leaf of loss and gradients against the plain step), ``errors`` (every
@@ -409,7 +414,8 @@ def run_model(model: str, size, iterations: int = 10) -> tuple[list[dict], str]:
     if program == "tokamax":
       summary = dispatch_summary(records)
   # Both steps timed in alternation (benchmarking.time_interleaved says why).
-  for label, data in benchmarking.time_interleaved(contenders, iterations).items():
+  for label, data in benchmarking.time_interleaved(contenders, iterations,
+                                                   method).items():
     if isinstance(data, Exception):
       rows.append(dict(base, implementation=label,
                        error=f"{type(data).__name__}: {str(data)[:300]}"))

@@ -133,10 +133,12 @@ def select_peers(problem: Problem, names: list[str] | None) -> Problem:
 
 
 def run_problem(problem: Problem, implementations: list[str | None],
-                directions=("forward", "forward+backward"), iterations: int = 10) -> list[dict]:
+                directions=("forward", "forward+backward"), iterations: int = 10,
+                method: str | None = None) -> list[dict]:
   """One row per candidate and direction: time, rate, ratio to the first peer
   (``vs_peer``) and relative L2 error against the reference candidate
-  (``rel_err``, with ``tol``; outputs and gradients, the worst leaf)."""
+  (``rel_err``, with ``tol``; outputs and gradients, the worst leaf). `method`:
+  how to time (`benchmarking.METHODS`; None: the device's default)."""
   inputs = problem.make_inputs()
   rows = []
   candidates = [(f"tokamax {i}" if i else AUTO_LABEL, lambda a, i=i: problem.call(a, i))
@@ -187,7 +189,7 @@ def run_problem(problem: Problem, implementations: list[str | None],
         del contenders[label]
         row["note"] = "not timed"
     times = {}
-    timed = benchmarking.time_interleaved(contenders, iterations)
+    timed = benchmarking.time_interleaved(contenders, iterations, method)
     for label, data in timed.items():
       row = by_label[label]
       if isinstance(data, Exception):
@@ -346,7 +348,9 @@ def compare(rows: list[dict], baseline: list[dict], threshold: float = DEFAULT_T
   tolerance, or grew past `error_growth` x its baseline's (the baseline floored at
   tol / 10), or is NaN. Peer rows (cuDNN, XLA, plain JAX) only report their change:
   they show the machine's noise, not a tokamax regression. Rows of the baseline
-  this run did not measure (e.g. other --op) are listed as not measured.
+  this run did not measure (e.g. other --op) are listed as not measured, rows
+  timed by another method (``method``: "loop" against "cupti") are compared for
+  their numerics only.
   """
   current = {row_key(r): r for r in rows}
   report, failures = [], []
@@ -375,7 +379,14 @@ def compare(rows: list[dict], baseline: list[dict], threshold: float = DEFAULT_T
       continue
     change = cur["ms"] / base["ms"] - 1
     line = (f"{name}: {cur['ms']:.3f} ms vs {base['ms']:.3f} ms ({change:+.1%})")
-    slow = change > threshold
+    methods = cur.get("method"), base.get("method")
+    # Kernel time and wall time per call differ by the gaps between kernels:
+    # rows timed two ways are not compared for speed (their numerics still are).
+    comparable = None in methods or methods[0] == methods[1]
+    if not comparable:
+      line = (f"{name}: timed by {methods[0]}, the baseline by {methods[1]}: speed "
+              f"not compared")
+    slow = comparable and change > threshold
     if slow and ours:
       line = "SLOWER: " + line + f" > {threshold:.0%}"
       failures.append(line)
@@ -429,14 +440,16 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
          compare_path: str | None = None, from_json: str | None = None,
          threshold: float = DEFAULT_THRESHOLD,
          error_growth: float = DEFAULT_ERROR_GROWTH,
-         peers: list[str] | None = None) -> int:
+         peers: list[str] | None = None, method: str | None = None) -> int:
   """Runs (or loads, `from_json`) the rows; writes, plots and compares them.
 
   `shapes`: only problems whose name contains one of these (`select_shapes`).
   `grid`: the shapes tuned data is measured on (`grid_suite`) instead of the
   reference shapes; with `implementations` None, each row group has `None`
   beside every usable implementation, so the closing summary says where
-  `None` trails one. `peers`: only these peers (`select_peers`).
+  `None` trails one. `peers`: only these peers (`select_peers`). `method`: how
+  to time (`benchmarking.METHODS`; None: the device's default, kernel time on
+  NVIDIA GPUs).
 
   Returns the exit status: 1 if `compare_path` found a regression or a model's
   numerics are beyond tolerance, else 0.
@@ -448,7 +461,7 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
     all_rows, notes = load_rows(from_json)[1], []
   else:
     all_rows, notes = _run(ops, iterations, implementations, sweep, models, quick, sizes,
-                           shapes, json_path, grid, peers)
+                           shapes, json_path, grid, peers, method)
   status = 0
   for r in all_rows:
     if r["op"].startswith("model ") and r.get("rel_err", 0) > r.get("tol", float("inf")):
@@ -515,7 +528,7 @@ def _print_auto_against_fastest(rows: list[dict]) -> None:
 
 
 def _run(ops, iterations, implementations, sweep, models, quick, sizes, shapes=None,
-         json_path=None, grid=False, peers=None):
+         json_path=None, grid=False, peers=None, method=None):
   """The rows of every selected problem and model; with `json_path`, the rows so far
   are written after each one, so that a run cut short (a device call's time limit)
   keeps what it measured."""
@@ -539,7 +552,8 @@ def _run(ops, iterations, implementations, sweep, models, quick, sizes, shapes=N
   for p in problems:
     usable = [s.name for s in introspection.implementations(p.op) if s.usable]
     impls = implementations or [None] + [n for n in usable if n != "xla_chunked"]
-    rows = run_problem(select_peers(p, peers), impls, iterations=iterations)
+    rows = run_problem(select_peers(p, peers), impls, iterations=iterations,
+                       method=method)
     if sweep:
       for r in rows:
         r.update(sweep=True, seq=int(p.name.split(" T")[1].split()[0]))
@@ -549,7 +563,7 @@ def _run(ops, iterations, implementations, sweep, models, quick, sizes, shapes=N
       write_json(json_path, all_rows)
   for model in models:
     size = bench_models.make_size(model, quick, sizes)
-    rows, text = bench_models.run_model(model, size, iterations=iterations)
+    rows, text = bench_models.run_model(model, size, iterations=iterations, method=method)
     print(markdown_table(rows, header=False), flush=True)
     all_rows += rows
     notes.append(text)

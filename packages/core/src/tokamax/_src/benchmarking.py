@@ -17,6 +17,10 @@ Methods:
 * ``"cuda_events"``: time between two CUDA events recorded on the stream the kernels
   run on, by a small XLA FFI custom call (``cuda_events.cc``, built at first use).
 * ``"wallclock"``: host time around `jax.block_until_ready` (includes dispatch).
+* ``"loop"``: wall time per call of `LOOP_CALLS` calls issued back to back with
+  one wait at the end, as a training loop issues its steps. It sees what kernel
+  time cannot: gaps between kernels, the host reading a conditional's predicate,
+  and what running inside a CUDA graph saves.
 * ``None``: ``"cupti"`` on NVIDIA GPUs (``"cuda_events"`` for a program with an
   XLA conditional, which CUPTI cannot time: `has_xla_conditional`), ``"wallclock"``
   elsewhere.
@@ -49,7 +53,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-METHODS = ("cupti", "cuda_events", "wallclock")
+METHODS = ("cupti", "cuda_events", "wallclock", "loop")
+# Calls per evaluation of method "loop": enough that the first call's launch,
+# issued to an idle device, weighs little.
+LOOP_CALLS = 20
 
 
 # --------------------------------------------------------------------------- results
@@ -60,8 +67,8 @@ class BenchmarkData:
   """The result of one benchmark run.
 
   Attributes:
-    method: How the evaluation times were measured: "cupti", "cuda_events" or
-      "wallclock".
+    method: How the evaluation times were measured: "cupti", "cuda_events",
+      "wallclock" or "loop" (see the module's docstring).
     lowering_time_ms: Time to trace and lower the function to StableHLO.
     compile_time_ms: Time for XLA to compile the lowered function.
     evaluation_times_ms: One time per measured iteration, in order.
@@ -276,6 +283,26 @@ def _measure_wallclock(compiled, args, iterations: int, warmup: int) -> list[flo
     start = time.perf_counter()
     jax.block_until_ready(compiled(*args))
     times.append((time.perf_counter() - start) * 1e3)
+  return times
+
+
+def _measure_loop(compiled, args, iterations: int, warmup: int) -> list[float]:
+  """Per evaluation, the wall time of `LOOP_CALLS` calls issued back to back, per call.
+
+  Only the last output is kept, as a training loop keeps only its latest step's:
+  dropping an output whose computation is still queued does not wait for it.
+  """
+  for _ in range(warmup):
+    jax.block_until_ready(compiled(*args))
+  times = []
+  for _ in range(iterations):
+    start = time.perf_counter()
+    out = None
+    for _ in range(LOOP_CALLS):
+      out = compiled(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - start) * 1e3 / LOOP_CALLS)
+    del out
   return times
 
 
@@ -668,9 +695,9 @@ class CompiledBenchmark:
 
     Args:
       args: The arrays to call it with (the ``flat_args`` of `standardize_function`).
-      method: "cupti", "cuda_events", "wallclock", or None for the default
-        (`default_method`: "cupti" on NVIDIA GPUs, "cuda_events" there for a
-        program with an XLA conditional, "wallclock" elsewhere).
+      method: "cupti", "cuda_events", "wallclock", "loop", or None for the
+        default (`default_method`: "cupti" on NVIDIA GPUs, "cuda_events" there
+        for a program with an XLA conditional, "wallclock" elsewhere).
       iterations: How many timed evaluations.
       warmup: How many untimed evaluations first.
 
@@ -694,6 +721,8 @@ class CompiledBenchmark:
       raise RuntimeError(_CUPTI_CONDITIONAL)
     if method == "wallclock":
       times = _measure_wallclock(self.compiled, args, iterations, warmup)
+    elif method == "loop":
+      times = _measure_loop(self.compiled, args, iterations, warmup)
     elif method == "cupti":
       times = _measure_cupti(self.compiled, args, iterations, warmup, device)
     elif method == "cuda_events":
@@ -743,9 +772,9 @@ def benchmark(f: Callable[..., Any], args: Sequence[Any], method: str | None = N
   Args:
     f: The function to time.
     args: Its positional arguments (arrays, or pytrees; see `standardize_function`).
-    method: "cupti", "cuda_events", "wallclock", or None for the default
-      (`default_method`: "cupti" on NVIDIA GPUs, "cuda_events" there for a
-      program with an XLA conditional, "wallclock" elsewhere).
+    method: "cupti", "cuda_events", "wallclock", "loop", or None for the
+      default (`default_method`: "cupti" on NVIDIA GPUs, "cuda_events" there for
+      a program with an XLA conditional, "wallclock" elsewhere).
     iterations: How many timed evaluations.
     warmup: How many untimed evaluations first.
 
