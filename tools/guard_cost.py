@@ -15,9 +15,9 @@ It checks that the three give the same gradients and that only the guarded ones
 hold a conditional, then prints each time and bypassed / variant (below 1: the
 variant is slower). `--method cuda_events` (the default; CUPTI cannot time a
 conditional) times each call's device time between events inside the program;
-`--method loop` the wall time per call of calls issued back to back, which
-also sees the GPU wait while the host reads a conditional's predicate (what a
-training loop pays). Run on an NVIDIA GPU from the repository's root:
+`--method loop` (`benchmarking`'s) the wall time per call of calls issued
+back to back, which also sees the GPU wait while the host reads a
+conditional's predicate (what a training loop pays). Run on an NVIDIA GPU from the repository's root:
 
     python tools/guard_cost.py --method loop
 """
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import time
 from unittest import mock
 
 import jax
@@ -91,25 +90,6 @@ def _check_same(contenders):
         raise SystemExit(f"{name} differs from {first_name}: relative L2 {err:.2e}")
 
 
-def _loop_times(contenders, rounds, calls):
-  """Median over interleaved rounds of the wall time per call of `calls` calls
-  issued back to back (one wait at the end): a host-side conditional's wait for
-  its predicate shows here, where events inside the program do not see it."""
-  times = {name: [] for name in contenders}
-  for round_ in range(rounds):
-    names = list(contenders)
-    names = names[round_ % len(names):] + names[:round_ % len(names)]
-    for name in names:
-      c = contenders[name]
-      jax.block_until_ready(c.run.compiled(*c.flat_args))
-      start = time.perf_counter()
-      outs = [c.run.compiled(*c.flat_args) for _ in range(calls)]
-      jax.block_until_ready(outs)
-      times[name].append((time.perf_counter() - start) * 1e3 / calls)
-      del outs
-  return {name: float(np.median(t)) for name, t in times.items()}
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--implementation", action="append",
@@ -120,10 +100,10 @@ def main():
   parser.add_argument("--grad-bias", action="store_true", help="the bias's gradient too")
   parser.add_argument("--rounds", type=int, default=10)
   parser.add_argument("--method", default="cuda_events",
+                      choices=("cuda_events", "wallclock", "loop"),
                       help="cuda_events (each call's device time), wallclock, or loop "
-                      "(wall time per call of --loop calls issued back to back: what a "
+                      "(wall time per call of calls issued back to back: what a "
                       "training loop sees, host waits included)")
-  parser.add_argument("--loop", type=int, default=20)
   opts = parser.parse_args()
   batch, seq, heads, head_dim = map(int, opts.shape.split(","))
   variants = opts.variant or ["bypassed", "guarded", "rolled"]
@@ -142,11 +122,8 @@ def main():
         if c.run.has_conditional != want:
           raise SystemExit(f"{name}: has_conditional {c.run.has_conditional}, expected {want}")
       _check_same(contenders)
-      if opts.method == "loop":
-        medians = _loop_times(contenders, opts.rounds, opts.loop)
-      else:
-        results = benchmarking.time_interleaved(contenders, opts.rounds, method=opts.method)
-        medians = {name: data.median_evaluation_time_ms for name, data in results.items()}
+      results = benchmarking.time_interleaved(contenders, opts.rounds, method=opts.method)
+      medians = {name: data.median_evaluation_time_ms for name, data in results.items()}
       base = medians.get("bypassed")
       bias = "[B, N, T, S]" if full_bias else "[1, 1, T, S]"
       for name, ms in medians.items():
