@@ -319,8 +319,10 @@ def test_compare_leaves_rows_timed_another_way_out_of_the_speed_check():
   assert not failures and "timed by loop, the baseline by cupti" in report[0]
   wrong = [dict(_row("tokamax auto", 12.0, 0.5), method="loop")]
   assert any("NUMERICS" in f for f in bench_suite.compare(wrong, base)[1])
-  # The same method on both sides (or rows that do not say) are compared.
+  # The same method on both sides, both device times, or rows that do not say
+  # are compared.
   assert bench_suite.compare([dict(loop[0], method="cupti")], base)[1]
+  assert bench_suite.compare([dict(loop[0], method="cuda_events")], base)[1]
   assert bench_suite.compare([_row("tokamax auto", 12.0, 0.005)], base)[1]
 
 

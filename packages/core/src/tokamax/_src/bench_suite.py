@@ -338,6 +338,9 @@ def load_rows(path: str) -> tuple[dict, list[dict]]:
   return doc, doc["rows"]
 
 
+_DEVICE_TIME_METHODS = {"cupti", "cuda_events"}
+
+
 def compare(rows: list[dict], baseline: list[dict], threshold: float = DEFAULT_THRESHOLD,
             error_growth: float = DEFAULT_ERROR_GROWTH) -> tuple[list[str], list[str]]:
   """Each baseline row against this run's row of the same key.
@@ -348,9 +351,9 @@ def compare(rows: list[dict], baseline: list[dict], threshold: float = DEFAULT_T
   tolerance, or grew past `error_growth` x its baseline's (the baseline floored at
   tol / 10), or is NaN. Peer rows (cuDNN, XLA, plain JAX) only report their change:
   they show the machine's noise, not a tokamax regression. Rows of the baseline
-  this run did not measure (e.g. other --op) are listed as not measured, rows
-  timed by another method (``method``: "loop" against "cupti") are compared for
-  their numerics only.
+  this run did not measure (e.g. other --op) are listed as not measured. Rows
+  timed by wall clock against device time (``method``: "loop" against "cupti",
+  not "cuda_events" against "cupti") are compared for their numerics only.
   """
   current = {row_key(r): r for r in rows}
   report, failures = [], []
@@ -380,9 +383,11 @@ def compare(rows: list[dict], baseline: list[dict], threshold: float = DEFAULT_T
     change = cur["ms"] / base["ms"] - 1
     line = (f"{name}: {cur['ms']:.3f} ms vs {base['ms']:.3f} ms ({change:+.1%})")
     methods = cur.get("method"), base.get("method")
-    # Kernel time and wall time per call differ by the gaps between kernels:
-    # rows timed two ways are not compared for speed (their numerics still are).
-    comparable = None in methods or methods[0] == methods[1]
+    # Device time (kernels; CUDA events where a conditional hides kernels from
+    # CUPTI) and wall time differ by the gaps between kernels and the host's
+    # share: rows timed both ways are not compared for speed (numerics still are).
+    comparable = (None in methods or methods[0] == methods[1]
+                  or set(methods) <= _DEVICE_TIME_METHODS)
     if not comparable:
       line = (f"{name}: timed by {methods[0]}, the baseline by {methods[1]}: speed "
               f"not compared")
