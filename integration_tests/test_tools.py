@@ -23,6 +23,7 @@ import ptxas_registers  # noqa: E402
 import pytest_shard  # noqa: E402
 import sass_stalls  # noqa: E402
 import sm90_compile  # noqa: E402
+import step_anatomy  # noqa: E402
 import trace_summary  # noqa: E402
 import tune  # noqa: E402
 
@@ -682,3 +683,25 @@ def test_guard_cost_refuses_variants_whose_gradients_differ():
   guard_cost._check_same({"bypassed": contender(1.0), "guarded": contender(1.0 + 1e-5)})
   with pytest.raises(SystemExit, match="guarded differs from bypassed"):
     guard_cost._check_same({"bypassed": contender(1.0), "guarded": contender(1.1)})
+
+
+def test_step_anatomy_takes_each_kernels_median_over_alternating_rounds(monkeypatch):
+  from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
+  order = []
+  # Each program's kernel slows by 1 ms per call made before it (a warming chip):
+  # the per-kernel median over alternating rounds, not the last round, is kept.
+  def measure(compiled, aggregate):
+    assert not aggregate
+    def run(*args):
+      del args
+      order.append(compiled)
+      slow = len(order) - 1
+      return None, [(f"{compiled}_gemm", 2.0 + slow), ("shared", 1.0), ("shared", 0.5)]
+    return run
+  monkeypatch.setattr(profiler, "measure", measure)
+  contenders = {name: argparse.Namespace(run=argparse.Namespace(compiled=name), flat_args=())
+                for name in ("plain", "tokamax")}
+  times = step_anatomy._kernel_times(contenders, rounds=3)
+  assert order == ["plain", "tokamax", "tokamax", "plain", "plain", "tokamax"]
+  assert times["plain"] == {"plain_gemm": (1, 5.0), "shared": (2, 1.5)}  # 2, 5, 6 -> 5
+  assert times["tokamax"] == {"tokamax_gemm": (1, 4.0), "shared": (2, 1.5)}  # 3, 4, 7

@@ -7,10 +7,16 @@ one process, interleaved (`benchmarking.time_interleaved`), three times per step
 - `span`: device time from the step's first kernel to its last (CUDA events in
   the program): kernels plus the gaps between them;
 - `loop`: the wall time per step of steps issued back to back (what a training
-  loop sees): span plus what the host adds between steps.
+  loop sees): span plus what the host adds between steps, and plus what the
+  chip loses when it runs steps without a pause (its power cap lowers its
+  clock; the two CUDA-based times above are of one step after a pause).
 
-Then the kernel count of each, and the kernels whose total time differs most
-between the two programs (CUPTI per-kernel times of one step, by kernel name).
+Then, to tell those apart: how long the host spends issuing each step of such
+a loop (a step whose call waits on the device shows here), the loop keeping
+every output alive, and the kernel time per step when steps run back to back
+(the power cap shows here). Last, unless `--host-only`, the kernel count of
+each program and the kernels whose time differs most between the two (CUPTI
+per-kernel times of one step, median over rounds that alternate the programs).
 Run on an NVIDIA GPU from the repository's root:
 
     python tools/step_anatomy.py --model dense
@@ -20,46 +26,82 @@ from __future__ import annotations
 
 import argparse
 import collections
+import time
 
 import jax
+import numpy as np
 from tokamax._src import bench_models
 from tokamax._src import benchmarking
 
 METHODS = {"kernels": "cupti", "span": "cuda_events", "loop": "loop"}
 
 
-def _kernel_times(contender) -> dict[str, tuple[int, float]]:
-  """Per kernel name: (launches, total ms) in one call (CUPTI)."""
+def _kernel_times(contenders, rounds=5) -> dict[str, dict[str, tuple[int, float]]]:
+  """Per program, per kernel name: (launches, total ms) in one call (CUPTI),
+  the median over `rounds` rounds that alternate the programs (a chip that
+  warms over the run slows whichever program would be measured last)."""
   from jax.experimental.mosaic.gpu import profiler  # loads CUDA: NVIDIA GPUs only
-  _, timings = profiler.measure(contender.run.compiled, aggregate=False)(
-      *contender.flat_args)
-  out: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
-  for name, ms in timings or []:
-    out[name][0] += 1
-    out[name][1] += ms
-  return {name: (n, ms) for name, (n, ms) in out.items()}
+  samples = {program: collections.defaultdict(list) for program in contenders}
+  launches = {program: {} for program in contenders}
+  programs = list(contenders)
+  for round_ in range(rounds):
+    for program in programs[round_ % 2:] + programs[:round_ % 2]:
+      c = contenders[program]
+      _, timings = profiler.measure(c.run.compiled, aggregate=False)(*c.flat_args)
+      per_name = collections.defaultdict(lambda: [0, 0.0])
+      for name, ms in timings or []:
+        per_name[name][0] += 1
+        per_name[name][1] += ms
+      for name, (n, ms) in per_name.items():
+        samples[program][name].append(ms)
+        launches[program][name] = n
+  return {program: {name: (launches[program][name], float(np.median(ms)))
+                    for name, ms in per_program.items()}
+          for program, per_program in samples.items()}
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--model", default="dense", choices=bench_models.MODELS)
-  parser.add_argument("--size", action="append", default=[], metavar="KEY=VALUE")
-  parser.add_argument("--iterations", type=int, default=10)
-  parser.add_argument("--top", type=int, default=15, help="kernel names to list")
-  opts = parser.parse_args()
-  size = bench_models.make_size(opts.model, False, dict(kv.split("=", 1) for kv in opts.size))
-  params, x, dy = bench_models.inputs(opts.model, size)
-  print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}: {opts.model} "
-        f"{size.describe()}")
-  contenders = {program: benchmarking.prepare(
-      bench_models.training_step(opts.model, size, program), params, x, dy)
-      for program in ("plain", "tokamax")}
-  print("| program | kernels ms | span ms | loop ms | gaps in span | host between steps |")
+def _sustained_kernel_ms(contender, rounds=3):
+  """Kernel time per step (CUPTI) of `LOOP_CALLS` steps issued back to back:
+  first step, median, last step, over `rounds` loops (median of each). A chip
+  that slows under sustained load (power cap) shows here as kernel time."""
+  from jax.experimental.mosaic.gpu import profiler  # loads CUDA: NVIDIA GPUs only
+  loops = [profiler.measure(contender.run.compiled, iterations=benchmarking.LOOP_CALLS)(
+      *contender.flat_args)[1] for _ in range(rounds)]
+  return tuple(float(np.median([f(times) for times in loops]))
+               for f in (lambda t: t[0], np.median, lambda t: t[-1]))
+
+
+def _host_share(contender, rounds=5):
+  """Per step of `LOOP_CALLS` steps issued back to back: median ms the host
+  spent in the call (issuing the step; a call that waits on the device reads
+  as long as a step) and wall ms per step, keeping only the last step's
+  output (as `benchmarking`'s loop) and keeping every output alive."""
+  compiled, args = contender.run.compiled, contender.flat_args
+  issue, per_step = [], {"last output kept": [], "all outputs kept": []}
+  for _ in range(rounds):
+    for variant, times in per_step.items():
+      jax.block_until_ready(compiled(*args))
+      outs, start = [], time.perf_counter()
+      for _ in range(benchmarking.LOOP_CALLS):
+        call_start = time.perf_counter()
+        out = compiled(*args)
+        issue.append(time.perf_counter() - call_start)
+        outs = outs + [out] if variant == "all outputs kept" else [out]
+      jax.block_until_ready(outs)
+      times.append((time.perf_counter() - start) / benchmarking.LOOP_CALLS)
+      del outs, out
+  ms = {variant: 1e3 * float(np.median(t)) for variant, t in per_step.items()}
+  return 1e3 * float(np.median(issue)), 1e3 * float(np.max(issue)), ms
+
+
+def _device_times(contenders, iterations):
+  """The kernels / span / loop table."""
+  print("| program | kernels ms | span ms | loop ms | span - kernels | loop - span |")
   print("|---|---|---|---|---|---|")
   medians = {}
   for what, method in METHODS.items():
     for program, data in benchmarking.time_interleaved(
-        contenders, opts.iterations, method).items():
+        contenders, iterations, method).items():
       if isinstance(data, Exception):
         raise SystemExit(f"{program}, {method}: {data}")
       medians[program, what] = data.median_evaluation_time_ms
@@ -69,7 +111,11 @@ def main():
           f"{span - kernels:.3f} | {loop - span:.3f} |")
   print("\nratio plain / tokamax: " + ", ".join(
       f"{what} {medians['plain', what] / medians['tokamax', what]:.3f}" for what in METHODS))
-  per_kernel = {program: _kernel_times(c) for program, c in contenders.items()}
+
+
+def _kernel_table(contenders, top):
+  """Kernel counts, and the kernels whose time differs most between the two."""
+  per_kernel = _kernel_times(contenders)
   for program, times in per_kernel.items():
     print(f"{program}: {sum(n for n, _ in times.values())} kernel launches, "
           f"{len(times)} distinct kernels, {sum(ms for _, ms in times.values()):.3f} ms")
@@ -77,12 +123,45 @@ def main():
   def diff(name):
     return (per_kernel["tokamax"].get(name, (0, 0.0))[1]
             - per_kernel["plain"].get(name, (0, 0.0))[1])
-  print(f"\nthe {opts.top} kernels whose time differs most (tokamax - plain):")
+  print(f"\nthe {top} kernels whose time differs most (tokamax - plain):")
   print("| kernel | plain launches | plain ms | tokamax launches | tokamax ms |")
   print("|---|---|---|---|---|")
-  for name in sorted(names, key=lambda n: -abs(diff(n)))[:opts.top]:
+  for name in sorted(names, key=lambda n: -abs(diff(n)))[:top]:
     p, t = (per_kernel[prog].get(name, (0, 0.0)) for prog in ("plain", "tokamax"))
     print(f"| {name[:70]} | {p[0]} | {p[1]:.3f} | {t[0]} | {t[1]:.3f} |")
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--model", default="dense", choices=bench_models.MODELS)
+  parser.add_argument("--size", action="append", default=[], metavar="KEY=VALUE")
+  parser.add_argument("--iterations", type=int, default=10)
+  parser.add_argument("--top", type=int, default=15, help="kernel names to list")
+  parser.add_argument("--host-only", action="store_true",
+                      help="only the host's share (no CUPTI or CUDA event times)")
+  opts = parser.parse_args()
+  size = bench_models.make_size(opts.model, False, dict(kv.split("=", 1) for kv in opts.size))
+  params, x, dy = bench_models.inputs(opts.model, size)
+  print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}: {opts.model} "
+        f"{size.describe()}")
+  contenders = {program: benchmarking.prepare(
+      bench_models.training_step(opts.model, size, program), params, x, dy)
+      for program in ("plain", "tokamax")}
+  if not opts.host_only:
+    _device_times(contenders, opts.iterations)
+  print("\n| program | host ms per call, median | max | loop ms, last output kept | "
+        "loop ms, all outputs kept |\n|---|---|---|---|---|")
+  for program, c in contenders.items():
+    median, longest, loops = _host_share(c)
+    print(f"| {program} | {median:.3f} | {longest:.3f} | " + " | ".join(
+        f"{ms:.3f}" for ms in loops.values()) + " |")
+  print(f"\n| program | kernel ms per step, {benchmarking.LOOP_CALLS} steps back to back: "
+        "first | median | last |\n|---|---|---|---|")
+  for program, c in contenders.items():
+    print(f"| {program} | " + " | ".join(f"{ms:.3f}" for ms in _sustained_kernel_ms(c))
+          + " |")
+  if not opts.host_only:
+    _kernel_table(contenders, opts.top)
 
 
 if __name__ == "__main__":
