@@ -550,7 +550,9 @@ def _run(ops, iterations, implementations, sweep, models, quick, sizes, shapes=N
       for m in (bench_models.MODELS if name == "all" else (name,))))
   print(f"tokamax bench on {jax.devices()[0].device_kind}, JAX {jax.__version__}"
         f"{', quick shapes (--full for the reference shapes)' if quick and not sweep else ''}"
-        f"{', the tuning grid' if grid else ''}")
+        f"{', the tuning grid' if grid else ''}"
+        f"{f', timed by {method}' if method else ''}"
+        f"{' (wall time per call of calls issued back to back)' if method == 'loop' else ''}")
   _print_gpu_state("at the start")
   print("\n".join(HEADER), flush=True)
   all_rows, notes = [], []
