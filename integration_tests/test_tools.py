@@ -705,3 +705,21 @@ def test_step_anatomy_takes_each_kernels_median_over_alternating_rounds(monkeypa
   assert order == ["plain", "tokamax", "tokamax", "plain", "plain", "tokamax"]
   assert times["plain"] == {"plain_gemm": (1, 5.0), "shared": (2, 1.5)}  # 2, 5, 6 -> 5
   assert times["tokamax"] == {"tokamax_gemm": (1, 4.0), "shared": (2, 1.5)}  # 3, 4, 7
+
+
+def test_step_anatomy_host_share_times_every_program_and_variant():
+  calls = {"a": 0, "b": 0}
+
+  def program(name):
+    def call(x):
+      calls[name] += 1
+      return x + 1
+    return argparse.Namespace(run=argparse.Namespace(compiled=call), flat_args=(np.ones(4),))
+  shares = step_anatomy._host_share({"a": program("a"), "b": program("b")}, rounds=2)
+  # Each round runs one loop per program and variant, each after one untimed call.
+  per_program = 2 * 2 * (1 + step_anatomy.benchmarking.LOOP_CALLS)
+  assert calls == {"a": per_program, "b": per_program}
+  for median, longest, loops in shares.values():
+    assert 0 <= median <= longest
+    assert set(loops) == set(step_anatomy._VARIANTS) and all(ms > 0 for ms in loops.values())
+  assert step_anatomy._rotated("abc", 4) == list("bca")

@@ -17,7 +17,8 @@ variant is slower). `--method cuda_events` (the default; CUPTI cannot time a
 conditional) times each call's device time between events inside the program;
 `--method loop` (`benchmarking`'s) the wall time per call of calls issued
 back to back, which also sees the GPU wait while the host reads a
-conditional's predicate (what a training loop pays). Run on an NVIDIA GPU from the repository's root:
+conditional's predicate (what a training loop pays). Run on an NVIDIA GPU
+from the repository's root:
 
     python tools/guard_cost.py --method loop
 """

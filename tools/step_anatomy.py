@@ -43,9 +43,8 @@ def _kernel_times(contenders, rounds=5) -> dict[str, dict[str, tuple[int, float]
   from jax.experimental.mosaic.gpu import profiler  # loads CUDA: NVIDIA GPUs only
   samples = {program: collections.defaultdict(list) for program in contenders}
   launches = {program: {} for program in contenders}
-  programs = list(contenders)
   for round_ in range(rounds):
-    for program in programs[round_ % 2:] + programs[:round_ % 2]:
+    for program in _rotated(contenders, round_):
       c = contenders[program]
       _, timings = profiler.measure(c.run.compiled, aggregate=False)(*c.flat_args)
       per_name = collections.defaultdict(lambda: [0, 0.0])
@@ -60,38 +59,65 @@ def _kernel_times(contenders, rounds=5) -> dict[str, dict[str, tuple[int, float]
           for program, per_program in samples.items()}
 
 
-def _sustained_kernel_ms(contender, rounds=3):
-  """Kernel time per step (CUPTI) of `LOOP_CALLS` steps issued back to back:
-  first step, median, last step, over `rounds` loops (median of each). A chip
-  that slows under sustained load (power cap) shows here as kernel time."""
+def _rotated(items, round_):
+  """`items` starting `round_` places later: alternate which goes first (a chip
+  that warms over a run slows whichever would always be measured last)."""
+  items = list(items)
+  shift = round_ % len(items)
+  return items[shift:] + items[:shift]
+
+
+def _sustained_kernel_ms(contenders, rounds=3):
+  """Per program, its kernel time per step (CUPTI) over `LOOP_CALLS` steps
+  issued back to back: first step, median, last step (each the median over
+  `rounds` loops, the programs alternating). A chip that slows under
+  sustained load (power cap) shows here as kernel time."""
   from jax.experimental.mosaic.gpu import profiler  # loads CUDA: NVIDIA GPUs only
-  loops = [profiler.measure(contender.run.compiled, iterations=benchmarking.LOOP_CALLS)(
-      *contender.flat_args)[1] for _ in range(rounds)]
-  return tuple(float(np.median([f(times) for times in loops]))
-               for f in (lambda t: t[0], np.median, lambda t: t[-1]))
+  loops = {program: [] for program in contenders}
+  for round_ in range(rounds):
+    for program in _rotated(contenders, round_):
+      c = contenders[program]
+      loops[program].append(profiler.measure(
+          c.run.compiled, iterations=benchmarking.LOOP_CALLS)(*c.flat_args)[1])
+  return {program: tuple(float(np.median([f(times) for times in runs]))
+                         for f in (lambda t: t[0], np.median, lambda t: t[-1]))
+          for program, runs in loops.items()}
 
 
-def _host_share(contender, rounds=5):
-  """Per step of `LOOP_CALLS` steps issued back to back: median ms the host
-  spent in the call (issuing the step; a call that waits on the device reads
-  as long as a step) and wall ms per step, keeping only the last step's
-  output (as `benchmarking`'s loop) and keeping every output alive."""
+_VARIANTS = ("last output kept", "all outputs kept")
+
+
+def _loop_once(contender, variant, issue):
+  """Wall ms per step of one loop; appends each call's host time to `issue`."""
   compiled, args = contender.run.compiled, contender.flat_args
-  issue, per_step = [], {"last output kept": [], "all outputs kept": []}
-  for _ in range(rounds):
-    for variant, times in per_step.items():
-      jax.block_until_ready(compiled(*args))
-      outs, start = [], time.perf_counter()
-      for _ in range(benchmarking.LOOP_CALLS):
-        call_start = time.perf_counter()
-        out = compiled(*args)
-        issue.append(time.perf_counter() - call_start)
-        outs = outs + [out] if variant == "all outputs kept" else [out]
-      jax.block_until_ready(outs)
-      times.append((time.perf_counter() - start) / benchmarking.LOOP_CALLS)
-      del outs, out
-  ms = {variant: 1e3 * float(np.median(t)) for variant, t in per_step.items()}
-  return 1e3 * float(np.median(issue)), 1e3 * float(np.max(issue)), ms
+  jax.block_until_ready(compiled(*args))
+  outs, start = [], time.perf_counter()
+  for _ in range(benchmarking.LOOP_CALLS):
+    call_start = time.perf_counter()
+    out = compiled(*args)
+    issue.append(time.perf_counter() - call_start)
+    outs = outs + [out] if variant == "all outputs kept" else [out]
+  jax.block_until_ready(outs)
+  return (time.perf_counter() - start) * 1e3 / benchmarking.LOOP_CALLS
+
+
+def _host_share(contenders, rounds=6):
+  """Per program, over loops of `LOOP_CALLS` steps issued back to back: the
+  median and the longest ms the host spent in a call (issuing the step; a call
+  that waits on the device reads as long as a step), and the wall ms per step
+  keeping only the last step's output (as `benchmarking`'s loop) and keeping
+  every output alive. Programs and variants alternate their order by round."""
+  issue = {program: [] for program in contenders}
+  per_step = {(program, variant): [] for program in contenders for variant in _VARIANTS}
+  for round_ in range(rounds):
+    for program, variant in _rotated(per_step, round_):
+      per_step[program, variant].append(
+          _loop_once(contenders[program], variant, issue[program]))
+  return {program: (1e3 * float(np.median(issue[program])),
+                    1e3 * float(np.max(issue[program])),
+                    {variant: float(np.median(per_step[program, variant]))
+                     for variant in _VARIANTS})
+          for program in contenders}
 
 
 def _device_times(contenders, iterations):
@@ -138,7 +164,8 @@ def main():
   parser.add_argument("--iterations", type=int, default=10)
   parser.add_argument("--top", type=int, default=15, help="kernel names to list")
   parser.add_argument("--host-only", action="store_true",
-                      help="only the host's share (no CUPTI or CUDA event times)")
+                      help="leave out the kernels / span / loop table and the "
+                      "per-kernel table (the back-to-back kernel time still uses CUPTI)")
   opts = parser.parse_args()
   size = bench_models.make_size(opts.model, False, dict(kv.split("=", 1) for kv in opts.size))
   params, x, dy = bench_models.inputs(opts.model, size)
@@ -151,15 +178,13 @@ def main():
     _device_times(contenders, opts.iterations)
   print("\n| program | host ms per call, median | max | loop ms, last output kept | "
         "loop ms, all outputs kept |\n|---|---|---|---|---|")
-  for program, c in contenders.items():
-    median, longest, loops = _host_share(c)
+  for program, (median, longest, loops) in _host_share(contenders).items():
     print(f"| {program} | {median:.3f} | {longest:.3f} | " + " | ".join(
         f"{ms:.3f}" for ms in loops.values()) + " |")
   print(f"\n| program | kernel ms per step, {benchmarking.LOOP_CALLS} steps back to back: "
         "first | median | last |\n|---|---|---|---|")
-  for program, c in contenders.items():
-    print(f"| {program} | " + " | ".join(f"{ms:.3f}" for ms in _sustained_kernel_ms(c))
-          + " |")
+  for program, times in _sustained_kernel_ms(contenders).items():
+    print(f"| {program} | " + " | ".join(f"{ms:.3f}" for ms in times) + " |")
   if not opts.host_only:
     _kernel_table(contenders, opts.top)
 

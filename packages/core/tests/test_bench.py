@@ -316,13 +316,16 @@ def test_compare_leaves_rows_timed_another_way_out_of_the_speed_check():
   base = [dict(_row("tokamax auto", 10.0, 0.005), method="cupti")]
   loop = [dict(_row("tokamax auto", 12.0, 0.005), method="loop")]
   report, failures = bench_suite.compare(loop, base)
-  assert not failures and "timed by loop, the baseline by cupti" in report[0]
+  assert not failures and "12.000 ms by loop, the baseline 10.000 ms by cupti" in report[0]
   wrong = [dict(_row("tokamax auto", 12.0, 0.5), method="loop")]
   assert any("NUMERICS" in f for f in bench_suite.compare(wrong, base)[1])
   # The same method on both sides, both device times, or rows that do not say
   # are compared.
   assert bench_suite.compare([dict(loop[0], method="cupti")], base)[1]
   assert bench_suite.compare([dict(loop[0], method="cuda_events")], base)[1]
+  # Wall time waiting after each call ("wallclock") is not the loop's either.
+  wallclock = [dict(_row("tokamax auto", 10.0, 0.005), method="wallclock")]
+  assert not bench_suite.compare(loop, wallclock)[1]
   assert bench_suite.compare([_row("tokamax auto", 12.0, 0.005)], base)[1]
 
 

@@ -51,7 +51,8 @@ the Flax NNX layer of examples/llama_nnx.py against plain Flax; run from the
 repository's root).
 
 Off a GPU the shapes are small unless --full. Times: CUPTI kernel time on NVIDIA
-GPUs, wall clock elsewhere.
+GPUs (CUDA events for programs with an XLA conditional), wall clock elsewhere;
+--method loop: the wall time per call of calls issued back to back.
 
 examples:
   python -m tokamax bench --model dense          # Llama-3-8B-sized decoder block
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
   bench.add_argument("--iterations", type=int, default=10)
   bench.add_argument("--method", choices=benchmarking.METHODS,
                      help="how to time (default: kernel time by CUPTI on NVIDIA GPUs, "
-                          "wall clock elsewhere); 'loop': the wall time per call of "
+                          "CUDA events for programs with an XLA conditional, wall "
+                          "clock elsewhere); 'loop': the wall time per call of "
                           f"{benchmarking.LOOP_CALLS} calls issued back to back, what "
                           "a training loop sees, gaps between kernels included")
   bench.add_argument("--out", help="folder for bench.json, bench.md and PNG plots "
@@ -170,6 +172,8 @@ def _run_command(parser, args) -> int:
       sizes = dict(kv.split("=", 1) for kv in args.size)
     except ValueError:
       parser.error(f"--size takes KEY=VALUE; got {args.size}")
+    if args.from_json and args.method:
+      parser.error("--method times a run; --from-json takes rows already timed")
     if args.grid and (args.sweep or args.model):
       parser.error("--grid times per-op rows at the tuning grid's shapes: not with "
                    "--sweep (another set of shapes) or --model")

@@ -10,9 +10,9 @@ Each model is written twice with the same parameters and inputs:
   `jax.lax.ragged_dot`.
 
 The step is ``jax.value_and_grad`` of ``sum(out * dy)`` (random ``dy``) over the
-parameters and the input, timed with `benchmarking.time_interleaved` (CUPTI kernel time on
-NVIDIA GPUs, CUDA events there where a program holds an XLA conditional, wall clock
-elsewhere). The tokamax step's loss and gradients are
+parameters and the input, timed with `benchmarking.time_interleaved` (by default
+CUPTI kernel time on NVIDIA GPUs, CUDA events there where a program holds an XLA
+conditional, wall clock elsewhere; `run_model`'s `method` picks another). The tokamax step's loss and gradients are
 checked against the plain step's (relative L2, the worst leaf reported; the loss
 against the L2 norm of its terms, see `loss_error`).
 

@@ -2,9 +2,11 @@
 
 Each row times one op at one shape, forward or forward+backward, for every usable
 tokamax implementation and the peers a user could call instead (cuDNN through
-`jax.nn`, plain XLA, a dense matmul of the same FLOPs), all in the same run. Kernel
-time comes from CUPTI on NVIDIA GPUs (`jax.experimental.mosaic.gpu.profiler`),
-wall clock elsewhere.
+`jax.nn`, plain XLA, a dense matmul of the same FLOPs), all in the same run. By
+default kernel time comes from CUPTI on NVIDIA GPUs
+(`jax.experimental.mosaic.gpu.profiler`; CUDA events for programs with an XLA
+conditional), wall clock elsewhere; `method` (`--method`) picks another
+(`benchmarking.METHODS`).
 """
 
 from __future__ import annotations
@@ -352,8 +354,8 @@ def compare(rows: list[dict], baseline: list[dict], threshold: float = DEFAULT_T
   tol / 10), or is NaN. Peer rows (cuDNN, XLA, plain JAX) only report their change:
   they show the machine's noise, not a tokamax regression. Rows of the baseline
   this run did not measure (e.g. other --op) are listed as not measured. Rows
-  timed by wall clock against device time (``method``: "loop" against "cupti",
-  not "cuda_events" against "cupti") are compared for their numerics only.
+  timed by another method than their baseline's (``method``), unless both are
+  device time ("cupti", "cuda_events"), are compared for their numerics only.
   """
   current = {row_key(r): r for r in rows}
   report, failures = [], []
@@ -384,13 +386,14 @@ def compare(rows: list[dict], baseline: list[dict], threshold: float = DEFAULT_T
     line = (f"{name}: {cur['ms']:.3f} ms vs {base['ms']:.3f} ms ({change:+.1%})")
     methods = cur.get("method"), base.get("method")
     # Device time (kernels; CUDA events where a conditional hides kernels from
-    # CUPTI) and wall time differ by the gaps between kernels and the host's
-    # share: rows timed both ways are not compared for speed (numerics still are).
+    # CUPTI) and wall time differ by the host's share and, back to back, by the
+    # clock a power-capped chip falls to; "wallclock" waits after each call,
+    # "loop" only after the last. Only like with like is compared for speed.
     comparable = (None in methods or methods[0] == methods[1]
                   or set(methods) <= _DEVICE_TIME_METHODS)
     if not comparable:
-      line = (f"{name}: timed by {methods[0]}, the baseline by {methods[1]}: speed "
-              f"not compared")
+      line = (f"{name}: {cur['ms']:.3f} ms by {methods[0]}, the baseline {base['ms']:.3f} "
+              f"ms by {methods[1]}: speed not compared")
     slow = comparable and change > threshold
     if slow and ours:
       line = "SLOWER: " + line + f" > {threshold:.0%}"
