@@ -120,7 +120,8 @@ def test_benchmark_data_is_frozen_and_median_is_median():
       benchmarking.BenchmarkData("cupti", 1.0, 2.0, (1.0,), peak_memory_bytes=2**20))
 
 
-def test_iterations_and_warmup_counts():
+def _counting_benchmark():
+  """A compiled benchmark of ``x + 1``, its args, and the list its calls append to."""
   calls = []
 
   def f(x):
@@ -128,7 +129,11 @@ def test_iterations_and_warmup_counts():
     return x + 1
 
   f_std, args = benchmarking.standardize_function(f, jnp.ones(4))
-  run = benchmarking.compile_benchmark(f_std, args)
+  return benchmarking.compile_benchmark(f_std, args), args, calls
+
+
+def test_iterations_and_warmup_counts():
+  run, args, calls = _counting_benchmark()
   data = run(args, method="wallclock", iterations=3, warmup=2)
   jax.effects_barrier()
   assert len(data.evaluation_times_ms) == 3
@@ -142,14 +147,7 @@ def test_iterations_and_warmup_counts():
 def test_loop_times_calls_issued_back_to_back():
   # Each evaluation of "loop" issues LOOP_CALLS calls and reports the time per
   # call; warm-up calls run once each, outside the timing.
-  calls = []
-
-  def f(x):
-    jax.debug.callback(lambda: calls.append(1))
-    return x + 1
-
-  f_std, args = benchmarking.standardize_function(f, jnp.ones(4))
-  run = benchmarking.compile_benchmark(f_std, args)
+  run, args, calls = _counting_benchmark()
   data = run(args, method="loop", iterations=2, warmup=1)
   jax.effects_barrier()
   assert data.method == "loop" and len(data.evaluation_times_ms) == 2
