@@ -20,7 +20,7 @@ Methods:
 * ``"loop"``: wall time per call of `LOOP_CALLS` calls issued back to back with
   one wait at the end, as a training loop issues its steps. It sees what kernel
   time after a pause cannot: a chip slowed by its power cap under sustained
-  load (on an H200 a training step's kernels ran 15% longer back to back), gaps
+  load (on an H200 a training step's kernels ran 13-15% longer back to back), gaps
   between kernels, the host reading a conditional's predicate, and what
   running inside a CUDA graph saves.
 * ``None``: ``"cupti"`` on NVIDIA GPUs (``"cuda_events"`` for a program with an
