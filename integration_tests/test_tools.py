@@ -722,4 +722,4 @@ def test_step_anatomy_host_share_times_every_program_and_variant():
   for median, longest, loops in shares.values():
     assert 0 <= median <= longest
     assert set(loops) == set(step_anatomy._VARIANTS) and all(ms > 0 for ms in loops.values())
-  assert step_anatomy._rotated("abc", 4) == list("bca")
+  assert step_anatomy.benchmarking.round_order("abc", 4) == list("bca")

@@ -16,7 +16,9 @@ a loop (a step whose call waits on the device shows here), the loop keeping
 every output alive, and the kernel time per step when steps run back to back
 (the power cap shows here). Last, unless `--host-only`, the kernel count of
 each program and the kernels whose time differs most between the two (CUPTI
-per-kernel times of one step, median over rounds that alternate the programs).
+per-kernel times of one step, median over rounds that alternate the programs;
+`tools/kernel_breakdown.py --model M` lists every launch, one program after
+the other).
 Run on an NVIDIA GPU from the repository's root:
 
     python tools/step_anatomy.py --model dense
@@ -33,38 +35,31 @@ import numpy as np
 from tokamax._src import bench_models
 from tokamax._src import benchmarking
 
+import kernel_breakdown
+
 METHODS = {"kernels": "cupti", "span": "cuda_events", "loop": "loop"}
 
 
 def _kernel_times(contenders, rounds=5) -> dict[str, dict[str, tuple[int, float]]]:
-  """Per program, per kernel name: (launches, total ms) in one call (CUPTI),
-  the median over `rounds` rounds that alternate the programs (a chip that
-  warms over the run slows whichever program would be measured last)."""
+  """Per program, per kernel name: (launches, total ms) in one call (CUPTI):
+  `kernel_breakdown.per_launch_medians` over `rounds` rounds that alternate the
+  programs (a chip that warms over the run slows whichever program would be
+  measured last), summed by name."""
   from jax.experimental.mosaic.gpu import profiler  # loads CUDA: NVIDIA GPUs only
-  samples = {program: collections.defaultdict(list) for program in contenders}
-  launches = {program: {} for program in contenders}
+  runs = {program: [] for program in contenders}
   for round_ in range(rounds):
-    for program in _rotated(contenders, round_):
+    for program in benchmarking.round_order(contenders, round_):
       c = contenders[program]
-      _, timings = profiler.measure(c.run.compiled, aggregate=False)(*c.flat_args)
-      per_name = collections.defaultdict(lambda: [0, 0.0])
-      for name, ms in timings or []:
-        per_name[name][0] += 1
-        per_name[name][1] += ms
-      for name, (n, ms) in per_name.items():
-        samples[program][name].append(ms)
-        launches[program][name] = n
-  return {program: {name: (launches[program][name], float(np.median(ms)))
-                    for name, ms in per_program.items()}
-          for program, per_program in samples.items()}
-
-
-def _rotated(items, round_):
-  """`items` starting `round_` places later: alternate which goes first (a chip
-  that warms over a run slows whichever would always be measured last)."""
-  items = list(items)
-  shift = round_ % len(items)
-  return items[shift:] + items[:shift]
+      runs[program].append(profiler.measure(c.run.compiled, aggregate=False)(
+          *c.flat_args)[1] or [])
+  totals = {}
+  for program, program_runs in runs.items():
+    per_name = collections.defaultdict(lambda: [0, 0.0])
+    for name, ms in kernel_breakdown.per_launch_medians(program_runs):
+      per_name[name][0] += 1
+      per_name[name][1] += ms
+    totals[program] = {name: (n, ms) for name, (n, ms) in per_name.items()}
+  return totals
 
 
 def _sustained_kernel_ms(contenders, rounds=3):
@@ -75,7 +70,7 @@ def _sustained_kernel_ms(contenders, rounds=3):
   from jax.experimental.mosaic.gpu import profiler  # loads CUDA: NVIDIA GPUs only
   loops = {program: [] for program in contenders}
   for round_ in range(rounds):
-    for program in _rotated(contenders, round_):
+    for program in benchmarking.round_order(contenders, round_):
       c = contenders[program]
       loops[program].append(profiler.measure(
           c.run.compiled, iterations=benchmarking.LOOP_CALLS)(*c.flat_args)[1])
@@ -110,7 +105,7 @@ def _host_share(contenders, rounds=6):
   issue = {program: [] for program in contenders}
   per_step = {(program, variant): [] for program in contenders for variant in _VARIANTS}
   for round_ in range(rounds):
-    for program, variant in _rotated(per_step, round_):
+    for program, variant in benchmarking.round_order(per_step, round_):
       per_step[program, variant].append(
           _loop_once(contenders[program], variant, issue[program]))
   return {program: (1e3 * float(np.median(issue[program])),

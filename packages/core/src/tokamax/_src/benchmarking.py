@@ -20,7 +20,7 @@ Methods:
 * ``"loop"``: wall time per call of `LOOP_CALLS` calls issued back to back with
   one wait at the end, as a training loop issues its steps. It sees what kernel
   time after a pause cannot: a chip slowed by its power cap under sustained
-  load (on an H200 a training step's kernels ran 13-15% longer back to back), gaps
+  load (on an H200 a training step's kernels ran 12-15% longer back to back), gaps
   between kernels, the host reading a conditional's predicate, and what
   running inside a CUDA graph saves.
 * ``None``: ``"cupti"`` on NVIDIA GPUs (``"cuda_events"`` for a program with an
@@ -814,6 +814,15 @@ def prepare(f: Callable, *args) -> Contender:
   return Contender(run, tuple(flat), run.compiled(*flat))
 
 
+def round_order(labels, round_: int) -> list:
+  """`labels` starting `round_` places later (cyclically): the order of one
+  round of `time_interleaved`, so that no contender always follows the same
+  other one."""
+  labels = list(labels)
+  start = round_ % len(labels)
+  return labels[start:] + labels[:start]
+
+
 def time_interleaved(contenders: dict[str, Contender], iterations: int = 10,
                      method: str | None = None) -> dict[str, BenchmarkData | Exception]:
   """Times several compiled functions in rounds: one evaluation of each per round.
@@ -845,10 +854,8 @@ def time_interleaved(contenders: dict[str, Contender], iterations: int = 10,
     method = default_method(device, any(c.run.has_conditional for c in contenders.values()))
   times: dict[str, list[float]] = {label: [] for label in contenders}
   results: dict[str, BenchmarkData | Exception] = {}
-  labels = list(contenders)
   for round_ in range(iterations):
-    start = round_ % len(labels)
-    for label in labels[start:] + labels[:start]:
+    for label in round_order(contenders, round_):
       c = contenders[label]
       if label in results:
         continue  # failed in an earlier round
