@@ -845,14 +845,6 @@ def test_key_range_matches_brute_force():
         assert lo <= j < hi <= n_kv, (case, j)
       if fl <= j < fh:
         assert tile[valid_rows].all(), (case, j)
-    # `key_bounds` (the forward's half tiles): every visible key of a valid
-    # row lies in [klo, khi).
-    klo, khi = (int(x) for x in akc.key_bounds(
-        jnp.int32(r0), 64, jnp.int32(q_limit), jnp.int32(kv_limit), jnp.int32(off),
-        left, right))
-    seen = np.flatnonzero(vis[valid_rows].any(axis=0))
-    if seen.size:
-      assert klo <= seen.min() and seen.max() < khi, (case, klo, khi)
 
 
 def test_union_and_segment_ranges():

@@ -32,8 +32,6 @@ from tokamax._src.ops import attention as attention_op
 from tokamax_gpu_mosaic import _common
 from tokamax_gpu_mosaic import _pipeline
 from tokamax_gpu_mosaic import attention as mat
-from tokamax_gpu_mosaic import attention_kernel_common as akc
-from tokamax_gpu_mosaic import attention_kernel_fwd as afwd
 from tokamax_gpu_mosaic import gated_linear_unit_kernel as glk
 from tokamax_gpu_mosaic import layer_norm as mln
 from tokamax_gpu_mosaic import ragged_dot as mosaic_ragged_dot
@@ -339,29 +337,6 @@ def test_attention_head_group(causal, features, persistent):
   np.testing.assert_allclose(np.asarray(got_lse), np.asarray(lse), rtol=2e-2, atol=2e-2)
   for i, (g, w) in enumerate(zip(got, want)):
     testing.assert_close(g, w, jnp.bfloat16, what=f"gradient {i}", scale=2.0)
-
-
-@pytest.mark.parametrize("persistent", [False, True], ids=["block-a-tile", "persistent"])
-def test_attention_half_tiles(persistent):
-  """128-key tiles of which one 64-key half is hidden from a warpgroup's rows
-  (`_Forward.half_tiles`): under a (64, 0) causal window each warpgroup's first
-  tile runs its upper half alone and its last its lower half; the second batch
-  row's 180 keys end in a lower half. Against the XLA reference."""
-  config = mat.AttentionConfig(block_kv=128, num_stages=2, persistent=persistent)
-  feat = akc.features(True, (64, 0), None, False, True, False, False)
-  assert afwd._Forward(b=2, tp=384, n=2, h=64, group=2, sp=384, config=config,
-                       causal=True, s_true=384, feat=feat, dtype=jnp.bfloat16,
-                       has_sinks=False, scale=0.125).half_tiles
-  options = _as_arrays(dict(is_causal=True, local_window_size=(64, 0),
-                            key_value_seq_lengths=(384, 180)))
-
-  def call(implementation):
-    if implementation == "mosaic_gpu":
-      implementation = mat.MosaicGpuAttention(config)
-    return _attention(**options)(implementation)
-  operands = (_normal((2, 384, 2, 64), jnp.bfloat16), _normal((2, 384, 1, 64), jnp.bfloat16),
-              _normal((2, 384, 1, 64), jnp.bfloat16))
-  _check(call, operands, jnp.bfloat16)
 
 
 def test_attention_sinks():

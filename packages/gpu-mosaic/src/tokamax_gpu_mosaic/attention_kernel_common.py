@@ -207,7 +207,8 @@ def key_range(r0, rows: int, q_limit, kv_limit, off, left, right, bkv: int):
   clamp = lambda x, a, b: jnp.minimum(jnp.maximum(x, a), b)
   q_last = jnp.minimum(r0 + rows, q_limit) - 1
   p0, p_last = r0 + off, q_last + off
-  lo, hi = key_bounds(r0, rows, q_limit, kv_limit, off, left, right)
+  lo = jnp.int32(0) if left is None else jnp.maximum(p0 - left, 0)
+  hi = kv_limit if right is None else jnp.minimum(kv_limit, p_last + right + 1)
   lo_t = lax.div(lo, bkv)
   hi_t = jnp.maximum(cdiv(jnp.maximum(hi, 0), bkv), lo_t)
   hi_t = jnp.where(q_last < r0, lo_t, hi_t)  # no valid query row
@@ -218,18 +219,6 @@ def key_range(r0, rows: int, q_limit, kv_limit, off, left, right, bkv: int):
   full_end = kv_limit if right is None else jnp.minimum(p0 + right + 1, kv_limit)
   fh_t = clamp(lax.div(jnp.maximum(full_end, 0), bkv), fl_t, hi_t)
   return lo_t, fl_t, fh_t, hi_t
-
-
-def key_bounds(r0, rows: int, q_limit, kv_limit, off, left, right):
-  """Keys ``[lo, hi)`` that may be visible to a query row of ``[r0, r0 + rows)``
-  below ``q_limit`` by position (window sides, key limit; segment ids not
-  counted): a key outside them is masked for every such row. Where no row is
-  below ``q_limit`` the bounds mean nothing (`key_range` checks that case)."""
-  q_last = jnp.minimum(r0 + rows, q_limit) - 1
-  p0, p_last = r0 + off, q_last + off
-  lo = jnp.int32(0) if left is None else jnp.maximum(p0 - left, 0)
-  hi = kv_limit if right is None else jnp.minimum(kv_limit, p_last + right + 1)
-  return lo, hi
 
 
 def kv_end(row_end, causal: bool, bkv: int, n_kv: int):

@@ -103,10 +103,6 @@ class AttentionConfig:
   # partial last wave of blocks. `head_major` does not apply (the tiles go
   # head by head). Which SM runs which tiles: `_Forward.deal`.
   persistent: bool = False
-  # Masked 128-key tiles of which one 64-key half is hidden from all of a
-  # warpgroup's rows run that warpgroup's matmuls and softmax on the other
-  # half alone (`_Forward.half_tiles`: dynamic features, plain schedule).
-  half_tiles: bool = True
 
   def __post_init__(self):
     if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -265,28 +261,6 @@ class _Block(NamedTuple):
   pass_turn: Any  # the ping-pong pass (one object: its traced branch is shared)
 
 
-# Keys in half a 128-key tile (`_Forward.half_tiles`): a 16-bit wgmma's B operand
-# in 128-byte swizzled shared memory contracts over a multiple of 64 rows.
-HALF_TILE = 64
-
-
-class _Part(NamedTuple):
-  """Keys ``[start, start + size)`` of a streamed key tile."""
-
-  start: int
-  size: int
-
-  @classmethod
-  def whole(cls, size: int) -> "_Part":
-    return cls(0, size)
-
-  def of(self, tile_ref):
-    """These keys' rows of a K or V tile in shared memory."""
-    if self.start == 0 and self.size == tile_ref.shape[0]:
-      return tile_ref
-    return tile_ref.at[pl.ds(self.start, self.size)]
-
-
 class _Tiles(NamedTuple):
   """One consumer warpgroup's rows and key tiles."""
 
@@ -298,7 +272,6 @@ class _Tiles(NamedTuple):
   n_own: Any  # key tiles it needs: [lo or 0, n_own)
   n_clear: Any  # static: tiles before it need no mask
   q_ids: Any  # segments: its query ids (registers)
-  keys: Any = None  # `half_tiles`: the keys [lo, hi) its rows may see by position
 
 
 # ----------------------------------------------------------------------------
@@ -428,16 +401,6 @@ class _Forward:
   @property
   def needs_mask(self):
     return self.causal or self.pad_keys
-
-  @property
-  def half_tiles(self):
-    """Whether a masked key tile of which one 64-key half is hidden from all of
-    a warpgroup's rows by position runs as the other half alone (a window's
-    first and last tiles, a key length's last): half the matmuls and
-    exponentials there. Dynamic ping-pong with 128-key tiles; not with segment
-    ids (their tile table narrows the ranges beyond position)."""
-    return (self.config.half_tiles and self.feat.dynamic and not self.feat.segments
-            and self.bkv == HALF_TILE * 2 and not self.config.overlap_qk)
 
   @property
   def mask_keys(self):
@@ -591,9 +554,6 @@ class _Forward:
       if self.config.overlap_qk:
         instead = (base, base + 1, base + 1, base + 1)
       lo, fl, fh, n_own = [jnp.where(empty, y, x) for x, y in zip(own, instead)]
-      if self.half_tiles:
-        keys = akc.key_bounds(r0, self.bq, *blk.limits, self.feat.left, self.feat.right)
-        return _Tiles(r0, q_tile, lo, fl, fh, n_own, n_clear, None, keys)
     elif self.causal:
       n_own = self.kv_end(r0 + self.bq)
       # Tiles whose every key is <= the first row (and < S) need no mask.
@@ -603,13 +563,11 @@ class _Forward:
       n_clear = self.s_true // self.bkv
     return _Tiles(r0, q_tile, lo, fl, fh, n_own, n_clear, None)
 
-  def visibility(self, r: _Refs, blk: _Block, tiles: _Tiles, i, keys=None):
-    """Which scores of key tile `i` (its `keys` part: `_Part`) are kept (None:
-    all)."""
-    keys = keys or _Part.whole(self.bkv)
-    shape = (self.bq, keys.size)
+  def visibility(self, r: _Refs, blk: _Block, tiles: _Tiles, i):
+    """Which scores of key tile `i` are kept (None: all)."""
+    shape = (self.bq, self.bkv)
     rows = _pipeline.wgmma_iota(shape, 0) + tiles.r0
-    cols = _pipeline.wgmma_iota(shape, 1) + (i * self.bkv + keys.start)
+    cols = _pipeline.wgmma_iota(shape, 1) + i * self.bkv
 
     def segment_match():
       slot = blk.ring.slot(i)
@@ -639,24 +597,10 @@ class _Forward:
       def _():
         plgpu.barrier_wait(r.k_full.at[blk.ring.slot(tiles.lo)])
       masked = functools.partial(step, masked=True)
-      if self.half_tiles:
-        # The halves run in loops of 0 or 1 steps, not behind a branch: a
-        # wgmma under a conditional made ptxas serialize every wgmma of the
-        # kernel (C7512; 1.5x slower on the H200).
-        n_upper, n_lower = self.half_tile_counts(tiles)
-        upper, lower = (functools.partial(step, masked=True, keys=part) for part in
-                        (_Part(HALF_TILE, HALF_TILE), _Part(0, HALF_TILE)))
-        carry = lax.fori_loop(tiles.lo, tiles.lo + n_upper, upper, carry)
-        carry = lax.fori_loop(tiles.lo + n_upper, tiles.fl, masked, carry)
-      else:
-        carry = lax.fori_loop(tiles.lo, tiles.fl, masked, carry)
+      carry = lax.fori_loop(tiles.lo, tiles.fl, masked, carry)
       carry = lax.fori_loop(tiles.fl, tiles.fh, functools.partial(step, masked=False),
                             carry)
-      if self.half_tiles:
-        carry = lax.fori_loop(tiles.fh, tiles.n_own - n_lower, masked, carry)
-        carry = lax.fori_loop(tiles.n_own - n_lower, tiles.n_own, lower, carry)
-      else:
-        carry = lax.fori_loop(tiles.fh, tiles.n_own, masked, carry)
+      carry = lax.fori_loop(tiles.fh, tiles.n_own, masked, carry)
       lax.fori_loop(tiles.n_own, blk.n_block,
                     functools.partial(self.release_pingpong, r, blk), None)
       pl.when(wg == 0)(pass_turn)
@@ -678,34 +622,20 @@ class _Forward:
     pl.when(wg == 0)(pass_turn)
     return carry
 
-  def half_tile_counts(self, tiles: _Tiles):
-    """`half_tiles`: whether this warpgroup's first masked tile runs its upper
-    64 keys alone (its rows see none of the lower half by position) and
-    whether its last masked tile runs its lower 64 alone, as int32 0 or 1
-    (never for one tile: ``[lo, fl)`` and ``[fh, n_own)`` are disjoint)."""
-    lo_key, hi_key = tiles.keys
-    upper = (tiles.lo < tiles.fl) & (lo_key >= tiles.lo * self.bkv + HALF_TILE)
-    lower = (tiles.fh < tiles.n_own) & (hi_key <= (tiles.n_own - 1) * self.bkv
-                                         + HALF_TILE)
-    return upper.astype(jnp.int32), lower.astype(jnp.int32)
-
   def pingpong_step(self, r: _Refs, blk: _Block, tiles: _Tiles, i, carry,
-                    masked: bool, keys=None):
-    """Key tile `i` (its `keys` part: `_Part`, None the whole): S = Q K^T (then
-    pass the turn), softmax, O += P V."""
+                    masked: bool):
+    """Key tile `i`: S = Q K^T (then pass the turn), softmax, O += P V."""
     acc, m, l = carry
     slot = blk.ring.slot(i)
-    keys = keys or _Part.whole(self.bkv)
-    k_tile, v_tile = (keys.of(ref.at[slot]) for ref in (r.k_smem, r.v_smem))
 
     def scores(s_acc):
-      plgpu.wgmma(s_acc, tiles.q_tile, k_tile.T)
+      plgpu.wgmma(s_acc, tiles.q_tile, r.k_smem.at[slot].T)
       blk.pass_turn()  # partner's softmax done: the tensor cores are ours next
       return s_acc[...]
-    s = pl.run_scoped(scores, plgpu.ACC((self.bq, keys.size), jnp.float32))
+    s = pl.run_scoped(scores, plgpu.ACC((self.bq, self.bkv), jnp.float32))
     plgpu.barrier_arrive(r.k_free.at[slot])
 
-    visible = self.visibility(r, blk, tiles, i, keys) if masked else None
+    visible = self.visibility(r, blk, tiles, i) if masked else None
     p, m, l, acc = _softmax_update(s, m, l, acc, self.c, visible, self.feat.soft_cap,
                                    guard=self.feat.dynamic and masked)
     p = p.astype(self.dtype)
@@ -722,7 +652,8 @@ class _Forward:
       @pl.when(nxt < tiles.n_own)
       def _():  # overlaps the wait for the next K with this matmul
         plgpu.barrier_wait(r.k_full.at[blk.ring.slot(nxt)])
-    (acc,) = _common.accumulate((acc,), ((p, v_tile),), after_issue=wait_next_k)
+    (acc,) = _common.accumulate((acc,), ((p, r.v_smem.at[slot]),),
+                                after_issue=wait_next_k)
     plgpu.barrier_arrive(r.v_free.at[slot])
     return acc, m, l
 
