@@ -212,9 +212,14 @@ def model_builders(model: str) -> tuple[str, dict]:
 
 def select_problems(parser, suite, ops, shape: str | None) -> list:
   """The problems of `suite` of the `ops` whose name `shape` (a regular
-  expression) matches (`bench_suite.select_shapes`); a usage error for a bad
-  expression or a shape that matches none of the ops' problems."""
-  problems = [p for p in suite if p.op in ops]
+  expression) matches (`bench_suite.select_shapes`; "all" among `ops`: every
+  op's); a usage error for an op the suites lack, a bad expression or a shape
+  that matches none of the ops' problems."""
+  try:
+    bench_suite.check_ops(ops)
+  except bench_suite.UnknownOp as e:
+    parser.error(f"--op: {e}")
+  problems = [p for p in suite if "all" in ops or p.op in ops]
   if not problems or not shape:
     return problems
   try:

@@ -386,6 +386,24 @@ def test_shape_ending_in_a_dollar_must_end_the_name():
     chosen(["T4096$"])
 
 
+@pytest.mark.parametrize("command", [["bench", "--quick"], ["autotune", "--out", "unused"]])
+def test_unknown_op_is_a_usage_error_naming_the_ops(command, capsys, tmp_path):
+  """A mistyped `--op` is a usage error naming the suites' ops, not an empty
+  table (or an empty tuning run); rms_norm, a tokamax function of its own,
+  gets the layer_norm op's way to its rows."""
+  from tokamax import __main__ as cli
+  command = [tmp_path.as_posix() if a == "unused" else a for a in command]
+  for op, says in (("nosuch", "no op 'nosuch' in the benchmark suites; their ops are "
+                    "dot_product_attention, gated_linear_unit, layer_norm, ragged_dot "
+                    "(or 'all')"),
+                   ("rms_norm", "--op layer_norm --shape rms_norm")):
+    with pytest.raises(SystemExit) as exit_info:
+      cli.main(command + ["--op", "layer_norm", "--op", op])
+    assert exit_info.value.code == 2
+    assert says in capsys.readouterr().err
+  assert not list(tmp_path.iterdir())  # autotune wrote nothing
+
+
 def test_shape_that_matches_nothing_names_the_problems(monkeypatch, capsys):
   tiny = _tiny_norm()
   monkeypatch.setattr(bench_suite, "quick_suite", lambda: [tiny])

@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
   bench.add_argument("--sweep", action="store_true",
                      help="attention throughput against sequence length instead")
   tune = sub.add_parser("autotune", help="autotune the reference shapes; write tuned data")
-  tune.add_argument("--op", action="append", help="only this op (repeatable)")
+  tune.add_argument("--op", action="append",
+                    help="only this op (repeatable; 'all' for every op)")
   tune.add_argument("--shape", action="append",
                     help="only problems whose name contains this (repeatable: any of "
                          "them; a trailing $ ends the name: 'H128$' leaves out "
@@ -155,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     return _run_command(parser, args)
   except bench_suite.NoMatchingShape as e:
     parser.error(f"--shape: {e}")
+  except bench_suite.UnknownOp as e:
+    parser.error(f"--op: {e}")
 
 
 def _run_command(parser, args) -> int:

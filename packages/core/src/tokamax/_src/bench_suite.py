@@ -465,6 +465,7 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
   if grid and (sweep or quick or models):
     raise ValueError("grid takes neither sweep, quick nor models: per-op rows at "
                      "the tuning grid's own (GPU-sized) shapes")
+  check_ops(ops)
   if from_json:
     all_rows, notes = load_rows(from_json)[1], []
   else:
@@ -628,6 +629,26 @@ class NoMatchingShape(ValueError):
   """`--shape` names no problem of the selected suite."""
 
 
+class UnknownOp(ValueError):
+  """`--op` names an op the benchmark suites do not have."""
+
+
+def check_ops(ops: list[str] | None) -> None:
+  """`UnknownOp` naming the suites' ops where `ops` (``--op``'s values: op
+  names or "all") holds another, so that a mistyped op does not print an
+  empty table."""
+  known = sorted(catalog.PROBLEMS)
+  unknown = [op for op in ops or () if op != "all" and op not in known]
+  if not unknown:
+    return
+  hint = ""
+  if "rms_norm" in unknown:
+    hint = ("; tokamax.rms_norm is the layer_norm op's: --op layer_norm --shape "
+            "rms_norm for its rows")
+  raise UnknownOp(f"no op {', '.join(map(repr, unknown))} in the benchmark suites; "
+                  f"their ops are {', '.join(known)} (or 'all'){hint}")
+
+
 def select_shapes(problems: list[Problem], shapes: list[str],
                   regex: bool = False) -> list[Problem]:
   """The `problems` whose name contains any of `shapes` (substrings, e.g.
@@ -666,6 +687,7 @@ def autotune_suite(ops: list[str] | None, shapes: list[str] | None, out: str,
   tens of times slower); an existing file's entries for them are kept, so that
   one implementation can be measured again after it changed (skip the others).
   """
+  check_ops(ops)
   folder = os.path.join(out, shipped.device_slug(jax.devices()[0].device_kind))
   os.makedirs(folder, exist_ok=True)
   # Backends are discovered here, not within the first autotune: the exception of
@@ -674,7 +696,7 @@ def autotune_suite(ops: list[str] | None, shapes: list[str] | None, out: str,
   registry.get()
   result = autotuning.AutotuningResult()
   problems = [p for p in (grid_suite() if grid else reference_suite())
-              if not ops or p.op in ops]
+              if not ops or "all" in ops or p.op in ops]
   if shapes and problems:
     problems = select_shapes(problems, shapes)
   for p in problems:
