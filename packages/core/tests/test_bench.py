@@ -337,7 +337,11 @@ def test_json_and_compare_from_the_command_line(tmp_path, capsys):
   base = tmp_path / "baseline.json"
   assert cli.main(["bench", "--from-json", str(src), "--json", str(base)]) == 0
   doc, loaded = bench_suite.load_rows(str(base))
-  assert loaded == rows and doc["device_kind"] and doc["jax"] == jax.__version__
+  # Rows of unknown origin (a bare list) are not stamped with this machine.
+  assert loaded == rows and "device_kind" not in doc and "jax" not in doc
+  # The rows are printed as a table.
+  assert "| gated_linear_unit | s | forward | tokamax auto | 10.000 |" in (
+      capsys.readouterr().out)
   assert cli.main(["bench", "--from-json", str(base), "--compare", str(base)]) == 0
   slow = tmp_path / "slow.json"
   slow.write_text(__import__("json").dumps([_row("tokamax auto", 12.0, 0.005)] + rows[1:]))
@@ -345,6 +349,92 @@ def test_json_and_compare_from_the_command_line(tmp_path, capsys):
   assert cli.main(["bench", "--from-json", str(slow), "--compare", str(base),
                    "--threshold", "0.25"]) == 0
   assert "no regression" in capsys.readouterr().out
+
+
+def test_compare_across_devices_and_runs_that_share_no_row(tmp_path, capsys):
+  """A document's own environment travels through --from-json into --json; a
+  baseline of another device compares numerics, not speed; a run that shares
+  no row with its baseline is a failure, not "no regression"."""
+  from tokamax import __main__ as cli
+  json = __import__("json")
+  rows = [_row("tokamax auto", 10.0, 0.005), _row("plain JAX", 12.0, op="model dense")]
+  h200 = tmp_path / "h200.json"
+  h200.write_text(json.dumps(dict(device_kind="NVIDIA H200", jax="0.11.2", rows=rows)))
+  copy = tmp_path / "copy.json"
+  assert cli.main(["bench", "--from-json", str(h200), "--json", str(copy)]) == 0
+  doc, loaded = bench_suite.load_rows(str(copy))
+  assert (doc["device_kind"], doc["jax"], loaded) == ("NVIDIA H200", "0.11.2", rows)
+  # The same device (the --from-json document's, not this machine's): compared.
+  slow = tmp_path / "slow.json"
+  slow.write_text(json.dumps(dict(device_kind="NVIDIA H200", rows=[
+      _row("tokamax auto", 12.0, 0.005)] + rows[1:])))
+  assert cli.main(["bench", "--from-json", str(slow), "--compare", str(h200)]) == 1
+  capsys.readouterr()
+  other = tmp_path / "other.json"
+  other.write_text(json.dumps(dict(device_kind="NVIDIA H100", rows=[
+      _row("tokamax auto", 12.0, 0.005)] + rows[1:])))
+  assert cli.main(["bench", "--from-json", str(other), "--compare", str(h200)]) == 0
+  assert "another device, speed not compared" in capsys.readouterr().out
+  # Numerics still count across devices.
+  wrong = tmp_path / "wrong.json"
+  wrong.write_text(json.dumps(dict(device_kind="NVIDIA H100", rows=[
+      _row("tokamax auto", 10.0, 0.5)] + rows[1:])))
+  assert cli.main(["bench", "--from-json", str(wrong), "--compare", str(h200)]) == 1
+  disjoint = tmp_path / "disjoint.json"
+  disjoint.write_text(json.dumps([dict(_row("tokamax auto", 10.0, 0.005), shape="t")]))
+  capsys.readouterr()
+  assert cli.main(["bench", "--from-json", str(disjoint), "--compare", str(h200)]) == 1
+  assert "nothing compared: none of this run's 1 rows" in capsys.readouterr().out
+
+
+def test_a_failed_model_row_fails_the_run(tmp_path):
+  from tokamax import __main__ as cli
+  failed = dict(op="model dense", shape="s", direction="forward+backward",
+                implementation="tokamax", error="ValueError: no")
+  path = tmp_path / "rows.json"
+  path.write_text(__import__("json").dumps([failed]))
+  assert cli.main(["bench", "--from-json", str(path)]) == 1
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--iterations", "0"], "--iterations must be at least 1; got 0"),
+    (["--threshold", "-0.5"], "--threshold is a fraction >= 0"),
+    (["--error-growth", "0.5"], "--error-growth is a factor >= 1"),
+    (["--op", "layer_norm", "--implementation", "nosuch"],
+     "--implementation: no installed implementation is named 'nosuch'"),
+    (["--op", "layer_norm", "--peer", "nosuch"],
+     "--peer: no peer's label contains ['nosuch']; the selected problems' peers are: "
+     "XLA (jnp)"),
+    (["--model", "dense", "--size", "dim=abc"], "--size dim=abc: dim takes a positive"),
+    (["--model", "dense", "--size", "dtype=int8"], "--size dtype=int8: not a floating"),
+    (["--size", "dim=64"], "--size sets a model's size: it needs --model"),
+    (["--model", "moe", "--shape", "G16"], "with --model alone no per-op rows run"),
+    (["--sweep", "--op", "layer_norm"], "--sweep times attention against sequence"),
+    (["--from-json", "MISSING"], "No such file or directory"),
+    (["--from-json", "ROWS", "--quick"], "--from-json takes rows already run: not with "
+     "--quick"),
+    (["--compare", "NOT_ROWS"], "holds no benchmark rows"),
+    (["--from-json", "ROWS", "--op", "layer_norm"],
+     "--from-json takes rows already run: not with --op"),
+    (["--out", "ROWS"], "not a folder"),
+    (["--json", "FOLDER"], "a folder, not a file"),
+])
+def test_bench_usage_errors_before_anything_runs(args, says, tmp_path, capsys, monkeypatch):
+  """Values that would select nothing, fail every row, or fail only after a long
+  run are usage errors (exit 2) naming the flag, before any problem runs."""
+  from tokamax import __main__ as cli
+  monkeypatch.setattr(bench_suite, "run_problem", lambda *a, **k: pytest.fail("ran"))
+  monkeypatch.setattr(bench_suite.bench_models, "run_model", lambda *a, **k: pytest.fail("ran"))
+  rows = tmp_path / "rows.json"
+  rows.write_text(__import__("json").dumps([_row("tokamax auto", 10.0, 0.005)]))
+  (tmp_path / "not_rows.json").write_text('{"rows": 3}')
+  paths = dict(MISSING=tmp_path / "missing.json", NOT_ROWS=tmp_path / "not_rows.json",
+               ROWS=rows, FOLDER=tmp_path)
+  args = [str(paths[a]) if a in paths else a for a in args]
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(["bench"] + args)
+  assert exit_info.value.code == 2
+  assert says in capsys.readouterr().err
 
 
 def test_visible_pairs_count_causal_windows_by_brute_force():

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import jax
 
 import tokamax
+from tokamax._src import bench_models
 from tokamax._src import bench_suite
 from tokamax._src import benchmarking
 from tokamax._src import demo
+from tokamax._src import registry
 
 
 def info() -> None:
@@ -158,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.error(f"--shape: {e}")
   except bench_suite.UnknownOp as e:
     parser.error(f"--op: {e}")
+  except bench_suite.NoMatchingPeer as e:
+    parser.error(f"--peer: {e}")
 
 
 def _run_command(parser, args) -> int:
@@ -166,6 +171,8 @@ def _run_command(parser, args) -> int:
   elif args.command == "demo":
     demo.run()
   elif args.command == "autotune":
+    _check_iterations(parser, args.iterations)
+    _check_implementation_names(parser, "--skip", args.skip)
     bench_suite.autotune_suite(args.op, args.shape, args.out, args.iterations, args.timeout,
                                grid=args.grid, skip=tuple(args.skip))
   elif args.command == "bench":
@@ -175,11 +182,10 @@ def _run_command(parser, args) -> int:
       sizes = dict(kv.split("=", 1) for kv in args.size)
     except ValueError:
       parser.error(f"--size takes KEY=VALUE; got {args.size}")
-    if args.from_json and args.method:
-      parser.error("--method times a run; --from-json takes rows already timed")
     if args.grid and (args.sweep or args.model):
       parser.error("--grid times per-op rows at the tuning grid's shapes: not with "
                    "--sweep (another set of shapes) or --model")
+    _check_bench_args(parser, args, sizes)
     return bench_suite.main(args.op, args.out, args.iterations, impls, args.sweep,
                       models=args.model, quick=args.quick, sizes=sizes,
                       json_path=args.json_path, compare_path=args.compare,
@@ -187,6 +193,70 @@ def _run_command(parser, args) -> int:
                       error_growth=args.error_growth, shapes=args.shape,
                       grid=args.grid, peers=args.peer, method=args.method)
   return 0
+
+
+def _check_iterations(parser, iterations: int) -> None:
+  if iterations < 1:
+    parser.error(f"--iterations must be at least 1; got {iterations}")
+
+
+def _check_implementation_names(parser, flag: str, names) -> None:
+  """A usage error for a name that no installed op has an implementation of."""
+  known = {name for _, name in registry.get().by_name}
+  unknown = [n for n in names or () if n not in known]
+  if unknown:
+    parser.error(f"{flag}: no installed implementation is named "
+                 f"{', '.join(map(repr, unknown))}; the installed ones are "
+                 f"{', '.join(sorted(known))}")
+
+
+def _check_bench_args(parser, args, sizes: dict[str, str]) -> None:
+  """Usage errors found before anything runs: a long GPU run must not end in
+  one, nor print an empty table for a value that selects nothing."""
+  _check_iterations(parser, args.iterations)
+  if args.threshold < 0:
+    parser.error(f"--threshold is a fraction >= 0; got {args.threshold}")
+  if args.error_growth < 1:
+    parser.error(f"--error-growth is a factor >= 1 of the baseline's error; got "
+                 f"{args.error_growth}")
+  if args.from_json:
+    run_flags = [flag for flag, value in (
+        ("--op", args.op), ("--shape", args.shape), ("--implementation", args.implementation),
+        ("--peer", args.peer), ("--model", args.model), ("--size", args.size),
+        ("--sweep", args.sweep), ("--grid", args.grid), ("--method", args.method),
+        ("--quick" if args.quick else "--full", args.quick is not None)) if value]
+    if run_flags:
+      parser.error(f"--from-json takes rows already run: not with "
+                   f"{', '.join(run_flags)}")
+  for flag, path in (("--from-json", args.from_json), ("--compare", args.compare)):
+    if path:
+      try:
+        bench_suite.load_rows(path)
+      except bench_suite.BadRowsFile as e:
+        parser.error(f"{flag}: {e}")
+  if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
+    parser.error(f"--out {args.out}: not a folder")
+  if args.json_path and os.path.isdir(args.json_path):
+    parser.error(f"--json {args.json_path}: a folder, not a file")
+  if args.sweep and (args.op or args.model or args.quick is not None):
+    parser.error("--sweep times attention against sequence length at its own "
+                 "(GPU-sized) shapes: not with --op, --model, --quick or --full")
+  if args.size and not args.model:
+    parser.error("--size sets a model's size: it needs --model")
+  per_op = [flag for flag, value in (("--shape", args.shape),
+                                     ("--implementation", args.implementation),
+                                     ("--peer", args.peer)) if value]
+  if args.model and not args.op and per_op:
+    parser.error(f"with --model alone no per-op rows run, so {', '.join(per_op)} "
+                 "would select nothing (add --op)")
+  for model in args.model or ():
+    for name in bench_models.MODELS if model == "all" else (model,):
+      try:
+        bench_models.make_size(name, False, sizes)
+      except ValueError as e:
+        parser.error(str(e))
+  _check_implementation_names(parser, "--implementation",
+                              [i for i in args.implementation or () if i != "auto"])
 
 
 if __name__ == "__main__":

@@ -138,8 +138,29 @@ def make_size(model: str, quick: bool, overrides: dict[str, str] | None = None):
       raise ValueError(f"--size {key}=...: no model has a size {key!r}; "
                        f"{model} has {', '.join(sorted(fields))}")
     if key in fields:
-      setattr(size, key, value if key == "dtype" else int(value))
+      setattr(size, key, _size_value(key, value))
   return size
+
+
+def _size_value(key: str, value: str):
+  """A `--size` value as its field takes it (ValueError naming what is wrong):
+  a floating dtype's name for ``dtype``, else a positive integer."""
+  if key == "dtype":
+    try:
+      floating = jnp.issubdtype(jnp.dtype(value), jnp.floating)
+    except TypeError:
+      floating = False
+    if not floating:
+      raise ValueError(f"--size dtype={value}: not a floating dtype (e.g. bfloat16, "
+                       "float16, float32)")
+    return value
+  try:
+    number = int(value)
+  except ValueError:
+    number = 0
+  if number < 1:
+    raise ValueError(f"--size {key}={value}: {key} takes a positive integer")
+  return number
 
 
 def _init(key, shape, fan_in, dtype):

@@ -315,36 +315,58 @@ def row_key(row: dict) -> tuple[str, str, str, str]:
   return (row["op"], row["shape"], row["direction"], row["implementation"])
 
 
-def results_document(rows: list[dict]) -> dict:
-  """What `--json` writes: the run's environment and every row."""
+_ENVIRONMENT = ("device_kind", "platform", "jax", "tokamax", "date")
+
+
+def results_document(rows: list[dict], source: dict | None = None) -> dict:
+  """What `--json` writes: the run's environment and every row; with `source`
+  (the document the rows were loaded from, `--from-json`), that run's
+  environment instead, as far as it names one."""
   device = jax.devices()[0]
-  return dict(device_kind=device.device_kind, platform=device.platform,
-              jax=jax.__version__, tokamax=tokamax.__version__,
-              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              rows=rows)
+  env = dict(device_kind=device.device_kind, platform=device.platform,
+             jax=jax.__version__, tokamax=tokamax.__version__,
+             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+  if source is not None:
+    env = {key: source[key] for key in _ENVIRONMENT if key in source}
+  return dict(env, rows=rows)
 
 
-def write_json(path: str, rows: list[dict]) -> None:
-  """Writes `rows` as a `--json` document (creating the folder)."""
+def write_json(path: str, rows: list[dict], source: dict | None = None) -> None:
+  """Writes `rows` as a `--json` document (creating the folder); `source`: as
+  `results_document`'s."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w") as f:
-    json.dump(results_document(rows), f, indent=1)
+    json.dump(results_document(rows, source), f, indent=1)
+
+
+class BadRowsFile(ValueError):
+  """A `--from-json` or `--compare` file that holds no benchmark rows."""
 
 
 def load_rows(path: str) -> tuple[dict, list[dict]]:
-  """(document, rows) of a `--json` file (or a bare list of rows, as `--out` writes)."""
-  with open(path) as f:
-    doc = json.load(f)
-  if isinstance(doc, list):
-    return {}, doc
-  return doc, doc["rows"]
+  """(document, rows) of a `--json` file (or a bare list of rows, as `--out`
+  writes); `BadRowsFile` saying why where it cannot be read as one."""
+  try:
+    with open(path) as f:
+      doc = json.load(f)
+  except (OSError, ValueError) as e:
+    raise BadRowsFile(f"{path}: {e}") from e
+  doc, rows = ({}, doc) if isinstance(doc, list) else (doc, doc.get("rows") if isinstance(
+      doc, dict) else None)
+  keys = ("op", "shape", "direction", "implementation")
+  if (not isinstance(rows, list) or not rows
+      or not all(isinstance(r, dict) and all(k in r for k in keys) for r in rows)):
+    raise BadRowsFile(f"{path} holds no benchmark rows (a --json file: an object "
+                      f"whose 'rows' are objects with {', '.join(keys)})")
+  return doc, rows
 
 
 _DEVICE_TIME_METHODS = {"cupti", "cuda_events"}
 
 
 def compare(rows: list[dict], baseline: list[dict], threshold: float = DEFAULT_THRESHOLD,
-            error_growth: float = DEFAULT_ERROR_GROWTH) -> tuple[list[str], list[str]]:
+            error_growth: float = DEFAULT_ERROR_GROWTH,
+            same_device: bool = True) -> tuple[list[str], list[str]]:
   """Each baseline row against this run's row of the same key.
 
   Returns ``(report lines, failures)``. Failures: a tokamax row (implementation
@@ -355,7 +377,9 @@ def compare(rows: list[dict], baseline: list[dict], threshold: float = DEFAULT_T
   they show the machine's noise, not a tokamax regression. Rows of the baseline
   this run did not measure (e.g. other --op) are listed as not measured. Rows
   timed by another method than their baseline's (``method``), unless both are
-  device time ("cupti", "cuda_events"), are compared for their numerics only.
+  device time ("cupti", "cuda_events"), are compared for their numerics only, as
+  are all rows where the baseline ran on another device (not `same_device`). A
+  run none of whose rows the baseline has compared nothing: a failure.
   """
   current = {row_key(r): r for r in rows}
   report, failures = [], []
@@ -363,6 +387,10 @@ def compare(rows: list[dict], baseline: list[dict], threshold: float = DEFAULT_T
   for r in rows:
     if row_key(r) not in known:
       report.append(f"new (not in the baseline): {' / '.join(row_key(r))}")
+  if not known & set(current):
+    failures.append(f"nothing compared: none of this run's {len(current)} rows is in "
+                    f"the baseline's {len(known)} (another --op, --shape, --quick or "
+                    "device?)")
   for base in baseline:
     key = row_key(base)
     name = " / ".join(key)
@@ -389,9 +417,11 @@ def compare(rows: list[dict], baseline: list[dict], threshold: float = DEFAULT_T
     # CUPTI) and wall time differ by the host's share and, back to back, by the
     # clock a power-capped chip falls to; "wallclock" waits after each call,
     # "loop" only after the last. Only like with like is compared for speed.
-    comparable = (None in methods or methods[0] == methods[1]
-                  or set(methods) <= _DEVICE_TIME_METHODS)
-    if not comparable:
+    comparable = same_device and (None in methods or methods[0] == methods[1]
+                                  or set(methods) <= _DEVICE_TIME_METHODS)
+    if not same_device:
+      line += ": another device, speed not compared"
+    elif not comparable:
       line = (f"{name}: {cur['ms']:.3f} ms by {methods[0]}, the baseline {base['ms']:.3f} "
               f"ms by {methods[1]}: speed not compared")
     slow = comparable and change > threshold
@@ -420,15 +450,17 @@ def compare(rows: list[dict], baseline: list[dict], threshold: float = DEFAULT_T
   return report, failures
 
 
-def _print_compare(rows, baseline_path, threshold, error_growth) -> int:
+def _print_compare(rows, baseline_path, threshold, error_growth, here: str) -> int:
+  """`compare` printed; `here`: the device kind the rows ran on."""
   doc, baseline = load_rows(baseline_path)
-  here = jax.devices()[0].device_kind
   print(f"\ncompared with {baseline_path} ({doc.get('device_kind', '?')}, JAX "
         f"{doc.get('jax', '?')}, {doc.get('date', '?')}); speed threshold "
         f"{threshold:.0%}, error growth limit {error_growth:g}x")
-  if doc.get("device_kind") and doc["device_kind"] != here and rows:
-    print(f"warning: the baseline is from {doc['device_kind']}, this is {here}")
-  report, failures = compare(rows, baseline, threshold, error_growth)
+  same_device = doc.get("device_kind") in (None, here)
+  if not same_device:
+    print(f"the baseline is from {doc['device_kind']}, these rows from {here}: "
+          "numerics compared, speed not")
+  report, failures = compare(rows, baseline, threshold, error_growth, same_device)
   for line in report:
     print("  " + line)
   if failures:
@@ -466,17 +498,22 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
     raise ValueError("grid takes neither sweep, quick nor models: per-op rows at "
                      "the tuning grid's own (GPU-sized) shapes")
   check_ops(ops)
+  source = None
   if from_json:
-    all_rows, notes = load_rows(from_json)[1], []
+    source, all_rows = load_rows(from_json)
+    notes = []
+    print(markdown_table(all_rows))
   else:
     all_rows, notes = _run(ops, iterations, implementations, sweep, models, quick, sizes,
                            shapes, json_path, grid, peers, method)
   status = 0
   for r in all_rows:
-    if r["op"].startswith("model ") and r.get("rel_err", 0) > r.get("tol", float("inf")):
+    # A model step that failed, or whose numbers left the tolerance.
+    if r["op"].startswith("model ") and ("error" in r or r.get("rel_err", 0) > r.get(
+        "tol", float("inf"))):
       status = 1
   if json_path:
-    write_json(json_path, all_rows)
+    write_json(json_path, all_rows, source)
     print(f"wrote {json_path}")
   if out:
     os.makedirs(out, exist_ok=True)
@@ -489,7 +526,9 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
       print(f"wrote {path}")
   _print_auto_against_fastest(all_rows)
   if compare_path:
-    status = max(status, _print_compare(all_rows, compare_path, threshold, error_growth))
+    here = (source or {}).get("device_kind") or jax.devices()[0].device_kind
+    status = max(status, _print_compare(all_rows, compare_path, threshold, error_growth,
+                                        here))
   return status
 
 
@@ -549,6 +588,7 @@ def _run(ops, iterations, implementations, sweep, models, quick, sizes, shapes=N
     problems = sequence_sweep()
   if shapes and problems:
     problems = select_shapes(problems, shapes)
+  check_peers(problems, peers)
   models = list(dict.fromkeys(  # "all": the plain-JAX models, then any other named
       m for name in (models or [])
       for m in (bench_models.MODELS if name == "all" else (name,))))
@@ -627,6 +667,21 @@ def _first_party_only(result):
 
 class NoMatchingShape(ValueError):
   """`--shape` names no problem of the selected suite."""
+
+
+class NoMatchingPeer(ValueError):
+  """`--peer` names no peer of the selected problems."""
+
+
+def check_peers(problems: list[Problem], names: list[str] | None) -> None:
+  """`NoMatchingPeer` listing the peers there are where one of `names` (``--peer``'s
+  values, matched as `select_peers` does; "none" for none) matches none."""
+  labels = sorted({label for p in problems for label in p.peers})
+  missing = [n for n in names or () if n.lower() != "none"
+             and not any(n.lower() in label.lower() for label in labels)]
+  if missing:
+    raise NoMatchingPeer(f"no peer's label contains {missing}; the selected problems' "
+                         f"peers are: {', '.join(labels) or 'none'}")
 
 
 class UnknownOp(ValueError):
