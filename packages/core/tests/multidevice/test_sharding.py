@@ -757,6 +757,39 @@ def test_ring_attention_with_sinks(causal, balanced):
     assert _rel(g, w) < 1e-5 * TOL_SCALE
 
 
+def test_ring_attention_checks_its_arguments_as_dot_product_attention():
+  """Arguments dot_product_attention refuses are refused here too (they ran:
+  is_causal="no" as causal, a NaN scale to zeros, int32 blocks to int32
+  garbage), and outside shard_map the error says where to call it."""
+  mesh = _mesh((1, NUM_DEVICES))
+  q, k, v = _rand(1, 2 * NUM_DEVICES, 2, 8), _rand(1, 2 * NUM_DEVICES, 1, 8), _rand(
+      1, 2 * NUM_DEVICES, 1, 8)
+
+  def ring(*a, **kw):
+    return jax.shard_map(lambda q, k, v: tokamax.ring_attention(q, k, v, axis_name="b", **kw),
+                         mesh=mesh, in_specs=P(None, "b"), out_specs=P(None, "b"))(*a)
+  for kw, arrays, error, says in [
+      (dict(is_causal="no"), (q, k, v), TypeError, "is_causal must be a bool"),
+      (dict(scale=float("nan")), (q, k, v), ValueError, "scale must be a finite float"),
+      ({}, (q.astype(jnp.int32), k.astype(jnp.int32), v.astype(jnp.int32)),
+       (TypeError, ValueError), "query"),
+      ({}, (q.astype(jnp.bfloat16), k, v), (TypeError, ValueError), "same dtype"),
+      ({}, (q, k[..., :4], v), ValueError, "key head dim must equal query head dim"),
+      (dict(precision=["highest", "highest"]), (q, k, v), None, None),
+  ]:
+    if error is None:
+      assert jnp.all(jnp.isfinite(ring(*arrays, **kw)))
+      continue
+    with pytest.raises(error, match=says):
+      ring(*arrays, **kw)
+  with pytest.raises(ValueError, match="call it inside jax.shard_map over that axis"):
+    tokamax.ring_attention(q, k, v, axis_name="b")
+  with pytest.raises(TypeError, match="num_shards must be an int >= 1"):
+    tokamax.zigzag_permutation(8, 2.0)
+  with pytest.raises(ValueError, match="num_shards >= 1"):
+    tokamax.zigzag_permutation(8, 0)
+
+
 def test_zigzag_balances_causal_work():
   perm = tokamax.zigzag_permutation(16, 4)
   chunks = perm.reshape(4, 2, 2)[:, :, 0] // 2  # chunk ids per shard

@@ -119,3 +119,14 @@ def canonical_precision(precision: Any) -> Any:
     return precision
   raise ValueError(f"precision must be None, a jax.lax.Precision (or its name), a "
                    f"pair of them or a jax.lax.DotAlgorithmPreset; got {precision!r}")
+
+
+def mesh_axis_size(function: str, what: str, axis_name: Any) -> int:
+  """The size of mesh axis `axis_name`; a ValueError saying that `function`
+  (which `what` over that axis) must run inside `jax.shard_map` where it is
+  not bound."""
+  try:
+    return jax.lax.axis_size(axis_name)
+  except NameError as e:
+    raise ValueError(f"{function} {what} the devices of mesh axis {axis_name!r}: call "
+                     f"it inside jax.shard_map over that axis ({e})") from e

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -31,6 +30,7 @@ import numpy as np
 
 from tokamax._src import dispatch
 from tokamax._src import vma
+from tokamax._src.ops import _checks
 from tokamax._src.ops.attention import api as attention_op
 
 
@@ -46,6 +46,11 @@ def zigzag_permutation(seq_len: int, num_shards: int) -> np.ndarray:
     >>> q_zz = q[:, perm]                      # then shard axis 1 over n devices
     >>> out = out_zz[:, np.argsort(perm)]      # back to the natural order
   """
+  seq_len = _checks.static_int("seq_len", seq_len, "an int >= 0")
+  num_shards = _checks.static_int("num_shards", num_shards, "an int >= 1")
+  if seq_len < 0 or num_shards < 1:
+    raise ValueError(f"zigzag_permutation takes seq_len >= 0 and num_shards >= 1; got "
+                     f"seq_len={seq_len}, num_shards={num_shards}")
   if seq_len % (2 * num_shards):
     raise ValueError(f"seq_len {seq_len} must be a multiple of 2 * num_shards "
                      f"= {2 * num_shards}")
@@ -332,22 +337,22 @@ def ring_attention(
     ...                                            is_causal=True),
     ...     mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))
   """
-  if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
-    raise ValueError("ring_attention takes [B, T, N, H] blocks")
-  if is_causal and query.shape[1] != key.shape[1]:
-    raise ValueError("causal ring attention needs equal query and key blocks")
-  if load_balanced and (not is_causal or query.shape[1] % 2):
-    raise ValueError("load_balanced needs is_causal and an even block length")
-  if scale is None:
-    scale = 1.0 / math.sqrt(query.shape[-1])
-  if sinks is not None:
-    sinks = jnp.asarray(sinks)
-    if sinks.shape != (query.shape[2],) or not jnp.issubdtype(sinks.dtype,
-                                                               jnp.floating):
-      raise ValueError(f"sinks must be a float array of shape ({query.shape[2]},) "
-                       f"(one logit per query head); got {sinks.dtype} "
-                       f"{tuple(sinks.shape)}")
-  static = _Static(axis_name=axis_name, is_causal=is_causal, scale=float(scale),
-                   precision=precision, load_balanced=load_balanced,
+  # dot_product_attention's checks (dtypes, shapes, scale, is_causal, sinks,
+  # precision), then the ring's own.
+  args, _ = attention_op.canonical_args(query, key, value, scale=scale,
+                                        is_causal=is_causal, sinks=sinks,
+                                        precision=precision, merge_batch=False)
+  if args.query.ndim != 4:
+    raise ValueError(f"ring_attention takes [B, T, N, H] blocks; got query "
+                     f"{_checks.describe(args.query)}")
+  if args.is_causal and query.shape[1] != key.shape[1]:
+    raise ValueError(f"causal ring attention needs equal query and key blocks; got "
+                     f"T={query.shape[1]} and S={key.shape[1]}")
+  if load_balanced and (not args.is_causal or query.shape[1] % 2):
+    raise ValueError(f"load_balanced needs is_causal and an even block length; got "
+                     f"is_causal={args.is_causal}, T={query.shape[1]}")
+  _checks.mesh_axis_size("ring_attention", "passes key/value blocks between", axis_name)
+  static = _Static(axis_name=axis_name, is_causal=args.is_causal, scale=args.scale,
+                   precision=args.precision, load_balanced=load_balanced,
                    implementation=implementation)
-  return _ring(query, key, value, sinks, static)
+  return _ring(args.query, args.key, args.value, args.sinks, static)

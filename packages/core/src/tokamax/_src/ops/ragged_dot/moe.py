@@ -44,6 +44,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from tokamax._src.ops import _checks
 from tokamax._src.ops.ragged_dot import api as ragged_dot_op
 
 ExpertFn = Callable[[jax.Array, jax.Array], jax.Array]
@@ -93,12 +94,7 @@ def moe_all_to_all(x: jax.Array, expert_ids: jax.Array,
   if combine_weights is not None and combine_weights.shape != expert_ids.shape:
     raise ValueError(f"combine_weights must be shaped like expert_ids "
                      f"{expert_ids.shape}; got {combine_weights.shape}")
-  try:
-    n = jax.lax.axis_size(axis_name)
-  except NameError as e:
-    raise ValueError(f"moe_all_to_all moves tokens between the devices of mesh axis "
-                     f"{axis_name!r}: call it inside jax.shard_map over that axis "
-                     f"({e})") from e
+  n = _checks.mesh_axis_size("moe_all_to_all", "moves tokens between", axis_name)
   top_k = 1 if expert_ids.ndim == 1 else expert_ids.shape[1]
   assignments = x.shape[0] * top_k
   cap = assignments if capacity is None else capacity
