@@ -345,6 +345,20 @@ def test_errors_name_the_argument():
   with pytest.raises(ValueError, match=r"rhs: minor_axis must .* 3-d array .*; got 3"):
     tokamax.ragged_dot(lhs, tokamax.QuantizedArray(rq.values, rq.scales, minor_axis=3),
                        _SIZES)
+  # quantize's own arguments: each refused by name (they gave attribute, iteration
+  # or comparison errors, or an int32 "quantized" array that failed later).
+  for args, kw, error, says in [
+      (([[1.0, 2.0]], (1, 2)), {}, TypeError, "x must be an array, got list"),
+      ((lhs.astype(jnp.int32), (1, 128)), {}, TypeError, "x must have dtype float32"),
+      ((lhs, None), {}, ValueError, r"tile_shape must be a tuple of 2 ints.*got None"),
+      ((lhs, (1.0, 128)), {}, ValueError, r"tile_shape must be .*got \(1.0, 128\)"),
+      ((lhs, (True, True)), {}, ValueError, r"tile_shape must be .*got \(True, True\)"),
+      ((lhs, (1, 128)), dict(dtype="nope"), TypeError, "dtype must be .* got 'nope'"),
+      ((lhs, (1, 128)), dict(keep_source=0), TypeError, "keep_source must be a bool"),
+  ]:
+    with pytest.raises(error, match=says):
+      tokamax.quantize(*args, **kw)
+  assert tokamax.quantize(lhs, (1, 128), minor_axis=np.int64(0)).minor_axis == 0
 
 
 def test_quantized_in_the_same_program_computes_with_the_quantized_values():

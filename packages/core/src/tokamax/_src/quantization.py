@@ -34,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 import tokamax_xla_reference as xla_ref
 
+from tokamax._src.ops import _checks
+
 VALUE_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8)
 
 
@@ -166,16 +168,20 @@ def quantize(x: jax.Array, tile_shape: tuple[int, ...],
       this costs nothing; pass False (or use `QuantizedArray.without_source`)
       for quantized weights that are stored and not trained.
   """
-  dtype = jnp.dtype(dtype)
+  x = _checks.as_array("x", x)
+  _checks.check_float("x", x)
+  given = dtype
+  try:
+    dtype = jnp.dtype(dtype)
+  except TypeError:
+    dtype = None
   if dtype not in [jnp.dtype(d) for d in VALUE_DTYPES]:
-    raise TypeError(f"dtype must be float8_e4m3fn, float8_e5m2 or int8; got {dtype.name}")
+    raise TypeError(f"dtype must be float8_e4m3fn, float8_e5m2 or int8; got {given!r}")
   if minor_axis is not None:
     minor_axis = _check_minor_axis(minor_axis, x.ndim)
-  tile_shape = tuple(tile_shape)
-  if len(tile_shape) != x.ndim or any(
-      t < 1 or size % t for size, t in zip(x.shape, tile_shape)):
-    raise ValueError(f"tile_shape must have one entry per dim of x, each dividing "
-                     f"it; got {tile_shape} for shape {tuple(x.shape)}")
+  tile_shape = _tile_shape(tile_shape, x.shape)
+  if not isinstance(keep_source, (bool, np.bool_)):
+    raise TypeError(f"keep_source must be a bool; got {keep_source!r}")
   counts = tuple(size // t for size, t in zip(x.shape, tile_shape))
   # [c0, t0, c1, t1, ...]: each tile's absmax over its t axes, and the scaling
   # by a broadcast of it (one reduction and one elementwise pass for XLA).
@@ -198,14 +204,31 @@ def quantize(x: jax.Array, tile_shape: tuple[int, ...],
                         x if keep_source else None)
 
 
+def _tile_shape(tile_shape: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
+  """`tile_shape` as a tuple of ints, one per dim of `shape`, each dividing it
+  (ValueError naming it otherwise)."""
+  allowed = (f"a tuple of {len(shape)} ints, one per dim of x, each dividing it "
+             f"(x has shape {tuple(shape)})")
+  try:
+    tiles = tuple(tile_shape)
+  except TypeError:
+    raise ValueError(f"tile_shape must be {allowed}; got {tile_shape!r}") from None
+  if len(tiles) != len(shape) or any(
+      isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))
+      or t < 1 or size % t for size, t in zip(shape, tiles)):
+    raise ValueError(f"tile_shape must be {allowed}; got {tile_shape!r}")
+  return tuple(int(t) for t in tiles)
+
+
 def _check_minor_axis(minor_axis: Any, ndim: int, name: str = "minor_axis") -> int:
   """`minor_axis` as a non-negative axis of a rank-`ndim` array (ValueError
   naming `name` if it is not one)."""
-  if (isinstance(minor_axis, bool) or not isinstance(minor_axis, int)
+  if (isinstance(minor_axis, (bool, np.bool_))
+      or not isinstance(minor_axis, (int, np.integer))
       or not -ndim <= minor_axis < ndim):
     raise ValueError(f"{name} must be None or an axis of the {ndim}-d array "
                      f"(an int in [{-ndim}, {ndim})); got {minor_axis!r}")
-  return minor_axis % ndim
+  return int(minor_axis) % ndim
 
 
 def _unwrap(x: Any) -> Any:
