@@ -417,6 +417,28 @@ def test_autotune_grid_writes_per_op_and_keeps_earlier_calls(monkeypatch, tmp_pa
   assert {m["direction"] for m in data["measurements"]} == {"forward", "backward"}
 
 
+def test_autotune_reference_shapes_in_two_runs_keeps_both(monkeypatch, tmp_path, capsys):
+  """`autotune --shape` adds to an existing ``<op>.json`` as the grid's runs do
+  (it overwrote the file, losing every other shape's configs); a run that
+  measures nothing says so, exits 1 and writes nothing."""
+  quick = [p for p in bench_suite.quick_suite() if p.op == "layer_norm"]
+  monkeypatch.setattr(bench_suite, "reference_suite", lambda: quick)
+  assert bench_suite.autotune_suite(None, ["rms"], str(tmp_path), 1, None) == 0
+  assert bench_suite.autotune_suite(None, ["layer_norm 1024"], str(tmp_path), 1,
+                                    None) == 0
+  (folder,) = tmp_path.iterdir()
+  assert [f.name for f in folder.iterdir()] == ["layer_norm.json"]
+  data = json.loads((folder / "layer_norm.json").read_text())
+  assert len({m["key"] for m in data["measurements"]}) == 2
+  capsys.readouterr()
+  every = tuple(s.name for s in tokamax.implementations("layer_norm"))
+  before = (folder / "layer_norm.json").read_text()
+  assert bench_suite.autotune_suite(None, ["rms"], str(tmp_path), 1, None,
+                                    skip=every) == 1
+  assert "autotune measured nothing" in capsys.readouterr().out
+  assert (folder / "layer_norm.json").read_text() == before
+
+
 def test_autotune_grid_again_keeps_the_skipped_implementations(monkeypatch, tmp_path):
   # One implementation measured again after it changed: the others' entries on
   # the same calls stay (they are what it is ranked against).

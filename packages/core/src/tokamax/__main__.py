@@ -173,8 +173,8 @@ def _run_command(parser, args) -> int:
   elif args.command == "autotune":
     _check_iterations(parser, args.iterations)
     _check_implementation_names(parser, "--skip", args.skip)
-    bench_suite.autotune_suite(args.op, args.shape, args.out, args.iterations, args.timeout,
-                               grid=args.grid, skip=tuple(args.skip))
+    return bench_suite.autotune_suite(args.op, args.shape, args.out, args.iterations,
+                                      args.timeout, grid=args.grid, skip=tuple(args.skip))
   elif args.command == "bench":
     impls = None if not args.implementation else [
         None if i == "auto" else i for i in args.implementation]

@@ -729,20 +729,27 @@ def select_shapes(problems: list[Problem], shapes: list[str],
 
 def autotune_suite(ops: list[str] | None, shapes: list[str] | None, out: str,
                    iterations: int, timeout_s: float | None, grid: bool = False,
-                   skip: tuple[str, ...] = ()) -> None:
+                   skip: tuple[str, ...] = ()) -> int:
   """Autotunes the reference problems and writes ``out/<device slug>/<op>.json``.
 
   With `grid`: the grid problems instead, each implementation at its heuristic
   config only (which implementation wins where, for `implementation=None`; calls
   between grid points take the nearest ones': `tuning.nearest`), written to
-  ``<op>_grid.json`` after each problem, so that a run cut short keeps its data;
-  calls an existing file holds and this run does not measure are kept, so that a
-  grid can be measured in several runs (``--shape``). `skip`: implementations
-  not measured (e.g. the dense XLA attention at long sequences, out of memory or
-  tens of times slower); an existing file's entries for them are kept, so that
-  one implementation can be measured again after it changed (skip the others).
+  ``<op>_grid.json`` after each problem, so that a run cut short keeps its data.
+  In both, calls an existing file holds and this run does not measure are kept,
+  so that the shapes can be measured in several runs (``--shape``). `skip`:
+  implementations not measured (e.g. the dense XLA attention at long sequences,
+  out of memory or tens of times slower); an existing file's entries for them
+  are kept, so that one implementation can be measured again after it changed
+  (skip the others).
+
+  Returns the exit status: 1 where nothing was measured (no file written), else 0.
   """
   check_ops(ops)
+  problems = [p for p in (grid_suite() if grid else reference_suite())
+              if not ops or "all" in ops or p.op in ops]
+  if shapes and problems:
+    problems = select_shapes(problems, shapes)
   folder = os.path.join(out, shipped.device_slug(jax.devices()[0].device_kind))
   os.makedirs(folder, exist_ok=True)
   # Backends are discovered here, not within the first autotune: the exception of
@@ -750,10 +757,7 @@ def autotune_suite(ops: list[str] | None, shapes: list[str] | None, out: str,
   # its traceback every frame that was running, with their arrays.
   registry.get()
   result = autotuning.AutotuningResult()
-  problems = [p for p in (grid_suite() if grid else reference_suite())
-              if not ops or "all" in ops or p.op in ops]
-  if shapes and problems:
-    problems = select_shapes(problems, shapes)
+  suffix = shipped.GRID_SUFFIX if grid else ""
   for p in problems:
     inputs = p.make_inputs()
     integer_inputs = p.integer_inputs and p.integer_inputs(inputs)
@@ -770,22 +774,32 @@ def autotune_suite(ops: list[str] | None, shapes: list[str] | None, out: str,
         lambda *a, p=p: p.call(a, None), *args, iterations=iterations,
         timeout_s=timeout_s, progress=False, heuristics_only=grid, skip=skip,
         integer_inputs=integer_inputs))
-    if grid:
-      _write_per_op(_with_earlier_grid(_first_party_only(result), folder, p.op, skip),
-                    folder, shipped.GRID_SUFFIX, only=p.op)
+    if grid:  # after each problem: a grid run cut short keeps its data
+      _write_per_op(_with_earlier(_first_party_only(result), folder, p.op, suffix, skip),
+                    folder, suffix, only=p.op)
   if not grid:
-    _write_per_op(_first_party_only(result), folder, "")
+    for op in sorted({p.op for p in problems}):
+      _write_per_op(_with_earlier(_first_party_only(result), folder, op, suffix, skip),
+                    folder, suffix, only=op)
+  if not _first_party_only(result).measurements:
+    print(f"autotune measured nothing: {len(result.failures)} failed configs over "
+          f"{len(problems)} problems (every implementation skipped, failed or "
+          "refused); no file written", flush=True)
+    return 1
+  return 0
 
 
-def _with_earlier_grid(result, folder: str, op: str, skip: tuple[str, ...] = ()):
-  """`result` and what `folder`'s ``<op>_grid.json`` holds of the calls it did
-  not measure, and of the implementations it skipped. (An implementation that
+def _with_earlier(result, folder: str, op: str, suffix: str, skip: tuple[str, ...] = ()):
+  """`result` and what `folder`'s ``<op><suffix>.json`` (the grid's, or the
+  reference shapes') holds of the calls it did not measure, and of the
+  implementations it skipped: a run over some shapes (``--shape``) or some
+  implementations adds to the file. (An implementation that
   this run tried on a call and that failed or refused there loses its earlier
   entries for that call: they describe code that no longer runs it.) The file
   records the earlier file's versions updated with this run's (a skipped
   implementation's package stays named): kept entries are comparable only where
   the earlier runs used the same JAX and packages."""
-  path = os.path.join(folder, shipped.grid_file(op))
+  path = os.path.join(folder, f"{op}{suffix}.json")
   if not os.path.exists(path):
     return result
   with open(path) as f:
