@@ -325,6 +325,11 @@ def test_moe_refuses_bad_arguments():
                                        rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"top_k must be in \[1, num_experts=4\]; got 5"):
     make(top_k=5)
+  # Floats were taken (top_k=1.5) or failed in a JAX shape error (in_features).
+  with pytest.raises(TypeError, match="top_k must be an int >= 1; got 1.5"):
+    make(top_k=1.5)
+  with pytest.raises(TypeError, match="in_features must be an int >= 1; got 8.0"):
+    tokamax.flax.MoE(8.0, 8, num_experts=4, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="capacity_factor must be None or > 0; got 0"):
     make(capacity_factor=0)
   with pytest.raises(ValueError, match="softmax_over must be one of"):

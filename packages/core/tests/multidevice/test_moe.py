@@ -175,16 +175,20 @@ def test_expert_ids_out_of_range_are_dropped(exchange):
 def test_bad_arguments_name_themselves():
   mesh = _mesh()
   x, w = jnp.ones((NUM_DEVICES * 2, 4)), jnp.ones((NUM_DEVICES, 4, 4))
-  bad = [(dict(), jnp.ones((NUM_DEVICES * 2,)), "expert_ids must be integers"),
-         (dict(chunks=0), jnp.zeros((NUM_DEVICES * 2,), jnp.int32), "chunks"),
-         (dict(capacity=0), jnp.zeros((NUM_DEVICES * 2,), jnp.int32), "capacity"),
-         (dict(exchange="tree"), jnp.zeros((NUM_DEVICES * 2,), jnp.int32),
+  ids = jnp.zeros((NUM_DEVICES * 2,), jnp.int32)
+  bad = [(dict(), jnp.ones((NUM_DEVICES * 2,)), TypeError, "expert_ids must be integers"),
+         (dict(chunks=0), ids, ValueError, "chunks"),
+         (dict(capacity=0), ids, ValueError, "capacity"),
+         # Floats gave an indexing error from deep inside the routing.
+         (dict(chunks=1.5), ids, TypeError, "chunks must be an int >= 1; got 1.5"),
+         (dict(capacity=1.5), ids, TypeError, "capacity must be None or an int >= 1"),
+         (dict(exchange="tree"), ids, ValueError,
           "exchange must be 'all_to_all' or 'ring'; got 'tree'"),
-         (dict(exchange="ring", chunks=2), jnp.zeros((NUM_DEVICES * 2,), jnp.int32),
-          "chunks must be 1"),
-         (dict(), jnp.zeros((NUM_DEVICES * 3,), jnp.int32), "expert_ids must be")]
-  for kw, ids, message in bad:
-    with pytest.raises(ValueError, match=message):
+         (dict(exchange="ring", chunks=2), ids, ValueError, "chunks must be 1"),
+         (dict(), jnp.zeros((NUM_DEVICES * 3,), jnp.int32), ValueError,
+          "expert_ids must be")]
+  for kw, ids, error, message in bad:
+    with pytest.raises(error, match=message):
       jax.shard_map(functools.partial(tokamax.moe_all_to_all, axis_name="ep", **kw),
                     mesh=mesh, in_specs=(P("ep"), P("ep"), P("ep")),
                     out_specs=P("ep"))(x, ids, w)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from tokamax._src import dispatch
+from tokamax._src.ops import _checks
 from tokamax._src.ops.gated_linear_unit.api import gated_linear_unit
 from tokamax._src.ops.ragged_dot import moe as moe_lib
 from tokamax._src.ops.ragged_dot import ragged_dot
@@ -198,8 +199,8 @@ class MoE(nnx.Module):
 def _check_arguments(in_features, hidden_features, num_experts, top_k, capacity_factor,
                      softmax_over):
   for name, value in (("in_features", in_features), ("hidden_features", hidden_features),
-                      ("num_experts", num_experts)):
-    if value < 1:
+                      ("num_experts", num_experts), ("top_k", top_k)):
+    if _checks.static_int(name, value, "an int >= 1") < 1:
       raise ValueError(f"{name} must be >= 1; got {value}")
   if not 1 <= top_k <= num_experts:
     raise ValueError(f"top_k must be in [1, num_experts={num_experts}]; got {top_k}")

@@ -198,10 +198,11 @@ def _check(x, expert_ids, chunks, capacity, exchange):
     raise ValueError(f"expert_ids must be [{x.shape[0]}] or [{x.shape[0]}, top_k] "
                      f"(one row per token of x); got shape {expert_ids.shape}")
   if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
-    raise ValueError(f"expert_ids must be integers; got {expert_ids.dtype}")
-  if chunks < 1:
+    raise TypeError(f"expert_ids must be integers; got {expert_ids.dtype}")
+  if _checks.static_int("chunks", chunks, "an int >= 1") < 1:
     raise ValueError(f"chunks must be >= 1; got {chunks}")
-  if capacity is not None and capacity < 1:
+  if capacity is not None and _checks.static_int(
+      "capacity", capacity, "None or an int >= 1") < 1:
     raise ValueError(f"capacity must be >= 1 or None; got {capacity}")
 
 
