@@ -87,6 +87,24 @@ def test_bad_grouped_arguments_name_what_is_wrong(x_shape, w_shape, sizes, match
                               group_sizes=jnp.asarray(sizes, jnp.int32))
 
 
+def test_int64_numpy_sizes_past_int32_are_refused_not_wrapped():
+  """Without x64, JAX converts NumPy int64 to int32 by wrapping: 2**32 + 10 would
+  be 10, a silently different call (ragged_dot's group sizes, attention's
+  lengths: every integer argument taken through the shared check)."""
+  sizes = np.array([2**32 + 10, 20], np.int64)
+  with pytest.raises(ValueError, match="group_sizes holds values from 20 to "
+                     "4294967306, outside int32"):
+    tokamax.gated_linear_unit(jnp.ones((30, 8)), jnp.ones((2, 8, 2, 16)),
+                              group_sizes=sizes)
+  with pytest.raises(ValueError, match="key_value_seq_lengths holds values"):
+    q = jnp.ones((1, 4, 2, 8))
+    tokamax.dot_product_attention(q, q, q, key_value_seq_lengths=np.array([2**32 + 1]))
+  # In range, int64 NumPy sizes are taken as they are.
+  got = tokamax.gated_linear_unit(jnp.ones((30, 8)), jnp.ones((2, 8, 2, 16)),
+                                  group_sizes=np.array([10, 20], np.int64))
+  assert got.shape == (30, 16)
+
+
 def test_float_group_sizes_are_refused():
   with pytest.raises(TypeError, match="group_sizes"):
     tokamax.gated_linear_unit(jnp.ones((30, 8)), jnp.ones((2, 8, 2, 16)),

@@ -19,11 +19,22 @@ def describe(x: Any) -> str:
 
 
 def as_array(name: str, x: Any) -> jax.Array:
+  if isinstance(x, (np.ndarray, np.generic)):
+    _check_fits_int32(name, x)
   if isinstance(x, (jax.Array, np.ndarray, np.generic)) or hasattr(x, "aval"):
     return jnp.asarray(x)
   if hasattr(x, "shape") and hasattr(x, "dtype"):
     return x
   raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+
+
+def _check_fits_int32(name: str, x: np.ndarray | np.generic) -> None:
+  """A 64-bit NumPy integer array that JAX (without x64) would wrap to int32:
+  a ValueError instead of values that silently changed."""
+  if (x.dtype.kind in "iu" and x.dtype.itemsize == 8 and not jax.config.jax_enable_x64
+      and x.size and (x.min() < np.iinfo(np.int32).min or x.max() > np.iinfo(np.int32).max)):
+    raise ValueError(f"{name} holds values from {int(x.min())} to {int(x.max())}, "
+                     "outside int32, which JAX without x64 would wrap")
 
 
 def check_float(name: str, x: Any) -> None:
