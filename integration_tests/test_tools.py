@@ -723,3 +723,30 @@ def test_step_anatomy_host_share_times_every_program_and_variant():
     assert 0 <= median <= longest
     assert set(loops) == set(step_anatomy._VARIANTS) and all(ms > 0 for ms in loops.values())
   assert step_anatomy.benchmarking.round_order("abc", 4) == list("bca")
+
+
+_TOOLS = pathlib.Path(__file__).parent.parent / "tools"
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["kernel_breakdown.py"], "nothing selected: give --model, or --op"),
+    (["kernel_breakdown.py", "--launches", "--op", "layer_norm"],
+     "--launches lists a model step's launches: it needs --model"),
+    (["kernel_breakdown.py", "--model", "dense", "--size", "dim"],
+     "--size takes KEY=VALUE; got ['dim']"),
+    (["step_anatomy.py", "--size", "dim=x"], "--size dim=x: dim takes a positive integer"),
+    (["tune.py", "--op", "layer_norm", "--call", "1024,abc"], "--call for layer_norm"),
+    (["tune.py", "--op", "layer_norm", "--implementation", "nosuch"],
+     "--implementation: no installed implementation is named 'nosuch'"),
+    (["shape_sweep.py", "--op", "norms", "--implementation", "nosuch"],
+     "--implementation: no installed implementation is named 'nosuch'"),
+    (["none_check.py", "--op", "layer_norm", "--iterations", "0"],
+     "--iterations: must be at least 1; got 0"),
+])
+def test_tools_refuse_what_would_select_nothing_or_crash(argv, says):
+  """Each was an empty run with exit 0, a traceback, or an error naming the
+  wrong flag; now a usage error (exit 2) naming the flag, before anything runs."""
+  done = subprocess.run([sys.executable, str(_TOOLS / argv[0]), *argv[1:]],
+                        cwd=_TOOLS, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 2, done.stderr[-2000:]
+  assert says in done.stderr

@@ -31,6 +31,7 @@ from tokamax._src import bench_suite
 from tokamax._src import bench_models
 from tokamax._src.tuning import context as tuning_context
 
+import none_check
 import shape_sweep
 import tune
 
@@ -135,7 +136,7 @@ def main():
   parser.add_argument("--direction", choices=("forward", "forward+backward"),
                       default="forward+backward")
   parser.add_argument("--peers", action="store_true")
-  parser.add_argument("--iterations", type=int, default=5)
+  parser.add_argument("--iterations", type=none_check.positive_int, default=5)
   parser.add_argument("--launches", action="store_true",
                       help="--model: each launch in order, not sums by kernel name")
   parser.add_argument("--grid", action="store_true",
@@ -146,8 +147,14 @@ def main():
                       type=tune._field_value,
                       help="tokamax's heuristic configs with FIELD set to VALUE")
   args = parser.parse_args()
+  if not args.model and not args.op:
+    parser.error("nothing selected: give --model, or --op (with --shape, --grid or "
+                 "--sweep)")
+  if args.launches and not args.model:
+    parser.error("--launches lists a model step's launches: it needs --model")
+  tune.check_implementations(parser, args.implementation)
   if args.model:
-    model_breakdown(args.model, dict(kv.split("=", 1) for kv in args.size),
+    model_breakdown(args.model, tune.model_sizes(parser, args.model, args.size),
                     args.iterations, args.launches)
   fields = {key: tune._literal(value) for key, value in args.set}
   if args.sweep:

@@ -116,14 +116,22 @@ OPS = {
 }
 
 
-def problems_from(parser, op_name: str, texts: list[str]) -> list:
+def positive_int(text: str) -> int:
+  """An argparse type: an int >= 1 (the tools' --iterations)."""
+  value = int(text)
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be at least 1; got {value}")
+  return value
+
+
+def problems_from(parser, op_name: str, texts: list[str], flag: str = "--shape") -> list:
   """The problems of `texts` in `op_name`'s --shape form; a usage error of
-  `parser` for a bad form."""
+  `parser` naming `flag` for a bad form."""
   op = OPS[op_name]
   try:
     return [op.problem(*op.parse(text)) for text in texts]
   except (argparse.ArgumentTypeError, ValueError) as e:  # ValueError: not an integer
-    parser.error(f"--shape for {op_name}: {e}")
+    parser.error(f"{flag} for {op_name}: {e}")
 
 
 def main() -> int:
@@ -138,7 +146,7 @@ def main() -> int:
                            "and cudnn (dot_product_attention), mosaic_gpu, triton, "
                            "composed and xla (gated_linear_unit), mosaic_gpu, "
                            "triton and xla (layer_norm)")
-  parser.add_argument("--iterations", type=int, default=10)
+  parser.add_argument("--iterations", type=positive_int, default=10)
   args = parser.parse_args()
   op = OPS[args.op]
   named = args.implementation or list(op.implementations)

@@ -20,6 +20,9 @@ from tokamax._src.ops.gated_linear_unit import problems as gated_linear_unit_pro
 from tokamax._src.ops.layer_norm import problems as layer_norm_problems
 from tokamax._src.problem import Problem
 
+import none_check
+import tune
+
 _NORM_ELEMENTS = 2**27
 _NORM_WIDTHS = (1024, 2048, 4096, 8192, 12288, 16384)
 # (M, K, N): small M with large N, and large M with small K and N.
@@ -40,13 +43,17 @@ def main() -> None:
   parser.add_argument("--op", required=True, choices=["norms", "glu"])
   parser.add_argument("--implementation", action="append",
                       help="only this implementation (repeatable; 'auto' for None)")
-  parser.add_argument("--iterations", type=int, default=5)
+  parser.add_argument("--iterations", type=none_check.positive_int, default=5)
   args = parser.parse_args()
+  tune.check_implementations(parser, args.implementation)
   impls = [None, "triton", "mosaic_gpu", "xla"] if not args.implementation else [
       None if i == "auto" else i for i in args.implementation]
   print("\n".join(bench_suite.HEADER), flush=True)
   for p in problems(args.op):
     usable = [i for i in impls if i is None or i in _usable(p.op)]
+    if args.implementation and len(usable) < len(impls):
+      print(f"  ({p.op}: not usable here, left out: "
+            f"{', '.join(i for i in impls if i not in usable)})", flush=True)
     print(bench_suite.markdown_table(bench_suite.run_problem(p, usable, iterations=args.iterations),
                                header=False), flush=True)
 

@@ -36,6 +36,8 @@ from tokamax._src import bench_models
 from tokamax._src import benchmarking
 
 import kernel_breakdown
+import none_check
+import tune
 
 METHODS = {"kernels": "cupti", "span": "cuda_events", "loop": "loop"}
 
@@ -156,13 +158,14 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--model", default="dense", choices=bench_models.MODELS)
   parser.add_argument("--size", action="append", default=[], metavar="KEY=VALUE")
-  parser.add_argument("--iterations", type=int, default=10)
+  parser.add_argument("--iterations", type=none_check.positive_int, default=10)
   parser.add_argument("--top", type=int, default=15, help="kernel names to list")
   parser.add_argument("--host-only", action="store_true",
                       help="leave out the kernels / span / loop table and the "
                       "per-kernel table (the back-to-back kernel time still uses CUPTI)")
   opts = parser.parse_args()
-  size = bench_models.make_size(opts.model, False, dict(kv.split("=", 1) for kv in opts.size))
+  size = bench_models.make_size(opts.model, False,
+                                tune.model_sizes(parser, opts.model, opts.size))
   params, x, dy = bench_models.inputs(opts.model, size)
   print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}: {opts.model} "
         f"{size.describe()}")

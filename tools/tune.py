@@ -210,6 +210,27 @@ def model_builders(model: str) -> tuple[str, dict]:
   return f"model {model} {size.describe()}", {"training step": step}
 
 
+def model_sizes(parser, model: str, items: list[str]) -> dict[str, str]:
+  """``--size KEY=VALUE`` items as a dict, checked against `model`'s sizes
+  (`bench_models.make_size`); a usage error of `parser` for a bad one."""
+  if any("=" not in kv for kv in items):
+    parser.error(f"--size takes KEY=VALUE; got {items}")
+  sizes = dict(kv.split("=", 1) for kv in items)
+  try:
+    bench_models.make_size(model, False, sizes)
+  except ValueError as e:
+    parser.error(str(e))
+  return sizes
+
+
+def check_implementations(parser, names) -> None:
+  """A usage error of `parser` for an implementation name nothing installed has."""
+  try:
+    bench_suite.check_implementation_names(names)
+  except bench_suite.UnknownImplementation as e:
+    parser.error(f"--implementation: {e}")
+
+
 def select_problems(parser, suite, ops, shape: str | None) -> list:
   """The problems of `suite` of the `ops` whose name `shape` (a regular
   expression) matches (`bench_suite.select_shapes`; "all" among `ops`: every
@@ -236,7 +257,7 @@ def call_problems(parser, ops, calls: list[str], suite_chosen) -> list:
   if len(ops) != 1 or ops[0] not in none_check.OPS or suite_chosen:
     parser.error(f"--call takes one --op of {sorted(none_check.OPS)} and no "
                  "--shape or --grid")
-  return none_check.problems_from(parser, ops[0], calls)
+  return none_check.problems_from(parser, ops[0], calls, flag="--call")
 
 
 def profile_runs(title: str, builders: dict, fields: dict[str, str], runs: int) -> None:
@@ -341,7 +362,7 @@ def main():
                            "tools/none_check.py's --shape form for the one --op, "
                            "e.g. 1,32768,16,16,64 (dot_product_attention: "
                            "B,T,N,K,H[,causal])")
-  parser.add_argument("--iterations", type=int, default=5)
+  parser.add_argument("--iterations", type=none_check.positive_int, default=5)
   parser.add_argument("--direction", choices=("forward", "forward+backward"),
                       help="tune only the forward or only the backward configs")
   parser.add_argument("--training", action="store_true",
@@ -376,6 +397,7 @@ def main():
                       help="run each selected call N times, untimed, for a "
                            "profiler (with --ab: the replaced configs)")
   args = parser.parse_args()
+  check_implementations(parser, [args.implementation])
   is_ab = bool(args.ab or args.ab_env)
   if not args.op and not (is_ab and args.model):
     parser.error("--op is required (or --model with --ab)")

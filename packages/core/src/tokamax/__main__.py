@@ -13,7 +13,6 @@ from tokamax._src import bench_models
 from tokamax._src import bench_suite
 from tokamax._src import benchmarking
 from tokamax._src import demo
-from tokamax._src import registry
 
 
 def info() -> None:
@@ -201,13 +200,10 @@ def _check_iterations(parser, iterations: int) -> None:
 
 
 def _check_implementation_names(parser, flag: str, names) -> None:
-  """A usage error for a name that no installed op has an implementation of."""
-  known = {name for _, name in registry.get().by_name}
-  unknown = [n for n in names or () if n not in known]
-  if unknown:
-    parser.error(f"{flag}: no installed implementation is named "
-                 f"{', '.join(map(repr, unknown))}; the installed ones are "
-                 f"{', '.join(sorted(known))}")
+  try:
+    bench_suite.check_implementation_names(names)
+  except bench_suite.UnknownImplementation as e:
+    parser.error(f"{flag}: {e}")
 
 
 def _check_bench_args(parser, args, sizes: dict[str, str]) -> None:
@@ -255,8 +251,7 @@ def _check_bench_args(parser, args, sizes: dict[str, str]) -> None:
         bench_models.make_size(name, False, sizes)
       except ValueError as e:
         parser.error(str(e))
-  _check_implementation_names(parser, "--implementation",
-                              [i for i in args.implementation or () if i != "auto"])
+  _check_implementation_names(parser, "--implementation", args.implementation)
 
 
 if __name__ == "__main__":

@@ -684,6 +684,21 @@ def check_peers(problems: list[Problem], names: list[str] | None) -> None:
                          f"peers are: {', '.join(labels) or 'none'}")
 
 
+class UnknownImplementation(ValueError):
+  """An implementation name no installed package registers."""
+
+
+def check_implementation_names(names) -> None:
+  """`UnknownImplementation` listing the installed implementations where one of
+  `names` (``None``/"auto" aside) is none of them."""
+  known = {name for _, name in registry.get().by_name}
+  unknown = [n for n in names or () if n not in (None, "auto") and n not in known]
+  if unknown:
+    raise UnknownImplementation(
+        f"no installed implementation is named {', '.join(map(repr, unknown))}; the "
+        f"installed ones are {', '.join(sorted(known))}")
+
+
 class UnknownOp(ValueError):
   """`--op` names an op the benchmark suites do not have."""
 
