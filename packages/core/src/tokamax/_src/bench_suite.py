@@ -379,7 +379,7 @@ def compare(rows: list[dict], baseline: list[dict], threshold: float = DEFAULT_T
   timed by another method than their baseline's (``method``), unless both are
   device time ("cupti", "cuda_events"), are compared for their numerics only, as
   are all rows where the baseline ran on another device (not `same_device`). A
-  run none of whose rows the baseline has compared nothing: a failure.
+  run that shares no row with the baseline compared nothing: a failure.
   """
   current = {row_key(r): r for r in rows}
   report, failures = [], []
@@ -758,7 +758,8 @@ def autotune_suite(ops: list[str] | None, shapes: list[str] | None, out: str,
   are kept, so that one implementation can be measured again after it changed
   (skip the others).
 
-  Returns the exit status: 1 where nothing was measured (no file written), else 0.
+  Returns the exit status: 1 where nothing was measured (the reference shapes'
+  files then left as they were), else 0.
   """
   check_ops(ops)
   problems = [p for p in (grid_suite() if grid else reference_suite())
@@ -792,15 +793,15 @@ def autotune_suite(ops: list[str] | None, shapes: list[str] | None, out: str,
     if grid:  # after each problem: a grid run cut short keeps its data
       _write_per_op(_with_earlier(_first_party_only(result), folder, p.op, suffix, skip),
                     folder, suffix, only=p.op)
+  if not _first_party_only(result).measurements:
+    print(f"autotune measured nothing: {len(result.failures)} failed configs over "
+          f"{len(problems)} problems (every implementation skipped, failed or "
+          "refused)", flush=True)
+    return 1
   if not grid:
     for op in sorted({p.op for p in problems}):
       _write_per_op(_with_earlier(_first_party_only(result), folder, op, suffix, skip),
                     folder, suffix, only=op)
-  if not _first_party_only(result).measurements:
-    print(f"autotune measured nothing: {len(result.failures)} failed configs over "
-          f"{len(problems)} problems (every implementation skipped, failed or "
-          "refused); no file written", flush=True)
-    return 1
   return 0
 
 
