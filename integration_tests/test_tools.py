@@ -742,6 +742,8 @@ _TOOLS = pathlib.Path(__file__).parent.parent / "tools"
      "--implementation: no installed implementation is named 'nosuch'"),
     (["none_check.py", "--op", "layer_norm", "--iterations", "0"],
      "--iterations: must be at least 1; got 0"),
+    (["grid_check.py", "--device", "nosuch"],
+     "--device nosuch: no shipped tuned data; the tuned folders are"),
 ])
 def test_tools_refuse_what_would_select_nothing_or_crash(argv, says):
   """Each was an empty run with exit 0, a traceback, or an error naming the

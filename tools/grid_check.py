@@ -38,6 +38,7 @@ import tokamax
 from tokamax._src import bench_suite
 from tokamax._src import dispatch
 from tokamax._src.tuning import nearest
+from tokamax._src.tuning import shipped as shipped_data
 from tokamax._src.tuning.results import AutotuningResult, args_key, failed_outright
 
 _DIRECTIONS = ("forward", "backward", "step")
@@ -184,7 +185,22 @@ def main() -> None:
   parser.add_argument("--device", default="nvidia_h200")
   parser.add_argument("--baseline", help="a bench --json file of the same device kind")
   args = parser.parse_args()
-  by = _times(_shipped(args.device))
+  shipped = _shipped(args.device)
+  if not shipped.measurements:
+    folders = sorted({os.path.basename(os.path.dirname(p)) for p in glob.glob(
+        os.path.join(_REPO, "packages", "*", "src", "*", "tuned", "*", "*.json"))})
+    parser.error(f"--device {args.device}: no shipped tuned data; the tuned folders "
+                 f"are {', '.join(folders)}")
+  if args.baseline:
+    try:
+      doc, _ = bench_suite.load_rows(args.baseline)
+    except bench_suite.BadRowsFile as e:
+      parser.error(f"--baseline: {e}")
+    kind = doc.get("device_kind")
+    if kind and shipped_data.device_slug(kind) != args.device:
+      parser.error(f"--baseline {args.baseline} is from {kind}; --device is "
+                   f"{args.device}")
+  by = _times(shipped)
   _report("leave one out (grid calls predicted from the other grid calls)",
           leave_one_out(by))
   if args.baseline:
