@@ -388,12 +388,32 @@ def test_compare_across_devices_and_runs_that_share_no_row(tmp_path, capsys):
 
 
 def test_a_failed_model_row_fails_the_run(tmp_path):
+  """tokamax's step failing, or a NaN error, fails the run; the plain program
+  failing (e.g. out of memory where tokamax's step fits) does not."""
   from tokamax import __main__ as cli
-  failed = dict(op="model dense", shape="s", direction="forward+backward",
-                implementation="tokamax", error="ValueError: no")
+  json = __import__("json")
+  base = dict(op="model dense", shape="s", direction="forward+backward")
   path = tmp_path / "rows.json"
-  path.write_text(__import__("json").dumps([failed]))
-  assert cli.main(["bench", "--from-json", str(path)]) == 1
+  for row, status in ((dict(implementation="tokamax auto", error="ValueError: no"), 1),
+                      (dict(implementation="plain JAX", error="XlaRuntimeError: OOM"), 0),
+                      (dict(implementation="tokamax auto", ms=1.0, rate=1.0, unit="TFLOP/s",
+                            rel_err=float("nan"), tol=0.01), 1)):
+    path.write_text(json.dumps([dict(base, **row)]))
+    assert cli.main(["bench", "--from-json", str(path)]) == status, row
+
+
+def test_rows_of_an_unknown_device_compare_speed_with_the_baseline(tmp_path, capsys):
+  """A bare list of rows (as --out writes) names no device: its speed is
+  compared with the baseline's, whatever machine runs the compare."""
+  from tokamax import __main__ as cli
+  json = __import__("json")
+  h200 = tmp_path / "h200.json"
+  h200.write_text(json.dumps(dict(device_kind="NVIDIA H200",
+                                  rows=[_row("tokamax auto", 10.0, 0.005)])))
+  slow = tmp_path / "slow.json"
+  slow.write_text(json.dumps([_row("tokamax auto", 30.0, 0.005)]))
+  assert cli.main(["bench", "--from-json", str(slow), "--compare", str(h200)]) == 1
+  assert "SLOWER" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args,says", [
@@ -406,7 +426,8 @@ def test_a_failed_model_row_fails_the_run(tmp_path):
      "--peer: no peer's label contains ['nosuch']; the selected problems' peers are: "
      "XLA (jnp)"),
     (["--model", "dense", "--size", "dim=abc"], "--size dim=abc: dim takes a positive"),
-    (["--model", "dense", "--size", "dtype=int8"], "--size dtype=int8: not a floating"),
+    (["--model", "dense", "--size", "dtype=int8"], "--size dtype=int8: the models run in "
+     "bfloat16, float16, float32"),
     (["--size", "dim=64"], "--size sets a model's size: it needs --model"),
     (["--model", "moe", "--shape", "G16"], "with --model alone no per-op rows run"),
     (["--sweep", "--op", "layer_norm"], "--sweep times attention against sequence"),

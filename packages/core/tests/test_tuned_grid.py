@@ -439,6 +439,38 @@ def test_autotune_reference_shapes_in_two_runs_keeps_both(monkeypatch, tmp_path,
   assert (folder / "layer_norm.json").read_text() == before
 
 
+def _tuning_file(versions, *entries):
+  """A tuning document: entries ``(key, direction, implementation, ms)``."""
+  return json.dumps(dict(
+      format="tokamax-autotuning/1", device_kind="cpu", versions=versions,
+      measurements=[dict(op="layer_norm", direction=d, key=k, implementation=i,
+                         config={"block": 1}, time_ms=ms) for k, d, i, ms in entries]))
+
+
+@pytest.mark.parametrize("suffix", ["", "_grid"])
+def test_earlier_entries_kept_by_direction_and_dropped_across_versions(tmp_path, suffix):
+  """A run cut short between a call's forward and its backward (--timeout) keeps
+  the earlier backward; tuned configs (not the grid's) of other JAX or package
+  versions are not relabelled as this run's: they are dropped."""
+  loads = bench_suite.autotuning.AutotuningResult.loads
+  v1 = {"jax": "0.1", "tokamax-core": "1"}
+  (tmp_path / f"layer_norm{suffix}.json").write_text(_tuning_file(
+      v1, ("K1", "forward", "xla", 1.0), ("K1", "backward", "xla", 1.0),
+      ("K2", "forward", "xla", 1.0)))
+  now = loads(_tuning_file(v1, ("K1", "forward", "xla", 2.0)))
+  merged = bench_suite._with_earlier(now, str(tmp_path), "layer_norm", suffix)
+  got = {(m.key, m.direction): m.time_ms for m in merged.measurements}
+  assert got == {("K1", "forward"): 2.0, ("K1", "backward"): 1.0, ("K2", "forward"): 1.0}
+  newer = loads(_tuning_file({"jax": "0.2", "tokamax-core": "1"},
+                             ("K1", "forward", "xla", 2.0)))
+  merged = bench_suite._with_earlier(newer, str(tmp_path), "layer_norm", suffix)
+  kept = {(m.key, m.direction) for m in merged.measurements}
+  if suffix:  # the grid ranks implementations: its other calls stay
+    assert kept == {("K1", "forward"), ("K1", "backward"), ("K2", "forward")}
+  else:
+    assert kept == {("K1", "forward")}
+
+
 def test_autotune_grid_again_keeps_the_skipped_implementations(monkeypatch, tmp_path):
   # One implementation measured again after it changed: the others' entries on
   # the same calls stay (they are what it is ranked against).

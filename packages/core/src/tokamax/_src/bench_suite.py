@@ -450,13 +450,14 @@ def compare(rows: list[dict], baseline: list[dict], threshold: float = DEFAULT_T
   return report, failures
 
 
-def _print_compare(rows, baseline_path, threshold, error_growth, here: str) -> int:
-  """`compare` printed; `here`: the device kind the rows ran on."""
+def _print_compare(rows, baseline_path, threshold, error_growth, here: str | None) -> int:
+  """`compare` printed; `here`: the device kind the rows ran on (None: unknown,
+  taken as the baseline's)."""
   doc, baseline = load_rows(baseline_path)
   print(f"\ncompared with {baseline_path} ({doc.get('device_kind', '?')}, JAX "
         f"{doc.get('jax', '?')}, {doc.get('date', '?')}); speed threshold "
         f"{threshold:.0%}, error growth limit {error_growth:g}x")
-  same_device = doc.get("device_kind") in (None, here)
+  same_device = None in (doc.get("device_kind"), here) or doc["device_kind"] == here
   if not same_device:
     print(f"the baseline is from {doc['device_kind']}, these rows from {here}: "
           "numerics compared, speed not")
@@ -491,8 +492,8 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
   to time (`benchmarking.METHODS`; None: the device's default, kernel time on
   NVIDIA GPUs).
 
-  Returns the exit status: 1 if `compare_path` found a regression or a model's
-  numerics are beyond tolerance, else 0.
+  Returns the exit status: 1 if `compare_path` found a regression, or a model
+  row failed (`_model_row_failed`), else 0.
   """
   if grid and (sweep or quick or models):
     raise ValueError("grid takes neither sweep, quick nor models: per-op rows at "
@@ -508,9 +509,7 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
                            shapes, json_path, grid, peers, method)
   status = 0
   for r in all_rows:
-    # A model step that failed, or whose numbers left the tolerance.
-    if r["op"].startswith("model ") and ("error" in r or r.get("rel_err", 0) > r.get(
-        "tol", float("inf"))):
+    if r["op"].startswith("model ") and _model_row_failed(r):
       status = 1
   if json_path:
     write_json(json_path, all_rows, source)
@@ -526,10 +525,23 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
       print(f"wrote {path}")
   _print_auto_against_fastest(all_rows)
   if compare_path:
-    here = (source or {}).get("device_kind") or jax.devices()[0].device_kind
+    # Rows loaded from a file that names no device (a bare list, as --out
+    # writes) ran on an unknown one: compared as the baseline's.
+    here = (source.get("device_kind") if source is not None
+            else jax.devices()[0].device_kind)
     status = max(status, _print_compare(all_rows, compare_path, threshold, error_growth,
                                         here))
   return status
+
+
+def _model_row_failed(row: dict) -> bool:
+  """A model row that fails the run: tokamax's step did not run, or a step's
+  numbers left the tolerance (or are NaN). A plain program that failed (e.g.
+  out of memory where tokamax's step fits) is reported, not failed."""
+  if "error" in row:
+    return row["implementation"].startswith("tokamax")
+  err = row.get("rel_err")
+  return err is not None and (err != err or err > row.get("tol", float("inf")))
 
 
 AUTO_MARGIN = 0.03  # `None` may be this much slower than the fastest of its run
@@ -807,29 +819,38 @@ def autotune_suite(ops: list[str] | None, shapes: list[str] | None, out: str,
 
 def _with_earlier(result, folder: str, op: str, suffix: str, skip: tuple[str, ...] = ()):
   """`result` and what `folder`'s ``<op><suffix>.json`` (the grid's, or the
-  reference shapes') holds of the calls it did not measure, and of the
-  implementations it skipped: a run over some shapes (``--shape``) or some
-  implementations adds to the file. (An implementation that
-  this run tried on a call and that failed or refused there loses its earlier
-  entries for that call: they describe code that no longer runs it.) The file
-  records the earlier file's versions updated with this run's (a skipped
-  implementation's package stays named): kept entries are comparable only where
-  the earlier runs used the same JAX and packages."""
+  reference shapes') holds of the calls and directions it did not measure, and
+  of the implementations it skipped: a run over some shapes (``--shape``), some
+  implementations, or cut short (``--timeout``) adds to the file. (An
+  implementation that this run tried on a call and direction and that failed or
+  refused there loses its earlier entries for them: they describe code that no
+  longer runs it.) The file records the earlier file's versions updated with
+  this run's (a skipped implementation's package stays named). Tuned configs
+  (no `suffix`) run under the versions their file names, so there the earlier
+  entries are kept only where the earlier file's versions are this run's; the
+  grid's only rank implementations and keep them."""
   path = os.path.join(folder, f"{op}{suffix}.json")
   if not os.path.exists(path):
     return result
   with open(path) as f:
     earlier = autotuning.AutotuningResult.loads(f.read())
-  # A call this run tried (measured, or failed on) replaces the earlier data of
-  # every implementation it did not skip.
-  tried = ({(m.op, m.key) for m in result.measurements}
-           | {(f["op"], f["key"]) for f in result.failures})
+  changed = sorted(name for name, version in earlier.versions.items()
+                   if result.versions.get(name, version) != version)
+  if not suffix and changed:
+    print(f"{path}: tuned with other versions of {', '.join(changed)}; its calls "
+          "this run did not measure are dropped", flush=True)
+    return result
+  # A call and direction this run tried (measured, or failed on) replaces the
+  # earlier data of every implementation it did not skip.
+  tried = ({(m.op, m.key, m.direction) for m in result.measurements}
+           | {(f["op"], f["key"], f.get("direction")) for f in result.failures})
 
-  def keep(op_name, key, implementation):
-    return (op_name, key) not in tried or implementation in skip
-  kept = [m for m in earlier.measurements if keep(m.op, m.key, m.implementation)]
+  def keep(op_name, key, direction, implementation):
+    return (op_name, key, direction) not in tried or implementation in skip
+  kept = [m for m in earlier.measurements
+          if keep(m.op, m.key, m.direction, m.implementation)]
   failures = [f for f in earlier.failures
-              if keep(f["op"], f["key"], f.get("implementation"))]
+              if keep(f["op"], f["key"], f.get("direction"), f.get("implementation"))]
   return autotuning.AutotuningResult(
       [*kept, *result.measurements], device_kind=result.device_kind,
       versions={**earlier.versions, **result.versions},

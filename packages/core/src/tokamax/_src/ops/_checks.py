@@ -29,12 +29,15 @@ def as_array(name: str, x: Any) -> jax.Array:
 
 
 def _check_fits_int32(name: str, x: np.ndarray | np.generic) -> None:
-  """A 64-bit NumPy integer array that JAX (without x64) would wrap to int32:
-  a ValueError instead of values that silently changed."""
-  if (x.dtype.kind in "iu" and x.dtype.itemsize == 8 and not jax.config.jax_enable_x64
-      and x.size and (x.min() < np.iinfo(np.int32).min or x.max() > np.iinfo(np.int32).max)):
+  """A 64-bit NumPy integer array that JAX (without x64) would wrap to 32 bits
+  (int64 to int32, uint64 to uint32): a ValueError instead of values that
+  silently changed."""
+  if x.dtype.kind not in "iu" or x.dtype.itemsize != 8 or jax.config.jax_enable_x64:
+    return
+  narrow = np.iinfo(np.int32 if x.dtype.kind == "i" else np.uint32)
+  if x.size and (x.min() < narrow.min or x.max() > narrow.max):
     raise ValueError(f"{name} holds values from {int(x.min())} to {int(x.max())}, "
-                     "outside int32, which JAX without x64 would wrap")
+                     f"outside {narrow.dtype}, which JAX without x64 would wrap")
 
 
 def check_float(name: str, x: Any) -> None:
