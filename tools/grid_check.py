@@ -45,10 +45,15 @@ _DIRECTIONS = ("forward", "backward", "step")
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _tuned_files(device: str) -> list[str]:
+  """The shipped tuned-data files of `device` (a device slug, or "*" for all)."""
+  return sorted(glob.glob(os.path.join(_REPO, "packages", "*", "src", "*", "tuned",
+                                       device, "*.json")))
+
+
 def _shipped(device: str) -> AutotuningResult:
   merged = AutotuningResult()
-  for path in sorted(glob.glob(os.path.join(_REPO, "packages", "*", "src", "*", "tuned",
-                                            device, "*.json"))):
+  for path in _tuned_files(device):
     with open(path) as f:
       merged = merged.merge(AutotuningResult.loads(f.read()))
   return merged
@@ -187,8 +192,7 @@ def main() -> None:
   args = parser.parse_args()
   shipped = _shipped(args.device)
   if not shipped.measurements:
-    folders = sorted({os.path.basename(os.path.dirname(p)) for p in glob.glob(
-        os.path.join(_REPO, "packages", "*", "src", "*", "tuned", "*", "*.json"))})
+    folders = sorted({os.path.basename(os.path.dirname(p)) for p in _tuned_files("*")})
     parser.error(f"--device {args.device}: no shipped tuned data; the tuned folders "
                  f"are {', '.join(folders)}")
   if args.baseline:

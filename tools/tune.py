@@ -213,10 +213,8 @@ def model_builders(model: str) -> tuple[str, dict]:
 def model_sizes(parser, model: str, items: list[str]) -> dict[str, str]:
   """``--size KEY=VALUE`` items as a dict, checked against `model`'s sizes
   (`bench_models.make_size`); a usage error of `parser` for a bad one."""
-  if any("=" not in kv for kv in items):
-    parser.error(f"--size takes KEY=VALUE; got {items}")
-  sizes = dict(kv.split("=", 1) for kv in items)
   try:
+    sizes = bench_models.parse_sizes(items)
     bench_models.make_size(model, False, sizes)
   except ValueError as e:
     parser.error(str(e))

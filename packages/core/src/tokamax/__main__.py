@@ -181,9 +181,9 @@ def _run_command(parser, args) -> int:
     impls = None if not args.implementation else [
         None if i == "auto" else i for i in args.implementation]
     try:
-      sizes = dict(kv.split("=", 1) for kv in args.size)
-    except ValueError:
-      parser.error(f"--size takes KEY=VALUE; got {args.size}")
+      sizes = bench_models.parse_sizes(args.size)
+    except ValueError as e:
+      parser.error(str(e))
     if args.grid and (args.sweep or args.model):
       parser.error("--grid times per-op rows at the tuning grid's shapes: not with "
                    "--sweep (another set of shapes) or --model")

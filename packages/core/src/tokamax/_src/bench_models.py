@@ -123,6 +123,13 @@ def _dtype_suffix(dtype: str) -> str:
   return "" if dtype == "bfloat16" else f" {dtype}"
 
 
+def parse_sizes(items: list[str]) -> dict[str, str]:
+  """``--size KEY=VALUE`` items as a dict (ValueError for one without ``=``)."""
+  if any("=" not in kv for kv in items):
+    raise ValueError(f"--size takes KEY=VALUE; got {items}")
+  return dict(kv.split("=", 1) for kv in items)
+
+
 def make_size(model: str, quick: bool, overrides: dict[str, str] | None = None):
   """The model's size: the full or quick defaults with ``KEY=VALUE`` overrides.
 

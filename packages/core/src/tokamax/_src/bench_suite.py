@@ -127,11 +127,16 @@ def select_peers(problem: Problem, names: list[str] | None) -> Problem:
   (`--grid`)."""
   if names is None:
     return problem
-  wanted = [n.lower() for n in names if n.lower() != "none"]
   peers = {label: fn for label, fn in problem.peers.items()
-           if any(n in label.lower() for n in wanted)}
+           if any(_peer_named(n, label) for n in names)}
   return dataclasses.replace(problem, peers=peers, reference=tuple(
       r for r in problem.reference if r in peers or r not in problem.peers))
+
+
+def _peer_named(name: str, label: str) -> bool:
+  """Whether ``--peer`` value `name` selects the peer `label` (a part of it,
+  case apart; "none" selects none)."""
+  return name.lower() != "none" and name.lower() in label.lower()
 
 
 def run_problem(problem: Problem, implementations: list[str | None],
@@ -690,7 +695,7 @@ def check_peers(problems: list[Problem], names: list[str] | None) -> None:
   values, matched as `select_peers` does; "none" for none) matches none."""
   labels = sorted({label for p in problems for label in p.peers})
   missing = [n for n in names or () if n.lower() != "none"
-             and not any(n.lower() in label.lower() for label in labels)]
+             and not any(_peer_named(n, label) for label in labels)]
   if missing:
     raise NoMatchingPeer(f"no peer's label contains {missing}; the selected problems' "
                          f"peers are: {', '.join(labels) or 'none'}")
