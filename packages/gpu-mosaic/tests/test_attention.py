@@ -1885,10 +1885,22 @@ def _block_rows(x):
   return -(-x.shape[1] // 128) * 128
 
 
+def _own_steps(lo, fl, fh, hi, ranges, w, own):
+  """``(fl, fh, step)`` for each step consumer `w` computes of the union ``[lo,
+  hi)`` (unmasked in ``[fl, fh)``): its own range's (`akc.own_steps`), or with
+  `own` False (the kernel's `takes_own_steps`) all of the union's."""
+  if own:
+    lo, fl, fh, hi = _ints(*akc.own_steps(
+        jnp.int32(lo), jnp.int32(hi), *(tuple(jnp.int32(x) for x in r) for r in ranges),
+        w))
+  return [(fl, fh, step) for step in range(lo, hi)]
+
+
 def _model_dkv(q, k, v, do, lse2, delta, *extras, scale, causal, config, feat,
                grads=("dk", "dv")):
   """The dK/dV kernel's loops (ranges, masks, steps) in NumPy; returns `grads`
   (rows past S dropped, as TMA drops those stores)."""
+  shape = akb._shape(q, k, scale=scale, causal=causal, config=config, feat=feat)
   q, k, v, do, lse2, delta = (_np(x) for x in (q, k, v, do, lse2, delta))
   s = k.shape[1]
   q, do = (_tma_rows(x, _block_rows(q)) for x in (q, do))
@@ -1916,13 +1928,16 @@ def _model_dkv(q, k, v, do, lse2, delta, *extras, scale, causal, config, feat,
           lo, fl, fh, hi = _ints(*akc.shared_steps(*(
               tuple(jnp.int32(x) for x in r) for r in ranges)))
           assert lo <= fl <= fh <= hi
+        own = akb._DkvKernel(**shape, grads=grads).takes_own_steps
         for w in (0, 1):
           r0 = k0 + w * rows
           if feat.dynamic:
-            steps = [(j, not fl <= j < fh) for j in range(lo, hi)]
+            steps = [(j, not wfl <= j < wfh)
+                     for wfl, wfh, j in _own_steps(lo, fl, fh, hi, ranges, w, own)]
           elif causal:
             j_clear = min((r0 + rows - 1 + bq - 1) // bq, nq)
-            steps = [(j, j < j_clear) for j in range(k0 // bq, nq)]
+            first = min(max(k0 // bq, r0 // bq), nq) if own else k0 // bq
+            steps = [(j, j < j_clear) for j in range(first, nq)]
           else:
             steps = [(j, False) for j in range(nq)]
           kt, vt = k[bi, r0:r0 + rows, kh], v[bi, r0:r0 + rows, kh]
@@ -1963,6 +1978,8 @@ def _model_dkv(q, k, v, do, lse2, delta, *extras, scale, causal, config, feat,
 def _model_dq(q, k, v, do, lse2, delta, *extras, scale, causal, s_true, config,
               feat):
   """The dQ kernel's loops in NumPy (reads and stores as `_model_dkv`'s)."""
+  shape = akb._shape(q, k, scale=scale, causal=causal, config=config, feat=feat)
+  own = akb._DqKernel(**shape, s_true=s_true).takes_own_steps
   q, k, v, do, lse2, delta = (_np(x) for x in (q, k, v, do, lse2, delta))
   t = q.shape[1]
   q, do = (_tma_rows(x, _block_rows(q)) for x in (q, do))
@@ -1994,7 +2011,8 @@ def _model_dq(q, k, v, do, lse2, delta, *extras, scale, causal, s_true, config,
         for w in (0, 1):
           r0 = tile0 + w * rows
           if feat.dynamic:
-            steps = [(i, not fl <= i < fh) for i in range(lo, hi)]
+            steps = [(i, not wfl <= i < wfh) for wfl, wfh, i in _own_steps(
+                lo, fl, fh, hi, ranges, w, own)]
           else:
             n_block = (min(-(-(tile0 + 128) // bkv), n_kv) if causal else n_kv)
             n_clear = (min((r0 + 1) // bkv, s_true // bkv) if causal
@@ -2053,6 +2071,10 @@ _BWD_MODEL_CASES = [
     # The static paths, to trust the model itself.
     (200, 330, 4, 2, (64, 128), dict()),
     (330, 200, 4, 2, (128, 64), dict(causal=True)),
+    # Static causal at 64- and 32-row steps: warpgroup 1 idles through the first
+    # query tiles of its block (`_DkvKernel.takes_own_steps`).
+    (300, 300, 4, 2, (64, 128), dict(causal=True)),
+    (200, 200, 2, 1, mat.AttentionVjpConfig(32, 32, 2, split_dkv=True), dict(causal=True)),
     # dK and dV in two passes (H256's), the dV pass at its own 64-row step with
     # its own segment table.
     (256, 256, 4, 2, mat.AttentionVjpConfig(32, 32, 2, split_dkv=True, block_q_dv=64),

@@ -113,7 +113,13 @@ def test_attention_wide_key_steps():
     # row has 40 valid keys).
     (2, 256, 320, 2, 1, 64, jnp.bfloat16,
      dict(local_window_size=(96, 32), key_value_seq_lengths=(320, 40))),
-], ids=["gqa-causal-odd", "h128-f16-softcap", "window-lengths"])
+    # H128's 64-row dK/dV steps under a causal window, and two documents whose
+    # boundary splits a block's warpgroups: each consumer computes its own
+    # steps of the union (`_DkvKernel.takes_own_steps`, `_DqKernel`'s).
+    (1, 256, 256, 2, 1, 128, jnp.bfloat16,
+     dict(is_causal=True, local_window_size=(100, 0), q_segment_ids=((1,) * 96 + (2,) * 160,),
+          kv_segment_ids=((1,) * 96 + (2,) * 160,))),
+], ids=["gqa-causal-odd", "h128-f16-softcap", "window-lengths", "h128-window-documents"])
 def test_attention(b, t, s, n, k, h, dtype, options):
   options = _as_arrays(options)
   operands = (_normal((b, t, n, h), dtype), _normal((b, s, k, h), dtype),

@@ -40,8 +40,10 @@ score can overflow when lse is very negative: inf * 0 = NaN).
 Causal: dK/dV visits only the query tiles at or after the key tile (per head),
 masks those crossing the diagonal, and writes zeros for key tiles no query
 sees; dQ visits the key tiles up to the diagonal. Both consumers of a block take
-the same steps (a tile one cannot see is masked to zero), so every "free"
-barrier gets exactly its two arrivals per phase.
+the same steps, so every "free" barrier gets exactly its two arrivals per phase;
+a step whose tile a consumer cannot see is masked to zero, or (outside the
+ping-pong and fuse_dq) idled through: its barriers waited and its slot freed,
+no matmul (dK/dV under causal: warpgroup 1's first query tiles).
 
 Ping-pong (``ping_pong`` for dK/dV, ``ping_pong_dq`` for dQ): the forward's plain
 schedule; each consumer passes the two-arrival turn after issuing the scores
@@ -51,9 +53,14 @@ P and dS are converted and fenced (optimization barrier) before the turn.
 Features (the forward's static switches): soft cap (P from the same capped
 logits, ``dS *= 1 - tanh^2``); dynamic features: every warpgroup computes both
 consumers' ranges (dQ: `key_range` per 64 query rows; dK/dV: `query_range`,
-the transposed range) and both take the union's steps (`shared_steps`),
-unmasked only where both ranges are. Rows past the query length get lse2 = +inf
-in the wrapper; dK/dV rows past the key length are zeroed before the store.
+the transposed range); the producer streams their union (`shared_steps`), and
+both consumers compute the union's steps, unmasked only where both ranges are,
+or (`takes_own_steps`) each its own range's, idling through the union's others
+(`own_steps`): a sliding window's block of 128 keys is seen by 64 more queries
+than either warpgroup's 64 keys (dK/dV: one 64-row step of 18 at W1024 idled
+by each), and a segment boundary between the warpgroups' rows splits their
+ranges. Rows past the query length get lse2 = +inf in the wrapper; dK/dV rows
+past the key length are zeroed before the store.
 Segment ids: dK/dV loads its key ids with K/V and streams query ids with Q; dQ
 loads its query ids with Q and streams key ids in a ring next to K.
 """
@@ -246,6 +253,23 @@ def _ds(p, dp, th, delta_b):
   return ds
 
 
+def _range_steps(union, own, step, idle, carry):
+  """A consumer's steps over its block's dynamic range: `own` (this consumer's
+  ``(lo, fl, fh, hi)`` of `union`, `akc.own_steps`) or, where None, `union`
+  itself; ``step(i, carry, masked)`` masked on ``[lo, fl)`` and ``[fh, hi)``;
+  with `own`, ``idle(i, carry)`` on the union's steps outside ``[lo, hi)``."""
+  lo, fl, fh, hi = union if own is None else own
+  masked = functools.partial(step, masked=True)
+  if own is not None:
+    carry = lax.fori_loop(union[0], lo, idle, carry)
+  carry = lax.fori_loop(lo, fl, masked, carry)
+  carry = lax.fori_loop(fl, fh, functools.partial(step, masked=False), carry)
+  carry = lax.fori_loop(fh, hi, masked, carry)
+  if own is not None:
+    carry = lax.fori_loop(hi, union[3], idle, carry)
+  return carry
+
+
 def _turn_passes(wg, ping_pong: bool, pass_turn, run):
   """`run()` between the ping-pong's extra passes: warpgroup 1 passes once
   before (it runs one phase behind), warpgroup 0 once after."""
@@ -391,6 +415,7 @@ class _DkvBlock(NamedTuple):
   j_fl: Any  # dynamic: [j_fl, j_fh) unmasked for both consumers
   j_fh: Any
   j_hi: Any
+  own: Any  # dynamic, `takes_own_steps`: this consumer's steps (`akc.own_steps`)
   n_j: Any
   n_steps: Any  # group * n_j
   limits: Any  # dynamic: (q_limit, kv_limit, offset); else Nones
@@ -434,6 +459,45 @@ class _DkvKernel(_Shape):
     if not _common.interpreting():
       absent |= {"dq_old", "dq_old_full"}
     return absent
+
+  @property
+  def takes_own_steps(self) -> bool:
+    """Whether each consumer computes only the steps its 64 keys can see and
+    idles through the partner's others (`akc.own_steps`; static causal:
+    warpgroup 1's first steps, whose queries all precede its keys): under
+    causal, with segment ids, and under a window of at most 32 steps
+    (`window_steps`). Not with the ping-pong, whose turns pair both
+    consumers' steps, nor with fuse_dq, whose dQ products read both consumers'
+    dS^T tiles.
+
+    The per-consumer loop bounds cost registers (H200, JAX 0.11.2, ptxas
+    spills of the dK/dV kernel 12 -> 100 B at W1024, 24 -> 84 B at W4096), so
+    a window takes them only where a consumer idles through enough of the
+    union: forward+backward against the union's steps (notes/MEASUREMENTS.md,
+    session 67), dK/dV kernel 0.856 against 0.885 ms at B2 T8192 N32 K8 H128
+    causal W1024 (one step in 18 idled), 2.802 against 2.766 at W4096 (one in
+    66); packed documents of 128-1024 tokens 0.97x, static GQA causal 0.995x,
+    H256 causal 0.99x."""
+    if self.ping_pong or self.fused:
+      return False
+    if not self.feat.dynamic:
+      return self.causal
+    if self.feat.segments:
+      return True
+    steps = self.window_steps
+    return steps is not None and steps <= 32
+
+  @property
+  def window_steps(self) -> int | None:
+    """A block's steps under a window bounded on both sides (causal included),
+    where its steps are narrower than the block, else None. The block's 128
+    keys are seen from the positions ``[k0 - right, k0 + 127 + left]``, each
+    consumer's 64 from 64 fewer: a consumer idles through one step of 64 rows
+    (two of 32) at each end where the window's ends are tile-aligned."""
+    left, right = self.feat.left, self.feat.right
+    if left is None or right is None or self.bq >= akc.CTA_ROWS:
+      return None
+    return _common.cdiv(akc.CTA_ROWS + left + right, self.bq)
 
   @property
   def bare_stores(self) -> bool:
@@ -508,14 +572,18 @@ class _DkvKernel(_Shape):
     if self.fused:
       ki = self.nk - 1 - ki  # the shortest first: see `grid_group`
     k0 = ki * KEY_ROWS
-    j_fl = j_fh = j_hi = None
+    j_fl = j_fh = j_hi = own = None
     limits = (None, None, None)
     if self.feat.dynamic:
       # All three warpgroups compute both consumers' query tile ranges from the
-      # same scalars; steps run over their union (head-major, as below).
+      # same scalars; steps run over their union (head-major, as below), each
+      # consumer's own part of it (`takes_own_steps`) or all of it.
       limits = akc.batch_limits(r.lims, bi)
-      j_lo, j_fl, j_fh, j_hi = akc.shared_steps(*akc.consumer_ranges(
-          akc.query_range, k0, ki, bi, limits, self.feat, self.bq, r.seg_range))
+      ranges = akc.consumer_ranges(akc.query_range, k0, ki, bi, limits, self.feat,
+                                   self.bq, r.seg_range)
+      j_lo, j_fl, j_fh, j_hi = akc.shared_steps(*ranges)
+      if self.takes_own_steps:
+        own = akc.own_steps(j_lo, j_hi, *ranges, wg)
       n_j = j_hi - j_lo
     else:
       # Causal: query tiles before j_lo see none of this block's keys (k0 is a
@@ -524,8 +592,8 @@ class _DkvKernel(_Shape):
       j_lo = lax.div(k0, self.bq) if self.causal or self.rotated else 0
       n_j = jnp.maximum(self.nq - j_lo, 0) if self.causal else self.nq
     n_steps = self.group * n_j
-    return _DkvBlock(wg, ki, kh, bi, k0, j_lo, j_fl, j_fh, j_hi, n_j, n_steps, limits,
-                     pass_turn)
+    return _DkvBlock(wg, ki, kh, bi, k0, j_lo, j_fl, j_fh, j_hi, own, n_j, n_steps,
+                     limits, pass_turn)
 
   def consumer(self, r: _DkvRefs, blk: _DkvBlock) -> None:
     """Load this warpgroup's K, V; accumulate dK, dV over every step; store."""
@@ -599,14 +667,18 @@ class _DkvKernel(_Shape):
     """The steps of query head `g` of the group: masked where needed."""
     base = g * blk.n_j - blk.j_lo  # step index of (g, j) is base + j
     step = functools.partial(self.step, r, blk, r0, kv_ids)
+    idle = functools.partial(self.idle_step, r, base=base)
     if self.feat.dynamic:
-      masked = functools.partial(step, base=base, masked=True)
-      carry = lax.fori_loop(blk.j_lo, blk.j_fl, masked, carry)
-      carry = lax.fori_loop(blk.j_fl, blk.j_fh,
-                            functools.partial(step, base=base, masked=False), carry)
-      return lax.fori_loop(blk.j_fh, blk.j_hi, masked, carry)
+      return _range_steps((blk.j_lo, blk.j_fl, blk.j_fh, blk.j_hi), blk.own,
+                          functools.partial(step, base=base), idle, carry)
     if self.causal:
-      carry = lax.fori_loop(blk.j_lo, j_clear,
+      first = blk.j_lo
+      if self.takes_own_steps:
+        # The first query tile holding a query at or past this warpgroup's first
+        # key (r0 // bq); warpgroup 1's tiles before it see none of its keys.
+        first = jnp.minimum(jnp.maximum(blk.j_lo, lax.div(r0, self.bq)), self.nq)
+        carry = lax.fori_loop(blk.j_lo, first, idle, carry)
+      carry = lax.fori_loop(first, j_clear,
                             functools.partial(step, base=base, masked=True), carry)
       return lax.fori_loop(j_clear, self.nq,
                            functools.partial(step, base=base, masked=False), carry)
@@ -694,6 +766,17 @@ class _DkvKernel(_Shape):
     if self.fused:
       self.dq_step(r, blk, i)
     return dict(zip(names, sums))
+
+  def idle_step(self, r: _DkvRefs, j, carry, base):
+    """A step of the union that this consumer's keys cannot see: it waits for
+    the step's tiles (each wait flips this thread's phase bit of the barrier: a
+    skipped wait would pair the next wait with the wrong phase) and frees the
+    slot, with no matmul."""
+    slot = lax.rem(base + j, self.stages)
+    plgpu.barrier_wait(r.q_full.at[slot])
+    plgpu.barrier_wait(r.do_full.at[slot])
+    plgpu.barrier_arrive(r.free.at[slot])
+    return carry
 
   def dq_step(self, r: _DkvRefs, blk: _DkvBlock, i) -> None:
     """This consumer's half of step `i`'s dQ tile, ``(dS^T)^T K`` over both
@@ -948,6 +1031,7 @@ class _DqBlock(NamedTuple):
   i_fl: Any  # dynamic: [i_fl, i_fh) unmasked for both consumers
   i_fh: Any
   n_block: Any  # both consumers step through [ring.start, n_block)
+  own: Any  # dynamic, `takes_own_steps`: this consumer's steps (`akc.own_steps`)
   limits: Any
   pass_turn: Any
 
@@ -979,6 +1063,17 @@ class _DqKernel(_Shape):
     return self.config.block_kv
 
   @property
+  def takes_own_steps(self) -> bool:
+    """Whether each consumer computes only its own key tiles of the union
+    (`akc.own_steps`): with segment ids, where a document boundary between the
+    two warpgroups' rows splits their ranges, and not with the ping-pong (see
+    `_DkvKernel.takes_own_steps`). Under a window, whose two consumers' tile
+    ranges agree wherever the window and the block are tile-aligned, the loop
+    bounds' registers cost 0.7-1.1% of this kernel's time at W1024-W4096 (H200,
+    notes/MEASUREMENTS.md, session 67), so the union's steps stay."""
+    return self.feat.segments and not self.ping_pong
+
+  @property
   def nq(self):
     return self.tp // akc.CTA_ROWS
 
@@ -1006,19 +1101,24 @@ class _DqKernel(_Shape):
     if self.causal or self.feat.right is not None:
       qi = self.nq - 1 - qi  # the longest tiles first
     tile0 = qi * akc.CTA_ROWS
-    i_fl = i_fh = None
+    i_fl = i_fh = own = None
     limits = (None, None, None)
     if self.feat.dynamic:
       # As the forward: all three warpgroups compute both consumers' key tile
-      # ranges; both consumers then take the union's steps (`shared_steps`).
+      # ranges; the producer streams their union (`shared_steps`), and each
+      # consumer computes the union's steps, or its own steps of it and idles
+      # through the others (`takes_own_steps`).
       limits = akc.batch_limits(r.lims, bi)
-      base, i_fl, i_fh, n_block = akc.shared_steps(*akc.consumer_ranges(
-          akc.key_range, tile0, qi, bi, limits, self.feat, self.bkv, r.seg_range))
+      ranges = akc.consumer_ranges(akc.key_range, tile0, qi, bi, limits, self.feat,
+                                   self.bkv, r.seg_range)
+      base, i_fl, i_fh, n_block = akc.shared_steps(*ranges)
+      if self.takes_own_steps:
+        own = akc.own_steps(base, n_block, *ranges, wg)
     else:
       base = None
       n_block = self.kv_end(tile0 + akc.CTA_ROWS)
     return _DqBlock(wg, qi, hi, bi, tile0, _pipeline.Ring(self.stages, base), i_fl,
-                    i_fh, n_block, limits, pass_turn)
+                    i_fh, n_block, own, limits, pass_turn)
 
   def consumer(self, r: _DqRefs, blk: _DqBlock) -> None:
     """Load this warpgroup's Q, dO, lse2, delta; accumulate dQ; store it."""
@@ -1061,10 +1161,8 @@ class _DqKernel(_Shape):
     """Every key tile of the block, masked where needed."""
     step = functools.partial(self.step, r, blk, tile)
     if self.feat.dynamic:
-      masked = functools.partial(step, masked=True)
-      dq = lax.fori_loop(blk.ring.base, blk.i_fl, masked, dq)
-      dq = lax.fori_loop(blk.i_fl, blk.i_fh, functools.partial(step, masked=False), dq)
-      return lax.fori_loop(blk.i_fh, blk.n_block, masked, dq)
+      return _range_steps((blk.ring.base, blk.i_fl, blk.i_fh, blk.n_block), blk.own,
+                          step, functools.partial(self.idle_step, r, blk), dq)
     if self.causal or self.pad_keys:
       dq = lax.fori_loop(0, n_clear, functools.partial(step, masked=False), dq)
       return lax.fori_loop(n_clear, blk.n_block, functools.partial(step, masked=True),
@@ -1117,6 +1215,19 @@ class _DqKernel(_Shape):
       blk.pass_turn()
     (dq,) = _common.accumulate((dq,), ((ds, r.k_smem.at[slot]),),
                                operand_dtype=self.dtype)
+    plgpu.barrier_arrive(r.k_free.at[slot])
+    return dq
+
+  def idle_step(self, r: _DqRefs, blk: _DqBlock, i, dq):
+    """A key tile of the union that this consumer's rows cannot see: as
+    `_DkvKernel.idle_step`, its barriers waited (key ids too: a masked step
+    with segments waits for them) and its slot freed, with no matmul."""
+    slot = blk.ring.slot(i)
+    plgpu.barrier_wait(r.k_full.at[slot])
+    if self.feat.segments:
+      plgpu.barrier_wait(r.seg_full.at[slot])
+    plgpu.barrier_wait(r.v_full.at[slot])
+    plgpu.barrier_arrive(r.v_free.at[slot])
     plgpu.barrier_arrive(r.k_free.at[slot])
     return dq
 

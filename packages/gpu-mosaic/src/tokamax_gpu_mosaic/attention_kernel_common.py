@@ -3,8 +3,8 @@
 The static feature switches of a call (`Features`), the per-batch scalars of
 the dynamic features (`limits`, `batch_limits`), the tile ranges a block of
 query rows or key rows visits (`key_range`, `query_range`, `union`,
-`shared_steps`, `segment_tile_range`, `within_segments`), which scores of a tile
-are kept (`visible`), and small register-tile helpers.
+`shared_steps`, `own_steps`, `segment_tile_range`, `within_segments`), which
+scores of a tile are kept (`visible`), and small register-tile helpers.
 
 Layout shared by all three kernels: each block runs two consumer warpgroups of
 ``WG_ROWS`` (64) rows each, one wgmma M, and a producer warpgroup.
@@ -340,6 +340,23 @@ def shared_steps(range0, range1):
   fl = clamp(jnp.maximum(range0[1], range1[1]), lo, hi)
   fh = clamp(jnp.minimum(range0[2], range1[2]), fl, hi)
   return lo, fl, fh, hi
+
+
+def own_steps(union_lo, union_hi, range0, range1, wg):
+  """Consumer `wg`'s own steps ``(lo, fl, fh, hi)`` within the union ``[union_lo,
+  union_hi)`` of both ranges (`shared_steps`), which its block streams: the
+  union's steps outside ``[lo, hi)`` hold no tile this consumer can see, so it
+  only waits for their tiles and frees them (an empty range: every step so).
+  Where the partner's range reaches further (a window's far edge, a segment
+  boundary between the two warpgroups' rows), the tensor cores run only the
+  partner's matmuls there."""
+  clamp = lambda x, a, b: jnp.minimum(jnp.maximum(x, a), b)
+  lo, fl, fh, hi = (jnp.where(wg == 0, a, b) for a, b in zip(range0, range1))
+  empty = hi <= lo
+  lo = jnp.where(empty, union_hi, clamp(lo, union_lo, union_hi))
+  hi = jnp.where(empty, union_hi, clamp(hi, lo, union_hi))
+  fl = clamp(fl, lo, hi)
+  return lo, fl, clamp(fh, fl, hi), hi
 
 
 def visible(query, key, feat: Features, *, dynamic: bool, causal: bool = False,
