@@ -598,7 +598,15 @@ def test_ptxas_registers_rewrites_the_split_and_reads_the_report():
                               "line 643") and fatal.registers is None
   text = ptxas_registers.describe(ptxas_registers.Split(160, 40, 512), spilled)
   assert "over the register file" in text and "spills 800 B stored" in text
-  assert "wgmmas serialized (C7512)" in text
+  assert "wgmmas serialized (C7512)" in text and "C7504" not in text
+  # JAX 0.12's relocatable compile (session 67's dump): the split is not applied.
+  ignored = ptxas_registers.parse(
+      "ptxas info    : (C7504) Potential Performance Loss: 'setmaxnreg' ignored to "
+      "maintain compatibility across compilation units.\n"
+      "ptxas info    : Used 168 registers, used 16 barriers\n")
+  assert ignored.setmaxnreg_ignored and not spilled.setmaxnreg_ignored
+  assert "setmaxnreg ignored (C7504)" in ptxas_registers.describe(
+      ptxas_registers.Split(232, 40, 384), ignored)
 
 
 def test_sm90_compile_summarizes_each_kernel():

@@ -60,6 +60,10 @@ class Report:
   spill_loads: int
   serialized: bool  # C7512: wgmmas serialized for want of registers
   fatal: str | None  # the first fatal line, e.g. C7602
+  # C7504: the setmaxnreg counts were ignored (a relocatable compile, as JAX
+  # 0.12's nvJitLink path; notes/MEASUREMENTS.md session 67): every warpgroup
+  # then has the start count only.
+  setmaxnreg_ignored: bool = False
 
 
 def counts(ptx: str) -> Split:
@@ -104,7 +108,8 @@ def parse(text: str) -> Report:
   return Report(registers=int(used.group(1)) if used else None,
                 spill_stores=int(spills.group(1)) if spills else 0,
                 spill_loads=int(spills.group(2)) if spills else 0,
-                serialized="C7512" in text, fatal=fatal)
+                serialized="C7512" in text, fatal=fatal,
+                setmaxnreg_ignored="C7504" in text)
 
 
 def run_ptxas(ptxas: str, ptx: str) -> Report:
@@ -127,9 +132,10 @@ def describe(split: Split, report: Report) -> str:
             f"memory {split.producer:3d}{over}:")
   if report.fatal:
     return f"{head} {report.fatal}"
-  serialized = ", wgmmas serialized (C7512)" if report.serialized else ""
+  notes = ((", setmaxnreg ignored (C7504)" if report.setmaxnreg_ignored else "")
+           + (", wgmmas serialized (C7512)" if report.serialized else ""))
   return (f"{head} spills {report.spill_stores} B stored / {report.spill_loads} B "
-          f"loaded, {report.registers} registers at start{serialized}")
+          f"loaded, {report.registers} registers at start{notes}")
 
 
 def _ints(text: str) -> list[int]:
