@@ -318,6 +318,16 @@ def test_numpy_scalars_are_accepted_as_static_arguments():
                                 _attention(scale=0.5))
   with pytest.raises(TypeError, match="scale must be a finite float.*traced"):
     jax.jit(lambda s: _attention(scale=s))(0.5)
+  # The same for the integer statics: a window, an axis.
+  np.testing.assert_array_equal(_attention(local_window_size=(jnp.int32(1), None)),
+                                _attention(local_window_size=(1, None)))
+  with pytest.raises(ValueError, match="local_window_size must be .*not a traced "
+                     "array.*got .*Tracer"):
+    jax.jit(lambda w: _attention(local_window_size=w))(2)
+  with pytest.raises(ValueError, match="local_window_size must be .*got Array"):
+    _attention(local_window_size=jnp.float32(2.0))
+  np.testing.assert_array_equal(tokamax.layer_norm(_Q, None, None, axis=jnp.int32(1)),
+                                tokamax.layer_norm(_Q, None, None, axis=1))
   np.testing.assert_array_equal(
       tokamax.layer_norm(_Q, None, None, axis=np.int64(1), epsilon=np.float32(0.5),
                          subtract_mean=np.bool_(False)),

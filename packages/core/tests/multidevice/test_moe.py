@@ -192,6 +192,13 @@ def test_bad_arguments_name_themselves():
       jax.shard_map(functools.partial(tokamax.moe_all_to_all, axis_name="ep", **kw),
                     mesh=mesh, in_specs=(P("ep"), P("ep"), P("ep")),
                     out_specs=P("ep"))(x, ids, w)
+  # A weight of another K named ragged_dot's lhs and rhs before.
+  with pytest.raises(ValueError, match=r"must have K = x's 4 features; got weights "
+                     r"of shape \(1, 5, 4\)"):
+    jax.shard_map(functools.partial(tokamax.moe_all_to_all, axis_name="ep"),
+                  mesh=mesh, in_specs=(P("ep"), P("ep"), P("ep")), out_specs=P("ep"))(
+                      x, jnp.zeros((NUM_DEVICES * 2,), jnp.int32),
+                      jnp.ones((NUM_DEVICES, 5, 4)))
   with pytest.raises(ValueError, match="inside jax.shard_map over that axis"):
     tokamax.moe_all_to_all(x, jnp.zeros((NUM_DEVICES * 2,), jnp.int32), w,
                            axis_name="ep")

@@ -64,9 +64,16 @@ def check_same_dtype(names: tuple[str, ...], arrays: tuple[Any, ...]) -> None:
 
 
 def static_int(name: str, x: Any, allowed: str = "an int") -> int:
-  """A Python or NumPy integer (not a bool) as an int; else a TypeError."""
+  """A Python or NumPy integer (not a bool) as an int; a concrete 0-d integer
+  array (``jnp.int32(2)``) is taken by value, as `static_float` takes a float
+  one; else a TypeError. It is a static argument (it shapes the program), so a
+  traced value is refused."""
+  if (isinstance(x, (jax.Array, np.ndarray)) and x.ndim == 0 and is_concrete(x)
+      and jnp.issubdtype(x.dtype, jnp.integer)):
+    x = x.item()
   if isinstance(x, (bool, np.bool_)) or isinstance(x, (jax.Array, np.ndarray)):
-    raise TypeError(f"{name} must be {allowed}; got {x!r}")
+    raise TypeError(f"{name} must be {allowed} (a Python int or a concrete integer "
+                    f"scalar, not a traced or non-scalar array); got {x!r}")
   try:
     return operator.index(x)
   except TypeError:

@@ -219,8 +219,10 @@ def _canonical_window(local_window_size: Any) -> tuple[int | None, int | None] |
       try:
         side = _checks.static_int("local_window_size", side, allowed)
       except TypeError:
-        raise ValueError(f"local_window_size must be {allowed}; got "
-                         f"{local_window_size!r}") from None
+        raise ValueError(
+            f"local_window_size must be {allowed}, each a Python int or a concrete "
+            "integer scalar (static: not a traced array); got "
+            f"{local_window_size!r}") from None
       if side < 0:
         raise ValueError(f"local_window_size must be {allowed}; got "
                          f"{local_window_size!r}")

@@ -89,8 +89,8 @@ def moe_all_to_all(x: jax.Array, expert_ids: jax.Array,
     ``[m, N]`` for 1-D `expert_ids`, ``[m, top_k, N]`` for 2-D: each token's
     output from each of its experts; ``[m, N]`` with `combine_weights`.
   """
-  expert_fn, e_local = _expert_fn(experts, num_local_experts)
   _check(x, expert_ids, chunks, capacity, exchange)
+  expert_fn, e_local = _expert_fn(experts, num_local_experts, x.shape[1])
   if combine_weights is not None and combine_weights.shape != expert_ids.shape:
     raise ValueError(f"combine_weights must be shaped like expert_ids "
                      f"{expert_ids.shape}; got {combine_weights.shape}")
@@ -171,7 +171,7 @@ def _all_to_all_exchange(send, sent_counts, expert_fn, axis_name, chunks):
   return jnp.concatenate(back, axis=1) if chunks > 1 else back[0]
 
 
-def _expert_fn(experts, num_local_experts) -> tuple[ExpertFn, int]:
+def _expert_fn(experts, num_local_experts, features: int) -> tuple[ExpertFn, int]:
   if callable(experts):
     if num_local_experts is None:
       raise ValueError("num_local_experts is required when experts is a function")
@@ -180,6 +180,10 @@ def _expert_fn(experts, num_local_experts) -> tuple[ExpertFn, int]:
   if w.ndim != 3:
     raise ValueError(f"experts must be weights [E_local, K, N] or a function; got "
                      f"an array of shape {w.shape}")
+  if w.shape[1] != features:
+    # Checked here, or ragged_dot's error would name its own lhs and rhs.
+    raise ValueError(f"experts' weights [E_local, K, N] must have K = x's {features} "
+                     f"features; got weights of shape {w.shape}")
   if num_local_experts not in (None, w.shape[0]):
     raise ValueError(f"num_local_experts={num_local_experts} does not match the "
                      f"weights' {w.shape[0]} experts")
