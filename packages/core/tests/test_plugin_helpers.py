@@ -110,6 +110,24 @@ def test_vmap_fallback_batches_the_stand_in_only_under_vmap():
   assert jnp.array_equal(out["x"], 2 * xx + 100)
 
 
+def test_sequential_under_vmap_runs_each_element_unbatched():
+  """Under vmap (nested too, with an unbatched argument) the call only ever sees
+  one element's shapes, and the outputs are the batched call's."""
+  seen = []
+
+  def call(x, y):
+    seen.append((x.shape, y.shape))
+    return x * 2 + y, x.sum()
+
+  run = plugin.sequential_under_vmap(call)
+  x = jnp.arange(24.0).reshape(2, 4, 3)
+  y = jnp.arange(3.0)
+  assert all(jnp.array_equal(a, b) for a, b in zip(run(x[0, 0], y), call(x[0, 0], y)))
+  out = jax.jit(jax.vmap(jax.vmap(run, in_axes=(0, None)), in_axes=(0, None)))(x, y)
+  assert jnp.array_equal(out[0], x * 2 + y) and jnp.array_equal(out[1], x.sum(-1))
+  assert set(seen) == {((3,), (3,))}
+
+
 def test_vmap_fallback_batches_pytree_arguments_leaf_by_leaf():
   """A pytree argument with one batched and one unbatched leaf: each leaf gets
   its own axis (a flag per leaf, not one per argument)."""

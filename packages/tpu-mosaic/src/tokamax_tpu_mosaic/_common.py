@@ -370,10 +370,19 @@ class KernelPlan:
         in_specs=[o.spec for o in self.inputs],
         out_specs=[o.spec for o in self.outputs],
         scratch_shapes=[pltpu.VMEM(tuple(s), d) for s, d in self.scratch])
-    return pl.pallas_call(
+    interpret = interpret_params()
+    run = pl.pallas_call(
         kernel, grid_spec=grid_spec, out_shape=outs,
-        compiler_params=compiler_params(self.semantics), interpret=interpret_params(),
-        name=self.name, **kwargs)(*prefetch, *operands)
+        compiler_params=compiler_params(self.semantics), interpret=interpret,
+        name=self.name, **kwargs)
+    # JAX's TPU interpreter fails on the grid dimension that `jax.vmap` adds to
+    # a pallas_call (`safe_zip` in `interpret_pallas_call`): interpreted, a
+    # batched call runs its elements one by one (a tokamax-core of this
+    # package's range without the helper: batched, as before).
+    sequential = getattr(tokamax.plugin, "sequential_under_vmap", None)
+    if interpret and sequential is not None:
+      run = sequential(run)
+    return run(*prefetch, *operands)
 
 
 def _grid_points(grid: Sequence[int]) -> list[jax.Array]:

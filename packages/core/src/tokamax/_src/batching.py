@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+from jax import lax
 
 
 def vmap_fallback(call: Callable, batched_call: Callable) -> Callable:
@@ -36,6 +37,36 @@ def vmap_fallback(call: Callable, batched_call: Callable) -> Callable:
     # `in_batched` mirrors the arguments: a pytree of flags per pytree argument.
     in_axes = jax.tree.map(lambda batched: 0 if batched else None, tuple(in_batched))
     out = jax.vmap(batched_call, in_axes=in_axes)(*args)
+    return out, jax.tree.map(lambda _: True, out)
+
+  return run
+
+
+def sequential_under_vmap(call: Callable) -> Callable:
+  """`call` on array arguments, except under `jax.vmap`, where it runs once per
+  batch element (`lax.map` over the batched arguments, the others closed over),
+  its outputs stacked.
+
+  For a call that cannot be batched at all: JAX's TPU interpreter fails on the
+  extra grid dimension that batching gives a `pallas_call`, so the tpu-mosaic
+  kernels run through this when interpreted (on a TPU they batch as usual).
+  Nested `vmap`s map each level. Like `vmap_fallback` (a `custom_vmap`), it
+  has no reverse-mode derivative of its own: use it inside an Op's forward or
+  backward (a custom VJP), where the kernels are."""
+
+  @jax.custom_batching.custom_vmap
+  def run(*args):
+    return call(*args)
+
+  @run.def_vmap
+  def _mapped(axis_size, in_batched, *args):
+    del axis_size
+    batched = [a for a, b in zip(args, in_batched) if b]
+
+    def one(elements):
+      it = iter(elements)
+      return run(*(next(it) if b else a for a, b in zip(args, in_batched)))
+    out = lax.map(one, batched)
     return out, jax.tree.map(lambda _: True, out)
 
   return run

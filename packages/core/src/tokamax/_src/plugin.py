@@ -36,7 +36,8 @@ helpers that several backends' kernels share (re-exported as
 ``tokamax.plugin.*``): activation checks, group row ranges, the config an Op
 runs with (`resolve_config`: its own, else tuned data's, else its heuristic's;
 for an implementation that runs another op's Op inside), shard_map output
-types, a call's stand-in under `jax.vmap` (`vmap_fallback`),
+types, a call's stand-in under `jax.vmap` (`vmap_fallback`; `sequential_under_vmap`
+for a call nothing batches),
 :class:`OpFunctions` (an Op / VjpOp pair that delegates to module
 functions) and the attention kernels' common layout and checks.
 """
@@ -53,7 +54,7 @@ from jax import lax
 # Helpers for backends' kernels, re-exported here as tokamax.plugin.*.
 from tokamax._src.activation import check_elementwise_activation  # noqa: F401
 from tokamax._src.activation import closed_over_arrays  # noqa: F401
-from tokamax._src.batching import vmap_fallback  # noqa: F401
+from tokamax._src.batching import sequential_under_vmap, vmap_fallback  # noqa: F401
 from tokamax._src.groups import held_row_ranges  # noqa: F401
 from tokamax._src.op import VjpOp
 from tokamax._src.vma import varying_out_shape  # noqa: F401
