@@ -332,6 +332,11 @@ def test_moe_refuses_bad_arguments():
     tokamax.flax.MoE(8.0, 8, num_experts=4, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="capacity_factor must be None or > 0; got 0"):
     make(capacity_factor=0)
+  # Concrete 0-d integer arrays are taken by value (stored raw, they failed
+  # under nnx.jit).
+  moe = make(num_experts=jnp.int32(4), top_k=jnp.int32(2), implementation="xla")
+  assert (moe.num_experts, moe.top_k) == (4, 2) and type(moe.top_k) is int
+  nnx.jit(lambda m, x: m(x))(moe, _x((2, 8)))
   with pytest.raises(ValueError, match="softmax_over must be one of"):
     make(softmax_over="experts")
   with pytest.raises(ValueError, match=r"x must be \[..., 8\]; got shape \(2, 3\)"):

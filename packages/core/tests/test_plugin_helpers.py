@@ -126,6 +126,10 @@ def test_sequential_under_vmap_runs_each_element_unbatched():
   out = jax.jit(jax.vmap(jax.vmap(run, in_axes=(0, None)), in_axes=(0, None)))(x, y)
   assert jnp.array_equal(out[0], x * 2 + y) and jnp.array_equal(out[1], x.sum(-1))
   assert set(seen) == {((3,), (3,))}
+  # A pytree argument with one batched and one unbatched leaf.
+  run = plugin.sequential_under_vmap(lambda p: p["w"] * p["v"])
+  out = jax.vmap(run, in_axes=({"w": 0, "v": None},))({"w": x[0], "v": y})
+  assert jnp.array_equal(out, x[0] * y)
 
 
 def test_vmap_fallback_batches_pytree_arguments_leaf_by_leaf():

@@ -114,8 +114,9 @@ def test_attention_wide_key_steps():
     (2, 256, 320, 2, 1, 64, jnp.bfloat16,
      dict(local_window_size=(96, 32), key_value_seq_lengths=(320, 40))),
     # H128's 64-row dK/dV steps under a causal window, and two documents whose
-    # boundary splits a block's warpgroups: each consumer computes its own
-    # steps of the union (`_DkvKernel.takes_own_steps`, `_DqKernel`'s).
+    # boundary (row 96) gives a block's two warpgroups different ranges: each
+    # consumer computes its own steps of the union (`_DkvKernel.takes_own_steps`,
+    # `_DqKernel`'s).
     (1, 256, 256, 2, 1, 128, jnp.bfloat16,
      dict(is_causal=True, local_window_size=(100, 0), q_segment_ids=((1,) * 96 + (2,) * 160,),
           kv_segment_ids=((1,) * 96 + (2,) * 160,))),

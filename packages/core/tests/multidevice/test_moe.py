@@ -192,6 +192,12 @@ def test_bad_arguments_name_themselves():
       jax.shard_map(functools.partial(tokamax.moe_all_to_all, axis_name="ep", **kw),
                     mesh=mesh, in_specs=(P("ep"), P("ep"), P("ep")),
                     out_specs=P("ep"))(x, ids, w)
+  # Concrete 0-d integer arrays are taken by value (they crashed in the routing).
+  args = [jax.device_put(a, NamedSharding(mesh, P("ep")))
+          for a in (x, jnp.zeros((NUM_DEVICES * 2,), jnp.int32), w)]
+  np.testing.assert_array_equal(
+      _layer(mesh, chunks=jnp.int32(2), capacity=jnp.int32(3))(*args),
+      _layer(mesh, chunks=2, capacity=3)(*args))
   # A weight of another K named ragged_dot's lhs and rhs before.
   with pytest.raises(ValueError, match=r"must have K = x's 4 features; got weights "
                      r"of shape \(1, 5, 4\)"):

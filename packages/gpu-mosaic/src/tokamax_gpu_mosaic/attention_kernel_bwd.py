@@ -465,8 +465,8 @@ class _DkvKernel(_Shape):
     """Whether each consumer computes only the steps its 64 keys can see and
     idles through the partner's others (`akc.own_steps`; static causal:
     warpgroup 1's first steps, whose queries all precede its keys): under
-    causal, with segment ids, and under a window of at most 32 steps
-    (`window_steps`). Not with the ping-pong, whose turns pair both
+    causal at steps narrower than the block, with segment ids, and under a
+    window of at most 32 steps (`window_steps`). Not with the ping-pong, whose turns pair both
     consumers' steps, nor with fuse_dq, whose dQ products read both consumers'
     dS^T tiles.
 
@@ -481,7 +481,9 @@ class _DkvKernel(_Shape):
     if self.ping_pong or self.fused:
       return False
     if not self.feat.dynamic:
-      return self.causal
+      # Warpgroup 1 idles through a first step only where steps are narrower
+      # than the block (H64's 128-row steps: none, and its program unchanged).
+      return self.causal and self.bq < akc.CTA_ROWS
     if self.feat.segments:
       return True
     steps = self.window_steps

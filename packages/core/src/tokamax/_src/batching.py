@@ -43,9 +43,9 @@ def vmap_fallback(call: Callable, batched_call: Callable) -> Callable:
 
 
 def sequential_under_vmap(call: Callable) -> Callable:
-  """`call` on array arguments, except under `jax.vmap`, where it runs once per
-  batch element (`lax.map` over the batched arguments, the others closed over),
-  its outputs stacked.
+  """`call`, except under `jax.vmap`, where it runs once per batch element
+  (`lax.map` over the batched leaves of the positional arguments, which may be
+  pytrees; the other leaves closed over), its outputs stacked.
 
   For a call that cannot be batched at all: JAX's TPU interpreter fails on the
   extra grid dimension that batching gives a `pallas_call`, so the tpu-mosaic
@@ -61,12 +61,15 @@ def sequential_under_vmap(call: Callable) -> Callable:
   @run.def_vmap
   def _mapped(axis_size, in_batched, *args):
     del axis_size
-    batched = [a for a, b in zip(args, in_batched) if b]
+    # `in_batched` mirrors the arguments: a flag per leaf, in flattening order.
+    leaves, tree = jax.tree.flatten(args)
+    flags = jax.tree.leaves(in_batched)
 
     def one(elements):
       it = iter(elements)
-      return run(*(next(it) if b else a for a, b in zip(args, in_batched)))
-    out = lax.map(one, batched)
+      element = [next(it) if batched else x for x, batched in zip(leaves, flags)]
+      return run(*jax.tree.unflatten(tree, element))
+    out = lax.map(one, [x for x, batched in zip(leaves, flags) if batched])
     return out, jax.tree.map(lambda _: True, out)
 
   return run

@@ -100,8 +100,8 @@ class MoE(nnx.Module):
         around the activation (in the computation dtype).
       rngs: the ``params`` stream initializes the kernels.
     """
-    _check_arguments(in_features, hidden_features, num_experts, top_k, capacity_factor,
-                     softmax_over)
+    in_features, hidden_features, num_experts, top_k = _check_arguments(
+        in_features, hidden_features, num_experts, top_k, capacity_factor, softmax_over)
     d, f, e = in_features, hidden_features, num_experts
     self.router = nnx.Linear(d, e, use_bias=False, dtype=dtype, param_dtype=param_dtype,
                              precision=precision, kernel_init=kernel_init, rngs=rngs)
@@ -197,17 +197,23 @@ class MoE(nnx.Module):
 
 
 def _check_arguments(in_features, hidden_features, num_experts, top_k, capacity_factor,
-                     softmax_over):
+                     softmax_over) -> tuple[int, int, int, int]:
+  """The constructor's checks; returns the four sizes as Python ints (a concrete
+  0-d integer array is taken by value: `_checks.static_int`)."""
+  sizes = []
   for name, value in (("in_features", in_features), ("hidden_features", hidden_features),
                       ("num_experts", num_experts), ("top_k", top_k)):
-    if _checks.static_int(name, value, "an int >= 1") < 1:
+    sizes.append(_checks.static_int(name, value, "an int >= 1"))
+    if sizes[-1] < 1:
       raise ValueError(f"{name} must be >= 1; got {value}")
+  in_features, hidden_features, num_experts, top_k = sizes
   if not 1 <= top_k <= num_experts:
     raise ValueError(f"top_k must be in [1, num_experts={num_experts}]; got {top_k}")
   if capacity_factor is not None and not capacity_factor > 0:
     raise ValueError(f"capacity_factor must be None or > 0; got {capacity_factor}")
   if softmax_over not in _SOFTMAX_OVER:
     raise ValueError(f"softmax_over must be one of {_SOFTMAX_OVER}; got {softmax_over!r}")
+  return in_features, hidden_features, num_experts, top_k
 
 
 def drop_over_capacity(expert_ids: jax.Array, num_experts: int,

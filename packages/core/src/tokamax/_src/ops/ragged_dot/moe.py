@@ -89,7 +89,7 @@ def moe_all_to_all(x: jax.Array, expert_ids: jax.Array,
     ``[m, N]`` for 1-D `expert_ids`, ``[m, top_k, N]`` for 2-D: each token's
     output from each of its experts; ``[m, N]`` with `combine_weights`.
   """
-  _check(x, expert_ids, chunks, capacity, exchange)
+  chunks, capacity = _check(x, expert_ids, chunks, capacity, exchange)
   expert_fn, e_local = _expert_fn(experts, num_local_experts, x.shape[1])
   if combine_weights is not None and combine_weights.shape != expert_ids.shape:
     raise ValueError(f"combine_weights must be shaped like expert_ids "
@@ -190,7 +190,16 @@ def _expert_fn(experts, num_local_experts, features: int) -> tuple[ExpertFn, int
   return (lambda rows, sizes: ragged_dot_op.ragged_dot(rows, w, sizes)), w.shape[0]
 
 
-def _check(x, expert_ids, chunks, capacity, exchange):
+def _check(x, expert_ids, chunks, capacity, exchange) -> tuple[int, int | None]:
+  """The call's checks; returns `chunks` and `capacity` as Python ints (a
+  concrete 0-d integer array is taken by value: `_checks.static_int`)."""
+  chunks = _checks.static_int("chunks", chunks, "an int >= 1")
+  if chunks < 1:
+    raise ValueError(f"chunks must be >= 1; got {chunks}")
+  if capacity is not None:
+    capacity = _checks.static_int("capacity", capacity, "None or an int >= 1")
+    if capacity < 1:
+      raise ValueError(f"capacity must be >= 1 or None; got {capacity}")
   if exchange not in ("all_to_all", "ring"):
     raise ValueError(f"exchange must be 'all_to_all' or 'ring'; got {exchange!r}")
   if exchange == "ring" and chunks != 1:
@@ -203,11 +212,7 @@ def _check(x, expert_ids, chunks, capacity, exchange):
                      f"(one row per token of x); got shape {expert_ids.shape}")
   if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
     raise TypeError(f"expert_ids must be integers; got {expert_ids.dtype}")
-  if _checks.static_int("chunks", chunks, "an int >= 1") < 1:
-    raise ValueError(f"chunks must be >= 1; got {chunks}")
-  if capacity is not None and _checks.static_int(
-      "capacity", capacity, "None or an int >= 1") < 1:
-    raise ValueError(f"capacity must be >= 1 or None; got {capacity}")
+  return chunks, capacity
 
 
 class Route(NamedTuple):
