@@ -466,9 +466,9 @@ class _DkvKernel(_Shape):
     idles through the partner's others (`akc.own_steps`; static causal:
     warpgroup 1's first steps, whose queries all precede its keys): under
     causal at steps narrower than the block, with segment ids, and under a
-    window of at most 32 steps (`window_steps`). Not with the ping-pong, whose turns pair both
-    consumers' steps, nor with fuse_dq, whose dQ products read both consumers'
-    dS^T tiles.
+    window of at most 32 steps (`window_steps`). Not with the ping-pong, whose
+    turns pair both consumers' steps, nor with fuse_dq, whose dQ products read
+    both consumers' dS^T tiles.
 
     The per-consumer loop bounds cost registers (H200, JAX 0.11.2, ptxas
     spills of the dK/dV kernel 12 -> 100 B at W1024, 24 -> 84 B at W4096), so
@@ -494,8 +494,9 @@ class _DkvKernel(_Shape):
     """A block's steps under a window bounded on both sides (causal included),
     where its steps are narrower than the block, else None. The block's 128
     keys are seen from the positions ``[k0 - right, k0 + 127 + left]``, each
-    consumer's 64 from 64 fewer: a consumer idles through one step of 64 rows
-    (two of 32) at each end where the window's ends are tile-aligned."""
+    consumer's 64 from 64 fewer: where the window's ends are tile-aligned, a
+    consumer idles through one step of 64 rows (two of 32) at the end where its
+    partner's keys reach further."""
     left, right = self.feat.left, self.feat.right
     if left is None or right is None or self.bq >= akc.CTA_ROWS:
       return None
