@@ -1506,7 +1506,8 @@ def test_backward_fuse_dq_rotated_rank_order(t, s, block_q):
       feat=akc.PLAIN, dtype=jnp.bfloat16, scale=1.0)
   assert kernel.rotated
   blk = akb._DkvBlock(wg=0, ki=0, head=0, batch=0, k0=0, j_lo=0, j_fl=None, j_fh=None,
-                      j_hi=None, n_j=nq, n_steps=nq, limits=None, pass_turn=None)
+                      j_hi=None, own=None, n_j=nq, n_steps=nq, limits=None,
+                      pass_turn=None)
   arrival = {}  # (tile, block) -> step
   for kb in range(nk):
     blk = blk._replace(ki=kb, j_lo=kb * 128 // block_q)
