@@ -2557,3 +2557,63 @@ def test_grid_order_head_major_only_where_blocks_do_equal_work():
   assert not akc.head_major(None, True, causal)
   assert not akc.head_major(None, False, window)
   assert not akc.head_major(False, False, full) and akc.head_major(True, True, causal)
+
+
+# JAX >= 0.12 compiles Mosaic GPU kernels as relocatable code where ptxas ignores
+# setmaxnreg (`_common.register_split_lost`): automatic choice passes the
+# attention kernels over there; a user who names them still gets them, warned.
+
+
+@pytest.fixture
+def jax_version(monkeypatch):
+  """Sets the JAX version `_common` reads, natively (not interpreting)."""
+  monkeypatch.setattr(_common, "interpreting", lambda: False)
+  return lambda version: monkeypatch.setattr(jax, "__version_info__", version)
+
+
+@pytest.mark.smoke
+def test_register_split_lost_from_jax_0_12(jax_version, monkeypatch):
+  jax_version((0, 11, 2))
+  assert _common.register_split_lost() is None
+  jax_version((0, 12, 0))
+  assert "ignores the warpgroups' register split" in _common.register_split_lost()
+  monkeypatch.setattr(_common, "interpreting", lambda: True)  # nothing compiled
+  assert _common.register_split_lost() is None
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("op_class", [mat.MosaicGpuAttention, mat.MosaicGpuAttentionVjp])
+def test_declines_where_the_register_split_is_lost(jax_version, op_class):
+  args = _args(is_causal=True)
+  jax_version((0, 11, 2))
+  assert op_class().declines(args) is None
+  jax_version((0, 12, 0))
+  assert "setmaxnreg" in op_class().declines(args)
+
+
+@pytest.mark.smoke
+def test_automatic_choice_passes_over_it_where_the_split_is_lost(jax_version):
+  # A soft cap: cuDNN (ahead of mosaic_gpu in the registry) refuses it, so
+  # automatic choice would take mosaic_gpu next, and a user naming it gets it.
+  from tokamax._src.dispatch import candidates, selection
+  args = _args(h=128, is_causal=True, logits_soft_cap=30.0)
+
+  def choose(implementation):
+    found = candidates.expand("dot_product_attention", implementation, _H200)
+    return selection.choose_forward("dot_product_attention", args, _H200, found)
+
+  jax_version((0, 11, 2))
+  assert choose(None).candidate.label == "mosaic_gpu"
+  jax_version((0, 12, 0))
+  chosen = choose(None)
+  assert chosen.candidate.label != "mosaic_gpu"
+  assert any(label == "mosaic_gpu" and "setmaxnreg" in why
+             for label, why in chosen.rejected_labels())
+  assert choose("mosaic_gpu").candidate.label == "mosaic_gpu"
+
+
+def test_warns_when_run_with_the_split_lost(jax_version):
+  jax_version((0, 12, 0))
+  with pytest.warns(UserWarning, match="attention forward runs slowly here.*0.64x"):
+    jax.eval_shape(lambda a: mat.MosaicGpuAttention().forward(a, None),
+                   _args(is_causal=True))

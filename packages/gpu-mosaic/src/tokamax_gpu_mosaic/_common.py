@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import inspect
 import os
+import warnings
 from typing import Any
 
 import jax
@@ -124,6 +125,37 @@ def interpreting() -> bool:
   `tokamax.interpret()` where `interpreter_runs_these_kernels()`. Read at trace
   time, like the TPU and Triton packages' interpret switch."""
   return tokamax.interpret_mode() and interpreter_runs_these_kernels()
+
+
+# From JAX 0.12, Mosaic GPU compiles a kernel's PTX through libnvJitLink
+# wherever the CUDA plugin can load it (`jax[cuda12]` and `jax[cuda13]` install
+# it), as relocatable code; ptxas then ignores `setmaxnreg` whatever the PTX says
+# (C7504, "to maintain compatibility across compilation units"), so the consumer
+# warpgroups of a warp-specialized kernel keep the 168 registers every thread
+# starts with. JAX 0.11 compiles the whole program, which honours it.
+# (notes/MEASUREMENTS.md, sessions 67-69: ptxas -c on the same PTX reproduces it.)
+RELOCATABLE_COMPILE_FROM_JAX = (0, 12)
+
+
+def register_split_lost() -> str | None:
+  """Why the warp-specialized kernels traced now lose their warpgroups' register
+  split (`setmaxnreg`) when compiled, or None where they keep it (JAX before
+  0.12, or kernels run in the interpreter)."""
+  if interpreting() or jax.__version_info__ < RELOCATABLE_COMPILE_FROM_JAX:
+    return None
+  return (f"JAX {jax.__version__} compiles Mosaic GPU kernels as relocatable code "
+          "(through libnvJitLink), where ptxas ignores the warpgroups' register "
+          "split (setmaxnreg), so these kernels spill")
+
+
+def warn_if_register_split_lost(what: str, measured: str) -> None:
+  """Warns (at trace time) that `what` runs with its register split lost;
+  `measured` says what that cost where it was timed."""
+  why = register_split_lost()
+  if why is not None:
+    warnings.warn(f"tokamax: {what} runs slowly here: {why} ({measured}); "
+                  "implementation=None passes it over, and JAX 0.11 runs it at speed",
+                  stacklevel=3)
 
 
 def interpret_params():

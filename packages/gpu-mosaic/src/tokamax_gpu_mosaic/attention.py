@@ -298,6 +298,13 @@ def _check_operands(args) -> None:
                               f"{k.shape}")
 
 
+# What losing the register split cost (`_common.register_split_lost`), measured
+# on the H200 at B4 T4096 N16 H128 causal with JAX 0.12.0.1 (notes/MEASUREMENTS.md,
+# session 68): the forward spills 0.5 KB a thread, the backward 2 KB.
+_SPLIT_LOST_FORWARD = "0.64x cuDNN's forward on an H200 with JAX 0.12.0.1"
+_SPLIT_LOST_BACKWARD = "0.31x cuDNN's forward+backward on an H200 with JAX 0.12.0.1"
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicGpuAttention(Op):
   """FA3-style attention forward (`attention_kernel_fwd`); residual ``lse``."""
@@ -310,6 +317,10 @@ class MosaicGpuAttention(Op):
   def check_supported(self, args, device):
     _common.check_hopper_device(device)
     _check_args(args)
+
+  def declines(self, args):
+    del args
+    return _common.register_split_lost()
 
   def heuristic_config(self, args):
     return _heuristic(args)
@@ -327,6 +338,8 @@ class MosaicGpuAttention(Op):
           f"{smem_bytes(config, h, itemsize, segments)} bytes of shared memory "
           f"(limit {_common.SMEM_LIMIT}) and 3/4 block_kv + H/2 <= 200 registers "
           "per consumer thread; use fewer num_stages or a smaller block_kv")
+    _common.warn_if_register_split_lost("the mosaic_gpu attention forward",
+                                        _SPLIT_LOST_FORWARD)
     out, lse = mosaic_attention(
         args.query, args.key, args.value, scale=args.scale, causal=args.is_causal,
         config=config, local_window=args.local_window,
@@ -568,6 +581,10 @@ class MosaicGpuAttentionVjp(VjpOp):
     if residuals is not None and "lse" not in residuals:
       raise NotImplementedError("needs the forward's log-sum-exp residual ('lse')")
 
+  def declines(self, args):
+    del args
+    return _common.register_split_lost()
+
   def heuristic_config(self, args):
     return _bwd_heuristic(args)
 
@@ -582,6 +599,8 @@ class MosaicGpuAttentionVjp(VjpOp):
     if misfit is not None:
       raise ValueError(f"config {config} does not fit at head dim {h}: {misfit}; "
                        f"the heuristic's config here is {self.heuristic_config(args)}")
+    _common.warn_if_register_split_lost("the mosaic_gpu attention backward",
+                                        _SPLIT_LOST_BACKWARD)
     dq, dk, dv = mosaic_attention_bwd(
         args.query, args.key, args.value, out, dout, residuals["lse"],
         scale=args.scale, causal=args.is_causal, config=config,
