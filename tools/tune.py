@@ -154,6 +154,8 @@ def ab(title: str, builders: dict, fields: dict[str, str], iterations: int,
                     + [f"${k}={v}" for k, v in env.items()])
   print(f"## {title}: heuristic vs {label}", flush=True)
   for direction, build in builders.items():
+    if side == "backward" and direction == "forward":
+      continue  # no backward runs: both sides are the same program
     contenders = {}
     changed = _Replaced(replaced, side)
     try:

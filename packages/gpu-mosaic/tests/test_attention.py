@@ -38,6 +38,16 @@ def gpu(test):
 
 
 _H200 = tokamax.DeviceInfo("gpu", "NVIDIA H200", compute_capability="9.0")
+_REGISTER_SPLIT_LOST = _common.register_split_lost
+
+
+@pytest.fixture(autouse=True)
+def _register_split_kept(request, monkeypatch):
+  """Off the GPU the heuristics checked are those of the register split kept
+  (JAX 0.11's compile) on any JAX; the `jax_version` tests check JAX 0.12's
+  regime, and the GPU tests run what the installed JAX compiles."""
+  if request.node.get_closest_marker("gpu") is None:
+    monkeypatch.setattr(_common, "register_split_lost", lambda: None)
 _seed = iter(range(1_000_000))
 
 
@@ -1617,9 +1627,14 @@ def test_backward_fuse_dq_without_causal(b, t, s, n, k, h, block_q):
 def test_backward_heuristic_fused_at_length(t, k, h, causal):
   # The heuristic's one-kernel backward at realistic lengths (causal MHA in
   # head groups).
+  # Where the register split is lost (JAX >= 0.12), H128 runs the two-pass
+  # dK/dV instead: checked here as well.
   args = _args(t=t, s=t, n=8, k=k, h=h, is_causal=causal)
   config = mat.MosaicGpuAttentionVjp().heuristic_config(args)
-  assert config.fuse_dq and (config.head_group or not causal), config
+  if h == 128 and _common.register_split_lost():
+    assert config.split_dkv and not config.fuse_dq, config
+  else:
+    assert config.fuse_dq and (config.head_group or not causal), config
   _check_backward_config(1, t, t, 8, k, h, causal, config)
 
 
@@ -2567,6 +2582,7 @@ def test_grid_order_head_major_only_where_blocks_do_equal_work():
 @pytest.fixture
 def jax_version(monkeypatch):
   """Sets the JAX version `_common` reads, natively (not interpreting)."""
+  monkeypatch.setattr(_common, "register_split_lost", _REGISTER_SPLIT_LOST)
   monkeypatch.setattr(_common, "interpreting", lambda: False)
   return lambda version: monkeypatch.setattr(jax, "__version_info__", version)
 
@@ -2589,6 +2605,26 @@ def test_declines_where_the_register_split_is_lost(jax_version, op_class):
   assert op_class().declines(args) is None
   jax_version((0, 12, 0))
   assert "setmaxnreg" in op_class().declines(args)
+  assert op_class().declines(_args(h=128, is_causal=True)) is None  # adapted
+
+
+def test_head_dim_128_runs_configs_that_fit_where_the_split_is_lost(jax_version):
+  fwd, bwd = mat.MosaicGpuAttention(), mat.MosaicGpuAttentionVjp()
+  for kw in ({"is_causal": True}, {}, {"n": 8, "k": 2, "is_causal": True}):
+    args = _args(t=4096, s=4096, n=kw.pop("n", 4), k=kw.pop("k", 4), h=128, **kw)
+    jax_version((0, 11, 2))
+    assert fwd.heuristic_config(args).block_kv == 128
+    assert not bwd.heuristic_config(args).split_dkv
+    jax_version((0, 12, 0))
+    assert fwd.heuristic_config(args).block_kv == 64
+    config = bwd.heuristic_config(args)
+    assert config.split_dkv and not config.fuse_dq and config.block_kv == 64
+    assert config in bwd.search_space(args)  # autotuning on JAX 0.12 starts there
+    assert fwd.heuristic_config(args) in fwd.search_space(args)
+  # A sliding window keeps its 128-key steps (64 measured slower there).
+  window = _args(t=4096, s=4096, n=4, k=4, h=128, is_causal=True,
+                 local_window_size=(1024, 0))
+  assert fwd.heuristic_config(window).block_kv == 128
 
 
 @pytest.mark.smoke
@@ -2596,7 +2632,7 @@ def test_automatic_choice_passes_over_it_where_the_split_is_lost(jax_version):
   # A soft cap: cuDNN (ahead of mosaic_gpu in the registry) refuses it, so
   # automatic choice would take mosaic_gpu next, and a user naming it gets it.
   from tokamax._src.dispatch import candidates, selection
-  args = _args(h=128, is_causal=True, logits_soft_cap=30.0)
+  args = _args(h=64, is_causal=True, logits_soft_cap=30.0)
 
   def choose(implementation):
     found = candidates.expand("dot_product_attention", implementation, _H200)

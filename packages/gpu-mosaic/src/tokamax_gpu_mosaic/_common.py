@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import inspect
 import os
-import warnings
 from typing import Any
 
 import jax
@@ -146,16 +145,6 @@ def register_split_lost() -> str | None:
   return (f"JAX {jax.__version__} compiles Mosaic GPU kernels as relocatable code "
           "(through libnvJitLink), where ptxas ignores the warpgroups' register "
           "split (setmaxnreg), so these kernels spill")
-
-
-def warn_if_register_split_lost(what: str, measured: str) -> None:
-  """Warns (at trace time) that `what` runs with its register split lost;
-  `measured` says what that cost where it was timed."""
-  why = register_split_lost()
-  if why is not None:
-    warnings.warn(f"tokamax: {what} runs slowly here: {why} ({measured}); "
-                  "implementation=None passes it over, and JAX 0.11 runs it at speed",
-                  stacklevel=3)
 
 
 def interpret_params():

@@ -18,6 +18,7 @@ themselves, so that dispatch takes another backward with
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax.numpy as jnp
 
@@ -68,6 +69,47 @@ def _fits(config: AttentionConfig, head_dim: int, itemsize: int,
           and _fits_registers(config, head_dim))
 
 
+# Where the warpgroups' register split is lost (`_common.register_split_lost`:
+# JAX >= 0.12), the consumers keep 168 registers. At H128 the forward's
+# 128-key steps then spill 0.5 KB a thread (tools/sm90_compile.py) and 64-key
+# steps fit; the dK/dV kernel's two accumulators spill 2 KB, and the dK and
+# dV passes apart (`split_dkv`, H256's schedule) fit. H200, JAX 0.12.0.1,
+# tools/tune.py --ab, CUPTI, 5 rounds (notes/MEASUREMENTS.md, session 69):
+# forward block_kv=64 1.50x at B4 T4096 N16 H128 causal (0.738 -> 0.492 ms),
+# 1.68x non-causal, 1.47x at B2 T8192 N32 K8 causal and with sinks; with a
+# sliding window (no overlap_qk: 128-key steps spill 44 B) 0.92x, so not
+# there. Backward split_dkv=True without fuse_dq, forward+backward: 2.06x MHA
+# causal (5.983 -> 2.903 ms), 1.68x GQA with sinks; then the dQ kernel's 64-key
+# steps (128 spill 1.4-1.7 KB) 1.15x MHA causal (2.652 -> 2.313 ms), 1.21x
+# non-causal, 1.15x with sinks. So at H128 the kernels run at 1.39-1.49x
+# Triton's forward and 1.14-1.24x its forward+backward (causal MHA and GQA,
+# window 1024, sinks), and at 0.96x cuDNN's forward and 0.79-0.89x its
+# forward+backward, which automatic choice ranks first where it takes the
+# call. H64 and H256 are not adapted: there automatic choice passes the
+# kernels over (`_split_lost_unadapted`).
+_SPLIT_LOST_H128_FORWARD = ((64, 2, True), (128, 2, False), (64, 3, False))
+_SPLIT_LOST_H128_BACKWARD = dict(split_dkv=True, block_kv=64)  # no fuse_dq
+
+
+def _split_lost_unadapted(args) -> str | None:
+  """Why automatic choice should pass these kernels over for `args`: the
+  register split is lost and no config here is adapted to that head dim."""
+  why = _common.register_split_lost()
+  if why is None or args.query.shape[-1] == 128:
+    return None
+  return f"{why} (at head dim {args.query.shape[-1]}; 128 runs configs that fit)"
+
+
+def _warn_if_unadapted(args, what: str, measured: str) -> None:
+  """Warns (at trace time) that `what` runs slowly for `args`
+  (`_split_lost_unadapted`); `measured` says what that cost where it was timed."""
+  why = _split_lost_unadapted(args)
+  if why is not None:
+    warnings.warn(f"tokamax: {what} runs slowly here: {why} ({measured}); "
+                  "implementation=None passes it over, and JAX 0.11 runs it at speed",
+                  stacklevel=3)
+
+
 def _heuristic(args) -> AttentionConfig:
   config = _heuristic_tiles(args)
   if _grouped_by_default(args):
@@ -89,6 +131,8 @@ def _heuristic_tiles(args) -> AttentionConfig:
   preferred = {64: ((128, 2, False),),
                128: ((128, 2, True), (128, 2, False), (64, 3, False)),
                256: ((64, 2, True), (64, 2, False))}[h]
+  if h == 128 and _common.register_split_lost():
+    preferred = _SPLIT_LOST_H128_FORWARD
   # overlap_qk: static features only. With sliding windows (in the search space:
   # `_overlap_takes`) it measured even on the H200 (0.992x W1024, 1.003x W4096:
   # notes/MEASUREMENTS.md session 32, item 3).
@@ -298,11 +342,12 @@ def _check_operands(args) -> None:
                               f"{k.shape}")
 
 
-# What losing the register split cost (`_common.register_split_lost`), measured
-# on the H200 at B4 T4096 N16 H128 causal with JAX 0.12.0.1 (notes/MEASUREMENTS.md,
-# session 68): the forward spills 0.5 KB a thread, the backward 2 KB.
-_SPLIT_LOST_FORWARD = "0.64x cuDNN's forward on an H200 with JAX 0.12.0.1"
-_SPLIT_LOST_BACKWARD = "0.31x cuDNN's forward+backward on an H200 with JAX 0.12.0.1"
+# What losing the register split cost where configs are not adapted to it
+# (`_split_lost_unadapted`), as measured at H128 before they were: B4 T4096 N16
+# H128 causal on the H200 with JAX 0.12.0.1 (notes/MEASUREMENTS.md, session 68).
+# H64 and H256 spill 0.6-1.5 KB a thread in the backward (tools/sm90_compile.py).
+_SPLIT_LOST_FORWARD = "H128 with the same configs: 0.64x cuDNN's forward, H200"
+_SPLIT_LOST_BACKWARD = "H128 with the same configs: 0.31x cuDNN's forward+backward, H200"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,8 +364,7 @@ class MosaicGpuAttention(Op):
     _check_args(args)
 
   def declines(self, args):
-    del args
-    return _common.register_split_lost()
+    return _split_lost_unadapted(args)
 
   def heuristic_config(self, args):
     return _heuristic(args)
@@ -338,8 +382,7 @@ class MosaicGpuAttention(Op):
           f"{smem_bytes(config, h, itemsize, segments)} bytes of shared memory "
           f"(limit {_common.SMEM_LIMIT}) and 3/4 block_kv + H/2 <= 200 registers "
           "per consumer thread; use fewer num_stages or a smaller block_kv")
-    _common.warn_if_register_split_lost("the mosaic_gpu attention forward",
-                                        _SPLIT_LOST_FORWARD)
+    _warn_if_unadapted(args, "the mosaic_gpu attention forward", _SPLIT_LOST_FORWARD)
     out, lse = mosaic_attention(
         args.query, args.key, args.value, scale=args.scale, causal=args.is_causal,
         config=config, local_window=args.local_window,
@@ -431,6 +474,8 @@ def _bwd_heuristic(args) -> AttentionVjpConfig:
   mha = args.query.shape[2] == args.key.shape[2]
   if _grouped_by_default(args) and mha:
     config = dataclasses.replace(config, head_group=_backward_head_group(args))
+  if args.query.shape[-1] == 128 and _common.register_split_lost():
+    return dataclasses.replace(config, **_SPLIT_LOST_H128_BACKWARD)
   if _fuses_dq_by_default(args, config):
     config = dataclasses.replace(config, fuse_dq=True)
   return config
@@ -506,17 +551,22 @@ def _bwd_search_space(args):
   segments = args.q_segment_ids is not None
   out = []
   # 32-row steps and split dK/dV only where nothing else fits (H256); there
-  # the dV pass may take 64-row steps (it holds K alone).
-  sizes, split = ((32,), True) if h == 256 else ((64, 128), False)
-  dv_steps = (None, 64) if split else (None,)
-  for block_q in sizes:
-    for block_kv in sizes:
-      for stages in (2, 3, 4):
-        for block_q_dv in dv_steps:
-          config = AttentionVjpConfig(block_q, block_kv, stages, split_dkv=split,
-                                      block_q_dv=block_q_dv)
-          if _bwd_fits(config, h, itemsize, segments):
-            out.append(config)
+  # the dV pass may take 64-row steps (it holds K alone). Split dK/dV also at
+  # H128 where the register split is lost (`_SPLIT_LOST_H128_BACKWARD`).
+  sizes, splits = ((32,), (True,)) if h == 256 else ((64, 128), (False,))
+  if h == 128 and _common.register_split_lost():
+    splits = (False, True)
+  for split in splits:
+    dv_steps = (None, 64) if h == 256 else (None,)
+    # H128 split: the 64-row steps measured (wider ones fit, untimed).
+    for block_q in (64,) if split and h == 128 else sizes:
+      for block_kv in sizes:
+        for stages in (2, 3, 4):
+          for block_q_dv in dv_steps:
+            config = AttentionVjpConfig(block_q, block_kv, stages, split_dkv=split,
+                                        block_q_dv=block_q_dv)
+            if _bwd_fits(config, h, itemsize, segments):
+              out.append(config)
   # The ping-pong schedules (same tiles, registers and shared memory), not yet
   # measured: dK/dV only, dQ only, both.
   out += [dataclasses.replace(config, ping_pong=dkv, ping_pong_dq=dq)
@@ -582,8 +632,7 @@ class MosaicGpuAttentionVjp(VjpOp):
       raise NotImplementedError("needs the forward's log-sum-exp residual ('lse')")
 
   def declines(self, args):
-    del args
-    return _common.register_split_lost()
+    return _split_lost_unadapted(args)
 
   def heuristic_config(self, args):
     return _bwd_heuristic(args)
@@ -599,8 +648,7 @@ class MosaicGpuAttentionVjp(VjpOp):
     if misfit is not None:
       raise ValueError(f"config {config} does not fit at head dim {h}: {misfit}; "
                        f"the heuristic's config here is {self.heuristic_config(args)}")
-    _common.warn_if_register_split_lost("the mosaic_gpu attention backward",
-                                        _SPLIT_LOST_BACKWARD)
+    _warn_if_unadapted(args, "the mosaic_gpu attention backward", _SPLIT_LOST_BACKWARD)
     dq, dk, dv = mosaic_attention_bwd(
         args.query, args.key, args.value, out, dout, residuals["lse"],
         scale=args.scale, causal=args.is_causal, config=config,
