@@ -204,6 +204,16 @@ def test_tune_ab_env_traces_the_second_side_with_the_variable(capsys):
             env={"TOKAMAX_TEST_OTHER": "1"})
 
 
+def test_tune_ab_backward_side_leaves_the_forward_untimed(capsys):
+  # The forward runs no backward, so its two sides are one program: skipped,
+  # rather than stopping with "no Op's config has these fields".
+  calls = []
+  builders = {"forward": lambda: calls.append("built") or (jax.jit(lambda x: x), (1.0,))}
+  tune.ab("op shape (impl)", builders, {"chain_items": "False"}, 2, side="backward")
+  assert calls == []
+  assert "heuristic vs chain_items=False" in capsys.readouterr().out
+
+
 def test_tune_environment_restores_a_set_variable():
   os.environ["TOKAMAX_TEST_SWITCH"] = "a"
   try:
