@@ -15,6 +15,23 @@ import jax
 from jax import lax
 
 
+def _with_vmap_rule(call: Callable, rule: Callable) -> Callable:
+  """`call` as a `custom_vmap` whose batching rule is ``rule(run, in_batched,
+  *args)`` (`run`: the wrapped call itself), every output batched."""
+
+  @jax.custom_batching.custom_vmap
+  def run(*args):
+    return call(*args)
+
+  @run.def_vmap
+  def _rule(axis_size, in_batched, *args):
+    del axis_size
+    out = rule(run, in_batched, *args)
+    return out, jax.tree.map(lambda _: True, out)
+
+  return run
+
+
 def vmap_fallback(call: Callable, batched_call: Callable) -> Callable:
   """`call`, except under `jax.vmap`, where ``jax.vmap(batched_call)`` runs in
   its place (over the batched leaves of the positional arguments, which may be
@@ -27,19 +44,12 @@ def vmap_fallback(call: Callable, batched_call: Callable) -> Callable:
       run = tokamax.plugin.vmap_fallback(claiming_kernel, round_robin_kernel)
   """
 
-  @jax.custom_batching.custom_vmap
-  def run(*args):
-    return call(*args)
-
-  @run.def_vmap
-  def _batched(axis_size, in_batched, *args):
-    del axis_size
+  def vmapped(run, in_batched, *args):
+    del run
     # `in_batched` mirrors the arguments: a pytree of flags per pytree argument.
     in_axes = jax.tree.map(lambda batched: 0 if batched else None, tuple(in_batched))
-    out = jax.vmap(batched_call, in_axes=in_axes)(*args)
-    return out, jax.tree.map(lambda _: True, out)
-
-  return run
+    return jax.vmap(batched_call, in_axes=in_axes)(*args)
+  return _with_vmap_rule(call, vmapped)
 
 
 def sequential_under_vmap(call: Callable) -> Callable:
@@ -54,13 +64,7 @@ def sequential_under_vmap(call: Callable) -> Callable:
   has no reverse-mode derivative of its own: use it inside an Op's forward or
   backward (a custom VJP), where the kernels are."""
 
-  @jax.custom_batching.custom_vmap
-  def run(*args):
-    return call(*args)
-
-  @run.def_vmap
-  def _mapped(axis_size, in_batched, *args):
-    del axis_size
+  def mapped(run, in_batched, *args):
     # `in_batched` mirrors the arguments: a flag per leaf, in flattening order.
     leaves, tree = jax.tree.flatten(args)
     flags = jax.tree.leaves(in_batched)
@@ -68,8 +72,6 @@ def sequential_under_vmap(call: Callable) -> Callable:
     def one(elements):
       it = iter(elements)
       element = [next(it) if batched else x for x, batched in zip(leaves, flags)]
-      return run(*jax.tree.unflatten(tree, element))
-    out = lax.map(one, [x for x, batched in zip(leaves, flags) if batched])
-    return out, jax.tree.map(lambda _: True, out)
-
-  return run
+      return run(*jax.tree.unflatten(tree, element))  # nested vmaps map again
+    return lax.map(one, [x for x, batched in zip(leaves, flags) if batched])
+  return _with_vmap_rule(call, mapped)
