@@ -154,8 +154,10 @@ def ab(title: str, builders: dict, fields: dict[str, str], iterations: int,
                     + [f"${k}={v}" for k, v in env.items()])
   print(f"## {title}: heuristic vs {label}", flush=True)
   for direction, build in builders.items():
-    if side == "backward" and direction == "forward":
-      continue  # no backward runs: both sides are the same program
+    if side == "backward" and direction == "forward" and not env:
+      # No backward runs: both sides would be the same program.
+      print(f"  {direction:<17} skipped: no backward runs", flush=True)
+      continue
     contenders = {}
     changed = _Replaced(replaced, side)
     try:

@@ -139,12 +139,15 @@ RELOCATABLE_COMPILE_FROM_JAX = (0, 12)
 def register_split_lost() -> str | None:
   """Why the warp-specialized kernels traced now lose their warpgroups' register
   split (`setmaxnreg`) when compiled, or None where they keep it (JAX before
-  0.12, or kernels run in the interpreter)."""
+  0.12, or kernels run in the interpreter). From JAX 0.12 it assumes libnvJitLink
+  is there (the `jax[cuda12]`/`jax[cuda13]` installs have it; without it the
+  split is kept, session 67's offline compile): erring that way costs speed
+  against cuDNN or Triton where they are close, the other way a spilling kernel."""
   if interpreting() or jax.__version_info__ < RELOCATABLE_COMPILE_FROM_JAX:
     return None
   return (f"JAX {jax.__version__} compiles Mosaic GPU kernels as relocatable code "
           "(through libnvJitLink), where ptxas ignores the warpgroups' register "
-          "split (setmaxnreg), so these kernels spill")
+          "split (setmaxnreg) these kernels were tuned with")
 
 
 def interpret_params():

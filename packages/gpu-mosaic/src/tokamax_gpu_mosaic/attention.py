@@ -81,12 +81,12 @@ def _fits(config: AttentionConfig, head_dim: int, itemsize: int,
 # there. Backward split_dkv=True without fuse_dq, forward+backward: 2.06x MHA
 # causal (5.983 -> 2.903 ms), 1.68x GQA with sinks; then the dQ kernel's 64-key
 # steps (128 spill 1.4-1.7 KB) 1.15x MHA causal (2.652 -> 2.313 ms), 1.21x
-# non-causal, 1.15x with sinks. So at H128 the kernels run at 1.39-1.49x
+# non-causal, 1.15x with sinks. So at H128 the kernels run at 1.34-1.51x
 # Triton's forward and 1.14-1.24x its forward+backward (causal MHA and GQA,
-# window 1024, sinks), and at 0.96x cuDNN's forward and 0.79-0.89x its
-# forward+backward, which automatic choice ranks first where it takes the
-# call. H64 and H256 are not adapted: there automatic choice passes the
-# kernels over (`_split_lost_unadapted`).
+# window 1024, sinks), and at 0.96-1.07x cuDNN's forward and 0.79-0.89x its
+# forward+backward (automatic choice ranks cuDNN first where it takes the
+# call). H64 and H256 are neither adapted nor timed on JAX 0.12: there
+# automatic choice passes the kernels over (`_split_lost_unadapted`).
 _SPLIT_LOST_H128_FORWARD = ((64, 2, True), (128, 2, False), (64, 3, False))
 _SPLIT_LOST_H128_BACKWARD = dict(split_dkv=True, block_kv=64)  # no fuse_dq
 
@@ -97,7 +97,8 @@ def _split_lost_unadapted(args) -> str | None:
   why = _common.register_split_lost()
   if why is None or args.query.shape[-1] == 128:
     return None
-  return f"{why} (at head dim {args.query.shape[-1]}; 128 runs configs that fit)"
+  return (f"{why} (at head dim {args.query.shape[-1]}, not adapted or timed on "
+          "this JAX; head dim 128 runs configs that fit)")
 
 
 def _warn_if_unadapted(args, what: str, measured: str) -> None:
@@ -105,9 +106,9 @@ def _warn_if_unadapted(args, what: str, measured: str) -> None:
   (`_split_lost_unadapted`); `measured` says what that cost where it was timed."""
   why = _split_lost_unadapted(args)
   if why is not None:
-    warnings.warn(f"tokamax: {what} runs slowly here: {why} ({measured}); "
-                  "implementation=None passes it over, and JAX 0.11 runs it at speed",
-                  stacklevel=3)
+    warnings.warn(f"tokamax: {what} may run slowly here: {why} ({measured}); "
+                  "implementation=None passes it over where another implementation "
+                  "takes the call, and JAX 0.11 runs it at speed", stacklevel=3)
 
 
 def _heuristic(args) -> AttentionConfig:
@@ -345,7 +346,9 @@ def _check_operands(args) -> None:
 # What losing the register split cost where configs are not adapted to it
 # (`_split_lost_unadapted`), as measured at H128 before they were: B4 T4096 N16
 # H128 causal on the H200 with JAX 0.12.0.1 (notes/MEASUREMENTS.md, session 68).
-# H64 and H256 spill 0.6-1.5 KB a thread in the backward (tools/sm90_compile.py).
+# Compiled for JAX 0.12 (tools/sm90_compile.py, session 69), H64's and H256's
+# backward kernels spill 0.6-1.5 KB a thread and H256's forward 0.9 KB; H64's
+# forward fits, untimed.
 _SPLIT_LOST_FORWARD = "H128 with the same configs: 0.64x cuDNN's forward, H200"
 _SPLIT_LOST_BACKWARD = "H128 with the same configs: 0.31x cuDNN's forward+backward, H200"
 
@@ -617,8 +620,9 @@ def _check_backward_args(args) -> None:
 class MosaicGpuAttentionVjp(VjpOp):
   """FA3-style attention backward (`attention_kernel_bwd`): a dK/dV kernel and a
   dQ kernel (or one kernel for all three with `fuse_dq`, which the heuristic
-  takes at causal MHA H128: `_fuses_dq_by_default`), from the forward's
-  ``lse`` (any implementation's)."""
+  takes at causal MHA H128: `_fuses_dq_by_default`; not where the register
+  split is lost: `_SPLIT_LOST_H128_BACKWARD`), from the forward's ``lse`` (any
+  implementation's)."""
 
   op_name = "dot_product_attention"
   name = "mosaic_gpu"

@@ -49,6 +49,7 @@ def vmap_fallback(call: Callable, batched_call: Callable) -> Callable:
     # `in_batched` mirrors the arguments: a pytree of flags per pytree argument.
     in_axes = jax.tree.map(lambda batched: 0 if batched else None, tuple(in_batched))
     return jax.vmap(batched_call, in_axes=in_axes)(*args)
+
   return _with_vmap_rule(call, vmapped)
 
 
@@ -74,4 +75,5 @@ def sequential_under_vmap(call: Callable) -> Callable:
       element = [next(it) if batched else x for x, batched in zip(leaves, flags)]
       return run(*jax.tree.unflatten(tree, element))  # nested vmaps map again
     return lax.map(one, [x for x, batched in zip(leaves, flags) if batched])
+
   return _with_vmap_rule(call, mapped)
