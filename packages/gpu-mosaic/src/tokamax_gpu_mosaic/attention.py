@@ -349,8 +349,8 @@ def _check_operands(args) -> None:
 # Compiled for JAX 0.12 (tools/sm90_compile.py, session 69), H64's and H256's
 # backward kernels spill 0.6-1.5 KB a thread and H256's forward 0.9 KB; H64's
 # forward fits, untimed.
-_SPLIT_LOST_FORWARD = "H128 with the same configs: 0.64x cuDNN's forward, H200"
-_SPLIT_LOST_BACKWARD = "H128 with the same configs: 0.31x cuDNN's forward+backward, H200"
+_UNADAPTED_COST_FORWARD = "H128 with the same configs: 0.64x cuDNN's forward, H200"
+_UNADAPTED_COST_BACKWARD = "H128 with the same configs: 0.31x cuDNN's forward+backward, H200"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,7 +385,7 @@ class MosaicGpuAttention(Op):
           f"{smem_bytes(config, h, itemsize, segments)} bytes of shared memory "
           f"(limit {_common.SMEM_LIMIT}) and 3/4 block_kv + H/2 <= 200 registers "
           "per consumer thread; use fewer num_stages or a smaller block_kv")
-    _warn_if_unadapted(args, "the mosaic_gpu attention forward", _SPLIT_LOST_FORWARD)
+    _warn_if_unadapted(args, "the mosaic_gpu attention forward", _UNADAPTED_COST_FORWARD)
     out, lse = mosaic_attention(
         args.query, args.key, args.value, scale=args.scale, causal=args.is_causal,
         config=config, local_window=args.local_window,
@@ -652,7 +652,7 @@ class MosaicGpuAttentionVjp(VjpOp):
     if misfit is not None:
       raise ValueError(f"config {config} does not fit at head dim {h}: {misfit}; "
                        f"the heuristic's config here is {self.heuristic_config(args)}")
-    _warn_if_unadapted(args, "the mosaic_gpu attention backward", _SPLIT_LOST_BACKWARD)
+    _warn_if_unadapted(args, "the mosaic_gpu attention backward", _UNADAPTED_COST_BACKWARD)
     dq, dk, dv = mosaic_attention_bwd(
         args.query, args.key, args.value, out, dout, residuals["lse"],
         scale=args.scale, causal=args.is_causal, config=config,
