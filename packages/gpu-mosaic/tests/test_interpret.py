@@ -195,6 +195,26 @@ def test_attention_backward_split_dkv_configs(ping_pong, block_q_dv, features):
   _check_backward(q, k, v, config, **kw)
 
 
+@pytest.mark.parametrize("features", [False, True], ids=["plain", "features"])
+def test_attention_backward_h128_split_dkv(features):
+  """H128's backward where the register split is lost (JAX >= 0.12 compiled
+  natively: dK and dV in two passes, 64-key dQ steps, the heuristic's
+  `_SPLIT_LOST_H128_BACKWARD`), GQA with T and S not tile multiples, against
+  the XLA reference's VJP on float32 upcasts."""
+  config = mat.AttentionVjpConfig(block_q=64, num_stages=2, **mat._SPLIT_LOST_H128_BACKWARD)
+  b = 2 if features else 1
+  q, k, v = (_normal((b, 200, 2, 128), jnp.bfloat16),
+             _normal((b, 230, 1, 128), jnp.bfloat16),
+             _normal((b, 230, 1, 128), jnp.bfloat16))
+  kw = {}
+  if features:
+    ids = jnp.asarray([[1] * 128 + [2] * 72, [1] * 30 + [2] * 170], jnp.int32)
+    kv_ids = jnp.concatenate([ids, jnp.full((2, 30), 2, jnp.int32)], axis=1)
+    kw = dict(local_window=(120, 0), q_segment_ids=ids, kv_segment_ids=kv_ids,
+              key_value_seq_lengths=jnp.asarray([230, 150], jnp.int32))
+  _check_backward(q, k, v, config, **kw)
+
+
 @pytest.mark.parametrize("h,n,k,t,s,block_q,ping_pong,soft_cap", [
     # GQA, T and S not multiples of the tile (T < S), two query heads a step loop.
     (128, 4, 2, 300, 330, 64, False, None),
