@@ -38,7 +38,8 @@ from tokamax_gpu_mosaic.ragged_dot_kernel import check_fits
 from tokamax_gpu_mosaic.ragged_dot_kernel import pad_to_multiple
 
 _TG_K = 64  # "ring" tile rows (of K): one wgmma M.
-WS_K = 2 * WGMMA_M  # K rows of a "ws" tile (one wgmma M of 128).
+WS_K = 2 * WGMMA_M  # K rows of a "ws" tile: 64 for each compute warpgroup.
+_WS_HALF = WGMMA_M  # K rows of a "ws" compute warpgroup's share of a tile.
 
 
 def grouped_transposed_matmul(lhs, dout, starts, ends, *, out_dtype,
@@ -196,12 +197,23 @@ def _drhs_ring(lhs, dout, starts, ends, *, out_dtype,
 class _DrhsWs:
   """What the two "ws" kernels share: a memory warpgroup streams the group's lhs
   rows ``[block_k, 128]`` and dout rows ``[block_k, 2 * block_n]``, and two
-  compute warpgroups each accumulate a ``[128, block_n]`` float32 tile
-  ``lhs_chunk^T @ dout_chunk[:, own columns]``, stored through `out_pieces`
-  column pieces of shared memory.
+  compute warpgroups split the tile's 128 K rows: each accumulates a
+  ``[64, 2 * block_n]`` float32 tile ``lhs_chunk[:, own 64 columns]^T @
+  dout_chunk``, stored through `out_pieces` column pieces of shared memory.
+
+  Splitting K rather than N makes each wgmma ``m64n(2 block_n)``: one wide
+  instruction where the N split ran two ``m64n(block_n)`` ones reading the
+  shared lhs twice, and a boundary chunk's mask half as large. H200 bf16, drhs
+  alone, CUPTI, 15 interleaved rounds (notes/MEASUREMENTS.md, session 70),
+  N split -> K split: MoE up M16384 K4096 N28672 G8 random 4.875 -> 4.779 ms,
+  down K14336 N4096 2.488 -> 2.435, M16384 K2048 N16384 G16 1.401 -> 1.379,
+  M65536 K7168 N2048 G256 random 4.211 -> 3.901, M16384 K4096 N4096 G64
+  random 1.121 -> 1.030, M65536 K2048 N768 G128 random 0.408 -> 0.385; M8192
+  K7168 N2048 G256 random (32 rows a group) 2.212 -> 2.268. Outputs bitwise
+  equal.
 
   In a chunk that reaches outside the group each compute warpgroup zeroes those
-  rows of its own dout columns (disjoint columns: no barrier between the two).
+  rows of its own lhs columns (disjoint columns: no barrier between the two).
   """
 
   config: Any
@@ -222,18 +234,28 @@ class _DrhsWs:
 
   @property
   def piece_n(self):
-    return self.bn // self.config.out_pieces
+    return 2 * self.bn // self.config.out_pieces
+
+  def out_staging(self):
+    """Each compute warpgroup's shared memory for one piece of its tile."""
+    return plgpu.SMEM((2, _WS_HALF, self.piece_n), self.out_dtype,
+                      transforms=_common.swizzled(self.out_dtype, self.piece_n))
+
+  def acc_type(self):
+    """A compute warpgroup's float32 accumulator."""
+    return plgpu.ACC((_WS_HALF, 2 * self.bn), jnp.float32)
 
   def store(self, cwg, o_smem, out_ref, g, k0, n0, piece_of):
-    """Writes this warpgroup's ``[128, block_n]`` tile of ``out[g]`` at (k0, n0 +
-    its columns), piece ``p`` being ``piece_of(p)``, through `o_smem`."""
+    """Writes this warpgroup's ``[64, 2 * block_n]`` tile of ``out[g]`` at (k0 +
+    its rows, n0), piece ``p`` being ``piece_of(p)``, through `o_smem`."""
+    rows = pl.ds(k0 + cwg * _WS_HALF, _WS_HALF)
     for p in range(self.config.out_pieces):
       # The previous piece's (or tile's) store must have read o_smem.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       o_smem[...] = piece_of(p)
       plgpu.commit_smem()
-      cols = pl.ds(n0 + cwg * self.bn + p * self.piece_n, self.piece_n)
-      plgpu.copy_smem_to_gmem(o_smem, out_ref.at[g, pl.ds(k0, WS_K), cols])
+      cols = pl.ds(n0 + p * self.piece_n, self.piece_n)
+      plgpu.copy_smem_to_gmem(o_smem, out_ref.at[g, rows, cols])
 
   def store_acc(self, store, acc):
     """Stores the float32 accumulator `acc` through `store` (`store` with the
@@ -243,25 +265,25 @@ class _DrhsWs:
 
   def store_zeros(self, store):
     """`store` of zeros: the tile of a group with no rows."""
-    zeros = _pipeline.zeros_tile((WS_K, self.piece_n), self.out_dtype)
+    zeros = _pipeline.zeros_tile((_WS_HALF, self.piece_n), self.out_dtype)
     store(lambda p: zeros)
 
   def mma(self, wg, cwg, first, start, end, indices, a_smem, b_smem, acc_ref):
     """Chunk ``indices[0]`` of the item (rows from ``first``) into `acc_ref`,
     rows outside ``[start, end)`` zeroed first; waits for the previous chunk's
     wgmma."""
-    bk, bn = self.bk, self.bn
+    bk, half = self.bk, _WS_HALF
     row0 = first + indices[0] * bk
 
-    # Rows outside the group: zero them in this warpgroup's columns.
+    # Rows outside the group: zero them in this warpgroup's lhs columns.
     for w in range(2):
       @pl.when((wg == w) & ((row0 < start) | (row0 + bk > end)))
       def _mask():
-        _zero_outside(b_smem.at[:, w * bn:(w + 1) * bn], row0, start, end,
+        _zero_outside(a_smem.at[:, w * half:(w + 1) * half], row0, start, end,
                       self.dtype)
 
-    plgpu.wgmma(acc_ref, a_smem.transpose((1, 0)),
-                b_smem.at[:, pl.ds(cwg * bn, bn)])
+    plgpu.wgmma(acc_ref, a_smem.at[:, pl.ds(cwg * half, half)].transpose((1, 0)),
+                b_smem)
     plgpu.wgmma_wait(1)
     return acc_ref
 
@@ -281,11 +303,8 @@ class _DrhsWarpSpecialized(_DrhsWs):
     allocs = self.pipeline.allocations(
         lhs_ref.at[:, pl.ds(0, WS_K)], dout_ref.at[:, pl.ds(0, 2 * self.bn)],
         steps=self.config.num_stages)
-    out_smem_type = plgpu.SMEM((2, WS_K, self.piece_n), self.out_dtype,
-                               transforms=_common.swizzled(self.out_dtype,
-                                                           self.piece_n))
 
-    @functools.partial(pl.run_scoped, allocs=allocs, out_smem=out_smem_type,
+    @functools.partial(pl.run_scoped, allocs=allocs, out_smem=self.out_staging(),
                        collective_axes="wg")
     def _scope(allocs, out_smem):
       wg = lax.axis_index("wg")
@@ -326,7 +345,7 @@ class _DrhsWarpSpecialized(_DrhsWs):
       self.store_zeros(store)
 
   def context(self, store, eval_pipeline):
-    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((WS_K, self.bn), jnp.float32))
+    @functools.partial(pl.run_scoped, acc_ref=self.acc_type())
     def _acc_scope(acc_ref):
       eval_pipeline(acc_ref)
       self.store_acc(store, acc_ref[...])  # acc_ref[...] waits for the last wgmma.
@@ -355,8 +374,7 @@ class _DrhsChained(_DrhsWs):
                             transforms=swizzled(self.dtype, WS_K)),
         dout_smem=plgpu.SMEM((stages, bk, cta_n), self.dtype,
                              transforms=swizzled(self.dtype, WS_K)),
-        out_smem=plgpu.SMEM((2, WS_K, self.piece_n), self.out_dtype,
-                            transforms=swizzled(self.out_dtype, self.piece_n)),
+        out_smem=self.out_staging(),
         full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         free=plgpu.Barrier(num_arrivals=2, num_barriers=stages))
 
@@ -422,7 +440,7 @@ class _DrhsChained(_DrhsWs):
               plgpu.wgmma_wait(0)
               plgpu.barrier_arrive(free.at[ring.slot(step + chunks - 1)])
               return acc_ref[...]
-            acc = pl.run_scoped(contract, plgpu.ACC((WS_K, self.bn), jnp.float32))
+            acc = pl.run_scoped(contract, self.acc_type())
             self.store_acc(store, acc)
 
           @pl.when(chunks == 0)
