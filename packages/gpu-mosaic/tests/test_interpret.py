@@ -497,6 +497,25 @@ def _check_grouped_matmul(config, k, offset, transpose_rhs, what):
   testing.assert_close(out, want, jnp.bfloat16, what=what)
 
 
+def _check_drhs(config, sizes, m, offset, k=256, n=256, out_dtype=jnp.float32):
+  """The "ws" drhs kernel under `config` against the float32 reference's rhs
+  gradient."""
+  held = len(sizes) - offset
+  lhs, dout = _normal((m, k), jnp.bfloat16), _normal((m, n), jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  starts, ends = tokamax.plugin.held_row_ranges(gs, jnp.int32(offset), held, m)
+  with tokamax.interpret():
+    out = rdd.grouped_transposed_matmul(lhs, dout, starts, ends,
+                                        out_dtype=out_dtype, config=config)
+  # drhs is the gradient of the XLA reference with respect to rhs.
+  rhs = jnp.zeros((held, k, n), jnp.float32)
+  _, vjp = jax.vjp(lambda w: tokamax.ragged_dot(
+      lhs.astype(jnp.float32), w, gs, group_offset=jnp.int32(offset),
+      precision=jax.lax.Precision.HIGHEST, implementation="xla"), rhs)
+  (want,) = vjp(dout.astype(jnp.float32))
+  testing.assert_close(out.astype(jnp.float32), want, jnp.bfloat16, what="drhs")
+
+
 @pytest.mark.parametrize("stages,block_n,sizes,m,offset", [
     # Chunk counts of 1-3 under a 3-deep ring (the slots of an item's chunks
     # shift from item to item), an empty group, rows past the last group.
@@ -507,23 +526,21 @@ def _check_grouped_matmul(config, k, offset, transpose_rhs, what):
 def test_ragged_dot_drhs_chained_items(stages, block_n, sizes, m, offset):
   """The "ws" drhs kernel's hand-rolled ring across a block's items (each of
   the 2 interpreted SMs runs 10-14 items), against the float32 reference."""
-  k, n = 256, 256
-  held = len(sizes) - offset
-  lhs, dout = _normal((m, k), jnp.bfloat16), _normal((m, n), jnp.bfloat16)
-  gs = jnp.asarray(sizes, jnp.int32)
-  starts, ends = tokamax.plugin.held_row_ranges(gs, jnp.int32(offset), held, m)
   config = rdk.RaggedDotConfig(block_m=128, block_n=block_n, block_k=64,
                                num_stages=stages, drhs_kernel="ws")
-  with tokamax.interpret():
-    out = rdd.grouped_transposed_matmul(lhs, dout, starts, ends,
-                                        out_dtype=jnp.float32, config=config)
-  # drhs is the gradient of the XLA reference with respect to rhs.
-  rhs = jnp.zeros((held, k, n), jnp.float32)
-  _, vjp = jax.vjp(lambda w: tokamax.ragged_dot(
-      lhs.astype(jnp.float32), w, gs, group_offset=jnp.int32(offset),
-      precision=jax.lax.Precision.HIGHEST, implementation="xla"), rhs)
-  (want,) = vjp(dout.astype(jnp.float32))
-  testing.assert_close(out, want, jnp.bfloat16, what="chained drhs")
+  _check_drhs(config, sizes, m, offset)
+
+
+@pytest.mark.parametrize("chain_items", [False, True], ids=["per-item", "chained"])
+def test_ragged_dot_drhs_wide_tiles(chain_items):
+  """256-column tiles (each compute warpgroup's 64 K rows by all 256 columns),
+  stored in two pieces, bf16 out, K and N no multiple of the tile: the
+  per-item pipeline and the chained ring."""
+  config = rdk.RaggedDotConfig(block_m=128, block_n=128, block_k=64,
+                               num_stages=3, out_pieces=2, drhs_kernel="ws",
+                               chain_items=chain_items)
+  _check_drhs(config, [60, 0, 150, 37, 0, 120, 3], 420, 0, k=200, n=392,
+              out_dtype=jnp.bfloat16)
 
 
 @pytest.mark.parametrize("config", [
