@@ -525,7 +525,7 @@ def _check_drhs(config, sizes, m, offset, k=256, n=256, out_dtype=jnp.float32):
 ], ids=["stages3", "stages2-offset"])
 def test_ragged_dot_drhs_chained_items(stages, block_n, sizes, m, offset):
   """The "ws" drhs kernel's hand-rolled ring across a block's items (each of
-  the 2 interpreted SMs runs 10-14 items), against the float32 reference."""
+  the 2 interpreted SMs runs 8-14 items), against the float32 reference."""
   config = rdk.RaggedDotConfig(block_m=128, block_n=block_n, block_k=64,
                                num_stages=stages, drhs_kernel="ws")
   _check_drhs(config, sizes, m, offset)

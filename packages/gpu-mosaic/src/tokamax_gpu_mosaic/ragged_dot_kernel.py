@@ -171,9 +171,11 @@ class RaggedDotConfig:
     if self.drhs_kernel not in ("ring", "ws"):
       raise ValueError(f"drhs_kernel must be 'ring' or 'ws'; got {self.drhs_kernel}")
     if self.drhs_kernel == "ws":
-      # Each compute warpgroup of the "ws" drhs kernel holds a [128, block_n]
+      # Each compute warpgroup of the "ws" drhs kernel holds a [64, 2 block_n]
       # float32 tile (block_n registers per thread) and stages it in
-      # `out_pieces` column pieces of block_n / out_pieces.
+      # `out_pieces` column pieces of 2 block_n / out_pieces. Pieces of 64
+      # columns (block_n 64 in two) have not run on a GPU in this kernel:
+      # refused until they have.
       if self.block_n > 128:
         raise ValueError(f"drhs_kernel='ws' takes block_n <= 128 (its float32 tile "
                          f"needs block_n registers per thread); got {self.block_n}")
