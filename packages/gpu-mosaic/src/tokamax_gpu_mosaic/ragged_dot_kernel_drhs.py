@@ -5,7 +5,9 @@ contraction over the group's rows, whose length differs per group. A persistent
 grid walks (held group, K tile, N tile) items in bands of K tiles (`_drhs_item`).
 A group's rows are read in chunks from its start rounded down to 8 rows
 (swizzled TMA reads rows in 8-row units); in a chunk that reaches outside the
-group those rows are zeroed in shared memory before the wgmma (`_zero_outside`). An empty group's tiles are
+group those rows are zeroed in shared memory, in both operands, before the
+wgmma (`_zero_outside`): rows no held group owns may hold anything, inf and
+NaN included, and must add nothing. An empty group's tiles are
 zeros. Every output tile is written once, by one block: no atomics,
 deterministic. Two kernels (``RaggedDotConfig.drhs_kernel``):
 
@@ -150,8 +152,9 @@ def _drhs_ring(lhs, dout, starts, ends, *, out_dtype,
         row0 = first + c * bk
 
         @pl.when((row0 < start) | (row0 + bk > end))
-        def _mask():
+        def _mask():  # both operands: zero times zero, even for inf or NaN there
           _zero_outside(lhs_smem.at[slot], row0, start, end, dtype)
+          _zero_outside(dout_smem.at[slot], row0, start, end, dtype)
 
         plgpu.wgmma(acc_ref, lhs_smem.at[slot].transpose((1, 0)),
                     dout_smem.at[slot])
@@ -214,9 +217,10 @@ class _DrhsWs:
   equal there.
 
   In a chunk that reaches outside the group each compute warpgroup zeroes those
-  rows of its own lhs columns (disjoint columns: no barrier between the two).
-  dout's rows there are not zeroed, as in the "ring" kernel: they must be
-  finite (a neighbouring group's cotangent, or the rows past the groups).
+  rows of its own lhs columns and of its own half of dout's columns, then waits
+  for the other at the `masked` barrier (each reads all of dout): zero times
+  zero, so rows outside the group add nothing even where either operand holds
+  inf or NaN there (rows past the groups, or of groups not held).
   """
 
   config: Any
@@ -271,19 +275,29 @@ class _DrhsWs:
     zeros = _pipeline.zeros_tile((_WS_HALF, self.piece_n), self.out_dtype)
     store(lambda p: zeros)
 
-  def mma(self, wg, cwg, first, start, end, indices, a_smem, b_smem, acc_ref):
+  def mma(self, wg, cwg, masked, first, start, end, indices, a_smem, b_smem,
+          acc_ref):
     """Chunk ``indices[0]`` of the item (rows from ``first``) into `acc_ref`,
     rows outside ``[start, end)`` zeroed first; waits for the previous chunk's
     wgmma."""
-    bk, half = self.bk, _WS_HALF
+    bk, half, bn = self.bk, _WS_HALF, self.bn
     row0 = first + indices[0] * bk
+    boundary = (row0 < start) | (row0 + bk > end)
 
-    # Rows outside the group: zero them in this warpgroup's lhs columns.
+    # Rows outside the group: zero them in this warpgroup's lhs columns and
+    # its half of dout's columns; then both halves of dout must be zeroed.
     for w in range(2):
-      @pl.when((wg == w) & ((row0 < start) | (row0 + bk > end)))
+      @pl.when((wg == w) & boundary)
       def _mask():
         _zero_outside(a_smem.at[:, w * half:(w + 1) * half], row0, start, end,
                       self.dtype)
+        _zero_outside(b_smem.at[:, w * bn:(w + 1) * bn], row0, start, end,
+                      self.dtype)
+
+    @pl.when(boundary)
+    def _both_masked():
+      plgpu.barrier_arrive(masked)
+      plgpu.barrier_wait(masked)
 
     plgpu.wgmma(acc_ref, a_smem.at[:, pl.ds(cwg * half, half)].transpose((1, 0)),
                 b_smem)
@@ -308,8 +322,8 @@ class _DrhsWarpSpecialized(_DrhsWs):
         steps=self.config.num_stages)
 
     @functools.partial(pl.run_scoped, allocs=allocs, out_smem=self.out_staging(),
-                       collective_axes="wg")
-    def _scope(allocs, out_smem):
+                       masked=plgpu.Barrier(num_arrivals=2), collective_axes="wg")
+    def _scope(allocs, out_smem, masked):
       wg = lax.axis_index("wg")
       cwg = jnp.minimum(wg, 1)
       o_smem = out_smem.at[cwg]
@@ -317,13 +331,13 @@ class _DrhsWarpSpecialized(_DrhsWs):
       @plgpu.nd_loop((self.num_held * self.k_tiles * self.n_tiles,),
                      collective_axes="sm")
       def _item_loop(info):
-        self.item(info.index[0], wg, cwg, o_smem, bounds_ref, lhs_ref, dout_ref,
-                  out_ref, allocs)
+        self.item(info.index[0], wg, cwg, o_smem, masked, bounds_ref, lhs_ref,
+                  dout_ref, out_ref, allocs)
 
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  def item(self, index, wg, cwg, o_smem, bounds_ref, lhs_ref, dout_ref, out_ref,
-           allocs):
+  def item(self, index, wg, cwg, o_smem, masked, bounds_ref, lhs_ref, dout_ref,
+           out_ref, allocs):
     """One (group, K tile, N tile) item: its contraction, or zeros."""
     bk, cta_n = self.bk, 2 * self.bn
     g, ki, ni, start, end, first = _drhs_item(index, bounds_ref, self.k_tiles,
@@ -337,7 +351,7 @@ class _DrhsWarpSpecialized(_DrhsWs):
       # A window from the group's first row; its steps past the array end read
       # zeros (TMA), and rows past `end` are masked anyway.
       rows = pl.ds(first, self.m)
-      mma = functools.partial(self.mma, wg, cwg, first, start, end)
+      mma = functools.partial(self.mma, wg, cwg, masked, first, start, end)
       context = functools.partial(self.context, store)
       self.pipeline(mma, context, chunks)(
           lhs_ref.at[rows, pl.ds(k0, WS_K)], dout_ref.at[rows, pl.ds(n0, cta_n)],
@@ -379,10 +393,11 @@ class _DrhsChained(_DrhsWs):
                              transforms=swizzled(self.dtype, WS_K)),
         out_smem=self.out_staging(),
         full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        free=plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+        free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        masked=plgpu.Barrier(num_arrivals=2))
 
     @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-    def _scope(lhs_smem, dout_smem, out_smem, full, free):
+    def _scope(lhs_smem, dout_smem, out_smem, full, free, masked):
       ring = _pipeline.Ring(stages)
       items = (self.num_held * self.k_tiles * self.n_tiles,)
       wg = lax.axis_index("wg")
@@ -429,7 +444,7 @@ class _DrhsChained(_DrhsWs):
             def chunk(c, acc_ref):
               slot = ring.slot(step + c)
               plgpu.barrier_wait(full.at[slot])
-              self.mma(wg, cwg, first, start, end, (c,), lhs_smem.at[slot],
+              self.mma(wg, cwg, masked, first, start, end, (c,), lhs_smem.at[slot],
                        dout_smem.at[slot], acc_ref)
 
               # mma waited for the previous chunk's wgmma: its slot is free.
