@@ -14,6 +14,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pytest  # noqa: E402
+import drhs_ab  # noqa: E402
 import experiment_overlay  # noqa: E402
 import guard_cost  # noqa: E402
 import kernel_breakdown  # noqa: E402
@@ -771,3 +772,20 @@ def test_tools_refuse_what_would_select_nothing_or_crash(argv, says):
                         cwd=_TOOLS, capture_output=True, text=True, timeout=300)
   assert done.returncode == 2, done.stderr[-2000:]
   assert says in done.stderr
+
+
+def test_drhs_ab_loads_the_other_version_beside_the_installed(tmp_path):
+  other = tmp_path / "drhs_other.py"
+  other.write_text(pathlib.Path(drhs_ab.current.__file__).read_text()
+                   + "\nOTHER_VERSION = True\n")
+  module = drhs_ab.load_other(str(other))
+  assert module.OTHER_VERSION and not hasattr(drhs_ab.current, "OTHER_VERSION")
+  assert module.grouped_transposed_matmul is not drhs_ab.current.grouped_transposed_matmul
+
+
+@pytest.mark.parametrize("random", [False, True])
+def test_drhs_ab_group_sizes_cover_the_rows(random):
+  sizes = drhs_ab.group_sizes(65536, 256, random)
+  assert len(sizes) == 256 and sizes.sum() == 65536 and (sizes >= 0).all()
+  assert (len(set(sizes.tolist())) > 1) == random
+

@@ -207,14 +207,13 @@ class _DrhsWs:
   Splitting K rather than N makes each wgmma ``m64n(2 block_n)``: one wide
   instruction where the N split ran two ``m64n(block_n)`` ones (each warpgroup
   reading the whole lhs chunk), and at block_n 128 a boundary chunk's mask
-  half as large. H200 bf16, drhs
-  alone, CUPTI, 15 interleaved rounds (notes/MEASUREMENTS.md, session 70),
-  N split -> K split: MoE up M16384 K4096 N28672 G8 random 4.875 -> 4.779 ms,
-  down K14336 N4096 2.488 -> 2.435, M16384 K2048 N16384 G16 1.401 -> 1.379,
-  M65536 K7168 N2048 G256 random 4.211 -> 3.901, M16384 K4096 N4096 G64
-  random 1.121 -> 1.030, M65536 K2048 N768 G128 random 0.408 -> 0.385; M8192
-  K7168 N2048 G256 random (32 rows a group) 2.212 -> 2.268. Outputs bitwise
-  equal there.
+  half as large. H200 bf16, drhs alone, CUPTI, 15 interleaved rounds
+  (notes/MEASUREMENTS.md, session 70), N split -> K split: MoE up M16384
+  K4096 N28672 G8 random 4.875 -> 4.779 ms, down K14336 N4096 2.488 -> 2.435,
+  M16384 K2048 N16384 G16 1.401 -> 1.379, M65536 K7168 N2048 G256 random
+  4.211 -> 3.901, M16384 K4096 N4096 G64 random 1.121 -> 1.030, M65536 K2048
+  N768 G128 random 0.408 -> 0.385; M8192 K7168 N2048 G256 random (32 rows a
+  group) 2.212 -> 2.268. Outputs bitwise equal there.
 
   In a chunk that reaches outside the group each compute warpgroup zeroes those
   rows of its own lhs columns and of its own half of dout's columns, then waits
