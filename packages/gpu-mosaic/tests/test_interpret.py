@@ -497,15 +497,26 @@ def _check_grouped_matmul(config, k, offset, transpose_rhs, what):
   testing.assert_close(out, want, jnp.bfloat16, what=what)
 
 
-def _check_drhs(config, sizes, m, offset, k=256, n=256, out_dtype=jnp.float32):
+def _check_drhs(config, sizes, m, offset, k=256, n=256, out_dtype=jnp.float32,
+                poison_outside=False):
   """The "ws" drhs kernel under `config` against the float32 reference's rhs
-  gradient."""
+  gradient. `poison_outside`: the kernel's operands hold NaN (lhs) and inf
+  (dout) in the rows no held group owns, which must not reach the result."""
   held = len(sizes) - offset
   lhs, dout = _normal((m, k), jnp.bfloat16), _normal((m, n), jnp.bfloat16)
   gs = jnp.asarray(sizes, jnp.int32)
   starts, ends = tokamax.plugin.held_row_ranges(gs, jnp.int32(offset), held, m)
+  kernel_lhs, kernel_dout = lhs, dout
+  if poison_outside:
+    rows = jnp.arange(m)[:, None]
+    outside = (rows < starts[0]) | (rows >= ends[-1])
+    kernel_lhs = jnp.where(outside, jnp.nan, lhs).astype(lhs.dtype)
+    kernel_dout = jnp.where(outside, jnp.inf, dout).astype(dout.dtype)
+    # The reference's operands hold zeros there (what those rows contribute).
+    lhs = jnp.where(outside, 0, lhs).astype(lhs.dtype)
+    dout = jnp.where(outside, 0, dout).astype(dout.dtype)
   with tokamax.interpret():
-    out = rdd.grouped_transposed_matmul(lhs, dout, starts, ends,
+    out = rdd.grouped_transposed_matmul(kernel_lhs, kernel_dout, starts, ends,
                                         out_dtype=out_dtype, config=config)
   # drhs is the gradient of the XLA reference with respect to rhs.
   rhs = jnp.zeros((held, k, n), jnp.float32)
@@ -541,6 +552,47 @@ def test_ragged_dot_drhs_wide_tiles(chain_items):
                                chain_items=chain_items)
   _check_drhs(config, [60, 0, 150, 37, 0, 120, 3], 420, 0, k=200, n=392,
               out_dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("kernel,chain_items", [
+    ("ws", False), ("ws", True), ("ring", True)], ids=["per-item", "chained", "ring"])
+def test_ragged_dot_drhs_ignores_rows_outside_the_groups(kernel, chain_items):
+  """NaN in lhs and inf in dout in the rows of groups not held (the first 160
+  rows, before the held groups from the third) and past the groups (the last
+  61): the drhs of the held groups is the reference's, finite."""
+  config = rdk.RaggedDotConfig(block_m=128, block_n=64, block_k=64,
+                               num_stages=3, drhs_kernel=kernel,
+                               chain_items=chain_items)
+  _check_drhs(config, [100, 60, 37, 0, 120, 3], 320 + 61, 2, poison_outside=True)
+
+
+def test_ragged_dot_rows_past_the_groups_add_nothing():
+  """The op, forward and backward, with NaN in lhs's rows past the groups and
+  inf in the cotangent's: the output and dlhs there are zeros, and every
+  result matches the reference on the same operands with zeros there."""
+  m, k, n, valid = 381, 256, 192, 320
+  sizes = jnp.asarray([100, 60, 37, 0, 120, 3], jnp.int32)
+  lhs, dy = _normal((m, k), jnp.bfloat16), _normal((m, n), jnp.bfloat16)
+  rhs = _normal((6, k, n), jnp.bfloat16, k**-0.5)
+  past = (jnp.arange(m) >= valid)[:, None]
+
+  def fill(x, value):
+    return jnp.where(past, value, x).astype(x.dtype)
+
+  def call(implementation):
+    return lambda x, w: tokamax.ragged_dot(x, w, sizes, implementation=implementation)
+  with tokamax.interpret(), tokamax.record_dispatch() as records:
+    out, vjp = jax.vjp(call("mosaic_gpu"), fill(lhs, jnp.nan), rhs)
+    dlhs, drhs = vjp(fill(dy, jnp.inf))
+  assert [(r.direction, r.implementation) for r in records] == [
+      ("forward", "mosaic_gpu"), ("backward", "mosaic_gpu")]
+  want, want_vjp = jax.vjp(call("xla"), fill(lhs, 0).astype(jnp.float32),
+                           rhs.astype(jnp.float32))
+  want_dlhs, want_drhs = want_vjp(fill(dy, 0).astype(jnp.float32))
+  for name, got, ref in (("out", out, want), ("dlhs", dlhs, want_dlhs),
+                         ("drhs", drhs, want_drhs)):
+    testing.assert_close(got.astype(jnp.float32), ref, jnp.bfloat16, what=name)
+  assert not jnp.any(out[valid:]) and not jnp.any(dlhs[valid:])
 
 
 @pytest.mark.parametrize("config", [

@@ -5,8 +5,13 @@ contraction over the group's rows, whose length differs per group. A persistent
 grid walks (held group, K tile, N tile) items in bands of K tiles (`_drhs_item`).
 A group's rows are read in chunks from its start rounded down to 8 rows
 (swizzled TMA reads rows in 8-row units); in a chunk that reaches outside the
-group those rows are zeroed in shared memory before the wgmma (`_zero_outside`). An empty group's tiles are
-zeros. Every output tile is written once, by one block: no atomics,
+group those rows are zeroed in shared memory before the wgmma (`_zero_outside`),
+in lhs always and in dout too where the chunk reaches outside the held groups'
+rows (`_outside_held`): rows past the groups, or of groups another shard holds,
+may hold anything, inf and NaN included, and must add nothing. Rows of a
+neighbouring held group are zeroed in lhs only, so they must be finite in dout
+(inf or NaN there makes that group's own gradient non-finite anyway). An empty
+group's tiles are zeros. Every output tile is written once, by one block: no atomics,
 deterministic. Two kernels (``RaggedDotConfig.drhs_kernel``):
 
 - "ring" (`_drhs_ring`): one warpgroup per block with a hand-rolled
@@ -88,6 +93,19 @@ def _drhs_item(idx, bounds_ref, k_tiles: int, n_tiles: int):
   return g, ki, ni, start, end, start - start % 8
 
 
+def _held_rows(bounds_ref, num_held: int):
+  """Rows ``[first, end)`` that the held groups own, together (they are
+  contiguous)."""
+  return bounds_ref[0, 0], bounds_ref[num_held - 1, 1]
+
+
+def _outside_held(row0, rows, held) -> Any:
+  """Whether the `rows` rows from `row0` reach outside the held groups' rows
+  `held` (`_held_rows`): only there may dout hold non-finite values that must be
+  zeroed (edge chunks of the first and last held groups)."""
+  return (row0 < held[0]) | (row0 + rows > held[1])
+
+
 def _zero_outside(ref, row0, start: Any, end: Any, dtype):
   """Zeroes the rows of the chunk `ref` (its first row is `row0`) outside the
   group's rows ``[start, end)``, in shared memory."""
@@ -123,6 +141,8 @@ def _drhs_ring(lhs, dout, starts, ends, *, out_dtype,
 
   def kernel(bounds_ref, lhs_ref, dout_ref, out_ref, lhs_smem, dout_smem,
              out_smem, barriers):
+    held = _held_rows(bounds_ref, num_held)
+
     @plgpu.nd_loop((num_held * k_tiles * n_tiles,), collective_axes="sm")
     def _item_loop(info):
       g, ki, ni, start, end, first = _drhs_item(info.index[0], bounds_ref,
@@ -152,6 +172,10 @@ def _drhs_ring(lhs, dout, starts, ends, *, out_dtype,
         @pl.when((row0 < start) | (row0 + bk > end))
         def _mask():
           _zero_outside(lhs_smem.at[slot], row0, start, end, dtype)
+
+        @pl.when(_outside_held(row0, bk, held))
+        def _mask_dout():  # zero times zero, even for inf or NaN there
+          _zero_outside(dout_smem.at[slot], row0, start, end, dtype)
 
         plgpu.wgmma(acc_ref, lhs_smem.at[slot].transpose((1, 0)),
                     dout_smem.at[slot])
@@ -213,9 +237,16 @@ class _DrhsWs:
   group) 2.212 -> 2.268. Outputs bitwise equal there.
 
   In a chunk that reaches outside the group each compute warpgroup zeroes those
-  rows of its own lhs columns (disjoint columns: no barrier between the two).
-  dout's rows there are not zeroed, as in the "ring" kernel: they must be
-  finite (a neighbouring group's cotangent, or the rows past the groups).
+  rows of its own lhs columns (disjoint: no barrier). Where the chunk also
+  reaches outside the held groups' rows (`_outside_held`: rows past the groups,
+  or of groups not held, which may hold inf or NaN in dout too), each zeroes
+  them in its own half of dout's columns as well, then waits for the other at
+  the `masked` barrier (each reads all of dout): zero times zero there. Only
+  items whose rows reach outside the held rows (`edge_item`) run that code, a
+  second copy of the chunk loop (``edge`` given to `mma`): the dout mask and
+  barrier in every boundary chunk cost 3.5% at the MoE shapes and 13-16% at
+  G64-G256, and even a branch on the edge chunk in every chunk cost 1-2.5%
+  (H200, interleaved A/Bs, notes/MEASUREMENTS.md session 71).
   """
 
   config: Any
@@ -270,11 +301,19 @@ class _DrhsWs:
     zeros = _pipeline.zeros_tile((_WS_HALF, self.piece_n), self.out_dtype)
     store(lambda p: zeros)
 
-  def mma(self, wg, cwg, first, start, end, indices, a_smem, b_smem, acc_ref):
+  def edge_item(self, first, chunks, held):
+    """Whether an item's `chunks` chunks from row `first` reach outside the
+    held rows `held`: then it runs `mma` with ``edge``."""
+    return _outside_held(first, chunks * self.bk, held)
+
+  def mma(self, wg, cwg, edge, first, start, end, indices, a_smem, b_smem,
+          acc_ref):
     """Chunk ``indices[0]`` of the item (rows from ``first``) into `acc_ref`,
     rows outside ``[start, end)`` zeroed first; waits for the previous chunk's
-    wgmma."""
-    bk, half = self.bk, _WS_HALF
+    wgmma. ``edge``, for items that reach outside the held rows, is (the
+    `masked` barrier, the held rows): there dout's rows are zeroed too in chunks
+    outside the held rows."""
+    bk, half, bn = self.bk, _WS_HALF, self.bn
     row0 = first + indices[0] * bk
 
     # Rows outside the group: zero them in this warpgroup's lhs columns.
@@ -283,6 +322,20 @@ class _DrhsWs:
       def _mask():
         _zero_outside(a_smem.at[:, w * half:(w + 1) * half], row0, start, end,
                       self.dtype)
+
+    if edge is not None:
+      masked, held = edge
+      outside_held = _outside_held(row0, bk, held)
+      for w in range(2):  # this warpgroup's half of dout's columns
+        @pl.when((wg == w) & outside_held)
+        def _mask_dout():
+          _zero_outside(b_smem.at[:, w * bn:(w + 1) * bn], row0, start, end,
+                        self.dtype)
+
+      @pl.when(outside_held)
+      def _both_masked():  # each warpgroup's wgmma reads both halves of dout
+        plgpu.barrier_arrive(masked)
+        plgpu.barrier_wait(masked)
 
     plgpu.wgmma(acc_ref, a_smem.at[:, pl.ds(cwg * half, half)].transpose((1, 0)),
                 b_smem)
@@ -307,8 +360,8 @@ class _DrhsWarpSpecialized(_DrhsWs):
         steps=self.config.num_stages)
 
     @functools.partial(pl.run_scoped, allocs=allocs, out_smem=self.out_staging(),
-                       collective_axes="wg")
-    def _scope(allocs, out_smem):
+                       masked=plgpu.Barrier(num_arrivals=2), collective_axes="wg")
+    def _scope(allocs, out_smem, masked):
       wg = lax.axis_index("wg")
       cwg = jnp.minimum(wg, 1)
       o_smem = out_smem.at[cwg]
@@ -316,13 +369,13 @@ class _DrhsWarpSpecialized(_DrhsWs):
       @plgpu.nd_loop((self.num_held * self.k_tiles * self.n_tiles,),
                      collective_axes="sm")
       def _item_loop(info):
-        self.item(info.index[0], wg, cwg, o_smem, bounds_ref, lhs_ref, dout_ref,
-                  out_ref, allocs)
+        self.item(info.index[0], wg, cwg, o_smem, masked, bounds_ref, lhs_ref,
+                  dout_ref, out_ref, allocs)
 
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  def item(self, index, wg, cwg, o_smem, bounds_ref, lhs_ref, dout_ref, out_ref,
-           allocs):
+  def item(self, index, wg, cwg, o_smem, masked, bounds_ref, lhs_ref, dout_ref,
+           out_ref, allocs):
     """One (group, K tile, N tile) item: its contraction, or zeros."""
     bk, cta_n = self.bk, 2 * self.bn
     g, ki, ni, start, end, first = _drhs_item(index, bounds_ref, self.k_tiles,
@@ -331,16 +384,21 @@ class _DrhsWarpSpecialized(_DrhsWs):
     k0, n0 = ki * WS_K, ni * cta_n
     store = functools.partial(self.store, cwg, o_smem, out_ref, g, k0, n0)
 
-    @pl.when(chunks > 0)
-    def _contract():
+    held = _held_rows(bounds_ref, self.num_held)
+    edge_item = self.edge_item(first, chunks, held)
+
+    def contract(edge):
       # A window from the group's first row; its steps past the array end read
       # zeros (TMA), and rows past `end` are masked anyway.
       rows = pl.ds(first, self.m)
-      mma = functools.partial(self.mma, wg, cwg, first, start, end)
+      mma = functools.partial(self.mma, wg, cwg, edge, first, start, end)
       context = functools.partial(self.context, store)
       self.pipeline(mma, context, chunks)(
           lhs_ref.at[rows, pl.ds(k0, WS_K)], dout_ref.at[rows, pl.ds(n0, cta_n)],
           allocations=allocs)
+
+    pl.when((chunks > 0) & ~edge_item)(lambda: contract(None))
+    pl.when((chunks > 0) & edge_item)(lambda: contract((masked, held)))
 
     @pl.when((chunks == 0) & (wg < 2))
     def _empty_group():
@@ -378,10 +436,11 @@ class _DrhsChained(_DrhsWs):
                              transforms=swizzled(self.dtype, WS_K)),
         out_smem=self.out_staging(),
         full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        free=plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+        free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        masked=plgpu.Barrier(num_arrivals=2))
 
     @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-    def _scope(lhs_smem, dout_smem, out_smem, full, free):
+    def _scope(lhs_smem, dout_smem, out_smem, full, free, masked):
       ring = _pipeline.Ring(stages)
       items = (self.num_held * self.k_tiles * self.n_tiles,)
       wg = lax.axis_index("wg")
@@ -413,6 +472,7 @@ class _DrhsChained(_DrhsWs):
       def consumer():
         cwg = jnp.minimum(wg, 1)
         o_smem = out_smem.at[cwg]
+        held = _held_rows(bounds_ref, self.num_held)
 
         @plgpu.nd_loop(items, collective_axes="sm", init_carry=jnp.int32(0))
         def _items(info, carry):
@@ -423,12 +483,13 @@ class _DrhsChained(_DrhsWs):
           store = functools.partial(self.store, cwg, o_smem, out_ref, g, ki * WS_K,
                                     ni * cta_n)
 
-          @pl.when(chunks > 0)
-          def _contract():
+          edge_item = self.edge_item(first, chunks, held)
+
+          def contract_item(edge):
             def chunk(c, acc_ref):
               slot = ring.slot(step + c)
               plgpu.barrier_wait(full.at[slot])
-              self.mma(wg, cwg, first, start, end, (c,), lhs_smem.at[slot],
+              self.mma(wg, cwg, edge, first, start, end, (c,), lhs_smem.at[slot],
                        dout_smem.at[slot], acc_ref)
 
               # mma waited for the previous chunk's wgmma: its slot is free.
@@ -444,6 +505,9 @@ class _DrhsChained(_DrhsWs):
               return acc_ref[...]
             acc = pl.run_scoped(contract, self.acc_type())
             self.store_acc(store, acc)
+
+          pl.when((chunks > 0) & ~edge_item)(lambda: contract_item(None))
+          pl.when((chunks > 0) & edge_item)(lambda: contract_item((masked, held)))
 
           @pl.when(chunks == 0)
           def _empty_group():
