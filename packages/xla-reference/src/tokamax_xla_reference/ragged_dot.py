@@ -77,6 +77,12 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     precision = jax.lax.Precision.HIGHEST
   offset = 0 if group_offset is None else group_offset
   row_group = group_ids(group_sizes, lhs.shape[0]) - offset
+  # Rows no held group owns (past the groups, or of groups rhs does not hold)
+  # may hold anything, inf and NaN included: selected away here, the gradient
+  # with respect to rhs takes zero times zero there, not zero times their values
+  # (the product below selects the cotangent's rows per group).
+  held = (row_group >= 0) & (row_group < rhs.shape[0])
+  lhs = jnp.where(held[:, None], lhs, jnp.zeros((), lhs.dtype))
 
   def add_group(out, g):
     rows = (row_group == g)[:, None]

@@ -171,10 +171,12 @@ def _glu_cases() -> list[Case]:
 
 
 def _ragged_dot_cases() -> list[Case]:
-  def c(name, sizes, m=None, k=32, n=24, g_rhs=None, quick=False, **options):
+  def c(name, sizes, m=None, k=32, n=24, g_rhs=None, quick=False,
+        not_finite_outside=False, **options):
     m = sum(sizes) if m is None else m
     return Case("ragged_dot", name,
-                dict(m=m, k=k, n=n, sizes=tuple(sizes), g_rhs=g_rhs), options, quick)
+                dict(m=m, k=k, n=n, sizes=tuple(sizes), g_rhs=g_rhs,
+                     not_finite_outside=not_finite_outside), options, quick)
 
   return [
       c("equal_groups", (10, 10, 10), quick=True),
@@ -188,6 +190,11 @@ def _ragged_dot_cases() -> list[Case]:
       c("preferred_float32", (6, 11), preferred_element_type=jnp.float32),
       c("odd_dims", (3, 8, 2), k=13, n=5),
       c("larger", (40, 0, 70, 33), k=96, n=80),
+      # NaN in lhs and inf in the output's cotangent in the rows no held group
+      # owns (of groups rhs does not hold, and past the groups: padding): they
+      # must reach no output or gradient (`_outside_held_rows`).
+      c("rows_outside_not_finite", (5, 7, 0, 9, 3), m=40, k=72, n=40, g_rhs=3,
+        group_offset=1, not_finite_outside=True, quick=True),
   ]
 
 
@@ -297,11 +304,42 @@ def _ragged_dot_inputs(case: Case, rng, dtype):
   floats = dict(lhs=_normal(rng, (sh["m"], sh["k"]), dtype),
                 rhs=_normal(rng, (g_rhs, sh["k"], sh["n"]), dtype) / float(np.sqrt(sh["k"])))
   group_sizes = jnp.asarray(sizes, jnp.int32)
+  outside = (_outside_held_rows(case) if sh.get("not_finite_outside") else None)
 
   def fn(f, implementation, precision):
-    return tokamax.ragged_dot(f["lhs"], f["rhs"], group_sizes, precision=precision,
-                              implementation=implementation, **case.options)
+    lhs = f["lhs"]
+    if outside is not None:
+      lhs = jnp.where(outside, jnp.nan, lhs).astype(lhs.dtype)
+    out = tokamax.ragged_dot(lhs, f["rhs"], group_sizes, precision=precision,
+                             implementation=implementation, **case.options)
+    return out if outside is None else _cotangent_inf_where(outside)(out)
   return fn, floats
+
+
+def _outside_held_rows(case: Case) -> np.ndarray:
+  """``[M, 1]`` bool: the rows no group that rhs holds owns (the groups before
+  ``group_offset``, and the rows past the groups)."""
+  sh = case.shapes
+  ends = np.cumsum(sh["sizes"])
+  offset = case.options.get("group_offset", 0)
+  held_end = ends[offset + (sh["g_rhs"] or len(sh["sizes"])) - 1]
+  held_start = ends[offset - 1] if offset else 0
+  rows = np.arange(sh["m"])[:, None]
+  return (rows < held_start) | (rows >= held_end)
+
+
+def _cotangent_inf_where(rows: np.ndarray) -> Callable[[jax.Array], jax.Array]:
+  """The identity, whose cotangent gets inf in `rows` on its way back (as from
+  a loss that is not finite in rows that must add nothing)."""
+  @jax.custom_vjp
+  def identity(out):
+    return out
+
+  def backward(_, g):
+    return (jnp.where(rows, jnp.inf, g).astype(g.dtype),)
+
+  identity.defvjp(lambda out: (out, None), backward)
+  return identity
 
 
 _INPUTS = {
@@ -399,6 +437,12 @@ def check_case(case: Case, implementation: Any, dtype: str = "float32", *,
                            jnp.float32) if gradients else None)
   ref, ref_grads = _reference(case, dtype, seed, forward(HIGHEST, "xla"),
                               _upcast(floats), cotangent)
+  if case.shapes.get("not_finite_outside"):
+    # The check below lets non-finite values through where the reference has
+    # them: here it must have none.
+    for name, value in (("forward", ref), *(ref_grads or {}).items()):
+      assert np.isfinite(np.asarray(value)).all(), (
+          f"{note}: the reference's {name} is not finite")
   try:
     out, grads = _jitted_results(forward(None, implementation), floats, cotangent)
   except NotImplementedError:
