@@ -195,6 +195,102 @@ _DENSE_XLA_CASES = {
 }
 
 
+# Random cases (`TOKAMAX_SWEEP_RANDOM=<count>`, `TOKAMAX_SWEEP_SEED=<seed>`): calls of
+# the kinds a user or an outside checker picks, drawn rather than listed, so that
+# each new seed tries feature mixes, lengths and head counts no fixed list holds.
+_RANDOM_ENV = "TOKAMAX_SWEEP_RANDOM"
+_SEED_ENV = "TOKAMAX_SWEEP_SEED"
+# Most drawn lengths are realistic (256-16384), a fifth short (1-255); B * N * T * S
+# stays below this many score elements, so that a case's float32 reference (over
+# query blocks, at HIGHEST precision) runs in seconds.
+_RANDOM_MAX_SCORES = 2**29
+
+
+def _random_length(rng: np.random.Generator) -> int:
+  """A length log-uniform over 256-16384 (1-255 one time in five): odd, off
+  the tiles, or a power of two."""
+  low, high = (1, 256) if rng.random() < 0.2 else (256, 16384)
+  n = int(np.exp(rng.uniform(np.log(low), np.log(high))))
+  kind = rng.integers(3)
+  if kind == 0:
+    return n | 1  # odd
+  if kind == 1:
+    return n
+  return 1 << (n.bit_length() - 1)  # a power of two
+
+
+def _random_window(rng: np.random.Generator, t: int, s: int):
+  """A (left, right) window: sides 0, small, large or None (unbounded)."""
+  def side():
+    kind = rng.integers(4)
+    if kind == 0:
+      return 0
+    if kind == 1:
+      return int(rng.integers(1, 64))
+    if kind == 2:
+      return int(rng.integers(64, max(65, max(t, s))))
+    return None
+  while True:
+    window = (side(), side())
+    if window != (None, None):
+      return window
+
+
+def random_case(seed: int, index: int) -> SweepCase:
+  """The `index`-th random case of `seed` (the same on every worker)."""
+  rng = np.random.default_rng([seed, index])
+  k = int(rng.choice([1, 2, 4]))
+  n = k * int(rng.choice([1, 2, 4, 8]))
+  h = int(rng.choice([64, 128, 128, 256]))
+  t = _random_length(rng)
+  s = t if rng.random() < 0.4 else _random_length(rng)
+  b = int(rng.integers(1, 4))
+  features: dict[str, Any] = {}
+  if rng.random() < 0.5:
+    features["is_causal"] = True
+  if rng.random() < 0.4:
+    features["window"] = _random_window(rng, t, s)
+  if rng.random() < 0.25:
+    features["q_lengths"] = tuple(float(f) for f in rng.choice(
+        [0.0, 0.3, 0.55, 1.0], b))
+  if rng.random() < 0.25:
+    features["kv_lengths"] = tuple(float(f) for f in rng.choice(
+        [0.0, 0.1, 0.6, 1.0], b))
+  if rng.random() < 0.2:
+    features["segments"] = True
+  if rng.random() < 0.15:
+    features["bias"] = str(rng.choice(["BNTS", "1NTS", "B1TS", "11TS"]))
+  if rng.random() < 0.1:
+    features["mask"] = str(rng.choice(["B1TS", "1NTS", "BNTS"]))
+  if rng.random() < 0.15:
+    features["soft_cap"] = float(rng.choice([2.0, 30.0]))
+  if rng.random() < 0.2:
+    features["sinks"] = True
+  dtype = str(rng.choice(["bfloat16", "float16"]))
+  # A dense bias or mask is B * N * T * S host and device elements (several
+  # copies in float32): fewer of them than of scores alone.
+  limit = _RANDOM_MAX_SCORES >> (3 if "bias" in features or "mask" in features
+                                 else 0)
+  while b > 1 and b * n * t * s > limit:
+    b -= 1
+  while n > k and b * n * t * s > limit:
+    n //= 2
+  while b * n * t * s > limit:  # one row and kv head: shorten the longer side
+    t, s = (t // 2 | 1, s) if t >= s else (t, s // 2 | 1)
+  for name, default in (("q_lengths", 1.0), ("kv_lengths", 1.0)):
+    if name in features:  # one fraction per batch row
+      features[name] = (features[name] + (default,) * b)[:b]
+  feature = "_".join(sorted(features)) or "plain"
+  return SweepCase(size=f"r{seed}_{index}-b{b}t{t}s{s}n{n}k{k}", feature=feature,
+                   dtype=dtype, h=h, b=b, t=t, s=s, n=n, k=k, **features)
+
+
+def random_cases() -> list[SweepCase]:
+  count = int(os.environ.get(_RANDOM_ENV, "0"))
+  seed = int(os.environ.get(_SEED_ENV, "0"))
+  return [random_case(seed, i) for i in range(count)]
+
+
 def _make_case(size, feature, dtype="bfloat16", h=128) -> SweepCase:
   return SweepCase(size=size, feature=feature, dtype=dtype, h=h, **SIZES[size],
                    **FEATURES[feature])
@@ -573,7 +669,7 @@ def _sweep_scale() -> float | None:
 
 
 _IMPLEMENTATIONS = gpu_implementations() + [None]
-_CASES = sweep_cases()
+_CASES = sweep_cases() + random_cases()
 
 
 def _params():
@@ -643,3 +739,27 @@ def test_harness_smoke():
   window = _scaled_window(cases[0].window[0], _SMOKE_SCALE)
   with pytest.raises(AssertionError, match="forward"):
     run_case(cases[0], "xla_chunked", _SMOKE_SCALE, _call_window=(window, window))
+
+
+def test_random_cases_are_reproducible_and_run():
+  """`TOKAMAX_SWEEP_RANDOM`'s cases: the same for a seed on every worker, other for
+  another seed, every feature drawn within 40 cases, and they run through the
+  harness (tiny, on any machine)."""
+  first = [random_case(5, i) for i in range(40)]
+  assert first == [random_case(5, i) for i in range(40)]
+  assert first != [random_case(6, i) for i in range(40)]
+  assert len({c.id for c in first}) == len(first)
+  drawn = {field for c in first for field in ("is_causal", "window", "q_lengths",
+                                              "kv_lengths", "segments", "bias",
+                                              "mask", "soft_cap", "sinks")
+           if getattr(c, field)}
+  assert len(drawn) == 9, drawn
+  assert {c.h for c in first} == {64, 128, 256}
+  assert {c.dtype for c in first} == {"bfloat16", "float16"}
+  for c in first:
+    assert c.b * c.n * c.t * c.s <= _RANDOM_MAX_SCORES and c.n % c.k == 0
+    for lengths in (c.q_lengths, c.kv_lengths):
+      assert lengths is None or len(lengths) == c.b
+  for case in first[:4]:
+    record = run_case(case, "xla_chunked", _SMOKE_SCALE)
+    assert record["status"] == "passed" and record["forward"] == ["xla_chunked"]

@@ -4,6 +4,7 @@
     python tools/none_check.py --op dot_product_attention [--shape B,T,N,K,H[,causal]] ...
     python tools/none_check.py --op gated_linear_unit [--shape M,K,N] ...
     python tools/none_check.py --op layer_norm [--shape ROWS,D[,rms]] ...
+    python tools/none_check.py --op OP --random COUNT [--seed S]
 
 For each shape (ragged_dot's default: the H200 grid's random-split shapes and six
 it was never tuned at; the other ops': calls between or beyond their grid points,
@@ -22,6 +23,9 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import Callable, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
 
 from tokamax._src import bench_suite
 from tokamax._src.ops.attention import problems as attention_problems
@@ -63,6 +67,57 @@ OFF_GRID_NORM = [
     (65536, 3072, True), (12000, 4096, False), (2048, 12288, True),
     (3072, 4096, False), (3072, 1024, True),
 ]
+
+
+def random_problems(op: str, count: int, seed: int) -> list:
+  """`count` calls of `op` drawn with `seed`: the sizes a user (or an outside
+  checker) might pick rather than the ones listed here, so that each new seed
+  tries `None`'s choice where nothing was measured."""
+  rng = np.random.default_rng([seed, sorted(OPS).index(op)])
+
+  def pick(*values):
+    return values[int(rng.integers(len(values)))]
+
+  def log_uniform(low, high, multiple=1):
+    value = int(np.exp(rng.uniform(np.log(low), np.log(high))))
+    return max(multiple, value // multiple * multiple)
+
+  drawn = []
+  for _ in range(count):
+    if op == "ragged_dot":  # MoE widths of DeepSeek-, Mixtral- and Qwen-like models
+      k, n = pick(2048, 3072, 4096, 5120, 7168), pick(768, 1408, 1536, 2048, 4096,
+                                                      14336, 28672)
+      g = pick(8, 16, 32, 64, 128, 160, 256)
+      m = log_uniform(max(4096, 16 * g), 65536, 8)
+      while m * k * n > 2**42 and m > g * 64:  # a few ms at most
+        m //= 2
+      drawn.append(ragged_dot_problems.problem(m, k, n, g, bool(rng.random() < 0.8)))
+    elif op == "dot_product_attention":
+      kv, h = pick(1, 4, 8, 16, 32), pick(64, 128, 128, 256)
+      n = kv * pick(1, 2, 4, 8)
+      while n > 64:
+        n //= 2
+      t = pick(log_uniform(1024, 32768), log_uniform(1024, 32768, 128))
+      b = max(1, 16384 // t) if rng.random() < 0.5 else max(1, 65536 // t)
+      while b * n * t > 2**21 and b > 1:  # about 16k tokens of 128 heads or fewer
+        b //= 2
+      causal = bool(rng.random() < 0.6)
+      window = pick(None, None, 512, 1024, 4096) if causal else None
+      dtype = attention_problems.BF16 if rng.random() < 0.8 else jnp.float16
+      drawn.append(attention_problems.problem(b, t, n, kv, h, causal, dtype,
+                                              window=window))
+    elif op == "gated_linear_unit":
+      d = pick(2048, 3072, 4096, 5120, 8192)
+      f = pick(d * 2, d * 3, d * 7 // 2, 11008, 13824, 14336)
+      m = log_uniform(1024, 32768, pick(1, 8, 128))
+      drawn.append(glu_problems.problem(m, d, f))
+    else:
+      d = log_uniform(1024, 16384, pick(128, 1024))
+      rows = log_uniform(4096, 65536, pick(1, 8, 1024))
+      while rows * d > 2**28:
+        rows //= 2
+      drawn.append(norm_problems.problem(rows, d, bool(rng.random() < 0.5)))
+  return drawn
 
 
 def default_problems() -> list:
@@ -147,10 +202,21 @@ def main() -> int:
                            "composed and xla (gated_linear_unit), mosaic_gpu, "
                            "triton and xla (layer_norm)")
   parser.add_argument("--iterations", type=positive_int, default=10)
+  parser.add_argument("--random", type=positive_int, default=None, metavar="COUNT",
+                      help="instead of the listed shapes, COUNT shapes drawn with "
+                           "--seed (realistic model sizes, odd ones included)")
+  parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args()
   op = OPS[args.op]
   named = args.implementation or list(op.implementations)
-  chosen = problems_from(parser, args.op, args.shape) if args.shape else op.defaults()
+  if args.shape and args.random:
+    parser.error("--shape and --random: give one of them")
+  if args.random:
+    chosen = random_problems(args.op, args.random, args.seed)
+  elif args.shape:
+    chosen = problems_from(parser, args.op, args.shape)
+  else:
+    chosen = op.defaults()
   worst = 0.0
   for p in chosen:
     p = bench_suite.select_peers(p, [])
