@@ -19,9 +19,9 @@ forward's, as the conformance suite does). A wrong result is a failure. Dispatch
 records show that the named implementation ran the forward; the backward that ran
 is recorded (it may be another implementation's).
 
-Run it on a GPU (5 minutes on one H200 before the two bias_masks_rows cases:
-158 tests, 307 s; --dist loadgroup keeps each case's reference on one worker,
-computed once)::
+Run it on a GPU (about 6 minutes on one H200: 193 tests, 323 s in session 71,
+before the t1024s4096 cases; --dist loadgroup keeps each case's reference on one
+worker, computed once)::
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python -m pytest -n 4 --dist loadgroup \\
         -m gpu integration_tests/test_gpu_attention_sweep.py -rs
@@ -34,6 +34,14 @@ mode; the others refuse there)::
 
     TOKAMAX_SWEEP_SCALE=0.01 python -m pytest -m gpu \\
         integration_tests/test_gpu_attention_sweep.py -k "xla_chunked and t4097s3001"
+
+``TOKAMAX_SWEEP_RANDOM=<count>`` adds that many drawn cases (``TOKAMAX_SWEEP_SEED``,
+default 0, picks them): lengths 1-16384, head counts, GQA/MQA, head dims, dtypes and
+random mixes of every feature, as an outside checker would choose them (20-24
+such cases ran in 170 s on an H200; their ids start with ``r<seed>_``)::
+
+    TOKAMAX_SWEEP_RANDOM=24 TOKAMAX_SWEEP_SEED=72 python -m pytest -n 4 \
+        --dist loadgroup -m gpu integration_tests/test_gpu_attention_sweep.py -k r72_
 
 Without a GPU and without that variable, the sweep's tests skip. `test_harness_smoke`
 (not marked gpu) runs a few tiny cases through the same harness on any machine.
@@ -120,6 +128,8 @@ SIZES = {
     "t1023s4097": dict(b=2, t=1023, s=4097, n=4, k=1),
     # Long: T = S = 16384; GQA.
     "t16384": dict(b=1, t=16384, s=16384, n=4, k=2),
+    # T < S, lengths cuDNN's backward takes (multiples of 64); GQA.
+    "t1024s4096": dict(b=2, t=1024, s=4096, n=4, k=2),
 }
 
 # Window sizes are in full-scale positions: "large" ones shrink with the scale.
@@ -173,6 +183,9 @@ _FEATURES_PER_SIZE = {
                    "sinks_window_lengths"),
     "t1023s4097": ("win_L0_large", "segments_causal", "bias_causal", "bias_masks_rows",
                    "soft_cap_causal_window", "sinks_causal"),
+    # Per-batch lengths (a batch row with no keys among them) where every
+    # implementation's backward runs them, cuDNN's included.
+    "t1024s4096": ("lengths", "lengths_causal"),
 }
 # Dtypes and head dims crossed over a few features: (size, feature, dtype, h).
 _CROSSED = [
@@ -183,6 +196,7 @@ _CROSSED = [
     ("t4097s3001", "win_LR", "float16", 256),
     ("t1023s4097", "lengths", "float16", 64),
     ("t4097s3001", "sinks_causal", "float16", 64),
+    ("t1024s4096", "lengths", "float16", 256),
 ]
 # "xla" is the reference's own dense code (it materializes [B, N, T, S]): checked
 # on these cases only.
@@ -669,7 +683,11 @@ def _sweep_scale() -> float | None:
 
 
 _IMPLEMENTATIONS = gpu_implementations() + [None]
-_CASES = sweep_cases() + random_cases()
+# Drawn cases that found a bug, kept: each fails on the code before its fix.
+# r72_13 (B1 T128 S8192 H256 float16, key length 0): cuDNN's dk and dv were
+# non-zero past the key length (session 72).
+_KEPT_RANDOM_CASES = [random_case(72, 13)]
+_CASES = sweep_cases() + _KEPT_RANDOM_CASES + random_cases()
 
 
 def _params():

@@ -205,14 +205,34 @@ class CudnnAttentionVjp(VjpOp):
 
     def cudnn():
       if vjp is not None:
-        return _autodiff.apply_vjp(vjp, out.dtype, dout)
-      return _autodiff.backward(_cudnn_forward, args, _ATTENTION_GRAD_FIELDS, dout)
+        grads = _autodiff.apply_vjp(vjp, out.dtype, dout)
+      else:
+        grads = _autodiff.backward(_cudnn_forward, args, _ATTENTION_GRAD_FIELDS, dout)
+      return _zero_grads_past_lengths(args, grads)
     # cuDNN recomputes the weights from a float32 lse: wrong for rows a huge bias
     # masks whole (`large_logits`), which no check at trace time can see. Its
     # own lse, where the forward left it, makes the check free; else the check
     # reads the bias.
     lse = None if vjp is None else _cudnn_lse(vjp, args)
     return large_logits.guard(args, dout, cudnn, lse)
+
+
+def _zero_grads_past_lengths(args, grads):
+  """dq rows past each batch row's query length, dk and dv rows past its key
+  length, set to 0 (what they are: those positions take no part in the call).
+
+  cuDNN's backward can leave non-zero values there (H200, JAX 0.11.2: dk and dv
+  off by 5.5 to 512, varying between runs, at B1 T128 S8192 H256 float16 with a
+  key length of 0; notes/MEASUREMENTS.md, session 72).
+  """
+  def zero_past(g, lengths):
+    if g is None or lengths is None:
+      return g
+    positions = jnp.arange(g.shape[1])[None, :, None, None]
+    return jnp.where(positions < lengths[:, None, None, None], g, 0).astype(g.dtype)
+  return dict(grads, query=zero_past(grads["query"], args.query_seq_lengths),
+              key=zero_past(grads["key"], args.key_value_seq_lengths),
+              value=zero_past(grads["value"], args.key_value_seq_lengths))
 
 
 def _cudnn_lse(vjp, args) -> jax.Array | None:

@@ -1,0 +1,91 @@
+"""cuDNN's backward with per-batch sequence lengths.
+
+jax.nn's cuDNN backward can leave non-zero values in dk and dv rows past a batch
+row's key length, where the gradient is 0 (H200, JAX 0.11.2; found by the GPU
+attention sweep's drawn cases, session 72: B1 T128 S8192 H256 float16 with a key
+length of 0, dk off by 5.5 and dv by 5.5 to 512, varying between runs). The cudnn
+implementation now sets the rows of dq past the query lengths and of dk, dv past
+the key lengths to 0. The first test runs anywhere; the others need cuDNN: lengths
+with a 0 among them against the reference (they passed before the fix too: the
+call that failed is kept in integration_tests/test_gpu_attention_sweep.py, which
+fails without it).
+"""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tokamax
+from tokamax import testing
+from tokamax._src.ops.attention import xla as attention_xla
+
+_ON_GPU = jax.default_backend() == "gpu"
+
+
+def test_grads_past_the_lengths_are_set_to_zero():
+  b, t, s, n, h = 3, 5, 7, 2, 4
+  rng = np.random.default_rng(0)
+  garbage = {name: jnp.asarray(rng.standard_normal(shape) + 100, jnp.bfloat16)
+             for name, shape in (("query", (b, t, n, h)), ("key", (b, s, n, h)),
+                                 ("value", (b, s, n, h)), ("bias", (b, n, t, s)))}
+  args = types.SimpleNamespace(query_seq_lengths=jnp.asarray([5, 0, 2]),
+                               key_value_seq_lengths=jnp.asarray([0, 7, 3]))
+  grads = attention_xla._zero_grads_past_lengths(args, garbage)
+  for name, lengths in (("query", [5, 0, 2]), ("key", [0, 7, 3]), ("value", [0, 7, 3])):
+    assert grads[name].dtype == garbage[name].dtype
+    for row, length in enumerate(lengths):
+      np.testing.assert_array_equal(grads[name][row, length:], 0, err_msg=name)
+      np.testing.assert_array_equal(grads[name][row, :length],
+                                    garbage[name][row, :length], err_msg=name)
+  assert grads["bias"] is garbage["bias"]
+  no_lengths = types.SimpleNamespace(query_seq_lengths=None, key_value_seq_lengths=None)
+  kept = attention_xla._zero_grads_past_lengths(no_lengths, garbage)
+  assert all(kept[name] is garbage[name] for name in garbage)
+
+
+@pytest.mark.skipif(not _ON_GPU, reason="cuDNN runs on NVIDIA GPUs only")
+@pytest.mark.parametrize("shape", [(2, 1024, 4096, 4, 2, 128, "bfloat16"),
+                                   (1, 128, 8192, 2, 2, 256, "float16")])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_cudnn_grads_past_the_lengths_are_zero(shape, is_causal):
+  b, t, s, n, k, h, dtype = shape
+  ks = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(ks[0], (b, t, n, h), dtype)
+  key = jax.random.normal(ks[1], (b, s, k, h), dtype)
+  value = jax.random.normal(ks[2], (b, s, k, h), dtype)
+  ct = jax.random.normal(ks[3], (b, t, n, h), dtype)
+  q_lengths = jnp.asarray([t // 2, t][:b], jnp.int32)
+  kv_lengths = jnp.asarray([0, s // 3][:b], jnp.int32)
+
+  @jax.jit
+  def grads(q, key, value):
+    def f(q, key, value):
+      return tokamax.dot_product_attention(
+          q, key, value, is_causal=is_causal, query_seq_lengths=q_lengths,
+          key_value_seq_lengths=kv_lengths, implementation="cudnn")
+    out, vjp = jax.vjp(f, q, key, value)
+    return out, vjp(ct)
+
+  # Fill the allocator's memory with non-zeros first: an unwritten row shows.
+  for _ in range(3):
+    jnp.full((1 << 28,), 7.0, jnp.float32).block_until_ready()
+  out, (dq, dk, dv) = grads(q, key, value)
+  for row in range(b):
+    assert not jnp.any(out[row, int(q_lengths[row]):])
+    assert not jnp.any(dq[row, int(q_lengths[row]):])
+    assert not jnp.any(dk[row, int(kv_lengths[row]):])
+    assert not jnp.any(dv[row, int(kv_lengths[row]):])
+  with jax.default_matmul_precision("highest"):
+    def reference(q, key, value):
+      return tokamax.dot_product_attention(
+          q, key, value, is_causal=is_causal, query_seq_lengths=q_lengths,
+          key_value_seq_lengths=kv_lengths, implementation="xla_chunked")
+    f32 = [x.astype(jnp.float32) for x in (q, key, value, ct)]
+    _, vjp = jax.vjp(reference, *f32[:3])
+    want = vjp(f32[3])
+  for got, expected, name in zip((dq, dk, dv), want, ("dq", "dk", "dv")):
+    testing.assert_close(got, expected, jnp.dtype(dtype), what=name, scale=2.0,
+                         gpu=True)
