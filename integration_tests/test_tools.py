@@ -789,3 +789,27 @@ def test_drhs_ab_group_sizes_cover_the_rows(random):
   assert len(sizes) == 256 and sizes.sum() == 65536 and (sizes >= 0).all()
   assert (len(set(sizes.tolist())) > 1) == random
 
+
+
+@pytest.mark.parametrize("op", sorted(none_check.OPS))
+def test_none_check_random_shapes_are_seeded_and_run(monkeypatch, op):
+  # --random COUNT --seed S: the same shapes for a seed, others for another seed,
+  # each a problem of the op; None timed against the op's named implementations.
+  first = [p.name for p in none_check.random_problems(op, 6, 72)]
+  assert first == [p.name for p in none_check.random_problems(op, 6, 72)]
+  assert first != [p.name for p in none_check.random_problems(op, 6, 73)]
+  assert {p.op for p in none_check.random_problems(op, 6, 72)} <= {op, "rms_norm"}
+  seen = []
+  monkeypatch.setattr(none_check.bench_suite, "run_problem", _timed_rows(
+      {"tokamax auto": 1.0, "tokamax mosaic_gpu": 1.0}, seen))
+  monkeypatch.setattr(sys, "argv", ["none_check", "--op", op, "--random", "3",
+                                    "--seed", "72", "--iterations", "1"])
+  assert none_check.main() == 0
+  assert [name for name, _ in seen] == first[:3]
+
+
+def test_none_check_random_and_shape_exclude_each_other(monkeypatch):
+  monkeypatch.setattr(sys, "argv", ["none_check", "--random", "2", "--shape",
+                                    "4096,2048,1024,8"])
+  with pytest.raises(SystemExit):
+    none_check.main()
