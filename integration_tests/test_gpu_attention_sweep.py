@@ -40,7 +40,7 @@ default 0, picks them): lengths 1-16384, head counts, GQA/MQA, head dims, dtypes
 random mixes of every feature, as an outside checker would choose them (20-24
 such cases ran in 170 s on an H200; their ids start with ``r<seed>_``)::
 
-    TOKAMAX_SWEEP_RANDOM=24 TOKAMAX_SWEEP_SEED=72 python -m pytest -n 4 \
+    TOKAMAX_SWEEP_RANDOM=24 TOKAMAX_SWEEP_SEED=72 python -m pytest -n 4 \\
         --dist loadgroup -m gpu integration_tests/test_gpu_attention_sweep.py -k r72_
 
 Without a GPU and without that variable, the sweep's tests skip. `test_harness_smoke`
@@ -128,7 +128,7 @@ SIZES = {
     "t1023s4097": dict(b=2, t=1023, s=4097, n=4, k=1),
     # Long: T = S = 16384; GQA.
     "t16384": dict(b=1, t=16384, s=16384, n=4, k=2),
-    # T < S, lengths cuDNN's backward takes (multiples of 64); GQA.
+    # T < S, both multiples of 64 (sizes cuDNN's backward takes); GQA.
     "t1024s4096": dict(b=2, t=1024, s=4096, n=4, k=2),
 }
 
@@ -220,6 +220,12 @@ _SEED_ENV = "TOKAMAX_SWEEP_SEED"
 _RANDOM_MAX_SCORES = 2**29
 
 
+def _random_score_limit(bias, mask) -> int:
+  """A dense bias or mask is B * N * T * S host and device elements (several
+  copies in float32): fewer of them than of scores alone."""
+  return _RANDOM_MAX_SCORES >> (3 if bias or mask else 0)
+
+
 def _random_length(rng: np.random.Generator) -> int:
   """A length log-uniform over 256-16384 (1-255 one time in five): odd, off
   the tiles, or a power of two."""
@@ -281,10 +287,7 @@ def random_case(seed: int, index: int) -> SweepCase:
   if rng.random() < 0.2:
     features["sinks"] = True
   dtype = str(rng.choice(["bfloat16", "float16"]))
-  # A dense bias or mask is B * N * T * S host and device elements (several
-  # copies in float32): fewer of them than of scores alone.
-  limit = _RANDOM_MAX_SCORES >> (3 if "bias" in features or "mask" in features
-                                 else 0)
+  limit = _random_score_limit(features.get("bias"), features.get("mask"))
   while b > 1 and b * n * t * s > limit:
     b -= 1
   while n > k and b * n * t * s > limit:
@@ -300,8 +303,8 @@ def random_case(seed: int, index: int) -> SweepCase:
 
 
 def random_cases() -> list[SweepCase]:
-  count = int(os.environ.get(_RANDOM_ENV, "0"))
-  seed = int(os.environ.get(_SEED_ENV, "0"))
+  count = int(os.environ.get(_RANDOM_ENV) or 0)
+  seed = int(os.environ.get(_SEED_ENV) or 0)
   return [random_case(seed, i) for i in range(count)]
 
 
@@ -687,7 +690,8 @@ _IMPLEMENTATIONS = gpu_implementations() + [None]
 # r72_13 (B1 T128 S8192 H256 float16, key length 0): cuDNN's dk and dv were
 # non-zero past the key length (session 72).
 _KEPT_RANDOM_CASES = [random_case(72, 13)]
-_CASES = sweep_cases() + _KEPT_RANDOM_CASES + random_cases()
+_CASES = sweep_cases() + _KEPT_RANDOM_CASES + [
+    c for c in random_cases() if c not in _KEPT_RANDOM_CASES]  # each once
 
 
 def _params():
@@ -775,7 +779,8 @@ def test_random_cases_are_reproducible_and_run():
   assert {c.h for c in first} == {64, 128, 256}
   assert {c.dtype for c in first} == {"bfloat16", "float16"}
   for c in first:
-    assert c.b * c.n * c.t * c.s <= _RANDOM_MAX_SCORES and c.n % c.k == 0
+    assert c.b * c.n * c.t * c.s <= _random_score_limit(c.bias, c.mask)
+    assert c.n % c.k == 0
     for lengths in (c.q_lengths, c.kv_lengths):
       assert lengths is None or len(lengths) == c.b
   for case in first[:4]:

@@ -92,6 +92,8 @@ def random_problems(op: str, count: int, seed: int) -> list:
       m = log_uniform(max(4096, 16 * g), 65536, 8)
       while m * k * n > 2**42 and m > g * 64:  # a few ms at most
         m //= 2
+      while g * k * n > 2**31 and g > 8:  # the weights: 4 GiB of bf16 at most
+        g //= 2
       drawn.append(ragged_dot_problems.problem(m, k, n, g, bool(rng.random() < 0.8)))
     elif op == "dot_product_attention":
       kv, h = pick(1, 4, 8, 16, 32), pick(64, 128, 128, 256)

@@ -221,9 +221,10 @@ def _zero_grads_past_lengths(args, grads):
   """dq rows past each batch row's query length, dk and dv rows past its key
   length, set to 0 (what they are: those positions take no part in the call).
 
-  cuDNN's backward can leave non-zero values there (H200, JAX 0.11.2: dk and dv
-  off by 5.5 to 512, varying between runs, at B1 T128 S8192 H256 float16 with a
-  key length of 0; notes/MEASUREMENTS.md, session 72).
+  cuDNN's backward can leave non-zero values there (H200, JAX 0.11.2, B1 T128
+  S8192 H256 float16 with a key length of 0: dk off by up to 5.5 and dv by up
+  to 512, max abs, dv right in two of three repeat runs; notes/MEASUREMENTS.md,
+  session 72).
   """
   def zero_past(g, lengths):
     if g is None or lengths is None:

@@ -43,7 +43,8 @@ def grid_problems() -> list[Problem]:
   shape, small M (2048 and 1024), large M with small N, and a wide K. (M 1024
   was added in session 72 after the composed forward won at M 1073 K5120
   N13824 on the H200; at M 1024 K4096 N14336 mosaic_gpu still wins, 0.315 ms
-  against 0.322, so that loss follows K or N, not M: notes/MEASUREMENTS.md.)"""
+  against 0.322: M 1024 alone does not lose; what makes M 1073 K5120 N13824
+  lose is not known yet: notes/MEASUREMENTS.md.)"""
   return [problem(*s) for s in ((16384, 4096, 14336), (2048, 4096, 14336),
                                 (1024, 4096, 14336), (65536, 2048, 5632),
                                 (8192, 8192, 28672))]
