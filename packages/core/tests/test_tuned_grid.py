@@ -312,6 +312,45 @@ def test_attention_lengths_no_multiple_of_128_take_only_their_own_kind():
   assert nearest.tile_aligned("ragged_dot") is None
 
 
+def _glu_call(m: int) -> tokamax.GatedLinearUnitArgs:
+  s = jax.ShapeDtypeStruct
+  return tokamax.GatedLinearUnitArgs(x=s((m, 4096), jnp.bfloat16),
+                                     weights=s((4096, 2, 14336), jnp.bfloat16),
+                                     activation=jax.nn.silu)
+
+
+def test_whole_tile_kernels_pay_for_the_padding_of_the_call_s_rows():
+  """The Mosaic GPU GLU forward computes whole tiles of 128 rows
+  (`nearest.WHOLE_TILES`): from a grid point at M1024 to a call at M1025 (9
+  tiles of work instead of 8 for 1/1024 more rows) its time grows by 1152/1025
+  against the others', which stay as measured; at M1152 (9 whole tiles) it
+  stays too, and from a point at M1025 to a call at M1152 it shrinks by as
+  much."""
+  def glu_times(m, times):
+    return results.AutotuningResult(
+        [results.Measurement("gated_linear_unit", direction, results.args_key(_glu_call(m)),
+                             impl, None, ms)
+         for (direction, impl), ms in times.items()], device_kind="cpu")
+  measured = {("forward", "mosaic_gpu"): 1.0, ("forward", "composed"): 1.05,
+              ("backward", "mosaic_gpu"): 2.0, ("backward", "composed"): 2.1}
+  at_1024 = glu_times(1024, measured)
+  forward = at_1024.measured_times("gated_linear_unit", "forward", _glu_call(1025))
+  assert forward == pytest.approx({"mosaic_gpu": 1152 / 1025, "composed": 1.05})
+  assert at_1024.measured_times("gated_linear_unit", "forward", _glu_call(1152)) == {
+      "mosaic_gpu": 1.0, "composed": 1.05}
+  # The backward is not scaled; the step's forward is.
+  assert at_1024.measured_times("gated_linear_unit", "backward", _glu_call(1025)) == {
+      "mosaic_gpu": 2.0, "composed": 2.1}
+  assert at_1024.step_times("gated_linear_unit", _glu_call(1025)) == pytest.approx(
+      {"mosaic_gpu": 2 + 1152 / 1025, "composed": 3.15})
+  at_1025 = glu_times(1025, measured)
+  assert at_1025.measured_times("gated_linear_unit", "forward", _glu_call(1152)) == (
+      pytest.approx({"mosaic_gpu": 1025 / 1152, "composed": 1.05}))
+  # Where it was measured, the call's own times stand.
+  assert at_1025.measured_times("gated_linear_unit", "forward", _glu_call(1025)) == {
+      "mosaic_gpu": 1.0, "composed": 1.05}
+
+
 def test_exact_data_wins_over_nearer_kinds_of_data():
   near = _result(_q(48), {("forward", "xla_chunked"): 1.0, ("forward", "xla"): 5.0})
   exact = _result(_q(64), {("forward", "xla_chunked"): 9.0, ("forward", "xla"): 5.0})

@@ -23,6 +23,11 @@ nearest measured call *of the same kind*:
 - where an op's direction ranks its implementations by a size more than by the
   others (`SAME_SIZE_FIRST`: the attention forward by the head dim), a call of
   that size first; only where none is within the radius, one of any size;
+- where an implementation's kernel computes whole tiles along a size
+  (`WHOLE_TILES`: the Mosaic GPU GLU forward's rows), its time at each measured
+  call is scaled by how much more (or less) padding the call's size has than the
+  measured one's (`scale_for_whole_tiles`), as the others' is not: a call just
+  past a multiple of the tile pays a whole tile more where they pay a row;
 - a call about as near to several measured calls as to the nearest (within
   `TIE` octaves of the nearest one's distance, the largest and the total: a
   call halfway between grid points along the same sizes) takes all of them,
@@ -99,6 +104,46 @@ SAME_SIZE_FIRST = {("dot_product_attention", "forward"): (("query", -1),)}
 #   0.212 at T1536 and cuDNN's 0.210. Lengths of that kind have no grid
 #   points: `None` takes the registry's order there (cuDNN first).
 TILE_ALIGNED = {"dot_product_attention": ((("query", 1), ("key", 1)), (128, 8))}
+
+
+# Implementations whose kernels compute whole tiles along a size, per (op,
+# direction): {implementation: ((array field, axis), tile)}. Between grid points
+# such an implementation's time follows its size rounded up to the tile, the
+# others' (cuBLAS picks its tiles per shape) the size itself.
+#
+# The GLU forward at K4096 N14336 on the H200 (notes/MEASUREMENTS.md, session
+# 73, item 3), mosaic_gpu (tiles of 128 rows, the config every grid point tuned
+# to) against the composed implementation, ms: M1024 0.315 / 0.322 (the grid
+# point), M1025 0.362 / 0.334, M1080 0.357 / 0.342, M1152 0.359 / 0.368, M2049
+# 0.688 / 0.644, M4097 1.268 / 1.269, M16383 5.012 / 4.991: Mosaic GPU's time
+# stays flat from 1025 to 1152 rows (nine row tiles) as the composed one's grows
+# with the rows, so the grid point at M1024 ranked it first where it ran up to
+# 8% slower. Its backward does not follow (dx's and dw's matmuls tile M
+# otherwise): at M1025 it ran 0.664 against the composed 0.692.
+WHOLE_TILES = {("gated_linear_unit", "forward"): {"mosaic_gpu": (("x", 0), 128)}}
+
+
+def scale_for_whole_tiles(op_name: str, direction: str, key: str, measured_key: str,
+                          times: dict[str, float]) -> dict[str, float]:
+  """`times` measured at `measured_key`, each `WHOLE_TILES` implementation's
+  scaled to the call at `key` relative to the others' (which stand as
+  measured: only the ranking matters): by its padding there (the size rounded
+  up to the tile, over the size) over its padding at the measured call."""
+  tiled = WHOLE_TILES.get((op_name, direction))
+  if not tiled or key == measured_key:
+    return times
+  out = dict(times)
+  for impl, ((field, axis), tile) in tiled.items():
+    (size,), (measured,) = _sizes_at(key, ((field, axis),)), _sizes_at(
+        measured_key, ((field, axis),))
+    if impl in out and size and measured:
+      out[impl] *= _padding(size, tile) / _padding(measured, tile)
+  return out
+
+
+def _padding(size: int, tile: int) -> float:
+  """`size` rounded up to a multiple of `tile`, over `size`."""
+  return -(-size // tile) * tile / size
 
 
 def tile_aligned(op_name: str) -> tuple | None:

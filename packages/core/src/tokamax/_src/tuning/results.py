@@ -177,9 +177,10 @@ class AutotuningResult:
     there (not merely skipped for time), so that dispatch tries it last."""
     if not self._applies_here():
       return {}
-    keys = self._answering_keys(op_name, (direction,), args_key(args),
+    key = args_key(args)
+    keys = self._answering_keys(op_name, (direction,), key,
                                 nearest.same_size_first(op_name, direction))
-    return nearest.blend([self._times_at(op_name, direction, k) for k in keys])
+    return nearest.blend([self._times_for(op_name, direction, key, k) for k in keys])
 
   def step_times(self, op_name: str, args: Any) -> dict[str, float]:
     """``{implementation: forward ms + backward ms}`` for the implementations
@@ -191,9 +192,11 @@ class AutotuningResult:
     if not self._applies_here():
       return {}
     directions = ("forward", "backward")
-    keys = self._answering_keys(op_name, directions, args_key(args), ())
+    key = args_key(args)
+    keys = self._answering_keys(op_name, directions, key, ())
     return nearest.blend([
-        step_sums(*(self._times_at(op_name, d, k) for d in directions)) for k in keys])
+        step_sums(*(self._times_for(op_name, d, key, k) for d in directions))
+        for k in keys])
 
   def _answering_keys(self, op_name: str, directions: tuple[str, ...], key: str,
                       same_first: tuple) -> list[str]:
@@ -206,6 +209,13 @@ class AutotuningResult:
     if key in everywhere:
       return [key]
     return nearest.op_nearest_keys(op_name, key, everywhere, same_first) or [key]
+
+  def _times_for(self, op_name: str, direction: str, key: str,
+                 measured_key: str) -> dict[str, float]:
+    """The times measured at `measured_key`, as they transfer to the call at
+    `key` (`nearest.scale_for_whole_tiles`)."""
+    return nearest.scale_for_whole_tiles(op_name, direction, key, measured_key,
+                                         self._times_at(op_name, direction, measured_key))
 
   def _times_at(self, op_name: str, direction: str, key: str) -> dict[str, float]:
     times = {impl: m.time_ms for (o, d, k, impl), m in self._by_impl.items()

@@ -218,22 +218,47 @@ class CudnnAttentionVjp(VjpOp):
 
 
 def _zero_grads_past_lengths(args, grads):
-  """dq rows past each batch row's query length, dk and dv rows past its key
-  length, set to 0 (what they are: those positions take no part in the call).
+  """The gradients set to 0 where the sequence lengths leave a position out of
+  the call: dq on query rows past the batch row's query length or in a batch row
+  with no key (such rows output 0 whatever the query), dk and dv on key rows past
+  its key length or in a batch row with no query, and the bias on every (query,
+  key) pair of those (for a bias broadcast over an axis, only where every
+  position it stands for is left out).
 
   cuDNN's backward can leave non-zero values there (H200, JAX 0.11.2, B1 T128
   S8192 H256 float16 with a key length of 0: dk off by up to 5.5 and dv by up
   to 512, max abs, dv right in two of three repeat runs; notes/MEASUREMENTS.md,
   session 72).
   """
-  def zero_past(g, lengths):
-    if g is None or lengths is None:
-      return g
-    positions = jnp.arange(g.shape[1])[None, :, None, None]
-    return jnp.where(positions < lengths[:, None, None, None], g, 0).astype(g.dtype)
-  return dict(grads, query=zero_past(grads["query"], args.query_seq_lengths),
-              key=zero_past(grads["key"], args.key_value_seq_lengths),
-              value=zero_past(grads["value"], args.key_value_seq_lengths))
+  q_lengths, kv_lengths = args.query_seq_lengths, args.key_value_seq_lengths
+  if q_lengths is None and kv_lengths is None:
+    return grads
+  q_seen = _positions_within(grads["query"].shape[:2], q_lengths)   # [B, T]
+  kv_seen = _positions_within(grads["key"].shape[:2], kv_lengths)   # [B, S]
+  q_live = q_seen & jnp.any(kv_seen, axis=1, keepdims=True)
+  kv_live = kv_seen & jnp.any(q_seen, axis=1, keepdims=True)
+
+  def keep(g, live):
+    return jnp.where(live, g, 0).astype(g.dtype)
+  out = dict(grads, query=keep(grads["query"], q_live[:, :, None, None]),
+             key=keep(grads["key"], kv_live[:, :, None, None]),
+             value=keep(grads["value"], kv_live[:, :, None, None]))
+  bias = grads.get("bias")
+  if bias is not None:
+    pair_live = q_live[:, None, :, None] & kv_live[:, None, None, :]  # [B, 1, T, S]
+    # A broadcast axis (size 1) holds the sum over the positions it stands for.
+    broadcast = tuple(a for a in range(4) if bias.shape[a] == 1 and pair_live.shape[a] > 1)
+    out["bias"] = keep(bias, jnp.any(pair_live, axis=broadcast, keepdims=True))
+  return out
+
+
+def _positions_within(shape: tuple[int, int], lengths) -> jax.Array:
+  """``[B, L]`` bool: whether each position is below its batch row's length
+  (all True where `lengths` is None)."""
+  b, l = shape
+  if lengths is None:
+    return jnp.ones((b, l), bool)
+  return jnp.arange(l)[None, :] < lengths[:, None]
 
 
 def _cudnn_lse(vjp, args) -> jax.Array | None:
