@@ -100,8 +100,8 @@ def grid_problems() -> list[Problem]:
   no multiple of 8 none (`nearest.TILE_ALIGNED`: Mosaic GPU runs other
   kernels there).
 
-  And multi-query attention (8 query heads on one kv head) at H128, 32768
-  tokens: the GQA points (32 on 8) are more than `nearest.RADIUS` away from it,
+  And multi-query attention (8 query heads on one kv head) at H128, at the
+  same lengths: the GQA points (32 on 8) are more than `nearest.RADIUS` away from it,
   so `None` took the registry's order there, cuDNN's forward, which ran 1.05x
   Mosaic GPU's at B1 T15616 N8 K1 H128 (H200, notes/MEASUREMENTS.md, session
   72, item 4)."""
@@ -112,8 +112,9 @@ def grid_problems() -> list[Problem]:
       for h in (64, 128, 256):
         for n, k in ((16, 16), (32, 8)):
           shapes += [(tokens // t, t, n, k, h, c) for c in (False, True)]
-  shapes += [(32768 // t, t, 8, 1, 128, c) for t in (1024, 4096, 16384)
-             for c in (False, True)]
+  for tokens, lengths in ((32768, (1024, 4096, 16384)), (8192, (1024, 4096)),
+                          (32768, (1000, 4000, 15000)), (8192, (1000, 4000))):
+    shapes += [(tokens // t, t, 8, 1, 128, c) for t in lengths for c in (False, True)]
   return ([problem(*s) for s in shapes] +
           [problem(32768 // t, t, 32, 8, 128, True, window=w)
            for t, w in ((8192, 1024), (16384, 4096))])
