@@ -2670,3 +2670,73 @@ def test_warns_when_run_with_the_split_lost(jax_version):
     warnings.simplefilter("error")
     jax.eval_shape(lambda a: mat.MosaicGpuAttention().forward(a, None),
                    _args(h=128, is_causal=True))
+
+
+@pytest.mark.parametrize("n,k,split", [(8, 1, 8), (8, 1, 2), (8, 2, 4), (6, 2, 3)])
+def test_kv_split_replicas_sum_to_the_grouped_gradients(n, k, split):
+  """`AttentionVjpConfig.kv_split`: the gradients of grouped attention equal
+  those of the same call with each key/value head replicated `split` times
+  (`replicate_kv_heads`), each copy's gradients summed back
+  (`sum_kv_replicas`): the identity the backward relies on, checked with the
+  XLA reference's backward in float32."""
+  q, key, v = (x.astype(jnp.float32) for x in _qkv(2, 96, 80, n, k, 16, jnp.bfloat16))
+  dout = _cotangent((2, 96, n, 16), jnp.float32)
+
+  def grads(key, value, fold):
+    def f(q, key, value):
+      return tokamax.dot_product_attention(q, key, value, is_causal=True,
+                                           implementation="xla", precision=HIGHEST)
+    dq, dk, dv = jax.vjp(f, q, key, value)[1](dout)
+    return dq, fold(dk), fold(dv)
+  want = grads(key, v, lambda g: g)
+  got = grads(akb.replicate_kv_heads(key, split), akb.replicate_kv_heads(v, split),
+              lambda g: akb.sum_kv_replicas(g, split))
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    assert g.shape == w.shape, name
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=name)
+  assert akb.replicate_kv_heads(key, 1) is key and akb.sum_kv_replicas(key, 1) is key
+
+
+def test_kv_split_refusals():
+  with pytest.raises(ValueError, match="kv_split must be >= 1; got 0"):
+    mat.AttentionVjpConfig(kv_split=0)
+  q, key, v = _qkv(1, 128, 128, 8, 2, 64, jnp.bfloat16)
+  lse = jnp.zeros((1, 8, 128), jnp.float32)
+  with pytest.raises(ValueError, match=r"kv_split=3 must divide the 4 query heads per "
+                     r"key/value head \(N=8, K=2\)"):
+    mat.mosaic_attention_bwd(q, key, v, q, q, lse, scale=0.125, causal=True,
+                             config=mat.AttentionVjpConfig(kv_split=3))
+
+
+@pytest.mark.parametrize("b,t,n,k,split", [
+    (2, 4096, 8, 1, 8),  # 64 dK/dV blocks: every query head its own copy
+    (8, 1024, 8, 1, 8),  # 64 blocks
+    (8, 4096, 8, 1, 1),  # 256 blocks: as many as the H200's SMs or more
+    (2, 4096, 8, 8, 1),  # MHA: nothing to split
+    (1, 2048, 32, 8, 4),  # GQA, 128 blocks
+])
+def test_backward_heuristic_splits_kv_heads_below_one_block_an_sm(
+    monkeypatch, b, t, n, k, split):
+  monkeypatch.setattr(_common, "num_sms", lambda: 132)
+  s = jax.ShapeDtypeStruct
+  args = tokamax.AttentionArgs(s((b, t, n, 128), jnp.bfloat16), s((b, t, k, 128), jnp.bfloat16),
+                               s((b, t, k, 128), jnp.bfloat16), scale=0.088, is_causal=True)
+  op = mat.MosaicGpuAttentionVjp()
+  config = op.heuristic_config(args)
+  assert config.kv_split == split
+  splits = {c.kv_split for c in op.search_space(args)}
+  assert config in op.search_space(args)
+  assert splits == ({1, split} | ({2, n // k} if n // k >= 8 else set()))
+
+
+@gpu
+@pytest.mark.parametrize("b,t,s,n,k,h,causal,config", [
+    (1, 1024, 1024, 8, 1, 128, True, mat.AttentionVjpConfig(64, 128, 2, kv_split=8)),
+    (2, 700, 640, 8, 1, 128, False, mat.AttentionVjpConfig(64, 128, 2, kv_split=2)),
+    (1, 1024, 1024, 8, 2, 64, False, mat.AttentionVjpConfig(128, 128, 2, fuse_dq=True,
+                                                             kv_split=4)),
+    (1, 512, 512, 8, 2, 256, True, mat.AttentionVjpConfig(32, 32, 2, split_dkv=True,
+                                                          kv_split=2)),
+])
+def test_backward_kv_split(b, t, s, n, k, h, causal, config):
+  _check_backward_config(b, t, s, n, k, h, causal, config)

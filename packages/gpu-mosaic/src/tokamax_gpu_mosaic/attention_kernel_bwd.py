@@ -130,6 +130,14 @@ class AttentionVjpConfig:
   # (`fused_dq_refusal`); the heuristic's at causal MHA H128
   # (`attention._fuses_dq_by_default`).
   fuse_dq: bool = False
+  # > 1: each key/value head taken as this many copies, each serving its share
+  # of the head's query heads, and their dK/dV summed after (`replicate_kv_heads`,
+  # `sum_kv_replicas`): the dK/dV kernel's blocks are per key/value head, so
+  # multi-query attention at a few batch rows fills few SMs (B2 T4096 N8 K1:
+  # 64 blocks on the H200's 132; its backward ran 2.2x cuDNN's there,
+  # notes/MEASUREMENTS.md session 73). Must divide the query heads per
+  # key/value head.
+  kv_split: int = 1
 
   def __post_init__(self):
     # A divisor of the 128-row padding; the P^T dO / dS K contractions run over
@@ -158,6 +166,8 @@ class AttentionVjpConfig:
                        f"pairs, the highest key block first); got head_major="
                        f"{self.head_major}")
     akc.check_head_group(self.head_group, self.head_major)
+    if self.kv_split < 1:
+      raise ValueError(f"kv_split must be >= 1; got {self.kv_split}")
 
   def pass_block_q(self, grads: tuple[str, ...]) -> int:
     """Query rows per step of the dK/dV kernel run for `grads`."""
@@ -1383,6 +1393,24 @@ def fused_dq_refusal(t: int, s: int, h: int, block_q: int, causal: bool,
   return None
 
 
+def replicate_kv_heads(x, split: int):
+  """``[B, S, K, H]`` as ``[B, S, K * split, H]``: each key/value head `split`
+  times in a row, so that under grouped attention (query head n on key/value
+  head n // (N / K)) copy r of head j serves the r-th `split`-th of j's query
+  heads."""
+  return x if split == 1 else jnp.repeat(x, split, axis=2)
+
+
+def sum_kv_replicas(dx, split: int):
+  """The gradient of `replicate_kv_heads`: each head's copies summed (in
+  float32), in `dx`'s dtype."""
+  if split == 1:
+    return dx
+  b, s, k_split, h = dx.shape
+  summed = dx.astype(jnp.float32).reshape(b, s, k_split // split, split, h).sum(3)
+  return summed.astype(dx.dtype)
+
+
 def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
                          config: AttentionVjpConfig, local_window=None,
                          logits_soft_cap: float | None = None,
@@ -1395,6 +1423,19 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
   Returns (dq, dk, dv) in the inputs' dtype; rows past the sequence lengths and
   rows that see no key get zero gradients.
   """
+  if config.kv_split > 1:
+    n, heads = q.shape[2], k.shape[2] * config.kv_split
+    if n % heads:
+      raise ValueError(f"kv_split={config.kv_split} must divide the {n // k.shape[2]} "
+                       f"query heads per key/value head (N={n}, K={k.shape[2]})")
+    dq, dk, dv = mosaic_attention_bwd(
+        q, replicate_kv_heads(k, config.kv_split), replicate_kv_heads(v, config.kv_split),
+        out, dout, lse, scale=scale, causal=causal,
+        config=dataclasses.replace(config, kv_split=1), local_window=local_window,
+        logits_soft_cap=logits_soft_cap, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, q_offset=q_offset)
+    return dq, sum_kv_replicas(dk, config.kv_split), sum_kv_replicas(dv, config.kv_split)
   b, t, s = q.shape[0], q.shape[1], k.shape[1]
   tp = _common.cdiv(t, akc.CTA_ROWS) * akc.CTA_ROWS
   sp = _common.cdiv(s, KEY_ROWS) * KEY_ROWS
