@@ -42,7 +42,8 @@ OFF_GRID_SHAPES = [
 # (B, T, N, K, H, causal), bf16, never tuned at: token counts between the grid's
 # 8192 and 32768 or beyond them, batch and length between grid points, 8 query
 # heads a kv head, lengths that are no multiple of 128 (near the grid's T1000,
-# T4000 and T15000 points) or of 8 (T1500: no grid points of that kind).
+# T4000 and T15000 points) or of 8 (T1500: no grid points of that kind),
+# multi-query attention (8 query heads on one kv head) between its grid points.
 OFF_GRID_ATTENTION = [
     (4, 8192, 32, 8, 128, True), (1, 8192, 16, 16, 128, False),
     (16, 2048, 16, 16, 64, True), (2, 8192, 64, 8, 128, True),
@@ -50,14 +51,17 @@ OFF_GRID_ATTENTION = [
     (4, 3000, 16, 16, 128, False), (2, 6144, 32, 8, 64, True),
     (1, 3000, 16, 16, 64, False), (2, 6000, 32, 8, 128, True),
     (16, 1500, 16, 16, 64, True), (1, 10000, 16, 16, 128, False),
+    (1, 15616, 8, 1, 128, False), (4, 3000, 8, 1, 128, True),
 ]
 
 # (M, K, N), bf16 SwiGLU, never tuned at: other model widths (5120/13824,
 # 3072/8192), a short odd M at 5120/13824 (where `None`'s forward measured 1.08x
-# the composed one's, session 72), an M that is no multiple of the tiles.
+# the composed one's, session 72), an M that is no multiple of the tiles, M just
+# past a multiple of 128 (`tuning.nearest.WHOLE_TILES`, session 73).
 OFF_GRID_GLU = [
     (8192, 5120, 13824), (32768, 3072, 8192), (1073, 5120, 13824),
-    (12000, 4096, 11008), (16384, 2048, 8192),
+    (12000, 4096, 11008), (16384, 2048, 8192), (1025, 4096, 14336),
+    (2049, 4096, 14336),
 ]
 # (rows, D, rms), bf16, never tuned at: widths between the grid's 1024-16384,
 # row counts between the grid's 2048, 4096 and 32768 or past them, rows no
