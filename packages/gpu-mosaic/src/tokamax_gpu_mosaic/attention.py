@@ -478,8 +478,8 @@ def _bwd_heuristic(args) -> AttentionVjpConfig:
   if _grouped_by_default(args) and mha:
     config = dataclasses.replace(config, head_group=_backward_head_group(args))
   if args.query.shape[-1] == 128 and _common.register_split_lost():
-    return dataclasses.replace(config, **_SPLIT_LOST_H128_BACKWARD)
-  if _fuses_dq_by_default(args, config):
+    config = dataclasses.replace(config, **_SPLIT_LOST_H128_BACKWARD)
+  elif _fuses_dq_by_default(args, config):
     config = dataclasses.replace(config, fuse_dq=True)
   return dataclasses.replace(config, kv_split=_kv_split(args))
 
