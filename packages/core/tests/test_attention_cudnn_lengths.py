@@ -6,8 +6,8 @@ attention sweep's drawn cases, session 72: B1 T128 S8192 H256 float16 with a key
 length of 0, dk off by up to 5.5 and dv by up to 512, max abs; dv was right
 in two of three repeat runs). The cudnn
 implementation now sets to 0 the gradients of every position the lengths leave
-out (`_zero_grads_past_lengths`). The first test runs anywhere; the others need cuDNN: lengths
-with a 0 among them against the reference (at these shapes a separate probe
+out (`_zero_grads_past_lengths`). The tests of that function run anywhere; the
+others need cuDNN: lengths with a 0 among them against the reference (at these shapes a separate probe
 found no wrong row before the fix either: the call that failed is kept in
 integration_tests/test_gpu_attention_sweep.py, which failed 3 of 3 runs
 without the fix).

@@ -2713,7 +2713,9 @@ def test_kv_split_refusals():
     (8, 1024, 8, 1, 8),  # 64 blocks
     (8, 4096, 8, 1, 1),  # 256 blocks: as many as the H200's SMs or more
     (2, 4096, 8, 8, 1),  # MHA: nothing to split
-    (1, 2048, 32, 8, 4),  # GQA, 128 blocks
+    (1, 2048, 32, 8, 1),  # GQA, 4 query heads a kv head: not measured split
+    (1, 2048, 16, 2, 8),  # 8 query heads a kv head, 32 blocks
+    (1, 2048, 9, 1, 9),  # 9: no split in two in the search space
 ])
 def test_backward_heuristic_splits_kv_heads_below_one_block_an_sm(
     monkeypatch, b, t, n, k, split):
@@ -2726,7 +2728,8 @@ def test_backward_heuristic_splits_kv_heads_below_one_block_an_sm(
   assert config.kv_split == split
   splits = {c.kv_split for c in op.search_space(args)}
   assert config in op.search_space(args)
-  assert splits == ({1, split} | ({2, n // k} if n // k >= 8 else set()))
+  group = n // k
+  assert splits == {1, split} | {s for s in (2, group) if group >= 8 and group % s == 0}
   # Where JAX's compile loses the register split (H128's other backward), too.
   monkeypatch.setattr(_common, "register_split_lost", lambda: "lost")
   lost = op.heuristic_config(args)

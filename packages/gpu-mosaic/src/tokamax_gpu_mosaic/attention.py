@@ -487,12 +487,14 @@ def _bwd_heuristic(args) -> AttentionVjpConfig:
 def _kv_split(args) -> int:
   """`AttentionVjpConfig.kv_split` of the heuristic: each key/value head's
   query heads split over as many copies of it as it has query heads (dK/dV
-  blocks as under MHA), where the dK/dV kernel has fewer blocks than the
-  device has SMs (one a key/value head, batch row and 128 keys); else 1.
+  blocks as under MHA), where a key/value head has 8 query heads or more (as
+  measured: fewer, e.g. the grid's GQA with 4, were not) and the dK/dV kernel
+  has fewer blocks than the device has SMs (one a key/value head, batch row
+  and 128 keys); else 1.
 
   H200, bf16, H128, N8 K1 (64 blocks), the backward alone, kv_split 1 / 2 / 8
   against cuDNN's (its forward+backward less its forward), ms
-  (notes/MEASUREMENTS.md session 73, item 6): B2 T4096 causal 0.939 / 0.566 /
+  (notes/MEASUREMENTS.md session 73, item 5): B2 T4096 causal 0.939 / 0.566 /
   0.408 against 0.435; not causal 1.870 / 0.613 / 0.649 against 0.627; B8
   T1024 causal 0.265 / 0.183 / 0.180 against 0.175. Calls with as many blocks
   as SMs or more (B8 T4096 N8 K1: 256) were not measured split.
@@ -500,7 +502,7 @@ def _kv_split(args) -> int:
   b, s, k, _ = args.key.shape
   group = args.query.shape[2] // k
   blocks = b * k * _common.cdiv(s, _BWD_KEY_ROWS)
-  return group if group > 1 and blocks < _common.num_sms() else 1
+  return group if group >= 8 and blocks < _common.num_sms() else 1
 
 
 def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
@@ -611,10 +613,11 @@ def _bwd_search_space(args):
     out += [c for c in grouped if not c.fuse_dq or _fused_dq_takes(args, c)]
   # Every config again with the heuristic's split of each key/value head's
   # query heads (`AttentionVjpConfig.kv_split`), and, where a head has 8 or
-  # more, split in two and in full (not at the grid's GQA, 4 a head: three
-  # times the configs to time).
+  # more, split in two (where 2 divides them) and in full (not at the grid's
+  # GQA, 4 a head: three times the configs to time).
   group = args.query.shape[2] // args.key.shape[2]
-  splits = {_kv_split(args)} | ({2, group} if group >= 8 else set())
+  splits = {_kv_split(args)} | ({s for s in (2, group) if group % s == 0}
+                                if group >= 8 else set())
   out += [dataclasses.replace(c, kv_split=split) for split in sorted(splits - {1})
           for c in tuple(out)]
   return tuple(out)

@@ -24,7 +24,7 @@ nearest measured call *of the same kind*:
   others (`SAME_SIZE_FIRST`: the attention forward by the head dim), a call of
   that size first; only where none is within the radius, one of any size;
 - where an implementation's kernel computes whole tiles along a size
-  (`WHOLE_TILES`: the Mosaic GPU GLU forward's rows), its time at each measured
+  (`WHOLE_TILES`: the Mosaic GPU GLU inference forward's rows), its time at each measured
   call is scaled by how much more (or less) padding the call's size has than the
   measured one's (`scale_for_whole_tiles`), as the others' is not: a call just
   past a multiple of the tile pays a whole tile more where they pay a row;
@@ -119,7 +119,9 @@ TILE_ALIGNED = {"dot_product_attention": ((("query", 1), ("key", 1)), (128, 8))}
 # stays flat from 1025 to 1152 rows (nine row tiles) as the composed one's grows
 # with the rows, so the grid point at M1024 ranked it first where it ran up to
 # 8% slower. Its backward does not follow (dx's and dw's matmuls tile M
-# otherwise): at M1025 it ran 0.664 against the composed 0.692.
+# otherwise): at M1025 it ran 0.664 against the composed 0.692; nor does a
+# training step's forward (XLA's matmuls, keeping the projections), so the
+# step's sums (`AutotuningResult.step_times`) are not scaled.
 WHOLE_TILES = {("gated_linear_unit", "forward"): {"mosaic_gpu": (("x", 0), 128)}}
 
 

@@ -173,7 +173,8 @@ class AutotuningResult:
   def measured_times(self, op_name: str, direction: str, args: Any) -> dict[str, float]:
     """``{implementation: ms}`` for every implementation measured on this call
     (or, if it was not measured, on the nearest measured calls of its kind,
-    blended: `tuning.nearest`); +inf for one whose every tried config failed
+    each scaled for whole tiles and blended: `tuning.nearest`); +inf for one
+    whose every tried config failed
     there (not merely skipped for time), so that dispatch tries it last."""
     if not self._applies_here():
       return {}
@@ -188,15 +189,15 @@ class AutotuningResult:
     nearest calls measured both ways (blended: `nearest.blend`): the same
     points for both directions, not each direction's own nearest (nor the
     forward's head-dim-first rule, `nearest.SAME_SIZE_FIRST`: the step's
-    ranking follows the backward's)."""
+    ranking follows the backward's; nor `nearest.WHOLE_TILES`: the padded
+    forward kernels there run in inference, a training step's GLU forward runs
+    XLA's matmuls for the projections it keeps)."""
     if not self._applies_here():
       return {}
     directions = ("forward", "backward")
-    key = args_key(args)
-    keys = self._answering_keys(op_name, directions, key, ())
+    keys = self._answering_keys(op_name, directions, args_key(args), ())
     return nearest.blend([
-        step_sums(*(self._times_for(op_name, d, key, k) for d in directions))
-        for k in keys])
+        step_sums(*(self._times_at(op_name, d, k) for d in directions)) for k in keys])
 
   def _answering_keys(self, op_name: str, directions: tuple[str, ...], key: str,
                       same_first: tuple) -> list[str]:
