@@ -121,7 +121,9 @@ TILE_ALIGNED = {"dot_product_attention": ((("query", 1), ("key", 1)), (128, 8))}
 # 8% slower. Its backward does not follow (dx's and dw's matmuls tile M
 # otherwise): at M1025 it ran 0.664 against the composed 0.692; nor does a
 # training step's forward (XLA's matmuls, keeping the projections), so the
-# step's sums (`AutotuningResult.step_times`) are not scaled.
+# step's sums (`AutotuningResult.step_times`) are not scaled. (The tile is the
+# shipped data's block_m; a result tuned to block_m 256 pads to 256, and grouped
+# calls pad each group: neither is in the shipped data.)
 WHOLE_TILES = {("gated_linear_unit", "forward"): {"mosaic_gpu": (("x", 0), 128)}}
 
 
