@@ -130,6 +130,9 @@ SIZES = {
     "t16384": dict(b=1, t=16384, s=16384, n=4, k=2),
     # T < S, both multiples of 64 (sizes cuDNN's backward takes); GQA.
     "t1024s4096": dict(b=2, t=1024, s=4096, n=4, k=2),
+    # 8 query heads on one kv head, T > S, odd lengths: Mosaic GPU's backward
+    # then has fewer dK/dV blocks than SMs and splits the kv head (kv_split).
+    "mqa_t3000s2049": dict(b=2, t=3000, s=2049, n=8, k=1),
 }
 
 # Window sizes are in full-scale positions: "large" ones shrink with the scale.
@@ -186,6 +189,8 @@ _FEATURES_PER_SIZE = {
     # Per-batch lengths (a batch row with no keys among them) where every
     # implementation's backward runs them, cuDNN's included.
     "t1024s4096": ("lengths", "lengths_causal"),
+    "mqa_t3000s2049": ("base", "causal", "lengths", "segments_causal",
+                       "win_L0_large", "sinks_causal"),
 }
 # Dtypes and head dims crossed over a few features: (size, feature, dtype, h).
 _CROSSED = [
@@ -197,6 +202,8 @@ _CROSSED = [
     ("t1023s4097", "lengths", "float16", 64),
     ("t4097s3001", "sinks_causal", "float16", 64),
     ("t1024s4096", "lengths", "float16", 256),
+    ("mqa_t3000s2049", "causal", "float16", 256),
+    ("mqa_t3000s2049", "base", "bfloat16", 64),
 ]
 # "xla" is the reference's own dense code (it materializes [B, N, T, S]): checked
 # on these cases only.
