@@ -251,6 +251,19 @@ def test_attention_backward_fuse_dq_without_causal(h, n, k, t, s, block_q):
   _check_backward(q, key, v, config, causal=False)
 
 
+@pytest.mark.parametrize("causal,fuse_dq,split", [(True, False, 4), (False, True, 2)],
+                         ids=["causal-full", "fused-half"])
+def test_attention_backward_kv_split(causal, fuse_dq, split):
+  """`kv_split`: each key/value head's 4 query heads served by copies of it
+  (all four, or two a copy), their dK/dV summed, against the XLA reference's
+  VJP; T and S no multiples of the tile."""
+  config = mat.AttentionVjpConfig(64, 128, 2, fuse_dq=fuse_dq, kv_split=split)
+  t, s = (300, 330) if causal else (300, 256)
+  q, key, v = (_normal((2, t, 8, 128), jnp.bfloat16), _normal((2, s, 2, 128), jnp.bfloat16),
+               _normal((2, s, 2, 128), jnp.bfloat16))
+  _check_backward(q, key, v, config, causal=causal)
+
+
 @pytest.mark.parametrize("causal,h,t", [(True, 128, 384), (False, 128, 384),
                                          (False, 64, 512)])
 def test_attention_backward_heuristic_fused(causal, h, t):
