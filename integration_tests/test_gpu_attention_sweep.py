@@ -130,7 +130,7 @@ SIZES = {
     "t16384": dict(b=1, t=16384, s=16384, n=4, k=2),
     # T < S, both multiples of 64 (sizes cuDNN's backward takes); GQA.
     "t1024s4096": dict(b=2, t=1024, s=4096, n=4, k=2),
-    # 8 query heads on one kv head, T > S, odd lengths: Mosaic GPU's backward
+    # 8 query heads on one kv head, T > S, lengths off the tile: Mosaic GPU's backward
     # then has fewer dK/dV blocks than SMs and splits the kv head (kv_split).
     "mqa_t3000s2049": dict(b=2, t=3000, s=2049, n=8, k=1),
 }
