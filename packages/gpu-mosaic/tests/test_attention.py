@@ -2708,30 +2708,40 @@ def test_kv_split_refusals():
                              config=mat.AttentionVjpConfig(kv_split=3))
 
 
-@pytest.mark.parametrize("b,t,n,k,split,searched", [
-    (2, 4096, 8, 1, 8, {1, 2, 8}),  # 64 dK/dV blocks: every query head its own copy
-    (8, 1024, 8, 1, 8, {1, 2, 8}),  # 64 blocks
-    (8, 4096, 8, 1, 1, {1, 2, 8}),  # 256 blocks: as many as the H200's SMs or more
-    (2, 4096, 8, 8, 1, {1}),  # MHA: nothing to split
-    (1, 2048, 32, 8, 1, {1}),  # GQA, 4 query heads a kv head: not measured split
-    (1, 2048, 16, 2, 8, {1, 2, 8}),  # 8 query heads a kv head, 32 blocks
-    (1, 2048, 9, 1, 9, {1, 9}),  # 9: no split in two
+@pytest.mark.parametrize("b,t,n,k,causal,split,lost_split,searched", [
+    # Causal: the fewest copies that give each of 132 SMs a dK/dV block.
+    (2, 4096, 8, 1, True, 4, 4, {1, 2, 4, 8}),  # 64 blocks
+    (8, 1024, 8, 1, True, 4, 4, {1, 2, 4, 8}),  # 64 blocks
+    (8, 4096, 8, 1, True, 1, 1, {1, 2, 8}),  # 256 blocks: as many as SMs or more
+    (2, 4096, 8, 8, True, 1, 1, {1}),  # MHA: nothing to split
+    (1, 2048, 32, 8, True, 2, 2, {1, 2}),  # GQA, 4 query heads a kv head, 128 blocks
+    (1, 1000, 32, 8, True, 4, 4, {1, 4}),  # 64 blocks
+    (1, 2048, 16, 2, True, 8, 8, {1, 2, 8}),  # 8 query heads a kv head, 32 blocks
+    (1, 2048, 9, 1, True, 9, 9, {1, 9}),  # 9: no split in two
+    (1, 2048, 8, 4, True, 1, 1, {1}),  # 2 query heads a kv head: not measured split
+    # Without causal: 2 where the one-kernel backward runs (key blocks a power
+    # of two; not where JAX's compile loses the register split) or 2 copies take
+    # no more blocks than SMs.
+    (8, 4096, 8, 1, False, 2, 1, {1, 2, 8}),  # 256 blocks
+    (2, 4000, 8, 1, False, 2, 2, {1, 2, 8}),  # 64 blocks, two kernels
+    (4, 3000, 8, 1, False, 1, 1, {1, 2, 8}),  # 96 blocks, two kernels
+    (1, 2048, 32, 8, False, 1, 1, {1}),  # GQA, 4 query heads a kv head
 ])
-def test_backward_heuristic_splits_kv_heads_below_one_block_an_sm(
-    monkeypatch, b, t, n, k, split, searched):
+def test_backward_heuristic_splits_kv_heads(
+    monkeypatch, b, t, n, k, causal, split, lost_split, searched):
   monkeypatch.setattr(_common, "num_sms", lambda: 132)
   s = jax.ShapeDtypeStruct
   args = tokamax.AttentionArgs(s((b, t, n, 128), jnp.bfloat16), s((b, t, k, 128), jnp.bfloat16),
-                               s((b, t, k, 128), jnp.bfloat16), scale=0.088, is_causal=True)
+                               s((b, t, k, 128), jnp.bfloat16), scale=0.088, is_causal=causal)
   op = mat.MosaicGpuAttentionVjp()
   config = op.heuristic_config(args)
-  assert config.kv_split == split
+  assert config.kv_split == split, config
   assert config in op.search_space(args)
   assert {c.kv_split for c in op.search_space(args)} == searched
   # Where JAX's compile loses the register split (H128's other backward), too.
   monkeypatch.setattr(_common, "register_split_lost", lambda: "lost")
   lost = op.heuristic_config(args)
-  assert lost.split_dkv and lost.kv_split == split, lost
+  assert lost.split_dkv and lost.kv_split == lost_split, lost
 
 
 @gpu

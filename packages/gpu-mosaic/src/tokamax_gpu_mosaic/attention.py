@@ -481,28 +481,50 @@ def _bwd_heuristic(args) -> AttentionVjpConfig:
     config = dataclasses.replace(config, **_SPLIT_LOST_H128_BACKWARD)
   elif _fuses_dq_by_default(args, config):
     config = dataclasses.replace(config, fuse_dq=True)
-  return dataclasses.replace(config, kv_split=_kv_split(args))
+  return dataclasses.replace(config, kv_split=_kv_split(args, config.fuse_dq))
 
 
-def _kv_split(args) -> int:
-  """`AttentionVjpConfig.kv_split` of the heuristic: each key/value head's
-  query heads split over as many copies of it as it has query heads (dK/dV
-  blocks as under MHA), where a key/value head has 8 query heads or more (as
-  measured: fewer, e.g. the grid's GQA with 4, were not) and the dK/dV kernel
-  has fewer blocks than the device has SMs (one a key/value head, batch row
-  and 128 keys); else 1.
+def _kv_split(args, fuse_dq: bool) -> int:
+  """`AttentionVjpConfig.kv_split` of the heuristic: how many copies of each
+  key/value head the dK/dV kernel runs, each for its share of the head's query
+  heads (their dK/dV summed after), given whether the backward is the one-kernel
+  one (`fuse_dq`). `blocks` below: the dK/dV kernel's, one a key/value head,
+  batch row and 128 keys; against the device's SMs.
 
-  H200, bf16, H128, N8 K1 (64 blocks), the backward alone, kv_split 1 / 2 / 8
-  against cuDNN's (its forward+backward less its forward), ms
-  (notes/MEASUREMENTS.md session 73, item 5): B2 T4096 causal 0.939 / 0.566 /
-  0.408 against 0.435; not causal 1.870 / 0.613 / 0.649 against 0.627; B8
-  T1024 causal 0.265 / 0.183 / 0.180 against 0.175. Calls with as many blocks
-  as SMs or more (B8 T4096 N8 K1: 256) were not measured split.
+  - Without causal, where a key/value head has 8 query heads or more (an even
+    number): 2 under the one-kernel backward (its dQ additions for 8 query heads
+    a block leave a long tail) or where 2 copies take no more blocks than SMs.
+    Fewer query heads a key/value head (GQA with 4) measured slower split.
+  - Causal, where there are fewer blocks than SMs and 4 query heads or more a
+    key/value head: the fewest copies (a divisor of the query heads) that give
+    every SM a block.
+  - Else 1.
+
+  H200, bf16, H128 unless said, forward+backward, unsplit / split
+  (notes/MEASUREMENTS.md session 74, item 1; the grid's N8 K1 backward, item 2).
+  Not causal, N8 K1, split 2: one kernel (key blocks a power of two), 1.38x at
+  B8 T4096, 1.30x at B32 T1024, 1.40x at B2 T16384 (256 blocks each); two
+  kernels, 1.55x at B1 T4096 H64 (32 blocks), 1.52x and 1.40x the backward at B2
+  T4000 and B8 T1000 (64), 0.985x at B4 T3000 (96), 0.93-0.97x the backward at
+  B32 T1000, B8 T4000 and B2 T15000 (234-256). N32 K8 split 4: 0.83x at B2
+  T1024, 0.94x at B1 T2048 H64. Causal N8 K1 at 64 blocks: the backward alone
+  split 1 / 2 / 8 against cuDNN's 0.939 / 0.566 / 0.408 against 0.435 ms at B2
+  T4096 (session 73, item 5), split 4 1.04x split 8 there and 1.12x at B8 T1024;
+  at 256 blocks (B8 T4096) split 2 0.98x, split 8 0.91x. Causal N32 K8 at 128
+  blocks: split 2 1.22x (B1 T2048) and 1.09x (B2 T1024), split 4 1.14x and
+  0.97x; at 64 blocks (B1 T1000) split 4 1.36x; B1 T2048 H64 split 4 1.10x.
   """
   b, s, k, _ = args.key.shape
   group = args.query.shape[2] // k
   blocks = b * k * _common.cdiv(s, _BWD_KEY_ROWS)
-  return group if group >= 8 and blocks < _common.num_sms() else 1
+  sms = _common.num_sms()
+  if not args.is_causal:
+    few_blocks = 2 * blocks <= sms
+    return 2 if group >= 8 and group % 2 == 0 and (fuse_dq or few_blocks) else 1
+  if group < 4 or blocks >= sms:
+    return 1
+  return min(d for d in range(2, group + 1)
+             if group % d == 0 and (blocks * d >= sms or d == group))
 
 
 def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
@@ -613,10 +635,11 @@ def _bwd_search_space(args):
     out += [c for c in grouped if not c.fuse_dq or _fused_dq_takes(args, c)]
   # Every config again with the heuristic's split of each key/value head's
   # query heads (`AttentionVjpConfig.kv_split`), and, where a head has 8 or
-  # more, split in two (where 2 divides them) and in full (not at the grid's
-  # GQA, 4 a head: three times the configs to time).
+  # more, split in two (where 2 divides them) and in full (not at fewer, as the
+  # grid's GQA with 4 a head: three times the configs to time).
   group = args.query.shape[2] // args.key.shape[2]
-  splits = {_kv_split(args)} | ({s for s in (2, group) if group % s == 0}
+  heuristic_splits = {_kv_split(args, fuse_dq) for fuse_dq in (False, True)}
+  splits = heuristic_splits | ({s for s in (2, group) if group % s == 0}
                                 if group >= 8 else set())
   out += [dataclasses.replace(c, kv_split=split) for split in sorted(splits - {1})
           for c in tuple(out)]
