@@ -10,7 +10,9 @@ nearest measured call *of the same kind*:
   same axes of equal size (attention's query and key: MHA or GQA, self- or
   cross-attention), and, where an op's kernels take another path at sizes
   that are no multiple of a tile (`TILE_ALIGNED`: attention's lengths at 128
-  and 8), the same largest tile dividing those sizes;
+  and 8), the same largest tile dividing those sizes, and, where its backward
+  does so also at multiples that are no power of two of the tile
+  (`POWERS_OF_TWO`), for the backward and the step those count as no multiple;
 - among those, the nearest by the largest ``|log2((a + 1) / (b + 1))|`` over
   the integers of the key (array dimensions, integer options such as a window
   size), then by their sum; float options (``scale``, ``epsilon``) are ignored.
@@ -106,6 +108,32 @@ SAME_SIZE_FIRST = {("dot_product_attention", "forward"): (("query", -1),)}
 TILE_ALIGNED = {"dot_product_attention": ((("query", 1), ("key", 1)), (128, 8))}
 
 
+# Calls whose backward kernel changes where the number of `TILE_ALIGNED`'s
+# largest tile in a length is a power of two or not, per op: (tile, whether a
+# call's key is one of them). For the backward (and the training step, which
+# ranks as its backward does) such a length that is no power of two of tiles
+# counts as a multiple of the next tile only (`_kind`): it answers for, and is
+# answered by, the lengths that are no multiple of the tile.
+#
+# Attention without causal masking (H200, notes/MEASUREMENTS.md session 74,
+# item 2): Mosaic GPU's one-kernel backward (dQ in the dK/dV kernel) runs at
+# other multiples of 128 keys only under MHA at H128; under GQA at H128 and MHA
+# at H64 only at a power of two of 128-key blocks (ptxas spills the rotated
+# kernel at other counts: `tokamax_gpu_mosaic.attention._fuses_dq_by_default`),
+# else its two-kernel backward, as where the length is no multiple of 128. At
+# B1 T15616 N8 K1 H128 (122 blocks) the nearest point, B2 T16384 (the one-kernel
+# backward, 1.3% ahead of cuDNN's), put Mosaic GPU first; it ran 1.10x cuDNN
+# forward+backward there, as the two-kernel one does at B2 T15000 (cuDNN's
+# backward 1.16x faster).
+def _attention_one_kernel_backward_at_powers_of_two(key: str) -> bool:
+  causal = dict(_fields(key)).get("is_causal", "").strip()
+  n, h, k = _sizes_at(key, (("query", 2), ("query", -1), ("key", 2)))
+  return causal == "False" and ((h == 128 and n != k) or (h == 64 and n == k))
+
+
+POWERS_OF_TWO = {"dot_product_attention": (128, _attention_one_kernel_backward_at_powers_of_two)}
+
+
 # Implementations whose kernels compute whole tiles along a size, per (op,
 # direction): {implementation: ((array field, axis), tile)}. Between grid points
 # such an implementation's time follows its size rounded up to the tile, the
@@ -150,9 +178,15 @@ def _padding(size: int, tile: int) -> float:
   return -(-size // tile) * tile / size
 
 
-def tile_aligned(op_name: str) -> tuple | None:
-  """`TILE_ALIGNED`'s (axes, tiles) for an op, or None."""
-  return TILE_ALIGNED.get(op_name)
+def tile_aligned(op_name: str, directions: Iterable[str] = ("forward",)) -> tuple | None:
+  """`TILE_ALIGNED`'s (axes, tiles) for an op, or None; where `directions`
+  include the backward and the op has `POWERS_OF_TWO`, (axes, tiles, (tile,
+  applies))."""
+  aligned = TILE_ALIGNED.get(op_name)
+  powers = POWERS_OF_TWO.get(op_name)
+  if aligned is None or powers is None or "backward" not in directions:
+    return aligned
+  return (*aligned, powers)
 
 
 def same_size_first(op_name: str, direction: str) -> tuple[tuple[str, int], ...]:
@@ -277,11 +311,12 @@ def nearest_keys(key: str, measured: Iterable[str], radius: float = RADIUS,
 
 
 def op_nearest_keys(op_name: str, key: str, measured: Iterable[str],
-                    same_first: tuple[tuple[str, int], ...] = ()) -> list[str]:
-  """`nearest_keys` under `op_name`'s rules: its radius (`radius_for`) and
-  its tile kinds (`tile_aligned`)."""
+                    same_first: tuple[tuple[str, int], ...] = (),
+                    directions: Iterable[str] = ("forward",)) -> list[str]:
+  """`nearest_keys` under `op_name`'s rules for times of `directions`: its
+  radius (`radius_for`) and its tile kinds (`tile_aligned`)."""
   return nearest_keys(key, measured, radius_for(op_name), same_first,
-                      tile_aligned(op_name))
+                      tile_aligned(op_name, directions))
 
 
 def _largest_tile(size: int | None, tiles: tuple[int, ...]) -> int:
@@ -292,13 +327,23 @@ def _largest_tile(size: int | None, tiles: tuple[int, ...]) -> int:
 def _kind(key: str, aligned: tuple | None) -> tuple:
   """What a measured key must share with a call: `parse`'s kind, and the
   largest of the `aligned` tiles its sizes at the `aligned` axes are
-  multiples of."""
+  multiples of (for a `POWERS_OF_TWO` tile, a power of two of them)."""
   kind = parse(key)[0]
   if aligned is None:
     return kind
-  axes, tiles = aligned
-  return kind + (("multiples of", tuple(_largest_tile(s, tiles)
-                                        for s in _sizes_at(key, axes))),)
+  axes, tiles, *powers = aligned
+  largest = [_largest_tile(s, tiles) for s in _sizes_at(key, axes)]
+  if powers:
+    (tile, applies), = powers
+    if applies(key):
+      below = tuple(t for t in tiles if t < tile)
+      largest = [_largest_tile(s, below) if t == tile and not _power_of_two(s // tile)
+                 else t for s, t in zip(_sizes_at(key, axes), largest)]
+  return kind + (("multiples of", tuple(largest)),)
+
+
+def _power_of_two(n: int) -> bool:
+  return n > 0 and n & (n - 1) == 0
 
 
 def _nearest(key: str, measured: list[str], radius: float,

@@ -209,7 +209,8 @@ class AutotuningResult:
     everywhere = set.intersection(*measured)
     if key in everywhere:
       return [key]
-    return nearest.op_nearest_keys(op_name, key, everywhere, same_first) or [key]
+    return nearest.op_nearest_keys(op_name, key, everywhere, same_first,
+                                   directions) or [key]
 
   def _times_for(self, op_name: str, direction: str, key: str,
                  measured_key: str) -> dict[str, float]:
