@@ -97,7 +97,8 @@ def _grid_times(op: str, key: str, others: list[str], by: dict, direction: str):
   radius."""
   measured = [k for k in others if by[(op, k)][direction]]
   same_first = () if direction == "step" else nearest.same_size_first(op, direction)
-  near = nearest.op_nearest_keys(op, key, measured, same_first)
+  directions = ("forward", "backward") if direction == "step" else (direction,)
+  near = nearest.op_nearest_keys(op, key, measured, same_first, directions)
   if not near:
     return None, None
   # Several points: named by their first field (the query's shape) to stay short.

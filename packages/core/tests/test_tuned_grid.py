@@ -319,16 +319,19 @@ def test_attention_backward_off_a_power_of_two_of_key_blocks_takes_the_unaligned
   step take the data of lengths no multiple of 128 (the same two-kernel
   backward); its forward, and the calls whose backward does not change there,
   the aligned data."""
-  def mqa(b, t, causal=False, n=8, k=1, h=128):
-    return (f"query=bfloat16[{b},{t},{n},{h}] key=bfloat16[{b},{t},{k},{h}] "
-            f"value=bfloat16[{b},{t},{k},{h}] scale=0.088 is_causal={causal}")
-  def call(b, t, causal=False, n=8, k=1, h=128):
-    s = jax.ShapeDtypeStruct
-    return tokamax.AttentionArgs(s((b, t, n, h), jnp.bfloat16), s((b, t, k, h), jnp.bfloat16),
-                                 s((b, t, k, h), jnp.bfloat16), scale=0.088, is_causal=causal)
+  def mqa(b, t, causal=False, n=8, k=1, h=128, s=None):
+    s = t if s is None else s
+    return (f"query=bfloat16[{b},{t},{n},{h}] key=bfloat16[{b},{s},{k},{h}] "
+            f"value=bfloat16[{b},{s},{k},{h}] scale=0.088 is_causal={causal}")
+  def call(b, t, causal=False, n=8, k=1, h=128, s=None):
+    s, struct = t if s is None else s, jax.ShapeDtypeStruct
+    return tokamax.AttentionArgs(struct((b, t, n, h), jnp.bfloat16),
+                                 struct((b, s, k, h), jnp.bfloat16),
+                                 struct((b, s, k, h), jnp.bfloat16), scale=0.088,
+                                 is_causal=causal)
   one_kernel = {"forward": {"mosaic_gpu": 1.0, "cudnn": 1.1},
                 "backward": {"mosaic_gpu": 3.0, "cudnn": 3.1}}
-  two_kernels = {"forward": {"mosaic_gpu": 1.0, "cudnn": 1.1},
+  two_kernels = {"forward": {"mosaic_gpu": 1.2, "cudnn": 1.1},
                  "backward": {"mosaic_gpu": 3.5, "cudnn": 3.0}}
   for n, k, h in ((8, 1, 128), (16, 16, 64)):
     result = _attention_times({mqa(2, 16384, n=n, k=k, h=h): one_kernel,
@@ -337,7 +340,7 @@ def test_attention_backward_off_a_power_of_two_of_key_blocks_takes_the_unaligned
     off = call(1, 15616, n=n, k=k, h=h)
     assert result.measured_times("dot_product_attention", "backward", off) == (
         two_kernels["backward"])
-    assert result.step_times("dot_product_attention", off) == {"mosaic_gpu": 4.5,
+    assert result.step_times("dot_product_attention", off) == {"mosaic_gpu": 4.7,
                                                                "cudnn": 4.1}
     assert result.measured_times("dot_product_attention", "forward", off) == (
         one_kernel["forward"])
@@ -345,6 +348,13 @@ def test_attention_backward_off_a_power_of_two_of_key_blocks_takes_the_unaligned
     on = call(1, 16384, n=n, k=k, h=h)
     assert result.measured_times("dot_product_attention", "backward", on) == (
         one_kernel["backward"])
+  # Cross-attention: the key length decides (the one-kernel backward at 16
+  # blocks of keys, whatever the query length).
+  result = _attention_times({mqa(2, 8192, s=4096): one_kernel,
+                             mqa(2, 8000, s=4000): two_kernels})
+  for t, s, times in ((6144, 4096, one_kernel), (8192, 3072, two_kernels)):
+    assert result.measured_times("dot_product_attention", "backward",
+                                 call(2, t, s=s)) == times["backward"]
   # MHA at H128 (the one-kernel backward at any multiple of 128), GQA with
   # causal masking and GQA at H64 (the two-kernel backward throughout): aligned.
   for n, k, h, causal in ((16, 16, 128, False), (8, 1, 128, True), (8, 1, 64, False)):

@@ -2725,6 +2725,9 @@ def test_kv_split_refusals():
     (8, 4096, 8, 1, False, 2, 1, {1, 2, 8}),  # 256 blocks
     (2, 4000, 8, 1, False, 2, 2, {1, 2, 8}),  # 64 blocks, two kernels
     (4, 3000, 8, 1, False, 1, 1, {1, 2, 8}),  # 96 blocks, two kernels
+    (2, 4224, 8, 1, False, 2, 2, {1, 2, 8}),  # 66 blocks (2 x 66 = 132 SMs)
+    (1, 8576, 8, 1, False, 1, 1, {1, 2, 8}),  # 67 blocks
+    (1, 2048, 9, 1, False, 1, 1, {1, 9}),  # 9: no split in two
     (1, 2048, 32, 8, False, 1, 1, {1}),  # GQA, 4 query heads a kv head
 ])
 def test_backward_heuristic_splits_kv_heads(

@@ -502,17 +502,18 @@ def _kv_split(args, fuse_dq: bool) -> int:
 
   H200, bf16, H128 unless said, forward+backward, unsplit / split
   (notes/MEASUREMENTS.md session 74, item 1; the grid's N8 K1 backward, item 2).
-  Not causal, N8 K1, split 2: one kernel (key blocks a power of two), 1.38x at
-  B8 T4096, 1.30x at B32 T1024, 1.40x at B2 T16384 (256 blocks each); two
-  kernels, 1.55x at B1 T4096 H64 (32 blocks), 1.52x and 1.40x the backward at B2
-  T4000 and B8 T1000 (64), 0.985x at B4 T3000 (96), 0.93-0.97x the backward at
-  B32 T1000, B8 T4000 and B2 T15000 (234-256). N32 K8 split 4: 0.83x at B2
-  T1024, 0.94x at B1 T2048 H64. Causal N8 K1 at 64 blocks: the backward alone
-  split 1 / 2 / 8 against cuDNN's 0.939 / 0.566 / 0.408 against 0.435 ms at B2
-  T4096 (session 73, item 5), split 4 1.04x split 8 there and 1.12x at B8 T1024;
-  at 256 blocks (B8 T4096) split 2 0.98x, split 8 0.91x. Causal N32 K8 at 128
-  blocks: split 2 1.22x (B1 T2048) and 1.09x (B2 T1024), split 4 1.14x and
-  0.97x; at 64 blocks (B1 T1000) split 4 1.36x; B1 T2048 H64 split 4 1.10x.
+  Not causal, N8 K1, split 2 (split 8): one kernel (key blocks a power of two),
+  1.38x (1.39x) at B8 T4096, 1.29x (1.16x) at B32 T1024, 1.40x (1.46x) at B2
+  T16384 (256 blocks each); two kernels, 1.55x at B1 T4096 H64 (32 blocks),
+  1.52x and 1.40x the backward at B2 T4000 and B8 T1000 (64), 0.985x at B4 T3000
+  (96), 0.94-0.98x the backward at B32 T1000, B8 T4000 and B2 T15000 (236-256).
+  N32 K8 split 4: 0.83x at B2 T1024, 0.94x at B1 T2048 H64. Causal N8 K1 at 64
+  blocks: the backward alone split 1 / 2 / 8 against cuDNN's 0.939 / 0.566 /
+  0.408 against 0.435 ms at B2 T4096 (session 73, item 5), split 4 1.04x split 8
+  there and 1.11x at B8 T1024; at 256 blocks (B8 T4096) split 2 0.98x, split 8
+  0.91x. Causal N32 K8 at 128 blocks: split 2 1.21x (B1 T2048) and 1.09x (B2
+  T1024), split 4 1.14x and 0.98x; at 64 blocks (B1 T1000) split 4 1.36x; B1
+  T2048 H64 split 4 1.10x.
   """
   b, s, k, _ = args.key.shape
   group = args.query.shape[2] // k
@@ -634,9 +635,10 @@ def _bwd_search_space(args):
     grouped = (dataclasses.replace(c, head_group=g) for c in tuple(out))
     out += [c for c in grouped if not c.fuse_dq or _fused_dq_takes(args, c)]
   # Every config again with the heuristic's split of each key/value head's
-  # query heads (`AttentionVjpConfig.kv_split`), and, where a head has 8 or
-  # more, split in two (where 2 divides them) and in full (not at fewer, as the
-  # grid's GQA with 4 a head: three times the configs to time).
+  # query heads (`AttentionVjpConfig.kv_split`, with and without the one-kernel
+  # backward), and, where a head has 8 or more, split in two (where 2 divides
+  # them) and in full (not at fewer, as the grid's GQA with 4 a head: up to
+  # four times the configs to time).
   group = args.query.shape[2] // args.key.shape[2]
   heuristic_splits = {_kv_split(args, fuse_dq) for fuse_dq in (False, True)}
   splits = heuristic_splits | ({s for s in (2, group) if group % s == 0}

@@ -108,30 +108,31 @@ SAME_SIZE_FIRST = {("dot_product_attention", "forward"): (("query", -1),)}
 TILE_ALIGNED = {"dot_product_attention": ((("query", 1), ("key", 1)), (128, 8))}
 
 
-# Calls whose backward kernel changes where the number of `TILE_ALIGNED`'s
-# largest tile in a length is a power of two or not, per op: (tile, whether a
-# call's key is one of them). For the backward (and the training step, which
-# ranks as its backward does) such a length that is no power of two of tiles
-# counts as a multiple of the next tile only (`_kind`): it answers for, and is
-# answered by, the lengths that are no multiple of the tile.
+# Calls whose backward kernel changes where the number of tiles in a length is
+# a power of two or not, per op: ((array field, axis), tile, whether a call's
+# key is one of those calls). For the backward (and the training step, which
+# ranks as its backward does), where that length is a multiple of the tile but
+# no power of two of them, the call's `TILE_ALIGNED` sizes that are multiples
+# of the tile count as multiples of the next tile only (`_kind`): it answers
+# for, and is answered by, the calls of lengths no multiple of the tile.
 #
 # Attention without causal masking (H200, notes/MEASUREMENTS.md session 74,
-# item 2): Mosaic GPU's one-kernel backward (dQ in the dK/dV kernel) runs at
-# other multiples of 128 keys only under MHA at H128; under GQA at H128 and MHA
-# at H64 only at a power of two of 128-key blocks (ptxas spills the rotated
-# kernel at other counts: `tokamax_gpu_mosaic.attention._fuses_dq_by_default`),
-# else its two-kernel backward, as where the length is no multiple of 128. At
-# B1 T15616 N8 K1 H128 (122 blocks) the nearest point, B2 T16384 (the one-kernel
-# backward, 1.3% ahead of cuDNN's), put Mosaic GPU first; it ran 1.10x cuDNN
-# forward+backward there, as the two-kernel one does at B2 T15000 (cuDNN's
-# backward 1.16x faster).
+# item 3): Mosaic GPU's one-kernel backward (dQ in the dK/dV kernel) runs at
+# any multiple of 128 keys only under MHA at H128; under GQA at H128 and MHA at
+# H64 only at a power of two of 128-key blocks
+# (`tokamax_gpu_mosaic.attention._fuses_dq_by_default`), else its two-kernel
+# backward, as where the length is no multiple of 128. At B1 T15616 N8 K1 H128
+# (122 blocks) the nearest point, B2 T16384 (the one-kernel backward, 1.3% ahead
+# of cuDNN's), put Mosaic GPU first; it ran 1.10x cuDNN forward+backward there,
+# as the two-kernel one does at B2 T15000 (cuDNN's backward 1.16x faster).
 def _attention_one_kernel_backward_at_powers_of_two(key: str) -> bool:
   causal = dict(_fields(key)).get("is_causal", "").strip()
   n, h, k = _sizes_at(key, (("query", 2), ("query", -1), ("key", 2)))
   return causal == "False" and ((h == 128 and n != k) or (h == 64 and n == k))
 
 
-POWERS_OF_TWO = {"dot_product_attention": (128, _attention_one_kernel_backward_at_powers_of_two)}
+POWERS_OF_TWO = {"dot_product_attention": (("key", 1), 128,
+                                           _attention_one_kernel_backward_at_powers_of_two)}
 
 
 # Implementations whose kernels compute whole tiles along a size, per (op,
@@ -180,8 +181,8 @@ def _padding(size: int, tile: int) -> float:
 
 def tile_aligned(op_name: str, directions: Iterable[str] = ("forward",)) -> tuple | None:
   """`TILE_ALIGNED`'s (axes, tiles) for an op, or None; where `directions`
-  include the backward and the op has `POWERS_OF_TWO`, (axes, tiles, (tile,
-  applies))."""
+  include the backward and the op has `POWERS_OF_TWO`, (axes, tiles, its
+  entry)."""
   aligned = TILE_ALIGNED.get(op_name)
   powers = POWERS_OF_TWO.get(op_name)
   if aligned is None or powers is None or "backward" not in directions:
@@ -327,18 +328,20 @@ def _largest_tile(size: int | None, tiles: tuple[int, ...]) -> int:
 def _kind(key: str, aligned: tuple | None) -> tuple:
   """What a measured key must share with a call: `parse`'s kind, and the
   largest of the `aligned` tiles its sizes at the `aligned` axes are
-  multiples of (for a `POWERS_OF_TWO` tile, a power of two of them)."""
+  multiples of (`POWERS_OF_TWO`'s rule applied where `aligned` has it)."""
   kind = parse(key)[0]
   if aligned is None:
     return kind
   axes, tiles, *powers = aligned
   largest = [_largest_tile(s, tiles) for s in _sizes_at(key, axes)]
   if powers:
-    (tile, applies), = powers
-    if applies(key):
+    (axis, tile, applies), = powers
+    (size,) = _sizes_at(key, (axis,))
+    if (applies(key) and size is not None and size % tile == 0
+        and not _power_of_two(size // tile)):
       below = tuple(t for t in tiles if t < tile)
-      largest = [_largest_tile(s, below) if t == tile and not _power_of_two(s // tile)
-                 else t for s, t in zip(_sizes_at(key, axes), largest)]
+      largest = [_largest_tile(s, below) if t == tile else t
+                 for s, t in zip(_sizes_at(key, axes), largest)]
   return kind + (("multiples of", tuple(largest)),)
 
 
