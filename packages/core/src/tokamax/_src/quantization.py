@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from typing import Any
 
 import jax
+from jax import export
 import jax.numpy as jnp
 import numpy as np
 import tokamax_xla_reference as xla_ref
@@ -111,6 +113,24 @@ class QuantizedArray:
   def dequantize(self) -> jax.Array:
     """The array it stands for, in `dtype`."""
     return xla_ref.dequantize(self.array_values(), self.scales).astype(self.dtype)
+
+
+def _static_fields_to_bytes(static: tuple) -> bytes:
+  dtype, minor_axis = static
+  return json.dumps([jnp.dtype(dtype).name, minor_axis]).encode()
+
+
+def _static_fields_from_bytes(data: bytes) -> tuple:
+  dtype, minor_axis = json.loads(data)
+  return jnp.dtype(dtype), minor_axis
+
+
+# So that `jax.export` serializes a function taking or returning quantized
+# operands: the pytree's static fields (`dtype`, `minor_axis`) as JSON.
+export.register_pytree_node_serialization(
+    QuantizedArray, serialized_name="tokamax.QuantizedArray",
+    serialize_auxdata=_static_fields_to_bytes,
+    deserialize_auxdata=_static_fields_from_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
