@@ -351,6 +351,37 @@ def test_json_and_compare_from_the_command_line(tmp_path, capsys):
   assert "no regression" in capsys.readouterr().out
 
 
+def test_compare_fails_on_an_implementation_gone_from_a_case_that_ran(tmp_path, capsys):
+  """A tokamax row of the baseline missing from a case the run measured (its
+  backend no longer imports, registers or takes the call) is a regression,
+  unless the run was limited to some implementations (`--implementation`,
+  recorded in its --json document); a missing peer row or case is reported."""
+  from tokamax import __main__ as cli
+  baseline = [_row("tokamax auto", 10.0, 0.005), _row("tokamax triton", 10.0, 0.005),
+              _row("XLA (jnp)", 10.0, 0.0), _row("tokamax xla", 1.0, op="layer_norm")]
+  current = baseline[:1]
+  report, failures = bench_suite.compare(current, baseline)
+  assert len(failures) == 1 and "MISSING now" in failures[0]
+  assert "tokamax triton" in failures[0]
+  assert "not measured: gated_linear_unit / s / forward / XLA (jnp)" in report
+  assert "not measured: layer_norm / s / forward / tokamax xla" in report
+  assert bench_suite.compare(current, baseline, every_implementation=False)[1] == []
+  # Another device may lack a backend's kernels (the CPU has no GPU kernels).
+  assert bench_suite.compare(current, baseline, same_device=False)[1] == []
+  # From the command line: a document of a run limited to some implementations
+  # says so, and its missing rows are then not failures.
+  json = __import__("json")
+  base, cur = tmp_path / "base.json", tmp_path / "cur.json"
+  base.write_text(json.dumps(baseline))
+  cur.write_text(json.dumps(current))
+  assert cli.main(["bench", "--from-json", str(cur), "--compare", str(base)]) == 1
+  assert "MISSING now" in capsys.readouterr().out
+  limited = tmp_path / "limited.json"
+  bench_suite.write_json(str(limited), current, implementations=[None])
+  assert bench_suite.load_rows(str(limited))[0]["implementations"] == ["tokamax auto"]
+  assert cli.main(["bench", "--from-json", str(limited), "--compare", str(base)]) == 0
+
+
 def test_compare_across_devices_and_runs_that_share_no_row(tmp_path, capsys):
   """A document's own environment travels through --from-json into --json; a
   baseline of another device compares numerics, not speed; a run that shares

@@ -320,28 +320,34 @@ def row_key(row: dict) -> tuple[str, str, str, str]:
   return (row["op"], row["shape"], row["direction"], row["implementation"])
 
 
-_ENVIRONMENT = ("device_kind", "platform", "jax", "tokamax", "date")
+# "implementations": only where the run was limited to some (`--implementation`).
+_ENVIRONMENT = ("device_kind", "platform", "jax", "tokamax", "date", "implementations")
 
 
-def results_document(rows: list[dict], source: dict | None = None) -> dict:
+def results_document(rows: list[dict], source: dict | None = None,
+                     implementations: list[str | None] | None = None) -> dict:
   """What `--json` writes: the run's environment and every row; with `source`
   (the document the rows were loaded from, `--from-json`), that run's
-  environment instead, as far as it names one."""
+  environment instead, as far as it names one. `implementations`: those the
+  run was limited to (None: every usable one), as `--compare` needs to know."""
   device = jax.devices()[0]
   env = dict(device_kind=device.device_kind, platform=device.platform,
              jax=jax.__version__, tokamax=tokamax.__version__,
              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+  if implementations is not None:
+    env["implementations"] = [AUTO_LABEL if i is None else i for i in implementations]
   if source is not None:
     env = {key: source[key] for key in _ENVIRONMENT if key in source}
   return dict(env, rows=rows)
 
 
-def write_json(path: str, rows: list[dict], source: dict | None = None) -> None:
-  """Writes `rows` as a `--json` document (creating the folder); `source`: as
-  `results_document`'s."""
+def write_json(path: str, rows: list[dict], source: dict | None = None,
+               implementations: list[str | None] | None = None) -> None:
+  """Writes `rows` as a `--json` document (creating the folder); `source` and
+  `implementations`: as `results_document`'s."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w") as f:
-    json.dump(results_document(rows, source), f, indent=1)
+    json.dump(results_document(rows, source, implementations), f, indent=1)
 
 
 class BadRowsFile(ValueError):
@@ -371,22 +377,27 @@ _DEVICE_TIME_METHODS = {"cupti", "cuda_events"}
 
 def compare(rows: list[dict], baseline: list[dict], threshold: float = DEFAULT_THRESHOLD,
             error_growth: float = DEFAULT_ERROR_GROWTH,
-            same_device: bool = True) -> tuple[list[str], list[str]]:
+            same_device: bool = True, every_implementation: bool = True
+            ) -> tuple[list[str], list[str]]:
   """Each baseline row against this run's row of the same key.
 
   Returns ``(report lines, failures)``. Failures: a tokamax row (implementation
   "tokamax ...") slower than its baseline by more than `threshold` (a fraction),
   or failing where it ran before; any row whose relative error exceeds its
   tolerance, or grew past `error_growth` x its baseline's (the baseline floored at
-  tol / 10), or is NaN. Peer rows (cuDNN, XLA, plain JAX) only report their change:
-  they show the machine's noise, not a tokamax regression. Rows of the baseline
-  this run did not measure (e.g. other --op) are listed as not measured. Rows
+  tol / 10), or is NaN; with `every_implementation` (the run was not limited to
+  some) on the baseline's device, a tokamax row missing from a case the run
+  measured (a backend that no longer imports, registers or takes the call). Peer rows (cuDNN, XLA, plain
+  JAX) only report their change: they show the machine's noise, not a tokamax
+  regression. Other rows of the baseline this run did not measure (e.g. other
+  --op) are listed as not measured. Rows
   timed by another method than their baseline's (``method``), unless both are
   device time ("cupti", "cuda_events"), are compared for their numerics only, as
   are all rows where the baseline ran on another device (not `same_device`). A
   run that shares no row with the baseline compared nothing: a failure.
   """
   current = {row_key(r): r for r in rows}
+  cases_run = {key[:3] for key in current}  # (op, shape, direction)
   report, failures = [], []
   known = {row_key(b) for b in baseline}
   for r in rows:
@@ -402,7 +413,13 @@ def compare(rows: list[dict], baseline: list[dict], threshold: float = DEFAULT_T
     ours = key[3].startswith("tokamax")
     cur = current.get(key)
     if cur is None:
-      report.append(f"not measured: {name}")
+      if ours and every_implementation and same_device and key[:3] in cases_run:
+        line = (f"MISSING now (the case ran without it: its backend not installed, "
+                f"not registered or refusing the call?): {name}")
+        failures.append(line)
+      else:
+        line = f"not measured: {name}"
+      report.append(line)
       continue
     if "ms" not in cur and "error" not in cur:
       continue  # run for the numbers only (`Problem.untimed`)
@@ -455,9 +472,10 @@ def compare(rows: list[dict], baseline: list[dict], threshold: float = DEFAULT_T
   return report, failures
 
 
-def _print_compare(rows, baseline_path, threshold, error_growth, here: str | None) -> int:
+def _print_compare(rows, baseline_path, threshold, error_growth, here: str | None,
+                   every_implementation: bool = True) -> int:
   """`compare` printed; `here`: the device kind the rows ran on (None: unknown,
-  taken as the baseline's)."""
+  taken as the baseline's); `every_implementation`: as `compare`'s."""
   doc, baseline = load_rows(baseline_path)
   print(f"\ncompared with {baseline_path} ({doc.get('device_kind', '?')}, JAX "
         f"{doc.get('jax', '?')}, {doc.get('date', '?')}); speed threshold "
@@ -466,7 +484,8 @@ def _print_compare(rows, baseline_path, threshold, error_growth, here: str | Non
   if not same_device:
     print(f"the baseline is from {doc['device_kind']}, these rows from {here}: "
           "numerics compared, speed not")
-  report, failures = compare(rows, baseline, threshold, error_growth, same_device)
+  report, failures = compare(rows, baseline, threshold, error_growth, same_device,
+                             every_implementation)
   for line in report:
     print("  " + line)
   if failures:
@@ -517,7 +536,7 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
     if r["op"].startswith("model ") and _model_row_failed(r):
       status = 1
   if json_path:
-    write_json(json_path, all_rows, source)
+    write_json(json_path, all_rows, source, implementations)
     print(f"wrote {json_path}")
   if out:
     os.makedirs(out, exist_ok=True)
@@ -534,8 +553,10 @@ def main(ops: list[str] | None, out: str | None, iterations: int,
     # writes) ran on an unknown one: compared as the baseline's.
     here = (source.get("device_kind") if source is not None
             else jax.devices()[0].device_kind)
+    limited = (source is not None and "implementations" in source) or (
+        source is None and implementations is not None)
     status = max(status, _print_compare(all_rows, compare_path, threshold, error_growth,
-                                        here))
+                                        here, every_implementation=not limited))
   return status
 
 
@@ -628,7 +649,7 @@ def _run(ops, iterations, implementations, sweep, models, quick, sizes, shapes=N
     print(markdown_table(rows, header=False), flush=True)
     all_rows += rows
     if json_path:
-      write_json(json_path, all_rows)
+      write_json(json_path, all_rows, implementations=implementations)
   for model in models:
     size = bench_models.make_size(model, quick, sizes)
     rows, text = bench_models.run_model(model, size, iterations=iterations, method=method)
@@ -636,7 +657,7 @@ def _run(ops, iterations, implementations, sweep, models, quick, sizes, shapes=N
     all_rows += rows
     notes.append(text)
     if json_path:
-      write_json(json_path, all_rows)
+      write_json(json_path, all_rows, implementations=implementations)
   for text in notes:
     print("\n" + text)
   _print_gpu_state("at the end")
