@@ -164,8 +164,21 @@ def test_builtin_names_cannot_be_taken_over(fresh_registry):
 def test_disabled_backends(fresh_registry):
   fresh_registry.setenv("TOKAMAX_DISABLED_BACKENDS", "fake, other")
   _install(fresh_registry, FakeEntryPoint("fake", _backend("fake"), FakeDist("fake-dist")))
-  assert ("layer_norm", "doubled") not in registry.get().by_name
+  # A name no installed backend has is said, with the names that would work.
+  with pytest.warns(tokamax.PluginWarning,
+                    match=r"TOKAMAX_DISABLED_BACKENDS names other, which no installed "
+                          r"backend has .*; installed: .*fake"):
+    assert ("layer_norm", "doubled") not in registry.get().by_name
   assert any(b.name == "fake" and b.status == "disabled" for b in tokamax.backends())
+
+
+@pytest.mark.parametrize("name", ["fake_dist", "FAKE-DIST", "fake-backend"])
+def test_disabled_backends_by_distribution_name_or_either_spelling(fresh_registry, name):
+  fresh_registry.setenv("TOKAMAX_DISABLED_BACKENDS", name)
+  _install(fresh_registry, FakeEntryPoint("fake_backend", _backend("fake"),
+                                          FakeDist("fake-dist")))
+  assert ("layer_norm", "doubled") not in registry.get().by_name
+  assert any(b.status == "disabled" for b in tokamax.backends())
 
 
 def test_missing_first_party_backend_names_the_distribution(fresh_registry):

@@ -170,9 +170,22 @@ def _installed_version(distribution: str) -> str | None:
     return None
 
 
+def _backend_key(name: str | None) -> str:
+  """A backend, entry-point or distribution name as `TOKAMAX_DISABLED_BACKENDS`
+  matches it: case and ``-`` / ``_`` aside (``gpu-triton`` is ``gpu_triton``)."""
+  return (name or "").lower().replace("-", "_")
+
+
 def _discover() -> _Registry:
   reg = _Registry()
-  disabled = settings.disabled_backends()
+  disabled = {_backend_key(name): name for name in settings.disabled_backends()}
+  matched = set()
+
+  def is_disabled(*names: str | None) -> bool:
+    keys = {_backend_key(n) for n in names if n} & disabled.keys()
+    matched.update(keys)
+    return bool(keys)
+
   builtin = _builtin_backend()
   reg.add_backend(builtin, "tokamax-xla-reference",
                   _installed_version("tokamax-xla-reference"), builtin=True)
@@ -182,12 +195,12 @@ def _discover() -> _Registry:
   for ep in eps:
     dist = ep.dist.name if ep.dist is not None else None
     version = ep.dist.version if ep.dist is not None else None
-    if ep.name in disabled:
+    if is_disabled(ep.name, dist):
       reg.backends.append(BackendInfo(ep.name, dist, version, "disabled"))
       continue
     try:
       backend = _check_backend(ep.load(), ep.name)
-      if backend.name in disabled:
+      if is_disabled(backend.name):
         reg.backends.append(BackendInfo(backend.name, dist, version, "disabled"))
         continue
       if backend.api_version != plugin.PLUGIN_API_VERSION:
@@ -211,6 +224,13 @@ def _discover() -> _Registry:
       continue
     reg.add_backend(backend, dist, version, builtin=False)
 
+  unknown = [name for key, name in disabled.items() if key not in matched]
+  if unknown:
+    known = sorted({ep.name for ep in eps} | {b.name for b in reg.backends})
+    warnings.warn(
+        f"tokamax: TOKAMAX_DISABLED_BACKENDS names {', '.join(unknown)}, which no "
+        f"installed backend has (a backend, entry-point or distribution name); "
+        f"installed: {', '.join(known) or 'none'}", PluginWarning, stacklevel=2)
   for entries in reg.entries.values():
     # Stable: equal priorities keep registration order (built-in first).
     entries.sort(key=lambda e: -e.spec.priority)
