@@ -307,6 +307,50 @@ def test_moe_in_bfloat16():
                        what="MoE bf16")
 
 
+@pytest.mark.parametrize("scheme", ["tokamax", "qwix"])
+def test_moe_takes_quantized_expert_weights(monkeypatch, scheme):
+  """Expert kernels quantized with fp8 block scales (128 x 128, DeepSeek-V3's
+  weights) reach both expert matmuls as quantized operands, and the output is
+  the MoE's with the weights they stand for."""
+  moe = tokamax.flax.MoE(128, 128, 4, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  _randomize(moe)
+  x = _x((2, 8, 128), seed=9).astype(jnp.bfloat16)
+  if scheme == "qwix":
+    qwix = pytest.importorskip("qwix")
+    quantize = lambda w: qwix.quantize(w, jnp.float8_e4m3fn, channelwise_axes=[0],
+                                       tiled_axes={1: 128, 2: 128})
+    dequantize = qwix.dequantize
+  else:
+    quantize = lambda w: tokamax.quantize(w, (1, 128, 128), keep_source=False)
+    dequantize = lambda q: q.dequantize()
+  quantized = [quantize(p.get_value()) for p in (moe.gate_up, moe.down)]
+  for param, q in zip((moe.gate_up, moe.down), quantized):
+    param.set_value(q)
+  seen = []
+  real = tokamax.flax._moe.ragged_dot
+  def spy(lhs, rhs, *args, **kw):
+    seen.append(rhs)
+    return real(lhs, rhs, *args, **kw)
+  monkeypatch.setattr(tokamax.flax._moe, "ragged_dot", spy)
+  out = moe(x)
+  assert len(seen) == 2
+  for s, q in zip(seen, quantized):  # as given: quantized values and scales
+    assert type(s) is type(q)
+    for a, b in zip(jax.tree.leaves(s), jax.tree.leaves(q), strict=True):
+      np.testing.assert_array_equal(a, b)
+  params = nnx.to_pure_dict(nnx.state(moe, nnx.Param))
+  params.update(gate_up=dequantize(quantized[0]), down=dequantize(quantized[1]))
+  ids = np.asarray(jax.lax.top_k(
+      jnp.dot(x.reshape(-1, 128).astype(jnp.float32), params["router"]["kernel"],
+              precision=HIGHEST), 2)[1])
+  assert out.dtype == jnp.bfloat16
+  testing.assert_close(out, _moe_reference(params, x, 2, "top_k", _kept(ids, 4, None)),
+                       "bfloat16", what=f"MoE, {scheme} fp8 experts")
+  # Under jit, and the gradient with respect to the input.
+  dx = jax.jit(jax.grad(lambda x: jnp.sum(moe(x).astype(jnp.float32))))(x)
+  assert dx.shape == x.shape and bool(jnp.all(jnp.isfinite(dx)))
+
+
 def test_moe_parameters_and_initializers():
   moe = tokamax.flax.MoE(64, 96, 8, rngs=nnx.Rngs(0))
   shapes = jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(moe, nnx.Param)))

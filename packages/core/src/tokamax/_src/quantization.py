@@ -257,6 +257,19 @@ def _unwrap(x: Any) -> Any:
   return inner if inner is not None and hasattr(inner, "qvalue") else x
 
 
+def is_quantized(x: Any) -> bool:
+  """Whether `x` is a quantized operand: a `QuantizedArray`, a Qwix ``QArray``
+  or a PTQ ``WithAux`` holding one."""
+  x = _unwrap(x)
+  return isinstance(x, QuantizedArray) or (hasattr(x, "qvalue") and hasattr(x, "scale"))
+
+
+def stands_for(name: str, x: Any) -> tuple[tuple[int, ...], Any]:
+  """(shape, dtype) of the array operand `x` stands for (a plain array's own)."""
+  values, _, dtype, _ = split(name, x)
+  return tuple(values.shape), jnp.dtype(dtype)
+
+
 def split(name: str, x: Any) -> tuple[Any, jax.Array | None, Any, jax.Array | None]:
   """``(values, scales, dtype, source)`` of operand `x`; ``scales`` None for a
   plain array (``dtype`` then its own) or for a scheme dequantized here (module

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from tokamax._src import dispatch
+from tokamax._src import quantization
 from tokamax._src.ops import _checks
 from tokamax._src.ops.gated_linear_unit.api import gated_linear_unit
 from tokamax._src.ops.ragged_dot import moe as moe_lib
@@ -63,6 +64,14 @@ class MoE(nnx.Module):
 
   Load-balancing losses are the model's to add; ``self.router(x)`` gives the
   logits.
+
+  Quantized experts: ``gate_up`` and ``down`` may hold quantized arrays
+  (`tokamax.quantize`, or Qwix's ``QArray`` as ``qwix.quantize`` returns it), e.g.
+  ``moe.gate_up.set_value(tokamax.quantize(moe.gate_up.get_value(), (1, 128, 128)))``.
+  They reach `tokamax.ragged_dot` as they are (two of them around the
+  activation: no gated linear unit kernel applies scales), which picks a kernel
+  that applies the scales where one takes the call, else dequantizes; the rows
+  enter each in the dtype its weights stand for.
 
   Example:
     >>> moe = tokamax.flax.MoE(512, 1024, num_experts=8, top_k=2, rngs=nnx.Rngs(0))
@@ -125,9 +134,17 @@ class MoE(nnx.Module):
     if x.ndim < 1 or x.shape[-1] != self.router.in_features:
       raise ValueError(f"x must be [..., {self.router.in_features}]; got shape {x.shape}")
     tokens = x.reshape(-1, x.shape[-1])
-    tokens, router, gate_up, down = promote(tokens, self.router.kernel[...],
-                                            self.gate_up[...], self.down[...],
-                                            dtype=self.dtype)
+    gate_up, down = self.gate_up.get_value(), self.down.get_value()
+    # Quantized expert weights stay as they are (class docstring); the dtype
+    # they stand for joins the promotion.
+    stood_for = [quantization.stands_for(n, w)[1] for n, w in
+                 (("gate_up", gate_up), ("down", down)) if quantization.is_quantized(w)]
+    dtype = self.dtype if self.dtype is not None else jnp.result_type(
+        tokens, self.router.kernel[...], *(w for w in (gate_up, down)
+                                          if not quantization.is_quantized(w)), *stood_for)
+    tokens, router = promote(tokens, self.router.kernel[...], dtype=dtype)
+    gate_up, down = (w if quantization.is_quantized(w) else w.astype(dtype)
+                     for w in (gate_up, down))
     expert_ids, gates = self.route(tokens, router)
     if self.capacity_factor is not None:
       capacity = math.ceil(self.capacity_factor * expert_ids.size / self.num_experts)
@@ -138,8 +155,8 @@ class MoE(nnx.Module):
     if self.expert_axis is None:
       out = sorted_by_expert(tokens, expert_ids, gates, experts, self.num_experts)
     else:
-      out = self._all_to_all(tokens, expert_ids, gates, experts, gate_up.shape[0],
-                             capacity)
+      num_local = quantization.stands_for("gate_up", gate_up)[0][0]
+      out = self._all_to_all(tokens, expert_ids, gates, experts, num_local, capacity)
     return out.reshape(x.shape[:-1] + out.shape[-1:])
 
   def route(self, tokens, router) -> tuple[jax.Array, jax.Array]:
@@ -162,17 +179,26 @@ class MoE(nnx.Module):
     backward and computes the activation's gradient in one pass) then the down
     ragged_dot; with a named implementation, two ragged_dots of it around the
     gated activation."""
-    e, d, f = down.shape[0], gate_up.shape[1], down.shape[1]
-    if self.implementation is None:
+    (e, f, _), _ = quantization.stands_for("down", down)
+    d = quantization.stands_for("gate_up", gate_up)[0][1]
+    if self.implementation is None and not quantization.is_quantized(gate_up):
       hidden = gated_linear_unit(rows, gate_up.reshape(e, d, 2, f),
                                  activation=self.activation, precision=self.precision,
                                  group_sizes=group_sizes)
-      return ragged_dot(hidden, down, group_sizes, precision=self.precision)
-    h = ragged_dot(rows, gate_up, group_sizes, precision=self.precision,
-                   implementation=self.implementation)
+      return self._matmul(hidden, down, group_sizes, "down")
+    h = self._matmul(rows, gate_up, group_sizes, "gate_up")
     hidden = h[:, :f] if self.activation is None else self.activation(h[:, :f])
-    return ragged_dot(hidden * h[:, f:], down, group_sizes, precision=self.precision,
-                      implementation=self.implementation)
+    return self._matmul(hidden * h[:, f:], down, group_sizes, "down")
+
+  def _matmul(self, rows, weights, group_sizes, name):
+    """`tokamax.ragged_dot` of the rows and one expert kernel; quantized weights
+    take the rows in the dtype they stand for, the result back in the rows'."""
+    dtype = rows.dtype
+    if quantization.is_quantized(weights):
+      rows = rows.astype(quantization.stands_for(name, weights)[1])
+    out = ragged_dot(rows, weights, group_sizes, precision=self.precision,
+                     implementation=self.implementation)
+    return out.astype(dtype)
 
   def _all_to_all(self, tokens, expert_ids, gates, experts, num_local, capacity):
     """The tokens to their experts' devices and back (inside shard_map)."""
