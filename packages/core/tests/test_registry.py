@@ -311,6 +311,7 @@ def test_alias_means_the_members_that_implement_the_op(fresh_registry):
   with pytest.raises(NotImplementedError) as e:
     tokamax.rms_norm(_x(), scale, implementation="mosaic")
   assert str(e.value) == (
+      "rms_norm (run as layer_norm with subtract_mean=False): "
       "layer_norm forward: implementation 'mosaic' (mosaic_gpu or mosaic_tpu here) "
       "cannot run this call: 'mosaic_gpu': has no layer_norm implementation (it "
       "implements ragged_dot); 'mosaic_tpu': needs a TPU or TOKAMAX_INTERPRET=1")
@@ -324,6 +325,23 @@ def test_alias_means_the_members_that_implement_the_op(fresh_registry):
   assert records[0].implementation == "mosaic_tpu"
   np.testing.assert_allclose(
       y, 2 * tokamax.rms_norm(x, scale, implementation="xla"), rtol=1e-6)
+
+
+def test_rms_norm_errors_say_the_call_was_rms_norm(fresh_registry):
+  """rms_norm runs as layer_norm: dispatch's errors say both, and keep their type."""
+  _install(fresh_registry)
+  scale = jnp.ones((8,), jnp.float32)
+  with pytest.raises(ValueError, match=r"^rms_norm \(run as layer_norm with "
+                     r"subtract_mean=False\): implementation='bogus' is not an "
+                     r"implementation of layer_norm"):
+    tokamax.rms_norm(_x(), scale, implementation="bogus")
+  # One that names no op stays as it is.
+  with pytest.raises(tokamax.ImplementationNotInstalledError,
+                     match=r"^implementation='triton' is provided by .*tokamax-gpu-triton"):
+    tokamax.rms_norm(_x(), scale, implementation="triton")
+  # Argument errors name the argument, as they did.
+  with pytest.raises(ValueError, match="^scale"):
+    tokamax.rms_norm(_x(), jnp.ones((3,), jnp.float32))
 
 
 def test_alias_with_no_member_for_the_op_names_the_alias(fresh_registry):
@@ -349,6 +367,7 @@ def test_alias_on_a_gpu_means_mosaic_gpu_only(fresh_registry):
   with pytest.raises(ValueError) as e:
     tokamax.rms_norm(_x(), scale, implementation="mosaic")
   assert str(e.value) == (
+      "rms_norm (run as layer_norm with subtract_mean=False): "
       "implementation='mosaic' (mosaic_gpu on GPU / mosaic_tpu on TPU) has no "
       "implementation of layer_norm here (platform gpu): mosaic_gpu: has no "
       "layer_norm implementation (it implements ragged_dot)")

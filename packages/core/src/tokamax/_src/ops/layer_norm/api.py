@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import jax
@@ -126,5 +127,14 @@ def rms_norm(
     implementation: dispatch.Implementation = None,
 ) -> jax.Array:
   """RMS normalization: `layer_norm` with ``subtract_mean=False`` and no offset."""
-  return layer_norm(x, scale, None, axis=axis, epsilon=epsilon, subtract_mean=False,
-                    implementation=implementation)
+  try:
+    return layer_norm(x, scale, None, axis=axis, epsilon=epsilon, subtract_mean=False,
+                      implementation=implementation)
+  except (ValueError, NotImplementedError) as e:
+    if OP_NAME not in str(e):
+      raise
+    # Dispatch's messages name the op it runs; say which call that was.
+    named = copy.copy(e)
+    named.args = (f"rms_norm (run as {OP_NAME} with subtract_mean=False): {e}",
+                  *e.args[1:])
+    raise named from e
