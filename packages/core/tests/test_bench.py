@@ -366,20 +366,33 @@ def test_compare_fails_on_an_implementation_gone_from_a_case_that_ran(tmp_path, 
   assert "not measured: gated_linear_unit / s / forward / XLA (jnp)" in report
   assert "not measured: layer_norm / s / forward / tokamax xla" in report
   assert bench_suite.compare(current, baseline, every_implementation=False)[1] == []
-  # Another device may lack a backend's kernels (the CPU has no GPU kernels).
-  assert bench_suite.compare(current, baseline, same_device=False)[1] == []
-  # From the command line: a document of a run limited to some implementations
-  # says so, and its missing rows are then not failures.
+  # A row that only failed in the baseline is not missed.
+  failed = dict(_row("tokamax triton", 0), error="boom")
+  failed.pop("ms")
+  assert bench_suite.compare(current, [baseline[0], failed])[1] == []
+  # From the command line, documents of one known device kind: a run (or
+  # baseline) limited to some implementations says so, and missing rows are then
+  # not failures; nor where a document names no device kind (a bare list).
   json = __import__("json")
+  kind = {"device_kind": "NVIDIA H200"}
   base, cur = tmp_path / "base.json", tmp_path / "cur.json"
-  base.write_text(json.dumps(baseline))
-  cur.write_text(json.dumps(current))
+  base.write_text(json.dumps(dict(kind, rows=baseline)))
+  cur.write_text(json.dumps(dict(kind, rows=current)))
   assert cli.main(["bench", "--from-json", str(cur), "--compare", str(base)]) == 1
   assert "MISSING now" in capsys.readouterr().out
   limited = tmp_path / "limited.json"
-  bench_suite.write_json(str(limited), current, implementations=[None])
-  assert bench_suite.load_rows(str(limited))[0]["implementations"] == ["tokamax auto"]
+  limited.write_text(json.dumps(dict(kind, implementations=["auto"], rows=current)))
   assert cli.main(["bench", "--from-json", str(limited), "--compare", str(base)]) == 0
+  assert cli.main(["bench", "--from-json", str(cur), "--compare", str(limited)]) == 0
+  other = tmp_path / "other.json"
+  other.write_text(json.dumps(dict(device_kind="cpu", rows=current)))
+  assert cli.main(["bench", "--from-json", str(other), "--compare", str(base)]) == 0
+  bare = tmp_path / "bare.json"
+  bare.write_text(json.dumps(current))
+  assert cli.main(["bench", "--from-json", str(bare), "--compare", str(base)]) == 0
+  written = tmp_path / "written.json"
+  bench_suite.write_json(str(written), current, implementations=[None, "triton"])
+  assert bench_suite.load_rows(str(written))[0]["implementations"] == ["auto", "triton"]
 
 
 def test_compare_across_devices_and_runs_that_share_no_row(tmp_path, capsys):

@@ -172,6 +172,14 @@ def test_disabled_backends(fresh_registry):
   assert any(b.name == "fake" and b.status == "disabled" for b in tokamax.backends())
 
 
+def test_the_builtin_backend_cannot_be_disabled(fresh_registry):
+  fresh_registry.setenv("TOKAMAX_DISABLED_BACKENDS", "tokamax-xla-reference")
+  _install(fresh_registry)
+  with pytest.warns(tokamax.PluginWarning, match="the built-in backend 'xla_reference' "
+                    r"\(the XLA reference\), which cannot be disabled"):
+    assert ("layer_norm", "xla") in registry.get().by_name
+
+
 @pytest.mark.parametrize("name", ["fake_dist", "FAKE-DIST", "fake-backend"])
 def test_disabled_backends_by_distribution_name_or_either_spelling(fresh_registry, name):
   fresh_registry.setenv("TOKAMAX_DISABLED_BACKENDS", name)
@@ -242,8 +250,8 @@ def test_disabled_backend_is_told_apart_from_a_missing_one(fresh_registry):
     tokamax.layer_norm(_x(), None, None, implementation="triton")
   assert str(e.value) == (
       "implementation='triton' is provided by tokamax-gpu-triton, whose backend "
-      "'gpu_triton' is disabled by TOKAMAX_DISABLED_BACKENDS; remove 'gpu_triton' "
-      "from it to use 'triton'")
+      "'gpu_triton' is disabled by TOKAMAX_DISABLED_BACKENDS; remove the "
+      "backend's (or its distribution's) name from it to use 'triton'")
   with tokamax.record_dispatch() as records:
     tokamax.layer_norm(_x(), None, None, implementation=["triton", "xla"])
   assert records[0].implementation == "xla"
@@ -311,7 +319,6 @@ def test_alias_means_the_members_that_implement_the_op(fresh_registry):
   with pytest.raises(NotImplementedError) as e:
     tokamax.rms_norm(_x(), scale, implementation="mosaic")
   assert str(e.value) == (
-      "rms_norm (run as layer_norm with subtract_mean=False): "
       "layer_norm forward: implementation 'mosaic' (mosaic_gpu or mosaic_tpu here) "
       "cannot run this call: 'mosaic_gpu': has no layer_norm implementation (it "
       "implements ragged_dot); 'mosaic_tpu': needs a TPU or TOKAMAX_INTERPRET=1")
@@ -328,20 +335,23 @@ def test_alias_means_the_members_that_implement_the_op(fresh_registry):
 
 
 def test_rms_norm_errors_say_the_call_was_rms_norm(fresh_registry):
-  """rms_norm runs as layer_norm: dispatch's errors say both, and keep their type."""
+  """rms_norm runs as layer_norm: dispatch's errors naming layer_norm carry a
+  note saying the call was rms_norm, the exception otherwise as raised."""
   _install(fresh_registry)
   scale = jnp.ones((8,), jnp.float32)
-  with pytest.raises(ValueError, match=r"^rms_norm \(run as layer_norm with "
-                     r"subtract_mean=False\): implementation='bogus' is not an "
-                     r"implementation of layer_norm"):
+  note = "in rms_norm (run as layer_norm with subtract_mean=False)"
+  with pytest.raises(ValueError, match=r"^implementation='bogus' is not an "
+                     r"implementation of layer_norm") as e:
     tokamax.rms_norm(_x(), scale, implementation="bogus")
-  # One that names no op stays as it is.
+  assert e.value.__notes__ == [note]
+  # One that names no op, and an argument error, stay without it.
   with pytest.raises(tokamax.ImplementationNotInstalledError,
-                     match=r"^implementation='triton' is provided by .*tokamax-gpu-triton"):
+                     match=r"^implementation='triton' is provided by .*tokamax-gpu-triton") as e:
     tokamax.rms_norm(_x(), scale, implementation="triton")
-  # Argument errors name the argument, as they did.
-  with pytest.raises(ValueError, match="^scale"):
+  assert not getattr(e.value, "__notes__", None)
+  with pytest.raises(ValueError, match="^scale") as e:
     tokamax.rms_norm(_x(), jnp.ones((3,), jnp.float32))
+  assert not getattr(e.value, "__notes__", None)
 
 
 def test_alias_with_no_member_for_the_op_names_the_alias(fresh_registry):
@@ -367,7 +377,6 @@ def test_alias_on_a_gpu_means_mosaic_gpu_only(fresh_registry):
   with pytest.raises(ValueError) as e:
     tokamax.rms_norm(_x(), scale, implementation="mosaic")
   assert str(e.value) == (
-      "rms_norm (run as layer_norm with subtract_mean=False): "
       "implementation='mosaic' (mosaic_gpu on GPU / mosaic_tpu on TPU) has no "
       "implementation of layer_norm here (platform gpu): mosaic_gpu: has no "
       "layer_norm implementation (it implements ragged_dot)")

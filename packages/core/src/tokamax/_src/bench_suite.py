@@ -334,8 +334,8 @@ def results_document(rows: list[dict], source: dict | None = None,
   env = dict(device_kind=device.device_kind, platform=device.platform,
              jax=jax.__version__, tokamax=tokamax.__version__,
              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-  if implementations is not None:
-    env["implementations"] = [AUTO_LABEL if i is None else i for i in implementations]
+  if implementations is not None:  # as --implementation takes them
+    env["implementations"] = ["auto" if i is None else i for i in implementations]
   if source is not None:
     env = {key: source[key] for key in _ENVIRONMENT if key in source}
   return dict(env, rows=rows)
@@ -385,9 +385,10 @@ def compare(rows: list[dict], baseline: list[dict], threshold: float = DEFAULT_T
   "tokamax ...") slower than its baseline by more than `threshold` (a fraction),
   or failing where it ran before; any row whose relative error exceeds its
   tolerance, or grew past `error_growth` x its baseline's (the baseline floored at
-  tol / 10), or is NaN; with `every_implementation` (the run was not limited to
-  some) on the baseline's device, a tokamax row missing from a case the run
-  measured (a backend that no longer imports, registers or takes the call). Peer rows (cuDNN, XLA, plain
+  tol / 10), or is NaN; with `every_implementation` (neither run was limited to
+  some implementations, both ran on one known device kind), a tokamax row that
+  ran in the baseline missing from a case the run measured (a backend that no
+  longer imports, registers or takes the call). Peer rows (cuDNN, XLA, plain
   JAX) only report their change: they show the machine's noise, not a tokamax
   regression. Other rows of the baseline this run did not measure (e.g. other
   --op) are listed as not measured. Rows
@@ -413,7 +414,7 @@ def compare(rows: list[dict], baseline: list[dict], threshold: float = DEFAULT_T
     ours = key[3].startswith("tokamax")
     cur = current.get(key)
     if cur is None:
-      if ours and every_implementation and same_device and key[:3] in cases_run:
+      if ours and every_implementation and "ms" in base and key[:3] in cases_run:
         line = (f"MISSING now (the case ran without it: its backend not installed, "
                 f"not registered or refusing the call?): {name}")
         failures.append(line)
@@ -475,7 +476,8 @@ def compare(rows: list[dict], baseline: list[dict], threshold: float = DEFAULT_T
 def _print_compare(rows, baseline_path, threshold, error_growth, here: str | None,
                    every_implementation: bool = True) -> int:
   """`compare` printed; `here`: the device kind the rows ran on (None: unknown,
-  taken as the baseline's); `every_implementation`: as `compare`'s."""
+  taken as the baseline's for speed); `every_implementation`: whether this run
+  took every implementation (`compare`'s, with the baseline's document)."""
   doc, baseline = load_rows(baseline_path)
   print(f"\ncompared with {baseline_path} ({doc.get('device_kind', '?')}, JAX "
         f"{doc.get('jax', '?')}, {doc.get('date', '?')}); speed threshold "
@@ -484,6 +486,12 @@ def _print_compare(rows, baseline_path, threshold, error_growth, here: str | Non
   if not same_device:
     print(f"the baseline is from {doc['device_kind']}, these rows from {here}: "
           "numerics compared, speed not")
+  # A missing row says a backend is gone only where both runs took every
+  # implementation of one known device kind (a bare list, as --out writes,
+  # names neither).
+  every_implementation = (every_implementation and "implementations" not in doc
+                          and None not in (doc.get("device_kind"), here)
+                          and doc["device_kind"] == here)
   report, failures = compare(rows, baseline, threshold, error_growth, same_device,
                              every_implementation)
   for line in report:

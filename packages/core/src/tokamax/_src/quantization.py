@@ -117,7 +117,8 @@ class QuantizedArray:
 
 def _static_fields_to_bytes(static: tuple) -> bytes:
   dtype, minor_axis = static
-  return json.dumps([jnp.dtype(dtype).name, minor_axis]).encode()
+  return json.dumps([jnp.dtype(dtype).name,
+                     None if minor_axis is None else int(minor_axis)]).encode()
 
 
 def _static_fields_from_bytes(data: bytes) -> tuple:
@@ -264,10 +265,15 @@ def is_quantized(x: Any) -> bool:
   return isinstance(x, QuantizedArray) or (hasattr(x, "qvalue") and hasattr(x, "scale"))
 
 
-def stands_for(name: str, x: Any) -> tuple[tuple[int, ...], Any]:
-  """(shape, dtype) of the array operand `x` stands for (a plain array's own)."""
-  values, _, dtype, _ = split(name, x)
-  return tuple(values.shape), jnp.dtype(dtype)
+def stands_for(x: Any) -> tuple[tuple[int, ...], Any]:
+  """(shape, dtype) of the array operand `x` stands for (a plain array's own),
+  read without dequantizing (as `split` does Qwix's zero-point schemes)."""
+  x = _unwrap(x)
+  if isinstance(x, QuantizedArray):
+    return tuple(x.shape), jnp.dtype(x.dtype)
+  if hasattr(x, "qvalue") and hasattr(x, "scale"):  # a Qwix QArray
+    return tuple(x.qvalue.shape), jnp.dtype(x.scale.dtype)
+  return tuple(x.shape), jnp.dtype(x.dtype)
 
 
 def split(name: str, x: Any) -> tuple[Any, jax.Array | None, Any, jax.Array | None]:
@@ -349,6 +355,6 @@ def zero_cotangents(tree: Any) -> Any:
   """Zero cotangents for every leaf of `tree` (float0 for integer leaves)."""
   def zero(x):
     if jnp.issubdtype(x.dtype, jnp.inexact):
-      return jnp.zeros(x.shape, x.dtype)
+      return jnp.zeros_like(x)  # keeps shard_map's per-device type of x
     return np.zeros(x.shape, jax.dtypes.float0)
   return jax.tree_util.tree_map(zero, tree)

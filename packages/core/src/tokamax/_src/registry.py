@@ -224,6 +224,13 @@ def _discover() -> _Registry:
       continue
     reg.add_backend(backend, dist, version, builtin=False)
 
+  builtin_names = {_backend_key(builtin.name), _backend_key("tokamax-xla-reference")}
+  if builtin_names & disabled.keys():
+    warnings.warn(
+        f"tokamax: TOKAMAX_DISABLED_BACKENDS names the built-in backend "
+        f"{builtin.name!r} (the XLA reference), which cannot be disabled",
+        PluginWarning, stacklevel=2)
+    matched.update(builtin_names)
   unknown = [name for key, name in disabled.items() if key not in matched]
   if unknown:
     known = sorted({ep.name for ep in eps} | {b.name for b in reg.backends})
@@ -349,7 +356,8 @@ def lookup(op: str, name: str) -> Entry | Unavailable:
             "TOKAMAX_DISABLED_BACKENDS",
             f"implementation={name!r} is provided by {dist}, whose backend "
             f"{info.name!r} is disabled by TOKAMAX_DISABLED_BACKENDS; remove "
-            f"{info.name!r} from it to use {name!r}", known=True)
+            f"the backend's (or its distribution's) name from it to use {name!r}",
+            known=True)
     return Unavailable(
         name, ImplementationNotInstalledError,
         f"not installed: {_install_hint(dist)}",

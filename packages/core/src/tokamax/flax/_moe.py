@@ -97,6 +97,8 @@ class MoE(nnx.Module):
       expert_axis: None (every expert on this device) or the mesh axis the
         experts are sharded over; see the class docstring.
       dtype: the computation dtype (None: the common dtype of input and params).
+        Quantized expert weights take their matmul's rows in the dtype they
+        stand for (`ragged_dot` needs both operands to stand for one).
       param_dtype: the parameters' dtype.
       precision: of the matmuls, as `jax.lax.dot_general` takes it.
       kernel_init: an initializer of one ``[in, out]`` kernel, as `nnx.Linear`'s
@@ -104,7 +106,8 @@ class MoE(nnx.Module):
         router get one draw each.
       implementation: None: the experts' gate and up projections and their
         activation run as one grouped `tokamax.gated_linear_unit`, the down
-        projection as `tokamax.ragged_dot`, each chosen by dispatch; a name (or
+        projection as `tokamax.ragged_dot`, each chosen by dispatch (with a
+        quantized ``gate_up``: two ragged_dots, as below); a name (or
         names) of `tokamax.ragged_dot`'s implementations: two ragged_dots of it
         around the activation (in the computation dtype).
       rngs: the ``params`` stream initializes the kernels.
@@ -137,8 +140,8 @@ class MoE(nnx.Module):
     gate_up, down = self.gate_up.get_value(), self.down.get_value()
     # Quantized expert weights stay as they are (class docstring); the dtype
     # they stand for joins the promotion.
-    stood_for = [quantization.stands_for(n, w)[1] for n, w in
-                 (("gate_up", gate_up), ("down", down)) if quantization.is_quantized(w)]
+    stood_for = [quantization.stands_for(w)[1] for w in (gate_up, down)
+                 if quantization.is_quantized(w)]
     dtype = self.dtype if self.dtype is not None else jnp.result_type(
         tokens, self.router.kernel[...], *(w for w in (gate_up, down)
                                           if not quantization.is_quantized(w)), *stood_for)
@@ -155,7 +158,7 @@ class MoE(nnx.Module):
     if self.expert_axis is None:
       out = sorted_by_expert(tokens, expert_ids, gates, experts, self.num_experts)
     else:
-      num_local = quantization.stands_for("gate_up", gate_up)[0][0]
+      num_local = quantization.stands_for(gate_up)[0][0]
       out = self._all_to_all(tokens, expert_ids, gates, experts, num_local, capacity)
     return out.reshape(x.shape[:-1] + out.shape[-1:])
 
@@ -179,23 +182,23 @@ class MoE(nnx.Module):
     backward and computes the activation's gradient in one pass) then the down
     ragged_dot; with a named implementation, two ragged_dots of it around the
     gated activation."""
-    (e, f, _), _ = quantization.stands_for("down", down)
-    d = quantization.stands_for("gate_up", gate_up)[0][1]
+    (e, f, _), _ = quantization.stands_for(down)
+    d = quantization.stands_for(gate_up)[0][1]
     if self.implementation is None and not quantization.is_quantized(gate_up):
       hidden = gated_linear_unit(rows, gate_up.reshape(e, d, 2, f),
                                  activation=self.activation, precision=self.precision,
                                  group_sizes=group_sizes)
-      return self._matmul(hidden, down, group_sizes, "down")
-    h = self._matmul(rows, gate_up, group_sizes, "gate_up")
+      return self._matmul(hidden, down, group_sizes)
+    h = self._matmul(rows, gate_up, group_sizes)
     hidden = h[:, :f] if self.activation is None else self.activation(h[:, :f])
-    return self._matmul(hidden * h[:, f:], down, group_sizes, "down")
+    return self._matmul(hidden * h[:, f:], down, group_sizes)
 
-  def _matmul(self, rows, weights, group_sizes, name):
+  def _matmul(self, rows, weights, group_sizes):
     """`tokamax.ragged_dot` of the rows and one expert kernel; quantized weights
     take the rows in the dtype they stand for, the result back in the rows'."""
     dtype = rows.dtype
     if quantization.is_quantized(weights):
-      rows = rows.astype(quantization.stands_for(name, weights)[1])
+      rows = rows.astype(quantization.stands_for(weights)[1])
     out = ragged_dot(rows, weights, group_sizes, precision=self.precision,
                      implementation=self.implementation)
     return out.astype(dtype)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import jax
@@ -131,10 +130,8 @@ def rms_norm(
     return layer_norm(x, scale, None, axis=axis, epsilon=epsilon, subtract_mean=False,
                       implementation=implementation)
   except (ValueError, NotImplementedError) as e:
-    if OP_NAME not in str(e):
-      raise
-    # Dispatch's messages name the op it runs; say which call that was.
-    named = copy.copy(e)
-    named.args = (f"rms_norm (run as {OP_NAME} with subtract_mean=False): {e}",
-                  *e.args[1:])
-    raise named from e
+    # Dispatch's messages name the op it runs; say which call that was (a note:
+    # the exception itself, its type and message, stays as raised).
+    if OP_NAME in str(e):
+      e.add_note(f"in rms_norm (run as {OP_NAME} with subtract_mean=False)")
+    raise
