@@ -258,11 +258,16 @@ def _unwrap(x: Any) -> Any:
   return inner if inner is not None and hasattr(inner, "qvalue") else x
 
 
+def _is_qwix_array(x: Any) -> bool:
+  """A Qwix ``QArray`` (duck-typed: module docstring)."""
+  return hasattr(x, "qvalue") and hasattr(x, "scale")
+
+
 def is_quantized(x: Any) -> bool:
   """Whether `x` is a quantized operand: a `QuantizedArray`, a Qwix ``QArray``
   or a PTQ ``WithAux`` holding one."""
   x = _unwrap(x)
-  return isinstance(x, QuantizedArray) or (hasattr(x, "qvalue") and hasattr(x, "scale"))
+  return isinstance(x, QuantizedArray) or _is_qwix_array(x)
 
 
 def stands_for(x: Any) -> tuple[tuple[int, ...], Any]:
@@ -271,7 +276,7 @@ def stands_for(x: Any) -> tuple[tuple[int, ...], Any]:
   x = _unwrap(x)
   if isinstance(x, QuantizedArray):
     return tuple(x.shape), jnp.dtype(x.dtype)
-  if hasattr(x, "qvalue") and hasattr(x, "scale"):  # a Qwix QArray
+  if _is_qwix_array(x):
     return tuple(x.qvalue.shape), jnp.dtype(x.scale.dtype)
   return tuple(x.shape), jnp.dtype(x.dtype)
 
@@ -291,7 +296,7 @@ def split(name: str, x: Any) -> tuple[Any, jax.Array | None, Any, jax.Array | No
       raise ValueError(f"{name}: source must have the shape of the array the "
                        f"operand stands for, {tuple(values.shape)}; got "
                        f"{tuple(source.shape)}")
-  elif hasattr(x, "qvalue") and hasattr(x, "scale"):  # a Qwix QArray
+  elif _is_qwix_array(x):
     values, scales, dtype = x.qvalue, x.scale, jnp.dtype(x.scale.dtype)
     qtype = getattr(x, "qtype", None)
     stored_as_is = qtype is None or jnp.dtype(qtype) == jnp.dtype(values.dtype)

@@ -137,15 +137,13 @@ class MoE(nnx.Module):
     if x.ndim < 1 or x.shape[-1] != self.router.in_features:
       raise ValueError(f"x must be [..., {self.router.in_features}]; got shape {x.shape}")
     tokens = x.reshape(-1, x.shape[-1])
+    router = self.router.kernel[...]
     gate_up, down = self.gate_up.get_value(), self.down.get_value()
     # Quantized expert weights stay as they are (class docstring); the dtype
     # they stand for joins the promotion.
-    stood_for = [quantization.stands_for(w)[1] for w in (gate_up, down)
-                 if quantization.is_quantized(w)]
     dtype = self.dtype if self.dtype is not None else jnp.result_type(
-        tokens, self.router.kernel[...], *(w for w in (gate_up, down)
-                                          if not quantization.is_quantized(w)), *stood_for)
-    tokens, router = promote(tokens, self.router.kernel[...], dtype=dtype)
+        tokens, router, *(quantization.stands_for(w)[1] for w in (gate_up, down)))
+    tokens, router = promote(tokens, router, dtype=dtype)
     gate_up, down = (w if quantization.is_quantized(w) else w.astype(dtype)
                      for w in (gate_up, down))
     expert_ids, gates = self.route(tokens, router)
