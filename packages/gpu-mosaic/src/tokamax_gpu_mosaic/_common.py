@@ -261,6 +261,13 @@ def loop_zero(step):
   return lax.shift_right_logical(step, 30)
 
 
+def opaque(x):
+  """`x` (an int32 scalar), through an inline-asm move that LLVM cannot see
+  through: a loop of this trip count has no static length, so `loop_zero`
+  inside it is not folded (a Python int becomes a traced one)."""
+  return lax.optimization_barrier(jnp.asarray(x, jnp.int32))
+
+
 def in_loop(ref, step):
   """`ref` (an SMEM tile resident across a loop) as step `step` sees it: the
   same rows, offset by `loop_zero(step)`."""

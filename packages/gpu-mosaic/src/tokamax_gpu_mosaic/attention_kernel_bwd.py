@@ -634,8 +634,11 @@ class _DkvKernel(_Shape):
       kv_ids = _common.load(r.kvseg_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
     head = functools.partial(self.head_steps, r, blk, r0, j_clear, kv_ids)
     # Both consumers take the same steps (two passes each per step).
-    grads = _turn_passes(wg, self.ping_pong, blk.pass_turn,
-                         lambda: lax.fori_loop(0, self.group, head, zeros))
+    if self.rotated and self.group > 1:
+      steps = functools.partial(self.rotated_group_steps, r, blk, r0, kv_ids, zeros)
+    else:
+      steps = lambda: lax.fori_loop(0, self.group, head, zeros)
+    grads = _turn_passes(wg, self.ping_pong, blk.pass_turn, steps)
     if self.feat.kv_len:
       # Keys past the valid ones may have taken unmasked (even non-finite)
       # values in unmasked steps; their rows are zero by the contract.
@@ -675,6 +678,24 @@ class _DkvKernel(_Shape):
     k_tile = (r.k_smem.at[pl.ds(pl.multiple_of(wg * rows, rows), rows)] if self.fused
               else r.k_smem.at[wg])
     return k_tile, None if r.v_smem is None else r.v_smem.at[wg]
+
+  def rotated_group_steps(self, r, blk: _DkvBlock, r0, kv_ids, zeros):
+    """The rotated kernel's steps under GQA, in one loop over the producer's
+    step order (`step_tile`), of a trip count LLVM cannot see (`_common.opaque`).
+
+    Nested, a loop over the group's heads around `head_steps`' two loops, the
+    kernel spilled 140 B and ptxas serialized its wgmmas (C7512): the
+    heads' loop has a static trip count, so LLVM folded `_common.loop_zero` and
+    hoisted the tiles' wgmma descriptors out of the inner loops (the spilled
+    values). One loop of a static trip count does the same (136 B); one of an
+    opaque trip count compiles clean at every length (offline, B1 T2048-T16384
+    N32 K8 H128; also MHA H128 and H64, left nested where they compiled clean
+    and measured). H200, forward+backward, B1 T4096 N32 K8 H128: 2.272 -> 1.618
+    ms (notes/MEASUREMENTS.md, session 75)."""
+    def at(i, carry):
+      _, j = self.step_tile(blk, i)
+      return self.step(r, blk, r0, kv_ids, j, carry, base=i - j, masked=False)
+    return lax.fori_loop(0, _common.opaque(blk.n_steps), at, zeros)
 
   def head_steps(self, r, blk: _DkvBlock, r0, j_clear, kv_ids, g, carry):
     """The steps of query head `g` of the group: masked where needed."""
