@@ -452,7 +452,7 @@ def test_none_check_attention_times_none_against_mosaic_and_cudnn(monkeypatch, c
   grid = {p.name for p in none_check.attention_problems.grid_problems()}
   defaults = [none_check.attention_problems.problem(*s).name
               for s in none_check.OFF_GRID_ATTENTION]
-  assert len(defaults) == len(set(defaults)) == 14 and not grid & set(defaults)
+  assert len(defaults) == len(set(defaults)) == 15 and not grid & set(defaults)
 
 
 def test_none_check_reads_glu_and_norm_shapes():
@@ -642,6 +642,20 @@ def test_sm90_compile_summarizes_each_kernel():
   names = ["kernel_10.ptxas", "kernel_2.ptxas", "body_1.ptxas", "kernel_0.ptxas"]
   ordered = sorted((pathlib.Path(n) for n in names), key=sm90_compile.kernel_order)
   assert [p.stem for p in ordered] == ["body_1", "kernel_0", "kernel_2", "kernel_10"]
+
+
+def test_sm90_compile_flags_serialized_wgmmas_and_failed_compiles():
+  """`--fail-on-serialized` reads the summary lines `compile_problem` prints."""
+  split = ptxas_registers.Split(240, 24, 384)
+  serialized = ptxas_registers.parse(
+      "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async "
+      "instructions are serialized due to insufficient register resources\n"
+      "ptxas info    : Used 168 registers, used 16 barriers\n")
+  clean = ptxas_registers.parse("ptxas info    : Used 168 registers, used 16 barriers\n")
+  assert sm90_compile.is_bad("  body_1: " + ptxas_registers.describe(split, serialized))
+  assert not sm90_compile.is_bad("  body_0: " + ptxas_registers.describe(split, clean))
+  assert sm90_compile.is_bad("  failed: ValueError: no kernel")
+  assert not sm90_compile.is_bad("  (no Mosaic GPU kernel)")
 
 
 def test_experiment_overlay_parts_keeps_package_sources_and_tests():

@@ -28,7 +28,10 @@ kernel: ``ptxas -arch=sm_90a -o k.cubin kernel_N.ptx && nvdisasm -c k.cubin``
 instructions, how many of them start a fresh accumulator without reading it
 (``RZ, !UPT``: ptxas folded its zeros) and the register-pair zeroings (CS2R)
 that a fresh accumulator costs where ptxas could not (notes/MOSAIC_GPU.md,
-session 47). (Each kernel also logs "nvdisasm invocation failed" to stderr:
+session 47). ``--fail-on-serialized`` exits 1 where any kernel's wgmmas are
+serialized (C7512) or a problem fails to compile: at the grid's shapes
+(``--grid --implementation mosaic_gpu``) none is, since session 75 (about 25
+minutes on a 2-core machine). (Each kernel also logs "nvdisasm invocation failed" to stderr:
 Mosaic GPU looks for nvdisasm under the CUDA root; harmless.)
 """
 
@@ -204,6 +207,9 @@ def main():
   parser.add_argument("--sass", action="store_true",
                       help="disassemble each kernel (kernel_N.sass) and count its "
                            "wgmmas, fresh accumulators and zeroings")
+  parser.add_argument("--fail-on-serialized", action="store_true",
+                      help="exit 1 when any kernel's wgmmas are serialized (C7512) or a "
+                           "problem fails to compile: the check after a kernel change")
   parser.add_argument("--ptxas", default=shutil.which("ptxas"),
                       help="with --sass: a CUDA 13 ptxas (default: on PATH)")
   parser.add_argument("--nvdisasm", default=shutil.which("nvdisasm"),
@@ -218,15 +224,27 @@ def main():
     tools = (args.ptxas, args.nvdisasm)
   suite = bench_suite.grid_suite() if args.grid else bench_suite.reference_suite()
   sharding = cuda_sharding()
+  bad = []
   for problem in tune.select_problems(parser, suite, args.op, args.shape):
     for direction in args.direction or ("forward", "forward+backward"):
-      print(f"## {problem.op} {problem.name} {direction}", flush=True)
+      name = f"{problem.op} {problem.name} {direction}"
+      print(f"## {name}", flush=True)
       try:
         lines = compile_problem(problem, args.implementation, direction,
                                 dict(args.ab), sharding, args.out, tools)
       except Exception as e:  # one that fails is reported, the others go on
         lines = [f"  failed: {type(e).__name__}: {str(e)[:300]}"]
       print("\n".join(lines), flush=True)
+      bad += [f"{name}:{line}" for line in lines if is_bad(line)]
+  if args.fail_on_serialized and bad:
+    raise SystemExit("serialized wgmmas or failed compiles:\n" + "\n".join(bad))
+
+
+def is_bad(summary_line: str) -> bool:
+  """Whether a `compile_problem` line reports serialized wgmmas (C7512: in the
+  fused attention backward that cost 1.40x, notes/MEASUREMENTS.md session 75)
+  or a failed compile."""
+  return "(C7512)" in summary_line or summary_line.lstrip().startswith("failed:")
 
 
 if __name__ == "__main__":

@@ -541,8 +541,8 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   0.98-1.05x (session 56), so not taken. Without causal (each key block from its
   diagonal query tile, wrapping around; session 56, every grid shape of
   T1024-T16384 and the bench rows): H128 MHA 1.043-1.113x, H128 GQA (N32 K8)
-  1.040-1.083x (then with its wgmmas serialized: session 75 made that kernel
-  1.40x faster at B1 T4096, `_DkvKernel.rotated_group_steps`), H64 MHA
+  1.040-1.083x (at one batch row then with its wgmmas serialized: session 75
+  made it 1.40x faster at B1 T4096, `_DkvKernel.rotated_group_steps`), H64 MHA
   1.074-1.128x; H64 GQA 0.84-0.88x, not taken. All of those have a power of two
   of key blocks. At other counts: MHA H64 at T3072 and T12288 spilled 512 B and
   serialized the wgmmas (offline, `tools/sm90_compile.py`'s compile); GQA H128

@@ -684,14 +684,15 @@ class _DkvKernel(_Shape):
     step order (`step_tile`), of a trip count LLVM cannot see (`_common.opaque`).
 
     Nested, a loop over the group's heads around `head_steps`' two loops, the
-    kernel spilled 140 B and ptxas serialized its wgmmas (C7512): the
+    kernel spilled 140 B and ptxas serialized its wgmmas (C7512) at one batch
+    row (B1 T2048-T16384 N32 K8 H128, B1 T16384 N8 K1; clean from B2): the
     heads' loop has a static trip count, so LLVM folded `_common.loop_zero` and
     hoisted the tiles' wgmma descriptors out of the inner loops (the spilled
-    values). One loop of a static trip count does the same (136 B); one of an
-    opaque trip count compiles clean at every length (offline, B1 T2048-T16384
-    N32 K8 H128; also MHA H128 and H64, left nested where they compiled clean
-    and measured). H200, forward+backward, B1 T4096 N32 K8 H128: 2.272 -> 1.618
-    ms (notes/MEASUREMENTS.md, session 75)."""
+    values). One loop of a static trip count spills too (136 B); one of an
+    opaque trip count compiles clean at every length (offline; also MHA H128
+    and H64, left nested where they compiled clean and measured). H200,
+    forward+backward, B1 T4096 N32 K8 H128: 2.272 -> 1.618 ms
+    (notes/MEASUREMENTS.md, session 75)."""
     def at(i, carry):
       _, j = self.step_tile(blk, i)
       return self.step(r, blk, r0, kv_ids, j, carry, base=i - j, masked=False)
