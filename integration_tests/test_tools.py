@@ -452,7 +452,7 @@ def test_none_check_attention_times_none_against_mosaic_and_cudnn(monkeypatch, c
   grid = {p.name for p in none_check.attention_problems.grid_problems()}
   defaults = [none_check.attention_problems.problem(*s).name
               for s in none_check.OFF_GRID_ATTENTION]
-  assert len(defaults) == len(set(defaults)) == 15 and not grid & set(defaults)
+  assert len(defaults) == len(set(defaults)) == 16 and not grid & set(defaults)
 
 
 def test_none_check_reads_glu_and_norm_shapes():

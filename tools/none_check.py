@@ -44,9 +44,9 @@ OFF_GRID_SHAPES = [
 # heads a kv head, lengths that are no multiple of 128 (near the grid's T1000,
 # T4000 and T15000 points) or of 8 (T1500: no grid points of that kind),
 # multi-query attention (8 query heads on one kv head) between its grid points,
-# one batch row under GQA without causal (the one-kernel backward; at B1 it
-# spilled and serialized its wgmmas where the grid's B2-B32 compiled clean,
-# notes/MEASUREMENTS.md session 75).
+# one batch row where the one-kernel backward runs (under GQA without causal,
+# and MHA H128 causal: at B1 they spilled and serialized their wgmmas where the
+# grid's B2-B32 compile clean, notes/MEASUREMENTS.md session 75).
 OFF_GRID_ATTENTION = [
     (4, 8192, 32, 8, 128, True), (1, 8192, 16, 16, 128, False),
     (16, 2048, 16, 16, 64, True), (2, 8192, 64, 8, 128, True),
@@ -55,7 +55,7 @@ OFF_GRID_ATTENTION = [
     (1, 3000, 16, 16, 64, False), (2, 6000, 32, 8, 128, True),
     (16, 1500, 16, 16, 64, True), (1, 10000, 16, 16, 128, False),
     (1, 15616, 8, 1, 128, False), (4, 3000, 8, 1, 128, True),
-    (1, 4096, 32, 8, 128, False),
+    (1, 4096, 32, 8, 128, False), (1, 4096, 16, 16, 128, True),
 ]
 
 # (M, K, N), bf16 SwiGLU, never tuned at: other model widths (5120/13824,
