@@ -602,7 +602,7 @@ def test_ptxas_registers_rewrites_the_split_and_reads_the_report():
       "instructions are serialized due to insufficient register resources\n"
       "    272 bytes stack frame, 800 bytes spill stores, 800 bytes spill loads\n"
       "ptxas info    : Used 128 registers, used 16 barriers\n")
-  assert spilled == ptxas_registers.Report(128, 800, 800, True, None)
+  assert spilled == ptxas_registers.Report(128, 800, 800, "C7512", None)
   fatal = ptxas_registers.parse(
       "ptxas fatal   : (C7602) Insufficient registers (128) to compile instruction "
       "at line 643\nptxas fatal   : Ptx assembly aborted due to errors\n")
@@ -655,7 +655,13 @@ def test_sm90_compile_flags_serialized_wgmmas_and_failed_compiles():
   assert sm90_compile.is_bad("  body_1: " + ptxas_registers.describe(split, serialized))
   assert not sm90_compile.is_bad("  body_0: " + ptxas_registers.describe(split, clean))
   assert sm90_compile.is_bad("  failed: ValueError: no kernel")
-  assert not sm90_compile.is_bad("  (no Mosaic GPU kernel)")
+  assert not sm90_compile.is_bad(sm90_compile.NO_KERNEL)
+  # Another cause of serialization, under its own code.
+  other = ptxas_registers.parse(
+      "ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async "
+      "instructions are serialized due to the presence of Extern calls\n")
+  assert other.serialized == "C7515"
+  assert sm90_compile.is_bad("  body_2: " + ptxas_registers.describe(split, other))
 
 
 def test_experiment_overlay_parts_keeps_package_sources_and_tests():

@@ -11,7 +11,7 @@ Each variant rewrites the PTX's `setmaxnreg.inc` count (what the compute
 warpgroups raise their registers to), its `setmaxnreg.dec` count (the memory
 warpgroup's) and its `.maxntid` (the block's threads), runs `ptxas
 -arch=sm_90a -v` and prints the spills, whether ptxas serialized the wgmmas
-for want of registers (C7512), and a fatal error if any. How ptxas budgets
+(C7512: for want of registers), and a fatal error if any. How ptxas budgets
 registers (notes/MEASUREMENTS.md, session 45, item 2): one instruction's
 operands must fit the count a thread starts with (65536 / threads, in steps of
 8; else "C7602 Insufficient registers"), while between instructions the
@@ -58,7 +58,7 @@ class Report:
   registers: int | None  # "Used N registers" (the count at the kernel's start)
   spill_stores: int
   spill_loads: int
-  serialized: bool  # C7512: wgmmas serialized for want of registers
+  serialized: str | None  # its code where ptxas serialized the wgmmas, e.g. C7512 (registers)
   fatal: str | None  # the first fatal line, e.g. C7602
   # C7504: the setmaxnreg counts were ignored (a relocatable compile, as JAX
   # 0.12's nvJitLink path; notes/MEASUREMENTS.md session 67): every warpgroup
@@ -99,6 +99,18 @@ def over_register_file(split: Split) -> bool:
   return (compute * split.consumer + split.producer) * WARPGROUP > REGISTER_FILE
 
 
+def serialization_code(text: str) -> str | None:
+  """The code of ptxas' note that it serialized the wgmmas (None: it did not).
+  Read by the message: each cause has its own code (C7512: too few registers;
+  others: calls, accumulators touched by other instructions, ...), and the
+  codes move between ptxas versions."""
+  found = re.search(r"\((C\d+)\)[^\n]*wgmma\.mma_async instructions are serialized",
+                    text)
+  if found:
+    return found.group(1)
+  return "?" if "wgmma.mma_async instructions are serialized" in text else None
+
+
 def parse(text: str) -> Report:
   """ptxas -v's output for one kernel."""
   used = re.search(r"Used (\d+) registers", text)
@@ -108,7 +120,7 @@ def parse(text: str) -> Report:
   return Report(registers=int(used.group(1)) if used else None,
                 spill_stores=int(spills.group(1)) if spills else 0,
                 spill_loads=int(spills.group(2)) if spills else 0,
-                serialized="C7512" in text, fatal=fatal,
+                serialized=serialization_code(text), fatal=fatal,
                 setmaxnreg_ignored="C7504" in text)
 
 
@@ -133,7 +145,7 @@ def describe(split: Split, report: Report) -> str:
   if report.fatal:
     return f"{head} {report.fatal}"
   notes = ((", setmaxnreg ignored (C7504)" if report.setmaxnreg_ignored else "")
-           + (", wgmmas serialized (C7512)" if report.serialized else ""))
+           + (f", wgmmas serialized ({report.serialized})" if report.serialized else ""))
   return (f"{head} spills {report.spill_stores} B stored / {report.spill_loads} B "
           f"loaded, {report.registers} registers at start{notes}")
 

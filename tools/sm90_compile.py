@@ -4,7 +4,8 @@ every kernel can be read without device time.
 
     python tools/sm90_compile.py --op ragged_dot --implementation mosaic_gpu \
         --shape 'fp8 1x128/128x128 K-major' --direction forward \
-        [--ab block_n=128 --ab num_stages=3] [--grid] --out DIR
+        [--ab block_n=128 --ab num_stages=3] [--grid | --call SIZES] \
+        [--fail-on-serialized] --out DIR
 
 The problems are tools/tune.py's (`--shape` a regular expression over the
 benchmark suite's names, `--ab FIELD=VALUE` replacing fields of the heuristic
@@ -29,9 +30,12 @@ instructions, how many of them start a fresh accumulator without reading it
 (``RZ, !UPT``: ptxas folded its zeros) and the register-pair zeroings (CS2R)
 that a fresh accumulator costs where ptxas could not (notes/MOSAIC_GPU.md,
 session 47). ``--fail-on-serialized`` exits 1 where any kernel's wgmmas are
-serialized (C7512) or a problem fails to compile: at the grid's shapes
-(``--grid --implementation mosaic_gpu``) none is, since session 75 (about 25
-minutes on a 2-core machine). (Each kernel also logs "nvdisasm invocation failed" to stderr:
+serialized or a problem fails to compile (or, under ``--implementation
+mosaic_gpu``, compiles no kernel): at the grid's shapes (``--grid
+--implementation mosaic_gpu``, about 25 minutes on a 2-core machine) none is
+since session 75; the grid has no batch of one row, where kernels compile
+otherwise: ``--call 1,4096,16,16,128,causal`` (tools/tune.py's form) takes
+such calls. (Each kernel also logs "nvdisasm invocation failed" to stderr:
 Mosaic GPU looks for nvdisasm under the CUDA root; harmless.)
 """
 
@@ -159,6 +163,9 @@ def kernel_order(path: pathlib.Path):
           int(number.group(1)) if number else -1)
 
 
+NO_KERNEL = "  (no Mosaic GPU kernel)"
+
+
 def compile_problem(problem, implementation: str, direction: str, fields: dict,
                     sharding, out: pathlib.Path, tools=None) -> list[str]:
   """Compiles one problem's direction with dumps into its folder of `out`;
@@ -189,7 +196,7 @@ def compile_problem(problem, implementation: str, direction: str, fields: dict,
     lines.append(line)
   for log in folder.glob("*.mlir-passes.log"):
     log.unlink()  # tens of MB each; the PTX and report are what is read
-  return lines or ["  (no Mosaic GPU kernel)"]
+  return lines or [NO_KERNEL]
 
 
 def main():
@@ -199,6 +206,10 @@ def main():
                       help="a registered implementation (default: dispatch's choice)")
   parser.add_argument("--shape", help="a regular expression over problem names")
   parser.add_argument("--grid", action="store_true", help="the tuning grid's shapes")
+  parser.add_argument("--call", action="append", default=[], metavar="SIZES",
+                      help="a call off the suites instead (repeatable), as tools/tune.py "
+                           "takes it, e.g. 1,4096,16,16,128,causal (one batch row: "
+                           "the grid has none, and there kernels compiled otherwise)")
   parser.add_argument("--direction", choices=("forward", "forward+backward"),
                       action="append")
   parser.add_argument("--ab", action="append", default=[], type=tune._field_value,  # pylint: disable=protected-access
@@ -222,10 +233,14 @@ def main():
       parser.error(f"--sass needs ptxas and nvdisasm; got --ptxas {args.ptxas}, "
                    f"--nvdisasm {args.nvdisasm}")
     tools = (args.ptxas, args.nvdisasm)
-  suite = bench_suite.grid_suite() if args.grid else bench_suite.reference_suite()
+  if args.call:
+    problems = tune.call_problems(parser, args.op, args.call, args.shape or args.grid)
+  else:
+    suite = bench_suite.grid_suite() if args.grid else bench_suite.reference_suite()
+    problems = tune.select_problems(parser, suite, args.op, args.shape)
   sharding = cuda_sharding()
   bad = []
-  for problem in tune.select_problems(parser, suite, args.op, args.shape):
+  for problem in problems:
     for direction in args.direction or ("forward", "forward+backward"):
       name = f"{problem.op} {problem.name} {direction}"
       print(f"## {name}", flush=True)
@@ -235,16 +250,19 @@ def main():
       except Exception as e:  # one that fails is reported, the others go on
         lines = [f"  failed: {type(e).__name__}: {str(e)[:300]}"]
       print("\n".join(lines), flush=True)
+      if args.implementation == "mosaic_gpu" and lines == [NO_KERNEL]:
+        lines = [f"  failed: {args.implementation} compiled no Mosaic GPU kernel"]
       bad += [f"{name}:{line}" for line in lines if is_bad(line)]
   if args.fail_on_serialized and bad:
     raise SystemExit("serialized wgmmas or failed compiles:\n" + "\n".join(bad))
 
 
 def is_bad(summary_line: str) -> bool:
-  """Whether a `compile_problem` line reports serialized wgmmas (C7512: in the
-  fused attention backward that cost 1.40x, notes/MEASUREMENTS.md session 75)
-  or a failed compile."""
-  return "(C7512)" in summary_line or summary_line.lstrip().startswith("failed:")
+  """Whether a `compile_problem` line reports serialized wgmmas (in the fused
+  attention backward that cost 1.40x, notes/MEASUREMENTS.md session 75), a
+  ptxas fatal error or a failed compile."""
+  return ("wgmmas serialized" in summary_line or "ptxas fatal" in summary_line
+          or summary_line.lstrip().startswith("failed:"))
 
 
 if __name__ == "__main__":

@@ -541,13 +541,14 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   0.98-1.05x (session 56), so not taken. Without causal (each key block from its
   diagonal query tile, wrapping around; session 56, every grid shape of
   T1024-T16384 and the bench rows): H128 MHA 1.043-1.113x, H128 GQA (N32 K8)
-  1.040-1.083x (at one batch row then with its wgmmas serialized: session 75
-  made it 1.40x faster at B1 T4096, `_DkvKernel.rotated_group_steps`), H64 MHA
-  1.074-1.128x; H64 GQA 0.84-0.88x, not taken. All of those have a power of two
-  of key blocks. At other counts: MHA H64 at T3072 and T12288 spilled 512 B and
-  serialized the wgmmas (offline, `tools/sm90_compile.py`'s compile); GQA H128
-  compiles clean now but ran 0.865x the two kernels at B1 T6144 (session 75).
-  So GQA H128 and H64 take it only at a power of two.
+  1.040-1.083x, H64 MHA 1.074-1.128x; H64 GQA 0.84-0.88x, not taken. (At one
+  batch row, off those shapes, the GQA kernel had its wgmmas serialized until
+  session 75: 1.40x faster since at B1 T4096, `_DkvKernel.rotated_group_steps`.)
+  All of those have a power of two of key blocks. At other counts: MHA H64 at
+  T3072 and T12288 spilled 512 B and serialized the wgmmas (offline,
+  `tools/sm90_compile.py`); GQA H128 compiles clean now but ran 0.865x the two
+  kernels at B1 T6144 (session 75). So GQA H128 and H64 take it only at a
+  power of two.
   """
   q, k = args.query, args.key
   h, mha = q.shape[-1], q.shape[2] == k.shape[2]
@@ -555,8 +556,9 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
     measured_faster = mha and h == 128
   else:
     key_blocks = _common.cdiv(k.shape[1], _BWD_KEY_ROWS)
-    compiles_clean = (mha and h == 128) or (key_blocks & (key_blocks - 1)) == 0
-    measured_faster = (h == 128 or (mha and h == 64)) and compiles_clean
+    any_count = mha and h == 128  # else measured faster at powers of two only
+    measured_at = any_count or (key_blocks & (key_blocks - 1)) == 0
+    measured_faster = (h == 128 or (mha and h == 64)) and measured_at
   return measured_faster and _fused_dq_takes(args, config)
 
 

@@ -685,12 +685,14 @@ class _DkvKernel(_Shape):
 
     Nested, a loop over the group's heads around `head_steps`' two loops, the
     kernel spilled 140 B and ptxas serialized its wgmmas (C7512) at one batch
-    row (B1 T2048-T16384 N32 K8 H128, B1 T16384 N8 K1; clean from B2): the
-    heads' loop has a static trip count, so LLVM folded `_common.loop_zero` and
-    hoisted the tiles' wgmma descriptors out of the inner loops (the spilled
-    values). One loop of a static trip count spills too (136 B); one of an
-    opaque trip count compiles clean at every length (offline; also MHA H128
-    and H64, left nested where they compiled clean and measured). H200,
+    row (B1 T1024-T16384 N32 K8 H128, B1 T16384 N8 K1; the grid's B2-B32
+    points compiled clean): the heads' loop has a static trip count, so LLVM
+    folded `_common.loop_zero` and hoisted the tiles' wgmma descriptors out of
+    the inner loops (the spilled values). One loop of a static trip count
+    spills too (136 B); one of an opaque trip count has no spill and no
+    serialization at any length tried under GQA H128 (offline, B1 and B2
+    T1024-T16384). MHA keeps the nested form: clean there at H128 (8 B at
+    H64, as the one loop), and what was measured. H200,
     forward+backward, B1 T4096 N32 K8 H128: 2.272 -> 1.618 ms
     (notes/MEASUREMENTS.md, session 75)."""
     def at(i, carry):
