@@ -30,8 +30,9 @@ instructions, how many of them start a fresh accumulator without reading it
 (``RZ, !UPT``: ptxas folded its zeros) and the register-pair zeroings (CS2R)
 that a fresh accumulator costs where ptxas could not (notes/MOSAIC_GPU.md,
 session 47). ``--fail-on-serialized`` exits 1 where any kernel's wgmmas are
-serialized or a problem fails to compile (or, under ``--implementation
-mosaic_gpu``, compiles no kernel): at the grid's shapes (``--grid
+serialized, ptxas fails or a problem fails to compile (a call that compiles
+no Mosaic GPU kernel is not an error: the GLU's ``mosaic_gpu`` at M1073 runs
+none): at the grid's shapes (``--grid
 --implementation mosaic_gpu``, about 25 minutes on a 2-core machine) none is
 since session 75; the grid has no batch of one row, where kernels compile
 otherwise: ``--call 1,4096,16,16,128,causal`` (tools/tune.py's form) takes
@@ -250,8 +251,6 @@ def main():
       except Exception as e:  # one that fails is reported, the others go on
         lines = [f"  failed: {type(e).__name__}: {str(e)[:300]}"]
       print("\n".join(lines), flush=True)
-      if args.implementation == "mosaic_gpu" and lines == [NO_KERNEL]:
-        lines = [f"  failed: {args.implementation} compiled no Mosaic GPU kernel"]
       bad += [f"{name}:{line}" for line in lines if is_bad(line)]
   if args.fail_on_serialized and bad:
     raise SystemExit("serialized wgmmas or failed compiles:\n" + "\n".join(bad))
