@@ -220,8 +220,9 @@ def main():
                       help="disassemble each kernel (kernel_N.sass) and count its "
                            "wgmmas, fresh accumulators and zeroings")
   parser.add_argument("--fail-on-serialized", action="store_true",
-                      help="exit 1 when any kernel's wgmmas are serialized (C7512) or a "
-                           "problem fails to compile: the check after a kernel change")
+                      help="exit 1 when any kernel's wgmmas are serialized (any of "
+                           "ptxas' causes), ptxas fails or a problem fails to compile: "
+                           "the check after a kernel change")
   parser.add_argument("--ptxas", default=shutil.which("ptxas"),
                       help="with --sass: a CUDA 13 ptxas (default: on PATH)")
   parser.add_argument("--nvdisasm", default=shutil.which("nvdisasm"),
