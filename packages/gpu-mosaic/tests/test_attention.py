@@ -729,8 +729,8 @@ def test_registered():
   assert ("dot_product_attention", "mosaic_gpu") in names
 
 
-def _args(t=256, s=256, n=2, k=2, h=64, dtype=jnp.bfloat16, hv=None, **kw):
-  q, key, v = _qkv(1, t, s, n, k, h, dtype)
+def _args(t=256, s=256, n=2, k=2, h=64, dtype=jnp.bfloat16, hv=None, b=1, **kw):
+  q, key, v = _qkv(b, t, s, n, k, h, dtype)
   if hv is not None:
     v = v[..., :hv]
   return attention_op.canonical_args(q, key, v, kw.pop("bias", None),
@@ -1560,9 +1560,10 @@ def test_backward_fuse_dq_rank_order(t, s, block_q):
 
 
 @pytest.mark.parametrize("kw,fused", [
-    (dict(n=4, k=4, is_causal=True), True),
-    (dict(n=4, k=4, is_causal=True, dtype=jnp.float16), True),
-    (dict(n=4, k=4, t=1000, s=1100, is_causal=True), True),  # T < S, padded
+    (dict(b=2, n=4, k=4, is_causal=True), True),
+    (dict(b=2, n=4, k=4, is_causal=True, dtype=jnp.float16), True),
+    (dict(b=2, n=4, k=4, t=1000, s=1100, is_causal=True), True),  # T < S, padded
+    (dict(n=4, k=4, is_causal=True), False),  # one batch row: serialized wgmmas
     (dict(n=8, k=2, is_causal=True), False),  # GQA: measured slower
     (dict(n=4, k=1, is_causal=True), False),  # MQA
     (dict(n=4, k=4), True),  # not causal: measured faster (MHA and GQA at H128)
@@ -1637,16 +1638,17 @@ def test_backward_fuse_dq_without_causal(b, t, s, n, k, h, block_q):
 ])
 def test_backward_heuristic_fused_at_length(t, k, h, causal):
   # The heuristic's one-kernel backward at realistic lengths (causal MHA in
-  # head groups).
+  # head groups, from two batch rows: at one it takes the two kernels).
   # Where the register split is lost (JAX >= 0.12), H128 runs the two-pass
   # dK/dV instead: checked here as well.
-  args = _args(t=t, s=t, n=8, k=k, h=h, is_causal=causal)
+  b = 2 if causal else 1
+  args = _args(t=t, s=t, n=8, k=k, h=h, b=b, is_causal=causal)
   config = mat.MosaicGpuAttentionVjp().heuristic_config(args)
   if h == 128 and _common.register_split_lost():
     assert config.split_dkv and not config.fuse_dq and config.block_kv == 64, config
   else:
     assert config.fuse_dq and (config.head_group or not causal), config
-  _check_backward_config(1, t, t, 8, k, h, causal, config)
+  _check_backward_config(b, t, t, 8, k, h, causal, config)
 
 
 @gpu

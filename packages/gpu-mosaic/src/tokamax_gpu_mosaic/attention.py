@@ -549,11 +549,17 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   `tools/sm90_compile.py`); GQA H128 compiles clean now but ran 0.865x the two
   kernels at B1 T6144 (session 75). So GQA H128 and H64 take it only at a
   power of two.
+
+  Causal MHA H128 at one batch row: ptxas spills 56 B and serializes the
+  kernel's wgmmas (C7512, T1024-T16384, `tools/sm90_compile.py --call`; clean
+  from B2, session 75), and the two kernels ran 1.27x faster forward+backward
+  at B1 T4096 N16 and 1.16x at B1 T16384 (session 76, item 1): not taken there.
   """
   q, k = args.query, args.key
   h, mha = q.shape[-1], q.shape[2] == k.shape[2]
   if args.is_causal:
-    measured_faster = mha and h == 128
+    serialized_at_one_row = q.shape[0] == 1
+    measured_faster = mha and h == 128 and not serialized_at_one_row
   else:
     key_blocks = _common.cdiv(k.shape[1], _BWD_KEY_ROWS)
     any_count = mha and h == 128  # else measured faster at powers of two only
