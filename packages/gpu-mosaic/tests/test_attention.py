@@ -2721,9 +2721,14 @@ def test_kv_split_refusals():
     (1, 2048, 16, 2, True, 8, 8, {1, 2, 8}),  # 8 query heads a kv head, 32 blocks
     (1, 2048, 9, 1, True, 9, 9, {1, 9}),  # 9: no split in two
     (1, 2048, 8, 4, True, 1, 1, {1}),  # 2 query heads a kv head: not measured split
-    # Without causal: 2 where the one-kernel backward runs (key blocks a power
-    # of two; not where JAX's compile loses the register split) or 2 copies take
-    # no more blocks than SMs.
+    # Without causal: where 4 copies take no more blocks than SMs, the fewest
+    # that give each SM a block; else 2 where the one-kernel backward runs (key
+    # blocks a power of two; not where JAX's compile loses the register split)
+    # or 2 copies take no more blocks than SMs.
+    (1, 2048, 8, 1, False, 8, 8, {1, 2, 8}),  # 16 blocks
+    (1, 4096, 8, 1, False, 8, 8, {1, 2, 8}),  # 32 blocks
+    (1, 2048, 16, 2, False, 8, 8, {1, 2, 8}),  # 32 blocks, 8 query heads a kv head
+    (1, 4224, 8, 1, False, 4, 4, {1, 2, 4, 8}),  # 33 blocks (4 x 33 = 132 SMs)
     (8, 4096, 8, 1, False, 2, 1, {1, 2, 8}),  # 256 blocks
     (2, 4000, 8, 1, False, 2, 2, {1, 2, 8}),  # 64 blocks, two kernels
     (4, 3000, 8, 1, False, 1, 1, {1, 2, 8}),  # 96 blocks, two kernels
@@ -2753,6 +2758,8 @@ def test_backward_heuristic_splits_kv_heads(
 @pytest.mark.parametrize("b,t,s,n,k,h,causal,config", [
     (1, 1024, 1024, 8, 1, 128, True, mat.AttentionVjpConfig(64, 128, 2, kv_split=8)),
     (2, 700, 640, 8, 1, 128, False, mat.AttentionVjpConfig(64, 128, 2, kv_split=2)),
+    (1, 2048, 2048, 8, 1, 128, False, mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True,
+                                                             kv_split=8)),
     (1, 1024, 1024, 8, 2, 64, False, mat.AttentionVjpConfig(128, 128, 2, fuse_dq=True,
                                                              kv_split=4)),
     (1, 512, 512, 8, 2, 256, True, mat.AttentionVjpConfig(32, 32, 2, split_dkv=True,

@@ -492,9 +492,11 @@ def _kv_split(args, fuse_dq: bool) -> int:
   batch row and 128 keys; against the device's SMs.
 
   - Without causal, where a key/value head has 8 query heads or more (an even
-    number): 2 under the one-kernel backward (its dQ additions for 8 query heads
-    a block leave a long tail) or where 2 copies take no more blocks than SMs.
-    Fewer query heads a key/value head (GQA with 4) measured slower split.
+    number): where 4 copies take no more blocks than SMs, the fewest copies
+    that give every SM a block (as causal, below); else 2 under the one-kernel
+    backward (its dQ additions for 8 query heads a block leave a long tail) or
+    where 2 copies take no more blocks than SMs. Fewer query heads a key/value
+    head (GQA with 4) measured slower split.
   - Causal, where there are fewer blocks than SMs and 4 query heads or more a
     key/value head: the fewest copies (a divisor of the query heads) that give
     every SM a block.
@@ -514,16 +516,31 @@ def _kv_split(args, fuse_dq: bool) -> int:
   0.91x. Causal N32 K8 at 128 blocks: split 2 1.21x (B1 T2048) and 1.09x (B2
   T1024), split 4 1.14x and 0.98x; at 64 blocks (B1 T1000) split 4 1.36x; B1
   T2048 H64 split 4 1.10x.
+  Not causal at 32 blocks or fewer, split 8 / split 2 (session 76, item 3): N8
+  K1 0.606x at B1 T4096 (0.429 against 0.707 ms), 0.713x at B1 T4096 H64, 0.38x
+  at B1 T2048 (16 blocks; 0.126 against 0.335 ms); N16 K2 0.660x at B1 T2048. At
+  64 blocks split 4 / split 2: 0.998x at B2 T4000 and B1 T8192, 1.047x at B8
+  T1024, so 2 stays there.
   """
   b, s, k, _ = args.key.shape
   group = args.query.shape[2] // k
   blocks = b * k * _common.cdiv(s, _BWD_KEY_ROWS)
   sms = _common.num_sms()
   if not args.is_causal:
-    few_blocks = 2 * blocks <= sms
-    return 2 if group >= 8 and group % 2 == 0 and (fuse_dq or few_blocks) else 1
+    if group < 8 or group % 2:
+      return 1
+    if 4 * blocks <= sms:
+      return _copies_filling_sms(blocks, group, sms)
+    return 2 if fuse_dq or 2 * blocks <= sms else 1
   if group < 4 or blocks >= sms:
     return 1
+  return _copies_filling_sms(blocks, group, sms)
+
+
+def _copies_filling_sms(blocks: int, group: int, sms: int) -> int:
+  """The fewest copies of each key/value head, at least 2 and a divisor of its
+  `group` query heads, that give every one of `sms` SMs one of `blocks` x copies
+  blocks (`group` where none does)."""
   return min(d for d in range(2, group + 1)
              if group % d == 0 and (blocks * d >= sms or d == group))
 

@@ -100,6 +100,12 @@ def grid_problems() -> list[Problem]:
   no multiple of 8 none (`nearest.TILE_ALIGNED`: Mosaic GPU runs other
   kernels there).
 
+  And one batch row of T2048 (2048 tokens): with few blocks a head the
+  rankings turn again. Mosaic GPU's forward+backward ran 1.07x faster than
+  cuDNN's at B1 T2048 N32 K8 H128 without causal, where the nearest point, B2
+  T4096, ranked cuDNN's backward first (H200, notes/MEASUREMENTS.md session 76,
+  item 1).
+
   And multi-query attention (8 query heads on one kv head) at H128, at the
   same lengths: the GQA points (32 on 8) are more than `nearest.RADIUS` away from it,
   so `None` took the registry's order there, cuDNN's forward, which ran 1.05x
@@ -107,13 +113,15 @@ def grid_problems() -> list[Problem]:
   72, item 4)."""
   shapes = []
   for tokens, lengths in ((32768, (1024, 4096, 16384)), (8192, (1024, 4096)),
-                          (32768, (1000, 4000, 15000)), (8192, (1000, 4000))):
+                          (32768, (1000, 4000, 15000)), (8192, (1000, 4000)),
+                          (2048, (2048,))):
     for t in lengths:
       for h in (64, 128, 256):
         for n, k in ((16, 16), (32, 8)):
           shapes += [(tokens // t, t, n, k, h, c) for c in (False, True)]
   for tokens, lengths in ((32768, (1024, 4096, 16384)), (8192, (1024, 4096)),
-                          (32768, (1000, 4000, 15000)), (8192, (1000, 4000))):
+                          (32768, (1000, 4000, 15000)), (8192, (1000, 4000)),
+                          (2048, (2048,))):
     shapes += [(tokens // t, t, 8, 1, 128, c) for t in lengths for c in (False, True)]
   return ([problem(*s) for s in shapes] +
           [problem(32768 // t, t, 32, 8, 128, True, window=w)
