@@ -351,6 +351,95 @@ def test_moe_takes_quantized_expert_weights(monkeypatch, scheme):
   assert dx.shape == x.shape and bool(jnp.all(jnp.isfinite(dx)))
 
 
+class _MoEBlock(nnx.Module):
+  """A model holding a `tokamax.flax.MoE` at path ``moe``."""
+
+  def __init__(self):
+    self.moe = tokamax.flax.MoE(256, 384, 4, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+
+  def __call__(self, x):
+    return self.moe(x)
+
+
+def test_moe_quantized_by_qwix_ptq(monkeypatch):
+  """`qwix.quantize_model` with a PTQ rule for ``ragged_dot`` (fp8 weights and
+  activations, 128-deep tiles): both expert kernels become Qwix's quantized
+  params, both expert matmuls take quantized operands (scales kept, for a
+  kernel to apply), and each matmul's output equals the float64 product of the
+  quantized operands it took; later calls (eager and under jit) reuse the
+  quantized params."""
+  qwix = pytest.importorskip("qwix")
+  from tokamax._src import qwix_ptq
+
+  model = _MoEBlock()
+  x = _x((2, 16, 256), seed=3).astype(jnp.bfloat16)
+  stages = []
+  quantize_operands = qwix_ptq.quantize_operands
+  def operands_spy(*args, **kw):
+    stages.append(list(quantize_operands(*args, **kw)))
+    return stages[-1]
+  monkeypatch.setattr(qwix_ptq, "quantize_operands", operands_spy)
+  matmul = tokamax.flax._moe.ragged_dot
+  def matmul_spy(lhs, rhs, group_sizes, **kw):
+    out = matmul(lhs, rhs, group_sizes, **kw)
+    stages[-1] += [group_sizes, out]
+    return out
+  monkeypatch.setattr(tokamax.flax._moe, "ragged_dot", matmul_spy)
+  rule = qwix.QuantizationRule(module_path="moe", op_names=("ragged_dot",),
+                               weight_qtype=jnp.float8_e4m3fn,
+                               act_qtype=jnp.float8_e4m3fn, tile_size=128)
+  quantized = qwix.quantize_model(model, qwix.PtqProvider([rule]), x)
+  state = jax.tree.map(lambda a: (a.shape, a.dtype.name),
+                       nnx.to_pure_dict(nnx.state(quantized.moe, nnx.Param)))
+  assert state["gate_up"] == {"array": {"qvalue": ((4, 256, 768), "float8_e4m3fn"),
+                                        "scale": ((4, 2, 768), "bfloat16")}}
+  assert state["down"] == {"array": {"qvalue": ((4, 384, 256), "float8_e4m3fn"),
+                                     "scale": ((4, 3, 256), "bfloat16")}}
+  assert state["router"]["kernel"] == ((256, 4), "bfloat16")  # no rule for it
+  first = quantized(x)
+  testing.assert_close(jax.jit(quantized)(x), first, "bfloat16", what="under jit")
+  stages.clear()
+  out = quantized(x)
+  np.testing.assert_array_equal(out, first)
+  assert len(stages) == 2  # the gate/up and the down matmul
+  for (lhs, rhs, group_sizes, got), k in zip(stages, (256, 384)):
+    # Rows: one scale per row and 128 of K; weights: per expert, 128 of K and
+    # column (Qwix's PTQ tiling of a matmul's operands).
+    for name, operand, tiles in (("lhs", lhs, (1, 128)), ("rhs", rhs, (1, 128, 1))):
+      values, scales, _, _ = tokamax._src.quantization.split(name, operand)
+      assert values.dtype == jnp.float8_e4m3fn and scales is not None, name
+      assert tuple(v // s for v, s in zip(values.shape, scales.shape)) == tiles, name
+      assert values.shape[-2 if name == "rhs" else -1] == k, name
+    lhs64, rhs64 = (np.asarray(qwix.dequantize(qwix_ptq.quantization._unwrap(a)),
+                               np.float64) for a in (lhs, rhs))
+    want, start = np.zeros((lhs64.shape[0], rhs64.shape[2])), 0
+    for g, size in enumerate(np.asarray(group_sizes)):
+      want[start:start + size] = lhs64[start:start + size] @ rhs64[g]
+      start += size
+    testing.assert_close(got, want, "bfloat16", what=f"expert matmul K{k}")
+
+
+def test_moe_refuses_qwix_rules_it_cannot_apply():
+  """Qwix rules the experts cannot follow raise, naming the rule, rather than
+  leave the experts unquantized: quantized training (`qwix.QtRule`) and static
+  activation scales."""
+  qwix = pytest.importorskip("qwix")
+  x = _x((2, 16, 256), seed=3).astype(jnp.bfloat16)
+  fp8 = dict(weight_qtype=jnp.float8_e4m3fn, act_qtype=jnp.float8_e4m3fn)
+  qt = qwix.QtRule(module_path="moe", **fp8)
+  with pytest.raises(NotImplementedError, match=r"post-training quantization "
+                     r"\(qwix.PtqProvider\) rules only; a QtRule matched it"):
+    qwix.quantize_model(_MoEBlock(), qwix.QtProvider([qt]), x)
+  static = qwix.QuantizationRule(module_path="moe", act_static_scale=True, **fp8)
+  with pytest.raises(NotImplementedError, match=r"dynamic scales only.*act_static_"
+                     r"scale=True"):
+    qwix.quantize_model(_MoEBlock(), qwix.PtqProvider([static]), x)
+  # A rule for other ops (or modules) leaves the experts as they are.
+  dense_only = qwix.QuantizationRule(module_path="moe", op_names=("dot_general",), **fp8)
+  kept = qwix.quantize_model(_MoEBlock(), qwix.PtqProvider([dense_only]), x)
+  assert kept.moe.gate_up[...].dtype == jnp.bfloat16
+
+
 def test_moe_parameters_and_initializers():
   moe = tokamax.flax.MoE(64, 96, 8, rngs=nnx.Rngs(0))
   shapes = jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(moe, nnx.Param)))

@@ -371,11 +371,8 @@ def test_moe_ffn_with_qwix_quantized_operands():
   whose expert weights and activations are quantized with Qwix's own arrays
   (fp8, 1x128 activation tiles, 128x128 weight blocks): `None` runs the fp8
   kernel for each of its three grouped matmuls, and the output equals the XLA
-  definition's on the same quantized inputs.
-
-  (Qwix 0.1.8's PTQ provider intercepts no ragged_dot, only its QT provider
-  does, so a PTQ model cannot route its expert weights here by interception:
-  Qwix's arrays are what reach tokamax.)"""
+  definition's on the same quantized inputs. (A model quantized by
+  `qwix.quantize_model`: `test_moe_quantized_by_qwix_ptq_runs_the_fp8_kernel`.)"""
   qwix = pytest.importorskip("qwix")
   rng = np.random.default_rng(13)
   tokens, d, f, experts = 2048, 512, 768, 8
@@ -414,3 +411,52 @@ def test_moe_ffn_with_qwix_quantized_operands():
     want = jax.jit(lambda l, r: tokamax.ragged_dot(l, r, sizes, implementation="xla"))(
         lhs, rhs)
     testing.assert_close(out, want, jnp.bfloat16, what=f"MoE {name}", gpu=True)
+
+
+@gpu
+def test_moe_quantized_by_qwix_ptq_runs_the_fp8_kernel():
+  """A model holding `tokamax.flax.MoE`, quantized by `qwix.quantize_model` with
+  a PTQ rule for ``ragged_dot`` (fp8 weights and activations, 128-deep tiles:
+  per row and 128 of K for the rows, per expert, 128 of K and column for the
+  weights): `None` runs the fp8 kernel for both expert matmuls, and each one's
+  output equals the XLA definition's on the same quantized operands."""
+  qwix = pytest.importorskip("qwix")
+  nnx = pytest.importorskip("flax.nnx")
+  import tokamax.flax
+  from tokamax._src import qwix_ptq
+
+  class Block(nnx.Module):
+    def __init__(self):
+      self.moe = tokamax.flax.MoE(512, 768, 8, param_dtype=jnp.bfloat16,
+                                  rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+      return self.moe(x)
+
+  x = jnp.asarray(np.random.default_rng(5).standard_normal((2048, 512)), jnp.bfloat16)
+  rule = qwix.QuantizationRule(module_path="moe", op_names=("ragged_dot",),
+                               weight_qtype=jnp.float8_e4m3fn,
+                               act_qtype=jnp.float8_e4m3fn, tile_size=128)
+  model = qwix.quantize_model(Block(), qwix.PtqProvider([rule]), x)
+  stages = []
+  quantize_operands = qwix_ptq.quantize_operands
+  def operands_spy(*args, **kw):
+    stages.append(quantize_operands(*args, **kw))
+    return stages[-1]
+  with pytest.MonkeyPatch.context() as patch, tokamax.record_dispatch() as records:
+    patch.setattr(qwix_ptq, "quantize_operands", operands_spy)
+    model(x)
+  assert [(r.op, r.implementation) for r in records] == [
+      ("ragged_dot", "mosaic_gpu")] * 2, records
+  sizes = []
+  real = tokamax.flax._moe.ragged_dot
+  def sizes_spy(lhs, rhs, group_sizes, **kw):
+    sizes.append(group_sizes)
+    return real(lhs, rhs, group_sizes, **kw)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(tokamax.flax._moe, "ragged_dot", sizes_spy)
+    model(x)
+  for (lhs, rhs), group_sizes in zip(stages, sizes, strict=True):
+    got = tokamax.ragged_dot(lhs, rhs, group_sizes)
+    want = tokamax.ragged_dot(lhs, rhs, group_sizes, implementation="xla")
+    testing.assert_close(got, want, jnp.bfloat16, what="expert matmul", gpu=True)

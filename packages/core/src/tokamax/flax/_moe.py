@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from tokamax._src import dispatch
 from tokamax._src import quantization
+from tokamax._src import qwix_ptq
 from tokamax._src.ops import _checks
 from tokamax._src.ops.gated_linear_unit.api import gated_linear_unit
 from tokamax._src.ops.ragged_dot import moe as moe_lib
@@ -71,7 +72,12 @@ class MoE(nnx.Module):
   They reach `tokamax.ragged_dot` as they are (two of them around the
   activation: no gated linear unit kernel applies scales), which picks a kernel
   that applies the scales where one takes the call, else dequantizes; the rows
-  enter each in the dtype its weights stand for.
+  enter each in the dtype its weights stand for. Qwix's post-training
+  quantization reaches them too: in ``qwix.quantize_model(model,
+  qwix.PtqProvider(rules), x)`` a rule matching this module and the op name
+  ``"ragged_dot"`` quantizes ``gate_up`` and ``down`` (each replaced by Qwix's
+  quantized param) and, with ``act_qtype``, the rows, as Qwix's PTQ does a
+  dense layer's matmul (``tile_size`` tiling the contracting axis).
 
   Example:
     >>> moe = tokamax.flax.MoE(512, 1024, num_experts=8, top_k=2, rngs=nnx.Rngs(0))
@@ -138,7 +144,7 @@ class MoE(nnx.Module):
       raise ValueError(f"x must be [..., {self.router.in_features}]; got shape {x.shape}")
     tokens = x.reshape(-1, x.shape[-1])
     router = self.router.kernel[...]
-    gate_up, down = self.gate_up.get_value(), self.down.get_value()
+    gate_up, down = _expert_weight(self.gate_up), _expert_weight(self.down)
     # Quantized expert weights stay as they are (class docstring); the dtype
     # they stand for joins the promotion.
     dtype = self.dtype if self.dtype is not None else jnp.result_type(
@@ -182,7 +188,9 @@ class MoE(nnx.Module):
     gated activation."""
     (e, f, _), _ = quantization.stands_for(down)
     d = quantization.stands_for(gate_up)[0][1]
-    if self.implementation is None and not quantization.is_quantized(gate_up):
+    quantized = (quantization.is_quantized(gate_up)
+                 or qwix_ptq.current_rule("ragged_dot") is not None)
+    if self.implementation is None and not quantized:
       hidden = gated_linear_unit(rows, gate_up.reshape(e, d, 2, f),
                                  activation=self.activation, precision=self.precision,
                                  group_sizes=group_sizes)
@@ -221,6 +229,13 @@ class MoE(nnx.Module):
     return moe_lib.moe_all_to_all(tokens, expert_ids, experts, axis_name=axis,
                                   num_local_experts=num_local, capacity=pair_capacity,
                                   combine_weights=gates)
+
+
+def _expert_weight(held: Any) -> Any:
+  """An expert kernel's value: an array or a quantized array held by its
+  `nnx.Param`, or Qwix's PTQ ``WithAux``, which replaces the param itself
+  (`tokamax._src.qwix_ptq`; its ``value``: the quantized array unboxed)."""
+  return held.get_value() if isinstance(held, nnx.Variable) else held.value
 
 
 def _check_arguments(in_features, hidden_features, num_experts, top_k, capacity_factor,

@@ -12,6 +12,7 @@ import tokamax_xla_reference as xla_ref
 
 from tokamax._src import dispatch
 from tokamax._src import quantization
+from tokamax._src import qwix_ptq
 from tokamax._src.op import Op, OpDefinition
 from tokamax._src.ops import _checks
 from tokamax._src.ops.ragged_dot.sharding import ragged_dot_plan
@@ -102,6 +103,12 @@ def ragged_dot(
   else by the XLA reference; a Qwix scheme with zero points or sub-byte types is
   dequantized first.
 
+  Inside a model quantized by Qwix's post-training quantization
+  (``qwix.quantize_model(model, qwix.PtqProvider(rules), ...)``), a rule that
+  matches the module quantizes the call as Qwix's PTQ does its matmuls (rhs, a
+  param of the module, replaced by its quantized form; lhs quantized on the fly
+  where the rule sets ``act_qtype``): `tokamax._src.qwix_ptq`.
+
   Args:
     lhs: ``[M, K]``, rows sorted by group (or a quantized operand, above).
     rhs: ``[G_rhs, K, N]``, one weight matrix per group (or a quantized operand).
@@ -128,6 +135,8 @@ def ragged_dot(
   Example:
     >>> out = tokamax.ragged_dot(tokens, expert_weights, tokens_per_expert)
   """
+  lhs, rhs = qwix_ptq.quantize_operands("ragged_dot", lhs, rhs, lhs_contracting=1,
+                                        rhs_contracting=1)
   lhs, lhs_scales, lhs_dtype, lhs_source = quantization.split("lhs", lhs)
   rhs, rhs_scales, rhs_dtype, rhs_source = quantization.split("rhs", rhs)
   lhs = _checks.as_array("lhs", lhs)

@@ -1,0 +1,135 @@
+"""Qwix's post-training quantization (PTQ) reaching tokamax's ops.
+
+``qwix.quantize_model(model, qwix.PtqProvider(rules), *inputs)`` quantizes a
+Flax model by intercepting the JAX matmuls it calls (``jax.lax.dot_general``,
+``jnp.einsum``, ...): where a rule matches the module, the weight a matmul
+takes (a param of the module) is quantized and replaced in the module by
+Qwix's ``WithAux`` (its ``QArray`` and how it was made), and the activation
+is quantized on the fly where the rule sets ``act_qtype``. Qwix intercepts no
+grouped matmul, so a model whose experts run through `tokamax.ragged_dot`
+would keep them unquantized; `quantize_operands` does for tokamax's ops what
+Qwix's PTQ does for its matmuls, with the same rules and the same quantized
+params, so that the ops' quantized kernels run without extra user code.
+
+Qwix asks ``qwix._src.qconfig.get_current_rule(op_name)`` of a kernel for the
+rule of its call (Qwix's interface for kernel authors, `qwix.pallas`); the
+param replacement uses its PTQ provider's own functions. Those are Qwix's
+internals (adapted to qwix 0.1.8, the version the tests install): where they
+are missing, a matching rule raises rather than leave the weights unquantized.
+Core does not import Qwix: nothing here runs unless the program imported it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+import importlib
+import sys
+from typing import Any
+
+from tokamax._src import quantization
+
+# The classes of rules Qwix's PTQ provider matches (`qwix.QuantizationRule`);
+# its quantized training (`qwix.QtRule`) and LoRA (`qwix.LoraRule`) rules
+# subclass it and ask for other computations.
+_PTQ_RULE = "QuantizationRule"
+
+
+def current_rule(op_name: str) -> Any:
+  """The Qwix rule of an `op_name` call at the current module, where the call
+  runs inside a Qwix-quantized model (``qwix.quantize_model``) and a rule with a
+  ``weight_qtype`` matches; else None.
+
+  Raises NotImplementedError for a matching quantized training or LoRA rule
+  (those compute otherwise than a quantized matmul: the op would silently run
+  unquantized)."""
+  qconfig = sys.modules.get("qwix._src.qconfig")
+  if qconfig is None:
+    return None
+  rule = qconfig.get_current_rule(op_name)
+  if rule is None or getattr(rule, "weight_qtype", None) is None:
+    return None
+  if type(rule).__name__ != _PTQ_RULE:
+    raise NotImplementedError(
+        f"tokamax's {op_name} takes Qwix's post-training quantization "
+        f"(qwix.PtqProvider) rules only; a {type(rule).__name__} matched it "
+        f"({rule}). Narrow the rule's module_path or op_names to leave "
+        f"{op_name} out")
+  if getattr(rule, "act_static_scale", False):
+    raise NotImplementedError(
+        f"tokamax's {op_name} quantizes activations with dynamic scales only; "
+        f"the Qwix rule {rule} asks for static ones (act_static_scale=True)")
+  return rule
+
+
+def quantize_operands(op_name: str, lhs: Any, rhs: Any, *, lhs_contracting: int,
+                      rhs_contracting: int) -> tuple[Any, Any]:
+  """`lhs` (an activation) and `rhs` (a weight, or an activation) of an
+  `op_name` call as Qwix's PTQ would hand them to a matmul under the current
+  rule (`current_rule`); unchanged where none applies.
+
+  As Qwix's PTQ matmuls: scales per element of every axis but the contracting
+  one, which is tiled by the rule's ``tile_size`` (a whole-axis scale without
+  one); a weight not quantized yet (a param of the current module, found as
+  Qwix finds it) is quantized with ``weight_qtype`` and replaces the param, so
+  that the quantized model holds it; an rhs that is no param is an activation,
+  quantized with ``act_qtype`` where the rule sets one (else left as is); lhs
+  with ``act_qtype`` where set. An operand already quantized stays as it is.
+  """
+  rule = current_rule(op_name)
+  if rule is None:
+    return lhs, rhs
+  qwix = _qwix_internals(op_name)
+  if not quantization.is_quantized(rhs) and hasattr(rhs, "ndim"):
+    name = qwix.flax_util.find_param(rhs)
+    if name is not None:
+      how = _how(qwix, rule, rhs.ndim, rhs_contracting, rule.weight_qtype,
+                 rule.weight_calibration_method)
+      rhs = qwix.ptq.create_quantized_param(name, rhs, how).array
+    elif rule.act_qtype is not None:
+      rhs = qwix.qarray.quantize(rhs, _how(qwix, rule, rhs.ndim, rhs_contracting,
+                                           rule.act_qtype, rule.act_calibration_method))
+  if (rule.act_qtype is not None and not quantization.is_quantized(lhs)
+      and hasattr(lhs, "ndim")):
+    lhs = qwix.qarray.quantize(lhs, _how(qwix, rule, lhs.ndim, lhs_contracting,
+                                         rule.act_qtype, rule.act_calibration_method))
+  return lhs, rhs
+
+
+def _how(qwix, rule, ndim: int, contracting: int, qtype, calibration_method):
+  """Qwix's ``HowToQuantize`` of a rank-`ndim` operand contracting along
+  `contracting`, as its PTQ matmuls make it (`quantize_operands`)."""
+  if isinstance(rule.tile_size, Mapping):
+    tiled = dict(rule.tile_size)
+  else:
+    tiled = {contracting: rule.tile_size} if rule.tile_size else {}
+  channelwise = [a for a in range(ndim) if a != contracting and a not in tiled]
+  return qwix.qarray.HowToQuantize(qtype=qtype, channelwise_axes=channelwise,
+                                   tiled_axes=tiled, calibration_method=calibration_method)
+
+
+class _Internals:
+  """The Qwix modules `quantize_operands` uses."""
+
+  def __init__(self, flax_util, ptq, qarray):
+    self.flax_util, self.ptq, self.qarray = flax_util, ptq, qarray
+
+
+def _qwix_internals(op_name: str) -> _Internals:
+  """Qwix's param lookup, PTQ param replacement and quantization (module
+  docstring); NotImplementedError naming the version where they moved."""
+  try:
+    internals = _Internals(importlib.import_module("qwix._src.utils.flax_util"),
+                           importlib.import_module("qwix._src.providers.ptq"),
+                           importlib.import_module("qwix._src.core.qarray"))
+    for module, attr in ((internals.flax_util, "find_param"),
+                         (internals.ptq, "create_quantized_param"),
+                         (internals.qarray, "HowToQuantize"),
+                         (internals.qarray, "quantize")):
+      getattr(module, attr)
+  except (ImportError, AttributeError) as e:
+    version = getattr(sys.modules.get("qwix"), "__version__", "?")
+    raise NotImplementedError(
+        f"a Qwix PTQ rule matched tokamax's {op_name}, but this Qwix ({version}) "
+        f"lacks the functions tokamax quantizes its weights with ({e}); tokamax "
+        "is tested with qwix 0.1.8") from e
+  return internals
