@@ -434,6 +434,9 @@ def test_moe_refuses_qwix_rules_it_cannot_apply():
   with pytest.raises(NotImplementedError, match=r"dynamic scales only.*act_static_"
                      r"scale=True"):
     qwix.quantize_model(_MoEBlock(), qwix.PtqProvider([static]), x)
+  glu = qwix.QuantizationRule(module_path="moe", op_names=("gated_linear_unit",), **fp8)
+  with pytest.raises(NotImplementedError, match="follow rules for 'ragged_dot'"):
+    qwix.quantize_model(_MoEBlock(), qwix.PtqProvider([glu]), x)
   # A rule for other ops (or modules) leaves the experts as they are.
   dense_only = qwix.QuantizationRule(module_path="moe", op_names=("dot_general",), **fp8)
   kept = qwix.quantize_model(_MoEBlock(), qwix.PtqProvider([dense_only]), x)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import tokamax
+from tokamax import testing
 
 _RNG = np.random.default_rng(5)
 
@@ -65,3 +66,44 @@ def test_errors_name_the_operand():
   wq = tokamax.quantize(w, (128, 1, 128))
   with pytest.raises(ValueError, match=r"weights: scales must have the values' rank"):
     _glu(x, tokamax.QuantizedArray(wq.values, jnp.ones((2, 2))))
+
+
+@pytest.mark.parametrize("pair", [False, True])
+def test_qwix_ptq_quantizes_the_weights(pair):
+  """`qwix.quantize_model` with a PTQ rule for ``gated_linear_unit`` (int8
+  weights, per column with 128-deep K tiles; rows unquantized): the weights
+  become Qwix's quantized params, and the output is the GLU of the weights they
+  stand for (float64)."""
+  qwix = pytest.importorskip("qwix")
+  nnx = pytest.importorskip("flax.nnx")
+  x, w = _operands()
+
+  class Mlp(nnx.Module):
+    def __init__(self):
+      if pair:
+        self.w_gate, self.w_up = nnx.Param(w[:, 0]), nnx.Param(w[:, 1])
+      else:
+        self.w = nnx.Param(w)
+
+    def __call__(self, x):
+      weights = (self.w_gate[...], self.w_up[...]) if pair else self.w[...]
+      return _glu(x, weights)
+
+  rule = qwix.QuantizationRule(op_names=("gated_linear_unit",), weight_qtype=jnp.int8,
+                               tile_size=128)
+  model = qwix.quantize_model(Mlp(), qwix.PtqProvider([rule]), x)
+  state = jax.tree.map(lambda a: (a.shape, a.dtype.name),
+                       nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  names = ("w_gate", "w_up") if pair else ("w",)
+  shapes = ((256, 128),) * 2 if pair else ((256, 2, 128),)
+  for name, shape in zip(names, shapes):
+    scales = (2,) + shape[1:]  # 128-deep K tiles, each column its own
+    assert state[name] == {"array": {"qvalue": (shape, "int8"),
+                                     "scale": (scales, "float32")}}, state
+  quantized = [qwix.dequantize(getattr(model, n).value.array) for n in names]
+  w64 = np.asarray(jnp.stack(quantized, axis=1) if pair else quantized[0], np.float64)
+  x64 = np.asarray(x, np.float64)
+  gate, up = x64 @ w64[:, 0], x64 @ w64[:, 1]
+  want = gate / (1 + np.exp(-gate)) * up
+  assert not np.allclose(w64, np.asarray(w, np.float64))  # int8 rounds the weights
+  testing.assert_close(model(x), want, jnp.float32, what="PTQ GLU")

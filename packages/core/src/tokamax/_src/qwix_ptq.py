@@ -63,9 +63,9 @@ def current_rule(op_name: str) -> Any:
 
 def quantize_operands(op_name: str, lhs: Any, rhs: Any, *, lhs_contracting: int,
                       rhs_contracting: int) -> tuple[Any, Any]:
-  """`lhs` (an activation) and `rhs` (a weight, or an activation) of an
-  `op_name` call as Qwix's PTQ would hand them to a matmul under the current
-  rule (`current_rule`); unchanged where none applies.
+  """`lhs` (an activation) and `rhs` (a weight, an activation, or a sequence of
+  weights) of an `op_name` call as Qwix's PTQ would hand them to a matmul under
+  the current rule (`current_rule`); unchanged where none applies.
 
   As Qwix's PTQ matmuls: scales per element of every axis but the contracting
   one, which is tiled by the rule's ``tile_size`` (a whole-axis scale without
@@ -79,25 +79,38 @@ def quantize_operands(op_name: str, lhs: Any, rhs: Any, *, lhs_contracting: int,
   if rule is None:
     return lhs, rhs
   qwix = _qwix_internals(op_name)
-  if not quantization.is_quantized(rhs) and hasattr(rhs, "ndim"):
-    name = qwix.flax_util.find_param(rhs)
-    if name is not None:
-      how = _how(qwix, rule, rhs.ndim, rhs_contracting, rule.weight_qtype,
-                 rule.weight_calibration_method)
-      rhs = qwix.ptq.create_quantized_param(name, rhs, how).array
-    elif rule.act_qtype is not None:
-      rhs = qwix.qarray.quantize(rhs, _how(qwix, rule, rhs.ndim, rhs_contracting,
-                                           rule.act_qtype, rule.act_calibration_method))
-  if (rule.act_qtype is not None and not quantization.is_quantized(lhs)
-      and hasattr(lhs, "ndim")):
-    lhs = qwix.qarray.quantize(lhs, _how(qwix, rule, lhs.ndim, lhs_contracting,
-                                         rule.act_qtype, rule.act_calibration_method))
-  return lhs, rhs
+  if isinstance(rhs, (tuple, list)):
+    rhs = type(rhs)(_weight(qwix, rule, w, rhs_contracting) for w in rhs)
+  else:
+    rhs = _weight(qwix, rule, rhs, rhs_contracting)
+  return _activation(qwix, rule, lhs, lhs_contracting), rhs
+
+
+def _weight(qwix, rule, w: Any, contracting: int) -> Any:
+  """`w` quantized as a weight where it is a param of the current module (the
+  param replaced), else as an activation (`quantize_operands`)."""
+  if quantization.is_quantized(w) or not hasattr(w, "ndim"):
+    return w
+  name = qwix.flax_util.find_param(w)
+  if name is None:
+    return _activation(qwix, rule, w, contracting)
+  how = _how(qwix, rule, w.ndim, contracting, rule.weight_qtype,
+             rule.weight_calibration_method)
+  return qwix.ptq.create_quantized_param(name, w, how).array
+
+
+def _activation(qwix, rule, x: Any, contracting: int) -> Any:
+  """`x` quantized with the rule's ``act_qtype`` where it sets one."""
+  if rule.act_qtype is None or quantization.is_quantized(x) or not hasattr(x, "ndim"):
+    return x
+  return qwix.qarray.quantize(x, _how(qwix, rule, x.ndim, contracting, rule.act_qtype,
+                                      rule.act_calibration_method))
 
 
 def _how(qwix, rule, ndim: int, contracting: int, qtype, calibration_method):
   """Qwix's ``HowToQuantize`` of a rank-`ndim` operand contracting along
   `contracting`, as its PTQ matmuls make it (`quantize_operands`)."""
+  contracting %= ndim
   if isinstance(rule.tile_size, Mapping):
     tiled = dict(rule.tile_size)
   else:

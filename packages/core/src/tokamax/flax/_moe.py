@@ -188,8 +188,13 @@ class MoE(nnx.Module):
     gated activation."""
     (e, f, _), _ = quantization.stands_for(down)
     d = quantization.stands_for(gate_up)[0][1]
-    quantized = (quantization.is_quantized(gate_up)
-                 or qwix_ptq.current_rule("ragged_dot") is not None)
+    ptq = qwix_ptq.current_rule("ragged_dot") is not None
+    if not ptq and qwix_ptq.current_rule("gated_linear_unit") is not None:
+      raise NotImplementedError(
+          "a Qwix rule for 'gated_linear_unit' matched tokamax.flax.MoE: its expert "
+          "matmuls follow rules for 'ragged_dot' (two ragged_dots around the "
+          "activation); name that op in the rule's op_names")
+    quantized = quantization.is_quantized(gate_up) or ptq
     if self.implementation is None and not quantized:
       hidden = gated_linear_unit(rows, gate_up.reshape(e, d, 2, f),
                                  activation=self.activation, precision=self.precision,

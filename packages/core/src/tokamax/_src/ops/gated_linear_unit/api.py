@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from tokamax._src import dispatch
 from tokamax._src import quantization
+from tokamax._src import qwix_ptq
 from tokamax._src import sharding
 from tokamax._src import vma
 from tokamax._src.op import OpDefinition
@@ -253,7 +254,10 @@ def gated_linear_unit(
       ``(w_gate [K, N], w_up [K, N])``. x and the weights may be quantized
       (`tokamax.QuantizedArray`, a Qwix ``QArray`` / ``WithAux``): they are
       dequantized to the arrays they stand for (no GLU kernel applies scales),
-      with straight-through gradients to a `QuantizedArray`'s source.
+      with straight-through gradients to a `QuantizedArray`'s source. Inside a
+      model quantized by Qwix's post-training quantization, a rule matching the
+      module and ``"gated_linear_unit"`` quantizes them as Qwix's PTQ does a
+      dense matmul's (`tokamax.ragged_dot` says how).
     activation: any elementwise JAX callable, or None.
     group_sizes: None, or int ``[G]``: a grouped GLU (an MoE layer's experts,
       rows sorted by expert as for `tokamax.ragged_dot`): x is then ``[M, K]``,
@@ -270,6 +274,11 @@ def gated_linear_unit(
     >>> y = tokamax.gated_linear_unit(tokens, experts_w, activation=jax.nn.silu,
     ...                               group_sizes=tokens_per_expert)  # MoE
   """
+  # Under Qwix's post-training quantization, as its PTQ does a dense matmul (the
+  # weights contract along K: axis 0, after G where grouped).
+  x, weights = qwix_ptq.quantize_operands(
+      "gated_linear_unit", x, weights, lhs_contracting=-1,
+      rhs_contracting=0 if group_sizes is None else 1)
   # Quantized operands (no GLU kernel takes scales): the arrays they stand for.
   x = _checks.as_array("x", quantization.dequantized("x", x))
   _checks.check_float("x", x)
