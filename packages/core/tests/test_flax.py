@@ -1,6 +1,7 @@
 """`tokamax.flax`: `attention_fn` in Flax's own attention modules and the norm
 modules, against Flax's own on the same parameters (checkpoints load unchanged)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -361,13 +362,15 @@ class _MoEBlock(nnx.Module):
     return self.moe(x)
 
 
-def test_moe_quantized_by_qwix_ptq(monkeypatch):
+@pytest.mark.parametrize("op_names", [("ragged_dot",), ()])  # (): every op
+def test_moe_quantized_by_qwix_ptq(monkeypatch, op_names):
   """`qwix.quantize_model` with a PTQ rule for ``ragged_dot`` (fp8 weights and
   activations, 128-deep tiles): both expert kernels become Qwix's quantized
   params, both expert matmuls take quantized operands (scales kept, for a
   kernel to apply), and each matmul's output equals the float64 product of the
-  quantized operands it took; later calls (eager and under jit) reuse the
-  quantized params."""
+  quantized operands it took (with a rule for every op too: Qwix intercepts
+  nothing inside the op, which quantized them again); later calls (eager and
+  under jit) reuse the quantized params."""
   qwix = pytest.importorskip("qwix")
   from tokamax._src import qwix_ptq
 
@@ -385,7 +388,7 @@ def test_moe_quantized_by_qwix_ptq(monkeypatch):
     stages[-1] += [group_sizes, out]
     return out
   monkeypatch.setattr(tokamax.flax._moe, "ragged_dot", matmul_spy)
-  rule = qwix.QuantizationRule(module_path="moe", op_names=("ragged_dot",),
+  rule = qwix.QuantizationRule(module_path="moe", op_names=op_names,
                                weight_qtype=jnp.float8_e4m3fn,
                                act_qtype=jnp.float8_e4m3fn, tile_size=128)
   quantized = qwix.quantize_model(model, qwix.PtqProvider([rule]), x)
@@ -395,7 +398,8 @@ def test_moe_quantized_by_qwix_ptq(monkeypatch):
                                         "scale": ((4, 2, 768), "bfloat16")}}
   assert state["down"] == {"array": {"qvalue": ((4, 384, 256), "float8_e4m3fn"),
                                      "scale": ((4, 3, 256), "bfloat16")}}
-  assert state["router"]["kernel"] == ((256, 4), "bfloat16")  # no rule for it
+  if op_names:
+    assert state["router"]["kernel"] == ((256, 4), "bfloat16")  # no rule for it
   first = quantized(x)
   testing.assert_close(jax.jit(quantized)(x), first, "bfloat16", what="under jit")
   stages.clear()
@@ -410,19 +414,41 @@ def test_moe_quantized_by_qwix_ptq(monkeypatch):
       assert values.dtype == jnp.float8_e4m3fn and scales is not None, name
       assert tuple(v // s for v, s in zip(values.shape, scales.shape)) == tiles, name
       assert values.shape[-2 if name == "rhs" else -1] == k, name
-    lhs64, rhs64 = (np.asarray(qwix.dequantize(qwix_ptq.quantization._unwrap(a)),
-                               np.float64) for a in (lhs, rhs))
+    lhs64, rhs64 = (np.asarray(_stands_for(a), np.float64) for a in (lhs, rhs))
     want, start = np.zeros((lhs64.shape[0], rhs64.shape[2])), 0
     for g, size in enumerate(np.asarray(group_sizes)):
       want[start:start + size] = lhs64[start:start + size] @ rhs64[g]
       start += size
     testing.assert_close(got, want, "bfloat16", what=f"expert matmul K{k}")
+  if not op_names:
+    return  # (the rule quantizes the router too: the gradient follows it)
+  # The gradient with respect to the input goes straight through the quantized
+  # rows (it was 0): near that of the weights-only model (same quantized
+  # weights, rows unquantized).
+  weights_only = qwix.quantize_model(
+      _MoEBlock(), qwix.PtqProvider([dataclasses.replace(rule, act_qtype=None)]), x)
+  cotangent = _x(out.shape, seed=4)
+  def dx(model):
+    loss = lambda x: jnp.sum(model(x).astype(jnp.float32) * cotangent)
+    return np.asarray(jax.grad(loss)(x), np.float64)
+  got, want = dx(quantized), dx(weights_only)
+  error = np.linalg.norm(got - want) / np.linalg.norm(want)
+  assert np.linalg.norm(want) > 0 and error < 0.1, error
+
+
+def _stands_for(operand):
+  """The array a quantized operand (ours, or Qwix's, or its PTQ ``WithAux``)
+  stands for."""
+  operand = tokamax._src.quantization._unwrap(operand)
+  if isinstance(operand, tokamax.QuantizedArray):
+    return operand.dequantize()
+  return pytest.importorskip("qwix").dequantize(operand)
 
 
 def test_moe_refuses_qwix_rules_it_cannot_apply():
   """Qwix rules the experts cannot follow raise, naming the rule, rather than
-  leave the experts unquantized: quantized training (`qwix.QtRule`) and static
-  activation scales."""
+  leave the experts unquantized or without adapters: quantized training
+  (`qwix.QtRule`), LoRA (`qwix.LoraRule`) and static activation scales."""
   qwix = pytest.importorskip("qwix")
   x = _x((2, 16, 256), seed=3).astype(jnp.bfloat16)
   fp8 = dict(weight_qtype=jnp.float8_e4m3fn, act_qtype=jnp.float8_e4m3fn)
@@ -430,6 +456,9 @@ def test_moe_refuses_qwix_rules_it_cannot_apply():
   with pytest.raises(NotImplementedError, match=r"post-training quantization "
                      r"\(qwix.PtqProvider\) rules only; a QtRule matched it"):
     qwix.quantize_model(_MoEBlock(), qwix.QtProvider([qt]), x)
+  lora = qwix.LoraRule(module_path="moe", rank=4, alpha=1.0)  # no weight_qtype
+  with pytest.raises(NotImplementedError, match="a LoraRule matched it"):
+    qwix.apply_lora_to_model(_MoEBlock(), qwix.LoraProvider([lora]), x)
   static = qwix.QuantizationRule(module_path="moe", act_static_scale=True, **fp8)
   with pytest.raises(NotImplementedError, match=r"dynamic scales only.*act_static_"
                      r"scale=True"):

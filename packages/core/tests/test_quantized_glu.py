@@ -68,12 +68,15 @@ def test_errors_name_the_operand():
     _glu(x, tokamax.QuantizedArray(wq.values, jnp.ones((2, 2))))
 
 
-@pytest.mark.parametrize("pair", [False, True])
-def test_qwix_ptq_quantizes_the_weights(pair):
+@pytest.mark.parametrize("pair,op_names,act_qtype", [
+    (False, ("gated_linear_unit",), None), (True, ("gated_linear_unit",), None),
+    (False, (), jnp.int8)])  # (): a rule for every op, rows quantized too
+def test_qwix_ptq_quantizes_the_weights(pair, op_names, act_qtype):
   """`qwix.quantize_model` with a PTQ rule for ``gated_linear_unit`` (int8
-  weights, per column with 128-deep K tiles; rows unquantized): the weights
-  become Qwix's quantized params, and the output is the GLU of the weights they
-  stand for (float64)."""
+  weights, per column with 128-deep K tiles; rows unquantized, or int8 per
+  row and 128 of K): the weights become Qwix's quantized params, and the
+  output is the GLU of the operands they stand for (float64), each quantized
+  once (with a rule for every op, Qwix intercepts nothing inside the op)."""
   qwix = pytest.importorskip("qwix")
   nnx = pytest.importorskip("flax.nnx")
   x, w = _operands()
@@ -89,8 +92,8 @@ def test_qwix_ptq_quantizes_the_weights(pair):
       weights = (self.w_gate[...], self.w_up[...]) if pair else self.w[...]
       return _glu(x, weights)
 
-  rule = qwix.QuantizationRule(op_names=("gated_linear_unit",), weight_qtype=jnp.int8,
-                               tile_size=128)
+  rule = qwix.QuantizationRule(op_names=op_names, weight_qtype=jnp.int8,
+                               act_qtype=act_qtype, tile_size=128)
   model = qwix.quantize_model(Mlp(), qwix.PtqProvider([rule]), x)
   state = jax.tree.map(lambda a: (a.shape, a.dtype.name),
                        nnx.to_pure_dict(nnx.state(model, nnx.Param)))
@@ -102,8 +105,30 @@ def test_qwix_ptq_quantizes_the_weights(pair):
                                      "scale": (scales, "float32")}}, state
   quantized = [qwix.dequantize(getattr(model, n).value.array) for n in names]
   w64 = np.asarray(jnp.stack(quantized, axis=1) if pair else quantized[0], np.float64)
-  x64 = np.asarray(x, np.float64)
+  rows = x if act_qtype is None else qwix.dequantize(
+      qwix.quantize(x, act_qtype, channelwise_axes=[0], tiled_axes={1: 128}))
+  x64 = np.asarray(rows, np.float64)
   gate, up = x64 @ w64[:, 0], x64 @ w64[:, 1]
   want = gate / (1 + np.exp(-gate)) * up
   assert not np.allclose(w64, np.asarray(w, np.float64))  # int8 rounds the weights
   testing.assert_close(model(x), want, jnp.float32, what="PTQ GLU")
+
+
+def test_qwix_ptq_refuses_weights_it_cannot_trace_to_a_param():
+  """Two weights of one shape, both cast before the call: Qwix cannot tell which
+  param each is, and a weight-only rule would leave them unquantized; it
+  raises, naming what to do."""
+  qwix = pytest.importorskip("qwix")
+  nnx = pytest.importorskip("flax.nnx")
+  x, w = _operands()
+
+  class Mlp(nnx.Module):
+    def __init__(self):
+      self.w_gate, self.w_up = (nnx.Param(w[:, i].astype(jnp.bfloat16)) for i in (0, 1))
+
+    def __call__(self, x):
+      return _glu(x, (self.w_gate[...].astype(x.dtype), self.w_up[...].astype(x.dtype)))
+
+  rule = qwix.QuantizationRule(op_names=("gated_linear_unit",), weight_qtype=jnp.int8)
+  with pytest.raises(NotImplementedError, match=r"no param Qwix can trace back"):
+    qwix.quantize_model(Mlp(), qwix.PtqProvider([rule]), x)

@@ -1574,10 +1574,10 @@ def test_backward_fuse_dq_rank_order(t, s, block_q):
     (dict(n=4, k=4, t=384, s=384), True),  # not causal, MHA H128: 3 key blocks
     (dict(n=8, k=2, t=384, s=384), False),  # GQA, 3 key blocks: ptxas spills
     (dict(n=4, k=4, t=384, s=384, h=64), False),  # H64, 3 key blocks: spills
-    (dict(n=4, k=4, is_causal=True, local_window_size=(64, 0)), False),  # refused
-    (dict(n=4, k=4, t=256, s=200, is_causal=True), False),  # T > S, S % 128: refused
-    (dict(n=4, k=4, is_causal=True, logits_soft_cap=5.0), False),  # not run natively
-    (dict(n=4, k=4, is_causal=True, h=64), False),  # causal H64: 0.98-1.05x
+    (dict(b=2, n=4, k=4, is_causal=True, local_window_size=(64, 0)), False),  # refused
+    (dict(b=2, n=4, k=4, t=256, s=200, is_causal=True), False),  # T > S, S % 128: refused
+    (dict(b=2, n=4, k=4, is_causal=True, logits_soft_cap=5.0), False),  # not run natively
+    (dict(b=2, n=4, k=4, is_causal=True, h=64), False),  # causal H64: 0.98-1.05x
 ])
 def test_backward_heuristic_fuses_dq_where_measured(kw, fused):
   args = _args(**{"h": 128, **kw})
@@ -2729,6 +2729,8 @@ def test_kv_split_refusals():
     (1, 4096, 8, 1, False, 8, 8, {1, 2, 8}),  # 32 blocks
     (1, 2048, 16, 2, False, 8, 8, {1, 2, 8}),  # 32 blocks, 8 query heads a kv head
     (1, 4224, 8, 1, False, 4, 4, {1, 2, 4, 8}),  # 33 blocks (4 x 33 = 132 SMs)
+    (1, 2048, 16, 1, False, 8, 8, {1, 2, 8, 16}),  # 16 query heads: 8 (measured) at most
+    (1, 1024, 12, 1, False, 6, 6, {1, 2, 6, 12}),  # 12: its largest divisor up to 8
     (8, 4096, 8, 1, False, 2, 1, {1, 2, 8}),  # 256 blocks
     (2, 4000, 8, 1, False, 2, 2, {1, 2, 8}),  # 64 blocks, two kernels
     (4, 3000, 8, 1, False, 1, 1, {1, 2, 8}),  # 96 blocks, two kernels

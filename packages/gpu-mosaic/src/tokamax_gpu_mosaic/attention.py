@@ -493,7 +493,8 @@ def _kv_split(args, fuse_dq: bool) -> int:
 
   - Without causal, where a key/value head has 8 query heads or more (an even
     number): where 4 copies take no more blocks than SMs, the fewest copies
-    that give every SM a block (as causal, below); else 2 under the one-kernel
+    that give every SM a block (as causal, below; at most 8, the count
+    measured, for groups over 8: a divisor of the group); else 2 under the one-kernel
     backward (its dQ additions for 8 query heads a block leave a long tail) or
     where 2 copies take no more blocks than SMs. Fewer query heads a key/value
     head (GQA with 4) measured slower split.
@@ -529,20 +530,21 @@ def _kv_split(args, fuse_dq: bool) -> int:
   if not args.is_causal:
     if group < 8 or group % 2:
       return 1
-    if 4 * blocks <= sms:
-      return _copies_filling_sms(blocks, group, sms)
+    if 4 * blocks <= sms:  # measured at 8 query heads a key/value head: at most 8
+      return _copies_filling_sms(blocks, group, sms, most=8)
     return 2 if fuse_dq or 2 * blocks <= sms else 1
   if group < 4 or blocks >= sms:
     return 1
   return _copies_filling_sms(blocks, group, sms)
 
 
-def _copies_filling_sms(blocks: int, group: int, sms: int) -> int:
+def _copies_filling_sms(blocks: int, group: int, sms: int, most: int | None = None) -> int:
   """The fewest copies of each key/value head, at least 2 and a divisor of its
   `group` query heads, that give every one of `sms` SMs one of `blocks` x copies
-  blocks (`group` where none does)."""
-  return min(d for d in range(2, group + 1)
-             if group % d == 0 and (blocks * d >= sms or d == group))
+  blocks; where none does, the most copies: `group`, or with `most` the largest
+  divisor up to it."""
+  copies = [d for d in range(2, min(group, most or group) + 1) if group % d == 0]
+  return next((d for d in copies if blocks * d >= sms), copies[-1])
 
 
 def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:

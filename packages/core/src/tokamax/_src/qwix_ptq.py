@@ -5,26 +5,39 @@ Flax model by intercepting the JAX matmuls it calls (``jax.lax.dot_general``,
 ``jnp.einsum``, ...): where a rule matches the module, the weight a matmul
 takes (a param of the module) is quantized and replaced in the module by
 Qwix's ``WithAux`` (its ``QArray`` and how it was made), and the activation
-is quantized on the fly where the rule sets ``act_qtype``. Qwix intercepts no
-grouped matmul, so a model whose experts run through `tokamax.ragged_dot`
-would keep them unquantized; `quantize_operands` does for tokamax's ops what
+is quantized on the fly where the rule sets ``act_qtype``. Its PTQ intercepts
+no grouped matmul (its quantized training intercepts ``jax.lax.ragged_dot``),
+so a model whose experts run through `tokamax.ragged_dot` would keep them
+unquantized; `quantize_operands` does for tokamax's ops what
 Qwix's PTQ does for its matmuls, with the same rules and the same quantized
 params, so that the ops' quantized kernels run without extra user code.
+
+Inside an op, Qwix intercepts nothing (`outside_interception`): its rules apply
+to the op's call, once, not to the matmuls an implementation happens to make
+(the XLA reference's, or a composed implementation's nested tokamax calls).
 
 Qwix asks ``qwix._src.qconfig.get_current_rule(op_name)`` of a kernel for the
 rule of its call (Qwix's interface for kernel authors, `qwix.pallas`); the
 param replacement uses its PTQ provider's own functions. Those are Qwix's
 internals (adapted to qwix 0.1.8, the version the tests install): where they
-are missing, a matching rule raises rather than leave the weights unquantized.
-Core does not import Qwix: nothing here runs unless the program imported it.
+are missing, a matching rule (or, without ``get_current_rule``, any call once
+Qwix is imported) raises rather than leave the weights unquantized. Core does
+not import Qwix: nothing here runs unless the program imported it.
+
+PTQ is told by its rules' class, Qwix's plain `QuantizationRule` (its
+quantized training and LoRA rules subclass it); Qwix's ODML providers use that
+class too and are taken for PTQ.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 import importlib
 import sys
 from typing import Any
+
+import jax
+import jax.numpy as jnp
 
 from tokamax._src import quantization
 
@@ -36,17 +49,24 @@ _PTQ_RULE = "QuantizationRule"
 
 def current_rule(op_name: str) -> Any:
   """The Qwix rule of an `op_name` call at the current module, where the call
-  runs inside a Qwix-quantized model (``qwix.quantize_model``) and a rule with a
-  ``weight_qtype`` matches; else None.
+  runs inside a Qwix-quantized model (``qwix.quantize_model``) and a PTQ rule
+  with a ``weight_qtype`` matches; else None.
 
   Raises NotImplementedError for a matching quantized training or LoRA rule
-  (those compute otherwise than a quantized matmul: the op would silently run
-  unquantized)."""
-  qconfig = sys.modules.get("qwix._src.qconfig")
-  if qconfig is None:
+  (those compute otherwise than a quantized matmul, or add adapters: the op
+  would silently run without them) and for static activation scales."""
+  if "qwix" not in sys.modules:
     return None
-  rule = qconfig.get_current_rule(op_name)
-  if rule is None or getattr(rule, "weight_qtype", None) is None:
+  get_current_rule = getattr(sys.modules.get("qwix._src.qconfig"), "get_current_rule",
+                             None)
+  if get_current_rule is None:
+    raise NotImplementedError(
+        f"tokamax's {op_name} cannot ask this Qwix "
+        f"({getattr(sys.modules['qwix'], '__version__', '?')}) for its rules "
+        "(qwix._src.qconfig.get_current_rule is gone); tokamax is tested with "
+        "qwix 0.1.8")
+  rule = get_current_rule(op_name)
+  if rule is None:
     return None
   if type(rule).__name__ != _PTQ_RULE:
     raise NotImplementedError(
@@ -54,6 +74,8 @@ def current_rule(op_name: str) -> Any:
         f"(qwix.PtqProvider) rules only; a {type(rule).__name__} matched it "
         f"({rule}). Narrow the rule's module_path or op_names to leave "
         f"{op_name} out")
+  if getattr(rule, "weight_qtype", None) is None:
+    return None
   if getattr(rule, "act_static_scale", False):
     raise NotImplementedError(
         f"tokamax's {op_name} quantizes activations with dynamic scales only; "
@@ -93,6 +115,12 @@ def _weight(qwix, rule, w: Any, contracting: int) -> Any:
     return w
   name = qwix.flax_util.find_param(w)
   if name is None:
+    if rule.act_qtype is None:
+      raise NotImplementedError(
+          f"a Qwix PTQ rule ({rule}) matched this call, but its weight "
+          f"{tuple(w.shape)} is no param Qwix can trace back to the module (a "
+          "param computed on, or two of one shape both cast): pass the param "
+          "itself, or quantize it with qwix.quantize / tokamax.quantize first")
     return _activation(qwix, rule, w, contracting)
   how = _how(qwix, rule, w.ndim, contracting, rule.weight_qtype,
              rule.weight_calibration_method)
@@ -100,11 +128,31 @@ def _weight(qwix, rule, w: Any, contracting: int) -> Any:
 
 
 def _activation(qwix, rule, x: Any, contracting: int) -> Any:
-  """`x` quantized with the rule's ``act_qtype`` where it sets one."""
+  """`x` quantized with the rule's ``act_qtype`` where it sets one, its
+  gradient straight through to `x` (as Qwix's PTQ matmuls give it): a
+  `QuantizedArray` with `x` as its source where the scheme is one tokamax's
+  kernels take, else the array it stands for."""
   if rule.act_qtype is None or quantization.is_quantized(x) or not hasattr(x, "ndim"):
     return x
-  return qwix.qarray.quantize(x, _how(qwix, rule, x.ndim, contracting, rule.act_qtype,
-                                      rule.act_calibration_method))
+  q = qwix.qarray.quantize(x, _how(qwix, rule, x.ndim, contracting, rule.act_qtype,
+                                   rule.act_calibration_method))
+  values = q.qvalue
+  if (getattr(q, "zero_point", None) is None
+      and jnp.dtype(values.dtype) in [jnp.dtype(d) for d in quantization.VALUE_DTYPES]
+      and jnp.dtype(getattr(q, "qtype", values.dtype)) == jnp.dtype(values.dtype)):
+    return quantization.QuantizedArray(values, q.scale.astype(jnp.float32),
+                                       dtype=x.dtype, source=x)
+  # x - x is exactly 0: the forward is the dequantized array itself.
+  stands_for = jax.lax.stop_gradient(qwix.qarray.dequantize(q).astype(x.dtype))
+  return stands_for + (x - jax.lax.stop_gradient(x))
+
+
+def outside_interception(fn: Callable) -> Callable:
+  """`fn` run with Qwix's interceptions off where Qwix is loaded (the module
+  docstring), as Qwix runs `pallas_call`s; `fn` itself otherwise."""
+  interception = sys.modules.get("qwix._src.interception")
+  disable = getattr(interception, "disable_interceptions", None)
+  return fn if disable is None else disable(fn)
 
 
 def _how(qwix, rule, ndim: int, contracting: int, qtype, calibration_method):

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from tokamax._src import qwix_ptq
 from tokamax._src import sharding
 from tokamax._src import vma
 from tokamax._src.dispatch import configs
@@ -229,15 +230,20 @@ def call(definition: OpDefinition, args: Any, implementation: Implementation,
                implementation)
     return out.reshape(*lead, *out.shape[1:])
   decisions = _Dispatch.start(definition, args, implementation, lead_dims)
+  # Qwix's rules apply to the op's call (`qwix_ptq`), not inside it.
+  outside = qwix_ptq.outside_interception
 
   @jax.custom_vjp
+  @outside
   def run(args):
     return decisions.forward(args, decisions.inference, for_backward=False)[0]
 
+  @outside
   def run_fwd(args):
     out, residuals = decisions.forward(args, decisions.training, for_backward=True)
     return out, (args, dict(residuals), out)
 
+  @outside
   def run_bwd(saved, dout):
     args, residuals, out = saved
     return (decisions.backward(args, residuals, out, dout),)
