@@ -70,13 +70,15 @@ def test_errors_name_the_operand():
 
 @pytest.mark.parametrize("pair,op_names,act_qtype", [
     (False, ("gated_linear_unit",), None), (True, ("gated_linear_unit",), None),
-    (False, (), jnp.int8)])  # (): a rule for every op, rows quantized too
+    (False, (), jnp.int8),  # (): a rule for every op, rows quantized too
+    (False, ("gated_linear_unit",), jnp.int4)])  # rows of a scheme no kernel takes
 def test_qwix_ptq_quantizes_the_weights(pair, op_names, act_qtype):
   """`qwix.quantize_model` with a PTQ rule for ``gated_linear_unit`` (int8
   weights, per column with 128-deep K tiles; rows unquantized, or int8 per
-  row and 128 of K): the weights become Qwix's quantized params, and the
-  output is the GLU of the operands they stand for (float64), each quantized
-  once (with a rule for every op, Qwix intercepts nothing inside the op)."""
+  row and 128 of K, or int4, which no kernel takes): the weights become Qwix's
+  quantized params, and the output is the GLU of the operands they stand for
+  (float64), each quantized once (with a rule for every op, Qwix intercepts
+  nothing inside the op); the gradient goes straight through quantized rows."""
   qwix = pytest.importorskip("qwix")
   nnx = pytest.importorskip("flax.nnx")
   x, w = _operands()
@@ -112,6 +114,14 @@ def test_qwix_ptq_quantizes_the_weights(pair, op_names, act_qtype):
   want = gate / (1 + np.exp(-gate)) * up
   assert not np.allclose(w64, np.asarray(w, np.float64))  # int8 rounds the weights
   testing.assert_close(model(x), want, jnp.float32, what="PTQ GLU")
+  if act_qtype is not None:
+    # Straight through the quantized rows: the gradient at the rows they
+    # stand for, with the quantized weights.
+    dy = jnp.asarray(_RNG.standard_normal(want.shape), jnp.float32)
+    dx = jax.grad(lambda x: jnp.sum(model(x) * dy))(x)
+    w_q = jnp.asarray(w64, jnp.float32)
+    want_dx = jax.grad(lambda r: jnp.sum(_glu(r, w_q) * dy))(rows)
+    testing.assert_close(dx, want_dx, jnp.float32, what="PTQ GLU dx")
 
 
 def test_qwix_ptq_refuses_weights_it_cannot_trace_to_a_param():

@@ -134,17 +134,30 @@ def _activation(qwix, rule, x: Any, contracting: int) -> Any:
   kernels take, else the array it stands for."""
   if rule.act_qtype is None or quantization.is_quantized(x) or not hasattr(x, "ndim"):
     return x
-  q = qwix.qarray.quantize(x, _how(qwix, rule, x.ndim, contracting, rule.act_qtype,
-                                   rule.act_calibration_method))
-  values = q.qvalue
-  if (getattr(q, "zero_point", None) is None
-      and jnp.dtype(values.dtype) in [jnp.dtype(d) for d in quantization.VALUE_DTYPES]
-      and jnp.dtype(getattr(q, "qtype", values.dtype)) == jnp.dtype(values.dtype)):
-    return quantization.QuantizedArray(values, q.scale.astype(jnp.float32),
+  # Qwix rounds an array being differentiated otherwise than it does a plain
+  # one (the values differed by a step in 2 of 3 elements); the gradient goes
+  # to `x` below anyway.
+  how = _how(qwix, rule, x.ndim, contracting, rule.act_qtype, rule.act_calibration_method)
+  q = qwix.qarray.quantize(jax.lax.stop_gradient(x), how)
+  if _kernel_scheme(q):
+    return quantization.QuantizedArray(q.qvalue, q.scale.astype(jnp.float32),
                                        dtype=x.dtype, source=x)
   # x - x is exactly 0: the forward is the dequantized array itself.
   stands_for = jax.lax.stop_gradient(qwix.qarray.dequantize(q).astype(x.dtype))
   return stands_for + (x - jax.lax.stop_gradient(x))
+
+
+def _kernel_scheme(q) -> bool:
+  """Whether Qwix's `q` is values times scales as tokamax's kernels take them:
+  no zero point, values stored as their logical type (not e.g. int4 or nf4 in
+  a wider one), of a `quantization.VALUE_DTYPES` type."""
+  values = jnp.dtype(q.qvalue.dtype)
+  try:
+    stored_as_is = jnp.dtype(getattr(q, "qtype", values)) == values
+  except TypeError:  # a logical type JAX has no dtype for ("nf4")
+    return False
+  return (getattr(q, "zero_point", None) is None and stored_as_is
+          and values in [jnp.dtype(d) for d in quantization.VALUE_DTYPES])
 
 
 def outside_interception(fn: Callable) -> Callable:
