@@ -368,9 +368,9 @@ def test_moe_quantized_by_qwix_ptq(monkeypatch, op_names):
   activations, 128-deep tiles): both expert kernels become Qwix's quantized
   params, both expert matmuls take quantized operands (scales kept, for a
   kernel to apply), and each matmul's output equals the float64 product of the
-  quantized operands it took (with a rule for every op too: Qwix intercepts
-  nothing inside the op, which quantized them again); later calls (eager and
-  under jit) reuse the quantized params."""
+  quantized operands it took, with a rule for ragged_dot or for every op
+  (whether a second quantization inside the op shows: test_quantized_glu.py,
+  int8); later calls (eager and under jit) reuse the quantized params."""
   qwix = pytest.importorskip("qwix")
   from tokamax._src import qwix_ptq
 
