@@ -466,6 +466,12 @@ def test_moe_refuses_qwix_rules_it_cannot_apply():
   glu = qwix.QuantizationRule(module_path="moe", op_names=("gated_linear_unit",), **fp8)
   with pytest.raises(NotImplementedError, match="follow rules for 'ragged_dot'"):
     qwix.quantize_model(_MoEBlock(), qwix.PtqProvider([glu]), x)
+  # Qwix's own errors name the op, the operand and the rule.
+  odd = qwix.QuantizationRule(module_path="moe", op_names=("ragged_dot",),
+                              tile_size=100, **fp8)
+  with pytest.raises(ValueError, match=r"cannot quantize tokamax's ragged_dot rhs: .*"
+                     r"cannot be tiled"):
+    qwix.quantize_model(_MoEBlock(), qwix.PtqProvider([odd]), x)
   # A rule for other ops (or modules) leaves the experts as they are.
   dense_only = qwix.QuantizationRule(module_path="moe", op_names=("dot_general",), **fp8)
   kept = qwix.quantize_model(_MoEBlock(), qwix.PtqProvider([dense_only]), x)

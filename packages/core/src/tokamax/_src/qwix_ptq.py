@@ -32,6 +32,7 @@ class too and are taken for PTQ.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+import contextlib
 import importlib
 import sys
 from typing import Any
@@ -101,11 +102,25 @@ def quantize_operands(op_name: str, lhs: Any, rhs: Any, *, lhs_contracting: int,
   if rule is None:
     return lhs, rhs
   qwix = _qwix_internals(op_name)
-  if isinstance(rhs, (tuple, list)):
-    rhs = type(rhs)(_weight(qwix, rule, w, rhs_contracting) for w in rhs)
-  else:
-    rhs = _weight(qwix, rule, rhs, rhs_contracting)
-  return _activation(qwix, rule, lhs, lhs_contracting), rhs
+  with _naming(op_name, "rhs", rule):
+    if isinstance(rhs, (tuple, list)):
+      rhs = type(rhs)(_weight(qwix, rule, w, rhs_contracting) for w in rhs)
+    else:
+      rhs = _weight(qwix, rule, rhs, rhs_contracting)
+  with _naming(op_name, "lhs", rule):
+    lhs = _activation(qwix, rule, lhs, lhs_contracting)
+  return lhs, rhs
+
+
+@contextlib.contextmanager
+def _naming(op_name: str, operand: str, rule):
+  """Qwix's own errors quantizing an operand (e.g. "(4, 256, 768) cannot be
+  tiled as {1: 100}"), raised again naming the op, the operand and the rule."""
+  try:
+    yield
+  except ValueError as e:
+    raise ValueError(f"the Qwix rule {rule} cannot quantize tokamax's {op_name} "
+                     f"{operand}: {e}") from e
 
 
 def _weight(qwix, rule, w: Any, contracting: int) -> Any:
