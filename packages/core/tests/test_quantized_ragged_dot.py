@@ -3,6 +3,8 @@ QArray / WithAux as they come, the XLA reference's numbers (checked against
 numpy in float64 here), the refusal of implementations that do not apply block
 scales, and the errors."""
 
+import sys
+
 import jax
 from jax import export
 import jax.numpy as jnp
@@ -325,6 +327,21 @@ def test_with_qwix():
   q4 = qwix.quantize(rhs, jnp.int4, channelwise_axes=[0, 2], tiled_axes={1: 128})
   np.testing.assert_array_equal(tokamax.ragged_dot(lhs, q4, _SIZES),
                                 tokamax.ragged_dot(lhs, qwix.dequantize(q4), _SIZES))
+  # nf4 (a 4-bit code JAX has no dtype for): decoded by Qwix, then the plain call.
+  qnf4 = qwix.quantize(rhs, "nf4", channelwise_axes=[0, 2], tiled_axes={1: 128})
+  want = tokamax.ragged_dot(lhs, qwix.dequantize(qnf4), _SIZES)
+  np.testing.assert_array_equal(tokamax.ragged_dot(lhs, qnf4, _SIZES), want)
+  assert float(jnp.abs(want).max()) > 0
+
+
+def test_a_logical_qtype_without_qwix_is_refused(monkeypatch):
+  lhs, _ = _operands()
+  codes = jnp.zeros((3, 256, 384), jnp.uint4)
+  nf4 = _QArrayLike(codes, jnp.ones((3, 2, 384), jnp.float32), qtype="nf4")
+  monkeypatch.setitem(sys.modules, "qwix", None)  # as if Qwix were not imported
+  with pytest.raises(NotImplementedError, match="rhs: quantized values of logical "
+                     "type 'nf4' are decoded by Qwix"):
+    tokamax.ragged_dot(lhs, nf4, _SIZES)
 
 
 def test_export_serializes_quantized_operands():

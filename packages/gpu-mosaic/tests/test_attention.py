@@ -1514,7 +1514,7 @@ def test_backward_fuse_dq_config_refusals():
 
 @pytest.mark.parametrize("t,s,block_q", [
     (1024, 1024, 64), (1000, 896, 64), (700, 512, 128), (512, 512, 128),
-    (640, 384, 64), (1024, 384, 128)])
+    (640, 384, 64), (1024, 384, 128), (1000, 1000, 64), (640, 640, 128)])
 def test_backward_fuse_dq_rotated_rank_order(t, s, block_q):
   # Without causal each key block visits every query tile from its diagonal on,
   # wrapping around: at each tile the ranks must be the blocks' order of arrival
@@ -1533,7 +1533,10 @@ def test_backward_fuse_dq_rotated_rank_order(t, s, block_q):
   for kb in range(nk):
     blk = blk._replace(ki=kb, j_lo=kb * 128 // block_q)
     for step in range(nq):
-      arrival[int(kernel.step_tile(blk, step)[1]), kb] = step
+      j = int(kernel.step_tile(blk, step)[1])
+      arrival[j, kb] = step
+      if tp == sp:  # the rank the producer computes from the step alone
+        assert int(kernel.rotated_rank(step)) == int(kernel.dq_rank(kb, j)), (kb, step)
   assert len(arrival) == nq * nk  # every block visits every tile once
   for j in range(nq):
     order = sorted(range(nk), key=lambda kb: arrival[j, kb])

@@ -280,6 +280,13 @@ def _range_steps(union, own, step, idle, carry):
   return carry
 
 
+def _wrap(x, n: int):
+  """`x mod n` for `x` in [0, 2n): a compare and a select, where `lax.rem` by an
+  `n` that is no power of two is a multiply-high sequence (registers that the
+  rotated kernel's producer lacks: `_DkvKernel.rotated_rank`)."""
+  return jnp.where(x >= n, x - n, x)
+
+
 def _turn_passes(wg, ping_pong: bool, pass_turn, run):
   """`run()` between the ping-pong's extra passes: warpgroup 1 passes once
   before (it runs one phase behind), warpgroup 0 once after."""
@@ -333,6 +340,16 @@ class _Shape:
     1.062, GQA B2 T8192 N32 K8 unchanged. At H64 it lost (dQ 1.43 -> 1.56 ms).
     """
     return _pipeline.WIDE_CONSUMER_REGS if self.h >= 128 else None
+
+  @property
+  def lean_producer(self) -> bool:
+    """Whether the producer has the wide split's 24 registers a thread: under
+    MHA it then computes its steps' tiles and ranks without remainders by
+    counts that are no power of two (`rotated_rank`). With 40 (H64) those forms
+    made ptxas spill 464 B and serialize the wgmmas at B1 T4096 and T8192 N16
+    H64, where the remainders spill 8 B; GQA keeps the remainders, its
+    measured form (offline, notes/MEASUREMENTS.md, session 77)."""
+    return self.registers == _pipeline.WIDE_CONSUMER_REGS
 
   @property
   def early_probs(self) -> bool:
@@ -868,6 +885,8 @@ class _DkvKernel(_Shape):
 
   def step_tile(self, blk: _DkvBlock, i):
     """Step `i`'s query head and query tile (steps run head-major)."""
+    if self.lean_producer and self.group == 1:
+      return blk.head, _wrap(blk.j_lo + i, self.nq) if self.rotated else blk.j_lo + i
     g = lax.div(i, blk.n_j)
     j = blk.j_lo + lax.rem(i, blk.n_j)
     return blk.head * self.group + g, lax.rem(j, self.nq) if self.rotated else j
@@ -877,7 +896,29 @@ class _DkvKernel(_Shape):
     rank among the key blocks adding into them (`dq_rank`)."""
     head, j = self.step_tile(blk, i)
     dst = r.dq.at[blk.batch, pl.ds(j * self.bq, self.bq), head]
-    return dst, (blk.batch * self.n + head) * self.nq + j, self.dq_rank(blk.ki, j)
+    if self.lean_producer and self.group == 1 and self.rotated and self.tp == self.sp:
+      rank = self.rotated_rank(i)
+    else:
+      rank = self.dq_rank(blk.ki, j)
+    return dst, (blk.batch * self.n + head) * self.nq + j, rank
+
+  def rotated_rank(self, step):
+    """`dq_rank` of the rotated kernel at its `step`-th query tile of a head,
+    where query and key lengths pad alike: block ``ki`` starts at the tile
+    holding query ``128 ki``, so the key block on the diagonal of its
+    `step`-th tile is ``ki + (step bq + bq - 1) // 128`` (wrapping), and the
+    rank depends on the step alone.
+
+    Why not `dq_rank`: the producer that computes it has 24 registers a thread
+    at H128 (`lean_producer`), and remainders by a count of blocks that is no
+    power of two (``nk``, ``nq``) made ptxas spill 56 B there and serialize
+    the kernel's wgmmas (C7512), at MHA H128 T10240 (80 blocks) with
+    `lax.rem`, at T3072, T5120 and T6144 with `_wrap` in `dq_rank`. With the
+    rank from the step and `step_tile`'s MHA form: no spill at B1-B32
+    T1024-T16384, T3072-T15616 included (offline, `tools/sm90_compile.py`;
+    H200, B1 T10240 N16 forward+backward 7.139 -> 5.998 ms;
+    notes/MEASUREMENTS.md, session 77)."""
+    return lax.div(step * self.bq + self.bq - 1, KEY_ROWS)
 
   def write_dq(self, r: _DkvRefs, blk: _DkvBlock, sem, i) -> None:
     """Add step `i`'s staged dQ tile into `dq` after the key blocks that come

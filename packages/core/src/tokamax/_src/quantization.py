@@ -12,8 +12,8 @@ values (``tile[i] = values.shape[i] // scales.shape[i]``; the convention of Qwix
 `split` turns an operand into (values, scales or None, the dtype it stands for,
 its source or None). A Qwix scheme no kernel takes (zero points, int4 or other
 values than float8 and int8, a logical qtype other than the stored dtype) is
-dequantized there, and the call runs as one on plain arrays: the "dequantize,
-then XLA" fallback.
+dequantized there (a code JAX has no dtype for, such as nf4, by Qwix itself),
+and the call runs as one on plain arrays: the "dequantize, then XLA" fallback.
 
 Gradients: a float8 array cannot carry a gradient (its cotangent would be
 rounded to float8: gradients of typical magnitudes vanish). An op on quantized
@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import sys
 from typing import Any
 
 import jax
@@ -263,6 +264,43 @@ def _is_qwix_array(x: Any) -> bool:
   return hasattr(x, "qvalue") and hasattr(x, "scale")
 
 
+def _qwix_qtype(x: Any) -> np.dtype | None:
+  """A Qwix ``QArray``'s logical type as a dtype (its stored one where it names
+  none); None for a type JAX has no dtype for (e.g. "nf4", a 4-bit code)."""
+  qtype = getattr(x, "qtype", None)
+  try:
+    return jnp.dtype(x.qvalue.dtype if qtype is None else qtype)
+  except TypeError:
+    return None
+
+
+def qwix_kernel_scheme(x: Any) -> bool:
+  """Whether Qwix's `x` is values times scales as tokamax's kernels take them:
+  no zero point, values stored as their logical type (not e.g. int4 or nf4 in
+  a wider one), of a `VALUE_DTYPES` type. Else `split` dequantizes it."""
+  values = jnp.dtype(x.qvalue.dtype)
+  return (getattr(x, "zero_point", None) is None and _qwix_qtype(x) == values
+          and values in [jnp.dtype(d) for d in VALUE_DTYPES])
+
+
+def _dequantize_qwix(name: str, x: Any) -> jax.Array:
+  """The array Qwix's `x` stands for, in float32 (at most; its scales' dtype
+  for a logical type): the values as numbers, less the zero point, times the
+  scales; a logical type without a dtype (nf4's code) decoded by Qwix itself,
+  which made the array and so is loaded."""
+  if _qwix_qtype(x) is None:
+    qwix = sys.modules.get("qwix")
+    if qwix is None:
+      raise NotImplementedError(
+          f"{name}: quantized values of logical type {x.qtype!r} are decoded by "
+          "Qwix, which is not imported")
+    return qwix.dequantize(x)
+  shifted = x.qvalue.astype(jnp.float32)
+  if getattr(x, "zero_point", None) is not None:
+    shifted = shifted - xla_ref.per_element(x.zero_point, x.qvalue.shape)
+  return xla_ref.dequantize(shifted, x.scale)
+
+
 def is_quantized(x: Any) -> bool:
   """Whether `x` is a quantized operand: a `QuantizedArray`, a Qwix ``QArray``
   or a PTQ ``WithAux`` holding one."""
@@ -298,15 +336,8 @@ def split(name: str, x: Any) -> tuple[Any, jax.Array | None, Any, jax.Array | No
                        f"{tuple(source.shape)}")
   elif _is_qwix_array(x):
     values, scales, dtype = x.qvalue, x.scale, jnp.dtype(x.scale.dtype)
-    qtype = getattr(x, "qtype", None)
-    stored_as_is = qtype is None or jnp.dtype(qtype) == jnp.dtype(values.dtype)
-    kernel_dtype = jnp.dtype(values.dtype) in [jnp.dtype(d) for d in VALUE_DTYPES]
-    if (getattr(x, "zero_point", None) is not None or not stored_as_is
-        or not kernel_dtype):
-      shifted = values.astype(jnp.float32)
-      if getattr(x, "zero_point", None) is not None:
-        shifted = shifted - xla_ref.per_element(x.zero_point, values.shape)
-      return (xla_ref.dequantize(shifted, scales).astype(dtype), None, dtype, None)
+    if not qwix_kernel_scheme(x):
+      return _dequantize_qwix(name, x).astype(dtype), None, dtype, None
   else:
     return x, None, getattr(x, "dtype", None), None
   values_dtype = jnp.dtype(values.dtype)

@@ -154,25 +154,12 @@ def _activation(qwix, rule, x: Any, contracting: int) -> Any:
   # to `x` below anyway.
   how = _how(qwix, rule, x.ndim, contracting, rule.act_qtype, rule.act_calibration_method)
   q = qwix.qarray.quantize(jax.lax.stop_gradient(x), how)
-  if _kernel_scheme(q):
+  if quantization.qwix_kernel_scheme(q):
     return quantization.QuantizedArray(q.qvalue, q.scale.astype(jnp.float32),
                                        dtype=x.dtype, source=x)
   # x - x is exactly 0: the forward is the dequantized array itself.
   stands_for = jax.lax.stop_gradient(qwix.qarray.dequantize(q).astype(x.dtype))
   return stands_for + (x - jax.lax.stop_gradient(x))
-
-
-def _kernel_scheme(q) -> bool:
-  """Whether Qwix's `q` is values times scales as tokamax's kernels take them:
-  no zero point, values stored as their logical type (not e.g. int4 or nf4 in
-  a wider one), of a `quantization.VALUE_DTYPES` type."""
-  values = jnp.dtype(q.qvalue.dtype)
-  try:
-    stored_as_is = jnp.dtype(getattr(q, "qtype", values)) == values
-  except TypeError:  # a logical type JAX has no dtype for ("nf4")
-    return False
-  return (getattr(q, "zero_point", None) is None and stored_as_is
-          and values in [jnp.dtype(d) for d in quantization.VALUE_DTYPES])
 
 
 def outside_interception(fn: Callable) -> Callable:

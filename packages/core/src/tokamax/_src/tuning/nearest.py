@@ -108,7 +108,7 @@ SAME_SIZE_FIRST = {("dot_product_attention", "forward"): (("query", -1),)}
 TILE_ALIGNED = {"dot_product_attention": ((("query", 1), ("key", 1)), (128, 8))}
 
 
-# Calls whose backward kernel changes where the number of tiles in a length is
+# Calls whose backward ranks otherwise where the number of tiles in a length is
 # a power of two or not, per op: ((array field, axis), tile, whether a call's
 # key is one of those calls). For the backward (and the training step, which
 # ranks as its backward does), where that length is a multiple of the tile but
@@ -116,19 +116,24 @@ TILE_ALIGNED = {"dot_product_attention": ((("query", 1), ("key", 1)), (128, 8))}
 # of the tile count as multiples of the next tile only (`_kind`): it answers
 # for, and is answered by, the calls of lengths no multiple of the tile.
 #
-# Attention without causal masking (H200, notes/MEASUREMENTS.md session 74,
-# item 3): Mosaic GPU's one-kernel backward (dQ in the dK/dV kernel) runs at
-# any multiple of 128 keys only under MHA at H128; under GQA at H128 and MHA at
-# H64 only at a power of two of 128-key blocks
-# (`tokamax_gpu_mosaic.attention._fuses_dq_by_default`), else its two-kernel
-# backward, as where the length is no multiple of 128. At B1 T15616 N8 K1 H128
-# (122 blocks) the nearest point, B2 T16384 (the one-kernel backward, 1.3% ahead
-# of cuDNN's), put Mosaic GPU first; it ran 1.10x cuDNN forward+backward there,
-# as the two-kernel one does at B2 T15000 (cuDNN's backward 1.16x faster).
+# Attention without causal masking, H128, and MHA at H64 (H200): Mosaic GPU's
+# one-kernel backward (dQ in the dK/dV kernel), which the grid's powers of two
+# measure, has every key block of a head resident at once; where the blocks of
+# whole heads do not fill the SMs it ran far behind cuDNN (session 77, forward+
+# backward against cuDNN's: B1 T10240 N16 (80 blocks a head) 1.25x, B2 T6144
+# 1.07x, B1 T15616 1.04x, B4 T3072 1.03x; at B1 T8192 and B4 T4096 it ran
+# 1-2% ahead). Under GQA at H128 and MHA at H64 Mosaic GPU runs its two-kernel
+# backward there (`tokamax_gpu_mosaic.attention._fuses_dq_by_default`), as
+# where the length is no multiple of 128: at B1 T15616 N8 K1 H128 (122 blocks)
+# the nearest point, B2 T16384 (the one-kernel backward, 1.3% ahead of
+# cuDNN's), put Mosaic GPU first; it ran 1.10x cuDNN forward+backward there, as
+# the two-kernel one does at B2 T15000 (session 74, item 3). Either way the
+# unaligned lengths' data (cuDNN's backward first at H128 in 7 of their 8
+# points, session 58) ranks those calls as they run.
 def _attention_one_kernel_backward_at_powers_of_two(key: str) -> bool:
   causal = dict(_fields(key)).get("is_causal", "").strip()
   n, h, k = _sizes_at(key, (("query", 2), ("query", -1), ("key", 2)))
-  return causal == "False" and ((h == 128 and n != k) or (h == 64 and n == k))
+  return causal == "False" and (h == 128 or (h == 64 and n == k))
 
 
 POWERS_OF_TWO = {"dot_product_attention": (("key", 1), 128,

@@ -110,7 +110,9 @@ def grid_problems() -> list[Problem]:
   same lengths: the GQA points (32 on 8) are more than `nearest.RADIUS` away from it,
   so `None` took the registry's order there, cuDNN's forward, which ran 1.05x
   Mosaic GPU's at B1 T15616 N8 K1 H128 (H200, notes/MEASUREMENTS.md, session
-  72, item 4)."""
+  72, item 4). And the same at H64, which the H128 points are too far from:
+  `None` ran 1.05x the fastest forward+backward at B1 T4096 N8 K1 H64 (H200,
+  notes/MEASUREMENTS.md, session 76, item 3)."""
   shapes = []
   for tokens, lengths in ((32768, (1024, 4096, 16384)), (8192, (1024, 4096)),
                           (32768, (1000, 4000, 15000)), (8192, (1000, 4000)),
@@ -122,7 +124,8 @@ def grid_problems() -> list[Problem]:
   for tokens, lengths in ((32768, (1024, 4096, 16384)), (8192, (1024, 4096)),
                           (32768, (1000, 4000, 15000)), (8192, (1000, 4000)),
                           (2048, (2048,))):
-    shapes += [(tokens // t, t, 8, 1, 128, c) for t in lengths for c in (False, True)]
+    shapes += [(tokens // t, t, 8, 1, h, c)
+               for t in lengths for h in (64, 128) for c in (False, True)]
   return ([problem(*s) for s in shapes] +
           [problem(32768 // t, t, 32, 8, 128, True, window=w)
            for t, w in ((8192, 1024), (16384, 4096))])
