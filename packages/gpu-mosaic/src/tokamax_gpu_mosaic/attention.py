@@ -563,11 +563,18 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   1.040-1.083x, H64 MHA 1.074-1.128x; H64 GQA 0.84-0.88x, not taken. (At one
   batch row, off those shapes, the GQA kernel had its wgmmas serialized until
   session 75: 1.40x faster since at B1 T4096, `_DkvKernel.rotated_group_steps`.)
-  All of those have a power of two of key blocks. At other counts: MHA H64 at
-  T3072 and T12288 spilled 512 B and serialized the wgmmas (offline,
-  `tools/sm90_compile.py`); GQA H128 compiles clean now but ran 0.865x the two
-  kernels at B1 T6144 (session 75). So GQA H128 and H64 take it only at a
-  power of two.
+  All of those have a power of two of key blocks, whose heads' blocks fill
+  128 of the 132 SMs (without causal every key block of a head is resident at
+  once). At other counts under MHA H128 the kernel (clean since session 77)
+  ran behind cuDNN's, 1.02-1.25x forward+backward (B4 T3072, B2 T6144, B1
+  T15616, B1 T10240: 80 blocks a head, one head a wave), where `None` takes
+  cuDNN (`tuning.nearest.POWERS_OF_TWO`); whether the two kernels run them
+  faster is not measured. Under MHA H64 and GQA H128 at other counts: MHA H64
+  at T3072 and T12288 spilled 512 B and serialized the wgmmas (offline,
+  `tools/sm90_compile.py`), and ran 0.87x the two kernels at B1 T12288 (1.01x
+  at B4 T3072, session 77); GQA H128 compiles clean now but ran 0.865x the two
+  kernels at B1 T6144 (session 75; 0.89x in session 77). So GQA H128 and H64
+  take it only at a power of two.
 
   Causal MHA H128 at one batch row: ptxas spills 56 B and serializes the
   kernel's wgmmas (C7512, T1024-T16384, `tools/sm90_compile.py --call`; clean
