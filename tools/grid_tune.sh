@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call: measure (part of) the implementation grid of `python -m tokamax
 # autotune --grid` on this machine's device kind, merged into the grid data the
-# packages already ship for it, and copy the files to $OUT/tuned/<device slug>/ to
-# be committed (gpu-mosaic's tuned folder; layer_norm_grid.json goes to
-# gpu-triton's). Each part has its own time limit and every shape is written as
+# packages already ship for it, and leave the files it changed in
+# $OUT/tuned/<device slug>/ to be committed (gpu-mosaic's tuned folder;
+# layer_norm_grid.json goes to gpu-triton's). Each part has its own time limit and every shape is written as
 # soon as it is measured, so a part cut short keeps what it measured.
 #
 #   bash tools/grid_tune.sh [part ...]    parts: attn-short attn-long attn-8k attn-unaligned
@@ -67,5 +67,14 @@ PY
   fi
   echo "=== $part ($seconds s): $command"
   timeout "$seconds" bash -c "$command" 2>&1 | grep -E "^(autotuning|wrote)" | tee "$OUT/grid_${part//[^A-Za-z0-9_-]/_}.txt"
+done
+# Only the files the parts changed stay: a device call returns at most 8 files
+# from $OUT (session 77 lost a part's data to that), and an unchanged copy of a
+# package's data would take a slot.
+for pkg in packages/gpu-mosaic/src/tokamax_gpu_mosaic packages/gpu-triton/src/tokamax_gpu_triton; do
+  for shipped in "$pkg/tuned/$slug/"*_grid.json; do
+    copy="$dest/$(basename "$shipped")"
+    [[ -f $shipped ]] && cmp -s "$shipped" "$copy" && rm "$copy"
+  done
 done
 ls -l "$dest"
