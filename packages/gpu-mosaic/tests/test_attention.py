@@ -1622,6 +1622,10 @@ def test_backward_fuse_dq(b, t, s, n, k, h, block_q, ping_pong):
     (2, 1000, 896, 4, 4, 128, 64),  # T > S, T no multiple of the tile
     (2, 1024, 1024, 4, 1, 64, 128),  # H64's 128-row steps, MQA
     (1, 8192, 8192, 2, 2, 128, 64),  # 64 key blocks a head, all resident
+    # MHA H128 at counts of key blocks that are no power of two: the rank from
+    # the step alone (`_DkvKernel.rotated_rank`).
+    (2, 3072, 3072, 4, 4, 128, 64),  # 24 blocks a head
+    (1, 10240, 10240, 2, 2, 128, 64),  # 80
 ])
 def test_backward_fuse_dq_without_causal(b, t, s, n, k, h, block_q):
   # Each key block visits every query tile from its diagonal on, wrapping
