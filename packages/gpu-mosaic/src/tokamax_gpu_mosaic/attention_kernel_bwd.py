@@ -649,11 +649,11 @@ class _DkvKernel(_Shape):
     kv_ids = None
     if self.feat.segments:
       kv_ids = _common.load(r.kvseg_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-    head = functools.partial(self.head_steps, r, blk, r0, j_clear, kv_ids)
     # Both consumers take the same steps (two passes each per step).
     if self.rotated and self.group > 1:
       steps = functools.partial(self.rotated_group_steps, r, blk, r0, kv_ids, zeros)
     else:
+      head = functools.partial(self.head_steps, r, blk, r0, j_clear, kv_ids)
       steps = lambda: lax.fori_loop(0, self.group, head, zeros)
     grads = _turn_passes(wg, self.ping_pong, blk.pass_turn, steps)
     if self.feat.kv_len:
