@@ -343,12 +343,15 @@ class _Shape:
 
   @property
   def lean_producer(self) -> bool:
-    """Whether the producer has the wide split's 24 registers a thread: under
-    MHA it then computes its steps' tiles and ranks without remainders by
-    counts that are no power of two (`rotated_rank`). With 40 (H64) those forms
-    made ptxas spill 464 B and serialize the wgmmas at B1 T4096 and T8192 N16
-    H64, where the remainders spill 8 B; GQA keeps the remainders, its
-    measured form (offline, notes/MEASUREMENTS.md, session 77)."""
+    """Whether the producer has the wide split's 24 registers a thread (H128
+    and H256): under MHA it then computes its steps' query tiles without
+    remainders, and the rotated kernel its dQ ranks too where query and key
+    lengths pad alike (`rotated_rank`; with S < T the remainder by the key
+    blocks stays). With 40 (H64) those forms made ptxas spill 464 B and
+    serialize the wgmmas at B1 T4096 and T8192 N16 H64, where the remainders
+    spill 8 B; GQA keeps the remainders, its measured form. The causal, two-
+    kernel and H256 kernels compile as before (offline, notes/MEASUREMENTS.md,
+    session 77)."""
     return self.registers == _pipeline.WIDE_CONSUMER_REGS
 
   @property
