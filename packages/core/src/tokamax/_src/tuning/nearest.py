@@ -119,7 +119,7 @@ TILE_ALIGNED = {"dot_product_attention": ((("query", 1), ("key", 1)), (128, 8))}
 # Attention without causal masking, H128, and MHA at H64 (H200): Mosaic GPU's
 # one-kernel backward (dQ in the dK/dV kernel), which the grid's powers of two
 # measure, has every key block of a head resident at once; where the blocks of
-# whole heads do not fill the SMs it ran far behind cuDNN (session 77, forward+
+# whole heads do not fill the SMs it ran behind cuDNN (session 77, forward+
 # backward against cuDNN's: B1 T10240 N16 (80 blocks a head) 1.25x, B2 T6144
 # 1.07x, B1 T15616 1.04x, B4 T3072 1.03x; at B1 T8192 and B4 T4096 it ran
 # 1-2% ahead). Under GQA at H128 and MHA at H64 Mosaic GPU runs its two-kernel
