@@ -342,19 +342,6 @@ class _Shape:
     return _pipeline.WIDE_CONSUMER_REGS if self.h >= 128 else None
 
   @property
-  def lean_producer(self) -> bool:
-    """Whether the producer has the wide split's 24 registers a thread (H128
-    and H256): under MHA it then computes its steps' query tiles without
-    remainders, and the rotated kernel its dQ ranks too where query and key
-    lengths pad alike (`rotated_rank`; with S < T the remainder by the key
-    blocks stays). With 40 (H64) those forms made ptxas spill 464 B and
-    serialize the wgmmas at B1 T4096 and T8192 N16 H64, where the remainders
-    spill 8 B; GQA keeps the remainders, its measured form. The causal, two-
-    kernel and H256 kernels compile as before (offline, notes/MEASUREMENTS.md,
-    session 77)."""
-    return self.registers == _pipeline.WIDE_CONSUMER_REGS
-
-  @property
   def early_probs(self) -> bool:
     """Whether a step computes P from its first score product while the
     second's wgmma still runs (`_scores_pair`'s `between`), rather than after
@@ -574,6 +561,18 @@ class _DkvKernel(_Shape):
     else:
       cols = pl.ds(wg * (self.h // 2), self.h // 2)
     return rows, cols
+
+  @property
+  def remainder_free(self) -> bool:
+    """Whether the producer computes its steps' query tiles without remainders,
+    and the rotated kernel its dQ ranks too where query and key lengths pad
+    alike (`rotated_rank`; with S < T the remainder by the key blocks stays):
+    under MHA where it has the wide split's 24 registers a thread (H128 and
+    H256). With 40 (H64) those forms made ptxas spill 464 B and serialize the
+    wgmmas at B1 T4096 and T8192 N16 H64, where the remainders spill 8 B; GQA
+    keeps the remainders, its measured form. The causal, two-kernel and H256
+    kernels compile as before (offline, notes/MEASUREMENTS.md, session 77)."""
+    return self.group == 1 and self.registers == _pipeline.WIDE_CONSUMER_REGS
 
   def dq_rank(self, ki, j):
     """How many key blocks add to query tile `j` before block `ki`: the order
@@ -888,7 +887,7 @@ class _DkvKernel(_Shape):
 
   def step_tile(self, blk: _DkvBlock, i):
     """Step `i`'s query head and query tile (steps run head-major)."""
-    if self.lean_producer and self.group == 1:
+    if self.remainder_free:
       return blk.head, _wrap(blk.j_lo + i, self.nq) if self.rotated else blk.j_lo + i
     g = lax.div(i, blk.n_j)
     j = blk.j_lo + lax.rem(i, blk.n_j)
@@ -899,7 +898,7 @@ class _DkvKernel(_Shape):
     rank among the key blocks adding into them (`dq_rank`)."""
     head, j = self.step_tile(blk, i)
     dst = r.dq.at[blk.batch, pl.ds(j * self.bq, self.bq), head]
-    if self.lean_producer and self.group == 1 and self.rotated and self.tp == self.sp:
+    if self.remainder_free and self.rotated and self.tp == self.sp:
       rank = self.rotated_rank(i)
     else:
       rank = self.dq_rank(blk.ki, j)
@@ -913,7 +912,7 @@ class _DkvKernel(_Shape):
     rank depends on the step alone.
 
     Why not `dq_rank`: the producer that computes it has 24 registers a thread
-    at H128 (`lean_producer`), and remainders by a count of blocks that is no
+    at H128 (`remainder_free`), and remainders by a count of blocks that is no
     power of two (``nk``, ``nq``) made ptxas spill 56 B there and serialize
     the kernel's wgmmas (C7512), at MHA H128 T10240 (80 blocks) with
     `lax.rem`, at T3072, T5120 and T6144 with `_wrap` in `dq_rank`. With the
