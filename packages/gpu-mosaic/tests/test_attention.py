@@ -1574,7 +1574,9 @@ def test_backward_fuse_dq_rank_order(t, s, block_q):
     (dict(n=4, k=4, h=64), True),  # not causal, MHA H64: measured faster
     (dict(n=8, k=2, h=64), False),  # not causal, GQA H64: measured slower
     (dict(n=4, k=4, t=256, s=512), False),  # not causal, S > T: refused
-    (dict(n=4, k=4, t=384, s=384), True),  # not causal, MHA H128: 3 key blocks
+    (dict(n=4, k=4, t=384, s=384), False),  # not causal, MHA H128, 3 key blocks:
+    # the two kernels measured faster (session 78)
+    (dict(n=4, k=4, t=512, s=512), True),  # 4 key blocks
     (dict(n=8, k=2, t=384, s=384), False),  # GQA, 3 key blocks: ptxas spills
     (dict(n=4, k=4, t=384, s=384, h=64), False),  # H64, 3 key blocks: spills
     (dict(b=2, n=4, k=4, is_causal=True, local_window_size=(64, 0)), False),  # refused

@@ -565,16 +565,18 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   session 75: 1.40x faster since at B1 T4096, `_DkvKernel.rotated_group_steps`.)
   All of those have a power of two of key blocks, whose heads' blocks fill
   128 of the 132 SMs (without causal every key block of a head is resident at
-  once). At other counts under MHA H128 the kernel (clean since session 77)
-  ran behind cuDNN's, 1.02-1.25x forward+backward (B4 T3072, B2 T6144, B1
-  T15616, B1 T10240: 80 blocks a head, one head a wave), where `None` takes
-  cuDNN (`tuning.nearest.POWERS_OF_TWO`); whether the two kernels run them
-  faster is not measured. Under MHA H64 and GQA H128 at other counts: MHA H64
-  at T3072 and T12288 spilled 512 B and serialized the wgmmas (offline,
+  once). At other counts it is taken nowhere. Under MHA H128 (clean since
+  session 77), one kernel's time over the two kernels' (session 78, N16
+  unless said): B1 T10240 (80 blocks a head, one head a wave) 6.000 / 5.270
+  ms = 1.139, B2 T10240 1.345, B1 N32 T10240 1.131, B1 T9216 1.062, B2 T9216
+  1.248, T11264 1.123, T12288 1.068, T13312 1.032, T5120 1.021, B8 T3072
+  1.111; it won by at most 6.5% (B1 T15616 0.935, T14336 0.985, T7168 0.990,
+  B4 T3072 0.971, B2 T6144 0.999): worst where whole heads fill the SMs
+  worst, and worse with more heads. Under MHA H64 and GQA H128: MHA H64 at T3072
+  and T12288 spilled 512 B and serialized the wgmmas (offline,
   `tools/sm90_compile.py`), and ran 0.87x the two kernels at B1 T12288 (1.01x
   at B4 T3072, session 77); GQA H128 compiles clean now but ran 0.865x the two
-  kernels at B1 T6144 (session 75; 0.89x in session 77). So GQA H128 and H64
-  take it only at a power of two.
+  kernels at B1 T6144 (session 75; 0.89x in session 77).
 
   Causal MHA H128 at one batch row: ptxas spills 56 B and serializes the
   kernel's wgmmas (C7512, T1024-T16384, `tools/sm90_compile.py --call`; clean
@@ -588,9 +590,8 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
     measured_faster = mha and h == 128 and not serialized_at_one_row
   else:
     key_blocks = _common.cdiv(k.shape[1], _BWD_KEY_ROWS)
-    any_count = mha and h == 128  # else measured faster at powers of two only
-    measured_at = any_count or (key_blocks & (key_blocks - 1)) == 0
-    measured_faster = (h == 128 or (mha and h == 64)) and measured_at
+    power_of_two = (key_blocks & (key_blocks - 1)) == 0
+    measured_faster = (h == 128 or (mha and h == 64)) and power_of_two
   return measured_faster and _fused_dq_takes(args, config)
 
 

@@ -122,9 +122,9 @@ TILE_ALIGNED = {"dot_product_attention": ((("query", 1), ("key", 1)), (128, 8))}
 # whole heads do not fill the SMs it ran behind cuDNN (session 77, forward+
 # backward against cuDNN's: B1 T10240 N16 (80 blocks a head) 1.25x, B2 T6144
 # 1.07x, B1 T15616 1.04x, B4 T3072 1.03x; at B1 T8192 and B4 T4096 it ran
-# 1-2% ahead). Under GQA at H128 and MHA at H64 Mosaic GPU runs its two-kernel
-# backward there (`tokamax_gpu_mosaic.attention._fuses_dq_by_default`), as
-# where the length is no multiple of 128: at B1 T15616 N8 K1 H128 (122 blocks)
+# 1-2% ahead). Since session 78 Mosaic GPU runs its two-kernel backward there
+# in all three (`tokamax_gpu_mosaic.attention._fuses_dq_by_default`), as where
+# the length is no multiple of 128: at B1 T15616 N8 K1 H128 (122 blocks)
 # the nearest point, B2 T16384 (the one-kernel backward, 1.3% ahead of
 # cuDNN's), put Mosaic GPU first; it ran 1.10x cuDNN forward+backward there, as
 # the two-kernel one does at B2 T15000 (session 74, item 3). Either way the
