@@ -570,10 +570,12 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   unless said): B1 T10240 (80 blocks a head, one head a wave) 6.000 / 5.270
   ms = 1.139, B2 T10240 1.345, B1 N32 T10240 1.131, B1 T9216 1.062, B2 T9216
   1.248, T11264 1.123, T12288 1.068, T13312 1.032, T5120 1.021, B8 T3072
-  1.111; it won by at most 6.5% (B1 T15616 0.935, T14336 0.985, T7168 0.990,
-  B4 T3072 0.971, B2 T6144 0.999): worst where whole heads fill the SMs
-  worst, and worse with more heads. Under MHA H64 and GQA H128: MHA H64 at T3072
-  and T12288 spilled 512 B and serialized the wgmmas (offline,
+  1.111; it won by at most 6.5% (B1 T15616 0.935, B1 N32 T15616 0.943, B4
+  T3072 0.971, B4 T7168 0.984, B1 T14336 0.985, B1 T7168 0.990, B2 T6144
+  0.999) and lost at two batch rows where it had won at one (B2 T15616 1.092,
+  B2 T14336 1.177): worst where whole heads fill the SMs worst, and at more
+  batch rows. Under MHA H64 and GQA H128: MHA H64 at T3072 and
+  T12288 spilled 512 B and serialized the wgmmas (offline,
   `tools/sm90_compile.py`), and ran 0.87x the two kernels at B1 T12288 (1.01x
   at B4 T3072, session 77); GQA H128 compiles clean now but ran 0.865x the two
   kernels at B1 T6144 (session 75; 0.89x in session 77).
