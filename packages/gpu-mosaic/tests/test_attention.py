@@ -1510,31 +1510,59 @@ def test_backward_computes_probs_early_at_h64_only(monkeypatch):
 def test_backward_fuse_dq_config_refusals():
   with pytest.raises(ValueError, match="orders its blocks itself.*head_major=True"):
     mat.AttentionVjpConfig(64, 128, 2, head_major=True, fuse_dq=True)
+  with pytest.raises(ValueError, match="key_rings=2 splits the one-kernel.*fuse_dq=False"):
+    mat.AttentionVjpConfig(64, 128, 2, key_rings=2)
+  with pytest.raises(ValueError, match="key_rings must be >= 1; got 0"):
+    mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True, key_rings=0)
 
 
-@pytest.mark.parametrize("t,s,block_q", [
-    (1024, 1024, 64), (1000, 896, 64), (700, 512, 128), (512, 512, 128),
-    (640, 384, 64), (1024, 384, 128), (1000, 1000, 64), (640, 640, 128)])
-def test_backward_fuse_dq_rotated_rank_order(t, s, block_q):
+@pytest.mark.parametrize("t,causal,rings,why", [
+    (1024, False, 2, None),  # 8 key blocks, rings of 4
+    (1024, False, 3, "a divisor of the 8 key blocks"),
+    (1024, True, 2, "needs no causal"),
+    (32768, False, 1, "at most 132 key blocks .* in 1 ring"),  # 256 blocks a ring
+    (32768, False, 2, None),  # 128 a ring: resident
+])
+def test_backward_key_rings_refusals(monkeypatch, t, causal, rings, why):
+  monkeypatch.setattr(akb, "resident_blocks", lambda: 132)
+  got = akb.fused_dq_refusal(t, t, 128, 64, causal, akc.PLAIN, 0, rings)
+  if why is None:
+    assert got is None
+  else:
+    assert got is not None and re.search(why, got), got
+
+
+@pytest.mark.parametrize("t,s,block_q,rings", [
+    (1024, 1024, 64, 1), (1000, 896, 64, 1), (700, 512, 128, 1), (512, 512, 128, 1),
+    (640, 384, 64, 1), (1024, 384, 128, 1), (1000, 1000, 64, 1), (640, 640, 128, 1),
+    # In rings (`AttentionVjpConfig.key_rings`), a launch each: every ring's
+    # blocks ranked among themselves. T = S (the rank from the step), T > S,
+    # one block a ring.
+    (1536, 1536, 64, 2), (1536, 1536, 64, 3), (1536, 1536, 128, 4),
+    (1000, 768, 64, 3), (1024, 768, 128, 2), (768, 768, 64, 6)])
+def test_backward_fuse_dq_rotated_rank_order(t, s, block_q, rings):
   # Without causal each key block visits every query tile from its diagonal on,
   # wrapping around: at each tile the ranks must be the blocks' order of arrival
-  # (simulated here step by step), and no two blocks arrive at one step.
+  # (simulated here step by step), among the blocks of each ring, and no two
+  # blocks arrive at one step.
   tp, sp = -(-t // 128) * 128, -(-s // 128) * 128
   nq, nk = tp // block_q, sp // 128
+  config = mat.AttentionVjpConfig(block_q, 128, 2, fuse_dq=True, key_rings=rings)
   kernel = akb._DkvKernel(
-      b=1, tp=tp, n=1, h=8192 // block_q, group=1, sp=sp,
-      config=mat.AttentionVjpConfig(block_q, 128, 2, fuse_dq=True), causal=False,
-      feat=akc.PLAIN, dtype=jnp.bfloat16, scale=1.0)
-  assert kernel.rotated
+      b=1, tp=tp, n=1, h=8192 // block_q, group=1, sp=sp, config=config,
+      causal=False, feat=akc.PLAIN, dtype=jnp.bfloat16, scale=1.0)
+  assert kernel.rotated and kernel.rings == rings
   blk = akb._DkvBlock(wg=0, ki=0, head=0, batch=0, k0=0, j_lo=0, j_fl=None, j_fh=None,
                       j_hi=None, own=None, n_j=nq, n_steps=nq, limits=None,
                       pass_turn=None)
-  arrival = {}  # (tile, block) -> step
+  arrival, rank = {}, {}  # (tile, block) -> step, rank in its ring
   for kb in range(nk):
     blk = blk._replace(ki=kb, j_lo=kb * 128 // block_q)
+    ring_kernel = dataclasses.replace(kernel, ring=kb % rings)
     for step in range(nq):
       j = int(kernel.step_tile(blk, step)[1])
       arrival[j, kb] = step
+      rank[j, kb] = int(ring_kernel.step_rank(blk, step, j))
       if tp == sp:  # the rank the producer computes from the step alone
         assert int(kernel.rotated_rank(step)) == int(kernel.dq_rank(kb, j)), (kb, step)
   assert len(arrival) == nq * nk  # every block visits every tile once
@@ -1542,6 +1570,9 @@ def test_backward_fuse_dq_rotated_rank_order(t, s, block_q):
     order = sorted(range(nk), key=lambda kb: arrival[j, kb])
     assert len({arrival[j, kb] for kb in order}) == nk, j
     assert [int(kernel.dq_rank(kb, j)) for kb in order] == list(range(nk)), j
+    for ring in range(rings):  # launch `ring`: blocks ring, ring + rings, ...
+      members = [kb for kb in order if kb % rings == ring]
+      assert [rank[j, kb] for kb in members] == list(range(nk // rings)), (j, ring)
 
 
 @pytest.mark.parametrize("t,s,block_q", [
@@ -1618,21 +1649,28 @@ def test_backward_fuse_dq(b, t, s, n, k, h, block_q, ping_pong):
 
 
 @gpu
-@pytest.mark.parametrize("b,t,s,n,k,h,block_q", [
-    (2, 1024, 1024, 4, 4, 128, 64),  # MHA at H128: no Pallas store barriers
-    (1, 2048, 2048, 8, 2, 128, 64),  # GQA: 4 query heads a block
-    (2, 1000, 896, 4, 4, 128, 64),  # T > S, T no multiple of the tile
-    (2, 1024, 1024, 4, 1, 64, 128),  # H64's 128-row steps, MQA
-    (1, 8192, 8192, 2, 2, 128, 64),  # 64 key blocks a head, all resident
+@pytest.mark.parametrize("b,t,s,n,k,h,block_q,rings", [
+    (2, 1024, 1024, 4, 4, 128, 64, 1),  # MHA at H128: no Pallas store barriers
+    (1, 2048, 2048, 8, 2, 128, 64, 1),  # GQA: 4 query heads a block
+    (2, 1000, 896, 4, 4, 128, 64, 1),  # T > S, T no multiple of the tile
+    (2, 1024, 1024, 4, 1, 64, 128, 1),  # H64's 128-row steps, MQA
+    (1, 8192, 8192, 2, 2, 128, 64, 1),  # 64 key blocks a head, all resident
     # MHA H128 at counts of key blocks that are no power of two: the rank from
     # the step alone (`_DkvKernel.rotated_rank`).
-    (2, 3072, 3072, 4, 4, 128, 64),  # 24 blocks a head
-    (1, 10240, 10240, 2, 2, 128, 64),  # 80
+    (2, 3072, 3072, 4, 4, 128, 64, 1),  # 24 blocks a head
+    (1, 10240, 10240, 2, 2, 128, 64, 1),  # 80
+    # In rings (`AttentionVjpConfig.key_rings`), a launch each.
+    (2, 10240, 10240, 2, 2, 128, 64, 2),  # two rings of 40 blocks
+    (2, 3072, 3072, 4, 4, 128, 64, 4),  # four of 6
+    (1, 2048, 2048, 8, 2, 128, 64, 2),  # GQA
+    (2, 1000, 768, 4, 4, 128, 64, 3),  # T > S, three rings of 2
+    (2, 1024, 1024, 4, 1, 64, 128, 2),  # H64, MQA
 ])
-def test_backward_fuse_dq_without_causal(b, t, s, n, k, h, block_q):
+def test_backward_fuse_dq_without_causal(b, t, s, n, k, h, block_q, rings):
   # Each key block visits every query tile from its diagonal on, wrapping
-  # around (`_DkvKernel.rotated`); block nk - 1 waits for block 0 at the wrap.
-  config = mat.AttentionVjpConfig(block_q, 128, 2, fuse_dq=True)
+  # around (`_DkvKernel.rotated`); a ring's top block waits for its lowest at
+  # the wrap.
+  config = mat.AttentionVjpConfig(block_q, 128, 2, fuse_dq=True, key_rings=rings)
   _check_backward_config(b, t, s, n, k, h, False, config)
 
 

@@ -235,17 +235,20 @@ def test_attention_backward_fuse_dq(h, n, k, t, s, block_q, ping_pong, soft_cap)
   _check_backward(q, key, v, config, **kw)
 
 
-@pytest.mark.parametrize("h,n,k,t,s,block_q", [
-    (128, 2, 2, 384, 384, 64),  # MHA: three key blocks, each wrapping around
-    (128, 4, 2, 300, 256, 64),  # GQA, T > S, T not a multiple of the tile
-    (64, 2, 1, 256, 256, 128),  # H64's 128-row steps, MQA
-], ids=["mha", "gqa-t-gt-s", "h64-mqa"])
-def test_attention_backward_fuse_dq_without_causal(h, n, k, t, s, block_q):
+@pytest.mark.parametrize("h,n,k,t,s,block_q,rings", [
+    (128, 2, 2, 384, 384, 64, 1),  # MHA: three key blocks, each wrapping around
+    (128, 4, 2, 300, 256, 64, 1),  # GQA, T > S, T not a multiple of the tile
+    (64, 2, 1, 256, 256, 128, 1),  # H64's 128-row steps, MQA
+    (128, 2, 2, 512, 512, 64, 2),  # two rings of two blocks, a launch each
+    (128, 4, 2, 400, 384, 64, 3),  # GQA, T > S, a block a ring
+], ids=["mha", "gqa-t-gt-s", "h64-mqa", "mha-rings", "gqa-rings"])
+def test_attention_backward_fuse_dq_without_causal(h, n, k, t, s, block_q, rings):
   """The fused backward without causal (`_DkvKernel.rotated`: each key block
   visits every query tile from its diagonal on, wrapping around; here the
-  blocks run one at a time, the first of each tile storing), against the XLA
+  blocks run one at a time, the first of each tile in its ring storing), in
+  one ring or several (`key_rings`: a launch each), against the XLA
   reference's VJP."""
-  config = mat.AttentionVjpConfig(block_q, 128, 2, fuse_dq=True)
+  config = mat.AttentionVjpConfig(block_q, 128, 2, fuse_dq=True, key_rings=rings)
   q, key, v = (_normal((2, t, n, h), jnp.bfloat16), _normal((2, s, k, h), jnp.bfloat16),
                _normal((2, s, k, h), jnp.bfloat16))
   _check_backward(q, key, v, config, causal=False)

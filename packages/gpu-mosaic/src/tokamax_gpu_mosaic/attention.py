@@ -604,7 +604,8 @@ def _fused_dq_takes(args, config: AttentionVjpConfig) -> bool:
   if args.logits_soft_cap is not None:
     return False
   return fused_dq_refusal(q.shape[1], k.shape[1], q.shape[-1], config.block_q,
-                          args.is_causal, _features(args), config.head_group) is None
+                          args.is_causal, _features(args), config.head_group,
+                          config.key_rings) is None
 
 
 def _bwd_heuristic_tiles(args) -> AttentionVjpConfig:

@@ -138,6 +138,19 @@ class AttentionVjpConfig:
   # notes/MEASUREMENTS.md session 73). Must divide the query heads per
   # key/value head.
   kv_split: int = 1
+  # > 1, with fuse_dq without causal: the dK/dV kernel runs this many times,
+  # launch r taking the key blocks r, r + key_rings, ... of every head, and
+  # adding into a float32 dQ of its own (the launches' dQ summed after, in a
+  # fixed order). Its blocks wait on each other around the ring
+  # (`_DkvKernel.rotated`), so that all of a ring's blocks must be resident:
+  # heads whose block count packs badly onto the SMs (80 blocks a head at
+  # T10240: one head at a time on the H200's 132 SMs) pack in rings (two
+  # rings of 40: three at a time). Opt-in, in neither the heuristic nor the
+  # search space: checked in the interpreter, not yet run natively; offline
+  # (`tools/sm90_compile.py`) it compiles clean from two batch rows (B2
+  # T3072-T10240 N16 H128) and spills 56 B at one, as the one-kernel causal
+  # backward does (notes/MEASUREMENTS.md, session 78).
+  key_rings: int = 1
 
   def __post_init__(self):
     # A divisor of the 128-row padding; the P^T dO / dS K contractions run over
@@ -168,6 +181,11 @@ class AttentionVjpConfig:
     akc.check_head_group(self.head_group, self.head_major)
     if self.kv_split < 1:
       raise ValueError(f"kv_split must be >= 1; got {self.kv_split}")
+    if self.key_rings < 1:
+      raise ValueError(f"key_rings must be >= 1; got {self.key_rings}")
+    if self.key_rings > 1 and not self.fuse_dq:
+      raise ValueError(f"key_rings={self.key_rings} splits the one-kernel "
+                       "backward's key blocks; got fuse_dq=False")
 
   def pass_block_q(self, grads: tuple[str, ...]) -> int:
     """Query rows per step of the dK/dV kernel run for `grads`."""
@@ -437,6 +455,7 @@ class _DkvBlock(NamedTuple):
   n_steps: Any  # group * n_j
   limits: Any  # dynamic: (q_limit, kv_limit, offset); else Nones
   pass_turn: Any
+  out_k0: Any = None  # `ring`: the block's first row in this launch's dK, dV
 
 
 @dataclasses.dataclass(frozen=True)
@@ -446,6 +465,7 @@ class _DkvKernel(_Shape):
   both: `AttentionVjpConfig.split_dkv`)."""
 
   grads: tuple[str, ...] = ("dk", "dv")
+  ring: int = 0  # which of `rings` this launch runs
 
   @property
   def ping_pong(self):
@@ -541,6 +561,17 @@ class _DkvKernel(_Shape):
     return self.sp // KEY_ROWS
 
   @property
+  def rings(self) -> int:
+    """`AttentionVjpConfig.key_rings` of the rotated kernel (else 1)."""
+    return self.config.key_rings if self.rotated else 1
+
+  @property
+  def ring_blocks(self) -> int:
+    """Key blocks of a head in this launch (`fused_dq_refusal`: the rings
+    divide them)."""
+    return self.nk // self.rings
+
+  @property
   def grid_group(self) -> int:
     """`head_group` of the grid. With fuse_dq a block waits for the higher key
     blocks of its (batch row, head) at each query tile; in groups (of one pair
@@ -599,10 +630,19 @@ class _DkvKernel(_Shape):
     wg = lax.axis_index("wg")
     pass_turn = functools.partial(_pipeline.pass_turn,
                                   *(() if r.turn is None else (r.turn,)))
-    ki, kh, bi = akc.block_position(self.nk, self.k_heads, self.b, "kv",
+    ki, kh, bi = akc.block_position(self.ring_blocks, self.k_heads, self.b, "kv",
                                     self.grid_group)
+    out_k0 = None
     if self.fused:
-      ki = self.nk - 1 - ki  # the shortest first: see `grid_group`
+      ki = self.ring_blocks - 1 - ki  # the shortest first: see `grid_group`
+      if self.rings > 1:
+        # The launch's blocks from the top: ring, ring + rings, ... The ring
+        # index is opaque to the compiler: folded in, ptxas spilled 56 B and
+        # serialized the wgmmas of every launch but the first (offline, B1
+        # T10240 N16 H128 and B2 T6144); opaque, every launch compiles as one,
+        # clean from two batch rows.
+        out_k0 = ki * KEY_ROWS
+        ki = ki * self.rings + _common.opaque(self.ring)
     k0 = ki * KEY_ROWS
     j_fl = j_fh = j_hi = own = None
     limits = (None, None, None)
@@ -625,7 +665,7 @@ class _DkvKernel(_Shape):
       n_j = jnp.maximum(self.nq - j_lo, 0) if self.causal else self.nq
     n_steps = self.group * n_j
     return _DkvBlock(wg, ki, kh, bi, k0, j_lo, j_fl, j_fh, j_hi, own, n_j, n_steps,
-                     limits, pass_turn)
+                     limits, pass_turn, k0 if out_k0 is None else out_k0)
 
   def consumer(self, r: _DkvRefs, blk: _DkvBlock) -> None:
     """Load this warpgroup's K, V; accumulate dK, dV over every step; store."""
@@ -676,9 +716,10 @@ class _DkvKernel(_Shape):
     if "dv" in grads:
       dv_tile[...] = grads["dv"].astype(self.dtype)
     plgpu.commit_smem()
+    out_rows = (blk.batch, pl.ds(blk.out_k0 + wg * rows, rows), blk.head)
     for g in self.grads:
       tile, out = staged[g]
-      plgpu.copy_smem_to_gmem(tile, out.at[mine], commit_group=False)
+      plgpu.copy_smem_to_gmem(tile, out.at[out_rows], commit_group=False)
     plgpu.commit_smem_to_gmem_group()
     plgpu.wait_smem_to_gmem(0)
 
@@ -895,14 +936,22 @@ class _DkvKernel(_Shape):
 
   def dq_target(self, r: _DkvRefs, blk: _DkvBlock, i):
     """Step `i`'s dQ rows in `dq`, the index of their counter, and this block's
-    rank among the key blocks adding into them (`dq_rank`)."""
+    rank among the key blocks adding into them (`step_rank`)."""
     head, j = self.step_tile(blk, i)
     dst = r.dq.at[blk.batch, pl.ds(j * self.bq, self.bq), head]
+    rank = self.step_rank(blk, i, j)
+    return dst, (blk.batch * self.n + head) * self.nq + j, rank
+
+  def step_rank(self, blk: _DkvBlock, i, j):
+    """This block's rank at step `i` (query tile `j`) among this launch's key
+    blocks adding into the tile. The blocks before it among all of the head's
+    are ``ki + 1, ..., ki + rank`` (mod nk), every `rings`-th of them this
+    launch's."""
     if self.remainder_free and self.rotated and self.tp == self.sp:
       rank = self.rotated_rank(i)
     else:
       rank = self.dq_rank(blk.ki, j)
-    return dst, (blk.batch * self.n + head) * self.nq + j, rank
+    return rank if self.rings == 1 else lax.div(rank, self.rings)
 
   def rotated_rank(self, step):
     """`dq_rank` of the rotated kernel at its `step`-th query tile of a head,
@@ -937,7 +986,8 @@ class _DkvKernel(_Shape):
       # grid order, highest key block first (`block`): read, add, store. That
       # is the rank order, but for the rotated kernel's wrapped tiles, where
       # the sum's order differs (rounding only) and the first block stores.
-      first = blk.ki == self.nk - 1 if self.rotated else rank == 0
+      # (This launch's top block: the first of its ring.)
+      first = blk.ki >= self.nk - self.rings if self.rotated else rank == 0
 
       @pl.when(jnp.logical_not(first))
       def _():
@@ -962,8 +1012,8 @@ class _DkvKernel(_Shape):
       # turn before passing on the previous one's cannot deadlock: a block
       # waits only for higher key blocks of its head, at every tile
       # (`dq_rank`), and the grid launches those first (`block`); rotated,
-      # block nk - 1 waits for block 0 too, which `fused_dq_refusal` keeps
-      # resident with it.
+      # a ring's top block waits for its lowest too, which `fused_dq_refusal`
+      # keeps resident with it.
       pl.when(i > 0)(lambda: self.confirm_dq(r, blk, sem, i - 1, in_flight=1))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       plgpu.barrier_arrive(r.dq_free.at[buf])
@@ -1042,13 +1092,14 @@ class _DkvKernel(_Shape):
       _pipeline.split_warpgroups(blk.wg, lambda: self.consumer(r, blk),
                                  lambda: self.producer(r, blk, sem), self.registers)
 
-    out_type = tuple(jax.ShapeDtypeStruct(k.shape, self.dtype) for _ in self.grads)
+    dkv_shape = (k.shape[0], k.shape[1] // self.rings) + k.shape[2:]  # `ring`'s rows
+    out_type = tuple(jax.ShapeDtypeStruct(dkv_shape, self.dtype) for _ in self.grads)
     if self.fused:
       out_type += (jax.ShapeDtypeStruct(q.shape, jnp.float32),)
     call = _pipeline.warpgroup_kernel(
         body, out_type=out_type, scratch_types=self.scratch(),
-        **akc.block_grid(self.nk, self.k_heads, self.b, "kv", self.head_major,
-                         self.grid_group),
+        **akc.block_grid(self.ring_blocks, self.k_heads, self.b, "kv",
+                         self.head_major, self.grid_group),
         # The fused kernel orders its shared memory itself: each store waits
         # for its buffer's readers (dst_free, dq_free), is followed by
         # `commit_smem` (a fence and a warpgroup barrier) and released by every
@@ -1383,7 +1434,7 @@ def _shape(q, k, *, scale, causal, config, feat) -> dict:
 
 def flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
               config: AttentionVjpConfig, feat: akc.Features = akc.PLAIN,
-              grads: tuple[str, ...] = ("dk", "dv")):
+              grads: tuple[str, ...] = ("dk", "dv"), ring: int = 0):
   """dK, dV on q/do [B, T, N, H], k/v [B, S, K, H] as `_common.pad_rows_for_tma`
   leaves them (the kernel runs T and S rounded up to 128 rows); lse2 (base-2
   lse, +inf on rows past T), delta [B, N, Tp].
@@ -1393,7 +1444,10 @@ def flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
   ``[B, Sp // 64, 2]``, q ids ``[B, Tp]`` and kv ids ``[B, Sp]``. Key rows at or
   past the valid keys get zero dK/dV. `grads`: which of "dk" and "dv" to
   compute; returned in that order (dK before dV), then with `config.fuse_dq`
-  dQ unscaled in float32 (``dS K``: times `scale` it is dQ)."""
+  dQ unscaled in float32 (``dS K``: times `scale` it is dQ). With
+  `config.key_rings` > 1 (fuse_dq without causal), launch `ring` of them: dK,
+  dV of its key blocks only (`ring`, `ring + key_rings`, ...: their rows in
+  that order) and its share of dQ (`fused_rings` merges them)."""
   if not grads or not set(grads) <= {"dk", "dv"}:
     raise ValueError(f"grads must name 'dk', 'dv' or both; got {grads!r}")
   if config.fuse_dq and (feat.dynamic or set(grads) != {"dk", "dv"}):
@@ -1402,8 +1456,26 @@ def flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
         f"fuse_dq: calls without dynamic features computing dK and dV; got "
         f"{feat}, grads={grads!r} (`fused_dq_refusal`)")
   kernel = _DkvKernel(**_shape(q, k, scale=scale, causal=causal, config=config,
-                               feat=feat), grads=tuple(g for g in ("dk", "dv") if g in grads))
+                               feat=feat), grads=tuple(g for g in ("dk", "dv") if g in grads),
+                      ring=ring)
   return kernel(q, k, v, do, lse2, delta, *extras)
+
+
+def fused_rings(launch, rings: int, b: int, s: int):
+  """dK, dV and unscaled float32 dQ of the one-kernel backward in `rings`
+  launches (`AttentionVjpConfig.key_rings`): `launch(r)` returns launch r's.
+  Launch r's dK, dV rows are its key blocks r, r + rings, ... in that order;
+  its dQ, the additions of those blocks. The dQ shares are summed in launch
+  order (deterministic)."""
+  parts = [launch(r) for r in range(rings)]
+
+  def interleave(xs):  # [B, S / rings, K, H] each -> [B, S, K, H]
+    blocks = [x.reshape(b, s // rings // KEY_ROWS, KEY_ROWS, *x.shape[2:]) for x in xs]
+    return jnp.stack(blocks, axis=2).reshape(b, s, *xs[0].shape[2:])
+  dq = parts[0][2]
+  for part in parts[1:]:
+    dq = dq + part[2]
+  return interleave([p[0] for p in parts]), interleave([p[1] for p in parts]), dq
 
 
 def flash_dq(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
@@ -1419,7 +1491,8 @@ def flash_dq(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
 
 
 def fused_dq_refusal(t: int, s: int, h: int, block_q: int, causal: bool,
-                     feat: akc.Features, head_group: int = 0) -> str | None:
+                     feat: akc.Features, head_group: int = 0,
+                     key_rings: int = 1) -> str | None:
   """Why `AttentionVjpConfig.fuse_dq` cannot take a call (None: it can).
 
   Its blocks add into a query tile in a fixed order, highest key block first:
@@ -1427,10 +1500,12 @@ def fused_dq_refusal(t: int, s: int, h: int, block_q: int, causal: bool,
   tile, so that a block's waits are for blocks ahead of it. Without causal each
   block visits every query tile from its diagonal on and wraps around
   (`_DkvKernel.rotated`): the diagonals must be query tiles (S <= T), and
-  block nk - 1 then waits for block 0, the last of its (batch row, head) to
-  launch, so that all of them must be resident at once: at most
-  `resident_blocks()` (the device's SMs) key blocks in a group of `head_group`
-  pairs (the grid launches a group's blocks interleaved, `akc.block_position`). Every query row must be in some block's
+  the top block of a head's ring (all of its key blocks, or a launch's share
+  with `key_rings`, which must divide them) then waits for the ring's lowest,
+  the last of the ring to launch, so that a ring's blocks must be resident at
+  once: at most `resident_blocks()` (the device's SMs) key blocks in the rings
+  of a group of `head_group` pairs (the grid launches a group's blocks
+  interleaved, `akc.block_position`). Every query row must be in some block's
   range (the first addition stores): true of causal and plain calls without
   windows or lengths. Padded keys (S not a multiple of 128) are visible,
   unmasked, to queries past S (to every query without causal). Each consumer
@@ -1452,11 +1527,17 @@ def fused_dq_refusal(t: int, s: int, h: int, block_q: int, causal: bool,
   if not causal and s > t:
     return (f"without causal, S <= T (each key block starts at its diagonal "
             f"query tile); got T={t}, S={s}")
+  key_blocks = _common.cdiv(s, KEY_ROWS)
+  if key_rings > 1 and (causal or key_blocks % key_rings):
+    return (f"key_rings > 1 needs no causal and a divisor of the {key_blocks} "
+            f"key blocks of {KEY_ROWS} rows; got key_rings={key_rings}, "
+            f"causal={causal}")
   pairs, resident = max(head_group, 1), resident_blocks()
-  if not causal and pairs * _common.cdiv(s, KEY_ROWS) > resident:
+  if not causal and pairs * (key_blocks // key_rings) > resident:
     return (f"without causal, at most {resident} key blocks of {KEY_ROWS} rows "
-            f"in a head group (all resident at once, one an SM); got S={s} in "
-            f"groups of {pairs} (batch row, head) pairs")
+            f"in the rings of a head group (a ring resident at once, one block "
+            f"an SM); got S={s} in {key_rings} ring(s), groups of {pairs} "
+            f"(batch row, head) pairs")
   return None
 
 
@@ -1512,7 +1593,8 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
                       key_value_seq_lengths is not None, segments,
                       q_offset is not None)
   if config.fuse_dq and (why := fused_dq_refusal(t, s, q.shape[-1], config.block_q,
-                                                  causal, feat, config.head_group)):
+                                                  causal, feat, config.head_group,
+                                                  config.key_rings)):
     raise NotImplementedError(f"fuse_dq: {why}")
   dtype = q.dtype
   dout = dout.astype(dtype)
@@ -1556,7 +1638,14 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
   if config.split_dkv:
     (dv,), (dk,) = dkv(("dv",)), dkv(("dk",))
   elif config.fuse_dq:
-    dk, dv, dq = dkv(("dk", "dv"))
+    if config.key_rings > 1:
+      # (No extras: the one-kernel backward takes no dynamic features.)
+      dk, dv, dq = fused_rings(
+          lambda ring: flash_dkv(qp, kp, vp, dop, lse2, delta, scale=scale,
+                                 causal=causal, config=config, feat=feat, ring=ring),
+          config.key_rings, b, kp.shape[1])
+    else:
+      dk, dv, dq = dkv(("dk", "dv"))
     dq = (dq * scale).astype(dtype)
   else:
     dk, dv = dkv(("dk", "dv"))
