@@ -638,9 +638,9 @@ class _DkvKernel(_Shape):
       if self.rings > 1:
         # The launch's blocks from the top: ring, ring + rings, ... The ring
         # index is opaque to the compiler: folded in, ptxas spilled 56 B and
-        # serialized the wgmmas of every launch but the first (offline, B1
-        # T10240 N16 H128 and B2 T6144); opaque, every launch compiles as one,
-        # clean from two batch rows.
+        # serialized the wgmmas of every launch but the first at B1 T10240
+        # N16 H128, and of every launch at B2 T6144 and T3072 (offline);
+        # opaque, every launch compiles as one, clean from two batch rows.
         out_k0 = ki * KEY_ROWS
         ki = ki * self.rings + _common.opaque(self.ring)
     k0 = ki * KEY_ROWS
