@@ -98,3 +98,21 @@ def test_ragged_dot_export_with_symbolic_rows_and_fixed_group_sizes():
   specs = export.symbolic_args_specs((lhs, rhs), ("m, 16", "3, 16, 8"))
   restored = export.deserialize(export.export(jax.jit(f))(*specs).serialize())
   np.testing.assert_allclose(restored.call(lhs, rhs), f(lhs, rhs), rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_attention_refuses_a_symbolic_key_length_so_a_list_falls_back():
+  # Its chunks split the keys at trace time: with a symbolic S it raised JAX's
+  # "inconclusive dimension comparison", which a list does not fall back past.
+  q, k, v = _rand(2, 6, 4, 8), _rand(2, 7, 2, 8), _rand(2, 7, 2, 8)
+  specs = export.symbolic_args_specs((q, k, v), ("b, t, 4, 8", "b, s, 2, 8", "b, s, 2, 8"))
+
+  def attention(implementation):
+    return jax.jit(lambda *a: tokamax.dot_product_attention(
+        *a, is_causal=True, implementation=implementation))
+
+  with pytest.raises(NotImplementedError, match="xla_chunked needs a static key length"):
+    export.export(attention("xla_chunked"))(*specs)
+  exported = export.export(attention(["xla_chunked", "xla"]))(*specs)
+  restored = export.deserialize(exported.serialize())
+  np.testing.assert_allclose(restored.call(q, k, v), attention("xla")(q, k, v),
+                             rtol=1e-5, atol=1e-6)

@@ -67,13 +67,26 @@ def _chunk_heuristic(args) -> ChunkConfig:
 
 
 class _Chunked:
-  """What the chunked forward and its backward share: the name, the features and
-  the chunk-size heuristic (autotuning searches the forward's chunk only)."""
+  """What the chunked forward and its backward share: the name, the features,
+  what they refuse and the chunk-size heuristic (autotuning searches the
+  forward's chunk only)."""
 
   op_name = "dot_product_attention"
   name = "xla_chunked"
   supported_features = ("q_offset", "sinks")
   config_cls = ChunkConfig
+
+  def check_supported(self, args, device, residuals=None):
+    del device  # any
+    keys = args.key.shape[1]
+    if not isinstance(keys, int):
+      # The chunks split the keys at trace time (their count and the padded
+      # tail are static).
+      raise NotImplementedError(
+          f"xla_chunked needs a static key length; got the symbolic S={keys} "
+          "(jax.export with a symbolic shape): the xla implementation takes it")
+    if residuals is not None and "lse" not in residuals:
+      raise NotImplementedError("needs the forward's log-sum-exp residual")
 
   def heuristic_config(self, args):
     return _chunk_heuristic(args)
@@ -106,10 +119,6 @@ class XlaChunkedAttentionVjp(_Chunked, VjpOp):
   (and its tail, where the forward gave one). `unroll`: as the forward's."""
 
   unroll: bool = False
-
-  def check_supported(self, args, device, residuals=None):
-    if residuals is not None and "lse" not in residuals:
-      raise NotImplementedError("needs the forward's log-sum-exp residual")
 
   def backward(self, args, residuals, out, dout, config):
     def chunked():
