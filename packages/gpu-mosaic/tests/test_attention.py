@@ -1051,6 +1051,12 @@ def test_backward_head_dim_256_configs():
     (64, 4, 2, 512, 512, mat.AttentionVjpConfig(128, 128, 2, ping_pong=True,
                                                 fuse_dq=True)),
     (128, 8, 2, 700, 640, mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True)),
+    # The score products from the statistics, dK's dS^T from shared memory.
+    (128, 4, 4, 700, 640, mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True,
+                                                 stats_in_accumulators=True,
+                                                 dk_from_smem=True)),
+    (128, 8, 2, 700, 640, mat.AttentionVjpConfig(64, 128, 2, ping_pong=True,
+                                                 stats_in_accumulators=True)),
     # H128's configs where the register split is lost (JAX >= 0.12): dK and dV
     # apart, 64-key dQ steps; in head groups and with ping-pong.
     (128, 4, 4, 512, 512, mat.AttentionVjpConfig(64, 64, 2, split_dkv=True)),
@@ -1065,10 +1071,10 @@ def test_backward_lowers_for_cuda(causal, h, n, k, t, s, config):
   args = _args(t=t, s=s, n=n, k=k, h=h, is_causal=causal, dtype=dtype)
   config = config or mat.MosaicGpuAttentionVjp().heuristic_config(args)
   # Split below H256 (in it at H128 only where the register split is lost),
-  # head groups not sized by `l2_head_group`, and the fused dQ with ping-pong:
-  # outside it.
+  # head groups not sized by `l2_head_group`, the fused dQ with ping-pong and
+  # the score products from the statistics (opt-in): outside it.
   if (not (config.split_dkv and h < 256) and not config.head_group
-      and not config.fuse_dq):
+      and not config.fuse_dq and not config.stats_in_accumulators):
     assert config in mat.MosaicGpuAttentionVjp().search_space(args)
   q, key = args.query, args.key
   sds = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt)
@@ -1514,6 +1520,8 @@ def test_backward_fuse_dq_config_refusals():
     mat.AttentionVjpConfig(64, 128, 2, key_rings=2)
   with pytest.raises(ValueError, match="key_rings must be >= 1; got 0"):
     mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True, key_rings=0)
+  with pytest.raises(ValueError, match="dk_from_smem reads dS.T from the rows.*fuse_dq=False"):
+    mat.AttentionVjpConfig(64, 128, 2, dk_from_smem=True)
 
 
 @pytest.mark.parametrize("t,causal,rings,why", [
@@ -1672,6 +1680,32 @@ def test_backward_fuse_dq_without_causal(b, t, s, n, k, h, block_q, rings):
   # the wrap.
   config = mat.AttentionVjpConfig(block_q, 128, 2, fuse_dq=True, key_rings=rings)
   _check_backward_config(b, t, s, n, k, h, False, config)
+
+
+_SAVERS = dict(stats_in_accumulators=True)
+
+
+@gpu
+@pytest.mark.parametrize("b,t,s,n,k,h,causal,config", [
+    # The one-kernel backward at one batch row (compiled clean with the
+    # statistics in the accumulators, where it spills without), causal and in
+    # rings, and with dK's dS^T from shared memory; ping-pong.
+    (1, 4096, 4096, 4, 4, 128, True, dict(fuse_dq=True, **_SAVERS)),
+    (1, 1000, 1100, 4, 4, 128, True, dict(fuse_dq=True, dk_from_smem=True, **_SAVERS)),
+    (1, 10240, 10240, 2, 2, 128, False, dict(fuse_dq=True, key_rings=2, **_SAVERS)),
+    (2, 1024, 1024, 4, 4, 128, False, dict(fuse_dq=True, ping_pong=True,
+                                           dk_from_smem=True, **_SAVERS)),
+    (1, 2048, 2048, 8, 2, 128, True, dict(fuse_dq=True, dk_from_smem=True, **_SAVERS)),
+    # The two kernels: GQA, padded T and S, ping-pong; H64 (its early P keeps
+    # the plain products).
+    (1, 700, 450, 4, 2, 128, True, _SAVERS),
+    (2, 512, 512, 4, 4, 128, False, dict(ping_pong=True, **_SAVERS)),
+    (2, 1024, 1024, 4, 4, 64, True, _SAVERS),
+])
+def test_backward_stats_in_accumulators(b, t, s, n, k, h, causal, config):
+  # The dK/dV kernel's score products started from -lse2 / c and -delta.
+  config = mat.AttentionVjpConfig(64, 128, 2, **config)
+  _check_backward_config(b, t, s, n, k, h, causal, config)
 
 
 @gpu

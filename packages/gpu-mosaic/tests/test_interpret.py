@@ -254,6 +254,35 @@ def test_attention_backward_fuse_dq_without_causal(h, n, k, t, s, block_q, rings
   _check_backward(q, key, v, config, causal=False)
 
 
+_SAVERS = dict(stats_in_accumulators=True)
+
+
+@pytest.mark.parametrize("causal,config,n,t,s,features", [
+    # The one-kernel backward, MHA H128, T and S off the tile: causal, with dK
+    # from the staged dS^T too; without causal in two rings, ping-pong.
+    (True, mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True, dk_from_smem=True, **_SAVERS),
+     2, 300, 330, False),
+    (False, mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True, key_rings=2, ping_pong=True,
+                                   dk_from_smem=True, **_SAVERS), 2, 512, 512, False),
+    # The two kernels, GQA, with a window, segments and key lengths.
+    (True, mat.AttentionVjpConfig(64, 128, 2, **_SAVERS), 4, 200, 230, True),
+], ids=["fused-causal", "fused-rings-ping-pong", "two-kernels-gqa-features"])
+def test_attention_backward_register_savers(causal, config, n, t, s, features):
+  """The dK/dV kernel with its score products started from -lse2 / c and
+  -delta (`stats_in_accumulators`) and, one kernel, dK's product reading the
+  staged dS^T (`dk_from_smem`), against the XLA reference's VJP."""
+  k = 1 if n > 2 else n
+  q, key, v = (_normal((2, t, n, 128), jnp.bfloat16), _normal((2, s, k, 128), jnp.bfloat16),
+               _normal((2, s, k, 128), jnp.bfloat16))
+  kw = {}
+  if features:
+    q_ids = jnp.asarray([[1] * 100 + [2] * 100, [1] * 30 + [2] * 170], jnp.int32)
+    kv_ids = jnp.asarray([[1] * 110 + [2] * 120, [1] * 40 + [2] * 190], jnp.int32)
+    kw = dict(local_window=(90, 0), q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+              key_value_seq_lengths=jnp.asarray([230, 170], jnp.int32))
+  _check_backward(q, key, v, config, causal=causal, **kw)
+
+
 @pytest.mark.parametrize("causal,config", [
     (True, mat.AttentionVjpConfig(64, 128, 2, kv_split=4)),
     (False, mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True, kv_split=2)),

@@ -283,11 +283,20 @@ class Transposed:
   ref: Any
 
 
+@dataclasses.dataclass(frozen=True)
+class Staged:
+  """An `accumulate` lhs read from shared memory as stored: an ``[m, k]`` tile
+  (swizzled as its rhs), so that the product holds no registers for it."""
+
+  ref: Any
+
+
 def accumulate(inits, terms, *, operand_dtype=None, after_issue=None):
   """``init + a @ b`` for each init and its ``(a, b)`` term, as WGMMAs into
   accumulators that start at `inits` (float32 register arrays; each `a` a
   register array, cast to `operand_dtype` if given inside the accumulation's
-  scope, where the kernels have always cast it, or a `Transposed` SMEM tile;
+  scope, where the kernels have always cast it, or a `Transposed` or `Staged`
+  SMEM tile;
   each `b` an SMEM ref). `after_issue` runs once the WGMMAs are issued, while
   they run. Returns the sums, a tuple like `inits`.
 
@@ -298,11 +307,15 @@ def accumulate(inits, terms, *, operand_dtype=None, after_issue=None):
   def operand(a):
     if isinstance(a, Transposed):
       return plgpu.transpose_ref(a.ref, (1, 0))
+    if isinstance(a, Staged):
+      return a.ref
     return a if operand_dtype is None else a.astype(operand_dtype)
 
   if interpreting():
     def value(a):
-      return a.ref[...].T if isinstance(a, Transposed) else operand(a)
+      if isinstance(a, Transposed):
+        return a.ref[...].T
+      return a.ref[...] if isinstance(a, Staged) else operand(a)
     sums = tuple(init + jnp.dot(value(a), b[...], preferred_element_type=jnp.float32)
                  for init, (a, b) in zip(inits, terms, strict=True))
     if after_issue is not None:

@@ -151,6 +151,27 @@ class AttentionVjpConfig:
   # T3072-T10240 N16 H128) and spills 56 B at one, as the one-kernel causal
   # backward does (notes/MEASUREMENTS.md, session 78).
   key_rings: int = 1
+  # The dK/dV kernel's two score products start from the statistics rather
+  # than zero: S^T from -lse2 / c (c = scale log2 e), dP^T from -delta, so
+  # that P = exp2(c S^T) and dS^T = P dP^T need no broadcast lse2 and delta
+  # tiles in registers beside the accumulators (16 registers a consumer
+  # thread each at 64-row steps). The first product then waits for dO and
+  # delta as well as Q and lse. Where both products run and P follows both
+  # (not `early_probs`, H64), without a soft cap (its tanh needs the raw
+  # scores). Offline (`tools/sm90_compile.py`), the one-kernel backward at
+  # MHA H128 compiles clean with it at one batch row, causal and in
+  # `key_rings` launches, where it spills 56 B and serializes its wgmmas
+  # without (notes/MEASUREMENTS.md, session 79). Opt-in: not yet run natively.
+  stats_in_accumulators: bool = False
+  # With fuse_dq: dK's product reads the step's dS^T from the rows staged in
+  # shared memory for the dQ product (FlashAttention-3's operand), not from
+  # registers, once both consumers have staged theirs (the dQ product's wait
+  # on them, moved before the products): 16 registers a consumer thread
+  # fewer. Offline, with `stats_in_accumulators` the one-kernel causal GQA
+  # backward then compiles clean without Pallas' store barriers (spilling
+  # 140 B and serializing without either, 12 B with the first alone). Opt-in:
+  # not yet run natively.
+  dk_from_smem: bool = False
 
   def __post_init__(self):
     # A divisor of the 128-row padding; the P^T dO / dS K contractions run over
@@ -186,6 +207,9 @@ class AttentionVjpConfig:
     if self.key_rings > 1 and not self.fuse_dq:
       raise ValueError(f"key_rings={self.key_rings} splits the one-kernel "
                        "backward's key blocks; got fuse_dq=False")
+    if self.dk_from_smem and not self.fuse_dq:
+      raise ValueError("dk_from_smem reads dS^T from the rows the one-kernel "
+                       "backward stages for dQ; got fuse_dq=False")
 
   def pass_block_q(self, grads: tuple[str, ...]) -> int:
     """Query rows per step of the dK/dV kernel run for `grads`."""
@@ -212,16 +236,21 @@ _SEGMENT_FIELDS = ("seg_range", "q_seg", "kv_seg", "qseg_smem", "kvseg_smem",
 # Shared by both kernels.
 
 
-def _scores_pair(shape, a0, b0, second_full, a1, b1, pass_turn=None, between=None):
+def _scores_pair(shape, a0, b0, second_full, a1, b1, pass_turn=None, between=None,
+                 inits=None):
   """``a0 b0^T`` and ``a1 b1^T`` (float32 tiles of `shape`); the second waits
   for its operand's slot to land. `pass_turn`: the ping-pong pass right after
   issuing both (the partner's dS is done: the tensor cores are ours next).
   `between`: applied to the first product as soon as it is done, while the
-  second runs (its result returned in the first's place)."""
+  second runs (its result returned in the first's place). `inits`: None (the
+  products start from zero) or a function returning the two float32 tiles
+  they start from, called once the second's operand has landed (the first
+  then waits for it too)."""
 
   def scores(s_acc, dp_acc):
     plgpu.wgmma(s_acc, a0, b0.T)
-    plgpu.barrier_wait(second_full)
+    if inits is None:
+      plgpu.barrier_wait(second_full)
     plgpu.wgmma(dp_acc, a1, b1.T)
     if pass_turn is not None:
       pass_turn()
@@ -229,8 +258,23 @@ def _scores_pair(shape, a0, b0, second_full, a1, b1, pass_turn=None, between=Non
       first = between(plgpu.wgmma_accumulator_load(s_acc, wait_n=1))
       return first, dp_acc[...]
     return s_acc[...], dp_acc[...]
-  return pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32),
-                       plgpu.ACC(shape, jnp.float32))
+  if inits is None:
+    return pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32),
+                         plgpu.ACC(shape, jnp.float32))
+  if between is not None:
+    raise NotImplementedError("`between` of products with `inits`")
+  plgpu.barrier_wait(second_full)
+  starts = inits()
+  if _common.interpreting():  # no run_state there
+    products = tuple(x + jnp.dot(a[...], b[...].T, preferred_element_type=jnp.float32)
+                     for x, (a, b) in zip(starts, ((a0, b0), (a1, b1)), strict=True))
+    if pass_turn is not None:
+      pass_turn()
+    return products
+
+  def issue(accs):
+    scores(*accs)
+  return pl.run_state(issue)(tuple(plgpu.ACC.init(x) for x in starts))
 
 
 def _scores(shape, a, b, pass_turn=None):
@@ -259,9 +303,12 @@ def _probs_and_ds(s, dp, c: float, soft_cap, lse_b, delta_b, visible=None):
 
 
 def _probs(s, c: float, soft_cap, lse_b, visible=None):
-  """`_probs_and_ds`'s P, and the soft cap's tanh (None without one)."""
+  """`_probs_and_ds`'s P, and the soft cap's tanh (None without one). `lse_b`
+  None: `s` already holds ``s - lse2 / c`` (`_DkvKernel.stats_in_accumulators`)."""
   th = None
-  if soft_cap is None:
+  if lse_b is None:
+    z = s * c
+  elif soft_cap is None:
     z = s * c - lse_b()
   else:
     z, th = akc.soft_capped(s, c, soft_cap)
@@ -274,8 +321,9 @@ def _probs(s, c: float, soft_cap, lse_b, visible=None):
 
 
 def _ds(p, dp, th, delta_b):
-  """`_probs_and_ds`'s dS from P, dP and `_probs`' tanh."""
-  ds = p * (dp - delta_b())
+  """`_probs_and_ds`'s dS from P, dP and `_probs`' tanh. `delta_b` None: `dp`
+  already holds ``dP - delta``."""
+  ds = p * (dp if delta_b is None else dp - delta_b())
   if th is not None:
     ds = ds * (1.0 - th * th)  # d(cap tanh(x / cap)) / dx
   return ds
@@ -824,6 +872,13 @@ class _DkvKernel(_Shape):
       (p, th), dp = _scores_pair(shape, k_tile, r.q_smem.at[slot], r.do_full.at[slot],
                                  v_tile, r.do_smem.at[slot], between=probs)
       ds = _ds(p, dp, th, delta_b)
+    elif self.stats_in_accumulators:
+      # S^T from -lse2 / c, dP^T from -delta (`stats_in_accumulators`).
+      inits = lambda: (-lse_b() * (1 / self.c), -delta_b())
+      s, dp = _scores_pair(shape, k_tile, r.q_smem.at[slot], r.do_full.at[slot],
+                           v_tile, r.do_smem.at[slot], turn, inits=inits)
+      p, ds = _probs_and_ds(s, dp, self.c, None, None, None,
+                            visible if masked else None)
     else:
       if self.needs_dp:
         s, dp = _scores_pair(shape, k_tile, r.q_smem.at[slot], r.do_full.at[slot],
@@ -853,6 +908,11 @@ class _DkvKernel(_Shape):
       plgpu.barrier_arrive(r.ds_ready)
     if self.ping_pong:
       blk.pass_turn()
+    if self.dk_from_smem:
+      # After the turn: the partner arrives once it holds the turn.
+      plgpu.barrier_wait(r.ds_ready)
+      operands = tuple(_common.Staged(self.staged_ds(r, blk.wg, i)) if g == "dk"
+                       else x for g, x in zip(names, operands))
     if not self.needs_dp:
       plgpu.barrier_wait(r.do_full.at[slot])  # dO lands while P^T is computed
 
@@ -875,13 +935,32 @@ class _DkvKernel(_Shape):
     plgpu.barrier_arrive(r.free.at[slot])
     return carry
 
+  @property
+  def stats_in_accumulators(self) -> bool:
+    """`AttentionVjpConfig.stats_in_accumulators` where it applies: both
+    score products computed, P from the late path, no soft cap."""
+    return (self.config.stats_in_accumulators and self.needs_dp
+            and not self.early_probs and self.feat.soft_cap is None)
+
+  @property
+  def dk_from_smem(self) -> bool:
+    return self.fused and self.config.dk_from_smem
+
+  def staged_ds(self, r: _DkvRefs, wg, i):
+    """Consumer `wg`'s staged dS^T rows as step `i` sees them: offset by
+    `_common.loop_zero` in the tile index (`kv_tiles` says why)."""
+    rows = akc.WG_ROWS
+    wg = wg + _common.loop_zero(i)
+    return r.dst_smem.at[pl.ds(pl.multiple_of(wg * rows, rows), rows)]
+
   def dq_step(self, r: _DkvRefs, blk: _DkvBlock, i) -> None:
     """This consumer's half of step `i`'s dQ tile, ``(dS^T)^T K`` over both
     consumers' keys, staged for the producer. Issued after dK and dV's
     products: issued with them, the float32 operands still live, it spilled
     (notes/MEASUREMENTS.md session 34)."""
     rows, cols = self.dq_half(blk.wg)
-    plgpu.barrier_wait(r.ds_ready)
+    if not self.dk_from_smem:  # else waited for before dK's product
+      plgpu.barrier_wait(r.ds_ready)
     zeros = plgpu.layout_cast(jnp.zeros((akc.WG_ROWS, akc.WG_ROWS), jnp.float32),
                               plgpu.Layout.WGMMA)
     (half,) = _common.accumulate(
