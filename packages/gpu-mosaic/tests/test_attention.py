@@ -1057,6 +1057,8 @@ def test_backward_head_dim_256_configs():
                                                  dk_from_smem=True)),
     (128, 8, 2, 700, 640, mat.AttentionVjpConfig(64, 128, 2, ping_pong=True,
                                                  stats_in_accumulators=True)),
+    (64, 4, 4, 512, 512, mat.AttentionVjpConfig(128, 128, 2, fuse_dq=True,
+                                                stats_in_accumulators=True)),
     # H128's configs where the register split is lost (JAX >= 0.12): dK and dV
     # apart, 64-key dQ steps; in head groups and with ping-pong.
     (128, 4, 4, 512, 512, mat.AttentionVjpConfig(64, 64, 2, split_dkv=True)),
@@ -1701,10 +1703,14 @@ _SAVERS = dict(stats_in_accumulators=True)
     (1, 700, 450, 4, 2, 128, True, _SAVERS),
     (2, 512, 512, 4, 4, 128, False, dict(ping_pong=True, **_SAVERS)),
     (2, 1024, 1024, 4, 4, 64, True, _SAVERS),
+    # H64's one kernel at 24 key blocks a head (offline: 512 B spilled and
+    # serialized without).
+    (1, 3072, 3072, 4, 4, 64, False, dict(block_q=128, fuse_dq=True, **_SAVERS)),
 ])
 def test_backward_stats_in_accumulators(b, t, s, n, k, h, causal, config):
   # The dK/dV kernel's score products started from -lse2 / c and -delta.
-  config = mat.AttentionVjpConfig(64, 128, 2, **config)
+  config = mat.AttentionVjpConfig(**{"block_q": 64, "block_kv": 128, "num_stages": 2,
+                                     **config})
   _check_backward_config(b, t, s, n, k, h, causal, config)
 
 

@@ -257,23 +257,27 @@ def test_attention_backward_fuse_dq_without_causal(h, n, k, t, s, block_q, rings
 _SAVERS = dict(stats_in_accumulators=True)
 
 
-@pytest.mark.parametrize("causal,config,n,t,s,features", [
+@pytest.mark.parametrize("causal,config,n,t,s,h,features", [
     # The one-kernel backward, MHA H128, T and S off the tile: causal, with dK
     # from the staged dS^T too; without causal in two rings, ping-pong.
     (True, mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True, dk_from_smem=True, **_SAVERS),
-     2, 300, 330, False),
+     2, 300, 330, 128, False),
     (False, mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True, key_rings=2, ping_pong=True,
-                                   dk_from_smem=True, **_SAVERS), 2, 512, 512, False),
+                                   dk_from_smem=True, **_SAVERS), 2, 512, 512, 128, False),
+    # H64's 128-row steps, P from the first product while the second runs.
+    (False, mat.AttentionVjpConfig(128, 128, 2, fuse_dq=True, **_SAVERS), 2, 384, 384, 64,
+     False),
     # The two kernels, GQA, with a window, segments and key lengths.
-    (True, mat.AttentionVjpConfig(64, 128, 2, **_SAVERS), 4, 200, 230, True),
-], ids=["fused-causal", "fused-rings-ping-pong", "two-kernels-gqa-features"])
-def test_attention_backward_register_savers(causal, config, n, t, s, features):
+    (True, mat.AttentionVjpConfig(64, 128, 2, **_SAVERS), 4, 200, 230, 128, True),
+], ids=["fused-causal", "fused-rings-ping-pong", "fused-h64-early-probs",
+        "two-kernels-gqa-features"])
+def test_attention_backward_register_savers(causal, config, n, t, s, h, features):
   """The dK/dV kernel with its score products started from -lse2 / c and
   -delta (`stats_in_accumulators`) and, one kernel, dK's product reading the
   staged dS^T (`dk_from_smem`), against the XLA reference's VJP."""
   k = 1 if n > 2 else n
-  q, key, v = (_normal((2, t, n, 128), jnp.bfloat16), _normal((2, s, k, 128), jnp.bfloat16),
-               _normal((2, s, k, 128), jnp.bfloat16))
+  q, key, v = (_normal((2, t, n, h), jnp.bfloat16), _normal((2, s, k, h), jnp.bfloat16),
+               _normal((2, s, k, h), jnp.bfloat16))
   kw = {}
   if features:
     q_ids = jnp.asarray([[1] * 100 + [2] * 100, [1] * 30 + [2] * 170], jnp.int32)

@@ -156,12 +156,13 @@ class AttentionVjpConfig:
   # that P = exp2(c S^T) and dS^T = P dP^T need no broadcast lse2 and delta
   # tiles in registers beside the accumulators (16 registers a consumer
   # thread each at 64-row steps). The first product then waits for dO and
-  # delta as well as Q and lse. Where both products run and P follows both
-  # (not `early_probs`, H64), without a soft cap (its tanh needs the raw
-  # scores). Offline (`tools/sm90_compile.py`), the one-kernel backward at
-  # MHA H128 compiles clean with it at one batch row, causal and in
-  # `key_rings` launches, where it spills 56 B and serializes its wgmmas
-  # without (notes/MEASUREMENTS.md, session 79). Opt-in: not yet run natively.
+  # delta as well as Q and lse. Where both products run, without a soft cap
+  # (its tanh needs the raw scores). Offline (`tools/sm90_compile.py`), the
+  # one-kernel backward compiles clean with it at MHA H128 at one batch row,
+  # causal and in `key_rings` launches (56 B spilled and the wgmmas
+  # serialized without), and at MHA H64 without causal at 24 and 96 key
+  # blocks (512 B and serialized without; notes/MEASUREMENTS.md, session 79).
+  # Opt-in: not yet run natively.
   stats_in_accumulators: bool = False
   # With fuse_dq: dK's product reads the step's dS^T from the rows staged in
   # shared memory for the dQ product (FlashAttention-3's operand), not from
@@ -261,20 +262,28 @@ def _scores_pair(shape, a0, b0, second_full, a1, b1, pass_turn=None, between=Non
   if inits is None:
     return pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32),
                          plgpu.ACC(shape, jnp.float32))
-  if between is not None:
-    raise NotImplementedError("`between` of products with `inits`")
   plgpu.barrier_wait(second_full)
   starts = inits()
   if _common.interpreting():  # no run_state there
-    products = tuple(x + jnp.dot(a[...], b[...].T, preferred_element_type=jnp.float32)
+    first, second = (x + jnp.dot(a[...], b[...].T, preferred_element_type=jnp.float32)
                      for x, (a, b) in zip(starts, ((a0, b0), (a1, b1)), strict=True))
     if pass_turn is not None:
       pass_turn()
-    return products
+    return (first if between is None else between(first)), second
 
-  def issue(accs):
-    scores(*accs)
-  return pl.run_state(issue)(tuple(plgpu.ACC.init(x) for x in starts))
+  def issue(refs):
+    s_acc, dp_acc, *early = refs
+    plgpu.wgmma(s_acc, a0, b0.T)
+    plgpu.wgmma(dp_acc, a1, b1.T)
+    if pass_turn is not None:
+      pass_turn()
+    if between is not None:  # out through a plain ref: a run_state returns its refs
+      early[0][...] = between(plgpu.wgmma_accumulator_load(s_acc, wait_n=1))
+  refs = tuple(plgpu.ACC.init(x) for x in starts)
+  if between is not None:
+    refs += (jnp.zeros(shape, jnp.float32),)
+  first, second, *early = pl.run_state(issue)(refs)
+  return (first if between is None else early[0]), second
 
 
 def _scores(shape, a, b, pass_turn=None):
@@ -866,19 +875,22 @@ class _DkvKernel(_Shape):
                                                  shape))
 
     turn = blk.pass_turn if self.ping_pong else None
-    if self.needs_dp and self.early_probs:
+    if self.stats_in_accumulators:
+      # S^T from -lse2 / c, dP^T from -delta (`stats_in_accumulators`); P
+      # early or after both products, as below.
+      inits = lambda: (-lse_b() * (1 / self.c), -delta_b())
+      probs = lambda s: _probs(s, self.c, None, None, visible if masked else None)[0]
+      first, dp = _scores_pair(shape, k_tile, r.q_smem.at[slot], r.do_full.at[slot],
+                               v_tile, r.do_smem.at[slot], turn, inits=inits,
+                               between=probs if self.early_probs else None)
+      p = first if self.early_probs else probs(first)
+      ds = _ds(p, dp, None, None)
+    elif self.needs_dp and self.early_probs:
       probs = lambda s: _probs(s, self.c, self.feat.soft_cap, lse_b,
                                visible if masked else None)
       (p, th), dp = _scores_pair(shape, k_tile, r.q_smem.at[slot], r.do_full.at[slot],
                                  v_tile, r.do_smem.at[slot], between=probs)
       ds = _ds(p, dp, th, delta_b)
-    elif self.stats_in_accumulators:
-      # S^T from -lse2 / c, dP^T from -delta (`stats_in_accumulators`).
-      inits = lambda: (-lse_b() * (1 / self.c), -delta_b())
-      s, dp = _scores_pair(shape, k_tile, r.q_smem.at[slot], r.do_full.at[slot],
-                           v_tile, r.do_smem.at[slot], turn, inits=inits)
-      p, ds = _probs_and_ds(s, dp, self.c, None, None, None,
-                            visible if masked else None)
     else:
       if self.needs_dp:
         s, dp = _scores_pair(shape, k_tile, r.q_smem.at[slot], r.do_full.at[slot],
@@ -938,9 +950,9 @@ class _DkvKernel(_Shape):
   @property
   def stats_in_accumulators(self) -> bool:
     """`AttentionVjpConfig.stats_in_accumulators` where it applies: both
-    score products computed, P from the late path, no soft cap."""
+    score products computed, no soft cap."""
     return (self.config.stats_in_accumulators and self.needs_dp
-            and not self.early_probs and self.feat.soft_cap is None)
+            and self.feat.soft_cap is None)
 
   @property
   def dk_from_smem(self) -> bool:
