@@ -250,8 +250,7 @@ def _scores_pair(shape, a0, b0, second_full, a1, b1, pass_turn=None, between=Non
 
   def scores(s_acc, dp_acc):
     plgpu.wgmma(s_acc, a0, b0.T)
-    if inits is None:
-      plgpu.barrier_wait(second_full)
+    plgpu.barrier_wait(second_full)
     plgpu.wgmma(dp_acc, a1, b1.T)
     if pass_turn is not None:
       pass_turn()
@@ -262,6 +261,8 @@ def _scores_pair(shape, a0, b0, second_full, a1, b1, pass_turn=None, between=Non
   if inits is None:
     return pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32),
                          plgpu.ACC(shape, jnp.float32))
+
+  # From `inits`: the accumulators are initialized, so `run_state`.
   plgpu.barrier_wait(second_full)
   starts = inits()
   if _common.interpreting():  # no run_state there
