@@ -1698,8 +1698,8 @@ _SAVERS = dict(stats_in_accumulators=True)
     (2, 1024, 1024, 4, 4, 128, False, dict(fuse_dq=True, ping_pong=True,
                                            dk_from_smem=True, **_SAVERS)),
     (1, 2048, 2048, 8, 2, 128, True, dict(fuse_dq=True, dk_from_smem=True, **_SAVERS)),
-    # The two kernels: GQA, padded T and S, ping-pong; H64 (its early P keeps
-    # the plain products).
+    # The two kernels: GQA, padded T and S, ping-pong; H64 (P from the first
+    # product while the second runs).
     (1, 700, 450, 4, 2, 128, True, _SAVERS),
     (2, 512, 512, 4, 4, 128, False, dict(ping_pong=True, **_SAVERS)),
     (2, 1024, 1024, 4, 4, 64, True, _SAVERS),
