@@ -587,6 +587,11 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   kernel's wgmmas (C7512, T1024-T16384, `tools/sm90_compile.py --call`; clean
   from B2, session 75), and the two kernels ran 1.27x faster forward+backward
   at B1 T4096 N16 and 1.16x at B1 T16384 (session 76, item 1): not taken there.
+  From two batch rows it spills too, 140 B with its wgmmas serialized, at
+  counts of key blocks from 98 that are no power of two (B2 T12544-T25600;
+  clean at T16384, T32768 and up to 96 blocks; offline, session 79): still
+  taken there until measured (the grid's B2 T15000 backward, spilled: 8.744
+  ms against cuDNN's 8.260; `stats_in_accumulators` compiles it clean).
   """
   q, k = args.query, args.key
   h, mha = q.shape[-1], q.shape[2] == k.shape[2]
