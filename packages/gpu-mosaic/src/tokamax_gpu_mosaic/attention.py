@@ -577,8 +577,8 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   batch rows, where it ran spilled: offline (session 79) the kernel spills
   56 B and serializes its wgmmas at B2 T9216-T15616 and B8 T3072, clean at
   B1 and B4 T7168 (`AttentionVjpConfig.stats_in_accumulators` compiles all of
-  them clean; not yet measured). Under MHA H64 and GQA H128: MHA H64 at T3072 and
-  T12288 spilled 512 B and serialized the wgmmas (offline,
+  them clean; not yet measured). Under MHA H64 and GQA H128: MHA H64 at T3072
+  and T12288 spilled 512 B and serialized the wgmmas (offline,
   `tools/sm90_compile.py`), and ran 0.87x the two kernels at B1 T12288 (1.01x
   at B4 T3072, session 77); GQA H128 compiles clean now but ran 0.865x the two
   kernels at B1 T6144 (session 75; 0.89x in session 77).
