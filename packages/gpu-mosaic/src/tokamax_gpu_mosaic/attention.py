@@ -590,8 +590,9 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   From two batch rows it spills too, 140 B with its wgmmas serialized, at
   counts of key blocks from 98 that are no power of two (B2 T12544-T25600;
   clean at T16384, T32768 and up to 96 blocks; offline, session 79): still
-  taken there until measured (the grid's B2 T15000 backward, spilled: 8.744
-  ms against cuDNN's 8.260; `stats_in_accumulators` compiles it clean).
+  taken there until measured (the grid's B2 T15000 backward, the same config
+  timed on session 58's code: 8.744 ms against cuDNN's 8.260;
+  `stats_in_accumulators` compiles it clean).
   """
   q, k = args.query, args.key
   h, mha = q.shape[-1], q.shape[2] == k.shape[2]
