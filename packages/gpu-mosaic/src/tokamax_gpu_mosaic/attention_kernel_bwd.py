@@ -1723,16 +1723,19 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
   # Rows past T and S: TMA's zeros (padding only where it needs it), as padding.
   qp, dop = (_common.pad_rows_for_tma(x, 1, akc.CTA_ROWS) for x in (q, dout))
   kp, vp = (_common.pad_rows_for_tma(x, 1, KEY_ROWS) for x in (k, v))
-  def dkv(grads, ring=0):
+  def dkv(grads):
     return flash_dkv(qp, kp, vp, dop, lse2, delta,
                      *extras_dkv.get(config.pass_block_q(grads), ()), scale=scale,
-                     causal=causal, config=config, feat=feat, grads=grads, ring=ring)
+                     causal=causal, config=config, feat=feat, grads=grads)
   if config.split_dkv:
     (dv,), (dk,) = dkv(("dv",)), dkv(("dk",))
   elif config.fuse_dq:
     if config.key_rings > 1:
-      dk, dv, dq = fused_rings(lambda ring: dkv(("dk", "dv"), ring), config.key_rings,
-                               b, kp.shape[1])
+      # (No extras: the one-kernel backward takes no dynamic features.)
+      dk, dv, dq = fused_rings(
+          lambda ring: flash_dkv(qp, kp, vp, dop, lse2, delta, scale=scale,
+                                 causal=causal, config=config, feat=feat, ring=ring),
+          config.key_rings, b, kp.shape[1])
     else:
       dk, dv, dq = dkv(("dk", "dv"))
     dq = (dq * scale).astype(dtype)
