@@ -181,6 +181,34 @@ def test_sm90_compile_sass_counts_fresh_accumulators_and_zeroings():
   assert sm90_compile.sass_counts(sass) == {"wgmma": 3, "fresh": 1, "zeroings": 2}
 
 
+def _sm90_args(*argv):
+  parser = sm90_compile.make_parser()
+  return parser, parser.parse_args([*argv, "--out", "unused"])
+
+
+def test_sm90_compile_random_draws_none_checks_calls():
+  parser, args = _sm90_args("--op", "dot_product_attention", "--random", "3", "--seed", "5")
+  drawn = sm90_compile.chosen_problems(parser, args)
+  expected = none_check.random_problems("dot_product_attention", 3, 5)
+  assert [p.name for p in drawn] == [p.name for p in expected]
+  assert len({p.name for p in drawn}) > 1  # three draws, not one call thrice
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("--op", "dot_product_attention", "--random", "2", "--call", "1,1024,2,2,64"),
+     "--call and --random"),
+    (("--op", "dot_product_attention", "--op", "ragged_dot", "--random", "2"),
+     "--random takes one --op"),
+    (("--op", "dot_product_attention", "--random", "2", "--grid"),
+     "no --shape or --grid beside it"),
+])
+def test_sm90_compile_random_refuses_other_selections(argv, message, capsys):
+  parser, args = _sm90_args(*argv)
+  with pytest.raises(SystemExit):
+    sm90_compile.chosen_problems(parser, args)
+  assert message in capsys.readouterr().err
+
+
 def _env_builders(variable: str):
   """`tune.ab` builders whose traced function reads `variable` (a code change
   behind a switch): doubled where it is "1"."""

@@ -4,7 +4,7 @@ every kernel can be read without device time.
 
     python tools/sm90_compile.py --op ragged_dot --implementation mosaic_gpu \
         --shape 'fp8 1x128/128x128 K-major' --direction forward \
-        [--ab block_n=128 --ab num_stages=3] [--grid | --call SIZES] \
+        [--ab block_n=128 --ab num_stages=3] [--grid | --call SIZES | --random COUNT --seed S] \
         [--fail-on-serialized] --out DIR
 
 The problems are tools/tune.py's (`--shape` a regular expression over the
@@ -36,7 +36,9 @@ none): at the grid's shapes (``--grid
 --implementation mosaic_gpu``, about 25 minutes on a 2-core machine) none is
 since session 75; the grid has no batch of one row, where kernels compile
 otherwise: ``--call 1,4096,16,16,128,causal`` (tools/tune.py's form) takes
-such calls. (Each kernel also logs "nvdisasm invocation failed" to stderr:
+such calls. Off the grid they do serialize: ``--random 40 --seed 1`` draws
+calls as tools/none_check.py does, and without ``--implementation`` compiles
+what `None` runs there (notes/MEASUREMENTS.md, session 80). (Each kernel also logs "nvdisasm invocation failed" to stderr:
 Mosaic GPU looks for nvdisasm under the CUDA root; harmless.)
 """
 
@@ -200,7 +202,7 @@ def compile_problem(problem, implementation: str, direction: str, fields: dict,
   return lines or [NO_KERNEL]
 
 
-def main():
+def make_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--op", action="append", default=[], required=True)
   parser.add_argument("--implementation", default=None,
@@ -211,6 +213,12 @@ def main():
                       help="a call off the suites instead (repeatable), as tools/tune.py "
                            "takes it, e.g. 1,4096,16,16,128,causal (one batch row: "
                            "the grid has none, and there kernels compiled otherwise)")
+  parser.add_argument("--random", type=tune.none_check.positive_int, metavar="COUNT",
+                      help="instead of the suites, COUNT calls of the one --op drawn "
+                           "with --seed as tools/none_check.py --random draws them "
+                           "(sizes an outside checker might pick; with "
+                           "--implementation left out, the kernels `None` runs there)")
+  parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--direction", choices=("forward", "forward+backward"),
                       action="append")
   parser.add_argument("--ab", action="append", default=[], type=tune._field_value,  # pylint: disable=protected-access
@@ -228,6 +236,11 @@ def main():
   parser.add_argument("--nvdisasm", default=shutil.which("nvdisasm"),
                       help="with --sass: nvdisasm (default: on PATH; the "
                            "nvidia-cuda-nvdisasm wheel has one)")
+  return parser
+
+
+def main():
+  parser = make_parser()
   args = parser.parse_args()
   tools = None
   if args.sass:
@@ -235,11 +248,7 @@ def main():
       parser.error(f"--sass needs ptxas and nvdisasm; got --ptxas {args.ptxas}, "
                    f"--nvdisasm {args.nvdisasm}")
     tools = (args.ptxas, args.nvdisasm)
-  if args.call:
-    problems = tune.call_problems(parser, args.op, args.call, args.shape or args.grid)
-  else:
-    suite = bench_suite.grid_suite() if args.grid else bench_suite.reference_suite()
-    problems = tune.select_problems(parser, suite, args.op, args.shape)
+  problems = chosen_problems(parser, args)
   sharding = cuda_sharding()
   bad = []
   for problem in problems:
@@ -255,6 +264,24 @@ def main():
       bad += [f"{name}:{line}" for line in lines if is_bad(line)]
   if args.fail_on_serialized and bad:
     raise SystemExit("serialized wgmmas or failed compiles:\n" + "\n".join(bad))
+
+
+def chosen_problems(parser, args) -> list:
+  """The problems of `args`: `--call`'s, `--random`'s draws, else the suite's
+  (`--grid`'s or the reference shapes) selected by `--shape`."""
+  if args.call and args.random:
+    parser.error("--call and --random: give one of them")
+  if args.call:
+    return tune.call_problems(parser, args.op, args.call, args.shape or args.grid)
+  if args.random:
+    if len(args.op) != 1 or args.op[0] not in tune.none_check.OPS:
+      parser.error(f"--random takes one --op of {sorted(tune.none_check.OPS)}; "
+                   f"got {args.op}")
+    if args.shape or args.grid:
+      parser.error("--random draws its calls: no --shape or --grid beside it")
+    return tune.none_check.random_problems(args.op[0], args.random, args.seed)
+  suite = bench_suite.grid_suite() if args.grid else bench_suite.reference_suite()
+  return tune.select_problems(parser, suite, args.op, args.shape)
 
 
 def is_bad(summary_line: str) -> bool:

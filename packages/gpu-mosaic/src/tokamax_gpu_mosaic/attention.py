@@ -587,12 +587,16 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   kernel's wgmmas (C7512, T1024-T16384, `tools/sm90_compile.py --call`; clean
   from B2, session 75), and the two kernels ran 1.27x faster forward+backward
   at B1 T4096 N16 and 1.16x at B1 T16384 (session 76, item 1): not taken there.
-  From two batch rows it spills too, 140 B with its wgmmas serialized, at
-  counts of key blocks from 98 that are no power of two (B2 T12544-T25600;
-  clean at T16384, T32768 and up to 96 blocks; offline, session 79): still
-  taken there until measured (the grid's B2 T15000 backward, the same config
-  timed on session 58's code: 8.744 ms against cuDNN's 8.260;
-  `stats_in_accumulators` compiles it clean).
+  From two batch rows it spills too, 56-140 B with its wgmmas serialized, at
+  30 of 96 calls of B2-B16 N8-N32 T1000-T12000 (B6 T1024, B8 T1536, B12
+  T3072, B16 T6000, B8 N32 T5000, B4 N8 T2048 among them; clean at the
+  bench's and most grid points; offline, session 80), and at B2 from 98 key
+  blocks that are no power of two (T12544-T25600, session 79); which calls
+  follows no rule of their sizes (ptxas at the 240-register limit). Still
+  taken there until measured: `None` runs it at such calls, and the grid's
+  B2 T15000 backward, the same config timed on session 58's code, ran 8.744
+  ms against cuDNN's 8.260. With `stats_in_accumulators` it compiles clean at
+  all of them; the two kernels spill 12-32 B there, without serializing.
   """
   q, k = args.query, args.key
   h, mha = q.shape[-1], q.shape[2] == k.shape[2]

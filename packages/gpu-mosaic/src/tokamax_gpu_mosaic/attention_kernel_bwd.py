@@ -160,9 +160,11 @@ class AttentionVjpConfig:
   # (its tanh needs the raw scores). Offline (`tools/sm90_compile.py`), the
   # one-kernel backward compiles clean with it at MHA H128 at one batch row,
   # causal and in `key_rings` launches (56 B spilled and the wgmmas
-  # serialized without), and at MHA H64 without causal at 24 and 96 key
-  # blocks (512 B and serialized without; notes/MEASUREMENTS.md, session 79).
-  # Opt-in: not yet run natively.
+  # serialized without), at MHA H64 without causal at 24 and 96 key blocks
+  # (512 B and serialized without; notes/MEASUREMENTS.md, session 79), and at
+  # the heuristic's causal MHA H128 calls from two batch rows where it spills
+  # 56-140 B and serializes (30 of 96 calls tried, session 80). Opt-in: not
+  # yet run natively.
   stats_in_accumulators: bool = False
   # With fuse_dq: dK's product reads the step's dS^T from the rows staged in
   # shared memory for the dQ product (FlashAttention-3's operand), not from
