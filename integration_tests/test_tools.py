@@ -209,6 +209,17 @@ def test_sm90_compile_random_refuses_other_selections(argv, message, capsys):
   assert message in capsys.readouterr().err
 
 
+def test_sm90_compile_a_triton_pick_is_no_failure():
+  # Pallas' Triton lowering without a GPU (dispatch picked a Triton kernel).
+  triton = RuntimeError("No supported GPU devices found, please specify an "
+                        "abstract GPU device using AbstractDevice.")
+  assert sm90_compile.failure_line(triton) == sm90_compile.TRITON_KERNEL
+  assert not sm90_compile.is_bad(sm90_compile.failure_line(triton))
+  other = sm90_compile.failure_line(ValueError("bad tile"))
+  assert other.startswith("  failed: ValueError: bad tile")
+  assert sm90_compile.is_bad(other)
+
+
 def _env_builders(variable: str):
   """`tune.ab` builders whose traced function reads `variable` (a code change
   behind a switch): doubled where it is "1"."""
