@@ -4,7 +4,8 @@ every kernel can be read without device time.
 
     python tools/sm90_compile.py --op ragged_dot --implementation mosaic_gpu \
         --shape 'fp8 1x128/128x128 K-major' --direction forward \
-        [--ab block_n=128 --ab num_stages=3] [--grid | --call SIZES | --random COUNT --seed S] \
+        [--ab block_n=128 --ab num_stages=3] \
+        [--grid | --call SIZES | --random COUNT --seed S] \
         [--fail-on-serialized] --out DIR
 
 The problems are tools/tune.py's (`--shape` a regular expression over the
@@ -36,10 +37,12 @@ none): at the grid's shapes (``--grid
 --implementation mosaic_gpu``, about 25 minutes on a 2-core machine) none is
 since session 75; the grid has no batch of one row, where kernels compile
 otherwise: ``--call 1,4096,16,16,128,causal`` (tools/tune.py's form) takes
-such calls. Off the grid they do serialize: ``--random 40 --seed 1`` draws
-calls as tools/none_check.py does, and without ``--implementation`` compiles
-what `None` runs there (notes/MEASUREMENTS.md, session 80). (Each kernel also logs "nvdisasm invocation failed" to stderr:
-Mosaic GPU looks for nvdisasm under the CUDA root; harmless.)
+such calls. Off the grid some serialize (the one-kernel attention backward
+at a third of the B2-B16 calls tried, notes/MEASUREMENTS.md session 80);
+``--random COUNT --seed S`` draws calls as tools/none_check.py does, and
+without ``--implementation`` compiles what `None` runs there. (Each kernel
+also logs "nvdisasm invocation failed" to stderr: Mosaic GPU looks for
+nvdisasm under the CUDA root; harmless.)
 """
 
 from __future__ import annotations
