@@ -551,52 +551,44 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   """Whether the backward heuristic takes the one-kernel backward (`fuse_dq`):
   where it measured faster than the two kernels and the kernel takes the call.
 
-  H200, tools/tune.py --ab fuse_dq=True against the two kernels, forward+
-  backward. Causal (notes/MEASUREMENTS.md, session 50): MHA H128 1.016-1.039x
-  (B4 T4096 N16 bf16 and f16; the grid's B32 T1024, B8 T4096 and B2 T16384
-  N16); GQA (N32 K8) 0.85x at B2 T8192 (0.64-0.79x at the bench and grid
-  shapes without Pallas' store barriers, which it keeps: `_DkvKernel`), a
-  block's dQ additions for its several query heads leaving a tail; H64 MHA
-  0.98-1.05x (session 56), so not taken. Without causal (each key block from its
-  diagonal query tile, wrapping around; session 56, every grid shape of
-  T1024-T16384 and the bench rows): H128 MHA 1.043-1.113x, H128 GQA (N32 K8)
-  1.040-1.083x, H64 MHA 1.074-1.128x; H64 GQA 0.84-0.88x, not taken. (At one
-  batch row, off those shapes, the GQA kernel had its wgmmas serialized until
-  session 75: 1.40x faster since at B1 T4096, `_DkvKernel.rotated_group_steps`.)
-  All of those have a power of two of key blocks, whose heads' blocks fill
-  128 of the 132 SMs (without causal every key block of a head is resident at
-  once). At other counts it is taken nowhere. Under MHA H128 (clean since
-  session 77), one kernel's time over the two kernels' (session 78, N16
-  unless said): B1 T10240 (80 blocks a head, one head a wave) 6.000 / 5.270
-  ms = 1.139, B2 T10240 1.345, B1 N32 T10240 1.131, B1 T9216 1.062, B2 T9216
-  1.248, T11264 1.123, T12288 1.068, T13312 1.032, T5120 1.021, B8 T3072
-  1.111; it won by at most 6.5% (B1 T15616 0.935, B1 N32 T15616 0.943, B4
-  T3072 0.971, B4 T7168 0.984, B1 T14336 0.985, B1 T7168 0.990, B2 T6144
-  0.999) and lost at two batch rows where it had won at one (B2 T15616 1.092,
-  B2 T14336 1.177): worst where whole heads fill the SMs worst, and at more
-  batch rows, where it ran spilled: offline (session 79) the kernel spills
-  56 B and serializes its wgmmas at B2 T9216-T15616 and B8 T3072, clean at
-  B1 and B4 T7168 (`AttentionVjpConfig.stats_in_accumulators` compiles all of
-  them clean; not yet measured). Under MHA H64 and GQA H128: MHA H64 at T3072
-  and T12288 spilled 512 B and serialized the wgmmas (offline,
-  `tools/sm90_compile.py`), and ran 0.87x the two kernels at B1 T12288 (1.01x
-  at B4 T3072, session 77); GQA H128 compiles clean now but ran 0.865x the two
-  kernels at B1 T6144 (session 75; 0.89x in session 77).
+  The rule: causal, MHA H128 from two batch rows; without causal, H128 (MHA
+  or GQA) and MHA H64 at a power of two of 128-key blocks. Measured on the
+  H200 (`tools/tune.py --ab fuse_dq=...`, forward+backward, the one kernel
+  against the two; notes/MEASUREMENTS.md, the sessions named):
 
-  Causal MHA H128 at one batch row: ptxas spills 56 B and serializes the
-  kernel's wgmmas (C7512, T1024-T16384, `tools/sm90_compile.py --call`; clean
-  from B2, session 75), and the two kernels ran 1.27x faster forward+backward
-  at B1 T4096 N16 and 1.16x at B1 T16384 (session 76, item 1): not taken there.
-  From two batch rows it spills too, 56-140 B with its wgmmas serialized, at
-  30 of 96 calls of B2-B16 N8-N32 T1000-T12000 (B6 T1024, B8 T1536, B12
-  T3072, B16 T6000, B8 N32 T5000, B4 N8 T2048 among them; clean at the
-  bench's and most grid points; offline, session 80), and at B2 from 98 key
-  blocks that are no power of two (T12544-T25600, session 79); which calls
-  follows no rule of their sizes (ptxas at the 240-register limit). Still
-  taken there until measured: `None` runs it at such calls, and the grid's
-  B2 T15000 backward, the same config timed on session 58's code, ran 8.744
-  ms against cuDNN's 8.260. With `stats_in_accumulators` it compiles clean at
-  all of them; the two kernels spill 12-32 B there, without serializing.
+  - Causal MHA H128 from B2: 1.016-1.039x faster (session 50: B4 T4096 N16
+    bf16 and f16, the grid's B32 T1024, B8 T4096, B2 T16384).
+  - Causal MHA H128 at one batch row: ptxas spills 56 B and serializes the
+    kernel's wgmmas (C7512, T1024-T16384; session 75), and the two kernels
+    ran 1.27x faster at B1 T4096 N16, 1.16x at T16384 (session 76).
+  - Causal GQA (N32 K8) 0.85x the two kernels' speed at B2 T8192 (a
+    block's dQ additions for its several query heads leave a tail); causal
+    H64 MHA 0.98-1.05x (session 56): not taken.
+  - Without causal, at powers of two of key blocks, whose heads' blocks fill
+    128 of the 132 SMs (every key block of a head is resident at once):
+    H128 MHA 1.043-1.113x faster, H128 GQA 1.040-1.083x, H64 MHA
+    1.074-1.128x; H64 GQA 0.84-0.88x, not taken (session 56).
+  - Without causal at other counts, MHA H128 (session 78, N16 unless said):
+    lost where whole heads pack the SMs badly, B1 T10240 (80 blocks a head,
+    one head a wave) 6.000 against 5.270 ms, 1.139x the two kernels' time,
+    B1 N32 T10240 1.131, T11264 1.123, T12288 1.068; won by at most 6.5% (B1
+    T15616 0.935, B4 T3072 0.971). Its two-batch-row losses there (B2 T10240
+    1.345, B2 T15616 1.092, B8 T3072 1.111) ran spilled (56 B, serialized;
+    offline, session 79). MHA H64 spilled 512 B serialized at T3072 and
+    T12288 and ran at 0.87x the two kernels' speed at B1 T12288; GQA H128
+    at 0.865-0.89x at B1 T6144 (sessions 75, 77).
+
+  Known and not yet measured: from two batch rows the causal one kernel too
+  spills 56-140 B with its wgmmas serialized, at 30 of 96 calls of B2-B16
+  N8-N32 T1000-T12000 (B6 T1024, B8 T1536, B12 T3072, B16 T6000, B8 N32
+  T5000, B4 N8 T2048 among them; clean at the bench's and most grid points;
+  offline, session 80) and at B2 from 98 key blocks that are no power of two
+  (T12544-T25600, session 79). Which calls follows no rule of their sizes
+  (ptxas at the 240-register limit), and `None` runs the kernel at such
+  calls; at the grid's B2 T15000 the same config (on session 58's code) ran
+  8.744 ms against cuDNN's 8.260. With
+  `AttentionVjpConfig.stats_in_accumulators` it compiles clean at all of
+  them; the two kernels spill 12-32 B there, without serializing.
   """
   q, k = args.query, args.key
   h, mha = q.shape[-1], q.shape[2] == k.shape[2]
