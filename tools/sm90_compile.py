@@ -68,6 +68,7 @@ import jax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import none_check  # noqa: E402  (tools/none_check.py: its random draws)
 import ptxas_registers  # noqa: E402
 import tune  # noqa: E402  (tools/tune.py: problems and config replacement)
 
@@ -221,7 +222,7 @@ def make_parser() -> argparse.ArgumentParser:
                       help="a call off the suites instead (repeatable), as tools/tune.py "
                            "takes it, e.g. 1,4096,16,16,128,causal (one batch row: "
                            "the grid has none, and there kernels compiled otherwise)")
-  parser.add_argument("--random", type=tune.none_check.positive_int, metavar="COUNT",
+  parser.add_argument("--random", type=none_check.positive_int, metavar="COUNT",
                       help="instead of the suites, COUNT calls of the one --op drawn "
                            "with --seed as tools/none_check.py --random draws them "
                            "(sizes an outside checker might pick; with "
@@ -282,12 +283,12 @@ def chosen_problems(parser, args) -> list:
   if args.call:
     return tune.call_problems(parser, args.op, args.call, args.shape or args.grid)
   if args.random:
-    if len(args.op) != 1 or args.op[0] not in tune.none_check.OPS:
-      parser.error(f"--random takes one --op of {sorted(tune.none_check.OPS)}; "
+    if len(args.op) != 1 or args.op[0] not in none_check.OPS:
+      parser.error(f"--random takes one --op of {sorted(none_check.OPS)}; "
                    f"got {args.op}")
     if args.shape or args.grid:
       parser.error("--random draws its calls: no --shape or --grid beside it")
-    return tune.none_check.random_problems(args.op[0], args.random, args.seed)
+    return none_check.random_problems(args.op[0], args.random, args.seed)
   suite = bench_suite.grid_suite() if args.grid else bench_suite.reference_suite()
   return tune.select_problems(parser, suite, args.op, args.shape)
 

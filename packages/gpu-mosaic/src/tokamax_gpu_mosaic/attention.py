@@ -571,8 +571,8 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   - Without causal at other counts, MHA H128 (session 78, N16 unless said):
     lost where whole heads pack the SMs badly, B1 T10240 (80 blocks a head,
     one head a wave) 6.000 against 5.270 ms, 1.139x the two kernels' time,
-    B1 N32 T10240 1.131, T11264 1.123, T12288 1.068; won by at most 6.5% (B1
-    T15616 0.935, B4 T3072 0.971). Its two-batch-row losses there (B2 T10240
+    B1 N32 T10240 1.131, B1 T11264 1.123, B1 T12288 1.068; won by at most
+    6.5% (B1 T15616 0.935, B4 T3072 0.971). Its two-batch-row losses there (B2 T10240
     1.345, B2 T15616 1.092, B8 T3072 1.111) ran spilled (56 B, serialized;
     offline, session 79). MHA H64 spilled 512 B serialized at T3072 and
     T12288 and ran at 0.87x the two kernels' speed at B1 T12288; GQA H128
