@@ -1706,6 +1706,11 @@ _SAVERS = dict(stats_in_accumulators=True)
     # H64's one kernel at 24 key blocks a head (offline: 512 B spilled and
     # serialized without).
     (1, 3072, 3072, 4, 4, 64, False, dict(block_q=128, fuse_dq=True, **_SAVERS)),
+    # The one kernel's default (the statistics) at a length and batch where
+    # the plain products spill and serialize (B8 T1000 N16, offline), and its
+    # plain products (opted out).
+    (8, 1000, 1000, 4, 4, 128, True, dict(fuse_dq=True)),
+    (2, 1000, 1000, 4, 4, 128, True, dict(fuse_dq=True, stats_in_accumulators=False)),
 ])
 def test_backward_stats_in_accumulators(b, t, s, n, k, h, causal, config):
   # The dK/dV kernel's score products started from -lse2 / c and -delta.

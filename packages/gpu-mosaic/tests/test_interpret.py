@@ -269,12 +269,16 @@ _SAVERS = dict(stats_in_accumulators=True)
      False),
     # The two kernels, GQA, with a window, segments and key lengths.
     (True, mat.AttentionVjpConfig(64, 128, 2, **_SAVERS), 4, 200, 230, 128, True),
+    # The one kernel from zero (the statistics are its default).
+    (True, mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True, stats_in_accumulators=False),
+     2, 300, 330, 128, False),
 ], ids=["fused-causal", "fused-rings-ping-pong", "fused-h64-early-probs",
-        "two-kernels-gqa-features"])
+        "two-kernels-gqa-features", "fused-plain-products"])
 def test_attention_backward_register_savers(causal, config, n, t, s, h, features):
   """The dK/dV kernel with its score products started from -lse2 / c and
-  -delta (`stats_in_accumulators`) and, one kernel, dK's product reading the
-  staged dS^T (`dk_from_smem`), against the XLA reference's VJP."""
+  -delta (`stats_in_accumulators`; and once from zero, where the one kernel
+  takes them by default) and, one kernel, dK's product reading the staged dS^T
+  (`dk_from_smem`), against the XLA reference's VJP."""
   k = 1 if n > 2 else n
   q, key, v = (_normal((2, t, n, h), jnp.bfloat16), _normal((2, s, k, h), jnp.bfloat16),
                _normal((2, s, k, h), jnp.bfloat16))

@@ -157,15 +157,16 @@ class AttentionVjpConfig:
   # tiles in registers beside the accumulators (16 registers a consumer
   # thread each at 64-row steps). The first product then waits for dO and
   # delta as well as Q and lse. Where both products run, without a soft cap
-  # (its tanh needs the raw scores). Offline (`tools/sm90_compile.py`), the
-  # one-kernel backward compiles clean with it at MHA H128 at one batch row,
-  # causal and in `key_rings` launches (56 B spilled and the wgmmas
-  # serialized without), at MHA H64 without causal at 24 and 96 key blocks
-  # (512 B and serialized without; notes/MEASUREMENTS.md, session 79), and at
-  # the heuristic's causal MHA H128 calls from two batch rows where it spills
-  # 56-140 B and serializes (30 of 96 calls tried, session 80). Opt-in: not
-  # yet run natively.
-  stats_in_accumulators: bool = False
+  # (its tanh needs the raw scores). None: in the one-kernel backward
+  # (`fuse_dq`), whose consumers sit at the 240-register limit: without it,
+  # ptxas spills and serializes their wgmmas at calls that no rule of the
+  # sizes picks out (offline, `tools/sm90_compile.py`: causal MHA H128 at 30
+  # of 96 calls of B2-B16 N8-N32 T1000-T12000, at one batch row, in
+  # `key_rings` launches; H64 without causal at 24 and 96 key blocks; clean
+  # with it at all of them; notes/MEASUREMENTS.md, sessions 79-80). Not in
+  # the two kernels, where it spills more under GQA (104 B against 36 at B2
+  # T8192 N32 K8 causal).
+  stats_in_accumulators: bool | None = None
   # With fuse_dq: dK's product reads the step's dS^T from the rows staged in
   # shared memory for the dQ product (FlashAttention-3's operand), not from
   # registers, once both consumers have staged theirs (the dQ product's wait
@@ -952,10 +953,12 @@ class _DkvKernel(_Shape):
 
   @property
   def stats_in_accumulators(self) -> bool:
-    """`AttentionVjpConfig.stats_in_accumulators` where it applies: both
-    score products computed, no soft cap."""
-    return (self.config.stats_in_accumulators and self.needs_dp
-            and self.feat.soft_cap is None)
+    """`AttentionVjpConfig.stats_in_accumulators` (None: the one kernel's)
+    where it applies: both score products computed, no soft cap."""
+    wanted = self.config.stats_in_accumulators
+    if wanted is None:  # the one-kernel backward's registers: the field's comment
+      wanted = self.fused
+    return wanted and self.needs_dp and self.feat.soft_cap is None
 
   @property
   def dk_from_smem(self) -> bool:
