@@ -157,15 +157,21 @@ class AttentionVjpConfig:
   # tiles in registers beside the accumulators (16 registers a consumer
   # thread each at 64-row steps). The first product then waits for dO and
   # delta as well as Q and lse. Where both products run, without a soft cap
-  # (its tanh needs the raw scores). None: in the one-kernel backward
+  # (its tanh needs the raw scores). None: in the causal one-kernel backward
   # (`fuse_dq`), whose consumers sit at the 240-register limit: without it,
   # ptxas spills and serializes their wgmmas at calls that no rule of the
   # sizes picks out (offline, `tools/sm90_compile.py`: causal MHA H128 at 30
-  # of 96 calls of B2-B16 N8-N32 T1000-T12000, at one batch row, in
-  # `key_rings` launches; H64 without causal at 24 and 96 key blocks; clean
-  # with it at all of them; notes/MEASUREMENTS.md, sessions 79-80). Not in
-  # the two kernels, where it spills more under GQA (104 B against 36 at B2
-  # T8192 N32 K8 causal).
+  # of 96 calls of B2-B16 N8-N32 T1000-T12000, clean with it at all of
+  # them). Measured on the H200 (forward+backward, session 81), it ran those
+  # calls 1.12-1.42x faster (B8 T1536 0.698 against 0.897 ms, B16 T6000
+  # 15.157 against 21.279) and the clean B4 T4096 N16 as fast (1.806 against
+  # 1.818 ms). Without causal it ran slower where the plain products compile
+  # clean (B4 T4096 N16 3.406 against 3.161 ms, B2 T8192 N32 K8 13.564
+  # against 12.946), and the two kernels spill more with it under GQA (104 B
+  # against 36 at B2 T8192 N32 K8 causal): not taken there. It also compiles
+  # the one kernel clean at one batch row, in `key_rings` launches and at H64
+  # without causal at 24 and 96 key blocks (notes/MEASUREMENTS.md, sessions
+  # 79-81).
   stats_in_accumulators: bool | None = None
   # With fuse_dq: dK's product reads the step's dS^T from the rows staged in
   # shared memory for the dQ product (FlashAttention-3's operand), not from
@@ -953,11 +959,11 @@ class _DkvKernel(_Shape):
 
   @property
   def stats_in_accumulators(self) -> bool:
-    """`AttentionVjpConfig.stats_in_accumulators` (None: the one kernel's)
-    where it applies: both score products computed, no soft cap."""
+    """`AttentionVjpConfig.stats_in_accumulators` (None: the causal one
+    kernel's) where it applies: both score products computed, no soft cap."""
     wanted = self.config.stats_in_accumulators
-    if wanted is None:  # the one-kernel backward's registers: the field's comment
-      wanted = self.fused
+    if wanted is None:  # measured faster there only: the field's comment
+      wanted = self.fused and self.causal
     return wanted and self.needs_dp and self.feat.soft_cap is None
 
   @property
