@@ -577,18 +577,18 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
     offline, session 79). MHA H64 spilled 512 B serialized at T3072 and
     T12288 and ran at 0.87x the two kernels' speed at B1 T12288; GQA H128
     at 0.865-0.89x at B1 T6144 (sessions 75, 77).
+  - Causal MHA H128 from B2, where the plain products spill 56-140 B and
+    serialize the kernel's wgmmas (offline: 30 of 96 calls of B2-B16 N8-N32
+    T1000-T12000, which no rule of the sizes picks out, ptxas at the
+    240-register limit; session 80): the one kernel takes the statistics
+    (`AttentionVjpConfig.stats_in_accumulators`) there by default, clean at
+    all of them, and ran 1.12-1.42x faster than with the plain products at
+    seven (B8 T1536 0.698 against 0.897 ms, B16 T6000 15.157 against 21.279;
+    session 81).
 
-  Known and not yet measured: from two batch rows the causal one kernel too
-  spills 56-140 B with its wgmmas serialized, at 30 of 96 calls of B2-B16
-  N8-N32 T1000-T12000 (B6 T1024, B8 T1536, B12 T3072, B16 T6000, B8 N32
-  T5000, B4 N8 T2048 among them; clean at the bench's and most grid points;
-  offline, session 80) and at B2 from 98 key blocks that are no power of two
-  (T12544-T25600, session 79). Which calls follows no rule of their sizes
-  (ptxas at the 240-register limit), and `None` runs the kernel at such
-  calls; at the grid's B2 T15000 the same config (on session 58's code) ran
-  8.744 ms against cuDNN's 8.260. With
-  `AttentionVjpConfig.stats_in_accumulators` it compiles clean at all of
-  them; the two kernels spill 12-32 B there, without serializing.
+  Known and not yet measured: the one kernel with the statistics against
+  the two kernels at one batch row causal, and `None` against cuDNN at the
+  calls that serialized.
   """
   q, k = args.query, args.key
   h, mha = q.shape[-1], q.shape[2] == k.shape[2]
