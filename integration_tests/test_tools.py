@@ -458,10 +458,16 @@ def test_none_check_reads_shapes():
 
 def test_none_check_reads_attention_shapes():
   assert none_check.parse_attention_shape("4,8192,32,8,128,causal") == (
-      4, 8192, 32, 8, 128, True)
+      4, 8192, 32, 8, 128, True, None)
   assert none_check.parse_attention_shape("4,3000,16,16,128") == (
-      4, 3000, 16, 16, 128, False)
-  for bad in ("4,8192,32,8", "4,8192,32,8,128,window"):
+      4, 3000, 16, 16, 128, False, None)
+  assert none_check.parse_attention_shape("2,8192,16,16,64,causal,1024") == (
+      2, 8192, 16, 16, 64, True, 1024)
+  problem = none_check.problems_from(None, "dot_product_attention",
+                                     ["2,8192,16,16,64,causal,1024"])[0]
+  assert problem.name.endswith("H64 causal window 1024"), problem.name
+  for bad in ("4,8192,32,8", "4,8192,32,8,128,window", "4,8192,32,8,128,1024",
+              "4,8192,32,8,128,causal,w1024"):
     with pytest.raises(Exception, match="B,T,N,K,H"):
       none_check.parse_attention_shape(bad)
 

@@ -1,7 +1,7 @@
 """`implementation=None` against every named implementation, one run per shape.
 
     python tools/none_check.py [--shape M,K,N,G[,random]] ... [--iterations 10]
-    python tools/none_check.py --op dot_product_attention [--shape B,T,N,K,H[,causal]] ...
+    python tools/none_check.py --op dot_product_attention [--shape B,T,N,K,H[,causal[,W]]] ...
     python tools/none_check.py --op gated_linear_unit [--shape M,K,N] ...
     python tools/none_check.py --op layer_norm [--shape ROWS,D[,rms]] ...
     python tools/none_check.py --op OP --random COUNT [--seed S]
@@ -151,8 +151,21 @@ def shape_parser(usage: str, sizes: int, flag: str | None = None):
 
 
 parse_shape = shape_parser("M,K,N,G[,random]", 4, "random")
-parse_attention_shape = shape_parser(
-    "B,T,N,K,H[,causal] for dot_product_attention", 5, "causal")
+_parse_attention_sizes = shape_parser(
+    "B,T,N,K,H[,causal[,W]] for dot_product_attention", 5, "causal")
+
+
+def parse_attention_shape(text: str) -> tuple:
+  """B,T,N,K,H[,causal[,W]] -> (B, T, N, K, H, causal, W): W, a causal sliding
+  window of W keys back (the bench's windows), None without one."""
+  head, _, last = text.rpartition(",")
+  if head.endswith(",causal") and last.isdigit():
+    return (*_parse_attention_sizes(head), int(last))
+  return (*_parse_attention_sizes(text), None)
+
+
+def attention_problem(b, t, n, k, h, causal, window):
+  return attention_problems.problem(b, t, n, k, h, causal, window=window)
 parse_glu_shape = shape_parser("M,K,N for gated_linear_unit", 3)
 parse_norm_shape = shape_parser("ROWS,D[,rms] for layer_norm", 2, "rms")
 
@@ -168,7 +181,7 @@ OPS = {
     "ragged_dot": _Op(parse_shape, ragged_dot_problems.problem, default_problems,
                       ("mosaic_gpu", "triton")),
     "dot_product_attention": _Op(
-        parse_attention_shape, attention_problems.problem,
+        parse_attention_shape, attention_problem,
         lambda: [attention_problems.problem(*s) for s in OFF_GRID_ATTENTION],
         ("mosaic_gpu", "cudnn")),
     "gated_linear_unit": _Op(
@@ -205,7 +218,8 @@ def main() -> int:
   parser.add_argument("--op", choices=sorted(OPS), default="ragged_dot")
   parser.add_argument("--shape", action="append",
                       help="ragged_dot: M,K,N,G[,random]; dot_product_attention: "
-                           "B,T,N,K,H[,causal]; gated_linear_unit: M,K,N; "
+                           "B,T,N,K,H[,causal[,W]] (W: a sliding window); "
+                           "gated_linear_unit: M,K,N; "
                            "layer_norm: ROWS,D[,rms] (bf16)")
   parser.add_argument("--implementation", action="append", default=None,
                       help="default: mosaic_gpu and triton (ragged_dot), mosaic_gpu "

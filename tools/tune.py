@@ -363,7 +363,7 @@ def main():
                       help="a call off the suites instead (repeatable), in "
                            "tools/none_check.py's --shape form for the one --op, "
                            "e.g. 1,32768,16,16,64 (dot_product_attention: "
-                           "B,T,N,K,H[,causal])")
+                           "B,T,N,K,H[,causal[,W]], W a sliding window)")
   parser.add_argument("--iterations", type=none_check.positive_int, default=5)
   parser.add_argument("--direction", choices=("forward", "forward+backward"),
                       help="tune only the forward or only the backward configs")
