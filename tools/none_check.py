@@ -165,7 +165,10 @@ def parse_attention_shape(text: str) -> tuple:
 
 
 def attention_problem(b, t, n, k, h, causal, window):
+  """The problem of `parse_attention_shape`'s tuple."""
   return attention_problems.problem(b, t, n, k, h, causal, window=window)
+
+
 parse_glu_shape = shape_parser("M,K,N for gated_linear_unit", 3)
 parse_norm_shape = shape_parser("ROWS,D[,rms] for layer_norm", 2, "rms")
 
