@@ -254,6 +254,22 @@ def test_attention_backward_fuse_dq_without_causal(h, n, k, t, s, block_q, rings
   _check_backward(q, key, v, config, causal=False)
 
 
+@pytest.mark.parametrize("h,t,s,window,q_offset", [
+    (64, 200, 260, (70, 30), 37),
+    (128, 230, 200, (90, 40), -20),
+], ids=["h64-offset-37", "h128-offset-minus-20"])
+def test_attention_backward_window_with_offset(h, t, s, window, q_offset):
+  """The two kernels' dynamic masks (dQ: bounds per query row on the key
+  columns; dK/dV: bounds per key row on the query columns, the window's sides
+  exchanged and the offset's sign flipped) under a two-sided window that
+  q_offset moves, T != S, against the XLA reference's VJP."""
+  q, k, v = (_normal((2, t, 2, h), jnp.bfloat16), _normal((2, s, 2, h), jnp.bfloat16),
+             _normal((2, s, 2, h), jnp.bfloat16))
+  config = mat.AttentionVjpConfig(64, 128, 2)
+  _check_backward(q, k, v, config, causal=False, local_window=window,
+                  q_offset=jnp.asarray(q_offset, jnp.int32))
+
+
 _SAVERS = dict(stats_in_accumulators=True)
 
 

@@ -876,13 +876,14 @@ class _DkvKernel(_Shape):
     def visible():
       # Keys past the valid ones are not masked here: their dK/dV rows are
       # zeroed at the end. Queries past the valid ones have lse2 = +inf.
+      if self.feat.dynamic:
+        return akc.visible_by_rows(
+            j * self.bq, r0, shape, self.feat, keys_in_rows=True, off=blk.limits[2],
+            segment_match=lambda: akc.same_segment(kv_ids, r.qseg_smem.at[slot],
+                                                   shape))
       key = _pipeline.wgmma_iota(shape, 0) + r0
       query = _pipeline.wgmma_iota(shape, 1) + j * self.bq
-      return akc.visible(
-          query, key, self.feat, dynamic=self.feat.dynamic, causal=True,
-          off=blk.limits[2],
-          segment_match=lambda: akc.same_segment(kv_ids, r.qseg_smem.at[slot],
-                                                 shape))
+      return akc.visible(query, key, self.feat, dynamic=False, causal=True)
 
     turn = blk.pass_turn if self.ping_pong else None
     if self.stats_in_accumulators:
@@ -1417,7 +1418,7 @@ class _DqKernel(_Shape):
         return akc.same_segment(tile.q_ids, r.kvseg_smem.at[slot], shape)
       _, kv_limit, off = blk.limits
       if self.feat.dynamic:
-        return akc.visible_by_query_rows(
+        return akc.visible_by_rows(
             tile.r0, i * self.bkv, shape, self.feat,
             kv_limit=kv_limit if self.pad_keys or self.feat.kv_len else None,
             off=off, segment_match=segment_match)

@@ -390,31 +390,46 @@ def visible(query, key, feat: Features, *, dynamic: bool, causal: bool = False,
   return functools.reduce(operator.and_, keep)
 
 
-def visible_by_query_rows(q0, k0, shape, feat: Features, *, kv_limit=None, off=None,
-                          segment_match=None):
-  """`visible`'s dynamic path for a tile whose rows are the queries from `q0`
-  and whose columns are the keys from `k0`, with the position bounds taken as
-  bounds per row on the column index: ``lo[row] <= column <= hi[row]``.
+def visible_by_rows(q0, k0, shape, feat: Features, *, keys_in_rows: bool = False,
+                    kv_limit=None, off=None, segment_match=None):
+  """`visible`'s dynamic path for a tile of one row per query from `q0` and one
+  column per key from `k0` (the dQ kernel's S), or, with `keys_in_rows`, one
+  row per key from `k0` and one column per query from `q0` (the dK/dV kernel's
+  S^T), with the window's position bounds taken as bounds per row on the
+  column index: ``lo[row] <= column <= hi[row]``.
 
-  The same entries as `visible(query, key, feat, dynamic=True, ...)`. The key
-  of every entry (a column index in the wgmma layout, 32 values a thread at
-  128 columns) is never offset by `k0`: offset, the loop-invariant indices
-  were kept live across a kernel's whole key loop and spilled (the dQ
-  kernel's window steps: 400 bytes, against 64 this way; notes/MEASUREMENTS.md,
-  session 46).
+  The same entries as `visible(query, key, feat, dynamic=True, ...)`. The
+  column of every entry (an index in the wgmma layout, 32 values a thread at
+  128 columns) is never offset by the tile's origin: offset, the loop-invariant
+  indices were kept live across a kernel's whole loop and spilled (the dQ
+  kernel's window steps: 400 bytes, against 64 this way, session 46; the dK/dV
+  kernel's at H64: 352 against 76, session 81; notes/MEASUREMENTS.md).
+  `kv_limit` masks keys at or past it (columns only: keys in rows are not
+  masked by it).
   """
   col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
   keep = []
   if kv_limit is not None:
+    if keys_in_rows:
+      raise ValueError("kv_limit masks key columns; with keys_in_rows there are none")
     keep.append(col < kv_limit - k0)
   if feat.left is not None or feat.right is not None:
+    row0, col0 = (k0, q0) if keys_in_rows else (q0, k0)
     rows = plgpu.broadcasted_iota(jnp.int32, shape[:1], 0,
-                                  layout=plgpu.Layout.WGMMA.reduce(1)) + (q0 - k0)
-    pos = rows + off if feat.offset else rows  # query position - k0, a row
-    if feat.left is not None:
-      keep.append(col >= bcast_rows(pos - feat.left, shape))
-    if feat.right is not None:
-      keep.append(col <= bcast_rows(pos + feat.right, shape))
+                                  layout=plgpu.Layout.WGMMA.reduce(1)) + (row0 - col0)
+    # Query q (at position q + off) sees key c iff q + off - left <= c <= q +
+    # off + right. Per query row: bounds on c. Per key row: the same read as
+    # bounds on q, c - off - right <= q <= c - off + left: the offset's sign
+    # and the window's sides exchanged (as in `query_range`).
+    below, above = feat.left, feat.right
+    if keys_in_rows:
+      below, above = above, below
+    if feat.offset:
+      rows = rows - off if keys_in_rows else rows + off
+    if below is not None:
+      keep.append(col >= bcast_rows(rows - below, shape))
+    if above is not None:
+      keep.append(col <= bcast_rows(rows + above, shape))
   if feat.segments:
     keep.append(segment_match())
   if not keep:
