@@ -1585,6 +1585,29 @@ def test_backward_fuse_dq_rotated_rank_order(t, s, block_q, rings):
       assert [rank[j, kb] for kb in members] == list(range(nk // rings)), (j, ring)
 
 
+@pytest.mark.parametrize("fuse_dq,causal,soft_cap,grads,field,taken", [
+    (True, True, None, ("dk", "dv"), None, True),  # the causal one kernel
+    (True, False, None, ("dk", "dv"), None, False),  # without causal: ran slower
+    (False, True, None, ("dk", "dv"), None, False),  # two kernels: more spills (GQA)
+    (True, True, 20.0, ("dk", "dv"), None, False),  # a soft cap: tanh of raw scores
+    (False, True, None, ("dv",), True, False),  # a dV-only pass has no dP^T
+    (False, False, None, ("dk", "dv"), True, True),  # asked for
+    (True, True, None, ("dk", "dv"), False, False),  # opted out
+])
+def test_backward_stats_in_accumulators_resolution(fuse_dq, causal, soft_cap, grads,
+                                                   field, taken):
+  # `AttentionVjpConfig.stats_in_accumulators=None` is the causal one kernel's
+  # (measured faster there only: the field's comment); wherever it is taken,
+  # both score products run and no soft cap needs the raw scores.
+  config = mat.AttentionVjpConfig(64, 128, 2, fuse_dq=fuse_dq,
+                                  stats_in_accumulators=field)
+  feat = akc.Features(soft_cap=soft_cap) if soft_cap else akc.PLAIN
+  kernel = akb._DkvKernel(b=2, tp=1024, n=4, h=128, group=1, sp=1024, config=config,
+                          causal=causal, feat=feat, dtype=jnp.bfloat16, scale=1.0,
+                          grads=grads)
+  assert kernel.stats_in_accumulators is taken
+
+
 @pytest.mark.parametrize("t,s,block_q", [
     (1024, 1024, 64), (1000, 1100, 64), (700, 512, 128), (512, 512, 128),
     (640, 384, 64)])

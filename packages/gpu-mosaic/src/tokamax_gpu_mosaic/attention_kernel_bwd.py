@@ -162,8 +162,8 @@ class AttentionVjpConfig:
   # ptxas spills and serializes their wgmmas at calls that no rule of the
   # sizes picks out (offline, `tools/sm90_compile.py`: causal MHA H128 at 30
   # of 96 calls of B2-B16 N8-N32 T1000-T12000, clean with it at all of
-  # them). Measured on the H200 (forward+backward, session 81), it ran those
-  # calls 1.12-1.42x faster (B8 T1536 0.698 against 0.897 ms, B16 T6000
+  # them). Measured on the H200 (forward+backward, session 81), it ran seven
+  # of those calls 1.12-1.42x faster (B8 T1536 0.698 against 0.897 ms, B16 T6000
   # 15.157 against 21.279) and the clean B4 T4096 N16 as fast (1.806 against
   # 1.818 ms). Without causal it ran slower where the plain products compile
   # clean (B4 T4096 N16 3.406 against 3.161 ms, B2 T8192 N32 K8 13.564
