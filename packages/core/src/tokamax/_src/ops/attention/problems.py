@@ -112,7 +112,14 @@ def grid_problems() -> list[Problem]:
   Mosaic GPU's at B1 T15616 N8 K1 H128 (H200, notes/MEASUREMENTS.md, session
   72, item 4). And the same at H64, which the H128 points are too far from:
   `None` ran 1.05x the fastest forward+backward at B1 T4096 N8 K1 H64 (H200,
-  notes/MEASUREMENTS.md, session 76, item 3)."""
+  notes/MEASUREMENTS.md, session 76, item 3).
+
+  And the windows (causal, W1024 at T8192, W4096 at T16384) at MHA H64 and
+  H128 as well as GQA H128: a window call of another kind (MHA against GQA)
+  has no point within `nearest.RADIUS` of its own, so without them `None` took
+  the registry's order, cuDNN, at MHA H64 windows where Mosaic GPU ran
+  1.04-1.09x faster (H100, B2 T8192 N16 H64 W1024, B4 T4096 N16 H64 W2048;
+  notes/MEASUREMENTS.md, session 82, item 3)."""
   shapes = []
   for tokens, lengths in ((32768, (1024, 4096, 16384)), (8192, (1024, 4096)),
                           (32768, (1000, 4000, 15000)), (8192, (1000, 4000)),
@@ -126,9 +133,10 @@ def grid_problems() -> list[Problem]:
                           (2048, (2048,))):
     shapes += [(tokens // t, t, 8, 1, h, c)
                for t in lengths for h in (64, 128) for c in (False, True)]
-  return ([problem(*s) for s in shapes] +
-          [problem(32768 // t, t, 32, 8, 128, True, window=w)
-           for t, w in ((8192, 1024), (16384, 4096))])
+  windows = [problem(32768 // t, t, n, k, h, True, window=w)
+             for n, k, h in ((32, 8, 128), (16, 16, 64), (16, 16, 128))
+             for t, w in ((8192, 1024), (16384, 4096))]
+  return [problem(*s) for s in shapes] + windows
 
 
 def quick_problems() -> list[Problem]:
