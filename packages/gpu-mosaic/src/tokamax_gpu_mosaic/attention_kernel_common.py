@@ -426,10 +426,18 @@ def visible_by_rows(q0, k0, shape, feat: Features, *, keys_in_rows: bool = False
       below, above = above, below
     if feat.offset:
       rows = rows - off if keys_in_rows else rows + off
-    if below is not None:
-      keep.append(col >= bcast_rows(rows - below, shape))
-    if above is not None:
-      keep.append(col <= bcast_rows(rows + above, shape))
+    if below is not None and above is not None and 0 <= below + above < 2**31:
+      # lo <= col <= lo + width as one unsigned compare of col - lo with the
+      # window's width (a column below lo wraps around to a large value):
+      # one select an entry where the two sides' compares took one each
+      # (the forward's masked steps, notes/MEASUREMENTS.md session 82).
+      shifted = col - bcast_rows(rows - below, shape)
+      keep.append(shifted.astype(jnp.uint32) <= jnp.uint32(below + above))
+    else:
+      if below is not None:
+        keep.append(col >= bcast_rows(rows - below, shape))
+      if above is not None:
+        keep.append(col <= bcast_rows(rows + above, shape))
   if feat.segments:
     keep.append(segment_match())
   if not keep:

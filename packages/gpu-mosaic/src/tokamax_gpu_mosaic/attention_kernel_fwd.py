@@ -135,9 +135,9 @@ def online_softmax(s, m, l, c: float, visible, soft_cap: float | None = None,
   """One online-softmax step on raw scores ``s``; returns (p, m, l, alpha).
 
   ``m`` is the running row max of the base-2 logits ``s * c``; ``alpha`` moves
-  what was accumulated so far onto the new max. Without a mask and with
-  ``c > 0`` the max is taken on ``s`` and the scale is applied in the exp2
-  argument (one FMA per element).
+  what was accumulated so far onto the new max. Without a soft cap and with
+  ``c > 0`` the mask and the max are taken on ``s`` and the scale is applied
+  in the exp2 argument (one FMA per element, masked or not).
 
   ``guard``: a row may have seen no visible key yet (window, segments, lengths,
   q_offset), so its max may still be -inf; exponentiate against 0 then, which
@@ -148,9 +148,13 @@ def online_softmax(s, m, l, c: float, visible, soft_cap: float | None = None,
     if visible is not None:
       z = jnp.where(visible, z, -jnp.inf)
     m_new = jnp.maximum(m, z.max(axis=1))
-  elif visible is None and c > 0 and not guard:
+  elif c > 0:
+    # The scale goes into the exp2's argument (one FMA an entry), the mask
+    # onto the raw scores: -inf * c is -inf, and with c > 0 the max of the
+    # scaled scores is the scaled max (rounding keeps the order).
+    if visible is not None:
+      s = jnp.where(visible, s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=1) * c)
-    p = jnp.exp2(s * c - akc.bcast_rows(m_new, s.shape))
   else:
     z = s * c
     if visible is not None:
@@ -163,8 +167,10 @@ def online_softmax(s, m, l, c: float, visible, soft_cap: float | None = None,
     # row, or the row saw key 0 already (causal), so m_new is finite and alpha is
     # exp2(-inf) = 0 only on the first tile.
     m_safe = m_new
-  if soft_cap is not None or visible is not None or c <= 0 or guard:
+  if soft_cap is not None or c <= 0:
     p = jnp.exp2(z - akc.bcast_rows(m_safe, s.shape))
+  else:
+    p = jnp.exp2(s * c - akc.bcast_rows(m_safe, s.shape))
   alpha = jnp.exp2(m - m_safe)
   l = l * alpha + p.sum(axis=1)
   return p, m_new, l, alpha
@@ -566,19 +572,21 @@ class _Forward:
   def visibility(self, r: _Refs, blk: _Block, tiles: _Tiles, i):
     """Which scores of key tile `i` are kept (None: all)."""
     shape = (self.bq, self.bkv)
-    rows = _pipeline.wgmma_iota(shape, 0) + tiles.r0
-    cols = _pipeline.wgmma_iota(shape, 1) + i * self.bkv
 
     def segment_match():
       slot = blk.ring.slot(i)
       plgpu.barrier_wait(r.seg_full.at[slot])
       return akc.same_segment(tiles.q_ids, r.kvseg_smem.at[slot], shape)
-    _, kv_limit, off = blk.limits
-    return akc.visible(
-        rows, cols, self.feat, dynamic=self.feat.dynamic, causal=self.causal,
-        s_true=self.s_true if self.pad_keys else None,
-        kv_limit=kv_limit if self.mask_keys else None, off=off,
-        segment_match=segment_match)
+    if self.feat.dynamic:
+      _, kv_limit, off = blk.limits
+      return akc.visible_by_rows(
+          tiles.r0, i * self.bkv, shape, self.feat,
+          kv_limit=kv_limit if self.mask_keys else None, off=off,
+          segment_match=segment_match)
+    rows = _pipeline.wgmma_iota(shape, 0) + tiles.r0
+    cols = _pipeline.wgmma_iota(shape, 1) + i * self.bkv
+    return akc.visible(rows, cols, self.feat, dynamic=False, causal=self.causal,
+                       s_true=self.s_true if self.pad_keys else None)
 
   def pingpong(self, r: _Refs, blk: _Block, tiles: _Tiles, carry):
     """The plain schedule: S, softmax, then O += P V, two turns per tile."""
