@@ -135,20 +135,25 @@ def online_softmax(s, m, l, c: float, visible, soft_cap: float | None = None,
   """One online-softmax step on raw scores ``s``; returns (p, m, l, alpha).
 
   ``m`` is the running row max of the base-2 logits ``s * c``; ``alpha`` moves
-  what was accumulated so far onto the new max. Without a soft cap and with
-  ``c > 0`` the mask and the max are taken on ``s`` and the scale is applied
-  in the exp2 argument (one FMA per element, masked or not).
+  what was accumulated so far onto the new max. Without a soft cap, with
+  ``c > 0`` and unmasked or under a dynamic mask (``guard``), the mask and the
+  max are taken on ``s`` and the scale is applied in the exp2 argument (one
+  FMA per element). A static mask (the causal diagonal, padded keys) keeps the
+  scaled logits: there the FMA form ran 0.7-0.8% slower (H100, B2 T8192 N16
+  H64 causal forward, two runs; notes/MEASUREMENTS.md session 83), while
+  under windows it ran 2-2.4% faster.
 
   ``guard``: a row may have seen no visible key yet (window, segments, lengths,
   q_offset), so its max may still be -inf; exponentiate against 0 then, which
   keeps p = 0 and alpha finite instead of exp2(-inf + inf) = NaN.
   """
+  scale_in_exp2 = soft_cap is None and c > 0 and (visible is None or guard)
   if soft_cap is not None:
     z, _ = akc.soft_capped(s, c, soft_cap)
     if visible is not None:
       z = jnp.where(visible, z, -jnp.inf)
     m_new = jnp.maximum(m, z.max(axis=1))
-  elif c > 0:
+  elif scale_in_exp2:
     # The scale goes into the exp2's argument (one FMA an entry), the mask
     # onto the raw scores: -inf * c is -inf, and with c > 0 the max of the
     # scaled scores is the scaled max (rounding keeps the order).
@@ -167,10 +172,10 @@ def online_softmax(s, m, l, c: float, visible, soft_cap: float | None = None,
     # row, or the row saw key 0 already (causal), so m_new is finite and alpha is
     # exp2(-inf) = 0 only on the first tile.
     m_safe = m_new
-  if soft_cap is not None or c <= 0:
-    p = jnp.exp2(z - akc.bcast_rows(m_safe, s.shape))
-  else:
+  if scale_in_exp2:
     p = jnp.exp2(s * c - akc.bcast_rows(m_safe, s.shape))
+  else:
+    p = jnp.exp2(z - akc.bcast_rows(m_safe, s.shape))
   alpha = jnp.exp2(m - m_safe)
   l = l * alpha + p.sum(axis=1)
   return p, m_new, l, alpha
