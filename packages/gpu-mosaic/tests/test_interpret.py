@@ -270,6 +270,46 @@ def test_attention_backward_window_with_offset(h, t, s, window, q_offset):
                   q_offset=jnp.asarray(q_offset, jnp.int32))
 
 
+@pytest.mark.parametrize("h,t,s,causal,window,q_offset,lengths", [
+    (64, 200, 260, False, (None, 17), 37, None),
+    (64, 230, 200, False, (60, None), -50, "key"),
+    (128, 200, 300, True, None, 100, "key"),
+    (64, 256, 256, False, (50, 10), None, "query"),
+], ids=["right-side-offset-37", "left-side-offset-minus-50-key-lengths",
+        "h128-causal-offset-100-key-lengths", "two-sided-query-lengths"])
+def test_attention_forward_dynamic_masks(h, t, s, causal, window, q_offset, lengths):
+  """The forward's dynamic mask (bounds per query row on the key columns; a
+  two-sided window as one unsigned compare, a one-sided one as one compare)
+  under q_offset, one-sided windows and lengths, T != S, called directly (the
+  public op's tests reach q_offset only on a GPU): output and lse against the
+  XLA reference on float32 upcasts."""
+  q, k, v = (_normal((2, t, 2, h), jnp.bfloat16), _normal((2, s, 1, h), jnp.bfloat16),
+             _normal((2, s, 1, h), jnp.bfloat16))
+  kw = {}
+  if window is not None:
+    kw["local_window"] = window
+  if q_offset is not None:
+    kw["q_offset"] = jnp.asarray(q_offset, jnp.int32)
+  if lengths == "key":
+    kw["key_value_seq_lengths"] = jnp.asarray([s, s - 70], jnp.int32)
+  elif lengths == "query":
+    kw["query_seq_lengths"] = jnp.asarray([t - 30, t], jnp.int32)
+  scale = h**-0.5
+  out, lse, _, _ = _reference_vjp(q, k, v, scale, causal, **kw)
+  with tokamax.interpret():
+    got_out, got_lse = mat.mosaic_attention(
+        q, k, v, scale=scale, causal=causal,
+        config=mat.AttentionConfig(block_kv=64, num_stages=2), **kw)
+  if lengths == "query":  # rows past a query length: unspecified, not compared
+    valid = (jnp.arange(t)[None, :] < kw["query_seq_lengths"][:, None])
+    got_out = jnp.where(valid[:, :, None, None], got_out, 0)
+    out = jnp.where(valid[:, :, None, None], out, 0)
+    got_lse = jnp.where(valid[:, None, :], got_lse, 0)
+    lse = jnp.where(valid[:, None, :], lse, 0)
+  testing.assert_close(got_out, out, jnp.bfloat16, what="output")
+  np.testing.assert_allclose(np.asarray(got_lse), np.asarray(lse), rtol=2e-2, atol=2e-2)
+
+
 _SAVERS = dict(stats_in_accumulators=True)
 
 
