@@ -347,6 +347,20 @@ def num_sms() -> int:
   return int(count) if count else H100_SMS
 
 
+def is_h100() -> bool:
+  """Whether the kernels run natively on an H100 (HBM3: 3.35 TB/s on the SXM
+  card), where rules measured on the H200 (HBM3e: 4.8 TB/s, with the same 132
+  SMs and 50 MB of L2) can turn: a kernel whose operands miss the L2 more often
+  than its peer's pays more for each miss there."""
+  if interpreting():
+    return False
+  try:
+    kind = jax.devices()[0].device_kind
+  except Exception:  # any backend or device that cannot say
+    return False
+  return kind.startswith("NVIDIA H100")
+
+
 def swizzled(dtype, minor: int):
   """SMEM transforms (tiling + the widest swizzle) for `minor`-element rows.
 

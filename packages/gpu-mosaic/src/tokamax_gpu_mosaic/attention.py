@@ -551,10 +551,10 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   """Whether the backward heuristic takes the one-kernel backward (`fuse_dq`):
   where it measured faster than the two kernels and the kernel takes the call.
 
-  The rule: causal, MHA H128 from two batch rows; without causal, H128 (MHA
-  or GQA) and MHA H64 at a power of two of 128-key blocks. Measured on the
-  H200 (`tools/tune.py --ab fuse_dq=...`, forward+backward, the one kernel
-  against the two; notes/MEASUREMENTS.md, the sessions named):
+  The rule: causal, MHA H128 from two batch rows, not on the H100; without
+  causal, H128 (MHA or GQA) and MHA H64 at a power of two of 128-key blocks.
+  Measured on the H200 (`tools/tune.py --ab fuse_dq=...`, forward+backward, the
+  one kernel against the two; notes/MEASUREMENTS.md, the sessions named):
 
   - Causal MHA H128 from B2: 1.016-1.039x faster (session 50: B4 T4096 N16
     bf16 and f16, the grid's B32 T1024, B8 T4096, B2 T16384).
@@ -589,12 +589,23 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   At one batch row causal the two kernels stay: on the H100 the one kernel
   with the statistics ran 0.87-0.97x their speed (B1 T4096, T8192 and T16384
   N16, B1 T1536 N32; session 82).
+
+  On the H100 causal takes the two kernels at every batch size: the one kernel
+  ran 0.90-0.97x their speed forward+backward (B32 T1024 N16 1.538 against
+  1.378 ms, B4 T4096 1.968 against 1.883, B8 T4096 3.908 against 3.746, B2
+  T16384 13.880 against 13.441; session 84), while without causal it stays
+  1.05-1.13x faster there (B4 and B8 T4096 N16 H128, B2 T8192 H64, B4 T4096
+  N32 K8). Under Nsight Compute at B8 T4096 causal the one kernel moved 2.9 GB
+  through DRAM where cuDNN's backward moved 1.3 GB (L2 hit rate 80% against
+  90%, about as many float32 dQ reductions): misses that the H200's bandwidth
+  likely hides (`_common.is_h100`; the two kernels' traffic not measured).
   """
   q, k = args.query, args.key
   h, mha = q.shape[-1], q.shape[2] == k.shape[2]
   if args.is_causal:
     serialized_at_one_row = q.shape[0] == 1
-    measured_faster = mha and h == 128 and not serialized_at_one_row
+    measured_faster = (mha and h == 128 and not serialized_at_one_row
+                       and not _common.is_h100())
   else:
     key_blocks = _common.cdiv(k.shape[1], _BWD_KEY_ROWS)
     power_of_two = (key_blocks & (key_blocks - 1)) == 0
@@ -719,9 +730,9 @@ def _check_backward_args(args) -> None:
 class MosaicGpuAttentionVjp(VjpOp):
   """FA3-style attention backward (`attention_kernel_bwd`): a dK/dV kernel and a
   dQ kernel (or one kernel for all three with `fuse_dq`, which the heuristic
-  takes at causal MHA H128: `_fuses_dq_by_default`; not where the register
-  split is lost: `_SPLIT_LOST_H128_BACKWARD`), from the forward's ``lse`` (any
-  implementation's)."""
+  takes at causal MHA H128 except on the H100: `_fuses_dq_by_default`; not
+  where the register split is lost: `_SPLIT_LOST_H128_BACKWARD`), from the
+  forward's ``lse`` (any implementation's)."""
 
   op_name = "dot_product_attention"
   name = "mosaic_gpu"
