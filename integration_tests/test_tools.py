@@ -19,6 +19,7 @@ import experiment_overlay  # noqa: E402
 import guard_cost  # noqa: E402
 import kernel_breakdown  # noqa: E402
 import l2_model  # noqa: E402
+import l2_model_attention  # noqa: E402
 import none_check  # noqa: E402
 import ptxas_registers  # noqa: E402
 import pytest_shard  # noqa: E402
@@ -414,6 +415,37 @@ def test_l2_model_row_padding():
   # holding rows in its first half only.
   split = l2_model.item_rows([100, 3996], m, 512, bm, 256, "group", 4)
   assert l2_model.row_padding(split, m, bm) == (33 * bm / m, (2 + 2 * 32 - 1) * 64 / m)
+
+
+def test_l2_model_attention_moves_each_operand_once_in_an_unbounded_cache():
+  call = l2_model_attention.Call(1, 2048, 8, 64)
+  operand = 2048 * 8 * 64 * 2  # bytes of Q, K, V, dO, dK or dV
+  for fused in (True, False):
+    t = l2_model_attention.simulate(call, 8, fused, float("inf"), sms=16)
+    # Q, K, V, dO read once; dK, dV written once, and the float32 dQ once
+    # (its first addition stores, reading nothing).
+    assert (t.read, t.written) == (4 * operand, (4 if fused else 2) * operand), t
+
+
+def test_l2_model_attention_smaller_groups_fit_a_smaller_cache():
+  # With dQ inside, a group of 8 heads holds 8 x (Q, dO, float32 dQ) = 4 MiB at
+  # T2048 H64: it misses in a 4 MiB cache, where groups of 4 move the least.
+  call = l2_model_attention.Call(1, 2048, 8, 64)
+  eight, four = (l2_model_attention.simulate(call, g, True, 4 * 2**20, sms=16)
+                 for g in (8, 4))
+  assert eight.read > 2 * eight.least_read and eight.written > eight.least_written
+  assert (four.read, four.written) == (four.least_read, four.least_written)
+  # The two kernels' dK/dV kernel holds Q and dO alone: group 8 fits.
+  two = l2_model_attention.simulate(call, 8, False, 4 * 2**20, sms=16)
+  assert two.read == two.least_read
+
+
+def test_l2_model_attention_block_order():
+  call = l2_model_attention.Call(1, 512, 4, 64)  # 4 key blocks a head
+  fused = l2_model_attention.block_order(call, 2, fused=True)
+  assert fused[:4] == [(0, 3), (1, 3), (0, 2), (1, 2)]  # the highest key block first
+  assert fused[8:10] == [(2, 3), (3, 3)]  # the next group
+  assert l2_model_attention.block_order(call, 2, fused=False)[:2] == [(0, 0), (1, 0)]
 
 
 def test_l2_model_drift_misses_and_meeting_sharers_recovers():
