@@ -1676,8 +1676,36 @@ def test_backward_heuristic_fuses_dq_on_h100(kw, fused, monkeypatch):
   # On the H100 the causal one-kernel backward ran 0.90-0.97x the two kernels'
   # speed (notes/MEASUREMENTS.md session 84); without causal it stays faster.
   monkeypatch.setattr(_common, "is_h100", lambda: True)
-  config = mat.MosaicGpuAttentionVjp().heuristic_config(_args(**{"h": 128, **kw}))
+  args = _args(**{"h": 128, **kw})
+  op = mat.MosaicGpuAttentionVjp()
+  config = op.heuristic_config(args)
   assert config.fuse_dq == fused, config
+  assert config in op.search_space(args)
+
+
+class _Device:
+  def __init__(self, device_kind):
+    self.device_kind = device_kind
+
+
+@pytest.mark.parametrize("kind,h100", [
+    ("NVIDIA H100 80GB HBM3", True),
+    ("NVIDIA H100 PCIe", True),
+    ("NVIDIA H200", False),
+    ("NVIDIA GH200 480GB", False),
+    ("cpu", False),
+])
+def test_is_h100_reads_the_device_kind(kind, h100, monkeypatch):
+  monkeypatch.setattr(_common, "interpreting", lambda: False)
+  monkeypatch.setattr(jax, "devices", lambda: [_Device(kind)])
+  assert _common.is_h100() == h100
+
+
+def test_is_h100_is_false_in_the_interpreter(monkeypatch):
+  # Interpreted kernels follow the H200's rules whatever the host's GPU.
+  monkeypatch.setattr(_common, "interpreting", lambda: True)
+  monkeypatch.setattr(jax, "devices", lambda: [_Device("NVIDIA H100 80GB HBM3")])
+  assert not _common.is_h100()
 
 
 @gpu

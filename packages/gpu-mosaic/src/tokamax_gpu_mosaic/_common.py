@@ -348,10 +348,11 @@ def num_sms() -> int:
 
 
 def is_h100() -> bool:
-  """Whether the kernels run natively on an H100 (HBM3: 3.35 TB/s on the SXM
-  card), where rules measured on the H200 (HBM3e: 4.8 TB/s, with the same 132
-  SMs and 50 MB of L2) can turn: a kernel whose operands miss the L2 more often
-  than its peer's pays more for each miss there."""
+  """Whether the kernels run natively on an H100 (any card; the SXM card, with
+  3.35 TB/s of HBM3, is the one measured), where rules measured on the H200
+  (4.8 TB/s of HBM3e, the same 132 SMs and 50 MB of L2) can turn: a kernel
+  whose operands miss the L2 more often than its peer's has less DRAM
+  bandwidth to serve the misses there."""
   if interpreting():
     return False
   try:

@@ -553,8 +553,9 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
 
   The rule: causal, MHA H128 from two batch rows, not on the H100; without
   causal, H128 (MHA or GQA) and MHA H64 at a power of two of 128-key blocks.
-  Measured on the H200 (`tools/tune.py --ab fuse_dq=...`, forward+backward, the
-  one kernel against the two; notes/MEASUREMENTS.md, the sessions named):
+  Measured on the H200 unless said (`tools/tune.py --ab fuse_dq=...`,
+  forward+backward, the one kernel against the two; notes/MEASUREMENTS.md, the
+  sessions named; the H100's exception last):
 
   - Causal MHA H128 from B2: 1.016-1.039x faster (session 50: B4 T4096 N16
     bf16 and f16, the grid's B32 T1024, B8 T4096, B2 T16384).
