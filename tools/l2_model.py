@@ -130,6 +130,40 @@ def row_padding(rows: list[Row], m: int, block_m: int) -> tuple[float, float]:
   return len(tiles) * block_m / m, halves * half / m
 
 
+class LruCache:
+  """A least-recently-used cache of `capacity` bytes (the model's L2): counts
+  the bytes that miss (`read` from DRAM) and the dirty bytes it evicts
+  (`written` back); `flush` writes back what stays dirty at the end."""
+
+  def __init__(self, capacity: float):
+    self.capacity = capacity
+    self.read = self.written = 0
+    self._lines: collections.OrderedDict = collections.OrderedDict()  # key -> (bytes, dirty)
+    self._used = 0
+
+  def touch(self, key, size: int, *, dirty: bool = False, fill: bool = False) -> bool:
+    """Accesses `key` (`size` bytes), writing it if `dirty`; returns whether it
+    hit. ``fill``: a miss that overwrites the whole line (a first store), which
+    reads nothing."""
+    if key in self._lines:
+      self._lines.move_to_end(key)
+      self._lines[key] = (size, self._lines[key][1] or dirty)
+      return True
+    self.read += 0 if fill else size
+    self._lines[key] = (size, dirty)
+    self._used += size
+    while self._used > self.capacity:
+      _, (evicted, was_dirty) = self._lines.popitem(last=False)
+      self._used -= evicted
+      self.written += evicted if was_dirty else 0
+    return False
+
+  def flush(self) -> None:
+    self.written += sum(size for size, dirty in self._lines.values() if dirty)
+    self._lines.clear()
+    self._used = 0
+
+
 class Traffic(NamedTuple):
   requested: int  # bytes the items read
   dram: int  # of them, bytes that missed the model's L2
@@ -149,23 +183,16 @@ def l2_traffic(rows: list[Row], times, m: int, k: int, block_m: int, cta_n: int,
   reads.sort()
   a_unit = A_ROWS * BLOCK_K * itemsize
   b_slice = BLOCK_K * cta_n * itemsize
-  cache, used, requested, missed = collections.OrderedDict(), 0, 0, 0
+  cache, requested = LruCache(l2_bytes), 0
   for _, row0, group, col, j in reads:
     keys = [(("B", group, col, j), b_slice)]
     last = min(row0 + block_m, m)
     keys += [(("A", u, j), a_unit) for u in range(row0 // A_ROWS, -(-last // A_ROWS))]
     for key, size in keys:
       requested += size
-      if key in cache:
-        cache.move_to_end(key)
-        continue
-      missed += size
-      cache[key] = size
-      used += size
-      while used > l2_bytes:
-        used -= cache.popitem(last=False)[1]
+      cache.touch(key, size)
   makespan = max((s + d for s, d in times), default=0.0)
-  return Traffic(requested, missed, makespan)
+  return Traffic(requested, cache.read, makespan)
 
 
 def main(argv=None):

@@ -15,7 +15,8 @@ the tile's float32 dQ in a fixed order: the highest key block first
 (`_DkvKernel.dq_rank`), the first storing without a read. A block waits for
 its turn at a tile; the SMs take the blocks in order as they free up.
 
-This replays that through a least-recently-used cache of `--l2-mb` and prints
+This replays that through `tools/l2_model.py`'s least-recently-used cache of
+`--l2-mb` (`LruCache`) and prints
 the bytes read from and written to DRAM (dirty dQ lines written back when
 evicted), against the least the kernel must move (each operand once). Each
 step takes one unit of time. Not modelled: bandwidth (a miss costs no time),
@@ -31,9 +32,10 @@ at 40 MB and 8.4 GB / 4.5 GB at 30 MB).
 from __future__ import annotations
 
 import argparse
-import collections
 import heapq
 from typing import NamedTuple
+
+import l2_model
 
 KEY_ROWS = 128  # keys a block owns
 QUERY_ROWS = 64  # query rows a step
@@ -77,23 +79,8 @@ def simulate(call: Call, group: int, fused: bool, l2_bytes: float,
   kv_block = 2 * KEY_ROWS * call.head_dim * call.itemsize  # K and V, or dK and dV
   query_tiles = call.length // QUERY_ROWS
   tiles = call.length // KEY_ROWS
-  cache: collections.OrderedDict = collections.OrderedDict()  # key -> (bytes, dirty)
-  used = read = written = 0
-
-  def touch(key, size: int, dirty: bool, from_dram: bool = True) -> None:
-    nonlocal used, read, written
-    if key in cache:
-      cache.move_to_end(key)
-      cache[key] = (size, cache[key][1] or dirty)
-      return
-    read += size if from_dram else 0
-    cache[key] = (size, dirty)
-    used += size
-    while used > l2_bytes:
-      _, (evicted, was_dirty) = cache.popitem(last=False)
-      used -= evicted
-      written += evicted if was_dirty else 0
-
+  cache = l2_model.LruCache(l2_bytes)
+  outputs = 0  # dK and dV bytes, written once per block (not through the cache)
   blocks = block_order(call, group, fused)
   events = [(0.0, i, i, 0) for i in range(min(sms, len(blocks)))]  # (time, seq, block, step)
   heapq.heapify(events)
@@ -106,7 +93,7 @@ def simulate(call: Call, group: int, fused: bool, l2_bytes: float,
     pair, kb = blocks[b]
     j = kb * KEY_ROWS // QUERY_ROWS + step
     if j >= query_tiles:  # done: dK and dV out, the SM takes the next block
-      written += kv_block
+      outputs += kv_block
       if launched < len(blocks):
         heapq.heappush(events, (now, seq, launched, 0))
         seq, launched = seq + 1, launched + 1
@@ -116,10 +103,10 @@ def simulate(call: Call, group: int, fused: bool, l2_bytes: float,
       if turn != kb:
         waiting[(pair, j, kb)] = (b, step)
         continue
-    touch(("q", pair, j), q_tile, False)
-    touch(("do", pair, j), q_tile, False)
+    cache.touch(("q", pair, j), q_tile)
+    cache.touch(("do", pair, j), q_tile)
     if fused:
-      touch(("dq", pair, j), dq_tile, True, from_dram=(pair, j) in stored)
+      cache.touch(("dq", pair, j), dq_tile, dirty=True, fill=(pair, j) not in stored)
       stored.add((pair, j))
       next_adder[(pair, j)] = kb - 1
       woken = waiting.pop((pair, j, kb - 1), None)
@@ -130,12 +117,12 @@ def simulate(call: Call, group: int, fused: bool, l2_bytes: float,
     seq += 1
   if waiting:
     raise RuntimeError(f"{len(waiting)} blocks wait for a key block never launched")
-  written += sum(size for size, dirty in cache.values() if dirty)
+  cache.flush()
   pairs = call.batch * call.heads
-  read += pairs * tiles * kv_block  # K and V, once per block
+  read = cache.read + pairs * tiles * kv_block  # K and V, once per block
   operand = pairs * call.length * call.head_dim * call.itemsize
   least_written = 2 * operand + (2 * operand if fused else 0)  # dK, dV (+ float32 dQ)
-  return Traffic(read, written, 4 * operand, least_written, now)
+  return Traffic(read, cache.written + outputs, 4 * operand, least_written, now)
 
 
 def _call(text: str) -> Call:
