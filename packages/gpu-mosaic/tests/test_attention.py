@@ -1669,18 +1669,37 @@ def test_backward_heuristic_fuses_dq_where_measured(kw, fused, monkeypatch):
 @pytest.mark.parametrize("kw,fused", [
     (dict(b=2, n=4, k=4, is_causal=True), False),  # causal: the two kernels
     (dict(b=8, n=16, k=16, t=4096, s=4096, is_causal=True), False),
+    (dict(b=2, n=16, k=16, t=12288, s=12288, is_causal=True), False),
+    (dict(b=2, n=16, k=16, t=16384, s=16384, is_causal=True), True),  # long: one
+    (dict(n=16, k=16, t=32768, s=32768, is_causal=True), False),  # one batch row
     (dict(n=4, k=4), True),  # not causal: the one kernel, as on the H200
     (dict(n=4, k=4, h=64), True),
 ])
 def test_backward_heuristic_fuses_dq_on_h100(kw, fused, monkeypatch):
-  # On the H100 the causal one-kernel backward ran 0.90-0.97x the two kernels'
-  # speed (notes/MEASUREMENTS.md session 84); without causal it stays faster.
+  # On the H100 the causal one-kernel backward ran 0.95-1.01x the two kernels'
+  # speed up to 12288 queries and 1.003-1.033x from 16384 (notes/MEASUREMENTS.md
+  # sessions 84-85); without causal it stays faster.
   monkeypatch.setattr(_common, "is_h100", lambda: True)
   args = _args(**{"h": 128, **kw})
   op = mat.MosaicGpuAttentionVjp()
   config = op.heuristic_config(args)
   assert config.fuse_dq == fused, config
   assert config in op.search_space(args)
+
+
+@pytest.mark.parametrize("is_h100", [False, True])
+def test_backward_head_group_counts_the_fused_dq(is_h100, monkeypatch):
+  # Causal MHA H128 bf16 at T4096: the dK/dV kernel's Q and dO take 2 MiB a
+  # head (8 heads fit the 24 MiB budget); the one kernel's float32 dQ doubles
+  # that (4 heads). The heuristic groups by the kernel it runs (H200: the one
+  # kernel; H100: the two), and the search space each config by its own.
+  monkeypatch.setattr(_common, "is_h100", lambda: is_h100)
+  args = _args(b=8, t=4096, s=4096, n=16, k=16, h=128, is_causal=True)
+  op = mat.MosaicGpuAttentionVjp()
+  config = op.heuristic_config(args)
+  assert (config.fuse_dq, config.head_group) == ((False, 8) if is_h100 else (True, 4))
+  groups = {(c.fuse_dq, c.head_group) for c in op.search_space(args)}
+  assert groups == {(False, 0), (False, 8), (True, 0), (True, 4)}
 
 
 class _Device:
@@ -2690,13 +2709,15 @@ def test_head_group_configs():
   mat.AttentionConfig(head_group=4, persistent=True)  # dealt in group order
   with pytest.raises(ValueError, match="leave head_major at None"):
     mat.AttentionVjpConfig(64, 64, 2, head_group=2, head_major=True)
-  # Pairs whose two [rows, h] operands fit 24 MiB, a power of two: H256 T4096
-  # bf16 K and V take 4 MiB a head (6 fit: 4); H128 2 MiB (12: 8); GQA with 4
-  # query heads a key/value head shares them (48: 32); never fewer than one.
-  assert mat.l2_head_group(4096, 256, 2, 1) == 4
-  assert mat.l2_head_group(4096, 128, 2, 1) == 8
-  assert mat.l2_head_group(4096, 128, 2, 4) == 32
-  assert mat.l2_head_group(1 << 20, 256, 2, 1) == 1
+  # Pairs whose [rows, h] operands fit 24 MiB, a power of two: H256 T4096 bf16
+  # K and V take 4 MiB a head (6 fit: 4); H128 2 MiB (12: 8); with a float32
+  # dQ beside them 4 MiB (6: 4); GQA with 4 query heads a key/value head shares
+  # them (48: 32); never fewer than one.
+  assert mat.l2_head_group(4096, 256, 4, 1) == 4
+  assert mat.l2_head_group(4096, 128, 4, 1) == 8
+  assert mat.l2_head_group(4096, 128, 8, 1) == 4
+  assert mat.l2_head_group(4096, 128, 4, 4) == 32
+  assert mat.l2_head_group(1 << 20, 256, 4, 1) == 1
   # In the search spaces where the blocks would otherwise go tile-major (causal,
   # dynamic ranges); in the heuristics of causal calls (the ones measured).
   fwd, bwd = mat.MosaicGpuAttention(), mat.MosaicGpuAttentionVjp()

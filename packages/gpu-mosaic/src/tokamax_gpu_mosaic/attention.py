@@ -241,13 +241,14 @@ def _overlap_takes(args) -> bool:
 _L2_BUDGET = 24 << 20
 
 
-def l2_head_group(rows: int, h: int, itemsize: int, heads_per_read: int) -> int:
-  """(Batch row, head) pairs per `head_group` whose shared reads fit `_L2_BUDGET`:
-  each pair's block reads `rows` rows of two [rows, h] operands (K and V in the
-  forward and the dQ kernel, Q and dO in the dK/dV kernel), which
-  `heads_per_read` pairs share (GQA's query heads of one key/value head); a
-  power of two."""
-  per_pair = max(1, rows * h * 2 * itemsize // heads_per_read)
+def l2_head_group(rows: int, h: int, element_bytes: int, heads_per_read: int) -> int:
+  """(Batch row, head) pairs per `head_group` whose shared operands fit
+  `_L2_BUDGET`: each pair's blocks go over `rows` rows of [rows, h] operands of
+  `element_bytes` bytes an element together (K and V in the forward and the dQ
+  kernel, Q and dO in the dK/dV kernel, and with them the float32 dQ that the
+  one-kernel backward adds into), which `heads_per_read` pairs share (GQA's
+  query heads of one key/value head); a power of two."""
+  per_pair = max(1, rows * h * element_bytes // heads_per_read)
   return 1 << (max(1, _L2_BUDGET // per_pair).bit_length() - 1)
 
 
@@ -278,16 +279,27 @@ def _forward_head_group(args) -> int:
   """`l2_head_group` of the forward: K and V of a key/value head, shared by its
   query heads."""
   itemsize = jnp.dtype(args.query.dtype).itemsize
-  return l2_head_group(args.key.shape[1], args.query.shape[-1], itemsize,
+  return l2_head_group(args.key.shape[1], args.query.shape[-1], 2 * itemsize,
                        args.query.shape[2] // args.key.shape[2])
 
 
-def _backward_head_group(args) -> int:
+def _backward_head_group(args, fuse_dq: bool) -> int:
   """`l2_head_group` of the backward (both kernels take it), sized by the dK/dV
-  kernel's reads: Q and dO of a key/value head's query heads."""
+  kernel's reads, Q and dO of a key/value head's query heads, and under the
+  one-kernel backward (`fuse_dq`) by the float32 dQ of those heads too, which
+  its blocks add into: at bf16 twice the bytes, so half the heads.
+
+  H100, bf16, causal MHA H128 N16, forward+backward, the one kernel at the
+  group without dQ / with it (notes/MEASUREMENTS.md session 85): B8 T4096
+  3.913 / 3.673 ms (groups 8 / 4; 3.627 at 2), B2 T16384 13.880 / 12.753 (2 /
+  1), as the L2 model (tools/l2_model_attention.py) has it: the larger group's
+  Q, dO and dQ, about 32 MiB at B8 T4096, overflow the 50 MB L2 shared with
+  the neighbouring group's blocks."""
   itemsize = jnp.dtype(args.query.dtype).itemsize
   group = args.query.shape[2] // args.key.shape[2]
-  return l2_head_group(args.query.shape[1] * group, args.query.shape[-1], itemsize, 1)
+  element_bytes = 2 * itemsize + (4 if fuse_dq else 0)
+  return l2_head_group(args.query.shape[1] * group, args.query.shape[-1],
+                       element_bytes, 1)
 
 
 def _search_space(args):
@@ -474,13 +486,14 @@ def _bwd_heuristic(args) -> AttentionVjpConfig:
   # where `_backward_head_group` gives groups of one or two pairs (the dK/dV
   # kernel reads every query head of its key/value head). Why those lose is not
   # profiled yet.
-  mha = args.query.shape[2] == args.key.shape[2]
-  if _grouped_by_default(args) and mha:
-    config = dataclasses.replace(config, head_group=_backward_head_group(args))
   if args.query.shape[-1] == 128 and _common.register_split_lost():
     config = dataclasses.replace(config, **_SPLIT_LOST_H128_BACKWARD)
   elif _fuses_dq_by_default(args, config):
     config = dataclasses.replace(config, fuse_dq=True)
+  mha = args.query.shape[2] == args.key.shape[2]
+  if _grouped_by_default(args) and mha:
+    config = dataclasses.replace(
+        config, head_group=_backward_head_group(args, config.fuse_dq))
   return dataclasses.replace(config, kv_split=_kv_split(args, config.fuse_dq))
 
 
@@ -551,8 +564,9 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   """Whether the backward heuristic takes the one-kernel backward (`fuse_dq`):
   where it measured faster than the two kernels and the kernel takes the call.
 
-  The rule: causal, MHA H128 from two batch rows, not on the H100; without
-  causal, H128 (MHA or GQA) and MHA H64 at a power of two of 128-key blocks.
+  The rule: causal, MHA H128 from two batch rows (on the H100 from 16384
+  queries); without causal, H128 (MHA or GQA) and MHA H64 at a power of two of
+  128-key blocks.
   Measured on the H200 unless said (`tools/tune.py --ab fuse_dq=...`,
   forward+backward, the one kernel against the two; notes/MEASUREMENTS.md, the
   sessions named; the H100's exception last):
@@ -600,18 +614,31 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   through DRAM where cuDNN's backward moved 1.3 GB (L2 hit rate 80% against
   90%, about as many float32 dQ reductions): misses that the H200's bandwidth
   likely hides (`_common.is_h100`; the two kernels' traffic not measured).
+  Those runs had the one kernel's head group sized without its dQ; with it
+  (`_backward_head_group`, session 85) the one kernel ran 0.95-1.01x the two
+  kernels' speed up to 12288 queries (B8 T1536 0.950, B4 T4096 0.982, B16
+  T2048 0.990, B2 T8192 0.988, B32 T1024 1.006, B8 T4096 1.008, B2 T12288
+  1.002), and 1.003-1.033x from 16384 (B2 T16384 1.033, B4 T16384 1.027, B2
+  T32768 N8 1.003; B1 T32768 1.017, but one batch row stays on the two kernels
+  as on the H200): so on the H100 the one kernel takes causal calls from
+  `_H100_FUSED_CAUSAL_FROM` queries.
   """
   q, k = args.query, args.key
   h, mha = q.shape[-1], q.shape[2] == k.shape[2]
   if args.is_causal:
     serialized_at_one_row = q.shape[0] == 1
-    measured_faster = (mha and h == 128 and not serialized_at_one_row
-                       and not _common.is_h100())
+    h100_lost = _common.is_h100() and q.shape[1] < _H100_FUSED_CAUSAL_FROM
+    measured_faster = mha and h == 128 and not serialized_at_one_row and not h100_lost
   else:
     key_blocks = _common.cdiv(k.shape[1], _BWD_KEY_ROWS)
     power_of_two = (key_blocks & (key_blocks - 1)) == 0
     measured_faster = (h == 128 or (mha and h == 64)) and power_of_two
   return measured_faster and _fused_dq_takes(args, config)
+
+
+# Query rows from which the H100 takes the causal one-kernel backward
+# (`_fuses_dq_by_default`): measured faster at 16384 and 32768, even at 12288.
+_H100_FUSED_CAUSAL_FROM = 16384
 
 
 def _fused_dq_takes(args, config: AttentionVjpConfig) -> bool:
@@ -687,8 +714,8 @@ def _bwd_search_space(args):
   if _ordered_by_head_group(args):
     # Every config again in L2-sized head groups (the fused ones where the
     # kernel takes the group: without causal its blocks must fit at once).
-    g = _backward_head_group(args)
-    grouped = (dataclasses.replace(c, head_group=g) for c in tuple(out))
+    grouped = (dataclasses.replace(c, head_group=_backward_head_group(args, c.fuse_dq))
+               for c in tuple(out))
     out += [c for c in grouped if not c.fuse_dq or _fused_dq_takes(args, c)]
   # Every config again with the heuristic's split of each key/value head's
   # query heads (`AttentionVjpConfig.kv_split`, with and without the one-kernel
