@@ -287,14 +287,17 @@ def _backward_head_group(args, fuse_dq: bool) -> int:
   """`l2_head_group` of the backward (both kernels take it), sized by the dK/dV
   kernel's reads, Q and dO of a key/value head's query heads, and under the
   one-kernel backward (`fuse_dq`) by the float32 dQ of those heads too, which
-  its blocks add into: at bf16 twice the bytes, so half the heads.
+  its blocks add into: at 16-bit inputs twice the bytes, so half the heads.
 
   H100, bf16, causal MHA H128 N16, forward+backward, the one kernel at the
-  group without dQ / with it (notes/MEASUREMENTS.md session 85): B8 T4096
-  3.913 / 3.673 ms (groups 8 / 4; 3.627 at 2), B2 T16384 13.880 / 12.753 (2 /
-  1), as the L2 model (tools/l2_model_attention.py) has it: the larger group's
-  Q, dO and dQ, about 32 MiB at B8 T4096, overflow the 50 MB L2 shared with
-  the neighbouring group's blocks."""
+  group without dQ / with it (notes/MEASUREMENTS.md session 85, items 1-2): B8
+  T4096 3.913 / 3.673 ms (groups 8 / 4, one run each against the two kernels'
+  3.707 and 3.701), B2 T16384 13.880 (session 84, the two kernels at 13.441)
+  / 12.753 (the two kernels at 13.174; groups 2 / 1), as the L2 model
+  (tools/l2_model_attention.py) has it: the larger group's Q, dO and dQ, about
+  32 MiB at B8 T4096, overflow the 50 MB L2 shared with the neighbouring
+  group's blocks. The H200's causal MHA H128 heuristic (the one kernel) takes
+  the smaller group too: not measured there yet."""
   itemsize = jnp.dtype(args.query.dtype).itemsize
   group = args.query.shape[2] // args.key.shape[2]
   element_bytes = 2 * itemsize + (4 if fuse_dq else 0)
@@ -605,8 +608,8 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   with the statistics ran 0.87-0.97x their speed (B1 T4096, T8192 and T16384
   N16, B1 T1536 N32; session 82).
 
-  On the H100 causal takes the two kernels at every batch size: the one kernel
-  ran 0.90-0.97x their speed forward+backward (B32 T1024 N16 1.538 against
+  On the H100 causal took the two kernels at every batch size (session 84):
+  the one kernel ran 0.90-0.97x their speed forward+backward (B32 T1024 N16 1.538 against
   1.378 ms, B4 T4096 1.968 against 1.883, B8 T4096 3.908 against 3.746, B2
   T16384 13.880 against 13.441; session 84), while without causal it stays
   1.05-1.13x faster there (B4 and B8 T4096 N16 H128, B2 T8192 H64, B4 T4096
@@ -621,7 +624,7 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   1.002), and 1.003-1.033x from 16384 (B2 T16384 1.033, B4 T16384 1.027, B2
   T32768 N8 1.003; B1 T32768 1.017, but one batch row stays on the two kernels
   as on the H200): so on the H100 the one kernel takes causal calls from
-  `_H100_FUSED_CAUSAL_FROM` queries.
+  `_H100_FUSED_CAUSAL_FROM` queries (measured at N8 and N16).
   """
   q, k = args.query, args.key
   h, mha = q.shape[-1], q.shape[2] == k.shape[2]
@@ -758,7 +761,7 @@ def _check_backward_args(args) -> None:
 class MosaicGpuAttentionVjp(VjpOp):
   """FA3-style attention backward (`attention_kernel_bwd`): a dK/dV kernel and a
   dQ kernel (or one kernel for all three with `fuse_dq`, which the heuristic
-  takes at causal MHA H128 except on the H100: `_fuses_dq_by_default`; not
+  takes at causal MHA H128, on the H100 from 16384 queries: `_fuses_dq_by_default`; not
   where the register split is lost: `_SPLIT_LOST_H128_BACKWARD`), from the
   forward's ``lse`` (any implementation's)."""
 
