@@ -121,7 +121,8 @@ def simulate(call: Call, group: int, fused: bool, l2_bytes: float,
   pairs = call.batch * call.heads
   read = cache.read + pairs * tiles * kv_block  # K and V, once per block
   operand = pairs * call.length * call.head_dim * call.itemsize
-  least_written = 2 * operand + (2 * operand if fused else 0)  # dK, dV (+ float32 dQ)
+  dq = pairs * call.length * call.head_dim * 4  # float32
+  least_written = 2 * operand + (dq if fused else 0)  # dK, dV (+ dQ)
   return Traffic(read, cache.written + outputs, 4 * operand, least_written, now)
 
 

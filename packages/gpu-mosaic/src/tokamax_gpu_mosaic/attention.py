@@ -609,9 +609,9 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   N16, B1 T1536 N32; session 82).
 
   On the H100 causal took the two kernels at every batch size (session 84):
-  the one kernel ran 0.90-0.97x their speed forward+backward (B32 T1024 N16 1.538 against
-  1.378 ms, B4 T4096 1.968 against 1.883, B8 T4096 3.908 against 3.746, B2
-  T16384 13.880 against 13.441; session 84), while without causal it stays
+  the one kernel ran 0.90-0.97x their speed forward+backward (B32 T1024 N16
+  1.538 against 1.378 ms, B4 T4096 1.968 against 1.883, B8 T4096 3.908
+  against 3.746, B2 T16384 13.880 against 13.441), while without causal it stays
   1.05-1.13x faster there (B4 and B8 T4096 N16 H128, B2 T8192 H64, B4 T4096
   N32 K8). Under Nsight Compute at B8 T4096 causal the one kernel moved 2.9 GB
   through DRAM where cuDNN's backward moved 1.3 GB (L2 hit rate 80% against
@@ -761,9 +761,10 @@ def _check_backward_args(args) -> None:
 class MosaicGpuAttentionVjp(VjpOp):
   """FA3-style attention backward (`attention_kernel_bwd`): a dK/dV kernel and a
   dQ kernel (or one kernel for all three with `fuse_dq`, which the heuristic
-  takes at causal MHA H128, on the H100 from 16384 queries: `_fuses_dq_by_default`; not
-  where the register split is lost: `_SPLIT_LOST_H128_BACKWARD`), from the
-  forward's ``lse`` (any implementation's)."""
+  takes at causal MHA H128, on the H100 from 16384 queries:
+  `_fuses_dq_by_default`; not where the register split is lost:
+  `_SPLIT_LOST_H128_BACKWARD`), from the forward's ``lse`` (any
+  implementation's)."""
 
   op_name = "dot_product_attention"
   name = "mosaic_gpu"
