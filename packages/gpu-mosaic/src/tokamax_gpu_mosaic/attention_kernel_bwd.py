@@ -69,7 +69,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import sys
 from typing import Any, NamedTuple
 
@@ -625,13 +624,7 @@ class _DkvKernel(_Shape):
     kernels (notes/MEASUREMENTS.md, session 51). Under MHA, ptxas then spills
     56 B in the consumers and serializes their wgmmas (so does every other
     order of the same waits tried), as at H64 (244 -> 512 B)."""
-    # Experiment: TKX_MHA_OVERLAP_DQ=1 overlaps them under MHA too, where the
-    # one kernel runs with the statistics (`stats_in_accumulators`): so it
-    # compiles clean (offline, session 86: B2 T16384, B4 T16384, B8 T4096, B4
-    # T4096, B32 T1024 N16 and B2 T32768 N8 causal H128, 0 B).
-    mha = (os.environ.get("TKX_MHA_OVERLAP_DQ") == "1" and self.group == 1
-           and self.stats_in_accumulators)
-    return self.fused and (self.group > 1 or mha) and self.h == 128
+    return self.fused and self.group > 1 and self.h == 128
 
   @property
   def nk(self):
