@@ -16,6 +16,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import drhs_ab  # noqa: E402
 import experiment_overlay  # noqa: E402
+import grid_check  # noqa: E402
 import guard_cost  # noqa: E402
 import kernel_breakdown  # noqa: E402
 import l2_model  # noqa: E402
@@ -910,3 +911,32 @@ def test_none_check_random_and_shape_exclude_each_other(monkeypatch):
                                     "4096,2048,1024,8"])
   with pytest.raises(SystemExit):
     none_check.main()
+
+
+def test_grid_check_other_kinds_predicts_each_call_from_the_other_head_sharing():
+  """Two MHA and one GQA window call: each is predicted from the calls of the
+  other head sharing alone, never from its own kind; the registry's order
+  (cuDNN first) is scored beside."""
+  def key(b, heads):
+    q = f"bfloat16[{b},8192,16,128]"
+    kv = f"bfloat16[{b},8192,{heads},128]"
+    return (f"query={q} key={kv} value={kv} scale=0.088 is_causal=True "
+            "local_window=(1024, 0)")
+  def times(mosaic, cudnn):
+    t = {"mosaic_gpu": mosaic, "cudnn": cudnn}
+    return {"forward": t, "backward": dict(t), "step": {i: 2 * v for i, v in t.items()}}
+  op = "dot_product_attention"
+  mha2, mha4, gqa2 = key(2, 16), key(4, 16), key(2, 8)
+  by = {(op, mha2): times(1.0, 1.2), (op, mha4): times(2.0, 1.8),
+        (op, gqa2): times(0.9, 1.0)}
+  rows = {(r[1], r[2]): r for r in grid_check.other_kind_only(by)}
+  assert len(rows) == 9  # three calls, three directions
+  # MHA B2 from GQA B2 alone (its own MHA B4 is not consulted): Mosaic GPU.
+  _, _, _, chosen, regret, source, registry = rows[(mha2, "forward")]
+  assert (chosen, regret, source) == ("mosaic_gpu", 0.0, gqa2)
+  assert registry == pytest.approx(0.2)  # cuDNN first: 1.2 / 1.0
+  # MHA B4 from GQA B2 too: Mosaic GPU, 2.0 / 1.8 - 1 behind.
+  assert rows[(mha4, "forward")][3:5] == ("mosaic_gpu", pytest.approx(1 / 9))
+  # GQA B2 from the MHA calls, equally near in the largest distance: MHA B2,
+  # nearer in total.
+  assert rows[(gqa2, "step")][5] == mha2

@@ -16,6 +16,10 @@ pays where a forward's residuals tie it to its backward):
   the fastest measured at that call. The nearest other point is at least one
   grid step away, farther than a call between grid points is from its nearest:
   a pessimistic test of the rule.
+- other kinds alone: for ops whose kinds may answer for each other
+  (`nearest.KIND_FALLBACK`: attention's head sharing), each grid call
+  predicted from the calls of the other kinds only, as where its own kind has
+  no point within the radius, against the registry's order there;
 - with ``--baseline``: each bench row's shape (off the grid) as the rule would
   choose from the grid alone, against the fastest tokamax implementation that
   baseline measured there (its "tokamax <impl>" rows; same device kind).
@@ -127,6 +131,47 @@ def leave_one_out(by: dict) -> list[tuple]:
   return rows
 
 
+def other_kind_only(by: dict) -> list[tuple]:
+  """Each grid call of an op with `nearest.KIND_FALLBACK` predicted from the
+  calls of other kinds alone (what answers for a call whose own kind has no
+  point within the radius), beside what the registry's order would run: rows
+  of (op, key, direction, chosen, regret, source, registry's regret)."""
+  rows = []
+  for (op, key), times in sorted(by.items()):
+    if op not in nearest.KIND_FALLBACK:
+      continue
+    for direction in _DIRECTIONS:
+      if not times[direction]:
+        continue
+      directions = ("forward", "backward") if direction == "step" else (direction,)
+      aligned = nearest.tile_aligned(op, directions)
+      own = nearest._kind(key, aligned)  # pylint: disable=protected-access
+      others = [k for (o, k) in by
+                if o == op and nearest._kind(k, aligned) != own]  # pylint: disable=protected-access
+      grid, source = _grid_times(op, key, others, by, direction)
+      if grid is None:
+        continue
+      chosen = _pick(grid)
+      registry = _registry_first(op, times[direction])
+      rows.append((op, key, direction, chosen, _regret(times[direction], chosen), source,
+                   _regret(times[direction], registry)))
+  return rows
+
+
+def _report_other_kind(rows: list[tuple]) -> None:
+  print("## other kinds alone (each grid call predicted from calls of other kinds "
+        "only, as `nearest.KIND_FALLBACK` answers; against the registry's order)")
+  for op in sorted({r[0] for r in rows}):
+    for direction in _DIRECTIONS:
+      mine = [r for r in rows if r[0] == op and r[2] == direction]
+      if not mine:
+        continue
+      ours, registry = [r[4] for r in mine], [r[6] for r in mine]
+      print(f"{op} {direction}: {len(mine)} calls; other kinds: "
+            f"{sum(x <= 0.03 for x in ours)} within 3% (worst {max(ours):.1%}); "
+            f"registry order: {sum(x <= 0.03 for x in registry)} (worst {max(registry):.1%})")
+
+
 def _problem_keys() -> dict:
   """{bench problem name: (op, args key)} for the reference suite's problems."""
   keys = {}
@@ -208,6 +253,7 @@ def main() -> None:
   by = _times(shipped)
   _report("leave one out (grid calls predicted from the other grid calls)",
           leave_one_out(by))
+  _report_other_kind(other_kind_only(by))
   if args.baseline:
     _report(f"bench shapes against {args.baseline}", against_baseline(by, args.baseline))
 

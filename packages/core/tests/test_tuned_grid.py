@@ -89,6 +89,39 @@ def test_grouped_heads_and_cross_attention_are_other_kinds():
   assert nearest.nearest(gqa8, [gqa]) == gqa
 
 
+def _gqa(key: str, heads: int = 4) -> str:
+  """`key` (an `_attn` key) with `heads` key and value heads of its 16."""
+  for field in ("key", "value"):
+    for b_t in ("8,4096", "2,8192"):
+      key = key.replace(f"{field}=bfloat16[{b_t},16,", f"{field}=bfloat16[{b_t},{heads},")
+  return key
+
+
+def test_the_other_head_sharing_answers_where_its_own_has_no_call_near():
+  """`nearest.KIND_FALLBACK`: attention's MHA and GQA calls answer for each
+  other, only where a call's own kind has nothing within the radius, and only
+  through `op_nearest_keys` (the op's rules)."""
+  window = " local_window=(1024, 0)"
+  mha, gqa = _attn(2, 8192) + window, _gqa(_attn(2, 8192) + window)
+  op = "dot_product_attention"
+  assert nearest.nearest(mha, [gqa]) is None  # kinds apart without the op's rule
+  assert nearest.op_nearest_keys(op, mha, [gqa]) == [gqa]
+  assert nearest.op_nearest_keys(op, gqa, [mha]) == [mha]
+  # Its own kind within the radius answers, though the other kind is nearer
+  # (8 key heads of 16: 0.9 octave; B8 against B2: 1.6).
+  own, gqa8 = _attn(8, 8192) + window, _gqa(_attn(2, 8192) + window, heads=8)
+  assert nearest.op_nearest_keys(op, mha, [gqa8]) == [gqa8]
+  assert nearest.op_nearest_keys(op, mha, [gqa8, own]) == [own]
+  # Beyond the radius the other kind says nothing either.
+  assert nearest.op_nearest_keys(op, _attn(2, 128) + window, [gqa]) == []
+  # Only the head axis may differ: cross-attention (T != S) stays apart.
+  cross = gqa.replace("key=bfloat16[2,8192,", "key=bfloat16[2,4096,").replace(
+      "value=bfloat16[2,8192,", "value=bfloat16[2,4096,")
+  assert nearest.op_nearest_keys(op, mha, [cross]) == []
+  # Nor does another op take it (its kinds stay apart).
+  assert nearest.op_nearest_keys("layer_norm", mha, [gqa]) == []
+
+
 def test_nearest_ties_do_not_depend_on_order():
   a, b = _attn(4, 4096), _attn(16, 4096)
   assert nearest.nearest(_attn(8, 4096), [a, b]) == nearest.nearest(_attn(8, 4096), [b, a])
@@ -710,3 +743,26 @@ def test_h100_data_ranks_mosaic_gpu_first_at_sliding_windows(b, t, n, k, h, wind
   step = data.step_times("dot_product_attention", call)
   assert forward and min(forward, key=forward.get) == "mosaic_gpu", forward
   assert step and min(step, key=step.get) == "mosaic_gpu", step
+
+
+@pytest.mark.parametrize("b,t,h,window", [
+    (2, 8192, 64, 1024), (2, 8192, 128, 1024), (4, 4096, 128, 2048)])
+def test_h200_data_answers_mha_windows_from_its_gqa_windows(b, t, h, window):
+  """The H200's shipped grid has causal sliding windows under GQA alone (N32
+  K8 H128); an MHA window call takes their ranking (`nearest.KIND_FALLBACK`),
+  Mosaic GPU's forward first (0.90-0.94x cuDNN's time at those points), where
+  it took the registry's order, cuDNN first. On the H100, whose grid has MHA
+  window points, Mosaic GPU's forward ran 1.04-1.11x cuDNN's speed at such
+  calls (notes/MEASUREMENTS.md, sessions 82 and 86)."""
+  try:
+    folder = importlib.resources.files("tokamax_gpu_mosaic.tuned")
+  except ModuleNotFoundError:
+    pytest.skip("tokamax-gpu-mosaic is not installed")
+  text = (folder / "nvidia_h200" / "dot_product_attention_grid.json").read_text()
+  data = results.AutotuningResult.loads(text)
+  data = results.AutotuningResult(data.measurements, device_kind=None)  # any device
+  q = jax.ShapeDtypeStruct((b, t, 16, h), jnp.bfloat16)
+  call = tokamax.AttentionArgs(q, q, q, scale=h**-0.5, is_causal=True,
+                               local_window=(window, 0))
+  forward = data.measured_times("dot_product_attention", "forward", call)
+  assert forward and min(forward, key=forward.get) == "mosaic_gpu", forward

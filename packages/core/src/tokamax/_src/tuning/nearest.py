@@ -21,7 +21,9 @@ nearest measured call *of the same kind*:
 - within `radius_for(op)` octaves on every integer (`RADIUS`, 4x either way,
   unless the op's measurements say less): farther data says nothing about the
   call, and the registry's order stands (as where no call of its kind was
-  measured);
+  measured), but where an op names axes whose agreement may go
+  (`KIND_FALLBACK`: attention's head sharing), the nearest calls that differ
+  from the call only there answer first;
 - where an op's direction ranks its implementations by a size more than by the
   others (`SAME_SIZE_FIRST`: the attention forward by the head dim), a call of
   that size first; only where none is within the radius, one of any size;
@@ -140,6 +142,24 @@ POWERS_OF_TWO = {"dot_product_attention": (("key", 1), 128,
                                            _attention_one_kernel_backward_at_powers_of_two)}
 
 
+# Where no measured call of a call's kind is within the radius, the measured
+# calls that differ from it only in whether two arrays agree on an axis, per
+# op: ((array field, array field, axis), ...); the nearest of those answer for
+# it before the registry's order does (`op_nearest_keys`).
+#
+# Attention's head sharing: MHA (as many key as query heads) and GQA or MQA are
+# kinds apart (`_equal_positions`), so a call of one with points of the other
+# alone near took the registry's order, cuDNN first: the H200 grid has sliding
+# windows under GQA only. Measured on the shipped grids (`python
+# tools/grid_check.py --device D`, its "other head sharing" part;
+# notes/MEASUREMENTS.md, session 86): each attention grid call predicted from
+# the calls of the other head sharing alone picked within 3% of the fastest at
+# 130 / 118 / 121 of the H200's 133 calls (forward / backward / step; worst
+# regret 8.7 / 12.4 / 12.3%), the registry's order at 50 / 68 / 62 (worst 54 /
+# 39 / 41%); on the H100's 66: 64 / 58 / 59 against 39 / 31 / 31.
+KIND_FALLBACK = {"dot_product_attention": (("query", "key", 2), ("query", "value", 2))}
+
+
 # Implementations whose kernels compute whole tiles along a size, per (op,
 # direction): {implementation: ((array field, axis), tile)}. Between grid points
 # such an implementation's time follows its size rounded up to the tile, the
@@ -232,7 +252,7 @@ def parse(key: str) -> tuple[tuple, tuple[int, ...]]:
       dims = [int(d) for d in dims.split(",") if d]
       kind.append((name, _SAME_DTYPE.get(dtype, dtype), len(dims)))
       numbers += dims
-      arrays.append(dims)
+      arrays.append((name, dims))
     elif _FLOAT.match(value) and not _INT.fullmatch(value):
       kind.append((name, "float"))
     elif re.fullmatch(r"[-0-9(), ]+", value) and _INT.search(value):
@@ -245,8 +265,9 @@ def parse(key: str) -> tuple[tuple, tuple[int, ...]]:
   return tuple(kind), tuple(numbers)
 
 
-def _equal_positions(arrays: list[list[int]]) -> list[tuple]:
-  """For each pair of arrays of one rank, the axes where their sizes agree.
+def _equal_positions(arrays: list[tuple[str, list[int]]]) -> list[tuple]:
+  """For each pair of (field, sizes) arrays of one rank, the axes where their
+  sizes agree: ``("equal axes", field, field, (agree, ...))``.
 
   Attention's query and key agree on every axis in self-attention with as many
   key as query heads, not in GQA (N != K) or cross-attention (T != S). Measured
@@ -256,12 +277,25 @@ def _equal_positions(arrays: list[list[int]]) -> list[tuple]:
   apart.
   """
   out = []
-  for i, a in enumerate(arrays):
-    for j in range(i + 1, len(arrays)):
-      b = arrays[j]
+  for i, (name_a, a) in enumerate(arrays):
+    for name_b, b in arrays[i + 1:]:
       if len(a) == len(b):
-        out.append(("equal axes", i, j, tuple(x == y for x, y in zip(a, b))))
+        out.append(("equal axes", name_a, name_b, tuple(x == y for x, y in zip(a, b))))
   return out
+
+
+def _without_agreement(kind: tuple, axes: tuple[tuple[str, str, int], ...]) -> tuple:
+  """`kind` with whether the arrays of `axes` ((field, field, axis) triples,
+  `KIND_FALLBACK`) agree there left out."""
+  out = []
+  for entry in kind:
+    if entry[0] == "equal axes":
+      _, a, b, agree = entry
+      agree = tuple(None if (a, b, axis) in axes else same
+                    for axis, same in enumerate(agree))
+      entry = ("equal axes", a, b, agree)
+    out.append(entry)
+  return tuple(out)
 
 
 def distance(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[float, float]:
@@ -295,7 +329,8 @@ def nearest(key: str, measured: Iterable[str], radius: float = RADIUS,
 
 def nearest_keys(key: str, measured: Iterable[str], radius: float = RADIUS,
                  same_first: tuple[tuple[str, int], ...] = (),
-                 aligned: tuple | None = None) -> list[str]:
+                 aligned: tuple | None = None,
+                 fallback: tuple[tuple[str, str, int], ...] = ()) -> list[str]:
   """The measured keys of `key`'s kind within `radius` and within `TIE` of the
   nearest one's distance (largest and total), nearest first (then in sorted
   order, so that the answer does not depend on the order the data was loaded
@@ -305,24 +340,33 @@ def nearest_keys(key: str, measured: Iterable[str], radius: float = RADIUS,
   keys of `key`'s sizes there if one is within `radius`, else of any.
   `aligned`: (axes, tiles) (`tile_aligned`): only keys whose sizes there are
   multiples of the same largest tile as `key`'s.
+  `fallback`: (field, field, axis) triples (`KIND_FALLBACK`): where none of
+  `key`'s kind is within `radius`, the same search over the keys that differ
+  from it only in whether those arrays agree on those axes.
   """
   measured = sorted(set(measured))
-  if same_first:
-    own = _sizes_at(key, same_first)
-    same = [k for k in measured if _sizes_at(k, same_first) == own]
-    found = _nearest(key, same, radius, aligned)
+  for relaxed in ((), fallback) if fallback else ((),):
+    if same_first:
+      own = _sizes_at(key, same_first)
+      same = [k for k in measured if _sizes_at(k, same_first) == own]
+      found = _nearest(key, same, radius, aligned, relaxed)
+      if found:
+        return found
+    found = _nearest(key, measured, radius, aligned, relaxed)
     if found:
       return found
-  return _nearest(key, measured, radius, aligned)
+  return []
 
 
 def op_nearest_keys(op_name: str, key: str, measured: Iterable[str],
                     same_first: tuple[tuple[str, int], ...] = (),
                     directions: Iterable[str] = ("forward",)) -> list[str]:
   """`nearest_keys` under `op_name`'s rules for times of `directions`: its
-  radius (`radius_for`) and its tile kinds (`tile_aligned`)."""
+  radius (`radius_for`), its tile kinds (`tile_aligned`) and the kinds that
+  answer where its own has no call near (`KIND_FALLBACK`)."""
   return nearest_keys(key, measured, radius_for(op_name), same_first,
-                      tile_aligned(op_name, directions))
+                      tile_aligned(op_name, directions),
+                      KIND_FALLBACK.get(op_name, ()))
 
 
 def _largest_tile(size: int | None, tiles: tuple[int, ...]) -> int:
@@ -355,13 +399,18 @@ def _power_of_two(n: int) -> bool:
 
 
 def _nearest(key: str, measured: list[str], radius: float,
-             aligned: tuple | None = None) -> list[str]:
-  """The keys of `measured` (sorted) of `key`'s kind nearest to it within
-  `radius`, those within `TIE` of the nearest included, nearest first."""
-  kind, numbers = _kind(key, aligned), parse(key)[1]
+             aligned: tuple | None = None,
+             relaxed: tuple[tuple[str, str, int], ...] = ()) -> list[str]:
+  """The keys of `measured` (sorted) of `key`'s kind (but for the agreements
+  `relaxed` names: `_without_agreement`) nearest to it within `radius`, those
+  within `TIE` of the nearest included, nearest first."""
+  kind_of = lambda k: _kind(k, aligned)
+  if relaxed:
+    kind_of = lambda k: _without_agreement(_kind(k, aligned), relaxed)
+  kind, numbers = kind_of(key), parse(key)[1]
   near = []
   for other in measured:
-    if _kind(other, aligned) != kind:
+    if kind_of(other) != kind:
       continue
     other_numbers = parse(other)[1]
     d = distance(numbers, other_numbers)

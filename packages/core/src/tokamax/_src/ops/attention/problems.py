@@ -119,7 +119,9 @@ def grid_problems() -> list[Problem]:
   has no point within `nearest.RADIUS` of its own, so without them `None` took
   the registry's order, cuDNN, at MHA H64 windows where Mosaic GPU ran
   1.04-1.09x faster (H100, B2 T8192 N16 H64 W1024, B4 T4096 N16 H64 W2048;
-  notes/MEASUREMENTS.md, session 82, item 3)."""
+  notes/MEASUREMENTS.md, session 82, item 3). (Since session 86 the other
+  head sharing's points answer where a call's own kind has none near,
+  `nearest.KIND_FALLBACK`.)"""
   shapes = []
   for tokens, lengths in ((32768, (1024, 4096, 16384)), (8192, (1024, 4096)),
                           (32768, (1000, 4000, 15000)), (8192, (1000, 4000)),
