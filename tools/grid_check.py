@@ -144,10 +144,8 @@ def other_kind_only(by: dict) -> list[tuple]:
       if not times[direction]:
         continue
       directions = ("forward", "backward") if direction == "step" else (direction,)
-      aligned = nearest.tile_aligned(op, directions)
-      own = nearest._kind(key, aligned)  # pylint: disable=protected-access
-      others = [k for (o, k) in by
-                if o == op and nearest._kind(k, aligned) != own]  # pylint: disable=protected-access
+      own = nearest.op_kind(op, key, directions)
+      others = [k for (o, k) in by if o == op and nearest.op_kind(op, k, directions) != own]
       grid, source = _grid_times(op, key, others, by, direction)
       if grid is None:
         continue

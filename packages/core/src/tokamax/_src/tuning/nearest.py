@@ -369,6 +369,12 @@ def op_nearest_keys(op_name: str, key: str, measured: Iterable[str],
                       KIND_FALLBACK.get(op_name, ()))
 
 
+def op_kind(op_name: str, key: str, directions: Iterable[str] = ("forward",)) -> tuple:
+  """What a measured call must share with `key` to answer for it under
+  `op_name`'s rules for times of `directions` (before `KIND_FALLBACK`)."""
+  return _kind(key, tile_aligned(op_name, directions))
+
+
 def _largest_tile(size: int | None, tiles: tuple[int, ...]) -> int:
   """The first (largest) of `tiles` that divides `size`; 1 for none."""
   return next((t for t in tiles if size is not None and size % t == 0), 1)
