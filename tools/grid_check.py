@@ -135,7 +135,9 @@ def other_kind_only(by: dict) -> list[tuple]:
   """Each grid call of an op with `nearest.KIND_FALLBACK` predicted from the
   calls of other kinds alone (what answers for a call whose own kind has no
   point within the radius), beside what the registry's order would run: rows
-  of (op, key, direction, chosen, regret, source, registry's regret)."""
+  of (op, key, direction, chosen, regret, source, registry's regret); chosen,
+  regret and source None where no call of another kind is within the radius.
+  A regret is None too where the implementation chosen was not measured there."""
   rows = []
   for (op, key), times in sorted(by.items()):
     if op not in nearest.KIND_FALLBACK:
@@ -147,12 +149,11 @@ def other_kind_only(by: dict) -> list[tuple]:
       own = nearest.op_kind(op, key, directions)
       others = [k for (o, k) in by if o == op and nearest.op_kind(op, k, directions) != own]
       grid, source = _grid_times(op, key, others, by, direction)
-      if grid is None:
-        continue
-      chosen = _pick(grid)
+      chosen = _pick(grid) if grid else None
+      regret = None if chosen is None else _regret(times[direction], chosen)
       registry = _registry_first(op, times[direction])
-      rows.append((op, key, direction, chosen, _regret(times[direction], chosen), source,
-                   _regret(times[direction], registry)))
+      rows.append((op, key, direction, chosen, regret, source,
+                   None if registry is None else _regret(times[direction], registry)))
   return rows
 
 
@@ -162,12 +163,15 @@ def _report_other_kind(rows: list[tuple]) -> None:
   for op in sorted({r[0] for r in rows}):
     for direction in _DIRECTIONS:
       mine = [r for r in rows if r[0] == op and r[2] == direction]
-      if not mine:
+      scored = [r for r in mine if r[4] is not None and r[6] is not None]
+      if not scored:
         continue
-      ours, registry = [r[4] for r in mine], [r[6] for r in mine]
-      print(f"{op} {direction}: {len(mine)} calls; other kinds: "
+      ours, registry = [r[4] for r in scored], [r[6] for r in scored]
+      print(f"{op} {direction}: {len(scored)} of {len(mine)} calls have a call of "
+            f"another kind within the radius; from those: "
             f"{sum(x <= 0.03 for x in ours)} within 3% (worst {max(ours):.1%}); "
-            f"registry order: {sum(x <= 0.03 for x in registry)} (worst {max(registry):.1%})")
+            f"registry order: {sum(x <= 0.03 for x in registry)} "
+            f"(worst {max(registry):.1%})")
 
 
 def _problem_keys() -> dict:

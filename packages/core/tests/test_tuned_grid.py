@@ -92,7 +92,7 @@ def test_grouped_heads_and_cross_attention_are_other_kinds():
 def _gqa(key: str, heads: int = 4) -> str:
   """`key` (an `_attn` key) with `heads` key and value heads of its 16."""
   for field in ("key", "value"):
-    for b_t in ("8,4096", "2,8192"):
+    for b_t in ("8,4096", "2,8192", "8,8192"):
       key = key.replace(f"{field}=bfloat16[{b_t},16,", f"{field}=bfloat16[{b_t},{heads},")
   return key
 
@@ -114,6 +114,13 @@ def test_the_other_head_sharing_answers_where_its_own_has_no_call_near():
   assert nearest.op_nearest_keys(op, mha, [gqa8, own]) == [own]
   # Beyond the radius the other kind says nothing either.
   assert nearest.op_nearest_keys(op, _attn(2, 128) + window, [gqa]) == []
+  # The forward's head dim first holds there too: of the other kind, B8 H128
+  # (1.6 octaves away) before B2 H64 (1).
+  gqa_b8, gqa_h64 = _gqa(_attn(8, 8192) + window), _gqa(_attn(2, 8192) + window)
+  gqa_h64 = gqa_h64.replace(",128]", ",64]")
+  head_dim = nearest.same_size_first(op, "forward")
+  assert nearest.op_nearest_keys(op, mha, [gqa_b8, gqa_h64]) == [gqa_h64]
+  assert nearest.op_nearest_keys(op, mha, [gqa_b8, gqa_h64], head_dim) == [gqa_b8]
   # Only the head axis may differ: cross-attention (T != S) stays apart.
   cross = gqa.replace("key=bfloat16[2,8192,", "key=bfloat16[2,4096,").replace(
       "value=bfloat16[2,8192,", "value=bfloat16[2,4096,")
@@ -752,7 +759,7 @@ def test_h200_data_answers_mha_windows_from_its_gqa_windows(b, t, h, window):
   K8 H128); an MHA window call takes their ranking (`nearest.KIND_FALLBACK`),
   Mosaic GPU's forward first (0.90-0.94x cuDNN's time at those points), where
   it took the registry's order, cuDNN first. On the H100, whose grid has MHA
-  window points, Mosaic GPU's forward ran 1.04-1.11x cuDNN's speed at such
+  window points, Mosaic GPU's forward ran 1.06-1.11x cuDNN's speed at such
   calls (notes/MEASUREMENTS.md, sessions 82 and 86)."""
   try:
     folder = importlib.resources.files("tokamax_gpu_mosaic.tuned")

@@ -147,12 +147,12 @@ class AttentionVjpConfig:
   # T10240: one head at a time on the H200's 132 SMs) pack in rings (two
   # rings of 40: three at a time). Opt-in, in neither the heuristic nor the
   # search space: checked in the interpreter and natively (its cases in
-  # test_attention.py; H200, sessions 78 and 81). Offline
-  # (`tools/sm90_compile.py`) it compiles clean from two batch rows (B2
-  # T3072-T10240 N16 H128) and spills 56 B at one, as the one-kernel causal
-  # backward does, clean there too with `stats_in_accumulators`. Timed only in
-  # the spilled form: 0.84-1.02x one ring's speed (notes/MEASUREMENTS.md,
-  # session 78).
+  # test_attention.py; H200, session 81), not timed (session 78's 0.84-1.02x
+  # one ring's speed was an earlier in-kernel form, since replaced by these
+  # launches). Offline (`tools/sm90_compile.py`) it compiles clean from two
+  # batch rows (B2 T3072-T10240 N16 H128) and spills 56 B at one, as the
+  # one-kernel causal backward does, clean there too with
+  # `stats_in_accumulators` (notes/MEASUREMENTS.md, sessions 78 and 86).
   key_rings: int = 1
   # The dK/dV kernel's two score products start from the statistics rather
   # than zero: S^T from -lse2 / c (c = scale log2 e), dP^T from -delta, so

@@ -151,12 +151,13 @@ POWERS_OF_TWO = {"dot_product_attention": (("key", 1), 128,
 # kinds apart (`_equal_positions`), so a call of one with points of the other
 # alone near took the registry's order, cuDNN first: the H200 grid has sliding
 # windows under GQA only. Measured on the shipped grids (`python
-# tools/grid_check.py --device D`, its "other head sharing" part;
-# notes/MEASUREMENTS.md, session 86): each attention grid call predicted from
-# the calls of the other head sharing alone picked within 3% of the fastest at
-# 130 / 118 / 121 of the H200's 133 calls (forward / backward / step; worst
-# regret 8.7 / 12.4 / 12.3%), the registry's order at 50 / 68 / 62 (worst 54 /
-# 39 / 41%); on the H100's 66: 64 / 58 / 59 against 39 / 31 / 31.
+# tools/grid_check.py --device D`, its "other kinds alone" part;
+# notes/MEASUREMENTS.md, session 86): each attention grid call with a call of
+# the other head sharing within the radius (133 of the H200's 179, 66 of the
+# H100's), predicted from those alone, picked within 3% of the fastest at 130
+# / 118 / 121 of the H200's 133 (forward / backward / step; worst regret 8.7 /
+# 12.4 / 12.3%), the registry's order at 50 / 68 / 62 (worst 54 / 39 / 41%);
+# at 64 / 58 / 59 of the H100's 66 against 39 / 31 / 31.
 KIND_FALLBACK = {"dot_product_attention": (("query", "key", 2), ("query", "value", 2))}
 
 
@@ -345,14 +346,14 @@ def nearest_keys(key: str, measured: Iterable[str], radius: float = RADIUS,
   from it only in whether those arrays agree on those axes.
   """
   measured = sorted(set(measured))
-  for relaxed in ((), fallback) if fallback else ((),):
+  for without in ((), fallback) if fallback else ((),):
     if same_first:
       own = _sizes_at(key, same_first)
       same = [k for k in measured if _sizes_at(k, same_first) == own]
-      found = _nearest(key, same, radius, aligned, relaxed)
+      found = _nearest(key, same, radius, aligned, without)
       if found:
         return found
-    found = _nearest(key, measured, radius, aligned, relaxed)
+    found = _nearest(key, measured, radius, aligned, without)
     if found:
       return found
   return []
@@ -378,6 +379,15 @@ def op_kind(op_name: str, key: str, directions: Iterable[str] = ("forward",)) ->
 def _largest_tile(size: int | None, tiles: tuple[int, ...]) -> int:
   """The first (largest) of `tiles` that divides `size`; 1 for none."""
   return next((t for t in tiles if size is not None and size % t == 0), 1)
+
+
+@functools.lru_cache(maxsize=16384)
+def _relaxed_kind(key: str, aligned: tuple | None,
+                  without: tuple[tuple[str, str, int], ...]) -> tuple:
+  """`_kind`, but for the agreements `without` names (none: `_kind` itself).
+  Cached: dispatch compares a call's kind with every measured call's."""
+  kind = _kind(key, aligned)
+  return _without_agreement(kind, without) if without else kind
 
 
 def _kind(key: str, aligned: tuple | None) -> tuple:
@@ -406,17 +416,14 @@ def _power_of_two(n: int) -> bool:
 
 def _nearest(key: str, measured: list[str], radius: float,
              aligned: tuple | None = None,
-             relaxed: tuple[tuple[str, str, int], ...] = ()) -> list[str]:
-  """The keys of `measured` (sorted) of `key`'s kind (but for the agreements
-  `relaxed` names: `_without_agreement`) nearest to it within `radius`, those
+             without: tuple[tuple[str, str, int], ...] = ()) -> list[str]:
+  """The keys of `measured` (sorted) of `key`'s kind, but for the agreements
+  `without` names (`_without_agreement`), nearest to it within `radius`, those
   within `TIE` of the nearest included, nearest first."""
-  kind_of = lambda k: _kind(k, aligned)
-  if relaxed:
-    kind_of = lambda k: _without_agreement(_kind(k, aligned), relaxed)
-  kind, numbers = kind_of(key), parse(key)[1]
+  kind, numbers = _relaxed_kind(key, aligned, without), parse(key)[1]
   near = []
   for other in measured:
-    if kind_of(other) != kind:
+    if _relaxed_kind(other, aligned, without) != kind:
       continue
     other_numbers = parse(other)[1]
     d = distance(numbers, other_numbers)
