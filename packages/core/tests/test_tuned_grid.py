@@ -726,6 +726,18 @@ def test_shipped_data_keeps_only_this_repository_s_implementations():
   assert "tokamax-example-plugin" not in kept.versions
 
 
+def _shipped_attention_grid(device: str) -> results.AutotuningResult:
+  """gpu-mosaic's shipped attention grid of `device` (a device slug), as data
+  that answers on any device; skips where gpu-mosaic is not installed."""
+  try:
+    folder = importlib.resources.files("tokamax_gpu_mosaic.tuned")
+  except ModuleNotFoundError:
+    pytest.skip("tokamax-gpu-mosaic is not installed")
+  text = (folder / device / "dot_product_attention_grid.json").read_text()
+  data = results.AutotuningResult.loads(text)
+  return results.AutotuningResult(data.measurements, device_kind=None)
+
+
 @pytest.mark.parametrize("b,t,n,k,h,window", [
     (2, 8192, 16, 16, 64, 1024), (4, 4096, 16, 16, 64, 2048),
     (2, 8192, 32, 8, 128, 1024), (2, 8192, 16, 16, 128, 1024)])
@@ -735,13 +747,7 @@ def test_h100_data_ranks_mosaic_gpu_first_at_sliding_windows(b, t, n, k, h, wind
   (H100, `tools/none_check.py`, notes/MEASUREMENTS.md session 82, items 3 and
   7): before the grid had window points of each kind (MHA H64 and H128 beside
   GQA H128), `None` took the registry's order there, cuDNN's."""
-  try:
-    folder = importlib.resources.files("tokamax_gpu_mosaic.tuned")
-  except ModuleNotFoundError:
-    pytest.skip("tokamax-gpu-mosaic is not installed")
-  text = (folder / "nvidia_h100_80gb_hbm3" / "dot_product_attention_grid.json").read_text()
-  data = results.AutotuningResult.loads(text)
-  data = results.AutotuningResult(data.measurements, device_kind=None)  # any device
+  data = _shipped_attention_grid("nvidia_h100_80gb_hbm3")
   q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((b, t, k, h), jnp.bfloat16)
   call = tokamax.AttentionArgs(q, kv, kv, scale=h**-0.5, is_causal=True,
@@ -761,13 +767,7 @@ def test_h200_data_answers_mha_windows_from_its_gqa_windows(b, t, h, window):
   it took the registry's order, cuDNN first. On the H100, whose grid has MHA
   window points, Mosaic GPU's forward ran 1.06-1.11x cuDNN's speed at such
   calls (notes/MEASUREMENTS.md, sessions 82 and 86)."""
-  try:
-    folder = importlib.resources.files("tokamax_gpu_mosaic.tuned")
-  except ModuleNotFoundError:
-    pytest.skip("tokamax-gpu-mosaic is not installed")
-  text = (folder / "nvidia_h200" / "dot_product_attention_grid.json").read_text()
-  data = results.AutotuningResult.loads(text)
-  data = results.AutotuningResult(data.measurements, device_kind=None)  # any device
+  data = _shipped_attention_grid("nvidia_h200")
   q = jax.ShapeDtypeStruct((b, t, 16, h), jnp.bfloat16)
   call = tokamax.AttentionArgs(q, q, q, scale=h**-0.5, is_causal=True,
                                local_window=(window, 0))
