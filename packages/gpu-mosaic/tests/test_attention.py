@@ -1393,18 +1393,63 @@ _PING_PONGS = [
 ]
 
 
+# Score entries (B * N * T * S) above which `_reference_backward` goes by key
+# chunks: the dense reference's VJP holds several float32 [B, N, T, S] arrays
+# (16 GiB allocations at B1 T16384 N8), which ran three test workers out of an
+# 80 GB card (notes/MEASUREMENTS.md, sessions 84 and 87).
+_DENSE_REFERENCE_MAX_SCORES = 2**27
+
+
+def _reference_backward(q, key, v, dout, causal, scale,
+                        dense_scores=_DENSE_REFERENCE_MAX_SCORES):
+  """The float32 reference at HIGHEST precision on upcasts: its output, natural
+  lse ``[B, N, T]`` and ``(dq, dk, dv)``. Dense up to `dense_scores` score
+  entries, beyond by key chunks
+  (tokamax_xla_reference's `attention_chunked` and its backward: O(T * 512)
+  memory; `test_chunked_reference_matches_dense`)."""
+  up = lambda x: x.astype(jnp.float32)
+  (b, t, n, _), s = q.shape, key.shape[1]
+  if b * n * t * s <= dense_scores:
+    out = _reference(q, key, v, causal, scale)
+    grads = _reference_vjp(lambda q, key, v: _reference(q, key, v, causal, scale),
+                           (up(q), up(key), up(v)), up(dout))
+    return out, _reference_lse(q, key, causal, scale), grads
+  import tokamax_xla_reference  # lazy: another package, needed by these tests only
+  kw = dict(scale=scale, is_causal=causal, precision=HIGHEST)
+  primals = (up(q), up(key), up(v))
+  out, lse = jax.jit(functools.partial(tokamax_xla_reference.attention_chunked, **kw))(
+      *primals)
+  grads = jax.jit(functools.partial(tokamax_xla_reference.attention_chunked_backward,
+                                    **kw))(*primals, None, None, out, lse, up(dout))
+  return out, lse, grads[:3]
+
+
+@pytest.mark.parametrize("b,t,s,n,k,causal", [
+    (2, 640, 640, 4, 2, True),  # GQA, a partial last key chunk (640 = 512 + 128)
+    (1, 300, 1100, 2, 1, False),  # T < S, MQA, S no multiple of the chunk
+])
+def test_chunked_reference_matches_dense(b, t, s, n, k, causal):
+  # The long backward tests' reference (by key chunks) agrees with the dense one
+  # on the CPU, in float32: output, lse and each gradient.
+  q, key, v = _qkv(b, t, s, n, k, 64, jnp.bfloat16)
+  dout = _cotangent((b, t, n, 64), jnp.bfloat16)
+  dense = _reference_backward(q, key, v, dout, causal, 0.125)
+  chunked = _reference_backward(q, key, v, dout, causal, 0.125, dense_scores=0)
+  names = ("out", "lse", "dq", "dk", "dv")
+  for name, c, d in zip(names, jax.tree.leaves(chunked), jax.tree.leaves(dense)):
+    np.testing.assert_allclose(np.asarray(c), np.asarray(d), rtol=1e-5, atol=1e-5,
+                               err_msg=name)
+
+
 def _check_backward_config(b, t, s, n, k, h, causal, config, scale=None):
   """The backward alone with `config`, fed the XLA reference's output and lse."""
   q, key, v = _qkv(b, t, s, n, k, h, jnp.bfloat16)
   dout = _cotangent((b, t, n, h), jnp.bfloat16)
-  up = lambda x: x.astype(jnp.float32)
   scale = 1 / np.sqrt(h) if scale is None else scale
-  out = _reference(q, key, v, causal, scale).astype(jnp.bfloat16)
-  lse = _reference_lse(q, key, causal, scale)
+  out, lse, want = _reference_backward(q, key, v, dout, causal, scale)
   got = jax.jit(functools.partial(mat.mosaic_attention_bwd, scale=scale, causal=causal,
-                                  config=config))(q, key, v, out, dout, lse)
-  want = _reference_vjp(lambda q, key, v: _reference(q, key, v, causal, scale),
-                        (up(q), up(key), up(v)), up(dout))
+                                  config=config))(q, key, v, out.astype(jnp.bfloat16),
+                                                  dout, lse)
   for name, g, w in zip(("dq", "dk", "dv"), got, want):
     testing.assert_close(g, w, jnp.bfloat16, what=name, scale=2, gpu=True)
 
