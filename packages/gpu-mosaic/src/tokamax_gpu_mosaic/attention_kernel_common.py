@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import math
 import operator
-import os
 
 import jax.numpy as jnp
 from jax import lax
@@ -28,17 +27,6 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 WG_ROWS = 64  # rows per consumer warpgroup (one wgmma M)
 CTA_ROWS = 2 * WG_ROWS  # rows per block (two consumer warpgroups)
-
-
-def wait_output_stores() -> None:
-  """Before a block moves on (its next tile, or its end): its output tiles'
-  stores to global memory (O and lse, dK and dV, dQ) issued. Experiment:
-  TKX_STORE_READ_ONLY=1 waits only for the copies to read shared memory, as
-  the ragged_dot and GLU kernels do, instead of for the writes to land
-  (nothing in the kernel reads them back; the launch's end makes them
-  visible)."""
-  read_only = os.environ.get("TKX_STORE_READ_ONLY") == "1"
-  plgpu.wait_smem_to_gmem(0, wait_read_only=read_only)
 
 
 def block_grid(tiles: int, heads: int, batch: int, tile_axis: str,

@@ -855,7 +855,7 @@ class _Forward:
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(tiles.q_tile, r.o.at[blk.batch, pl.ds(r0, bq), blk.head])
     plgpu.copy_smem_to_gmem(lse_tile, r.lse.at[blk.batch, blk.head, pl.ds(r0, bq)])
-    akc.wait_output_stores()
+    plgpu.wait_smem_to_gmem(0)
 
   # -- Producer ----------------------------------------------------------------
 
