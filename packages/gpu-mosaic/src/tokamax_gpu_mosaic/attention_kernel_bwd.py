@@ -791,7 +791,7 @@ class _DkvKernel(_Shape):
       tile, out = staged[g]
       plgpu.copy_smem_to_gmem(tile, out.at[out_rows], commit_group=False)
     plgpu.commit_smem_to_gmem_group()
-    plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # as the forward's epilogue
 
   def kv_tiles(self, r: _DkvRefs, wg, step=None):
     """Consumer `wg`'s K and V tiles (V None in a dV-only pass). With `fuse_dq`,
@@ -1393,7 +1393,7 @@ class _DqKernel(_Shape):
     q_tile[...] = (dq * self.scale).astype(self.dtype)  # Q is no longer read
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_tile, r.dq.at[mine])
-    plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # as the forward's epilogue
 
   def key_steps(self, r, blk: _DqBlock, tile: _DqTile, n_clear, dq):
     """Every key tile of the block, masked where needed."""
