@@ -146,19 +146,27 @@ def run_problem(problem: Problem, implementations: list[str | None],
   (``vs_peer``) and relative L2 error against the reference candidate
   (``rel_err``, with ``tol``; outputs and gradients, the worst leaf). `method`:
   how to time (`benchmarking.METHODS`; None: the device's default)."""
-  inputs = problem.make_inputs()
   rows = []
   candidates = [(f"tokamax {i}" if i else AUTO_LABEL, lambda a, i=i: problem.call(a, i))
                 for i in implementations]
   candidates += list(problem.peers.items())
   labels = [label for label, _ in candidates]
+  directions = [d for d in directions if d in problem.directions]
+  try:
+    inputs = problem.make_inputs()
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    # E.g. out of device memory on a smaller card (the H100's 80 GB at
+    # ragged_dot's G256 fp8 problem): the problem's cells fail, the run goes on.
+    error = f"{type(e).__name__} making the inputs: {str(e)[:200]}"
+    return [dict(op=problem.op, shape=problem.name, direction=d, implementation=label,
+                 error=error) for d in directions for label in labels]
   # The reference runs first so that each candidate's output can be compared and freed.
   order = sorted(range(len(candidates)), key=lambda j: (
       problem.reference.index(labels[j]) if labels[j] in problem.reference
       else len(problem.reference)))
   tol = _pair_tolerance(problem.dtype)
   work = problem.flops or problem.bytes
-  for direction in (d for d in directions if d in problem.directions):
+  for direction in directions:
     by_label, contenders, reference = {}, {}, None
     base = dict(op=problem.op, shape=problem.name, direction=direction)
     for j in order:  # compile each, run it once, compare its output
