@@ -1,6 +1,7 @@
 """The benchmark suite runner on a tiny problem (the reference shapes need a GPU)."""
 
 import dataclasses
+import re
 import subprocess
 import types
 
@@ -70,15 +71,13 @@ def test_a_run_that_fails_when_its_output_is_read_is_a_failed_cell(monkeypatch):
   assert by_label["tokamax auto"]["ms"] > 0 and by_label["XLA (jnp)"]["ms"] > 0
 
 
-def test_a_problem_whose_inputs_cannot_be_made_is_failed_cells():
+def test_a_problem_whose_inputs_cannot_be_made_is_failed_cells(monkeypatch, capsys):
   """Making the inputs can fail (out of device memory on a smaller card): every
   cell of that problem fails with the reason, and the run goes on."""
-  base = _tiny_norm()
-
   def out_of_memory():
     raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 14.02GiB")
-  problem = dataclasses.replace(base, make_inputs=out_of_memory)
-  rows = bench_suite.run_problem(problem, [None, "xla"], iterations=2)
+  failing = dataclasses.replace(_tiny_norm(), make_inputs=out_of_memory)
+  rows = bench_suite.run_problem(failing, [None, "xla"], iterations=2)
   assert {(r["direction"], r["implementation"]) for r in rows} == {
       (d, label) for d in ("forward", "forward+backward")
       for label in ("tokamax auto", "tokamax xla", "XLA (jnp)")}
@@ -86,6 +85,15 @@ def test_a_problem_whose_inputs_cannot_be_made_is_failed_cells():
     assert r["error"].startswith("RuntimeError making the inputs: RESOURCE_EXHAUSTED")
     assert "ms" not in r
   assert "failed: RuntimeError making the inputs" in bench_suite.markdown_table(rows)
+
+  after = dataclasses.replace(_tiny_norm(), name="after 64x128")
+  for p in (failing, after):
+    p.reference, p.dtype = ("XLA (jnp)",), "float32"
+  monkeypatch.setattr(bench_suite, "quick_suite", lambda: [failing, after])
+  assert bench_suite.main(["layer_norm"], None, 1, [None], quick=True) == 0
+  out = capsys.readouterr().out
+  assert "| tiny 64x128 | forward | tokamax auto | failed: RuntimeError making" in out
+  assert re.search(r"\| after 64x128 \| forward \| tokamax auto \| \d+\.\d+ \|", out)
 
 
 def test_auto_is_compared_with_the_fastest_named_implementation(capsys):
