@@ -29,6 +29,7 @@ import sm90_compile  # noqa: E402
 import step_anatomy  # noqa: E402
 import trace_summary  # noqa: E402
 import tune  # noqa: E402
+from tokamax._src.tuning import context as tuning_context  # noqa: E402
 
 
 def _event(pid, name, ts, dur):
@@ -244,6 +245,28 @@ def test_tune_ab_env_traces_the_second_side_with_the_variable(capsys):
   with pytest.raises(SystemExit, match="same program"):
     tune.ab("op", _env_builders("TOKAMAX_TEST_SWITCH"), {}, 2,
             env={"TOKAMAX_TEST_OTHER": "1"})
+
+
+def _config_builders():
+  """`tune.ab` builders whose traced function is chosen by `_Op`'s config, looked
+  up in the active config source as dispatch would."""
+  def build():
+    config = tuning_context.active()[-1].lookup(_Op(), 64)
+    scale = 2.0 if config.chain_items else 3.0
+    return jax.jit(lambda x: x * scale), (jax.numpy.ones((8, 8)),)
+  return {"forward": build}
+
+
+def test_tune_ab_says_when_the_fields_change_nothing(capsys):
+  """Fields the heuristic already has at a call give both sides one program: the
+  A/B still times them (other calls of the run may differ) but says it is an
+  A/A run, so that its ratio is not read as the fields' effect."""
+  tune.ab("op shape (impl)", _config_builders(), {"chain_items": "True"}, 2)
+  out = capsys.readouterr().out
+  assert "heuristic / other" in out and "an A/A run" in out
+  tune.ab("op shape (impl)", _config_builders(), {"chain_items": "False"}, 2)
+  out = capsys.readouterr().out
+  assert "heuristic / other" in out and "A/A" not in out
 
 
 def test_tune_ab_backward_side_leaves_the_forward_untimed(capsys):

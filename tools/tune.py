@@ -173,7 +173,8 @@ def ab(title: str, builders: dict, fields: dict[str, str], iterations: int,
       continue
     if replaced and not changed.applied:
       raise SystemExit(f"--ab {label}: no Op's config has these fields")
-    if env and _same_program(*contenders.values()):
+    same = _same_program(*contenders.values())
+    if env and same:
       raise SystemExit(f"--ab-env {label}: both sides compiled to the same program "
                        "(nothing read the variables while tracing, or a cache "
                        "outside JAX's kept the first side's code)")
@@ -184,9 +185,13 @@ def ab(title: str, builders: dict, fields: dict[str, str], iterations: int,
             flush=True)
       continue
     a, b = base.median_evaluation_time_ms, other.median_evaluation_time_ms
+    # Fields equal to what the heuristic already picks at this call (of several
+    # calls, only some may differ): the ratio is then the run's noise, not the
+    # fields' effect (session 89 read such a run at B4 T16384 as a 3% loss).
+    same_note = "; the same program on both sides: an A/A run" if same else ""
     print(f"  {direction:<17} heuristic {a:8.3f} ms, {label} {b:8.3f} ms "
-          f"(heuristic / other {a / b:.3f}, {base.method}, {iterations} rounds)",
-          flush=True)
+          f"(heuristic / other {a / b:.3f}, {base.method}, {iterations} rounds"
+          f"{same_note})", flush=True)
 
 
 def _same_program(a: benchmarking.Contender, b: benchmarking.Contender) -> bool:
