@@ -108,6 +108,7 @@ def test_pytest_shard_refuses_a_shard_outside_its_count(index, count):
 class _Config:
   block: int = 64
   chain_items: bool = True
+  order: bool | None = None  # None: the kernel's own rule
 
 
 class _Op:
@@ -119,6 +120,11 @@ class _OtherOp:
   def heuristic_config(self, args):
     del args
     return None
+
+
+class _OrderedOp(_Op):
+  def heuristic_config(self, args):
+    return _Config(block=args, order=True)
 
 
 def test_tune_ab_replaces_fields_of_the_heuristic_config():
@@ -137,6 +143,10 @@ def test_tune_ab_replaces_fields_of_the_heuristic_config():
   # A value of another type than the field's ("false" is a string) is refused.
   with pytest.raises(ValueError, match="chain_items is a bool"):
     tune._Replaced({"chain_items": tune._literal("false")}).lookup(_Op(), 128)
+  # None, where the field admits it (back to the kernel's rule), and only there.
+  assert tune._Replaced({"order": None}).lookup(_OrderedOp(), 128) == _Config(block=128)
+  with pytest.raises(ValueError, match=r"chain_items is a bool \(True\)"):
+    tune._Replaced({"chain_items": tune._literal("None")}).lookup(_Op(), 128)
 
 
 class _BackwardOp(tune.VjpOp):

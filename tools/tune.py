@@ -101,8 +101,13 @@ class _Replaced:
     names = {f.name for f in dataclasses.fields(config)}
     if not set(self.fields) <= names:
       return None
+    # None is a value where the field's annotation admits it (`bool | None`:
+    # the kernel's own rule).
+    optional = {f.name for f in dataclasses.fields(config) if "None" in str(f.type)}
     for key, value in self.fields.items():
       current = getattr(config, key)
+      if value is None and key in optional:
+        continue
       if current is not None and type(value) is not type(current):
         raise ValueError(f"--ab {key}={value!r}: {type(config).__name__}.{key} is "
                          f"a {type(current).__name__} ({current!r})")
