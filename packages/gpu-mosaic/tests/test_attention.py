@@ -1059,6 +1059,9 @@ def test_backward_head_dim_256_configs():
                                                  stats_in_accumulators=True)),
     (64, 4, 4, 512, 512, mat.AttentionVjpConfig(128, 128, 2, fuse_dq=True,
                                                 stats_in_accumulators=True)),
+    # Its dQ additions overlapped under MHA (the H100's heuristic).
+    (128, 4, 4, 700, 640, mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True,
+                                                 overlap_dq_adds=True)),
     # H128's configs where the register split is lost (JAX >= 0.12): dK and dV
     # apart, 64-key dQ steps; in head groups and with ping-pong.
     (128, 4, 4, 512, 512, mat.AttentionVjpConfig(64, 64, 2, split_dkv=True)),
@@ -1570,6 +1573,9 @@ def test_backward_fuse_dq_config_refusals():
     mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True, key_rings=0)
   with pytest.raises(ValueError, match="dk_from_smem reads dS.T from the rows.*fuse_dq=False"):
     mat.AttentionVjpConfig(64, 128, 2, dk_from_smem=True)
+  with pytest.raises(ValueError, match="overlap_dq_adds=True orders the one-kernel.*"
+                     "fuse_dq=False"):
+    mat.AttentionVjpConfig(64, 128, 2, overlap_dq_adds=True)
 
 
 @pytest.mark.parametrize("t,causal,rings,why", [
@@ -1654,6 +1660,22 @@ def test_backward_stats_in_accumulators_resolution(fuse_dq, causal, soft_cap, gr
   assert kernel.stats_in_accumulators is taken
 
 
+@pytest.mark.parametrize("k,h,field,overlaps", [
+    (2, 128, None, True),  # GQA H128: the additions wait on DRAM
+    (4, 128, None, False),  # MHA: plain products spill with it
+    (2, 64, None, False),  # H64: spills with it
+    (4, 128, True, True),  # asked for (the H100's heuristic under causal MHA)
+    (2, 128, False, False),  # opted out
+])
+def test_backward_overlap_dq_adds_resolution(k, h, field, overlaps):
+  # `AttentionVjpConfig.overlap_dq_adds=None` is GQA H128's (the field's comment).
+  config = mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True, overlap_dq_adds=field)
+  kernel = akb._DkvKernel(b=2, tp=1024, n=4, h=h, group=4 // k, sp=1024,
+                          config=config, causal=True, feat=akc.PLAIN,
+                          dtype=jnp.bfloat16, scale=1.0, grads=("dk", "dv"))
+  assert kernel.overlaps_dq_adds is overlaps
+
+
 @pytest.mark.parametrize("t,s,block_q", [
     (1024, 1024, 64), (1000, 1100, 64), (700, 512, 128), (512, 512, 128),
     (640, 384, 64)])
@@ -1673,9 +1695,10 @@ def test_backward_fuse_dq_rank_order(t, s, block_q):
 
 
 @pytest.mark.parametrize("kw,fused", [
-    (dict(b=2, n=4, k=4, is_causal=True), True),
-    (dict(b=2, n=4, k=4, is_causal=True, dtype=jnp.float16), True),
-    (dict(b=2, n=4, k=4, t=1000, s=1100, is_causal=True), True),  # T < S, padded
+    (dict(b=8, n=16, k=16, t=2048, s=2048, is_causal=True), True),  # 2048 dK/dV blocks
+    (dict(b=8, n=16, k=16, t=2048, s=2048, is_causal=True, dtype=jnp.float16), True),
+    (dict(b=2, n=64, k=64, t=2000, s=2100, is_causal=True), True),  # T < S, padded
+    (dict(b=2, n=16, k=16, t=4096, s=4096, is_causal=True), False),  # 1024 blocks
     (dict(n=4, k=4, is_causal=True), False),  # one batch row: serialized wgmmas
     (dict(n=8, k=2, is_causal=True), False),  # GQA: measured slower
     (dict(n=4, k=1, is_causal=True), False),  # MQA
@@ -1712,40 +1735,62 @@ def test_backward_heuristic_fuses_dq_where_measured(kw, fused, monkeypatch):
     assert config in op.search_space(args)
 
 
-@pytest.mark.parametrize("kw,fused", [
-    (dict(b=2, n=4, k=4, is_causal=True), False),  # causal: the two kernels
-    (dict(b=8, n=16, k=16, t=4096, s=4096, is_causal=True), False),
-    (dict(b=2, n=16, k=16, t=12288, s=12288, is_causal=True), False),
-    (dict(b=2, n=16, k=16, t=16384, s=16384, is_causal=True), True),  # long: one
-    (dict(n=16, k=16, t=32768, s=32768, is_causal=True), False),  # one batch row
-    (dict(n=4, k=4), True),  # not causal: the one kernel, as on the H200
-    (dict(n=4, k=4, h=64), True),
+@pytest.mark.parametrize("kw,fused,overlapped", [
+    (dict(b=2, n=4, k=4, is_causal=True), False, None),  # T256: the two kernels
+    (dict(b=8, n=16, k=16, t=1536, s=1536, is_causal=True), False, None),
+    (dict(b=16, n=16, k=16, t=2048, s=2048, is_causal=True), True, True),  # from 2048
+    (dict(b=2, n=16, k=16, t=4096, s=4096, is_causal=True), False, None),  # 1024 blocks
+    (dict(b=8, n=16, k=16, t=4096, s=4096, is_causal=True), True, True),
+    (dict(b=2, n=16, k=16, t=16384, s=16384, is_causal=True), True, True),
+    (dict(n=16, k=16, t=32768, s=32768, is_causal=True), False, None),  # one batch row
+    (dict(b=2, n=32, k=8, t=4096, s=4096, is_causal=True), False, None),  # GQA
+    (dict(n=4, k=4), True, None),  # not causal: the one kernel, as on the H200
+    (dict(n=4, k=4, h=64), True, None),
 ])
-def test_backward_heuristic_fuses_dq_on_h100(kw, fused, monkeypatch):
-  # On the H100 the causal one-kernel backward ran 0.95-1.01x the two kernels'
-  # speed up to 12288 queries and 1.003-1.033x from 16384 (notes/MEASUREMENTS.md
-  # sessions 84-85); without causal it stays faster.
+def test_backward_heuristic_fuses_dq_on_h100(kw, fused, overlapped, monkeypatch):
+  # On the H100 the causal MHA one-kernel backward with its dQ additions
+  # overlapped ran 1.010-1.069x the two kernels' speed from 2048 queries (B2
+  # T8192 0.998) and lost at 1024 and 1536 (notes/MEASUREMENTS.md sessions
+  # 89-90); without causal it stays faster, not overlapped (untimed there).
   monkeypatch.setattr(_common, "is_h100", lambda: True)
   args = _args(**{"h": 128, **kw})
   op = mat.MosaicGpuAttentionVjp()
   config = op.heuristic_config(args)
-  assert config.fuse_dq == fused, config
+  assert (config.fuse_dq, config.overlap_dq_adds) == (fused, overlapped), config
   assert config in op.search_space(args)
 
 
-@pytest.mark.parametrize("is_h100", [False, True])
-def test_backward_head_group_counts_the_fused_dq(is_h100, monkeypatch):
-  # Causal MHA H128 bf16 at T4096: the dK/dV kernel's Q and dO take 2 MiB a
-  # head (8 heads fit the 24 MiB budget); the one kernel's float32 dQ doubles
-  # that (4 heads). The heuristic groups by the kernel it runs (H200: the one
-  # kernel; H100: the two), and the search space each config by its own.
-  monkeypatch.setattr(_common, "is_h100", lambda: is_h100)
+def test_backward_heuristic_overlaps_no_dq_adds_on_h200(monkeypatch):
+  # On the H200 the overlap ran slower under MHA (notes/MEASUREMENTS.md session
+  # 90): its one kernel keeps the kernel's own rule (GQA only), and its search
+  # space holds the overlap.
+  monkeypatch.setattr(_common, "is_h100", lambda: False)
   args = _args(b=8, t=4096, s=4096, n=16, k=16, h=128, is_causal=True)
   op = mat.MosaicGpuAttentionVjp()
   config = op.heuristic_config(args)
-  assert (config.fuse_dq, config.head_group) == ((False, 8) if is_h100 else (True, 4))
-  groups = {(c.fuse_dq, c.head_group) for c in op.search_space(args)}
-  assert groups == {(False, 0), (False, 8), (True, 0), (True, 4)}
+  assert config.fuse_dq and config.overlap_dq_adds is None, config
+  assert dataclasses.replace(config, overlap_dq_adds=True) in op.search_space(args)
+
+
+@pytest.mark.parametrize("is_h100,t,heuristic,groups", [
+    (False, 4096, (True, 4), {(False, 8), (True, 4)}),
+    (True, 1536, (False, 32), {(False, 32), (True, 16)}),
+])
+def test_backward_head_group_counts_the_fused_dq(is_h100, t, heuristic, groups,
+                                                 monkeypatch):
+  # Causal MHA H128 bf16: the dK/dV kernel's Q and dO take 2 MiB a head at T4096
+  # (8 heads fit the 24 MiB budget), 0.75 MiB at T1536 (32 heads); the one
+  # kernel's float32 dQ doubles that (4 and 16 heads). The heuristic groups by
+  # the kernel it runs (the H200 at T4096 and the H100 from 2048 queries: the
+  # one kernel; the H100 at T1536: the two), and the search space each config
+  # by its own.
+  monkeypatch.setattr(_common, "is_h100", lambda: is_h100)
+  args = _args(b=8, t=t, s=t, n=16, k=16, h=128, is_causal=True)
+  op = mat.MosaicGpuAttentionVjp()
+  config = op.heuristic_config(args)
+  assert (config.fuse_dq, config.head_group) == heuristic
+  assert {(c.fuse_dq, c.head_group) for c in op.search_space(args)} == groups | {
+      (False, 0), (True, 0)}
 
 
 class _Device:
@@ -1842,6 +1887,11 @@ _SAVERS = dict(stats_in_accumulators=True)
     # plain products (opted out).
     (8, 1000, 1000, 4, 4, 128, True, dict(fuse_dq=True)),
     (2, 1000, 1000, 4, 4, 128, True, dict(fuse_dq=True, stats_in_accumulators=False)),
+    # With its dQ additions overlapped under MHA (the H100's heuristic), in head
+    # groups, at lengths off the tiles and on them.
+    (8, 1000, 1000, 4, 4, 128, True, dict(fuse_dq=True, overlap_dq_adds=True)),
+    (4, 4096, 4096, 16, 16, 128, True, dict(fuse_dq=True, overlap_dq_adds=True,
+                                             head_group=4)),
 ])
 def test_backward_stats_in_accumulators(b, t, s, n, k, h, causal, config):
   # The dK/dV kernel's score products started from -lse2 / c and -delta.
@@ -1851,36 +1901,41 @@ def test_backward_stats_in_accumulators(b, t, s, n, k, h, causal, config):
 
 
 @gpu
-@pytest.mark.parametrize("t,k,h,causal", [
-    (4096, 8, 128, True),
-    (3000, 8, 128, True),  # not a multiple of the tiles
-    (4096, 8, 128, False),  # without causal: each block wraps around
-    (4096, 2, 128, False),  # GQA without causal
-    (4096, 8, 64, False),  # H64 without causal: 128-row steps
-    (16384, 8, 64, False),  # 128 key blocks a head, all resident at once
+@pytest.mark.parametrize("t,n,k,h,causal", [
+    (4096, 32, 32, 128, True),  # 2048 dK/dV blocks at two batch rows
+    (3000, 32, 32, 128, True),  # not a multiple of the tiles: 1536 blocks
+    (4096, 8, 8, 128, False),  # without causal: each block wraps around
+    (4096, 8, 2, 128, False),  # GQA without causal
+    (4096, 8, 8, 64, False),  # H64 without causal: 128-row steps
+    (16384, 8, 8, 64, False),  # 128 key blocks a head, all resident at once
 ])
-def test_backward_heuristic_fused_at_length(t, k, h, causal):
+def test_backward_heuristic_fused_at_length(t, n, k, h, causal):
   # The heuristic's one-kernel backward at realistic lengths (causal MHA in
-  # head groups, from two batch rows: at one it takes the two kernels).
-  # Where the register split is lost (JAX >= 0.12), H128 runs the two-pass
-  # dK/dV instead, and on the H100 causal runs the two kernels below
-  # `_H100_FUSED_CAUSAL_FROM` queries: checked here as well.
+  # head groups, from two batch rows and `_FUSED_CAUSAL_BLOCKS` dK/dV blocks:
+  # below, the two kernels). Where the register split is lost (JAX >= 0.12),
+  # H128 runs the two-pass dK/dV instead, and on the H100 causal runs the two
+  # kernels below `_H100_FUSED_CAUSAL_FROM` queries: checked here as well.
   b = 2 if causal else 1
-  args = _args(t=t, s=t, n=8, k=k, h=h, b=b, is_causal=causal)
+  args = _args(t=t, s=t, n=n, k=k, h=h, b=b, is_causal=causal)
   config = mat.MosaicGpuAttentionVjp().heuristic_config(args)
+  few_blocks = b * k * -(-t // 128) < mat._FUSED_CAUSAL_BLOCKS
   if h == 128 and _common.register_split_lost():
     assert config.split_dkv and not config.fuse_dq and config.block_kv == 64, config
-  elif causal and _common.is_h100() and t < mat._H100_FUSED_CAUSAL_FROM:
+  elif causal and (few_blocks or (_common.is_h100()
+                                  and t < mat._H100_FUSED_CAUSAL_FROM)):
     assert not config.fuse_dq and config.head_group, config
   else:
     assert config.fuse_dq and (config.head_group or not causal), config
-  _check_backward_config(b, t, t, 8, k, h, causal, config)
+    overlaps = causal and _common.is_h100()  # MHA on the H100
+    assert config.overlap_dq_adds is (True if overlaps else None), config
+  _check_backward_config(b, t, t, n, k, h, causal, config)
 
 
 @gpu
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("k", [4, 16])  # GQA; MHA (no Pallas store barriers)
-def test_backward_fuse_dq_is_deterministic(k, causal):
+# GQA; MHA (no Pallas store barriers), also with its dQ additions overlapped.
+@pytest.mark.parametrize("k,overlap", [(4, None), (16, None), (16, True)])
+def test_backward_fuse_dq_is_deterministic(k, overlap, causal):
   # Many blocks add into each query tile at once: the order of additions is
   # fixed by rank, so two runs agree bit for bit.
   b, t, n, h = 2, 4096, 16, 128
@@ -1891,7 +1946,7 @@ def test_backward_fuse_dq_is_deterministic(k, causal):
   lse = _reference_lse(q, key, causal, scale)
   bwd = jax.jit(functools.partial(
       mat.mosaic_attention_bwd, scale=scale, causal=causal,
-      config=mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True)))
+      config=mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True, overlap_dq_adds=overlap)))
   first = bwd(q, key, v, out, dout, lse)
   for _ in range(3):
     again = bwd(q, key, v, out, dout, lse)

@@ -215,20 +215,24 @@ def test_attention_backward_h128_split_dkv(features):
   _check_backward(q, k, v, config, **kw)
 
 
-@pytest.mark.parametrize("h,n,k,t,s,block_q,ping_pong,soft_cap", [
-    # GQA, T and S not multiples of the tile (T < S), two query heads a step loop.
-    (128, 4, 2, 300, 330, 64, False, None),
-    (128, 2, 1, 384, 384, 64, True, 20.0),  # ping-pong, a soft cap
-    (128, 2, 2, 200, 128, 64, False, None),  # T > S (S a tile multiple)
+@pytest.mark.parametrize("h,n,k,t,s,block_q,ping_pong,soft_cap,overlap", [
+    # GQA, T and S not multiples of the tile (T < S), two query heads a step
+    # loop (its dQ additions overlapped: GQA H128's default).
+    (128, 4, 2, 300, 330, 64, False, None, None),
+    (128, 2, 1, 384, 384, 64, True, 20.0, None),  # ping-pong, a soft cap
+    (128, 2, 2, 200, 128, 64, False, None, None),  # T > S (S a tile multiple)
     # H64's 128-row steps (they hung here before the test run's PJRT_NPROC:
     # notes/MOSAIC_GPU.md, session 36).
-    (64, 2, 1, 256, 256, 128, False, None),
-], ids=["gqa-odd", "ping-pong-cap", "t-gt-s", "h64-128-row-steps"])
-def test_attention_backward_fuse_dq(h, n, k, t, s, block_q, ping_pong, soft_cap):
+    (64, 2, 1, 256, 256, 128, False, None, None),
+    # MHA with its dQ additions overlapped (the H100's heuristic), T off the tile.
+    (128, 2, 2, 300, 300, 64, False, None, True),
+], ids=["gqa-odd", "ping-pong-cap", "t-gt-s", "h64-128-row-steps", "mha-overlap"])
+def test_attention_backward_fuse_dq(h, n, k, t, s, block_q, ping_pong, soft_cap, overlap):
   """dQ from the dK/dV kernel (`fuse_dq`): each step's dQ tile added in rank
   order (here by read, add, store: the interpreter runs the blocks one at a time
   in grid order, which is the rank order), against the XLA reference's VJP."""
-  config = mat.AttentionVjpConfig(block_q, 128, 2, ping_pong=ping_pong, fuse_dq=True)
+  config = mat.AttentionVjpConfig(block_q, 128, 2, ping_pong=ping_pong, fuse_dq=True,
+                                  overlap_dq_adds=overlap)
   q, key, v = (_normal((2, t, n, h), jnp.bfloat16), _normal((2, s, k, h), jnp.bfloat16),
                _normal((2, s, k, h), jnp.bfloat16))
   kw = {} if soft_cap is None else dict(logits_soft_cap=soft_cap)

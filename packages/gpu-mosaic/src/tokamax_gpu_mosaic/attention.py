@@ -494,6 +494,9 @@ def _bwd_heuristic(args) -> AttentionVjpConfig:
   elif _fuses_dq_by_default(args, config):
     config = dataclasses.replace(config, fuse_dq=True)
   mha = args.query.shape[2] == args.key.shape[2]
+  if config.fuse_dq and args.is_causal and mha and _common.is_h100():
+    # Faster on the H100, slower on the H200 (the field's comment).
+    config = dataclasses.replace(config, overlap_dq_adds=True)
   if _grouped_by_default(args) and mha:
     config = dataclasses.replace(
         config, head_group=_backward_head_group(args, config.fuse_dq))
@@ -567,8 +570,9 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   """Whether the backward heuristic takes the one-kernel backward (`fuse_dq`):
   where it measured faster than the two kernels and the kernel takes the call.
 
-  The rule: causal, MHA H128 from two batch rows (on the H100 from 16384
-  queries); without causal, H128 (MHA or GQA) and MHA H64 at a power of two of
+  The rule: causal, MHA H128 from two batch rows and `_FUSED_CAUSAL_BLOCKS`
+  dK/dV blocks (on the H100 from 2048 queries as well, its dQ additions
+  overlapped); without causal, H128 (MHA or GQA) and MHA H64 at a power of two of
   128-key blocks.
   Measured on the H200 unless said (`tools/tune.py --ab fuse_dq=...`,
   forward+backward, the one kernel against the two; notes/MEASUREMENTS.md, the
@@ -603,6 +607,12 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
     all of them, and ran 1.12-1.42x faster than with the plain products at
     seven (B8 T1536 0.698 against 0.897 ms, B16 T6000 15.157 against 21.279;
     session 81).
+  - Causal MHA H128 at fewer than 2048 dK/dV blocks (batch x heads x 128-key
+    blocks), against the two kernels at their own head groups (session 90):
+    the one kernel took 1.084x their time at B2 T2048 N16 (512 blocks),
+    1.029x at B2 T4096 and 1.020x at B4 T2048 (1024), 1.011x at B8 T1536
+    (1536); from 2048 it was faster: 0.981x at B8 T2048, 0.974x at B4 T4096
+    (and the grid's B32 T1024, 4096 blocks, above).
 
   At one batch row causal the two kernels stay: on the H100 the one kernel
   with the statistics ran 0.87-0.97x their speed (B1 T4096, T8192 and T16384
@@ -623,15 +633,24 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   T2048 0.990, B2 T8192 0.988, B32 T1024 1.006, B8 T4096 1.008, B2 T12288
   1.002), and 1.003-1.033x from 16384 (B2 T16384 1.033, B4 T16384 1.027, B2
   T32768 N8 1.003; B1 T32768 1.017, but one batch row stays on the two kernels
-  as on the H200): so on the H100 the one kernel takes causal calls from
-  `_H100_FUSED_CAUSAL_FROM` queries (measured at N8 and N16).
+  as on the H200). With its dQ additions overlapped as well
+  (`AttentionVjpConfig.overlap_dq_adds`, which the H100's heuristic takes with
+  it) and at its own head groups, the one kernel ran 1.010-1.069x the two
+  kernels' speed at B16 T2048, B4 and B8 T4096, B4 and B8 T8192 (B8 T8192
+  13.635 against 12.751 ms), even at B2 T8192 (0.998), and 1.001-1.047x its
+  own speed without the overlap at B2 and B4 T16384 N16 and B2 T16384 N8
+  (session 90). At T1024 and T1536 it lost (0.95x and 0.82x, at the two
+  kernels' larger head groups; session 89). So on the H100 the one kernel takes
+  causal calls from `_H100_FUSED_CAUSAL_FROM` queries.
   """
   q, k = args.query, args.key
   h, mha = q.shape[-1], q.shape[2] == k.shape[2]
   if args.is_causal:
     serialized_at_one_row = q.shape[0] == 1
+    blocks = q.shape[0] * k.shape[2] * _common.cdiv(k.shape[1], _BWD_KEY_ROWS)
     h100_lost = _common.is_h100() and q.shape[1] < _H100_FUSED_CAUSAL_FROM
-    measured_faster = mha and h == 128 and not serialized_at_one_row and not h100_lost
+    measured_faster = (mha and h == 128 and not serialized_at_one_row
+                       and blocks >= _FUSED_CAUSAL_BLOCKS and not h100_lost)
   else:
     key_blocks = _common.cdiv(k.shape[1], _BWD_KEY_ROWS)
     power_of_two = (key_blocks & (key_blocks - 1)) == 0
@@ -639,9 +658,13 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   return measured_faster and _fused_dq_takes(args, config)
 
 
-# Query rows from which the H100 takes the causal one-kernel backward
-# (`_fuses_dq_by_default`): measured faster at 16384 and 32768, even at 12288.
-_H100_FUSED_CAUSAL_FROM = 16384
+# dK/dV blocks (batch x heads x 128-key blocks) from which the causal MHA
+# one-kernel backward runs (`_fuses_dq_by_default`): on the H200 the two kernels
+# ran faster below (512-1536 blocks), the one kernel from 2048.
+_FUSED_CAUSAL_BLOCKS = 2048
+# Query rows from which the H100 takes it, its dQ additions overlapped: measured
+# faster from 2048 to 16384, slower at 1024 and 1536.
+_H100_FUSED_CAUSAL_FROM = 2048
 
 
 def _fused_dq_takes(args, config: AttentionVjpConfig) -> bool:
@@ -714,6 +737,11 @@ def _bwd_search_space(args):
            and not (c.ping_pong or c.ping_pong_dq or c.split_dkv))
   out += [c for c in fused
           if _bwd_fits(c, h, itemsize, segments) and _fused_dq_takes(args, c)]
+  if args.is_causal and h == 128 and args.query.shape[2] == args.key.shape[2]:
+    # Causal MHA: the one kernel with its dQ additions overlapped too (faster on
+    # the H100, slower on the H200: `AttentionVjpConfig.overlap_dq_adds`).
+    out += [dataclasses.replace(c, overlap_dq_adds=True) for c in tuple(out)
+            if c.fuse_dq]
   if _ordered_by_head_group(args):
     # Every config again in L2-sized head groups (the fused ones where the
     # kernel takes the group: without causal its blocks must fit at once).

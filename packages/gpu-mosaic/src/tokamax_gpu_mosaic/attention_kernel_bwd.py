@@ -185,6 +185,22 @@ class AttentionVjpConfig:
   # 140 B and serializing without either, 12 B with the first alone). Opt-in:
   # checked natively (test_attention.py's cases; H200, session 81), not timed.
   dk_from_smem: bool = False
+  # With fuse_dq: the producer issues a step's dQ addition before the previous
+  # one has landed, and frees its buffer once the copy has read it
+  # (`_DkvKernel.overlaps_dq_adds`); the rank order of the additions, and so
+  # the result, is unchanged. None: under GQA at H128, where the blocks' dQ rows
+  # outgrow L2 and the additions wait on DRAM (B2 T8192 N32 K8 H128 causal
+  # forward+backward 0.849x -> 0.925x the two kernels' speed; H200, session
+  # 51). Under MHA with the plain score products ptxas then spills 56 B and
+  # serializes the consumers' wgmmas (as at H64 under GQA, 244 -> 512 B); with
+  # `stats_in_accumulators` it compiles clean (offline, session 86: B2-B8
+  # T4096-T32768 N8-N16 causal H128, 0 B), and on the H100 the causal MHA one
+  # kernel then ran 0.8-9.4% faster with the overlap than without it at nine
+  # calls of B2-B32 T1024-T16384, 1.6-3.1% at six more (forward+backward,
+  # sessions 89-90); the H100's heuristic takes it there
+  # (`attention._bwd_heuristic`). On the H200 the same calls ran 1.1-2.3%
+  # slower with it (B16 T2048, B4 and B8 T4096, B4 T8192 N16; session 90).
+  overlap_dq_adds: bool | None = None
 
   def __post_init__(self):
     # A divisor of the 128-row padding; the P^T dO / dS K contractions run over
@@ -223,6 +239,9 @@ class AttentionVjpConfig:
     if self.dk_from_smem and not self.fuse_dq:
       raise ValueError("dk_from_smem reads dS^T from the rows the one-kernel "
                        "backward stages for dQ; got fuse_dq=False")
+    if self.overlap_dq_adds is not None and not self.fuse_dq:
+      raise ValueError(f"overlap_dq_adds={self.overlap_dq_adds} orders the "
+                       "one-kernel backward's dQ additions; got fuse_dq=False")
 
   def pass_block_q(self, grads: tuple[str, ...]) -> int:
     """Query rows per step of the dK/dV kernel run for `grads`."""
@@ -618,13 +637,12 @@ class _DkvKernel(_Shape):
   @property
   def overlaps_dq_adds(self) -> bool:
     """Whether the producer issues a step's dQ addition before the previous one
-    has landed (and frees its buffer once the copy has read it): under GQA at
-    H128, where the blocks' dQ rows outgrow L2 and the additions wait on DRAM;
-    B2 T8192 N32 K8 H128 causal forward+backward 0.849x -> 0.925x the two
-    kernels (notes/MEASUREMENTS.md, session 51). Under MHA, ptxas then spills
-    56 B in the consumers and serializes their wgmmas (so does every other
-    order of the same waits tried), as at H64 (244 -> 512 B)."""
-    return self.fused and self.group > 1 and self.h == 128
+    has landed (`AttentionVjpConfig.overlap_dq_adds`; None: under GQA at H128,
+    the field's comment says why)."""
+    wanted = self.config.overlap_dq_adds
+    if wanted is None:
+      wanted = self.group > 1 and self.h == 128
+    return self.fused and wanted
 
   @property
   def nk(self):
