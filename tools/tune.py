@@ -103,7 +103,8 @@ class _Replaced:
       return None
     # None is a value where the field's annotation admits it (`bool | None`:
     # the kernel's own rule).
-    optional = {f.name for f in dataclasses.fields(config) if "None" in str(f.type)}
+    optional = {f.name for f in dataclasses.fields(config)
+                if "None" in str(f.type) or "Optional" in str(f.type)}
     for key, value in self.fields.items():
       current = getattr(config, key)
       if value is None and key in optional:

@@ -637,7 +637,7 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   (`AttentionVjpConfig.overlap_dq_adds`, which the H100's heuristic takes with
   it) and at its own head groups, the one kernel ran 1.010-1.069x the two
   kernels' speed at B16 T2048, B4 and B8 T4096, B4 and B8 T8192 (B8 T8192
-  13.635 against 12.751 ms), even at B2 T8192 (0.998), and 1.001-1.047x its
+  12.751 against 13.635 ms), 0.998x at B2 T8192, and 1.001-1.047x its
   own speed without the overlap at B2 and B4 T16384 N16 and B2 T16384 N8
   (session 90). At T1024 and T1536 it lost (0.95x and 0.82x, at the two
   kernels' larger head groups; session 89). So on the H100 the one kernel takes
@@ -663,7 +663,7 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
 # ran faster below (512-1536 blocks), the one kernel from 2048.
 _FUSED_CAUSAL_BLOCKS = 2048
 # Query rows from which the H100 takes it, its dQ additions overlapped: measured
-# faster from 2048 to 16384, slower at 1024 and 1536.
+# faster at 2048-16384 queries (0.998x at B2 T8192), slower at 1024 and 1536.
 _H100_FUSED_CAUSAL_FROM = 2048
 
 
