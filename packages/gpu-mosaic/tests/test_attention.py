@@ -1956,6 +1956,29 @@ def test_backward_heuristic_fused_at_length(t, n, k, h, causal, one_kernel):
 
 
 @gpu
+@pytest.mark.parametrize("b,t,n,k,h,window", [
+    (2, 4096, 32, 8, 128, None),  # the dense step's attention: 16 pairs
+    (4, 3000, 16, 4, 64, None),  # not a multiple of the tiles
+    (2, 2500, 32, 8, 256, None),  # H256's split dK/dV
+    (2, 4096, 32, 8, 128, (1024, 0)),  # a causal sliding window
+])
+def test_backward_heuristic_gqa_head_groups_at_length(b, t, n, k, h, window):
+  # The causal GQA heuristic's two kernels in head groups of 4 (batch row,
+  # key/value head) pairs, at realistic lengths: the heuristic's from 4096 keys,
+  # named below (the same kernels, off the tiles).
+  args = _args(t=t, s=t, n=n, k=k, h=h, b=b, is_causal=True, local_window_size=window)
+  config = mat.MosaicGpuAttentionVjp().heuristic_config(args)
+  assert config.kv_split == 1 and not config.fuse_dq, config
+  assert config.head_group == (4 if t >= 4096 else 0), config
+  config = dataclasses.replace(config, head_group=4)
+  if window is None:
+    _check_backward_config(b, t, t, n, k, h, True, config)
+  else:
+    _check_bwd_features_direct(b, t, t, n, k, h, config=config, causal=True,
+                               window=window)
+
+
+@gpu
 @pytest.mark.parametrize("causal", [True, False])
 # GQA; MHA (no Pallas store barriers), also with its dQ additions overlapped.
 @pytest.mark.parametrize("k,overlap", [(4, None), (16, None), (16, True)])
@@ -2866,8 +2889,18 @@ def test_head_group_configs():
   # dK/dV kernel reads those 4 heads' Q and dO.
   gqa = _args(t=4096, s=4096, n=16, k=4, h=128, is_causal=True)
   assert fwd.heuristic_config(gqa).head_group == 32
-  assert bwd.heuristic_config(gqa).head_group == 0  # measured slower under GQA
-  assert 2 in {c.head_group for c in bwd.search_space(gqa)}
+  # The backward: groups of 4 pairs (the L2 sizes, 1-2 pairs, measured slower)
+  # at 4096-8192 keys, each key/value head unsplit (at B1 here: split in two).
+  assert bwd.heuristic_config(gqa).head_group == 0
+  gqa = _args(t=4096, s=4096, n=16, k=4, h=128, b=2, is_causal=True)
+  assert bwd.heuristic_config(gqa).head_group == 4
+  assert {c.head_group for c in bwd.search_space(gqa)} == {0, 4}
+  for t, group in ((2048, 0), (8192, 4), (8320, 0), (16384, 0)):
+    args = _args(t=t, s=t, n=16, k=4, h=128, b=4, is_causal=True)
+    assert bwd.heuristic_config(args).kv_split == 1, t
+    assert bwd.heuristic_config(args).head_group == group, t
+  gqa_full = _args(t=4096, s=4096, n=16, k=4, h=128, is_causal=False)
+  assert bwd.heuristic_config(gqa_full).head_group == 0
   # A causal sliding window: grouped. A two-sided window alone (dynamic key
   # ranges, not measured grouped): in the search space only.
   sliding = _args(t=4096, s=4096, n=16, k=16, h=128, is_causal=True,

@@ -297,7 +297,13 @@ def _backward_head_group(args, fuse_dq: bool) -> int:
   (tools/l2_model_attention.py) has it: the larger group's Q, dO and dQ, about
   32 MiB at B8 T4096, overflow the 50 MB L2 shared with the neighbouring
   group's blocks. The H200's causal MHA H128 heuristic (the one kernel) takes
-  the smaller group too: not measured there yet."""
+  the smaller group too: even with groups of 2 at B2 and B1 T16384 (12.352 /
+  12.396, 6.601 / 6.602 ms; session 91).
+
+  Under GQA a fixed `_GQA_BACKWARD_HEAD_GROUP` (`_groups_gqa_backward`): the
+  L2-sized groups (one or two pairs there) measured slower than no group."""
+  if args.query.shape[2] != args.key.shape[2]:
+    return _GQA_BACKWARD_HEAD_GROUP
   itemsize = jnp.dtype(args.query.dtype).itemsize
   group = args.query.shape[2] // args.key.shape[2]
   element_bytes = 2 * itemsize + (4 if fuse_dq else 0)
@@ -481,14 +487,13 @@ def _bwd_fits(config: AttentionVjpConfig, head_dim: int, itemsize: int,
 
 def _bwd_heuristic(args) -> AttentionVjpConfig:
   config = _bwd_heuristic_tiles(args)
-  # Head groups where each query head has its own K and V (MHA). H200, bf16,
-  # grouped against not (notes/MEASUREMENTS.md session 32): MHA causal
-  # backward 1.03-1.14x at every grid shape (H64-H256, T1024-T16384); under GQA
-  # 0.94-1.06x on the grid, and 1-12% slower at the bench's GQA rows (B2 T8192
-  # N32 K8 H128 causal 7.025 -> 7.283 ms forward+backward, H256 2.256 -> 2.530),
-  # where `_backward_head_group` gives groups of one or two pairs (the dK/dV
-  # kernel reads every query head of its key/value head). Why those lose is not
-  # profiled yet.
+  # Head groups: L2-sized where each query head has its own K and V (MHA). H200,
+  # bf16, grouped against not (notes/MEASUREMENTS.md session 32): MHA causal
+  # backward 1.03-1.14x at every grid shape (H64-H256, T1024-T16384). Under GQA
+  # the L2 sizes (one or two pairs: the dK/dV kernel reads every query head of
+  # its key/value head) were 1-12% slower at the bench's GQA rows (B2 T8192 N32
+  # K8 H128 causal 7.025 -> 7.283 ms forward+backward, H256 2.256 -> 2.530);
+  # groups of 4 pairs win at 4096-8192 keys (`_groups_gqa_backward`).
   if args.query.shape[-1] == 128 and _common.register_split_lost():
     config = dataclasses.replace(config, **_SPLIT_LOST_H128_BACKWARD)
   elif _fuses_dq_by_default(args, config):
@@ -497,10 +502,34 @@ def _bwd_heuristic(args) -> AttentionVjpConfig:
   if config.fuse_dq and args.is_causal and mha and _common.is_h100():
     # Faster on the H100, slower on the H200 (the field's comment).
     config = dataclasses.replace(config, overlap_dq_adds=True)
-  if _grouped_by_default(args) and mha:
+  kv_split = _kv_split(args, config.fuse_dq)
+  if _grouped_by_default(args) and (mha or _groups_gqa_backward(args, kv_split)):
     config = dataclasses.replace(
         config, head_group=_backward_head_group(args, config.fuse_dq))
-  return dataclasses.replace(config, kv_split=_kv_split(args, config.fuse_dq))
+  return dataclasses.replace(config, kv_split=kv_split)
+
+
+# (Batch row, key/value head) pairs a head group of the GQA backward, which its
+# heuristic takes at the key counts measured faster, `_GQA_GROUPED_KEYS`.
+_GQA_BACKWARD_HEAD_GROUP = 4
+_GQA_GROUPED_KEYS = (4096, 8192)
+
+
+def _groups_gqa_backward(args, kv_split: int) -> bool:
+  """Whether the causal GQA backward heuristic orders its blocks in head groups
+  (`_GQA_BACKWARD_HEAD_GROUP` pairs): from 4096 to 8192 keys (shorter calls
+  are not measured grouped yet), each key/value head unsplit (`kv_split` 1:
+  split heads were not measured grouped either).
+
+  Forward+backward, causal, the two kernels grouped against tile-major
+  (`tools/tune.py --ab head_group=4|8`, notes/MEASUREMENTS.md sessions 89 and
+  91). H200: N32 K8 H128 1.2-3.5% faster at B2-B8 T4096-T8192 (groups of 4 and
+  8 alike), H256 B2 T4096 2.4%, H64 B4 T4096 0.9%, N16 K4 and MQA N8 K1 at T8192
+  0.5-0.8%; N64 K8 B2 T8192 0.4% slower. H100: N32 K8 1.3-3.5% at T4096-T8192.
+  At 16384 keys 0.6-2.4% slower at B1 on both devices and at B2 on the H100
+  with groups of 4 (B2 on the H200 with 8: 1.0% faster): not taken there."""
+  low, high = _GQA_GROUPED_KEYS
+  return low <= args.key.shape[1] <= high and kv_split == 1
 
 
 def _kv_split(args, fuse_dq: bool) -> int:
