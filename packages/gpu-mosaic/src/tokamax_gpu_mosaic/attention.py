@@ -297,8 +297,8 @@ def _backward_head_group(args, fuse_dq: bool) -> int:
   (tools/l2_model_attention.py) has it: the larger group's Q, dO and dQ, about
   32 MiB at B8 T4096, overflow the 50 MB L2 shared with the neighbouring
   group's blocks. The H200's causal MHA H128 heuristic (the one kernel) takes
-  the smaller group too: even with groups of 2 at B2 and B1 T16384 (12.352 /
-  12.396, 6.601 / 6.602 ms; session 91).
+  the smaller group too, which ran as fast as groups of 2 there at B2 and B1
+  T16384 (12.352 / 12.396, 6.601 / 6.602 ms; session 91).
 
   Under GQA a fixed `_GQA_BACKWARD_HEAD_GROUP` (`_groups_gqa_backward`): the
   L2-sized groups (one or two pairs there) measured slower than no group."""
@@ -523,7 +523,7 @@ def _groups_gqa_backward(args, kv_split: int) -> bool:
 
   Forward+backward, causal, the two kernels grouped against tile-major
   (`tools/tune.py --ab head_group=4|8`, notes/MEASUREMENTS.md sessions 89 and
-  91). H200: N32 K8 H128 1.2-3.5% faster at B2-B8 T4096-T8192 (groups of 4 and
+  91). H200: N32 K8 H128 1.0-3.5% faster at B2-B8 T4096-T8192 (groups of 4 and
   8 alike), H256 B2 T4096 2.4%, H64 B4 T4096 0.9%, N16 K4 and MQA N8 K1 at T8192
   0.5-0.8%; N64 K8 B2 T8192 0.4% slower. H100: N32 K8 1.3-3.5% at T4096-T8192.
   At 16384 keys 0.6-2.4% slower at B1 on both devices and at B2 on the H100
