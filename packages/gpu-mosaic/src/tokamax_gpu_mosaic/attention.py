@@ -260,9 +260,9 @@ def _ordered_by_head_group(args) -> bool:
 
 
 def _grouped_by_default(args) -> bool:
-  """Whether the heuristics order the blocks in L2-sized head groups: causal
-  calls, the ones measured (the forward's; the backward's under MHA only:
-  `_bwd_heuristic`). Other dynamic calls (two-sided windows, lengths or
+  """Whether the heuristics order the blocks in head groups: causal calls, the
+  ones measured (the forward's; the backward's under MHA, and under GQA where
+  `_groups_gqa_backward` says: `_bwd_heuristic`). Other dynamic calls (two-sided windows, lengths or
   segment ids without causal masking) have the groups in the search space only.
 
   H200, bf16, tools/tune.py --grid --ab head_group=8 (notes/MEASUREMENTS.md
@@ -503,33 +503,38 @@ def _bwd_heuristic(args) -> AttentionVjpConfig:
     # Faster on the H100, slower on the H200 (the field's comment).
     config = dataclasses.replace(config, overlap_dq_adds=True)
   kv_split = _kv_split(args, config.fuse_dq)
-  if _grouped_by_default(args) and (mha or _groups_gqa_backward(args, kv_split)):
+  if (mha and _grouped_by_default(args)) or _groups_gqa_backward(args, kv_split):
     config = dataclasses.replace(
         config, head_group=_backward_head_group(args, config.fuse_dq))
   return dataclasses.replace(config, kv_split=kv_split)
 
 
-# (Batch row, key/value head) pairs a head group of the GQA backward, which its
-# heuristic takes at the key counts measured faster, `_GQA_GROUPED_KEYS`.
+# Pairs a head group of the GQA backward: (batch row, key/value head) pairs in the
+# dK/dV kernel, (batch row, query head) pairs in the dQ kernel. Its heuristic
+# takes them at the key counts measured faster, `_GQA_GROUPED_KEYS`.
 _GQA_BACKWARD_HEAD_GROUP = 4
 _GQA_GROUPED_KEYS = (4096, 8192)
 
 
 def _groups_gqa_backward(args, kv_split: int) -> bool:
-  """Whether the causal GQA backward heuristic orders its blocks in head groups
-  (`_GQA_BACKWARD_HEAD_GROUP` pairs): from 4096 to 8192 keys (shorter calls
-  are not measured grouped yet), each key/value head unsplit (`kv_split` 1:
-  split heads were not measured grouped either).
+  """Whether the backward heuristic orders a GQA call's blocks in head groups
+  (`_GQA_BACKWARD_HEAD_GROUP` pairs): causal (`_grouped_by_default`), from 4096
+  to 8192 keys (shorter calls are not measured grouped yet), each key/value
+  head unsplit (`kv_split` 1: split heads were not measured grouped either).
 
   Forward+backward, causal, the two kernels grouped against tile-major
   (`tools/tune.py --ab head_group=4|8`, notes/MEASUREMENTS.md sessions 89 and
   91). H200: N32 K8 H128 1.0-3.5% faster at B2-B8 T4096-T8192 (groups of 4 and
-  8 alike), H256 B2 T4096 2.4%, H64 B4 T4096 0.9%, N16 K4 and MQA N8 K1 at T8192
-  0.5-0.8%; N64 K8 B2 T8192 0.4% slower. H100: N32 K8 1.3-3.5% at T4096-T8192.
+  8 alike where both ran), H256 B2 T4096 2.4%, H64 B4 T4096 0.9%, N16 K4 and MQA
+  N8 K1 at T8192
+  0.5-0.8%; N64 K8 B2 T8192 0.4% slower. H100: N32 K8 1.3-3.5% at T4096-T8192
+  (groups of 8; of 4, 1.7-3.4% at T4096).
   At 16384 keys 0.6-2.4% slower at B1 on both devices and at B2 on the H100
   with groups of 4 (B2 on the H200 with 8: 1.0% faster): not taken there."""
+  gqa = args.query.shape[2] != args.key.shape[2]
   low, high = _GQA_GROUPED_KEYS
-  return low <= args.key.shape[1] <= high and kv_split == 1
+  return (gqa and _grouped_by_default(args) and low <= args.key.shape[1] <= high
+          and kv_split == 1)
 
 
 def _kv_split(args, fuse_dq: bool) -> int:
@@ -772,8 +777,9 @@ def _bwd_search_space(args):
     out += [dataclasses.replace(c, overlap_dq_adds=True) for c in tuple(out)
             if c.fuse_dq]
   if _ordered_by_head_group(args):
-    # Every config again in L2-sized head groups (the fused ones where the
-    # kernel takes the group: without causal its blocks must fit at once).
+    # Every config again in head groups (`_backward_head_group`: L2-sized under
+    # MHA; the fused ones where the kernel takes the group: without causal its
+    # blocks must fit at once).
     grouped = (dataclasses.replace(c, head_group=_backward_head_group(args, c.fuse_dq))
                for c in tuple(out))
     out += [c for c in grouped if not c.fuse_dq or _fused_dq_takes(args, c)]
