@@ -527,8 +527,9 @@ def _groups_gqa_backward(args, kv_split: int) -> bool:
   91). H200: N32 K8 H128 1.0-3.5% faster at B2-B8 T4096-T8192 (groups of 4 and
   8 alike where both ran), H256 B2 T4096 2.4%, H64 B4 T4096 0.9%, N16 K4 and MQA
   N8 K1 at T8192 0.5-0.8%; N64 K8 B2 T8192 0.4% slower. H100: N32 K8 1.3-3.5% at
-  T4096-T8192 (groups of 8; of 4, 1.7-3.4% at T4096). At 16384 keys 0.6-2.4% slower at B1 on both devices and at B2 on the H100
-  with groups of 4 (B2 on the H200 with 8: 1.0% faster): not taken there."""
+  T4096-T8192 (groups of 8; of 4, 1.7-3.4% at T4096). At 16384 keys 0.6-2.4%
+  slower at B1 on both devices and at B2 on the H100 with groups of 4 (B2 on the
+  H200 with 8: 1.0% faster): not taken there."""
   gqa = args.query.shape[2] != args.key.shape[2]
   low, high = _GQA_GROUPED_KEYS
   return (gqa and _grouped_by_default(args) and low <= args.key.shape[1] <= high
