@@ -2901,6 +2901,12 @@ def test_head_group_configs(monkeypatch):
     args = _args(t=t, s=t, n=16, k=4, h=128, b=4, is_causal=True)
     assert bwd.heuristic_config(args).kv_split == 1, t
     assert bwd.heuristic_config(args).head_group == group, t
+  # Every head dim, MQA, a causal window (all measured grouped).
+  for kw in (dict(n=32, k=8, h=64), dict(n=32, k=8, h=256), dict(n=8, k=1, h=128, b=8),
+             dict(n=32, k=8, h=128, local_window_size=(1024, 0))):
+    kw = dict(dict(t=4096, s=4096, b=2, is_causal=True), **kw)
+    config = bwd.heuristic_config(_args(**kw))
+    assert (config.head_group, config.kv_split) == (4, 1), kw
   gqa_full = _args(t=4096, s=4096, n=16, k=4, h=128, is_causal=False)
   assert bwd.heuristic_config(gqa_full).head_group == 0
   # A causal sliding window: grouped. A two-sided window alone (dynamic key
