@@ -1964,8 +1964,9 @@ def test_backward_heuristic_fused_at_length(t, n, k, h, causal, one_kernel):
 ])
 def test_backward_heuristic_gqa_head_groups_at_length(b, t, n, k, h, window):
   # The causal GQA heuristic's two kernels in head groups of 4 (batch row,
-  # key/value head) pairs, at realistic lengths: the heuristic's from 4096 keys;
-  # below, the test sets the group itself (the same kernels, off the tiles).
+  # key/value head) pairs, at realistic lengths: the heuristic's from 4096
+  # queries and keys; below, the test sets the group itself (the same kernels,
+  # off the tiles).
   args = _args(t=t, s=t, n=n, k=k, h=h, b=b, is_causal=True, local_window_size=window)
   config = mat.MosaicGpuAttentionVjp().heuristic_config(args)
   assert config.kv_split == 1 and not config.fuse_dq, config
@@ -2892,7 +2893,8 @@ def test_head_group_configs(monkeypatch):
   gqa = _args(t=4096, s=4096, n=16, k=4, h=128, is_causal=True)
   assert fwd.heuristic_config(gqa).head_group == 32
   # The backward: groups of 4 pairs (the L2 sizes, 1-2 pairs, measured slower)
-  # at 4096-8192 keys, each key/value head unsplit (at B1 here: split in two).
+  # at 4096-8192 queries and keys, each key/value head unsplit (at B1 here: split
+  # in two).
   assert bwd.heuristic_config(gqa).head_group == 0
   gqa = _args(t=4096, s=4096, n=16, k=4, h=128, b=2, is_causal=True)
   assert bwd.heuristic_config(gqa).head_group == 4
@@ -2901,6 +2903,8 @@ def test_head_group_configs(monkeypatch):
     args = _args(t=t, s=t, n=16, k=4, h=128, b=4, is_causal=True)
     assert bwd.heuristic_config(args).kv_split == 1, t
     assert bwd.heuristic_config(args).head_group == group, t
+  chunk = _args(t=512, s=4096, n=16, k=4, h=128, b=4, is_causal=True)  # T far from S
+  assert bwd.heuristic_config(chunk).head_group == 0
   # Every head dim, MQA, a causal window (all measured grouped).
   for kw in (dict(n=32, k=8, h=64), dict(n=32, k=8, h=256), dict(n=8, k=1, h=128, b=8),
              dict(n=32, k=8, h=128, local_window_size=(1024, 0))):

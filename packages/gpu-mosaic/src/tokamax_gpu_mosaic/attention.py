@@ -493,7 +493,7 @@ def _bwd_heuristic(args) -> AttentionVjpConfig:
   # the L2 sizes (one or two pairs: the dK/dV kernel reads every query head of
   # its key/value head) were 1-12% slower at the bench's GQA rows (B2 T8192 N32
   # K8 H128 causal 7.025 -> 7.283 ms forward+backward, H256 2.256 -> 2.530);
-  # groups of 4 pairs win at 4096-8192 keys (`_groups_gqa_backward`).
+  # groups of 4 pairs win at 4096-8192 queries and keys (`_groups_gqa_backward`).
   if args.query.shape[-1] == 128 and _common.register_split_lost():
     config = dataclasses.replace(config, **_SPLIT_LOST_H128_BACKWARD)
   elif _fuses_dq_by_default(args, config):
@@ -511,16 +511,17 @@ def _bwd_heuristic(args) -> AttentionVjpConfig:
 
 # Pairs a head group of the GQA backward: (batch row, key/value head) pairs in the
 # dK/dV kernel, (batch row, query head) pairs in the dQ kernel. Its heuristic
-# takes them at the key counts measured faster, `_GQA_GROUPED_KEYS`.
+# takes them at the lengths measured faster, `_GQA_GROUPED_LENGTHS`.
 _GQA_BACKWARD_HEAD_GROUP = 4
-_GQA_GROUPED_KEYS = (4096, 8192)
+_GQA_GROUPED_LENGTHS = (4096, 8192)  # of queries and of keys
 
 
 def _groups_gqa_backward(args, kv_split: int) -> bool:
   """Whether the backward heuristic orders a GQA call's blocks in head groups
   (`_GQA_BACKWARD_HEAD_GROUP` pairs): causal (`_grouped_by_default`), from 4096
-  to 8192 keys (shorter calls are not measured grouped yet), each key/value
-  head unsplit (`kv_split` 1: split heads were not measured grouped either).
+  to 8192 queries and keys (shorter calls, and T far from S, are not measured
+  grouped yet), each key/value head unsplit (`kv_split` 1: split heads were not
+  measured grouped either).
 
   Forward+backward, causal, the two kernels grouped against tile-major
   (`tools/tune.py --ab head_group=4|8`, notes/MEASUREMENTS.md sessions 89 and
@@ -531,9 +532,10 @@ def _groups_gqa_backward(args, kv_split: int) -> bool:
   slower at B1 on both devices and at B2 on the H100 with groups of 4 (B2 on the
   H200 with 8: 1.0% faster): not taken there."""
   gqa = args.query.shape[2] != args.key.shape[2]
-  low, high = _GQA_GROUPED_KEYS
-  return (gqa and _grouped_by_default(args) and low <= args.key.shape[1] <= high
-          and kv_split == 1)
+  low, high = _GQA_GROUPED_LENGTHS
+  lengths = (args.query.shape[1], args.key.shape[1])
+  return (gqa and _grouped_by_default(args) and kv_split == 1
+          and all(low <= length <= high for length in lengths))
 
 
 def _kv_split(args, fuse_dq: bool) -> int:
