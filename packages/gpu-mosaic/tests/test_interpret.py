@@ -354,15 +354,17 @@ def test_attention_backward_register_savers(causal, config, n, t, s, h, features
 @pytest.mark.parametrize("causal,config", [
     (True, mat.AttentionVjpConfig(64, 128, 2, kv_split=4)),
     (False, mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True, kv_split=2)),
+    # The causal one kernel on one query head a copy (as under MHA), in groups.
+    (True, mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True, kv_split=4, head_group=2)),
     # The H128 backward where the register split is lost (JAX >= 0.12).
     (True, mat.AttentionVjpConfig(block_q=64, num_stages=2, kv_split=4,
                                   **mat._SPLIT_LOST_H128_BACKWARD)),
-], ids=["causal-full", "fused-half", "split-dkv-full"])
+], ids=["causal-full", "fused-half", "fused-causal-full-grouped", "split-dkv-full"])
 def test_attention_backward_kv_split(causal, config):
   """`kv_split`: each key/value head's 4 query heads served by copies of it
   (all four, or two a copy), their dK/dV summed, against the XLA reference's
-  VJP; T and S off the tile where causal, S 256 in the fused case (its kernel
-  needs S a multiple of 128 without causal)."""
+  VJP; T and S off the tile where causal, S 256 in the fused case without
+  causal (its kernel needs S a multiple of 128 there)."""
   t, s = (300, 330) if causal else (300, 256)
   q, key, v = (_normal((2, t, 8, 128), jnp.bfloat16), _normal((2, s, 2, 128), jnp.bfloat16),
                _normal((2, s, 2, 128), jnp.bfloat16))
