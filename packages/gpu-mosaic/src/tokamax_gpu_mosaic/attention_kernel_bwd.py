@@ -69,7 +69,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import sys
 from typing import Any, NamedTuple
 
@@ -557,9 +556,6 @@ class _DkvKernel(_Shape):
 
   grads: tuple[str, ...] = ("dk", "dv")
   ring: int = 0  # which of `rings` this launch runs
-  # Each key/value head read as this many heads (`kv_split` without copies):
-  # block head kh reads K and V of head kh // kv_rep; dK, dV per block head.
-  kv_rep: int = 1
 
   @property
   def ping_pong(self):
@@ -765,8 +761,7 @@ class _DkvKernel(_Shape):
     wg, rows = blk.wg, akc.WG_ROWS
     r0 = blk.k0 + wg * rows
     k_tile, v_tile = self.kv_tiles(r, wg)
-    kv_head = blk.head if self.kv_rep == 1 else lax.div(blk.head, self.kv_rep)
-    mine = (blk.batch, pl.ds(r0, rows), kv_head)
+    mine = (blk.batch, pl.ds(r0, rows), blk.head)
     plgpu.copy_gmem_to_smem(r.k.at[mine], k_tile, r.kv_full.at[wg])
     if self.needs_dp:
       plgpu.copy_gmem_to_smem(r.v.at[mine], v_tile, r.kv_full.at[wg])
@@ -1223,8 +1218,7 @@ class _DkvKernel(_Shape):
       _pipeline.split_warpgroups(blk.wg, lambda: self.consumer(r, blk),
                                  lambda: self.producer(r, blk, sem), self.registers)
 
-    # `ring`'s rows, a head per block head.
-    dkv_shape = (k.shape[0], k.shape[1] // self.rings, self.k_heads, k.shape[3])
+    dkv_shape = (k.shape[0], k.shape[1] // self.rings) + k.shape[2:]  # `ring`'s rows
     out_type = tuple(jax.ShapeDtypeStruct(dkv_shape, self.dtype) for _ in self.grads)
     if self.fused:
       out_type += (jax.ShapeDtypeStruct(q.shape, jnp.float32),)
@@ -1566,7 +1560,7 @@ def _shape(q, k, *, scale, causal, config, feat) -> dict:
 
 def flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
               config: AttentionVjpConfig, feat: akc.Features = akc.PLAIN,
-              grads: tuple[str, ...] = ("dk", "dv"), ring: int = 0, kv_rep: int = 1):
+              grads: tuple[str, ...] = ("dk", "dv"), ring: int = 0):
   """dK, dV on q/do [B, T, N, H], k/v [B, S, K, H] as `_common.pad_rows_for_tma`
   leaves them (the kernel runs T and S rounded up to 128 rows); lse2 (base-2
   lse, +inf on rows past T), delta [B, N, Tp].
@@ -1579,9 +1573,7 @@ def flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
   dQ unscaled in float32 (``dS K``: times `scale` it is dQ). With
   `config.key_rings` > 1 (fuse_dq without causal), launch `ring` of them: dK,
   dV of its key blocks only (`ring`, `ring + key_rings`, ...: their rows in
-  that order) and its share of dQ (`fused_rings` merges them). With `kv_rep`
-  > 1 each key/value head counts as that many (dK, dV [B, S, K * kv_rep, H],
-  as on `replicate_kv_heads`' copies)."""
+  that order) and its share of dQ (`fused_rings` merges them)."""
   if not grads or not set(grads) <= {"dk", "dv"}:
     raise ValueError(f"grads must name 'dk', 'dv' or both; got {grads!r}")
   if config.fuse_dq and (feat.dynamic or set(grads) != {"dk", "dv"}):
@@ -1589,10 +1581,9 @@ def flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
     raise NotImplementedError(
         f"fuse_dq: calls without dynamic features computing dK and dV; got "
         f"{feat}, grads={grads!r} (`fused_dq_refusal`)")
-  shape = _shape(q, k, scale=scale, causal=causal, config=config, feat=feat)
-  shape["group"] //= kv_rep
-  kernel = _DkvKernel(**shape, grads=tuple(g for g in ("dk", "dv") if g in grads),
-                      ring=ring, kv_rep=kv_rep)
+  kernel = _DkvKernel(**_shape(q, k, scale=scale, causal=causal, config=config,
+                               feat=feat), grads=tuple(g for g in ("dk", "dv") if g in grads),
+                      ring=ring)
   return kernel(q, k, v, do, lse2, delta, *extras)
 
 
@@ -1711,11 +1702,6 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
     if n % heads:
       raise ValueError(f"kv_split={config.kv_split} must divide the {n // k.shape[2]} "
                        f"query heads per key/value head (N={n}, K={k.shape[2]})")
-  kv_rep = 1
-  if config.kv_split > 1 and os.environ.get("TKX_KV_SPLIT_INDEXED") == "1":
-    # Experiment: the dK/dV kernel reads each head kv_split times, no copies.
-    kv_rep = config.kv_split
-  elif config.kv_split > 1:
     dq, dk, dv = mosaic_attention_bwd(
         q, replicate_kv_heads(k, config.kv_split), replicate_kv_heads(v, config.kv_split),
         out, dout, lse, scale=scale, causal=causal,
@@ -1774,8 +1760,7 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
   def dkv(grads):
     return flash_dkv(qp, kp, vp, dop, lse2, delta,
                      *extras_dkv.get(config.pass_block_q(grads), ()), scale=scale,
-                     causal=causal, config=config, feat=feat, grads=grads,
-                     kv_rep=kv_rep)
+                     causal=causal, config=config, feat=feat, grads=grads)
   if config.split_dkv:
     (dv,), (dk,) = dkv(("dv",)), dkv(("dk",))
   elif config.fuse_dq:
@@ -1783,8 +1768,7 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
       # (No extras: the one-kernel backward takes no dynamic features.)
       dk, dv, dq = fused_rings(
           lambda ring: flash_dkv(qp, kp, vp, dop, lse2, delta, scale=scale,
-                                 causal=causal, config=config, feat=feat, ring=ring,
-                                 kv_rep=kv_rep),
+                                 causal=causal, config=config, feat=feat, ring=ring),
           config.key_rings, b, kp.shape[1])
     else:
       dk, dv, dq = dkv(("dk", "dv"))
@@ -1794,6 +1778,4 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
   if not config.fuse_dq:
     dq = flash_dq(qp, kp, vp, dop, lse2, delta, *extras_dq, scale=scale,
                   causal=causal, s_true=s, config=config, feat=feat)
-  if kv_rep > 1:
-    dk, dv = sum_kv_replicas(dk, kv_rep), sum_kv_replicas(dv, kv_rep)
   return dq[:, :t], dk[:, :s], dv[:, :s]
