@@ -9,7 +9,6 @@ registration, every refusal, the configs and the lowering to Mosaic GPU IR for
 import dataclasses
 import functools
 import itertools
-import os
 import re
 import warnings
 
@@ -1978,19 +1977,6 @@ def test_backward_heuristic_gqa_head_groups_at_length(b, t, n, k, h, window):
   else:
     _check_bwd_features_direct(b, t, t, n, k, h, config=config, causal=True,
                                window=window)
-
-
-@gpu
-@pytest.mark.skipif(os.environ.get("TKX_GQA_FUSED_SPLIT") != "1",
-                    reason="experiment gqasplit's switch")
-@pytest.mark.parametrize("b,t,n,k", [(2, 4096, 32, 8), (2, 3000, 64, 8), (8, 2048, 16, 2)])
-def test_backward_heuristic_gqa_fused_split(b, t, n, k):
-  # Experiment gqasplit: the causal GQA heuristic as the MHA one kernel on split
-  # heads, at lengths on and off the tiles.
-  args = _args(t=t, s=t, n=n, k=k, h=128, b=b, is_causal=True)
-  config = mat.MosaicGpuAttentionVjp().heuristic_config(args)
-  assert config.fuse_dq and config.kv_split == n // k, config
-  _check_backward_config(b, t, t, n, k, 128, True, config)
 
 
 @gpu

@@ -18,7 +18,6 @@ themselves, so that dispatch takes another backward with
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 
 import jax.numpy as jnp
@@ -488,9 +487,6 @@ def _bwd_fits(config: AttentionVjpConfig, head_dim: int, itemsize: int,
 
 def _bwd_heuristic(args) -> AttentionVjpConfig:
   config = _bwd_heuristic_tiles(args)
-  if os.environ.get("TKX_GQA_FUSED_SPLIT") == "1":
-    if (split := _gqa_fused_split(args, config)) is not None:
-      return split
   # Head groups: L2-sized where each query head has its own K and V (MHA). H200,
   # bf16, grouped against not (notes/MEASUREMENTS.md session 32): MHA causal
   # backward 1.03-1.14x at every grid shape (H64-H256, T1024-T16384). Under GQA
@@ -540,28 +536,6 @@ def _groups_gqa_backward(args, kv_split: int) -> bool:
   lengths = (args.query.shape[1], args.key.shape[1])
   return (gqa and _grouped_by_default(args) and kv_split == 1
           and all(low <= length <= high for length in lengths))
-
-
-def _gqa_fused_split(args, config: AttentionVjpConfig) -> AttentionVjpConfig | None:
-  """Experiment gqasplit: the causal GQA H128 backward as the causal MHA one
-  kernel on each key/value head's copies, one a query head (`kv_split` = the
-  group), where the MHA rule would take the one kernel at N heads
-  (`_fuses_dq_by_default`: two batch rows, 2048 blocks, the H100's floor), at the
-  MHA one kernel's L2 group and, on the H100, its overlapped dQ additions."""
-  q, k = args.query, args.key
-  group, h = q.shape[2] // k.shape[2], q.shape[-1]
-  if group == 1 or not args.is_causal or h != 128 or _common.register_split_lost():
-    return None
-  blocks = q.shape[0] * q.shape[2] * _common.cdiv(k.shape[1], _BWD_KEY_ROWS)
-  h100_lost = _common.is_h100() and q.shape[1] < _H100_FUSED_CAUSAL_FROM
-  if q.shape[0] == 1 or blocks < _FUSED_CAUSAL_BLOCKS or h100_lost:
-    return None
-  itemsize = jnp.dtype(q.dtype).itemsize
-  fused = dataclasses.replace(
-      config, fuse_dq=True, kv_split=group,
-      head_group=l2_head_group(q.shape[1], h, 2 * itemsize + 4, 1),
-      overlap_dq_adds=True if _common.is_h100() else None)
-  return fused if _fused_dq_takes(args, fused) else None
 
 
 def _kv_split(args, fuse_dq: bool) -> int:
