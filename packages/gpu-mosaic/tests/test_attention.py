@@ -1775,7 +1775,7 @@ def test_backward_heuristic_fuses_dq_on_h100(kw, fused, overlapped, monkeypatch)
 def test_backward_heuristic_fuses_dq_from_2048_blocks(is_h100, b, t, one_kernel,
                                                       monkeypatch):
   # Causal MHA H128 N16: the two kernels ran 1.1-8.4% faster than the one kernel
-  # below 2048 dK/dV blocks on the H200, the one kernel 1.9-2.6% faster at 2048
+  # below 2048 dK/dV blocks on the H200, the one kernel 1.9-2.7% faster at 2048
   # (notes/MEASUREMENTS.md session 90). Shapes alone decide: zero-filled inputs.
   monkeypatch.setattr(_common, "is_h100", lambda: is_h100)
   q = jnp.zeros((b, t, 16, 128), jnp.bfloat16)

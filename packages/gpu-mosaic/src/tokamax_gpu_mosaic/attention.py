@@ -262,8 +262,9 @@ def _ordered_by_head_group(args) -> bool:
 def _grouped_by_default(args) -> bool:
   """Whether the heuristics order the blocks in head groups: causal calls, the
   ones measured (the forward's; the backward's under MHA, and under GQA where
-  `_groups_gqa_backward` says: `_bwd_heuristic`). Other dynamic calls (two-sided windows, lengths or
-  segment ids without causal masking) have the groups in the search space only.
+  `_groups_gqa_backward` says: `_bwd_heuristic`). Other dynamic calls
+  (two-sided windows, lengths or segment ids without causal masking) have the
+  groups in the search space only.
 
   H200, bf16, tools/tune.py --grid --ab head_group=8 (notes/MEASUREMENTS.md
   session 32): the causal forward 1.00-1.24x faster at every grid shape (B8

@@ -198,9 +198,9 @@ class AttentionVjpConfig:
   # kernel then ran 0.8-9.4% faster with the overlap than without it at nine
   # calls of B2-B32 T1024-T16384 (session 89) and 1.6-3.1% in a second run at
   # six of B2-B16 T2048-T16384 (forward+backward, session 90); the H100's
-  # heuristic takes it there
-  # (`attention._bwd_heuristic`). On the H200 the same calls ran 1.1-2.3%
-  # slower with it (B16 T2048, B4 and B8 T4096, B4 T8192 N16; session 90).
+  # heuristic takes it there (`attention._bwd_heuristic`). On the H200 the same
+  # calls ran 1.1-2.3% slower with it (B16 T2048, B4 and B8 T4096, B4 T8192 N16;
+  # session 90).
   overlap_dq_adds: bool | None = None
 
   def __post_init__(self):
