@@ -1979,6 +1979,65 @@ def test_backward_heuristic_gqa_head_groups_at_length(b, t, n, k, h, window):
                                window=window)
 
 
+@pytest.mark.parametrize("is_h100", [False, True])
+@pytest.mark.parametrize("kw,as_mha", [
+    (dict(b=2, t=8192, n=32, k=8), True),  # 4096 blocks at the query heads
+    (dict(b=2, t=15000, n=32, k=8), True),  # not a multiple of the tiles
+    (dict(b=4, t=8192, n=8, k=1), True),  # MQA: 2048 blocks
+    (dict(b=2, t=16384, n=64, k=8), True),  # 8 query heads a key/value head
+    (dict(b=2, t=8192, n=8, k=1), False),  # MQA: 1024 blocks
+    (dict(b=2, t=8000, n=32, k=8), False),  # below 8192 queries: head groups
+    (dict(b=2, t=4096, n=32, k=8), False),
+    (dict(b=2, t=8192, s=16384, n=32, k=8), True),
+    (dict(b=2, t=4096, s=16384, n=32, k=8), False),  # T below 8192
+    (dict(b=1, t=16384, n=32, k=8), False),  # one batch row: serialized wgmmas
+    (dict(b=2, t=8192, n=32, k=8, h=64), False),  # H64, H256: not measured
+    (dict(b=2, t=8192, n=32, k=8, h=256), False),
+    (dict(b=2, t=8192, n=32, k=8, is_causal=False), False),
+    (dict(b=2, t=8192, n=32, k=32), False),  # MHA: its own rule
+])
+def test_backward_heuristic_gqa_as_mha(kw, as_mha, is_h100, monkeypatch):
+  # Causal GQA/MQA H128 from 8192 queries and keys, from two batch rows and 2048
+  # dK/dV blocks counted at the query heads: the causal MHA one kernel on a copy
+  # of each key/value head a query head, in the MHA one kernel's L2 group (Q,
+  # dO and a float32 dQ: 8 MiB a head at T8192, 3 fit in 24 MiB: 2; 14.6 MiB at
+  # T15000: 1), its dQ additions overlapped on the H100 (notes/MEASUREMENTS.md
+  # session 92). Shapes alone decide: zero-filled inputs.
+  monkeypatch.setattr(_common, "is_h100", lambda: is_h100)
+  monkeypatch.setattr(_common, "num_sms", lambda: 132)
+  monkeypatch.setattr(_common, "register_split_lost", lambda: None)
+  kw = {"h": 128, "is_causal": True, "s": kw["t"], **kw}
+  b, t, s, n, k, h = (kw.pop(name) for name in "btsnkh")
+  q = jnp.zeros((b, t, n, h), jnp.bfloat16)
+  key = jnp.zeros((b, s, k, h), jnp.bfloat16)
+  args = attention_op.canonical_args(q, key, key, None, None, **kw)[0]
+  bwd = mat.MosaicGpuAttentionVjp()
+  config = bwd.heuristic_config(args)
+  if as_mha:
+    assert config.fuse_dq and config.kv_split == n // k, config
+    assert config.head_group == (2 if t == 8192 else 1), config
+    assert config.overlap_dq_adds is (True if is_h100 else None), config
+    assert config in bwd.search_space(args)
+  else:
+    assert not (config.fuse_dq and config.kv_split == n // k and n > k), config
+  # Where JAX's compile loses the register split, H128 keeps its own backward.
+  monkeypatch.setattr(_common, "register_split_lost", lambda: "lost")
+  assert not bwd.heuristic_config(args).fuse_dq
+
+
+@gpu
+@pytest.mark.parametrize("b,t,n,k", [(2, 8192, 32, 8), (2, 8500, 16, 2)])
+def test_backward_heuristic_gqa_as_mha_at_length(b, t, n, k):
+  # The causal GQA heuristic's MHA one kernel on split key/value heads
+  # (`attention._gqa_as_mha_backward`), at realistic lengths on and off the
+  # tiles, against the XLA reference's gradients.
+  args = _args(t=t, s=t, n=n, k=k, h=128, b=b, is_causal=True)
+  config = mat.MosaicGpuAttentionVjp().heuristic_config(args)
+  if not _common.register_split_lost():
+    assert config.fuse_dq and config.kv_split == n // k, config
+  _check_backward_config(b, t, t, n, k, 128, True, config)
+
+
 @gpu
 @pytest.mark.parametrize("causal", [True, False])
 # GQA; MHA (no Pallas store barriers), also with its dQ additions overlapped.
@@ -2894,13 +2953,14 @@ def test_head_group_configs(monkeypatch):
   assert fwd.heuristic_config(gqa).head_group == 32
   # The backward: groups of 4 pairs (the L2 sizes, 1-2 pairs, measured slower)
   # at 4096-8192 queries and keys, each key/value head unsplit (at B1 here: split
-  # in two).
+  # in two). H64 for the bounds: from 8192 H128 runs split into MHA
+  # (`_gqa_as_mha_backward`, its own test).
   assert bwd.heuristic_config(gqa).head_group == 0
   gqa = _args(t=4096, s=4096, n=16, k=4, h=128, b=2, is_causal=True)
   assert bwd.heuristic_config(gqa).head_group == 4
   assert {c.head_group for c in bwd.search_space(gqa)} == {0, 4}
   for t, group in ((2048, 0), (4000, 0), (8192, 4), (8320, 0), (16384, 0)):
-    args = _args(t=t, s=t, n=16, k=4, h=128, b=4, is_causal=True)
+    args = _args(t=t, s=t, n=16, k=4, h=64, b=4, is_causal=True)
     assert bwd.heuristic_config(args).kv_split == 1, t
     assert bwd.heuristic_config(args).head_group == group, t
   chunk = _args(t=512, s=4096, n=16, k=4, h=128, b=4, is_causal=True)  # T far from S

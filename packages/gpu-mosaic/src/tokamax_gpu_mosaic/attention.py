@@ -488,6 +488,8 @@ def _bwd_fits(config: AttentionVjpConfig, head_dim: int, itemsize: int,
 
 def _bwd_heuristic(args) -> AttentionVjpConfig:
   config = _bwd_heuristic_tiles(args)
+  if (split := _gqa_as_mha_backward(args, config)) is not None:
+    return split
   # Head groups: L2-sized where each query head has its own K and V (MHA). H200,
   # bf16, grouped against not (notes/MEASUREMENTS.md session 32): MHA causal
   # backward 1.03-1.14x at every grid shape (H64-H256, T1024-T16384). Under GQA
@@ -537,6 +539,46 @@ def _groups_gqa_backward(args, kv_split: int) -> bool:
   lengths = (args.query.shape[1], args.key.shape[1])
   return (gqa and _grouped_by_default(args) and kv_split == 1
           and all(low <= length <= high for length in lengths))
+
+
+# Queries and keys from which the causal GQA H128 backward heuristic runs the
+# causal MHA one kernel on split key/value heads (`_gqa_as_mha_backward`).
+_GQA_AS_MHA_FROM = 8192
+
+
+def _gqa_as_mha_backward(args, config: AttentionVjpConfig) -> AttentionVjpConfig | None:
+  """The causal GQA/MQA H128 backward heuristic from `_GQA_AS_MHA_FROM` queries
+  and keys (None elsewhere): the causal MHA one kernel (`fuse_dq`) on copies of
+  each key/value head, one a query head (`kv_split` = the group), so that every
+  block adds one query head's dQ as under MHA, where the MHA rule would take it
+  at N heads (`_fuses_dq_by_default`: two batch rows, `_FUSED_CAUSAL_BLOCKS`
+  blocks counted at the query heads), at the MHA one kernel's L2 head group
+  and, on the H100, with its dQ additions overlapped.
+
+  Forward+backward, bf16, against the heuristic before it (`tools/tune.py
+  --ab-env`, experiment gqasplit; notes/MEASUREMENTS.md session 92, items 2-4),
+  H100, two runs: N32 K8 B2 T16384 1.102x / 1.078x faster, B2 T15000 1.052x /
+  1.059x, B2 T12288 1.016x / 0.995x, B2 T8192 1.022x / 1.021x, B4 T8192 1.029x
+  / 1.025x; N64 K8 B2 T8192 1.045x; MQA N8 K1 B2 T16384 1.070x / 1.071x, B4
+  T8192 0.987x / 1.018x. At 4096 queries it lost to the head groups
+  (`_groups_gqa_backward`): B2 T4096 0.943x, B8 T4096 0.968x / 0.976x.
+  """
+  q, k = args.query, args.key
+  group, h = q.shape[2] // k.shape[2], q.shape[-1]
+  long_enough = min(q.shape[1], k.shape[1]) >= _GQA_AS_MHA_FROM
+  if group == 1 or not args.is_causal or h != 128 or not long_enough:
+    return None
+  if _common.register_split_lost():
+    return None  # its H128 backward takes `_SPLIT_LOST_H128_BACKWARD`
+  blocks = q.shape[0] * q.shape[2] * _common.cdiv(k.shape[1], _BWD_KEY_ROWS)
+  if q.shape[0] == 1 or blocks < _FUSED_CAUSAL_BLOCKS:
+    return None
+  itemsize = jnp.dtype(q.dtype).itemsize
+  mha = dataclasses.replace(
+      config, fuse_dq=True, kv_split=group,
+      head_group=l2_head_group(q.shape[1], h, 2 * itemsize + 4, 1),
+      overlap_dq_adds=True if _common.is_h100() else None)
+  return mha if _fused_dq_takes(args, mha) else None
 
 
 def _kv_split(args, fuse_dq: bool) -> int:
@@ -788,14 +830,18 @@ def _bwd_search_space(args):
   # Every config again with the heuristic's split of each key/value head's
   # query heads (`AttentionVjpConfig.kv_split`, with and without the one-kernel
   # backward), and, where a head has 8 or more, split in two (where 2 divides
-  # them) and in full (not at fewer, as the grid's GQA with 4 a head: up to
-  # four times the configs to time).
+  # them) and in full (not at fewer, as the grid's GQA with 4 a head: up to four
+  # times the configs to time).
   group = args.query.shape[2] // args.key.shape[2]
   heuristic_splits = {_kv_split(args, fuse_dq) for fuse_dq in (False, True)}
   splits = heuristic_splits | ({s for s in (2, group) if group % s == 0}
                                 if group >= 8 else set())
   out += [dataclasses.replace(c, kv_split=split) for split in sorted(splits - {1})
           for c in tuple(out)]
+  if (as_mha := _gqa_as_mha_backward(args, _bwd_heuristic_tiles(args))) is not None:
+    # Long causal GQA's heuristic, the MHA one kernel on split heads at its own
+    # head group, with its dQ additions overlapped and not.
+    out += [dataclasses.replace(as_mha, overlap_dq_adds=overlap) for overlap in (None, True)]
   return tuple(out)
 
 
