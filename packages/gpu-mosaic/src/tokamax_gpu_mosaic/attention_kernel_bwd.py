@@ -130,9 +130,10 @@ class AttentionVjpConfig:
   # (`fused_dq_refusal`); the heuristic's at causal MHA H128
   # (`attention._fuses_dq_by_default`).
   fuse_dq: bool = False
-  # > 1: each key/value head taken as this many copies, each serving its share
-  # of the head's query heads, and their dK/dV summed after (`replicate_kv_heads`,
-  # `sum_kv_replicas`): the dK/dV kernel's blocks are per key/value head, so
+  # > 1: the dK/dV kernel takes each key/value head as this many heads, each
+  # serving its share of the head's query heads, reading the one head's K and V
+  # (no copies: as on `replicate_kv_heads`' copies), and their dK/dV are summed
+  # after (`sum_kv_replicas`): the dK/dV kernel's blocks are per key/value head, so
   # multi-query attention at a few batch rows fills few SMs (B2 T4096 N8 K1:
   # 64 blocks on the H200's 132; its backward ran 2.2x cuDNN's there,
   # notes/MEASUREMENTS.md session 73). Must divide the query heads per
@@ -556,6 +557,9 @@ class _DkvKernel(_Shape):
 
   grads: tuple[str, ...] = ("dk", "dv")
   ring: int = 0  # which of `rings` this launch runs
+  # Each key/value head read as this many heads (`kv_split` without copies):
+  # block head kh reads K and V of head kh // kv_rep; dK, dV per block head.
+  kv_rep: int = 1
 
   @property
   def ping_pong(self):
@@ -761,7 +765,8 @@ class _DkvKernel(_Shape):
     wg, rows = blk.wg, akc.WG_ROWS
     r0 = blk.k0 + wg * rows
     k_tile, v_tile = self.kv_tiles(r, wg)
-    mine = (blk.batch, pl.ds(r0, rows), blk.head)
+    kv_head = blk.head if self.kv_rep == 1 else lax.div(blk.head, self.kv_rep)
+    mine = (blk.batch, pl.ds(r0, rows), kv_head)
     plgpu.copy_gmem_to_smem(r.k.at[mine], k_tile, r.kv_full.at[wg])
     if self.needs_dp:
       plgpu.copy_gmem_to_smem(r.v.at[mine], v_tile, r.kv_full.at[wg])
@@ -1218,7 +1223,8 @@ class _DkvKernel(_Shape):
       _pipeline.split_warpgroups(blk.wg, lambda: self.consumer(r, blk),
                                  lambda: self.producer(r, blk, sem), self.registers)
 
-    dkv_shape = (k.shape[0], k.shape[1] // self.rings) + k.shape[2:]  # `ring`'s rows
+    # `ring`'s rows, a head per block head.
+    dkv_shape = (k.shape[0], k.shape[1] // self.rings, self.k_heads, k.shape[3])
     out_type = tuple(jax.ShapeDtypeStruct(dkv_shape, self.dtype) for _ in self.grads)
     if self.fused:
       out_type += (jax.ShapeDtypeStruct(q.shape, jnp.float32),)
@@ -1560,7 +1566,7 @@ def _shape(q, k, *, scale, causal, config, feat) -> dict:
 
 def flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
               config: AttentionVjpConfig, feat: akc.Features = akc.PLAIN,
-              grads: tuple[str, ...] = ("dk", "dv"), ring: int = 0):
+              grads: tuple[str, ...] = ("dk", "dv"), ring: int = 0, kv_rep: int = 1):
   """dK, dV on q/do [B, T, N, H], k/v [B, S, K, H] as `_common.pad_rows_for_tma`
   leaves them (the kernel runs T and S rounded up to 128 rows); lse2 (base-2
   lse, +inf on rows past T), delta [B, N, Tp].
@@ -1573,7 +1579,9 @@ def flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
   dQ unscaled in float32 (``dS K``: times `scale` it is dQ). With
   `config.key_rings` > 1 (fuse_dq without causal), launch `ring` of them: dK,
   dV of its key blocks only (`ring`, `ring + key_rings`, ...: their rows in
-  that order) and its share of dQ (`fused_rings` merges them)."""
+  that order) and its share of dQ (`fused_rings` merges them). With `kv_rep`
+  > 1 each key/value head counts as that many (dK, dV [B, S, K * kv_rep, H],
+  as on `replicate_kv_heads`' copies)."""
   if not grads or not set(grads) <= {"dk", "dv"}:
     raise ValueError(f"grads must name 'dk', 'dv' or both; got {grads!r}")
   if config.fuse_dq and (feat.dynamic or set(grads) != {"dk", "dv"}):
@@ -1581,9 +1589,10 @@ def flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
     raise NotImplementedError(
         f"fuse_dq: calls without dynamic features computing dK and dV; got "
         f"{feat}, grads={grads!r} (`fused_dq_refusal`)")
-  kernel = _DkvKernel(**_shape(q, k, scale=scale, causal=causal, config=config,
-                               feat=feat), grads=tuple(g for g in ("dk", "dv") if g in grads),
-                      ring=ring)
+  shape = _shape(q, k, scale=scale, causal=causal, config=config, feat=feat)
+  shape["group"] //= kv_rep
+  kernel = _DkvKernel(**shape, grads=tuple(g for g in ("dk", "dv") if g in grads),
+                      ring=ring, kv_rep=kv_rep)
   return kernel(q, k, v, do, lse2, delta, *extras)
 
 
@@ -1702,14 +1711,8 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
     if n % heads:
       raise ValueError(f"kv_split={config.kv_split} must divide the {n // k.shape[2]} "
                        f"query heads per key/value head (N={n}, K={k.shape[2]})")
-    dq, dk, dv = mosaic_attention_bwd(
-        q, replicate_kv_heads(k, config.kv_split), replicate_kv_heads(v, config.kv_split),
-        out, dout, lse, scale=scale, causal=causal,
-        config=dataclasses.replace(config, kv_split=1), local_window=local_window,
-        logits_soft_cap=logits_soft_cap, query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids, q_offset=q_offset)
-    return dq, sum_kv_replicas(dk, config.kv_split), sum_kv_replicas(dv, config.kv_split)
+  # The dK/dV kernel reads each key/value head as `kv_split` heads (no copies).
+  kv_rep = config.kv_split
   b, t, s = q.shape[0], q.shape[1], k.shape[1]
   tp = _common.cdiv(t, akc.CTA_ROWS) * akc.CTA_ROWS
   sp = _common.cdiv(s, KEY_ROWS) * KEY_ROWS
@@ -1760,7 +1763,8 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
   def dkv(grads):
     return flash_dkv(qp, kp, vp, dop, lse2, delta,
                      *extras_dkv.get(config.pass_block_q(grads), ()), scale=scale,
-                     causal=causal, config=config, feat=feat, grads=grads)
+                     causal=causal, config=config, feat=feat, grads=grads,
+                     kv_rep=kv_rep)
   if config.split_dkv:
     (dv,), (dk,) = dkv(("dv",)), dkv(("dk",))
   elif config.fuse_dq:
@@ -1768,7 +1772,8 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
       # (No extras: the one-kernel backward takes no dynamic features.)
       dk, dv, dq = fused_rings(
           lambda ring: flash_dkv(qp, kp, vp, dop, lse2, delta, scale=scale,
-                                 causal=causal, config=config, feat=feat, ring=ring),
+                                 causal=causal, config=config, feat=feat, ring=ring,
+                                 kv_rep=kv_rep),
           config.key_rings, b, kp.shape[1])
     else:
       dk, dv, dq = dkv(("dk", "dv"))
@@ -1778,4 +1783,6 @@ def mosaic_attention_bwd(q, k, v, out, dout, lse, *, scale: float, causal: bool,
   if not config.fuse_dq:
     dq = flash_dq(qp, kp, vp, dop, lse2, delta, *extras_dq, scale=scale,
                   causal=causal, s_true=s, config=config, feat=feat)
+  if kv_rep > 1:
+    dk, dv = sum_kv_replicas(dk, kv_rep), sum_kv_replicas(dv, kv_rep)
   return dq[:, :t], dk[:, :s], dv[:, :s]
