@@ -2314,9 +2314,11 @@ def _own_steps(lo, fl, fh, hi, ranges, w, own):
 
 
 def _model_dkv(q, k, v, do, lse2, delta, *extras, scale, causal, config, feat,
-               grads=("dk", "dv")):
+               grads=("dk", "dv"), kv_rep=1):
   """The dK/dV kernel's loops (ranges, masks, steps) in NumPy; returns `grads`
-  (rows past S dropped, as TMA drops those stores)."""
+  (rows past S dropped, as TMA drops those stores), with `kv_rep` > 1 per
+  block head (each key/value head read as that many)."""
+  k, v = (akb.replicate_kv_heads(x, kv_rep) for x in (k, v))
   shape = akb._shape(q, k, scale=scale, causal=causal, config=config, feat=feat)
   q, k, v, do, lse2, delta = (_np(x) for x in (q, k, v, do, lse2, delta))
   s = k.shape[1]
