@@ -356,10 +356,15 @@ def test_attention_backward_register_savers(causal, config, n, t, s, h, features
     (False, mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True, kv_split=2)),
     # The causal one kernel on one query head a copy (as under MHA), in groups.
     (True, mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True, kv_split=4, head_group=2)),
+    # The same with its dQ additions overlapped: the H100's causal GQA H128
+    # heuristic from 8192 queries (`attention._gqa_as_mha_backward`).
+    (True, mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True, kv_split=4, head_group=2,
+                                  overlap_dq_adds=True)),
     # The H128 backward where the register split is lost (JAX >= 0.12).
     (True, mat.AttentionVjpConfig(block_q=64, num_stages=2, kv_split=4,
                                   **mat._SPLIT_LOST_H128_BACKWARD)),
-], ids=["causal-full", "fused-half", "fused-causal-full-grouped", "split-dkv-full"])
+], ids=["causal-full", "fused-half", "fused-causal-full-grouped",
+        "fused-causal-full-grouped-overlap", "split-dkv-full"])
 def test_attention_backward_kv_split(causal, config):
   """`kv_split`: each key/value head's 4 query heads served by copies of it
   (all four, or two a copy), their dK/dV summed, against the XLA reference's
