@@ -356,24 +356,29 @@ def test_attention_backward_register_savers(causal, config, n, t, s, h, features
     (False, mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True, kv_split=2)),
     # The causal one kernel on one query head a copy (as under MHA), in groups.
     (True, mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True, kv_split=4, head_group=2)),
-    # The same with its dQ additions overlapped: the H100's causal GQA H128
-    # heuristic from 8192 queries (`attention._gqa_as_mha_backward`).
-    (True, mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True, kv_split=4, head_group=2,
-                                  overlap_dq_adds=True)),
     # The H128 backward where the register split is lost (JAX >= 0.12).
     (True, mat.AttentionVjpConfig(block_q=64, num_stages=2, kv_split=4,
                                   **mat._SPLIT_LOST_H128_BACKWARD)),
-], ids=["causal-full", "fused-half", "fused-causal-full-grouped",
-        "fused-causal-full-grouped-overlap", "split-dkv-full"])
-def test_attention_backward_kv_split(causal, config):
-  """`kv_split`: each key/value head's 4 query heads served by copies of it
-  (all four, or two a copy), their dK/dV summed, against the XLA reference's
-  VJP; T and S off the tile where causal, S 256 in the fused case without
-  causal (its kernel needs S a multiple of 128 there)."""
+    # Dynamic features (the heuristic splits causal MQA/GQA at few blocks
+    # whatever the features): a window, segment ids and key lengths.
+    (True, mat.AttentionVjpConfig(64, 128, 2, kv_split=2)),
+], ids=["causal-full", "fused-half", "fused-causal-full-grouped", "split-dkv-full",
+        "causal-half-features"])
+def test_attention_backward_kv_split(causal, config, request):
+  """`kv_split`: each key/value head's 4 query heads served by as many heads
+  read from it (all four, or two a head; no copies), their dK/dV summed,
+  against the XLA reference's VJP; T and S off the tile where causal, S 256 in
+  the fused case without causal (its kernel needs S a multiple of 128 there)."""
   t, s = (300, 330) if causal else (300, 256)
   q, key, v = (_normal((2, t, 8, 128), jnp.bfloat16), _normal((2, s, 2, 128), jnp.bfloat16),
                _normal((2, s, 2, 128), jnp.bfloat16))
-  _check_backward(q, key, v, config, causal=causal)
+  kw = {}
+  if request.node.callspec.id.endswith("features"):
+    q_ids = jnp.asarray([[1] * 200 + [2] * 100, [1] * 40 + [2] * 260], jnp.int32)
+    kv_ids = jnp.asarray([[1] * 220 + [2] * 110, [1] * 50 + [2] * 280], jnp.int32)
+    kw = dict(local_window=(120, 0), q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+              key_value_seq_lengths=jnp.asarray([330, 250], jnp.int32))
+  _check_backward(q, key, v, config, causal=causal, **kw)
 
 
 @pytest.mark.parametrize("causal,h,t", [(True, 128, 384), (False, 128, 512),

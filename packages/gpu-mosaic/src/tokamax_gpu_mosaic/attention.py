@@ -302,7 +302,9 @@ def _backward_head_group(args, fuse_dq: bool) -> int:
   T16384 (12.352 / 12.396, 6.601 / 6.602 ms; session 91).
 
   Under GQA a fixed `_GQA_BACKWARD_HEAD_GROUP` (`_groups_gqa_backward`): the
-  L2-sized groups (one or two pairs there) measured slower than no group."""
+  L2-sized groups (one or two pairs there) measured slower than no group. (GQA
+  split into one head a query head, `_gqa_as_mha_backward`, sizes its group as
+  MHA's itself.)"""
   if args.query.shape[2] != args.key.shape[2]:
     return _GQA_BACKWARD_HEAD_GROUP
   itemsize = jnp.dtype(args.query.dtype).itemsize
@@ -495,8 +497,10 @@ def _bwd_heuristic(args) -> AttentionVjpConfig:
   # backward 1.03-1.14x at every grid shape (H64-H256, T1024-T16384). Under GQA
   # the L2 sizes (one or two pairs: the dK/dV kernel reads every query head of
   # its key/value head) were 1-12% slower at the bench's GQA rows (B2 T8192 N32
-  # K8 H128 causal 7.025 -> 7.283 ms forward+backward, H256 2.256 -> 2.530);
-  # groups of 4 pairs win at 4096-8192 queries and keys (`_groups_gqa_backward`).
+  # K8 H128 causal 7.025 -> 7.283 ms forward+backward, H256 2.256 -> 2.530, with
+  # the two kernels; the split into MHA above, one query head a block, takes
+  # the MHA size); groups of 4 pairs win at 4096-8192 queries and keys
+  # (`_groups_gqa_backward`) where the split into MHA does not apply.
   if args.query.shape[-1] == 128 and _common.register_split_lost():
     config = dataclasses.replace(config, **_SPLIT_LOST_H128_BACKWARD)
   elif _fuses_dq_by_default(args, config):
@@ -548,25 +552,29 @@ _GQA_AS_MHA_FROM = 8192
 
 def _gqa_as_mha_backward(args, config: AttentionVjpConfig) -> AttentionVjpConfig | None:
   """The causal GQA/MQA H128 backward heuristic from `_GQA_AS_MHA_FROM` queries
-  and keys (None elsewhere): the causal MHA one kernel (`fuse_dq`) on copies of
-  each key/value head, one a query head (`kv_split` = the group), so that every
+  and keys (None elsewhere): the causal MHA one kernel (`fuse_dq`) with each
+  key/value head taken as one head a query head (`kv_split` = the group; the
+  kernel reads the head's K and V for each, no copies are made), so that every
   block adds one query head's dQ as under MHA, where the MHA rule would take it
   at N heads (`_fuses_dq_by_default`: two batch rows, `_FUSED_CAUSAL_BLOCKS`
   blocks counted at the query heads), at the MHA one kernel's L2 head group
-  and, on the H100, with its dQ additions overlapped.
+  and with its dQ additions overlapped. On the H100 only, as many queries as
+  keys: the H200, and T far from S, have not run it yet.
 
-  Forward+backward, bf16, against the heuristic before it (`tools/tune.py
-  --ab-env`, experiment gqasplit; notes/MEASUREMENTS.md session 92, items 2-4),
-  H100, two runs: N32 K8 B2 T16384 1.102x / 1.078x faster, B2 T15000 1.052x /
-  1.059x, B2 T12288 1.016x / 0.995x, B2 T8192 1.022x / 1.021x, B4 T8192 1.029x
-  / 1.025x; N64 K8 B2 T8192 1.045x; MQA N8 K1 B2 T16384 1.070x / 1.071x, B4
-  T8192 0.987x / 1.018x. At 4096 queries it lost to the head groups
-  (`_groups_gqa_backward`): B2 T4096 0.943x, B8 T4096 0.968x / 0.976x.
+  Forward+backward, bf16, H100, against the heuristic before it, both sides
+  with copies of K and V then (`tools/tune.py --ab-env`, experiment gqasplit;
+  notes/MEASUREMENTS.md session 92, item 3; two runs where two numbers): N32 K8
+  B2 T16384 1.102x / 1.078x faster, B2 T15000 1.052x / 1.059x, B2 T12288 1.016x
+  / 0.995x, B2 T8192 1.022x / 1.021x, B4 T8192 1.029x / 1.025x; N64 K8 B2 T8192
+  1.045x; MQA N8 K1 B2 T16384 1.070x / 1.071x, B4 T8192 0.987x / 1.018x. At
+  4096 queries it lost to the head groups (`_groups_gqa_backward`): B2 T4096
+  0.943x, B8 T4096 0.968x / 0.976x. Without the copies (item 6) `None` runs it
+  at B2 T8192 N32 K8 1.039x cuDNN's forward+backward.
   """
   q, k = args.query, args.key
   group, h = q.shape[2] // k.shape[2], q.shape[-1]
-  long_enough = min(q.shape[1], k.shape[1]) >= _GQA_AS_MHA_FROM
-  if group == 1 or not args.is_causal or h != 128 or not long_enough:
+  measured = _common.is_h100() and q.shape[1] == k.shape[1] >= _GQA_AS_MHA_FROM
+  if group == 1 or not args.is_causal or h != 128 or not measured:
     return None
   if _common.register_split_lost():
     return None  # its H128 backward takes `_SPLIT_LOST_H128_BACKWARD`
@@ -577,14 +585,16 @@ def _gqa_as_mha_backward(args, config: AttentionVjpConfig) -> AttentionVjpConfig
   mha = dataclasses.replace(
       config, fuse_dq=True, kv_split=group,
       head_group=l2_head_group(q.shape[1], h, 2 * itemsize + 4, 1),
-      overlap_dq_adds=True if _common.is_h100() else None)
+      overlap_dq_adds=True)
   return mha if _fused_dq_takes(args, mha) else None
 
 
 def _kv_split(args, fuse_dq: bool) -> int:
   """`AttentionVjpConfig.kv_split` of the heuristic: how many copies of each
-  key/value head the dK/dV kernel runs, each for its share of the head's query
-  heads (their dK/dV summed after), given whether the backward is the one-kernel
+  key/value head the dK/dV kernel runs (heads read from the one head's K and V;
+  until session 92 copies XLA wrote, which the measurements below include), each
+  for its share of the head's query heads (their dK/dV summed after), given
+  whether the backward is the one-kernel
   one (`fuse_dq`). `blocks` below: the dK/dV kernel's, one a key/value head,
   batch row and 128 keys; against the device's SMs.
 
@@ -663,7 +673,9 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
     ran 1.27x faster at B1 T4096 N16, 1.16x at T16384 (session 76).
   - Causal GQA (N32 K8) 0.85x the two kernels' speed at B2 T8192 (a
     block's dQ additions for its several query heads leave a tail); causal
-    H64 MHA 0.98-1.05x (session 56): not taken.
+    H64 MHA 0.98-1.05x (session 56): not taken. (Long causal GQA H128 runs
+    the one kernel on split heads instead, one query head a block:
+    `_gqa_as_mha_backward`.)
   - Without causal, at powers of two of key blocks, whose heads' blocks fill
     128 of the 132 SMs (every key block of a head is resident at once):
     H128 MHA 1.043-1.113x faster, H128 GQA 1.040-1.083x, H64 MHA
@@ -872,9 +884,10 @@ def _check_backward_args(args) -> None:
 class MosaicGpuAttentionVjp(VjpOp):
   """FA3-style attention backward (`attention_kernel_bwd`): a dK/dV kernel and a
   dQ kernel (or one kernel for all three with `fuse_dq`, which the heuristic
-  takes at causal MHA H128, on the H100 from 16384 queries:
-  `_fuses_dq_by_default`; not where the register split is lost:
-  `_SPLIT_LOST_H128_BACKWARD`), from the forward's ``lse`` (any
+  takes at causal MHA H128, on the H100 from 2048 queries:
+  `_fuses_dq_by_default`, and on the H100 at long causal GQA H128 on split
+  key/value heads: `_gqa_as_mha_backward`; not where the register split is
+  lost: `_SPLIT_LOST_H128_BACKWARD`), from the forward's ``lse`` (any
   implementation's)."""
 
   op_name = "dot_product_attention"

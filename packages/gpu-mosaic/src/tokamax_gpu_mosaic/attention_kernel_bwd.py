@@ -128,7 +128,9 @@ class AttentionVjpConfig:
   # key block first, which a causal grid reaches first), so the result does not
   # depend on timing. Causal calls without dynamic features only
   # (`fused_dq_refusal`); the heuristic's at causal MHA H128
-  # (`attention._fuses_dq_by_default`).
+  # (`attention._fuses_dq_by_default`) and, split one query head a key/value
+  # head (`kv_split`), at long causal GQA H128 on the H100
+  # (`attention._gqa_as_mha_backward`).
   fuse_dq: bool = False
   # > 1: the dK/dV kernel takes each key/value head as this many heads, each
   # serving its share of the head's query heads, reading the one head's K and V
@@ -189,8 +191,9 @@ class AttentionVjpConfig:
   # With fuse_dq: the producer issues a step's dQ addition before the previous
   # one has landed, and frees its buffer once the copy has read it
   # (`_DkvKernel.overlaps_dq_adds`); the rank order of the additions, and so
-  # the result, is unchanged. None: under GQA at H128, where the blocks' dQ rows
-  # outgrow L2 and the additions wait on DRAM (B2 T8192 N32 K8 H128 causal
+  # the result, is unchanged. None: under GQA at H128 where a (split) key/value
+  # head has more than one query head, whose blocks' dQ rows outgrow L2 and the
+  # additions wait on DRAM (B2 T8192 N32 K8 H128 causal
   # forward+backward 0.849x -> 0.925x the two kernels' speed; H200, session
   # 51). Under MHA with the plain score products ptxas then spills 56 B and
   # serializes the consumers' wgmmas (as at H64 under GQA, 244 -> 512 B); with
@@ -534,7 +537,7 @@ _FUSED_DQ_FIELDS = ("dq", "dst_smem", "dq_smem", "ds_ready", "dst_free", "dq_rea
 class _DkvBlock(NamedTuple):
   wg: Any
   ki: Any  # key tile
-  head: Any  # kv head
+  head: Any  # kv head (with `kv_rep` > 1 a virtual one: K's head head // kv_rep)
   batch: Any
   k0: Any  # first key row
   j_lo: Any  # steps run head-major over query tiles [j_lo, j_lo + n_j)
@@ -1590,6 +1593,9 @@ def flash_dkv(q, k, v, do, lse2, delta, *extras, scale: float, causal: bool,
         f"fuse_dq: calls without dynamic features computing dK and dV; got "
         f"{feat}, grads={grads!r} (`fused_dq_refusal`)")
   shape = _shape(q, k, scale=scale, causal=causal, config=config, feat=feat)
+  if kv_rep < 1 or shape["group"] % kv_rep:
+    raise ValueError(f"kv_rep={kv_rep} must divide the {shape['group']} query heads "
+                     "per key/value head")
   shape["group"] //= kv_rep
   kernel = _DkvKernel(**shape, grads=tuple(g for g in ("dk", "dv") if g in grads),
                       ring=ring, kv_rep=kv_rep)
