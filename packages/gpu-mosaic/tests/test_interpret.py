@@ -351,20 +351,21 @@ def test_attention_backward_register_savers(causal, config, n, t, s, h, features
   _check_backward(q, key, v, config, causal=causal, **kw)
 
 
-@pytest.mark.parametrize("causal,config", [
-    (True, mat.AttentionVjpConfig(64, 128, 2, kv_split=4)),
-    (False, mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True, kv_split=2)),
+@pytest.mark.parametrize("causal,config,features", [
+    (True, mat.AttentionVjpConfig(64, 128, 2, kv_split=4), False),
+    (False, mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True, kv_split=2), False),
     # The causal one kernel on one query head a copy (as under MHA), in groups.
-    (True, mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True, kv_split=4, head_group=2)),
+    (True, mat.AttentionVjpConfig(64, 128, 2, fuse_dq=True, kv_split=4, head_group=2),
+     False),
     # The H128 backward where the register split is lost (JAX >= 0.12).
     (True, mat.AttentionVjpConfig(block_q=64, num_stages=2, kv_split=4,
-                                  **mat._SPLIT_LOST_H128_BACKWARD)),
+                                  **mat._SPLIT_LOST_H128_BACKWARD), False),
     # Dynamic features (the heuristic splits causal MQA/GQA at few blocks
     # whatever the features): a window, segment ids and key lengths.
-    (True, mat.AttentionVjpConfig(64, 128, 2, kv_split=2)),
+    (True, mat.AttentionVjpConfig(64, 128, 2, kv_split=2), True),
 ], ids=["causal-full", "fused-half", "fused-causal-full-grouped", "split-dkv-full",
         "causal-half-features"])
-def test_attention_backward_kv_split(causal, config, request):
+def test_attention_backward_kv_split(causal, config, features):
   """`kv_split`: each key/value head's 4 query heads served by as many heads
   read from it (all four, or two a head; no copies), their dK/dV summed,
   against the XLA reference's VJP; T and S off the tile where causal, S 256 in
@@ -373,7 +374,7 @@ def test_attention_backward_kv_split(causal, config, request):
   q, key, v = (_normal((2, t, 8, 128), jnp.bfloat16), _normal((2, s, 2, 128), jnp.bfloat16),
                _normal((2, s, 2, 128), jnp.bfloat16))
   kw = {}
-  if request.node.callspec.id.endswith("features"):
+  if features:
     q_ids = jnp.asarray([[1] * 200 + [2] * 100, [1] * 40 + [2] * 260], jnp.int32)
     kv_ids = jnp.asarray([[1] * 220 + [2] * 110, [1] * 50 + [2] * 280], jnp.int32)
     kw = dict(local_window=(120, 0), q_segment_ids=q_ids, kv_segment_ids=kv_ids,

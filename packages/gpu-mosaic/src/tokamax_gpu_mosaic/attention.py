@@ -592,11 +592,11 @@ def _gqa_as_mha_backward(args, config: AttentionVjpConfig) -> AttentionVjpConfig
 def _kv_split(args, fuse_dq: bool) -> int:
   """`AttentionVjpConfig.kv_split` of the heuristic: how many copies of each
   key/value head the dK/dV kernel runs (heads read from the one head's K and V;
-  until session 92 copies XLA wrote, which the measurements below include), each
-  for its share of the head's query heads (their dK/dV summed after), given
-  whether the backward is the one-kernel
-  one (`fuse_dq`). `blocks` below: the dK/dV kernel's, one a key/value head,
-  batch row and 128 keys; against the device's SMs.
+  until session 92 copies written through XLA, which the measurements below
+  include), each for its share of the head's query heads (their dK/dV summed
+  after), given whether the backward is the one-kernel one (`fuse_dq`).
+  `blocks` below: the dK/dV kernel's, one a key/value head, batch row and 128
+  keys; against the device's SMs.
 
   - Without causal, where a key/value head has 8 query heads or more (an even
     number): where 4 copies take no more blocks than SMs, the fewest copies
@@ -842,8 +842,8 @@ def _bwd_search_space(args):
   # Every config again with the heuristic's split of each key/value head's
   # query heads (`AttentionVjpConfig.kv_split`, with and without the one-kernel
   # backward), and, where a head has 8 or more, split in two (where 2 divides
-  # them) and in full (not at fewer, as the grid's GQA with 4 a head: up to four
-  # times the configs to time).
+  # them) and in full (not at fewer, as the grid's GQA with 4 a head: up to
+  # four times the configs to time).
   group = args.query.shape[2] // args.key.shape[2]
   heuristic_splits = {_kv_split(args, fuse_dq) for fuse_dq in (False, True)}
   splits = heuristic_splits | ({s for s in (2, group) if group % s == 0}
