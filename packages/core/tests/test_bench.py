@@ -563,8 +563,14 @@ def test_shape_ending_in_a_dollar_must_end_the_name():
   assert chosen(["N16 H128"]) == names
   assert chosen(["N16 H128$"]) == [names[0], names[2]]
   assert chosen(["B8 T4096 N16 H128$", "causal"]) == names[:2]
-  with pytest.raises(bench_suite.NoMatchingShape):
+  with pytest.raises(bench_suite.NoMatchingShape) as error:
     chosen(["T4096$"])
+  assert "regular expressions" not in str(error.value)
+  # A regular expression given as a substring: the error says how to write it.
+  with pytest.raises(bench_suite.NoMatchingShape,
+                     match=r"takes substrings, not regular expressions: give one "
+                           r"--shape for each"):
+    chosen(["T4096 N(16|32) H128$"])
 
 
 @pytest.mark.parametrize("command", [["bench", "--quick"], ["autotune", "--out", "unused"]])

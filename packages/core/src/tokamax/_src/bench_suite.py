@@ -791,7 +791,12 @@ def select_shapes(problems: list[Problem], shapes: list[str],
   if not chosen:
     names = sorted({p.name for p in problems})
     what = "matches" if regex else "contains any of"
-    raise NoMatchingShape(f"no problem's name {what} {shapes}; the "
+    # A regular expression given as a substring matches nothing: say how the
+    # option reads it (one --shape a pattern, a trailing $ anchoring the end).
+    hint = ("" if regex or not any(c in s for s in shapes for c in "()|[]*+?\\^")
+            else " (--shape takes substrings, not regular expressions: give one "
+                 "--shape for each, a trailing $ to end the name)")
+    raise NoMatchingShape(f"no problem's name {what} {shapes}{hint}; the "
                           f"selected suite's problems are: {', '.join(names)}")
   return chosen
 
