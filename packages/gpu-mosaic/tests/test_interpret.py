@@ -161,6 +161,17 @@ def _reference_vjp(q, k, v, scale, causal, **kw):
   return out, lse, dout, vjp((dout.astype(jnp.float32), jnp.zeros_like(lse)))
 
 
+def _features_kw(t, s, q_splits, kv_splits, window, kv_lengths):
+  """A causal window, two segments a batch row (the first `split` rows of row
+  b in segment 1, the rest in 2) and key lengths: the backward's dynamic
+  features at once, as `_check_backward`'s keywords."""
+  def ids(splits, rows):
+    return jnp.asarray([[1] * c + [2] * (rows - c) for c in splits], jnp.int32)
+  return dict(local_window=(window, 0), q_segment_ids=ids(q_splits, t),
+              kv_segment_ids=ids(kv_splits, s),
+              key_value_seq_lengths=jnp.asarray(kv_lengths, jnp.int32))
+
+
 def _check_backward(q, k, v, config, causal=True, **kw):
   """`mosaic_attention_bwd` with `config` (scale 1/sqrt(H)), interpreted,
   against the XLA reference's VJP on float32 upcasts (`_reference_vjp`), fed
@@ -187,11 +198,7 @@ def test_attention_backward_split_dkv_configs(ping_pong, block_q_dv, features):
   q, k, v = (_normal((b, 200, 2, 256), jnp.bfloat16),
              _normal((b, 200, 1, 256), jnp.bfloat16),
              _normal((b, 200, 1, 256), jnp.bfloat16))
-  kw = {}
-  if features:
-    ids = jnp.asarray([[1] * 128 + [2] * 72, [1] * 30 + [2] * 170], jnp.int32)
-    kw = dict(local_window=(120, 0), q_segment_ids=ids, kv_segment_ids=ids,
-              key_value_seq_lengths=jnp.asarray([200, 150], jnp.int32))
+  kw = _features_kw(200, 200, (128, 30), (128, 30), 120, [200, 150]) if features else {}
   _check_backward(q, k, v, config, **kw)
 
 
@@ -206,12 +213,7 @@ def test_attention_backward_h128_split_dkv(features):
   q, k, v = (_normal((b, 200, 2, 128), jnp.bfloat16),
              _normal((b, 230, 1, 128), jnp.bfloat16),
              _normal((b, 230, 1, 128), jnp.bfloat16))
-  kw = {}
-  if features:
-    ids = jnp.asarray([[1] * 128 + [2] * 72, [1] * 30 + [2] * 170], jnp.int32)
-    kv_ids = jnp.concatenate([ids, jnp.full((2, 30), 2, jnp.int32)], axis=1)
-    kw = dict(local_window=(120, 0), q_segment_ids=ids, kv_segment_ids=kv_ids,
-              key_value_seq_lengths=jnp.asarray([230, 150], jnp.int32))
+  kw = _features_kw(200, 230, (128, 30), (128, 30), 120, [230, 150]) if features else {}
   _check_backward(q, k, v, config, **kw)
 
 
@@ -342,12 +344,7 @@ def test_attention_backward_register_savers(causal, config, n, t, s, h, features
   k = 1 if n > 2 else n
   q, key, v = (_normal((2, t, n, h), jnp.bfloat16), _normal((2, s, k, h), jnp.bfloat16),
                _normal((2, s, k, h), jnp.bfloat16))
-  kw = {}
-  if features:
-    q_ids = jnp.asarray([[1] * 100 + [2] * 100, [1] * 30 + [2] * 170], jnp.int32)
-    kv_ids = jnp.asarray([[1] * 110 + [2] * 120, [1] * 40 + [2] * 190], jnp.int32)
-    kw = dict(local_window=(90, 0), q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-              key_value_seq_lengths=jnp.asarray([230, 170], jnp.int32))
+  kw = _features_kw(t, s, (100, 30), (110, 40), 90, [230, 170]) if features else {}
   _check_backward(q, key, v, config, causal=causal, **kw)
 
 
@@ -373,12 +370,7 @@ def test_attention_backward_kv_split(causal, config, features):
   t, s = (300, 330) if causal else (300, 256)
   q, key, v = (_normal((2, t, 8, 128), jnp.bfloat16), _normal((2, s, 2, 128), jnp.bfloat16),
                _normal((2, s, 2, 128), jnp.bfloat16))
-  kw = {}
-  if features:
-    q_ids = jnp.asarray([[1] * 200 + [2] * 100, [1] * 40 + [2] * 260], jnp.int32)
-    kv_ids = jnp.asarray([[1] * 220 + [2] * 110, [1] * 50 + [2] * 280], jnp.int32)
-    kw = dict(local_window=(120, 0), q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-              key_value_seq_lengths=jnp.asarray([330, 250], jnp.int32))
+  kw = _features_kw(t, s, (200, 40), (220, 50), 120, [330, 250]) if features else {}
   _check_backward(q, key, v, config, causal=causal, **kw)
 
 

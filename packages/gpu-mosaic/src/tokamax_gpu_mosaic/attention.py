@@ -578,9 +578,8 @@ def _gqa_as_mha_backward(args, config: AttentionVjpConfig) -> AttentionVjpConfig
     return None
   if _common.register_split_lost():
     return None  # its H128 backward takes `_SPLIT_LOST_H128_BACKWARD`
-  blocks = q.shape[0] * q.shape[2] * _common.cdiv(k.shape[1], _BWD_KEY_ROWS)
-  if q.shape[0] == 1 or blocks < _FUSED_CAUSAL_BLOCKS:
-    return None
+  if not _causal_one_kernel_sized(q.shape[0], q.shape[2], k.shape[1]):
+    return None  # counted at the query heads: the blocks it runs
   itemsize = jnp.dtype(q.dtype).itemsize
   mha = dataclasses.replace(
       config, fuse_dq=True, kv_split=group,
@@ -736,11 +735,9 @@ def _fuses_dq_by_default(args, config: AttentionVjpConfig) -> bool:
   q, k = args.query, args.key
   h, mha = q.shape[-1], q.shape[2] == k.shape[2]
   if args.is_causal:
-    serialized_at_one_row = q.shape[0] == 1
-    blocks = q.shape[0] * k.shape[2] * _common.cdiv(k.shape[1], _BWD_KEY_ROWS)
     h100_lost = _common.is_h100() and q.shape[1] < _H100_FUSED_CAUSAL_FROM
-    measured_faster = (mha and h == 128 and not serialized_at_one_row
-                       and blocks >= _FUSED_CAUSAL_BLOCKS and not h100_lost)
+    measured_faster = (mha and h == 128 and not h100_lost
+                       and _causal_one_kernel_sized(q.shape[0], k.shape[2], k.shape[1]))
   else:
     key_blocks = _common.cdiv(k.shape[1], _BWD_KEY_ROWS)
     power_of_two = (key_blocks & (key_blocks - 1)) == 0
@@ -755,6 +752,15 @@ _FUSED_CAUSAL_BLOCKS = 2048
 # Query rows from which the H100 takes it, its dQ additions overlapped: measured
 # faster at 2048-16384 queries (0.998x at B2 T8192), slower at 1024 and 1536.
 _H100_FUSED_CAUSAL_FROM = 2048
+
+
+def _causal_one_kernel_sized(batch: int, heads: int, keys: int) -> bool:
+  """Whether a causal call is of the size at which the MHA one kernel ran
+  faster than the two kernels (`_fuses_dq_by_default`): two batch rows or more
+  (at one its wgmmas serialize) and `_FUSED_CAUSAL_BLOCKS` dK/dV blocks (batch
+  x `heads` x 128-key blocks)."""
+  blocks = batch * heads * _common.cdiv(keys, _BWD_KEY_ROWS)
+  return batch > 1 and blocks >= _FUSED_CAUSAL_BLOCKS
 
 
 def _fused_dq_takes(args, config: AttentionVjpConfig) -> bool:
