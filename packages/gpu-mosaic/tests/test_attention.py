@@ -781,13 +781,16 @@ def test_accepts_features_on_hopper():
       dataclasses.replace(_args(is_causal=True), q_offset=jnp.int32(64)), _H200)
 
 
-def test_overlap_schedule_takes_windows_that_hold_the_diagonal():
+@pytest.mark.parametrize("is_h100", [False, True])
+def test_overlap_schedule_takes_windows_that_hold_the_diagonal(is_h100, monkeypatch):
   # overlap_qk's first turn computes a key tile, so every block's first
   # warpgroup needs one: the search space has it for a window alone that holds
   # each row's own position with T <= S (a warpgroup of padded rows computes
   # one masked tile); never for lengths, segment ids, q_offset or T > S, and it
-  # is refused when asked for there. The heuristic keeps the plain schedule
-  # with every dynamic feature (with windows it measured even).
+  # is refused when asked for there. The heuristic takes it for such windows at
+  # H128 on the H100 (1.03x there), and keeps the plain schedule on the H200
+  # (even) and with every other dynamic feature.
+  monkeypatch.setattr(_common, "is_h100", lambda: is_h100)
   op = mat.MosaicGpuAttention()
   overlap = mat.AttentionConfig(overlap_qk=True)
   causal_window = _args(h=128, t=200, s=333, is_causal=True, local_window_size=(50, 0))
@@ -801,11 +804,15 @@ def test_overlap_schedule_takes_windows_that_hold_the_diagonal():
              _args(h=128, t=333, s=200, local_window_size=(16, 0)),  # T > S
              dataclasses.replace(causal_window, q_offset=jnp.int32(64))]
   for args in takes:
-    assert not op.heuristic_config(args).overlap_qk
+    assert op.heuristic_config(args).overlap_qk is is_h100
+    assert not op.heuristic_config(
+        dataclasses.replace(args, query=args.query[..., :64], key=args.key[..., :64],
+                            value=args.value[..., :64])).overlap_qk  # H64: never
     assert any(c.overlap_qk for c in op.search_space(args))
     out, res = jax.eval_shape(lambda a: op.forward(a, overlap), args)
     assert out.shape == args.query.shape and res["lse"].shape == (1, 2, args.query.shape[1])
   for args in refuses:
+    assert not op.heuristic_config(args).overlap_qk
     space = op.search_space(args)
     assert space and not any(c.overlap_qk for c in space)
     with pytest.raises(NotImplementedError, match="overlap_qk"):

@@ -134,10 +134,14 @@ def _heuristic_tiles(args) -> AttentionConfig:
                256: ((64, 2, True), (64, 2, False))}[h]
   if h == 128 and _common.register_split_lost():
     preferred = _SPLIT_LOST_H128_FORWARD
-  # overlap_qk: static features only. With sliding windows (in the search space:
-  # `_overlap_takes`) it measured even on the H200 (0.992x W1024, 1.003x W4096:
-  # notes/MEASUREMENTS.md session 32, item 3).
-  no_overlap = _needs_dynamic(args) or not _overlap_takes(args)
+  # overlap_qk: static features, and at H128 on the H100 a window alone (what
+  # `_overlap_takes` takes besides). With sliding windows it measured even on the
+  # H200 (0.992x W1024, 1.003x W4096: notes/MEASUREMENTS.md session 32, item 3) and
+  # 1.01-1.05x faster on the H100 (W512-W4096, MHA and GQA, T3000-T16384: session
+  # 93, item 4); not timed again on the H200.
+  overlap_window = h == 128 and _common.is_h100()
+  no_overlap = (not _overlap_takes(args)
+                or (_needs_dynamic(args) and not overlap_window))
   segments = args.q_segment_ids is not None
   for block_kv, stages, overlap in preferred:
     if overlap and no_overlap:

@@ -514,6 +514,9 @@ class _Forward:
     else:
       pl.when(blk.j == 0)(
           lambda: self.load_q(r, blk.batch, blk.head, r0, q_tile, q_full))
+      # The previous tile's output copies read the buffer the prefetch fills:
+      # waited for here, after this tile's scalars, not at that epilogue's end.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       self.prefetch_next_q(r, blk)
     if self.feat.segments:
       plgpu.copy_gmem_to_smem(r.q_seg.at[blk.batch, pl.ds(r0, bq)],
@@ -858,7 +861,17 @@ class _Forward:
     # Until the copies have read the tiles, not until O and lse land: nothing in
     # the kernel reads them back, and the launch's end makes them visible. 1.5-2.2%
     # off the W1024 and T1024 forward on the H100 (notes/MEASUREMENTS.md session 88).
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    # With two Q buffers the next tile waits, before its Q prefetch refills this
+    # buffer (`consumer`): 0.6-1.5% off the windowed forward on the H100 (session 93).
+    if self.config.q_buffers == 1:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  def consumer_tiles(self, r: _Refs) -> None:
+    """Every query tile of a consumer warpgroup; with two Q buffers, then the
+    wait for its last output copies to have read shared memory."""
+    self.run_tiles(r, self.consumer)
+    if self.config.q_buffers == 2:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   # -- Producer ----------------------------------------------------------------
 
@@ -936,7 +949,7 @@ def flash_forward(q, k, v, *extras, scale: float, causal: bool, s_true: int,
   def body(*refs):
     r = fwd.bind(refs)
     _pipeline.split_warpgroups(lax.axis_index("wg"),
-                               lambda: fwd.run_tiles(r, fwd.consumer),
+                               lambda: fwd.consumer_tiles(r),
                                lambda: fwd.run_tiles(r, fwd.producer))
 
   call = _pipeline.warpgroup_kernel(
