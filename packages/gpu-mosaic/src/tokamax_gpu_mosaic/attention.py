@@ -134,8 +134,8 @@ def _heuristic_tiles(args) -> AttentionConfig:
                256: ((64, 2, True), (64, 2, False))}[h]
   if h == 128 and _common.register_split_lost():
     preferred = _SPLIT_LOST_H128_FORWARD
-  # overlap_qk: static features, and at H128 on the H100 a window alone (what
-  # `_overlap_takes` takes besides). With sliding windows it measured even on the
+  # overlap_qk where `_overlap_takes` allows it: with static features, and at H128
+  # on the H100 also with a window alone. With sliding windows it measured even on the
   # H200 (0.992x W1024, 1.003x W4096: notes/MEASUREMENTS.md session 32, item 3) and
   # 1.01-1.05x faster on the H100 (W512-W4096, MHA and GQA, T3000-T16384: session
   # 93, item 4); not timed again on the H200.

@@ -862,7 +862,7 @@ class _Forward:
     # the kernel reads them back, and the launch's end makes them visible. 1.5-2.2%
     # off the W1024 and T1024 forward on the H100 (notes/MEASUREMENTS.md session 88).
     # With two Q buffers the next tile waits, before its Q prefetch refills this
-    # buffer (`consumer`): 0.6-1.5% off the windowed forward on the H100 (session 93).
+    # buffer (`consumer`): 0.3-1.5% off the windowed forward on the H100 (session 93).
     if self.config.q_buffers == 1:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
