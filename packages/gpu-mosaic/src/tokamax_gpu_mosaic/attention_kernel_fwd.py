@@ -509,15 +509,22 @@ class _Forward:
     wg, bq = blk.wg, self.bq
     r0 = blk.tile0 + wg * bq
     q_tile, q_full = self.q_buffer(r, blk.qbuf, wg)
+    refill = None
     if self.config.q_buffers == 1:
       self.load_q(r, blk.batch, blk.head, r0, q_tile, q_full)
     else:
       pl.when(blk.j == 0)(
           lambda: self.load_q(r, blk.batch, blk.head, r0, q_tile, q_full))
-      # The previous tile's output copies read the buffer the prefetch fills:
-      # waited for here, after this tile's scalars, not at that epilogue's end.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      self.prefetch_next_q(r, blk)
+
+      def refill():
+        # The previous tile's output copies read the buffer the prefetch fills:
+        # waited for in this tile (after its scalars; under overlap_qk after its
+        # first Q K^T's issue), not at that epilogue's end.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        self.prefetch_next_q(r, blk)
+      if not self.config.overlap_qk:
+        refill()
+        refill = None
     if self.feat.segments:
       plgpu.copy_gmem_to_smem(r.q_seg.at[blk.batch, pl.ds(r0, bq)],
                               r.qseg_smem.at[wg], r.qseg_full.at[wg])
@@ -530,8 +537,10 @@ class _Forward:
                                plgpu.Layout.WGMMA),
              akc.row_vector(-jnp.inf), akc.row_vector(0.0))
     plgpu.barrier_wait(q_full)
-    schedule = self.overlapped if self.config.overlap_qk else self.pingpong
-    carry = schedule(r, blk, tiles, carry)
+    if self.config.overlap_qk:
+      carry = self.overlapped(r, blk, tiles, carry, refill)
+    else:
+      carry = self.pingpong(r, blk, tiles, carry)
     self.epilogue(r, blk, tiles, carry)
 
   def q_buffer(self, r: _Refs, qbuf, wg):
@@ -701,9 +710,11 @@ class _Forward:
     blk.pass_turn()
     blk.pass_turn()
 
-  def overlapped(self, r: _Refs, blk: _Block, tiles: _Tiles, carry):
+  def overlapped(self, r: _Refs, blk: _Block, tiles: _Tiles, carry, refill=None):
     """`overlap_qk`: a turn issues Q K_i^T and P_{i-1} V_{i-1} together; the
-    softmax of tile i runs while P_{i-1} V_{i-1} is in flight.
+    softmax of tile i runs while P_{i-1} V_{i-1} is in flight. `refill` (two Q
+    buffers: the previous tile's output-copy wait and the next tile's Q
+    prefetch) runs once the first Q K^T is issued.
 
     The turn is a token: `turn` holds one single-arrival barrier per warpgroup;
     a warpgroup waits on its own before issuing and arrives on its partner's
@@ -731,6 +742,12 @@ class _Forward:
     def first_scores(s_acc):
       plgpu.wgmma(s_acc, tiles.q_tile, r.k_smem.at[first].T)
       plgpu.barrier_arrive(theirs)
+      if refill is not None:
+        # Under the matmul, which this warpgroup waits for next anyway: about
+        # 1.02-1.03x faster at the H100's W1024 H128 and B8 T1024 causal
+        # forward, even at W4096, than before the schedule (estimated from two
+        # A/Bs, notes/MEASUREMENTS.md session 94 item 6).
+        refill()
       return s_acc[...]
     s = pl.run_scoped(first_scores, plgpu.ACC((self.bq, self.bkv), jnp.float32))
     plgpu.barrier_arrive(r.k_free.at[first])
