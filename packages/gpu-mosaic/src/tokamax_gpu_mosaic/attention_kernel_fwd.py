@@ -250,6 +250,8 @@ class _Refs(NamedTuple):
   seg_full: Any
 
 
+# `_Forward.late_refill`: the most key steps a tile may take for the late refill.
+_LATE_REFILL_MAX_STEPS = 12
 _SEGMENT_FIELDS = ("seg_range", "q_seg", "kv_seg", "qseg_smem", "kvseg_smem",
                    "qseg_full", "seg_full")
 
@@ -359,6 +361,23 @@ class _Forward:
     """
     work = self.tile_steps()[self.run_tile(self.position_tiles())] + 1
     return _list_schedule(tuple(work.tolist()), _common.num_sms())
+
+  @functools.cached_property
+  def late_refill(self) -> bool:
+    """Under `overlap_qk` with two Q buffers: whether the previous tile's
+    output-copy wait and the next tile's Q prefetch run once the tile's first
+    Q K^T is issued (`overlapped`), not before the schedule.
+
+    H100, bf16, forward, CUPTI, 10 interleaved rounds (notes/MEASUREMENTS.md
+    session 95, items 1-2), late / early: faster where every tile is short (W512
+    1.015x, W1024 1.015x MHA and 1.021x GQA, B8 T1024 causal 1.018x: at most 9
+    key steps a tile), slower at long windowed tiles (W2048 0.990x, W4096
+    0.983x and 0.992x: 17 and 33 steps), even at full-length tiles (T4096 causal,
+    T8192 and T16384). This rule against its other side, again: 1.014x W1024,
+    1.026x T1024 causal, 1.008x W2048, 1.013x W4096. The bound sits between the
+    measured 9 and 17 steps.
+    """
+    return int(self.tile_steps().max()) <= _LATE_REFILL_MAX_STEPS
 
   def position_tiles(self) -> np.ndarray:
     """The tile along its head's run order at each position of the persistent
@@ -522,7 +541,7 @@ class _Forward:
         # first Q K^T's issue), not at that epilogue's end.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         self.prefetch_next_q(r, blk)
-      if not self.config.overlap_qk:
+      if not (self.config.overlap_qk and self.late_refill):
         refill()
         refill = None
     if self.feat.segments:
@@ -743,10 +762,8 @@ class _Forward:
       plgpu.wgmma(s_acc, tiles.q_tile, r.k_smem.at[first].T)
       plgpu.barrier_arrive(theirs)
       if refill is not None:
-        # Under the matmul, which this warpgroup waits for next anyway: about
-        # 1.02-1.03x faster at the H100's W1024 H128 and B8 T1024 causal
-        # forward, even at W4096, than before the schedule (estimated from two
-        # A/Bs, notes/MEASUREMENTS.md session 94 item 6).
+        # Under the matmul, which this warpgroup waits for next anyway (where
+        # the tiles are short: `late_refill`).
         refill()
       return s_acc[...]
     s = pl.run_scoped(first_scores, plgpu.ACC((self.bq, self.bkv), jnp.float32))
