@@ -537,8 +537,8 @@ class _Forward:
 
       def refill():
         # The previous tile's output copies read the buffer the prefetch fills:
-        # waited for in this tile (after its scalars; under overlap_qk after its
-        # first Q K^T's issue), not at that epilogue's end.
+        # waited for in this tile (after its scalars; under overlap_qk with short
+        # tiles after its first Q K^T's issue), not at that epilogue's end.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         self.prefetch_next_q(r, blk)
       if not (self.config.overlap_qk and self.late_refill):
