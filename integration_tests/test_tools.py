@@ -245,16 +245,26 @@ def _env_builders(variable: str):
 
 def test_tune_ab_env_traces_the_second_side_with_the_variable(capsys):
   os.environ.pop("TOKAMAX_TEST_SWITCH", None)
-  tune.ab("op shape (impl)", _env_builders("TOKAMAX_TEST_SWITCH"), {}, 2,
-          env={"TOKAMAX_TEST_SWITCH": "1"})
+  read = tune.ab("op shape (impl)", _env_builders("TOKAMAX_TEST_SWITCH"), {}, 2,
+                 env={"TOKAMAX_TEST_SWITCH": "1"})
   out = capsys.readouterr().out
+  assert read
   assert "heuristic vs $TOKAMAX_TEST_SWITCH=1" in out
   assert "heuristic / other" in out
   assert "TOKAMAX_TEST_SWITCH" not in os.environ  # restored after the side
-  # A switch nothing reads compiles both sides alike: refused, not timed.
-  with pytest.raises(SystemExit, match="same program"):
-    tune.ab("op", _env_builders("TOKAMAX_TEST_SWITCH"), {}, 2,
-            env={"TOKAMAX_TEST_OTHER": "1"})
+  # A switch this call does not read compiles both sides alike: skipped, not
+  # timed, and the run goes on to its other calls.
+  unread = tune.ab("op", _env_builders("TOKAMAX_TEST_SWITCH"), {}, 2,
+                   env={"TOKAMAX_TEST_OTHER": "1"})
+  out = capsys.readouterr().out
+  assert not unread
+  assert "skipped: both sides compiled to the same program" in out
+  assert "heuristic / other" not in out
+  # A run where no call read it stops with an error; one where some call did, not.
+  with pytest.raises(SystemExit, match="same program at every call"):
+    tune.require_env_read({"TOKAMAX_TEST_OTHER": "1"}, [unread, unread])
+  tune.require_env_read({"TOKAMAX_TEST_OTHER": "1"}, [unread, read])
+  tune.require_env_read({}, [unread])  # no switch: a fields-only A/B
 
 
 def _config_builders():

@@ -34,8 +34,10 @@ forward+backward; it prints both medians and their ratio. ``--ab-env
 NAME=VALUE`` (repeatable, alone or with ``--ab``) is the A/B of a code change
 behind an environment variable the code reads while tracing (a temporary
 switch, taken out before the change lands): the second side is traced with
-NAME=VALUE set; an A/B whose two sides compile to the same program stops
-with an error (the switch is read nowhere, or not while tracing). With ``--model``
+NAME=VALUE set; a call whose two sides compile to the same program is
+reported and skipped (the switch does not reach it: e.g. the changed code path
+runs at some calls only), and a run where no call's sides differ stops with an
+error (the switch is read nowhere, or not while tracing). With ``--model``
 (dense, moe, ...), the same for the tokamax training step of `python -m tokamax
 bench --model` (``implementation=None``: dispatch picks the implementations as
 it would; both sides run their heuristic configs, not tuned data's).
@@ -145,7 +147,7 @@ def environment(variables: dict[str, str]):
 
 
 def ab(title: str, builders: dict, fields: dict[str, str], iterations: int,
-       side: str = "both", env: dict[str, str] | None = None) -> None:
+       side: str = "both", env: dict[str, str] | None = None) -> bool:
   """The heuristic configs against them with `fields` replaced (in the
   `side` Op's config: "both", "forward" or "backward") and the environment
   variables `env` set while tracing, interleaved.
@@ -153,8 +155,12 @@ def ab(title: str, builders: dict, fields: dict[str, str], iterations: int,
   `builders`: per direction, ``() -> (jitted function, args)``, each call a new
   function (a jitted function traced once would keep the first side's
   configs), traced under the side's config source.
+
+  Returns whether some direction's two sides compiled to different programs
+  (with `env`, one whose sides do not is skipped, not timed: `require_env_read`).
   """
   env = env or {}
+  differed = False
   replaced = _field_values(fields)
   label = ", ".join([f"{k}={v!r}" for k, v in replaced.items()]
                     + [f"${k}={v}" for k, v in env.items()])
@@ -180,10 +186,11 @@ def ab(title: str, builders: dict, fields: dict[str, str], iterations: int,
     if replaced and not changed.applied:
       raise SystemExit(f"--ab {label}: no Op's config has these fields")
     same = _same_program(*contenders.values())
+    differed = differed or not same
     if env and same:
-      raise SystemExit(f"--ab-env {label}: both sides compiled to the same program "
-                       "(nothing read the variables while tracing, or a cache "
-                       "outside JAX's kept the first side's code)")
+      print(f"  {direction:<17} skipped: both sides compiled to the same program",
+            flush=True)
+      continue
     results = benchmarking.time_interleaved(contenders, iterations)
     base, other = (results[name] for name in contenders)
     if isinstance(base, Exception) or isinstance(other, Exception):
@@ -198,6 +205,18 @@ def ab(title: str, builders: dict, fields: dict[str, str], iterations: int,
     print(f"  {direction:<17} heuristic {a:8.3f} ms, {label} {b:8.3f} ms "
           f"(heuristic / other {a / b:.3f}, {base.method}, {iterations} rounds"
           f"{same_note})", flush=True)
+  return differed
+
+
+def require_env_read(env: dict[str, str], differed: list[bool]) -> None:
+  """Stops a ``--ab-env`` run where no call's two sides compiled differently:
+  nothing read the variables while tracing (or a cache outside JAX's kept the
+  first side's code), so every ratio would have been an A/A run's."""
+  if env and not any(differed):
+    names = ", ".join(f"${k}={v}" for k, v in env.items())
+    raise SystemExit(f"--ab-env {names}: both sides compiled to the same program at "
+                     "every call (nothing read the variables while tracing, or a "
+                     "cache outside JAX's kept the first side's code)")
 
 
 def _same_program(a: benchmarking.Contender, b: benchmarking.Contender) -> bool:
@@ -432,6 +451,7 @@ def main():
   else:
     suite = bench_suite.grid_suite() if args.grid else bench_suite.reference_suite()
     problems = select_problems(parser, suite, args.op, args.shape)
+  differed = []  # per A/B'd call: whether its two sides' programs differ
   for problem in problems:
     if args.equal_groups:
       problem = _with_equal_groups(problem)
@@ -440,15 +460,18 @@ def main():
                    problem_builders(problem, args.implementation, directions),
                    dict(args.ab), args.profile_runs)
     elif is_ab:
-      ab(f"{problem.op} {problem.name} ({args.implementation})",
-         problem_builders(problem, args.implementation, directions), dict(args.ab),
-         args.iterations, args.ab_side, dict(args.ab_env))
+      differed.append(ab(
+          f"{problem.op} {problem.name} ({args.implementation})",
+          problem_builders(problem, args.implementation, directions), dict(args.ab),
+          args.iterations, args.ab_side, dict(args.ab_env)))
     else:
       tune(problem, args.implementation, args.iterations, directions, match,
            args.training)
   for model in args.model:
-    ab(*model_builders(model), dict(args.ab), args.iterations, args.ab_side,
-       dict(args.ab_env))
+    differed.append(ab(*model_builders(model), dict(args.ab), args.iterations,
+                       args.ab_side, dict(args.ab_env)))
+  if is_ab:
+    require_env_read(dict(args.ab_env), differed)
 
 
 if __name__ == "__main__":
