@@ -293,6 +293,10 @@ def test_model_sizes_from_the_command_line():
   assert bench_models.make_size("moe", False, {"seq": "64"}) == bench_models.MoeSize()
   with pytest.raises(ValueError, match="no model has a size 'bogus'"):
     bench_models.make_size("moe", True, {"bogus": "1"})
+  with pytest.raises(ValueError, match="top_k=9.*experts=8.*at most experts"):
+    bench_models.make_size("moe", True, {"top_k": "9"})
+  with pytest.raises(ValueError, match="heads=32 kv_heads=3: the query heads"):
+    bench_models.make_size("dense", False, {"kv_heads": "3"})
   assert bench_models.MoeSize().flops() == 3 * (2 * 16384 * 4096 * 2 * 14336
                                               + 2 * 16384 * 14336 * 4096)
 

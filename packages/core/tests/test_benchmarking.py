@@ -311,6 +311,13 @@ def test_tokamax_layer_norm_benchmarked():
   assert isinstance(data, tokamax.BenchmarkData) and len(data.evaluation_times_ms) == 3
 
 
+def test_benchmark_wants_a_sequence_of_arguments():
+  # A bare array would be unpacked row by row into the function's arguments.
+  x = jnp.ones((64, 128))
+  with pytest.raises(TypeError, match=r"args must be a list or tuple.*shape \(64, 128\)"):
+    tokamax.benchmark(lambda x: tokamax.rms_norm(x, None), x)
+
+
 def test_public_exports():
   assert tokamax.benchmark is benchmarking.benchmark
   assert tokamax.standardize_function is benchmarking.standardize_function

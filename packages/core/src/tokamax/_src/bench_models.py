@@ -146,7 +146,18 @@ def make_size(model: str, quick: bool, overrides: dict[str, str] | None = None):
                        f"{model} has {', '.join(sorted(fields))}")
     if key in fields:
       setattr(size, key, _size_value(key, value))
+  _check_together(size)
   return size
+
+
+def _check_together(size) -> None:
+  """Sizes that are fine alone but not together (ValueError naming both)."""
+  if isinstance(size, MoeSize) and size.top_k > size.experts:
+    raise ValueError(f"--size top_k={size.top_k}: each token picks top_k of the "
+                     f"experts={size.experts}; top_k must be at most experts")
+  if isinstance(size, DenseSize) and size.heads % size.kv_heads:
+    raise ValueError(f"--size heads={size.heads} kv_heads={size.kv_heads}: the "
+                     "query heads must be a multiple of the key/value heads")
 
 
 _MODEL_DTYPES = ("bfloat16", "float16", "float32")

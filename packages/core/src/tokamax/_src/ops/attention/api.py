@@ -263,7 +263,9 @@ def _lengths(name: str, x: Any, batch_shape: tuple[int, ...], limit: int) -> jax
     if values.min() < 0 or values.max() > limit:
       raise ValueError(f"{name} must lie in [0, {limit}]; got values from "
                        f"{values.min()} to {values.max()}")
-  return x.astype(jnp.int32)
+  # Traced values cannot be checked: clipped here, so that every implementation
+  # reads the same lengths (a kernel's reads past the end are not defined).
+  return jnp.clip(x.astype(jnp.int32), 0, limit)
 
 
 def _segments(name: str, x: Any, batch_shape: tuple[int, ...], length: int,
@@ -310,6 +312,8 @@ def dot_product_attention(
     is_causal: query t attends only keys ``s <= t``.
     query_seq_lengths: optional int ``[*batch]``; queries past it output 0.
     key_value_seq_lengths: optional int ``[*batch]``; keys past it are ignored.
+      Both lengths must lie in [0, T] (resp. [0, S]): checked where the values
+      are known (outside `jax.jit`); traced values are clipped into that range.
     local_window_size: optional int w (meaning ``(w, w)``) or ``(left, right)``:
       query t attends keys ``t - left <= s <= t + right``.
     logits_soft_cap: optional c > 0: logits become ``c * tanh(logits / c)``.
