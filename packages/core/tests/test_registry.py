@@ -129,6 +129,9 @@ def test_incompatible_api_version_is_refused(fresh_registry):
   with pytest.warns(tokamax.PluginWarning, match="plugin API version 99"):
     registry.get()
   assert ("layer_norm", "doubled") not in registry.get().by_name
+  # Naming its implementation raises why its backend was refused.
+  with pytest.raises(ImportError, match="failed to load.*plugin API version 99"):
+    tokamax.layer_norm(_x(), None, None, implementation="doubled")
   message = tokamax.backend_errors()[0].message
   assert "version 99" in message
   # Both sides' versions, so that the user knows which of the two to change.
@@ -150,7 +153,71 @@ def test_name_clash_is_deterministic(fresh_registry):
     reg = registry.get()
   assert reg.by_name[("layer_norm", "doubled")].backend == "alpha"
   assert reg.by_name[("layer_norm", "zeta:doubled")].backend == "zeta"
-  tokamax.layer_norm(_x(), None, None, implementation="zeta:doubled")
+  with tokamax.record_dispatch() as records:
+    tokamax.layer_norm(_x(), None, None, implementation="zeta:doubled")
+  # Recorded by the name that reaches it, not the one the other keeps.
+  assert records[0].implementation == "zeta:doubled"
+
+
+def test_a_qualified_name_taken_twice_registers_only_the_first(fresh_registry):
+  # Two distributions whose backends have one name: the second's implementation
+  # would have no name that reaches it, so it is not registered (and not run).
+  _install(fresh_registry,
+           FakeEntryPoint("one", _backend("same"), FakeDist("one-dist")),
+           FakeEntryPoint("two", _backend("same", priority=900), FakeDist("two-dist")))
+  with pytest.warns(tokamax.PluginWarning,
+                    match=r"'same:doubled' already means the one from one-dist; "
+                          r"this one is not registered"):
+    reg = registry.get()
+  assert [e.distribution for e in reg.entries["layer_norm"] if e.backend == "same"] == [
+      "one-dist"]
+  assert reg.by_name[("layer_norm", "same:doubled")].distribution == "one-dist"
+
+
+def _backend_naming(name, forward):
+  return tokamax.plugin.Backend(
+      name=name, api_version=tokamax.plugin.PLUGIN_API_VERSION,
+      implementations=(tokamax.plugin.Implementation(
+          op="layer_norm", name="misnamed", forward=forward,
+          platforms=("cpu", "gpu", "tpu"), priority=900),))
+
+
+@pytest.mark.parametrize("forward,why", [
+    ("fake_tokamax_plugin:DoubledNormm", "AttributeError"),
+    ("numpy:ndarray", "not a subclass of tokamax.Op")])
+def test_a_forward_that_cannot_be_loaded_is_skipped_unless_named(fresh_registry,
+                                                                 forward, why):
+  # A misspelled class (or a target that is no Op) in a plugin's registration
+  # leaves implementation=None working; named alone, the error says whose it is.
+  _install(fresh_registry, FakeEntryPoint("typo", _backend_naming("typo", forward),
+                                          FakeDist("typo-dist")))
+  x = _x()
+  want = tokamax.layer_norm(x, None, None, implementation="xla")
+  with tokamax.record_dispatch() as records:
+    np.testing.assert_array_equal(tokamax.layer_norm(x, None, None), want)
+  assert records[0].implementation != "misnamed"
+  np.testing.assert_array_equal(
+      tokamax.layer_norm(x, None, None, implementation=["misnamed", "xla"]), want)
+  with pytest.raises(ImportError, match=rf"layer_norm implementation 'misnamed' of "
+                     rf"backend 'typo' \(typo-dist\): its forward='{forward}' cannot "
+                     rf"be loaded: .*{why}"):
+    tokamax.layer_norm(x, None, None, implementation="misnamed")
+
+
+def test_a_named_implementation_runs_only_on_its_platforms(fresh_registry):
+  # A plugin's check_supported need not check the platforms it registered for.
+  backend = tokamax.plugin.Backend(
+      name="gpuonly", api_version=tokamax.plugin.PLUGIN_API_VERSION,
+      implementations=(tokamax.plugin.Implementation(
+          op="layer_norm", name="doubled", forward="fake_tokamax_plugin:DoubledNorm",
+          platforms=("gpu",), priority=500),))
+  _install(fresh_registry, FakeEntryPoint("gpuonly", backend, FakeDist("gpuonly-dist")))
+  if jax.devices()[0].platform == "gpu":
+    pytest.skip("the implementation's platform is this one")
+  with pytest.raises(NotImplementedError,
+                     match=r"'doubled' cannot run this call: runs on gpu; this device "
+                           r"is (cpu|tpu)"):
+    tokamax.layer_norm(_x(), None, None, implementation="doubled")
 
 
 def test_builtin_names_cannot_be_taken_over(fresh_registry):
@@ -170,6 +237,21 @@ def test_disabled_backends(fresh_registry):
                           r"backend has .*; installed: .*fake"):
     assert ("layer_norm", "doubled") not in registry.get().by_name
   assert any(b.name == "fake" and b.status == "disabled" for b in tokamax.backends())
+
+
+def test_an_implementation_of_a_disabled_backend_is_said_to_be_disabled(fresh_registry):
+  fresh_registry.setenv("TOKAMAX_DISABLED_BACKENDS", "fake")
+  _install(fresh_registry, FakeEntryPoint("fake", _backend("fake"), FakeDist("fake-dist")))
+  x = _x()
+  for name in ("doubled", "fake:doubled"):
+    with pytest.raises(tokamax.ImplementationNotInstalledError,
+                       match=rf"implementation='{name}' comes from the backend 'fake', "
+                             r"which TOKAMAX_DISABLED_BACKENDS disables"):
+      tokamax.layer_norm(x, None, None, implementation=name)
+  # In a sequence it is skipped, as one not installed is.
+  np.testing.assert_array_equal(
+      tokamax.layer_norm(x, None, None, implementation=["doubled", "xla"]),
+      tokamax.layer_norm(x, None, None, implementation="xla"))
 
 
 def test_the_builtin_backend_cannot_be_disabled(fresh_registry):
@@ -405,6 +487,11 @@ def test_kernel_modules_are_imported_lazily(fresh_registry):
 
 
 def test_implementation_spec_validation():
+  spec = tokamax.plugin.Implementation(op="ragged_dot", name="x", forward="a:b")
+  with pytest.raises(TypeError, match=r"Backend 'b': implementations must be a tuple "
+                                      r"of tokamax.plugin.Implementation"):
+    tokamax.plugin.Backend(name="b", api_version=1, implementations=spec)
+  assert tokamax.plugin.Backend("b", 1, [spec]).implementations == (spec,)
   with pytest.raises(ValueError, match="op must be one of"):
     tokamax.plugin.Implementation(op="softmax", name="x", forward="a:b")
   with pytest.raises(ValueError, match="module:attr"):

@@ -724,6 +724,22 @@ def test_shipped_data_keeps_only_this_repository_s_implementations():
                                              "tokamax-example-plugin": "0.3.0"}))
   assert [m.implementation for m in kept.measurements] == ["xla"]
   assert "tokamax-example-plugin" not in kept.versions
+  # A plugin's author keeps theirs (`autotune --keep <distribution>`).
+  if not any(b.distribution == "tokamax-example-plugin" for b in tokamax.backends()):
+    pytest.skip("the example plugin is pip-installed by `nox -s tests`")
+  kept = bench_suite._first_party_only(
+      results.AutotuningResult(measured, device_kind="cpu", versions={
+          "jax": jax.__version__, "tokamax-example-plugin": "0.3.0"}),
+      also=("tokamax_example_plugin",))
+  assert [m.implementation for m in kept.measurements] == ["xla", "example_rms"]
+  assert kept.versions["tokamax-example-plugin"] == "0.3.0"
+
+
+def test_autotune_keep_names_an_installed_distribution():
+  bench_suite.check_distributions(("tokamax-xla-reference",))
+  with pytest.raises(ValueError, match="my-backend: no installed backend comes from "
+                                       "it; installed: .*tokamax-xla-reference"):
+    bench_suite.check_distributions(("my-backend",))
 
 
 def _shipped_attention_grid(device: str) -> results.AutotuningResult:

@@ -153,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
                          "implementation wins where, for implementation=None")
   tune.add_argument("--skip", action="append", default=[], metavar="IMPLEMENTATION",
                     help="do not measure this implementation (repeatable)")
+  tune.add_argument("--keep", action="append", default=[], metavar="DISTRIBUTION",
+                    help="also write the measurements of this distribution's "
+                         "implementations (repeatable; a plugin's, to ship in it): "
+                         "by default only tokamax-core's and its backends' are")
   args = parser.parse_args(argv)
   try:
     return _run_command(parser, args)
@@ -175,8 +179,13 @@ def _run_command(parser, args) -> int:
       bench_suite.check_implementation_names(args.skip)
     except bench_suite.UnknownImplementation as e:
       print(f"note: --skip: {e}", file=sys.stderr)
+    try:
+      bench_suite.check_distributions(tuple(args.keep))
+    except ValueError as e:
+      parser.error(f"--keep: {e}")
     return bench_suite.autotune_suite(args.op, args.shape, args.out, args.iterations,
-                                      args.timeout, grid=args.grid, skip=tuple(args.skip))
+                                      args.timeout, grid=args.grid, skip=tuple(args.skip),
+                                      keep=tuple(args.keep))
   elif args.command == "bench":
     impls = None if not args.implementation else [
         None if i == "auto" else i for i in args.implementation]

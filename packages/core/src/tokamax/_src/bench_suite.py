@@ -33,6 +33,8 @@ from tokamax._src import gpu_state
 from tokamax._src.ops import catalog
 from tokamax._src.ops.attention import problems as attention_problems
 from tokamax._src import registry
+from tokamax._src.dispatch.candidates import runs_on
+from tokamax._src.op import DeviceInfo
 from tokamax._src.problem import Problem, rand
 from tokamax._src.tuning import shipped
 
@@ -137,6 +139,33 @@ def _peer_named(name: str, label: str) -> bool:
   """Whether ``--peer`` value `name` selects the peer `label` (a part of it,
   case apart; "none" selects none)."""
   return name.lower() != "none" and name.lower() in label.lower()
+
+
+def implementations_taking(problem: Problem) -> list[str]:
+  """The implementations a bench runs at `problem` by default: those usable at
+  their op's typical call (`tokamax.implementations`), and those of this
+  platform that refused only that call but take this one (asked by tracing it,
+  without running it: e.g. an RMS-only norm, refused at a LayerNorm call)."""
+  device = DeviceInfo.of()
+  names = []
+  for status in introspection.implementations(problem.op):
+    if status.usable:
+      names.append(status.name)
+    elif (runs_on(status.platforms, device)
+          and not status.reason.startswith("failed to load")
+          and _traces(problem, status.name)):
+      names.append(status.name)
+  return names
+
+
+def _traces(problem: Problem, implementation: str) -> bool:
+  """Whether `implementation` takes `problem`'s call (traced on abstract inputs)."""
+  try:
+    shapes = jax.eval_shape(problem.make_inputs)
+    jax.eval_shape(lambda a: problem.call(a, implementation), shapes)
+  except Exception:  # noqa: BLE001 (a refusal, or any failure: not run by default)
+    return False
+  return True
 
 
 def run_problem(problem: Problem, implementations: list[str | None],
@@ -655,8 +684,8 @@ def _run(ops, iterations, implementations, sweep, models, quick, sizes, shapes=N
   print("\n".join(HEADER), flush=True)
   all_rows, notes = [], []
   for p in problems:
-    usable = [s.name for s in introspection.implementations(p.op) if s.usable]
-    impls = implementations or [None] + [n for n in usable if n != "xla_chunked"]
+    impls = implementations or [None] + [
+        n for n in implementations_taking(p) if n != "xla_chunked"]
     rows = run_problem(select_peers(p, peers), impls, iterations=iterations,
                        method=method)
     if sweep:
@@ -698,17 +727,20 @@ def _first_party_distributions() -> set[str] | None:
   return {n for n in names if n.startswith("tokamax-")} | {"tokamax-core"}
 
 
-def _first_party_only(result):
+def _first_party_only(result, also: tuple[str, ...] = ()):
   """Keeps measurements of our own implementations (built in, or from the packages
   `_first_party_distributions` names; any tokamax-* package where core is not
-  installed), and the versions of just those packages, so shipped data depends on
-  nothing else: not on a third-party plugin installed beside them."""
+  installed) and of the distributions named in `also` (a plugin's, whose author
+  ships the data), and the versions of just those packages, so shipped data
+  depends on nothing else: not on another plugin installed beside them."""
   ours = _first_party_distributions()
+  also = {_normalized_distribution(d) for d in also}
   dists = {}
   for op_entries in registry.get().entries.values():
     for e in op_entries:
       dist = (e.distribution or "").lower()
-      if e.builtin or (dist in ours if ours is not None else dist.startswith("tokamax-")):
+      if (e.builtin or _normalized_distribution(dist) in also
+          or (dist in ours if ours is not None else dist.startswith("tokamax-"))):
         dists[(e.op, e.name)] = e.distribution
   kept = [m for m in result.measurements if (m.op, m.implementation) in dists]
   used = {dists[(m.op, m.implementation)] for m in kept} | {"tokamax-core"}
@@ -717,6 +749,22 @@ def _first_party_only(result):
               if (f.get("op"), f.get("implementation")) in dists]
   return autotuning.AutotuningResult(kept, device_kind=result.device_kind,
                                      versions=versions, failures=failures)
+
+
+def _normalized_distribution(name: str) -> str:
+  return name.lower().replace("_", "-")
+
+
+def check_distributions(names: tuple[str, ...]) -> None:
+  """Each of `names` is the distribution of an installed backend (ValueError
+  listing those installed otherwise)."""
+  installed = {_normalized_distribution(b.distribution) for b in registry.backends()
+               if b.distribution}
+  unknown = [n for n in names if _normalized_distribution(n) not in installed]
+  if unknown:
+    raise ValueError(f"{', '.join(unknown)}: no installed backend comes from "
+                     f"{'it' if len(unknown) == 1 else 'them'}; installed: "
+                     f"{', '.join(sorted(installed))}")
 
 
 class NoMatchingShape(ValueError):
@@ -803,7 +851,7 @@ def select_shapes(problems: list[Problem], shapes: list[str],
 
 def autotune_suite(ops: list[str] | None, shapes: list[str] | None, out: str,
                    iterations: int, timeout_s: float | None, grid: bool = False,
-                   skip: tuple[str, ...] = ()) -> int:
+                   skip: tuple[str, ...] = (), keep: tuple[str, ...] = ()) -> int:
   """Autotunes the reference problems and writes ``out/<device slug>/<op>.json``.
 
   With `grid`: the grid problems instead, each implementation at its heuristic
@@ -815,7 +863,9 @@ def autotune_suite(ops: list[str] | None, shapes: list[str] | None, out: str,
   implementations not measured (e.g. the dense XLA attention at long sequences,
   out of memory or tens of times slower); an existing file's entries for them
   are kept, so that one implementation can be measured again after it changed
-  (skip the others).
+  (skip the others). Written are the measurements of this repository's
+  packages' implementations, and of those of the distributions in `keep` (a
+  plugin's author: theirs, ranked against ours).
 
   Returns the exit status: 1 where nothing was measured (the reference shapes'
   files then left as they were), else 0.
@@ -850,16 +900,16 @@ def autotune_suite(ops: list[str] | None, shapes: list[str] | None, out: str,
         timeout_s=timeout_s, progress=False, heuristics_only=grid, skip=skip,
         integer_inputs=integer_inputs))
     if grid:  # after each problem: a grid run cut short keeps its data
-      _write_per_op(_with_earlier(_first_party_only(result), folder, p.op, suffix, skip),
+      _write_per_op(_with_earlier(_first_party_only(result, keep), folder, p.op, suffix, skip),
                     folder, suffix, only=p.op)
-  if not _first_party_only(result).measurements:
+  if not _first_party_only(result, keep).measurements:
     print(f"autotune measured nothing: {len(result.failures)} failed configs over "
           f"{len(problems)} problems (every implementation skipped, failed or "
           "refused)", flush=True)
     return 1
   if not grid:
     for op in sorted({p.op for p in problems}):
-      _write_per_op(_with_earlier(_first_party_only(result), folder, op, suffix, skip),
+      _write_per_op(_with_earlier(_first_party_only(result, keep), folder, op, suffix, skip),
                     folder, suffix, only=op)
   return 0
 

@@ -42,8 +42,7 @@ def implementations(op: str | None = None) -> list[ImplementationStatus]:
   for op_name in ([op] if op else plugin.OP_NAMES):
     reg = registry.get()
     for entry in reg.entries[op_name]:
-      name = entry.name if reg.by_name.get((op_name, entry.name)) is entry else (
-          entry.qualified_name)
+      name = registry.label(entry)
       reason = ""
       if not platform_matches(entry, device):
         reason = (f"runs on {', '.join(entry.spec.platforms)}; this device is "

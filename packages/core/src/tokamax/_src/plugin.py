@@ -135,6 +135,17 @@ class Backend:
   implementations: tuple[Implementation, ...] = ()
   tuned_data: str | None = None
 
+  def __post_init__(self):
+    given = self.implementations
+    specs = None if isinstance(given, Implementation) else tuple(given)
+    if specs is None or not all(isinstance(i, Implementation) for i in specs):
+      raise TypeError(
+          f"Backend {self.name!r}: implementations must be a tuple of "
+          f"tokamax.plugin.Implementation (one of them: (Implementation(...),)); "
+          f"got {given!r}")
+    # A list is kept as a tuple: the backend is frozen, as registered.
+    object.__setattr__(self, "implementations", specs)
+
 
 def implementations(*, name: str, platforms: tuple[str, ...], priority: int,
                     ops: Mapping[str, tuple[str, str | None]]

@@ -103,6 +103,13 @@ class _Registry:
     self.backends: list[BackendInfo] = []
     self.errors: list[BackendError] = []
     self.failed_entry_points: dict[str, BaseException] = {}
+    # (op, name) of a backend that loaded but was refused (another plugin API
+    # version): naming one raises why.
+    self.refused_names: dict[tuple[str, str], BaseException] = {}
+    # Entry points that TOKAMAX_DISABLED_BACKENDS turned off before loading, and
+    # the (op, name) -> backend of those read so far (`disabled_backend_of`).
+    self.disabled_entry_points: list[Any] = []
+    self.disabled_names: dict[tuple[str, str], str] | None = None
     # (package, distribution, version) of each backend's tuned data.
     self.tuned_packages: list[tuple[str, str | None, str | None]] = []
 
@@ -111,6 +118,17 @@ class _Registry:
     names = []
     for spec in backend.implementations:
       entry = Entry(spec, backend.name, distribution, version, builtin)
+      taken = self.by_name.get((spec.op, entry.qualified_name))
+      if taken is not None:
+        # Its qualified name is taken too (the same backend name twice): no name
+        # would reach it, so it is not registered at all.
+        warnings.warn(
+            f"tokamax: backend {backend.name!r} ({distribution}) registers "
+            f"{spec.op} implementation {spec.name!r}, but {entry.qualified_name!r} "
+            f"already means the one from {taken.distribution}; this one is not "
+            "registered (give the backend or the implementation another name).",
+            PluginWarning, stacklevel=2)
+        continue
       self.entries[spec.op].append(entry)
       key = (spec.op, spec.name)
       if key in self.by_name:
@@ -197,11 +215,14 @@ def _discover() -> _Registry:
     version = ep.dist.version if ep.dist is not None else None
     if is_disabled(ep.name, dist):
       reg.backends.append(BackendInfo(ep.name, dist, version, "disabled"))
+      reg.disabled_entry_points.append(ep)
       continue
+    backend = None
     try:
       backend = _check_backend(ep.load(), ep.name)
       if is_disabled(backend.name):
         reg.backends.append(BackendInfo(backend.name, dist, version, "disabled"))
+        reg.disabled_entry_points.append(ep)
         continue
       if backend.api_version != plugin.PLUGIN_API_VERSION:
         raise RuntimeError(
@@ -216,6 +237,9 @@ def _discover() -> _Registry:
       message = f"{type(e).__name__}: {e}"
       reg.errors.append(BackendError(ep.name, dist, message, e))
       reg.failed_entry_points[ep.name] = e
+      for spec in getattr(backend, "implementations", ()):
+        for name in (spec.name, f"{backend.name}:{spec.name}"):
+          reg.refused_names[(spec.op, name)] = e
       reg.backends.append(BackendInfo(ep.name, dist, version, "error"))
       warnings.warn(
           f"tokamax: backend plugin {ep.name!r} from {dist} was not loaded: "
@@ -277,14 +301,40 @@ def load_class(ref: str, expected: type) -> type:
   return cls
 
 
+def _entry_class(entry: Entry, field: str, expected: type) -> type:
+  """The class an entry's `field` ("forward" or "backward") names.
+
+  A plugin's mistake there (a misspelled class, a target that is no `Op`) is an
+  ImportError naming the implementation, as a module that fails to import is:
+  `implementation=None` and sequences skip it, and only naming it alone raises.
+  """
+  ref = getattr(entry.spec, field)
+  try:
+    return load_class(ref, expected)
+  except ImportError:
+    raise
+  except (AttributeError, TypeError, ValueError) as e:
+    raise ImportError(
+        f"{entry.op} implementation {entry.name!r} of backend {entry.backend!r} "
+        f"({entry.distribution}): its {field}={ref!r} cannot be loaded: "
+        f"{type(e).__name__}: {e}") from e
+
+
 def forward_class(entry: Entry) -> type[Op]:
-  return load_class(entry.spec.forward, Op)
+  return _entry_class(entry, "forward", Op)
 
 
 def backward_class(entry: Entry) -> type[VjpOp] | None:
   if entry.spec.backward is None:
     return None
-  return load_class(entry.spec.backward, VjpOp)
+  return _entry_class(entry, "backward", VjpOp)
+
+
+def label(entry: Entry) -> str:
+  """The name that reaches `entry`: its plain name, or where another registration
+  of the same (op, name) keeps that, its qualified one."""
+  return entry.name if get().by_name.get((entry.op, entry.name)) is entry else (
+      entry.qualified_name)
 
 
 def entries(op: str) -> list[Entry]:
@@ -321,14 +371,37 @@ def _install_hint(dist: str) -> str:
   return f"pip install {dist} (or tokamax-core[{EXTRA_FOR_DISTRIBUTION[dist]}])"
 
 
+def disabled_backend_of(op: str, name: str) -> str | None:
+  """The disabled backend that has `op`'s implementation `name`, if any.
+
+  Disabled backends are not loaded at discovery; their entry points are read
+  here, once, when a name is not found otherwise (a backend that fails even to
+  load has no names to give).
+  """
+  reg = get()
+  with _lock:
+    if reg.disabled_names is None:
+      found = {}
+      for ep in reg.disabled_entry_points:
+        try:
+          backend = _check_backend(ep.load(), ep.name)
+        except Exception:  # noqa: BLE001 (disabled: its errors are not ours to raise)
+          continue
+        for spec in backend.implementations:
+          for key in ((spec.op, spec.name), (spec.op, f"{backend.name}:{spec.name}")):
+            found.setdefault(key, backend.name)
+      reg.disabled_names = found
+  return reg.disabled_names.get((op, name))
+
+
 def lookup(op: str, name: str) -> Entry | Unavailable:
   """The entry for `name` (plain or qualified), or why there is none."""
   reg = get()
   entry = reg.by_name.get((op, name))
   if entry is not None:
     return entry
-  if name in reg.failed_entry_points:
-    cause = reg.failed_entry_points[name]
+  if name in reg.failed_entry_points or (op, name) in reg.refused_names:
+    cause = reg.failed_entry_points.get(name) or reg.refused_names[(op, name)]
     return Unavailable(
         name, ImportError, f"its backend plugin failed to load: {cause}",
         f"implementation {name!r} comes from a backend plugin that failed to "
@@ -363,6 +436,14 @@ def lookup(op: str, name: str) -> Entry | Unavailable:
         f"not installed: {_install_hint(dist)}",
         f"implementation={name!r} is provided by the distribution {dist}, which is "
         f"not installed: {_install_hint(dist)}", known=True)
+  disabled_by = disabled_backend_of(op, name)
+  if disabled_by is not None:
+    return Unavailable(
+        name, ImplementationNotInstalledError,
+        f"its backend {disabled_by!r} is disabled by TOKAMAX_DISABLED_BACKENDS",
+        f"implementation={name!r} comes from the backend {disabled_by!r}, which "
+        f"TOKAMAX_DISABLED_BACKENDS disables; remove the backend's (or its "
+        f"distribution's) name from it to use {name!r}", known=True)
   available = sorted({e.name for e in reg.entries[op]})
   if other_ops:
     return Unavailable(

@@ -54,10 +54,14 @@ def tuned_order(options: list, labels: list[str], times: dict[str, float]) -> li
 
 
 def platform_matches(entry: registry.Entry, device: DeviceInfo) -> bool:
+  return runs_on(entry.spec.platforms, device)
+
+
+def runs_on(platforms: Sequence[str], device: DeviceInfo) -> bool:
+  """Whether an implementation declared for `platforms` runs on `device`."""
   if device.interpret:
     return True  # Pallas interpret mode runs anywhere; check_supported decides.
-  platforms = {"gpu" if p in ("cuda", "rocm") else p for p in entry.spec.platforms}
-  return device.platform in platforms
+  return device.platform in {"gpu" if p in ("cuda", "rocm") else p for p in platforms}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +76,10 @@ class Candidate:
   # The user named this one implementation and nothing else: a failure to import
   # it is raised as such rather than being a refusal among others.
   alone: bool = False
+  # The platforms a named entry declares (`plugin.Implementation.platforms`),
+  # checked after its own check_supported (`build_checked`); None: any. Under
+  # automatic choice entries of other platforms are not candidates at all.
+  platforms: tuple[str, ...] | None = None
 
 
 def _entry_candidate(entry: registry.Entry, explicit: bool,
@@ -79,8 +87,9 @@ def _entry_candidate(entry: registry.Entry, explicit: bool,
   def make_backward():
     cls = registry.backward_class(entry)
     return None if cls is None else cls()
-  return Candidate(entry.name, lambda: registry.forward_class(entry)(),
-                    make_backward, explicit, given)
+  return Candidate(registry.label(entry), lambda: registry.forward_class(entry)(),
+                    make_backward, explicit, given,
+                    platforms=tuple(entry.spec.platforms) if explicit else None)
 
 
 def _unavailable_candidate(missing: registry.Unavailable, given: str) -> Candidate:
@@ -184,9 +193,11 @@ def check_opt_in(op: Op, args: Any) -> None:
 
 
 def build_checked(make: Callable[[], Any], raise_import: bool, args: Any,
-                   device: DeviceInfo, *residuals) -> Any:
+                   device: DeviceInfo, *residuals,
+                   platforms: Sequence[str] | None = None) -> Any:
   """The op `make()` builds, checked for this call (opt-in fields, then its own
-  check_supported, given `residuals` for a backward).
+  check_supported, given `residuals` for a backward, then the `platforms` its
+  registration declares: a plugin's check_supported need not check them).
 
   Raises:
     NotImplementedError: the op refuses the call (or there is none); its reason.
@@ -199,6 +210,9 @@ def build_checked(make: Callable[[], Any], raise_import: bool, args: Any,
       raise NotImplementedError("has no backward of its own")
     check_opt_in(op, args)
     op.check_supported(args, device, *residuals)
+    if platforms is not None and not runs_on(platforms, device):
+      raise NotImplementedError(f"runs on {', '.join(platforms)}; this device is "
+                                f"{device.platform}")
   except ImportError as e:
     if raise_import:
       raise

@@ -84,7 +84,8 @@ def select(candidates: Sequence[Candidate], args: Any, device: DeviceInfo, *,
   declined: tuple[Candidate, Op] | None = None
   for cand in candidates:
     try:
-      op = build_checked(part(cand), raises_import(cand), args, device, *residuals)
+      op = build_checked(part(cand), raises_import(cand), args, device, *residuals,
+                         platforms=cand.platforms)
       reason = accept(op) if accept is not None else None
       if reason is not None:
         raise NotImplementedError(reason)
@@ -208,7 +209,8 @@ def _why_not_for_training(op_name: str, args: Any, device: DeviceInfo,
     return None
   try:
     if forward is None:
-      forward = build_checked(cand.make_forward, False, args, device)
+      forward = build_checked(cand.make_forward, False, args, device,
+                              platforms=cand.platforms)
     if _other_backward_for(op_name, args, device, cand, forward) is not None:
       return None
   except Exception as e:  # advisory, as `_own_backward`: said in the record
@@ -265,7 +267,7 @@ def _backward_candidates(op_name: str, args: Any, device: DeviceInfo,
   # fastest first.
   entries = [e for e in registry.entries(op_name)
              if e.spec.backward is not None and platform_matches(e, device)]
-  auto = [backward_of(e.name, lambda e=e: registry.backward_class(e)(), False)
+  auto = [backward_of(registry.label(e), lambda e=e: registry.backward_class(e)(), False)
           for e in entries]
   if implementation is None:
     if own is not None:
@@ -279,7 +281,8 @@ def _backward_candidates(op_name: str, args: Any, device: DeviceInfo,
     # `recomputes_without` a residual this forward left out) costs that forward
     # too.
     times = sources.measured_times(op_name, "backward", args)
-    rerunning = [e.name for e in entries if e.name != forward.label and e.name in times
+    rerunning = [registry.label(e) for e in entries
+                 if registry.label(e) != forward.label and registry.label(e) in times
                  and reruns_forward(lambda e=e: registry.backward_class(e), residuals)]
     times = with_forward_reruns(op_name, args, times, rerunning)
     auto = tuned_order(auto, [a.label for a in auto], times)

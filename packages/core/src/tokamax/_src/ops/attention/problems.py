@@ -121,7 +121,12 @@ def grid_problems() -> list[Problem]:
   1.04-1.09x faster (H100, B2 T8192 N16 H64 W1024, B4 T4096 N16 H64 W2048;
   notes/MEASUREMENTS.md, session 82, item 3). (Since session 86 the other
   head sharing's points answer where a call's own kind has none near,
-  `nearest.KIND_FALLBACK`.)"""
+  `nearest.KIND_FALLBACK`.)
+
+  And the bench's W4096 window at one batch row (B1 T16384, 16384 tokens): its
+  nearest point, B2 T16384, ranked Mosaic GPU and cuDNN even over forward+backward
+  (12.5413 against 12.5409 ms), and at B1 `None` ran cuDNN 3.8% slower than
+  Mosaic GPU (H100, notes/MEASUREMENTS.md, session 95, item 4)."""
   shapes = []
   for tokens, lengths in ((32768, (1024, 4096, 16384)), (8192, (1024, 4096)),
                           (32768, (1000, 4000, 15000)), (8192, (1000, 4000)),
@@ -138,6 +143,8 @@ def grid_problems() -> list[Problem]:
   windows = [problem(32768 // t, t, n, k, h, True, window=w)
              for n, k, h in ((32, 8, 128), (16, 16, 64), (16, 16, 128))
              for t, w in ((8192, 1024), (16384, 4096))]
+  windows += [problem(1, 16384, n, k, h, True, window=4096)
+              for n, k, h in ((32, 8, 128), (16, 16, 64), (16, 16, 128))]
   return [problem(*s) for s in shapes] + windows
 
 
