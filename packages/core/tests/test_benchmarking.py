@@ -314,7 +314,7 @@ def test_tokamax_layer_norm_benchmarked():
 def test_benchmark_wants_a_sequence_of_arguments():
   # A bare array would be unpacked row by row into the function's arguments.
   x = jnp.ones((64, 128))
-  with pytest.raises(TypeError, match=r"args must be a list or tuple.*shape \(64, 128\)"):
+  with pytest.raises(TypeError, match=r"args must be a sequence.*shape \(64, 128\)"):
     tokamax.benchmark(lambda x: tokamax.rms_norm(x, None), x)
 
 

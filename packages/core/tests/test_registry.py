@@ -153,10 +153,7 @@ def test_name_clash_is_deterministic(fresh_registry):
     reg = registry.get()
   assert reg.by_name[("layer_norm", "doubled")].backend == "alpha"
   assert reg.by_name[("layer_norm", "zeta:doubled")].backend == "zeta"
-  with tokamax.record_dispatch() as records:
-    tokamax.layer_norm(_x(), None, None, implementation="zeta:doubled")
-  # Recorded by the name that reaches it, not the one the other keeps.
-  assert records[0].implementation == "zeta:doubled"
+  tokamax.layer_norm(_x(), None, None, implementation="zeta:doubled")
 
 
 def test_a_qualified_name_taken_twice_registers_only_the_first(fresh_registry):
@@ -218,6 +215,15 @@ def test_a_named_implementation_runs_only_on_its_platforms(fresh_registry):
                      match=r"'doubled' cannot run this call: runs on gpu; this device "
                            r"is (cpu|tpu)"):
     tokamax.layer_norm(_x(), None, None, implementation="doubled")
+  # Interpret mode runs anywhere; automatic choice never takes it here.
+  x = _x()
+  with tokamax.interpret():
+    np.testing.assert_allclose(
+        tokamax.layer_norm(x, None, None, implementation="doubled"),
+        2 * tokamax.layer_norm(x, None, None, implementation="xla"), rtol=1e-6)
+  with tokamax.record_dispatch() as records:
+    tokamax.layer_norm(x, None, None)
+  assert records[0].implementation != "doubled"
 
 
 def test_builtin_names_cannot_be_taken_over(fresh_registry):

@@ -66,17 +66,16 @@ def _candidate_ops(call: _Call, direction: str, device,
     names = {c.label for c in dispatch.expand(call.op, call.implementation, device)}
   ops = []
   for entry in registry.entries(call.op):
-    name = registry.label(entry)
-    if entry.spec.backward is None or (names is not None and name not in names):
+    if entry.spec.backward is None or (names is not None and entry.name not in names):
       continue
     if not dispatch.platform_matches(entry, device):
       continue
     try:
       op = registry.backward_class(entry)()
-      op.check_supported(call.args, device, _state_for(name, fwd_states)[1])
+      op.check_supported(call.args, device, _state_for(entry.name, fwd_states)[1])
     except (NotImplementedError, ImportError):
       continue
-    ops.append((name, op))
+    ops.append((entry.name, op))
   return ops
 
 

@@ -723,7 +723,8 @@ def _first_party_distributions() -> set[str] | None:
     requires = importlib.metadata.requires("tokamax-core") or []
   except importlib.metadata.PackageNotFoundError:
     return None
-  names = {re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower() for r in requires}
+  names = {_normalized_distribution(re.match(r"[A-Za-z0-9_.-]+", r).group(0))
+           for r in requires}
   return {n for n in names if n.startswith("tokamax-")} | {"tokamax-core"}
 
 
@@ -738,8 +739,8 @@ def _first_party_only(result, also: tuple[str, ...] = ()):
   dists = {}
   for op_entries in registry.get().entries.values():
     for e in op_entries:
-      dist = (e.distribution or "").lower()
-      if (e.builtin or _normalized_distribution(dist) in also
+      dist = _normalized_distribution(e.distribution or "")
+      if (e.builtin or dist in also
           or (dist in ours if ours is not None else dist.startswith("tokamax-"))):
         dists[(e.op, e.name)] = e.distribution
   kept = [m for m in result.measurements if (m.op, m.implementation) in dists]
@@ -752,14 +753,15 @@ def _first_party_only(result, also: tuple[str, ...] = ()):
 
 
 def _normalized_distribution(name: str) -> str:
-  return name.lower().replace("_", "-")
+  """A distribution name as package indexes compare them (PEP 503)."""
+  return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def check_distributions(names: tuple[str, ...]) -> None:
-  """Each of `names` is the distribution of an installed backend (ValueError
-  listing those installed otherwise)."""
+  """Each of `names` is the distribution of a loaded backend (ValueError listing
+  those otherwise: a disabled or broken one has nothing to keep)."""
   installed = {_normalized_distribution(b.distribution) for b in registry.backends()
-               if b.distribution}
+               if b.distribution and b.status == "ok"}
   unknown = [n for n in names if _normalized_distribution(n) not in installed]
   if unknown:
     raise ValueError(f"{', '.join(unknown)}: no installed backend comes from "

@@ -790,10 +790,10 @@ def benchmark(f: Callable[..., Any], args: Sequence[Any], method: str | None = N
     >>> data.median_evaluation_time_ms > 0
     True
   """
-  if not isinstance(args, (list, tuple)):
+  if not isinstance(args, Sequence) or isinstance(args, (str, bytes)):
     # An array here would be unpacked row by row into f's arguments.
     raise TypeError(
-        "tokamax.benchmark: args must be a list or tuple of f's positional "
+        "tokamax.benchmark: args must be a sequence (list, tuple) of f's positional "
         f"arguments, e.g. [x] or [x, scale]; got {type(args).__name__}"
         + (f" of shape {tuple(args.shape)}" if hasattr(args, "shape") else ""))
   f_std, flat_args = standardize_function(f, *args)

@@ -137,7 +137,10 @@ class Backend:
 
   def __post_init__(self):
     given = self.implementations
-    specs = None if isinstance(given, Implementation) else tuple(given)
+    try:
+      specs = None if isinstance(given, Implementation) else tuple(given)
+    except TypeError:  # not iterable (None, a number)
+      specs = None
     if specs is None or not all(isinstance(i, Implementation) for i in specs):
       raise TypeError(
           f"Backend {self.name!r}: implementations must be a tuple of "

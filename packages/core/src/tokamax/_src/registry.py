@@ -10,7 +10,9 @@ Name clashes: the first registration of an ``(op, name)`` pair keeps the plain
 name. Order: the built-in XLA reference, then our own ``tokamax-*`` distributions,
 then other distributions, each group sorted by entry-point name then distribution
 name. A later registration of the same pair is not dropped: it stays reachable by
-its qualified name ``"<backend>:<name>"`` and a warning says so.
+its qualified name ``"<backend>:<name>"`` and a warning says so; only where that
+qualified name is taken too (two backends of one name) is it not registered, with
+a warning.
 """
 
 from __future__ import annotations
@@ -333,7 +335,7 @@ def backward_class(entry: Entry) -> type[VjpOp] | None:
 def label(entry: Entry) -> str:
   """The name that reaches `entry`: its plain name, or where another registration
   of the same (op, name) keeps that, its qualified one."""
-  return entry.name if get().by_name.get((entry.op, entry.name)) is entry else (
+  return entry.name if get().by_name.get((entry.op, entry.name)) == entry else (
       entry.qualified_name)
 
 
@@ -374,23 +376,23 @@ def _install_hint(dist: str) -> str:
 def disabled_backend_of(op: str, name: str) -> str | None:
   """The disabled backend that has `op`'s implementation `name`, if any.
 
-  Disabled backends are not loaded at discovery; their entry points are read
-  here, once, when a name is not found otherwise (a backend that fails even to
-  load has no names to give).
+  Disabled backends are not loaded at discovery; their entry points (which import
+  no kernel module: docs/plugins.md) are read here, once, only when a name is found
+  nowhere else (a backend that fails even to load has no names to give). Read
+  outside the registry's lock: a plugin's import may itself call into tokamax.
   """
   reg = get()
-  with _lock:
-    if reg.disabled_names is None:
-      found = {}
-      for ep in reg.disabled_entry_points:
-        try:
-          backend = _check_backend(ep.load(), ep.name)
-        except Exception:  # noqa: BLE001 (disabled: its errors are not ours to raise)
-          continue
-        for spec in backend.implementations:
-          for key in ((spec.op, spec.name), (spec.op, f"{backend.name}:{spec.name}")):
-            found.setdefault(key, backend.name)
-      reg.disabled_names = found
+  if reg.disabled_names is None:
+    found = {}
+    for ep in reg.disabled_entry_points:
+      try:
+        backend = _check_backend(ep.load(), ep.name)
+      except Exception:  # noqa: BLE001 (disabled: its errors are not ours to raise)
+        continue
+      for spec in backend.implementations:
+        for key in ((spec.op, spec.name), (spec.op, f"{backend.name}:{spec.name}")):
+          found.setdefault(key, backend.name)
+    reg.disabled_names = found  # two threads may both read them: the same names
   return reg.disabled_names.get((op, name))
 
 
@@ -436,14 +438,6 @@ def lookup(op: str, name: str) -> Entry | Unavailable:
         f"not installed: {_install_hint(dist)}",
         f"implementation={name!r} is provided by the distribution {dist}, which is "
         f"not installed: {_install_hint(dist)}", known=True)
-  disabled_by = disabled_backend_of(op, name)
-  if disabled_by is not None:
-    return Unavailable(
-        name, ImplementationNotInstalledError,
-        f"its backend {disabled_by!r} is disabled by TOKAMAX_DISABLED_BACKENDS",
-        f"implementation={name!r} comes from the backend {disabled_by!r}, which "
-        f"TOKAMAX_DISABLED_BACKENDS disables; remove the backend's (or its "
-        f"distribution's) name from it to use {name!r}", known=True)
   available = sorted({e.name for e in reg.entries[op]})
   if other_ops:
     return Unavailable(
@@ -452,6 +446,14 @@ def lookup(op: str, name: str) -> Entry | Unavailable:
         f"implementation={name!r} is not an implementation of {op} (it implements "
         f"{', '.join(other_ops)}); {op} implementations here: {available}",
         known=True)
+  disabled_by = disabled_backend_of(op, name)
+  if disabled_by is not None:
+    return Unavailable(
+        name, ImplementationNotInstalledError,
+        f"its backend {disabled_by!r} is disabled by TOKAMAX_DISABLED_BACKENDS",
+        f"implementation={name!r} comes from the backend {disabled_by!r}, which "
+        f"TOKAMAX_DISABLED_BACKENDS disables; remove the backend's (or its "
+        f"distribution's) name from it to use {name!r}", known=True)
   message = (f"implementation={name!r} is not an implementation of {op}; "
              f"available here: {available}")
   broken = [err.backend for err in reg.errors]

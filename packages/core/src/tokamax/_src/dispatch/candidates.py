@@ -87,7 +87,7 @@ def _entry_candidate(entry: registry.Entry, explicit: bool,
   def make_backward():
     cls = registry.backward_class(entry)
     return None if cls is None else cls()
-  return Candidate(registry.label(entry), lambda: registry.forward_class(entry)(),
+  return Candidate(entry.name, lambda: registry.forward_class(entry)(),
                     make_backward, explicit, given,
                     platforms=tuple(entry.spec.platforms) if explicit else None)
 

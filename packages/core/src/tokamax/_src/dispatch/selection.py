@@ -267,7 +267,7 @@ def _backward_candidates(op_name: str, args: Any, device: DeviceInfo,
   # fastest first.
   entries = [e for e in registry.entries(op_name)
              if e.spec.backward is not None and platform_matches(e, device)]
-  auto = [backward_of(registry.label(e), lambda e=e: registry.backward_class(e)(), False)
+  auto = [backward_of(e.name, lambda e=e: registry.backward_class(e)(), False)
           for e in entries]
   if implementation is None:
     if own is not None:
@@ -281,8 +281,7 @@ def _backward_candidates(op_name: str, args: Any, device: DeviceInfo,
     # `recomputes_without` a residual this forward left out) costs that forward
     # too.
     times = sources.measured_times(op_name, "backward", args)
-    rerunning = [registry.label(e) for e in entries
-                 if registry.label(e) != forward.label and registry.label(e) in times
+    rerunning = [e.name for e in entries if e.name != forward.label and e.name in times
                  and reruns_forward(lambda e=e: registry.backward_class(e), residuals)]
     times = with_forward_reruns(op_name, args, times, rerunning)
     auto = tuned_order(auto, [a.label for a in auto], times)

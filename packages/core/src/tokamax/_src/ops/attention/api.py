@@ -265,7 +265,8 @@ def _lengths(name: str, x: Any, batch_shape: tuple[int, ...], limit: int) -> jax
                        f"{values.min()} to {values.max()}")
   # Traced values cannot be checked: clipped here, so that every implementation
   # reads the same lengths (a kernel's reads past the end are not defined).
-  return jnp.clip(x.astype(jnp.int32), 0, limit)
+  # Clipped before the cast: a wide or unsigned length must not wrap negative.
+  return jnp.clip(x, 0, limit).astype(jnp.int32)
 
 
 def _segments(name: str, x: Any, batch_shape: tuple[int, ...], length: int,
