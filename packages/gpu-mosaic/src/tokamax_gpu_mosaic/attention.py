@@ -135,11 +135,12 @@ def _heuristic_tiles(args) -> AttentionConfig:
   if h == 128 and _common.register_split_lost():
     preferred = _SPLIT_LOST_H128_FORWARD
   # overlap_qk where `_overlap_takes` allows it: with static features, and at H128
-  # on the H100 also with a window alone. With sliding windows it measured even on the
-  # H200 (0.992x W1024, 1.003x W4096: notes/MEASUREMENTS.md session 32, item 3) and
-  # 1.01-1.05x faster on the H100 (W512-W4096, MHA and GQA, T3000-T16384: session
-  # 93, item 4); not timed again on the H200.
-  overlap_window = h == 128 and _common.is_h100()
+  # also with a window alone. With sliding windows it measured 1.01-1.05x faster on
+  # the H100 (W512-W4096, MHA and GQA, T3000-T16384: notes/MEASUREMENTS.md session
+  # 93, item 4) and, since sessions 93-95's changes to its schedule, 1.023-1.048x on
+  # the H200 (W512-W4096, MHA and GQA: session 96, item 4; session 32 had measured
+  # it even there, 0.992x W1024, 1.003x W4096).
+  overlap_window = h == 128
   no_overlap = (not _overlap_takes(args)
                 or (_needs_dynamic(args) and not overlap_window))
   segments = args.q_segment_ids is not None
