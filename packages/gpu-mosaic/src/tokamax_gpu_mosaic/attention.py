@@ -139,8 +139,10 @@ def _heuristic_tiles(args) -> AttentionConfig:
   # the H100 (W512-W4096, MHA and GQA, T3000-T16384: notes/MEASUREMENTS.md session
   # 93, item 4) and, since sessions 93-95's changes to its schedule, 1.023-1.048x on
   # the H200 (W512-W4096, MHA and GQA: session 96, item 4; session 32 had measured
-  # it even there, 0.992x W1024, 1.003x W4096).
-  overlap_window = h == 128
+  # it even there, 0.992x W1024, 1.003x W4096). Both measured with the register
+  # split kept (JAX 0.11.2); where it is lost, the H200 keeps the 128-key plain
+  # schedule that was measured there (64-key steps slower at windows).
+  overlap_window = h == 128 and (_common.is_h100() or not _common.register_split_lost())
   no_overlap = (not _overlap_takes(args)
                 or (_needs_dynamic(args) and not overlap_window))
   segments = args.q_segment_ids is not None
