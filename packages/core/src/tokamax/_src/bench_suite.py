@@ -723,7 +723,7 @@ def _first_party_distributions() -> set[str] | None:
     requires = importlib.metadata.requires("tokamax-core") or []
   except importlib.metadata.PackageNotFoundError:
     return None
-  names = {_normalized_distribution(re.match(r"[A-Za-z0-9_.-]+", r).group(0))
+  names = {registry.normalized(re.match(r"[A-Za-z0-9_.-]+", r).group(0))
            for r in requires}
   return {n for n in names if n.startswith("tokamax-")} | {"tokamax-core"}
 
@@ -735,11 +735,11 @@ def _first_party_only(result, also: tuple[str, ...] = ()):
   ships the data), and the versions of just those packages, so shipped data
   depends on nothing else: not on another plugin installed beside them."""
   ours = _first_party_distributions()
-  also = {_normalized_distribution(d) for d in also}
+  also = {registry.normalized(d) for d in also}
   dists = {}
   for op_entries in registry.get().entries.values():
     for e in op_entries:
-      dist = _normalized_distribution(e.distribution or "")
+      dist = registry.normalized(e.distribution or "")
       if (e.builtin or dist in also
           or (dist in ours if ours is not None else dist.startswith("tokamax-"))):
         dists[(e.op, e.name)] = e.distribution
@@ -752,17 +752,12 @@ def _first_party_only(result, also: tuple[str, ...] = ()):
                                      versions=versions, failures=failures)
 
 
-def _normalized_distribution(name: str) -> str:
-  """A distribution name as package indexes compare them (PEP 503)."""
-  return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def check_distributions(names: tuple[str, ...]) -> None:
   """Each of `names` is the distribution of a loaded backend (ValueError listing
   those otherwise: a disabled or broken one has nothing to keep)."""
-  installed = {_normalized_distribution(b.distribution) for b in registry.backends()
+  installed = {registry.normalized(b.distribution) for b in registry.backends()
                if b.distribution and b.status == "ok"}
-  unknown = [n for n in names if _normalized_distribution(n) not in installed]
+  unknown = [n for n in names if registry.normalized(n) not in installed]
   if unknown:
     raise ValueError(f"{', '.join(unknown)}: no installed backend comes from "
                      f"{'it' if len(unknown) == 1 else 'them'}; installed: "

@@ -6,7 +6,7 @@ import dataclasses
 
 from tokamax._src import plugin
 from tokamax._src import registry
-from tokamax._src.dispatch.candidates import platform_matches
+from tokamax._src.dispatch.candidates import platform_matches, platform_refusal
 from tokamax._src.op import DeviceInfo
 from tokamax._src.ops import catalog
 
@@ -45,8 +45,7 @@ def implementations(op: str | None = None) -> list[ImplementationStatus]:
       name = registry.label(entry)
       reason = ""
       if not platform_matches(entry, device):
-        reason = (f"runs on {', '.join(entry.spec.platforms)}; this device is "
-                  f"{device.platform}")
+        reason = platform_refusal(entry.spec.platforms, device)
       else:
         try:
           probe = catalog.PROBLEMS[op_name].probe_args()

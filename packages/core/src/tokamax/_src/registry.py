@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.metadata
+import re
 import threading
 import warnings
 from typing import Any
@@ -365,8 +366,9 @@ class Unavailable:
     raise self.error(self.message)
 
 
-def _normalized(distribution: str | None) -> str | None:
-  return distribution.lower().replace("_", "-") if distribution else distribution
+def normalized(distribution: str | None) -> str | None:
+  """A distribution name as package indexes compare them (PEP 503)."""
+  return re.sub(r"[-_.]+", "-", distribution).lower() if distribution else distribution
 
 
 def _install_hint(dist: str) -> str:
@@ -415,7 +417,7 @@ def lookup(op: str, name: str) -> Entry | Unavailable:
     # Installed but unusable is not "not installed": say which, so that the fix
     # (re-enable, repair, or install) is the right one.
     for err in reg.errors:
-      if _normalized(err.distribution) == dist:
+      if normalized(err.distribution) == dist:
         return Unavailable(
             name, ImportError,
             f"{dist} is installed but its backend {err.backend!r} failed to load: "
@@ -424,7 +426,7 @@ def lookup(op: str, name: str) -> Entry | Unavailable:
             f"but its backend {err.backend!r} failed to load: {err.message}",
             known=True, cause=err.exception)
     for info in reg.backends:
-      if info.status == "disabled" and _normalized(info.distribution) == dist:
+      if info.status == "disabled" and normalized(info.distribution) == dist:
         return Unavailable(
             name, ImplementationNotInstalledError,
             f"its backend {info.name!r} ({dist}) is disabled by "

@@ -64,6 +64,11 @@ def runs_on(platforms: Sequence[str], device: DeviceInfo) -> bool:
   return device.platform in {"gpu" if p in ("cuda", "rocm") else p for p in platforms}
 
 
+def platform_refusal(platforms: Sequence[str], device: DeviceInfo) -> str:
+  """Why an implementation declared for `platforms` does not run on `device`."""
+  return f"runs on {', '.join(platforms)}; this device is {device.platform}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
   label: str
@@ -211,8 +216,7 @@ def build_checked(make: Callable[[], Any], raise_import: bool, args: Any,
     check_opt_in(op, args)
     op.check_supported(args, device, *residuals)
     if platforms is not None and not runs_on(platforms, device):
-      raise NotImplementedError(f"runs on {', '.join(platforms)}; this device is "
-                                f"{device.platform}")
+      raise NotImplementedError(platform_refusal(platforms, device))
   except ImportError as e:
     if raise_import:
       raise
