@@ -565,8 +565,9 @@ def _gqa_as_mha_backward(args, config: AttentionVjpConfig) -> AttentionVjpConfig
   block adds one query head's dQ as under MHA, where the MHA rule would take it
   at N heads (`_fuses_dq_by_default`: two batch rows, `_FUSED_CAUSAL_BLOCKS`
   blocks counted at the query heads), at the MHA one kernel's L2 head group
-  and with its dQ additions overlapped. On the H100 only, as many queries as
-  keys: the H200, and T far from S, have not run it yet.
+  and with its dQ additions overlapped on the H100 (on the H200 without: as
+  under MHA, `AttentionVjpConfig.overlap_dq_adds`). As many queries as keys:
+  T far from S has not run it yet.
 
   Forward+backward, bf16, H100, against the heuristic before it, both sides
   with copies of K and V then (`tools/tune.py --ab-env`, experiment gqasplit;
@@ -577,10 +578,16 @@ def _gqa_as_mha_backward(args, config: AttentionVjpConfig) -> AttentionVjpConfig
   4096 queries it lost to the head groups (`_groups_gqa_backward`): B2 T4096
   0.943x, B8 T4096 0.968x / 0.976x. Without the copies (item 6) `None` runs it
   at B2 T8192 N32 K8 1.039x cuDNN's forward+backward.
+
+  H200, N32 K8 (session 97, item 4; the rule's config forced against the
+  H200's heuristic then, `--ab-side backward`), with the overlap: B2 T16384
+  1.054x faster, B2 T15000 1.100x; without it: B2 T16384 1.161x, B2 T15000
+  1.101x, B2 T8192 1.067x, B4 T8192 1.071x. MQA and groups of 8 have run it on
+  the H100 only.
   """
   q, k = args.query, args.key
   group, h = q.shape[2] // k.shape[2], q.shape[-1]
-  measured = _common.is_h100() and q.shape[1] == k.shape[1] >= _GQA_AS_MHA_FROM
+  measured = q.shape[1] == k.shape[1] >= _GQA_AS_MHA_FROM
   if group == 1 or not args.is_causal or h != 128 or not measured:
     return None
   if _common.register_split_lost():
@@ -591,7 +598,7 @@ def _gqa_as_mha_backward(args, config: AttentionVjpConfig) -> AttentionVjpConfig
   mha = dataclasses.replace(
       config, fuse_dq=True, kv_split=group,
       head_group=l2_head_group(q.shape[1], h, 2 * itemsize + 4, 1),
-      overlap_dq_adds=True)
+      overlap_dq_adds=True if _common.is_h100() else None)  # None: not, one query head a block
   return mha if _fused_dq_takes(args, mha) else None
 
 
