@@ -49,6 +49,17 @@ CASES = {
     "ragged_dot_G0": lambda: (
         lambda a, b: tokamax.ragged_dot(a, b, jnp.zeros((0,), jnp.int32)),
         (_rand(3, 16), _rand(0, 16, 8))),
+    # Quantized operands with an empty axis, as `tokamax.quantize` makes them
+    # (no scales along it): refused before as scales not dividing the values.
+    "ragged_dot_M0_quantized": lambda: (
+        lambda a, b: tokamax.ragged_dot(tokamax.quantize(a, (1, 16)),
+                                        tokamax.quantize(b, (1, 16, 8)),
+                                        jnp.zeros((2,), jnp.int32)),
+        (_rand(0, 16), _rand(2, 16, 8))),
+    "ragged_dot_G0_quantized": lambda: (
+        lambda a, b: tokamax.ragged_dot(a, tokamax.quantize(b, (1, 16, 8)),
+                                        jnp.zeros((0,), jnp.int32)),
+        (_rand(3, 16), _rand(0, 16, 8))),
 }
 
 

@@ -300,6 +300,20 @@ def test_moe_matches_every_token_through_every_expert(top_k, softmax_over,
                          gpu=ON_GPU)
 
 
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_moe_on_no_tokens(capacity_factor):
+  # An empty batch or a shard without tokens: empty outputs and gradients, as the
+  # ops give (the routing's reshape raised ZeroDivisionError before).
+  moe = tokamax.flax.MoE(16, 24, 4, capacity_factor=capacity_factor, rngs=nnx.Rngs(0))
+  for shape in [(0, 16), (3, 0, 16)]:
+    x = jnp.zeros(shape)
+    assert moe(x).shape == shape
+    grads, dx = nnx.grad(lambda m, x: jnp.sum(m(x)), argnums=(0, 1))(moe, x)
+    assert dx.shape == shape
+    for g in jax.tree_util.tree_leaves(nnx.to_pure_dict(grads)):
+      assert not np.any(np.asarray(g)), "no tokens: no parameter gradient"
+
+
 def test_moe_in_bfloat16():
   moe, x, params, kept = _moe_case("bfloat16", param_dtype=jnp.bfloat16)
   out = moe(x)

@@ -105,6 +105,27 @@ def test_int64_numpy_sizes_past_int32_are_refused_not_wrapped():
   assert got.shape == (30, 16)
 
 
+@pytest.mark.parametrize("op", ["ragged_dot", "gated_linear_unit"])
+def test_traced_unsigned_group_sizes_past_int32_do_not_wrap(op):
+  # A traced uint32 size past int32's range (unchecked, like any traced size)
+  # takes the rest of the rows, as a size past M does (and as
+  # `jax.lax.ragged_dot` treats an int64 one); cast as it was, it became -1
+  # and the rows went to the other groups.
+  m, k, n = 16, 8, 6
+  x = jnp.ones((m, k))
+  scale = jnp.arange(1.0, 5.0)[:, None, None]
+  sizes = jnp.array([2**32 - 1, 5, 4, 4], jnp.uint32)
+  if op == "ragged_dot":
+    got = jax.jit(tokamax.ragged_dot)(x, scale * jnp.ones((4, k, n)), sizes)
+    want = jnp.full((m, n), float(k))  # every row in group 0: 8 * 1
+  else:
+    w = scale[..., None] * jnp.ones((4, k, 2, n))
+    got = jax.jit(lambda x, w, s: tokamax.gated_linear_unit(
+        x, w, activation=None, group_sizes=s))(x, w, sizes)
+    want = jnp.full((m, n), float(k * k))  # every row in group 0: (8 * 1) * (8 * 1)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_float_group_sizes_are_refused():
   with pytest.raises(TypeError, match="group_sizes"):
     tokamax.gated_linear_unit(jnp.ones((30, 8)), jnp.ones((2, 8, 2, 16)),

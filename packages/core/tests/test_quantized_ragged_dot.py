@@ -365,6 +365,12 @@ def test_errors_name_the_argument():
     tokamax.ragged_dot(lhs, tokamax.QuantizedArray(rq.values, jnp.ones((3, 3, 3))), _SIZES)
   with pytest.raises(TypeError, match="lhs, rhs must stand for the same dtype.*float32"):
     tokamax.ragged_dot(lhs, tokamax.QuantizedArray(rq.values, rq.scales, jnp.float32), _SIZES)
+  # The dtype a quantized operand stands for is named as its own (a bad one was
+  # reported as preferred_element_type, which the call did not pass).
+  lq = tokamax.quantize(lhs, (1, 128))
+  with pytest.raises(TypeError, match=r"lhs: a quantized operand must stand for "
+                     r"float32, bfloat16 or float16 \(its `dtype`\); got int8"):
+    tokamax.ragged_dot(tokamax.QuantizedArray(lq.values, lq.scales, jnp.int8), rq, _SIZES)
   with pytest.raises(ValueError, match=r"tile_shape must .* \(1, 100\)"):
     tokamax.quantize(lhs, (1, 100))
   with pytest.raises(TypeError, match="dtype must be float8_e4m3fn"):

@@ -344,14 +344,23 @@ def split(name: str, x: Any) -> tuple[Any, jax.Array | None, Any, jax.Array | No
   if values_dtype not in [jnp.dtype(d) for d in VALUE_DTYPES]:
     raise TypeError(f"{name}: quantized values must be float8_e4m3fn, float8_e5m2 "
                     f"or int8; got {values_dtype.name}")
+  # An empty axis has no tiles: no scales along it (`quantize`'s) or any count
+  # that divides it.
   if scales.ndim != values.ndim or any(
-      s < 1 or v % s for v, s in zip(values.shape, scales.shape)):
+      (s < 1 or v % s) and not v == s == 0 for v, s in zip(values.shape, scales.shape)):
     raise ValueError(f"{name}: scales must have the values' rank, each dim dividing "
                      f"the values' (one scale per tile); got scales "
                      f"{tuple(scales.shape)} for values {tuple(values.shape)}")
   if not jnp.issubdtype(scales.dtype, jnp.floating):
     raise TypeError(f"{name}: scales must be a float array; got "
                     f"{jnp.dtype(scales.dtype).name}")
+  if dtype not in [jnp.dtype(d) for d in _checks.FLOAT_DTYPES]:
+    what = "its scales' dtype" if _is_qwix_array(x) else "its `dtype`"
+    raise TypeError(f"{name}: a quantized operand must stand for float32, bfloat16 "
+                    f"or float16 ({what}); got {dtype.name}")
+  if not values.size:
+    # Nothing to scale: the empty array it stands for (its gradient is empty too).
+    return jnp.zeros(values.shape, dtype), None, dtype, None
   return values, scales.astype(jnp.float32), dtype, source
 
 

@@ -287,6 +287,7 @@ def sorted_by_expert(tokens: jax.Array, expert_ids: jax.Array, gates: jax.Array,
   route = moe_lib.route(expert_ids.reshape(-1), 1, num_experts, m * k, k)
   rows = take(tokens, route.token_of_slot, route.slot_of_assignment, k)
   out = experts(rows, route.sent_counts[0])
-  out = take(out, route.slot_of_assignment, route.assignment_of_slot, 1).reshape(m, k, -1)
+  out = take(out, route.slot_of_assignment, route.assignment_of_slot, 1)
+  out = out.reshape(m, k, out.shape[-1])  # (not -1: m may be 0)
   combined = jnp.sum(out.astype(jnp.float32) * gates[..., None].astype(jnp.float32), axis=1)
   return combined.astype(out.dtype)

@@ -124,6 +124,19 @@ def check_group_size_values(group_sizes: Any, m: Any, rows: str) -> None:
                      f"to {int(sizes.sum())}")
 
 
+def group_sizes_as_int32(group_sizes: jax.Array, m: Any) -> jax.Array:
+  """`group_sizes` as the int32 the implementations take. Traced sizes of a
+  wider integer type are clipped into int32's range first, past M to M (a size
+  past the rows then takes the rest of them, as in `jax.lax.ragged_dot`), so
+  that none wraps around into another valid-looking size."""
+  info, int32 = jnp.iinfo(group_sizes.dtype), np.iinfo(np.int32)
+  if info.max > int32.max:
+    group_sizes = jnp.minimum(group_sizes, m if isinstance(m, int) else int32.max)
+  if info.min < int32.min:
+    group_sizes = jnp.maximum(group_sizes, int32.min)
+  return group_sizes.astype(jnp.int32)
+
+
 def canonical_precision(precision: Any) -> Any:
   """Makes `precision` hashable and checks it is something `lax.dot` takes."""
   if precision is None:

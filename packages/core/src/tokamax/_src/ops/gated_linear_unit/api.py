@@ -231,7 +231,7 @@ def _check_group_sizes(group_sizes: Any, num_groups: int, m: int) -> jax.Array:
     raise ValueError(f"group_sizes must have {num_groups} entries (weights.shape[0]); "
                      f"got {_checks.describe(group_sizes)}")
   _checks.check_group_size_values(group_sizes, m, "x's")
-  return group_sizes.astype(jnp.int32)
+  return _checks.group_sizes_as_int32(group_sizes, m)
 
 
 def gated_linear_unit(

@@ -196,7 +196,7 @@ def ragged_dot(
       raise TypeError(f"preferred_element_type must be {allowed}; got "
                       f"{preferred_element_type.name}")
   args = RaggedDotArgs(
-      lhs=lhs, rhs=rhs, group_sizes=group_sizes.astype(jnp.int32),
+      lhs=lhs, rhs=rhs, group_sizes=_checks.group_sizes_as_int32(group_sizes, m),
       group_offset=group_offset, preferred_element_type=preferred_element_type,
       precision=_checks.canonical_precision(precision),
       lhs_scales=lhs_scales, rhs_scales=rhs_scales)
