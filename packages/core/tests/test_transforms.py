@@ -100,6 +100,57 @@ def test_ragged_dot_export_with_symbolic_rows_and_fixed_group_sizes():
   np.testing.assert_allclose(restored.call(lhs, rhs), f(lhs, rhs), rtol=1e-5, atol=1e-6)
 
 
+_SYMBOLIC_SPECS = {
+    "attention": ("b, 6, 4, 8", "b, 7, 2, 8", "b, 7, 2, 8"),
+    "layer_norm": ("b, 5, 16", "16", "16"),
+    "rms_norm": ("m, 16", "16"),
+    "glu": ("m, 16", "16, 2, 8"),
+    "ragged_dot": ("m, 16", "3, 16, 8"),
+    "grouped_glu": ("m, 16", "3, 16, 2, 8"),
+}
+
+
+@pytest.mark.parametrize("name", _SYMBOLIC_SPECS)
+def test_export_with_symbolic_sizes_runs_the_xla_implementations(name):
+  # With kernels usable (the interpreter's, as on a GPU or TPU), a symbolic size
+  # reached their shape checks and heuristics, which compare sizes: the export
+  # failed with JAX's "inconclusive dimension comparison". Such calls go to the
+  # implementations that declare `tokamax.SYMBOLIC_SHAPES`.
+  f, args = CALLS[name]
+  fwd_and_grad = jax.jit(lambda *a: (f(*a), jax.grad(_loss(f))(*a)))
+  specs = export.symbolic_args_specs(args, _SYMBOLIC_SPECS[name])
+  with tokamax.interpret(), tokamax.record_dispatch() as records:
+    exported = export.export(fwd_and_grad)(*specs)
+  assert {r.implementation for r in records} <= {"xla", "composed"}, records
+  assert any("symbolic_shapes" in why for r in records for _, why in r.rejected), records
+  got = export.deserialize(exported.serialize()).call(*args)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(fwd_and_grad(*args))):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["attention", "layer_norm", "glu", "ragged_dot",
+                                  "grouped_glu"])
+def test_hessian_runs_where_kernels_are_usable(name):
+  # Forward over reverse differentiates the forward and backward `jax.grad`
+  # runs: a kernel there (the interpreter's, as on a GPU or TPU) raised a bare
+  # AssertionError or NotImplementedError from Pallas, and the grouped GLU's
+  # composed forward JAX's "can't apply forward-mode autodiff" (it calls
+  # ragged_dot's custom_vjp) even without kernels. Such calls go to the
+  # implementations that declare `tokamax.FORWARD_MODE_AUTODIFF`.
+  f, (x, *rest) = CALLS[name]
+  loss = lambda x: jnp.sum(jnp.sin(f(x, *rest)))
+  with tokamax.interpret(), tokamax.record_dispatch() as records:
+    hessian = jax.hessian(loss)(x).reshape(x.size, x.size)
+  assert {r.implementation for r in records} <= {"xla"}, records
+  # Columns of the Hessian against central differences of the gradient.
+  grad, eps = jax.jit(jax.grad(loss)), 1e-2
+  for i in (0, x.size // 2, x.size - 1):
+    e = jnp.zeros(x.size).at[i].set(eps).reshape(x.shape)
+    want = (grad(x + e) - grad(x - e)).reshape(-1) / (2 * eps)
+    np.testing.assert_allclose(hessian[:, i], want, rtol=2e-2, atol=2e-3,
+                               err_msg=f"column {i}")
+
+
 def test_chunked_attention_refuses_a_symbolic_key_length_so_a_list_falls_back():
   # Its chunks split the keys at trace time: with a symbolic S it raised JAX's
   # "inconclusive dimension comparison", which a list does not fall back past.

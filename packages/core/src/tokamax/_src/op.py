@@ -67,6 +67,18 @@ def allow_opaque_residuals(value: bool = True):
     _OPAQUE_RESIDUALS.reset(token)
 
 
+# The opt-in feature of a call whose sizes are symbolic (`jax.export` with a
+# symbolic shape): dispatch adds it to every such call, and only implementations
+# that list it in `Op.supported_features` are given one. Kernels size their
+# grids and tiles from the sizes, so they leave it out and the XLA ones run.
+SYMBOLIC_SHAPES = "symbolic_shapes"
+# The opt-in feature of a call differentiated in forward mode, as `jax.hessian`
+# (forward over reverse) differentiates the forward and backward that
+# `jax.grad` runs: only implementations that list it are given such a call.
+# Kernels have no forward-mode rule (Pallas raises a bare error there).
+FORWARD_MODE_AUTODIFF = "forward_mode_autodiff"
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceInfo:
   """What an implementation may ask about the device a call will run on.
@@ -177,7 +189,9 @@ class Op(abc.ABC):
   # this class; None lets dispatch choose the backward.
   vjp: ClassVar[type[VjpOp] | None] = None
   # Opt-in argument fields this implementation handles (e.g. attention's
-  # "q_offset"); dispatch refuses it for calls that set any other one.
+  # "q_offset"); dispatch refuses it for calls that set any other one. Also
+  # `SYMBOLIC_SHAPES` and `FORWARD_MODE_AUTODIFF`, for one that runs calls
+  # whose sizes are symbolic or that are differentiated in forward mode.
   supported_features: ClassVar[tuple[str, ...]] = ()
 
   @property

@@ -12,8 +12,13 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+import numpy as np
+from jax.interpreters import ad
+
 from tokamax._src import registry
-from tokamax._src.op import DeviceInfo, Op, VjpOp
+from tokamax._src.op import (FORWARD_MODE_AUTODIFF, SYMBOLIC_SHAPES, DeviceInfo, Op,
+                              VjpOp)
 
 Implementation = None | str | Op | Sequence[str | Op]
 
@@ -180,7 +185,34 @@ def describe(e: BaseException) -> str:
 
 def _opt_in_features(args: Any) -> frozenset[str]:
   features = getattr(args, "opt_in_features", None)
-  return frozenset(features()) if callable(features) else frozenset()
+  features = set(features()) if callable(features) else set()
+  leaves = _array_leaves(args)
+  if any(_has_symbolic_size(leaf) for leaf in leaves):
+    features.add(SYMBOLIC_SHAPES)
+  if any(_differentiated_in_forward_mode(leaf) for leaf in leaves):
+    features.add(FORWARD_MODE_AUTODIFF)
+  return frozenset(features)
+
+
+def _array_leaves(args: Any) -> list[Any]:
+  fields = ([getattr(args, f.name) for f in dataclasses.fields(args)]
+            if dataclasses.is_dataclass(args) else [args])
+  return jax.tree_util.tree_leaves(fields)
+
+
+def _has_symbolic_size(leaf: Any) -> bool:
+  return any(not isinstance(dim, (int, np.integer)) for dim in getattr(leaf, "shape", ()))
+
+
+def _differentiated_in_forward_mode(leaf: Any) -> bool:
+  """Whether `leaf` is a JVP tracer, or wraps one: under `jax.hessian` the op
+  sees `jax.grad`'s tracers, whose primal values are the JVP's (JAX's tracers
+  hold the outer transformation's value as `primal` or `val`)."""
+  while isinstance(leaf, jax.core.Tracer):
+    if isinstance(leaf, ad.JVPTracer):
+      return True
+    leaf = getattr(leaf, "primal", getattr(leaf, "val", None))
+  return False
 
 
 def check_opt_in(op: Op, args: Any) -> None:
@@ -190,7 +222,11 @@ def check_opt_in(op: Op, args: Any) -> None:
   if missing:
     # What a feature means to a user, where the args say (a field's name alone
     # may not tell them what in their call it is).
-    meanings = getattr(args, "OPT_IN_MEANINGS", {})
+    meanings = {SYMBOLIC_SHAPES: "sizes that are symbolic, as under jax.export with "
+                "a symbolic shape",
+                FORWARD_MODE_AUTODIFF: "differentiation in forward mode, as by "
+                "jax.hessian",
+                **getattr(args, "OPT_IN_MEANINGS", {})}
     named = [f"{f} ({meanings[f]})" if f in meanings else f for f in sorted(missing)]
     raise NotImplementedError(
         f"does not support {', '.join(named)}; implementation=None runs one that "

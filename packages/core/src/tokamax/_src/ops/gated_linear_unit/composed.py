@@ -28,7 +28,7 @@ import dataclasses
 
 import jax
 
-from tokamax._src.op import Op, VjpOp
+from tokamax._src.op import SYMBOLIC_SHAPES, Op, VjpOp
 from tokamax._src.ops.gated_linear_unit.api import FEATURES
 from tokamax._src.ops.ragged_dot import api as ragged_dot_api
 
@@ -55,7 +55,7 @@ class ComposedGatedLinearUnit(Op):
 
   op_name = "gated_linear_unit"
   name = "composed"
-  supported_features = FEATURES
+  supported_features = (*FEATURES, SYMBOLIC_SHAPES)
 
   def forward(self, args, config):
     projections = _projections(args)
@@ -74,7 +74,7 @@ class ComposedGatedLinearUnitVjp(VjpOp):
 
   op_name = "gated_linear_unit"
   name = "composed"
-  supported_features = FEATURES
+  supported_features = (*FEATURES, SYMBOLIC_SHAPES)
   recomputes_without = frozenset({"projections"})
 
   def backward(self, args, residuals, out, dout, config):

@@ -8,7 +8,7 @@ import dataclasses
 import jax.numpy as jnp
 import tokamax_xla_reference as xla_ref
 
-from tokamax._src.op import Op, VjpOp
+from tokamax._src.op import FORWARD_MODE_AUTODIFF, SYMBOLIC_SHAPES, Op, VjpOp
 from tokamax._src.ops import _autodiff
 from tokamax._src.ops.gated_linear_unit.api import DIFF_FIELDS, FEATURES
 
@@ -36,7 +36,8 @@ def _grouped_glu(args):
 class XlaGatedLinearUnit(Op):
   op_name = "gated_linear_unit"
   name = "xla"
-  supported_features = FEATURES  # autodiff covers the params too
+  # Autodiff covers the params too.
+  supported_features = (*FEATURES, SYMBOLIC_SHAPES, FORWARD_MODE_AUTODIFF)
 
   def forward(self, args, config):
     return _glu(args), {}
@@ -51,7 +52,8 @@ class XlaGatedLinearUnitVjp(VjpOp):
 
   op_name = "gated_linear_unit"
   name = "xla"
-  supported_features = FEATURES  # autodiff covers the params too
+  # Autodiff covers the params too.
+  supported_features = (*FEATURES, SYMBOLIC_SHAPES, FORWARD_MODE_AUTODIFF)
 
   def backward(self, args, residuals, out, dout, config):
     return _autodiff.backward(_glu, args, DIFF_FIELDS, dout)

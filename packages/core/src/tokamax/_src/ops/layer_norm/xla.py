@@ -7,7 +7,7 @@ import dataclasses
 
 import tokamax_xla_reference as xla_ref
 
-from tokamax._src.op import Op, VjpOp
+from tokamax._src.op import FORWARD_MODE_AUTODIFF, SYMBOLIC_SHAPES, Op, VjpOp
 from tokamax._src.ops import _autodiff
 
 
@@ -20,6 +20,7 @@ def _layer_norm(args):
 class XlaLayerNorm(Op):
   op_name = "layer_norm"
   name = "xla"
+  supported_features = (SYMBOLIC_SHAPES, FORWARD_MODE_AUTODIFF)
 
   def forward(self, args, config):
     y, mean, rstd = _layer_norm(args)
@@ -30,6 +31,7 @@ class XlaLayerNorm(Op):
 class XlaLayerNormVjp(VjpOp):
   op_name = "layer_norm"
   name = "xla"
+  supported_features = (SYMBOLIC_SHAPES, FORWARD_MODE_AUTODIFF)
 
   def backward(self, args, residuals, out, dout, config):
     return _autodiff.backward(lambda a: _layer_norm(a)[0], args,
