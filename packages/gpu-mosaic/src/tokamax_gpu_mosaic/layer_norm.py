@@ -448,8 +448,10 @@ def check_args(args: tokamax.LayerNormArgs) -> None:
       raise NotImplementedError(
           f"{name} dtype {a.dtype} is not supported (float32, bfloat16, float16 are)")
   if args.x.ndim != 2 or 0 in args.x.shape:
-    raise NotImplementedError(f"x must be a non-empty [R, D] array; got shape "
-                              f"{args.x.shape}")
+    # The rows as dispatch hands them over (the leading dims merged into R, the
+    # normalized axis last), not the caller's shape.
+    raise NotImplementedError(f"x has no elements to normalize here; got rows [R, D] "
+                              f"= {args.x.shape}")
   r, d = args.x.shape
   if d % PIECE or d > MAX_BLOCK_ELEMENTS:
     raise NotImplementedError(

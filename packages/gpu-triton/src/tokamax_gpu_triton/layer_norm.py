@@ -609,8 +609,10 @@ def _check_args(args: tokamax.LayerNormArgs, device: tokamax.DeviceInfo) -> None
       raise NotImplementedError(f"{name} dtype {a.dtype} is not supported "
                                 "(float32, bfloat16, float16 are)")
   if args.x.ndim != 2 or 0 in args.x.shape:
-    raise NotImplementedError(f"x must be a non-empty [R, D] array; got shape "
-                              f"{args.x.shape}")
+    # The rows as dispatch hands them over (the leading dims merged into R, the
+    # normalized axis last), not the caller's shape.
+    raise NotImplementedError(f"x has no elements to normalize here; got rows [R, D] "
+                              f"= {args.x.shape}")
   if args.x.shape[0] >= 2**31 // max(args.x.shape[1], 1):
     raise NotImplementedError("x has 2**31 elements or more (int32 offsets)")
 
