@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import tokamax_xla_reference as xla_ref
 
-from tokamax._src.op import FORWARD_MODE_AUTODIFF, SYMBOLIC_SHAPES, Op, VjpOp, opaque_residuals_allowed
+from tokamax._src.op import (FORWARD_MODE_AUTODIFF, SYMBOLIC_SHAPES, Op, VjpOp,
+                             opaque_residuals_allowed)
 from tokamax._src.ops import _autodiff
 from tokamax._src.ops.attention import large_logits
 
