@@ -110,8 +110,15 @@ _SYMBOLIC_SPECS = {
 }
 
 
+# Kernels usable: the interpreter's anywhere, natively on a GPU or TPU.
+_KERNELS = [pytest.param(True, id="interpreted"),
+            pytest.param(False, id="native", marks=[pytest.mark.gpu, pytest.mark.skipif(
+                jax.default_backend() not in ("gpu", "tpu"), reason="no GPU or TPU")])]
+
+
+@pytest.mark.parametrize("interpreted", _KERNELS)
 @pytest.mark.parametrize("name", _SYMBOLIC_SPECS)
-def test_export_with_symbolic_sizes_runs_the_xla_implementations(name):
+def test_export_with_symbolic_sizes_runs_the_xla_implementations(name, interpreted):
   # With kernels usable (the interpreter's, as on a GPU or TPU), a symbolic size
   # reached their shape checks and heuristics, which compare sizes: the export
   # failed with JAX's "inconclusive dimension comparison". Such calls go to the
@@ -119,18 +126,19 @@ def test_export_with_symbolic_sizes_runs_the_xla_implementations(name):
   f, args = CALLS[name]
   fwd_and_grad = jax.jit(lambda *a: (f(*a), jax.grad(_loss(f))(*a)))
   specs = export.symbolic_args_specs(args, _SYMBOLIC_SPECS[name])
-  with tokamax.interpret(), tokamax.record_dispatch() as records:
+  with tokamax.interpret(interpreted), tokamax.record_dispatch() as records:
     exported = export.export(fwd_and_grad)(*specs)
-  assert {r.implementation for r in records} <= {"xla", "composed"}, records
+  assert {r.implementation for r in records} <= {"xla", "xla_chunked", "composed"}, records
   assert any("symbolic_shapes" in why for r in records for _, why in r.rejected), records
   got = export.deserialize(exported.serialize()).call(*args)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(fwd_and_grad(*args))):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("interpreted", _KERNELS)
 @pytest.mark.parametrize("name", ["attention", "layer_norm", "glu", "ragged_dot",
                                   "grouped_glu"])
-def test_hessian_runs_where_kernels_are_usable(name):
+def test_hessian_runs_where_kernels_are_usable(name, interpreted):
   # Forward over reverse differentiates the forward and backward `jax.grad`
   # runs: a kernel there (the interpreter's, as on a GPU or TPU) raised a bare
   # AssertionError or NotImplementedError from Pallas, and the grouped GLU's
@@ -139,9 +147,9 @@ def test_hessian_runs_where_kernels_are_usable(name):
   # implementations that declare `tokamax.FORWARD_MODE_AUTODIFF`.
   f, (x, *rest) = CALLS[name]
   loss = lambda x: jnp.sum(jnp.sin(f(x, *rest)))
-  with tokamax.interpret(), tokamax.record_dispatch() as records:
+  with tokamax.interpret(interpreted), tokamax.record_dispatch() as records:
     hessian = jax.hessian(loss)(x).reshape(x.size, x.size)
-  assert {r.implementation for r in records} <= {"xla"}, records
+  assert {r.implementation for r in records} <= {"xla", "xla_chunked"}, records
   # Columns of the Hessian against central differences of the gradient.
   grad, eps = jax.jit(jax.grad(loss)), 1e-2
   for i in (0, x.size // 2, x.size - 1):
