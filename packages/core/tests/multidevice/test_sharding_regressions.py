@@ -94,3 +94,29 @@ def test_partitioned_step_pays_the_forward_a_backward_reruns(
   monkeypatch.setattr(attention_xla.XlaChunkedAttentionVjp,
                       "reruns_forward_without_own_residuals", True)
   assert attention_step_dispatch(q, times) == [("forward", "xla"), ("backward", "xla")]
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "attention"])
+def test_hessian_on_several_devices(op):
+  # With more than one device every call was wrapped for partitioning in
+  # `custom_partitioning`, which has no forward-mode rule: `jax.hessian` failed
+  # even with implementation="xla". A call differentiated in forward mode runs
+  # the XLA implementations unwrapped (XLA partitions them as any JAX code).
+  rng = np.random.default_rng(0)
+  if op == "layer_norm":
+    x = _rand(rng, 2, 3, 13)  # leading dims merged before dispatch
+    fn = lambda s: tokamax.layer_norm(x, s, None)
+    s = _rand(rng, 13)
+  else:
+    k, v = _rand(rng, 1, 6, 2, 8), _rand(rng, 1, 6, 2, 8)
+    fn = lambda q: tokamax.dot_product_attention(q, k, v, is_causal=True)
+    s = _rand(rng, 1, 5, 2, 8)
+  loss = lambda s: jnp.sum(jnp.sin(fn(s)))
+  with tokamax.interpret(), tokamax.record_dispatch() as records:
+    hessian = jax.hessian(loss)(s).reshape(s.size, s.size)
+  assert {r.implementation for r in records} <= {"xla", "xla_chunked"}, records
+  grad, eps = jax.jit(jax.grad(loss)), 1e-2
+  for i in (0, s.size - 1):
+    e = jnp.zeros(s.size).at[i].set(eps).reshape(s.shape)
+    want = (grad(s + e) - grad(s - e)).reshape(-1) / (2 * eps)
+    np.testing.assert_allclose(hessian[:, i], want, rtol=2e-2, atol=2e-3)

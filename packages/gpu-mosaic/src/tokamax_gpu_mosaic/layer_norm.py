@@ -450,8 +450,8 @@ def check_args(args: tokamax.LayerNormArgs) -> None:
   if args.x.ndim != 2 or 0 in args.x.shape:
     # The rows as dispatch hands them over (the leading dims merged into R, the
     # normalized axis last), not the caller's shape.
-    raise NotImplementedError(f"x has no elements to normalize here; got rows [R, D] "
-                              f"= {args.x.shape}")
+    raise NotImplementedError(f"x must be non-empty [R, D] rows (the caller's leading "
+                              f"dims merged into R); got {args.x.shape}")
   r, d = args.x.shape
   if d % PIECE or d > MAX_BLOCK_ELEMENTS:
     raise NotImplementedError(

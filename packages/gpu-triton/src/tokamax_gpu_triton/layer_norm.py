@@ -611,8 +611,8 @@ def _check_args(args: tokamax.LayerNormArgs, device: tokamax.DeviceInfo) -> None
   if args.x.ndim != 2 or 0 in args.x.shape:
     # The rows as dispatch hands them over (the leading dims merged into R, the
     # normalized axis last), not the caller's shape.
-    raise NotImplementedError(f"x has no elements to normalize here; got rows [R, D] "
-                              f"= {args.x.shape}")
+    raise NotImplementedError(f"x must be non-empty [R, D] rows (the caller's leading "
+                              f"dims merged into R); got {args.x.shape}")
   if args.x.shape[0] >= 2**31 // max(args.x.shape[1], 1):
     raise NotImplementedError("x has 2**31 elements or more (int32 offsets)")
 

@@ -230,8 +230,8 @@ def _check_args(args, device) -> None:
   if args.x.ndim != 2 or 0 in args.x.shape:
     # The rows as dispatch hands them over (the leading dims merged into R, the
     # normalized axis last), not the caller's shape.
-    raise NotImplementedError(f"x has no elements to normalize here; got rows [R, D] "
-                              f"= {args.x.shape}")
+    raise NotImplementedError(f"x must be non-empty [R, D] rows (the caller's leading "
+                              f"dims merged into R); got {args.x.shape}")
   d = args.x.shape[1]
   limit = _common.SCOPED_VMEM_BYTES[_common.DEFAULT_GENERATION]
   need = _plan_for(args, _MIN_BLOCK_ROWS, backward=True).vmem_bytes()

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import jax
+from jax.interpreters import ad
 
 from tokamax._src import settings
 
@@ -77,6 +78,17 @@ SYMBOLIC_SHAPES = "symbolic_shapes"
 # `jax.grad` runs: only implementations that list it are given such a call.
 # Kernels have no forward-mode rule (Pallas raises a bare error there).
 FORWARD_MODE_AUTODIFF = "forward_mode_autodiff"
+
+
+def differentiated_in_forward_mode(leaf: Any) -> bool:
+  """Whether `leaf` is a JVP tracer, or wraps one: under `jax.hessian` an op
+  sees `jax.grad`'s tracers, whose primal values are the JVP's (JAX's tracers
+  hold the outer transformation's value as `primal` or `val`)."""
+  while isinstance(leaf, jax.core.Tracer):
+    if isinstance(leaf, ad.JVPTracer):
+      return True
+    leaf = getattr(leaf, "primal", getattr(leaf, "val", None))
+  return False
 
 
 @dataclasses.dataclass(frozen=True)

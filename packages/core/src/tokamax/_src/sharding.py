@@ -50,7 +50,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tokamax._src import batching
-from tokamax._src.op import OpDefinition
+from tokamax._src.op import OpDefinition, differentiated_in_forward_mode
 
 _enabled: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "tokamax_spmd_partitioning", default=True)
@@ -329,6 +329,11 @@ def explicit_mesh(leaves):
 def active(leaves) -> bool:
   """Whether an op call on `leaves` is partitioned by the rules here."""
   if not _enabled.get() or jax.device_count() == 1 or _manual_context():
+    return False
+  if any(differentiated_in_forward_mode(x) for x in leaves):
+    # `custom_partitioning` has no forward-mode rule (`jax.hessian`): such a
+    # call runs the XLA implementations (`FORWARD_MODE_AUTODIFF`) unwrapped,
+    # partitioned by XLA as any JAX code.
     return False
   if any(type(x).__name__ == "BatchTracer" for x in leaves):
     return _partitioned_under_vmap(leaves)

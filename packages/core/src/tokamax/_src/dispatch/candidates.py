@@ -14,11 +14,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.interpreters import ad
 
 from tokamax._src import registry
 from tokamax._src.op import (FORWARD_MODE_AUTODIFF, SYMBOLIC_SHAPES, DeviceInfo, Op,
-                              VjpOp)
+                              VjpOp, differentiated_in_forward_mode)
 
 Implementation = None | str | Op | Sequence[str | Op]
 
@@ -189,7 +188,7 @@ def _opt_in_features(args: Any) -> frozenset[str]:
   leaves = _array_leaves(args)
   if any(_has_symbolic_size(leaf) for leaf in leaves):
     features.add(SYMBOLIC_SHAPES)
-  if any(_differentiated_in_forward_mode(leaf) for leaf in leaves):
+  if any(differentiated_in_forward_mode(leaf) for leaf in leaves):
     features.add(FORWARD_MODE_AUTODIFF)
   return frozenset(features)
 
@@ -203,16 +202,6 @@ def _array_leaves(args: Any) -> list[Any]:
 def _has_symbolic_size(leaf: Any) -> bool:
   return any(not isinstance(dim, (int, np.integer)) for dim in getattr(leaf, "shape", ()))
 
-
-def _differentiated_in_forward_mode(leaf: Any) -> bool:
-  """Whether `leaf` is a JVP tracer, or wraps one: under `jax.hessian` the op
-  sees `jax.grad`'s tracers, whose primal values are the JVP's (JAX's tracers
-  hold the outer transformation's value as `primal` or `val`)."""
-  while isinstance(leaf, jax.core.Tracer):
-    if isinstance(leaf, ad.JVPTracer):
-      return True
-    leaf = getattr(leaf, "primal", getattr(leaf, "val", None))
-  return False
 
 
 def check_opt_in(op: Op, args: Any) -> None:
