@@ -26,7 +26,7 @@ from tokamax._src.dispatch import configs
 from tokamax._src.dispatch import records
 from tokamax._src.dispatch import selection
 from tokamax._src.dispatch.candidates import (Implementation, check_opt_in, expand,
-                                              tuned_order)
+                                              supported_features, tuned_order)
 from tokamax._src.dispatch.records import DispatchRecord
 from tokamax._src.op import (DeviceInfo, OpDefinition, allow_opaque_residuals,
                              forward_for_backward)
@@ -144,7 +144,7 @@ class _Dispatch:
   def _supports(self, choice: selection.Choice):
     """Whether the chosen forward takes an opt-in field: layouts that need one (a
     split query sequence needs q_offset) are used only then."""
-    features = frozenset(getattr(choice.op, "supported_features", ()))
+    features = supported_features(choice.op)
     return lambda feature: feature in features
 
   def forward(self, args: Any, choice: selection.Choice, for_backward: bool):

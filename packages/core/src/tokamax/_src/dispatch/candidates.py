@@ -203,11 +203,15 @@ def _has_symbolic_size(leaf: Any) -> bool:
   return any(not isinstance(dim, (int, np.integer)) for dim in getattr(leaf, "shape", ()))
 
 
+def supported_features(op: Op) -> frozenset[str]:
+  """The opt-in features `op` declares (`Op.supported_features`)."""
+  return frozenset(getattr(op, "supported_features", ()))
+
 
 def check_opt_in(op: Op, args: Any) -> None:
   """Refuses an implementation that does not declare every opt-in feature the
   args use (e.g. attention's ``q_offset``): such a field would be ignored."""
-  missing = _opt_in_features(args) - frozenset(getattr(op, "supported_features", ()))
+  missing = _opt_in_features(args) - supported_features(op)
   if missing:
     # What a feature means to a user, where the args say (a field's name alone
     # may not tell them what in their call it is).

@@ -29,6 +29,7 @@ from tokamax._src.dispatch.candidates import (Candidate, Implementation, build_c
                                               describe, failure_message,
                                               no_implementation_message,
                                               platform_matches, raises_import,
+                                              supported_features,
                                               tuned_order)
 from tokamax._src.op import (DeviceInfo, Op, VjpOp, allow_opaque_residuals,
                              forward_for_backward)
@@ -113,10 +114,6 @@ def _backward_part(cand: Candidate) -> Callable[[], Any]:
   return cand.backward
 
 
-def _features(op: Op) -> frozenset[str]:
-  return frozenset(getattr(op, "supported_features", ()))
-
-
 def choose_forward(op_name: str, args: Any, device: DeviceInfo,
                    candidates: Sequence[Candidate],
                    prefer: frozenset[str] = frozenset()) -> Choice:
@@ -124,7 +121,7 @@ def choose_forward(op_name: str, args: Any, device: DeviceInfo,
   one that declines it); with `prefer`, first the first one that also declares
   those opt-in features (which the call's sharding would use)."""
   def takes_preferred(op):
-    missing = prefer - _features(op)
+    missing = prefer - supported_features(op)
     if missing:
       return (f"does not take {', '.join(sorted(missing))}, which the operands' "
               "sharding uses")
