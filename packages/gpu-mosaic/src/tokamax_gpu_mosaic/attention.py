@@ -566,8 +566,8 @@ def _gqa_as_mha_backward(args, config: AttentionVjpConfig) -> AttentionVjpConfig
   at N heads (`_fuses_dq_by_default`: two batch rows, `_FUSED_CAUSAL_BLOCKS`
   blocks counted at the query heads), at the MHA one kernel's L2 head group
   and with its dQ additions overlapped on the H100 (on other cards without, as
-  measured on the H200 and as under MHA: `AttentionVjpConfig.overlap_dq_adds`). As many queries as keys:
-  T far from S has not run it yet.
+  measured on the H200 and as under MHA: `AttentionVjpConfig.overlap_dq_adds`).
+  As many queries as keys: T far from S has not run it yet.
 
   Forward+backward, bf16, H100, against the heuristic before it, both sides
   with copies of K and V then (`tools/tune.py --ab-env`, experiment gqasplit;
