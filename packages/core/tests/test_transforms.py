@@ -138,26 +138,38 @@ def test_export_with_symbolic_sizes_runs_the_xla_implementations(name, interpret
 @pytest.mark.parametrize("interpreted", _KERNELS)
 @pytest.mark.parametrize("name", ["attention", "layer_norm", "glu", "ragged_dot",
                                   "grouped_glu"])
-def test_hessian_runs_where_kernels_are_usable(name, interpreted):
-  # Forward over reverse differentiates the forward and backward `jax.grad`
-  # runs: a kernel there (the interpreter's, as on a GPU or TPU) raised a bare
-  # AssertionError or NotImplementedError from Pallas, and the grouped GLU's
+@pytest.mark.parametrize("second_order", ["hessian", "grad_of_grad"])
+def test_second_derivatives_run_where_kernels_are_usable(name, interpreted, second_order):
+  # `jax.hessian` (forward over reverse) and `jax.grad` of `jax.grad`
+  # differentiate the forward and backward the inner `jax.grad` runs: a kernel
+  # there (the interpreter's, as on a GPU or TPU) raised a bare AssertionError
+  # or NotImplementedError from Pallas, and under `jax.hessian` the grouped GLU's
   # composed forward JAX's "can't apply forward-mode autodiff" (it calls
   # ragged_dot's custom_vjp) even without kernels. Such calls go to the
-  # implementations that declare `tokamax.FORWARD_MODE_AUTODIFF`.
+  # implementations that declare `tokamax.HIGHER_ORDER_AUTODIFF`.
   f, (x, *rest) = CALLS[name]
   loss = lambda x: jnp.sum(jnp.sin(f(x, *rest)))
-  with tokamax.interpret(interpreted), tokamax.record_dispatch() as records:
-    hessian = jax.hessian(loss)(x).reshape(x.size, x.size)
-  assert {r.implementation for r in records} <= {"xla", "xla_chunked"}, records
-  assert any("forward_mode_autodiff" in why for r in records for _, why in r.rejected)
-  # Columns of the Hessian against central differences of the gradient.
   grad, eps = jax.jit(jax.grad(loss)), 1e-2
-  for i in (0, x.size // 2, x.size - 1):
-    e = jnp.zeros(x.size).at[i].set(eps).reshape(x.shape)
-    want = (grad(x + e) - grad(x - e)).reshape(-1) / (2 * eps)
-    np.testing.assert_allclose(hessian[:, i], want, rtol=2e-2, atol=2e-3,
-                               err_msg=f"column {i}")
+  if second_order == "hessian":
+    # Columns of the Hessian.
+    directions = [jnp.zeros(x.size).at[i].set(1.0).reshape(x.shape)
+                  for i in (0, x.size // 2, x.size - 1)]
+    with tokamax.interpret(interpreted), tokamax.record_dispatch() as records:
+      hessian = jax.hessian(loss)(x).reshape(x.size, x.size)
+    got = [hessian @ d.reshape(-1) for d in directions]
+  else:
+    # The gradient of <grad, d> is the Hessian times d (a random unit vector).
+    d = np.random.default_rng(1).standard_normal(x.shape)
+    directions = [jnp.asarray(d / np.linalg.norm(d), x.dtype)]
+    with tokamax.interpret(interpreted), tokamax.record_dispatch() as records:
+      got = [jax.grad(lambda x: jnp.vdot(jax.grad(loss)(x), directions[0]))(x)]
+  assert {r.implementation for r in records} <= {"xla", "xla_chunked"}, records
+  assert any("higher_order_autodiff" in why for r in records for _, why in r.rejected)
+  # Against central differences of the gradient.
+  for i, (d, g) in enumerate(zip(directions, got)):
+    want = (grad(x + eps * d) - grad(x - eps * d)) / (2 * eps)
+    np.testing.assert_allclose(np.reshape(g, -1), np.reshape(want, -1), rtol=2e-2,
+                               atol=2e-3, err_msg=f"direction {i}")
 
 
 def test_chunked_attention_refuses_a_symbolic_key_length_so_a_list_falls_back():

@@ -19,7 +19,7 @@ from tokamax._src.dispatch import DispatchRecord
 from tokamax._src.dispatch import record_dispatch
 from tokamax._src.export_checks import DISABLE_JAX_EXPORT_CHECKS
 from tokamax._src.introspection import implementations
-from tokamax._src.op import FORWARD_MODE_AUTODIFF
+from tokamax._src.op import HIGHER_ORDER_AUTODIFF
 from tokamax._src.op import SYMBOLIC_SHAPES
 from tokamax._src.op import DeviceInfo
 from tokamax._src.op import Op
@@ -64,7 +64,7 @@ __all__ = [
     "BenchmarkData",
     "DeviceInfo",
     "DispatchRecord",
-    "FORWARD_MODE_AUTODIFF",
+    "HIGHER_ORDER_AUTODIFF",
     "GatedLinearUnitArgs",
     "GradientQuantization",
     "ImplementationNotInstalledError",

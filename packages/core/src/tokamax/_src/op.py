@@ -17,7 +17,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import jax
-from jax.interpreters import ad
 
 from tokamax._src import settings
 
@@ -73,22 +72,47 @@ def allow_opaque_residuals(value: bool = True):
 # that list it in `Op.supported_features` are given one. Kernels size their
 # grids and tiles from the sizes, so they leave it out and the XLA ones run.
 SYMBOLIC_SHAPES = "symbolic_shapes"
-# The opt-in feature of a call differentiated in forward mode, as `jax.hessian`
-# (forward over reverse) differentiates the forward and backward that
-# `jax.grad` runs: only implementations that list it are given such a call.
-# Kernels have no forward-mode rule (Pallas raises a bare error there).
-FORWARD_MODE_AUTODIFF = "forward_mode_autodiff"
+# The opt-in feature of a call whose own forward and backward are
+# differentiated: `jax.hessian` (forward over reverse) and `jax.grad` of
+# `jax.grad` differentiate the forward and backward that the inner `jax.grad`
+# runs. Only implementations that list it are given such a call: kernels have
+# no differentiation rule (Pallas raises a bare error there).
+HIGHER_ORDER_AUTODIFF = "higher_order_autodiff"
+# JAX's tracers of differentiation, by name (`jax.interpreters.ad` exports only
+# the first): forward mode's, and reverse mode's (`jax.grad` linearizes; with
+# `jax_use_direct_linearize` off it traces JVPs).
+_AUTODIFF_TRACERS = frozenset({"JVPTracer", "LinearizeTracer"})
 
 
-def differentiated_in_forward_mode(leaf: Any) -> bool:
-  """Whether `leaf` is a JVP tracer, or wraps one: under `jax.hessian` an op
-  sees `jax.grad`'s tracers, whose primal values are the JVP's (JAX's tracers
-  hold the outer transformation's value as `primal` or `val`)."""
+# How many of the differentiations tracing an op's operands its `custom_vjp`
+# takes: one where the op is called; none inside its forward and backward rules,
+# which see primal values (a differentiation there is an outer one, of the rules).
+_DIFFERENTIATIONS_TAKEN = contextvars.ContextVar("tokamax_differentiations_taken",
+                                                 default=1)
+
+
+@contextlib.contextmanager
+def differentiations_taken(count: int):
+  """Sets how many differentiations `differentiated_again` leaves to the op's
+  `custom_vjp` inside: 1 at an op's call, 0 in its forward and backward rules."""
+  token = _DIFFERENTIATIONS_TAKEN.set(count)
+  try:
+    yield
+  finally:
+    _DIFFERENTIATIONS_TAKEN.reset(token)
+
+
+def differentiated_again(leaf: Any) -> bool:
+  """Whether `leaf` is traced by more differentiations than the op's
+  `custom_vjp` takes (`differentiations_taken`): a further one (an outer
+  `jax.grad`, or `jax.hessian`'s JVP) differentiates the op's forward and
+  backward themselves. JAX's tracers hold the outer transformation's value as
+  `primal` or `val`."""
+  order = 0
   while isinstance(leaf, jax.core.Tracer):
-    if isinstance(leaf, ad.JVPTracer):
-      return True
+    order += type(leaf).__name__ in _AUTODIFF_TRACERS
     leaf = getattr(leaf, "primal", getattr(leaf, "val", None))
-  return False
+  return order > _DIFFERENTIATIONS_TAKEN.get()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,8 +226,8 @@ class Op(abc.ABC):
   vjp: ClassVar[type[VjpOp] | None] = None
   # Opt-in argument fields this implementation handles (e.g. attention's
   # "q_offset"); dispatch refuses it for calls that set any other one. Also
-  # `SYMBOLIC_SHAPES` and `FORWARD_MODE_AUTODIFF`, for one that runs calls
-  # whose sizes are symbolic or that are differentiated in forward mode.
+  # `SYMBOLIC_SHAPES` and `HIGHER_ORDER_AUTODIFF`, for one that runs calls
+  # whose sizes are symbolic or whose forward and backward are differentiated.
   supported_features: ClassVar[tuple[str, ...]] = ()
 
   @property

@@ -50,7 +50,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tokamax._src import batching
-from tokamax._src.op import OpDefinition, differentiated_in_forward_mode
+from tokamax._src.op import OpDefinition, differentiated_again
 
 _enabled: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "tokamax_spmd_partitioning", default=True)
@@ -330,9 +330,10 @@ def active(leaves) -> bool:
   """Whether an op call on `leaves` is partitioned by the rules here."""
   if not _enabled.get() or jax.device_count() == 1 or _manual_context():
     return False
-  if any(differentiated_in_forward_mode(x) for x in leaves):
-    # `custom_partitioning` has no forward-mode rule (`jax.hessian`): such a
-    # call runs the XLA implementations (`FORWARD_MODE_AUTODIFF`) unwrapped,
+  if any(differentiated_again(x) for x in leaves):
+    # `custom_partitioning` has no differentiation rule of its own (`jax.hessian`,
+    # `jax.grad` of `jax.grad` differentiate the op's forward and backward): such a
+    # call runs the XLA implementations (`HIGHER_ORDER_AUTODIFF`) unwrapped,
     # partitioned by XLA as any JAX code.
     return False
   if any(type(x).__name__ == "BatchTracer" for x in leaves):

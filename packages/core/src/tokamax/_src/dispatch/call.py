@@ -29,7 +29,7 @@ from tokamax._src.dispatch.candidates import (Implementation, check_opt_in, expa
                                               supported_features, tuned_order)
 from tokamax._src.dispatch.records import DispatchRecord
 from tokamax._src.op import (DeviceInfo, OpDefinition, allow_opaque_residuals,
-                             forward_for_backward)
+                             differentiations_taken, forward_for_backward)
 from tokamax._src.tuning import sources
 
 
@@ -114,7 +114,13 @@ class _Dispatch:
     """The forward of a training step (traced by `run_fwd` instead of `run`): it
     must also leave its backward something fast to run (see
     `selection.training_choice`). Its decision takes the inference one's place in
-    the records (under `grad(jit(f))` both are traced, and only this one runs)."""
+    the records (under `grad(jit(f))` both are traced, and only this one runs).
+    Decided on the call's args (`merged`) wherever it is first asked for, as at
+    the call: the op's `custom_vjp` takes one differentiation of them."""
+    with differentiations_taken(1):
+      return self._training()
+
+  def _training(self) -> selection.Choice:
     if not self.choosing or set(self.definition.result_labels) == {"out"}:
       # An op that documents no residuals (ragged_dot): every backward computes
       # from the operands alone, whichever forward ran.
@@ -221,32 +227,41 @@ def call(definition: OpDefinition, args: Any, implementation: Implementation,
   Returns:
     The op's output, with the leading dims of `args`.
   """
-  # Merging dims keeps a sharding only when it is on the major one, so a
-  # partitioned call keeps the leading dims apart up to the local computation;
-  # otherwise they are merged here, before anything else sees the args.
-  if lead_dims != 1 and not sharding.active(jax.tree_util.tree_leaves(args)):
-    lead = sharding.leading_shape(definition, args, lead_dims)
-    out = call(definition, sharding.merge_leading(definition, args, lead_dims),
-               implementation)
-    return out.reshape(*lead, *out.shape[1:])
-  decisions = _Dispatch.start(definition, args, implementation, lead_dims)
+  # Here the op's `custom_vjp` takes one differentiation of `args` (a call
+  # nested in another op's rules is checked as a call of its own).
+  with differentiations_taken(1):
+    # Merging dims keeps a sharding only when it is on the major one, so a
+    # partitioned call keeps the leading dims apart up to the local computation;
+    # otherwise they are merged here, before anything else sees the args.
+    if lead_dims != 1 and not sharding.active(jax.tree_util.tree_leaves(args)):
+      lead = sharding.leading_shape(definition, args, lead_dims)
+      out = call(definition, sharding.merge_leading(definition, args, lead_dims),
+                 implementation)
+      return out.reshape(*lead, *out.shape[1:])
+    decisions = _Dispatch.start(definition, args, implementation, lead_dims)
   # Qwix's rules apply to the op's call (`qwix_ptq`), not inside it.
   outside = qwix_ptq.outside_interception
+  # The rules see primal values: a differentiation of their operands is an outer
+  # one, of the rules themselves (`jax.hessian`, `jax.grad` of `jax.grad`).
+  in_rules = functools.partial(differentiations_taken, 0)
 
   @jax.custom_vjp
   @outside
   def run(args):
-    return decisions.forward(args, decisions.inference, for_backward=False)[0]
+    with in_rules():
+      return decisions.forward(args, decisions.inference, for_backward=False)[0]
 
   @outside
   def run_fwd(args):
-    out, residuals = decisions.forward(args, decisions.training, for_backward=True)
+    with in_rules():
+      out, residuals = decisions.forward(args, decisions.training, for_backward=True)
     return out, (args, dict(residuals), out)
 
   @outside
   def run_bwd(saved, dout):
     args, residuals, out = saved
-    return (decisions.backward(args, residuals, out, dout),)
+    with in_rules():
+      return (decisions.backward(args, residuals, out, dout),)
 
   run.defvjp(run_fwd, run_bwd)
   return run(args)

@@ -16,8 +16,8 @@ import jax
 import numpy as np
 
 from tokamax._src import registry
-from tokamax._src.op import (FORWARD_MODE_AUTODIFF, SYMBOLIC_SHAPES, DeviceInfo, Op,
-                              VjpOp, differentiated_in_forward_mode)
+from tokamax._src.op import (HIGHER_ORDER_AUTODIFF, SYMBOLIC_SHAPES, DeviceInfo, Op,
+                              VjpOp, differentiated_again)
 
 Implementation = None | str | Op | Sequence[str | Op]
 
@@ -188,8 +188,8 @@ def _opt_in_features(args: Any) -> frozenset[str]:
   leaves = _array_leaves(args)
   if any(_has_symbolic_size(leaf) for leaf in leaves):
     features.add(SYMBOLIC_SHAPES)
-  if any(differentiated_in_forward_mode(leaf) for leaf in leaves):
-    features.add(FORWARD_MODE_AUTODIFF)
+  if any(differentiated_again(leaf) for leaf in leaves):
+    features.add(HIGHER_ORDER_AUTODIFF)
   return frozenset(features)
 
 
@@ -217,8 +217,8 @@ def check_opt_in(op: Op, args: Any) -> None:
     # may not tell them what in their call it is).
     meanings = {SYMBOLIC_SHAPES: "sizes that are symbolic, as under jax.export with "
                 "a symbolic shape",
-                FORWARD_MODE_AUTODIFF: "differentiation in forward mode, as by "
-                "jax.hessian",
+                HIGHER_ORDER_AUTODIFF: "derivatives of second order or higher, as by "
+                "jax.hessian or jax.grad of jax.grad",
                 **getattr(args, "OPT_IN_MEANINGS", {})}
     named = [f"{f} ({meanings[f]})" if f in meanings else f for f in sorted(missing)]
     raise NotImplementedError(

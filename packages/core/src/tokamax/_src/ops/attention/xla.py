@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import tokamax_xla_reference as xla_ref
 
-from tokamax._src.op import (FORWARD_MODE_AUTODIFF, SYMBOLIC_SHAPES, Op, VjpOp,
+from tokamax._src.op import (HIGHER_ORDER_AUTODIFF, SYMBOLIC_SHAPES, Op, VjpOp,
                              opaque_residuals_allowed)
 from tokamax._src.ops import _autodiff
 from tokamax._src.ops.attention import large_logits
@@ -35,7 +35,7 @@ class XlaAttention(Op):
 
   op_name = "dot_product_attention"
   name = "xla"
-  supported_features = ("q_offset", "sinks", SYMBOLIC_SHAPES, FORWARD_MODE_AUTODIFF)
+  supported_features = ("q_offset", "sinks", SYMBOLIC_SHAPES, HIGHER_ORDER_AUTODIFF)
 
   def forward(self, args, config):
     out, lse = xla_ref.attention(args.query, args.key, args.value, args.bias, args.mask,
@@ -47,7 +47,7 @@ class XlaAttention(Op):
 class XlaAttentionVjp(VjpOp):
   op_name = "dot_product_attention"
   name = "xla"
-  supported_features = ("q_offset", "sinks", SYMBOLIC_SHAPES, FORWARD_MODE_AUTODIFF)
+  supported_features = ("q_offset", "sinks", SYMBOLIC_SHAPES, HIGHER_ORDER_AUTODIFF)
 
   def backward(self, args, residuals, out, dout, config):
     def fn(a):
@@ -74,7 +74,7 @@ class _Chunked:
 
   op_name = "dot_product_attention"
   name = "xla_chunked"
-  supported_features = ("q_offset", "sinks", SYMBOLIC_SHAPES, FORWARD_MODE_AUTODIFF)
+  supported_features = ("q_offset", "sinks", SYMBOLIC_SHAPES, HIGHER_ORDER_AUTODIFF)
   config_cls = ChunkConfig
 
   def check_supported(self, args, device, residuals=None):

@@ -8,7 +8,7 @@ import dataclasses
 import jax.numpy as jnp
 import tokamax_xla_reference as xla_ref
 
-from tokamax._src.op import FORWARD_MODE_AUTODIFF, SYMBOLIC_SHAPES, Op, VjpOp
+from tokamax._src.op import HIGHER_ORDER_AUTODIFF, SYMBOLIC_SHAPES, Op, VjpOp
 from tokamax._src.ops import _autodiff
 from tokamax._src.ops.gated_linear_unit.api import DIFF_FIELDS, FEATURES
 
@@ -37,7 +37,7 @@ class XlaGatedLinearUnit(Op):
   op_name = "gated_linear_unit"
   name = "xla"
   # Autodiff covers the params too.
-  supported_features = (*FEATURES, SYMBOLIC_SHAPES, FORWARD_MODE_AUTODIFF)
+  supported_features = (*FEATURES, SYMBOLIC_SHAPES, HIGHER_ORDER_AUTODIFF)
 
   def forward(self, args, config):
     return _glu(args), {}
@@ -53,7 +53,7 @@ class XlaGatedLinearUnitVjp(VjpOp):
   op_name = "gated_linear_unit"
   name = "xla"
   # Autodiff covers the params too.
-  supported_features = (*FEATURES, SYMBOLIC_SHAPES, FORWARD_MODE_AUTODIFF)
+  supported_features = (*FEATURES, SYMBOLIC_SHAPES, HIGHER_ORDER_AUTODIFF)
 
   def backward(self, args, residuals, out, dout, config):
     return _autodiff.backward(_glu, args, DIFF_FIELDS, dout)

@@ -7,7 +7,7 @@ import dataclasses
 
 import tokamax_xla_reference as xla_ref
 
-from tokamax._src.op import FORWARD_MODE_AUTODIFF, SYMBOLIC_SHAPES, Op, VjpOp
+from tokamax._src.op import HIGHER_ORDER_AUTODIFF, SYMBOLIC_SHAPES, Op, VjpOp
 from tokamax._src.ops import _autodiff
 
 
@@ -20,7 +20,7 @@ def _layer_norm(args):
 class XlaLayerNorm(Op):
   op_name = "layer_norm"
   name = "xla"
-  supported_features = (SYMBOLIC_SHAPES, FORWARD_MODE_AUTODIFF)
+  supported_features = (SYMBOLIC_SHAPES, HIGHER_ORDER_AUTODIFF)
 
   def forward(self, args, config):
     y, mean, rstd = _layer_norm(args)
@@ -31,7 +31,7 @@ class XlaLayerNorm(Op):
 class XlaLayerNormVjp(VjpOp):
   op_name = "layer_norm"
   name = "xla"
-  supported_features = (SYMBOLIC_SHAPES, FORWARD_MODE_AUTODIFF)
+  supported_features = (SYMBOLIC_SHAPES, HIGHER_ORDER_AUTODIFF)
 
   def backward(self, args, residuals, out, dout, config):
     return _autodiff.backward(lambda a: _layer_norm(a)[0], args,

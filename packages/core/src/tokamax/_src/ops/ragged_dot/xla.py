@@ -7,7 +7,7 @@ import dataclasses
 
 import tokamax_xla_reference as xla_ref
 
-from tokamax._src.op import FORWARD_MODE_AUTODIFF, SYMBOLIC_SHAPES, Op, VjpOp
+from tokamax._src.op import HIGHER_ORDER_AUTODIFF, SYMBOLIC_SHAPES, Op, VjpOp
 from tokamax._src.ops import _autodiff
 
 
@@ -23,7 +23,7 @@ def _ragged_dot(args):
 class XlaRaggedDot(Op):
   op_name = "ragged_dot"
   name = "xla"
-  supported_features = ("block_scales", SYMBOLIC_SHAPES, FORWARD_MODE_AUTODIFF)
+  supported_features = ("block_scales", SYMBOLIC_SHAPES, HIGHER_ORDER_AUTODIFF)
 
   def forward(self, args, config):
     return _ragged_dot(args), {}
@@ -33,7 +33,7 @@ class XlaRaggedDot(Op):
 class XlaRaggedDotVjp(VjpOp):
   op_name = "ragged_dot"
   name = "xla"
-  supported_features = ("block_scales", SYMBOLIC_SHAPES, FORWARD_MODE_AUTODIFF)
+  supported_features = ("block_scales", SYMBOLIC_SHAPES, HIGHER_ORDER_AUTODIFF)
 
   def backward(self, args, residuals, out, dout, config):
     return _autodiff.backward(_ragged_dot, args, ("lhs", "rhs"), dout)
