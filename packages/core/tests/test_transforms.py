@@ -1,5 +1,7 @@
 """Every op under jit, grad, vmap and jax.export (with serialization)."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,6 +118,18 @@ _KERNELS = [pytest.param(True, id="interpreted"),
                 jax.default_backend() not in ("gpu", "tpu"), reason="no GPU or TPU")])]
 
 
+def _full_precision(interpreted: bool):
+  """Natively, float32 matmuls at full precision (a GPU's default is TF32, whose
+  rounding the comparisons below would read as an error)."""
+  return contextlib.nullcontext() if interpreted else jax.default_matmul_precision("highest")
+
+
+def _on_host(fn, *args):
+  """`fn` on the host CPU, where `implementation=None` runs the XLA
+  implementations in full float32: the reference of the native variants."""
+  return fn(*jax.device_put(args, jax.devices("cpu")[0]))
+
+
 @pytest.mark.parametrize("interpreted", _KERNELS)
 @pytest.mark.parametrize("name", _SYMBOLIC_SPECS)
 def test_export_with_symbolic_sizes_runs_the_xla_implementations(name, interpreted):
@@ -126,12 +140,13 @@ def test_export_with_symbolic_sizes_runs_the_xla_implementations(name, interpret
   f, args = CALLS[name]
   fwd_and_grad = jax.jit(lambda *a: (f(*a), jax.grad(_loss(f))(*a)))
   specs = export.symbolic_args_specs(args, _SYMBOLIC_SPECS[name])
-  with tokamax.interpret(interpreted), tokamax.record_dispatch() as records:
+  with (tokamax.interpret(interpreted), tokamax.record_dispatch() as records,
+        _full_precision(interpreted)):
     exported = export.export(fwd_and_grad)(*specs)
   assert {r.implementation for r in records} <= {"xla", "xla_chunked", "composed"}, records
   assert any("symbolic_shapes" in why for r in records for _, why in r.rejected), records
   got = export.deserialize(exported.serialize()).call(*args)
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(fwd_and_grad(*args))):
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(_on_host(fwd_and_grad, *args))):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -148,26 +163,29 @@ def test_second_derivatives_run_where_kernels_are_usable(name, interpreted, seco
   # ragged_dot's custom_vjp) even without kernels. Such calls go to the
   # implementations that declare `tokamax.HIGHER_ORDER_AUTODIFF`.
   f, (x, *rest) = CALLS[name]
-  loss = lambda x: jnp.sum(jnp.sin(f(x, *rest)))
-  grad, eps = jax.jit(jax.grad(loss)), 1e-2
+  loss = lambda x, *rest: jnp.sum(jnp.sin(f(x, *rest)))
   if second_order == "hessian":
     # Columns of the Hessian.
     directions = [jnp.zeros(x.size).at[i].set(1.0).reshape(x.shape)
                   for i in (0, x.size // 2, x.size - 1)]
-    with tokamax.interpret(interpreted), tokamax.record_dispatch() as records:
-      hessian = jax.hessian(loss)(x).reshape(x.size, x.size)
+    with (tokamax.interpret(interpreted), tokamax.record_dispatch() as records,
+          _full_precision(interpreted)):
+      hessian = jax.hessian(loss)(x, *rest).reshape(x.size, x.size)
     got = [hessian @ d.reshape(-1) for d in directions]
   else:
     # The gradient of <grad, d> is the Hessian times d (a random unit vector).
     d = np.random.default_rng(1).standard_normal(x.shape)
     directions = [jnp.asarray(d / np.linalg.norm(d), x.dtype)]
-    with tokamax.interpret(interpreted), tokamax.record_dispatch() as records:
-      got = [jax.grad(lambda x: jnp.vdot(jax.grad(loss)(x), directions[0]))(x)]
+    with (tokamax.interpret(interpreted), tokamax.record_dispatch() as records,
+          _full_precision(interpreted)):
+      got = [jax.grad(lambda x: jnp.vdot(jax.grad(loss)(x, *rest), directions[0]))(x)]
   assert {r.implementation for r in records} <= {"xla", "xla_chunked"}, records
   assert any("higher_order_autodiff" in why for r in records for _, why in r.rejected)
   # Against central differences of the gradient.
+  grad, eps = jax.jit(jax.grad(loss)), 1e-2
   for i, (d, g) in enumerate(zip(directions, got)):
-    want = (grad(x + eps * d) - grad(x - eps * d)) / (2 * eps)
+    want = (_on_host(grad, x + eps * d, *rest) - _on_host(grad, x - eps * d, *rest))
+    want /= 2 * eps
     np.testing.assert_allclose(np.reshape(g, -1), np.reshape(want, -1), rtol=2e-2,
                                atol=2e-3, err_msg=f"direction {i}")
 
