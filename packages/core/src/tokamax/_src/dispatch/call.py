@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -28,8 +29,9 @@ from tokamax._src.dispatch import selection
 from tokamax._src.dispatch.candidates import (Implementation, check_opt_in, expand,
                                               supported_features, tuned_order)
 from tokamax._src.dispatch.records import DispatchRecord
-from tokamax._src.op import (DeviceInfo, OpDefinition, allow_opaque_residuals,
-                             differentiations_taken, forward_for_backward)
+from tokamax._src.op import (HIGHER_ORDER_AUTODIFF, DeviceInfo, OpDefinition,
+                             allow_opaque_residuals, differentiations_taken,
+                             forward_for_backward)
 from tokamax._src.tuning import sources
 
 
@@ -177,9 +179,11 @@ class _Dispatch:
     # can differ from the one above, given JVP tracers): it merges the leading dims.
     # Set either way: a forward nested in another op's inherits no permission.
     opaque = for_backward and not sharding.active(jax.tree_util.tree_leaves(args))
+    run = functools.partial(sharding.forward, self.definition, run=local,
+                            supports=supports, lead=self.lead_dims)
     with allow_opaque_residuals(opaque):
-      out, residuals = sharding.forward(self.definition, args, local, supports,
-                                        self.lead_dims)
+      out, residuals = _refusing_differentiation(
+          op, f"{self.definition.name} forward", run)(args)
     return vma.outputs_like_inputs(out, args), residuals
 
   def backward(self, args: Any, residuals: dict, out: jax.Array, dout: jax.Array):
@@ -205,9 +209,46 @@ class _Dispatch:
         config = configs.resolve(op, a)
       return dict(op.backward(a, r, o, do, config))
 
-    grads = sharding.backward(self.definition, args, residuals, out, dout, local,
-                              self._supports(choice), self.lead_dims)
+    run = functools.partial(sharding.backward, self.definition, run=local,
+                            supports=self._supports(choice), lead=self.lead_dims)
+    grads = _refusing_differentiation(op, f"{name} backward", run)(
+        args, residuals, out, dout)
     return _cotangents(args, dict(grads), self.definition.diff_fields)
+
+
+def _refusing_differentiation(op: Any, what: str, fn: Callable) -> Callable:
+  """`fn`, which runs `op`, as it is where `op` may be differentiated
+  (`HIGHER_ORDER_AUTODIFF`); else differentiating it raises NotImplementedError
+  with the reason and the way out, not a kernel's bare error. Dispatch gives such
+  calls to other implementations when it sees the outer differentiation's
+  tracers, but not in a function traced before it (`jax.hessian(jax.jit(f))`)."""
+  if HIGHER_ORDER_AUTODIFF in supported_features(op):
+    return fn
+  why = (f"{what}: implementation {op.implementation_name!r} has no derivative "
+         f"of its own, and this call is differentiated again in a function traced "
+         f"before that differentiation, where dispatch could not see it coming "
+         f"(jax.hessian, or an outer jax.grad, of a jax.jit, lax.scan, lax.cond or "
+         f"jax.checkpoint body). Put jax.jit outside the differentiation, or pass "
+         f"implementation='xla' to this op")
+
+  def guarded(*args):
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    where = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+
+    @jax.custom_jvp
+    def run(*arrays):
+      full = list(leaves)
+      for i, x in zip(where, arrays):
+        full[i] = x
+      return fn(*jax.tree_util.tree_unflatten(treedef, full))
+
+    @run.defjvp
+    def _(primals, tangents):
+      raise NotImplementedError(why)
+
+    return run(*[leaves[i] for i in where])
+
+  return guarded
 
 
 def call(definition: OpDefinition, args: Any, implementation: Implementation,

@@ -28,7 +28,8 @@ import dataclasses
 
 import jax
 
-from tokamax._src.op import SYMBOLIC_SHAPES, Op, VjpOp
+from tokamax._src.op import (HIGHER_ORDER_AUTODIFF, SYMBOLIC_SHAPES, Op, VjpOp,
+                             differentiated_again)
 from tokamax._src.ops.gated_linear_unit.api import FEATURES
 from tokamax._src.ops.ragged_dot import api as ragged_dot_api
 
@@ -48,6 +49,20 @@ def _projections(args) -> jax.Array:
   return h.reshape(args.x.shape[0], 2, args.weights.shape[3])
 
 
+# Dense calls are plain JAX, which JAX differentiates again (`jax.hessian`,
+# `jax.grad` of `jax.grad`); grouped ones call ragged_dot's `custom_vjp`, which
+# has no forward-mode rule: they leave such calls to the reference.
+_SUPPORTED = (*FEATURES, SYMBOLIC_SHAPES, HIGHER_ORDER_AUTODIFF)
+
+
+def _check_differentiated_again(args) -> None:
+  if args.group_sizes is not None and any(
+      differentiated_again(x) for x in jax.tree_util.tree_leaves(args)):
+    raise NotImplementedError(
+        f"does not support {HIGHER_ORDER_AUTODIFF} for grouped calls (its ragged_dot "
+        "is a jax.custom_vjp, which JAX cannot differentiate in forward mode)")
+
+
 @dataclasses.dataclass(frozen=True)
 class ComposedGatedLinearUnit(Op):
   """Forward: the projections by one matmul, the activation in XLA; a training
@@ -55,7 +70,10 @@ class ComposedGatedLinearUnit(Op):
 
   op_name = "gated_linear_unit"
   name = "composed"
-  supported_features = (*FEATURES, SYMBOLIC_SHAPES)
+  supported_features = _SUPPORTED
+
+  def check_supported(self, args, device):
+    _check_differentiated_again(args)
 
   def forward(self, args, config):
     projections = _projections(args)
@@ -74,8 +92,11 @@ class ComposedGatedLinearUnitVjp(VjpOp):
 
   op_name = "gated_linear_unit"
   name = "composed"
-  supported_features = (*FEATURES, SYMBOLIC_SHAPES)
+  supported_features = _SUPPORTED
   recomputes_without = frozenset({"projections"})
+
+  def check_supported(self, args, device, residuals=None):
+    _check_differentiated_again(args)
 
   def backward(self, args, residuals, out, dout, config):
     del out
