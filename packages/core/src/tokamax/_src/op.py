@@ -222,8 +222,7 @@ class Op(abc.ABC):
   # The config dataclass type (frozen, JSON-serializable fields), if any.
   config_cls: ClassVar[type | None] = None
   # The backward to use with this forward when the user passes an instance of
-  # this class; None: the backward registered with this class, where it is a
-  # registered forward, else dispatch chooses the backward.
+  # this class; None lets dispatch choose the backward.
   vjp: ClassVar[type[VjpOp] | None] = None
   # Opt-in argument fields this implementation handles (e.g. attention's
   # "q_offset"); dispatch refuses it for calls that set any other one. Also
