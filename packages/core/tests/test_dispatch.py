@@ -63,23 +63,6 @@ def test_op_instance_and_automatic_backward():
   np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-6)
 
 
-def test_instance_of_a_registered_forward_runs_its_own_backward():
-  # As its name would: a configured xla_chunked forward ran the dense xla
-  # backward (the best other one that takes its residuals), losing the chunked
-  # backward's memory bound (found by an outside-style check).
-  q = _rand(1, 600, 2, 8)
-  configured = attention_xla.XlaChunkedAttention(
-      config=attention_xla.ChunkConfig(chunk_size=128))
-  with tokamax.record_dispatch() as records:
-    g = jax.grad(lambda q: jnp.sum(jnp.sin(tokamax.dot_product_attention(
-        q, q, q, implementation=configured))))(q)
-  assert [(r.direction, r.implementation) for r in records] == [
-      ("forward", "xla_chunked"), ("backward", "xla_chunked")]
-  ref = jax.grad(lambda q: jnp.sum(jnp.sin(tokamax.dot_product_attention(
-      q, q, q, implementation="xla"))))(q)
-  np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-5)
-
-
 def test_refusal_names_the_implementation_and_reason():
   x = _rand(4, 16)
   with pytest.raises(NotImplementedError, match="'rms_only' cannot run this call: only RMS"):

@@ -117,20 +117,10 @@ def _op_candidate(op: Op, op_name: str) -> Candidate:
   if op.op_name != op_name:
     raise ValueError(f"implementation {type(op).__name__} implements "
                      f"{op.op_name!r}, not {op_name!r}")
-  vjp_cls = type(op).vjp or _registered_backward(op, op_name)
+  vjp_cls = type(op).vjp
   return Candidate(op.implementation_name, lambda: op,
                     lambda: None if vjp_cls is None else vjp_cls(), explicit=True,
                     given=op.implementation_name)
-
-
-def _registered_backward(op: Op, op_name: str) -> type[VjpOp] | None:
-  """The backward registered with `op`'s class: an instance of a registered
-  forward (configured by the user) runs its implementation's own backward, as
-  its name would, not the best other one that takes its residuals."""
-  found = registry.lookup(op_name, op.implementation_name)
-  if isinstance(found, registry.Entry) and registry.forward_class(found) is type(op):
-    return registry.backward_class(found)
-  return None
 
 
 def _alias_candidates(op_name: str, alias: str, device: DeviceInfo,
