@@ -191,6 +191,28 @@ def test_second_derivatives_run_where_kernels_are_usable(name, interpreted, seco
                                atol=2e-3, err_msg=f"direction {i}")
 
 
+@pytest.mark.parametrize("interpreted", _KERNELS)
+@pytest.mark.parametrize("name", ["attention", "layer_norm", "ragged_dot"])
+def test_gradient_penalty_runs_where_kernels_are_usable(name, interpreted):
+  # The outer jax.grad traces an operand the inner one does not (the weights,
+  # the inner one x): no single operand showed two differentiations, a kernel
+  # ran and its forward was differentiated (a bare error from Pallas).
+  f, (x, w) = CALLS[name][0], CALLS[name][1][:2]
+  rest = CALLS[name][1][2:]
+  inner = lambda x, w: jnp.sum(jnp.sin(f(x, w, *rest)))
+  penalty = lambda w: jnp.sum(jax.grad(inner)(x, w) ** 2)
+  with (tokamax.interpret(interpreted), tokamax.record_dispatch() as records,
+        _full_precision(interpreted)):
+    got = jax.grad(penalty)(w)
+  assert {r.implementation for r in records} <= {"xla", "xla_chunked"}, records
+  assert any("higher_order_autodiff" in why for r in records for _, why in r.rejected)
+  d = np.random.default_rng(2).standard_normal(w.shape)
+  d = jnp.asarray(d / np.linalg.norm(d), w.dtype)
+  eps = 1e-2
+  want = (_on_host(penalty, w + eps * d) - _on_host(penalty, w - eps * d)) / (2 * eps)
+  np.testing.assert_allclose(jnp.vdot(got, d), want, rtol=2e-2, atol=2e-3)
+
+
 @pytest.mark.parametrize("name", ["attention", "layer_norm", "ragged_dot"])
 @pytest.mark.parametrize("second_order", ["hessian", "grad_of_grad"])
 def test_a_kernel_differentiated_again_after_tracing_says_what_to_do(name, second_order):

@@ -102,17 +102,25 @@ def differentiations_taken(count: int):
     _DIFFERENTIATIONS_TAKEN.reset(token)
 
 
-def differentiated_again(leaf: Any) -> bool:
-  """Whether `leaf` is traced by more differentiations than the op's
-  `custom_vjp` takes (`differentiations_taken`): a further one (an outer
+def differentiated_again(leaves: Sequence[Any]) -> bool:
+  """Whether a call on `leaves` is traced by more differentiations than the
+  op's `custom_vjp` takes (`differentiations_taken`): a further one (an outer
   `jax.grad`, or `jax.hessian`'s JVP) differentiates the op's forward and
-  backward themselves. JAX's tracers hold the outer transformation's value as
+  backward themselves. Counted over all leaves, each differentiation once: a
+  gradient penalty's outer `jax.grad` may trace only the scale while the inner
+  one traces x. JAX's tracers hold the outer transformation's value as
   `primal` or `val`."""
-  order = 0
-  while isinstance(leaf, jax.core.Tracer):
-    order += type(leaf).__name__ in _AUTODIFF_TRACERS
-    leaf = getattr(leaf, "primal", getattr(leaf, "val", None))
-  return order > _DIFFERENTIATIONS_TAKEN.get()
+  traces = set()
+  for leaf in leaves:
+    depth = 0
+    while isinstance(leaf, jax.core.Tracer):
+      if type(leaf).__name__ in _AUTODIFF_TRACERS:
+        # A tracer's trace (where JAX names it), else its depth in the chain.
+        trace = getattr(leaf, "_trace", None)
+        traces.add(("depth", depth) if trace is None else id(trace))
+        depth += 1
+      leaf = getattr(leaf, "primal", getattr(leaf, "val", None))
+  return len(traces) > _DIFFERENTIATIONS_TAKEN.get()
 
 
 @dataclasses.dataclass(frozen=True)

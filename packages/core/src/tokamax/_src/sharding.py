@@ -330,7 +330,7 @@ def active(leaves) -> bool:
   """Whether an op call on `leaves` is partitioned by the rules here."""
   if not _enabled.get() or jax.device_count() == 1 or _manual_context():
     return False
-  if any(differentiated_again(x) for x in leaves):
+  if differentiated_again(leaves):
     # `custom_partitioning` has no differentiation rule of its own (`jax.hessian`,
     # `jax.grad` of `jax.grad` differentiate the op's forward and backward): such a
     # call runs the XLA implementations (`HIGHER_ORDER_AUTODIFF`) unwrapped,

@@ -225,11 +225,12 @@ def _refusing_differentiation(op: Any, what: str, fn: Callable) -> Callable:
   if HIGHER_ORDER_AUTODIFF in supported_features(op):
     return fn
   why = (f"{what}: implementation {op.implementation_name!r} has no derivative "
-         f"of its own, and this call is differentiated again in a function traced "
-         f"before that differentiation, where dispatch could not see it coming "
+         f"of its own, and this call is differentiated again where dispatch could "
+         f"not see it coming: in a function traced before that differentiation "
          f"(jax.hessian, or an outer jax.grad, of a jax.jit, lax.scan, lax.cond or "
-         f"jax.checkpoint body). Put jax.jit outside the differentiation, or pass "
-         f"implementation='xla' to this op")
+         f"jax.checkpoint body), or through the cotangent of its VJP alone. Put "
+         f"jax.jit outside the differentiation, or pass implementation='xla' to "
+         f"this op (on one device: on several, only the first way works)")
 
   def guarded(*args):
     leaves, treedef = jax.tree_util.tree_flatten(args)

@@ -188,7 +188,7 @@ def _opt_in_features(args: Any) -> frozenset[str]:
   leaves = _array_leaves(args)
   if any(_has_symbolic_size(leaf) for leaf in leaves):
     features.add(SYMBOLIC_SHAPES)
-  if any(differentiated_again(leaf) for leaf in leaves):
+  if differentiated_again(leaves):
     features.add(HIGHER_ORDER_AUTODIFF)
   return frozenset(features)
 

@@ -56,11 +56,11 @@ _SUPPORTED = (*FEATURES, SYMBOLIC_SHAPES, HIGHER_ORDER_AUTODIFF)
 
 
 def _check_differentiated_again(args) -> None:
-  if args.group_sizes is not None and any(
-      differentiated_again(x) for x in jax.tree_util.tree_leaves(args)):
+  if args.group_sizes is not None and differentiated_again(
+      jax.tree_util.tree_leaves(args)):
     raise NotImplementedError(
-        f"does not support {HIGHER_ORDER_AUTODIFF} for grouped calls (its ragged_dot "
-        "is a jax.custom_vjp, which JAX cannot differentiate in forward mode)")
+        f"does not support {HIGHER_ORDER_AUTODIFF} for grouped calls (its rules call "
+        "ragged_dot, whose own dispatch cannot see this differentiation)")
 
 
 @dataclasses.dataclass(frozen=True)
