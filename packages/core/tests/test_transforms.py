@@ -130,6 +130,16 @@ def _on_host(fn, *args):
   return fn(*jax.device_put(args, jax.devices("cpu")[0]))
 
 
+def _unit_direction(shape, seed: int) -> jax.Array:
+  d = np.random.default_rng(seed).standard_normal(shape)
+  return jnp.asarray(d / np.linalg.norm(d), jnp.float32)
+
+
+def _central_difference(fn, x, d, *rest, eps=1e-2):
+  """The derivative of `fn` at `x` along `d`, on the host (`_on_host`)."""
+  return (_on_host(fn, x + eps * d, *rest) - _on_host(fn, x - eps * d, *rest)) / (2 * eps)
+
+
 @pytest.mark.parametrize("interpreted", _KERNELS)
 @pytest.mark.parametrize("name", _SYMBOLIC_SPECS)
 def test_export_with_symbolic_sizes_runs_the_xla_implementations(name, interpreted):
@@ -174,8 +184,7 @@ def test_second_derivatives_run_where_kernels_are_usable(name, interpreted, seco
     got = [hessian @ d.reshape(-1) for d in directions]
   else:
     # The gradient of <grad, d> is the Hessian times d (a random unit vector).
-    d = np.random.default_rng(1).standard_normal(x.shape)
-    directions = [jnp.asarray(d / np.linalg.norm(d), x.dtype)]
+    directions = [_unit_direction(x.shape, seed=1)]
     with (tokamax.interpret(interpreted), tokamax.record_dispatch() as records,
           _full_precision(interpreted)):
       got = [jax.grad(lambda x: jnp.vdot(jax.grad(loss)(x, *rest), directions[0]))(x)]
@@ -183,10 +192,9 @@ def test_second_derivatives_run_where_kernels_are_usable(name, interpreted, seco
   assert {r.implementation for r in records} <= {"xla", "xla_chunked", "composed"}, records
   assert any("higher_order_autodiff" in why for r in records for _, why in r.rejected)
   # Against central differences of the gradient.
-  grad, eps = jax.jit(jax.grad(loss)), 1e-2
+  grad = jax.jit(jax.grad(loss))
   for i, (d, g) in enumerate(zip(directions, got)):
-    want = (_on_host(grad, x + eps * d, *rest) - _on_host(grad, x - eps * d, *rest))
-    want /= 2 * eps
+    want = _central_difference(grad, x, d, *rest)
     np.testing.assert_allclose(np.reshape(g, -1), np.reshape(want, -1), rtol=2e-2,
                                atol=2e-3, err_msg=f"direction {i}")
 
@@ -197,8 +205,7 @@ def test_gradient_penalty_runs_where_kernels_are_usable(name, interpreted):
   # The outer jax.grad traces an operand the inner one does not (the weights,
   # the inner one x): no single operand showed two differentiations, a kernel
   # ran and its forward was differentiated (a bare error from Pallas).
-  f, (x, w) = CALLS[name][0], CALLS[name][1][:2]
-  rest = CALLS[name][1][2:]
+  f, (x, w, *rest) = CALLS[name]
   inner = lambda x, w: jnp.sum(jnp.sin(f(x, w, *rest)))
   penalty = lambda w: jnp.sum(jax.grad(inner)(x, w) ** 2)
   with (tokamax.interpret(interpreted), tokamax.record_dispatch() as records,
@@ -206,11 +213,9 @@ def test_gradient_penalty_runs_where_kernels_are_usable(name, interpreted):
     got = jax.grad(penalty)(w)
   assert {r.implementation for r in records} <= {"xla", "xla_chunked"}, records
   assert any("higher_order_autodiff" in why for r in records for _, why in r.rejected)
-  d = np.random.default_rng(2).standard_normal(w.shape)
-  d = jnp.asarray(d / np.linalg.norm(d), w.dtype)
-  eps = 1e-2
-  want = (_on_host(penalty, w + eps * d) - _on_host(penalty, w - eps * d)) / (2 * eps)
-  np.testing.assert_allclose(jnp.vdot(got, d), want, rtol=2e-2, atol=2e-3)
+  d = _unit_direction(w.shape, seed=2)
+  np.testing.assert_allclose(jnp.vdot(got, d), _central_difference(penalty, w, d),
+                             rtol=2e-2, atol=2e-3)
 
 
 @pytest.mark.parametrize("name", ["attention", "layer_norm", "ragged_dot"])

@@ -221,7 +221,8 @@ def _refusing_differentiation(op: Any, what: str, fn: Callable) -> Callable:
   (`HIGHER_ORDER_AUTODIFF`); else differentiating it raises NotImplementedError
   with the reason and the way out, not a kernel's bare error. Dispatch gives such
   calls to other implementations when it sees the outer differentiation's
-  tracers, but not in a function traced before it (`jax.hessian(jax.jit(f))`)."""
+  tracers, but not in a function traced before it (`jax.hessian(jax.jit(f))`)
+  nor where only the cotangent of the op's VJP is differentiated."""
   if HIGHER_ORDER_AUTODIFF in supported_features(op):
     return fn
   why = (f"{what}: implementation {op.implementation_name!r} has no derivative "
