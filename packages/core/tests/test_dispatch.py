@@ -332,3 +332,50 @@ def test_numpy_scalars_are_accepted_as_static_arguments():
       tokamax.layer_norm(_Q, None, None, axis=np.int64(1), epsilon=np.float32(0.5),
                          subtract_mean=np.bool_(False)),
       tokamax.layer_norm(_Q, None, None, axis=1, epsilon=0.5, subtract_mean=False))
+
+
+
+class _FakeGpu:
+  platform, device_kind, compute_capability = "gpu", "NVIDIA H200", "9.0"
+
+
+@pytest.mark.parametrize("named", ["cpu", "device"])
+def test_device_info_under_jit_is_the_default_device_named(monkeypatch, named):
+  # A GPU machine as dispatch sees it (its first device a GPU); under `jit`
+  # there is no concrete operand, and `jax.default_device` names the host CPU.
+  cpu = jax.devices("cpu")[0]
+  real_devices = jax.devices
+  monkeypatch.setattr(jax, "devices", lambda backend=None: (
+      [_FakeGpu()] if backend is None else real_devices(backend)))
+  # An uncommitted array (a constant the function closes over) follows the
+  # computation, as in JAX; a committed one says where it runs.
+  constant, placed = jnp.ones(2), jax.device_put(jnp.ones(2), cpu)
+  assert tokamax.DeviceInfo.of([constant]).platform == "gpu"
+  assert tokamax.DeviceInfo.of([placed]).platform == "cpu"
+  with jax.default_device(cpu if named == "device" else "cpu"):
+    info = tokamax.DeviceInfo.of([jax.ShapeDtypeStruct((2,), jnp.float32), constant])
+  assert (info.platform, info.device_kind, info.compute_capability) == ("cpu", cpu.device_kind, None)
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU beside the host CPU")
+def test_jit_meant_for_the_host_cpu_runs_the_host_implementations():
+  # Under `jit` the operands are tracers, which do not say where the program
+  # will run: dispatch took the default device, the GPU, and picked a kernel
+  # whose lowering then failed on the CPU ("Only interpret mode is supported on
+  # CPU backend"). `jax.default_device` names the device.
+  # The scale is a constant the function closes over, uncommitted on the GPU:
+  # it follows the computation.
+  cpu = jax.devices("cpu")[0]
+  x, s = jax.device_put(_rand(64, 256), cpu), _rand(256)
+  loss = lambda x: jnp.sum(jnp.sin(tokamax.rms_norm(x, s)))
+  with jax.default_device(cpu), tokamax.record_dispatch() as records:
+    value, grad = jax.jit(jax.value_and_grad(loss))(x)
+  assert {(r.direction, r.implementation) for r in records} == {
+      ("forward", "xla"), ("backward", "xla")}, records
+  assert grad.devices() == {cpu}
+  with jax.default_device(cpu):
+    want_value, want_grad = jax.value_and_grad(
+        lambda x: jnp.sum(jnp.sin(x * jax.lax.rsqrt(
+            jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * s)))(x)
+  np.testing.assert_allclose(value, want_value, rtol=1e-5)
+  np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-6)

@@ -127,7 +127,8 @@ def _full_precision(interpreted: bool):
 def _on_host(fn, *args):
   """`fn` on the host CPU, where `implementation=None` runs the XLA
   implementations in full float32: the reference of the native variants."""
-  return fn(*jax.device_put(args, jax.devices("cpu")[0]))
+  with jax.default_device(jax.devices("cpu")[0]):
+    return fn(*jax.device_put(args, jax.devices("cpu")[0]))
 
 
 def _unit_direction(shape, seed: int) -> jax.Array:
@@ -156,8 +157,10 @@ def test_export_with_symbolic_sizes_runs_the_xla_implementations(name, interpret
   assert {r.implementation for r in records} <= {"xla", "xla_chunked", "composed"}, records
   assert any("symbolic_shapes" in why for r in records for _, why in r.rejected), records
   got = export.deserialize(exported.serialize()).call(*args)
+  # Natively against the host's result: two devices sum in different orders.
+  tol = dict(rtol=1e-5, atol=1e-6) if interpreted else dict(rtol=1e-4, atol=1e-5)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(_on_host(fwd_and_grad, *args))):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(a, b, **tol)
 
 
 @pytest.mark.parametrize("interpreted", _KERNELS)

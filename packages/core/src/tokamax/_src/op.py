@@ -123,6 +123,18 @@ def differentiated_again(leaves: Sequence[Any]) -> bool:
   return len(traces) > _DIFFERENTIATIONS_TAKEN.get()
 
 
+def _default_device() -> jax.Device:
+  """The device JAX places a computation on when its operands do not say: the
+  one `jax.default_device` names (a device or a platform), else the first.
+  Under `jit`, operands are tracers, and a program meant for the host CPU of a
+  GPU machine is named so; taking the GPU there picked a kernel whose lowering
+  then failed on the CPU."""
+  named = jax.config.jax_default_device
+  if isinstance(named, str):
+    return jax.devices(named)[0]
+  return jax.devices()[0] if named is None else named
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceInfo:
   """What an implementation may ask about the device a call will run on.
@@ -146,18 +158,21 @@ class DeviceInfo:
 
   @classmethod
   def of(cls, arrays: Sequence[Any] = ()) -> DeviceInfo:
-    """The device a call on `arrays` runs on (their device if concrete, else the
-    default device)."""
+    """The device a call on `arrays` runs on: that of the first one placed on a
+    device (`jax.device_put`'s committed arrays), else the default device
+    (`jax.default_device`'s where set). An uncommitted array, such as a constant
+    a jitted function closes over, follows the computation, as in JAX."""
     device = None
     for x in arrays:
-      if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+      if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+          and getattr(x, "committed", True)):
         try:
           device = next(iter(x.devices()))
           break
         except Exception:  # a deleted or odd array: use the default device
           pass
     if device is None:
-      device = jax.devices()[0]
+      device = _default_device()
     capability = getattr(device, "compute_capability", None)
     return cls(platform=device.platform, device_kind=device.device_kind,
                interpret=settings.interpret_mode(),
