@@ -18,7 +18,6 @@ themselves, so that dispatch takes another backward with
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 
 import jax.numpy as jnp
@@ -589,8 +588,6 @@ def _gqa_as_mha_backward(args, config: AttentionVjpConfig) -> AttentionVjpConfig
   q, k = args.query, args.key
   group, h = q.shape[2] // k.shape[2], q.shape[-1]
   measured = q.shape[1] == k.shape[1] >= _GQA_AS_MHA_FROM
-  # Experiment gqa_old (temporary): the H200's heuristic before the rule.
-  measured = measured and (not os.environ.get("TKX_GQA_AS_MHA_OLD") or _common.is_h100())
   if group == 1 or not args.is_causal or h != 128 or not measured:
     return None
   if _common.register_split_lost():
