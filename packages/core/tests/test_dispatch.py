@@ -1,6 +1,7 @@
 """Dispatch: implementation=None/name/sequence/Op, separate backward, errors."""
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 import tokamax
+from tokamax._src import op as op_module
 from tokamax._src.ops.attention import xla as attention_xla
 from tokamax._src.ops.layer_norm import xla as layer_norm_xla
 
@@ -339,22 +341,46 @@ class _FakeGpu:
   platform, device_kind, compute_capability = "gpu", "NVIDIA H200", "9.0"
 
 
-@pytest.mark.parametrize("named", ["cpu", "device"])
-def test_device_info_under_jit_is_the_default_device_named(monkeypatch, named):
-  # A GPU machine as dispatch sees it (its first device a GPU); under `jit`
-  # there is no concrete operand, and `jax.default_device` names the host CPU.
-  cpu = jax.devices("cpu")[0]
+@pytest.fixture
+def gpu_machine(monkeypatch):
+  """A GPU machine as dispatch sees it: its first device a GPU (the host CPU
+  stays reachable by name), and no warning given yet."""
   real_devices = jax.devices
   monkeypatch.setattr(jax, "devices", lambda backend=None: (
       [_FakeGpu()] if backend is None else real_devices(backend)))
+  monkeypatch.setattr(op_module, "_WARNED_PLATFORMS", set(), raising=False)
+
+
+@pytest.mark.parametrize("named", ["cpu", "device"])
+def test_device_info_under_jit_is_the_default_device_named(gpu_machine, named):
+  # Under `jit` there is no concrete operand, and `jax.default_device` names
+  # the host CPU.
+  cpu = jax.devices("cpu")[0]
   # An uncommitted array (a constant the function closes over) follows the
   # computation, as in JAX; a committed one says where it runs.
   constant, placed = jnp.ones(2), jax.device_put(jnp.ones(2), cpu)
   assert tokamax.DeviceInfo.of([constant]).platform == "gpu"
   assert tokamax.DeviceInfo.of([placed]).platform == "cpu"
   with jax.default_device(cpu if named == "device" else "cpu"):
-    info = tokamax.DeviceInfo.of([jax.ShapeDtypeStruct((2,), jnp.float32), constant])
+    with pytest.warns(UserWarning, match="dispatched for 'cpu'.*first device is 'gpu'"):
+      info = tokamax.DeviceInfo.of([jax.ShapeDtypeStruct((2,), jnp.float32), constant])
   assert (info.platform, info.device_kind, info.compute_capability) == ("cpu", cpu.device_kind, None)
+
+
+def test_tuned_data_is_read_for_the_device_the_call_decided(gpu_machine):
+  # An eager call on operands committed to the host CPU decides for the CPU;
+  # its tuned-data lookups, which see no operand, read the GPU's data, and a
+  # result measured on the CPU was ignored with a warning.
+  cpu = jax.devices("cpu")[0]
+  x, s = jax.device_put((_rand(8, 128), _rand(128)), cpu)
+  measured_here = tokamax.AutotuningResult(device_kind=cpu.device_kind)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with measured_here, tokamax.record_dispatch() as records:
+      jax.grad(lambda x: jnp.sum(tokamax.rms_norm(x, s)))(x)
+  assert [r.implementation for r in records] == ["xla", "xla"]
+  assert not [w for w in caught if "ignored on" in str(w.message)], caught
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU beside the host CPU")

@@ -13,6 +13,7 @@ import abc
 import contextlib
 import contextvars
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -123,16 +124,49 @@ def differentiated_again(leaves: Sequence[Any]) -> bool:
   return len(traces) > _DIFFERENTIATIONS_TAKEN.get()
 
 
+# The device of the op call whose decisions are being made (`deciding_for`):
+# tuned-data lookups and op calls nested in its rules see no operand of their
+# own that says where they run, and must decide as the call did.
+_CALL_DEVICE = contextvars.ContextVar("tokamax_call_device", default=None)
+
+
+@contextlib.contextmanager
+def deciding_for(device: DeviceInfo):
+  """`DeviceInfo.of` without a committed operand answers `device` inside."""
+  token = _CALL_DEVICE.set(device)
+  try:
+    yield
+  finally:
+    _CALL_DEVICE.reset(token)
+
+
+_WARNED_PLATFORMS: set[tuple[str, str]] = set()
+
+
 def _default_device() -> jax.Device:
   """The device JAX places a computation on when its operands do not say: the
   one `jax.default_device` names (a device or a platform), else the first.
   Under `jit`, operands are tracers, and a program meant for the host CPU of a
   GPU machine is named so; taking the GPU there picked a kernel whose lowering
-  then failed on the CPU."""
+  then failed on the CPU. The other way round, a jitted program whose operands
+  sit on the GPU under a default device naming the CPU runs on the GPU with the
+  CPU's choices: that is warned about, once."""
   named = jax.config.jax_default_device
-  if isinstance(named, str):
-    return jax.devices(named)[0]
-  return jax.devices()[0] if named is None else named
+  first = jax.devices()[0]
+  if named is None:
+    return first
+  device = jax.devices(named)[0] if isinstance(named, str) else named
+  pair = (device.platform, first.platform)
+  if pair[0] != pair[1] and pair not in _WARNED_PLATFORMS:
+    _WARNED_PLATFORMS.add(pair)
+    warnings.warn(
+        f"tokamax: a call whose operands do not say where it runs (under jax.jit "
+        f"they are tracers) is dispatched for {pair[0]!r}, the platform "
+        f"jax.default_device names, although this machine's first device is "
+        f"{pair[1]!r}. If the program runs on the {pair[1]} (its operands placed "
+        f"there), it gets the {pair[0]}'s implementations: set jax.default_device "
+        f"to the device it runs on around the jit call", stacklevel=4)
+  return device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,10 +192,12 @@ class DeviceInfo:
 
   @classmethod
   def of(cls, arrays: Sequence[Any] = ()) -> DeviceInfo:
-    """The device a call on `arrays` runs on: that of the first one placed on a
-    device (`jax.device_put`'s committed arrays), else the default device
-    (`jax.default_device`'s where set). An uncommitted array, such as a constant
-    a jitted function closes over, follows the computation, as in JAX."""
+    """The device a call on `arrays` runs on: that of the first committed one
+    (placed on a device by `jax.device_put(x, device)`, or computed from such
+    arrays), else the device of the op call being decided (`deciding_for`),
+    else the default device (`jax.default_device`'s where set). An uncommitted
+    array, such as a constant a jitted function closes over, follows the
+    computation, as in JAX."""
     device = None
     for x in arrays:
       if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
@@ -172,6 +208,8 @@ class DeviceInfo:
         except Exception:  # a deleted or odd array: use the default device
           pass
     if device is None:
+      if (deciding := _CALL_DEVICE.get()) is not None:
+        return dataclasses.replace(deciding, interpret=settings.interpret_mode())
       device = _default_device()
     capability = getattr(device, "compute_capability", None)
     return cls(platform=device.platform, device_kind=device.device_kind,

@@ -12,6 +12,7 @@ backward is chosen the same way, given the forward's residuals.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -30,8 +31,8 @@ from tokamax._src.dispatch.candidates import (Implementation, check_opt_in, expa
                                               supported_features, tuned_order)
 from tokamax._src.dispatch.records import DispatchRecord
 from tokamax._src.op import (HIGHER_ORDER_AUTODIFF, DeviceInfo, OpDefinition,
-                             allow_opaque_residuals, differentiations_taken,
-                             forward_for_backward)
+                             allow_opaque_residuals, deciding_for,
+                             differentiations_taken, forward_for_backward)
 from tokamax._src.tuning import sources
 
 
@@ -98,15 +99,16 @@ class _Dispatch:
     for observer in records.observers():
       observer(name, merged, implementation)
     device = DeviceInfo.of(jax.tree_util.tree_leaves(args))
-    candidates = expand(name, implementation, device)
-    if implementation is None:
-      candidates = tuned_order(candidates, [c.label for c in candidates],
-                               sources.measured_times(name, "forward", merged))
-    choosing = implementation is None or (
-        isinstance(implementation, (list, tuple)) and len(implementation) > 1)
-    prefer = sharding.wanted_features(definition, args) if choosing else frozenset()
-    inference = selection.choose_forward(name, merged, device, candidates, prefer)
-    inference_record = _forward_record(name, merged, inference)
+    with deciding_for(device):  # tuned data is read for the call's device
+      candidates = expand(name, implementation, device)
+      if implementation is None:
+        candidates = tuned_order(candidates, [c.label for c in candidates],
+                                 sources.measured_times(name, "forward", merged))
+      choosing = implementation is None or (
+          isinstance(implementation, (list, tuple)) and len(implementation) > 1)
+      prefer = sharding.wanted_features(definition, args) if choosing else frozenset()
+      inference = selection.choose_forward(name, merged, device, candidates, prefer)
+      inference_record = _forward_record(name, merged, inference)
     records.record(inference_record)
     return cls(definition, merged, implementation, device, lead_dims, candidates,
                choosing, prefer, inference, inference_record)
@@ -119,7 +121,7 @@ class _Dispatch:
     the records (under `grad(jit(f))` both are traced, and only this one runs).
     Decided on the call's args (`merged`) wherever it is first asked for, as at
     the call: the op's `custom_vjp` takes one differentiation of them."""
-    with differentiations_taken(1):
+    with differentiations_taken(1), deciding_for(self.device):
       return self._training()
 
   def _training(self) -> selection.Choice:
@@ -161,6 +163,9 @@ class _Dispatch:
     global_config = configs.resolve(op, self.merged)
     global_shapes = _shapes(self.merged)
 
+    # The contexts are entered in `local`, not around the call below: a
+    # partitioned call traces it again later, at compile time, when they are gone.
+    @_deciding_for(self.device)
     def local(local_args):
       config = global_config
       if _shapes(local_args) != global_shapes:
@@ -168,8 +173,6 @@ class _Dispatch:
         check_opt_in(op, local_args)
         op.check_supported(local_args, self.device)
         config = configs.resolve(op, local_args)
-      # Entered here, not around the call below: a partitioned call traces this
-      # function again later, at compile time, when that context is gone.
       with forward_for_backward(for_backward):
         out, residuals = op.forward(local_args, config)
       return out, dict(residuals)
@@ -201,6 +204,7 @@ class _Dispatch:
                                   global_config))
     global_shapes = _shapes(merged)
 
+    @_deciding_for(self.device)
     def local(a, r, o, do):
       config = global_config
       if _shapes(a) != global_shapes:
@@ -214,6 +218,17 @@ class _Dispatch:
     grads = _refusing_differentiation(op, f"{name} backward", run)(
         args, residuals, out, dout)
     return _cotangents(args, dict(grads), self.definition.diff_fields)
+
+
+def _deciding_for(device: DeviceInfo) -> Callable:
+  """A decorator: the function runs under `deciding_for(device)`."""
+  def wrap(fn):
+    @functools.wraps(fn)
+    def wrapped(*args):
+      with deciding_for(device):
+        return fn(*args)
+    return wrapped
+  return wrap
 
 
 def _refusing_differentiation(op: Any, what: str, fn: Callable) -> Callable:
@@ -285,8 +300,12 @@ def call(definition: OpDefinition, args: Any, implementation: Implementation,
   # Qwix's rules apply to the op's call (`qwix_ptq`), not inside it.
   outside = qwix_ptq.outside_interception
   # The rules see primal values: a differentiation of their operands is an outer
-  # one, of the rules themselves (`jax.hessian`, `jax.grad` of `jax.grad`).
-  in_rules = functools.partial(differentiations_taken, 0)
+  # one, of the rules themselves (`jax.hessian`, `jax.grad` of `jax.grad`); their
+  # tuned-data lookups and nested op calls decide for the call's device.
+  @contextlib.contextmanager
+  def in_rules():
+    with differentiations_taken(0), deciding_for(decisions.device):
+      yield
 
   @jax.custom_vjp
   @outside
@@ -328,10 +347,11 @@ def forward_with_residuals(op_name: str, args: Any, implementation: Implementati
     if implementation is None and fallback is not None:
       return forward_with_residuals(op_name, args, fallback, needed)
     raise
-  config = configs.resolve(choice.op, args)
-  records.record(DispatchRecord(op_name, "forward", choice.candidate.label, config,
-                                choice.rejected_labels()))
-  out, residuals = choice.op.forward(args, config)
+  with deciding_for(device):
+    config = configs.resolve(choice.op, args)
+    records.record(DispatchRecord(op_name, "forward", choice.candidate.label, config,
+                                  choice.rejected_labels()))
+    out, residuals = choice.op.forward(args, config)
   return out, dict(residuals)
 
 
@@ -357,7 +377,8 @@ def backward_with_residuals(op_name: str, args: Any, residuals: dict, out: jax.A
       return backward_with_residuals(op_name, args, residuals, out, dout, fallback,
                                      consumes)
     raise
-  config = configs.resolve(choice.op, args)
-  records.record(DispatchRecord(op_name, "backward", choice.candidate.label, config,
-                                choice.rejected_labels()))
-  return dict(choice.op.backward(args, residuals, out, dout, config))
+  with deciding_for(device):
+    config = configs.resolve(choice.op, args)
+    records.record(DispatchRecord(op_name, "backward", choice.candidate.label, config,
+                                  choice.rejected_labels()))
+    return dict(choice.op.backward(args, residuals, out, dout, config))
