@@ -336,7 +336,6 @@ def test_numpy_scalars_are_accepted_as_static_arguments():
       tokamax.layer_norm(_Q, None, None, axis=1, epsilon=0.5, subtract_mean=False))
 
 
-
 class _FakeGpu:
   platform, device_kind, compute_capability = "gpu", "NVIDIA H200", "9.0"
 
@@ -368,9 +367,9 @@ def test_device_info_under_jit_is_the_default_device_named(gpu_machine, named):
 
 
 def test_tuned_data_is_read_for_the_device_the_call_decided(gpu_machine):
-  # An eager call on operands committed to the host CPU decides for the CPU;
-  # its tuned-data lookups, which see no operand, read the GPU's data, and a
-  # result measured on the CPU was ignored with a warning.
+  # An eager call on operands committed to the host CPU decides for the CPU.
+  # Its tuned-data lookups, which see no operand, read the first device's (the
+  # GPU's) data, and a result measured on the CPU was ignored with a warning.
   cpu = jax.devices("cpu")[0]
   x, s = jax.device_put((_rand(8, 128), _rand(128)), cpu)
   measured_here = tokamax.AutotuningResult(device_kind=cpu.device_kind)
@@ -386,11 +385,10 @@ def test_tuned_data_is_read_for_the_device_the_call_decided(gpu_machine):
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU beside the host CPU")
 def test_jit_meant_for_the_host_cpu_runs_the_host_implementations():
   # Under `jit` the operands are tracers, which do not say where the program
-  # will run: dispatch took the default device, the GPU, and picked a kernel
-  # whose lowering then failed on the CPU ("Only interpret mode is supported on
-  # CPU backend"). `jax.default_device` names the device.
-  # The scale is a constant the function closes over, uncommitted on the GPU:
-  # it follows the computation.
+  # will run: dispatch took the first device, the GPU, and picked a kernel whose
+  # lowering then failed on the CPU ("Only interpret mode is supported on CPU
+  # backend"). `jax.default_device` names the device. The scale is a constant
+  # the function closes over, uncommitted on the GPU: it follows the computation.
   cpu = jax.devices("cpu")[0]
   x, s = jax.device_put(_rand(64, 256), cpu), _rand(256)
   loss = lambda x: jnp.sum(jnp.sin(tokamax.rms_norm(x, s)))
