@@ -64,7 +64,19 @@ class ChunkConfig:
 
 def _chunk_heuristic(args) -> ChunkConfig:
   """Chunks of 512 keys, fewer when the keys are fewer (16 at the least)."""
-  return ChunkConfig(chunk_size=min(512, max(16, args.key.shape[1])))
+  keys = args.key.shape[1]
+  if not isinstance(keys, int):
+    return ChunkConfig()  # unused: one chunk (`_chunk_size`)
+  return ChunkConfig(chunk_size=min(512, max(16, keys)))
+
+
+def _chunk_size(args, config: ChunkConfig):
+  """The config's chunk, or at a symbolic key length (`jax.export`) one chunk of
+  every key: the chunks split the keys at trace time, their count static. Memory
+  is then O(T * S), as the dense implementation's; the backward still computes
+  from a given log-sum-exp, which the dense one cannot."""
+  keys = args.key.shape[1]
+  return config.chunk_size if isinstance(keys, int) else keys
 
 
 class _Chunked:
@@ -79,13 +91,6 @@ class _Chunked:
 
   def check_supported(self, args, device, residuals=None):
     del device  # any
-    keys = args.key.shape[1]
-    if not isinstance(keys, int):
-      # The chunks split the keys at trace time (their count and the padded
-      # tail are static).
-      raise NotImplementedError(
-          f"xla_chunked needs a static key length; got the symbolic S={keys} "
-          "(jax.export with a symbolic shape): the xla implementation takes it")
     if residuals is not None and "lse" not in residuals:
       raise NotImplementedError("needs the forward's log-sum-exp residual")
 
@@ -103,13 +108,15 @@ class XlaChunkedAttention(_Chunked, Op):
   unroll: bool = False
 
   def search_space(self, args):
+    if not isinstance(args.key.shape[1], int):
+      return (self.heuristic_config(args),)
     fitting = tuple(ChunkConfig(c) for c in (128, 256, 512, 1024) if c <= args.key.shape[1])
     return fitting or (self.heuristic_config(args),)
 
   def forward(self, args, config):
     out, lse, tail = xla_ref.attention_chunked(
         args.query, args.key, args.value, args.bias, args.mask,
-        chunk_size=config.chunk_size, lse_tail=True, unroll=self.unroll,
+        chunk_size=_chunk_size(args, config), lse_tail=True, unroll=self.unroll,
         **_attention_kwargs_with_sinks(args))
     return out, {"lse": lse, "lse_tail": tail}
 
@@ -125,7 +132,7 @@ class XlaChunkedAttentionVjp(_Chunked, VjpOp):
     def chunked():
       dq, dk, dv, dbias = xla_ref.attention_chunked_backward(
           args.query, args.key, args.value, args.bias, args.mask, out,
-          residuals["lse"], dout, chunk_size=config.chunk_size,
+          residuals["lse"], dout, chunk_size=_chunk_size(args, config),
           lse_tail=residuals.get("lse_tail"), unroll=self.unroll, **_attention_kwargs(args))
       return {"query": dq, "key": dk, "value": dv, "bias": dbias,
               "sinks": args.sinks_cotangent(residuals["lse"], out, dout,
