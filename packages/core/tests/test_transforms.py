@@ -1,6 +1,7 @@
 """Every op under jit, grad, vmap and jax.export (with serialization)."""
 
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import pytest
 from jax import export
 
 import tokamax
+from tokamax._src.ops.attention import xla as attention_xla
 
 
 # Fixed seed: a failure reproduces (and CI does not flake on a rare input).
@@ -263,3 +265,32 @@ def test_chunked_attention_takes_a_symbolic_key_length_as_one_chunk():
   got = export.deserialize(exported.serialize()).call(q, k, v, dout)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(value_and_grads("xla")(q, k, v, dout))):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DenseThenChunked(attention_xla.XlaAttention):
+  """The dense forward with the chunked backward, which then computes from
+  another forward's log-sum-exp (behind the large-logit check's guard)."""
+
+  name = "dense_then_chunked"
+  vjp = attention_xla.XlaChunkedAttentionVjp
+
+
+def test_chunked_backward_from_another_forward_takes_a_symbolic_key_length():
+  # With a bias, that backward's guard may run the exact chunked forward and
+  # backward, whose unroll rule compared the symbolic S with a chunk count.
+  q, k, v, bias = _rand(2, 6, 4, 8), _rand(2, 7, 2, 8), _rand(2, 7, 2, 8), _rand(2, 4, 6, 7)
+
+  def grad(implementation):
+    return jax.jit(jax.grad(lambda q, k, v, bias: jnp.sum(jnp.sin(
+        tokamax.dot_product_attention(q, k, v, bias=bias,
+                                      implementation=implementation)))))
+
+  specs = export.symbolic_args_specs((q, k, v, bias), (
+      "b, t, 4, 8", "b, s, 2, 8", "b, s, 2, 8", "b, 4, t, s"))
+  with tokamax.record_dispatch() as records:
+    exported = export.export(grad(_DenseThenChunked()))(*specs)
+  assert [(r.direction, r.implementation) for r in records] == [
+      ("forward", "dense_then_chunked"), ("backward", "xla_chunked")], records
+  np.testing.assert_allclose(export.deserialize(exported.serialize()).call(q, k, v, bias),
+                             grad("xla")(q, k, v, bias), rtol=1e-5, atol=1e-6)

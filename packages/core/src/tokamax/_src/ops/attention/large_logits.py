@@ -140,7 +140,9 @@ def _chunked_grads(args, dout) -> dict:
   # Here, not at the top: xla.py's cuDNN backward imports this module.
   from tokamax._src.ops.attention import xla  # pylint: disable=g-import-not-at-top
   config = xla.XlaChunkedAttention().heuristic_config(args)
-  unroll = -(-args.key.shape[1] // config.chunk_size) <= UNROLLED_CHUNKS
+  keys = args.key.shape[1]
+  # A symbolic key length (`jax.export`) runs as one chunk (`xla._chunk_size`).
+  unroll = not isinstance(keys, int) or -(-keys // config.chunk_size) <= UNROLLED_CHUNKS
   forward = xla.XlaChunkedAttention(unroll=unroll)
   backward = xla.XlaChunkedAttentionVjp(unroll=unroll)
   out, residuals = forward.forward(args, config)
