@@ -165,7 +165,7 @@ class _Dispatch:
 
     # The contexts are entered in `local`, not around the call below: a
     # partitioned call traces it again later, at compile time, when they are gone.
-    @_deciding_for(self.device)
+    @deciding_for(self.device)  # a context manager as a decorator
     def local(local_args):
       config = global_config
       if _shapes(local_args) != global_shapes:
@@ -204,7 +204,7 @@ class _Dispatch:
                                   global_config))
     global_shapes = _shapes(merged)
 
-    @_deciding_for(self.device)
+    @deciding_for(self.device)  # a context manager as a decorator
     def local(a, r, o, do):
       config = global_config
       if _shapes(a) != global_shapes:
@@ -218,17 +218,6 @@ class _Dispatch:
     grads = _refusing_differentiation(op, f"{name} backward", run)(
         args, residuals, out, dout)
     return _cotangents(args, dict(grads), self.definition.diff_fields)
-
-
-def _deciding_for(device: DeviceInfo) -> Callable:
-  """A decorator: the function runs under `deciding_for(device)`."""
-  def wrap(fn):
-    @functools.wraps(fn)
-    def wrapped(*args):
-      with deciding_for(device):
-        return fn(*args)
-    return wrapped
-  return wrap
 
 
 def _refusing_differentiation(op: Any, what: str, fn: Callable) -> Callable:
