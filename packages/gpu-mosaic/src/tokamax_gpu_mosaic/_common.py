@@ -306,7 +306,7 @@ def accumulate(inits, terms, *, operand_dtype=None, after_issue=None):
   """
   def operand(a):
     if isinstance(a, Transposed):
-      return plgpu.transpose_ref(a.ref, (1, 0))
+      return a.ref.transpose((1, 0))  # what plgpu.transpose_ref (deprecated) does
     if isinstance(a, Staged):
       return a.ref
     return a if operand_dtype is None else a.astype(operand_dtype)
