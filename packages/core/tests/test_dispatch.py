@@ -94,6 +94,16 @@ def test_wrong_op_instance_is_rejected():
     tokamax.layer_norm(_rand(4, 8), None, None, implementation=3)
 
 
+@pytest.mark.parametrize("implementation,index", [(["xla", None], 1), ((None,), 0),
+                                                  (["xla", 3], 1)])
+def test_a_bad_entry_of_a_sequence_is_named_by_its_index(implementation, index):
+  # It said "implementation must be None, a name, ...; got None": None looked
+  # allowed, and the message did not say that the value was an entry.
+  with pytest.raises(TypeError, match=rf"implementation\[{index}\] must be a name "
+                     r"or a tokamax.Op instance \(None only as the whole argument"):
+    tokamax.layer_norm(_rand(4, 8), None, None, implementation=implementation)
+
+
 def test_explicit_config_is_used():
   q, k = _rand(1, 40, 2, 8), _rand(1, 40, 2, 8)
   op = attention_xla.XlaChunkedAttention(attention_xla.ChunkConfig(chunk_size=16))

@@ -125,3 +125,31 @@ def test_second_derivatives_on_several_devices(op, second_order):
   want = (grad(s + eps * d) - grad(s - eps * d)) / (2 * eps)
   np.testing.assert_allclose(np.reshape(got, -1), np.reshape(want, -1), rtol=2e-2,
                              atol=2e-3)
+
+
+@pytest.mark.parametrize("placed", ["uncommitted", "sharded"])
+def test_interpreted_tpu_kernels_under_jit_on_several_devices(placed):
+  # Pallas' TPU interpreter runs a kernel through ordered host callbacks (side
+  # effects), which `custom_partitioning` failed to lower: every jitted mosaic_tpu
+  # call in interpret mode on a host with several devices raised a bare KeyError.
+  # Such a call now runs unpartitioned.
+  pytest.importorskip("tokamax_tpu_mosaic")
+  rng = np.random.default_rng(3)
+  x, scale = _rand(rng, 16, 40), _rand(rng, 40)
+  if placed == "sharded":
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    x = jax.device_put(x, NamedSharding(mesh, P("data")))
+  ct = _rand(rng, 16, 40)
+
+  def value_and_grad(implementation):
+    def loss(x, scale):
+      return jnp.sum(tokamax.rms_norm(x, scale, implementation=implementation) * ct)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, scale)
+
+  with tokamax.interpret(), tokamax.record_dispatch() as records:
+    value, grads = value_and_grad("mosaic_tpu")
+  assert {r.implementation for r in records} == {"mosaic_tpu"}, records
+  want_value, want_grads = value_and_grad("xla")
+  assert _rel(value, want_value) < 1e-5
+  for got, want in zip(grads, want_grads):
+    assert _rel(got, want) < 1e-5

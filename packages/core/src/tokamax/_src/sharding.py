@@ -467,11 +467,13 @@ def _partitioned(call: _Call, operands):
   leaves, treedef = jax.tree.flatten(operands)
   call._operands_shape = _plain(operands)
   traced, out_shape = jax.make_jaxpr(call.fn, return_shape=True)(*_plain(operands))
-  if traced.consts:
+  if traced.consts or traced.effects:
     # Neither `custom_partitioning` nor, for arrays typed with explicit axes,
     # `shard_map` takes a function that closes over arrays (a GLU activation
-    # closing over a concrete array): such a call runs unpartitioned, placed by
-    # XLA's sharding propagation.
+    # closing over a concrete array) or one with side effects (a kernel run by
+    # Pallas' TPU interpreter, whose host callbacks are ordered effects:
+    # `custom_partitioning` failed to lower it with a bare KeyError): such a call
+    # runs unpartitioned, placed by XLA's sharding propagation.
     return call.fn(*operands)
   mesh = explicit_mesh(leaves)
   if mesh is not None:

@@ -152,7 +152,8 @@ def expand(op_name: str, implementation: Implementation,
   if implementation is None:
     return [_entry_candidate(e, explicit=False) for e in registry.entries(op_name)
             if platform_matches(e, device)]
-  if isinstance(implementation, (str, Op)):
+  given_sequence = not isinstance(implementation, (str, Op))
+  if not given_sequence:
     implementation = (implementation,)
   if (not isinstance(implementation, Sequence) or not implementation or
       isinstance(implementation, (bytes, bytearray))):
@@ -160,7 +161,12 @@ def expand(op_name: str, implementation: Implementation,
                     f"names or a tokamax.Op instance; got {implementation!r}")
   alone = len(implementation) == 1
   candidates = []
-  for item in implementation:
+  for index, item in enumerate(implementation):
+    if given_sequence and not isinstance(item, (str, Op)):
+      raise TypeError(
+          f"implementation[{index}] must be a name or a tokamax.Op instance (None "
+          f"only as the whole argument: automatic choice); got {item!r} in "
+          f"{list(implementation)!r}")
     if not isinstance(item, str):
       candidates.append(_op_candidate(item, op_name))
     elif item in _ALIASES:
