@@ -153,3 +153,33 @@ def test_interpreted_tpu_kernels_under_jit_on_several_devices(placed):
   assert _rel(value, want_value) < 1e-5
   for got, want in zip(grads, want_grads):
     assert _rel(got, want) < 1e-5
+
+
+def test_interpreted_triton_refuses_shard_map_with_check_vma():
+  # JAX's Triton interpreter mis-types the varying mesh axes inside shard_map with
+  # check_vma=True: `None` picked triton there and died with JAX's "Primitive pad
+  # requires varying manual axes to match". Triton now refuses with the way out,
+  # and `None` runs another implementation.
+  pytest.importorskip("tokamax_gpu_triton")
+  if jax.default_backend() != "cpu":
+    pytest.skip("interpret mode is the CPU's")
+  rng = np.random.default_rng(4)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  x = _rand(rng, 8 * 4, 40)
+
+  def loss(implementation):
+    per_device = jax.shard_map(
+        lambda x: jnp.sum(jnp.sin(tokamax.rms_norm(x, None,
+                                                   implementation=implementation)))[None],
+        mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+    return jax.jit(jax.value_and_grad(lambda x: jnp.sum(per_device(x))))
+
+  with tokamax.interpret():
+    with pytest.raises(NotImplementedError, match="check_vma=False"):
+      loss("triton")(x)
+    with tokamax.record_dispatch() as records:
+      value, grad = loss(None)(x)
+  assert "triton" not in {r.implementation for r in records}, records
+  want_value, want_grad = loss("xla")(x)
+  assert _rel(value, want_value) < 1e-5
+  assert _rel(grad, want_grad) < 1e-5

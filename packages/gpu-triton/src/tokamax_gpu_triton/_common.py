@@ -16,6 +16,13 @@ from tokamax import plugin
 def check_triton_device(device: DeviceInfo) -> None:
   """Raises NotImplementedError unless Pallas Triton kernels can run on `device`."""
   if device.interpret:
+    if plugin.checks_varying_axes():
+      # JAX's Triton interpreter pads and slices varying operands with constants
+      # that are not ("Primitive pad requires varying manual axes to match").
+      raise NotImplementedError(
+          "Pallas' Triton interpreter cannot run inside jax.shard_map with "
+          "check_vma=True (it mis-types the values' varying mesh axes); pass "
+          "check_vma=False to shard_map or choose another implementation")
     return
   if device.platform != "gpu" or device.compute_capability is None:
     raise NotImplementedError(

@@ -14,7 +14,10 @@ from typing import Any
 import jax
 
 
-def _check_vma_active() -> bool:
+def checks_varying_axes() -> bool:
+  """Whether JAX is tracing inside `jax.shard_map` with ``check_vma=True``, where
+  values are typed by the manual mesh axes they vary over (and a backend's
+  interpreter that mis-types them should refuse the call)."""
   from jax._src import config  # private JAX: read only when this is asked
   flag = getattr(config, "_check_vma", None)
   return bool(flag is not None and flag.value)
@@ -35,7 +38,7 @@ def varying_out_shape(out_shape: Any, inputs: Any) -> Any:
       out_shape = tokamax.plugin.varying_out_shape(out_shape, args)
       return pl.pallas_call(kernel, out_shape=out_shape, ...)(*args)
   """
-  if not _check_vma_active():
+  if not checks_varying_axes():
     return out_shape
   from jax._src import core  # private JAX: read only inside shard_map
   varying = frozenset().union(*(_varying_axes(x) for x in jax.tree.leaves(inputs)))
@@ -77,7 +80,7 @@ def match_varying(x, axes: frozenset):
 
 def varying_axes(tree) -> frozenset:
   """The manual mesh axes any array of `tree` varies over (empty outside shard_map)."""
-  if not _check_vma_active():
+  if not checks_varying_axes():
     return frozenset()
   return frozenset().union(*(_varying_axes(x) for x in jax.tree.leaves(tree)))
 
@@ -85,7 +88,7 @@ def varying_axes(tree) -> frozenset:
 def outputs_like_inputs(out, inputs):
   """Op outputs typed as varying over every axis an input varies over: what JAX
   would infer for the same computation in jnp (a kernel may not say it)."""
-  if not _check_vma_active():
+  if not checks_varying_axes():
     return out
   axes = varying_axes(inputs)
   return jax.tree.map(lambda o: match_varying(o, axes | _varying_axes(o)), out)
