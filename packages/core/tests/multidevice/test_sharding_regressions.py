@@ -183,3 +183,32 @@ def test_interpreted_triton_refuses_shard_map_with_check_vma():
   want_value, want_grad = loss("xla")(x)
   assert _rel(value, want_value) < 1e-5
   assert _rel(grad, want_grad) < 1e-5
+
+
+def test_interpreted_attention_inside_shard_map_runs_what_the_interpreters_can():
+  # Inside shard_map (check_vma=True) in interpret mode, `None` picked triton, whose
+  # interpreter failed JAX's varying-axes check; next came mosaic_tpu, whose
+  # interpreter hangs on the attention kernels there. Both refuse now.
+  pytest.importorskip("tokamax_tpu_mosaic")
+  if jax.default_backend() != "cpu":
+    pytest.skip("interpret mode is the CPU's")
+  rng = np.random.default_rng(6)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  q, ct = _rand(rng, 8, 24, 2, 16), _rand(rng, 8, 24, 2, 16)
+
+  def loss(implementation):
+    attention = jax.shard_map(
+        lambda q: tokamax.dot_product_attention(q, q, q, is_causal=True,
+                                                implementation=implementation),
+        mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+    return jax.jit(jax.value_and_grad(lambda q: jnp.sum(attention(q) * ct)))
+
+  with tokamax.interpret():
+    with pytest.raises(NotImplementedError, match="hangs"):
+      loss("mosaic_tpu")(q)
+    with tokamax.record_dispatch() as records:
+      value, grad = loss(None)(q)
+  assert not {r.implementation for r in records} & {"triton", "mosaic_tpu"}, records
+  want_value, want_grad = loss("xla")(q)
+  assert _rel(value, want_value) < 1e-5
+  assert _rel(grad, want_grad) < 1e-5

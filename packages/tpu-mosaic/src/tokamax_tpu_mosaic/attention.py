@@ -778,6 +778,12 @@ def heuristic_configs(args, generation: str | None = None):
 
 def _check(args, device) -> None:
   _common.check_tpu_device(device)
+  if device.interpret and plugin.in_shard_map():
+    # Seen on 2-8 virtual CPU devices, forward and backward, check_vma either way;
+    # the norm, GLU and ragged_dot kernels run there.
+    raise NotImplementedError(
+        "Pallas' TPU interpreter hangs running the attention kernels inside "
+        "jax.shard_map; choose another implementation there")
   _common.check_dtypes(args.query.dtype)
   _common.check_precision(args.precision)
   plugin.check_attention_shapes(args, _MAX_HEAD_DIM)

@@ -57,6 +57,7 @@ from tokamax._src.activation import closed_over_arrays  # noqa: F401
 from tokamax._src.batching import sequential_under_vmap, vmap_fallback  # noqa: F401
 from tokamax._src.groups import held_row_ranges  # noqa: F401
 from tokamax._src.op import VjpOp
+from tokamax._src.sharding import in_shard_map  # noqa: F401
 from tokamax._src.vma import checks_varying_axes, varying_out_shape  # noqa: F401
 
 # Bumped when the contract below changes incompatibly. Core refuses plugins that

@@ -311,7 +311,8 @@ def _sharding_rule(definition: OpDefinition, operands, out_shape, backward_direc
 # --------------------------------------------------------------- the drivers
 
 
-def _manual_context() -> bool:
+def in_shard_map() -> bool:
+  """Whether the call is traced inside `jax.shard_map` (some mesh axis manual)."""
   mesh = jax.sharding.get_abstract_mesh()
   return bool(getattr(mesh, "manual_axes", ()))
 
@@ -328,7 +329,7 @@ def explicit_mesh(leaves):
 
 def active(leaves) -> bool:
   """Whether an op call on `leaves` is partitioned by the rules here."""
-  if not _enabled.get() or jax.device_count() == 1 or _manual_context():
+  if not _enabled.get() or jax.device_count() == 1 or in_shard_map():
     return False
   if differentiated_again(leaves):
     # `custom_partitioning` has no differentiation rule of its own (`jax.hessian`,
