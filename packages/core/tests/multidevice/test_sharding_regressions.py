@@ -155,6 +155,14 @@ def test_interpreted_tpu_kernels_under_jit_on_several_devices(placed):
     assert _rel(got, want) < 1e-5
 
 
+def _value_and_grad_in_shard_map(fn, ct):
+  """Jitted value and gradient of ``sum(fn(x) * ct)``, `fn` run inside shard_map
+  on 8 devices (check_vma=True) with x split along its first dim."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  per_device = jax.shard_map(fn, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+  return jax.jit(jax.value_and_grad(lambda x: jnp.sum(per_device(x) * ct)))
+
+
 def test_interpreted_triton_refuses_shard_map_with_check_vma():
   # JAX's Triton interpreter mis-types the varying mesh axes inside shard_map with
   # check_vma=True: `None` picked triton there and died with JAX's "Primitive pad
@@ -164,15 +172,9 @@ def test_interpreted_triton_refuses_shard_map_with_check_vma():
   if jax.default_backend() != "cpu":
     pytest.skip("interpret mode is the CPU's")
   rng = np.random.default_rng(4)
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
-  x = _rand(rng, 8 * 4, 40)
-
-  def loss(implementation):
-    per_device = jax.shard_map(
-        lambda x: jnp.sum(jnp.sin(tokamax.rms_norm(x, None,
-                                                   implementation=implementation)))[None],
-        mesh=mesh, in_specs=P("data"), out_specs=P("data"))
-    return jax.jit(jax.value_and_grad(lambda x: jnp.sum(per_device(x))))
+  x, ct = _rand(rng, 8 * 4, 40), _rand(rng, 8 * 4, 40)
+  loss = lambda implementation: _value_and_grad_in_shard_map(
+      lambda x: tokamax.rms_norm(x, None, implementation=implementation), ct)
 
   with tokamax.interpret():
     with pytest.raises(NotImplementedError, match="check_vma=False"):
@@ -193,15 +195,10 @@ def test_interpreted_attention_inside_shard_map_runs_what_the_interpreters_can()
   if jax.default_backend() != "cpu":
     pytest.skip("interpret mode is the CPU's")
   rng = np.random.default_rng(6)
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
   q, ct = _rand(rng, 8, 24, 2, 16), _rand(rng, 8, 24, 2, 16)
-
-  def loss(implementation):
-    attention = jax.shard_map(
-        lambda q: tokamax.dot_product_attention(q, q, q, is_causal=True,
-                                                implementation=implementation),
-        mesh=mesh, in_specs=P("data"), out_specs=P("data"))
-    return jax.jit(jax.value_and_grad(lambda q: jnp.sum(attention(q) * ct)))
+  loss = lambda implementation: _value_and_grad_in_shard_map(
+      lambda q: tokamax.dot_product_attention(q, q, q, is_causal=True,
+                                              implementation=implementation), ct)
 
   with tokamax.interpret():
     with pytest.raises(NotImplementedError, match="hangs"):
