@@ -17,6 +17,7 @@ import tokamax
 import tokamax_xla_reference
 from tokamax import testing
 from tokamax._src.ops.ragged_dot import RaggedDotArgs
+from tokamax_gpu_mosaic import _common
 from tokamax_gpu_mosaic import ragged_dot as rd
 from tokamax_gpu_mosaic import ragged_dot_kernel as rdk
 from tokamax_gpu_mosaic import ragged_dot_kernel_fp8 as fp8
@@ -359,10 +360,26 @@ def test_config_checks():
 @pytest.mark.parametrize("n,wide", [(2048, True), (16384, True), (200, True),
                                     (448, True), (384, False), (640, False),
                                     (128, False)])
-def test_heuristic_takes_wide_tiles_without_extra_columns(n, wide):
+def test_heuristic_takes_wide_tiles_without_extra_columns(n, wide, monkeypatch):
   """256-column tiles where they compute no more columns than 128-column ones
-  (N in whole 256-column tiles, or a last tile of over 128 columns)."""
+  (N in whole 256-column tiles, or a last tile of over 128 columns), with the
+  warpgroups' register split kept (JAX 0.11's compile)."""
+  monkeypatch.setattr(_common, "register_split_lost", lambda: None)
   assert (rd._fp8_heuristic(n, 2).block_n == 128) == wide
+
+
+@pytest.mark.parametrize("out_itemsize", [2, 4])
+@pytest.mark.parametrize("n", [200, 2048, 16384])
+def test_heuristic_without_the_register_split_takes_narrow_tiles(
+    n, out_itemsize, monkeypatch):
+  """Where JAX's compile ignores `setmaxnreg` (JAX 0.12), the wide tiles'
+  total and accumulator (192 registers) spill at the 168 a consumer keeps:
+  128 x 128 tiles instead, at a config the kernel takes."""
+  monkeypatch.setattr(_common, "register_split_lost", lambda: "lost")
+  config = rd._fp8_heuristic(n, out_itemsize)
+  assert config.block_n == 64, config
+  fp8.check_config(config)
+  assert fp8.fits(config, out_itemsize)
 
 
 @gpu

@@ -270,9 +270,18 @@ def _fp8_heuristic(n: int, out_itemsize: int) -> RaggedDotConfig:
   """`_FP8_WIDE` where it fits and computes no more columns than 128-column
   tiles would (N in whole 256-column tiles, up to a last one of over 128),
   else 128 x 128 tiles with the most stages that fit (H200: 6 stages and 4
-  within 2% at G16 and G256, session 11)."""
+  within 2% at G16 and G256, session 11).
+
+  Not `_FP8_WIDE` where the warpgroups' register split is lost
+  (`_common.register_split_lost`, JAX >= 0.12): its consumers hold a 128-column
+  total and a 64-column accumulator (192 registers) and keep only the 168 every
+  thread starts with. Compiled for sm_90a by JAX 0.12.0.1 (tools/sm90_compile.py,
+  M16384 K2048 N16384 G16, weights K-major): 420 B a thread spilled in the K
+  loop, where the 128 x 128 tiles spill none (notes/MEASUREMENTS.md, session
+  101). Session 12's spilling wide tiles ran 2.3-3.4x slower on the H200."""
   wide_n = 2 * _FP8_WIDE.block_n  # its output columns
-  if (fp8.fits(_FP8_WIDE, out_itemsize)
+  if (_common.register_split_lost() is None
+      and fp8.fits(_FP8_WIDE, out_itemsize)
       and _common.round_up(n, wide_n, wide_n)
       == _common.round_up(n, fp8.HALF_N, fp8.HALF_N)):
     return _FP8_WIDE
