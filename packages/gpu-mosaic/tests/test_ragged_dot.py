@@ -260,9 +260,13 @@ def test_drhs_item_order(k_tiles, n_tiles):
   assert sorted(zip(g, ki, ni)) == [(a, b, c) for a in range(3)
                                     for b in range(k_tiles) for c in range(n_tiles)]
   np.testing.assert_array_equal(g, np.repeat(np.arange(3), k_tiles * n_tiles))
-  width = min(rdd.K_BAND, k_tiles)  # the first band's K tiles come first
-  np.testing.assert_array_equal(ki[:width], np.arange(width))
-  np.testing.assert_array_equal(ni[:width], np.zeros(width))
+  # Per group: bands of K_BAND K tiles (the last holds the rest), each band
+  # column tile by column tile with its K tiles fastest.
+  order = [(b0 + j, n) for b0 in range(0, k_tiles, rdd.K_BAND)
+           for n in range(n_tiles) for j in range(min(rdd.K_BAND, k_tiles - b0))]
+  expected_ki, expected_ni = np.array(order * 3).T
+  np.testing.assert_array_equal(ki, expected_ki)
+  np.testing.assert_array_equal(ni, expected_ni)
   np.testing.assert_array_equal(np.asarray(start), np.asarray(bounds)[g, 0])
   np.testing.assert_array_equal(np.asarray(end), np.asarray(bounds)[g, 1])
   np.testing.assert_array_equal(np.asarray(first), np.asarray(bounds)[g, 0] // 8 * 8)

@@ -84,10 +84,16 @@ def _drhs_item(idx, bounds_ref, k_tiles: int, n_tiles: int):
   per_group = k_tiles * n_tiles
   g, i = idx // per_group, idx % per_group
   band = i // (K_BAND * n_tiles)
-  width = jnp.minimum(K_BAND, k_tiles - band * K_BAND)  # the last band's is less
   within = i - band * (K_BAND * n_tiles)
-  ni = within // width
-  ki = band * K_BAND + within % width
+  # A band is K_BAND K tiles wide but the last, which holds the rest. Divided
+  # by each static width and selected, not by a run-time width: that division
+  # is a long instruction sequence in every item of both warpgroup kinds.
+  ni, kj = within // K_BAND, within % K_BAND
+  if last_width := k_tiles % K_BAND:
+    in_last = band == k_tiles // K_BAND
+    ni = jnp.where(in_last, within // last_width, ni)
+    kj = jnp.where(in_last, within % last_width, kj)
+  ki = band * K_BAND + kj
   start = bounds_ref[g, 0]
   end = bounds_ref[g, 1]
   return g, ki, ni, start, end, start - start % 8
