@@ -740,6 +740,27 @@ def test_heuristics_pick_pieces_only_for_this_module():
   assert rd.smem_bytes(plain, 2, 2) <= rd._common.SMEM_LIMIT
 
 
+@pytest.mark.parametrize("is_h100,split_lost,pieces", [
+    (False, None, 1), (True, None, 2), (False, "lost", 2), (True, "lost", 2)])
+def test_few_rows_per_group_stage_their_output_in_pieces(
+    is_h100, split_lost, pieces, monkeypatch):
+  """Under 512 rows a group (3 stages) both Ops stage the output in two pieces
+  on the H100 (measured faster there) and where JAX's compile loses the
+  register split (one piece spills there); the H200 keeps one piece."""
+  from tokamax._src.ops.ragged_dot import RaggedDotArgs
+  monkeypatch.setattr(rd._common, "is_h100", lambda: is_h100)
+  monkeypatch.setattr(rd._common, "register_split_lost", lambda: split_lost)
+  lhs, rhs = _inputs(2048, 128, 256, 64, jnp.bfloat16)
+  args = RaggedDotArgs(lhs=lhs, rhs=rhs, group_sizes=jnp.full((64,), 32, jnp.int32))
+  for op in (rd.MosaicGpuRaggedDot(), rd.MosaicGpuRaggedDotVjp()):
+    config = op.heuristic_config(args)
+    assert (config.num_stages, config.out_pieces) == (3, pieces), config
+    assert rd.smem_bytes(config, 2, 2) <= rd._common.SMEM_LIMIT
+  # Groups of many row tiles keep their 4-stage config either way.
+  many = rd.heuristic(2048, 128, 256, 2, 2, 2, pieces=True)
+  assert (many.num_stages, many.out_pieces) == (4, 2), many
+
+
 @pytest.mark.parametrize("groups,order", [(64, "group"), (4, "snake"), (2, "snake")])
 def test_backward_heuristic_order_by_rows_per_group(groups, order):
   """dlhs in the group order under 512 rows a group (measured faster there,

@@ -73,9 +73,21 @@ def heuristic(m: int, k: int, n: int, num_groups: int, itemsize: int,
   # CUPTI): M16384 K2048 N16384 G16 1.558 ms at 3 stages -> 1.544 at 4 + pieces,
   # but M65536 K7168 N2048 G256 random 3.573 -> 4.369: 4 stages only for groups
   # of many row tiles (only where this module's ops ask, `pieces`).
+  # There the 3 stages stage their output in two pieces on the H100 and where
+  # the warpgroups' register split is lost (JAX 0.12). H100, JAX 0.11.2,
+  # forward+backward, both Ops' configs (tools/tune.py --ab out_pieces=2,
+  # CUPTI, 5 rounds; notes/MEASUREMENTS.md, session 101): M16384 K4096 N4096
+  # G64 random 3.451 -> 3.346 ms, M65536 K7168 N2048 G256 random 12.899 ->
+  # 12.834, M8192 K7168 N2048 G256 random 8.081 -> 8.020, M32768 K2048 N1408
+  # G64 random 1.359 -> 1.357. Compiled by JAX 0.12 (168 registers a consumer,
+  # tools/sm90_compile.py), the whole-tile staging spills 188 B a thread in the
+  # forward and dlhs kernels, the two pieces 8 B. The H200 keeps one piece
+  # until it is measured there.
   few_stages = pieces and _few_rows_per_group(m, num_groups)
   candidates = ((128, 4, 1), (128, 4, 2), (128, 3, 1), (128, 3, 2), (64, 4, 1),
                 (64, 3, 1))
+  if few_stages and (_common.is_h100() or _common.register_split_lost()):
+    candidates = ((128, 3, 2),) + candidates
   for block_n, stages, out_pieces in candidates:
     if (out_pieces == 2 and not pieces) or (stages == 4 and few_stages):
       continue
