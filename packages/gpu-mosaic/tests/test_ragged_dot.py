@@ -272,6 +272,28 @@ def test_drhs_item_order(k_tiles, n_tiles):
   np.testing.assert_array_equal(np.asarray(first), np.asarray(bounds)[g, 0] // 8 * 8)
 
 
+@pytest.mark.parametrize("rows,cols,width", [(1, 1, 8), (13, 28, 8), (64, 24, 8),
+                                              (7, 29, 3), (5, 8, 16), (3, 5, 1)])
+def test_static_snake_is_the_planar_snake(rows, cols, width):
+  """`_pipeline.static_snake` (the forward's snake order, branch-free with static
+  divisors) visits what `plgpu.planar_snake` does, index by index, a last band
+  narrower than `width` included: bands of `width` columns, each walked row by
+  row with its columns fastest, every other band's rows reversed."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from tokamax_gpu_mosaic import _pipeline
+  index = jnp.arange(rows * cols, dtype=jnp.int32)
+  row, col = jax.vmap(lambda i: _pipeline.static_snake(i, rows, cols, width))(index)
+  want_row, want_col = jax.vmap(
+      lambda i: plgpu.planar_snake(i, (rows, cols), 1, width))(index)
+  np.testing.assert_array_equal(row, want_row)
+  np.testing.assert_array_equal(col, want_col)
+  order = []
+  for band, c0 in enumerate(range(0, cols, width)):
+    walk = range(rows) if band % 2 == 0 else range(rows - 1, -1, -1)
+    order += [(r, c) for r in walk for c in range(c0, min(c0 + width, cols))]
+  np.testing.assert_array_equal(np.stack([row, col], axis=1), np.array(order))
+
+
 def _drhs_reference(lhs, dout, sizes, offset, held):
   ends = np.cumsum(sizes)
   starts = ends - np.asarray(sizes)

@@ -122,6 +122,29 @@ def snake_tile(index, m_tiles: int, n_tiles: int, width: int, block_m: int,
   return mi, mi * block_m, ni * block_n
 
 
+def static_snake(index, rows: int, cols: int, width: int):
+  """``plgpu.planar_snake(index, (rows, cols), 1, width)`` for static sizes:
+  (row, column) of the linear `index` where bands of `width` columns (the last
+  band holds the rest) are walked row by row with the band's columns fastest,
+  every other band's rows reversed.
+
+  Branch-free, and it divides by static values only. `plgpu.planar_snake`
+  branches on whether `index` is in the last band (`lax.cond` where `width` is a
+  power of two), and under JAX 0.12's register regime (168 a consumer thread)
+  ptxas serialized the ragged_dot dlhs kernel's wgmmas at 28 column tiles
+  ("compiler-inserted WG.AR in divergent path", notes/MEASUREMENTS.md session
+  101)."""
+  band_size = width * rows
+  band, within = index // band_size, index % band_size
+  row, col = within // width, within % width
+  if last_width := cols % width:
+    in_last = band == cols // width
+    row = jnp.where(in_last, within // last_width, row)
+    col = jnp.where(in_last, within % last_width, col)
+  row = jnp.where(band % 2 == 0, row, rows - 1 - row)
+  return row, band * width + col
+
+
 def wait_when(cond, barrier) -> None:
   """Waits on `barrier` where `cond` holds."""
 

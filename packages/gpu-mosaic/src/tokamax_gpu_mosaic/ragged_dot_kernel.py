@@ -784,8 +784,8 @@ class _GroupTiles:
       ii = index
       ni = items_ref[ii, _NI]
     else:
-      ii, ni = plgpu.planar_snake(index, (self.num_items, self.n_tiles), 1,
-                                  self.config.grid_tile_width)
+      ii, ni = _pipeline.static_snake(index, self.num_items, self.n_tiles,
+                                      self.config.grid_tile_width)
     row0 = items_ref[ii, _ROW0]
     group = items_ref[ii, _GROUP]
     lo = items_ref[ii, _LO]
