@@ -128,9 +128,10 @@ def static_snake(index, rows: int, cols: int, width: int):
   band holds the rest) are walked row by row with the band's columns fastest,
   every other band's rows reversed.
 
-  Branch-free, and it divides by static values only. `plgpu.planar_snake`
-  branches on whether `index` is in the last band (`lax.cond` where `width` is a
-  power of two), and under JAX 0.12's register regime (168 a consumer thread)
+  Branch-free, and it divides by static values only. From JAX 0.11
+  `plgpu.planar_snake` branches on whether `index` is in the last band (a
+  `lax.cond` where `width` is a power of two, as the default 8, or `rows` a
+  static one), and under JAX 0.12's register regime (168 a consumer thread)
   ptxas serialized the ragged_dot dlhs kernel's wgmmas at 28 column tiles
   ("compiler-inserted WG.AR in divergent path", notes/MEASUREMENTS.md session
   101)."""
