@@ -122,18 +122,17 @@ def snake_tile(index, m_tiles: int, n_tiles: int, width: int, block_m: int,
   return mi, mi * block_m, ni * block_n
 
 
-def static_snake(index, rows: int, cols: int, width: int):
-  """``plgpu.planar_snake(index, (rows, cols), 1, width)`` for static sizes:
-  (row, column) of the linear `index` where bands of `width` columns (the last
-  band holds the rest) are walked row by row with the band's columns fastest,
-  every other band's rows reversed.
+def static_bands(index, rows: int, cols: int, width: int):
+  """(band, row, column) of the linear `index` where bands of `width` columns
+  (the last band holds the rest) are walked one after another, each row by row
+  with the band's columns fastest.
 
-  Branch-free, and it divides by static values only. From JAX 0.11
-  `plgpu.planar_snake` branches on whether `index` is in the last band (a
-  `lax.cond` where `width` is a power of two, as the default 8, or `rows` a
-  static one), and under JAX 0.12's register regime (168 a consumer thread)
-  ptxas serialized the ragged_dot dlhs kernel's wgmmas at 28 column tiles
-  ("compiler-inserted WG.AR in divergent path", notes/MEASUREMENTS.md session
+  Branch-free, and it divides by static values only: a division by a run-time
+  band width, or a branch on the last band, is a long instruction sequence in
+  every work item, and under JAX 0.12's register regime (168 a consumer thread)
+  ptxas serialized the ragged_dot kernels' wgmmas with either (the drhs kernel
+  at 56 K tiles, the dlhs kernel's `plgpu.planar_snake` at 28 column tiles:
+  "compiler-inserted WG.AR in divergent path", notes/MEASUREMENTS.md session
   101)."""
   band_size = width * rows
   band, within = index // band_size, index % band_size
@@ -142,8 +141,16 @@ def static_snake(index, rows: int, cols: int, width: int):
     in_last = band == cols // width
     row = jnp.where(in_last, within // last_width, row)
     col = jnp.where(in_last, within % last_width, col)
-  row = jnp.where(band % 2 == 0, row, rows - 1 - row)
-  return row, band * width + col
+  return band, row, band * width + col
+
+
+def static_snake(index, rows: int, cols: int, width: int):
+  """``plgpu.planar_snake(index, (rows, cols), 1, width)`` for static sizes:
+  `static_bands`' (row, column) with every other band's rows reversed. (From
+  JAX 0.11 `plgpu.planar_snake` branches on the last band where `width` is a
+  power of two, as the default 8, or `rows` a static one.)"""
+  band, row, col = static_bands(index, rows, cols, width)
+  return jnp.where(band % 2 == 0, row, rows - 1 - row), col
 
 
 def wait_when(cond, barrier) -> None:

@@ -83,21 +83,12 @@ def _drhs_item(idx, bounds_ref, k_tiles: int, n_tiles: int):
   """
   per_group = k_tiles * n_tiles
   g, i = idx // per_group, idx % per_group
-  band = i // (K_BAND * n_tiles)
-  within = i - band * (K_BAND * n_tiles)
-  # A band is K_BAND K tiles wide but the last, which holds the rest. Divided
-  # by each static width and selected, not by a run-time width: that division
-  # is a long instruction sequence in every item of both warpgroup kinds, and
-  # under JAX 0.12's register regime ptxas serialized the consumers' wgmmas
-  # with it at K7168 (56 K tiles). H100, JAX 0.11.2: M65536 K7168 N2048 G256
-  # random forward+backward 12.517 ms against 12.664 (notes/MEASUREMENTS.md,
-  # session 101).
-  ni, kj = within // K_BAND, within % K_BAND
-  if last_width := k_tiles % K_BAND:
-    in_last = band == k_tiles // K_BAND
-    ni = jnp.where(in_last, within // last_width, ni)
-    kj = jnp.where(in_last, within % last_width, kj)
-  ki = band * K_BAND + kj
+  # Bands of K_BAND K tiles (the last holds the rest), N tile by N tile with the
+  # band's K tiles fastest. With static divisors: a run-time band width made
+  # ptxas serialize this kernel's wgmmas under JAX 0.12 at K7168 (56 K tiles);
+  # H100, JAX 0.11.2: M65536 K7168 N2048 G256 random forward+backward 12.517 ms
+  # against 12.664 with it (notes/MEASUREMENTS.md, session 101).
+  _, ni, ki = _pipeline.static_bands(i, n_tiles, k_tiles, K_BAND)
   start = bounds_ref[g, 0]
   end = bounds_ref[g, 1]
   return g, ki, ni, start, end, start - start % 8
