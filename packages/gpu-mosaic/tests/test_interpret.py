@@ -849,17 +849,25 @@ def test_grouped_gated_linear_unit_chosen_by_dispatch_with_traced_sizes():
     testing.assert_close(g, r, jnp.bfloat16, what="gradient", scale=2.0)
 
 
-@pytest.mark.parametrize("r,d,subtract_mean,dtype,rows_per_block,vjp_config", [
-    (6, 2048, True, jnp.bfloat16, 2, mln.LayerNormVjpConfig(1, 2)),
-    (5, 1024, False, jnp.float32, 1, mln.LayerNormVjpConfig(2, 3)),
-    (9, 3072, True, jnp.float16, 1, mln.LayerNormVjpConfig(1, 2)),
-    (11, 1024, True, jnp.bfloat16, 1, mln.LayerNormVjpConfig(1, 4)),
+_RING = lambda stages, blocks: mln.LayerNormConfig(num_stages=stages, blocks_per_sm=blocks)
+
+
+@pytest.mark.parametrize("r,d,subtract_mean,dtype,config,vjp_config", [
+    (6, 2048, True, jnp.bfloat16, mln.LayerNormConfig(2), mln.LayerNormVjpConfig(1, 2)),
+    (5, 1024, False, jnp.float32, mln.LayerNormConfig(1), mln.LayerNormVjpConfig(2, 3)),
+    (9, 3072, True, jnp.float16, mln.LayerNormConfig(1), mln.LayerNormVjpConfig(1, 2)),
+    (11, 1024, True, jnp.bfloat16, mln.LayerNormConfig(1), mln.LayerNormVjpConfig(1, 4)),
     # Above 8192 columns the offset's gradient sums live in shared memory.
-    (5, 9216, True, jnp.bfloat16, 1, mln.LayerNormVjpConfig(1, 2))])
-def test_layer_norm(r, d, subtract_mean, dtype, rows_per_block, vjp_config):
+    (5, 9216, True, jnp.bfloat16, mln.LayerNormConfig(1), mln.LayerNormVjpConfig(1, 2)),
+    # The ring forward: more rows a block than slots (6 and 5 rows, 7 and 6),
+    # fewer (3 rows a block, 4 slots).
+    (11, 1024, True, jnp.bfloat16, _RING(2, 1), mln.LayerNormVjpConfig(1, 2)),
+    (9, 3072, False, jnp.float16, _RING(4, 2), mln.LayerNormVjpConfig(1, 2)),
+    (13, 2048, True, jnp.float32, _RING(3, 1), mln.LayerNormVjpConfig(2, 3))])
+def test_layer_norm(r, d, subtract_mean, dtype, config, vjp_config):
   """Both kernels, with a shifted x and a float32 scale for a 16-bit x; the
-  backward's blocks walk several rows each (the interpreter's grid is
-  `INTERPRET_SMS` x blocks_per_sm blocks)."""
+  ring forward's and the backward's blocks walk several rows each (the
+  interpreter's grid is `INTERPRET_SMS` x blocks_per_sm blocks)."""
   x = _normal((r, d), dtype, 3.0) + jnp.asarray(2.0, dtype)
   scale, offset = _normal((d,), jnp.float32), _normal((d,), dtype)
 
@@ -867,7 +875,7 @@ def test_layer_norm(r, d, subtract_mean, dtype, rows_per_block, vjp_config):
   class LayerNorm(mln.MosaicGpuLayerNorm):
     vjp = functools.partial(mln.MosaicGpuLayerNormVjp, vjp_config)
 
-  op = LayerNorm(mln.LayerNormConfig(rows_per_block))
+  op = LayerNorm(config)
   call = lambda impl: lambda x, s, o: tokamax.layer_norm(
       x, s, o, subtract_mean=subtract_mean, implementation=impl)
   _check(call, (x, scale, offset), dtype, implementation=op)

@@ -216,15 +216,47 @@ def test_heuristic_divides_the_rows_and_fits_registers(r, d, rows):
              for c in mln.search_space(_args(r, d)))
 
 
-@pytest.mark.parametrize("auto_barriers", [True, False])
+@pytest.mark.parametrize("d,dtype,params,most_slots", [
+    (1024, jnp.bfloat16, False, 16), (16384, jnp.bfloat16, False, 6),
+    (16384, jnp.float32, False, 3), (16384, jnp.bfloat16, True, 4)])
+def test_ring_configs_fit_shared_memory(d, dtype, params, most_slots):
+  """The ring's configs in the search space: every one fits its blocks' slots
+  and its copy of the scale and offset in an SM's shared memory, and the
+  largest fit is there (4 slots x 4 blocks of 2 KiB rows; 3 x 2 of 32 KiB; 3 x
+  1 of 64 KiB; 4 x 1 of 32 KiB beside a float32 scale and a bfloat16 offset,
+  96 KiB)."""
+  vec = lambda dtype: jax.ShapeDtypeStruct((d,), dtype) if params else None
+  args = _args(4096, d, dtype, scale=vec(jnp.float32), offset=vec(jnp.bfloat16))
+  ring = [c for c in mln.search_space(args) if c.num_stages]
+  row, kept = d * jnp.dtype(dtype).itemsize, (6 * d if params else 0)
+  assert all(c.blocks_per_sm * (c.num_stages * row + kept) <= _common.SMEM_LIMIT
+             and c.rows_per_block == 1 for c in ring)
+  assert max(c.blocks_per_sm * c.num_stages for c in ring) == most_slots
+
+
+@pytest.mark.parametrize("config,match", [
+    (mln.LayerNormConfig(num_stages=1), "num_stages must be 0 .no ring. or 2 to 32; got 1"),
+    (mln.LayerNormConfig(2, num_stages=2), "rows_per_block must be 1; got 2"),
+    (mln.LayerNormConfig(num_stages=2, blocks_per_sm=0), "blocks_per_sm must be >= 1; got 0"),
+    (mln.LayerNormConfig(num_stages=4, blocks_per_sm=2),
+     "2 blocks an SM of 4 16384-column slots need 262144 bytes")])
+def test_ring_config_errors(config, match):
+  x = jnp.zeros((8, 16384), jnp.bfloat16)
+  with pytest.raises(ValueError, match=match):
+    mln.MosaicGpuLayerNorm(config).forward(LayerNormArgs(x=x), config)
+
+
+@pytest.mark.parametrize("config", [
+    mln.LayerNormConfig(rows_per_block=4), mln.LayerNormConfig(4, auto_barriers=True),
+    mln.LayerNormConfig(num_stages=3, blocks_per_sm=2),
+    mln.LayerNormConfig(num_stages=2, blocks_per_sm=1, auto_barriers=True)])
 @pytest.mark.parametrize("with_stats", [False, True])
 @pytest.mark.parametrize("subtract_mean", [True, False])
-def test_lowers_for_cuda(subtract_mean, with_stats, auto_barriers):
+def test_lowers_for_cuda(subtract_mean, with_stats, config):
   args = LayerNormArgs(x=jax.ShapeDtypeStruct((4096, 3072), jnp.bfloat16),
                        scale=jax.ShapeDtypeStruct((3072,), jnp.float32),
                        offset=jax.ShapeDtypeStruct((3072,), jnp.bfloat16),
                        subtract_mean=subtract_mean)
-  config = mln.LayerNormConfig(rows_per_block=4, auto_barriers=auto_barriers)
 
   def forward(x, scale, offset):
     a = LayerNormArgs(x=x, scale=scale, offset=offset, subtract_mean=subtract_mean)
@@ -391,15 +423,32 @@ def test_backward_configs(r, d, config, subtract_mean):
 
 
 @gpu
-@pytest.mark.parametrize("rows_per_block,auto_barriers", [
-    (1, False), (2, False), (4, False), (8, False), (1, True), (4, True)])
-def test_configs(rows_per_block, auto_barriers):
-  _check(520, 2048, jnp.bfloat16, True,
-         config=mln.LayerNormConfig(rows_per_block, auto_barriers))
+@pytest.mark.parametrize("config", [
+    mln.LayerNormConfig(1), mln.LayerNormConfig(2), mln.LayerNormConfig(4),
+    mln.LayerNormConfig(8), mln.LayerNormConfig(1, True), mln.LayerNormConfig(4, True),
+    # The ring: rows uneven over the blocks (520 over 264 or 528), fewer rows a
+    # block than slots, and with Pallas' auto barriers.
+    mln.LayerNormConfig(num_stages=2, blocks_per_sm=2),
+    mln.LayerNormConfig(num_stages=4, blocks_per_sm=4),
+    mln.LayerNormConfig(num_stages=3, blocks_per_sm=1, auto_barriers=True)])
+def test_configs(config):
+  _check(520, 2048, jnp.bfloat16, True, config=config)
 
 
 @gpu
+@pytest.mark.parametrize("subtract_mean", [True, False])
+@pytest.mark.parametrize("r,d,config", [
+    (4096, 16384, mln.LayerNormConfig(num_stages=2, blocks_per_sm=1)),
+    (8192, 4096, mln.LayerNormConfig(num_stages=4, blocks_per_sm=3)),
+    (1031, 7168, mln.LayerNormConfig(num_stages=2, blocks_per_sm=1))])
+def test_ring_forward(r, d, config, subtract_mean):
+  _check(r, d, jnp.bfloat16, subtract_mean, config=config)
+
+
+@gpu
+@pytest.mark.parametrize("config", [None, mln.LayerNormConfig(num_stages=2, blocks_per_sm=2)])
 @pytest.mark.parametrize("scale,offset", [(False, False), (True, False), (False, True)])
-def test_without_params_and_leading_dims(scale, offset):
-  _check(2 * 3 * 40, 1024, jnp.bfloat16, True, scale=scale, offset=offset, lead=(2, 3))
+def test_without_params_and_leading_dims(scale, offset, config):
+  _check(2 * 3 * 40, 1024, jnp.bfloat16, True, scale=scale, offset=offset, lead=(2, 3),
+         config=config)
 

@@ -12,7 +12,12 @@ piece by piece, with the scale and offset pieces loaded where they are used
 (a whole row of them would double the registers of a wide row). No shared
 memory but the reductions' scratch: the blocks resident on an SM hide each
 other's latency. It writes the residuals (mean and rstd per row) only when a
-backward will read them.
+backward will read them. A second forward, opt-in (`LayerNormConfig.num_stages`:
+autotuning's search space has it, the heuristic does not take it), walks rows
+through a ring of shared-memory slots as the backward does (`_ring_kernel`); on
+the H100 it ran within 5% of this one either way where rows of 8192-16384
+columns fill its slots, and slower on narrow rows (notes/MEASUREMENTS.md,
+session 102).
 
 Backward, from those residuals: ``dx = rstd * (g - xhat * mean(g * xhat) -
 mean(g))`` with ``g = dy * scale`` (no ``mean(g)`` for RMSNorm). A persistent
@@ -66,10 +71,20 @@ class LayerNormConfig:
   default (`_common.compiler_params`): the kernel's stores go to device memory
   it never reads, and its reductions keep their own barriers. On the H200
   (bf16, notes/MEASUREMENTS.md session 37) the forward without them was up to
-  4% faster at 4096 rows and within 2% at 32768."""
+  4% faster at 4096 rows and within 2% at 32768.
+
+  ``num_stages`` 0: a block a ``rows_per_block`` rows, read straight into
+  registers. 2 or more: the ring (`_ring_kernel`), a persistent grid of
+  ``blocks_per_sm`` blocks an SM, each walking a contiguous share of the rows
+  one at a time through ``num_stages`` row slots of shared memory,
+  ``num_stages - 1`` rows ahead (``rows_per_block`` must be 1): the shares
+  even out the last wave a grid of one-row blocks leaves, and the copies keep
+  a block's next rows in flight while it reduces and writes the current one."""
 
   rows_per_block: int = 1
   auto_barriers: bool = False
+  num_stages: int = 0
+  blocks_per_sm: int = 2
 
 
 def _row_sum(pieces) -> jax.Array:
@@ -118,6 +133,99 @@ def _kernel(*refs, rows_per_block: int, d: int, epsilon: float,
       rstd_ref[first_row + r] = rstd
 
 
+def _ring_kernel(*refs, d: int, per_block: int, rows: int, stages: int,
+                 epsilon: float, subtract_mean: bool, has_scale: bool,
+                 has_offset: bool, with_stats: bool):
+  """The ring forward (`LayerNormConfig.num_stages` >= 2): the block's rows
+  ``[start, stop)`` one at a time from their slots, each read from shared
+  memory once a pass (the mean, the variance about it, y), so that no row is
+  held in registers. Its shared memory is ordered as the backward's
+  (`_bwd_kernel`): a slot is refilled only after the warpgroup's next row
+  reduction, whose barriers are its own. The scale and offset are copied into
+  shared memory once a block and read from there: the slots leave too little
+  of the SM's L1 to keep them, and each piece's read from L2 would wait
+  before its y is stored."""
+  refs = list(refs)
+  x_ref = refs.pop(0)
+  params = [refs.pop(0) if has else None for has in (has_scale, has_offset)]
+  y_ref = refs.pop(0)
+  *stat_refs, x_smem, landed = refs[:len(refs) - has_scale - has_offset - 1]
+  *param_smem, params_landed = refs[len(refs) - has_scale - has_offset - 1:]
+  vector = 16 // jnp.dtype(x_ref.dtype).itemsize
+  pieces = [pl.ds(p * PIECE, PIECE) for p in range(d // PIECE)]
+  start = lax.axis_index("blocks") * per_block
+  stop = jnp.minimum(start + per_block, rows)
+
+  def issue(row):
+    """Row `row` of x into its slot: one bulk copy without a tensor map (whose
+    boxes take at most 256 columns)."""
+    slot = (row - start) % stages
+    plgpu.copy_gmem_to_smem(x_ref.at[row], x_smem.at[slot], landed.at[slot],
+                            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+
+  for ahead in range(stages - 1):
+    @pl.when(start + ahead < stop)
+    def _prologue():
+      issue(start + ahead)
+
+  param_smem = iter(param_smem)
+  scale_src, offset_src = [next(param_smem) if p is not None else None for p in params]
+  for ref, smem in zip(params, (scale_src, offset_src)):
+    if ref is not None:
+      plgpu.copy_gmem_to_smem(ref, smem, params_landed.at[0],
+                              oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+  if has_scale or has_offset:
+    plgpu.barrier_wait(params_landed.at[0])
+
+  def row_mean(slot, shift):
+    """The row's mean of ``(x - shift)**2`` (``shift`` None: of x), summed
+    element-wise piece by piece (each piece dies as it is added), then once
+    across the warpgroup."""
+    total = None
+    for cols in pieces:
+      xp = _load_piece(x_smem.at[slot, cols], vector)
+      term = xp if shift is None else (xp - shift) * (xp - shift)
+      total = term if total is None else total + term
+    return jnp.sum(total) * (1.0 / d)
+
+  def body(row, carry):
+    slot = (row - start) % stages
+    plgpu.barrier_wait(landed.at[slot])
+    mean = row_mean(slot, None) if subtract_mean else jnp.float32(0.0)
+    var = row_mean(slot, mean)
+    # Every thread of the warpgroup is past a reduction of this row, so past
+    # its reads of the previous row's slot: the row stages - 1 ahead goes there.
+    ahead = row + stages - 1
+
+    @pl.when(ahead < stop)
+    def _refill():
+      issue(ahead)
+
+    rstd = lax.rsqrt(var + epsilon)
+    for cols in pieces:
+      y = (_load_piece(x_smem.at[slot, cols], vector) - mean) * rstd
+      if has_scale:
+        y = y * _load_piece(scale_src.at[cols], vector)
+      if has_offset:
+        y = y + _load_piece(offset_src.at[cols], vector)
+      y_ref[row, cols] = y.astype(y_ref.dtype)
+    if with_stats:
+      mean_ref, rstd_ref = stat_refs
+      mean_ref[row] = mean
+      rstd_ref[row] = rstd
+    return carry
+
+  lax.fori_loop(start, stop, body, None)
+
+
+def ring_smem_bytes(args: tokamax.LayerNormArgs, config: LayerNormConfig) -> int:
+  """A ring block's shared memory: its row slots of x, the scale and the offset."""
+  d = args.x.shape[1]
+  params = sum(d * jnp.dtype(p.dtype).itemsize
+               for p in (args.scale, args.offset) if p is not None)
+  return config.num_stages * d * jnp.dtype(args.x.dtype).itemsize + params
+
+
 def layer_norm_forward(args: tokamax.LayerNormArgs, config: LayerNormConfig,
                        with_stats: bool):
   """``(y, {"mean", "rstd"} or {})`` for a supported call (`check_args`)."""
@@ -131,13 +239,30 @@ def layer_norm_forward(args: tokamax.LayerNormArgs, config: LayerNormConfig,
   out_type = [jax.ShapeDtypeStruct((r, d), x.dtype)]
   if with_stats:
     out_type += [jax.ShapeDtypeStruct((r,), jnp.float32)] * 2
-  kernel = functools.partial(
-      _kernel, rows_per_block=rows_per_block, d=d, epsilon=args.epsilon,
-      subtract_mean=args.subtract_mean, has_scale=args.scale is not None,
-      has_offset=args.offset is not None, with_stats=with_stats)
-  call = _common.kernel(kernel, out_type=tuple(out_type),
-                        grid=(r // rows_per_block,), grid_names=("rows",),
-                        compiler_params=_common.compiler_params(config.auto_barriers))
+  features = dict(epsilon=args.epsilon, subtract_mean=args.subtract_mean,
+                  has_scale=args.scale is not None,
+                  has_offset=args.offset is not None, with_stats=with_stats)
+  compiler_params = _common.compiler_params(config.auto_barriers)
+  if config.num_stages:
+    blocks = min(r, _common.num_sms() * config.blocks_per_sm)
+    per_block = _common.cdiv(r, blocks)
+    blocks = _common.cdiv(r, per_block)  # none without rows
+    kernel = functools.partial(_ring_kernel, d=d, per_block=per_block, rows=r,
+                               stages=config.num_stages, **features)
+    call = _common.kernel(
+        kernel, out_type=tuple(out_type), grid=(blocks,), grid_names=("blocks",),
+        scratch_types=[plgpu.SMEM((config.num_stages, d), x.dtype),
+                       plgpu.Barrier(num_arrivals=1, num_barriers=config.num_stages),
+                       *[plgpu.SMEM((d,), p.dtype) for p in params],
+                       # The parameters' copies arrive on one barrier.
+                       plgpu.Barrier(num_arrivals=max(1, len(params)), num_barriers=1)],
+        compiler_params=compiler_params)
+  else:
+    kernel = functools.partial(_kernel, rows_per_block=rows_per_block, d=d,
+                               **features)
+    call = _common.kernel(kernel, out_type=tuple(out_type),
+                          grid=(r // rows_per_block,), grid_names=("rows",),
+                          compiler_params=compiler_params)
   y, *stats = call(x, *params)
   return y, (dict(zip(("mean", "rstd"), stats)) if with_stats else {})
 
@@ -572,14 +697,39 @@ def heuristic_config(args: tokamax.LayerNormArgs) -> LayerNormConfig:
 
 
 def search_space(args: tokamax.LayerNormArgs) -> tuple[LayerNormConfig, ...]:
+  """Rows a block of the direct kernel; slots and blocks an SM of the ring."""
   r, d = args.x.shape
-  return tuple(LayerNormConfig(b) for b in (1, 2, 4, 8)
-               if r % b == 0 and b * d <= MAX_BLOCK_ELEMENTS)
+  direct = [LayerNormConfig(b) for b in (1, 2, 4, 8)
+            if r % b == 0 and b * d <= MAX_BLOCK_ELEMENTS]
+  ring = [LayerNormConfig(num_stages=stages, blocks_per_sm=blocks)
+          for stages in (2, 3, 4) for blocks in (1, 2, 3, 4)]
+  return tuple(direct + [c for c in ring if _ring_misfit(args, c) is None])
+
+
+def _ring_misfit(args: tokamax.LayerNormArgs, config: LayerNormConfig) -> str | None:
+  """Why `config`'s ring cannot run `args`, or None (and None for the direct
+  kernel's configs)."""
+  if not config.num_stages:
+    return None
+  if config.num_stages < 2 or config.num_stages > 32:
+    # One barrier a slot; Mosaic GPU allocates up to 32 a group.
+    return f"num_stages must be 0 (no ring) or 2 to 32; got {config.num_stages}"
+  if config.rows_per_block != 1:
+    return f"the ring takes rows one at a time: rows_per_block must be 1; got {config.rows_per_block}"
+  if config.blocks_per_sm < 1:
+    return f"blocks_per_sm must be >= 1; got {config.blocks_per_sm}"
+  need = config.blocks_per_sm * ring_smem_bytes(args, config)
+  if need > _common.SMEM_LIMIT:
+    return (f"{config.blocks_per_sm} blocks an SM of {config.num_stages} "
+            f"{args.x.shape[1]}-column slots need {need} bytes of shared memory; "
+            f"at most {_common.SMEM_LIMIT} fit")
+  return None
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicGpuLayerNorm(Op):
-  """Layer / RMS normalization forward: whole rows in registers, one pass over x."""
+  """Layer / RMS normalization forward: whole rows in registers, one pass over
+  x; or (`LayerNormConfig.num_stages`) a persistent ring of rows in shared memory."""
 
   op_name = "layer_norm"
   name = "mosaic_gpu"
@@ -607,6 +757,8 @@ class MosaicGpuLayerNorm(Op):
     if config.rows_per_block < 1 or config.rows_per_block & (config.rows_per_block - 1):
       raise ValueError(f"LayerNormConfig.rows_per_block must be a power of 2; got "
                        f"{config.rows_per_block}")
+    if why := _ring_misfit(args, config):
+      raise ValueError(f"LayerNormConfig: {why}")
     if config.rows_per_block * args.x.shape[1] > MAX_BLOCK_ELEMENTS:
       raise ValueError(f"{config} holds {config.rows_per_block} x {args.x.shape[1]} "
                        f"elements a block; at most {MAX_BLOCK_ELEMENTS} fit registers")
