@@ -239,7 +239,8 @@ def test_ring_configs_fit_shared_memory(d, dtype, params, most_slots):
     (mln.LayerNormConfig(2, num_stages=2), "rows_per_block must be 1; got 2"),
     (mln.LayerNormConfig(num_stages=2, blocks_per_sm=0), "blocks_per_sm must be >= 1; got 0"),
     (mln.LayerNormConfig(num_stages=4, blocks_per_sm=2),
-     "2 blocks an SM of 4 16384-column slots need 262144 bytes")])
+     "2 blocks an SM of 4 16384-column slots .and the scale's and offset's copies. "
+     "need 262144 bytes")])
 def test_ring_config_errors(config, match):
   x = jnp.zeros((8, 16384), jnp.bfloat16)
   with pytest.raises(ValueError, match=match):

@@ -721,8 +721,9 @@ def _ring_misfit(args: tokamax.LayerNormArgs, config: LayerNormConfig) -> str | 
   need = config.blocks_per_sm * ring_smem_bytes(args, config)
   if need > _common.SMEM_LIMIT:
     return (f"{config.blocks_per_sm} blocks an SM of {config.num_stages} "
-            f"{args.x.shape[1]}-column slots need {need} bytes of shared memory; "
-            f"at most {_common.SMEM_LIMIT} fit")
+            f"{args.x.shape[1]}-column slots (and the scale's and offset's "
+            f"copies) need {need} bytes of shared memory; at most "
+            f"{_common.SMEM_LIMIT} fit")
   return None
 
 
