@@ -13,7 +13,8 @@ piece by piece, with the scale and offset pieces loaded where they are used
 memory but the reductions' scratch: the blocks resident on an SM hide each
 other's latency. It writes the residuals (mean and rstd per row) only when a
 backward will read them. A second forward, opt-in (`LayerNormConfig.num_stages`:
-autotuning's search space has it, the heuristic does not take it), walks rows
+autotuning's search space has it for rows of 16 KiB or more, the heuristic does
+not take it), walks rows
 through a ring of shared-memory slots as the backward does (`_ring_kernel`); on
 the H100 it ran within 5% of this one either way where rows of 8192-16384
 columns fill its slots, and slower on narrow rows (notes/MEASUREMENTS.md,
@@ -696,11 +697,20 @@ def heuristic_config(args: tokamax.LayerNormArgs) -> LayerNormConfig:
   return LayerNormConfig(rows_per_block)
 
 
+# The narrowest rows (in bytes) the search space offers the ring for: on the
+# H100 it tied the direct kernel from 8192 bf16 columns and ran 0.39-0.93x its
+# speed on 1024-4096 (notes/MEASUREMENTS.md, session 102, items 3-4).
+_RING_MIN_ROW_BYTES = 16 * 1024
+
+
 def search_space(args: tokamax.LayerNormArgs) -> tuple[LayerNormConfig, ...]:
-  """Rows a block of the direct kernel; slots and blocks an SM of the ring."""
+  """Rows a block of the direct kernel; slots and blocks an SM of the ring
+  for rows of `_RING_MIN_ROW_BYTES` or more."""
   r, d = args.x.shape
   direct = [LayerNormConfig(b) for b in (1, 2, 4, 8)
             if r % b == 0 and b * d <= MAX_BLOCK_ELEMENTS]
+  if d * jnp.dtype(args.x.dtype).itemsize < _RING_MIN_ROW_BYTES:
+    return tuple(direct)
   ring = [LayerNormConfig(num_stages=stages, blocks_per_sm=blocks)
           for stages in (2, 3, 4) for blocks in (1, 2, 3, 4)]
   return tuple(direct + [c for c in ring if _ring_misfit(args, c) is None])
