@@ -428,8 +428,8 @@ def test_backward_configs(r, d, config, subtract_mean):
 @pytest.mark.parametrize("config", [
     mln.LayerNormConfig(1), mln.LayerNormConfig(2), mln.LayerNormConfig(4),
     mln.LayerNormConfig(8), mln.LayerNormConfig(1, True), mln.LayerNormConfig(4, True),
-    # The ring: rows uneven over the blocks (520 over 264 or 528), fewer rows a
-    # block than slots, and with Pallas' auto barriers.
+    # The ring on 132 SMs: 2 rows a block of 2 slots; 1 row a block of 4
+    # slots; 4 rows a block of 3 slots, with Pallas' auto barriers.
     mln.LayerNormConfig(num_stages=2, blocks_per_sm=2),
     mln.LayerNormConfig(num_stages=4, blocks_per_sm=4),
     mln.LayerNormConfig(num_stages=3, blocks_per_sm=1, auto_barriers=True)])
@@ -440,6 +440,7 @@ def test_configs(config):
 @gpu
 @pytest.mark.parametrize("subtract_mean", [True, False])
 @pytest.mark.parametrize("r,d,config", [
+    # On 132 SMs: 32 rows a block; 21 (the last block 2); 8 (the last 7).
     (4096, 16384, mln.LayerNormConfig(num_stages=2, blocks_per_sm=1)),
     (8192, 4096, mln.LayerNormConfig(num_stages=4, blocks_per_sm=3)),
     (1031, 7168, mln.LayerNormConfig(num_stages=2, blocks_per_sm=1))])
