@@ -219,18 +219,19 @@ def test_heuristic_divides_the_rows_and_fits_registers(r, d, rows):
 @pytest.mark.parametrize("d,dtype,params,most_slots", [
     (8192, jnp.bfloat16, False, 12), (4096, jnp.float32, False, 12),
     (16384, jnp.bfloat16, False, 6), (16384, jnp.float32, False, 3),
-    (16384, jnp.bfloat16, True, 4), (4096, jnp.bfloat16, False, None)])
+    (16384, jnp.bfloat16, True, 3), (4096, jnp.bfloat16, False, None)])
 def test_ring_configs_fit_shared_memory(d, dtype, params, most_slots):
   """The ring's configs in the search space: every one fits its blocks' slots
   and its copy of the scale and offset in an SM's shared memory, and the
   largest fit is there (4 slots x 3 blocks of 16 KiB rows; 3 x 2 of 32 KiB; 3
-  x 1 of 64 KiB; 4 x 1 of 32 KiB beside a float32 scale and a bfloat16 offset,
-  96 KiB); none for rows under 16 KiB."""
+  x 1 of 64 KiB; 3 x 1 of 32 KiB beside a float32 scale and a bfloat16 offset,
+  96 KiB: 4 x 1 would leave less than the 3 KiB Pallas' own scratch takes);
+  none for rows under 16 KiB."""
   vec = lambda dtype: jax.ShapeDtypeStruct((d,), dtype) if params else None
   args = _args(4096, d, dtype, scale=vec(jnp.float32), offset=vec(jnp.bfloat16))
   ring = [c for c in mln.search_space(args) if c.num_stages]
   row, kept = d * jnp.dtype(dtype).itemsize, (6 * d if params else 0)
-  assert all(c.blocks_per_sm * (c.num_stages * row + kept) <= _common.SMEM_LIMIT
+  assert all(c.blocks_per_sm * (c.num_stages * row + kept + 3 * 1024) <= _common.SMEM_LIMIT
              and c.rows_per_block == 1 for c in ring)
   assert max((c.blocks_per_sm * c.num_stages for c in ring), default=None) == most_slots
 
@@ -241,7 +242,7 @@ def test_ring_configs_fit_shared_memory(d, dtype, params, most_slots):
     (mln.LayerNormConfig(num_stages=2, blocks_per_sm=0), "blocks_per_sm must be >= 1; got 0"),
     (mln.LayerNormConfig(num_stages=4, blocks_per_sm=2),
      "2 blocks an SM of 4 16384-column slots .and the scale's and offset's copies. "
-     "need 262144 bytes")])
+     "need 268288 bytes")])
 def test_ring_config_errors(config, match):
   x = jnp.zeros((8, 16384), jnp.bfloat16)
   with pytest.raises(ValueError, match=match):

@@ -220,11 +220,13 @@ def _ring_kernel(*refs, d: int, per_block: int, rows: int, stages: int,
 
 
 def ring_smem_bytes(args: tokamax.LayerNormArgs, config: LayerNormConfig) -> int:
-  """A ring block's shared memory: its row slots of x, the scale and the offset."""
+  """A ring block's shared memory: its row slots of x, the scale and the
+  offset, and 3 KiB for Pallas' reduction scratch (2 KiB), the barriers and
+  alignment, as the attention kernels count them (`attention.smem_bytes`)."""
   d = args.x.shape[1]
   params = sum(d * jnp.dtype(p.dtype).itemsize
                for p in (args.scale, args.offset) if p is not None)
-  return config.num_stages * d * jnp.dtype(args.x.dtype).itemsize + params
+  return config.num_stages * d * jnp.dtype(args.x.dtype).itemsize + params + 3 * 1024
 
 
 def layer_norm_forward(args: tokamax.LayerNormArgs, config: LayerNormConfig,
