@@ -881,6 +881,30 @@ def test_layer_norm(r, d, subtract_mean, dtype, config, vjp_config):
   _check(call, (x, scale, offset), dtype, implementation=op)
 
 
+@pytest.mark.parametrize("with_stats", [False, True])
+@pytest.mark.parametrize("scale,offset", [(False, False), (True, False), (False, True)])
+def test_layer_norm_ring_forward_alone(scale, offset, with_stats):
+  """The ring forward by itself (an inference call writes no statistics), with
+  and without each parameter, against the XLA reference on float32 upcasts."""
+  r, d = 7, 2048
+  x = _normal((r, d), jnp.bfloat16, 3.0) + jnp.asarray(2.0, jnp.bfloat16)
+  s = _normal((d,), jnp.float32) if scale else None
+  o = _normal((d,), jnp.bfloat16) if offset else None
+  args = tokamax.LayerNormArgs(x=x, scale=s, offset=o)
+  with tokamax.interpret():
+    y, stats = mln.layer_norm_forward(
+        args, mln.LayerNormConfig(num_stages=2, blocks_per_sm=1), with_stats=with_stats)
+  upcast = lambda a: None if a is None else a.astype(jnp.float32)
+  want = tokamax.layer_norm(upcast(x), upcast(s), upcast(o), implementation="xla")
+  testing.assert_close(y, want, jnp.bfloat16, what="y")
+  assert set(stats) == ({"mean", "rstd"} if with_stats else set())
+  if with_stats:
+    x32 = np.asarray(x, np.float32)
+    np.testing.assert_allclose(stats["mean"], x32.mean(axis=1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(stats["rstd"], 1 / np.sqrt(x32.var(axis=1) + 1e-6),
+                               rtol=1e-4)
+
+
 def _layer_norm_backward_check(r, d, subtract_mean, config, dtype):
   """The backward kernel alone (interpreted) against the XLA reference, on
   inputs whose row means matter and differ by row and by column range: a

@@ -16,9 +16,8 @@ backward will read them. A second forward, opt-in (`LayerNormConfig.num_stages`:
 autotuning's search space has it for rows of 16 KiB or more, the heuristic does
 not take it), walks rows
 through a ring of shared-memory slots as the backward does (`_ring_kernel`); on
-the H100 it ran within 5% of this one either way where rows of 8192-16384
-columns fill its slots, and slower on narrow rows (notes/MEASUREMENTS.md,
-session 102).
+the H100 it ran 0.95-1.05x this one's speed on rows of 8192-16384 columns, and
+at best as fast on narrower rows (notes/MEASUREMENTS.md, session 102).
 
 Backward, from those residuals: ``dx = rstd * (g - xhat * mean(g * xhat) -
 mean(g))`` with ``g = dy * scale`` (no ``mean(g)`` for RMSNorm). A persistent
@@ -139,7 +138,8 @@ def _ring_kernel(*refs, d: int, per_block: int, rows: int, stages: int,
                  has_offset: bool, with_stats: bool):
   """The ring forward (`LayerNormConfig.num_stages` >= 2): the block's rows
   ``[start, stop)`` one at a time from their slots, each read from shared
-  memory once a pass (the mean, the variance about it, y), so that no row is
+  memory once a pass (the mean for LayerNorm, the variance about it, y), so
+  that no row is
   held in registers. Its shared memory is ordered as the backward's
   (`_bwd_kernel`): a slot is refilled only after the warpgroup's next row
   reduction, whose barriers are its own. The scale and offset are copied into
@@ -224,9 +224,13 @@ def ring_smem_bytes(args: tokamax.LayerNormArgs, config: LayerNormConfig) -> int
   offset, and 3 KiB for Pallas' reduction scratch (2 KiB), the barriers and
   alignment, as the attention kernels count them (`attention.smem_bytes`)."""
   d = args.x.shape[1]
-  params = sum(d * jnp.dtype(p.dtype).itemsize
-               for p in (args.scale, args.offset) if p is not None)
+  params = sum(d * jnp.dtype(p.dtype).itemsize for p in ring_params(args))
   return config.num_stages * d * jnp.dtype(args.x.dtype).itemsize + params + 3 * 1024
+
+
+def ring_params(args: tokamax.LayerNormArgs) -> list:
+  """The parameters a ring block copies into its shared memory."""
+  return [p for p in (args.scale, args.offset) if p is not None]
 
 
 def layer_norm_forward(args: tokamax.LayerNormArgs, config: LayerNormConfig,
@@ -700,8 +704,10 @@ def heuristic_config(args: tokamax.LayerNormArgs) -> LayerNormConfig:
 
 
 # The narrowest rows (in bytes) the search space offers the ring for: on the
-# H100 it tied the direct kernel from 8192 bf16 columns and ran 0.39-0.93x its
-# speed on 1024-4096 (notes/MEASUREMENTS.md, session 102, items 3-4).
+# H100 it ran 0.95-1.05x the direct kernel's speed from 8192 bf16 columns; on
+# 1024-4096, two slots x two blocks ran 0.39-0.93x and the best config of the
+# sweep at most tied it (4096 x 4096), not worth autotuning's time
+# (notes/MEASUREMENTS.md, session 102, items 3-4).
 _RING_MIN_ROW_BYTES = 16 * 1024
 
 
@@ -732,10 +738,10 @@ def _ring_misfit(args: tokamax.LayerNormArgs, config: LayerNormConfig) -> str | 
     return f"blocks_per_sm must be >= 1; got {config.blocks_per_sm}"
   need = config.blocks_per_sm * ring_smem_bytes(args, config)
   if need > _common.SMEM_LIMIT:
+    copies = " with the scale's and offset's copies" if ring_params(args) else ""
     return (f"{config.blocks_per_sm} blocks an SM of {config.num_stages} "
-            f"{args.x.shape[1]}-column slots (and the scale's and offset's "
-            f"copies) need {need} bytes of shared memory; at most "
-            f"{_common.SMEM_LIMIT} fit")
+            f"{args.x.shape[1]}-column slots{copies} need {need} bytes of shared "
+            f"memory; at most {_common.SMEM_LIMIT} fit")
   return None
 
 
