@@ -14,10 +14,10 @@ memory but the reductions' scratch: the blocks resident on an SM hide each
 other's latency. It writes the residuals (mean and rstd per row) only when a
 backward will read them. A second forward, opt-in (`LayerNormConfig.num_stages`:
 autotuning's search space has it for rows of 16 KiB or more, the heuristic does
-not take it), walks rows
-through a ring of shared-memory slots as the backward does (`_ring_kernel`); on
-the H100 it ran 0.95-1.05x this one's speed on rows of 8192-16384 columns, and
-at best as fast on narrower rows (notes/MEASUREMENTS.md, session 102).
+not take it), walks rows through a ring of shared-memory slots as the backward
+does (`_ring_kernel`); on the H100 it ran 0.95-1.05x this one's speed on rows of
+8192-16384 columns, and at best as fast on narrower rows (notes/MEASUREMENTS.md,
+session 102).
 
 Backward, from those residuals: ``dx = rstd * (g - xhat * mean(g * xhat) -
 mean(g))`` with ``g = dy * scale`` (no ``mean(g)`` for RMSNorm). A persistent
@@ -139,8 +139,7 @@ def _ring_kernel(*refs, d: int, per_block: int, rows: int, stages: int,
   """The ring forward (`LayerNormConfig.num_stages` >= 2): the block's rows
   ``[start, stop)`` one at a time from their slots, each read from shared
   memory once a pass (the mean for LayerNorm, the variance about it, y), so
-  that no row is
-  held in registers. Its shared memory is ordered as the backward's
+  that no row is held in registers. Its shared memory is ordered as the backward's
   (`_bwd_kernel`): a slot is refilled only after the warpgroup's next row
   reduction, whose barriers are its own. The scale and offset are copied into
   shared memory once a block and read from there: the slots leave too little
