@@ -231,7 +231,8 @@ def test_ring_configs_fit_shared_memory(d, dtype, params, most_slots):
   args = _args(4096, d, dtype, scale=vec(jnp.float32), offset=vec(jnp.bfloat16))
   ring = [c for c in mln.search_space(args) if c.num_stages]
   row, kept = d * jnp.dtype(dtype).itemsize, (6 * d if params else 0)
-  assert all(c.blocks_per_sm * (c.num_stages * row + kept + 3 * 1024) <= _common.SMEM_LIMIT
+  assert all(c.blocks_per_sm * (c.num_stages * row + kept + _common.PALLAS_SMEM_SCRATCH)
+             <= _common.SMEM_LIMIT
              and c.rows_per_block == 1 for c in ring)
   assert max((c.blocks_per_sm * c.num_stages for c in ring), default=None) == most_slots
 

@@ -28,6 +28,12 @@ from tokamax import DeviceInfo
 # Bytes of shared memory one block may use on sm_90 (opt-in maximum, 227 KiB),
 # less a little for the pipeline's barriers.
 SMEM_LIMIT = 227 * 1024 - 1024
+# What a kernel's own shared-memory count adds for Pallas' allocations beside its
+# buffers: the cross-warp reduction scratch (2 KiB by default), barriers and
+# alignment (attention H128, 128-row key tiles, 3 stages: 232,568 bytes at
+# lowering; the norm ring: 2 KiB + 8 bytes a barrier, notes/MEASUREMENTS.md
+# session 102).
+PALLAS_SMEM_SCRATCH = 3 * 1024
 H100_SMS = 132  # H100/H200 SXM; used only when the device can't be asked.
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

@@ -46,9 +46,7 @@ def smem_bytes(config: AttentionConfig, head_dim: int, itemsize: int,
   kv = config.num_stages * 2 * config.block_kv * head_dim * itemsize
   # Segment ids: the block's query ids and a ring of key ids (int32).
   seg = (_CTA_ROWS + config.num_stages * config.block_kv) * 4 if segments else 0
-  # + Pallas' cross-warp reduction scratch (2 KiB by default) and alignment:
-  # H128 with 128-row key tiles at 3 stages measured 232568 bytes at lowering.
-  return q + kv + seg + _CTA_ROWS * 4 + 3 * 1024
+  return q + kv + seg + _CTA_ROWS * 4 + _common.PALLAS_SMEM_SCRATCH
 
 
 def _fits_registers(config: AttentionConfig, head_dim: int) -> bool:
@@ -452,7 +450,7 @@ def bwd_smem_bytes(config: AttentionVjpConfig, head_dim: int, itemsize: int,
   def dkv_pass(resident_tiles: int, block_q: int) -> int:
     streamed = config.num_stages * 2 * block_q * (head_dim * itemsize + 4)
     ids = (_BWD_KEY_ROWS + config.num_stages * block_q) * 4 if segments else 0
-    return resident_tiles * tile + streamed + ids + 3 * 1024
+    return resident_tiles * tile + streamed + ids + _common.PALLAS_SMEM_SCRATCH
   dkv = dkv_pass(2, config.block_q)
   if config.fuse_dq:
     # Each consumer's dS^T tile and two float32 dQ tiles (`fuse_dq`).
@@ -460,7 +458,7 @@ def bwd_smem_bytes(config: AttentionVjpConfig, head_dim: int, itemsize: int,
   if config.split_dkv:
     dkv = max(dkv, dkv_pass(1, config.pass_block_q(("dv",))))
   dq = (2 * tile + config.num_stages * 2 * config.block_kv * head_dim * itemsize
-        + 2 * 2 * _WG_ROWS * 4 + 3 * 1024)
+        + 2 * 2 * _WG_ROWS * 4 + _common.PALLAS_SMEM_SCRATCH)
   if segments:
     dq += (_CTA_ROWS + config.num_stages * config.block_kv) * 4
   return dkv, dq

@@ -218,13 +218,21 @@ def _ring_kernel(*refs, d: int, per_block: int, rows: int, stages: int,
   lax.fori_loop(start, stop, body, None)
 
 
+def _row_shares(rows: int, blocks_per_sm: int) -> tuple[int, int]:
+  """(blocks, rows a block) of a persistent grid (the ring forward, the
+  backward): contiguous shares of ``rows a block`` rows, the last holding the
+  rest, at most `blocks_per_sm` blocks an SM and none without rows."""
+  per_block = _common.cdiv(rows, min(rows, _common.num_sms() * blocks_per_sm))
+  return _common.cdiv(rows, per_block), per_block
+
+
 def ring_smem_bytes(args: tokamax.LayerNormArgs, config: LayerNormConfig) -> int:
   """A ring block's shared memory: its row slots of x, the scale and the
-  offset, and 3 KiB for Pallas' reduction scratch (2 KiB), the barriers and
-  alignment, as the attention kernels count them (`attention.smem_bytes`)."""
+  offset, and Pallas' own (`_common.PALLAS_SMEM_SCRATCH`)."""
   d = args.x.shape[1]
   params = sum(d * jnp.dtype(p.dtype).itemsize for p in ring_params(args))
-  return config.num_stages * d * jnp.dtype(args.x.dtype).itemsize + params + 3 * 1024
+  return (config.num_stages * d * jnp.dtype(args.x.dtype).itemsize + params
+          + _common.PALLAS_SMEM_SCRATCH)
 
 
 def ring_params(args: tokamax.LayerNormArgs) -> list:
@@ -250,9 +258,7 @@ def layer_norm_forward(args: tokamax.LayerNormArgs, config: LayerNormConfig,
                   has_offset=args.offset is not None, with_stats=with_stats)
   compiler_params = _common.compiler_params(config.auto_barriers)
   if config.num_stages:
-    blocks = min(r, _common.num_sms() * config.blocks_per_sm)
-    per_block = _common.cdiv(r, blocks)
-    blocks = _common.cdiv(r, per_block)  # none without rows
+    blocks, per_block = _row_shares(r, config.blocks_per_sm)
     kernel = functools.partial(_ring_kernel, d=d, per_block=per_block, rows=r,
                                stages=config.num_stages, **features)
     call = _common.kernel(
@@ -493,9 +499,7 @@ def layer_norm_backward(args: tokamax.LayerNormArgs, mean, rstd, dout,
   has_scale = args.scale is not None
   want = [name for name, p in (("scale", args.scale), ("offset", args.offset))
           if p is not None]
-  blocks = min(r, _common.num_sms() * config.blocks_per_sm)
-  per_block = _common.cdiv(r, blocks)
-  blocks = _common.cdiv(r, per_block)  # none without rows
+  blocks, per_block = _row_shares(r, config.blocks_per_sm)
   out_type = [jax.ShapeDtypeStruct((r, d), x.dtype)]
   out_type += [jax.ShapeDtypeStruct((blocks, d), jnp.float32)] * len(want)
   nw = config.warpgroups
