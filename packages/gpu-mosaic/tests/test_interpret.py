@@ -863,7 +863,12 @@ _RING = lambda stages, blocks: mln.LayerNormConfig(num_stages=stages, blocks_per
     # fewer (3 rows a block, 4 slots).
     (11, 1024, True, jnp.bfloat16, _RING(2, 1), mln.LayerNormVjpConfig(1, 2)),
     (9, 3072, False, jnp.float16, _RING(4, 2), mln.LayerNormVjpConfig(1, 2)),
-    (13, 2048, True, jnp.float32, _RING(3, 1), mln.LayerNormVjpConfig(2, 3))])
+    (13, 2048, True, jnp.float32, _RING(3, 1), mln.LayerNormVjpConfig(2, 3)),
+    # Tail pieces (`mln.row_pieces`): 1024 + 512 columns; 512 + 256 + 128
+    # (every tail, float32's vectors); 2048 + 256 through the ring.
+    (8, 1536, True, jnp.bfloat16, mln.LayerNormConfig(2), mln.LayerNormVjpConfig(1, 2)),
+    (5, 896, False, jnp.float32, mln.LayerNormConfig(1), mln.LayerNormVjpConfig(2, 3)),
+    (9, 2304, True, jnp.float16, _RING(2, 1), mln.LayerNormVjpConfig(1, 3))])
 def test_layer_norm(r, d, subtract_mean, dtype, config, vjp_config):
   """Both kernels, with a shifted x and a float32 scale for a 16-bit x; the
   ring forward's and the backward's blocks walk several rows each (the

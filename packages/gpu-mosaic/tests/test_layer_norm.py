@@ -3,6 +3,8 @@ reference (forward and gradients, every config, widths the backward refuses),
 its refusals, configs and CUDA lowering on any machine. The Mosaic GPU
 interpreter runs both kernels in tests/test_interpret.py."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,9 +52,11 @@ def test_refusals():
   op.check_supported(_args(4, 1024), H200)
   with pytest.raises(NotImplementedError, match="needs an NVIDIA Hopper GPU"):
     op.check_supported(_args(4, 1024), tokamax.DeviceInfo("cpu", "cpu"))
-  for d in (1000, 1536, 2 * mln.MAX_BLOCK_ELEMENTS):
-    with pytest.raises(NotImplementedError, match=f"multiple of 1024 .*got {d}"):
+  for d in (1000, 1088, 2 * mln.MAX_BLOCK_ELEMENTS):
+    with pytest.raises(NotImplementedError, match=f"multiple of 128 .*got {d}"):
       op.check_supported(_args(4, d), H200)
+  for d in (128, 896, 1536, 3584):  # tail pieces (`mln.row_pieces`)
+    op.check_supported(_args(4, d), H200)
   with pytest.raises(NotImplementedError, match="float64"):
     op.check_supported(_args(4, 1024, scale=jax.ShapeDtypeStruct((1024,), "float64")),
                        H200)
@@ -86,13 +90,39 @@ def test_backward_declines_only_where_it_measured_slower():
     assert "too few rows" in vjp.declines(with_params(4096, d))
 
 
-def test_forward_declines_nothing():
+def test_forward_declines_only_untimed_widths():
   # Its RMSNorm decline at 4096 rows of >= 8192 columns went with the auto
   # barriers (measured since: as fast or faster forward+backward).
   op = mln.MosaicGpuLayerNorm()
   for args in (_args(4096, 8192), _args(4096, 8192, subtract_mean=False),
                _args(4096, 16384, subtract_mean=False), _args(1024, 1024)):
     assert op.declines(args) is None
+  # Rows with tail pieces run, named, but `None` has no timing of them yet:
+  # both directions pass them on.
+  for d in (896, 3584):
+    assert "not yet timed" in op.declines(_args(8192, d))
+    assert "not yet timed" in mln.MosaicGpuLayerNormVjp().declines(_args(8192, d))
+
+
+@pytest.mark.parametrize("d,itemsize,want", [
+    # (start, columns, elements a thread's vector): 1024-column pieces, then
+    # the rest halving, each tail with the widest vector its columns take.
+    (2048, 2, [(0, 1024, 8), (1024, 1024, 8)]),
+    (3584, 2, [(0, 1024, 8), (1024, 1024, 8), (2048, 1024, 8), (3072, 512, 4)]),
+    (896, 2, [(0, 512, 4), (512, 256, 2), (768, 128, 1)]),
+    (2304, 2, [(0, 1024, 8), (1024, 1024, 8), (2048, 256, 2)]),
+    (128, 2, [(0, 128, 1)]),
+    # float32: 16 bytes are 4 elements, a 1024-column piece two vectors.
+    (1536, 4, [(0, 1024, 4), (1024, 512, 4)]),
+    (640, 4, [(0, 512, 4), (512, 128, 1)])])
+def test_row_pieces(d, itemsize, want):
+  assert [tuple(p) for p in mln.row_pieces(d, itemsize)] == want
+
+
+def test_row_pieces_of_a_warpgroup():
+  """A warpgroup's columns of a split row start at its first column."""
+  assert [tuple(p) for p in mln.row_pieces(2048, 2, start=4096)] == [
+      (4096, 1024, 8), (5120, 1024, 8)]
 
 
 def test_backward_refusals():
@@ -112,8 +142,9 @@ def test_backward_refusals():
   vjp.check_supported(args(1024), H200, residuals={"mean": 0, "rstd": 0})
   with pytest.raises(NotImplementedError, match="needs an NVIDIA Hopper GPU"):
     vjp.check_supported(args(1024), tokamax.DeviceInfo("cpu", "cpu"))
-  with pytest.raises(NotImplementedError, match="multiple of 1024"):
+  with pytest.raises(NotImplementedError, match="multiple of 128"):
     vjp.check_supported(args(1000), H200)
+  vjp.check_supported(args(3584), H200)
   x = jnp.zeros((8, 8192), jnp.bfloat16)
   full = LayerNormArgs(x=x, scale=jnp.ones(8192), offset=jnp.ones(8192))
   residuals = {"mean": jnp.zeros(8), "rstd": jnp.ones(8)}
@@ -199,6 +230,14 @@ def test_backward_warpgroups():
     vjp.backward(args, residuals, x, x, mln.LayerNormVjpConfig(1, 2, 2))
   with pytest.raises(ValueError, match="warpgroups must be 1, 2 or 4; got 3"):
     vjp.backward(args, residuals, x, x, mln.LayerNormVjpConfig(1, 2, 3))
+  # Tail pieces: one warpgroup a row only (each reduces one piece shape), in
+  # the heuristic and the search space too.
+  x = jnp.zeros((8, 4608), jnp.bfloat16)
+  args = LayerNormArgs(x=x, scale=jnp.ones(4608))
+  with pytest.raises(ValueError, match="whole 1024-column pieces only; got 4608"):
+    vjp.backward(args, residuals, x, x, mln.LayerNormVjpConfig(1, 2, 2))
+  assert {c.warpgroups for c in mln.vjp_search_space(_args(4096, 14848))} == {1}
+  assert mln.heuristic_vjp_config(_args(4096, 14848)).warpgroups == 1
   x = jnp.zeros((8, 4096), jnp.bfloat16)
   args = LayerNormArgs(x=x, scale=jnp.ones(4096))
   with pytest.raises(ValueError, match="at most 32 .a barrier each.; got 9 x 4"):
@@ -255,10 +294,13 @@ def test_ring_config_errors(config, match):
     mln.LayerNormConfig(num_stages=2, blocks_per_sm=1, auto_barriers=True)])
 @pytest.mark.parametrize("with_stats", [False, True])
 @pytest.mark.parametrize("subtract_mean", [True, False])
-def test_lowers_for_cuda(subtract_mean, with_stats, config):
-  args = LayerNormArgs(x=jax.ShapeDtypeStruct((4096, 3072), jnp.bfloat16),
-                       scale=jax.ShapeDtypeStruct((3072,), jnp.float32),
-                       offset=jax.ShapeDtypeStruct((3072,), jnp.bfloat16),
+@pytest.mark.parametrize("d", [3072, 3968])  # 3968: every tail piece
+def test_lowers_for_cuda(subtract_mean, with_stats, config, d):
+  if config.rows_per_block * d > mln.MAX_BLOCK_ELEMENTS:
+    config = dataclasses.replace(config, rows_per_block=2)
+  args = LayerNormArgs(x=jax.ShapeDtypeStruct((4096, d), jnp.bfloat16),
+                       scale=jax.ShapeDtypeStruct((d,), jnp.float32),
+                       offset=jax.ShapeDtypeStruct((d,), jnp.bfloat16),
                        subtract_mean=subtract_mean)
 
   def forward(x, scale, offset):
@@ -269,7 +311,7 @@ def test_lowers_for_cuda(subtract_mean, with_stats, config):
       args.x, args.scale, args.offset)
   assert "mosaic_gpu" in exported.mlir_module()
   shapes = [a.shape for a in exported.out_avals]
-  assert shapes == [(4096, 3072)] + [(4096,)] * (2 if with_stats else 0)
+  assert shapes == [(4096, d)] + [(4096,)] * (2 if with_stats else 0)
 
 
 @pytest.mark.parametrize("config,body", [
@@ -305,7 +347,10 @@ _BF16, _F32 = jnp.bfloat16, jnp.float32
     (2048, 3, 1, True, _F32, False), (8192, 2, 4, True, _BF16, False),
     # With Pallas' auto barriers (opt-in): one warpgroup (the offset's sums in
     # shared memory at 16384), two (the row sums' exchange).
-    (16384, 2, 1, False, _BF16, True), (4096, 3, 2, False, _BF16, True)])
+    (16384, 2, 1, False, _BF16, True), (4096, 3, 2, False, _BF16, True),
+    # Tail pieces (512 + 256 + 128 columns after the whole ones); the offset's
+    # sums in shared memory at 14208 columns.
+    (3968, 3, 1, False, _BF16, False), (14208, 2, 1, True, _F32, False)])
 @pytest.mark.parametrize("scale,offset", [(True, True), (False, True), (False, False)])
 def test_backward_lowers_for_cuda(scale, offset, d, stages, warpgroups, scale_in_smem,
                                   scale_dtype, auto_barriers):
@@ -399,7 +444,10 @@ def _check(r, d, dtype, subtract_mean, *, scale=True, offset=True, config=None,
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("subtract_mean", [True, False])
 @pytest.mark.parametrize("r,d", [(4096, 1024), (1031, 3072), (512, 7168), (96, 16384),
-                                 (64, 8192), (40, 13312)])
+                                 (64, 8192), (40, 13312),
+                                 # Tail pieces (`mln.row_pieces`): 512 columns;
+                                 # 256 and 128; 512, 256 and 128 alone.
+                                 (1031, 3584), (300, 2432), (70, 896)])
 def test_forward_and_gradients(r, d, dtype, subtract_mean):
   _check(r, d, dtype, subtract_mean)
 
@@ -467,7 +515,8 @@ def test_configs(config):
     # On 132 SMs: 32 rows a block; 21 (the last block 2); 8 (the last 7).
     (4096, 16384, mln.LayerNormConfig(num_stages=2, blocks_per_sm=1)),
     (8192, 4096, mln.LayerNormConfig(num_stages=4, blocks_per_sm=3)),
-    (1031, 7168, mln.LayerNormConfig(num_stages=2, blocks_per_sm=1))])
+    (1031, 7168, mln.LayerNormConfig(num_stages=2, blocks_per_sm=1)),
+    (1031, 4608, mln.LayerNormConfig(num_stages=3, blocks_per_sm=2))])  # a 512 tail
 def test_ring_forward(r, d, config, subtract_mean):
   _check(r, d, jnp.bfloat16, subtract_mean, config=config)
 
