@@ -191,8 +191,9 @@ def test_offset_sums_in_shared_memory_above_8192_columns(d):
   assert mln._offset_sums_in_smem(both(d))
   one = mln.LayerNormVjpConfig(1, 2)
   assert mln._one_warpgroup_config(both(d)) == one
-  # The slots (x and dy rows of bf16) and one float32 row of sums.
-  assert mln.bwd_smem_bytes(both(d), one) == 2 * 2 * d * 2 + 4 * d
+  # The slots (x and dy rows of bf16), one float32 row of sums and Pallas'
+  # 2 KiB reduction scratch.
+  assert mln.bwd_smem_bytes(both(d), one) == 2 * 2 * d * 2 + 4 * d + 2048
   assert mln.bwd_smem_bytes(both(d), one) <= _common.SMEM_LIMIT
   split = (d // 1024) % 2 == 0
   assert mln.heuristic_vjp_config(both(d)) == mln.LayerNormVjpConfig(
@@ -378,6 +379,33 @@ def test_backward_lowers_for_cuda(scale, offset, d, stages, warpgroups, scale_in
       args.x, args.x, row, row, *params)
   assert "mosaic_gpu" in exported.mlir_module()
   assert len(exported.out_avals) == 1 + scale + offset
+
+
+@pytest.mark.parametrize("d,offset,fits", [
+    (14336, False, True), (14464, False, False), (11392, True, True), (11520, True, False)])
+def test_backward_shared_memory_at_the_limit(d, offset, fits):
+  """Float32 rows at the widest the backward takes: what `check_backward_args`
+  accepts lowers for CUDA (Pallas counts its own buffers at lowering), the
+  next width up is refused before it. The count must be exact: rows grow in
+  steps of 128 columns."""
+  vec = jax.ShapeDtypeStruct((d,), jnp.float32)
+  args = LayerNormArgs(x=jax.ShapeDtypeStruct((1031, d), jnp.float32), scale=vec,
+                       offset=vec if offset else None)
+  if not fits:
+    with pytest.raises(NotImplementedError, match="do not fit shared memory"):
+      mln.check_backward_args(args, None)
+    return
+  mln.check_backward_args(args, None)
+  config = mln.heuristic_vjp_config(args)
+
+  def backward(x, dy, mean, rstd, *params):
+    a = LayerNormArgs(x=x, scale=params[0], offset=params[1] if offset else None)
+    return mln.layer_norm_backward(a, mean, rstd, dy, config)
+
+  row = jax.ShapeDtypeStruct((1031,), jnp.float32)
+  exported = jax.export.export(jax.jit(backward), platforms=["cuda"])(
+      args.x, args.x, row, row, *[vec] * (1 + offset))
+  assert "mosaic_gpu" in exported.mlir_module()
 
 
 def test_backward_warpgroups_lower_for_cuda_in_float32():

@@ -34,6 +34,16 @@ SMEM_LIMIT = 227 * 1024 - 1024
 # lowering; the norm ring: 2 KiB + 8 bytes a barrier, notes/MEASUREMENTS.md
 # session 102).
 PALLAS_SMEM_SCRATCH = 3 * 1024
+# The parts of it a kernel can count exactly: Pallas places each scratch buffer
+# at a multiple of SMEM_ALIGNMENT bytes, and reserves REDUCTION_SCRATCH bytes
+# (its `reduction_scratch_bytes` default) once a kernel has a reduction.
+SMEM_ALIGNMENT = 1024
+REDUCTION_SCRATCH = 2048
+
+
+def placed_bytes(nbytes: int) -> int:
+  """The shared memory a scratch buffer of `nbytes` takes as Pallas places it."""
+  return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
 H100_SMS = 132  # H100/H200 SXM; used only when the device can't be asked.
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

@@ -10,7 +10,8 @@ over until they are timed against the other implementations (`_untimed_width`).
 Forward: each block (one warpgroup) reads ``rows_per_block`` whole rows of x
 from device memory straight into registers, issuing every row's loads before
 the first reduction so that a block keeps its rows' bytes in flight; each row
-sum is one warpgroup reduction of the pieces' element-wise sum. y goes back
+sum is the pieces' element-wise sum, reduced over the warpgroup once a piece
+shape (once for whole pieces, once more for each tail). y goes back
 piece by piece, with the scale and offset pieces loaded where they are used
 (a whole row of them would double the registers of a wide row). No shared
 memory but the reductions' scratch: the blocks resident on an SM hide each
@@ -91,12 +92,12 @@ class Piece(NamedTuple):
 
 def row_pieces(width: int, itemsize: int, start: int = 0) -> list[Piece]:
   """Columns ``[start, start + width)`` (`width` a multiple of `COLUMN_STEP`)
-  as `PIECE`-column pieces of one 16-byte vector a thread (two 8-element ones
-  for float32), then the rest in halving tail pieces, each with the widest
-  vector it divides into (3584 bf16 columns: three pieces of 8 elements a
-  thread, one of 512 columns of 4). The tails cost narrower loads and a
-  reduction of their own a row sum (`_row_sum`); the pieces' loads are what
-  the kernels issue."""
+  as `PIECE`-column pieces of 16-byte vectors (8 elements a thread of a 2-byte
+  dtype; two 4-element vectors for float32), then the rest in halving tail
+  pieces, each with the widest vector it divides into (3584 bf16 columns:
+  three pieces of 8 elements a thread, one of 512 columns of 4). A tail costs
+  narrower loads and stores and a warpgroup reduction of its own a row sum
+  (`_row_sum`)."""
   vector = 16 // itemsize
   pieces = [Piece(start + p * PIECE, PIECE, vector) for p in range(width // PIECE)]
   done, size = width // PIECE * PIECE, PIECE // 2
@@ -236,8 +237,8 @@ def _ring_kernel(*refs, d: int, per_block: int, rows: int, stages: int,
 
   def row_mean(slot, shift):
     """The row's mean of ``(x - shift)**2`` (``shift`` None: of x), summed
-    element-wise piece by piece (each piece dies as it is added), then once
-    across the warpgroup."""
+    element-wise piece by piece (each piece dies as it is added), then across
+    the warpgroup once a piece shape."""
     sums = {}
     for p in pieces:
       xp = _load_piece(x_smem.at[slot, p.cols], p.vector)
@@ -622,19 +623,27 @@ def _slot_bytes(args: tokamax.LayerNormArgs) -> int:
 
 
 def bwd_smem_bytes(args: tokamax.LayerNormArgs, config: LayerNormVjpConfig) -> int:
-  """A block's shared memory: its row slots, the offset's gradient sums where
-  they are kept there, with several warpgroups their row sums' exchange, and
-  the scale where it is copied there."""
-  slots = config.num_stages * _slot_bytes(args)
+  """A block's shared memory as Pallas lays it out: its row slots of x and of
+  dy, the offset's gradient sums where they are kept there, with several
+  warpgroups their row sums' exchange, the scale where it is copied there,
+  each placed at a multiple of 1 KiB, and Pallas' reduction scratch.
+  (`_common.SMEM_LIMIT` leaves room for the barriers.) Counted exactly:
+  rows in steps of 128 columns reach the limit closely (float32 14336
+  columns, a scale, two slots: 231,424 bytes of 231,424)."""
+  d = args.x.shape[1]
   nw = config.warpgroups
-  offset_sums = 4 * args.x.shape[1] if _offset_sums_in_smem(args, nw) else 0
-  # The exchange's two small buffers (`layer_norm_backward`), each rounded up
-  # to 1024 bytes as Pallas places scratch buffers.
-  exchange = 2 * 1024 if nw > 1 else 0
-  scale = 0
+  buffers = [config.num_stages * d * jnp.dtype(args.x.dtype).itemsize] * 2
+  if _offset_sums_in_smem(args, nw):
+    buffers.append(4 * d)
+  if nw > 1:
+    # The exchange's two small buffers (`layer_norm_backward`).
+    buffers += [2 * nw * 2 * 4, nw * 4 * 4]
   if config.scale_in_smem and args.scale is not None:
-    scale = args.x.shape[1] * jnp.dtype(args.scale.dtype).itemsize
-  return slots + offset_sums + exchange + scale
+    buffers.append(d * jnp.dtype(args.scale.dtype).itemsize)
+  # One warpgroup's row sums are Pallas reductions, with their scratch; several
+  # warpgroups reduce through their own (`_warpgroup_sum`).
+  reduction = _common.REDUCTION_SCRATCH if nw == 1 else 0
+  return sum(_common.placed_bytes(b) for b in buffers) + reduction
 
 
 def check_args(args: tokamax.LayerNormArgs) -> None:
