@@ -90,18 +90,22 @@ def test_backward_declines_only_where_it_measured_slower():
     assert "too few rows" in vjp.declines(with_params(4096, d))
 
 
-def test_forward_declines_only_untimed_widths():
+def test_forward_declines_only_rows_of_tails():
   # Its RMSNorm decline at 4096 rows of >= 8192 columns went with the auto
   # barriers (measured since: as fast or faster forward+backward).
   op = mln.MosaicGpuLayerNorm()
   for args in (_args(4096, 8192), _args(4096, 8192, subtract_mean=False),
                _args(4096, 16384, subtract_mean=False), _args(1024, 1024)):
     assert op.declines(args) is None
-  # Rows with tail pieces run, named, but `None` has no timing of them yet:
-  # both directions pass them on.
-  for d in (896, 3584):
-    assert "not yet timed" in op.declines(_args(8192, d))
-    assert "not yet timed" in mln.MosaicGpuLayerNormVjp().declines(_args(8192, d))
+  # Rows narrower than one whole piece run, named, but measured slower than
+  # Triton's: both directions pass them on. A tail after whole pieces: taken.
+  vjp = mln.MosaicGpuLayerNormVjp()
+  for d in (128, 640, 896):
+    assert "tail pieces only" in op.declines(_args(32768, d))
+    assert "tail pieces only" in vjp.declines(_args(32768, d))
+  for d in (1280, 3584, 14848):
+    assert op.declines(_args(32768, d)) is None
+    assert vjp.declines(_args(32768, d, subtract_mean=False)) is None
 
 
 @pytest.mark.parametrize("d,itemsize,want", [
