@@ -352,6 +352,32 @@ def test_attention_lengths_no_multiple_of_128_take_only_their_own_kind():
   assert nearest.tile_aligned("ragged_dot") is None
 
 
+def test_norm_widths_with_a_tail_take_only_their_own_kind():
+  """Past whole 1024-column pieces the Mosaic GPU norms run tail pieces and
+  Triton's pads its blocks (`nearest.TILE_ALIGNED`): a width of another kind
+  is no answer for them, however near; without data of their own they keep
+  the registry's order."""
+  def norm(r, d):
+    return (f"x=bfloat16[{r},{d}] scale=bfloat16[{d}] offset=bfloat16[{d}] "
+            "epsilon=1e-06 subtract_mean=True")
+  aligned = nearest.tile_aligned("layer_norm")
+  grid = [norm(8192, 4096), norm(8192, 2304)]
+  assert nearest.nearest(norm(8192, 3584), grid) == norm(8192, 4096)  # without the rule
+  assert nearest.nearest(norm(8192, 3584), grid, aligned=aligned) == norm(8192, 2304)
+  assert nearest.nearest(norm(8192, 3584), grid[:1], aligned=aligned) is None
+  assert nearest.nearest(norm(8192, 5120), grid, aligned=aligned) == norm(8192, 4096)
+  def call(d):
+    s = jax.ShapeDtypeStruct
+    return tokamax.LayerNormArgs(x=s((8192, d), jnp.bfloat16), scale=s((d,), jnp.bfloat16),
+                                 offset=s((d,), jnp.bfloat16))
+  result = results.AutotuningResult(
+      [results.Measurement("layer_norm", "backward", norm(8192, 4096), impl, None, ms)
+       for impl, ms in (("triton", 1.0), ("mosaic_gpu", 1.04))], device_kind="cpu")
+  assert result.measured_times("layer_norm", "backward", call(5120)) == {
+      "triton": 1.0, "mosaic_gpu": 1.04}
+  assert result.measured_times("layer_norm", "backward", call(3584)) == {}
+
+
 def test_attention_backward_off_a_power_of_two_of_key_blocks_takes_the_unaligned_kind():
   """Mosaic GPU's attention backward without causal masking at H128 (and MHA
   at H64) ranks as the grid's powers of two measure it only at a power of two
