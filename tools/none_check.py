@@ -75,6 +75,8 @@ OFF_GRID_NORM = [
     (8192, 5120, False), (8192, 5120, True), (16384, 2048, True),
     (65536, 3072, True), (12000, 4096, False), (2048, 12288, True),
     (3072, 4096, False), (3072, 1024, True),
+    # Widths past whole 1024-column pieces (their own kind in tuned data).
+    (8192, 2304, False), (16384, 4608, True),
 ]
 
 

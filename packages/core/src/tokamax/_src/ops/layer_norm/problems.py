@@ -55,9 +55,11 @@ def reference_problems() -> list[Problem]:
 
 def grid_problems() -> list[Problem]:
   """The shapes tuned data is measured on (`autotune --grid`): widths 1024-16384
-  at 2048, 4096 and 32768 rows, layer and RMS norm."""
+  at 2048, 4096 and 32768 rows, layer and RMS norm; and two widths past whole
+  1024-column pieces (1536 and 3584: Qwen2.5-1.5B's and -7B's), which tuned data
+  keeps to their own kind (`tuning.nearest.TILE_ALIGNED`)."""
   return [problem(rows, d, rms) for rms in (False, True) for rows in (2048, 4096, 32768)
-          for d in (1024, 4096, 8192, 16384)]
+          for d in (1024, 1536, 3584, 4096, 8192, 16384)]
 
 
 def quick_problems() -> list[Problem]:
