@@ -830,9 +830,10 @@ def _tails_only(args: tokamax.LayerNormArgs) -> str | None:
   LayerNorm 32768 x 896 forward 0.048 ms against Triton's 0.044 (both runs),
   forward+backward 0.131 against 0.116-0.117; RMSNorm 65536 x 896 1-2%
   behind; 16384 x 640 tied. Rows of whole pieces and a tail (1280-14848
-  columns, ten shapes) ran forward within 2.5% of Triton's or faster, and
-  forward+backward up to 1.14x faster (LayerNorm 16384 x 2304): `None` ranks
-  those by the tuned data as it ranks whole pieces."""
+  columns, twelve shapes) ran forward within 2.5% of Triton's or faster, and
+  forward+backward 1.0-1.39x as fast (RMSNorm 4096 x 14848: 0.222 against
+  0.308 ms): taken, and ranked by tuned data of their own kind
+  (`tuning.nearest.TILE_ALIGNED`)."""
   d = args.x.shape[1]
   if d < PIECE:
     return (f"{d} columns: tail pieces only; Triton's kernels were faster at 896 "
