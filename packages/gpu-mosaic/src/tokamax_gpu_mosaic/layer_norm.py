@@ -830,7 +830,7 @@ def _tails_only(args: tokamax.LayerNormArgs) -> str | None:
   LayerNorm 32768 x 896 forward 0.048 ms against Triton's 0.044 (both runs),
   forward+backward 0.131 against 0.116-0.117; RMSNorm 65536 x 896 1-2%
   behind; 16384 x 640 tied. Rows of whole pieces and a tail (1280-14848
-  columns, twelve shapes) ran forward within 2.5% of Triton's or faster, and
+  columns, twelve shapes) ran forward within 3% of Triton's or faster, and
   forward+backward 1.0-1.39x as fast (RMSNorm 4096 x 14848: 0.222 against
   0.308 ms): taken, and ranked by tuned data of their own kind
   (`tuning.nearest.TILE_ALIGNED`)."""

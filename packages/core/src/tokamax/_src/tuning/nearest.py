@@ -114,9 +114,9 @@ SAME_SIZE_FIRST = {("dot_product_attention", "forward"): (("query", -1),)}
 # measures multiples of 1024 only, where on the H100 Triton's backward ran up to
 # 4% ahead (LayerNorm 8192 x 4096); at 1280-14848 columns with a tail the
 # Mosaic GPU kernels ran forward+backward 1.0-1.39x as fast as Triton's, the
-# forward within 2.5% or faster (notes/MEASUREMENTS.md, session 103). With no grid points of
-# their own those widths keep the registry's order (Mosaic GPU first; it
-# declines rows under 1024 columns).
+# forward within 3% or faster (notes/MEASUREMENTS.md, session 103). With no
+# grid points of their own those widths keep the registry's order (Mosaic GPU
+# first; it declines rows under 1024 columns).
 TILE_ALIGNED = {"dot_product_attention": ((("query", 1), ("key", 1)), (128, 8)),
                 "layer_norm": ((("x", -1),), (1024,))}
 
