@@ -366,6 +366,8 @@ def test_norm_widths_with_a_tail_take_only_their_own_kind():
   assert nearest.nearest(norm(8192, 3584), grid, aligned=aligned) == norm(8192, 2304)
   assert nearest.nearest(norm(8192, 3584), grid[:1], aligned=aligned) is None
   assert nearest.nearest(norm(8192, 5120), grid, aligned=aligned) == norm(8192, 4096)
+  # A width no multiple of 128 (no Mosaic GPU kernel) is a third kind.
+  assert nearest.nearest(norm(8192, 3000), grid, aligned=aligned) is None
   def call(d):
     s = jax.ShapeDtypeStruct
     return tokamax.LayerNormArgs(x=s((8192, d), jnp.bfloat16), scale=s((d,), jnp.bfloat16),

@@ -108,17 +108,18 @@ SAME_SIZE_FIRST = {("dot_product_attention", "forward"): (("query", -1),)}
 #   0.212 at T1536 and cuDNN's 0.210. Lengths of that kind have no grid
 #   points: `None` takes the registry's order there (cuDNN first).
 #
-# The norms' width at 1024 (tokamax_gpu_mosaic's whole pieces, its
-# `layer_norm.PIECE`): past them the Mosaic GPU kernels run tail pieces of
-# narrower vectors, and Triton's pads its blocks to a power of two. The grid
-# measures multiples of 1024 only, where on the H100 Triton's backward ran up to
-# 4% ahead (LayerNorm 8192 x 4096); at 1280-14848 columns with a tail the
-# Mosaic GPU kernels ran forward+backward 1.0-1.39x as fast as Triton's, the
-# forward within 3% or faster (notes/MEASUREMENTS.md, session 103). With no
-# grid points of their own those widths keep the registry's order (Mosaic GPU
-# first; it declines rows under 1024 columns).
+# The norms' width at 1024 and 128 (tokamax_gpu_mosaic's whole pieces and its
+# narrowest tail, `layer_norm.PIECE` and `COLUMN_STEP`): past whole pieces the
+# Mosaic GPU kernels run tail pieces of narrower vectors, with a warpgroup
+# reduction each, and they refuse widths no multiple of 128. The grid's
+# multiples of 1024 do not answer for tails: there on the H100 Triton's
+# backward ran up to 4% ahead (LayerNorm 8192 x 4096), while at 1280-14848
+# columns with a tail the Mosaic GPU kernels ran forward+backward 1.0-1.39x
+# as fast as Triton's, the forward within 3% or faster (notes/MEASUREMENTS.md,
+# session 103). With no grid points of their own those widths keep the
+# registry's order (Mosaic GPU first; it declines rows under 1024 columns).
 TILE_ALIGNED = {"dot_product_attention": ((("query", 1), ("key", 1)), (128, 8)),
-                "layer_norm": ((("x", -1),), (1024,))}
+                "layer_norm": ((("x", -1),), (1024, 128))}
 
 
 # Calls whose backward ranks otherwise where the number of tiles in a length is
