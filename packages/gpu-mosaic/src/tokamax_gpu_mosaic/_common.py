@@ -43,7 +43,9 @@ REDUCTION_SCRATCH = 2048
 
 def placed_bytes(nbytes: int) -> int:
   """The shared memory a scratch buffer of `nbytes` takes as Pallas places it."""
-  return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
+  return cdiv(nbytes, SMEM_ALIGNMENT) * SMEM_ALIGNMENT
+
+
 H100_SMS = 132  # H100/H200 SXM; used only when the device can't be asked.
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

@@ -113,7 +113,7 @@ SAME_SIZE_FIRST = {("dot_product_attention", "forward"): (("query", -1),)}
 # Mosaic GPU kernels run tail pieces of narrower vectors, with a warpgroup
 # reduction each, and they refuse widths no multiple of 128. The grid's
 # multiples of 1024 do not answer for tails: there on the H100 Triton's
-# backward ran up to 4% ahead (LayerNorm 8192 x 4096), while at 1280-14848
+# backward ran ahead (LayerNorm 8192 x 4096: 4%), while at 1280-14848
 # columns with a tail the Mosaic GPU kernels ran forward+backward 1.0-1.39x
 # as fast as Triton's, the forward within 3% or faster (notes/MEASUREMENTS.md,
 # session 103). With no grid points of their own those widths keep the
