@@ -37,7 +37,7 @@ declare -A PART=(
   [attn-8k]="400|$G --op dot_product_attention --shape 'B8 T1024' --shape 'B2 T4096' --skip xla --skip xla_chunked"
   [attn-unaligned]="560|$G --op dot_product_attention --shape 'B32 T1000 ' --shape 'B8 T4000 ' --shape 'B2 T15000 ' --skip xla --skip xla_chunked"
   [attn-unaligned-8k]="400|$G --op dot_product_attention --shape 'B8 T1000 ' --shape 'B2 T4000 ' --skip xla --skip xla_chunked"
-  [norms]="300|$G --op layer_norm"  # 36 shapes (24 until session 103: 200 s)
+  [norms]="200|$G --op layer_norm"  # 24 shapes
   [glu]="200|$G --op gated_linear_unit"
   [ragged]="420|$G --op ragged_dot --skip xla"
 )
