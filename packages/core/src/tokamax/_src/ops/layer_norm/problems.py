@@ -54,8 +54,8 @@ def reference_problems() -> list[Problem]:
 
 
 def grid_problems() -> list[Problem]:
-  """The shapes tuned data is measured on (`autotune --grid`): widths 1024-16384
-  at 2048, 4096 and 32768 rows, layer and RMS norm.
+  """The shapes tuned data is measured on (`autotune --grid`): widths 1024, 4096,
+  8192 and 16384 at 2048, 4096 and 32768 rows, layer and RMS norm.
 
   No width past whole 1024-column pieces (1536, 2304, 3584, ...): tuned data
   keeps those to their own kind (`tuning.nearest.TILE_ALIGNED`), so without
