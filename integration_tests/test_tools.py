@@ -983,3 +983,33 @@ def test_grid_check_other_kinds_predicts_each_call_from_the_other_head_sharing()
   # GQA B2 from the MHA calls, equally near in the largest distance: MHA B2,
   # nearer in total.
   assert rows[(gqa2, "step")][5] == mha2
+
+
+def test_grid_check_pick_answers_from_the_nearest_call_of_its_kind():
+  """`--pick`: a norm call between grid calls takes the nearest one's fastest,
+  per direction; a width with a tail past whole 1024-column pieces has no call
+  of its kind here and takes the registry's first (`nearest.TILE_ALIGNED`)."""
+  def key(rows, d):
+    return (f"x=bfloat16[{rows},{d}] scale=bfloat16[{d}] epsilon=1e-06 "
+            "subtract_mean=False")
+  op = "layer_norm"
+  by = {(op, key(4096, 4096)): {"forward": {"mosaic_gpu": 1.0, "triton": 0.9},
+                                "backward": {"mosaic_gpu": 1.0, "triton": 1.1},
+                                "step": {"mosaic_gpu": 2.0, "triton": 2.0}}}
+  rows = {r[0]: r[1:] for r in grid_check.pick(by, op, key(8192, 4096))}
+  assert rows["forward"] == ("triton", key(4096, 4096))
+  assert rows["backward"] == ("mosaic_gpu", key(4096, 4096))
+  registry_first = next(s.name for s in grid_check.tokamax.implementations()
+                        if s.op == op)
+  for direction, chosen, source in grid_check.pick(by, op, key(8192, 4608)):
+    assert chosen == registry_first, direction
+    assert source.startswith("registry order"), direction
+
+
+def test_grid_check_pick_names_the_ops_it_has():
+  done = subprocess.run(
+      [sys.executable, str(_TOOLS / "grid_check.py"), "--device",
+       "nvidia_h100_80gb_hbm3", "--pick", "nosuch", "x=1"],
+      cwd=_TOOLS, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 2, done.stderr[-2000:]
+  assert "--pick nosuch: no tuned data of that op for nvidia_h100_80gb_hbm3; it has" in done.stderr

@@ -1,6 +1,7 @@
 """How well the nearest-grid-point rule picks implementations: measured, on the CPU.
 
     python tools/grid_check.py [--device nvidia_h200] [--baseline PATH]
+    python tools/grid_check.py --device nvidia_h200 --pick OP 'ARGS KEY' [--pick ...]
 
 Reads the tuned data shipped for the device (every backend package's
 ``tuned/<device>/*.json``, merged as dispatch merges them) and reports, per op and
@@ -22,7 +23,13 @@ pays where a forward's residuals tie it to its backward):
   no point within the radius, against the registry's order there;
 - with ``--baseline``: each bench row's shape (off the grid) as the rule would
   choose from the grid alone, against the fastest tokamax implementation that
-  baseline measured there (its "tokamax <impl>" rows; same device kind).
+  baseline measured there (its "tokamax <impl>" rows; same device kind);
+- with ``--pick OP KEY`` (instead of the reports): what the rule takes for one
+  call off or on the grid, per direction, from all the grid's calls, and which
+  grid calls it answered from. KEY is the call's args key as tuned data
+  writes it (e.g. ``'x=bfloat16[8192,4608] scale=bfloat16[4608]
+  epsilon=1e-06 subtract_mean=False'``). Only the tuned-data step of dispatch:
+  an implementation that refuses or declines the call is passed over there.
 
 "Regret" is the chosen implementation's time over the fastest one's, minus 1;
 rows above 3% are listed. Nothing runs on an accelerator.
@@ -117,6 +124,16 @@ def _choice(op: str, key: str, others: list[str], by: dict, direction: str,
   if grid is None:
     return _registry_first(op, times), "registry order: no grid point of its kind within the radius"
   return (_pick(grid) if grid else None), near
+
+
+def pick(by: dict, op: str, key: str) -> list[tuple]:
+  """Rows of (direction, chosen, source) for one call of `op`: as `_choice`
+  answers from every grid call of the op (the call itself included, if it is
+  one), and the registry's first where no grid call is within the radius."""
+  grid = [k for (o, k) in by if o == op]
+  registered = {s.name: 0.0 for s in tokamax.implementations() if s.op == op}
+  return [(direction, *_choice(op, key, grid, by, direction, registered))
+          for direction in _DIRECTIONS]
 
 
 def leave_one_out(by: dict) -> list[tuple]:
@@ -237,6 +254,8 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--device", default="nvidia_h200")
   parser.add_argument("--baseline", help="a bench --json file of the same device kind")
+  parser.add_argument("--pick", nargs=2, action="append", metavar=("OP", "KEY"),
+                      help="only print what the rule takes for this call (repeatable)")
   args = parser.parse_args()
   shipped = _shipped(args.device)
   if not shipped.measurements:
@@ -253,6 +272,16 @@ def main() -> None:
       parser.error(f"--baseline {args.baseline} is from {kind}; --device is "
                    f"{args.device}")
   by = _times(shipped)
+  if args.pick:
+    ops = {o for o, _ in by}
+    for op, key in args.pick:
+      if op not in ops:
+        parser.error(f"--pick {op}: no tuned data of that op for {args.device}; "
+                     f"it has {', '.join(sorted(ops))}")
+      print(f"{op} {key}")
+      for direction, chosen, source in pick(by, op, key):
+        print(f"  {direction}: {chosen} (from {source})")
+    return
   _report("leave one out (grid calls predicted from the other grid calls)",
           leave_one_out(by))
   _report_other_kind(other_kind_only(by))
