@@ -1006,10 +1006,17 @@ def test_grid_check_pick_answers_from_the_nearest_call_of_its_kind():
     assert source.startswith("registry order"), direction
 
 
-def test_grid_check_pick_names_the_ops_it_has():
+@pytest.mark.parametrize("op,key,says", [
+    ("nosuch", "x=bfloat16[8,4]",
+     "--pick nosuch: no tuned data of that op for nvidia_h100_80gb_hbm3; it has"),
+    # A key no call of the op has would fall to the registry's order unnoticed.
+    ("layer_norm", "query=bfloat16[8,4]",
+     "--pick layer_norm 'query=bfloat16[8,4]': not an args key of layer_norm"),
+])
+def test_grid_check_pick_refuses_what_it_cannot_answer(op, key, says):
   done = subprocess.run(
       [sys.executable, str(_TOOLS / "grid_check.py"), "--device",
-       "nvidia_h100_80gb_hbm3", "--pick", "nosuch", "x=1"],
+       "nvidia_h100_80gb_hbm3", "--pick", op, key],
       cwd=_TOOLS, capture_output=True, text=True, timeout=300)
   assert done.returncode == 2, done.stderr[-2000:]
-  assert "--pick nosuch: no tuned data of that op for nvidia_h100_80gb_hbm3; it has" in done.stderr
+  assert says in done.stderr
