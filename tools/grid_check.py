@@ -126,12 +126,6 @@ def _choice(op: str, key: str, others: list[str], by: dict, direction: str,
   return (_pick(grid) if grid else None), near
 
 
-def _fields(key: str) -> list[str]:
-  """An args key's field names, in order ("x=bfloat16[8, 4] eps=1e-06" ->
-  ["x", "eps"])."""
-  return [word.split("=")[0] for word in key.split() if "=" in word]
-
-
 def pick(by: dict, op: str, key: str) -> list[tuple]:
   """Rows of (direction, chosen, source) for one call of `op`: as `_choice`
   answers from every grid call of the op (the call itself included, if it is
@@ -284,9 +278,10 @@ def main() -> None:
       if op not in ops:
         parser.error(f"--pick {op}: no tuned data of that op for {args.device}; "
                      f"it has {', '.join(sorted(ops))}")
-      known = {_fields(k)[0] for (o, k) in by if o == op}
-      # Its first field names the grid calls' first operand, with a shape.
-      if not _fields(key) or _fields(key)[0] not in known or "[" not in key.split()[0]:
+      # Its first field is the grid calls' first operand: name, dtype, rank.
+      known = {nearest.parse(k)[0][0] for (o, k) in by if o == op}
+      kind = nearest.parse(key)[0]
+      if not kind or kind[0] not in known:
         example = next(k for (o, k) in by if o == op)
         parser.error(f"--pick {op} {key!r}: not an args key of {op} (one of its "
                      f"grid calls: {example!r})")
