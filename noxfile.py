@@ -107,10 +107,25 @@ def demo(session):
   session.run("python", "-m", "tokamax", "demo")
 
 
-def _test_env(*flags):
-  """The environment of a pytest run: XLA_FLAGS with TEST_XLA_FLAGS and `flags` added."""
+def _test_env(session, *flags):
+  """The environment of a pytest run: XLA_FLAGS with TEST_XLA_FLAGS and `flags` added,
+  and JAX's persistent compilation cache in the session's folder (unless the caller
+  names one).
+
+  The cache is keyed by the compiled program (its HLO, compile options, JAX and
+  backend versions), so it only ever returns what compiling again would give; the
+  tests compile many identical programs (the references and input draws at the same
+  shapes, in differently built functions that jit's in-process cache never matches),
+  and from an empty cache a run took 8-22% less time (notes/MEASUREMENTS.md,
+  session 105). Every entry is kept, however quick its compile.
+  """
+  cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(
+      pathlib.Path(session.create_tmp()).resolve() / "jax_cache")
   return {"XLA_FLAGS": " ".join([os.environ.get("XLA_FLAGS", ""), *TEST_XLA_FLAGS,
-                                 *flags]).strip()}
+                                 *flags]).strip(),
+          "JAX_COMPILATION_CACHE_DIR": cache,
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def _ruff(session):
@@ -138,12 +153,12 @@ def tests(session):
               *[f"packages/{p}/tests" for p in PACKAGES if p != "core"],
               "integration_tests", BACKEND_SMOKE,
               # The example plugin's own CI tests run in install_test, from its wheel.
-              "--ignore=integration_tests/plugins", *session.posargs, env=_test_env())
+              "--ignore=integration_tests/plugins", *session.posargs, env=_test_env(session))
   # 8 virtual CPU devices: XLA_FLAGS must be set before JAX starts, hence a
   # pytest process of its own (its workers each see the 8 devices).
   session.run("python", "-m", "pytest", "-n", workers, "-m", "not slow and not gpu",
               "packages/core/tests/multidevice", *session.posargs,
-              env=_test_env("--xla_force_host_platform_device_count=8"))
+              env=_test_env(session, "--xla_force_host_platform_device_count=8"))
 
 
 def _find_python(version):
@@ -171,7 +186,7 @@ def tests_jax_newest(session):
   workers = os.environ.get("TOKAMAX_TEST_WORKERS", "auto")
   session.run("python", "-m", "pytest", "-n", workers, "-m", "not slow and not gpu",
               *JAX_NEWEST_TESTS, "--ignore=packages/core/tests/multidevice",
-              *session.posargs, env=_test_env())
+              *session.posargs, env=_test_env(session))
 
 
 @nox.session
