@@ -220,7 +220,25 @@ def require_env_read(env: dict[str, str], differed: list[bool]) -> None:
 
 
 def _same_program(a: benchmarking.Contender, b: benchmarking.Contender) -> bool:
-  return a.run.compiled.as_text() == b.run.compiled.as_text()
+  return _program_text(a.run.compiled) == _program_text(b.run.compiled)
+
+
+# The compiled HLO's debug information: its tables of source files, functions,
+# locations and stack frames (lines "FileNames", "1 "file.py"", ...), and each
+# instruction's `metadata={...}`, which indexes them.
+_DEBUG_TABLE_LINE = re.compile(r"(FileNames|FunctionNames|FileLocations|StackFrames|\d+ .*)$")
+_METADATA = re.compile(r", metadata=\{[^{}]*\}")
+
+
+def _program_text(compiled) -> str:
+  """The compiled program's HLO without its debug information. An executable
+  from JAX's persistent compilation cache lists the same tables in another order
+  than a fresh compile of the same program (and carries the source locations of
+  whichever call compiled it first), so two sides of one program would compare
+  unequal with it (an A/A run read as an A/B)."""
+  lines = compiled.as_text().splitlines()
+  return "\n".join(_METADATA.sub("", line) for line in lines
+                   if not _DEBUG_TABLE_LINE.match(line))
 
 
 def problem_builders(problem: Problem, implementation: str, directions) -> dict:
