@@ -289,6 +289,31 @@ def test_tune_ab_says_when_the_fields_change_nothing(capsys):
   assert "heuristic / other" in out and "A/A" not in out
 
 
+def test_tune_same_program_ignores_debug_tables_and_metadata():
+  """`tune._program_text`: one program whose debug tables come in another order
+  and whose instructions point at other source lines (as an executable from JAX's
+  persistent compilation cache is listed) reads as the same program; another
+  instruction does not."""
+  class Compiled:
+    def __init__(self, text):
+      self.text = text
+
+    def as_text(self):
+      return self.text
+
+  def program(tables, line, op="multiply"):
+    return "\n".join([
+        "HloModule jit_f, is_scheduled=true", "", "FileNames", *tables, "",
+        "ENTRY %main (x: f32[8]) -> f32[8] {",
+        f"  ROOT %y = f32[8]{{0}} {op}(%x, %x), metadata={{op_name=\"jit(f)/mul\" "
+        f"source_file=\"t.py\" source_line={line}}}", "}"])
+  fresh = Compiled(program(['1 "t.py"', '2 "u.py"'], 3))
+  cached = Compiled(program(['1 "u.py"', '2 "t.py"'], 7))
+  other = Compiled(program(['1 "t.py"', '2 "u.py"'], 3, op="add"))
+  assert tune._program_text(fresh) == tune._program_text(cached)
+  assert tune._program_text(fresh) != tune._program_text(other)
+
+
 def test_tune_ab_backward_side_leaves_the_forward_untimed(capsys):
   # The forward runs no backward, so its two sides are one program: skipped,
   # rather than stopping with "no Op's config has these fields".
